@@ -1,0 +1,167 @@
+"""All knowledge about transformers versions lives here.
+
+mmfast pins ``transformers>=5.22,<5.24`` (tested: 5.22.2 and 5.23.0). Behaviour that hooks rely on and
+that changed inside 5.x:
+
+- ``DynamicCache.crop(n)``: 5.0 took a target length; 5.22+ take ``-tokens_to_remove`` only.
+- ``forward(..., mm_encoder_outputs=...)`` and ``get_image_features(...).pooler_output`` as a list of
+  per-image tensors (5.x; 4.x returned one tensor).
+- Model forwards no longer take ``cache_position``; positions derive from the cache length.
+- A 4-D ``attention_mask`` is passed through the mask factory unchanged (``masking_utils``), which is
+  how mmfast feeds per-layer masks after pruning and tree masks for speculative verification.
+- An attention implementation name missing from ``AttentionMaskInterface`` gets no mask at all, so the
+  probe registers its mask function next to its attention function.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+logger = logging.getLogger(__name__)
+
+TRANSFORMERS_MIN = "5.22"
+TRANSFORMERS_MAX_EXCLUSIVE = "5.24"
+TESTED_VERSIONS = ("5.22.2", "5.23.0")
+
+_version = Version(transformers.__version__)
+if not (Version(TRANSFORMERS_MIN) <= _version < Version(TRANSFORMERS_MAX_EXCLUSIVE)):
+    logger.warning(
+        "mmfast is tested with transformers %s..%s (exclusive); found %s. Hooks may break: "
+        "pip install 'transformers>=%s,<%s'",
+        TRANSFORMERS_MIN,
+        TRANSFORMERS_MAX_EXCLUSIVE,
+        transformers.__version__,
+        TRANSFORMERS_MIN,
+        TRANSFORMERS_MAX_EXCLUSIVE,
+    )
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that change numbers, for run protocols."""
+    import accelerate
+    import tokenizers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "accelerate": accelerate.__version__,
+    }
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def new_cache(config) -> DynamicCache:
+    """An empty dynamic cache laid out for ``config``'s text model."""
+    return DynamicCache(config=config)
+
+
+def cache_layers(cache: DynamicCache) -> list:
+    """The per-layer cache objects; each has ``.keys`` / ``.values`` shaped [B, Hkv, T, D]."""
+    return cache.layers
+
+
+def crop_last(cache: DynamicCache, n: int) -> None:
+    """Remove the last ``n`` slots from every layer of ``cache`` (no-op for n == 0)."""
+    if n > 0:
+        cache.crop(-n)
+
+
+def layer_length(cache: DynamicCache, layer_idx: int) -> int:
+    layer = cache.layers[layer_idx]
+    if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
+        return 0
+    return int(layer.keys.shape[-2])
+
+
+def set_layer_kv(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Replace one layer's cached K/V ([B, Hkv, T, D]) in place."""
+    layer = cache.layers[layer_idx]
+    layer.keys = keys
+    layer.values = values
+
+
+def clone_cache(cache: DynamicCache) -> DynamicCache:
+    """A deep copy whose tensors can be mutated independently (beam candidates, branches)."""
+    import copy
+
+    return copy.deepcopy(cache)
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes held by the cache tensors, as stored (quantised layers report their packed size)."""
+    total = 0
+    for layer in cache.layers:
+        nbytes = getattr(layer, "stored_nbytes", None)
+        if callable(nbytes):
+            total += int(nbytes())
+            continue
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# --------------------------------------------------------------------------- attention
+
+#: Attention implementations that the probe wraps get this prefix ("mmfast_probe_sdpa").
+PROBE_PREFIX = "mmfast_probe_"
+
+
+def register_attention(name: str, fn: Callable, mask_like: str) -> None:
+    """Register an attention function and the mask function of ``mask_like`` under ``name``."""
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_like])
+
+
+def attention_function(name: str) -> Callable:
+    """The attention callable registered under ``name`` (``eager`` is the modeling file's own)."""
+    if name == "eager":
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def get_attn_implementation(model) -> dict[str, str]:
+    """The attention implementation of the top config and of each sub-config, by sub-config key."""
+    impl = {"": model.config._attn_implementation}
+    for key in model.config.sub_configs:
+        sub = getattr(model.config, key, None)
+        if sub is not None:
+            impl[key] = sub._attn_implementation
+    return impl
+
+
+def set_attn_implementation(model, impl: dict[str, str]) -> None:
+    """Set per-sub-config attention implementations (the inverse of :func:`get_attn_implementation`)."""
+    model.set_attn_implementation(dict(impl))
+
+
+def bool_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, Q, K] bool (True = attend) -> additive float mask for eager attention."""
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def format_mask(mask: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a [B, 1, Q, K] bool mask into what attention implementation ``impl`` expects."""
+    base = impl.removeprefix(PROBE_PREFIX)
+    if base == "eager":
+        return bool_to_additive(mask, dtype)
+    if base == "sdpa":
+        return mask
+    raise NotImplementedError(
+        f"attention implementation {impl!r} is not supported by mmfast's per-layer masks; "
+        "load the model with attn_implementation='sdpa' or 'eager'"
+    )

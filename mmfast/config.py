@@ -1,0 +1,487 @@
+"""Strict recipes: YAML -> frozen dataclasses.
+
+The loader builds nested dataclasses from their type hints and refuses anything it does not know:
+unknown keys fail with the dotted path and a did-you-mean suggestion, wrong types and out-of-range
+values fail with the key and the allowed range. Each method owns its ``Config`` dataclass (with the
+paper's defaults); the recipe's ``method:`` key picks which one validates ``params:``.
+
+Ranges are declared on fields with :func:`opt`::
+
+    @dataclass(frozen=True)
+    class Config:
+        ratio: float = opt(0.5, lo=0.0, hi=1.0, doc="fraction of image tokens dropped")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from .errors import ConfigError, InputError
+
+_MISSING = dataclasses.MISSING
+
+
+def opt(default: Any = _MISSING, *, lo: float | None = None, hi: float | None = None, doc: str = "", factory=None):
+    """A dataclass field with an allowed range (inclusive) and a one-line description."""
+    meta = {"lo": lo, "hi": hi, "doc": doc}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- generic strict loader
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Convert ``value`` to type ``tp`` or raise ConfigError naming ``path``."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(path, f"{value!r} is not allowed{hint} (allowed: {', '.join(map(repr, allowed))})")
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(path, f"must not be null (expected {_type_name(tp)})")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {value!r}")
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {type(value).__name__} {value!r}")
+        item_tp = args[0] if args else Any
+        return tuple(_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp) or (str, Any)
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {type(value).__name__}")
+        return {_convert(k, key_tp, path): _convert(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(path, f"unsupported field type {tp!r} (mmfast bug)")
+
+
+def _check_range(value: Any, f: dataclasses.Field, path: str) -> None:
+    lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
+    if value is None or (lo is None and hi is None):
+        return
+    items = value if isinstance(value, tuple) else (value,)
+    for v in items:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+                raise ConfigError(path, f"{v!r} is out of range; allowed {rng}")
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, strictly. ``path`` is the dotted prefix for errors."""
+    hook = getattr(cls, "_from_recipe", None)
+    if hook is not None:
+        return hook(data, path)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls))}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(sorted(fields))}"
+            raise ConfigError(_join(path, str(key)), f"unknown key; {hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        sub = _join(path, name)
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], sub)
+            _check_range(kwargs[name], f, sub)
+        elif f.default is _MISSING and f.default_factory is _MISSING:  # type: ignore[misc]
+            raise ConfigError(sub, "is required")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(path or cls.__name__, str(exc)) from None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def to_dict(obj: Any) -> Any:
+    """Canonical plain-data dump of a (nested) config."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        dump = getattr(obj, "_to_recipe", None)
+        if dump is not None:
+            return dump()
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def describe_fields(cls: type) -> list[tuple[str, Any, str]]:
+    """(name, default, doc) for each field of a config dataclass: used by ``mmfast list -v``."""
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not _MISSING else (f.default_factory() if f.default_factory is not _MISSING else None)  # type: ignore[misc]
+        out.append((f.name, default, f.metadata.get("doc", "")))
+    return out
+
+
+# --------------------------------------------------------------------------- recipe sections
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """``{method: name, params: {...}}`` validated against the method's own ``Config``."""
+
+    kind: str
+    method: str
+    params: Any
+
+    @classmethod
+    def build(cls, kind: str, data: Any, path: str) -> MethodSpec:
+        from .registry import REGISTRIES
+
+        if isinstance(data, str):
+            data = {"method": data}
+        if not isinstance(data, dict):
+            raise ConfigError(path, "expected a mapping like {method: NAME, params: {...}}")
+        for key in data:
+            if key not in ("method", "params"):
+                close = difflib.get_close_matches(str(key), ["method", "params"], n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "allowed keys: method, params"
+                raise ConfigError(_join(path, str(key)), f"unknown key; {hint}")
+        if "method" not in data:
+            raise ConfigError(_join(path, "method"), "is required")
+        name = _convert(data["method"], str, _join(path, "method"))
+        registry = REGISTRIES[kind]
+        try:
+            entry = registry.get(name)
+        except Exception as exc:
+            raise ConfigError(_join(path, "method"), str(exc)) from None
+        params = from_dict(entry.config_cls, data.get("params") or {}, _join(path, "params")) if entry.config_cls else None
+        return cls(kind, name, params)
+
+    def _to_recipe(self) -> dict:
+        return {"method": self.method, "params": to_dict(self.params) if self.params is not None else {}}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = opt("mmfast/tiny-world", doc="local directory, hub id, or an embedded model name")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt("float32", doc="weights/compute dtype")
+    device: str = opt("auto", doc="auto | cpu | cuda | cuda:N (ignored with device_map)")
+    device_map: str | None = opt(None, doc="passed to from_pretrained, e.g. 'auto' for multi-GPU placement")
+    attn_implementation: Literal["sdpa", "eager"] = opt("sdpa", doc="attention kernels; scores come from the probe")
+    revision: str | None = opt(None, doc="hub revision")
+    offload_folder: str | None = opt(None, doc="disk offload folder for device_map placement")
+    max_memory: dict[str, str] | None = opt(None, doc="per-device memory caps for device_map, e.g. {0: 20GiB}")
+
+
+@dataclass(frozen=True)
+class DecodingConfig:
+    method: str = "greedy"
+    params: Any = None
+    max_new_tokens: int = opt(64, lo=1, hi=8192, doc="tokens generated per answer")
+    seed: int = opt(0, lo=0, doc="seed for sampling-based decoders and random transforms")
+
+    @classmethod
+    def _from_recipe(cls, data: Any, path: str) -> DecodingConfig:
+        data = dict(data or {})
+        extra = {k: data.pop(k) for k in ("max_new_tokens", "seed") if k in data}
+        spec = MethodSpec.build("decoding", {"method": data.pop("method", "greedy"), **data}, path)
+        base = from_dict(_DecodingScalars, extra, path)
+        return cls(spec.method, spec.params, base.max_new_tokens, base.seed)
+
+    def _to_recipe(self) -> dict:
+        return {
+            "method": self.method,
+            "params": to_dict(self.params) if self.params is not None else {},
+            "max_new_tokens": self.max_new_tokens,
+            "seed": self.seed,
+        }
+
+
+@dataclass(frozen=True)
+class _DecodingScalars:
+    max_new_tokens: int = opt(64, lo=1, hi=8192)
+    seed: int = opt(0, lo=0)
+
+
+@dataclass(frozen=True)
+class PopeTaskConfig:
+    splits: tuple[Literal["random", "popular", "adversarial"], ...] = ("random", "popular", "adversarial")
+    files: dict[str, str] = opt(factory=dict, doc="split -> question file; default from data root")
+    prompt: str = opt("{question}", doc="'{question}' is replaced by the POPE question")
+    parser: Literal["pope", "opera", "vcd", "lmms"] = "pope"
+    max_new_tokens: int = opt(16, lo=1, hi=1024)
+    strict_version: bool = opt(False, doc="refuse question files whose checksum is not a known release")
+
+
+@dataclass(frozen=True)
+class ChairTaskConfig:
+    n_images: int = opt(500, lo=1)
+    seed: int = opt(0, lo=0)
+    prompt: str = "Please describe this image in detail."
+    max_new_tokens: int = opt(512, lo=1, hi=8192)
+    image_ids_file: str | None = opt(None, doc="fixed list of image ids (one per line), instead of sampling")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: Literal["world", "coco"] = opt("world", doc="the embedded world or real COCO val2014")
+    root: str | None = opt(None, doc="world dir or COCO root; coco defaults to $MMFAST_COCO_ROOT")
+    world_seed: int = opt(0, lo=0)
+    image_dir: str | None = None
+    instances: tuple[str, ...] = ()
+    captions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    tasks: tuple[Literal["pope", "chair"], ...] = ()
+    data: DataConfig = opt(factory=DataConfig)
+    pope: PopeTaskConfig = opt(factory=PopeTaskConfig)
+    chair: ChairTaskConfig = opt(factory=ChairTaskConfig)
+    batch_size: int = opt(1, lo=1, hi=256)
+    limit: int | None = opt(None, lo=1, doc="samples per task/split (smoke runs)")
+    max_failures: float = opt(0.05, lo=0.0, hi=1.0, doc="abort when this fraction of samples fail")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    kind: Literal["none", "pruning", "decoding", "speculative", "speed"] = "none"
+    compare: tuple[Any, ...] = opt((), doc="method variants run against the baseline in the same process")
+    n_samples: int = opt(32, lo=1)
+    warmup: int = opt(1, lo=0)
+    repeats: int = opt(3, lo=1)
+    shape: str | None = opt(None, doc="random-weight model shape for timings, e.g. llava-1.5-7b-shaped")
+    params: dict[str, Any] = opt(factory=dict, doc="benchmark-specific settings")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = opt("runs/{name}", doc="output directory; {name} is the recipe name")
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A whole run: model, pruning stages, speculative drafter, decoder, evaluation, benchmark, output."""
+
+    name: str = "recipe"
+    description: str = ""
+    model: ModelConfig = opt(factory=ModelConfig)
+    pruning: tuple[MethodSpec, ...] = ()
+    speculative: MethodSpec | None = None
+    decoding: DecodingConfig = opt(factory=DecodingConfig)
+    eval: EvalConfig = opt(factory=EvalConfig)
+    bench: BenchConfig = opt(factory=BenchConfig)
+    output: OutputConfig = opt(factory=OutputConfig)
+
+    @classmethod
+    def _from_recipe(cls, data: Any, path: str) -> Recipe:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(path, "a recipe must be a mapping with sections model, pruning, decoding, ...")
+        data = dict(data)
+        pruning = data.pop("pruning", None) or []
+        speculative = data.pop("speculative", None)
+        if isinstance(pruning, dict):
+            pruning = [pruning]
+        if not isinstance(pruning, list):
+            raise ConfigError("pruning", "expected a list of stages like [{method: fastv, params: {...}}]")
+        stages = tuple(MethodSpec.build("pruning", st, f"pruning[{i}]") for i, st in enumerate(pruning))
+        spec = MethodSpec.build("speculative", speculative, "speculative") if speculative else None
+        base = from_dict(_RecipeScalars, data, path)
+        recipe = cls(
+            base.name, base.description, base.model, stages, spec, base.decoding, base.eval, base.bench, base.output
+        )
+        check_compatible(recipe)
+        return recipe
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "model": to_dict(self.model),
+            "pruning": [s._to_recipe() for s in self.pruning],
+            "speculative": self.speculative._to_recipe() if self.speculative else None,
+            "decoding": self.decoding._to_recipe(),
+            "eval": to_dict(self.eval),
+            "bench": to_dict(self.bench),
+            "output": to_dict(self.output),
+        }
+
+    def hash(self) -> str:
+        """sha256 of the canonical resolved recipe (written into every output)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> Recipe:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class _RecipeScalars:
+    name: str = "recipe"
+    description: str = ""
+    model: ModelConfig = opt(factory=ModelConfig)
+    decoding: DecodingConfig = opt(factory=DecodingConfig)
+    eval: EvalConfig = opt(factory=EvalConfig)
+    bench: BenchConfig = opt(factory=BenchConfig)
+    output: OutputConfig = opt(factory=OutputConfig)
+
+
+# --------------------------------------------------------------------------- compatibility
+
+
+def check_compatible(recipe: Recipe) -> None:
+    """Refuse combinations that cannot run together, before any model is loaded."""
+    from .errors import IncompatibleRecipeError
+    from .registry import DECODERS, DRAFTERS
+
+    decoder = DECODERS.get(recipe.decoding.method).cls
+    if recipe.speculative is not None:
+        drafter = DRAFTERS.get(recipe.speculative.method).cls
+        if not getattr(decoder, "supports_speculative", False):
+            raise IncompatibleRecipeError(
+                f"decoding.method {recipe.decoding.method!r} cannot be combined with speculative drafting "
+                f"({recipe.speculative.method!r}): {getattr(decoder, 'speculative_conflict', 'it owns its own search loop')}. "
+                "Use decoding.method 'greedy' or 'sample' with a drafter, or remove the speculative section."
+            )
+        problem = getattr(drafter, "check_decoder", lambda spec: None)(recipe.decoding)
+        if problem:
+            raise IncompatibleRecipeError(problem)
+    for i, stage in enumerate(recipe.pruning):
+        from .registry import PRUNERS
+
+        cls = PRUNERS.get(stage.method).cls
+        problem = cls.check_recipe(recipe, i) if hasattr(cls, "check_recipe") else None
+        if problem:
+            raise IncompatibleRecipeError(f"pruning[{i}] ({stage.method}): {problem}")
+    problem = decoder.check_recipe(recipe) if hasattr(decoder, "check_recipe") else None
+    if problem:
+        raise IncompatibleRecipeError(f"decoding ({recipe.decoding.method}): {problem}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _apply_override(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = value
+
+
+def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = None) -> Recipe:
+    """Load and validate a recipe from a YAML file, a package recipe name, or a mapping.
+
+    ``overrides`` are ``dotted.key=yaml_value`` strings applied before validation.
+    """
+    label = "<dict>"
+    if isinstance(source, dict):
+        data = dict(source)
+    else:
+        path = resolve_recipe_path(source)
+        label = str(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise InputError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise InputError(f"{path}: a recipe must be a YAML mapping")
+        data.setdefault("name", path.stem)
+    for item in overrides or []:
+        if "=" not in item:
+            raise InputError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        _apply_override(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return from_dict(Recipe, data, "")
+    except ConfigError as exc:
+        if exc.source is None and label != "<dict>":
+            raise ConfigError(exc.path, exc.detail, source=label) from None
+        raise
+
+
+def resolve_recipe_path(source: str | os.PathLike) -> Path:
+    path = Path(source)
+    if path.is_file():
+        return path
+    for root in (Path.cwd() / "configs", Path(__file__).resolve().parent.parent / "configs"):
+        for cand in (root / str(source), root / f"{source}.yaml"):
+            if cand.is_file():
+                return cand
+    raise InputError(f"recipe {str(source)!r} not found (give a path to a YAML file, or a name under configs/)")

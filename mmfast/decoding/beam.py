@@ -1,0 +1,135 @@
+"""Beam search, with transformers' semantics (the OPERA-style papers' ``beam=5`` baseline).
+
+The search keeps ``num_beams`` running hypotheses per sample, expands each by every token, keeps the
+best ``2 * num_beams`` continuations, moves those ending in EOS (or hitting the length limit) to a
+finished pool scored ``sum_logprobs / generated_len ** length_penalty``, and stops when no running
+beam can beat the worst finished one (transformers' ``early_stopping=False`` heuristic). Tested to
+return the same tokens as ``model.generate(num_beams=...)``.
+
+:class:`BeamSearch` is the bookkeeping alone, so OPERA can reuse it with its own scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import opt
+from ..registry import DECODERS
+from .base import Decoder, DecodeOutput, now, state_accounting
+from .loop import strip
+
+
+class BeamSearch:
+    """Vectorised beam bookkeeping for ``batch`` samples x ``num_beams`` beams."""
+
+    def __init__(self, batch: int, num_beams: int, max_new: int, length_penalty: float, device: torch.device) -> None:
+        self.b, self.k, self.max_new, self.lp = batch, num_beams, max_new, length_penalty
+        self.running_scores = torch.zeros(batch, num_beams, device=device)
+        self.running_scores[:, 1:] = -1e9  # all beams start identical: expand the first only
+        self.running_tokens = torch.zeros(batch, num_beams, 0, dtype=torch.long, device=device)
+        self.finished_scores = torch.full((batch, num_beams), -1e9, device=device)
+        self.finished_tokens = torch.zeros(batch, num_beams, max_new, dtype=torch.long, device=device)
+        self.finished_len = torch.zeros(batch, num_beams, dtype=torch.long, device=device)
+        self.is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
+        self.improvable = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        self.done = False
+
+    @property
+    def cur_len(self) -> int:
+        return int(self.running_tokens.shape[-1])
+
+    def step(self, log_probs: torch.Tensor, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance with ``log_probs`` ([B*K, V], already processed). Returns (beam_idx [B*K], tokens [B*K])."""
+        b, k = self.b, self.k
+        vocab = log_probs.shape[-1]
+        scores = (log_probs.view(b, k, vocab) + self.running_scores[:, :, None]).view(b, k * vocab)
+        keep = max(2, 1 + int(stop_ids.numel())) * k
+        top_scores, top_idx = scores.topk(keep, dim=1)  # [B, 2K]
+        src_beam, tok = top_idx // vocab, top_idx % vocab
+        seqs = torch.cat([self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2)
+        gen_len = self.cur_len + 1
+        hits = torch.isin(tok, stop_ids) | (gen_len >= self.max_new)  # [B, 2K]
+        # running beams: the best K continuations that did not stop
+        run_scores = top_scores + hits.float() * -1e9
+        nxt = run_scores.topk(k, dim=1).indices  # [B, K]
+        self.running_scores = run_scores.gather(1, nxt)
+        self.running_tokens = seqs.gather(1, nxt[:, :, None].expand(-1, -1, gen_len))
+        beam_src = src_beam.gather(1, nxt)  # [B, K]
+        # finished pool: stopped continuations among the top K, if they beat the pool
+        top_k_mask = torch.arange(keep, device=tok.device)[None, :] < k
+        just = hits & top_k_mask
+        fin_scores = top_scores / (gen_len**self.lp)
+        fin_scores = fin_scores + (~self.improvable).float() * -1e9 + (~just).float() * -1e9
+        merged_scores = torch.cat([self.finished_scores, fin_scores], 1)
+        padded = torch.zeros(b, keep, self.max_new, dtype=torch.long, device=tok.device)
+        padded[:, :, :gen_len] = seqs
+        merged_tokens = torch.cat([self.finished_tokens, padded], 1)
+        merged_len = torch.cat([self.finished_len, torch.full((b, keep), gen_len, device=tok.device)], 1)
+        merged_fin = torch.cat([self.is_finished, just], 1)
+        best = merged_scores.topk(k, dim=1).indices
+        self.finished_scores = merged_scores.gather(1, best)
+        self.finished_tokens = merged_tokens.gather(1, best[:, :, None].expand(-1, -1, self.max_new))
+        self.finished_len = merged_len.gather(1, best)
+        self.is_finished = merged_fin.gather(1, best)
+        # early-stop heuristic (transformers' early_stopping=False)
+        best_running = self.running_scores[:, :1] / (gen_len**self.lp)
+        worst_fin = torch.where(self.is_finished, self.finished_scores.min(1, keepdim=True).values, torch.full_like(best_running, -1e9))
+        self.improvable = self.improvable & (best_running > worst_fin).any(-1, keepdim=True)
+        self.done = (not bool(self.improvable.any())) or bool(hits.all()) or gen_len >= self.max_new
+        flat_src = (beam_src + torch.arange(b, device=tok.device)[:, None] * k).view(-1)
+        return flat_src, self.running_tokens[:, :, -1].reshape(-1)
+
+    def best(self) -> list[list[int]]:
+        """The best finished hypothesis of each sample."""
+        out = []
+        for i in range(self.b):
+            j = int(self.finished_scores[i].argmax())
+            out.append(self.finished_tokens[i, j, : int(self.finished_len[i, j])].tolist())
+        return out
+
+
+@DECODERS.register("beam", description="beam search (transformers semantics); the OPERA-paper baseline")
+class Beam(Decoder):
+    """Beam search."""
+
+    speculative_conflict = "beam search scores several hypotheses per step, which draft verification does not"
+
+    @dataclass(frozen=True)
+    class Config:
+        num_beams: int = opt(5, lo=1, hi=64, doc="beams per sample")
+        length_penalty: float = opt(1.0, lo=-10.0, hi=10.0, doc="exponent on the generated length")
+
+    def decode(self, batch, inputs, max_new_tokens: int, seed: int) -> DecodeOutput:
+        runner, mm = self.session.runner, self.session.mm
+        device = mm.device
+        k = self.config.num_beams
+        stop = torch.tensor(mm.eos_token_ids, device=device)
+        t0 = now(device)
+        state, out = runner.prefill(inputs)
+        t1 = now(device)
+        kv_prefill, layer_avg = state_accounting(state)
+        state.repeat_interleave(k)
+        logits = out.logits[:, -1].repeat_interleave(k, 0)  # [B*K, V]
+        search = BeamSearch(inputs.batch_size, k, max_new_tokens, self.config.length_penalty, device)
+        n_forwards = 0
+        while True:
+            beam_idx, tokens = search.step(torch.log_softmax(logits, -1), stop)
+            if search.done:
+                break
+            state.reorder(beam_idx)
+            logits = runner.step(state, tokens[:, None]).logits[:, -1]
+            n_forwards += 1
+        t2 = now(device)
+        kv_end, _ = state_accounting(state)
+        kv_end = [sum(kv_end[i * k : (i + 1) * k]) for i in range(inputs.batch_size)]
+        return DecodeOutput(
+            tokens=[strip(t, mm.eos_token_ids) for t in search.best()],
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            n_forwards=n_forwards,
+            kv_bytes_prefill=kv_prefill,
+            kv_bytes_end=kv_end,
+            vision_tokens_layer_avg=layer_avg,
+        )

@@ -1,0 +1,43 @@
+"""Multinomial sampling with the usual warpers (temperature, top-k, top-p).
+
+The "regular" baseline of VCD, RITUAL and DAMRO is plain sampling at T=1, top-p=1, no top-k: the
+defaults here. With a drafter, the speculative engine's lossless rejection rule is used instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import opt
+from ..registry import DECODERS
+from .base import Decoder, DecodeOutput
+from .loop import autoregressive, make_generator, sample_from, warpers
+
+
+@DECODERS.register("sample", description="multinomial sampling (T, top-k, top-p); the VCD/RITUAL 'regular' baseline")
+class Sample(Decoder):
+    """Sampling."""
+
+    supports_speculative = True
+
+    @dataclass(frozen=True)
+    class Config:
+        temperature: float = opt(1.0, lo=1e-4, hi=100.0, doc="softmax temperature")
+        top_k: int = opt(0, lo=0, doc="keep the k most likely tokens (0 = off)")
+        top_p: float = opt(1.0, lo=0.0, hi=1.0, doc="nucleus mass (1 = off)")
+
+    def decode(self, batch, inputs, max_new_tokens: int, seed: int) -> DecodeOutput:
+        cfg = self.config
+        if self.session.drafter is not None:
+            from ..speculative.engine import speculative_decode
+
+            return speculative_decode(
+                self.session, inputs, max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed
+            )
+        gen = make_generator(seed, self.session.mm.device)
+        procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p)
+
+        def choose(logits, step, state):
+            return sample_from(procs(None, logits), gen)
+
+        return autoregressive(self.session, inputs, choose, max_new_tokens)

@@ -1,0 +1,34 @@
+"""Error types. User errors (bad recipe, missing file, unknown method) exit the CLI with code 2."""
+
+from __future__ import annotations
+
+
+class MMFastError(Exception):
+    """Base class for errors caused by the user's input; the message names the thing and the fix."""
+
+
+class ConfigError(MMFastError):
+    """A recipe key is unknown, mistyped or out of range. `path` is the dotted key."""
+
+    def __init__(self, path: str, detail: str, source: str | None = None) -> None:
+        self.path = path
+        self.detail = detail
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{path}: {detail}" if path else f"{where}{detail}")
+
+
+class UnknownMethodError(MMFastError):
+    """A method name is not in its registry."""
+
+
+class IncompatibleRecipeError(MMFastError):
+    """Two parts of a recipe cannot run together; raised before any compute."""
+
+
+class InputError(MMFastError):
+    """A missing or corrupt input file, or an argument that cannot be used."""
+
+
+class ModelLoadError(MMFastError):
+    """A checkpoint cannot be found or loaded (offline hub, wrong path, unsupported family)."""

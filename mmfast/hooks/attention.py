@@ -1,0 +1,234 @@
+"""Attention probe: attention probabilities for chosen query rows while the model runs sdpa.
+
+mmfast registers one wrapper per base implementation (``mmfast_probe_sdpa``, ``mmfast_probe_eager``)
+with transformers' ``AttentionInterface`` *and* the base implementation's mask function with
+``AttentionMaskInterface`` (without the latter transformers would silently build no mask). The
+wrapper calls the base implementation for the output, then, only on modules that carry a probe, computes
+``softmax(q[rows] K^T * scale + mask[rows])`` in fp32 for the requested rows: O(rows x keys) per head,
+never the L x L matrix. The same wrapper lets a method override one module's attention computation
+(ZipVL's sparse prefill) without touching any other module.
+
+A module is probed while it has a ``_mmfast_attn`` instance attribute (set and removed by the
+HookSession), holding a :class:`ModuleAttentionHooks`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from .. import compat
+
+_BASES = ("sdpa", "eager")
+
+
+def probe_name(base: str) -> str:
+    if base.startswith(compat.PROBE_PREFIX):
+        return base
+    if base not in _BASES:
+        raise NotImplementedError(
+            f"the attention probe wraps {', '.join(_BASES)}, not {base!r}; load the model with "
+            "attn_implementation='sdpa' (recommended) or 'eager'"
+        )
+    return compat.PROBE_PREFIX + base
+
+
+class Recorder(Protocol):
+    def __call__(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+    ) -> None: ...
+
+
+class Override(Protocol):
+    def __call__(self, module, query, key, value, attention_mask, scaling, base: Callable, **kwargs): ...
+
+
+@dataclass
+class ModuleAttentionHooks:
+    """What the wrapper does on one attention module: record rows, and/or replace the computation."""
+
+    recorders: list[Recorder] = field(default_factory=list)
+    override: Override | None = None
+
+
+def _make_wrapper(base: str) -> Callable:
+    def wrapper(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        base_fn = compat.attention_function(base)
+        hooks: ModuleAttentionHooks | None = getattr(module, "_mmfast_attn", None)
+        if hooks is not None and hooks.override is not None:
+            out = hooks.override(module, query, key, value, attention_mask, scaling, base_fn, dropout=dropout, **kwargs)
+        else:
+            out, _ = base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if hooks is not None:
+            for rec in hooks.recorders:
+                rec(module, query, key, attention_mask, scaling)
+        return out, None
+
+    wrapper.__name__ = f"mmfast_probe_{base}"
+    return wrapper
+
+
+for _base in _BASES:
+    compat.register_attention(compat.PROBE_PREFIX + _base, _make_wrapper(_base), mask_like=_base)
+
+
+def row_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    rows: torch.Tensor,
+    is_causal: bool,
+) -> torch.Tensor:
+    """Attention probabilities of selected query rows, in fp32.
+
+    Args:
+        query: [B, H, Q, D] (after RoPE). key: [B, Hkv, K, D] (after RoPE, cache included).
+        attention_mask: None, bool [B|1, 1, Q, K] (True = attend) or additive float of that shape.
+        rows: [R] or [B, R] long indices into Q; -1 marks an unused row (its output is all zeros).
+        is_causal: whether a missing mask means causal (decoder) or full (vision encoder).
+
+    Returns:
+        [B, H, R, K] probabilities.
+    """
+    bsz, n_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    if rows.dim() == 1:
+        rows = rows.unsqueeze(0).expand(bsz, -1)
+    valid = rows >= 0  # [B, R]
+    safe = rows.clamp(min=0)
+    idx = safe[:, None, :, None].expand(bsz, n_heads, -1, query.shape[-1])
+    q = query.gather(2, idx).float()  # [B, H, R, D]
+    k = key.float()
+    if k.shape[1] != n_heads:  # GQA: repeat_kv
+        k = k.repeat_interleave(n_heads // k.shape[1], dim=1)  # [B, H, K, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, H, R, K]
+    if attention_mask is not None:
+        m = attention_mask
+        if m.shape[0] == 1 and bsz > 1:
+            m = m.expand(bsz, *m.shape[1:])
+        m = m[:, :, :, :k_len]
+        m = m.gather(2, safe[:, None, :, None].expand(bsz, m.shape[1], -1, k_len))  # [B, 1, R, K]
+        if m.dtype == torch.bool:
+            scores = scores.masked_fill(~m, float("-inf"))
+        else:
+            scores = scores + m.float()
+    elif is_causal and q_len > 1:
+        offset = k_len - q_len
+        key_pos = torch.arange(k_len, device=scores.device)
+        allowed = key_pos[None, None, :] <= (safe[:, :, None] + offset)  # [B, R, K]
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)
+    return probs * valid[:, None, :, None]
+
+
+RowSelector = Callable[[int, int], torch.Tensor]
+"""(q_len, k_len) -> rows [R] or [B, R] (-1 = unused)."""
+
+
+def last_row(q_len: int, k_len: int) -> torch.Tensor:
+    return torch.tensor([q_len - 1])
+
+
+def cls_row(q_len: int, k_len: int) -> torch.Tensor:
+    return torch.tensor([0])
+
+
+@dataclass
+class ProbeRecord:
+    """Attention rows captured on one module during one forward."""
+
+    probs: torch.Tensor  # [B, H, R, K] fp32 (or reduced over heads: [B, R, K])
+    rows: torch.Tensor  # [B, R]
+    q_len: int
+    k_len: int
+
+
+class AttentionProbe:
+    """Collects attention rows from a set of modules. Results are keyed by a caller-chosen name.
+
+    Usage (inside a HookSession)::
+
+        probe = AttentionProbe(session)
+        probe.watch("llm.1", adapter.layers[1].self_attn, rows=last_row)
+        model(...)
+        probe["llm.1"].probs  # [B, H, 1, K]
+    """
+
+    def __init__(self, session, reduce: str | None = None) -> None:
+        self.session = session
+        self.records: dict[str, ProbeRecord] = {}
+        self.reduce = reduce
+        self._enabled: set[str] = set()
+
+    def watch(
+        self,
+        name: str,
+        attn_module: nn.Module,
+        rows: RowSelector = last_row,
+        *,
+        when: Callable[[int, int], bool] | None = None,
+        reduce: str | None = None,
+    ) -> None:
+        """Record ``rows`` of ``attn_module``'s attention under ``name`` on each forward.
+
+        ``when(q_len, k_len)`` filters forwards (e.g. prefill only); ``reduce`` is None (keep heads),
+        "mean" or "max" over heads.
+        """
+        hooks = attach(self.session, attn_module)
+        reduce = reduce if reduce is not None else self.reduce
+        is_causal = bool(getattr(attn_module, "is_causal", False))
+
+        def record(module, query, key, attention_mask, scaling) -> None:
+            if name not in self._enabled:
+                return
+            q_len, k_len = query.shape[2], key.shape[2]
+            if when is not None and not when(q_len, k_len):
+                return
+            r = rows(q_len, k_len).to(query.device)
+            probs = row_attention(query, key, attention_mask, scaling, r, is_causal)
+            if reduce == "mean":
+                probs = probs.mean(1)
+            elif reduce == "max":
+                probs = probs.amax(1)
+            rr = r if r.dim() == 2 else r.unsqueeze(0).expand(query.shape[0], -1)
+            self.records[name] = ProbeRecord(probs, rr, q_len, k_len)
+
+        hooks.recorders.append(record)
+        self._enabled.add(name)
+
+    def __getitem__(self, name: str) -> ProbeRecord:
+        if name not in self.records:
+            raise KeyError(f"no attention recorded for {name!r}; was the module run with the probe installed?")
+        return self.records[name]
+
+    def get(self, name: str) -> ProbeRecord | None:
+        return self.records.get(name)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def pause(self, name: str) -> None:
+        self._enabled.discard(name)
+
+    def resume(self, name: str) -> None:
+        self._enabled.add(name)
+
+
+def attach(session, attn_module: nn.Module) -> ModuleAttentionHooks:
+    """The ModuleAttentionHooks of ``attn_module``, created (and scheduled for removal) if needed."""
+    hooks = attn_module.__dict__.get("_mmfast_attn")
+    if hooks is None:
+        hooks = ModuleAttentionHooks()
+        session.set_attr(attn_module, "_mmfast_attn", hooks)
+        session.use_probe_attention()
+    return hooks

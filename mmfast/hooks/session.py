@@ -1,0 +1,89 @@
+"""HookSession: the only object that changes a model, and it puts everything back.
+
+It owns every forward hook and pre-hook handle, every instance attribute it sets, and the attention
+implementation it switches to (the probe). ``close()`` removes and restores all of it in reverse
+order, so after ``with HookSession(model): ...`` the model computes exactly what it computed before
+(tested: identical logits, no leftover hooks, original attention implementation).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import compat
+
+logger = logging.getLogger(__name__)
+
+_UNSET = object()
+
+
+class HookSession:
+    """Context manager that installs hooks on a model and restores it exactly on exit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._attrs: list[tuple[Any, str, Any]] = []
+        self._attn_before: dict[str, str] | None = None
+        self.closed = False
+
+    # -- installation --------------------------------------------------------------------------
+    def forward_hook(self, module: nn.Module, fn: Callable, *, with_kwargs: bool = False) -> None:
+        self._handles.append(module.register_forward_hook(fn, with_kwargs=with_kwargs))
+
+    def pre_hook(self, module: nn.Module, fn: Callable, *, with_kwargs: bool = False) -> None:
+        self._handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        """Set an *instance* attribute, remembering the old value (or its absence) for close()."""
+        old = obj.__dict__.get(name, _UNSET) if hasattr(obj, "__dict__") else getattr(obj, name, _UNSET)
+        if isinstance(obj, nn.Module) and name in obj._modules:
+            old = obj._modules[name]
+        self._attrs.append((obj, name, old))
+        setattr(obj, name, value)
+
+    def use_probe_attention(self) -> None:
+        """Route every attention call through the probe wrapper of its current implementation."""
+        if self._attn_before is not None:
+            return
+        from .attention import probe_name
+
+        self._attn_before = compat.get_attn_implementation(self.model)
+        wrapped = {k: probe_name(v) for k, v in self._attn_before.items()}
+        compat.set_attn_implementation(self.model, wrapped)
+
+    # -- teardown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles.clear()
+        for obj, name, old in reversed(self._attrs):
+            if old is _UNSET:
+                try:
+                    delattr(obj, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(obj, name, old)
+        self._attrs.clear()
+        if self._attn_before is not None:
+            compat.set_attn_implementation(self.model, self._attn_before)
+            self._attn_before = None
+        self.closed = True
+
+    def __enter__(self) -> HookSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def count_hooks(model: nn.Module) -> int:
+    """Number of hooks registered on any submodule (for leak tests)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())

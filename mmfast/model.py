@@ -1,0 +1,255 @@
+"""``mmfast.load`` and ``MMModel``: a LLaVA checkpoint plus its processor, ready for recipes.
+
+``load`` accepts an embedded model name (``mmfast/tiny-world``, shipped inside the package), a local
+directory written by ``save_pretrained``, or a hub id. It never hangs on an unreachable hub: cached
+files are used first, and otherwise a short connectivity check turns a network problem into a clear
+error that says what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from .errors import InputError, ModelLoadError
+from .models import adapter_for
+
+if TYPE_CHECKING:
+    from .config import Recipe
+    from .pipeline import GenerationResult
+
+logger = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+EMBEDDED: dict[str, str] = {"mmfast/tiny-world": "tiny-world"}
+DEFAULT_MODEL = "mmfast/tiny-world"
+
+ImageLike = "Image.Image | str | os.PathLike"
+
+
+@dataclass
+class PreparedBatch:
+    """Prompts and images of one batch after the chat template and the image processor."""
+
+    images: list[list[Image.Image]]  # per sample
+    prompts: list[str]
+    texts: list[str]  # after the chat template
+    token_ids: list[list[int]]  # one image token per image (expanded later to the feature count)
+    pixel_values: torch.Tensor  # [n_images, 3, H, W]
+    image_owner: list[int]  # sample index of each image
+    meta: list[dict[str, Any]] = field(default_factory=list)  # per-sample info from the caller
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+
+def open_image(image: Any) -> Image.Image:
+    """A PIL RGB image from a PIL image or a path; clear error for a missing or corrupt file."""
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    path = Path(image)
+    if not path.is_file():
+        raise InputError(f"image {str(path)!r} not found (check the path or the data root)")
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError) as exc:
+        raise InputError(f"image {str(path)!r} cannot be read ({exc}); is the file corrupt or not an image?") from None
+
+
+class MMModel:
+    """A LLaVA-family model, its processor and its adapter."""
+
+    def __init__(self, model, processor, name: str) -> None:
+        self.model = model.eval()
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_processor = processor.image_processor
+        self.adapter = adapter_for(model)
+        self.name = name
+        gen = model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids: list[int] = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id: int = int(pad if pad is not None else self.eos_token_ids[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapter.lm_head.weight.dtype
+
+    # -- inputs --------------------------------------------------------------------------------
+    def chat_text(self, prompt: str, n_images: int = 1) -> str:
+        """The chat-templated text for one user turn with ``n_images`` images first."""
+        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
+        conv = [{"role": "user", "content": content}]
+        return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+
+    def prepare(
+        self,
+        images: Sequence[Any],
+        prompts: Sequence[str] | str,
+        *,
+        texts: Sequence[str] | None = None,
+        meta: Sequence[dict] | None = None,
+    ) -> PreparedBatch:
+        """Open images, apply the chat template, tokenise, and run the image processor.
+
+        ``images[b]`` is one image or a list of images (several frames) for prompt ``b``.
+        ``texts`` bypasses the chat template (already templated strings with image tokens).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if len(images) != len(prompts):
+            raise InputError(f"got {len(images)} images for {len(prompts)} prompts; pass one image (or list) per prompt")
+        per_sample = [[open_image(im) for im in (x if isinstance(x, (list, tuple)) else [x])] for x in images]
+        texts = list(texts) if texts is not None else [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
+        token_ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        flat = [im for ims in per_sample for im in ims]
+        owner = [b for b, ims in enumerate(per_sample) for _ in ims]
+        pixel_values = self.image_processor(images=flat, return_tensors="pt")["pixel_values"]
+        return PreparedBatch(per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []))
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(
+        self,
+        images: Sequence[Any] | Any,
+        prompts: Sequence[str] | str,
+        recipe: Recipe | str | dict | None = None,
+        **generation_kwargs: Any,
+    ) -> list[GenerationResult]:
+        """Answer ``prompts`` about ``images`` with the recipe's methods (plain greedy without one).
+
+        ``generation_kwargs``: ``max_new_tokens``, ``seed``, or ``decoding`` (a method name).
+        Returns one :class:`~mmfast.pipeline.GenerationResult` per prompt.
+        """
+        from .pipeline import apply
+
+        with apply(self, recipe) as session:
+            return session.generate(images, prompts, **generation_kwargs)
+
+
+def _resolve(name_or_path: str | os.PathLike) -> tuple[str, bool]:
+    name = str(name_or_path)
+    if name in EMBEDDED:
+        path = ASSETS / EMBEDDED[name]
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"embedded model {name!r} is missing from the package ({path}); reinstall mmfast or run "
+                "scripts/train_embedded.py to rebuild it"
+            )
+        return str(path), True
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json; point at a directory written by save_pretrained")
+        return str(path), True
+    if path.exists() or name.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model path {name!r} does not exist or is not a directory")
+    return name, False
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _pick_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise InputError(f"dtype {dtype!r} is not one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+def load(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    *,
+    device: str = "auto",
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    device_map: str | dict | None = None,
+    revision: str | None = None,
+    **from_pretrained_kwargs: Any,
+) -> MMModel:
+    """Load a LLaVA checkpoint and its processor as an :class:`MMModel`.
+
+    Args:
+        name_or_path: embedded name (``mmfast/tiny-world``), local directory, or hub id.
+        device: ``auto`` (cuda if available), ``cpu``, ``cuda``, ``cuda:N``; ignored with ``device_map``.
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
+        attn_implementation: ``sdpa`` (default) or ``eager``.
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a 13B model over GPUs).
+    """
+    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+
+    path, local = _resolve(name_or_path)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch_dtype = _pick_dtype(dtype, device)
+    kwargs: dict[str, Any] = dict(from_pretrained_kwargs)
+    if revision:
+        kwargs["revision"] = revision
+    if not local:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        try:
+            AutoConfig.from_pretrained(path, local_files_only=True, revision=revision)
+            kwargs["local_files_only"] = True  # cached: never touch the network
+        except OSError:
+            if offline:
+                raise ModelLoadError(
+                    f"{path!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it "
+                    "on a machine with network access (huggingface-cli download ...) or pass a local directory"
+                ) from None
+            if not _hub_reachable():
+                raise ModelLoadError(
+                    f"cannot reach the Hugging Face hub to download {path!r}; check the network or "
+                    "HF_ENDPOINT, or pass a local directory written by save_pretrained"
+                ) from None
+    try:
+        config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the config of {path!r}: {exc}") from None
+    if config.model_type != "llava":
+        adapter_for_type = config.model_type
+        from .models import _REJECTED
+
+        msg = _REJECTED.get(adapter_for_type, f"model_type {adapter_for_type!r} is not a LLaVA checkpoint")
+        raise ModelLoadError(f"{path}: {msg}")
+    try:
+        model = LlavaForConditionalGeneration.from_pretrained(
+            path,
+            dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+            device_map=device_map,
+            use_safetensors=True,
+            **kwargs,
+        )
+        processor = AutoProcessor.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load {path!r}: {exc}") from None
+    if device_map is None:
+        model = model.to(device)
+    logger.info("loaded %s (%s, %s, attention=%s)", name_or_path, model.device, torch_dtype, attn_implementation)
+    return MMModel(model, processor, str(name_or_path))

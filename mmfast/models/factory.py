@@ -1,0 +1,200 @@
+"""Build LLaVA models from configs: tiny random ones for tests, LLaVA-1.5-shaped ones for timings,
+and the architecture of the embedded world model.
+
+Everything is a real ``LlavaForConditionalGeneration`` (CLIP vision tower, MLP projector, Llama LM)
+with a real processor (CLIP image processor, a ``tokenizers`` BPE tokenizer, the LLaVA-1.5 chat
+template), so tests exercise the same code paths as a hub checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+IMAGE_TOKEN = "<image>"
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", IMAGE_TOKEN]
+
+#: The llava-hf LLaVA-1.5 chat template (system-less variant): "USER: <image>\n{text} ASSISTANT:".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}{% endfor %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class LlavaShape:
+    """Sizes of a LLaVA model built from config."""
+
+    image_size: int = 32
+    patch_size: int = 8
+    vision_hidden: int = 32
+    vision_layers: int = 3
+    vision_heads: int = 4
+    text_hidden: int = 64
+    text_layers: int = 4
+    text_heads: int = 4
+    text_kv_heads: int = 4
+    text_intermediate: int = 128
+    vocab_size: int = 300
+    max_positions: int = 2048
+
+
+SHAPES: dict[str, LlavaShape] = {
+    # unit tests: 4x4 patch grid, 2 CPU seconds for the whole model
+    "tiny": LlavaShape(),
+    # the embedded world model: LLaVA-1.5 token geometry (24 x 24 = 576 patches + CLS)
+    "world": LlavaShape(192, 8, 192, 6, 6, 256, 4, 4, 4, 768, 1024, 2048),
+    # LLaVA-1.5 geometry with small widths: the speed benchmarks of docs/ use these
+    "llava-1.5-shaped-small": LlavaShape(336, 14, 384, 6, 6, 512, 8, 8, 8, 1376, 32064, 4096),
+    "llava-1.5-shaped-medium": LlavaShape(336, 14, 512, 8, 8, 1024, 12, 16, 16, 2752, 32064, 4096),
+    # the real LLaVA-1.5-7B sizes (for FLOPs accounting; too big to instantiate on CPU here)
+    "llava-1.5-7b": LlavaShape(336, 14, 1024, 24, 16, 4096, 32, 32, 32, 11008, 32064, 4096),
+}
+
+
+def llava_config(shape: LlavaShape, *, vocab_size: int | None = None, init_std: float = 0.02, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, image_id: int = 4):
+    """A ``LlavaConfig`` with a CLIP vision tower and a Llama text model of ``shape``'s sizes."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(
+        hidden_size=shape.vision_hidden,
+        intermediate_size=shape.vision_hidden * 4,
+        num_hidden_layers=shape.vision_layers,
+        num_attention_heads=shape.vision_heads,
+        image_size=shape.image_size,
+        patch_size=shape.patch_size,
+        projection_dim=shape.vision_hidden,
+        hidden_act="quick_gelu",
+    )
+    text = LlamaConfig(
+        vocab_size=vocab_size or shape.vocab_size,
+        hidden_size=shape.text_hidden,
+        intermediate_size=shape.text_intermediate,
+        num_hidden_layers=shape.text_layers,
+        num_attention_heads=shape.text_heads,
+        num_key_value_heads=shape.text_kv_heads,
+        max_position_embeddings=shape.max_positions,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+    )
+    n_patches = (shape.image_size // shape.patch_size) ** 2
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=image_id,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        image_seq_length=n_patches,
+        pad_token_id=pad_id,
+    )
+
+
+def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with mmfast's special tokens at ids 0..4.
+
+    BOS is added by a post-processor, as Llama tokenizers do; ``<image>`` is a single special token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+        padding_side="left",
+    )
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert fast.convert_tokens_to_ids(t) == i, f"special token {t} must have id {i}"
+    return fast
+
+
+def build_processor(tokenizer, image_size: int, patch_size: int):
+    """A ``LlavaProcessor`` with a CLIP image processor at ``image_size`` (resize + center crop)."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip import CLIPImageProcessorPil
+
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+    )
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,  # CLS, dropped by the "default" strategy (as llava-hf)
+    )
+
+
+_TEST_CORPUS = [
+    "USER: Describe the image. ASSISTANT: A red dog sits next to a blue cup on a table.",
+    "Is there a cat in the image? Yes. No. There is a person, a car and a clock.",
+    "Please describe this image in detail. The kitchen has a bowl, a fork, a knife and a pizza.",
+    "What color is the car? How many dogs are there? Two. Three. Where is the clock? On the left.",
+]
+
+
+def random_llava(
+    shape: str | LlavaShape = "tiny",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    corpus: Iterable[str] | None = None,
+    init_std: float = 0.02,
+):
+    """A randomly initialised LLaVA model and processor (no downloads). Returns (model, processor).
+
+    Tests use ``init_std`` ~0.2 so that random models produce varied (non-repeating) tokens.
+    """
+    from transformers import LlavaForConditionalGeneration
+
+    shp = SHAPES[shape] if isinstance(shape, str) else shape
+    text = list(corpus) if corpus is not None else _TEST_CORPUS
+    tokenizer = train_bpe_tokenizer(text * 4, min(shp.vocab_size, 600))
+    vocab = max(shp.vocab_size, len(tokenizer))
+    config = llava_config(shp, vocab_size=vocab, init_std=init_std)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(dtype).eval()
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    model.generation_config.bos_token_id = 1
+    return model, build_processor(tokenizer, shp.image_size, shp.patch_size)
+
+
+def save_model(model, processor, path: str | Path) -> Path:
+    """``save_pretrained`` both (safetensors) into ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    processor.save_pretrained(path)
+    return path

@@ -1,0 +1,123 @@
+"""LLaVA-1.5 family adapter (``LlavaForConditionalGeneration``, model_type ``llava``).
+
+Layout in transformers 5.x: ``model.model.vision_tower`` (CLIP), ``model.model.multi_modal_projector``,
+``model.model.language_model`` (a bare decoder, layers at ``.layers``) and ``model.lm_head``. The
+feature layer (``vision_feature_layer``, -2 for LLaVA-1.5) and select strategy (``default`` drops CLS)
+come from the config, as do the image token id and the patch grid: no magic 576 or 35:611.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import VisionBatch, VLMAdapter
+
+
+class LlavaAdapter(VLMAdapter):
+    family = "llava"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        cfg = model.config
+        if not isinstance(cfg.vision_feature_layer, int):
+            # A list of layers is concatenated along channels; pruners need one layer's CLS/attention.
+            self._feature_layers = list(cfg.vision_feature_layer)
+        else:
+            self._feature_layers = [cfg.vision_feature_layer]
+        self.select_strategy = cfg.vision_feature_select_strategy
+
+    # -- structure -------------------------------------------------------------------------------
+    @property
+    def base(self) -> nn.Module:
+        return self.model.model
+
+    @property
+    def vision_tower(self) -> nn.Module:
+        return self.base.vision_tower
+
+    @property
+    def projector(self) -> nn.Module:
+        return self.base.multi_modal_projector
+
+    @property
+    def language_model(self) -> nn.Module:
+        return self.base.language_model
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
+    @property
+    def vision_layers(self) -> nn.ModuleList:
+        return self.vision_tower.vision_model.encoder.layers
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def vision_config(self):
+        return self.model.config.vision_config
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.model.config.image_token_id)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        side = self.vision_config.image_size // self.vision_config.patch_size
+        return (side, side)
+
+    @property
+    def has_cls(self) -> bool:
+        return True  # CLIP prepends CLS; the "default" strategy drops it before the projector
+
+    @property
+    def n_image_tokens(self) -> int:
+        rows, cols = self.grid
+        return rows * cols + (1 if self.select_strategy == "full" else 0)
+
+    def vision_feature_layer_index(self) -> int:
+        """0-based encoder layer producing the features (hidden_states[k] is the output of layer k-1)."""
+        n = len(self.vision_layers)
+        k = self._feature_layers[-1]
+        k = k if k >= 0 else n + 1 + k  # index into hidden_states (embeddings + n layers)
+        return k - 1
+
+    # -- compute ---------------------------------------------------------------------------------
+    def encode_images(self, pixel_values: torch.Tensor) -> VisionBatch:
+        """Run the tower and select the feature layer. Returns pre-projection patch features."""
+        tower = self.vision_tower
+        pixel_values = pixel_values.to(device=tower.device, dtype=tower.dtype)
+        out = tower(pixel_values, output_hidden_states=True, return_dict=True)
+        hs = out.hidden_states  # (n_layers + 1) x [n_img, 1 + N, Dv]
+        selected = torch.cat([hs[k] for k in self._feature_layers], dim=-1)  # [n_img, 1 + N, Dv']
+        if self.select_strategy == "default":
+            cls, patches = selected[:, 0], selected[:, 1:]  # [n_img, Dv'], [n_img, N, Dv']
+            ids = torch.arange(patches.shape[1], device=patches.device)
+        else:
+            cls, patches = selected[:, 0], selected
+            ids = torch.cat([torch.tensor([-1]), torch.arange(patches.shape[1] - 1)]).to(patches.device)
+        return VisionBatch(
+            features=list(patches.unbind(0)),
+            patch_ids=[ids.clone() for _ in range(patches.shape[0])],
+            cls=cls,
+            grid=self.grid,
+            pixel_values=pixel_values,
+        )
+
+    def project(self, vision: VisionBatch) -> list[torch.Tensor]:
+        """Projector on every image that a stage has not already projected. Returns [N_i, d] each."""
+        out = []
+        for feats, proj in zip(vision.features, vision.projected):
+            out.append(proj if proj is not None else self.projector(feats.unsqueeze(0)).squeeze(0))
+        return out
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(ids)
+

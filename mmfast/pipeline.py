@@ -1,0 +1,203 @@
+"""``apply(model, recipe)``: a session that runs a recipe's methods on a model and restores it on exit.
+
+The session instantiates the recipe's pruning stages, drafter and decoder, lets each install its hooks
+through one :class:`~mmfast.hooks.HookSession`, and runs the pipeline
+
+    images -> vision tower (+ tower hooks) -> feature stages -> projector -> spliced LLM inputs
+           -> decoder loop (prefill with in-LLM pruning, decode with KV policies / drafts / branches)
+
+Everything it changed is removed by ``close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .config import Recipe, load_recipe
+from .decoding.base import DecodeOutput, now
+from .errors import IncompatibleRecipeError
+from .hooks import AttentionProbe, HookSession
+from .model import MMModel, PreparedBatch
+from .models.base import LMInputs, VisionBatch, build_lm_inputs
+from .registry import DECODERS, DRAFTERS, PRUNERS
+from .runtime import LMRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Timings:
+    vision_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.vision_s + self.prefill_s + self.decode_s
+
+
+@dataclass
+class GenerationResult:
+    """One answer with its token accounting and timings (timings are per batch)."""
+
+    text: str
+    token_ids: list[int]
+    n_vision_tokens: int  # vision tokens at the LLM input
+    vision_tokens_layer_avg: float  # layer-averaged vision tokens held in the KV cache after prefill
+    kv_bytes_prefill: int
+    kv_bytes_end: int
+    timings: Timings
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "n_new_tokens": len(self.token_ids),
+            "n_vision_tokens": self.n_vision_tokens,
+            "vision_tokens_layer_avg": round(self.vision_tokens_layer_avg, 3),
+            "kv_bytes_prefill": self.kv_bytes_prefill,
+            "kv_bytes_end": self.kv_bytes_end,
+            "vision_s": round(self.timings.vision_s, 6),
+            "prefill_s": round(self.timings.prefill_s, 6),
+            "decode_s": round(self.timings.decode_s, 6),
+            **({"stats": self.stats} if self.stats else {}),
+        }
+
+
+class Session:
+    """A recipe installed on a model. Use as a context manager; see :func:`apply`."""
+
+    def __init__(self, mm: MMModel, recipe: Recipe) -> None:
+        self.mm = mm
+        self.recipe = recipe
+        self.adapter = mm.adapter
+        self.hooks = HookSession(mm.model)
+        self.probe = AttentionProbe(self.hooks)
+        self.runner = LMRunner(self.adapter, self.hooks)
+        try:
+            self.pruners = []
+            for i, spec in enumerate(recipe.pruning):
+                cls = PRUNERS.get(spec.method).cls
+                problem = cls.check_model(self.adapter)
+                if problem:
+                    raise IncompatibleRecipeError(f"pruning[{i}] ({spec.method}) on {mm.name}: {problem}")
+                self.pruners.append(cls(spec.params, self))
+            self.decoder = DECODERS.get(recipe.decoding.method).cls(recipe.decoding.params, self)
+            self.drafter = None
+            if recipe.speculative is not None:
+                dcls = DRAFTERS.get(recipe.speculative.method).cls
+                self.drafter = dcls(recipe.speculative.params, self)
+            for pruner in self.pruners:
+                pruner.install()
+            self.decoder.install()
+            if self.drafter is not None:
+                self.drafter.install()
+        except BaseException:
+            self.hooks.close()
+            raise
+
+    # -- pipeline stages -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode(self, batch: PreparedBatch) -> VisionBatch:
+        """Vision tower + feature-stage pruners (pre-projection)."""
+        self.probe.clear()
+        vision = self.adapter.encode_images(batch.pixel_values)
+        for pruner in self.pruners:
+            vision = pruner.prune_vision(vision, batch)
+        return vision
+
+    @torch.inference_mode()
+    def build_inputs(
+        self, batch: PreparedBatch, vision: VisionBatch, token_ids: list[list[int]] | None = None
+    ) -> LMInputs:
+        """Project the (pruned) features and splice them into the prompts."""
+        projected = self.adapter.project(vision)
+        per_sample: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
+        per_ids: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
+        for img, owner in enumerate(batch.image_owner):
+            per_sample[owner].append(projected[img])
+            per_ids[owner].append(vision.patch_ids[img])
+        return build_lm_inputs(
+            self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.mm.pad_token_id
+        )
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(
+        self,
+        images: Sequence[Any] | Any,
+        prompts: Sequence[str] | str,
+        *,
+        max_new_tokens: int | None = None,
+        seed: int | None = None,
+        meta: Sequence[dict] | None = None,
+    ) -> list[GenerationResult]:
+        batch = self.mm.prepare(images, prompts, meta=meta)
+        return self.run(batch, max_new_tokens=max_new_tokens, seed=seed)
+
+    def run(self, batch: PreparedBatch, *, max_new_tokens: int | None = None, seed: int | None = None) -> list[GenerationResult]:
+        max_new = max_new_tokens or self.recipe.decoding.max_new_tokens
+        seed = self.recipe.decoding.seed if seed is None else seed
+        device = self.mm.device
+        t0 = now(device)
+        vision = self.encode(batch)
+        inputs = self.build_inputs(batch, vision)
+        t1 = now(device)
+        out: DecodeOutput = self.decoder.decode(batch, inputs, max_new, seed)
+        timings = Timings(t1 - t0, out.prefill_s, out.decode_s)
+        stats = dict(out.stats)
+        for pruner in self.pruners:
+            if pruner.last_stats:
+                stats[pruner.registered_name] = pruner.last_stats  # type: ignore[attr-defined]
+        n_vis = inputs.n_vision_tokens()
+        results = []
+        for b, toks in enumerate(out.tokens):
+            text = self.mm.tokenizer.decode(toks, skip_special_tokens=True).strip()
+            results.append(
+                GenerationResult(
+                    text=text,
+                    token_ids=toks,
+                    n_vision_tokens=int(n_vis[b]),
+                    vision_tokens_layer_avg=float(out.vision_tokens_layer_avg[b]) if out.vision_tokens_layer_avg else float(n_vis[b]),
+                    kv_bytes_prefill=int(out.kv_bytes_prefill[b]) if out.kv_bytes_prefill else 0,
+                    kv_bytes_end=int(out.kv_bytes_end[b]) if out.kv_bytes_end else 0,
+                    timings=timings,
+                    stats=_sample_stats(stats, b),
+                )
+            )
+        return results
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.hooks.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _sample_stats(stats: dict[str, Any], b: int) -> dict[str, Any]:
+    """Per-sample view of batch stats: lists keyed ``per_sample`` are indexed, the rest shared."""
+    out = {}
+    for k, v in stats.items():
+        if isinstance(v, dict):
+            out[k] = _sample_stats(v, b)
+        elif k.startswith("per_sample_") and isinstance(v, list):
+            out[k.removeprefix("per_sample_")] = v[b]
+        else:
+            out[k] = v
+    return out
+
+
+def apply(mm: MMModel, recipe: Recipe | str | dict | None = None) -> Session:
+    """Install ``recipe`` on ``mm`` and return the session (a context manager that restores the model)."""
+    if recipe is None:
+        recipe = Recipe()
+    elif not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    return Session(mm, recipe)

@@ -1,0 +1,388 @@
+"""LLM runtime: prefill and decode steps over a KV cache whose layers may hold different token sets.
+
+In-LLM pruning (FastV, MustDrop, Dynamic-LLaVA, ...) drops tokens at some decoder layer K, so layers
+>= K cache fewer slots than layers < K. mmfast models this with *layer groups*: consecutive layers
+that share one slot layout. Group 0 is what transformers itself sees (the 2-D mask and position ids
+passed to the language model); every later group has its own slot-validity mask, RoPE positions and
+provenance, and forward pre-hooks on its layers swap in the group's hidden states (at prefill, when
+the group is created), 4-D mask, position ids and RoPE tables. Without pruning there is one group
+and no hooks: the language model runs untouched.
+
+Positions follow each method's paper: ``original`` keeps each kept token's position id (FastV's
+in-place variant, Dynamic-LLaVA); ``compact`` renumbers the survivors 0..L'-1 (MustDrop, PDrop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+from . import compat
+from .models.base import LMInputs, VLMAdapter
+
+if TYPE_CHECKING:
+    from .hooks.session import HookSession
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerGroup:
+    """Slot layout shared by decoder layers ``start`` .. (next group's start - 1)."""
+
+    start: int
+    key_mask: torch.Tensor  # [B, T] bool: slot holds a real token
+    positions: torch.Tensor  # [B, T] long: RoPE position of each slot
+    source: torch.Tensor  # [B, T] long: index of the slot's token in the prefill sequence (-1: generated/pad)
+    compact: bool = False
+    # set for the duration of one forward by the runner / hooks
+    fwd_mask: torch.Tensor | None = None
+    fwd_pos_ids: torch.Tensor | None = None
+    fwd_pos_emb: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.key_mask.shape[1])
+
+    def next_positions(self) -> torch.Tensor:
+        """[B] position id of the next appended token."""
+        return self.positions.masked_fill(~self.key_mask, -1).max(1).values + 1
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.key_mask, self.positions, self.source = fn(self.key_mask), fn(self.positions), fn(self.source)
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [B, Q, V] fp32 (Q = 1 for prefill: last position only)
+    hidden: torch.Tensor  # [B, Q, d] final-norm hidden states at the same positions
+
+
+@dataclass
+class LMState:
+    """One branch's decoding state: inputs, cache and layer groups."""
+
+    inputs: LMInputs
+    cache: Any
+    groups: list[LayerGroup]
+    n_layers: int
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.groups[0].key_mask.shape[0])
+
+    def group_of(self, layer_idx: int) -> int:
+        g = 0
+        for i, grp in enumerate(self.groups):
+            if grp.start <= layer_idx:
+                g = i
+        return g
+
+    def layers_of(self, g: int) -> range:
+        end = self.groups[g + 1].start if g + 1 < len(self.groups) else self.n_layers
+        return range(self.groups[g].start, end)
+
+    def vision_slots(self, g: int) -> torch.Tensor:
+        """[B, T_g] bool: slots of group g that hold vision tokens."""
+        grp = self.groups[g]
+        src = grp.source.clamp(min=0)
+        return self.inputs.image_mask.gather(1, src) & (grp.source >= 0) & grp.key_mask
+
+    # -- cache edits ------------------------------------------------------------------------------
+    def crop_last(self, n: int) -> None:
+        """Drop the last n slots of every layer (speculative rollback)."""
+        if n <= 0:
+            return
+        compat.crop_last(self.cache, n)
+        for grp in self.groups:
+            grp._map(lambda t: t[:, :-n])
+
+    def select_slots(self, g: int, index: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Keep slots ``index`` ([B, T']) of group g in all its layers (KV-cache policies)."""
+        grp = self.groups[g]
+        for layer in self.layers_of(g):
+            lay = self.cache.layers[layer]
+            idx = index[:, None, :, None].expand(-1, lay.keys.shape[1], -1, lay.keys.shape[-1])
+            compat.set_layer_kv(self.cache, layer, lay.keys.gather(2, idx), lay.values.gather(2, idx))
+        grp._map(lambda t: t.gather(1, index))
+        if valid is not None:
+            grp.key_mask = grp.key_mask & valid
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Reorder/select batch rows (beam search)."""
+        self.cache.reorder_cache(index)
+        for grp in self.groups:
+            grp._map(lambda t: t[index])
+        self.inputs = self.inputs.select(index)
+
+    def repeat_interleave(self, n: int) -> None:
+        """Repeat every batch row n times (beam search expansion after a single prefill)."""
+        if n == 1:
+            return
+        index = torch.arange(self.batch_size, device=self.groups[0].key_mask.device).repeat_interleave(n)
+        self.cache.batch_repeat_interleave(n)
+        for grp in self.groups:
+            grp._map(lambda t: t.repeat_interleave(n, 0))
+        self.inputs = self.inputs.select(index)
+
+    def clone(self) -> LMState:
+        return LMState(
+            self.inputs,
+            compat.clone_cache(self.cache),
+            [copy.copy(g) for g in self.groups],
+            self.n_layers,
+            dict(self.extras),
+        )
+
+    def kv_bytes(self) -> int:
+        """Bytes the cache tensors hold, padding included."""
+        return compat.cache_bytes(self.cache)
+
+    def kv_bytes_per_sample(self) -> list[int]:
+        """Logical KV bytes per sample: valid slots x bytes per slot, summed over layers.
+
+        Cache layers that store tokens at different precisions expose ``bytes_per_sample(valid)``.
+        """
+        total = torch.zeros(self.batch_size, dtype=torch.float64)
+        for layer_idx, lay in enumerate(self.cache.layers):
+            valid = self.groups[self.group_of(layer_idx)].key_mask  # [B, T]
+            custom = getattr(lay, "bytes_per_sample", None)
+            if callable(custom):
+                total += torch.as_tensor(custom(valid), dtype=torch.float64).cpu()
+                continue
+            if lay.keys is None or lay.keys.numel() == 0:
+                continue
+            slot = 2 * lay.keys.shape[1] * lay.keys.shape[-1] * lay.keys.element_size()
+            total += valid.sum(1).double().cpu() * slot
+        return [int(x) for x in total.tolist()]
+
+    def vision_tokens_per_layer(self) -> torch.Tensor:
+        """[B, n_layers] number of cached vision tokens each layer holds."""
+        counts = [self.vision_slots(g).sum(1) for g in range(len(self.groups))]
+        per_layer = [counts[self.group_of(layer)] for layer in range(self.n_layers)]
+        return torch.stack(per_layer, dim=1)
+
+
+@dataclass
+class PrefillView:
+    """What an in-LLM pruner sees when its layer is reached during prefill."""
+
+    layer: int
+    hidden: torch.Tensor  # [B, T, d] hidden states entering ``layer``
+    state: LMState
+    group: LayerGroup  # the layout of those T slots
+    vision: torch.Tensor  # [B, T] bool vision slots
+    text_after: torch.Tensor  # [B, T] bool instruction/assistant-prompt slots after the image
+
+
+# A pruner hook: PrefillView -> keep mask [B, T] bool (None = keep all). Several may act on one layer.
+SelectFn = Callable[[PrefillView], "torch.Tensor | None"]
+# A decode hook at a layer: (layer, hidden [B, Q, d], state) -> None (may set state.extras)
+DecodeFn = Callable[[int, torch.Tensor, LMState], None]
+
+
+class LMRunner:
+    """Runs prefill and decode steps of one VLM's language model, honouring layer groups."""
+
+    def __init__(self, adapter: VLMAdapter, session: HookSession | None = None) -> None:
+        self.adapter = adapter
+        self.session = session
+        self.lm = adapter.language_model
+        self.n_layers = len(adapter.layers)
+        self._select: dict[int, list[tuple[SelectFn, bool]]] = {}
+        self._decode: dict[int, list[DecodeFn]] = {}
+        self._hooked_from: int | None = None
+        self._active: LMState | None = None
+        self._phase = "idle"
+        self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
+        self.step_hooks: list[Callable[[LMState], None]] = []  # KV policies after each decode step
+
+    # -- registration (by pruners, through the session) -------------------------------------------
+    def prune_at(self, layer: int, fn: SelectFn, *, compact: bool = False) -> None:
+        """Call ``fn`` when prefill reaches ``layer``; its keep mask starts a new layer group there."""
+        if not 0 < layer < self.n_layers:
+            raise ValueError(f"prune layer {layer} must be in 1..{self.n_layers - 1}")
+        self._select.setdefault(layer, []).append((fn, compact))
+        self._ensure_hooks(layer)
+
+    def on_decode(self, layer: int, fn: DecodeFn) -> None:
+        self._decode.setdefault(layer, []).append(fn)
+        self._ensure_hooks(layer)
+
+    def _ensure_hooks(self, layer: int) -> None:
+        if self.session is None:
+            raise RuntimeError("layer hooks need a HookSession")
+        start = layer if self._hooked_from is None else min(layer, self._hooked_from)
+        stop = self.n_layers if self._hooked_from is None else self._hooked_from
+        for i in range(start, stop):
+            self.session.pre_hook(self.adapter.layers[i], self._make_layer_hook(i), with_kwargs=True)
+        self._hooked_from = start
+
+    # -- forward passes ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _activate(self, state: LMState, phase: str) -> Iterator[None]:
+        self._active, self._phase = state, phase
+        try:
+            yield
+        finally:
+            self._active, self._phase = None, "idle"
+            for grp in state.groups:
+                grp.fwd_mask = grp.fwd_pos_ids = grp.fwd_pos_emb = None
+
+    @torch.inference_mode()
+    def prefill(self, inputs: LMInputs) -> tuple[LMState, StepOutput]:
+        """Run the prompt; returns the state and the logits/hidden of the last position."""
+        bsz, length = inputs.input_ids.shape
+        src = torch.arange(length, device=inputs.input_ids.device).expand(bsz, -1)
+        mask = inputs.attention_mask.bool()
+        grp0 = LayerGroup(0, mask, inputs.position_ids, src.masked_fill(~mask, -1))
+        state = LMState(inputs, compat.new_cache(self.adapter.text_config), [grp0], self.n_layers)
+        with self._activate(state, "prefill"):
+            out = self.lm(
+                inputs_embeds=inputs.embeds,
+                attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids,
+                past_key_values=state.cache,
+                use_cache=True,
+            )
+        hidden = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
+        for hook in self.prefill_hooks:
+            hook(state)
+        return state, StepOutput(self.adapter.lm_head(hidden).float(), hidden)
+
+    @torch.inference_mode()
+    def step(
+        self,
+        state: LMState,
+        tokens: torch.Tensor,
+        *,
+        depth: torch.Tensor | None = None,
+        block_mask: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+        all_logits: bool = True,
+    ) -> StepOutput:
+        """Append ``tokens`` ([B, Q]) and return logits for them ([B, Q, V]).
+
+        ``depth`` ([Q] or [B, Q]) offsets the new positions (tree drafts: position = next + depth);
+        ``block_mask`` ([Q, Q] or [B, Q, Q] bool) says which new tokens see which (default causal).
+        """
+        bsz, q = tokens.shape
+        dev = tokens.device
+        if depth is None:
+            depth = torch.arange(q, device=dev)
+        depth = depth.expand(bsz, q) if depth.dim() == 1 else depth
+        custom = block_mask is not None
+        if block_mask is None:
+            block_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+        block_mask = block_mask.expand(bsz, q, q) if block_mask.dim() == 2 else block_mask
+        impl = self.adapter.text_config._attn_implementation
+        dtype = self.adapter.lm_head.weight.dtype
+        for g, grp in enumerate(state.groups):
+            pos = grp.next_positions()[:, None] + depth  # [B, Q]
+            grp.key_mask = torch.cat([grp.key_mask, torch.ones(bsz, q, dtype=torch.bool, device=dev)], 1)
+            grp.positions = torch.cat([grp.positions, pos], 1)
+            grp.source = torch.cat([grp.source, torch.full((bsz, q), -1, device=dev, dtype=grp.source.dtype)], 1)
+            if g > 0 or custom:
+                grp.fwd_mask = compat.format_mask(_block_causal_mask(grp.key_mask, block_mask), impl, dtype)
+                grp.fwd_pos_ids = pos
+        if embeds is None:
+            embeds = self.adapter.embed_tokens(tokens)
+        grp0 = state.groups[0]
+        with self._activate(state, "decode"):
+            out = self.lm(
+                inputs_embeds=embeds,
+                attention_mask=grp0.fwd_mask if custom else grp0.key_mask.long(),
+                position_ids=grp0.positions[:, -q:],
+                past_key_values=state.cache,
+                use_cache=True,
+            )
+        for hook in self.step_hooks:
+            hook(state)
+        hidden = out.last_hidden_state if all_logits else out.last_hidden_state[:, -1:]
+        return StepOutput(self.adapter.lm_head(hidden).float(), hidden)
+
+    # -- layer hooks -------------------------------------------------------------------------------
+    def _make_layer_hook(self, layer: int) -> Callable:
+        def hook(module, args, kwargs):
+            state = self._active
+            if state is None:
+                return None
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if self._phase == "prefill" and layer in self._select:
+                hidden = self._prune(layer, hidden, state)
+            if self._phase == "decode":
+                for fn in self._decode.get(layer, []):
+                    fn(layer, hidden, state)
+            g = state.group_of(layer)
+            if g == 0:
+                return (args, kwargs) if not args else ((hidden, *args[1:]), kwargs)
+            grp = state.groups[g]
+            if grp.fwd_pos_emb is None:
+                grp.fwd_pos_emb = self.lm.rotary_emb(hidden, position_ids=grp.fwd_pos_ids)
+            kwargs = dict(kwargs)
+            kwargs["attention_mask"] = grp.fwd_mask
+            kwargs["position_ids"] = grp.fwd_pos_ids
+            kwargs["position_embeddings"] = grp.fwd_pos_emb
+            if args:
+                return (hidden, *args[1:]), kwargs
+            kwargs["hidden_states"] = hidden
+            return args, kwargs
+
+        return hook
+
+    def _prune(self, layer: int, hidden: torch.Tensor, state: LMState) -> torch.Tensor:
+        """Create a new layer group at ``layer`` from the pruners' keep masks; returns gathered hidden."""
+        prev = state.groups[state.group_of(layer)]
+        vision = state.vision_slots(state.group_of(layer))
+        src = prev.source.clamp(min=0)
+        text_after = state.inputs.text_after_image().gather(1, src) & (prev.source >= 0)
+        view = PrefillView(layer, hidden, state, prev, vision, text_after)
+        keep = prev.key_mask.clone()
+        compact = False
+        for fn, is_compact in self._select[layer]:
+            k = fn(view)
+            compact = compact or is_compact
+            if k is not None:
+                keep &= k | ~vision  # pruners decide about vision slots only
+        keep[:, -1] = True  # the last prompt token produces the first logits
+        counts = keep.sum(1)
+        new_len = int(counts.max())
+        bsz = keep.shape[0]
+        index = torch.zeros(bsz, new_len, dtype=torch.long, device=keep.device)
+        valid = torch.zeros(bsz, new_len, dtype=torch.bool, device=keep.device)
+        for b in range(bsz):
+            idx = keep[b].nonzero().squeeze(1)  # kept slots in order
+            index[b, new_len - idx.numel() :] = idx  # left-pad
+            valid[b, new_len - idx.numel() :] = True
+        positions = prev.positions.gather(1, index)
+        if compact:
+            positions = (valid.long().cumsum(1) - 1).masked_fill(~valid, 1)
+        grp = LayerGroup(layer, valid, positions, prev.source.gather(1, index).masked_fill(~valid, -1), compact)
+        impl = self.adapter.text_config._attn_implementation
+        causal = torch.ones(new_len, new_len, dtype=torch.bool, device=keep.device).tril()
+        grp.fwd_mask = compat.format_mask(_block_causal_mask(valid, causal.expand(bsz, -1, -1)), impl, hidden.dtype)
+        grp.fwd_pos_ids = positions
+        state.groups.append(grp)
+        state.groups.sort(key=lambda g: g.start)
+        return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
+
+
+def _block_causal_mask(key_mask: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """[B, 1, Q, T] bool mask: the Q newest slots see valid older slots and ``block`` among themselves.
+
+    Each query also always sees itself, so padded query rows never produce NaN (an all-masked row
+    would poison the cached values of that slot).
+    """
+    bsz, total = key_mask.shape
+    q = block.shape[-1]
+    past = key_mask[:, None, : total - q].expand(bsz, q, total - q)  # [B, Q, T-Q]
+    new = block & key_mask[:, None, total - q :]  # [B, Q, Q]
+    eye = torch.eye(q, dtype=torch.bool, device=key_mask.device)
+    mask = torch.cat([past, new | eye], dim=2)  # [B, Q, T]
+    return mask[:, None]

@@ -1,0 +1,5 @@
+"""Speculative drafters and the lossless draft-and-verify engine."""
+
+from .base import Drafter
+
+__all__ = ["Drafter"]
