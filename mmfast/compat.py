@@ -58,6 +58,19 @@ def versions() -> dict[str, str]:
     }
 
 
+# --------------------------------------------------------------------------- modules
+
+
+def vision_encoder(tower):
+    """The encoder (with ``.layers``) of a CLIP/SigLIP vision tower.
+
+    5.22+ flatten ``CLIPVisionModel`` (``tower.encoder``); earlier releases nest it under
+    ``tower.vision_model``.
+    """
+    inner = getattr(tower, "vision_model", tower)
+    return inner.encoder
+
+
 # --------------------------------------------------------------------------- cache
 
 

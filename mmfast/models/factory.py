@@ -53,7 +53,7 @@ SHAPES: dict[str, LlavaShape] = {
     # unit tests: 4x4 patch grid, 2 CPU seconds for the whole model
     "tiny": LlavaShape(),
     # the embedded world model: LLaVA-1.5 token geometry (24 x 24 = 576 patches + CLS)
-    "world": LlavaShape(192, 8, 192, 6, 6, 256, 4, 4, 4, 768, 1024, 2048),
+    "world": LlavaShape(192, 8, 128, 5, 4, 256, 4, 4, 4, 768, 1024, 2048),
     # LLaVA-1.5 geometry with small widths: the speed benchmarks of docs/ use these
     "llava-1.5-shaped-small": LlavaShape(336, 14, 384, 6, 6, 512, 8, 8, 8, 1376, 32064, 4096),
     "llava-1.5-shaped-medium": LlavaShape(336, 14, 512, 8, 8, 1024, 12, 16, 16, 2752, 32064, 4096),

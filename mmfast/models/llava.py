@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import compat
 from .base import VisionBatch, VLMAdapter
 
 
@@ -50,7 +51,7 @@ class LlavaAdapter(VLMAdapter):
 
     @property
     def vision_layers(self) -> nn.ModuleList:
-        return self.vision_tower.vision_model.encoder.layers
+        return compat.vision_encoder(self.vision_tower).layers
 
     @property
     def lm_head(self) -> nn.Module:

@@ -1,0 +1,173 @@
+"""The ``mmfast`` command line.
+
+    mmfast list [-v]                         registered methods by kind
+    mmfast validate RECIPE                   check a recipe, print the resolved config
+    mmfast run RECIPE --image P --prompt T   answer one prompt
+    mmfast eval RECIPE [--limit N] [--output DIR]
+    mmfast bench RECIPE [--output DIR]
+    mmfast report RUN_DIR... [--output DIR]
+
+Exit codes: 0 ok, 2 bad input (the message names the file/key and the fix), 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+import yaml
+
+logger = logging.getLogger("mmfast")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmfast", description=__doc__.split("\n\n")[0])
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("list", help="registered methods, grouped by kind")
+    s.add_argument("-v", "--verbose", action="store_true", help="also show each method's parameters and defaults")
+
+    def recipe_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("recipe", help="YAML recipe path (or a name under configs/)")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+
+    s = sub.add_parser("validate", help="check a recipe and print the resolved config")
+    recipe_args(s)
+
+    s = sub.add_parser("run", help="answer one prompt about one image")
+    recipe_args(s)
+    s.add_argument("--image", required=True, action="append", help="image path (repeat for several images)")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--max-new-tokens", type=int, default=None)
+    s.add_argument("--json", action="store_true", help="print the full result as JSON")
+
+    s = sub.add_parser("eval", help="run the recipe's evaluation (POPE / CHAIR)")
+    recipe_args(s)
+    s.add_argument("--limit", type=int, default=None, help="samples per task/split")
+    s.add_argument("--output", default=None, help="output directory (default: the recipe's output.dir)")
+    s.add_argument("--num-processes", type=int, default=1, help="data-parallel processes (accelerate)")
+
+    s = sub.add_parser("bench", help="run the recipe's benchmark (baseline vs methods, same process)")
+    recipe_args(s)
+    s.add_argument("--output", default=None)
+    s.add_argument("--limit", type=int, default=None, help="samples (overrides bench.n_samples)")
+
+    s = sub.add_parser("report", help="markdown/HTML report with plots from run directories")
+    s.add_argument("runs", nargs="+")
+    s.add_argument("--output", default="report")
+    return p
+
+
+def _cmd_list(args) -> int:
+    from .config import describe_fields
+    from .registry import REGISTRIES
+
+    for kind, reg in REGISTRIES.items():
+        print(f"{kind}:")
+        entries = list(reg.entries())
+        if not entries:
+            print("  (none)")
+        for e in entries:
+            print(f"  {e.name:<18} {e.description}")
+            if args.verbose and e.config_cls is not None:
+                for name, default, doc in describe_fields(e.config_cls):
+                    print(f"      {name} = {default!r}" + (f"  # {doc}" if doc else ""))
+    return 0
+
+
+def _load(args):
+    from .config import load_recipe
+
+    return load_recipe(args.recipe, overrides=args.set)
+
+
+def _cmd_validate(args) -> int:
+    recipe = _load(args)
+    print(yaml.safe_dump(recipe.to_dict(), sort_keys=False).rstrip())
+    print(f"# recipe hash: {recipe.hash()}")
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from .model import load
+    from .pipeline import apply
+
+    recipe = _load(args)
+    m = recipe.model
+    mm = load(m.name, device=m.device, dtype=m.dtype, attn_implementation=m.attn_implementation, device_map=m.device_map)
+    images = args.image if len(args.image) > 1 else args.image[0]
+    with apply(mm, recipe) as session:
+        result = session.generate([images], [args.prompt], max_new_tokens=args.max_new_tokens)[0]
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.text)
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from .eval.runner import run_eval
+
+    recipe = _load(args)
+    summary = run_eval(recipe, limit=args.limit, output=args.output, num_processes=args.num_processes)
+    print(json.dumps(summary["metrics"], indent=2))
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    recipe = _load(args)
+    summary = run_bench(recipe, output=args.output, limit=args.limit)
+    print(summary.get("table", json.dumps(summary.get("results", {}), indent=2)))
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from .report import write_report
+
+    path = write_report(args.runs, args.output)
+    print(path)
+    return 0
+
+
+COMMANDS = {
+    "list": _cmd_list,
+    "validate": _cmd_validate,
+    "run": _cmd_run,
+    "eval": _cmd_eval,
+    "bench": _cmd_bench,
+    "report": _cmd_report,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import MMFastError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        return COMMANDS[args.command](args)
+    except MMFastError as exc:
+        print(f"mmfast: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mmfast: interrupted (finished samples are saved; rerun the same command to resume)", file=sys.stderr)
+        return 130
+    except Exception:
+        logger.exception("internal error (please report it with the command and the recipe)")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

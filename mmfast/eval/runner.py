@@ -1,0 +1,229 @@
+"""``mmfast eval``: run a recipe's evaluation tasks, crash-safe and resumable.
+
+Per-sample records are appended to ``samples.jsonl`` as each batch finishes; rerunning the same
+command skips finished samples and retries failed ones. A sample whose image is missing or corrupt
+(or whose generation raises) is recorded with its error, never as an empty answer; the run aborts
+once failures exceed ``eval.max_failures`` of the planned samples. ``summary.json`` holds the
+metrics (``metrics.pope.<split>.*``, ``metrics.pope.mean_f1``, ``metrics.chair.*``), token
+accounting and the full protocol (model, recipe + hash, prompts, decoding, parser, file checksums,
+seeds, package versions).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+from .. import compat
+from ..config import Recipe
+from ..errors import InputError, MMFastError
+from .data import resolve_data
+from .records import RecordStore
+from .tasks import Sample, build_tasks
+
+logger = logging.getLogger(__name__)
+
+
+class RunAbortedError(MMFastError):
+    """Too many samples failed."""
+
+
+def output_dir(recipe: Recipe, output: str | None) -> Path:
+    return Path(output or recipe.output.dir.format(name=recipe.name))
+
+
+def _guard(out: Path, recipe: Recipe) -> None:
+    """Refuse to mix results of different recipes in one directory (unless output.overwrite)."""
+    run_file = out / "run.json"
+    if run_file.exists():
+        old = json.loads(run_file.read_text())
+        if old.get("recipe_hash") != recipe.hash():
+            if not recipe.output.overwrite:
+                raise InputError(
+                    f"{out} holds results of another recipe (hash {old.get('recipe_hash')} != {recipe.hash()}); "
+                    "use another --output, or set output.overwrite: true to start over"
+                )
+            shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not run_file.exists():
+        run_file.write_text(json.dumps({"recipe_hash": recipe.hash(), "recipe": recipe.to_dict()}, indent=1))
+
+
+def git_sha() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str]) -> dict[str, Any]:
+    return {
+        "doc_id": sample.doc_id,
+        "task": sample.task,
+        "target": sample.target,
+        "resps": [[result.text]],
+        "filtered_resps": [text_filter(result.text, sample)],
+        "image": sample.image.name,
+        "prompt": sample.prompt,
+        "meta": sample.meta,
+        **{k: v for k, v in result.to_dict().items() if k != "text"},
+    }
+
+
+def _error_record(sample: Sample, exc: BaseException) -> dict[str, Any]:
+    return {
+        "doc_id": sample.doc_id,
+        "task": sample.task,
+        "target": sample.target,
+        "image": sample.image.name,
+        "prompt": sample.prompt,
+        "meta": sample.meta,
+        "error": f"{type(exc).__name__}: {exc}",
+    }
+
+
+def _run_batch(session, samples: list[Sample], text_filter) -> list[dict[str, Any]]:
+    """Generate for a batch; on failure, isolate the failing samples one by one."""
+    try:
+        batch = session.mm.prepare([s.image for s in samples], [s.prompt for s in samples], meta=[s.meta for s in samples])
+        results = session.run(batch, max_new_tokens=samples[0].max_new_tokens)
+        return [_record(s, r, text_filter) for s, r in zip(samples, results)]
+    except Exception as exc:
+        if len(samples) > 1:
+            return [rec for s in samples for rec in _run_batch(session, [s], text_filter)]
+        if not isinstance(exc, MMFastError):
+            logger.warning("sample %s failed:\n%s", samples[0].doc_id, traceback.format_exc())
+        return [_error_record(samples[0], exc)]
+
+
+def run_eval(
+    recipe: Recipe,
+    *,
+    limit: int | None = None,
+    output: str | None = None,
+    num_processes: int = 1,
+    mm=None,
+) -> dict[str, Any]:
+    """Run every task of ``recipe.eval``; returns (and writes) the summary."""
+    cfg = recipe.eval
+    if not cfg.tasks:
+        raise InputError("the recipe has no eval.tasks (add e.g. tasks: [pope, chair])")
+    if num_processes > 1:
+        from .distributed import launch_data_parallel
+
+        return launch_data_parallel(recipe, limit=limit, output=output, num_processes=num_processes)
+    limit = limit or cfg.limit
+    out = output_dir(recipe, output)
+    from .distributed import shard_info
+
+    rank, world = shard_info()
+    if rank == 0:
+        _guard(out, recipe)
+    data = resolve_data(cfg, cfg.tasks)
+    tasks = build_tasks(cfg, data, cache_dir=Path(os.environ.get("MMFAST_CACHE", Path.home() / ".cache" / "mmfast")) / "chair")
+    plan = [(task, task.samples(limit)) for task in tasks]
+    n_total = sum(len(s) for _, s in plan)
+    for task in tasks:
+        if task.name == "chair" and rank == 0:
+            (out / "chair_image_ids.txt").write_text("\n".join(str(i) for i in task.image_ids) + "\n")
+    store = RecordStore(out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl"))
+    if mm is None:
+        from ..model import load
+
+        m = recipe.model
+        mm = load(m.name, device=m.device, dtype=m.dtype, attn_implementation=m.attn_implementation, device_map=m.device_map)
+    from ..pipeline import apply
+
+    t0 = time.perf_counter()
+    failures = 0
+    with apply(mm, recipe) as session:
+        for task, samples in plan:
+            mine = [s for i, s in enumerate(samples) if i % world == rank]
+            todo = [s for s in mine if not store.done(s.doc_id)]
+            if len(todo) < len(mine):
+                logger.info("%s: %d of %d samples already done (resuming)", task.name, len(mine) - len(todo), len(mine))
+            bar = tqdm(total=len(todo), desc=f"{task.name}", disable=not todo)
+            for i in range(0, len(todo), cfg.batch_size):
+                chunk = todo[i : i + cfg.batch_size]
+                records = _run_batch(session, chunk, task.filter_response)
+                store.append(records)
+                failures = len([r for r in store.failed() if r["doc_id"] in {s.doc_id for _, ss in plan for s in ss}])
+                bar.update(len(chunk))
+                if failures > max(2, cfg.max_failures * n_total):
+                    errs = "; ".join(f"{r['doc_id']}: {r['error']}" for r in store.failed()[:3])
+                    raise RunAbortedError(
+                        f"{failures} of {n_total} samples failed (threshold eval.max_failures={cfg.max_failures}); "
+                        f"first errors: {errs}. Finished samples are saved in {store.path}; fix the cause and rerun."
+                    )
+            bar.close()
+    elapsed = time.perf_counter() - t0
+    if world > 1:
+        from .distributed import gather_and_finish
+
+        return gather_and_finish(recipe, out, plan, mm, elapsed)
+    return finish(recipe, out, plan, store, mm, elapsed)
+
+
+def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: float) -> dict[str, Any]:
+    """Score the planned samples and write ``summary.json``."""
+    planned = {s.doc_id for _, ss in plan for s in ss}
+    ok = [r for r in store.successful() if r["doc_id"] in planned]
+    failed = [r for r in store.failed() if r["doc_id"] in planned]
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for r in ok:
+        by_task.setdefault(r["task"], []).append(r)
+    metrics = {}
+    for task, _ in plan:
+        scored = task.score(by_task)
+        if scored:
+            metrics[task.name] = scored
+    summary = {
+        "metrics": metrics,
+        "counts": {"planned": len(planned), "finished": len(ok), "failed": len(failed)},
+        "accounting": _accounting(ok),
+        "protocol": protocol(recipe, mm, plan),
+        "elapsed_s": round(elapsed, 2),
+        "failures": [{"doc_id": r["doc_id"], "error": r["error"]} for r in failed[:50]],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    logger.info("wrote %s", out / "summary.json")
+    return summary
+
+
+def _accounting(records: list[dict[str, Any]]) -> dict[str, float]:
+    if not records:
+        return {}
+    keys = ("n_vision_tokens", "vision_tokens_layer_avg", "kv_bytes_prefill", "kv_bytes_end", "n_new_tokens")
+    out = {f"mean_{k}": sum(r[k] for r in records) / len(records) for k in keys if all(k in r for r in records)}
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def protocol(recipe: Recipe, mm, plan) -> dict[str, Any]:
+    m = recipe.model
+    return {
+        "model": m.name,
+        "dtype": str(mm.dtype).removeprefix("torch."),
+        "attn_implementation": m.attn_implementation,
+        "recipe_name": recipe.name,
+        "recipe_hash": recipe.hash(),
+        "recipe": recipe.to_dict(),
+        "decoding": recipe.decoding._to_recipe(),
+        "pruning": [s._to_recipe() for s in recipe.pruning],
+        "speculative": recipe.speculative._to_recipe() if recipe.speculative else None,
+        "batch_size": recipe.eval.batch_size,
+        "tasks": {task.name: task.protocol() for task, _ in plan},
+        "dataset": recipe.eval.data.dataset,
+        "world_seed": recipe.eval.data.world_seed if recipe.eval.data.dataset == "world" else None,
+        "versions": compat.versions(),
+        "git_sha": git_sha(),
+    }

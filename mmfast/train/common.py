@@ -1,0 +1,94 @@
+"""Shared training plumbing: seeding, schedules, and resumable checkpoints without pickle.
+
+Checkpoints are a directory with ``tensors.safetensors`` (model and optimizer tensors) and
+``meta.json`` (step, optimizer hyper-parameters, RNG seeds, anything JSON). Writing goes through a
+temporary directory renamed into place, so a killed run never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def cosine_lr(step: int, total: int, base: float, warmup: int = 50, floor: float = 0.05) -> float:
+    """Linear warmup then cosine decay to ``floor * base``."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, state in sd["state"].items():
+        for key, val in state.items():
+            if isinstance(val, torch.Tensor):
+                tensors[f"optim.{pid}.{key}"] = val.contiguous()
+            else:
+                scalars[f"{pid}.{key}"] = val
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for name, val in tensors.items():
+        if name.startswith("optim."):
+            _, pid, key = name.split(".", 2)
+            state.setdefault(int(pid), {})[key] = val
+    for name, val in meta["scalars"].items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = val
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_checkpoint(path: str | os.PathLike, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer | None, meta: dict[str, Any]) -> None:
+    """Atomically write modules' weights, the optimizer and ``meta`` to directory ``path``."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    tensors = {f"{prefix}.{k}": v.detach().contiguous() for prefix, m in modules.items() for k, v in m.state_dict().items()}
+    full_meta = dict(meta)
+    if opt is not None:
+        otensors, ometa = _flatten_optimizer(opt)
+        tensors.update(otensors)
+        full_meta["optimizer"] = ometa
+    save_file(tensors, str(tmp / "tensors.safetensors"))
+    (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1))
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+
+
+def load_checkpoint(path: str | os.PathLike, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Restore what :func:`save_checkpoint` wrote; returns ``meta``."""
+    path = Path(path)
+    tensors = load_file(str(path / "tensors.safetensors"))
+    meta = json.loads((path / "meta.json").read_text())
+    for prefix, m in modules.items():
+        sd = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+        m.load_state_dict(sd)
+    if opt is not None and "optimizer" in meta:
+        _unflatten_optimizer(opt, tensors, meta["optimizer"])
+    return meta

@@ -1,0 +1,355 @@
+"""Training the embedded world model (``mmfast/tiny-world``) on a 2-core CPU.
+
+Stages (each resumable from ``work_dir``):
+
+0. **Vision pre-training**, HF ``CLIPModel`` (CLIP vision tower at the LLaVA-1.5 token geometry,
+   24 x 24 patches + CLS, and a small text tower): CLIP's contrastive loss on image/caption pairs,
+   plus a dense per-patch label loss on the feature layer (``hidden_states[-2]``, what the projector
+   reads) and a multi-label loss on the pooled CLS. The dense loss is what makes patch tokens
+   carry object identity (and makes token pruning measurable); without it nothing downstream learns.
+1. **Feature cache**: the frozen tower's feature-layer patch tokens for every training image.
+2. **LLaVA training** (projector + Llama LM from scratch; vision frozen): multi-turn conversations
+   mixing detailed descriptions, captions, balanced yes/no object questions and short QA. Two linear
+   probes on the layer-2 hidden state at yes/no answer positions (queried object; image object set)
+   break the plateau where every yes/no question gets the same answer. They are training-only and
+   discarded: the shipped model is a stock ``LlavaForConditionalGeneration``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from ..models.factory import SHAPES, LlavaShape, build_processor, llava_config, save_model, train_bpe_tokenizer
+from ..world import CATEGORIES, NUM_LABELS
+from ..world.text import captions, text_rng, world_corpus
+from .common import cosine_lr, load_checkpoint, save_checkpoint, seed_everything
+from .world_data import (
+    N_CATS,
+    EncodedConversation,
+    WorldImages,
+    conversation,
+    conversation_rng,
+    encode_conversation,
+    render_split,
+    to_pixel_values,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    n_train: int = 8000
+    shape: str = "world"
+    vocab_size: int = 1024
+    clip_text_hidden: int = 128
+    clip_text_layers: int = 3
+    clip_proj: int = 128
+    stage0_epochs: float = 3.0
+    stage0_batch: int = 32
+    stage0_lr: float = 1e-3
+    stage2_epochs: float = 3.0
+    stage2_batch: int = 16
+    stage2_lr: float = 1e-3
+    probe_weight: float = 0.5
+    bf16: bool = True
+    workers: int = 2
+    checkpoint_every: int = 100
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+def build_tokenizer(images: WorldImages, cfg: TrainConfig):
+    corpus = list(world_corpus([a for a in images.annotations[:2000]], seed=cfg.seed, split="train"))
+    corpus += ["USER: <image>\nhello ASSISTANT: hi", "USER: ASSISTANT:"] * 20
+    return train_bpe_tokenizer(corpus, cfg.vocab_size)
+
+
+# ------------------------------------------------------------------------------------ stage 0
+
+
+class Stage0(nn.Module):
+    """CLIP + the two training-only heads of stage 0."""
+
+    def __init__(self, clip, vision_hidden: int) -> None:
+        super().__init__()
+        self.clip = clip
+        self.dense = nn.Sequential(nn.LayerNorm(vision_hidden), nn.Linear(vision_hidden, NUM_LABELS))
+        self.multilabel = nn.Linear(vision_hidden, N_CATS)
+
+
+def clip_config(shape: LlavaShape, tokenizer, cfg: TrainConfig):
+    from transformers import CLIPConfig
+
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.clip_text_hidden,
+        intermediate_size=cfg.clip_text_hidden * 4,
+        num_hidden_layers=cfg.clip_text_layers,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        # mmfast pools text at the appended </s> itself (see text_features), not through HF's pooler
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    vision = dict(
+        hidden_size=shape.vision_hidden,
+        intermediate_size=shape.vision_hidden * 4,
+        num_hidden_layers=shape.vision_layers,
+        num_attention_heads=shape.vision_heads,
+        image_size=shape.image_size,
+        patch_size=shape.patch_size,
+        hidden_act="quick_gelu",
+    )
+    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=cfg.clip_proj)
+
+
+def clip_text_ids(tokenizer, texts: list[str], max_len: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+    """Caption token ids for the CLIP text tower, ending with the pooling token, right-padded."""
+    eot = tokenizer.eos_token_id
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"][: max_len - 1] + [eot] for t in texts]
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def text_features(clip, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Pooled, projected text embeddings (pooled at the last real token, the appended </s>)."""
+    out = clip.text_model(input_ids=ids, attention_mask=mask)
+    last = mask.sum(1) - 1
+    pooled = out.last_hidden_state[torch.arange(ids.shape[0]), last]
+    return clip.text_projection(pooled)
+
+
+def train_stage0(images: WorldImages, tokenizer, shape: LlavaShape, cfg: TrainConfig, work: Path):
+    from transformers import CLIPModel
+
+    done = work / "stage0_final"
+    model = Stage0(CLIPModel(clip_config(shape, tokenizer, cfg)), shape.vision_hidden)
+    if done.exists():
+        load_checkpoint(done, {"m": model})
+        return model.clip
+    n = len(images)
+    steps = int(cfg.stage0_epochs * n / cfg.stage0_batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.stage0_lr, weight_decay=0.05)
+    ckpt = work / "stage0_ckpt"
+    step = 0
+    if ckpt.exists():
+        step = load_checkpoint(ckpt, {"m": model}, opt)["step"]
+        logger.info("stage 0: resuming at step %d/%d", step, steps)
+    caps = [captions(a, text_rng(images.seed, "train", a.image_id, "captions")) for a in images.annotations]
+    model.train()
+    bar = tqdm(range(step, steps), initial=step, total=steps, desc="stage 0 (vision)")
+    for step in bar:
+        g = torch.Generator().manual_seed(cfg.seed * 100003 + step)
+        idx = torch.randint(0, n, (cfg.stage0_batch,), generator=g).numpy()
+        rng = random.Random(step)
+        pv = to_pixel_values(images.pixels[idx])
+        hist = torch.from_numpy(images.patch_hist[idx]).float()  # [B, P, L]
+        target = hist / hist.sum(-1, keepdim=True).clamp(min=1)
+        ids, mask = clip_text_ids(tokenizer, [rng.choice(caps[i]) for i in idx])
+        present = torch.from_numpy(images.present[idx]).float()
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, steps, cfg.stage0_lr)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            vout = model.clip.vision_model(pixel_values=pv, output_hidden_states=True)
+            feats = vout.hidden_states[-2][:, 1:]  # [B, P, Dv] what LLaVA's projector reads
+            dense_logits = model.dense(feats).float()
+            pooled = vout.pooler_output  # post-layernorm CLS of the last layer
+            img_emb = model.clip.visual_projection(pooled).float()
+            txt_emb = text_features(model.clip, ids, mask).float()
+            ml_logits = model.multilabel(pooled).float()
+        img_emb = F.normalize(img_emb, dim=-1)
+        txt_emb = F.normalize(txt_emb, dim=-1)
+        logits = model.clip.logit_scale.exp().clamp(max=100) * img_emb @ txt_emb.T
+        labels = torch.arange(len(idx))
+        # identical captions in a batch are rare but possible; CLIP ignores it too
+        l_con = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+        l_dense = -(target * F.log_softmax(dense_logits, -1)).sum(-1).mean()
+        l_ml = F.binary_cross_entropy_with_logits(ml_logits, present)
+        loss = l_con + l_dense + l_ml
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            acc = (dense_logits.argmax(-1) == target.argmax(-1)).float().mean().item()
+        bar.set_postfix(con=f"{l_con.item():.2f}", dense=f"{l_dense.item():.2f}", ml=f"{l_ml.item():.3f}", patch_acc=f"{acc:.3f}")
+        if (step + 1) % cfg.checkpoint_every == 0:
+            save_checkpoint(ckpt, {"m": model}, opt, {"step": step + 1})
+    save_checkpoint(done, {"m": model}, None, {"step": steps})
+    return model.clip
+
+
+@torch.inference_mode()
+def cache_features(clip_vision, images: WorldImages, work: Path, batch: int = 64) -> np.ndarray:
+    """Feature-layer patch tokens ([N, P, Dv], fp16) of the frozen tower, cached on disk."""
+    path = work / f"features_{len(images)}.npy"
+    if path.exists():
+        return np.load(path, mmap_mode="r")
+    clip_vision.eval()
+    chunks = []
+    for i in tqdm(range(0, len(images), batch), desc="cache features"):
+        pv = to_pixel_values(images.pixels[i : i + batch])
+        hs = clip_vision(pixel_values=pv, output_hidden_states=True).hidden_states[-2][:, 1:]
+        chunks.append(hs.to(torch.float16).numpy())
+    feats = np.concatenate(chunks)
+    np.save(path.with_suffix(".tmp.npy"), feats)
+    path.with_suffix(".tmp.npy").rename(path)
+    return feats
+
+
+# ------------------------------------------------------------------------------------ stage 2
+
+
+def _collate(batch: list[EncodedConversation], n_patches: int, image_id: int, pad_id: int):
+    """Expand the single image token to ``n_patches`` slots and right-pad."""
+    rows = []
+    for enc in batch:
+        j = enc.ids.index(image_id)
+        ids = enc.ids[:j] + [image_id] * n_patches + enc.ids[j + 1 :]
+        labels = enc.labels[:j] + [-100] * n_patches + enc.labels[j + 1 :]
+        shift = n_patches - 1
+        rows.append((ids, labels, [p + shift for p in enc.probe_pos], enc.probe_cat))
+    length = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), -100, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    probe_b, probe_p, probe_c = [], [], []
+    for b, (i, lab, pp, pc) in enumerate(rows):
+        ids[b, : len(i)] = torch.tensor(i)
+        labels[b, : len(lab)] = torch.tensor(lab)
+        mask[b, : len(i)] = 1
+        probe_b += [b] * len(pp)
+        probe_p += pp
+        probe_c += pc
+    return ids, labels, mask, torch.tensor(probe_b, dtype=torch.long), torch.tensor(probe_p, dtype=torch.long), torch.tensor(probe_c, dtype=torch.long)
+
+
+class Stage2Heads(nn.Module):
+    """Training-only probes on the layer-2 hidden state (discarded after training)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.queried = nn.Linear(hidden, N_CATS)
+        self.present = nn.Linear(hidden, N_CATS)
+
+
+def llava_forward(llava, feats: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, image_id: int, probe_layer: int = 2):
+    """Projector + LM on cached features; returns (logits [B, L, V], hidden entering layer ``probe_layer``)."""
+    base = llava.model
+    img = base.multi_modal_projector(feats)  # [B, P, d]
+    emb = base.language_model.embed_tokens(ids)  # [B, L, d]
+    img_mask = (ids == image_id).unsqueeze(-1)
+    emb = emb.masked_scatter(img_mask, img.to(emb.dtype))
+    out = base.language_model(inputs_embeds=emb, attention_mask=mask, output_hidden_states=True)
+    return llava.lm_head(out.last_hidden_state), out.hidden_states[probe_layer]
+
+
+def train_stage2(llava, feats: np.ndarray, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path) -> None:
+    done = work / "stage2_final"
+    heads = Stage2Heads(llava.config.text_config.hidden_size)
+    modules = {"projector": llava.model.multi_modal_projector, "lm": llava.model.language_model, "head": llava.lm_head, "probes": heads}
+    if done.exists():
+        load_checkpoint(done, modules)
+        return
+    image_id = llava.config.image_token_id
+    n_patches = feats.shape[1]
+    n = len(images)
+    steps_per_epoch = n // cfg.stage2_batch
+    steps = int(cfg.stage2_epochs * steps_per_epoch)
+    params = [p for m in modules.values() for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.stage2_lr, weight_decay=0.01, betas=(0.9, 0.98))
+    ckpt = work / "stage2_ckpt"
+    step = 0
+    if ckpt.exists():
+        step = load_checkpoint(ckpt, modules, opt)["step"]
+        logger.info("stage 2: resuming at step %d/%d", step, steps)
+    for m in modules.values():
+        m.train()
+    bar = tqdm(range(step, steps), initial=step, total=steps, desc="stage 2 (llava)")
+    for step in bar:
+        epoch, k = divmod(step, steps_per_epoch)
+        order = np.random.default_rng(cfg.seed + 7919 * epoch).permutation(n)
+        idx = order[k * cfg.stage2_batch : (k + 1) * cfg.stage2_batch]
+        convs = [
+            encode_conversation(tokenizer, conversation(images.annotations[i], conversation_rng(cfg.seed, epoch, images.annotations[i].image_id)))
+            for i in idx
+        ]
+        ids, labels, mask, pb, pp, pc = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
+        f = torch.from_numpy(np.asarray(feats[idx])).float()
+        present = torch.from_numpy(images.present[idx]).float()
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, steps, cfg.stage2_lr, warmup=100)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits, h2 = llava_forward(llava, f, ids, mask, image_id)
+            probe_h = h2[pb, pp]  # [n_probe, d]
+            q_logits = heads.queried(probe_h).float()
+            p_logits = heads.present(probe_h).float()
+        lm_loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        probe_loss = torch.zeros(())
+        if len(pb):
+            probe_loss = F.cross_entropy(q_logits, pc) + F.binary_cross_entropy_with_logits(p_logits, present[pb])
+        loss = lm_loss + cfg.probe_weight * probe_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        bar.set_postfix(lm=f"{lm_loss.item():.3f}", probe=f"{probe_loss.item():.3f}", ep=epoch)
+        if (step + 1) % cfg.checkpoint_every == 0:
+            save_checkpoint(ckpt, modules, opt, {"step": step + 1})
+    save_checkpoint(done, modules, None, {"step": steps})
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig = TrainConfig()) -> Path:
+    """Run every stage and write the model (``save_pretrained``) plus its CLIP towers to ``out_dir``."""
+    from transformers import LlavaForConditionalGeneration
+
+    t0 = time.time()
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    seed_everything(cfg.seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    shape = SHAPES[cfg.shape]
+    images = render_split(cfg.seed, "train", cfg.n_train, shape.patch_size, workers=cfg.workers)
+    tokenizer = build_tokenizer(images, cfg)
+    logger.info("tokenizer: %d tokens", len(tokenizer))
+    clip = train_stage0(images, tokenizer, shape, cfg, work)
+    feats = cache_features(clip.vision_model, images, work)
+    seed_everything(cfg.seed + 1)
+    config = llava_config(shape, vocab_size=len(tokenizer))
+    llava = LlavaForConditionalGeneration(config)
+    llava.model.vision_tower.load_state_dict(clip.vision_model.state_dict())
+    train_stage2(llava, feats, images, tokenizer, cfg, work)
+    llava.generation_config.eos_token_id = tokenizer.eos_token_id
+    llava.generation_config.pad_token_id = tokenizer.pad_token_id
+    llava.generation_config.bos_token_id = tokenizer.bos_token_id
+    llava.eval()
+    out = save_model(llava, build_processor(tokenizer, shape.image_size, shape.patch_size), out_dir)
+    clip.save_pretrained(out / "clip", safe_serialization=True)  # text tower for instruction-guided methods
+    meta = {"train_config": asdict(cfg), "train_seconds": round(time.time() - t0), "categories": [c.name for c in CATEGORIES]}
+    (out / "training.json").write_text(json.dumps(meta, indent=1))
+    logger.info("wrote %s in %.0f s", out, time.time() - t0)
+    return out

@@ -1,0 +1,159 @@
+"""Training data from the generated world: pixels, dense patch labels, and instruction conversations.
+
+The train split is rendered in memory (``render_image`` is deterministic per image id), never the
+val split that the evaluations use. Conversations follow the LLaVA-1.5 format the chat template
+produces at inference (``USER: <image>\\n{q} ASSISTANT: {a}</s>USER: {q2} ASSISTANT: ...``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..world import CATEGORIES, CATEGORY_BY_NAME, NUM_LABELS, ImageAnnotation, WorldConfig, render_image
+from ..world.text import (
+    CAPTION_PROMPTS,
+    DETAIL_PROMPTS,
+    SHORT_ANSWER_SUFFIX,
+    captions,
+    detailed_description,
+    short_qa,
+    text_rng,
+    yes_no_questions,
+)
+
+logger = logging.getLogger(__name__)
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+N_CATS = len(CATEGORIES)
+
+
+@dataclass
+class WorldImages:
+    """Rendered images of one split with dense patch labels."""
+
+    pixels: np.ndarray  # [N, H, W, 3] uint8
+    patch_hist: np.ndarray  # [N, P, NUM_LABELS] uint8 pixel counts per patch and label
+    present: np.ndarray  # [N, N_CATS] bool multi-hot of categories present
+    annotations: list[ImageAnnotation]
+    seed: int
+    split: str
+
+    def __len__(self) -> int:
+        return len(self.annotations)
+
+
+def _render_one(args: tuple[int, str, int, int]) -> tuple[np.ndarray, np.ndarray, ImageAnnotation]:
+    seed, split, image_id, patch = args
+    r = render_image(seed, split, image_id, WorldConfig())
+    pix = np.asarray(r.image, dtype=np.uint8)
+    lab = r.label_map.astype(np.int64)  # [H, W]
+    h, w = lab.shape
+    gh, gw = h // patch, w // patch
+    blocks = lab[: gh * patch, : gw * patch].reshape(gh, patch, gw, patch).transpose(0, 2, 1, 3).reshape(gh * gw, -1)
+    hist = np.zeros((gh * gw, NUM_LABELS), dtype=np.uint8)
+    for p in range(gh * gw):
+        hist[p] = np.bincount(blocks[p], minlength=NUM_LABELS)[:NUM_LABELS].clip(max=255)
+    return pix, hist, r.annotation
+
+
+def render_split(seed: int, split: str, n: int, patch: int, workers: int = 2, start: int = 1) -> WorldImages:
+    """Render images ``start..start+n-1`` of ``split`` with their patch label histograms."""
+    jobs = [(seed, split, i, patch) for i in range(start, start + n)]
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            out = list(tqdm(pool.map(_render_one, jobs, chunksize=32), total=n, desc=f"render {split}"))
+    else:
+        out = [_render_one(j) for j in tqdm(jobs, desc=f"render {split}")]
+    pixels = np.stack([o[0] for o in out])
+    hist = np.stack([o[1] for o in out])
+    anns = [o[2] for o in out]
+    present = np.zeros((n, N_CATS), dtype=bool)
+    for i, ann in enumerate(anns):
+        for name in ann.object_names():
+            present[i, CATEGORY_BY_NAME[name].label - 1] = True
+    return WorldImages(pixels, hist, present, anns, seed, split)
+
+
+def to_pixel_values(pixels: np.ndarray) -> torch.Tensor:
+    """uint8 [N, H, W, 3] -> CLIP-normalised float [N, 3, H, W] (what the image processor does)."""
+    x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255.0
+    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+@dataclass(frozen=True)
+class Turn:
+    question: str
+    answer: str
+    kind: str  # detail / caption / yesno / count / color / place / where
+    queried: int = -1  # category index (0-based) asked about in a yes/no turn
+
+
+def conversation(ann: ImageAnnotation, rng: random.Random) -> list[Turn]:
+    """One training conversation about an image.
+
+    The first turn is a detailed description (35%), a caption (25%) or a question (40%), so that
+    every evaluation format appears as the opening turn; 2-5 short questions follow, half of the
+    yes/no ones with LLaVA's short-answer suffix.
+    """
+
+    def yn_turn(qa) -> Turn:
+        name = qa.question.split(" in the image")[0].split(" ", 3)[-1]
+        q = qa.question if rng.random() < 0.5 else f"{qa.question}\n{SHORT_ANSWER_SUFFIX}"
+        return Turn(q, qa.answer, "yesno", CATEGORY_BY_NAME[name].label - 1)
+
+    turns: list[Turn] = []
+    u = rng.random()
+    if u < 0.35:
+        turns.append(Turn(rng.choice(DETAIL_PROMPTS), detailed_description(ann, rng), "detail"))
+    elif u < 0.60:
+        turns.append(Turn(rng.choice(CAPTION_PROMPTS), rng.choice(captions(ann, rng)), "caption"))
+    yn = [yn_turn(qa) for qa in yes_no_questions(ann, rng)]
+    qa = [Turn(q.question, q.answer, q.kind) for q in short_qa(ann, rng, k=3)]
+    extra = yn[: rng.randint(2, 4)] + qa[: rng.randint(0, 2)]
+    rng.shuffle(extra)
+    if not turns and extra[0].kind != "yesno" and rng.random() < 0.7:
+        j = next((i for i, t in enumerate(extra) if t.kind == "yesno"), 0)
+        extra.insert(0, extra.pop(j))
+    return turns + extra
+
+
+@dataclass
+class EncodedConversation:
+    ids: list[int]  # with ONE image token (expanded to the patch count at collate time)
+    labels: list[int]  # -100 outside answers
+    probe_pos: list[int]  # index (in ids) of the last prompt token of each yes/no turn
+    probe_cat: list[int]  # queried category of each yes/no turn
+
+
+def encode_conversation(tokenizer, turns: list[Turn]) -> EncodedConversation:
+    """Tokenise turns exactly as inference builds prompts; answers end with EOS."""
+    ids: list[int] = []
+    labels: list[int] = []
+    probe_pos: list[int] = []
+    probe_cat: list[int] = []
+    for i, t in enumerate(turns):
+        prompt = f"USER: <image>\n{t.question} ASSISTANT:" if i == 0 else f"USER: {t.question} ASSISTANT:"
+        p = tokenizer(prompt, add_special_tokens=(i == 0))["input_ids"]
+        a = tokenizer(" " + t.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids += p
+        labels += [-100] * len(p)
+        if t.kind == "yesno":
+            probe_pos.append(len(ids) - 1)
+            probe_cat.append(t.queried)
+        ids += a
+        labels += a
+    return EncodedConversation(ids, labels, probe_pos, probe_cat)
+
+
+def conversation_rng(seed: int, epoch: int, image_id: int) -> random.Random:
+    return text_rng(seed, "train", image_id, f"conversation-{epoch}")

@@ -1,0 +1,33 @@
+#!/usr/bin/env python
+"""Train the embedded world model shipped as ``mmfast/tiny-world`` (CPU, 2 cores, resumable).
+
+    python scripts/train_embedded.py                      # full run, writes mmfast/assets/tiny-world
+    python scripts/train_embedded.py --n-train 64 --stage0-epochs 0.2 --stage2-epochs 0.2 \
+        --out /tmp/tw --work /tmp/tw-work                 # smoke run
+
+Rerunning the same command after an interruption resumes from the last checkpoint in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+from mmfast.train.embedded import TrainConfig, train_embedded
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="mmfast/assets/tiny-world")
+    p.add_argument("--work", default=".mmfast_cache/train-embedded")
+    for f in dataclasses.fields(TrainConfig):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int, default=f.default)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = TrainConfig(**{f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name)) for f in dataclasses.fields(TrainConfig)})
+    train_embedded(args.out, args.work, cfg)
+
+
+if __name__ == "__main__":
+    main()

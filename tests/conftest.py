@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random LLaVA models built from configs (offline, CPU, seconds)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_NLTK = Path(__file__).resolve().parents[1].parent / "shared" / "nltk_data"
+if _NLTK.is_dir():
+    os.environ.setdefault("NLTK_DATA", str(_NLTK))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random LLaVA (4x4 patch grid) saved with save_pretrained."""
+    from mmfast.models.factory import random_llava, save_model
+
+    model, processor = random_llava("tiny", init_std=0.2)
+    return save_model(model, processor, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa_dir(tmp_path_factory) -> Path:
+    """A tiny LLaVA whose LM uses grouped-query attention (4 heads, 2 KV heads)."""
+    from mmfast.models.factory import SHAPES, random_llava, save_model
+    import dataclasses
+
+    shape = dataclasses.replace(SHAPES["tiny"], text_kv_heads=2)
+    model, processor = random_llava(shape, init_std=0.2, seed=1)
+    return save_model(model, processor, tmp_path_factory.mktemp("tiny_gqa"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mm(tiny_dir):
+    import mmfast
+
+    return mmfast.load(tiny_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def images() -> list[Image.Image]:
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)) for _ in range(4)]
+
+
+PROMPTS = [
+    "Describe the image.",
+    "Is there a cat in the image?",
+    "What color is the car? Tell me now please.",
+    "How many dogs are there?",
+]
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[str]:
+    return list(PROMPTS)

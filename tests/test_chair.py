@@ -1,0 +1,341 @@
+"""CHAIR: vocabulary tables, offline tokenisation, caption parsing, ground truth, metrics, cache.
+
+The expected tokens, mentions and metrics below were derived by hand (see the comments); the
+fixture COCO files are in tests/fixtures/chair/.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from mmfast.eval import chair as chair_mod
+from mmfast.eval.chair import (
+    CaptionParser,
+    ChairEvaluator,
+    NltkDataMissingError,
+    coco_image_id,
+    load_captions,
+    load_nltk_resources,
+    sample_image_ids,
+    split_sentences,
+    tokenize_caption,
+)
+from mmfast.eval.chair_vocab import (
+    COCO_CLASSES,
+    COCO_SYNONYMS,
+    PHRASE_MAP,
+    PUNKT_ENGLISH_ABBREVIATIONS,
+    SYNONYM_TO_NODE,
+)
+from mmfast.errors import InputError
+
+REPO = Path(__file__).resolve().parents[1]
+NLTK_DATA = REPO.parent / "shared" / "nltk_data"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chair"
+INSTANCES = [FIXTURES / "instances_a.json", FIXTURES / "instances_b.json"]
+CAPTIONS = FIXTURES / "captions.json"
+GENERATED = FIXTURES / "generated.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def _nltk_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point NLTK at the shared offline data (CI: ../shared/nltk_data from the repo root)."""
+    monkeypatch.setenv("NLTK_DATA", str(NLTK_DATA))
+
+
+@pytest.fixture(scope="module")
+def parser() -> CaptionParser:
+    return CaptionParser(load_nltk_resources(NLTK_DATA))
+
+
+# --- vocabulary --------------------------------------------------------------------------------
+
+
+def test_vocabulary_tables() -> None:
+    assert len(COCO_SYNONYMS) == len(COCO_CLASSES) == 80
+    assert COCO_CLASSES[0] == "person" and COCO_CLASSES[-1] == "toothbrush"
+    assert len(SYNONYM_TO_NODE) == 403 and len(PHRASE_MAP) == 55
+    assert set(SYNONYM_TO_NODE.values()) == set(COCO_CLASSES)
+    for word, node in {"puppy": "dog", "people": "person", "table": "dining table", "monitor": "tv",
+                       "bow": "tie", "seat": "chair", "motorbike": "motorcycle", "doughnut": "donut",
+                       "teddybear": "teddy bear", "hot dog": "hot dog", "laptop computer": "laptop"}.items():
+        assert SYNONYM_TO_NODE[word] == node
+    # Reference quirks, reproduced: inert entries that never match a lower-cased token.
+    assert SYNONYM_TO_NODE[" motor bike"] == "motorcycle" and "motor bike" not in SYNONYM_TO_NODE
+    assert SYNONYM_TO_NODE[" cheesecake"] == "cake" and "cheesecake" not in SYNONYM_TO_NODE
+    assert "iPhone" in SYNONYM_TO_NODE and "iphone" not in SYNONYM_TO_NODE
+    assert "" not in SYNONYM_TO_NODE  # the reference's empty-line entry; cannot match a token
+    assert PHRASE_MAP["bow tie"] == "tie" and PHRASE_MAP["toilet seat"] == "toilet"
+    assert PHRASE_MAP["baby elephant"] == "elephant" and PHRASE_MAP["adult cub"] == "cub"
+    assert PHRASE_MAP["passenger train"] == "train" and PHRASE_MAP["train track"] == "train track"
+    assert PHRASE_MAP["motor bike"] == "motor bike" and PHRASE_MAP["wine glas"] == "wine glass"
+    assert len(PUNKT_ENGLISH_ABBREVIATIONS) == 156
+    assert {"mr", "dr", "st", "u.s"} <= PUNKT_ENGLISH_ABBREVIATIONS
+
+
+# --- offline tokenisation ------------------------------------------------------------------------
+
+# Expected tokens derived by hand for Punkt (sentence split) + Treebank (per sentence), on the
+# lower-cased caption. Punkt breaks after a period-final token unless it is an abbreviation, an
+# ellipsis, or a number/single letter followed by a lower-case word; Treebank splits a period only
+# at the end of its input, so the split decides whether "horse." stays one token.
+TOKEN_CASES = [
+    ("A man is riding a horse. The horse is brown.",
+     ["a", "man", "is", "riding", "a", "horse", ".", "the", "horse", "is", "brown", "."]),
+    ("There are two dogs on the couch.\n\nOne of them is sleeping.",
+     ["there", "are", "two", "dogs", "on", "the", "couch", ".", "one", "of", "them", "is", "sleeping", "."]),
+    ("A cat, a dog and a bird", ["a", "cat", ",", "a", "dog", "and", "a", "bird"]),
+    ("Is that a dog? Yes, it is!", ["is", "that", "a", "dog", "?", "yes", ",", "it", "is", "!"]),
+    ("Mr. Smith rides a bike.", ["mr.", "smith", "rides", "a", "bike", "."]),
+    ("The clock reads 10. The sky is blue.",
+     ["the", "clock", "reads", "10.", "the", "sky", "is", "blue", "."]),
+    ("A dog... A cat.", ["a", "dog", "...", "a", "cat", "."]),
+    ("The man's hat isn't red.", ["the", "man", "'s", "hat", "is", "n't", "red", "."]),
+    ("", []),
+]
+
+
+@pytest.mark.parametrize("caption,tokens", TOKEN_CASES)
+def test_tokenize_caption_matches_punkt_plus_treebank(caption: str, tokens: list[str]) -> None:
+    assert tokenize_caption(caption) == tokens
+
+
+def test_sentence_split_is_needed() -> None:
+    import nltk
+
+    text = "a man is riding a horse. the horse is brown."
+    assert split_sentences(text) == ["a man is riding a horse.", "the horse is brown."]
+    # Without the split, Treebank keeps the inner period on the word, which would hide "horse".
+    assert "horse." in nltk.word_tokenize(text, preserve_line=True)
+
+
+def test_tokens_equal_real_punkt_when_installed() -> None:
+    import nltk
+
+    try:
+        nltk.data.find("tokenizers/punkt_tab/english/")
+    except LookupError:
+        pytest.skip("punkt_tab is not installed; the hand-derived fixtures above stand in for it")
+    for caption, _ in TOKEN_CASES:
+        assert tokenize_caption(caption) == nltk.word_tokenize(caption.lower())
+
+
+# --- caption parsing ------------------------------------------------------------------------------
+
+PARSE_CASES = [
+    # caption, merged words (lemmas), mentions (word, node)
+    ("Two puppies chase the dogs.", ["two", "puppy", "chase", "the", "dog", "."],
+     [("puppy", "dog"), ("dog", "dog")]),
+    ("A hot dog next to a teddy bear.", ["a", "hot dog", "next", "to", "a", "teddy bear", "."],
+     [("hot dog", "hot dog"), ("teddy bear", "teddy bear")]),
+    ("A baby elephant and a passenger train.", ["a", "elephant", "and", "a", "train", "."],
+     [("elephant", "elephant"), ("train", "train")]),
+    ("A toilet seat.", ["a", "toilet", "."], [("toilet", "toilet")]),
+    ("The seat of the toilet.", ["the", "seat", "of", "the", "toilet", "."], [("toilet", "toilet")]),
+    ("A chair with a seat.", ["a", "chair", "with", "a", "seat", "."],
+     [("chair", "chair"), ("seat", "chair")]),
+    ("A bow tie.", ["a", "tie", "."], [("tie", "tie")]),
+    ("A cheesecake on the stove top oven.", ["a", "cheesecake", "on", "the", "stove", "top", "oven", "."],
+     [("stove", "oven"), ("oven", "oven")]),
+    ("Train tracks and a motor bike.", ["train track", "and", "a", "motor bike", "."], []),
+    ("The sky is blue.", ["the", "sky", "be", "blue", "."], []),
+]
+
+
+@pytest.mark.parametrize("caption,words,mentions", PARSE_CASES)
+def test_parse_rules(parser: CaptionParser, caption: str, words: list[str],
+                     mentions: list[tuple[str, str]]) -> None:
+    got = parser.parse(caption)
+    assert list(got.words) == words
+    assert list(got.mentions) == mentions
+
+
+# --- ground truth and metrics on the fixture --------------------------------------------------------
+
+# Ground truth = instances + reference-caption objects:
+#   101 instances dog, person, frisbee; caption "A man walks his dog..." -> {dog, frisbee, person}
+#   102 elephant; 103 toilet, sink; 104 train, person ("A passenger train" adds train only);
+#   105 teddy bear + caption "A teddy bear on a bed." -> {bed, teddy bear}; 106 nothing -> {}.
+EXPECTED_GT = {101: {"dog", "frisbee", "person"}, 102: {"elephant"}, 103: {"sink", "toilet"},
+               104: {"person", "train"}, 105: {"bed", "teddy bear"}, 106: set()}
+
+# Generated captions (generated.jsonl), counted by hand:
+#   101 "A puppy and two dogs play with a man. The dogs chase a cat."  16 tokens;
+#       mentions puppy,dog,man,dog,cat (5); hallucinated cat (1); recalled {dog, person} of 3
+#   103 "The toilet seat is up and a hot dog is on the sink."  12 tokens ("toilet seat" -> toilet);
+#       mentions toilet, hot dog, sink (3); hallucinated hot dog (1); recalled 2 of 2
+#   102 "A baby elephant walks with a passenger train behind it."  9 tokens;
+#       mentions elephant, train (2); hallucinated train (1); recalled 1 of 1
+#   105 "Two teddy bears sit on a bed. A teddy bear is on the bed."  14 tokens;
+#       mentions teddy bear, bed, teddy bear, bed (4, repeats count); hallucinated 0; recalled 2 of 2
+#   106 "A view of the blue sky."  7 tokens; no mentions; recalled 0 of 0
+#   104 "A woman and a child stand near the train and a motor bike."  13 tokens ("motor bike" is
+#       inert); mentions woman, child, train (3); hallucinated 0; recalled 2 of 2
+# CHAIR_s = 3/6, CHAIR_i = 3/17, recall = 9/10, len = 71/6.
+EXPECTED_METRICS = {"chair_s": 0.5, "chair_i": 3 / 17, "recall": 0.9, "len": 71 / 6, "n": 6}
+
+
+@pytest.fixture(scope="module")
+def evaluator() -> ChairEvaluator:
+    return ChairEvaluator.from_coco(INSTANCES, CAPTIONS, nltk_data=NLTK_DATA)
+
+
+def test_ground_truth_from_instances_and_captions(evaluator: ChairEvaluator) -> None:
+    assert {k: set(v) for k, v in evaluator.ground_truth.items()} == EXPECTED_GT
+
+
+def test_chair_metrics_hand_counted(evaluator: ChairEvaluator) -> None:
+    result = evaluator.evaluate_file(GENERATED)
+    got = result.as_dict()
+    assert set(got) == {"chair_s", "chair_i", "recall", "len", "n"}
+    for key, want in EXPECTED_METRICS.items():
+        assert math.isclose(got[key], want), (key, got[key], want)
+    assert (result.n_mentions, result.n_hallucinated, result.n_hallucinated_captions) == (17, 3, 3)
+    assert (result.n_recalled, result.n_gt_objects, result.n_words) == (9, 10, 71)
+    first = result.captions[0]
+    assert first.mentions == (("puppy", "dog"), ("dog", "dog"), ("man", "person"), ("dog", "dog"),
+                              ("cat", "cat"))
+    assert first.hallucinated == (("cat", "cat"),) and first.hallucination_idxs == (14,)
+    assert first.recalled == ("dog", "person") and first.len == 16
+    assert math.isclose(first.chair_i, 1 / 5) and math.isclose(first.recall, 2 / 3)
+    ref = result.to_reference_dict()
+    assert math.isclose(ref["overall_metrics"]["Len"], 0.01 * 71 / 6)
+    assert ref["sentences"][1]["mscoco_hallucinated_words"] == [["hot dog", "hot dog"]]
+    assert [len(c.words) for c in result.captions] == [16, 12, 9, 14, 7, 13]
+
+
+def test_evaluate_in_memory_and_missing_images(evaluator: ChairEvaluator) -> None:
+    caps = [{"id": "COCO_val2014_000000000102.jpg", "text": "An elephant."}]
+    r = evaluator.evaluate(caps, image_id_key="id", caption_key="text")
+    assert r.as_dict() == {"chair_s": 0.0, "chair_i": 0.0, "recall": 1.0, "len": 3.0, "n": 1}
+    with pytest.raises(InputError, match="no CHAIR ground truth"):
+        evaluator.evaluate([{"image_id": 999, "caption": "A dog."}])
+    # missing="empty" is the reference's behaviour: no ground truth, so every mention is hallucinated.
+    r = evaluator.evaluate([{"image_id": 999, "caption": "A dog."}], missing="empty")
+    assert r.chair_s == 1.0 and r.recall == 0.0 and any("recall undefined" in n for n in r.notes)
+
+
+def test_empty_input_reports_zero_with_notes(evaluator: ChairEvaluator) -> None:
+    r = evaluator.evaluate([])
+    assert r.as_dict() == {"chair_s": 0.0, "chair_i": 0.0, "recall": 0.0, "len": 0.0, "n": 0}
+    assert r.notes
+
+
+def test_load_captions_json_and_jsonl(tmp_path: Path) -> None:
+    jsonl = load_captions(GENERATED)
+    array = tmp_path / "caps.json"
+    array.write_text(json.dumps([{"img": str(c["image_id"]), "cap": c["caption"]} for c in jsonl]))
+    assert load_captions(array, image_id_key="img", caption_key="cap") == jsonl
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"image_id": 1, "caption": "a"}\n{"image_id": 2}\n')
+    with pytest.raises(InputError, match=r"bad\.jsonl:2: missing key 'caption'"):
+        load_captions(bad)
+
+
+def test_coco_image_id() -> None:
+    assert coco_image_id(42) == 42 and coco_image_id("42") == 42
+    assert coco_image_id("COCO_val2014_000000391895.jpg") == 391895
+    assert coco_image_id("/data/val2014/COCO_val2014_000000000042.jpg") == 42
+    with pytest.raises(ValueError):
+        coco_image_id("dog.jpg")
+    with pytest.raises(ValueError):
+        coco_image_id(True)
+
+
+# --- JSON cache ---------------------------------------------------------------------------------------
+
+
+def test_json_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               caplog: pytest.LogCaptureFixture) -> None:
+    first = ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path, nltk_data=NLTK_DATA)
+    files = list(tmp_path.glob("chair_gt_*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())  # plain JSON, not a pickle
+    assert data["images"]["101"] == ["dog", "frisbee", "person"]
+    shas = {d["sha256"] for d in data["provenance"]["instances"]}
+    assert shas == {chair_mod.file_sha256(p) for p in INSTANCES}
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ground truth was rebuilt instead of read from the cache")
+
+    monkeypatch.setattr(ChairEvaluator, "_build", no_build)
+    with caplog.at_level(logging.INFO, logger="mmfast.eval.chair"):
+        second = ChairEvaluator.from_coco(list(reversed(INSTANCES)), [CAPTIONS], cache_dir=tmp_path)
+    assert "loaded from cache" in caplog.text
+    assert second.ground_truth == first.ground_truth
+    assert second.evaluate_file(GENERATED).as_dict() == first.evaluate_file(GENERATED).as_dict()
+
+    saved = tmp_path / "gt.json"
+    first.save_json(saved)
+    assert ChairEvaluator.load_json(saved).ground_truth == first.ground_truth
+    (tmp_path / "other.json").write_text('{"images": {}}')
+    with pytest.raises(InputError, match="not an mmfast CHAIR ground-truth file"):
+        ChairEvaluator.load_json(tmp_path / "other.json")
+
+
+def test_cache_key_changes_with_inputs(tmp_path: Path) -> None:
+    ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path)
+    ChairEvaluator.from_coco(INSTANCES[:1], CAPTIONS, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("chair_gt_*.json"))) == 2
+
+
+# --- missing NLTK data ------------------------------------------------------------------------------------
+
+
+def test_missing_nltk_data_error_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nltk
+
+    monkeypatch.setenv("NLTK_DATA", str(tmp_path))
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nothing")])
+    with pytest.raises(NltkDataMissingError) as info:
+        load_nltk_resources()
+    msg = str(info.value)
+    assert "NLTK_DATA" in msg and "../shared/nltk_data" in msg
+    assert "python -m nltk.downloader averaged_perceptron_tagger_eng wordnet" in msg
+    assert "averaged_perceptron_tagger_eng" in msg and "wordnet" in msg
+    assert isinstance(info.value, LookupError)
+    # The evaluator only needs NLTK once it parses captions, and then fails the same way.
+    ev = ChairEvaluator({1: ["dog"]})
+    with pytest.raises(NltkDataMissingError):
+        ev.evaluate([{"image_id": 1, "caption": "A dog."}])
+
+
+def test_search_order_env_then_argument_then_defaults(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    import nltk
+
+    monkeypatch.setenv("NLTK_DATA", os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")]))
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "d"), str(tmp_path / "a")])
+    paths = chair_mod.nltk_search_paths(tmp_path / "c")
+    assert paths == [str(tmp_path / x) for x in ("a", "b", "c", "d")]
+
+
+# --- image sampling -----------------------------------------------------------------------------------------
+
+
+def test_sample_image_ids_is_portable(tmp_path: Path) -> None:
+    names = [f"COCO_val2014_{i:012d}.jpg" for i in (5, 3, 42, 7, 11, 2)]
+    for name in reversed(names):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "README.txt").write_text("not an image")
+    from_dir = sample_image_ids(tmp_path, 4, seed=0)
+    from_ids = sample_image_ids([42, 7, 11, 2, 5, 3], 4, seed=0)
+    import random
+
+    pool = [2, 3, 5, 7, 11, 42]
+    random.Random(0).shuffle(pool)
+    assert from_dir == from_ids == pool[:4]
+    with pytest.raises(ValueError, match="cannot draw"):
+        sample_image_ids([1, 2], 3, seed=0)
+
+
+def test_describe_records_the_protocol(evaluator: ChairEvaluator) -> None:
+    info = evaluator.describe()
+    assert info["wordnet_version"] == "3.0" and info["pipeline_version"] == chair_mod.PIPELINE_VERSION
+    json.dumps(info)

@@ -1,0 +1,112 @@
+"""Strict recipes: unknown keys, wrong types, ranges, incompatible combinations, registries."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+import mmfast
+from mmfast.cli import main
+from mmfast.config import Recipe, load_recipe
+from mmfast.errors import ConfigError, IncompatibleRecipeError, UnknownMethodError
+from mmfast.registry import DECODERS
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "r.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_defaults():
+    r = load_recipe({})
+    assert r.decoding.method == "greedy" and r.decoding.max_new_tokens == 64
+    assert r.model.name == "mmfast/tiny-world"
+    assert len(r.hash()) == 16 and r.hash() == load_recipe({}).hash()
+
+
+def test_unknown_key_has_dotted_path_and_suggestion(tmp_path):
+    path = _write(tmp_path, """
+        decoding:
+          method: beam
+          params:
+            num_beam: 3
+        """)
+    with pytest.raises(ConfigError) as exc:
+        load_recipe(path)
+    msg = str(exc.value)
+    assert "decoding.params.num_beam" in msg and "did you mean 'num_beams'" in msg and str(path) in msg
+
+
+def test_unknown_top_level_and_nested_keys():
+    with pytest.raises(ConfigError, match=r"^modle: unknown key; did you mean 'model'"):
+        load_recipe({"modle": {}})
+    with pytest.raises(ConfigError, match=r"eval\.pope\.parsr: unknown key; did you mean 'parser'"):
+        load_recipe({"eval": {"pope": {"parsr": "pope"}}})
+
+
+def test_types_and_ranges():
+    with pytest.raises(ConfigError, match=r"decoding\.params\.num_beams: expected an integer"):
+        load_recipe({"decoding": {"method": "beam", "params": {"num_beams": "five"}}})
+    with pytest.raises(ConfigError, match=r"decoding\.params\.top_p: 1\.5 is out of range; allowed \[0\.0, 1\.0\]"):
+        load_recipe({"decoding": {"method": "sample", "params": {"top_p": 1.5}}})
+    with pytest.raises(ConfigError, match=r"model\.dtype: 'fp32' is not allowed"):
+        load_recipe({"model": {"dtype": "fp32"}})
+    with pytest.raises(ConfigError, match=r"decoding\.max_new_tokens: 0 is out of range"):
+        load_recipe({"decoding": {"max_new_tokens": 0}})
+
+
+def test_unknown_method_suggests():
+    with pytest.raises(ConfigError, match=r"decoding\.method: unknown decoding method 'greddy'; did you mean 'greedy'"):
+        load_recipe({"decoding": {"method": "greddy"}})
+    with pytest.raises(UnknownMethodError):
+        DECODERS.get("nope")
+
+
+def test_overrides():
+    r = load_recipe({}, overrides=["decoding.max_new_tokens=7", "model.dtype=bfloat16"])
+    assert r.decoding.max_new_tokens == 7 and r.model.dtype == "bfloat16"
+
+
+def test_round_trip_dump():
+    r = load_recipe({"decoding": {"method": "sample", "params": {"top_p": 0.9}, "seed": 4}})
+    again = load_recipe(r.to_dict())
+    assert again == r and again.hash() == r.hash()
+
+
+def test_frozen():
+    r = Recipe()
+    with pytest.raises(Exception):
+        r.name = "x"  # type: ignore[misc]
+
+
+def test_list_methods():
+    methods = mmfast.list_methods()
+    assert {"pruning", "speculative", "decoding"} <= set(methods)
+    assert any(name == "beam" for name, _ in methods["decoding"])
+
+
+def test_cli_validate_and_exit_codes(tmp_path, capsys):
+    good = _write(tmp_path, "decoding: {method: beam, params: {num_beams: 2}}\n")
+    assert main(["validate", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "num_beams: 2" in out and "recipe hash" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decoding: {method: beam, params: {num_beam: 2}}\n")
+    assert main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "decoding.params.num_beam" in err and "num_beams" in err
+    assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["list"]) == 0
+    assert "decoding:" in capsys.readouterr().out
+
+
+def test_cli_run(tiny_dir, images, tmp_path, capsys):
+    img = tmp_path / "x.png"
+    images[0].save(img)
+    recipe = _write(tmp_path, f"model: {{name: {tiny_dir}, device: cpu}}\n")
+    assert main(["-q", "run", str(recipe), "--image", str(img), "--prompt", "Describe.", "--max-new-tokens", "3", "--json"]) == 0
+    assert '"n_vision_tokens": 16' in capsys.readouterr().out
+    assert main(["-q", "run", str(recipe), "--image", str(tmp_path / "nope.png"), "--prompt", "x"]) == 2

@@ -1,0 +1,94 @@
+"""Generation: batch > 1 equals batch 1, and mmfast's loops equal transformers' generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmfast
+
+
+def test_batch_equals_single(tiny_mm, images, prompts):
+    batched = tiny_mm.generate(images, prompts, max_new_tokens=10)
+    single = [tiny_mm.generate([im], [p], max_new_tokens=10)[0] for im, p in zip(images, prompts)]
+    for b, s in zip(batched, single):
+        assert b.token_ids == s.token_ids
+        assert b.text == s.text
+    assert len({len(tiny_mm.prepare([im], [p]).token_ids[0]) for im, p in zip(images, prompts)}) > 1  # padding used
+
+
+def _hf_generate(mm, image, prompt, **kw):
+    batch = mm.prepare([image], [prompt])
+    inputs = mm.processor(images=image, text=batch.texts[0], return_tensors="pt")
+    out = mm.model.generate(**inputs, do_sample=False, **kw)
+    ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return [t for t in ids[: ids.index(2)] if True] if 2 in ids else ids
+
+
+@pytest.mark.parametrize("i", [0, 2])
+def test_greedy_matches_transformers(tiny_mm, images, prompts, i):
+    ours = tiny_mm.generate([images[i]], [prompts[i]], max_new_tokens=12)[0]
+    assert ours.token_ids == _hf_generate(tiny_mm, images[i], prompts[i], max_new_tokens=12)
+    assert ours.n_vision_tokens == tiny_mm.adapter.n_image_tokens == 16
+
+
+def test_beam_matches_transformers(tiny_mm, images, prompts):
+    recipe = {"decoding": {"method": "beam", "params": {"num_beams": 3}}}
+    for i in (0, 1):
+        ours = tiny_mm.generate([images[i]], [prompts[i]], recipe=recipe, max_new_tokens=10)[0]
+        assert ours.token_ids == _hf_generate(tiny_mm, images[i], prompts[i], max_new_tokens=10, num_beams=3)
+
+
+def test_sampling_is_seeded(tiny_mm, images, prompts):
+    recipe = {"decoding": {"method": "sample", "seed": 3}}
+    a = tiny_mm.generate(images[:2], prompts[:2], recipe=recipe, max_new_tokens=8)
+    b = tiny_mm.generate(images[:2], prompts[:2], recipe=recipe, max_new_tokens=8)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_result_accounting(tiny_mm, images, prompts):
+    r = tiny_mm.generate([images[0]], [prompts[0]], max_new_tokens=5)[0]
+    cfg = tiny_mm.model.config.text_config
+    n_prompt = len(tiny_mm.prepare([images[0]], [prompts[0]]).token_ids[0]) - 1 + 16
+    slot = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert r.kv_bytes_prefill == n_prompt * slot * cfg.num_hidden_layers
+    assert r.vision_tokens_layer_avg == 16
+    assert r.timings.prefill_s > 0 and r.timings.vision_s > 0
+
+
+def test_multi_image_prompt(tiny_mm, images):
+    r = tiny_mm.generate([[images[0], images[1]]], ["Compare the two frames."], max_new_tokens=4)[0]
+    assert r.n_vision_tokens == 32
+
+
+def test_bad_image_path(tiny_mm, tmp_path):
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"not an image")
+    with pytest.raises(mmfast.InputError, match="cannot be read"):
+        tiny_mm.generate([bad], ["Describe."])
+    with pytest.raises(mmfast.InputError, match="not found"):
+        tiny_mm.generate([tmp_path / "missing.png"], ["Describe."])
+
+
+def test_load_errors(tmp_path, monkeypatch):
+    with pytest.raises(mmfast.ModelLoadError, match="no config.json"):
+        mmfast.load(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(mmfast.ModelLoadError, match="HF_HUB_OFFLINE"):
+        mmfast.load("nobody/not-a-cached-model")
+
+
+def test_llava_next_rejected(tmp_path):
+    from transformers import LlavaNextConfig
+
+    LlavaNextConfig().save_pretrained(tmp_path)
+    with pytest.raises(mmfast.ModelLoadError, match="LLaVA-NeXT"):
+        mmfast.load(tmp_path)
+
+
+def test_eager_model_same_tokens(tiny_dir, tiny_mm, images, prompts):
+    eager = mmfast.load(tiny_dir, device="cpu", attn_implementation="eager")
+    a = eager.generate(images[:2], prompts[:2], max_new_tokens=8)
+    b = tiny_mm.generate(images[:2], prompts[:2], max_new_tokens=8)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert torch.equal(eager.model.lm_head.weight, tiny_mm.model.lm_head.weight)

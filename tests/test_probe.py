@@ -1,0 +1,72 @@
+"""The attention probe equals eager attention weights, under sdpa, for LLM and vision layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmfast
+from mmfast.config import Recipe
+from mmfast.hooks import last_row
+from mmfast.pipeline import Session
+
+
+def _eager_attentions(model_dir, inputs):
+    eager = mmfast.load(model_dir, device="cpu", attn_implementation="eager")
+    with torch.no_grad():
+        out = eager.adapter.language_model(
+            inputs_embeds=inputs.embeds,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            output_attentions=True,
+        )
+    return out.attentions  # n_layers x [B, H, L, L]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_gqa_dir"])
+def test_llm_probe_equals_eager(request, fixture, images, prompts):
+    model_dir = request.getfixturevalue(fixture)
+    mm = mmfast.load(model_dir, device="cpu")  # sdpa
+    with Session(mm, Recipe()) as s:
+        batch = mm.prepare(images[:3], prompts[:3])
+        inputs = s.build_inputs(batch, s.encode(batch))
+        length = inputs.length
+        rows = torch.tensor([length - 1, length - 3, 5])
+        for layer in (0, 2):
+            s.probe.watch(f"llm.{layer}", mm.adapter.layers[layer].self_attn, rows=lambda q, k: rows)
+        with torch.no_grad():
+            mm.adapter.language_model(
+                inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids
+            )
+        eager = _eager_attentions(model_dir, inputs)
+        valid = inputs.attention_mask.bool()
+        for layer in (0, 2):
+            got = s.probe[f"llm.{layer}"].probs  # [B, H, R, L]
+            want = eager[layer][:, :, rows]  # [B, H, R, L]
+            for b in range(3):
+                for r_i, r in enumerate(rows.tolist()):
+                    if valid[b, r]:  # padded query rows are undefined in both
+                        torch.testing.assert_close(got[b, :, r_i], want[b, :, r_i].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_vision_probe_equals_eager(tiny_dir, images, prompts):
+    mm = mmfast.load(tiny_dir, device="cpu")
+    eager = mmfast.load(tiny_dir, device="cpu", attn_implementation="eager")
+    pixel_values = mm.prepare(images[:2], prompts[:2]).pixel_values
+    with torch.no_grad():
+        want = eager.adapter.vision_tower(pixel_values, output_attentions=True).attentions
+    with Session(mm, Recipe()) as s:
+        s.probe.watch("vis.cls", mm.adapter.vision_layers[1].self_attn, rows=lambda q, k: torch.tensor([0, 3]))
+        with torch.no_grad():
+            mm.adapter.vision_tower(pixel_values)
+        got = s.probe["vis.cls"].probs
+    torch.testing.assert_close(got, want[1][:, :, [0, 3]].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_probe_decode_rows_and_reduction(tiny_mm, images, prompts):
+    with Session(tiny_mm, Recipe()) as s:
+        s.probe.watch("last", tiny_mm.adapter.layers[-1].self_attn, rows=last_row, reduce="max")
+        s.generate(images[:2], prompts[:2], max_new_tokens=3)
+        rec = s.probe["last"]
+    assert rec.probs.shape[:2] == (2, 1) and rec.q_len == 1  # last decode step, max over heads
+    assert torch.all(rec.probs >= 0) and torch.all(rec.probs <= 1)
