@@ -51,6 +51,8 @@ class GenerationResult:
     kv_bytes_prefill: int
     kv_bytes_end: int
     timings: Timings
+    flops_prefill: float = 0.0  # papers' convention, model at hand
+    flops_prefill_7b: float = 0.0  # the same token schedule on the LLaVA-1.5-7B shape
     stats: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -61,6 +63,8 @@ class GenerationResult:
             "vision_tokens_layer_avg": round(self.vision_tokens_layer_avg, 3),
             "kv_bytes_prefill": self.kv_bytes_prefill,
             "kv_bytes_end": self.kv_bytes_end,
+            "flops_prefill": self.flops_prefill,
+            "flops_prefill_7b": self.flops_prefill_7b,
             "vision_s": round(self.timings.vision_s, 6),
             "prefill_s": round(self.timings.prefill_s, 6),
             "decode_s": round(self.timings.decode_s, 6),
@@ -165,6 +169,8 @@ class Session:
                     kv_bytes_prefill=int(out.kv_bytes_prefill[b]) if out.kv_bytes_prefill else 0,
                     kv_bytes_end=int(out.kv_bytes_end[b]) if out.kv_bytes_end else 0,
                     timings=timings,
+                    flops_prefill=float(out.flops_prefill[b]) if out.flops_prefill else 0.0,
+                    flops_prefill_7b=float(out.flops_prefill_7b[b]) if out.flops_prefill_7b else 0.0,
                     stats=_sample_stats(stats, b),
                 )
             )

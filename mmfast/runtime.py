@@ -40,6 +40,7 @@ class LayerGroup:
     positions: torch.Tensor  # [B, T] long: RoPE position of each slot
     source: torch.Tensor  # [B, T] long: index of the slot's token in the prefill sequence (-1: generated/pad)
     compact: bool = False
+    ref_start: float | None = None  # start layer in the method's reference (paper) depth, for accounting
     # set for the duration of one forward by the runner / hooks
     fwd_mask: torch.Tensor | None = None
     fwd_pos_ids: torch.Tensor | None = None
@@ -72,6 +73,7 @@ class LMState:
     groups: list[LayerGroup]
     n_layers: int
     extras: dict[str, Any] = field(default_factory=dict)
+    text_config: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -138,6 +140,7 @@ class LMState:
             [copy.copy(g) for g in self.groups],
             self.n_layers,
             dict(self.extras),
+            self.text_config,
         )
 
     def kv_bytes(self) -> int:
@@ -165,8 +168,12 @@ class LMState:
     def vision_tokens_per_layer(self) -> torch.Tensor:
         """[B, n_layers] number of cached vision tokens each layer holds."""
         counts = [self.vision_slots(g).sum(1) for g in range(len(self.groups))]
-        per_layer = [counts[self.group_of(layer)] for layer in range(self.n_layers)]
-        return torch.stack(per_layer, dim=1)
+        return torch.stack([counts[self.group_of(layer)] for layer in range(self.n_layers)], dim=1)
+
+    def tokens_per_layer(self) -> torch.Tensor:
+        """[B, n_layers] number of valid cached tokens (text + vision) each layer holds."""
+        counts = [g.key_mask.sum(1) for g in self.groups]
+        return torch.stack([counts[self.group_of(layer)] for layer in range(self.n_layers)], dim=1)
 
 
 @dataclass
@@ -181,7 +188,8 @@ class PrefillView:
     text_after: torch.Tensor  # [B, T] bool instruction/assistant-prompt slots after the image
 
 
-# A pruner hook: PrefillView -> keep mask [B, T] bool (None = keep all). Several may act on one layer.
+# A pruner hook: PrefillView -> keep mask [B, T] bool over ALL slots (None = keep all). Slots a
+# pruner does not decide about must be True; several pruners on one layer are ANDed.
 SelectFn = Callable[[PrefillView], "torch.Tensor | None"]
 # A decode hook at a layer: (layer, hidden [B, Q, d], state) -> None (may set state.extras)
 DecodeFn = Callable[[int, torch.Tensor, LMState], None]
@@ -195,20 +203,26 @@ class LMRunner:
         self.session = session
         self.lm = adapter.language_model
         self.n_layers = len(adapter.layers)
-        self._select: dict[int, list[tuple[SelectFn, bool]]] = {}
+        self._select: dict[int, list[tuple[SelectFn, bool, float | None]]] = {}
         self._decode: dict[int, list[DecodeFn]] = {}
         self._hooked_from: int | None = None
         self._active: LMState | None = None
         self._phase = "idle"
+        self.use_cache = True  # False: every decode step recomputes the whole sequence
+        self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
         self.step_hooks: list[Callable[[LMState], None]] = []  # KV policies after each decode step
 
     # -- registration (by pruners, through the session) -------------------------------------------
-    def prune_at(self, layer: int, fn: SelectFn, *, compact: bool = False) -> None:
-        """Call ``fn`` when prefill reaches ``layer``; its keep mask starts a new layer group there."""
+    def prune_at(self, layer: int, fn: SelectFn, *, compact: bool = False, ref_layer: float | None = None) -> None:
+        """Call ``fn`` when prefill reaches ``layer``; its keep mask starts a new layer group there.
+
+        ``compact`` renumbers the survivors' positions; ``ref_layer`` is the layer in the method's
+        reference depth (e.g. 32 for LLaVA-1.5-7B), used to project FLOPs onto that shape.
+        """
         if not 0 < layer < self.n_layers:
             raise ValueError(f"prune layer {layer} must be in 1..{self.n_layers - 1}")
-        self._select.setdefault(layer, []).append((fn, compact))
+        self._select.setdefault(layer, []).append((fn, compact, ref_layer))
         self._ensure_hooks(layer)
 
     def on_decode(self, layer: int, fn: DecodeFn) -> None:
@@ -242,7 +256,7 @@ class LMRunner:
         src = torch.arange(length, device=inputs.input_ids.device).expand(bsz, -1)
         mask = inputs.attention_mask.bool()
         grp0 = LayerGroup(0, mask, inputs.position_ids, src.masked_fill(~mask, -1))
-        state = LMState(inputs, compat.new_cache(self.adapter.text_config), [grp0], self.n_layers)
+        state = LMState(inputs, compat.new_cache(self.adapter.text_config), [grp0], self.n_layers, text_config=self.adapter.text_config)
         with self._activate(state, "prefill"):
             out = self.lm(
                 inputs_embeds=inputs.embeds,
@@ -345,12 +359,16 @@ class LMRunner:
         view = PrefillView(layer, hidden, state, prev, vision, text_after)
         keep = prev.key_mask.clone()
         compact = False
-        for fn, is_compact in self._select[layer]:
+        ref = None
+        for fn, is_compact, ref_layer in self._select[layer]:
             k = fn(view)
             compact = compact or is_compact
+            ref = ref_layer if ref is None else min(ref, ref_layer) if ref_layer is not None else ref
             if k is not None:
-                keep &= k | ~vision  # pruners decide about vision slots only
-        keep[:, -1] = True  # the last prompt token produces the first logits
+                keep &= k
+        keep[:, -1] = prev.key_mask[:, -1]  # the last prompt token produces the first logits
+        if self.skip_noop_groups and bool((keep == prev.key_mask).all()):
+            return hidden  # nothing dropped: the layers keep computing exactly as without pruning
         counts = keep.sum(1)
         new_len = int(counts.max())
         bsz = keep.shape[0]
@@ -363,7 +381,7 @@ class LMRunner:
         positions = prev.positions.gather(1, index)
         if compact:
             positions = (valid.long().cumsum(1) - 1).masked_fill(~valid, 1)
-        grp = LayerGroup(layer, valid, positions, prev.source.gather(1, index).masked_fill(~valid, -1), compact)
+        grp = LayerGroup(layer, valid, positions, prev.source.gather(1, index).masked_fill(~valid, -1), compact, ref)
         impl = self.adapter.text_config._attn_implementation
         causal = torch.ones(new_len, new_len, dtype=torch.bool, device=keep.device).tril()
         grp.fwd_mask = compat.format_mask(_block_causal_mask(valid, causal.expand(bsz, -1, -1)), impl, hidden.dtype)

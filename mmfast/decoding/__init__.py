@@ -1,6 +1,12 @@
-"""Decoders. Importing this package registers the built-ins (one method per file)."""
+"""Decoders, one method per module; importing registers them all."""
 
-from . import beam, greedy, sample  # noqa: F401
+import importlib
+import pkgutil
+
 from .base import Decoder, DecodeOutput
+
+for _m in pkgutil.iter_modules(__path__):
+    if not _m.name.startswith("_") and _m.name not in ("base", "loop"):
+        importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = ["Decoder", "DecodeOutput"]

@@ -32,7 +32,15 @@ class DecodeOutput:
     kv_bytes_prefill: list[int] = field(default_factory=list)  # per sample, logical bytes
     kv_bytes_end: list[int] = field(default_factory=list)
     vision_tokens_layer_avg: list[float] = field(default_factory=list)
+    flops_prefill: list[float] = field(default_factory=list)  # per sample, model at hand (papers' convention)
+    flops_prefill_7b: list[float] = field(default_factory=list)  # same schedule on the LLaVA-1.5-7B shape
     stats: dict[str, Any] = field(default_factory=dict)
+
+    def set_prefill_accounting(self, acc: Accounting) -> None:
+        self.kv_bytes_prefill = acc.kv_bytes
+        self.vision_tokens_layer_avg = acc.vision_layer_avg
+        self.flops_prefill = acc.flops
+        self.flops_prefill_7b = acc.flops_7b
 
 
 class Decoder:
@@ -64,7 +72,28 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def state_accounting(state: LMState) -> tuple[list[int], list[float]]:
-    """Per-sample logical KV bytes and layer-averaged vision-token count of a state."""
-    per_layer = state.vision_tokens_per_layer().float()  # [B, n_layers]
-    return state.kv_bytes_per_sample(), per_layer.mean(1).tolist()
+@dataclass
+class Accounting:
+    """Per-sample token accounting of a state (right after prefill, or at the end)."""
+
+    kv_bytes: list[int]
+    vision_layer_avg: list[float]
+    flops: list[float]
+    flops_7b: list[float]
+
+
+def state_accounting(state: LMState) -> Accounting:
+    """Logical KV bytes, layer-averaged vision tokens and prefill FLOPs of each sample."""
+    from ..flops import LLAVA_7B, LMShape, prefill_flops, project_schedule
+
+    vis = state.vision_tokens_per_layer().float()  # [B, n_layers]
+    tok = state.tokens_per_layer().float()  # [B, n_layers] all cached tokens (text + vision)
+    shape = LMShape.of(state.text_config) if state.text_config is not None else None
+    starts = [g.ref_start if g.ref_start is not None else g.start * LLAVA_7B.n_layers / state.n_layers for g in state.groups]
+    starts[0] = 0
+    flops, flops_7b = [], []
+    for b in range(state.batch_size):
+        per_group = [float(tok[b, grp.start]) for grp in state.groups]
+        flops.append(prefill_flops(tok[b].tolist(), shape) if shape else 0.0)
+        flops_7b.append(prefill_flops(project_schedule(starts, per_group, LLAVA_7B.n_layers), LLAVA_7B))
+    return Accounting(state.kv_bytes_per_sample(), vis.mean(1).tolist(), flops, flops_7b)

@@ -109,7 +109,7 @@ class Beam(Decoder):
         t0 = now(device)
         state, out = runner.prefill(inputs)
         t1 = now(device)
-        kv_prefill, layer_avg = state_accounting(state)
+        acc = state_accounting(state)
         state.repeat_interleave(k)
         logits = out.logits[:, -1].repeat_interleave(k, 0)  # [B*K, V]
         search = BeamSearch(inputs.batch_size, k, max_new_tokens, self.config.length_penalty, device)
@@ -122,14 +122,13 @@ class Beam(Decoder):
             logits = runner.step(state, tokens[:, None]).logits[:, -1]
             n_forwards += 1
         t2 = now(device)
-        kv_end, _ = state_accounting(state)
-        kv_end = [sum(kv_end[i * k : (i + 1) * k]) for i in range(inputs.batch_size)]
-        return DecodeOutput(
+        kv_end = state.kv_bytes_per_sample()
+        result = DecodeOutput(
             tokens=[strip(t, mm.eos_token_ids) for t in search.best()],
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
             n_forwards=n_forwards,
-            kv_bytes_prefill=kv_prefill,
-            kv_bytes_end=kv_end,
-            vision_tokens_layer_avg=layer_avg,
+            kv_bytes_end=[sum(kv_end[i * k : (i + 1) * k]) for i in range(inputs.batch_size)],
         )
+        result.set_prefill_accounting(acc)
+        return result

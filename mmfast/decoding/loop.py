@@ -69,7 +69,7 @@ def autoregressive(
     if on_prefill is not None:
         on_prefill(state, out)
     t1 = now(device)
-    kv_prefill, layer_avg = state_accounting(state)
+    acc = state_accounting(state)
     bsz = inputs.batch_size
     finished = torch.zeros(bsz, dtype=torch.bool, device=device)
     generated: list[torch.Tensor] = []
@@ -81,17 +81,20 @@ def autoregressive(
         finished |= torch.isin(nxt, stop)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
-        out = runner.step(state, nxt[:, None])
+        if runner.use_cache:
+            out = runner.step(state, nxt[:, None])
+        else:  # recompute the whole sequence (Dynamic-LLaVA's decode-without-cache rule)
+            inputs = inputs.append(nxt[:, None], session.adapter.embed_tokens(nxt[:, None]))
+            state, out = runner.prefill(inputs)
         n_forwards += 1
     t2 = now(device)
-    kv_end, _ = state_accounting(state)
     ids = torch.stack(generated, 1).tolist() if generated else [[] for _ in range(bsz)]
-    return DecodeOutput(
+    result = DecodeOutput(
         tokens=[strip(row, mm.eos_token_ids) for row in ids],
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         n_forwards=n_forwards,
-        kv_bytes_prefill=kv_prefill,
-        kv_bytes_end=kv_end,
-        vision_tokens_layer_avg=layer_avg,
+        kv_bytes_end=state.kv_bytes_per_sample(),
     )
+    result.set_prefill_accounting(acc)
+    return result

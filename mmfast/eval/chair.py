@@ -57,7 +57,8 @@ _WORDNET = ("corpora/wordnet/", "corpora/wordnet.zip/wordnet/")
 _TAGGER_FILES = ("taggers/averaged_perceptron_tagger_eng", "taggers/averaged_perceptron_tagger_eng.zip")
 _WORDNET_FILES = ("corpora/wordnet", "corpora/wordnet.zip")
 _IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
-_COCO_FILE_RE = re.compile(r"^(?:COCO_[A-Za-z]+\d{4}_)?0*(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
+# COCO ("COCO_val2014_000000000042.jpg") and the embedded world ("WORLD_val_000000000042.png")
+_COCO_FILE_RE = re.compile(r"^(?:[A-Za-z]+_[A-Za-z]+\d*_)?0*(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
 
 
 class NltkDataMissingError(InputError, LookupError):
@@ -270,7 +271,7 @@ class CaptionParser:
 
 
 def coco_image_id(value: Any) -> int:
-    """A COCO image id from an int, a digit string or a COCO file name ("COCO_val2014_000000000042.jpg")."""
+    """An image id from an int, a digit string or a COCO-style file name ("COCO_val2014_000000000042.jpg")."""
     if isinstance(value, bool):
         raise ValueError(f"not a COCO image id: {value!r}")
     if isinstance(value, int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def ensure_world(root: Path, seed: int) -> Path:
     marker = root / "world.json"
     if not marker.is_file():
         logger.info("generating the evaluation world (seed %d) in %s", seed, root)
-        write_world(root, seed=seed, n_train=0)
+        write_world(root, seed=seed, n_train=0, progress=sys.stderr.isatty())
     return root
 
 

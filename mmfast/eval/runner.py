@@ -127,11 +127,11 @@ def run_eval(
     from .distributed import shard_info
 
     rank, world = shard_info()
-    if rank == 0:
-        _guard(out, recipe)
-    data = resolve_data(cfg, cfg.tasks)
+    data = resolve_data(cfg, cfg.tasks)  # every input checked before anything is written
     tasks = build_tasks(cfg, data, cache_dir=Path(os.environ.get("MMFAST_CACHE", Path.home() / ".cache" / "mmfast")) / "chair")
     plan = [(task, task.samples(limit)) for task in tasks]
+    if rank == 0:
+        _guard(out, recipe)
     n_total = sum(len(s) for _, s in plan)
     for task in tasks:
         if task.name == "chair" and rank == 0:
@@ -152,7 +152,7 @@ def run_eval(
             todo = [s for s in mine if not store.done(s.doc_id)]
             if len(todo) < len(mine):
                 logger.info("%s: %d of %d samples already done (resuming)", task.name, len(mine) - len(todo), len(mine))
-            bar = tqdm(total=len(todo), desc=f"{task.name}", disable=not todo)
+            bar = tqdm(total=len(todo), desc=f"{task.name}", disable=None if todo else True)  # None: only on a TTY
             for i in range(0, len(todo), cfg.batch_size):
                 chunk = todo[i : i + cfg.batch_size]
                 records = _run_batch(session, chunk, task.filter_response)

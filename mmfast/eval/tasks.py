@@ -104,7 +104,8 @@ class ChairTask:
         self.cfg, self.data = cfg, data
         c = cfg.chair
         self.evaluator = ChairEvaluator.from_coco(list(data.instances), list(data.captions), cache_dir=cache_dir)
-        names = {coco_image_id(p.name): p.name for p in sorted(data.image_dir.iterdir()) if p.is_file()}
+        files = sorted(p for p in data.image_dir.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+        names = {coco_image_id(p.name): p.name for p in files}
         if c.image_ids_file:
             ids = [int(x) for x in Path(c.image_ids_file).read_text().split()]
             unknown = [i for i in ids if i not in names]

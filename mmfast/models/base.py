@@ -78,6 +78,21 @@ class LMInputs:
         last_img = torch.where(self.image_mask, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values
         return (pos > last_img) & self.attention_mask.bool()
 
+    def append(self, ids: torch.Tensor, embeds: torch.Tensor) -> LMInputs:
+        """The inputs with generated text tokens ``ids`` ([B, Q], embeddings [B, Q, d]) appended."""
+        bsz, q = ids.shape
+        dev = ids.device
+        last = self.position_ids[:, -1:]
+        return LMInputs(
+            torch.cat([self.embeds, embeds.to(self.embeds.dtype)], 1),
+            torch.cat([self.input_ids, ids], 1),
+            torch.cat([self.attention_mask, torch.ones(bsz, q, dtype=self.attention_mask.dtype, device=dev)], 1),
+            torch.cat([self.position_ids, last + torch.arange(1, q + 1, device=dev)], 1),
+            torch.cat([self.image_mask, torch.zeros(bsz, q, dtype=torch.bool, device=dev)], 1),
+            torch.cat([self.patch_ids, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
+            torch.cat([self.image_index, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
+        )
+
     def select(self, index: torch.Tensor) -> LMInputs:
         """Rows ``index`` of the batch (used to split or repeat branches)."""
         return LMInputs(*(getattr(self, f)[index] for f in _LMINPUT_FIELDS))

@@ -47,6 +47,16 @@ class Pruner:
         return vision
 
     @classmethod
+    def noop_params(cls, adapter: VLMAdapter) -> dict[str, Any]:
+        """Recipe params of the setting that must reproduce the unpruned model exactly (tests)."""
+        raise NotImplementedError(f"{cls.__name__} must define its no-op setting")
+
+    @classmethod
+    def test_params(cls, adapter: VLMAdapter) -> dict[str, Any]:
+        """Recipe params that really prune on a tiny test model (tests)."""
+        raise NotImplementedError(f"{cls.__name__} must define a pruning setting for tests")
+
+    @classmethod
     def check_model(cls, adapter: VLMAdapter) -> str | None:
         """A reason this stage cannot run on ``adapter``'s model, or None."""
         if cls.needs_cls and not adapter.has_cls:

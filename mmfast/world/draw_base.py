@@ -116,8 +116,10 @@ class Pen:
         """Axis-aligned (optionally rounded) rectangle; ``radius`` is a fraction of the short side."""
         ol = self._ol(fill, outline)
         box = self._box(x0, y0, x1, y1)
-        if radius > 0:
-            self.d.rounded_rectangle(box, radius=radius * self.m, fill=fill, outline=ol, width=self.px if ol else 0)
+        # PIL fails on a radius larger than half the box (tiny instances): clamp it
+        rad = min(radius * self.m, (box[2] - box[0] - 2) / 2, (box[3] - box[1] - 2) / 2)
+        if rad >= 1:
+            self.d.rounded_rectangle(box, radius=rad, fill=fill, outline=ol, width=self.px if ol else 0)
         else:
             self.d.rectangle(box, fill=fill, outline=ol, width=self.px if ol else 0)
 

@@ -1,0 +1,56 @@
+"""Analytical FLOPs in the convention of the token-pruning papers.
+
+Per decoder layer with ``n`` tokens, hidden size ``d`` and MLP size ``m``: ``4 n d^2 + 2 n^2 d + 3 n d m``
+(q/k/v/o projections, attention scores and values, gated MLP), summed over layers. FastV,
+SparseVLM, MustDrop and PDrop report this quantity (LLM only, vision tower excluded), and their
+"equivalent token count" is the layer average of the vision tokens. mmfast reports it for the model
+at hand and projected onto the real LLaVA-1.5-7B shape (32 layers, d=4096, m=11008).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class LMShape:
+    n_layers: int
+    d: int
+    m: int
+
+    @classmethod
+    def of(cls, text_config) -> LMShape:
+        return cls(text_config.num_hidden_layers, text_config.hidden_size, text_config.intermediate_size)
+
+
+LLAVA_7B = LMShape(32, 4096, 11008)
+
+
+def layer_flops(n: float, shape: LMShape) -> float:
+    d, m = shape.d, shape.m
+    return 4 * n * d * d + 2 * n * n * d + 3 * n * d * m
+
+
+def prefill_flops(tokens_per_layer: Sequence[float], shape: LMShape) -> float:
+    """Sum of :func:`layer_flops` over layers (``len(tokens_per_layer) == shape.n_layers``)."""
+    return float(sum(layer_flops(n, shape) for n in tokens_per_layer))
+
+
+def decode_flops(kv_per_layer: Sequence[float], shape: LMShape) -> float:
+    """FLOPs of one decoded token attending to ``kv_per_layer`` cached tokens."""
+    d, m = shape.d, shape.m
+    return float(sum(4 * d * d + 2 * kv * d + 3 * d * m for kv in kv_per_layer))
+
+
+def project_schedule(starts: Sequence[float], counts: Sequence[float], n_layers: int) -> list[float]:
+    """Per-layer token counts of a depth-``n_layers`` model from group starts (reference layers).
+
+    ``starts[g]`` is where group ``g`` begins in that depth (group 0 starts at 0); layer ``l`` uses the
+    last group whose start is ``<= l``.
+    """
+    out = []
+    for layer in range(n_layers):
+        g = max(i for i, s in enumerate(starts) if s <= layer)
+        out.append(counts[g])
+    return out
