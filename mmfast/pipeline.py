@@ -11,6 +11,7 @@ Everything it changed is removed by ``close()``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -18,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from .config import Recipe, load_recipe
-from .decoding.base import DecodeOutput, now
+from .decoding.base import DecodeOutput, DecodeRequest, now
 from .errors import IncompatibleRecipeError
 from .hooks import AttentionProbe, HookSession
 from .model import MMModel, PreparedBatch
@@ -110,6 +111,7 @@ class Session:
         """Vision tower + feature-stage pruners (pre-projection)."""
         self.probe.clear()
         vision = self.adapter.encode_images(batch.pixel_values)
+        self.raw_vision = dataclasses.replace(vision, features=list(vision.features), patch_ids=list(vision.patch_ids))
         for pruner in self.pruners:
             vision = pruner.prune_vision(vision, batch)
         return vision
@@ -128,6 +130,20 @@ class Session:
         return build_lm_inputs(
             self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.mm.pad_token_id
         )
+
+    @torch.inference_mode()
+    def text_only_inputs(self, batch: PreparedBatch) -> LMInputs:
+        """The same prompts with no image at all (M3ID's unconditioned branch, VHR's text stream)."""
+        tok = self.mm.tokenizer
+        ids = [tok(self.mm.chat_text(p, 0), add_special_tokens=True)["input_ids"] for p in batch.prompts]
+        empty: list[list[torch.Tensor]] = [[] for _ in ids]
+        return build_lm_inputs(self.adapter, ids, empty, [[] for _ in ids], self.mm.pad_token_id)
+
+    def reprompt(self, batch: PreparedBatch, prompts: list[str]) -> PreparedBatch:
+        """``batch`` with other prompts about the same images (pixels reused, no re-encoding needed)."""
+        texts = [self.mm.chat_text(p, len(ims)) for p, ims in zip(prompts, batch.images)]
+        ids = [self.mm.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        return dataclasses.replace(batch, prompts=list(prompts), texts=texts, token_ids=ids)
 
     # -- generation ------------------------------------------------------------------------------
     def generate(
@@ -150,7 +166,7 @@ class Session:
         vision = self.encode(batch)
         inputs = self.build_inputs(batch, vision)
         t1 = now(device)
-        out: DecodeOutput = self.decoder.decode(batch, inputs, max_new, seed)
+        out: DecodeOutput = self.decoder.decode(DecodeRequest(batch, vision, inputs, max_new, seed, self.raw_vision))
         timings = Timings(t1 - t0, out.prefill_s, out.decode_s)
         stats = dict(out.stats)
         for pruner in self.pruners:

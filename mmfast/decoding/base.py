@@ -16,9 +16,21 @@ import torch
 if TYPE_CHECKING:
     from ..config import Recipe
     from ..model import PreparedBatch
-    from ..models.base import LMInputs
+    from ..models.base import LMInputs, VisionBatch
     from ..pipeline import Session
     from ..runtime import LMState
+
+
+@dataclass
+class DecodeRequest:
+    """Everything a decoder gets for one batch."""
+
+    batch: PreparedBatch  # prompts, images, token ids, pixel values
+    vision: VisionBatch  # the (pruned) vision features the inputs were built from
+    inputs: LMInputs  # the spliced, left-padded LLM inputs of the clean branch
+    max_new_tokens: int
+    seed: int
+    raw_vision: VisionBatch | None = None  # before feature-stage pruning (DAMRO's outlier branch)
 
 
 @dataclass
@@ -57,7 +69,7 @@ class Decoder:
     def install(self) -> None:
         """Register hooks (called once when the session opens)."""
 
-    def decode(self, batch: PreparedBatch, inputs: LMInputs, max_new_tokens: int, seed: int) -> DecodeOutput:
+    def decode(self, req: DecodeRequest) -> DecodeOutput:
         raise NotImplementedError
 
     @classmethod

@@ -17,7 +17,7 @@ import torch
 
 from ..config import opt
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput, now, state_accounting
+from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
 from .loop import strip
 
 
@@ -101,7 +101,8 @@ class Beam(Decoder):
         num_beams: int = opt(5, lo=1, hi=64, doc="beams per sample")
         length_penalty: float = opt(1.0, lo=-10.0, hi=10.0, doc="exponent on the generated length")
 
-    def decode(self, batch, inputs, max_new_tokens: int, seed: int) -> DecodeOutput:
+    def decode(self, req: DecodeRequest) -> DecodeOutput:
+        inputs, max_new_tokens = req.inputs, req.max_new_tokens
         runner, mm = self.session.runner, self.session.mm
         device = mm.device
         k = self.config.num_beams

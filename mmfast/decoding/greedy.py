@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput
+from .base import Decoder, DecodeOutput, DecodeRequest
 from .loop import autoregressive
 
 
@@ -23,9 +23,9 @@ class Greedy(Decoder):
     class Config:
         pass
 
-    def decode(self, batch, inputs, max_new_tokens: int, seed: int) -> DecodeOutput:
+    def decode(self, req: DecodeRequest) -> DecodeOutput:
         if self.session.drafter is not None:
             from ..speculative.engine import speculative_decode
 
-            return speculative_decode(self.session, inputs, max_new_tokens, temperature=0.0, seed=seed)
-        return autoregressive(self.session, inputs, lambda logits, step, state: logits.argmax(-1), max_new_tokens)
+            return speculative_decode(self.session, req, temperature=0.0)
+        return autoregressive(self.session, req.inputs, lambda logits, step, state: logits.argmax(-1), req.max_new_tokens)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..config import opt
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput
+from .base import Decoder, DecodeOutput, DecodeRequest
 from .loop import autoregressive, make_generator, sample_from, warpers
 
 
@@ -26,18 +26,16 @@ class Sample(Decoder):
         top_k: int = opt(0, lo=0, doc="keep the k most likely tokens (0 = off)")
         top_p: float = opt(1.0, lo=0.0, hi=1.0, doc="nucleus mass (1 = off)")
 
-    def decode(self, batch, inputs, max_new_tokens: int, seed: int) -> DecodeOutput:
+    def decode(self, req: DecodeRequest) -> DecodeOutput:
         cfg = self.config
         if self.session.drafter is not None:
             from ..speculative.engine import speculative_decode
 
-            return speculative_decode(
-                self.session, inputs, max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed
-            )
-        gen = make_generator(seed, self.session.mm.device)
+            return speculative_decode(self.session, req, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        gen = make_generator(req.seed, self.session.mm.device)
         procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p)
 
         def choose(logits, step, state):
             return sample_from(procs(None, logits), gen)
 
-        return autoregressive(self.session, inputs, choose, max_new_tokens)
+        return autoregressive(self.session, req.inputs, choose, req.max_new_tokens)

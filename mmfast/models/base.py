@@ -93,6 +93,13 @@ class LMInputs:
             torch.cat([self.image_index, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
         )
 
+    @staticmethod
+    def cat(parts: list[LMInputs]) -> LMInputs:
+        """Concatenate equal-length inputs along the batch."""
+        if len(parts) == 1:
+            return parts[0]
+        return LMInputs(*(torch.cat([getattr(p, f) for p in parts], 0) for f in _LMINPUT_FIELDS))
+
     def select(self, index: torch.Tensor) -> LMInputs:
         """Rows ``index`` of the batch (used to split or repeat branches)."""
         return LMInputs(*(getattr(self, f)[index] for f in _LMINPUT_FIELDS))

@@ -1,0 +1,171 @@
+"""The branch manager behind every contrastive / ensemble decoder (VCD, M3ID, RITUAL, DAMRO, LQCD).
+
+A decoder declares auxiliary *branches*: the same prompt with a noised image (VCD), no image (M3ID),
+a transformed image (RITUAL), only the outlier tokens (DAMRO), a leading question (LQCD). Each branch
+has its own KV cache and is fed the same chosen token at every step; branches whose sequences have
+the same length are concatenated along the batch and run as one forward. At each step the decoder
+fuses the branch logits:
+
+- contrastive ``(1 + a) l - a l'`` (VCD, DAMRO, LQCD), additive ``l + a l'`` (RITUAL), or M3ID's
+  ``l + (1 - g_t) / g_t (l - l_u)`` with ``g_t = exp(-lambda t)``;
+- the adaptive plausibility constraint keeps token y only if ``l_y >= log(beta) + max(l)``, computed on
+  the clean branch's logits (every reference implementation works in logit space);
+- selection: greedy, or sampling with (VCD, RITUAL, M3ID) or without (DAMRO) the usual warpers.
+
+Pruning stages in the same recipe act on every branch's prefill (they are hooked into the runner).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from ..config import opt
+from ..models.base import LMInputs
+from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
+from .loop import make_generator, sample_from, strip, warpers
+
+if TYPE_CHECKING:
+    from ..pipeline import Session
+
+
+@dataclass
+class Branch:
+    name: str
+    inputs: LMInputs  # [B, L_branch]
+
+
+class BranchSet:
+    """Branches of one batch, each with its own KV cache, all fed the same token each step."""
+
+    def __init__(self, session: Session, branches: list[Branch]) -> None:
+        self.session = session
+        self.names = [b.name for b in branches]
+        self.batch = branches[0].inputs.batch_size
+        by_len: dict[int, list[int]] = {}
+        for i, b in enumerate(branches):
+            by_len.setdefault(b.inputs.length, []).append(i)
+        self.groups = [(idx, LMInputs.cat([branches[i].inputs for i in idx])) for idx in by_len.values()]
+        self.states: list = []
+        self.n_forwards = 0
+
+    def _split(self, idx: list[int], logits: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        for j, i in enumerate(idx):
+            out[self.names[i]] = logits[j * self.batch : (j + 1) * self.batch]
+
+    def prefill(self) -> dict[str, torch.Tensor]:
+        """Prefill every group; returns last-position logits [B, V] per branch name."""
+        out: dict[str, torch.Tensor] = {}
+        for idx, inputs in self.groups:
+            state, step = self.session.runner.prefill(inputs)
+            self.states.append(state)
+            self._split(idx, step.logits[:, -1], out)
+        return out
+
+    def step(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Feed ``tokens`` ([B]) to every branch; returns next logits [B, V] per branch."""
+        out: dict[str, torch.Tensor] = {}
+        for (idx, _), state in zip(self.groups, self.states):
+            toks = tokens.repeat(len(idx))[:, None]  # [n_branches * B, 1]
+            self._split(idx, self.session.runner.step(state, toks).logits[:, -1], out)
+            self.n_forwards += 1
+        return out
+
+    def clean_state(self):
+        """The state holding the clean branch (first branch), and its row offset."""
+        for (idx, _), state in zip(self.groups, self.states):
+            if 0 in idx:
+                return state, idx.index(0) * self.batch
+        raise RuntimeError("no clean branch")
+
+
+def plausibility_mask(clean: torch.Tensor, beta: float) -> torch.Tensor:
+    """[B, V] bool: tokens kept by the adaptive plausibility constraint (beta = 0 keeps all)."""
+    if beta <= 0:
+        return torch.ones_like(clean, dtype=torch.bool)
+    cutoff = math.log(beta) + clean.max(dim=-1, keepdim=True).values
+    return clean >= cutoff
+
+
+def contrastive(clean: torch.Tensor, aux: torch.Tensor, alpha: float) -> torch.Tensor:
+    return (1 + alpha) * clean - alpha * aux
+
+
+def additive(clean: torch.Tensor, aux: torch.Tensor, alpha: float) -> torch.Tensor:
+    return clean + alpha * aux
+
+
+def m3id(clean: torch.Tensor, unconditioned: torch.Tensor, t: int, lam: float) -> torch.Tensor:
+    gamma = math.exp(-lam * t)
+    return clean + (1 - gamma) / gamma * (clean - unconditioned)
+
+
+@dataclass(frozen=True)
+class BranchConfig:
+    """Fusion weight, plausibility cutoff and token selection shared by the branch decoders."""
+
+    alpha: float = opt(1.0, lo=0.0, hi=20.0, doc="weight of the auxiliary branch (0 = plain decoding)")
+    beta: float = opt(0.1, lo=0.0, hi=1.0, doc="adaptive plausibility cutoff on the clean branch (0 = off)")
+    sample: bool = opt(True, doc="sample from the fused logits (false: argmax)")
+    temperature: float = opt(1.0, lo=1e-4, hi=100.0, doc="sampling temperature (warpers)")
+    top_p: float = opt(1.0, lo=0.0, hi=1.0, doc="nucleus mass (warpers)")
+    top_k: int = opt(0, lo=0, doc="top-k, 0 = off (warpers)")
+
+
+class MultiBranchDecoder(Decoder):
+    """Base class: subclasses build auxiliary branches and fuse branch logits."""
+
+    use_warpers: ClassVar[bool] = True  # DAMRO samples straight from softmax(fused)
+
+    def branches(self, req: DecodeRequest) -> list[Branch]:
+        raise NotImplementedError
+
+    def fuse(self, logits: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, req: DecodeRequest) -> DecodeOutput:
+        cfg = self.config
+        session, mm = self.session, self.session.mm
+        device = mm.device
+        stop = torch.tensor(mm.eos_token_ids, device=device)
+        gen = make_generator(req.seed, device)
+        procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p) if self.use_warpers else None
+        t0 = now(device)
+        bset = BranchSet(session, [Branch("clean", req.inputs), *self.branches(req)])
+        logits = bset.prefill()
+        t1 = now(device)
+        state, row = bset.clean_state()
+        acc = state_accounting(state)
+        bsz = req.inputs.batch_size
+        finished = torch.zeros(bsz, dtype=torch.bool, device=device)
+        generated = []
+        for step in range(req.max_new_tokens):
+            fused = self.fuse(logits, step).float()
+            fused = fused.masked_fill(~plausibility_mask(logits["clean"].float(), cfg.beta), float("-inf"))
+            if cfg.sample:
+                nxt = sample_from(procs(None, fused) if procs is not None else fused, gen)
+            else:
+                nxt = fused.argmax(-1)
+            nxt = torch.where(finished, torch.full_like(nxt, mm.pad_token_id), nxt)
+            generated.append(nxt)
+            finished |= torch.isin(nxt, stop)
+            if bool(finished.all()) or step == req.max_new_tokens - 1:
+                break
+            logits = bset.step(nxt)
+        t2 = now(device)
+        kv_end = state.kv_bytes_per_sample()[row : row + bsz]
+        ids = torch.stack(generated, 1).tolist()
+        out = DecodeOutput(
+            tokens=[strip(r, mm.eos_token_ids) for r in ids],
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            n_forwards=bset.n_forwards,
+            kv_bytes_end=kv_end,
+            stats={"branches": bset.names, "forwards_per_step": len(bset.groups)},
+        )
+        out.set_prefill_accounting(type(acc)(*(v[row : row + bsz] for v in vars(acc).values())))
+        return out
+

@@ -1,0 +1,75 @@
+"""DAMRO (Gong et al., EMNLP 2024, arXiv 2410.04514): dive into the attention of the vision tower.
+
+Algorithm: in the vision layer that produces the selected features (LLaVA: ``vision_feature_layer``
+= -2), compute the CLS row of ``softmax(Q K^T / sqrt(C))`` with Q, K taken as *one* head over the full
+hidden size C (the released code's approximation of the 16-head attention); its top-k patches
+(k = 10) are the "outlier" tokens. An auxiliary branch feeds the LLM only those k projected features
+(the image placeholder run rebuilt to k tokens, the prompt unchanged) and the logits are contrasted,
+``(1 + alpha) l - alpha l_outlier`` (alpha = 2), with the plausibility cutoff (beta = 0.1) on the
+clean branch, then sampled straight from the softmax at T = 1 (no warpers), as the released code does.
+Hook points: a recorder on the feature layer's vision attention (q/k of the forward that runs anyway);
+an auxiliary branch via the branch manager. Limits: the outlier branch uses the unpruned features,
+so it composes with feature-stage pruning but not with merging inside the vision tower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..config import opt
+from ..errors import IncompatibleRecipeError
+from ..hooks import attach
+from ..registry import DECODERS, PRUNERS
+from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
+
+
+@DECODERS.register("damro", description="DAMRO: contrast against the vision tower's CLS-attention outlier tokens")
+class Damro(MultiBranchDecoder):
+    """DAMRO."""
+
+    use_warpers = False
+
+    @dataclass(frozen=True)
+    class Config(BranchConfig):
+        alpha: float = opt(2.0, lo=0.0, hi=20.0, doc="contrast weight (LLaVA: 2)")
+        k: int = opt(10, lo=1, doc="outlier tokens fed to the auxiliary branch")
+
+    @classmethod
+    def check_recipe(cls, recipe):
+        for stage in recipe.pruning:
+            if "vision_tower" in PRUNERS.get(stage.method).cls.hook_points:
+                return f"the outlier branch needs unmerged vision tokens; {stage.method} merges inside the vision tower"
+        return None
+
+    def install(self) -> None:
+        layer = self.session.adapter.vision_feature_layer_index()
+        self._cls_scores: torch.Tensor | None = None
+        attach(self.session.hooks, self.session.adapter.vision_layers[layer].self_attn).recorders.append(self._record)
+
+    def _record(self, module, query, key, attention_mask, scaling) -> None:
+        bsz, heads, n, d = query.shape
+        q = query[:, :, 0].reshape(bsz, heads * d).float()  # [B, C] CLS query as one head
+        k = key.transpose(1, 2).reshape(bsz, n, heads * d).float()  # [B, N, C]
+        scores = torch.softmax(torch.einsum("bc,bnc->bn", q, k) / (heads * d) ** 0.5, dim=-1)
+        self._cls_scores = scores[:, 1:]  # [B, N-1] CLS -> patches
+
+    def branches(self, req):
+        if self._cls_scores is None or req.raw_vision is None:
+            raise IncompatibleRecipeError("DAMRO found no vision-tower attention for this batch")
+        raw = req.raw_vision
+        k = min(self.config.k, raw.features[0].shape[0])
+        top = self._cls_scores.topk(k, dim=-1).indices.sort(dim=-1).values  # [n_images, k] raster order
+        self.last_outliers = top.tolist()
+        outliers = dataclasses.replace(
+            raw,
+            features=[f[idx] for f, idx in zip(raw.features, top)],
+            patch_ids=[p[idx] for p, idx in zip(raw.patch_ids, top)],
+            projected=[None] * raw.n_images,
+        )
+        return [Branch("outliers", self.session.build_inputs(req.batch, outliers))]
+
+    def fuse(self, logits, step):
+        return contrastive(logits["clean"], logits["outliers"], self.config.alpha)

@@ -1,0 +1,62 @@
+"""VCD: Visual Contrastive Decoding (Leng et al., CVPR 2024, arXiv 2311.16922).
+
+Algorithm: a second branch sees the image distorted by a DDPM forward step on the *normalised*
+pixel tensor, ``x' = sqrt(abar_t) x + sqrt(1 - abar_t) eps`` (1000-step schedule
+``beta_i = sigmoid(linspace(-6, 6)) * (5e-3 - 1e-5) + 1e-5``, t = 500). Next-token logits are
+``(1 + alpha) l - alpha l_noised`` restricted to the clean branch's plausible set (beta), then the
+usual warpers and multinomial sampling (the paper's setting: T = 1, top-p = 1, alpha = 1, beta = 0.1;
+VCD's bash scripts use beta = 0.2).
+Hook points: a second branch (own KV cache) through the branch manager; equal lengths, so both
+branches run as one batched forward. Limits: none beyond those of the branch manager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..config import opt
+from ..registry import DECODERS
+from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
+
+
+def ddpm_noise(pixel_values: torch.Tensor, step: int, generator: torch.Generator) -> torch.Tensor:
+    """VCD's diffusion noise on normalised pixels ([N, 3, H, W]); step in [0, 999]."""
+    betas = torch.sigmoid(torch.linspace(-6, 6, 1000, dtype=torch.float64)) * (0.5e-2 - 1e-5) + 1e-5
+    abar = torch.cumprod(1 - betas, dim=0)[step]
+    eps = torch.randn(pixel_values.shape, generator=generator, dtype=torch.float32, device=generator.device)
+    x = pixel_values.float()
+    return (abar.sqrt() * x + (1 - abar).sqrt() * eps.to(x.device)).to(pixel_values.dtype)
+
+
+def noised_branch(session, req, step: int, seed: int, name: str = "noised") -> Branch:
+    """The batch with every image noised; each image's noise depends only on (seed, image, prompt),
+    never on the sampling RNG or on the batch it is in."""
+    from .ritual import query_rng
+
+    noised = []
+    for i, owner in enumerate(req.batch.image_owner):
+        image = req.batch.images[owner][i - req.batch.image_owner.index(owner)]
+        rng = query_rng(seed, req.batch.prompts[owner], image)
+        gen = torch.Generator(device="cpu").manual_seed(rng.getrandbits(63))
+        noised.append(ddpm_noise(req.batch.pixel_values[i : i + 1], step, gen))
+    batch = dataclasses.replace(req.batch, pixel_values=torch.cat(noised))
+    return Branch(name, session.build_inputs(batch, session.encode(batch)))
+
+
+@DECODERS.register("vcd", description="VCD: contrast against a diffusion-noised image (baseline)")
+class VCD(MultiBranchDecoder):
+    """Visual Contrastive Decoding."""
+
+    @dataclass(frozen=True)
+    class Config(BranchConfig):
+        alpha: float = opt(1.0, lo=0.0, hi=20.0, doc="contrast weight")
+        noise_step: int = opt(500, lo=0, hi=999, doc="DDPM step of the distortion")
+
+    def branches(self, req):
+        return [noised_branch(self.session, req, self.config.noise_step, req.seed)]
+
+    def fuse(self, logits, step):
+        return contrastive(logits["clean"], logits["noised"], self.config.alpha)

@@ -1,0 +1,128 @@
+"""Branch decoders (VCD, M3ID, RITUAL, DAMRO): no-op settings reproduce the baselines exactly and
+each method's defining behaviour holds on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mmfast.config import load_recipe
+from mmfast.decoding.branches import additive, contrastive, m3id, plausibility_mask
+from mmfast.decoding.vcd import ddpm_noise
+from mmfast.pipeline import Session
+
+NOOP = {
+    "vcd": {"alpha": 0.0, "beta": 0.0},
+    "m3id": {"lam": 0.0, "beta": 0.0},
+    "ritual": {"alpha": 0.0, "beta": 0.0},
+    "damro": {"alpha": 0.0, "beta": 0.0},
+}
+
+
+def _gen(mm, images, prompts, method, params, seed=5, n=8):
+    recipe = load_recipe({"decoding": {"method": method, "params": params, "seed": seed}})
+    with Session(mm, recipe) as s:
+        return [r.token_ids for r in s.generate(images, prompts, max_new_tokens=n)], s
+
+
+@pytest.mark.parametrize("method", sorted(NOOP))
+def test_noop_equals_sampling_baseline(method, tiny_mm, images, prompts):
+    base, _ = _gen(tiny_mm, images[:2], prompts[:2], "sample", {})
+    got, _ = _gen(tiny_mm, images[:2], prompts[:2], method, NOOP[method])
+    assert got == base
+
+
+@pytest.mark.parametrize("method", sorted(NOOP))
+def test_noop_greedy_equals_greedy(method, tiny_mm, images, prompts):
+    base, _ = _gen(tiny_mm, images[:2], prompts[:2], "greedy", {})
+    got, _ = _gen(tiny_mm, images[:2], prompts[:2], method, {**NOOP[method], "sample": False})
+    assert got == base
+
+
+@pytest.mark.parametrize("method", sorted(NOOP))
+def test_active_setting_changes_output_and_batch(method, tiny_mm, images, prompts):
+    params = {"sample": False, "beta": 0.0} | ({"alpha": 3.0} if method != "m3id" else {"lam": 0.5})
+    batched, _ = _gen(tiny_mm, images[:3], prompts[:3], method, params, n=10)
+    single = [_gen(tiny_mm, [im], [p], method, params, n=10)[0][0] for im, p in zip(images[:3], prompts[:3])]
+    assert batched == single
+    greedy, _ = _gen(tiny_mm, images[:3], prompts[:3], "greedy", {}, n=10)
+    assert batched != greedy
+
+
+def test_fusion_math():
+    clean = torch.tensor([[2.0, 1.0, -5.0]])
+    aux = torch.tensor([[1.0, 3.0, 0.0]])
+    assert torch.equal(contrastive(clean, aux, 1.0), torch.tensor([[3.0, -1.0, -10.0]]))
+    assert torch.equal(additive(clean, aux, 3.0), torch.tensor([[5.0, 10.0, -5.0]]))
+    assert torch.equal(m3id(clean, aux, 0, 0.02), clean)  # gamma_0 = 1: no contrast at t = 0
+    w = (1 - math.exp(-0.2)) / math.exp(-0.2)
+    torch.testing.assert_close(m3id(clean, aux, 10, 0.02), clean + w * (clean - aux))
+    # plausibility: keep p(y) >= beta * max p  <=>  l_y >= log(beta) + max l
+    keep = plausibility_mask(clean, 0.1)
+    assert keep.tolist() == [[True, True, False]]
+    assert plausibility_mask(clean, 0.0).all()
+
+
+def test_vcd_noise_is_ddpm_step():
+    x = torch.ones(2, 3, 4, 4)
+    gen = torch.Generator().manual_seed(0)
+    y = ddpm_noise(x, 500, gen)
+    eps = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    betas = torch.sigmoid(torch.linspace(-6, 6, 1000, dtype=torch.float64)) * (0.5e-2 - 1e-5) + 1e-5
+    abar = torch.cumprod(1 - betas, 0)[500]
+    torch.testing.assert_close(y, (abar.sqrt() * x + (1 - abar).sqrt() * eps).float())
+    assert abs(abar.sqrt().item() - 0.863) < 0.01  # x' ~ 0.863 x + 0.505 eps, as the spec says
+
+
+def test_vcd_branches_share_one_forward(tiny_mm, images, prompts):
+    _, s = _gen(tiny_mm, images[:2], prompts[:2], "vcd", {}, n=4)
+    r = s.generate(images[:2], prompts[:2], max_new_tokens=4)
+    assert r[0].stats["branches"] == ["clean", "noised"] and r[0].stats["forwards_per_step"] == 1
+
+
+def test_m3id_branch_has_no_image(tiny_mm, images, prompts):
+    with Session(tiny_mm, load_recipe({"decoding": {"method": "m3id"}})) as s:
+        batch = tiny_mm.prepare(images[:2], prompts[:2])
+        inputs = s.text_only_inputs(batch)
+        assert inputs.image_mask.sum() == 0
+        assert (inputs.input_ids == tiny_mm.adapter.image_token_id).sum() == 0
+        r = s.run(batch, max_new_tokens=3)
+        assert r[0].stats["forwards_per_step"] == 2  # different lengths: separate caches
+
+
+def test_damro_branch_sees_exactly_k_tokens(tiny_mm, images, prompts):
+    recipe = load_recipe({"decoding": {"method": "damro", "params": {"k": 3}}})
+    with Session(tiny_mm, recipe) as s:
+        seen = []
+        orig = s.runner.prefill
+
+        def spy(inputs):
+            seen.append(inputs.image_mask.sum(1).tolist())
+            return orig(inputs)
+
+        s.runner.prefill = spy
+        s.generate(images[:2], prompts[:2], max_new_tokens=3)
+        assert sorted(seen) == sorted([[16, 16], [3, 3]])
+        scores = s.decoder._cls_scores
+        top = scores.topk(3, -1).indices.sort(-1).values
+        assert s.decoder.last_outliers == top.tolist()
+
+
+def test_ritual_transform_pool(tiny_mm, images, prompts):
+    from mmfast.decoding.ritual import POOL, query_rng, transform
+
+    for kind in POOL:
+        out = transform(images[0], kind, query_rng(0, "p", images[0]), 32)
+        assert out.mode == "RGB"
+        if kind != "resized_crop":
+            assert out.size == images[0].size
+    recipe = load_recipe({"decoding": {"method": "ritual", "params": {"transforms": ["vflip"]}}})
+    with Session(tiny_mm, recipe) as s:
+        s.generate(images[:2], prompts[:2], max_new_tokens=2)
+        assert s.decoder.last_transforms == ["vflip", "vflip"]
+    recipe = load_recipe({"decoding": {"method": "ritual", "params": {"alpha_neg": 1.0}}})
+    with Session(tiny_mm, recipe) as s:
+        r = s.generate(images[:1], prompts[:1], max_new_tokens=2)
+        assert r[0].stats["branches"] == ["clean", "transformed", "noised"] and r[0].stats["forwards_per_step"] == 1
