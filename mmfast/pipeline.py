@@ -209,8 +209,8 @@ def _sample_stats(stats: dict[str, Any], b: int) -> dict[str, Any]:
     for k, v in stats.items():
         if isinstance(v, dict):
             out[k] = _sample_stats(v, b)
-        elif k.startswith("per_sample_") and isinstance(v, list):
-            out[k.removeprefix("per_sample_")] = v[b]
+        elif str(k).startswith("per_sample_") and isinstance(v, list):
+            out[str(k).removeprefix("per_sample_")] = v[b]
         else:
             out[k] = v
     return out

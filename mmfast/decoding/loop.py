@@ -70,7 +70,7 @@ def autoregressive(
         on_prefill(state, out)
     t1 = now(device)
     acc = state_accounting(state)
-    bsz = inputs.batch_size
+    bsz = state.batch_size  # on_prefill may drop rows (VHR's text-only stream)
     finished = torch.zeros(bsz, dtype=torch.bool, device=device)
     generated: list[torch.Tensor] = []
     n_forwards = 0
@@ -84,7 +84,7 @@ def autoregressive(
         if runner.use_cache:
             out = runner.step(state, nxt[:, None])
         else:  # recompute the whole sequence (Dynamic-LLaVA's decode-without-cache rule)
-            inputs = inputs.append(nxt[:, None], session.adapter.embed_tokens(nxt[:, None]))
+            inputs = state.inputs.append(nxt[:, None], session.adapter.embed_tokens(nxt[:, None]))
             state, out = runner.prefill(inputs)
         n_forwards += 1
     t2 = now(device)

@@ -1,0 +1,79 @@
+"""VHR scales exactly the selected heads; LQCD contrasts against a leading rewording."""
+
+from __future__ import annotations
+
+import torch
+
+from mmfast.config import load_recipe
+from mmfast.decoding.lqcd import leading_query
+from mmfast.decoding.vhr import paper_layers, select_heads
+from mmfast.pipeline import Session
+
+
+def _tokens(mm, images, prompts, decoding, n=8):
+    with Session(mm, load_recipe({"decoding": decoding})) as s:
+        return [r.token_ids for r in s.generate(images, prompts, max_new_tokens=n)], s
+
+
+def test_vhr_paper_layers():
+    assert paper_layers(32) == [1] + list(range(18, 32))
+    assert paper_layers(4) == [1, 2, 3]
+
+
+def test_vhr_head_selection_rule():
+    vhd = torch.tensor([[1.0, 2.0, 3.0, 10.0, 4.0, 0.5]])
+    energy = torch.tensor([[1.0, 1.0, 1.0, 9.0, 1.0, 1.0]])  # head 3: VHD and energy outliers -> zeroed
+    sel = select_heads(vhd, energy)
+    # filtered = [1, 2, 3, 0, 4, 0.5], median (lower) = 1 -> heads above: 1, 2, 4
+    assert sel.tolist() == [[False, True, True, False, True, False]]
+
+
+def test_vhr_alpha_one_is_greedy(tiny_mm, images, prompts):
+    base, _ = _tokens(tiny_mm, images[:2], prompts[:2], {"method": "greedy"})
+    got, _ = _tokens(tiny_mm, images[:2], prompts[:2], {"method": "vhr", "params": {"alpha": 1.0}})
+    assert got == base
+
+
+def test_vhr_scales_exactly_the_selected_heads(tiny_mm, images, prompts):
+    recipe = load_recipe({"decoding": {"method": "vhr", "params": {"alpha": 2.0, "layers": [1, 3]}}})
+    h = tiny_mm.adapter.text_config.num_attention_heads
+    with Session(tiny_mm, recipe) as s:
+        out = s.generate(images[:2], prompts[:2], max_new_tokens=3)
+        sel = s.decoder.selected[3]  # [B, H] head set frozen at t = 0
+        assert sel.shape == (2, h) and 0 < int(sel.sum()) < sel.numel()
+        assert out[0].stats["reinforced_heads"]["3"] == int(sel[0].sum())
+        # the frozen hook multiplies exactly the selected heads' slices of the o_proj input by alpha
+        s.decoder.phase = "apply"
+        x = torch.randn(2, 5, tiny_mm.adapter.text_config.hidden_size)
+        (y,) = s.decoder._hook(3)(None, (x,))
+        s.decoder.phase = "off"
+    xv, yv = x.view(2, 5, h, -1), y.view(2, 5, h, -1)
+    for b in range(2):
+        for head in range(h):
+            want = 2.0 * xv[b, :, head] if sel[b, head] else xv[b, :, head]
+            torch.testing.assert_close(yv[b, :, head], want)
+
+
+def test_vhr_batch_equals_single(tiny_mm, images, prompts):
+    dec = {"method": "vhr", "params": {"alpha": 3.0}}
+    batched, _ = _tokens(tiny_mm, images[:3], prompts[:3], dec)
+    single = [_tokens(tiny_mm, [im], [p], dec)[0][0] for im, p in zip(images[:3], prompts[:3])]
+    assert batched == single
+
+
+def test_lqcd_leading_templates():
+    import random
+
+    q = "Is there a dog in the image?\nAnswer the question using a single word or phrase."
+    lead = leading_query(q, random.Random(0), ("{q} Surely yes.",), ("{q} Mention all.",))
+    assert lead == "Is there a dog in the image? Surely yes.\nAnswer the question using a single word or phrase."
+    assert leading_query("Describe it.", random.Random(0), ("{q} yes",), ("{q} Mention all.",)) == "Describe it. Mention all."
+
+
+def test_lqcd_noop_and_active(tiny_mm, images, prompts):
+    base, _ = _tokens(tiny_mm, images[:2], prompts[:2], {"method": "greedy"})
+    got, _ = _tokens(tiny_mm, images[:2], prompts[:2], {"method": "lqcd", "params": {"alpha": 0.0, "beta": 0.0, "sample": False}})
+    assert got == base
+    active, s = _tokens(tiny_mm, images[:2], prompts[:2], {"method": "lqcd", "params": {"alpha": 3.0, "beta": 0.0, "sample": False}})
+    assert active != base
+    assert all(lead != p for lead, p in zip(s.decoder.last_leading, prompts[:2]))
