@@ -116,6 +116,40 @@ class LMState:
         if valid is not None:
             grp.key_mask = grp.key_mask & valid
 
+    def keep_new(self, n_new: int, keep: torch.Tensor) -> None:
+        """Of the last ``n_new`` slots of every layer, keep those at ``keep`` ([k], ascending), in order.
+
+        Speculative rollback: the accepted root-to-leaf path of a verified draft tree is copied to the
+        front of the new block and the rest cropped (no copy of the prefix).
+        """
+        k = int(keep.numel())
+        for layer in self.cache.layers:
+            total = layer.keys.shape[2]
+            start = total - n_new
+            src = start + keep.to(layer.keys.device)
+            layer.keys[:, :, start : start + k] = layer.keys[:, :, src]
+            layer.values[:, :, start : start + k] = layer.values[:, :, src]
+            layer.keys = layer.keys[:, :, : start + k]
+            layer.values = layer.values[:, :, : start + k]
+        for grp in self.groups:
+            start = grp.length - n_new
+            idx = torch.cat([torch.arange(start, device=keep.device), start + keep])
+            grp._map(lambda t: t[:, idx])
+
+    def checkpoint(self) -> tuple[list[int], list[tuple[torch.Tensor, ...]]]:
+        """Per-layer cache lengths and group layouts, to undo temporary appends (self-drafting)."""
+        lengths = [compat.layer_length(self.cache, i) for i in range(len(self.cache.layers))]
+        return lengths, [(g.key_mask, g.positions, g.source) for g in self.groups]
+
+    def rollback(self, cp: tuple[list[int], list[tuple[torch.Tensor, ...]]]) -> None:
+        lengths, layouts = cp
+        for i, n in enumerate(lengths):
+            extra = compat.layer_length(self.cache, i) - n
+            if extra > 0:
+                self.cache.layers[i].crop(-extra)
+        for grp, (km, pos, src) in zip(self.groups, layouts):
+            grp.key_mask, grp.positions, grp.source = km, pos, src
+
     def reorder(self, index: torch.Tensor) -> None:
         """Reorder/select batch rows (beam search)."""
         self.cache.reorder_cache(index)
@@ -166,7 +200,14 @@ class LMState:
         return [int(x) for x in total.tolist()]
 
     def vision_tokens_per_layer(self) -> torch.Tensor:
-        """[B, n_layers] number of cached vision tokens each layer holds."""
+        """[B, n_layers] number of cached vision tokens each layer holds.
+
+        A KV policy that keeps every token but treats some as unimportant (ZipVL) publishes its
+        layer-wise *equivalent* count in ``extras["vision_tokens_per_layer"]``, which is returned instead.
+        """
+        override = self.extras.get("vision_tokens_per_layer")
+        if override is not None:
+            return override
         counts = [self.vision_slots(g).sum(1) for g in range(len(self.groups))]
         return torch.stack([counts[self.group_of(layer)] for layer in range(self.n_layers)], dim=1)
 
@@ -250,8 +291,12 @@ class LMRunner:
                 grp.fwd_mask = grp.fwd_pos_ids = grp.fwd_pos_emb = None
 
     @torch.inference_mode()
-    def prefill(self, inputs: LMInputs) -> tuple[LMState, StepOutput]:
-        """Run the prompt; returns the state and the logits/hidden of the last position."""
+    def prefill(self, inputs: LMInputs, *, all_hidden: bool = False) -> tuple[LMState, StepOutput]:
+        """Run the prompt; returns the state and the logits of the last position.
+
+        ``hidden`` is the final-norm hidden state of the last position, or of every slot of the last
+        layer group with ``all_hidden`` (what EAGLE-style drafts consume).
+        """
         bsz, length = inputs.input_ids.shape
         src = torch.arange(length, device=inputs.input_ids.device).expand(bsz, -1)
         mask = inputs.attention_mask.bool()
@@ -265,10 +310,10 @@ class LMRunner:
                 past_key_values=state.cache,
                 use_cache=True,
             )
-        hidden = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
+        last = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
         for hook in self.prefill_hooks:
             hook(state)
-        return state, StepOutput(self.adapter.lm_head(hidden).float(), hidden)
+        return state, StepOutput(self.adapter.lm_head(last).float(), out.last_hidden_state if all_hidden else last)
 
     @torch.inference_mode()
     def step(

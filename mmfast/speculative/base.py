@@ -1,19 +1,31 @@
-"""Base class for speculative drafters (the proposer side of draft-and-verify)."""
+"""Base class for speculative drafters (the proposer side of draft-and-verify).
+
+A drafter proposes a :class:`~mmfast.speculative.tree.DraftTree` under the root (the last committed
+token, not yet in the target cache) and learns what was accepted. The engine
+(:mod:`mmfast.speculative.engine`) does the verification, the acceptance rule and the KV rollback,
+so every drafter is lossless by construction as long as each node's proposal distribution is
+reported (``q``; ``None`` for deterministic proposals).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+
 if TYPE_CHECKING:
     from ..config import DecodingConfig
     from ..pipeline import Session
+    from .engine import SpecContext
+    from .tree import DraftTree
 
 
 class Drafter:
-    """Proposes draft tokens that the target verifies losslessly (see ``speculative/engine.py``)."""
+    """Proposes draft tokens that the target verifies losslessly."""
 
     Config: ClassVar[type]
-    supports_batch: ClassVar[bool] = False
+    #: the engine passes the prompt's final hidden states (EAGLE-style drafts)
+    needs_hidden: ClassVar[bool] = False
 
     def __init__(self, config: Any, session: Session) -> None:
         self.config = config
@@ -21,6 +33,16 @@ class Drafter:
 
     def install(self) -> None:
         """Register hooks (called once when the session opens)."""
+
+    def begin(self, ctx: SpecContext) -> None:
+        """A new sequence: the target has prefilled ``ctx.inputs`` and committed the first token."""
+
+    def propose(self, ctx: SpecContext, root: int) -> DraftTree:
+        raise NotImplementedError
+
+    def accept(self, ctx: SpecContext, tree: DraftTree, path: list[int], hidden: torch.Tensor, bonus: int) -> None:
+        """``path`` (node ids) was accepted; ``hidden`` ([1 + len(path), d]) are the target's final
+        hidden states at the root and the accepted nodes; ``bonus`` is the next root."""
 
     @classmethod
     def check_decoder(cls, decoding: DecodingConfig) -> str | None:

@@ -1,0 +1,178 @@
+"""The lossless draft-and-verify loop.
+
+Per cycle: the drafter proposes a tree under the root (the last committed token, not yet in the
+target cache); the target scores root + tree in **one** forward (tree mask, tree positions); the
+acceptance rule of :mod:`tree` picks a path and a bonus token; the target KV cache keeps only the
+root and the accepted path (``LMState.keep_new``: a path gather plus a crop); the drafter updates
+its own state. The vision encoder runs once (prefill) and its features are shared with the drafter.
+
+Reported per run: ``tau`` = tokens committed per target verification forward, *bonus included*
+(FLASH's convention; MSD's ``acclen`` excludes the bonus: tau - 1), draft and target forward counts,
+acceptance rate per depth. Batch > 1 is served one sample at a time (the cache rollback is per path).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..decoding.base import DecodeOutput, DecodeRequest, now, state_accounting
+from ..decoding.loop import make_generator, warpers
+from .tree import DraftTree, verify
+
+if TYPE_CHECKING:
+    from ..models.base import LMInputs
+    from ..pipeline import Session
+    from ..runtime import LMState, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecContext:
+    """What a drafter sees: the target state, the tokens so far, and the sampling setup."""
+
+    session: Session
+    state: LMState
+    inputs: LMInputs  # [1, L] the prompt
+    committed: list[int]  # generated tokens so far (the root is the last one)
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator
+    prefill: StepOutput | None = None  # final hidden states of the prompt (drafters that need them)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped target (or draft) probabilities from logits ([..., V])."""
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        procs = warpers(self.temperature, self.top_k, self.top_p)
+        return torch.softmax(procs(None, flat), dim=-1).reshape(logits.shape)
+
+
+@dataclass
+class SpecStats:
+    cycles: int = 0
+    committed: int = 0  # tokens emitted by verification cycles (bonus included)
+    draft_forwards: int = 0
+    draft_tokens: int = 0
+    tried: dict[int, int] = field(default_factory=dict)  # depth -> cycles that tried a child there
+    accepted: dict[int, int] = field(default_factory=dict)  # depth -> cycles that accepted a child there
+
+    def record(self, tried_depths: list[int], path_len: int) -> None:
+        for d in tried_depths:
+            self.tried[d] = self.tried.get(d, 0) + 1
+        for d in range(1, path_len + 1):
+            self.accepted[d] = self.accepted.get(d, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tau": self.committed / self.cycles if self.cycles else 0.0,
+            "tau_convention": "tokens per target verification forward, bonus token included",
+            "cycles": self.cycles,
+            "target_forwards": self.cycles + 1,
+            "draft_forwards": self.draft_forwards,
+            "draft_tokens": self.draft_tokens,
+            "acceptance_by_depth": {d: self.accepted.get(d, 0) / n for d, n in sorted(self.tried.items())},
+        }
+
+    def merge(self, other: SpecStats) -> None:
+        self.cycles += other.cycles
+        self.committed += other.committed
+        self.draft_forwards += other.draft_forwards
+        self.draft_tokens += other.draft_tokens
+        for d, n in other.tried.items():
+            self.tried[d] = self.tried.get(d, 0) + n
+        for d, n in other.accepted.items():
+            self.accepted[d] = self.accepted.get(d, 0) + n
+
+
+def _first_token(ctx: SpecContext, logits: torch.Tensor) -> int:
+    if ctx.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(ctx.probs(logits), 1, generator=ctx.generator))
+
+
+@dataclass
+class _OneResult:
+    tokens: list[int]
+    prefill_acc: Any
+    kv_end: int
+    prefill_s: float
+    decode_s: float
+
+
+@torch.inference_mode()
+def _decode_one(session: Session, inputs: LMInputs, max_new: int, ctx_kw: dict, stats: SpecStats) -> _OneResult:
+    runner, drafter, mm = session.runner, session.drafter, session.mm
+    stop = set(mm.eos_token_ids)
+    t0 = now(mm.device)
+    state, out = runner.prefill(inputs, all_hidden=getattr(drafter, "needs_hidden", False))
+    ctx = SpecContext(session, state, inputs, [], prefill=out, **ctx_kw)
+    root = _first_token(ctx, out.logits[0, -1])
+    t1 = now(mm.device)
+    acc = state_accounting(state)
+    ctx.committed.append(root)
+    drafter.begin(ctx)
+    while len(ctx.committed) < max_new and root not in stop:
+        tree = drafter.propose(ctx, root)
+        nodes = torch.cat([torch.tensor([root], device=tree.tokens.device), tree.tokens])[None]  # [1, N+1]
+        step = runner.step(state, nodes, depth=tree.depth(), block_mask=tree.mask())
+        logits = step.logits[0]  # [N+1, V]
+        verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
+        keep = torch.tensor([0, *verdict.path], device=nodes.device)
+        state.keep_new(tree.n + 1, keep)
+        new = [int(tree.tokens[i - 1]) for i in verdict.path] + [verdict.bonus]
+        stats.cycles += 1
+        stats.record(verdict.tried_depths, len(verdict.path))
+        for t in new:
+            if len(ctx.committed) >= max_new:
+                break
+            ctx.committed.append(t)
+            stats.committed += 1
+            if t in stop:
+                break
+        drafter.accept(ctx, tree, verdict.path, step.hidden[0, keep], verdict.bonus)
+        root = ctx.committed[-1]
+    t2 = now(mm.device)
+    stats.draft_forwards += ctx.extras.get("draft_forwards", 0)
+    stats.draft_tokens += ctx.extras.get("draft_tokens", 0)
+    tokens = ctx.committed
+    cut = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return _OneResult(tokens[:cut], acc, state.kv_bytes_per_sample()[0], t1 - t0, t2 - t1)
+
+
+_FIELDS = ("embeds", "input_ids", "attention_mask", "position_ids", "image_mask", "patch_ids", "image_index")
+
+
+def speculative_decode(session: Session, req: DecodeRequest, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> DecodeOutput:
+    """Draft-and-verify decoding of ``req`` (samples one at a time). Output follows the target exactly."""
+    gen = make_generator(req.seed, session.mm.device)
+    ctx_kw = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": gen}
+    stats = SpecStats()
+    results = []
+    for b in range(req.inputs.batch_size):
+        row = req.inputs.select(torch.tensor([b], device=req.inputs.input_ids.device))
+        pad = int((row.attention_mask[0] == 0).sum())  # batch-1 verification needs no left padding
+        row = type(row)(*(getattr(row, f)[:, pad:] for f in _FIELDS))
+        results.append(_decode_one(session, row, req.max_new_tokens, ctx_kw, stats))
+    out = DecodeOutput(
+        tokens=[r.tokens for r in results],
+        prefill_s=sum(r.prefill_s for r in results),
+        decode_s=sum(r.decode_s for r in results),
+        n_forwards=stats.cycles,
+        kv_bytes_prefill=[r.prefill_acc.kv_bytes[0] for r in results],
+        kv_bytes_end=[r.kv_end for r in results],
+        vision_tokens_layer_avg=[r.prefill_acc.vision_layer_avg[0] for r in results],
+        flops_prefill=[r.prefill_acc.flops[0] for r in results],
+        flops_prefill_7b=[r.prefill_acc.flops_7b[0] for r in results],
+        stats={"speculative": stats.as_dict()},
+    )
+    return out

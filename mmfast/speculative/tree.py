@@ -1,0 +1,141 @@
+"""Draft trees and the lossless acceptance rule.
+
+A draft is a tree whose node 0 is the *root*, the last committed token (not yet in the target's
+cache), and whose nodes 1..N are draft tokens with parent indices. The target scores the whole tree in
+one forward (each node sees the prefix, its ancestors and itself; position = prefix + depth), so the
+logits at node i give the target distribution of i's children.
+
+Acceptance walks down from the root:
+
+- greedy: a child is accepted iff it equals the target argmax; the bonus token is the argmax at the
+  last accepted node;
+- sampling (lossless): at a node with children c_1..c_m tried in order against the residual target
+  distribution r (initially the warped target p): a point-mass child (deterministic top-k / n-gram
+  proposals, EAGLE-2's rule) is accepted with probability r(c), else r(c) = 0 and r is renormalised;
+  a child drawn from a proposal q is accepted with probability min(1, r(c)/q(c)), else r = norm(max(0,
+  r - q)) (Leviathan et al. / Chen et al.). If no child is accepted, the bonus token is drawn from r;
+  at a leaf it is drawn from the target p there. Either way the emitted tokens follow the target
+  distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """Nodes 1..N of a draft (node 0, the root, is implicit)."""
+
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long, parent of node i+1 in 0..N (0 = root), parents before children
+    q: list[torch.Tensor | None] = field(default_factory=list)  # per node: proposal distribution [V] or None (point mass)
+
+    def __post_init__(self) -> None:
+        if not self.q:
+            self.q = [None] * int(self.tokens.numel())
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def chain(tokens: list[int], q: list[torch.Tensor | None] | None = None, device=None) -> DraftTree:
+        n = len(tokens)
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.arange(n, dtype=torch.long, device=device),
+            list(q) if q is not None else [],
+        )
+
+    @staticmethod
+    def empty(device=None) -> DraftTree:
+        return DraftTree(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device))
+
+    def depth(self) -> torch.Tensor:
+        """[N + 1] depth of every node, root included (root = 0)."""
+        d = [0] * (self.n + 1)
+        for i, p in enumerate(self.parents.tolist()):
+            d[i + 1] = d[p] + 1
+        return torch.tensor(d, dtype=torch.long, device=self.tokens.device)
+
+    def mask(self) -> torch.Tensor:
+        """[N + 1, N + 1] bool: node i sees node j iff j is i or an ancestor of i."""
+        n = self.n + 1
+        m = torch.zeros(n, n, dtype=torch.bool)
+        m[0, 0] = True
+        for i, p in enumerate(self.parents.tolist()):
+            m[i + 1] = m[p]
+            m[i + 1, i + 1] = True
+        return m.to(self.tokens.device)
+
+    def children(self) -> list[list[int]]:
+        """Children of every node (0..N), in proposal order."""
+        ch: list[list[int]] = [[] for _ in range(self.n + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            ch[p].append(i + 1)
+        return ch
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted nodes (1..N), root to leaf
+    bonus: int  # the token emitted after the path (correction or bonus)
+    tried_depths: list[int]  # depths at which at least one child was tried
+
+
+def verify(
+    tree: DraftTree,
+    probs: torch.Tensor | None,
+    logits: torch.Tensor,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Accept a root-to-leaf path of ``tree`` given target scores at every node.
+
+    Args:
+        probs: [N + 1, V] warped target probabilities (sampling), or None for greedy.
+        logits: [N + 1, V] target logits (greedy uses their argmax).
+    """
+    children = tree.children()
+    tokens = tree.tokens.tolist()
+    node, path, tried = 0, [], []
+    depth = 0
+    while True:
+        kids = children[node]
+        if kids:
+            tried.append(depth + 1)
+        if probs is None:
+            target = int(logits[node].argmax())
+            nxt = next((c for c in kids if tokens[c - 1] == target), None)
+            if nxt is None:
+                return Verdict(path, target, tried)
+        else:
+            r = probs[node].clone().float()
+            nxt = None
+            for c in kids:
+                t = tokens[c - 1]
+                q = tree.q[c - 1]
+                u = float(torch.rand((), generator=generator, device=generator.device if generator else None))
+                if q is None:
+                    if u < float(r[t]):
+                        nxt = c
+                        break
+                    r[t] = 0.0
+                else:
+                    if u < min(1.0, float(r[t]) / max(float(q[t]), 1e-30)):
+                        nxt = c
+                        break
+                    r = (r - q.float().to(r.device)).clamp(min=0)
+                total = r.sum()
+                if total <= 0:  # cannot happen for valid distributions; guard the renormalisation
+                    r = probs[node].clone().float()
+                    total = r.sum()
+                r = r / total
+            if nxt is None:
+                bonus = int(torch.multinomial(r, 1, generator=generator))
+                return Verdict(path, bonus, tried)
+        path.append(nxt)
+        node = nxt
+        depth += 1

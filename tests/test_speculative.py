@@ -1,0 +1,111 @@
+"""Lossless draft-and-verify: greedy output token-identical to greedy decoding (fp32), and the
+sampling acceptance rule reproduces the target distribution (chi-square)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmfast.config import load_recipe
+from mmfast.errors import IncompatibleRecipeError
+from mmfast.pipeline import Session
+from mmfast.speculative.tree import DraftTree, verify
+
+DRAFTERS = {
+    "prompt_lookup": {},
+    "layer_skip": {"skip": [2], "gamma": 3, "threshold": 0.0},
+}
+
+
+def _run(mm, images, prompts, spec=None, n=24, decoding=None):
+    data = {"decoding": decoding or {"method": "greedy"}}
+    if spec:
+        data["speculative"] = spec
+    with Session(mm, load_recipe(data)) as s:
+        return s.generate(images, prompts, max_new_tokens=n)
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_greedy_lossless(name, tiny_mm, images, prompts):
+    base = _run(tiny_mm, images, prompts)
+    spec = _run(tiny_mm, images, prompts, {"method": name, "params": DRAFTERS[name]})
+    assert [r.token_ids for r in spec] == [r.token_ids for r in base]
+    st = spec[0].stats["speculative"]
+    assert st["cycles"] >= 1 and st["tau"] >= 1.0
+
+
+def test_layer_skip_calibration_and_restore(tiny_mm, images, prompts):
+    from mmfast.hooks import count_hooks
+
+    layer = tiny_mm.adapter.layers[1]
+    fwd = layer.forward
+    with Session(tiny_mm, load_recipe({"speculative": {"method": "layer_skip", "params": {"skip_fraction": 0.5, "calibration_tokens": 6}}})) as s:
+        out = s.generate(images[:1], prompts[:1], max_new_tokens=10)
+        assert len(s.drafter.skip) == 2 and 0 not in s.drafter.skip
+    base = _run(tiny_mm, images[:1], prompts[:1], n=10)
+    assert out[0].token_ids == base[0].token_ids
+    assert "forward" not in layer.__dict__ and layer.forward == fwd
+
+
+def test_prompt_lookup_drafts_from_prompt(tiny_mm):
+    from mmfast.speculative.prompt_lookup import PromptLookup
+
+    d = PromptLookup(PromptLookup.Config(num_tokens=3, max_ngram=2), session=type("S", (), {"mm": tiny_mm})())
+    d.install()
+    assert d._lookup([5, 6, 7, 8, 9, 5, 6]) == [7, 8, 9]
+    assert d._lookup([1, 2, 3]) == []
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    exp = probs * counts.sum()
+    keep = exp > 0
+    return float(chisquare(counts[keep].numpy(), exp[keep].numpy()).pvalue)
+
+
+@pytest.mark.parametrize("kind", ["sampled_chain", "point_mass_siblings"])
+def test_sampling_rule_is_lossless(kind):
+    """The first emitted token after verification follows the target p exactly."""
+    torch.manual_seed(0)
+    vocab = 6
+    p_root = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
+    p_child = torch.softmax(torch.randn(vocab), 0)
+    q = torch.tensor([0.05, 0.1, 0.4, 0.3, 0.1, 0.05])  # a poor draft distribution
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(vocab)
+    n = 20000
+    for _ in range(n):
+        if kind == "sampled_chain":
+            tok = int(torch.multinomial(q, 1, generator=gen))
+            tree = DraftTree.chain([tok], [q])
+        else:
+            tree = DraftTree(torch.tensor([2, 3, 0]), torch.tensor([0, 0, 0]))  # three point-mass siblings
+        probs = torch.stack([p_root] + [p_child] * tree.n)
+        v = verify(tree, probs, probs.log(), gen)
+        first = int(tree.tokens[v.path[0] - 1]) if v.path else v.bonus
+        counts[first] += 1
+    assert _chi2_pvalue(counts, p_root) > 1e-3
+
+
+def test_greedy_rule():
+    tree = DraftTree(torch.tensor([4, 1, 2]), torch.tensor([0, 0, 2]))  # root -> {4, 1}; 1 -> 2
+    logits = torch.full((4, 6), -5.0)
+    logits[0, 1] = 5  # root: argmax 1 -> node 2
+    logits[2, 2] = 5  # node 2: argmax 2 -> node 3
+    logits[3, 0] = 5  # node 3: argmax 0 -> bonus
+    v = verify(tree, None, logits, None)
+    assert v.path == [2, 3] and v.bonus == 0
+
+
+def test_beam_with_drafter_refused():
+    with pytest.raises(IncompatibleRecipeError, match="speculative"):
+        load_recipe({"decoding": {"method": "beam"}, "speculative": {"method": "prompt_lookup"}})
+    with pytest.raises(IncompatibleRecipeError, match="speculative"):
+        load_recipe({"decoding": {"method": "vcd"}, "speculative": {"method": "prompt_lookup"}})
+
+
+def test_sampling_with_drafter_runs(tiny_mm, images, prompts):
+    out = _run(tiny_mm, images[:2], prompts[:2], {"method": "layer_skip", "params": {"skip": [1, 2]}}, n=12,
+               decoding={"method": "sample", "seed": 3})
+    assert all(len(r.token_ids) > 0 for r in out)
