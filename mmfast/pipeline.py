@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -83,6 +84,7 @@ class Session:
         self.hooks = HookSession(mm.model)
         self.probe = AttentionProbe(self.hooks)
         self.runner = LMRunner(self.adapter, self.hooks)
+        self.scoring_s = 0.0
         try:
             self.pruners = []
             for i, spec in enumerate(recipe.pruning):
@@ -113,7 +115,9 @@ class Session:
         vision = self.adapter.encode_images(batch.pixel_values)
         self.raw_vision = dataclasses.replace(vision, features=list(vision.features), patch_ids=list(vision.patch_ids))
         for pruner in self.pruners:
+            t0 = time.perf_counter()
             vision = pruner.prune_vision(vision, batch)
+            self.scoring_s += time.perf_counter() - t0
         return vision
 
     @torch.inference_mode()
@@ -162,6 +166,7 @@ class Session:
         max_new = max_new_tokens or self.recipe.decoding.max_new_tokens
         seed = self.recipe.decoding.seed if seed is None else seed
         device = self.mm.device
+        self.scoring_s = self.runner.scoring_s = self.probe.time_s = 0.0
         t0 = now(device)
         vision = self.encode(batch)
         inputs = self.build_inputs(batch, vision)
@@ -169,6 +174,9 @@ class Session:
         out: DecodeOutput = self.decoder.decode(DecodeRequest(batch, vision, inputs, max_new, seed, self.raw_vision))
         timings = Timings(t1 - t0, out.prefill_s, out.decode_s)
         stats = dict(out.stats)
+        if self.pruners:
+            # time spent deciding what to drop (probe rows + selection), per batch
+            stats["scoring_s"] = round(self.scoring_s + self.runner.scoring_s + self.probe.time_s, 6)
         for pruner in self.pruners:
             if pruner.last_stats:
                 stats[pruner.registered_name] = pruner.last_stats  # type: ignore[attr-defined]

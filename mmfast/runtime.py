@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -251,6 +252,7 @@ class LMRunner:
         self._phase = "idle"
         self.use_cache = True  # False: every decode step recomputes the whole sequence
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
+        self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
         self.step_hooks: list[Callable[[LMState], None]] = []  # KV policies after each decode step
 
@@ -406,7 +408,9 @@ class LMRunner:
         compact = False
         ref = None
         for fn, is_compact, ref_layer in self._select[layer]:
+            t0 = time.perf_counter()
             k = fn(view)
+            self.scoring_s += time.perf_counter() - t0
             compact = compact or is_compact
             ref = ref_layer if ref is None else min(ref, ref_layer) if ref_layer is not None else ref
             if k is not None:

@@ -14,6 +14,7 @@ HookSession), holding a :class:`ModuleAttentionHooks`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -169,6 +170,7 @@ class AttentionProbe:
         self.records: dict[str, ProbeRecord] = {}
         self.reduce = reduce
         self._enabled: set[str] = set()
+        self.time_s = 0.0  # time spent computing probe rows (the scoring overhead of probing methods)
 
     def watch(
         self,
@@ -194,6 +196,7 @@ class AttentionProbe:
             q_len, k_len = query.shape[2], key.shape[2]
             if when is not None and not when(q_len, k_len):
                 return
+            t0 = time.perf_counter()
             r = rows(q_len, k_len).to(query.device)
             probs = row_attention(query, key, attention_mask, scaling, r, is_causal)
             if reduce == "mean":
@@ -202,6 +205,7 @@ class AttentionProbe:
                 probs = probs.amax(1)
             rr = r if r.dim() == 2 else r.unsqueeze(0).expand(query.shape[0], -1)
             self.records[name] = ProbeRecord(probs, rr, q_len, k_len)
+            self.time_s += time.perf_counter() - t0
 
         hooks.recorders.append(record)
         self._enabled.add(name)

@@ -1,0 +1,47 @@
+"""``mmfast bench``: baselines and methods in one process, on the same inputs, reported as ratios."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import Recipe
+from ..errors import InputError
+
+logger = logging.getLogger(__name__)
+
+
+def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = None) -> dict[str, Any]:
+    """Run ``recipe.bench`` and write ``summary.json``, ``results.md`` and plots to the output dir."""
+    from ..model import load
+
+    kind = recipe.bench.kind
+    if kind == "none":
+        raise InputError("the recipe has no benchmark (set bench.kind: pruning | decoding | speculative)")
+    out = Path(output or recipe.output.dir.format(name=recipe.name))
+    out.mkdir(parents=True, exist_ok=True)
+    command = "mmfast " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv and "mmfast" in sys.argv[0] else f"mmfast bench {recipe.name}"
+    m = recipe.model
+    mm = load(m.name, device=m.device, dtype=m.dtype, attn_implementation=m.attn_implementation, device_map=m.device_map)
+    if kind == "pruning":
+        from .pruning import run_pruning_bench, write_pruning_report
+
+        result = run_pruning_bench(recipe, mm, out, limit)
+        write_pruning_report(result, out, command)
+    elif kind == "decoding":
+        from .decoding import run_decoding_bench, write_decoding_report
+
+        result = run_decoding_bench(recipe, mm, out, limit)
+        write_decoding_report(result, out, command)
+    elif kind == "speculative":
+        from .speculative import run_speculative_bench, write_speculative_report
+
+        result = run_speculative_bench(recipe, mm, out, limit)
+        write_speculative_report(result, out, command)
+    else:
+        raise InputError(f"bench.kind {kind!r} is not implemented")
+    result["table"] = (out / "results.md").read_text()
+    return result

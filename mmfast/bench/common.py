@@ -1,0 +1,119 @@
+"""Shared benchmark machinery: variants of one recipe, run in one process on the same inputs.
+
+A benchmark recipe holds the baseline in its normal sections and the methods to compare in
+``bench.compare``: each item is ``{name, pruning?, decoding?, speculative?}`` replacing those sections.
+Accuracy comes from the evaluation runner (one resumable run directory per variant, identical
+samples); speed from a separate timing pass over a fixed subset of the same samples (warm-up, then the
+median of ``repeats``), always reported as ratios to the baseline measured in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import Recipe, load_recipe
+from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    recipe: Recipe
+
+
+def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
+    """The baseline (the recipe itself) and every ``bench.compare`` item, validated up front."""
+    base = recipe.to_dict()
+    out = [Variant("baseline", recipe)] if include_baseline else []
+    names = {"baseline"}
+    for i, item in enumerate(recipe.bench.compare):
+        if not isinstance(item, dict) or "name" not in item:
+            raise ConfigError(f"bench.compare[{i}]", "expected a mapping with a name and the sections to replace")
+        unknown = set(item) - {"name", "pruning", "decoding", "speculative", "eval"}
+        if unknown:
+            raise ConfigError(f"bench.compare[{i}].{sorted(unknown)[0]}", "unknown key; allowed: name, pruning, decoding, speculative, eval")
+        if item["name"] in names:
+            raise ConfigError(f"bench.compare[{i}].name", f"duplicate variant name {item['name']!r}")
+        names.add(item["name"])
+        data = dict(base, name=f"{recipe.name}-{item['name']}")
+        data["bench"] = {}
+        for key in ("pruning", "decoding", "speculative"):
+            if key in item:
+                data[key] = item[key]
+        if "eval" in item:
+            data["eval"] = _merge(base["eval"], item["eval"])
+        try:
+            out.append(Variant(item["name"], load_recipe(data)))
+        except ConfigError as exc:
+            raise ConfigError(f"bench.compare[{i}].{exc.path}", exc.detail) from None
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def median_time(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """Median wall time of ``fn()`` after ``warmup`` untimed calls (CUDA synchronised)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_rss_reset() -> bool:
+    """Reset the process's peak-RSS counter (Linux: /proc/self/clear_refs = 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def write_markdown(path: Path, title: str, command: str, header: list[str], rows: list[list[Any]], notes: list[str]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 1000 else f"{v:.3g}"
+        return "" if v is None else str(v)
+
+    lines = [f"# {title}", "", f"Command: `{command}`", ""]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def dump(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str))

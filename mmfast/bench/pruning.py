@@ -1,0 +1,197 @@
+"""``mmfast bench`` for vision-token pruning: accuracy, token accounting and speed vs the unpruned model.
+
+Two parts, one process:
+
+1. **The embedded world model**: every variant runs the recipe's evaluation (POPE splits + CHAIR) on
+   the same samples; reported with vision tokens at the LLM input, the layer-averaged equivalent
+   count, KV bytes, analytical FLOPs (model at hand and the LLaVA-1.5-7B projection) and, from a timing
+   pass on a fixed subset, prefill and end-to-end latency ratios and the methods' scoring overhead.
+2. **A LLaVA-1.5-shaped random model** (``bench.shape``: the real CLIP-L/336 tower and a few Llama
+   layers at width 4096) where, as in the real model, the LLM dominates prefill: measured prefill
+   speedup next to the FLOPs ratio of the same schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..eval.runner import run_eval
+from ..model import MMModel
+from ..pipeline import apply
+from .common import Variant, dump, median_time, variants, write_markdown
+
+logger = logging.getLogger(__name__)
+
+
+def _timing_batch(mm: MMModel, recipe, n: int):
+    """A fixed subset of the evaluation's samples (POPE questions, then CHAIR images)."""
+    from ..eval.data import resolve_data
+    from ..eval.tasks import build_tasks
+
+    data = resolve_data(recipe.eval, recipe.eval.tasks)
+    samples = [s for task in build_tasks(recipe.eval, data) for s in task.samples(n)][: n]
+    return samples
+
+
+def time_variant(mm: MMModel, v: Variant, samples, warmup: int, repeats: int, new_tokens: int) -> dict[str, float]:
+    """Median prefill (1 new token) and end-to-end (``new_tokens``) latency summed over ``samples``."""
+    with apply(mm, v.recipe) as session:
+        batches = [mm.prepare([s.image], [s.prompt]) for s in samples]
+        scoring = []
+
+        def prefill():
+            for b in batches:
+                r = session.run(b, max_new_tokens=1)
+                scoring.append(r[0].stats.get("scoring_s", 0.0))
+
+        def e2e():
+            for b in batches:
+                session.run(b, max_new_tokens=new_tokens)
+
+        t_prefill = median_time(prefill, warmup, repeats)
+        t_e2e = median_time(e2e, warmup, repeats)
+    n_calls = max(1, len(scoring) // len(batches))
+    return {"prefill_s": t_prefill, "e2e_s": t_e2e, "scoring_s": sum(scoring) / n_calls}
+
+
+def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict[str, Any]:
+    cfg = recipe.bench
+    vs = variants(recipe)
+    rows, results = [], {}
+    timing_samples = _timing_batch(mm, recipe, cfg.n_samples)
+    new_tokens = int(cfg.params.get("e2e_new_tokens", 32))
+    for v in vs:
+        logger.info("bench variant %s", v.name)
+        summary = run_eval(v.recipe, limit=limit, output=str(out / "variants" / v.name), mm=mm)
+        timing = time_variant(mm, v, timing_samples, cfg.warmup, cfg.repeats, new_tokens)
+        results[v.name] = {"metrics": summary["metrics"], "accounting": _accounting(out / "variants" / v.name), "timing": timing}
+    base = results["baseline"]
+    for name, r in results.items():
+        acc, t, m = r["accounting"], r["timing"], r["metrics"]
+        pope = m.get("pope", {})
+        chair = m.get("chair", {})
+        r["ratios"] = {
+            "prefill_speedup": base["timing"]["prefill_s"] / t["prefill_s"],
+            "e2e_speedup": base["timing"]["e2e_s"] / t["e2e_s"],
+            "flops_ratio": acc["flops_prefill"] / base["accounting"]["flops_prefill"],
+            "flops_ratio_7b": acc["flops_prefill_7b"] / base["accounting"]["flops_prefill_7b"],
+            "kv_ratio_prefill": acc["kv_bytes_prefill"] / base["accounting"]["kv_bytes_prefill"],
+            "scoring_overhead": t["scoring_s"] / base["timing"]["prefill_s"],
+            "pope_f1_retained": (pope.get("mean_f1", 0) / base["metrics"]["pope"]["mean_f1"]) if pope and base["metrics"].get("pope") else None,
+        }
+        rows.append([
+            name,
+            round(acc["n_vision_tokens"], 1),
+            round(acc["vision_tokens_layer_avg"], 1),
+            *(pope.get(s, {}).get("f1") for s in ("random", "popular", "adversarial")),
+            pope.get("mean_f1"),
+            chair.get("chair_s"),
+            chair.get("chair_i"),
+            r["ratios"]["prefill_speedup"],
+            r["ratios"]["e2e_speedup"],
+            r["ratios"]["flops_ratio"],
+            r["ratios"]["flops_ratio_7b"],
+            r["ratios"]["kv_ratio_prefill"],
+            r["ratios"]["scoring_overhead"],
+        ])
+    header = [
+        "variant", "vision tok @LLM", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1",
+        "CHAIR_s", "CHAIR_i", "prefill x", "e2e x", "FLOPs ratio", "FLOPs ratio 7B", "KV ratio", "scoring ovh",
+    ]
+    speed = _shaped_speed(recipe, vs) if cfg.shape else None
+    return {"header": header, "rows": rows, "results": results, "shaped_speed": speed}
+
+
+def _accounting(run_dir: Path) -> dict[str, float]:
+    """Means over the variant's finished samples (from samples.jsonl)."""
+    import json
+
+    recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if "error" not in r]
+    keys = ("n_vision_tokens", "vision_tokens_layer_avg", "kv_bytes_prefill", "kv_bytes_end", "flops_prefill", "flops_prefill_7b")
+    return {k: sum(r[k] for r in recs) / len(recs) for k in keys}
+
+
+@torch.inference_mode()
+def _shaped_speed(recipe, vs: list[Variant]) -> dict[str, Any]:
+    """Prefill speed on a LLaVA-1.5-shaped random model, same inputs for every variant."""
+    from ..model import MMModel
+    from ..models.factory import random_llava
+    from ..flops import LMShape, prefill_flops
+
+    cfg = recipe.bench
+    model, processor = random_llava(cfg.shape, dtype=torch.float32)
+    mm = MMModel(model, processor, cfg.shape)
+    from PIL import Image
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = int(cfg.params.get("shaped_samples", 2))
+    images = [Image.fromarray(rng.integers(0, 255, (336, 336, 3), dtype=np.uint8)) for _ in range(n)]
+    prompt = "Is there a dog in the image?\nAnswer the question using a single word or phrase."
+    batches = [mm.prepare([im], [prompt]) for im in images]
+    out: dict[str, Any] = {"shape": cfg.shape, "rows": []}
+    base_t = base_f = None
+    for v in vs:
+        if not all(_runs_on_random(s.method) for s in v.recipe.pruning):
+            continue
+        with apply(mm, v.recipe) as session:
+            res = []
+
+            def prefill():
+                res.clear()
+                for b in batches:
+                    res.extend(session.run(b, max_new_tokens=1))
+
+            t = median_time(prefill, cfg.warmup, cfg.repeats)
+        flops = sum(r.flops_prefill for r in res)
+        tokens = sum(r.n_vision_tokens for r in res) / len(res)
+        if v.name == "baseline":
+            base_t, base_f = t, flops
+        out["rows"].append({"variant": v.name, "vision_tokens": tokens, "prefill_s": t, "speedup": base_t / t, "flops_ratio": flops / base_f})
+    del model
+    return out
+
+
+def _runs_on_random(method: str) -> bool:
+    """Methods whose weights exist only for the embedded model are skipped on the random shape."""
+    return method not in ("dynamic_llava",)
+
+
+def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> None:
+    notes = [
+        "All variants ran in one process on the same samples; ratios are against the baseline row.",
+        "FLOPs: 4nd^2 + 2n^2d + 3ndm per LLM layer (the papers' convention); 7B = the same token schedule on LLaVA-1.5-7B's shape.",
+        "layer-avg tok: vision tokens averaged over LLM layers (the papers' 'equivalent tokens').",
+    ]
+    write_markdown(out / "results.md", "Vision-token pruning on the embedded world", command, result["header"], result["rows"], notes)
+    speed = result.get("shaped_speed")
+    if speed:
+        rows = [[r["variant"], r["vision_tokens"], r["prefill_s"], r["speedup"], r["flops_ratio"], r["speedup"] * r["flops_ratio"]] for r in speed["rows"]]
+        write_markdown(
+            out / "speed_shaped.md",
+            f"Prefill speed on a LLaVA-1.5-shaped random model ({speed['shape']})",
+            command,
+            ["variant", "vision tok", "prefill s", "speedup", "FLOPs ratio", "speedup x FLOPs ratio"],
+            rows,
+            ["speedup x FLOPs ratio = measured speedup / ideal speedup (1.0 = all FLOPs savings realised)."],
+        )
+    from .plots import scatter_lines
+
+    res = result["results"]
+    base = res["baseline"]
+    pts = [(n, r["accounting"]["vision_tokens_layer_avg"], r["metrics"].get("pope", {}).get("mean_f1")) for n, r in res.items() if n != "baseline"]
+    scatter_lines(out / "accuracy_vs_tokens.png", pts, "layer-averaged vision tokens", "POPE mean F1",
+                  "Accuracy vs tokens (embedded world)", base["metrics"].get("pope", {}).get("mean_f1"))
+    pts = [(n, r["accounting"]["vision_tokens_layer_avg"], r["ratios"]["prefill_speedup"]) for n, r in res.items() if n != "baseline"]
+    scatter_lines(out / "speedup_vs_tokens.png", pts, "layer-averaged vision tokens", "prefill speedup (x)",
+                  "Prefill speedup vs tokens (embedded world)", 1.0)
+    if speed:
+        pts = [(r["variant"], r["vision_tokens"], r["speedup"]) for r in speed["rows"] if r["variant"] != "baseline"]
+        scatter_lines(out / "speedup_vs_tokens_shaped.png", pts, "vision tokens at the LLM input", "prefill speedup (x)",
+                      f"Prefill speedup on {speed['shape']}", 1.0)
+    dump(out / "summary.json", result)
