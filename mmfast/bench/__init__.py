@@ -24,6 +24,9 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     out = Path(output or recipe.output.dir.format(name=recipe.name))
     out.mkdir(parents=True, exist_ok=True)
     command = "mmfast " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv and "mmfast" in sys.argv[0] else f"mmfast bench {recipe.name}"
+    from .common import variants
+
+    variants(recipe)  # validate every compared variant before loading anything
     m = recipe.model
     mm = load(m.name, device=m.device, dtype=m.dtype, attn_implementation=m.attn_implementation, device_map=m.device_map)
     if kind == "pruning":

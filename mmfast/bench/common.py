@@ -66,6 +66,18 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
+def timing_samples_of(recipe: Recipe, n: int, tasks: tuple[str, ...] | None = None) -> list:
+    """A fixed subset of the evaluation's samples (in task order) for timing passes."""
+    import dataclasses
+
+    from ..eval.data import resolve_data
+    from ..eval.tasks import build_tasks
+
+    cfg = recipe.eval if tasks is None else dataclasses.replace(recipe.eval, tasks=tasks)
+    data = resolve_data(cfg, cfg.tasks)
+    return [s for task in build_tasks(cfg, data) for s in task.samples(n)][:n]
+
+
 def median_time(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
     """Median wall time of ``fn()`` after ``warmup`` untimed calls (CUDA synchronised)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)

@@ -22,19 +22,9 @@ import torch
 from ..eval.runner import run_eval
 from ..model import MMModel
 from ..pipeline import apply
-from .common import Variant, dump, median_time, variants, write_markdown
+from .common import Variant, dump, median_time, timing_samples_of, variants, write_markdown
 
 logger = logging.getLogger(__name__)
-
-
-def _timing_batch(mm: MMModel, recipe, n: int):
-    """A fixed subset of the evaluation's samples (POPE questions, then CHAIR images)."""
-    from ..eval.data import resolve_data
-    from ..eval.tasks import build_tasks
-
-    data = resolve_data(recipe.eval, recipe.eval.tasks)
-    samples = [s for task in build_tasks(recipe.eval, data) for s in task.samples(n)][: n]
-    return samples
 
 
 def time_variant(mm: MMModel, v: Variant, samples, warmup: int, repeats: int, new_tokens: int) -> dict[str, float]:
@@ -62,7 +52,7 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
     cfg = recipe.bench
     vs = variants(recipe)
     rows, results = [], {}
-    timing_samples = _timing_batch(mm, recipe, cfg.n_samples)
+    timing_samples = timing_samples_of(recipe, cfg.n_samples)
     new_tokens = int(cfg.params.get("e2e_new_tokens", 32))
     for v in vs:
         logger.info("bench variant %s", v.name)

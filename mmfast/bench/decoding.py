@@ -1,0 +1,107 @@
+"""``mmfast bench`` for anti-hallucination decoders: POPE + CHAIR per decoder, cost per token, memory.
+
+Every decoder runs the recipe's evaluation on the same samples (one protocol per recipe: greedy-family
+or sampling-family, with the matching baseline first). A timing pass on a fixed subset measures the
+decode time per generated token (first token excluded, so one-off costs such as VHR's head selection
+are reported separately) relative to the baseline, and the process's peak RSS while each variant
+generates (Linux ``VmHWM``, reset per variant).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..eval.runner import run_eval
+from ..model import MMModel
+from ..pipeline import apply
+from .common import Variant, dump, peak_rss_bytes, peak_rss_reset, timing_samples_of, variants, write_markdown
+
+logger = logging.getLogger(__name__)
+
+
+def cost_per_token(mm: MMModel, v: Variant, samples, new_tokens: int, repeats: int) -> dict[str, float]:
+    """Decode seconds per generated token after the first, and the first-token (prefill) time."""
+    peak_rss_reset()
+    with apply(mm, v.recipe) as session:
+        batches = [mm.prepare([s.image], [s.prompt]) for s in samples]
+        session.run(batches[0], max_new_tokens=2)  # warm-up
+        per_tok, first = [], []
+        for _ in range(repeats):
+            for b in batches:
+                r = session.run(b, max_new_tokens=new_tokens)[0]
+                n = len(r.token_ids)
+                if n > 1:
+                    per_tok.append(r.timings.decode_s / (n - 1) if n > 1 else 0.0)
+                first.append(r.timings.prefill_s)
+    per_tok.sort()
+    first.sort()
+    return {
+        "decode_s_per_token": per_tok[len(per_tok) // 2] if per_tok else float("nan"),
+        "first_token_s": first[len(first) // 2],
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def run_decoding_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict[str, Any]:
+    cfg = recipe.bench
+    vs = variants(recipe)
+    samples = timing_samples_of(recipe, cfg.n_samples, tasks=("chair",))
+    new_tokens = int(cfg.params.get("cost_new_tokens", 48))
+    results = {}
+    for v in vs:
+        logger.info("bench variant %s", v.name)
+        summary = run_eval(v.recipe, limit=limit, output=str(out / "variants" / v.name), mm=mm)
+        results[v.name] = {
+            "decoding": v.recipe.decoding._to_recipe(),
+            "metrics": summary["metrics"],
+            "cost": cost_per_token(mm, v, samples, new_tokens, cfg.repeats),
+            "protocol": summary["protocol"]["tasks"],
+        }
+    base = results["baseline"]
+    rows = []
+    for name, r in results.items():
+        pope, chair, cost = r["metrics"].get("pope", {}), r["metrics"].get("chair", {}), r["cost"]
+        r["ratios"] = {
+            "cost_per_token": cost["decode_s_per_token"] / base["cost"]["decode_s_per_token"],
+            "pope_mean_f1_delta": (pope.get("mean_f1", 0) - base["metrics"].get("pope", {}).get("mean_f1", 0)) if pope else None,
+            "chair_i_delta": (chair.get("chair_i", 0) - base["metrics"].get("chair", {}).get("chair_i", 0)) if chair else None,
+        }
+        rows.append([
+            name,
+            r["decoding"]["method"],
+            *(pope.get(s, {}).get("f1") for s in ("random", "popular", "adversarial")),
+            pope.get("mean_f1"),
+            chair.get("chair_s"),
+            chair.get("chair_i"),
+            chair.get("recall"),
+            chair.get("len"),
+            r["ratios"]["cost_per_token"],
+            (cost["peak_rss_bytes"] or 0) / 2**20,
+        ])
+    header = ["variant", "decoder", "POPE F1 rand", "pop", "adv", "mean F1", "CHAIR_s", "CHAIR_i", "recall", "len", "cost/token x", "peak RSS MiB"]
+    return {"header": header, "rows": rows, "results": results}
+
+
+def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> None:
+    from .plots import bars
+
+    base = result["results"]["baseline"]
+    proto = base["protocol"]
+    notes = [
+        "All decoders ran in one process on the same samples; the baseline row is this protocol's own baseline.",
+        f"POPE: prompt {json.dumps(proto.get('pope', {}).get('prompt'))}, parser {proto.get('pope', {}).get('parser')}, "
+        f"max_new_tokens {proto.get('pope', {}).get('max_new_tokens')}.",
+        f"CHAIR: prompt {json.dumps(proto.get('chair', {}).get('prompt'))}, max_new_tokens {proto.get('chair', {}).get('max_new_tokens')}, "
+        f"{proto.get('chair', {}).get('n_images')} images ({proto.get('chair', {}).get('sampling')}, seed {proto.get('chair', {}).get('seed')}).",
+        "cost/token x: median decode seconds per generated token after the first, relative to the baseline.",
+        "peak RSS: the process's peak resident memory while the variant generated (VmHWM reset per variant; the model's weights included).",
+    ]
+    write_markdown(out / "results.md", "Anti-hallucination decoders on the embedded world", command, result["header"], result["rows"], notes)
+    res = result["results"]
+    labels = list(res)
+    bars(out / "chair_i.png", labels, [res[n]["metrics"].get("chair", {}).get("chair_i", 0) for n in labels], "CHAIR_i", "CHAIR_i by decoder")
+    bars(out / "cost_per_token.png", labels, [res[n]["ratios"]["cost_per_token"] for n in labels], "x greedy", "Cost per generated token")
+    dump(out / "summary.json", result)
