@@ -137,12 +137,29 @@ def register_attention(name: str, fn: Callable, mask_like: str) -> None:
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_like])
 
 
-def attention_function(name: str) -> Callable:
-    """The attention callable registered under ``name`` (``eager`` is the modeling file's own)."""
-    if name == "eager":
-        from transformers.models.llama.modeling_llama import eager_attention_forward
+def eager_attention(module, query, key, value, attention_mask, scaling, dropout: float = 0.0, **kwargs):
+    """Eager attention for any module (decoder with GQA, or vision encoder): what the modeling files'
+    own ``eager_attention_forward`` computes, without assuming ``module.num_key_value_groups``."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask[:, :, :, : key.shape[-2]], torch.finfo(weights.dtype).min)
+        else:
+            weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return out, weights
 
-        return eager_attention_forward
+
+def attention_function(name: str) -> Callable:
+    """The attention callable registered under ``name`` (``eager``: :func:`eager_attention`)."""
+    if name == "eager":
+        return eager_attention
     return ALL_ATTENTION_FUNCTIONS[name]
 
 

@@ -70,3 +70,16 @@ def test_probe_decode_rows_and_reduction(tiny_mm, images, prompts):
         rec = s.probe["last"]
     assert rec.probs.shape[:2] == (2, 1) and rec.q_len == 1  # last decode step, max over heads
     assert torch.all(rec.probs >= 0) and torch.all(rec.probs <= 1)
+
+
+def test_probe_under_eager_model(tiny_dir, images, prompts):
+    """The probe wraps eager attention too (vision tower and LLM), with the same tokens as sdpa."""
+    eager = mmfast.load(tiny_dir, device="cpu", attn_implementation="eager")
+    sdpa = mmfast.load(tiny_dir, device="cpu")
+    recipe = mmfast.load_recipe({"pruning": [{"method": "fastv", "params": {"keep": 5}}]})
+    with Session(eager, recipe) as s:
+        s.probe.watch("vis", eager.adapter.vision_layers[0].self_attn, rows=lambda q, k: torch.tensor([0]))
+        a = s.generate(images[:2], prompts[:2], max_new_tokens=6)
+    with Session(sdpa, recipe) as s:
+        b = s.generate(images[:2], prompts[:2], max_new_tokens=6)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]

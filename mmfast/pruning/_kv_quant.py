@@ -1,0 +1,487 @@
+"""Real mixed-precision KV-cache quantisation (ZipVL / ZipCache) and the cache layer that stores it.
+
+Quantiser. Asymmetric uniform min/max quantisation of ``x`` ([B, N, C], C = KV heads x head_dim) in
+rectangular groups of ``tok_group`` tokens x ``ch_group`` channels: ``scale = (max - min) / (2^b - 1)``,
+``zero = min``, ``code = round((x - zero) / scale)`` clamped to ``[0, 2^b - 1]``. Codes are packed
+``8 / b`` to a byte (uint8) along the channel axis; scales and zero points are kept in the KV dtype.
+Statistics are per sample and ignore invalid (padding) entries, so a sample's codes never depend on
+the other rows of its batch.
+
+Schemes (ZipCache, arXiv 2405.14256, code ``ThisisBillhe/ZipCache``, which ZipVL v1 builds on):
+
+- keys, ``mixed_channelwiseQ``: channel-wise, one (scale, zero) per channel over the tokens of a
+  group (``k_group_size`` tokens; 0 = all tokens of the class in the segment, ZipCache's choice);
+- values, ``channel_separate_mixed_tokenwiseQ``: channel-separable token-wise; every channel is first
+  divided by ``sqrt(max |v|)`` over the segment's valid tokens, then each token is quantised over
+  groups of ``v_group_size`` channels (0 = all KV heads x head_dim, ZipCache's choice).
+
+Cache layer. :class:`MixedPrecisionKVLayer` replaces a ``DynamicLayer`` after prefill. It holds a
+list of quantised *segments* (the prompt, then one per ``requant_interval`` generated tokens), each
+with an important (``bits_high``) and an unimportant (``bits_low``) class of tokens, plus a
+full-precision buffer of the newest tokens. ``update`` appends to the buffer and returns the
+dequantised keys/values of every slot (padding slots read as zeros); :meth:`compress_buffer` turns the
+buffer into a new segment. ``bytes_per_sample`` reports the logical stored bytes of each sample:
+packed codes + scales/zero points + value channel scales + a one-bit important/unimportant map per
+stored token + the full-precision buffer; ``stored_nbytes`` the bytes of the tensors actually held
+(batch padding and index tensors included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes in [0, 2^bits) of shape [..., C] -> [..., C * bits / 8] with 8/bits codes per byte."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per = 8 // bits
+    c = codes.shape[-1]
+    if c % per:
+        raise ValueError(f"{c} channels cannot be packed {per} to a byte")
+    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], c // per, per)
+    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+    return (grouped << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, channels: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: [..., C * bits / 8] uint8 -> [..., C] uint8 codes."""
+    if bits == 8:
+        return packed
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    mask = (1 << bits) - 1
+    codes = (packed[..., None] >> shifts) & mask
+    return codes.reshape(*packed.shape[:-1], channels)
+
+
+# --------------------------------------------------------------------------- quantiser
+
+
+@dataclass
+class QuantTensor:
+    """[B, N, C] quantised in groups of ``tok_group`` tokens x ``ch_group`` channels."""
+
+    codes: torch.Tensor  # uint8 [B, N_pad, C * bits / 8] (N_pad = N rounded up to tok_group)
+    scale: torch.Tensor  # [B, N_pad / tok_group, C / ch_group]
+    zero: torch.Tensor  # same shape as scale
+    bits: int
+    tok_group: int
+    ch_group: int
+    n: int
+    c: int
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        bsz, n_pad, _ = self.codes.shape
+        codes = unpack(self.codes, self.bits, self.c).float()
+        codes = codes.view(bsz, n_pad // self.tok_group, self.tok_group, self.c // self.ch_group, self.ch_group)
+        x = codes * self.scale.float()[:, :, None, :, None] + self.zero.float()[:, :, None, :, None]
+        x = x.reshape(bsz, n_pad, self.c)[:, : self.n]
+        return x.to(dtype or self.scale.dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantTensor:
+        return replace(self, codes=fn(self.codes), scale=fn(self.scale), zero=fn(self.zero))
+
+
+def quantize(
+    x: torch.Tensor,
+    valid: torch.Tensor | None,
+    bits: int,
+    tok_group: int = 0,
+    ch_group: int = 0,
+    param_dtype: torch.dtype | None = None,
+) -> QuantTensor:
+    """Quantise ``x`` [B, N, C] to ``bits`` in groups (0 = the whole axis); ``valid`` [B, N] masks padding.
+
+    Every valid entry is reconstructed within half a quantisation step of its group
+    (``(max - min) / (2^bits - 1) / 2``), up to the rounding of the parameters to ``param_dtype``.
+    """
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    bsz, n, c = x.shape
+    tg = tok_group if tok_group > 0 else max(n, 1)
+    cg = ch_group if ch_group > 0 else c
+    if c % cg:
+        raise ValueError(f"channel group {cg} does not divide {c} channels")
+    param_dtype = param_dtype or x.dtype
+    if valid is None:
+        valid = torch.ones(bsz, n, dtype=torch.bool, device=x.device)
+    n_pad = -(-n // tg) * tg if n > 0 else tg
+    xf = x.float()
+    if n_pad != n:
+        xf = torch.cat([xf, xf.new_zeros(bsz, n_pad - n, c)], 1)
+        valid = torch.cat([valid, valid.new_zeros(bsz, n_pad - n)], 1)
+    xr = xf.view(bsz, n_pad // tg, tg, c // cg, cg)
+    vm = valid.view(bsz, n_pad // tg, tg, 1, 1)
+    mn = xr.masked_fill(~vm, float("inf")).amin(dim=(2, 4))
+    mx = xr.masked_fill(~vm, float("-inf")).amax(dim=(2, 4))
+    empty = ~torch.isfinite(mn)
+    mn = mn.masked_fill(empty, 0.0)
+    mx = mx.masked_fill(empty, 0.0)
+    qmax = (1 << bits) - 1
+    scale = ((mx - mn) / qmax).to(param_dtype)
+    zero = mn.to(param_dtype)
+    s = scale.float()[:, :, None, :, None]
+    z = zero.float()[:, :, None, :, None]
+    codes = torch.where(s > 0, ((xr - z) / s.clamp_min(torch.finfo(torch.float32).tiny)).round(), torch.zeros_like(xr))
+    codes = codes.clamp(0, qmax).masked_fill(~vm, 0).to(torch.uint8).view(bsz, n_pad, c)
+    return QuantTensor(pack(codes, bits), scale, zero, bits, tg, cg, n, c)
+
+
+def quant_param_count(n: int, c: int, tok_group: int, ch_group: int) -> int:
+    """Scale + zero-point values of an [n, c] tensor quantised in (tok_group x ch_group) groups."""
+    if n == 0:
+        return 0
+    tg = tok_group if tok_group > 0 else n
+    cg = ch_group if ch_group > 0 else c
+    return 2 * math.ceil(n / tg) * (c // cg)
+
+
+# --------------------------------------------------------------------------- one segment
+
+
+@dataclass
+class QuantSpec:
+    bits_high: int = 4
+    bits_low: int = 2
+    k_group_size: int = 0  # tokens per key group (channel-wise); 0 = all tokens of a class
+    v_group_size: int = 0  # channels per value group (token-wise); 0 = all channels
+    requant_interval: int = 100
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, N, D] -> [B, N, H * D]."""
+    b, h, n, d = x.shape
+    return x.permute(0, 2, 1, 3).reshape(b, n, h * d)
+
+
+def _unflat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, N, H * D] -> [B, H, N, D]."""
+    b, n, c = x.shape
+    return x.view(b, n, heads, c // heads).permute(0, 2, 1, 3)
+
+
+def _class_index(members: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """members [B, N] bool -> (index [B, M] into N, left-aligned, padded with 0; valid [B, M])."""
+    bsz, n = members.shape
+    counts = members.sum(1)
+    m = int(counts.max()) if bsz else 0
+    order = torch.argsort((~members).to(torch.int8), dim=1, stable=True)[:, :m]  # members first, in order
+    valid = torch.arange(m, device=members.device)[None, :] < counts[:, None]
+    return order.masked_fill(~valid, 0), valid
+
+
+@dataclass
+class _ClassData:
+    index: torch.Tensor  # [B, M] slot index within the segment (0 where invalid)
+    valid: torch.Tensor  # [B, M]
+    k: QuantTensor
+    v: QuantTensor
+
+
+@dataclass
+class Segment:
+    """Quantised keys/values of ``length`` consecutive slots, split into important / unimportant tokens."""
+
+    length: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    stored: torch.Tensor  # [B, length] bool: slot is stored (valid); others read back as zeros
+    important: torch.Tensor  # [B, length] bool (subset of stored)
+    v_channel_scale: torch.Tensor  # [B, 1, C]
+    classes: dict[str, _ClassData] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor,
+        important: torch.Tensor,
+        spec: QuantSpec,
+    ) -> Segment:
+        """Quantise [B, H, N, D] keys/values: ``important & valid`` at bits_high, other valid slots at bits_low."""
+        bsz, heads, n, d = keys.shape
+        valid = valid.bool()
+        important = important.bool() & valid
+        kf, vf = _flat(keys), _flat(values)
+        # ZipCache's channel-separable scale for values: sqrt(max |v|) per channel over the valid tokens
+        absmax = vf.float().abs().masked_fill(~valid[:, :, None], 0).amax(1, keepdim=True)
+        ch_scale = absmax.sqrt().clamp_min(1e-6).to(values.dtype)  # [B, 1, C]
+        vn = vf / ch_scale
+        seg = cls(n, heads, d, keys.dtype, valid, important, ch_scale)
+        for name, members, bits in (("high", important, spec.bits_high), ("low", valid & ~important, spec.bits_low)):
+            index, cvalid = _class_index(members)
+            gidx = index[:, :, None].expand(-1, -1, kf.shape[-1])
+            kq = quantize(kf.gather(1, gidx), cvalid, bits, spec.k_group_size, 1, keys.dtype)
+            vq = quantize(vn.gather(1, gidx), cvalid, bits, 1, spec.v_group_size, values.dtype)
+            seg.classes[name] = _ClassData(index, cvalid, kq, vq)
+        return seg
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H, length, D] keys and values (zeros in slots that are not stored)."""
+        bsz = self.stored.shape[0]
+        c = self.heads * self.head_dim
+        dev = self.stored.device
+        k = torch.zeros(bsz, self.length + 1, c, dtype=self.dtype, device=dev)
+        v = torch.zeros(bsz, self.length + 1, c, dtype=self.dtype, device=dev)
+        for data in self.classes.values():
+            if data.index.shape[1] == 0:
+                continue
+            dest = data.index.masked_fill(~data.valid, self.length)[:, :, None].expand(-1, -1, c)  # invalid -> dump slot
+            k.scatter_(1, dest, data.k.dequantize(self.dtype))
+            v.scatter_(1, dest, data.v.dequantize(self.dtype) * self.v_channel_scale)
+        return _unflat(k[:, : self.length], self.heads), _unflat(v[:, : self.length], self.heads)
+
+    def bytes_per_sample(self, spec: QuantSpec) -> torch.Tensor:
+        """[B] logical bytes: codes + quantisation parameters + value channel scales + 1-bit class map."""
+        c = self.heads * self.head_dim
+        pbytes = torch.finfo(self.dtype).bits // 8
+        out = []
+        for b in range(self.stored.shape[0]):
+            total = 0
+            n_stored = int(self.stored[b].sum())
+            for name, bits in (("high", spec.bits_high), ("low", spec.bits_low)):
+                n = int(self.classes[name].valid[b].sum())
+                total += 2 * n * c * bits // 8  # K and V codes
+                total += quant_param_count(n, c, spec.k_group_size, 1) * pbytes
+                total += quant_param_count(n, c, 1, spec.v_group_size) * pbytes
+            if n_stored:
+                total += c * pbytes + math.ceil(n_stored / 8)  # value channel scales, class bitmap
+            out.append(total)
+        return torch.tensor(out, dtype=torch.float64)
+
+    def nbytes(self) -> int:
+        total = sum(t.numel() * t.element_size() for t in (self.stored, self.important, self.v_channel_scale))
+        for data in self.classes.values():
+            total += data.index.numel() * data.index.element_size() + data.valid.numel()
+            total += data.k.nbytes() + data.v.nbytes()
+        return total
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Segment:
+        classes = {
+            name: _ClassData(fn(d.index), fn(d.valid), d.k.map_batch(fn), d.v.map_batch(fn))
+            for name, d in self.classes.items()
+        }
+        return replace(
+            self,
+            stored=fn(self.stored),
+            important=fn(self.important),
+            v_channel_scale=fn(self.v_channel_scale),
+            classes=classes,
+        )
+
+
+# --------------------------------------------------------------------------- cache layer
+
+
+class MixedPrecisionKVLayer(DynamicLayer):
+    """A DynamicLayer replacement holding quantised segments plus a full-precision buffer.
+
+    Reading ``keys`` / ``values`` dequantises the whole layer; assigning them is refused (a slot
+    edit by another KV policy would silently drop the quantisation).
+    """
+
+    def __init__(self, spec: QuantSpec) -> None:
+        self.spec = spec
+        self.segments: list[Segment] = []
+        self.buf_k: torch.Tensor | None = None
+        self.buf_v: torch.Tensor | None = None
+        self._seg_bytes: torch.Tensor | None = None  # [B] float64, logical bytes of the segments
+        self.n_compressions = 0
+        super().__init__()
+
+    # keys / values: read-only views of the dequantised cache
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        if not self.segments and self.buf_k is None:
+            return None
+        return self._full()[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._assign(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        if not self.segments and self.buf_v is None:
+            return None
+        return self._full()[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._assign(value)
+
+    def _assign(self, value) -> None:
+        if value is None:  # construction / reset
+            self.segments, self.buf_k, self.buf_v, self._seg_bytes = [], None, None, None
+            return
+        raise NotImplementedError(
+            "MixedPrecisionKVLayer (ZipVL) stores quantised keys/values; assigning dense tensors (a slot edit by "
+            "another KV-cache policy) is not supported"
+        )
+
+    @classmethod
+    def from_dense(
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor,
+        important: torch.Tensor,
+        spec: QuantSpec,
+    ) -> MixedPrecisionKVLayer:
+        """Quantise a prefilled layer ([B, H, T, D]); ``valid`` / ``important`` are [B, T] bool."""
+        layer = cls(spec)
+        layer.dtype, layer.device = keys.dtype, keys.device
+        layer.is_initialized = True
+        bsz, heads, _, d = keys.shape
+        layer.buf_k = keys.new_zeros(bsz, heads, 0, d)
+        layer.buf_v = values.new_zeros(bsz, heads, 0, d)
+        layer._seg_bytes = torch.zeros(bsz, dtype=torch.float64)
+        layer._append_segment(Segment.build(keys, values, valid, important, spec))
+        return layer
+
+    def _append_segment(self, seg: Segment) -> None:
+        self.segments.append(seg)
+        self._seg_bytes = self._seg_bytes + seg.bytes_per_sample(self.spec)
+
+    def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs = [], []
+        for seg in self.segments:
+            k, v = seg.dequantize()
+            ks.append(k)
+            vs.append(v)
+        ks.append(self.buf_k)
+        vs.append(self.buf_v)
+        return torch.cat(ks, 2), torch.cat(vs, 2)
+
+    # -- transformers' layer API -------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        bsz, heads, _, d = key_states.shape
+        self.buf_k = key_states.new_zeros(bsz, heads, 0, d)
+        self.buf_v = value_states.new_zeros(bsz, heads, 0, d)
+        self._seg_bytes = torch.zeros(bsz, dtype=torch.float64)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.buf_k = torch.cat([self.buf_k, key_states], dim=-2)
+        self.buf_v = torch.cat([self.buf_v, value_states], dim=-2)
+        return self._full()
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(s.length for s in self.segments) + int(self.buf_k.shape[-2])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    @property
+    def buffer_length(self) -> int:
+        return 0 if self.buf_k is None else int(self.buf_k.shape[-2])
+
+    def compress_buffer(self, important: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Quantise the full-precision buffer into a new segment (``important`` / ``valid``: [B, n_buffer])."""
+        n = self.buffer_length
+        if n == 0:
+            return
+        if valid is None:
+            valid = torch.ones(important.shape, dtype=torch.bool, device=important.device)
+        self._append_segment(Segment.build(self.buf_k, self.buf_v, valid, important, self.spec))
+        self.buf_k = self.buf_k[:, :, :0]
+        self.buf_v = self.buf_v[:, :, :0]
+        self.n_compressions += 1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` slots; a cut into a segment dequantises it into the buffer."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of slots to remove")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        while n > self.buffer_length and self.segments:
+            seg = self.segments.pop()
+            self._seg_bytes = self._seg_bytes - seg.bytes_per_sample(self.spec)
+            k, v = seg.dequantize()
+            self.buf_k = torch.cat([k, self.buf_k], 2)
+            self.buf_v = torch.cat([v, self.buf_v], 2)
+        keep = max(self.buffer_length - n, 0)
+        self.buf_k = self.buf_k[:, :, :keep]
+        self.buf_v = self.buf_v[:, :, :keep]
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if not self.is_initialized:
+            return
+        self.segments = [s.map_batch(fn) for s in self.segments]
+        self.buf_k, self.buf_v = fn(self.buf_k), fn(self.buf_v)
+        self._seg_bytes = fn(self._seg_bytes.to(self.buf_k.device)).cpu()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device)])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        self._assign(None)
+        self.is_initialized = False
+
+    # -- mmfast accounting ---------------------------------------------------------------------------
+    def bytes_per_sample(self, valid: torch.Tensor) -> torch.Tensor:
+        """[B] logical stored bytes: quantised segments + the valid slots of the full-precision buffer."""
+        n = self.buffer_length
+        slot = 2 * self.buf_k.shape[1] * self.buf_k.shape[-1] * self.buf_k.element_size()
+        buf = valid[:, valid.shape[1] - n :].sum(1).double().cpu() * slot if n else torch.zeros(valid.shape[0], dtype=torch.float64)
+        return self._seg_bytes + buf
+
+    def stored_nbytes(self) -> int:
+        """Bytes of every tensor this layer holds (codes, parameters, masks, indices, buffer)."""
+        total = sum(s.nbytes() for s in self.segments)
+        if self.buf_k is not None:
+            total += (self.buf_k.numel() + self.buf_v.numel()) * self.buf_k.element_size()
+        return total
+
+    def __repr__(self) -> str:
+        return (
+            f"MixedPrecisionKVLayer(segments={len(self.segments)}, buffer={self.buffer_length}, "
+            f"bits={self.spec.bits_high}/{self.spec.bits_low})"
+        )
+
+
+def dense_bytes_per_sample(valid: torch.Tensor, heads: int, head_dim: int, element_size: int) -> torch.Tensor:
+    """[B] bytes the same valid slots take in a full-precision cache layer."""
+    return valid.sum(1).double().cpu() * (2 * heads * head_dim * element_size)
+
+
+__all__ = [
+    "MixedPrecisionKVLayer",
+    "QuantSpec",
+    "QuantTensor",
+    "Segment",
+    "dense_bytes_per_sample",
+    "pack",
+    "quant_param_count",
+    "quantize",
+    "unpack",
+]

@@ -1,0 +1,358 @@
+"""ZipVL (He et al., "ZipVL: Efficient Large Vision-Language Models with Dynamic Token Sparsification
+and KV Cache Compression", arXiv 2410.08584 v1; quantisation from ZipCache, arXiv 2405.14256).
+
+Algorithm (paper Alg. 1, every LLM layer, prefill):
+1. probe queries Q' = the most recent + randomly drawn earlier tokens; A' = softmax(Q'K^T/sqrt(d) + causal mask),
+   averaged over heads;
+2. accumulated scores a_j = sum_i A'_ij; the layer's ratio p/n = the smallest p whose top-p mass reaches tau * total;
+3. normalised scores a~_j = a_j / #(probe queries that can attend to j) (removes the causal bias toward early
+   tokens); important set T = top-p by a~, U = the rest;
+4. sparse prefill: attention among T only, O_T = Attn(Q[T], K[T], V[T]); U rows get attention output 0;
+5. KV cache: K/V[T] quantised to bits_high, K/V[U] to bits_low; while decoding, every ``requant_interval`` (100)
+   generated tokens are re-scored with the current query (a = softmax(qK^T)[-100:]) and quantised the same way.
+
+Hook points: an attention *override* on every LLM attention module (``hooks.attach(...).override``; the
+probe rows are computed there with ``row_attention``, O(probes x keys)); ``runner.prefill_hooks``
+installs :class:`~mmfast.pruning._kv_quant.MixedPrecisionKVLayer` in every cache layer (really packed
+uint8 codes + per-group scales/zero points, dequantised on read); ``runner.step_hooks`` re-quantises
+the full-precision decode buffer every ``requant_interval`` tokens.
+
+Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
+U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
+
+Accounting: ``state.extras["vision_tokens_per_layer"]`` = important (T) vision tokens per layer, so
+``vision_tokens_layer_avg`` is ZipVL's *equivalent* token count (every vision token stays cached, at
+low precision); FLOPs are reported dense (the MLP runs on every token). ``last_stats``: per-layer keep
+ratio p/n, important vision tokens per layer, equivalent tokens, KV bytes (dense, after prefill, at the
+end), re-quantisation count.
+
+Verified in the paper (v1 Alg. 1, Table 1, Fig. 5): the steps above incl. "compress new KV cache every
+100 tokens generated" and O = FlashAttention(Q[T], K[T], V[T]); tau in {0.96, 0.975}; the GQA tau sweep
+peaks near 0.97. From ZipCache's code (github ThisisBillhe/ZipCache, modeling_llama.py and the demo
+config): probes = last 5% + random 5% of the prompt; 4 / 2 bits for K and V; K channel-wise, V
+channel-separable token-wise; streaming gap 100. Not found: ZipVL's own probe counts and bit-widths.
+
+Assumptions / deviations (the ZipVL code was not public):
+- probe counts follow ZipCache (5% + 5%, at least one recent probe); random probes are drawn without
+  replacement with a per-layer seed (ZipCache: with replacement), identical for a sample in any batch;
+- heads are averaged (ZipCache keeps per-KV-head sets; ZipVL's token-level FlashAttention needs one set);
+- the normalisation counts the probe queries that can attend to j (exact for the probe rows); ZipCache's
+  code divides by (n - j), the count for *all* queries;
+- U rows' attention output is 0 (Alg. 1 computes O only for T; the output of U is not stated);
+- ``tau >= 1`` keeps every token (exact no-op) instead of possibly dropping zero-probability tokens;
+- decode re-scoring applies Eq. 6 to the last-100 scores with total = their sum, no normalisation
+  (one query attends to each); only the newest block is quantised (Alg. 1), each block with its own
+  parameters (ZipCache's code re-quantises the whole cache);
+- quantisation statistics are per sample and ignore padding (ZipCache pools the batch).
+
+Limits: refuses speculative decoding (drafts are verified against, and rolled back from, a cache that
+is being quantised) and beam search (the paper defines decoding for one sequence; the per-layer
+accounting in ``extras`` is per prefill row), and other stages that edit the KV cache (the quantised
+layer refuses dense slot edits). Prefill attention runs on the base implementation (sdpa/eager) on the
+gathered important tokens; it saves attention FLOPs, not MLP FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import compat
+from ..config import opt
+from ..errors import IncompatibleRecipeError
+from ..hooks import attach
+from ..hooks.attention import row_attention
+from ..registry import PRUNERS
+from ._common import topk_keep
+from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, dense_bytes_per_sample
+from .base import Pruner
+
+# --------------------------------------------------------------------------- selection (pure functions)
+
+
+def probe_rows(valid: torch.Tensor, recent_ratio: float, random_ratio: float, seed: int) -> torch.Tensor:
+    """[B, R] probe query slots (-1 = unused): the last ``max(1, int(recent_ratio n))`` valid slots plus
+    ``int(random_ratio n)`` random earlier ones (n = valid slots of the sample).
+
+    The draw depends only on the sample's own length and ``seed``, never on the rest of the batch.
+    """
+    rows = []
+    for b in range(valid.shape[0]):
+        pos = valid[b].nonzero().squeeze(1).cpu()
+        n = pos.numel()
+        n_rec = min(n, max(1, int(recent_ratio * n)))
+        n_rand = min(n - n_rec, int(random_ratio * n))
+        rand = pos[:0]
+        if n_rand > 0:
+            gen = torch.Generator().manual_seed(seed)
+            rand = pos[: n - n_rec][torch.randperm(n - n_rec, generator=gen)[:n_rand]].sort().values
+        rows.append(torch.cat([rand, pos[n - n_rec :]]))
+    r = max(x.numel() for x in rows)
+    out = torch.full((len(rows), r), -1, dtype=torch.long)
+    for b, x in enumerate(rows):
+        out[b, : x.numel()] = x
+    return out.to(valid.device)
+
+
+def accumulate_scores(probs: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulated and causally normalised scores.
+
+    Args:
+        probs: [B, R, K] probe attention (head-averaged; unused rows all zero).
+        rows: [B, R] slot index of each probe query (-1 = unused).
+        valid: [B, K] key slots holding real tokens.
+
+    Returns:
+        a [B, K] = sum_i A'_ij, and a~ [B, K] = a_j / #(probe queries i with slot_i >= j).
+    """
+    k = probs.shape[-1]
+    a = probs.float().sum(1) * valid
+    j = torch.arange(k, device=probs.device)
+    sees = (rows[:, :, None] >= j[None, None, :]) & (rows[:, :, None] >= 0)  # [B, R, K]
+    count = sees.sum(1)
+    norm = torch.where(valid & (count > 0), a / count.clamp(min=1), torch.zeros_like(a))
+    return a, norm
+
+
+def mass_count(scores: torch.Tensor, valid: torch.Tensor, tau: float) -> torch.Tensor:
+    """[B] smallest p whose top-p scores reach ``tau`` x the total score of the valid slots (>= 1)."""
+    s = scores.float().masked_fill(~valid, 0.0).sort(dim=1, descending=True).values
+    cum = s.cumsum(1)
+    total = cum[:, -1:]
+    p = (cum < tau * total).sum(1) + 1
+    return torch.minimum(p, valid.sum(1)).clamp(min=1)
+
+
+def select_important(
+    probs: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, tau: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ZipVL's important set: p from the raw accumulated mass, T = top-p by the normalised score.
+
+    Returns (keep [B, K] bool, p [B]).
+    """
+    if tau >= 1.0:
+        return valid.clone(), valid.sum(1)
+    a, norm = accumulate_scores(probs, rows, valid)
+    p = mass_count(a, valid, tau)
+    return topk_keep(norm, valid, p), p
+
+
+def key_validity(attention_mask: torch.Tensor | None, bsz: int, k_len: int, device) -> torch.Tensor:
+    """[B, K] key slots visible to the last query row (prefill: the real tokens)."""
+    if attention_mask is None:
+        return torch.ones(bsz, k_len, dtype=torch.bool, device=device)
+    m = attention_mask[:, 0, -1, :k_len]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    return m.expand(bsz, -1).clone() if m.shape[0] != bsz else m.clone()
+
+
+def sparse_attention(module, query, key, value, keep, scaling, base, dropout: float = 0.0, **kwargs) -> torch.Tensor:
+    """Attention among the ``keep`` slots only ([B, L] bool; query, key, value: [B, H(kv), L, D], q_len == k_len).
+
+    The kept slots of each sample are gathered (left-padded to the batch maximum), attend causally to
+    each other through the base implementation, and are scattered back; other rows are 0.
+    Returns [B, L, H, D], the layout attention functions return.
+    """
+    bsz, heads, length, dim = query.shape
+    counts = keep.sum(1)
+    p = max(int(counts.max()), 1)
+    dev = keep.device
+    # left-padded gather index: kept slot -> position (p - count + rank); others -> dump column p
+    rank = keep.long().cumsum(1) - 1 + (p - counts)[:, None]
+    target = rank.masked_fill(~keep, p)
+    idx = torch.zeros(bsz, p + 1, dtype=torch.long, device=dev)
+    idx.scatter_(1, target, torch.arange(length, device=dev).expand(bsz, -1))
+    idx = idx[:, :p]
+    valid = torch.arange(p, device=dev)[None, :] >= (p - counts)[:, None]  # [B, P]
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+
+    causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+    eye = torch.eye(p, dtype=torch.bool, device=dev)
+    mask = (causal[None] & valid[:, None, :]) | eye  # padded rows see themselves (no NaN)
+    mask = compat.format_mask(mask[:, None], module.config._attn_implementation, query.dtype)
+    out_g, _ = base(module, gather(query), gather(key), gather(value), mask, scaling=scaling, dropout=dropout, **kwargs)
+    out = out_g.new_zeros(bsz, length + 1, *out_g.shape[2:])
+    dest = idx.masked_fill(~valid, length)[:, :, None, None].expand(-1, -1, *out_g.shape[2:])
+    out.scatter_(1, dest, out_g)
+    return out[:, :length]
+
+
+# --------------------------------------------------------------------------- the method
+
+
+@dataclass
+class _LayerSelection:
+    keep: torch.Tensor  # [B, L] important slots
+    valid: torch.Tensor  # [B, L] real tokens
+    p: torch.Tensor  # [B]
+
+
+@PRUNERS.register("zipvl", description="ZipVL: attention-mass-adaptive important tokens, sparse prefill, 4/2-bit mixed-precision KV")
+class ZipVL(Pruner):
+    """ZipVL."""
+
+    hook_points = frozenset({"attention_probe", "kv_cache"})
+    position_mode = "original"
+
+    @dataclass(frozen=True)
+    class Config:
+        tau: float = opt(0.975, lo=0.0, hi=1.0, doc="attention-mass threshold (paper: 0.96 / 0.975); 1.0 keeps every token")
+        probe_recent: float = opt(0.05, lo=0.0, hi=1.0, doc="fraction of most recent tokens used as probe queries (>= 1; ZipCache: 5%)")
+        probe_random: float = opt(0.05, lo=0.0, hi=1.0, doc="fraction of random earlier tokens used as probe queries (ZipCache: 5%)")
+        seed: int = opt(0, lo=0, doc="seed of the random probe draw (combined with the layer index)")
+        sparse_prefill: bool = opt(True, doc="compute prefill attention among the important tokens only")
+        quantize_kv: bool = opt(True, doc="store important tokens at bits_high, the rest at bits_low")
+        bits_high: int = opt(4, lo=1, hi=8, doc="bits of important tokens' K/V (ZipCache: 4)")
+        bits_low: int = opt(2, lo=1, hi=8, doc="bits of the other tokens' K/V (ZipCache: 2)")
+        k_group_size: int = opt(0, lo=0, doc="tokens per key group (channel-wise); 0 = all tokens of a class (ZipCache)")
+        v_group_size: int = opt(0, lo=0, doc="channels per value group (token-wise); 0 = all KV heads x head_dim (ZipCache)")
+        requant_interval: int = opt(100, lo=1, doc="generated tokens between re-scoring + quantisation of the decode buffer (paper: 100)")
+
+        def __post_init__(self) -> None:
+            for name in ("bits_high", "bits_low"):
+                if getattr(self, name) not in SUPPORTED_BITS:
+                    raise ValueError(f"{name} must be one of {SUPPORTED_BITS} (packed into uint8), got {getattr(self, name)}")
+            if self.bits_low > self.bits_high:
+                raise ValueError(f"bits_low ({self.bits_low}) must not exceed bits_high ({self.bits_high})")
+
+    @classmethod
+    def noop_params(cls, adapter):
+        return {"tau": 1.0, "quantize_kv": False}
+
+    @classmethod
+    def test_params(cls, adapter):
+        return {"tau": 0.9, "requant_interval": 2}
+
+    @classmethod
+    def check_recipe(cls, recipe, index: int) -> str | None:
+        if recipe.speculative is not None:
+            return (
+                "ZipVL quantises the KV cache (and re-quantises it while decoding), which speculative verification "
+                "and rollback cannot use; remove the speculative section"
+            )
+        if recipe.decoding.method == "beam":
+            return (
+                "ZipVL's decode-time re-scoring and quantisation are defined for one sequence per sample, not for "
+                "beam search; use decoding.method greedy or sample"
+            )
+        for i, stage in enumerate(recipe.pruning):
+            if i != index and "kv_cache" in PRUNERS.get(stage.method).cls.hook_points:
+                return f"ZipVL owns the KV cache (mixed-precision layers) and cannot share it with pruning[{i}] ({stage.method})"
+        return None
+
+    # -- installation ---------------------------------------------------------------------------------
+    def install(self) -> None:
+        cfg = self.config
+        text = self.adapter.text_config
+        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        channels = self.kv_heads * self.head_dim
+        if cfg.quantize_kv:
+            for bits in (cfg.bits_high, cfg.bits_low):
+                if channels % (8 // bits):
+                    raise IncompatibleRecipeError(f"ZipVL: {channels} KV channels cannot be packed {8 // bits} to a byte")
+            if cfg.v_group_size and channels % cfg.v_group_size:
+                raise IncompatibleRecipeError(f"ZipVL: v_group_size {cfg.v_group_size} does not divide {channels} KV channels")
+        self.spec = QuantSpec(cfg.bits_high, cfg.bits_low, cfg.k_group_size, cfg.v_group_size, cfg.requant_interval)
+        self._layer_of: dict[int, int] = {}
+        for i, layer in enumerate(self.adapter.layers):
+            hooks = attach(self.session.hooks, layer.self_attn)
+            if hooks.override is not None:
+                raise IncompatibleRecipeError(f"ZipVL: LLM layer {i}'s attention is already overridden by another method")
+            hooks.override = self._attention
+            self._layer_of[id(layer.self_attn)] = i
+        self._prefill: dict[int, _LayerSelection] = {}
+        self._last_query: dict[int, tuple[torch.Tensor, float]] = {}
+        self.session.runner.prefill_hooks.append(self._after_prefill)
+        self.session.runner.step_hooks.append(self._after_step)
+
+    # -- attention override ----------------------------------------------------------------------------
+    def _attention(self, module, query, key, value, attention_mask, scaling, base, dropout=0.0, **kwargs):
+        layer = self._layer_of[id(module)]
+        bsz, _, q_len, _ = query.shape
+        k_len = key.shape[2]
+        if q_len > 1 and q_len == k_len:  # prefill (every sequence starts with an empty cache)
+            valid = key_validity(attention_mask, bsz, k_len, query.device)
+            keep, p = self._select(layer, query, key, attention_mask, scaling, valid)
+            self._prefill[layer] = _LayerSelection(keep, valid, p)
+            if self.config.sparse_prefill and not torch.equal(keep, valid):
+                return sparse_attention(module, query, key, value, keep, scaling, base, dropout=dropout, **kwargs)
+        elif self.config.quantize_kv:
+            self._last_query[layer] = (query[:, :, -1:], scaling)
+        out, _ = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return out
+
+    def _select(self, layer, query, key, attention_mask, scaling, valid):
+        cfg = self.config
+        if cfg.tau >= 1.0:
+            return valid.clone(), valid.sum(1)
+        rows = probe_rows(valid, cfg.probe_recent, cfg.probe_random, cfg.seed * 1_000_003 + layer)
+        probs = row_attention(query, key, attention_mask, scaling, rows, is_causal=True).mean(1)  # [B, R, K]
+        return select_important(probs, rows, valid, cfg.tau)
+
+    # -- KV-cache policy ---------------------------------------------------------------------------------
+    def _after_prefill(self, state) -> None:
+        sel, self._prefill = self._prefill, {}
+        self._last_query.clear()
+        bsz, n_layers = state.batch_size, state.n_layers
+        ratio = torch.ones(bsz, n_layers, dtype=torch.float64)
+        vis_kept = torch.zeros(bsz, n_layers)
+        vis_all = torch.zeros(bsz, n_layers)
+        dense = torch.zeros(bsz, dtype=torch.float64)
+        for layer in range(n_layers):
+            g = state.group_of(layer)
+            valid = state.groups[g].key_mask
+            s = sel.get(layer)
+            keep = valid if s is None or s.keep.shape != valid.shape else s.keep & valid
+            vision = state.vision_slots(g)
+            ratio[:, layer] = (keep.sum(1).double() / valid.sum(1).clamp(min=1).double()).cpu()
+            vis_kept[:, layer] = (keep & vision).sum(1).float().cpu()
+            vis_all[:, layer] = vision.sum(1).float().cpu()
+            lay = state.cache.layers[layer]
+            dense += dense_bytes_per_sample(valid, lay.keys.shape[1], lay.keys.shape[-1], lay.keys.element_size())
+            if self.config.quantize_kv:
+                state.cache.layers[layer] = MixedPrecisionKVLayer.from_dense(lay.keys, lay.values, valid, keep, self.spec)
+        state.extras["vision_tokens_per_layer"] = vis_kept.to(state.groups[0].key_mask.device)
+        kv = state.kv_bytes_per_sample()
+        self.last_stats = {
+            "per_sample_keep_ratio": [[round(float(x), 4) for x in row] for row in ratio],  # p/n per layer
+            "per_sample_important_vision": vis_kept.tolist(),  # per layer
+            "per_sample_vision_tokens": vis_all[:, 0].tolist(),
+            "per_sample_equiv_vision_tokens": vis_kept.mean(1).tolist(),
+            "per_sample_kv_bytes_dense": [int(x) for x in dense.tolist()],
+            "per_sample_kv_bytes_prefill": kv,
+            "per_sample_kv_bytes_end": kv,
+            "requant_events": 0,
+            "tau": self.config.tau,
+            "bits": [self.config.bits_high, self.config.bits_low] if self.config.quantize_kv else None,
+        }
+
+    def _after_step(self, state) -> None:
+        cfg = self.config
+        events = 0
+        for layer, lay in enumerate(state.cache.layers):
+            if not isinstance(lay, MixedPrecisionKVLayer) or lay.buffer_length < cfg.requant_interval:
+                continue
+            got = self._last_query.get(layer)
+            valid = state.groups[state.group_of(layer)].key_mask
+            n = lay.buffer_length
+            vbuf = valid[:, valid.shape[1] - n :]
+            if got is None or cfg.tau >= 1.0:
+                keep = vbuf
+            else:
+                query, scaling = got
+                keys = lay.keys  # dequantised, [B, Hkv, T, D]
+                rows = torch.zeros(1, dtype=torch.long, device=query.device)
+                probs = row_attention(query, keys, valid[:, None, None, :], scaling, rows, is_causal=False)
+                scores = probs.mean(1)[:, 0, keys.shape[2] - n :]  # a = softmax(q K^T)[-n:], head mean
+                keep = topk_keep(scores, vbuf, mass_count(scores, vbuf, cfg.tau))
+            lay.compress_buffer(keep, vbuf)
+            events += 1
+        self._last_query.clear()
+        if self.last_stats:
+            self.last_stats["requant_events"] = self.last_stats.get("requant_events", 0) + events
+            self.last_stats["per_sample_kv_bytes_end"] = state.kv_bytes_per_sample()

@@ -1,0 +1,328 @@
+"""ZipVL: adaptive important-token selection, sparse prefill, real mixed-precision KV quantisation."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mmfast import compat
+from mmfast.config import load_recipe
+from mmfast.errors import ConfigError, IncompatibleRecipeError
+from mmfast.pipeline import Session
+from mmfast.pruning._kv_quant import (
+    MixedPrecisionKVLayer,
+    QuantSpec,
+    Segment,
+    pack,
+    quant_param_count,
+    quantize,
+    unpack,
+)
+from mmfast.pruning.zipvl import (
+    ZipVL,
+    accumulate_scores,
+    mass_count,
+    probe_rows,
+    select_important,
+    sparse_attention,
+)
+
+
+def _recipe(**params):
+    return load_recipe({"pruning": [{"method": "zipvl", "params": params}]})
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def test_keeps_smallest_set_reaching_tau():
+    # one probe row (the last slot) sees every key: normalisation divides by 1, so T = top-p raw
+    probs = torch.tensor([[0.05, 0.40, 0.10, 0.25, 0.15, 0.05]])[:, None]  # [B=1, R=1, K=6]
+    rows = torch.tensor([[5]])
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    keep, p = select_important(probs, rows, valid, tau=0.75)
+    assert p.tolist() == [3]
+    assert keep[0].nonzero().squeeze(1).tolist() == [1, 3, 4]
+    mass = probs[0, 0][keep[0]]
+    assert mass.sum() >= 0.75 and mass.sum() - mass.min() < 0.75  # dropping the weakest member falls short
+
+    # random rows, left padding, many taus: always the minimal set
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        k = 12
+        valid = torch.ones(2, k, dtype=torch.bool)
+        valid[1, :3] = False
+        raw = torch.rand(2, k, generator=gen) ** 3 * valid
+        probs = (raw / raw.sum(1, keepdim=True))[:, None]
+        rows = torch.tensor([[k - 1], [k - 1]])
+        tau = float(torch.rand(1, generator=gen)) * 0.98
+        keep, p = select_important(probs, rows, valid, tau)
+        for b in range(2):
+            kept = probs[b, 0][keep[b]]
+            assert not keep[b][~valid[b]].any()
+            assert int(keep[b].sum()) == int(p[b])
+            assert kept.sum() >= tau - 1e-6
+            assert kept.sum() - kept.min() < tau
+    assert select_important(probs, rows, valid, 1.0)[0].equal(valid)
+
+
+def test_causal_normalisation_hand_example():
+    # query slot 1 sees keys 0..1, query slot 3 sees keys 0..3
+    probs = torch.tensor([[[0.6, 0.4, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]]])
+    rows = torch.tensor([[1, 3]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    a, norm = accumulate_scores(probs, rows, valid)
+    torch.testing.assert_close(a, torch.tensor([[0.7, 0.6, 0.3, 0.4]]))
+    torch.testing.assert_close(norm, torch.tensor([[0.35, 0.3, 0.3, 0.4]]))  # counts 2, 2, 1, 1
+    keep, p = select_important(probs, rows, valid, tau=0.6)  # mass 0.7 + 0.6 >= 0.6 * 2.0 -> p = 2
+    assert p.tolist() == [2]
+    assert keep[0].nonzero().squeeze(1).tolist() == [0, 3]  # raw top-2 would be {0, 1}
+    # an unused probe row (-1) counts for nothing
+    a2, norm2 = accumulate_scores(torch.cat([probs, torch.zeros(1, 1, 4)], 1), torch.tensor([[1, 3, -1]]), valid)
+    torch.testing.assert_close(norm2, norm)
+
+
+def test_probe_rows_recent_random_and_batch_invariant():
+    valid = torch.ones(2, 60, dtype=torch.bool)
+    valid[1, :20] = False  # 40 real tokens
+    rows = probe_rows(valid, 0.05, 0.05, seed=3)
+    r0 = rows[0][rows[0] >= 0].tolist()
+    r1 = rows[1][rows[1] >= 0].tolist()
+    assert r0[-3:] == [57, 58, 59] and len(r0) == 6 and len(set(r0)) == 6  # 3 recent + 3 random
+    assert r1[-2:] == [58, 59] and len(r1) == 4 and min(r1) >= 20
+    alone = probe_rows(valid[1:], 0.05, 0.05, seed=3)
+    assert alone[0].tolist() == r1  # a sample's probes do not depend on its batch
+    assert probe_rows(torch.ones(1, 5, dtype=torch.bool), 0.05, 0.05, 0).tolist() == [[4]]  # at least one
+    assert mass_count(torch.tensor([[0.5, 0.5, 0.0]]), torch.ones(1, 3, dtype=torch.bool), 0.0).tolist() == [1]
+
+
+# --------------------------------------------------------------------------- sparse prefill
+
+
+def _attn_inputs(tiny_mm, bsz=2, length=9, pad=3):
+    module = tiny_mm.adapter.layers[0].self_attn
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads = tiny_mm.adapter.text_config.num_attention_heads, tiny_mm.adapter.text_config.num_key_value_heads
+    d = module.head_dim
+    q = torch.randn(bsz, heads, length, d, generator=gen)
+    k = torch.randn(bsz, kv_heads, length, d, generator=gen)
+    v = torch.randn(bsz, kv_heads, length, d, generator=gen)
+    valid = torch.ones(bsz, length, dtype=torch.bool)
+    valid[1, :pad] = False
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask = (causal[None] & valid[:, None, :] | torch.eye(length, dtype=torch.bool))[:, None]
+    return module, q, k, v, valid, mask
+
+
+def test_sparse_prefill_equals_base_when_everything_is_kept(tiny_mm):
+    module, q, k, v, valid, mask = _attn_inputs(tiny_mm)
+    base = compat.attention_function("sdpa")
+    want, _ = base(module, q, k, v, mask, scaling=module.scaling)
+    got = sparse_attention(module, q, k, v, valid, module.scaling, base)
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_prefill_restricts_attention_to_important_tokens(tiny_mm):
+    module, q, k, v, valid, mask = _attn_inputs(tiny_mm)
+    base = compat.attention_function("sdpa")
+    keep = valid.clone()
+    keep[0, [1, 4, 5]] = False
+    keep[1, [3, 7]] = False
+    got = sparse_attention(module, q, k, v, keep, module.scaling, base)
+    full, _ = base(module, q, k, v, mask, scaling=module.scaling)
+    assert not torch.allclose(got[keep], full[keep], atol=1e-4)
+    assert bool((got[~keep] == 0).all())  # U rows: no attention output (residual passthrough)
+    rep = q.shape[1] // k.shape[1]
+    for b in range(2):
+        idx = keep[b].nonzero().squeeze(1)
+        qt, kt, vt = q[b][:, idx].double(), k[b][:, idx].double(), v[b][:, idx].double()
+        kt, vt = kt.repeat_interleave(rep, 0), vt.repeat_interleave(rep, 0)
+        s = qt @ kt.transpose(-1, -2) * module.scaling
+        s = s.masked_fill(~torch.ones(len(idx), len(idx), dtype=torch.bool).tril(), float("-inf"))
+        ref = (s.softmax(-1) @ vt).transpose(0, 1)  # [T, H, D]
+        torch.testing.assert_close(got[b, idx].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_session_sparse_prefill_changes_logits_and_tau1_does_not(tiny_mm, images, prompts):
+    def logits(recipe):
+        with Session(tiny_mm, recipe) as s:
+            batch = s.mm.prepare(images[:2], prompts[:2])
+            _, out = s.runner.prefill(s.build_inputs(batch, s.encode(batch)))
+            return out.logits
+
+    base = logits(load_recipe({}))
+    assert torch.equal(logits(_recipe(tau=1.0, quantize_kv=False)), base)
+    assert not torch.allclose(logits(_recipe(tau=0.8, quantize_kv=False)), base)
+    # without sparse prefill, selection + quantisation leave the prefill logits untouched
+    assert torch.equal(logits(_recipe(tau=0.8, sparse_prefill=False)), base)
+
+
+# --------------------------------------------------------------------------- quantisation
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_quantize_roundtrip_error_and_packed_bytes(bits):
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 37, 64, generator=gen) * torch.linspace(0.1, 5, 64)  # channel outliers
+    valid = torch.ones(2, 37, dtype=torch.bool)
+    valid[1, :5] = False
+    qmax = 2**bits - 1
+    for tg, cg in ((0, 1), (8, 1), (1, 0), (1, 16)):  # channel-wise (whole / groups), token-wise (whole / groups)
+        q = quantize(x, valid, bits, tg, cg)
+        assert q.codes.dtype == torch.uint8
+        n_pad = 37 if tg == 0 else math.ceil(37 / tg) * tg
+        assert q.codes.shape == (2, n_pad, 64 * bits // 8)  # exactly bits/8 bytes per value
+        assert q.codes.numel() == 2 * n_pad * 64 * bits // 8
+        y = q.dequantize()
+        step = q.scale.float()[:, :, None, :, None].expand(2, n_pad // q.tok_group, q.tok_group, 64 // q.ch_group, q.ch_group)
+        step = step.reshape(2, n_pad, 64)[:, :37]
+        err = (y - x).abs()
+        assert bool((err[valid] <= step[valid] / 2 + 1e-5).all())
+        if tg == 0 and cg == 1:  # channel-wise: the step is each sample's channel range / (2^bits - 1)
+            for b in range(2):
+                xb = x[b][valid[b]]
+                torch.testing.assert_close(q.scale[b, 0], (xb.amax(0) - xb.amin(0)) / qmax)
+        # padding never influences the parameters of the real tokens
+        x2 = x.clone()
+        x2[1, :5] = 1e4
+        q2 = quantize(x2, valid, bits, tg, cg)
+        assert torch.equal(q2.dequantize()[valid], y[valid])
+    codes = torch.randint(0, 2**bits, (3, 64), dtype=torch.uint8, generator=gen)
+    assert torch.equal(unpack(pack(codes, bits), bits, 64), codes)
+
+
+def test_error_shrinks_with_bits():
+    x = torch.randn(1, 50, 64, generator=torch.Generator().manual_seed(0))
+    errs = [(quantize(x, None, b, 0, 1).dequantize() - x).abs().mean().item() for b in (2, 4, 8)]
+    assert errs[0] > 3 * errs[1] > 9 * errs[2]
+
+
+def _segment_bytes(n_hi, n_lo, n_stored, c, spec, pbytes=4):
+    total = 0
+    for n, bits in ((n_hi, spec.bits_high), (n_lo, spec.bits_low)):
+        total += 2 * n * c * bits // 8
+        total += quant_param_count(n, c, spec.k_group_size, 1) * pbytes + quant_param_count(n, c, 1, spec.v_group_size) * pbytes
+    return total + (c * pbytes + math.ceil(n_stored / 8) if n_stored else 0)
+
+
+def test_cache_layer_decode_requant_and_batch_ops():
+    gen = torch.Generator().manual_seed(0)
+    spec = QuantSpec(bits_high=4, bits_low=2, k_group_size=0, v_group_size=16, requant_interval=3)
+    k = torch.randn(2, 2, 10, 8, generator=gen)
+    v = torch.randn(2, 2, 10, 8, generator=gen)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, :4] = False
+    important = torch.zeros(2, 10, dtype=torch.bool)
+    important[0, [0, 3, 9]] = True
+    important[1, [5, 9]] = True
+    lay = MixedPrecisionKVLayer.from_dense(k, v, valid, important, spec)
+    assert lay.get_seq_length() == 10 and lay.get_mask_sizes(1) == (11, 0)
+    want = [_segment_bytes(3, 7, 10, 16, spec), _segment_bytes(2, 4, 6, 16, spec)]
+    assert lay.bytes_per_sample(valid).tolist() == want
+    kd = lay.keys
+    assert bool((kd[1, :, :4] == 0).all())  # padding is not stored
+    hi_err = (kd - k).abs()[0][:, important[0]].mean()
+    lo_err = (kd - k).abs()[0][:, ~important[0]].mean()
+    assert hi_err < lo_err
+
+    # decode: tokens sit in a full-precision buffer until the interval, then become a segment
+    for step in range(7):
+        nk, nv = torch.randn(2, 2, 1, 8, generator=gen), torch.randn(2, 2, 1, 8, generator=gen)
+        full_k, full_v = lay.update(nk, nv)
+        assert full_k.shape[2] == 11 + step and torch.equal(full_k[:, :, -1:], nk)  # newest token exact
+        valid = torch.cat([valid, torch.ones(2, 1, dtype=torch.bool)], 1)
+        if lay.buffer_length >= spec.requant_interval:
+            imp = torch.zeros(2, lay.buffer_length, dtype=torch.bool)
+            imp[:, -1] = True
+            lay.compress_buffer(imp)
+    assert len(lay.segments) == 3 and lay.buffer_length == 1 and lay.n_compressions == 2
+    assert lay.get_seq_length() == 17
+    seg_bytes = [_segment_bytes(1, 2, 3, 16, spec)] * 2
+    buffer_bytes = 2 * 16 * 4
+    assert lay.bytes_per_sample(valid).tolist() == [w + 2 * s + buffer_bytes for w, s in zip(want, seg_bytes)]
+    assert lay.stored_nbytes() > 0
+
+    # batch ops and crop keep exactly what attention reads
+    before = lay.keys
+    lay.batch_repeat_interleave(2)
+    assert torch.equal(lay.keys, before.repeat_interleave(2, 0))
+    lay.reorder_cache(torch.tensor([3, 0]))
+    assert torch.equal(lay.keys, before[[1, 0]])
+    lay.crop(-3)  # cuts into the last segment: it is dequantised into the buffer, values unchanged
+    assert lay.get_seq_length() == 14 and torch.equal(lay.keys, before[[1, 0], :, :14])
+    with pytest.raises(NotImplementedError):
+        lay.keys = before
+
+
+def test_session_quantised_cache_prefill_bytes_and_requant(tiny_mm, images, prompts):
+    interval = 3
+    with Session(tiny_mm, _recipe(tau=0.9, requant_interval=interval)) as s:
+        zipvl = s.pruners[0]
+        batch = s.mm.prepare(images[:2], prompts[:2])
+        inputs = s.build_inputs(batch, s.encode(batch))
+        state, out = s.runner.prefill(inputs)
+        layers = state.cache.layers
+        assert all(isinstance(lay, MixedPrecisionKVLayer) for lay in layers)
+        valid = state.groups[0].key_mask
+        c = layers[0].segments[0].heads * layers[0].segments[0].head_dim
+        expect = torch.zeros(2, dtype=torch.float64)
+        for lay in layers:
+            seg = lay.segments[0]
+            for b in range(2):
+                n_hi, n_stored = int(seg.important[b].sum()), int(seg.stored[b].sum())
+                expect[b] += _segment_bytes(n_hi, n_stored - n_hi, n_stored, c, lay.spec)
+        got = state.kv_bytes_per_sample()
+        assert got == [int(x) for x in expect.tolist()]
+        dense = valid.sum(1) * len(layers) * 2 * c * 4  # fp32
+        # 4/2-bit codes (~8-16x) minus scale overhead on a ~40-token prompt: at least 4x smaller
+        assert all(d / g > 4 for d, g in zip(dense.tolist(), got))
+        stats = zipvl.last_stats
+        assert stats["per_sample_kv_bytes_prefill"] == got and stats["per_sample_kv_bytes_dense"] == dense.tolist()
+        ratios = torch.tensor(stats["per_sample_keep_ratio"])
+        assert ratios.shape == (2, len(layers)) and bool((ratios < 1).any()) and bool((ratios > 0).all())
+        equiv = state.vision_tokens_per_layer().float().mean(1)
+        assert equiv.tolist() == stats["per_sample_equiv_vision_tokens"] and bool((equiv < 16).all())
+
+        tok = out.logits[:, -1].argmax(-1)
+        for step in range(1, 8):
+            out = s.runner.step(state, tok[:, None])
+            tok = out.logits[:, -1].argmax(-1)
+            assert torch.isfinite(out.logits).all()
+            assert all(lay.buffer_length == step % interval for lay in layers)
+        assert all(len(lay.segments) == 1 + 7 // interval for lay in layers)
+        assert all(lay.get_seq_length() == inputs.length + 7 for lay in layers)
+        assert zipvl.last_stats["requant_events"] == len(layers) * (7 // interval)
+        assert zipvl.last_stats["per_sample_kv_bytes_end"] == state.kv_bytes_per_sample()
+        # re-scored blocks keep the newest tokens' smallest set reaching tau of the current query's mass
+        assert all(bool(seg.important.any(1).all()) for lay in layers for seg in lay.segments[1:])
+
+
+def test_gqa_model_runs(tiny_gqa_dir, images, prompts):
+    import mmfast
+
+    mm = mmfast.load(tiny_gqa_dir, device="cpu", dtype="float32")
+    with Session(mm, _recipe(tau=0.9, requant_interval=2)) as s:
+        res = s.generate(images[:2], prompts[:2], max_new_tokens=5)
+    assert all(r.kv_bytes_prefill > 0 and r.vision_tokens_layer_avg < r.n_vision_tokens for r in res)
+    assert res[0].stats["zipvl"]["requant_events"] > 0
+
+
+# --------------------------------------------------------------------------- config and recipes
+
+
+def test_refuses_speculative_beam_and_bad_bits():
+    spec_recipe = SimpleNamespace(speculative=object(), decoding=SimpleNamespace(method="greedy"), pruning=())
+    assert "speculative" in ZipVL.check_recipe(spec_recipe, 0)
+    with pytest.raises(IncompatibleRecipeError, match="speculative"):
+        load_recipe({"pruning": [{"method": "zipvl"}], "speculative": {"method": "prompt_lookup"}})
+    with pytest.raises(IncompatibleRecipeError, match="beam"):
+        load_recipe({"pruning": [{"method": "zipvl"}], "decoding": {"method": "beam"}})
+    with pytest.raises(ConfigError, match="bits_high"):
+        _recipe(bits_high=3)
+    with pytest.raises(ConfigError, match="bits_low"):
+        _recipe(bits_high=2, bits_low=4)
+    cfg = _recipe().pruning[0].params
+    assert (cfg.tau, cfg.bits_high, cfg.bits_low, cfg.requant_interval) == (0.975, 4, 2, 100)
