@@ -1,0 +1,339 @@
+"""HICom building blocks (see :mod:`mmfast.pruning.hicom`): the CLIP guide, grouped local pooling,
+the global compressor and its weight files. Shared by the pruner and ``scripts/train_hicom.py``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError, ModelLoadError
+from ._grid import group_index
+
+logger = logging.getLogger(__name__)
+
+GLOBAL_WEIGHTS = "hicom_global.safetensors"
+TRAIN_COMMAND = "python scripts/train_hicom.py --model {model}"
+#: The CLIP that LLaVA-1.5's tower comes from (its text tower is the guide encoder for real LLaVA-1.5).
+LLAVA15_CLIP = "openai/clip-vit-large-patch14-336"
+
+# Answer-format suffixes that say nothing about the image (HICom's ``extract_guided_prompt`` strips
+# the short-answer suffix and multiple-choice option lists the same way).
+_SUFFIXES = (
+    "Answer the question using a single word or phrase.",
+    "Answer with the option's letter from the given choices directly.",
+    "Please respond with only the letter of the correct answer.",
+    "Please provide your answer by stating the letter followed by the full option.",
+)
+
+
+def guide_text(prompt: str) -> str:
+    """The instruction used as the guide: the user prompt without image tags, answer-format
+    suffixes and multiple-choice option lists."""
+    text = prompt.replace("<image>", "").replace("<video>", "")
+    for s in _SUFFIXES:
+        text = text.replace(s, "")
+    for marker in ("\nA. ", "\nOptions:", "\n(A)"):
+        text = text.split(marker)[0]
+    return text.strip()
+
+
+# ------------------------------------------------------------------------------------ CLIP guide
+
+
+class ClipGuide(nn.Module):
+    """The CLIP parts HICom needs: the text tower (instruction -> ``text_embeds``) and the image head
+    (patch tokens of the last vision layer -> ``visual_projection(post_layernorm(.))``, MaskCLIP-style).
+
+    ``tokenizer`` is the CLIP tokenizer (hub CLIP: BOS ... EOS) or, for the embedded model's CLIP
+    (trained on the LLaVA tokenizer), the LLaVA tokenizer with ``embedded=True`` (ids end with the
+    appended ``</s>``, as ``mmfast.train.embedded.clip_text_ids``). Text is pooled at the last real
+    token in both cases (CLIP's EOS pooling).
+    """
+
+    def __init__(self, clip, tokenizer, embedded: bool) -> None:
+        super().__init__()
+        self.text_model = clip.text_model
+        self.text_projection = clip.text_projection
+        self.post_layernorm = clip.vision_model.post_layernorm
+        self.visual_projection = clip.visual_projection
+        self.tokenizer = tokenizer
+        self.embedded = embedded
+        self.max_len = int(clip.config.text_config.max_position_embeddings)
+
+    @property
+    def dim(self) -> int:
+        return int(self.text_projection.out_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.text_projection.weight.device
+
+    def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.embedded:
+            from ..train.embedded import clip_text_ids
+
+            ids, mask = clip_text_ids(self.tokenizer, texts, max_len=self.max_len)
+        else:
+            enc = self.tokenizer(
+                texts, padding=True, truncation=True, max_length=self.max_len, padding_side="right", return_tensors="pt"
+            )
+            ids, mask = enc["input_ids"], enc["attention_mask"]
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def text_embeds(self, texts: list[str]) -> torch.Tensor:
+        """[B, P] projected text embeddings (fp32)."""
+        from ..train.embedded import text_features
+
+        ids, mask = self.tokenize(texts)
+        return text_features(self, ids, mask).float()
+
+    @torch.no_grad()
+    def patch_embeds(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., P] text-aligned embeddings of last-layer vision tokens [..., Dv] (fp32)."""
+        x = last_hidden.to(self.device, self.post_layernorm.weight.dtype)
+        return self.visual_projection(self.post_layernorm(x)).float()
+
+
+_CLIP_CACHE: dict[tuple[str, str], ClipGuide] = {}
+
+
+def model_dir(model) -> Path | None:
+    """The local directory a model was loaded from, if any."""
+    p = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    return Path(p) if p and Path(p).is_dir() else None
+
+
+def resolve_clip(spec: str | None, model) -> str:
+    """The CLIP checkpoint to use: ``spec``, else ``<model dir>/clip``, else the LLaVA-1.5 CLIP when the
+    tower has its geometry."""
+    if spec:
+        return spec
+    d = model_dir(model)
+    if d is not None and (d / "clip" / "config.json").is_file():
+        return str(d / "clip")
+    vc = model.config.vision_config
+    if (vc.image_size, vc.patch_size, vc.hidden_size) == (336, 14, 1024):
+        return LLAVA15_CLIP
+    raise ConfigError(
+        "clip_model",
+        f"no CLIP text tower found for this model (looked for {d / 'clip' if d else '<model dir>/clip'}); "
+        f"set clip_model to a CLIPModel directory or hub id whose vision tower is this model's "
+        f"(LLaVA-1.5: {LLAVA15_CLIP})",
+    )
+
+
+def random_clip(model, tokenizer, seed: int = 0):
+    """A tiny randomly initialised ``CLIPModel`` for tests: text tower on the LLaVA tokenizer, vision
+    head sized like ``model``'s tower (whose post-layernorm it copies)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    vc = model.config.vision_config
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
+    vision = dict(
+        hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size, num_hidden_layers=1,
+        num_attention_heads=vc.num_attention_heads, image_size=vc.image_size, patch_size=vc.patch_size,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    tower = model.model.vision_tower
+    post = tower.post_layernorm if hasattr(tower, "post_layernorm") else tower.vision_model.post_layernorm
+    clip.vision_model.post_layernorm.load_state_dict(post.state_dict())
+    return clip
+
+
+def load_clip_guide(spec: str | None, model, llava_tokenizer) -> ClipGuide:
+    """The guide encoder for ``model`` (cached per checkpoint and device). ``spec == "random"``: tests."""
+    device = next(model.parameters()).device
+    if spec == "random":
+        return ClipGuide(random_clip(model, llava_tokenizer), llava_tokenizer, embedded=True).to(device)
+    path = resolve_clip(spec, model)
+    key = (path, str(device))
+    if key in _CLIP_CACHE:
+        return _CLIP_CACHE[key]
+    from transformers import AutoTokenizer, CLIPModel
+
+    try:
+        clip = CLIPModel.from_pretrained(path, dtype=torch.float32).eval()
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the HICom guide CLIP {path!r} (config clip_model): {exc}") from None
+    local = Path(path)
+    has_tok = not local.is_dir() or any((local / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+    if has_tok:
+        guide = ClipGuide(clip, AutoTokenizer.from_pretrained(path), embedded=False)
+    else:  # the embedded model's CLIP is trained on the LLaVA tokenizer
+        guide = ClipGuide(clip, llava_tokenizer, embedded=True)
+    guide = guide.to(device).requires_grad_(False)
+    _CLIP_CACHE[key] = guide
+    return guide
+
+
+# ------------------------------------------------------------------------------------ local
+
+
+def local_compress(
+    values: torch.Tensor,
+    keys: torch.Tensor | None,
+    guide: torch.Tensor | None,
+    out: tuple[int, int, int],
+    alpha: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Instruction-weighted pooling of (t, h, w) groups.
+
+    Args:
+        values: [T, H, W, Dv] features that are pooled (pre-projection). keys: [T, H, W, P]
+            text-aligned patch embeddings (or None). guide: [P] text embedding (or None).
+        out: groups along (t, h, w) (adaptive bins). alpha, scale: w = alpha * softmax(scale * cos)
+            + (1 - alpha) / |G| (uniform = average pooling when alpha = 0 or no guide).
+
+    Returns:
+        tokens [G, Dv] fp32 in (t, h, w) raster order, weights [G, S] and member index [G, S] (-1 pad).
+    """
+    t, h, w, dv = values.shape
+    index = group_index((t, h, w), out, device=values.device)  # [G, S]
+    valid = index >= 0
+    safe = index.clamp(min=0)
+    v = values.reshape(-1, dv).float()[safe]  # [G, S, Dv]
+    uniform = valid.float() / valid.sum(1, keepdim=True)
+    if keys is None or guide is None or alpha == 0:
+        weights = uniform
+    else:
+        k = F.normalize(keys.reshape(t * h * w, -1).float(), dim=-1)[safe]  # [G, S, P]
+        g = F.normalize(guide.float().to(k.device), dim=-1)
+        logits = (k @ g * scale).masked_fill(~valid, float("-inf"))  # [G, S]
+        weights = alpha * torch.softmax(logits, dim=-1) + (1 - alpha) * uniform
+    return (weights.unsqueeze(-1) * v).sum(1), weights, index
+
+
+def local_grid(t: int, h: int, w: int, temporal: int, spatial: int, tokens: int | None) -> tuple[int, int, int]:
+    """Groups along (t, h, w): ceil(T / temporal) x ceil(H / g) x ceil(W / g), or a near-square
+    grid with about ``tokens`` cells per frame group."""
+    from ._grid import near_square_grid
+
+    ot = math.ceil(t / temporal)
+    if tokens is not None:
+        return (ot, *near_square_grid(tokens, h, w))
+    return ot, math.ceil(h / spatial), math.ceil(w / spatial)
+
+
+# ------------------------------------------------------------------------------------ global
+
+
+def sincos_3d(t: int, h: int, w: int, dim: int, device=None) -> torch.Tensor:
+    """[t, h, w, dim]: sum of 1-D sinusoidal encodings of the t, h and w indices (each full width;
+    even channels sin, odd channels cos, frequency 10000^(-2(i//2)/dim)), as HICom's global branch."""
+    i = torch.arange(dim, dtype=torch.float64)
+    inv = 1.0 / torch.pow(10000.0, 2 * torch.div(i, 2, rounding_mode="floor") / dim)
+
+    def enc(n: int) -> torch.Tensor:
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None]
+        return torch.where(i.long() % 2 == 0, torch.sin(ang), torch.cos(ang))  # [n, dim]
+
+    pe = enc(t)[:, None, None] + enc(h)[None, :, None] + enc(w)[None, None, :]
+    return pe.float().to(device)
+
+
+def _mlp(depth: int, d_in: int, d_out: int) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(d_in, d_out)]
+    for _ in range(1, depth):
+        layers += [nn.GELU(), nn.Linear(d_out, d_out)]
+    return nn.Sequential(*layers)
+
+
+class GlobalCompressor(nn.Module):
+    """HICom's global branch: ``n`` learnable queries with coarse (FiLM) instruction injection, one
+    multi-head cross-attention over all frame features (+ 3-D sinusoidal positions), and a 2-layer
+    GELU readout of ``query + attention`` to the LLM width."""
+
+    def __init__(self, vision_hidden: int, llm_hidden: int, text_dim: int, n_queries: int = 32) -> None:
+        super().__init__()
+        d = vision_hidden
+        self.dims = {"vision_hidden": vision_hidden, "llm_hidden": llm_hidden, "text_dim": text_dim, "n_queries": n_queries}
+        self.heads = max(1, d // 128)  # HICom: embed_dim // 128 heads
+        if d % self.heads:
+            self.heads = 1
+        self.query = nn.Parameter(torch.zeros(n_queries, d))
+        self.text2q = _mlp(2, text_dim, d) if text_dim != d else nn.Identity()
+        self.coarse_proj = _mlp(2, d, 2 * d)
+        self.coarse_norm = nn.LayerNorm(d, eps=1e-6)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+        self.readout = _mlp(2, d, llm_hidden)
+        self.apply(self._init)
+        nn.init.trunc_normal_(self.query, std=0.02)  # HICom: zeros (see the pruner's deviations)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def inject(self, guide: torch.Tensor) -> torch.Tensor:
+        """[B, text_dim] -> FiLM-modulated queries [B, n, Dv]."""
+        scale, shift = self.coarse_proj(self.text2q(guide)).chunk(2, dim=-1)
+        return self.coarse_norm(self.query[None] * (1 + scale[:, None]) + shift[:, None])
+
+    def forward(self, frames: torch.Tensor, guide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """frames [B, T, H, W, Dv], guide [B, text_dim] -> (query + attention [B, n, Dv], tokens [B, n, d])."""
+        bsz, t, h, w, d = frames.shape
+        kv = (frames + sincos_3d(t, h, w, d, frames.device).to(frames.dtype)).reshape(bsz, t * h * w, d)
+        q = self.inject(guide.to(frames.dtype))
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(bsz, x.shape[1], self.heads, d // self.heads).transpose(1, 2)
+
+        att = F.scaled_dot_product_attention(heads(self.q_proj(q)), heads(self.k_proj(kv)), heads(self.v_proj(kv)))
+        x = self.out_proj(att.transpose(1, 2).reshape(bsz, -1, d))
+        pre = q + x
+        return pre, self.readout(pre)
+
+
+def save_global(module: GlobalCompressor, path: str | Path, meta: dict[str, Any]) -> Path:
+    """Write the weights (safetensors) and ``<name>.json`` (sizes + ``meta``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(tmp))
+    tmp.rename(path)
+    path.with_suffix(".json").write_text(json.dumps({**module.dims, **meta}, indent=1))
+    return path
+
+
+def load_global(path: str | Path, *, model_hint: str, expect: dict[str, int]) -> tuple[GlobalCompressor, dict[str, Any]]:
+    """Load trained global-branch weights; clear errors for a missing file or mismatched sizes."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta_path = path.with_suffix(".json")
+    if not path.is_file() or not meta_path.is_file():
+        raise ModelLoadError(
+            f"HICom global-branch weights not found: {path} (with {meta_path.name}). Train them with "
+            f"`{TRAIN_COMMAND.format(model=model_hint)} --out {path}`, point global_weights at a trained "
+            "file, or set global_queries: 0 for the training-free local-only variant"
+        )
+    meta = json.loads(meta_path.read_text())
+    for k, v in expect.items():
+        if int(meta.get(k, -1)) != int(v):
+            raise ConfigError(
+                "global_weights", f"{path} was trained with {k}={meta.get(k)} but this model/recipe needs {k}={v}; retrain it"
+            )
+    module = GlobalCompressor(meta["vision_hidden"], meta["llm_hidden"], meta["text_dim"], meta["n_queries"])
+    module.load_state_dict(load_file(str(path)))
+    return module.eval().requires_grad_(False), meta

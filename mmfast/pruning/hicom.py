@@ -1,0 +1,186 @@
+"""HICom (Liu et al., "Hybrid-Level Instruction Injection for Video Token Compression in Multi-modal
+Large Language Models", CVPR 2025, arXiv 2503.16036; code lntzm/HICom), as a projector-side stage
+for LLaVA: a training-free instruction-conditioned local compressor plus HICom's lightly trained
+global branch.
+
+Algorithm (per prompt; its images are the frames of one clip unless ``frames: images``):
+1. Guide g = CLIP ``text_embeds`` of the user instruction (``batch.prompts``, answer-format suffixes
+   and option lists stripped as HICom's ``extract_guided_prompt``).
+2. Local: split the (T, H, W) patch volume into groups of ``temporal_kernel`` x g x g patches
+   (T = 1 for an image; 24x24: g=2 -> 144, g=3 -> 64 tokens per frame group). Keys
+   k = ``visual_projection(post_layernorm(last-layer patch tokens))`` (MaskCLIP-style), values = the
+   feature-layer patch features. Token = sum_j w_j v_j, w = alpha * softmax(s * cos(g, k_j))
+   + (1 - alpha) / |G|, fed to the model's own projector (alpha = 0: plain average pooling).
+3. Global: ``global_queries`` learnable queries, FiLM-modulated by g ("coarse" injection:
+   LN(q * (1 + scale) + shift)), one multi-head cross-attention over all frame features plus 3-D
+   sinusoidal positions, readout MLP(q + attn) to the LLM width (trained: scripts/train_hicom.py).
+4. Tokens: local in (t, h, w) raster order, then global, in the prompt's first image slot; the
+   prompt's other frame slots get zero tokens (``build_lm_inputs`` accepts empty images).
+
+Hook points: a forward hook on the last vision layer (reads its output), ``vision_features``.
+Positions: contiguous (feature stage). With the global branch, ``projected`` holds
+[projector(local); global tokens] and ``features`` [local; query + attn] (pre-readout).
+
+Deviations and limits (reasons):
+- Training-free local branch with blend alpha and cosine scale s: HICom trains its projector with
+  attention q.k/sqrt(d) (or CLIP's logit scale 100) and its own readout MLP; mmfast keeps LLaVA's
+  projector so the tokens stay in its input space, and s ~ 10-50 with alpha < 1 degrades gracefully
+  to average pooling (spec section 4d). Defaults alpha = 0.5, s = 20 are not from the paper.
+- Keys apply CLIP's post-layernorm before ``visual_projection`` (MaskCLIP); HICom's CLIP branch
+  projects the raw last hidden state. The guide is the CLIP text tower, as HICom's CLIP-L variant.
+- Global queries start from N(0, 0.02) (HICom: zeros, identical queries until the LLM's positions
+  break the symmetry), to train quickly on CPU. Heads = Dv // 128 (at least 1) as HICom.
+- Frame counts not divisible by the temporal kernel use adaptive bins (neighbouring groups overlap
+  by a frame; HICom's ``balance_divide_feature`` also overlaps); grids not divisible by g likewise.
+- The CLS token (``full`` select strategy) is dropped. Must be the first feature stage.
+- The global branch needs weights trained for this model: ``<model dir>/hicom_global.safetensors``
+  by default (a clear error names the file and the training command when missing).
+No-op: spatial_kernel 1, temporal_kernel 1, global_queries 0 (no local_tokens) returns the vision
+batch untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..config import opt
+from ..errors import ConfigError
+from ..models.base import VisionBatch
+from ..registry import PRUNERS
+from ._grid import grid_features, per_sample
+from ._hicom_modules import (
+    GLOBAL_WEIGHTS,
+    guide_text,
+    load_clip_guide,
+    load_global,
+    local_compress,
+    local_grid,
+    model_dir,
+)
+from .base import Pruner
+
+
+@PRUNERS.register("hicom", description="HICom: instruction-guided local group pooling + trained global queries before the LLM")
+class HICom(Pruner):
+    """HICom."""
+
+    hook_points = frozenset({"vision_features"})
+    position_mode = "compact"
+
+    @dataclass(frozen=True)
+    class Config:
+        spatial_kernel: int = opt(3, lo=1, doc="g: local groups of g x g patches (paper local43: 3; 24x24 -> 64, g=2 -> 144)")
+        temporal_kernel: int = opt(4, lo=1, doc="frames per local group when a prompt has several frames (paper: 4)")
+        local_tokens: int | None = opt(None, lo=1, doc="overrides spatial_kernel: near-square grid of about this many local tokens per frame group")
+        local: bool = opt(True, doc="the local branch (false: global tokens only)")
+        alpha: float = opt(0.5, lo=0.0, hi=1.0, doc="w = alpha * softmax(s * cos) + (1 - alpha) / |G| (0: average pooling)")
+        scale: float = opt(20.0, lo=0.0, hi=200.0, doc="s: cosine scale of the local softmax (spec: 10-50; CLIP: 100)")
+        global_queries: int = opt(32, lo=0, doc="learnable global queries (paper: 32; 0 = training-free local only)")
+        global_weights: str | None = opt(None, doc="trained global branch (default <model dir>/hicom_global.safetensors)")
+        clip_model: str | None = opt(None, doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': tests only)")
+        frames: Literal["video", "images"] = opt("video", doc="video: a prompt's images are frames compressed jointly")
+
+        def __post_init__(self) -> None:
+            if not self.local and self.global_queries == 0:
+                raise ValueError("local: false needs global_queries > 0 (nothing would be left)")
+
+    @classmethod
+    def noop_params(cls, adapter):
+        return {"spatial_kernel": 1, "temporal_kernel": 1, "global_queries": 0}
+
+    @classmethod
+    def test_params(cls, adapter):
+        return {"spatial_kernel": 2, "global_queries": 0, "clip_model": "random"}
+
+    def is_noop(self) -> bool:
+        c = self.config
+        return c.local and c.spatial_kernel == 1 and c.temporal_kernel == 1 and c.local_tokens is None and c.global_queries == 0
+
+    def install(self) -> None:
+        self.clip = self.glob = None
+        self._last_hidden: torch.Tensor | None = None
+        if self.is_noop():
+            return
+        cfg = self.config
+        model = self.adapter.model
+        self.clip = load_clip_guide(cfg.clip_model, model, self.session.mm.tokenizer)
+        if cfg.local and cfg.alpha > 0:
+            self.session.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
+        if cfg.global_queries > 0:
+            d = model_dir(model)
+            path = cfg.global_weights or (str(d / GLOBAL_WEIGHTS) if d is not None else None)
+            if path is None:
+                raise ConfigError("global_weights", "this model has no local directory; set global_weights to the trained file")
+            expect = {
+                "vision_hidden": self.adapter.vision_config.hidden_size,
+                "llm_hidden": self.adapter.text_config.hidden_size,
+                "text_dim": self.clip.dim,
+                "n_queries": cfg.global_queries,
+            }
+            self.glob, self.glob_meta = load_global(path, model_hint=str(d or "<model dir>"), expect=expect)
+            self.glob.to(self.clip.device)
+
+    def _record_last(self, module, args, output) -> None:
+        self._last_hidden = output[0] if isinstance(output, tuple) else output  # [n_img, 1 + N, Dv]
+
+    def _units(self, batch) -> list[tuple[int, list[int]]]:
+        """(sample, image indices) compressed together."""
+        per: dict[int, list[int]] = {}
+        for i, b in enumerate(batch.image_owner):
+            per.setdefault(b, []).append(i)
+        if self.config.frames == "images":
+            return [(b, [i]) for b, idx in per.items() for i in idx]
+        return list(per.items())
+
+    def prune_vision(self, vision: VisionBatch, batch) -> VisionBatch:
+        if self.is_noop():
+            self.last_stats = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+            return vision
+        cfg = self.config
+        rows, cols = vision.grid
+        guides = self.clip.text_embeds([guide_text(p) for p in batch.prompts])  # [B, P]
+        keys = None
+        if cfg.local and cfg.alpha > 0:
+            last, self._last_hidden = self._last_hidden, None
+            if last is None or last.shape[1] != 1 + rows * cols:
+                raise RuntimeError("hicom: the last vision layer did not run on the full patch grid")
+            keys = self.clip.patch_embeds(last[:, 1:])  # [n_img, N, P]
+        n_local, n_frames = [0] * batch.batch_size, [0] * batch.batch_size
+        out_grid = None
+        for b, idx in self._units(batch):
+            values = torch.stack([grid_features(vision, i, "hicom")[0] for i in idx])  # [T, H, W, Dv]
+            t, dtype, dev = len(idx), values.dtype, values.device
+            guide = guides[b]
+            pieces_f, pieces_p = [], []
+            if cfg.local:
+                out_grid = local_grid(t, rows, cols, cfg.temporal_kernel if t > 1 else 1, cfg.spatial_kernel, cfg.local_tokens)
+                k = keys[idx].reshape(t, rows, cols, -1) if keys is not None else None
+                local, _, _ = local_compress(values, k, guide, out_grid, cfg.alpha, cfg.scale)
+                pieces_f.append(local.to(dtype))
+                n_local[b] += local.shape[0]
+            if self.glob is not None:
+                pre, tok = self.glob(values.float()[None].to(self.clip.device), guide[None])
+                pieces_f.append(pre[0].to(dev, dtype))
+                if cfg.local:
+                    tmp = VisionBatch([pieces_f[0]], [torch.full((pieces_f[0].shape[0],), -1, device=dev)], None, vision.grid, vision.pixel_values[:0])
+                    pieces_p.append(self.adapter.project(tmp)[0])
+                pieces_p.append(tok[0].to(dev))
+            feats = torch.cat(pieces_f)
+            proj = torch.cat(pieces_p).to(pieces_p[0].dtype) if pieces_p else None
+            for j, i in enumerate(idx):
+                keep = feats if j == 0 else feats[:0]
+                vision.features[i] = keep
+                vision.patch_ids[i] = torch.full((keep.shape[0],), -1, dtype=torch.long, device=dev)
+                vision.projected[i] = None if proj is None else (proj if j == 0 else proj[:0])
+            n_frames[b] += t
+        self.last_stats = {
+            "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
+            "per_sample_local": n_local,
+            "per_sample_frames": n_frames,
+            "global": cfg.global_queries if self.glob is not None else 0,
+            "local_grid": list(out_grid) if out_grid is not None else None,
+        }
+        return vision

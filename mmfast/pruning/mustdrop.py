@@ -1,0 +1,379 @@
+"""MustDrop (Liu et al., "Multi-Stage Vision Token Dropping: Towards Efficient Multimodal Large
+Language Model", arXiv 2411.10803; code liuting20/MustDrop).
+
+Algorithm (three stages, per image / per sample):
+1. Vision encoding: on the output of CLIP layer 0, split the patch grid into non-overlapping w x w
+   windows (w = 3); a window whose mean off-diagonal pairwise cosine similarity is >= 0.8 collapses
+   into one size-weighted (here: plain mean) token. r = the number of such windows, the minimum over
+   the images of the batch (every image merges its r most similar windows). Order: CLS, merged
+   windows (most similar first), unmerged patches in raster order. Key set = the top
+   ceil(0.08 * N') patches (N' after the merge) by head-mean CLS attention of the last CLIP layer.
+2. Prefill: at the output of LLM layers [2, 6, 10, 14], A = head-mean attention of every token after
+   the image to the surviving image tokens; g_j = sum_i A_ij, m_j = max_i A_ij; drop j iff
+   g_j < lambda_g * sum_j g_j and m_j < lambda_i, then add the key set back (text always kept).
+3. Decode: after prefill, the stages' keep decisions are composed and applied to the caches of the
+   layers from the first pruning layer on, so they cache only the final survivors; earlier layers
+   keep the full cache. Nothing is pruned during decode.
+Budgets: ``preset`` "192" / "128" / "64" = (lambda_g, lambda_i) (0.001, 0.001), (0.0012, 0.001),
+(0.011, 0.01) (README); the counts are adaptive, reported in ``last_stats``.
+
+Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
+tokens are what the tower's hidden-state recorder and every later layer see); attention probe on the
+last CLIP layer (CLS row) and on each LLM filter layer (rows = the text after the image, prefill
+only); ``runner.prune_at`` at layer l+1 for a filter at the output of layer l (the same thing: the
+paper prunes the hidden states that leave layer l); ``runner.prefill_hooks`` for the KV policy.
+Positions: compacted (``compact=True``, the code truncates position ids to 0..L'-1 after each
+stage). In decode each layer's new position is its own cache length, as in the code: layers before
+the first pruning layer continue from the full length, the trimmed layers from the final length
+(keys already cached keep their rotations, the code's behaviour).
+
+Limits and deviations: the window must divide the patch grid (the paper's grid is 24 x 24, w = 3;
+the tiny test grid is 4 x 4, use w = 2). The released code is batch 1 in the LLM (it uses sample 0's
+attention); here every decision is per sample, with left padding. The merge's r is the batch
+minimum (as the released vision code), so a sample's token count can depend on its batch mates.
+The merge is computed in fp32. The key set is tracked through the merge and the LLM stages by slot
+provenance; MustDrop must be the first feature stage (checked). FLOPs/KV accounting that the
+decoder computes after prefill sees the trimmed caches (right for KV memory, an undercount for
+prefill FLOPs); ``last_stats`` reports the prefill layer-average of the vision tokens
+(``prefill_tokens_layer_avg``) and the code's printed "tokens" figure (``equivalent_tokens``, which
+counts layer l with its post-filter count), plus the kept count after each stage, the key-set size
+and the merged windows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..config import opt
+from ..errors import ConfigError
+from ..hooks import cls_row
+from ..registry import PRUNERS
+from ..runtime import LayerGroup, LMState
+from ._common import LayerMapping, map_layers
+from .base import Pruner
+
+#: (lambda_g, lambda_i) of the paper's budgets (liuting20/MustDrop README, TextVQA examples).
+PRESETS: dict[str, tuple[float, float]] = {"192": (0.001, 0.001), "128": (0.0012, 0.001), "64": (0.011, 0.01)}
+
+
+def window_similarity(patches: torch.Tensor, grid: tuple[int, int], window: int) -> torch.Tensor:
+    """Mean off-diagonal pairwise cosine similarity of each w x w window: [B, W] fp32.
+
+    ``patches``: [B, rows * cols, D] in raster order. Windows are listed in raster order of the
+    window grid.
+    """
+    tokens = window_tokens(grid, window, patches.device)  # [W, w*w]
+    x = patches.float()[:, tokens]  # [B, W, w*w, D]
+    x = x / x.norm(dim=-1, keepdim=True).clamp(min=1e-8)
+    sims = x @ x.transpose(-1, -2)  # [B, W, n, n]
+    n = tokens.shape[1]
+    off_diag = sims.sum((-1, -2)) - sims.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return off_diag / (n * (n - 1))
+
+
+def window_tokens(grid: tuple[int, int], window: int, device=None) -> torch.Tensor:
+    """[W, w*w] raster patch indices of each window (windows in raster order, members in raster order)."""
+    rows, cols = grid
+    idx = torch.arange(rows * cols, device=device).reshape(rows // window, window, cols // window, window)
+    return idx.permute(0, 2, 1, 3).reshape(-1, window * window)
+
+
+def spatial_merge(
+    hidden: torch.Tensor, grid: tuple[int, int], window: int, threshold: float
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """MustDrop's local spatial merge of ``hidden`` [B, 1 + N, D] (CLS first).
+
+    Returns the merged hidden states [B, 1 + N - r (w*w - 1), D], r (windows merged per image, the
+    batch minimum of the windows whose similarity is >= ``threshold``) and the raster patch id of
+    every output patch token [B, N'] (-1 for merged windows). r = 0 returns ``hidden`` itself.
+    """
+    bsz, t, d = hidden.shape
+    if t != 1 + grid[0] * grid[1]:
+        raise ValueError(f"MustDrop's merge expects CLS + {grid[0]}x{grid[1]} patches, got {t} tokens")
+    cls, patches = hidden[:, :1], hidden[:, 1:]
+    sim = window_similarity(patches, grid, window)  # [B, W]
+    r = int((sim >= threshold).sum(1).min())
+    n = patches.shape[1]
+    if r == 0:
+        return hidden, 0, torch.arange(n, device=hidden.device).expand(bsz, -1)
+    tokens = window_tokens(grid, window, hidden.device)  # [W, w*w]
+    chosen = sim.argsort(dim=1, descending=True, stable=True)[:, :r]  # [B, r] most similar first
+    members = tokens[chosen]  # [B, r, w*w]
+    merged = patches.float().gather(1, members.reshape(bsz, -1, 1).expand(-1, -1, d))  # [B, r*w*w, D]
+    merged = merged.reshape(bsz, r, -1, d).mean(2)  # size-weighted average of size-1 tokens
+    in_window = torch.zeros(bsz, n, dtype=torch.bool, device=hidden.device)
+    in_window.scatter_(1, members.reshape(bsz, -1), True)
+    keep_ids = torch.arange(n, device=hidden.device).expand(bsz, -1)[~in_window].reshape(bsz, -1)  # raster order
+    unmerged = patches.gather(1, keep_ids[..., None].expand(-1, -1, d))
+    out = torch.cat([cls, merged.to(hidden.dtype), unmerged], dim=1)
+    ids = torch.cat([torch.full((bsz, r), -1, dtype=torch.long, device=hidden.device), keep_ids], dim=1)
+    return out, r, ids
+
+
+def dual_attention_drop(
+    attn: torch.Tensor, vision: torch.Tensor, key: torch.Tensor, lambda_g: float, lambda_i: float
+) -> torch.Tensor:
+    """[B, T] bool slots MustDrop drops: vision, not key, g < lambda_g * sum(g) and m < lambda_i.
+
+    ``attn``: [B, R, T] head-mean attention of the text rows (all-zero rows are ignored) to all slots;
+    ``vision``, ``key``: [B, T] bool.
+    """
+    g = attn.sum(1)  # [B, T] global attention each slot receives
+    m = attn.amax(1)  # [B, T] largest individual attention
+    total = (g * vision).sum(1, keepdim=True)  # over the surviving image tokens
+    return vision & ~key & (g < lambda_g * total) & (m < lambda_i)
+
+
+@PRUNERS.register("mustdrop", description="MustDrop: window merge + key set in CLIP, dual-attention drop in prefill, KV policy")
+class MustDrop(Pruner):
+    """MustDrop."""
+
+    hook_points = frozenset({"vision_tower", "attention_probe", "llm_layer", "kv_cache"})
+    position_mode = "compact"
+    needs_cls = True
+
+    @dataclass(frozen=True)
+    class Config:
+        preset: Literal["192", "128", "64"] = opt("64", doc="paper budget: (lambda_g, lambda_i) of the README")
+        lambda_g: float | None = opt(None, lo=0.0, doc="global-attention threshold (overrides the preset)")
+        lambda_i: float | None = opt(None, lo=0.0, doc="individual-attention threshold (overrides the preset)")
+        layers: tuple[int, ...] = opt((2, 6, 10, 14), lo=1, doc="filter at the output of these LLM layers (32-layer indices)")
+        layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
+        window: int = opt(3, lo=2, doc="w: local merge window (w x w); must divide the patch grid")
+        sim_threshold: float = opt(0.8, lo=-1.0, hi=2.0, doc="merge a window whose mean pairwise cosine >= this (> 1: never)")
+        key_ratio: float = opt(0.08, lo=0.0, hi=1.0, doc="key set = top ceil(ratio * N') patches by CLS attention")
+        key_layer: int = opt(-1, doc="vision layer whose CLS attention picks the key set (-1: last)")
+        kv_policy: bool = opt(True, doc="trim the caches of layers >= the first filter layer to the final survivors")
+
+    @classmethod
+    def _fit(cls, adapter) -> dict:
+        rows, cols = adapter.grid
+        params: dict = {}
+        if rows % 3 or cols % 3:
+            params["window"] = 2
+        if len(adapter.layers) < 15:
+            params["layer_mapping"] = "proportional"
+        return params
+
+    @classmethod
+    def noop_params(cls, adapter):
+        return {**cls._fit(adapter), "lambda_g": 0.0, "lambda_i": 0.0, "sim_threshold": 1.5}
+
+    @classmethod
+    def test_params(cls, adapter):
+        # every window merges (the same r for any batch), then both filter stages drop tokens
+        return {**cls._fit(adapter), "sim_threshold": -1.0, "lambda_g": 0.2, "lambda_i": 1.0}
+
+    # -- installation ------------------------------------------------------------------------------
+    def thresholds(self) -> tuple[float, float]:
+        cfg = self.config
+        lg, li = PRESETS[cfg.preset]
+        return (lg if cfg.lambda_g is None else cfg.lambda_g, li if cfg.lambda_i is None else cfg.lambda_i)
+
+    def install(self) -> None:
+        cfg = self.config
+        rows, cols = self.adapter.grid
+        if rows % cfg.window or cols % cfg.window:
+            raise ConfigError("mustdrop.window", f"{cfg.window} does not divide the {rows}x{cols} patch grid of this model")
+        n_layers = len(self.adapter.layers)
+        self.filters = map_layers(cfg.layers, n_layers, cfg.layer_mapping)  # [(probe layer, paper layer)]
+        if self.filters[-1][0] + 1 >= n_layers:
+            raise ConfigError("mustdrop.layers", f"a filter at the output of layer {self.filters[-1][0]} leaves no layer to prune in this {n_layers}-layer LLM")
+        self.lambda_g, self.lambda_i = self.thresholds()
+        vis_layers = self.adapter.vision_layers
+        n_vis = len(vis_layers)
+        key_layer = cfg.key_layer % n_vis if -n_vis <= cfg.key_layer < n_vis else None
+        if key_layer is None:
+            raise ConfigError("mustdrop.key_layer", f"{cfg.key_layer} is not a layer of this {n_vis}-layer vision tower")
+
+        # stage 1: window merge on the output of CLIP layer 0, key set from the CLS attention
+        self._merge_r = 0
+        self._merge_ids: torch.Tensor | None = None
+        layer0 = vis_layers[0]
+        original = layer0.forward
+
+        def merged_forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if isinstance(out, tuple):
+                return (self._merge(out[0]), *out[1:])
+            return self._merge(out)
+
+        self.session.hooks.set_attr(layer0, "forward", merged_forward)
+        self.key_probe = f"mustdrop.key.{key_layer}"
+        self.session.probe.watch(self.key_probe, vis_layers[key_layer].self_attn, rows=cls_row, reduce="mean")
+        self._keys: list[list[torch.Tensor]] | None = None  # per sample, per image: key feature indices
+
+        # stage 2: dual-attention filter at the output of each layer l (= pruning at the input of l + 1)
+        first = self.filters[0][0]
+        self.first_layer = first
+        self._n_text: torch.Tensor | None = None
+        self._key_full: torch.Tensor | None = None
+        self.session.runner.prune_at(first, self._capture)  # before the first probe: text rows, key slots
+        for layer, paper in self.filters:
+            attn = self.adapter.layers[layer].self_attn
+            self.session.probe.watch(f"mustdrop.llm.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean")
+            self.session.runner.prune_at(layer + 1, self._make_select(layer), compact=True, ref_layer=paper + 1)
+
+        # stage 3: output-aware KV policy after prefill
+        self.session.runner.prefill_hooks.append(self._after_prefill)
+
+    # -- stage 1 -----------------------------------------------------------------------------------
+    def _merge(self, hidden: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        out, self._merge_r, self._merge_ids = spatial_merge(hidden, self.adapter.grid, cfg.window, cfg.sim_threshold)
+        return out
+
+    def prune_vision(self, vision, batch):
+        ids = self._merge_ids  # [n_img, N'] raster patch id of each token after the merge
+        rec = self.session.probe.get(self.key_probe)
+        if ids is None or rec is None:
+            raise RuntimeError("MustDrop: the vision tower did not run with MustDrop's hooks")
+        n_post = ids.shape[1]
+        if rec.probs.shape[-1] != 1 + n_post:
+            raise RuntimeError("MustDrop: the key-set layer must run after the merge (key_layer >= 1)")
+        cls_attn = rec.probs[:, 0, 1:]  # [n_img, N'] head-mean CLS -> patch attention
+        n_key = min(n_post, math.ceil(self.config.key_ratio * n_post))
+        key_idx = cls_attn.topk(n_key, dim=1).indices.sort(dim=1).values  # [n_img, K]
+        keys: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
+        patch_ids, image_keys = [], []
+        for i, feats in enumerate(vision.features):
+            offset = feats.shape[0] - n_post  # 1 when the select strategy keeps CLS
+            if offset not in (0, 1) or vision.projected[i] is not None:
+                raise ValueError(
+                    f"MustDrop expected {n_post} patch tokens for image {i} (after its merge) but got "
+                    f"{feats.shape[0]}; put MustDrop first among the feature stages"
+                )
+            pid = ids[i].to(vision.patch_ids[i].device)
+            patch_ids.append(torch.cat([vision.patch_ids[i][:offset], pid]))
+            image_keys.append(key_idx[i] + offset)
+            keys[batch.image_owner[i]].append(image_keys[-1])
+        vision.patch_ids = patch_ids
+        vision.extras["mustdrop.key_set"] = image_keys  # per image: feature indices of the key tokens
+        self._keys = keys
+        per_key = [sum(int(k.numel()) for k in per) for per in keys]
+        self.last_stats = {"merged_windows": self._merge_r, "per_sample_key_set": per_key}
+        return vision
+
+    # -- stage 2 -----------------------------------------------------------------------------------
+    def _capture(self, view) -> None:
+        """At the first filter layer (before its attention runs): text-row counts and key slots."""
+        self._n_text = view.text_after.sum(1)  # [B]; text is never dropped, so constant over stages
+        self._key_full = self._key_slots(view.state)
+        self._counts = [view.vision.sum(1)]
+        return None
+
+    def _key_slots(self, state: LMState) -> torch.Tensor:
+        """[B, L] bool over the prefill sequence: the key-set tokens."""
+        inputs = state.inputs
+        bsz, length = inputs.image_mask.shape
+        mask = torch.zeros(bsz, length, dtype=torch.bool, device=inputs.image_mask.device)
+        if not bool(inputs.image_mask.any()):
+            return mask
+        if self._keys is None or len(self._keys) != bsz:
+            raise RuntimeError("MustDrop: the LLM inputs do not come from the last encoded batch (key set unknown)")
+        for b, per_image in enumerate(self._keys):
+            for j, key in enumerate(per_image):
+                pos = ((inputs.image_index[b] == j) & inputs.image_mask[b]).nonzero().squeeze(1)
+                if pos.numel() == 0 or key.numel() == 0:
+                    continue
+                if int(key.max()) >= pos.numel():
+                    raise RuntimeError(f"MustDrop: sample {b} image {j} has fewer tokens than its key set refers to")
+                mask[b, pos[key.to(pos.device)]] = True
+        return mask
+
+    def _rows(self, q_len: int, k_len: int) -> torch.Tensor:
+        """Rows of the text after the image: the last n_b slots of each sample (-1 pads)."""
+        n = self._n_text
+        if n is None:  # the LLM ran outside the runner's prefill: record nothing useful
+            return torch.tensor([-1])
+        width = max(1, int(n.max()))
+        i = torch.arange(width, device=n.device)
+        rows = (q_len - width + i).expand(n.shape[0], -1)
+        return rows.masked_fill(i[None, :] < width - n[:, None], -1)
+
+    def _make_select(self, layer: int):
+        key = f"mustdrop.llm.{layer}"
+
+        def select(view) -> torch.Tensor:
+            rec = self.session.probe[key]
+            if rec.k_len != view.group.length:
+                raise RuntimeError(f"MustDrop: stale attention record at layer {layer}")
+            src = view.group.source
+            key_slots = self._key_full.gather(1, src.clamp(min=0)) & (src >= 0)
+            drop = dual_attention_drop(rec.probs, view.vision, key_slots, self.lambda_g, self.lambda_i)
+            self._counts.append((view.vision & ~drop).sum(1))
+            return ~drop
+
+        return select
+
+    # -- stage 3 -----------------------------------------------------------------------------------
+    def _after_prefill(self, state: LMState) -> None:
+        counts = getattr(self, "_counts", None)
+        if counts is None or self._n_text is None:
+            return
+        self._stage_stats(state, counts)
+        self._counts = None
+        if self.config.kv_policy:
+            apply_kv_policy(state, self.first_layer, self.filters[-1][0] + 1, ref_start=self.filters[0][1])
+
+    def _stage_stats(self, state: LMState, counts: list[torch.Tensor]) -> None:
+        kept = torch.stack(counts, 1)  # [B, 1 + n_stages] vision tokens entering the LLM, after each stage
+
+        def layer_average(starts: list[int]) -> list[float]:
+            idx = [max(i for i, s in enumerate(starts) if s <= layer) for layer in range(state.n_layers)]
+            return kept[:, idx].float().mean(1).tolist()
+
+        filters = [layer for layer, _ in self.filters]
+        self.last_stats = {
+            **self.last_stats,
+            "per_sample_kept": kept.tolist(),
+            # what prefill computed: stage k's count from layer l_k + 1 on
+            "per_sample_prefill_tokens_layer_avg": layer_average([0] + [layer + 1 for layer in filters]),
+            # the figure the MustDrop code prints (and its tables call "tokens"): counted from layer l_k
+            "per_sample_equivalent_tokens": layer_average([0] + filters),
+            "filter_layers": filters,
+            "thresholds": [self.lambda_g, self.lambda_i],
+        }
+
+
+def apply_kv_policy(state: LMState, first: int, last_start: int, ref_start: float | None = None) -> None:
+    """Trim the caches of layers ``first`` .. ``last_start - 1`` to the slots that survive at ``last_start``.
+
+    The group holding ``first`` is split there (earlier layers keep their cache); each trimmed group's
+    positions are renumbered 0..L_final-1, so its next token takes the cache length as position, as
+    the MustDrop code does.
+    """
+    final_g = state.group_of(last_start)
+    final = state.groups[final_g]
+    if final.start <= first:
+        return  # nothing was dropped at or after ``first``
+    g1 = state.group_of(first)
+    head = state.groups[g1]
+    if head.start < first:
+        state.groups.insert(
+            g1 + 1,
+            LayerGroup(first, head.key_mask.clone(), head.positions.clone(), head.source.clone(), compact=True, ref_start=ref_start),
+        )
+        g1, final_g = g1 + 1, final_g + 1
+    length = int(state.inputs.input_ids.shape[1])
+    src = final.source.clamp(min=0)
+    survivor = torch.zeros(final.key_mask.shape[0], length, dtype=torch.long, device=src.device)
+    survivor.scatter_add_(1, src, (final.key_mask & (final.source >= 0)).long())
+    survivor = survivor > 0  # [B, L] prefill tokens that reach the last stage
+    for g in range(g1, final_g):
+        grp = state.groups[g]
+        keep = grp.key_mask & (grp.source >= 0) & survivor.gather(1, grp.source.clamp(min=0))
+        counts = keep.sum(1)
+        new_len = int(counts.max())
+        index = torch.zeros(keep.shape[0], new_len, dtype=torch.long, device=keep.device)
+        valid = torch.zeros(keep.shape[0], new_len, dtype=torch.bool, device=keep.device)
+        for b in range(keep.shape[0]):
+            idx = keep[b].nonzero().squeeze(1)
+            index[b, new_len - idx.numel() :] = idx
+            valid[b, new_len - idx.numel() :] = True
+        state.select_slots(g, index, valid)
+        grp.positions = (grp.key_mask.long().cumsum(1) - 1).masked_fill(~grp.key_mask, 1)

@@ -1,0 +1,73 @@
+"""Random token dropping: the floor every vision-token pruning method must beat (no paper of its own).
+
+Baseline used in the ablations of FastV (arXiv 2403.06764), VisionZip (arXiv 2412.04467) and others.
+
+Algorithm: for each image, draw a uniformly random subset of ``keep`` of its vision tokens (without
+replacement) and drop the rest before the projector; kept tokens stay in their original order.
+The generator is seeded per image from ``seed`` and a hash of the image's pixel values
+(``per_image``, default), so a given image always loses the same tokens whatever batch it is in, or
+from ``seed`` alone (``shared``: the same patch positions for every image).
+
+Hook points: ``vision_features`` only. Positions: the kept tokens are spliced contiguously (as
+every feature-stage method). Limits: none (batch > 1, several images per prompt, any grid).
+No-op: ``keep`` >= the tokens of the image returns the vision batch untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..config import opt
+from ..registry import PRUNERS
+from ._grid import per_sample, select_rows
+from .base import Pruner
+
+
+def image_seed(seed: int, pixel_values: torch.Tensor) -> int:
+    """A 63-bit seed from ``seed`` and the bytes of one image's pixel values."""
+    h = hashlib.blake2b(pixel_values.detach().float().cpu().contiguous().numpy().tobytes(), digest_size=8)
+    h.update(int(seed).to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+@PRUNERS.register("random", description="Random drop: keep a seeded random subset of image tokens (baseline)")
+class RandomDrop(Pruner):
+    """Random token drop (baseline)."""
+
+    hook_points = frozenset({"vision_features"})
+    position_mode = "compact"
+
+    @dataclass(frozen=True)
+    class Config:
+        keep: int = opt(64, lo=0, doc="image tokens kept per image (576 -> 192/128/64 in the papers' tables)")
+        seed: int = opt(0, doc="random seed")
+        mask: Literal["per_image", "shared"] = opt("per_image", doc="per_image: seed from the image's pixels too; shared: one subset for all")
+
+    @classmethod
+    def noop_params(cls, adapter):
+        rows, cols = adapter.grid
+        return {"keep": rows * cols}
+
+    @classmethod
+    def test_params(cls, adapter):
+        return {"keep": 5}
+
+    def prune_vision(self, vision, batch):
+        cfg = self.config
+        counts = vision.counts()
+        if all(n <= cfg.keep for n in counts):
+            self.last_stats = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
+            return vision
+        for i, n in enumerate(counts):
+            if n <= cfg.keep:
+                continue
+            seed = image_seed(cfg.seed, vision.pixel_values[i]) if cfg.mask == "per_image" else cfg.seed
+            g = torch.Generator().manual_seed(seed)
+            rows = torch.randperm(n, generator=g)[: cfg.keep].sort().values
+            select_rows(vision, i, rows.to(vision.features[i].device))
+        self.last_stats = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+        return vision
