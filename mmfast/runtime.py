@@ -313,6 +313,9 @@ class LMRunner:
                 use_cache=True,
             )
         last = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
+        # what prefill computed, before KV policies trim the cache (FLOPs and equivalent tokens)
+        state.extras["prefill_tokens_per_layer"] = state.tokens_per_layer()
+        state.extras["prefill_vision_per_layer"] = state.vision_tokens_per_layer()
         for hook in self.prefill_hooks:
             hook(state)
         return state, StepOutput(self.adapter.lm_head(last).float(), out.last_hidden_state if all_hidden else last)

@@ -98,14 +98,17 @@ def state_accounting(state: LMState) -> Accounting:
     """Logical KV bytes, layer-averaged vision tokens and prefill FLOPs of each sample."""
     from ..flops import LLAVA_7B, LMShape, prefill_flops, project_schedule
 
-    vis = state.vision_tokens_per_layer().float()  # [B, n_layers]
-    tok = state.tokens_per_layer().float()  # [B, n_layers] all cached tokens (text + vision)
+    # per-layer counts of what prefill computed (before any KV policy trimmed the cache)
+    vis = state.extras.get("vision_tokens_per_layer", state.extras.get("prefill_vision_per_layer"))
+    vis = (vis if vis is not None else state.vision_tokens_per_layer()).float()  # [B, n_layers]
+    tok = state.extras.get("prefill_tokens_per_layer")
+    tok = (tok if tok is not None else state.tokens_per_layer()).float()  # [B, n_layers] text + vision
     shape = LMShape.of(state.text_config) if state.text_config is not None else None
     starts = [g.ref_start if g.ref_start is not None else g.start * LLAVA_7B.n_layers / state.n_layers for g in state.groups]
     starts[0] = 0
     flops, flops_7b = [], []
     for b in range(state.batch_size):
-        per_group = [float(tok[b, grp.start]) for grp in state.groups]
+        per_group = [float(tok[b, grp.start]) for grp in state.groups]  # groups never merge: starts stay valid
         flops.append(prefill_flops(tok[b].tolist(), shape) if shape else 0.0)
         flops_7b.append(prefill_flops(project_schedule(starts, per_group, LLAVA_7B.n_layers), LLAVA_7B))
     return Accounting(state.kv_bytes_per_sample(), vis.mean(1).tolist(), flops, flops_7b)
