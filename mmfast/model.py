@@ -42,9 +42,10 @@ class PreparedBatch:
     prompts: list[str]
     texts: list[str]  # after the chat template
     token_ids: list[list[int]]  # one image token per image (expanded later to the feature count)
-    pixel_values: torch.Tensor  # [n_images, 3, H, W]
+    pixel_values: torch.Tensor  # [n_images, 3, H, W] ([n_images, n_tiles, 3, H, W] for anyres families)
     image_owner: list[int]  # sample index of each image
     meta: list[dict[str, Any]] = field(default_factory=list)  # per-sample info from the caller
+    image_sizes: torch.Tensor | None = None  # [n_images, 2] original (H, W), for anyres families
 
     @property
     def batch_size(self) -> int:
@@ -120,8 +121,11 @@ class MMModel:
         token_ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
         flat = [im for ims in per_sample for im in ims]
         owner = [b for b, ims in enumerate(per_sample) for _ in ims]
-        pixel_values = self.image_processor(images=flat, return_tensors="pt")["pixel_values"]
-        return PreparedBatch(per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []))
+        processed = self.image_processor(images=flat, return_tensors="pt")
+        return PreparedBatch(
+            per_sample, list(prompts), texts, token_ids, processed["pixel_values"], owner, list(meta or []),
+            processed.get("image_sizes"),
+        )
 
     # -- generation ----------------------------------------------------------------------------
     def generate(
@@ -202,7 +206,7 @@ def load(
         attn_implementation: ``sdpa`` (default) or ``eager``.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a 13B model over GPUs).
     """
-    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoConfig, AutoProcessor
 
     path, local = _resolve(name_or_path)
     if device == "auto":
@@ -231,14 +235,13 @@ def load(
         config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the config of {path!r}: {exc}") from None
-    if config.model_type != "llava":
-        adapter_for_type = config.model_type
-        from .models import _REJECTED
+    from .models import MODEL_CLASSES, _REJECTED
 
-        msg = _REJECTED.get(adapter_for_type, f"model_type {adapter_for_type!r} is not a LLaVA checkpoint")
+    if config.model_type not in MODEL_CLASSES:
+        msg = _REJECTED.get(config.model_type, f"model_type {config.model_type!r} is not a supported LLaVA checkpoint")
         raise ModelLoadError(f"{path}: {msg}")
     try:
-        model = LlavaForConditionalGeneration.from_pretrained(
+        model = MODEL_CLASSES[config.model_type]().from_pretrained(
             path,
             dtype=torch_dtype,
             attn_implementation=attn_implementation,

@@ -93,7 +93,13 @@ class Session:
                 if problem:
                     raise IncompatibleRecipeError(f"pruning[{i}] ({spec.method}) on {mm.name}: {problem}")
                 self.pruners.append(cls(spec.params, self))
-            self.decoder = DECODERS.get(recipe.decoding.method).cls(recipe.decoding.params, self)
+            dec_cls = DECODERS.get(recipe.decoding.method).cls
+            if self.adapter.family not in dec_cls.families:
+                raise IncompatibleRecipeError(
+                    f"decoding {recipe.decoding.method!r} does not support the {self.adapter.family} family; "
+                    f"use one of: {', '.join(e.name for e in DECODERS.entries() if self.adapter.family in e.cls.families)}"
+                )
+            self.decoder = dec_cls(recipe.decoding.params, self)
             self.drafter = None
             if recipe.speculative is not None:
                 dcls = DRAFTERS.get(recipe.speculative.method).cls
@@ -112,7 +118,7 @@ class Session:
     def encode(self, batch: PreparedBatch) -> VisionBatch:
         """Vision tower + feature-stage pruners (pre-projection)."""
         self.probe.clear()
-        vision = self.adapter.encode_images(batch.pixel_values)
+        vision = self.adapter.encode_images(batch.pixel_values, image_sizes=batch.image_sizes)
         self.raw_vision = dataclasses.replace(vision, features=list(vision.features), patch_ids=list(vision.patch_ids))
         for pruner in self.pruners:
             t0 = time.perf_counter()

@@ -78,11 +78,11 @@ def test_load_errors(tmp_path, monkeypatch):
         mmfast.load("nobody/not-a-cached-model")
 
 
-def test_llava_next_rejected(tmp_path):
-    from transformers import LlavaNextConfig
+def test_unsupported_family_rejected(tmp_path):
+    from transformers import LlavaOnevisionConfig
 
-    LlavaNextConfig().save_pretrained(tmp_path)
-    with pytest.raises(mmfast.ModelLoadError, match="LLaVA-NeXT"):
+    LlavaOnevisionConfig().save_pretrained(tmp_path)
+    with pytest.raises(mmfast.ModelLoadError, match="OneVision"):
         mmfast.load(tmp_path)
 
 

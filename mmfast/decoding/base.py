@@ -60,6 +60,7 @@ class Decoder:
 
     Config: ClassVar[type]
     supports_speculative: ClassVar[bool] = False
+    families: ClassVar[frozenset[str]] = frozenset({"llava", "llava_next"})
     speculative_conflict: ClassVar[str] = "it owns its own search loop"
 
     def __init__(self, config: Any, session: Session) -> None:

@@ -31,6 +31,7 @@ class Damro(MultiBranchDecoder):
     """DAMRO."""
 
     use_warpers = False
+    families = frozenset({"llava"})  # the outlier branch indexes one patch grid per image
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

@@ -100,6 +100,8 @@ def query_rng(seed: int, prompt: str, image: Image.Image) -> random.Random:
 class Ritual(MultiBranchDecoder):
     """RITUAL."""
 
+    families = frozenset({"llava"})  # transforms change the image size: another anyres token layout
+
     @dataclass(frozen=True)
     class Config(BranchConfig):
         alpha: float = opt(3.0, lo=0.0, hi=20.0, doc="alpha_pos: weight of the transformed branch")

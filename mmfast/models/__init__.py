@@ -7,13 +7,27 @@ from torch import nn
 from ..errors import ModelLoadError
 from .base import LMInputs, VisionBatch, VLMAdapter, build_lm_inputs
 from .llava import LlavaAdapter
+from .llava_next import LlavaNextAdapter
 
-ADAPTERS: dict[str, type[VLMAdapter]] = {"llava": LlavaAdapter}
+ADAPTERS: dict[str, type[VLMAdapter]] = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter}
+
+
+def _llava():
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration
+
+
+def _llava_next():
+    from transformers import LlavaNextForConditionalGeneration
+
+    return LlavaNextForConditionalGeneration
+
+
+#: model_type -> (lazy) model class
+MODEL_CLASSES = {"llava": _llava, "llava_next": _llava_next}
 
 _REJECTED = {
-    "llava_next": "LLaVA-NeXT (anyres tiles with image_newline) is not supported yet; its per-tile token "
-    "layout breaks the single-grid assumptions of the pruning methods. Use a LLaVA-1.5 checkpoint "
-    "(e.g. llava-hf/llava-1.5-7b-hf).",
     "llava_onevision": "LLaVA-OneVision (SigLIP without CLS, anyres_max_9) is not supported.",
     "qwen2_vl": "Qwen2-VL (M-RoPE positions, PatchMerger) is not supported.",
 }
@@ -30,4 +44,14 @@ def adapter_for(model: nn.Module) -> VLMAdapter:
     )
 
 
-__all__ = ["ADAPTERS", "LMInputs", "VisionBatch", "VLMAdapter", "adapter_for", "build_lm_inputs", "LlavaAdapter"]
+__all__ = [
+    "ADAPTERS",
+    "MODEL_CLASSES",
+    "LMInputs",
+    "LlavaAdapter",
+    "LlavaNextAdapter",
+    "VLMAdapter",
+    "VisionBatch",
+    "adapter_for",
+    "build_lm_inputs",
+]

@@ -198,3 +198,41 @@ def save_model(model, processor, path: str | Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     processor.save_pretrained(path)
     return path
+
+
+def random_llava_next(shape: str | LlavaShape = "tiny", *, seed: int = 0, init_std: float = 0.2):
+    """A randomly initialised LLaVA-NeXT (anyres) model and processor for tests. Returns (model, processor)."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next import LlavaNextImageProcessorPil
+
+    shp = SHAPES[shape] if isinstance(shape, str) else shape
+    tokenizer = train_bpe_tokenizer(_TEST_CORPUS * 4, min(shp.vocab_size, 600))
+    base = llava_config(shp, vocab_size=max(shp.vocab_size, len(tokenizer)), init_std=init_std)
+    s = shp.image_size
+    pinpoints = [[s, s], [s, 2 * s], [2 * s, s], [2 * s, 2 * s]]
+    config = LlavaNextConfig(
+        vision_config=base.vision_config,
+        text_config=base.text_config,
+        image_token_index=base.image_token_id,
+        image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": s}, crop_size={"height": s, "width": s}, image_grid_pinpoints=pinpoints
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=shp.patch_size,
+        vision_feature_select_strategy="default",
+        chat_template=CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
+    return model, processor

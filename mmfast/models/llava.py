@@ -91,7 +91,7 @@ class LlavaAdapter(VLMAdapter):
         return k - 1
 
     # -- compute ---------------------------------------------------------------------------------
-    def encode_images(self, pixel_values: torch.Tensor) -> VisionBatch:
+    def encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
         """Run the tower and select the feature layer. Returns pre-projection patch features."""
         tower = self.vision_tower
         pixel_values = pixel_values.to(device=tower.device, dtype=tower.dtype)

@@ -32,6 +32,8 @@ class Pruner:
     needs_cls: ClassVar[bool] = False
     #: "original": kept tokens keep their position ids; "compact": survivors are renumbered.
     position_mode: ClassVar[str] = "original"
+    #: model families the stage runs on (LLaVA-NeXT's anyres mosaic has no single square grid)
+    families: ClassVar[frozenset[str]] = frozenset({"llava"})
 
     def __init__(self, config: Any, session: Session) -> None:
         self.config = config
@@ -59,6 +61,14 @@ class Pruner:
     @classmethod
     def check_model(cls, adapter: VLMAdapter) -> str | None:
         """A reason this stage cannot run on ``adapter``'s model, or None."""
+        if adapter.family not in cls.families:
+            from ..registry import PRUNERS
+
+            ok = [e.name for e in PRUNERS.entries() if adapter.family in e.cls.families]
+            return (
+                f"does not support the {adapter.family} family (it needs one square patch grid per image; "
+                f"LLaVA-NeXT's anyres tiles are a newline-separated mosaic). Stages that run there: {', '.join(ok)}"
+            )
         if cls.needs_cls and not adapter.has_cls:
             return "needs a CLS token in the vision tower, which this model does not have"
         return None

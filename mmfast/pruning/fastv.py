@@ -26,6 +26,7 @@ from .base import Pruner
 class FastV(Pruner):
     """FastV."""
 
+    families = frozenset({"llava", "llava_next"})  # acts on the spliced sequence, any vision layout
     hook_points = frozenset({"attention_probe", "llm_layer"})
     position_mode = "original"
 

@@ -195,6 +195,7 @@ class _LayerSelection:
 class ZipVL(Pruner):
     """ZipVL."""
 
+    families = frozenset({"llava", "llava_next"})  # acts on the spliced sequence, any vision layout
     hook_points = frozenset({"attention_probe", "kv_cache"})
     position_mode = "original"
 
