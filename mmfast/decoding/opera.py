@@ -1,0 +1,521 @@
+"""OPERA: Over-trust Penalty and Retrospection-Allocation (Huang et al., CVPR 2024, arXiv 2311.17911).
+
+Algorithm (one beam step; released code ``shikiw/OPERA`` ``transformers-4.29.2/.../generation/utils.py
+::opera_beam_search``):
+
+1. Run the K beams; per beam take the candidate set = the top-N_can tokens by raw logits, append each
+   candidate (one cached look-ahead forward) and read its row of the last decoder layer's attention,
+   max over heads, renormalised to sum to 1.
+2. On the response part (rows/columns >= prompt length, the candidate's row last) scaled by sigma,
+   phi_j = 1e-7 * prod_{i >= j} sigma * a_ij (column-wise product over the lower triangle); the
+   over-trust score is phi = max_j phi_j, its location c = argmax_j.
+3. Candidate score = logit - alpha * penalty, penalty = -(image attention of the candidate's row)
+   while <= 10 response tokens exist (a bonus), phi afterwards; every other token -999; log-softmax;
+   the standard beam update (top 2K, finished pool, transformers' early stop: :class:`BeamSearch`).
+4. Record c per beam (mode over candidates) and per step (mode over beams). When every beam's
+   history holds more than r entries equal to the current c, and c >= 10: roll back to response
+   position c+1 (c if c+1 was already rolled back N_can times; skip if both were), restore that
+   step's ids, beam bookkeeping and attention history, and re-choose the token there with plain beam
+   logits in which every (beam, token) pair chosen there before is banned (bans accumulate).
+   As released: the location history is kept per beam *slot* (not reordered with the beams), modes
+   break ties towards the smallest location, and the redo step uses the full-vocabulary logits
+   shifted so that their minimum is -999 (no candidate restriction, no penalty) with bans at -999.
+
+Defaults (README / argparse / signature): num_beams 5, scale_factor 50, threshold r 15,
+num_attn_candidates N_can 5, penalty_weights alpha 1, window_size 512 (rollback buffer only: phi
+uses *all* response tokens). The README's "efficient" preset is r = 25, N_can = 1 (:data:`PRESETS`).
+
+Hook points: ``session.probe.watch`` on the last decoder layer's attention (``reduce="max"`` over
+heads, the new query rows of decode forwards only; the model keeps running sdpa); everything else is
+the decoder's own loop over ``runner.prefill`` / ``runner.step`` and :class:`~mmfast.runtime.LMState`
+clones. In-LLM pruning composes: the response start and the image span are read from the runner
+state's last-layer group (its prefill length and its vision slots), not from the raw input.
+
+Look-ahead (``lookahead``): ``tree`` (default) appends the N_can candidates of every beam as N_can
+sibling tokens in one forward of the K beams (same position, each sees the cache and itself only:
+``runner.step(depth=0, block_mask=eye)``), reads their rows and crops the cache back, so no cache is
+copied; ``clone`` runs K x N_can rows on a deep-cloned, repeated cache (``candidate_chunk`` bounds the
+copies). Both give the same rows up to float rounding and gave identical tokens in every test; the
+clone path is used automatically when the recipe has per-step KV policies (``runner.step_hooks``).
+
+Memory. Only what the penalty needs is kept per beam: the running column log-sums
+``S_j = sum_{j <= i < t} log(sigma a_ij)`` of the response part (K x t floats, reordered with the beams,
+grown by one column per step), so a candidate costs O(t) (``log phi_j = log 1e-7 + S_j + log(sigma
+c_j)``), never an L x L map. Rollback snapshots hold S (K x p floats at step p) for the last
+window_size steps, so the attention history is bounded by K x T^2 / 2 floats for T response tokens
+(``attn_history_bytes_peak``). The KV cache is not snapshotted: a rollback clones the post-prompt cache
+of the sample (one copy of it is kept) and re-forwards the restored generated prefix (one multi-token
+forward, or token by token when the recipe has per-step KV policies), as the released code
+re-forwards the prompt. Beam bookkeeping snapshots: K x max_new_tokens ids per kept step.
+
+Limits: beam search only (``check_recipe`` refuses speculative drafting, pruning stages that refuse
+beam search, e.g. ZipVL, and Dynamic-LLaVA's decode-time text rule); needs the KV cache and every
+generated token cached in the last layer (checked at every forward). Samples of a batch share one
+prefill, then are decoded one after another (each has its own trigger and rollbacks). Per step:
+1 forward of K rows + 1 look-ahead forward (tree) + a multi-token forward per rollback.
+
+Deviations from the released code, with reasons:
+
+- phi is computed in fp32 log space from incrementally maintained column log-sums (same quantity).
+  The released code multiplies fp16 attention and stores phi in an fp16 buffer: a column product
+  above 65504 becomes inf (candidate excluded; the location becomes the *first* saturated column),
+  below fp16's range 0. ``fp16_saturation: true`` reproduces that saturation. phi is clamped to the
+  fp32 range so a zero penalty weight never meets inf (no NaN).
+- Attention rows come from the sdpa probe (fp32 softmax of the layer's own q/k), not eager
+  ``output_attentions`` in the model dtype; no full L x L attention and no per-step CPU copies of it.
+- The N_can sequential look-ahead forwards become one forward (tree siblings, or K x N_can rows of
+  a deep-cloned, repeated cache); the beams' cache is never shared with a look-ahead (OPERA issue
+  #16: ports to newer transformers broke on the shallow ``model_kwargs.copy()`` of a mutable cache).
+- Rollback restores a *copy* of the saved beam bookkeeping (the released code restores the saved
+  scorer object itself, which the redo then mutates, so a second rollback to the same position
+  started from a mutated scorer).
+- Bans of positions after the rollback target are cleared (the released code clears
+  ``reject_token_pos_gather[-(j+1)]``, the tail of its 512-slot array, and position p+1: an indexing
+  slip). Rollback counters are never reset, as released.
+- Batches: the released trigger takes one mode over all beams of all samples and rolls the whole batch
+  back (effectively batch 1); here every sample has its own history, trigger and rollbacks.
+- Image span: the vision slots of the last layer (after pruning, the surviving ones; with several
+  images, vision tokens only) instead of the index range image_start..image_end.
+- Rollback window: a target older than the last window_size steps is moved to the oldest kept step
+  (released: max(1, len - window - 1)); the rollback counter is incremented for the position actually
+  used (released: before that move). Positions >= window_size can be rolled back to (the released
+  counter array raises IndexError there, which its bare ``except`` turns into "no rollback"). Any
+  other error is raised, not swallowed.
+- A target that is not behind the current step (only reachable with threshold <= 1) is skipped (the
+  released code silently restored the previous step instead).
+
+With ``penalty_weights: 0``, a threshold above ``max_new_tokens`` and ``num_attn_candidates`` >= the
+vocabulary size, OPERA is exactly the ``beam`` decoder (tested). With N_can < vocabulary it is a
+candidate-restricted beam search (the -999 fill renormalises each beam over its candidates).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ..config import opt
+from ..errors import IncompatibleRecipeError
+from ..registry import DECODERS
+from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
+from .beam import BeamSearch
+from .loop import strip
+
+#: The README's settings: "paper" (the defaults) and the faster "efficient" one.
+_PAPER = {
+    "num_beams": 5, "scale_factor": 50.0, "threshold": 15, "num_attn_candidates": 5, "penalty_weights": 1.0, "window_size": 512,
+}
+PRESETS: dict[str, dict[str, Any]] = {"paper": _PAPER, "efficient": {**_PAPER, "threshold": 25, "num_attn_candidates": 1}}
+
+LOG_PHI_OFFSET = math.log(1e-7)  # phi_j = 1e-7 * prod(...), as released
+BONUS_TOKENS = 10  # image-attention bonus while the response part (candidate included) has <= 10 tokens
+MIN_LOCATION = 10  # no rollback to a location < 10
+FILL = -999.0  # the released code's value for non-candidates and banned tokens
+_FP16_MAX_LOG = math.log(65504.0)  # fp16 saturation of the released score buffer
+_FP16_TINY_LOG = math.log(2.0**-24)
+_F32_MAX = torch.finfo(torch.float32).max
+_F32_MIN = torch.finfo(torch.float32).min
+
+
+# --------------------------------------------------------------------------- over-trust scores
+
+
+def column_log_scores(attn: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense reference: ``log phi_j = log 1e-7 + sum_{i >= j} log(scale * a_ij)``.
+
+    ``attn`` is [..., T, T] (rows = queries, lower triangle used); returns [..., T] in fp32.
+    """
+    t = attn.shape[-1]
+    logs = torch.log(scale * attn.float())
+    tri = torch.ones(t, t, dtype=torch.bool, device=attn.device).tril()
+    return LOG_PHI_OFFSET + logs.masked_fill(~tri, 0.0).sum(-2)
+
+
+def phi_from_log(log_phi: torch.Tensor, fp16_saturation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over-trust score and location from per-column log scores [..., T] -> (phi [...], loc [...]).
+
+    fp32 (default): phi = exp(max_j log phi_j), clamped to the fp32 range; loc = the first argmax.
+    ``fp16_saturation``: the released code's fp16 arithmetic, where a column product above 65504 is inf
+    (phi = inf, loc = the first such column) and phi below fp16's range is 0.
+    """
+    if fp16_saturation:
+        prod_log = log_phi - LOG_PHI_OFFSET
+        sat = prod_log > _FP16_MAX_LOG
+        log_phi = torch.where(sat, torch.full_like(log_phi, math.inf), log_phi)
+        log_phi = torch.where(~sat & (log_phi < _FP16_TINY_LOG), torch.full_like(log_phi, -math.inf), log_phi)
+        best, loc = log_phi.max(-1)
+        return torch.exp(best), loc
+    best, loc = log_phi.max(-1)
+    return torch.exp(best).clamp(max=_F32_MAX), loc
+
+
+class OverTrustHistory:
+    """Per-beam running column log-sums of the response part of the attention map.
+
+    ``col[k, j] = sum_{j <= i < t} log(scale * a_ij)`` over the t response rows seen so far (rows
+    renormalised, max over heads). A candidate row ``c`` ([t+1], its own column last) then has
+    ``log phi_j = log 1e-7 + col_j + log(scale * c_j)`` for j < t and ``log 1e-7 + log(scale * c_t)``.
+    """
+
+    def __init__(self, n_beams: int, scale: float, device: torch.device) -> None:
+        self.scale = float(scale)
+        self.col = torch.zeros(n_beams, 0, device=device)
+
+    @property
+    def length(self) -> int:
+        return int(self.col.shape[1])
+
+    def nbytes(self) -> int:
+        return self.col.numel() * self.col.element_size()
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.col = self.col[index]
+
+    def append(self, row: torch.Tensor) -> None:
+        """Add the newest response row ([K, t+1], renormalised, its own column last)."""
+        logs = torch.log(self.scale * row.float())
+        self.col = torch.cat([self.col + logs[:, :-1], logs[:, -1:]], 1)
+
+    def candidate_log_scores(self, rows: torch.Tensor) -> torch.Tensor:
+        """log phi_j for candidate rows [K, N, t+1] -> [K, N, t+1]."""
+        logs = torch.log(self.scale * rows.float())
+        return LOG_PHI_OFFSET + torch.cat([self.col[:, None, :] + logs[..., :-1], logs[..., -1:]], -1)
+
+    def snapshot(self) -> torch.Tensor:
+        return self.col.clone()
+
+    def restore(self, snap: torch.Tensor) -> None:
+        self.col = snap.clone()
+
+
+def mode(x: torch.Tensor) -> torch.Tensor:
+    """Most frequent value along the last dim, the smallest on ties (``torch.mode``'s CPU rule)."""
+    v = x.sort(-1).values
+    counts = (v[..., :, None] == v[..., None, :]).sum(-1)
+    first = (counts == counts.max(-1, keepdim=True).values).int().argmax(-1)
+    return v.gather(-1, first[..., None]).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+@dataclass
+class _Snapshot:
+    search: BeamSearch
+    history: torch.Tensor
+
+
+@dataclass
+class _SampleResult:
+    tokens: list[int]
+    kv_bytes_end: int
+    n_forwards: int
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    penalty_steps: int = 0
+    bonus_steps: int = 0
+    candidate_forwards: int = 0
+    history_bytes_peak: int = 0
+
+
+@DECODERS.register("opera", description="OPERA: beam search with an over-trust attention penalty and retrospection rollback")
+class Opera(Decoder):
+    """OPERA (over-trust penalty + retrospection-allocation beam search)."""
+
+    speculative_conflict = (
+        "OPERA is a beam search with candidate look-ahead and rollback; draft verification checks a single "
+        "greedy/sampled hypothesis per step"
+    )
+    probe_key = "opera.last_layer"
+
+    @dataclass(frozen=True)
+    class Config:
+        num_beams: int = opt(5, lo=1, hi=64, doc="beams per sample")
+        scale_factor: float = opt(50.0, lo=1e-6, hi=1e6, doc="sigma: attention scale inside the column product")
+        threshold: int = opt(15, lo=0, doc="r: rollback when every beam's location history has > r hits")
+        num_attn_candidates: int = opt(5, lo=1, doc="N_can: candidates per beam (also the rollback limit per position)")
+        penalty_weights: float = opt(1.0, lo=0.0, hi=1000.0, doc="alpha: weight of the over-trust penalty / image bonus")
+        window_size: int = opt(512, lo=1, doc="steps kept for rollback")
+        length_penalty: float = opt(1.0, lo=-10.0, hi=10.0, doc="beam length penalty exponent (transformers)")
+        lookahead: Literal["tree", "clone"] = opt(
+            "tree", doc="clone: K*N_can rows on a cloned, repeated cache; tree: N_can sibling tokens per beam, no cache copy"
+        )
+        candidate_chunk: int = opt(0, lo=0, doc="clone look-ahead: candidate sets per forward (0: all N_can in one forward)")
+        fp16_saturation: bool = opt(False, doc="reproduce the released code's fp16 score buffer (inf above 65504)")
+
+    @classmethod
+    def check_recipe(cls, recipe) -> str | None:
+        from ..registry import PRUNERS
+
+        if recipe.speculative is not None:
+            return f"cannot use speculative drafting: {cls.speculative_conflict}"
+        # OPERA is a beam search: a pruning stage that refuses beam search refuses OPERA too
+        as_beam = dataclasses.replace(recipe, decoding=dataclasses.replace(recipe.decoding, method="beam"))
+        for i, stage in enumerate(recipe.pruning):
+            problem = PRUNERS.get(stage.method).cls.check_recipe(as_beam, i)
+            if problem:
+                return f"pruning[{i}] ({stage.method}) refuses beam search, which OPERA is: {problem}"
+            params = stage.params
+            if stage.method == "dynamic_llava" and (params.text_keep == "predictor" or not params.use_cache):
+                return (
+                    f"pruning[{i}] (dynamic_llava) drops generated tokens from the KV cache while decoding (or decodes "
+                    "without cache); OPERA's over-trust map needs every generated token cached in the last layer and "
+                    "clones/re-forwards caches for its look-ahead and rollback. Set text_keep: always"
+                )
+        return None
+
+    def install(self) -> None:
+        layer = self.session.adapter.layers[-1]
+        self._tree = False  # set during a tree look-ahead forward: record every query row
+        self.session.probe.watch(
+            self.probe_key,
+            layer.self_attn,
+            rows=lambda q, k: torch.arange(q) if self._tree else torch.tensor([q - 1]),
+            when=lambda q, k: q == 1 or self._tree,
+            reduce="max",
+        )
+        self.last_trace: list[list[dict[str, Any]]] = []
+
+    # -- forwards ----------------------------------------------------------------------------------
+    def _forward_rows(self, state, tokens: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` ([R]) and return (logits [R, V], renormalised last-layer rows [R, keys])."""
+        probe = self.session.probe
+        probe.records.pop(self.probe_key, None)
+        logits = self.session.runner.step(state, tokens[:, None], all_logits=False).logits[:, -1]
+        rec = probe.get(self.probe_key)
+        if rec is None or rec.k_len != keys:
+            got = None if rec is None else rec.k_len
+            raise IncompatibleRecipeError(
+                f"OPERA needs every generated token cached in the last decoder layer (expected {keys} keys, got {got}); "
+                "a decode-time KV policy in this recipe changes it"
+            )
+        row = rec.probs[:, -1].float()  # [R, keys], max over heads
+        return logits, row / row.sum(-1, keepdim=True).clamp_min(1e-30)
+
+    def _candidate_rows(self, state, cand: torch.Tensor, keys: int) -> tuple[torch.Tensor, int]:
+        """Each candidate's renormalised last-layer row ([K, N, keys]) and the forwards it took."""
+        if self.config.lookahead == "tree" and not self._per_step_policies():
+            return self._candidate_rows_tree(state, cand, keys), 1
+        n = cand.shape[1]
+        return self._candidate_rows_clone(state, cand, keys), math.ceil(n / (self.config.candidate_chunk or n))
+
+    def _candidate_rows_tree(self, state, cand: torch.Tensor, keys: int) -> torch.Tensor:
+        """All N candidates of a beam as N sibling tokens of one forward (same position, each sees the
+        past and itself only), then the cache is cropped back: no cache copy at all."""
+        k, n = cand.shape
+        dev = cand.device
+        probe = self.session.probe
+        probe.records.pop(self.probe_key, None)
+        self._tree = True
+        try:
+            self.session.runner.step(
+                state, cand, depth=torch.zeros(n, dtype=torch.long, device=dev),
+                block_mask=torch.eye(n, dtype=torch.bool, device=dev), all_logits=False,
+            )
+            rec = probe.get(self.probe_key)
+        finally:
+            self._tree = False
+            state.crop_last(n)
+        past = keys - 1
+        if rec is None or rec.k_len != past + n:
+            raise IncompatibleRecipeError(
+                f"OPERA needs every generated token cached in the last decoder layer (expected {past + n} keys, got "
+                f"{None if rec is None else rec.k_len}); a decode-time KV policy in this recipe changes it"
+            )
+        probs = rec.probs.float()  # [K, N, past + N]; a sibling's column is exactly 0 (masked)
+        own = probs[..., past:].diagonal(dim1=-2, dim2=-1)  # [K, N] each candidate's attention to itself
+        rows = torch.cat([probs[..., :past], own[..., None]], -1)
+        return rows / rows.sum(-1, keepdim=True).clamp_min(1e-30)
+
+    def _candidate_rows_clone(self, state, cand: torch.Tensor, keys: int) -> torch.Tensor:
+        """One look-ahead forward per chunk of candidate sets on cloned, repeated caches -> [K, N, keys]."""
+        k, n = cand.shape
+        chunk = self.config.candidate_chunk or n
+        rows = []
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            fan = state.clone()  # deep copy: the look-ahead never touches the beams' cache
+            fan.repeat_interleave(c1 - c0)
+            _, r = self._forward_rows(fan, cand[:, c0:c1].reshape(-1), keys)
+            rows.append(r.view(k, c1 - c0, keys))
+            del fan
+        return torch.cat(rows, 1)
+
+    def _per_step_policies(self) -> bool:
+        """Whether the recipe acts on every decode step (KV policies after a step, decode-time layer hooks)."""
+        runner = self.session.runner
+        return bool(runner.step_hooks) or bool(getattr(runner, "_decode", None))
+
+    def _rebuild(self, base, ids: torch.Tensor, first_logits: torch.Tensor):
+        """A fresh beam state: the post-prompt cache cloned for K beams plus the generated prefix ``ids`` [K, p]."""
+        runner = self.session.runner
+        k, p = ids.shape
+        state = base.clone()
+        state.repeat_interleave(k)
+        if p == 0:
+            return state, first_logits.expand(k, -1).clone(), 0
+        if not self._per_step_policies():
+            return state, runner.step(state, ids, all_logits=False).logits[:, -1], 1
+        for i in range(p):  # KV policies act once per token: replay the decode path
+            logits = runner.step(state, ids[:, i : i + 1], all_logits=False).logits[:, -1]
+        return state, logits, p
+
+    # -- decode --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, req: DecodeRequest) -> DecodeOutput:
+        runner, mm = self.session.runner, self.session.mm
+        if not runner.use_cache:
+            raise IncompatibleRecipeError("OPERA needs the KV cache (a pruning stage set decode without cache)")
+        device = mm.device
+        inputs = req.inputs
+        stop = torch.tensor(mm.eos_token_ids, device=device)
+        t0 = now(device)
+        state, out = runner.prefill(inputs)
+        t1 = now(device)
+        acc = state_accounting(state)
+        g_last = state.group_of(state.n_layers - 1)
+        resp_start = state.groups[g_last].length  # prompt length as the last layer caches it
+        vision = state.vision_slots(g_last).float()  # [B, T0]
+        results: list[_SampleResult] = []
+        bsz = inputs.batch_size
+        for b in range(bsz):
+            if bsz == 1:
+                base = state
+            else:  # this sample's rows, on a copy (the batch state stays intact for the others)
+                base = state.clone() if b < bsz - 1 else state
+                base.reorder(torch.tensor([b], device=device))
+            results.append(self._decode_sample(base, out.logits[b, -1], resp_start, vision[b], req.max_new_tokens, stop))
+        t2 = now(device)
+        self.last_trace = [r.rollbacks for r in results]
+        result = DecodeOutput(
+            tokens=[strip(r.tokens, mm.eos_token_ids) for r in results],
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            n_forwards=sum(r.n_forwards for r in results),
+            kv_bytes_end=[r.kv_bytes_end for r in results],
+            stats={
+                "per_sample_rollbacks": [len(r.rollbacks) for r in results],
+                "per_sample_rollback_positions": [[e["position"] for e in r.rollbacks] for r in results],
+                "per_sample_penalty_steps": [r.penalty_steps for r in results],
+                "per_sample_bonus_steps": [r.bonus_steps for r in results],
+                "per_sample_candidate_forwards": [r.candidate_forwards for r in results],
+                "per_sample_attn_history_bytes_peak": [r.history_bytes_peak for r in results],
+            },
+        )
+        result.set_prefill_accounting(acc)
+        return result
+
+    def _rollback_target(self, locs: list[torch.Tensor], loc: int, step: int, counts: dict[int, int], oldest: int) -> int | None:
+        """The response position to roll back to, or None (trigger not fired, or positions exhausted)."""
+        cfg = self.config
+        hits = (torch.stack(locs, 1) == loc).sum(1)  # [K] per beam slot, as released (not reordered)
+        if not bool((hits > cfg.threshold).all()) or loc < MIN_LOCATION:
+            return None
+        pos = loc + 1
+        if counts.get(pos, 0) >= cfg.num_attn_candidates:
+            pos = loc
+            if counts.get(pos, 0) >= cfg.num_attn_candidates:
+                return None
+        pos = max(pos, oldest)  # older than the rollback window: the oldest kept step
+        if pos >= step:  # nothing was chosen there yet (threshold <= 1 only)
+            return None
+        counts[pos] = counts.get(pos, 0) + 1
+        return pos
+
+    def _decode_sample(self, base, first_logits, resp_start: int, vision: torch.Tensor, max_new: int, stop) -> _SampleResult:
+        cfg = self.config
+        k, n_can = cfg.num_beams, cfg.num_attn_candidates
+        alpha = cfg.penalty_weights
+        device = first_logits.device
+        vocab = int(first_logits.shape[-1])
+        n_can = min(n_can, vocab)
+        res = _SampleResult(tokens=[], kv_bytes_end=0, n_forwards=0)
+
+        state, logits, _ = self._rebuild(base, torch.zeros(k, 0, dtype=torch.long, device=device), first_logits)
+        search = BeamSearch(1, k, max_new, cfg.length_penalty, device)
+        history = OverTrustHistory(k, cfg.scale_factor, device)
+        locs: list[torch.Tensor] = []  # per step: [K] location per beam slot (mode over candidates)
+        snaps: dict[int, _Snapshot] = {}
+        chosen: dict[int, torch.Tensor] = {}  # step -> [K] flat (source beam * V + token) chosen there
+        bans: dict[int, torch.Tensor] = {}
+        counts: dict[int, int] = {}
+        step = 0
+        while True:
+            snaps[step] = _Snapshot(copy.deepcopy(search), history.snapshot())
+            while next(iter(snaps)) <= step - cfg.window_size:  # keys increase in insertion order
+                del snaps[next(iter(snaps))]
+            held = history.nbytes() + sum(s.history.numel() * s.history.element_size() for s in snaps.values())
+            res.history_bytes_peak = max(res.history_bytes_peak, held)
+
+            # 1-2: candidates and their attention rows (one look-ahead forward)
+            cand_scores, cand = logits.topk(n_can, dim=-1)  # [K, N]
+            keys = resp_start + step + 1
+            rows, n_fw = self._candidate_rows(state, cand, keys)  # [K, N, keys]
+            res.candidate_forwards += n_fw
+            res.n_forwards += n_fw
+            resp = rows[..., resp_start:]  # [K, N, step+1]
+            phi, cand_loc = phi_from_log(history.candidate_log_scores(resp), cfg.fp16_saturation)
+            # 3: penalty (image bonus while the response part has <= 10 tokens)
+            if step + 1 <= BONUS_TOKENS:
+                penalty = -(rows[..., :resp_start] * vision).sum(-1)
+                res.bonus_steps += 1
+            else:
+                penalty = phi
+                res.penalty_steps += int(alpha > 0)
+            if alpha:
+                cand_scores = (cand_scores - alpha * penalty).clamp(min=_F32_MIN)
+            # 4: location history and the retrospection trigger
+            beam_loc = mode(cand_loc)  # [K]
+            locs.append(beam_loc)
+            loc = int(mode(beam_loc))
+            target = self._rollback_target(locs, loc, step, counts, next(iter(snaps)))
+            event = None
+            if target is None:
+                scores = torch.full_like(logits, FILL).scatter(-1, cand, cand_scores)
+            else:
+                pos = target
+                snap = snaps[pos]
+                search = copy.deepcopy(snap.search)
+                history.restore(snap.history)
+                for d in [s for s in snaps if s > pos]:
+                    del snaps[d]
+                for d in [s for s in bans if s > pos]:
+                    del bans[d]
+                del locs[pos + 1 :]
+                state, logits, n_fw = self._rebuild(base, search.running_tokens[0], first_logits)
+                res.n_forwards += n_fw
+                bans[pos] = chosen[pos] if pos not in bans else torch.cat([bans[pos], chosen[pos]])
+                for d in [s for s in chosen if s >= pos]:
+                    del chosen[d]
+                # the redo step: plain beam logits (shifted so that min = -999), banned pairs -999
+                scores = logits - (-FILL + logits.min(-1, keepdim=True).values)
+                scores = scores.reshape(-1).scatter(0, bans[pos], FILL).view(k, vocab)
+                event = {
+                    "step": step,
+                    "location": loc,
+                    "position": pos,
+                    "banned": [divmod(int(x), vocab) for x in bans[pos]],
+                }
+                res.rollbacks.append(event)
+                step = pos
+            beam_idx, tokens = search.step(torch.log_softmax(scores, -1), stop)
+            chosen[step] = beam_idx * vocab + tokens
+            if event is not None:
+                event["chosen"] = [divmod(int(x), vocab) for x in chosen[step]]
+            if search.done:
+                break
+            state.reorder(beam_idx)
+            history.reorder(beam_idx)
+            logits, row = self._forward_rows(state, tokens, resp_start + step + 1)
+            res.n_forwards += 1
+            history.append(row[:, resp_start:])
+            step += 1
+
+        kv_end = state.kv_bytes_per_sample()
+        res.kv_bytes_end = int(sum(kv_end))
+        res.tokens = search.best()[0]
+        return res
