@@ -1,4 +1,4 @@
-"""PNG plots for benchmark and report tables (matplotlib, optional: ``pip install mmfast[plot]``)."""
+"""PNG plots for benchmark and report tables (matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _plt():
 
         return plt
     except ImportError:
-        logger.warning("matplotlib is not installed: no plots (pip install 'mmfast[plot]')")
+        logger.warning("matplotlib is not installed: no plots (pip install matplotlib)")
         return None
 
 
