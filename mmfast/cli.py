@@ -93,12 +93,11 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from .model import load
+    from .model import load_model
     from .pipeline import apply
 
     recipe = _load(args)
-    m = recipe.model
-    mm = load(m.name, device=m.device, dtype=m.dtype, attn_implementation=m.attn_implementation, device_map=m.device_map)
+    mm = load_model(recipe.model)
     images = args.image if len(args.image) > 1 else args.image[0]
     with apply(mm, recipe) as session:
         result = session.generate([images], [args.prompt], max_new_tokens=args.max_new_tokens)[0]

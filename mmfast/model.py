@@ -146,6 +146,24 @@ class MMModel:
             return session.generate(images, prompts, **generation_kwargs)
 
 
+def load_model(cfg, *, device: str | None = None) -> MMModel:
+    """Load the model a recipe's ``model`` section describes (device placement and offload included)."""
+    extra: dict[str, Any] = {}
+    if cfg.offload_folder:
+        extra["offload_folder"] = cfg.offload_folder
+    if cfg.max_memory:
+        extra["max_memory"] = {int(k) if str(k).isdigit() else k: v for k, v in cfg.max_memory.items()}
+    return load(
+        cfg.name,
+        device=device or cfg.device,
+        dtype=cfg.dtype,
+        attn_implementation=cfg.attn_implementation,
+        device_map=cfg.device_map,
+        revision=cfg.revision,
+        **extra,
+    )
+
+
 def _resolve(name_or_path: str | os.PathLike) -> tuple[str, bool]:
     name = str(name_or_path)
     if name in EMBEDDED:

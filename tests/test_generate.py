@@ -92,3 +92,16 @@ def test_eager_model_same_tokens(tiny_dir, tiny_mm, images, prompts):
     b = tiny_mm.generate(images[:2], prompts[:2], max_new_tokens=8)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert torch.equal(eager.model.lm_head.weight, tiny_mm.model.lm_head.weight)
+
+
+def test_load_model_with_device_map(tiny_dir, tiny_mm, images, prompts):
+    """Big-model placement options pass through from the recipe (device_map, max_memory)."""
+    from mmfast.config import load_recipe
+    from mmfast.model import load_model
+
+    cfg = load_recipe({"model": {"name": str(tiny_dir), "device_map": "auto", "max_memory": {"cpu": "2GiB"}}}).model
+    mm = load_model(cfg)
+    assert mm.device.type == "cpu"  # placed by from_pretrained, not moved by mmfast
+    a = mm.generate(images[:1], prompts[:1], max_new_tokens=5)
+    b = tiny_mm.generate(images[:1], prompts[:1], max_new_tokens=5)
+    assert a[0].token_ids == b[0].token_ids

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = None) -> dict[str, Any]:
     """Run ``recipe.bench`` and write ``summary.json``, ``results.md`` and plots to the output dir."""
-    from ..model import load
+    from ..model import load_model
 
     kind = recipe.bench.kind
     if kind == "none":
@@ -27,8 +27,7 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     from .common import variants
 
     variants(recipe)  # validate every compared variant before loading anything
-    m = recipe.model
-    mm = load(m.name, device=m.device, dtype=m.dtype, attn_implementation=m.attn_implementation, device_map=m.device_map)
+    mm = load_model(recipe.model)
     if kind == "pruning":
         from .pruning import run_pruning_bench, write_pruning_report
 

@@ -40,12 +40,11 @@ class MMFast(_LMMBase):
             raise ImportError("lmms-eval is not installed: pip install lmms-eval")
         super().__init__()
         from ..config import load_recipe
-        from ..model import load
+        from ..model import load_model
         from ..pipeline import apply
 
         self.recipe = load_recipe(recipe if recipe.endswith((".yaml", ".yml")) else {"model": {"name": recipe}})
-        m = self.recipe.model
-        self.mm = load(m.name, device=device or m.device, dtype=m.dtype, attn_implementation=m.attn_implementation, device_map=m.device_map)
+        self.mm = load_model(self.recipe.model, device=device)
         self.session = apply(self.mm, self.recipe)
         self.batch_size = int(batch_size)
 

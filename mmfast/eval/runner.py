@@ -58,6 +58,15 @@ def _guard(out: Path, recipe: Recipe) -> None:
         run_file.write_text(json.dumps({"recipe_hash": recipe.hash(), "recipe": recipe.to_dict()}, indent=1))
 
 
+def _shard_device(device: str, rank: int, world: int) -> str:
+    """In a data-parallel run each process takes its own GPU (``cuda`` -> ``cuda:<local rank>``)."""
+    import torch
+
+    if world > 1 and torch.cuda.is_available() and device in ("auto", "cuda"):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+    return device
+
+
 def git_sha() -> str | None:
     try:
         here = Path(__file__).resolve().parent
@@ -138,10 +147,9 @@ def run_eval(
             (out / "chair_image_ids.txt").write_text("\n".join(str(i) for i in task.image_ids) + "\n")
     store = RecordStore(out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl"))
     if mm is None:
-        from ..model import load
+        from ..model import load_model
 
-        m = recipe.model
-        mm = load(m.name, device=m.device, dtype=m.dtype, attn_implementation=m.attn_implementation, device_map=m.device_map)
+        mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
     from ..pipeline import apply
 
     t0 = time.perf_counter()
