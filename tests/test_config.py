@@ -9,7 +9,7 @@ import pytest
 import mmfast
 from mmfast.cli import main
 from mmfast.config import Recipe, load_recipe
-from mmfast.errors import ConfigError, IncompatibleRecipeError, UnknownMethodError
+from mmfast.errors import ConfigError, UnknownMethodError
 from mmfast.registry import DECODERS
 
 

@@ -12,7 +12,7 @@ import torch
 
 from mmfast.config import load_recipe
 from mmfast.decoding import opera as opera_mod
-from mmfast.decoding.opera import LOG_PHI_OFFSET, OverTrustHistory, column_log_scores, mode, phi_from_log
+from mmfast.decoding._opera_penalty import LOG_PHI_OFFSET, OverTrustHistory, column_log_scores, mode, phi_from_log
 from mmfast.errors import IncompatibleRecipeError
 from mmfast.pipeline import Session
 

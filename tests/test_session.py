@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmfast import compat
-from mmfast.hooks import AttentionProbe, HookSession, count_hooks, last_row
+from mmfast.hooks import HookSession, count_hooks, last_row
 from mmfast.pipeline import Session
 from mmfast.config import Recipe
 

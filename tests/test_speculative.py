@@ -14,7 +14,20 @@ from mmfast.speculative.tree import DraftTree, verify
 DRAFTERS = {
     "prompt_lookup": {},
     "layer_skip": {"skip": [2], "gamma": 3, "threshold": 0.0},
+    # random (untrained) weights written into the tiny model's directory by the eagle_drafts fixture
+    "msd": {"depth": 3, "top_k": 4, "total_tokens": 16},
+    "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2},
 }
+
+
+@pytest.fixture(scope="module")
+def eagle_drafts(tiny_mm):
+    """Random MSD / FLASH draft weights at their default location, ``<model dir>/{msd,flash}``."""
+    from mmfast.speculative._eagle import _model_dir, write_random_draft
+
+    d = _model_dir(tiny_mm)
+    write_random_draft(tiny_mm, "msd", d / "msd")
+    write_random_draft(tiny_mm, "flash", d / "flash", sar_k=3, n_latents=4)
 
 
 def _run(mm, images, prompts, spec=None, n=24, decoding=None):
@@ -26,7 +39,7 @@ def _run(mm, images, prompts, spec=None, n=24, decoding=None):
 
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
-def test_greedy_lossless(name, tiny_mm, images, prompts):
+def test_greedy_lossless(name, tiny_mm, images, prompts, eagle_drafts):
     base = _run(tiny_mm, images, prompts)
     spec = _run(tiny_mm, images, prompts, {"method": name, "params": DRAFTERS[name]})
     assert [r.token_ids for r in spec] == [r.token_ids for r in base]
@@ -35,7 +48,6 @@ def test_greedy_lossless(name, tiny_mm, images, prompts):
 
 
 def test_layer_skip_calibration_and_restore(tiny_mm, images, prompts):
-    from mmfast.hooks import count_hooks
 
     layer = tiny_mm.adapter.layers[1]
     fwd = layer.forward

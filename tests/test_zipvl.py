@@ -15,7 +15,6 @@ from mmfast.pipeline import Session
 from mmfast.pruning._kv_quant import (
     MixedPrecisionKVLayer,
     QuantSpec,
-    Segment,
     pack,
     quant_param_count,
     quantize,

@@ -111,7 +111,6 @@ def _shaped_speed(recipe, vs: list[Variant]) -> dict[str, Any]:
     """Prefill speed on a LLaVA-1.5-shaped random model, same inputs for every variant."""
     from ..model import MMModel
     from ..models.factory import random_llava
-    from ..flops import LMShape, prefill_flops
 
     cfg = recipe.bench
     model, processor = random_llava(cfg.shape, dtype=torch.float32)

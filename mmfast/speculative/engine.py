@@ -21,7 +21,7 @@ import torch
 
 from ..decoding.base import DecodeOutput, DecodeRequest, now, state_accounting
 from ..decoding.loop import make_generator, warpers
-from .tree import DraftTree, verify
+from .tree import verify
 
 if TYPE_CHECKING:
     from ..models.base import LMInputs
