@@ -87,6 +87,11 @@ def _load(args):
 
 def _cmd_validate(args) -> int:
     recipe = _load(args)
+    if recipe.bench.kind != "none":
+        from .bench.common import variants
+
+        names = [v.name for v in variants(recipe)]
+        print(f"# bench variants ({len(names)}): {', '.join(names)}")
     print(yaml.safe_dump(recipe.to_dict(), sort_keys=False).rstrip())
     print(f"# recipe hash: {recipe.hash()}")
     return 0
