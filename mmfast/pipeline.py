@@ -224,7 +224,9 @@ def _sample_stats(stats: dict[str, Any], b: int) -> dict[str, Any]:
         if isinstance(v, dict):
             out[k] = _sample_stats(v, b)
         elif str(k).startswith("per_sample_") and isinstance(v, list):
-            out[str(k).removeprefix("per_sample_")] = v[b]
+            # a stage that ran on sub-batches (speculative decoding serves one sample at a time)
+            # reports only its last one: other samples get no value rather than a wrong one
+            out[str(k).removeprefix("per_sample_")] = v[b] if len(v) > b else None
         else:
             out[k] = v
     return out
