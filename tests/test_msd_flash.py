@@ -11,7 +11,7 @@ import torch
 from mmfast.config import load_recipe
 from mmfast.errors import ModelLoadError
 from mmfast.pipeline import Session
-from mmfast.speculative._eagle import (
+from mmfast.speculative._eagle_model import (
     _model_dir,
     load_draft,
     save_draft,
@@ -172,7 +172,7 @@ def distilled(tiny_mm, images, prompts):
 
 @pytest.mark.parametrize("name", ["msd", "flash"])
 def test_training_fits_the_target_and_gets_accepted(name, tiny_mm, distilled, images, prompts, tmp_path):
-    from mmfast.speculative._eagle import build_draft
+    from mmfast.speculative._eagle_model import build_draft
     from mmfast.train.drafts import DraftTrainConfig, draft_loss
 
     cfg = dataclasses.replace(DraftTrainConfig(), noise=0.0, sar_k=FLASH_ARCH["sar_k"], n_latents=FLASH_ARCH["n_latents"])

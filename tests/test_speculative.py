@@ -23,7 +23,7 @@ DRAFTERS = {
 @pytest.fixture(scope="module")
 def eagle_drafts(tiny_mm):
     """Random MSD / FLASH draft weights at their default location, ``<model dir>/{msd,flash}``."""
-    from mmfast.speculative._eagle import _model_dir, write_random_draft
+    from mmfast.speculative._eagle_model import _model_dir, write_random_draft
 
     d = _model_dir(tiny_mm)
     write_random_draft(tiny_mm, "msd", d / "msd")

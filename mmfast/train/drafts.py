@@ -16,7 +16,7 @@ input hidden states; FLASH's K slots regress h_{t+1..t+K} (the loss replicated o
 AdamW (betas 0.9/0.95), linear warmup + cosine decay, gradient clip 0.5. MSD's curriculum: the first
 ``text_stage`` of the steps text-only, then each sample is visual with probability rising linearly to
 1, and the last ``visual_stage`` all visual. Resumable checkpoints (``mmfast.train.common``) in the
-work directory; the result is written with :func:`mmfast.speculative._eagle.save_draft`.
+work directory; the result is written with :func:`mmfast.speculative._eagle_model.save_draft`.
 
 Deviations from the papers (reasons: CPU budget, a 256-wide target): learning rate 1e-3 with a short
 warmup instead of 3e-5 / 5e-5 with 2k warmup steps (5e-5 reaches tau 1.8 where 1e-3 reaches 4.2 after
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..speculative._eagle import DraftModel, build_draft, save_draft
+from ..speculative._eagle_model import DraftModel, build_draft, save_draft
 from .common import cosine_lr, load_checkpoint, save_checkpoint, seed_everything
 
 logger = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ def train_draft(model_name: str, kind: str, out: str | Path | None, work_dir: st
     """Generate (or reuse) the self-distilled data and train a ``kind`` draft; returns the output directory."""
     import mmfast
 
-    from ..speculative._eagle import _model_dir
+    from ..speculative._eagle_model import _model_dir
 
     if kind not in ("msd", "flash"):
         raise ValueError(f"unknown draft {kind!r} (msd | flash)")
