@@ -32,9 +32,9 @@ the tiny test grid is 4 x 4, use w = 2). The released code is batch 1 in the LLM
 attention); here every decision is per sample, with left padding. The merge's r is the batch
 minimum (as the released vision code), so a sample's token count can depend on its batch mates.
 The merge is computed in fp32. The key set is tracked through the merge and the LLM stages by slot
-provenance; MustDrop must be the first feature stage (checked). FLOPs/KV accounting that the
-decoder computes after prefill sees the trimmed caches (right for KV memory, an undercount for
-prefill FLOPs); ``last_stats`` reports the prefill layer-average of the vision tokens
+provenance; MustDrop must be the first feature stage (checked). Prefill FLOPs and the
+layer-averaged token count are accounted from what prefill computed (before the KV policy trims the
+caches), KV bytes from the trimmed caches; ``last_stats`` also reports the prefill layer-average of the vision tokens
 (``prefill_tokens_layer_avg``) and the code's printed "tokens" figure (``equivalent_tokens``, which
 counts layer l with its post-filter count), plus the kept count after each stage, the key-set size
 and the merged windows.
