@@ -22,7 +22,11 @@ def main() -> None:
     p.add_argument("--out", default="mmfast/assets/tiny-world")
     p.add_argument("--work", default=".mmfast_cache/train-embedded")
     for f in dataclasses.fields(TrainConfig):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int, default=f.default)
+        if isinstance(f.default, tuple):
+            kind = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731  e.g. --grounding-layers 1,2
+        else:
+            kind = int if f.type == "bool" else type(f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = TrainConfig(**{f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name)) for f in dataclasses.fields(TrainConfig)})

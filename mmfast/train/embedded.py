@@ -9,10 +9,13 @@ Stages (each resumable from ``work_dir``):
    carry object identity (and makes token pruning measurable); without it nothing downstream learns.
 1. **Feature cache**: the frozen tower's feature-layer patch tokens for every training image.
 2. **LLaVA training** (projector + Llama LM from scratch; vision frozen): multi-turn conversations
-   mixing detailed descriptions, captions, balanced yes/no object questions and short QA. Two linear
-   probes on the layer-2 hidden state at yes/no answer positions (queried object; image object set)
-   break the plateau where every yes/no question gets the same answer. They are training-only and
-   discarded: the shipped model is a stock ``LlavaForConditionalGeneration``.
+   mixing detailed descriptions, captions, balanced yes/no object questions and short QA. A tiny LM
+   reading 576 image tokens learns captions from language priors long before it learns to *look*:
+   every yes/no question then gets the same answer (a long plateau). Two training-only signals break
+   it: linear probes on the layer-2 hidden state at yes/no answer positions (queried object; image
+   object set), and a grounding loss on the attention that the answer position pays, in the middle
+   layers, to the patches where the queried object is (known from the label map) when it is present.
+   Both are discarded after training: the shipped model is a stock ``LlavaForConditionalGeneration``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class TrainConfig:
     stage2_batch: int = 16
     stage2_lr: float = 1e-3
     probe_weight: float = 0.5
+    grounding_weight: float = 1.0
+    grounding_layers: tuple[int, ...] = (1, 2)
     bf16: bool = True
     workers: int = 2
     checkpoint_every: int = 100
@@ -228,20 +233,23 @@ def _collate(batch: list[EncodedConversation], n_patches: int, image_id: int, pa
         ids = enc.ids[:j] + [image_id] * n_patches + enc.ids[j + 1 :]
         labels = enc.labels[:j] + [-100] * n_patches + enc.labels[j + 1 :]
         shift = n_patches - 1
-        rows.append((ids, labels, [p + shift for p in enc.probe_pos], enc.probe_cat))
+        rows.append((ids, labels, [p + shift for p in enc.probe_pos], enc.probe_cat, enc.probe_yes, j))
     length = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), -100, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.long)
-    probe_b, probe_p, probe_c = [], [], []
-    for b, (i, lab, pp, pc) in enumerate(rows):
+    probe_b, probe_p, probe_c, probe_y = [], [], [], []
+    image_start = torch.tensor([r[5] for r in rows], dtype=torch.long)
+    for b, (i, lab, pp, pc, py, _) in enumerate(rows):
         ids[b, : len(i)] = torch.tensor(i)
         labels[b, : len(lab)] = torch.tensor(lab)
         mask[b, : len(i)] = 1
         probe_b += [b] * len(pp)
         probe_p += pp
         probe_c += pc
-    return ids, labels, mask, torch.tensor(probe_b, dtype=torch.long), torch.tensor(probe_p, dtype=torch.long), torch.tensor(probe_c, dtype=torch.long)
+        probe_y += py
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return ids, labels, mask, as_long(probe_b), as_long(probe_p), as_long(probe_c), torch.tensor(probe_y, dtype=torch.bool), image_start
 
 
 class Stage2Heads(nn.Module):
@@ -253,15 +261,52 @@ class Stage2Heads(nn.Module):
         self.present = nn.Linear(hidden, N_CATS)
 
 
-def llava_forward(llava, feats: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, image_id: int, probe_layer: int = 2):
-    """Projector + LM on cached features; returns (logits [B, L, V], hidden entering layer ``probe_layer``)."""
+def llava_forward(llava, feats: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, image_id: int, probe_layer: int = 2, all_hidden: bool = False):
+    """Projector + LM on cached features; returns (logits [B, L, V], hidden entering layer ``probe_layer``
+    or, with ``all_hidden``, every layer's input hidden states)."""
     base = llava.model
     img = base.multi_modal_projector(feats)  # [B, P, d]
     emb = base.language_model.embed_tokens(ids)  # [B, L, d]
     img_mask = (ids == image_id).unsqueeze(-1)
     emb = emb.masked_scatter(img_mask, img.to(emb.dtype))
     out = base.language_model(inputs_embeds=emb, attention_mask=mask, output_hidden_states=True)
-    return llava.lm_head(out.last_hidden_state), out.hidden_states[probe_layer]
+    return llava.lm_head(out.last_hidden_state), (out.hidden_states if all_hidden else out.hidden_states[probe_layer])
+
+
+def grounding_loss(lm, hidden_states, rows_b: torch.Tensor, rows_p: torch.Tensor, image_start: torch.Tensor, target: torch.Tensor, layers) -> torch.Tensor:
+    """-log(attention mass on the queried object's patches), head mean, averaged over ``layers``.
+
+    ``hidden_states[l]`` is the input of layer ``l`` ([B, L, d]); ``rows_*`` pick the answer positions
+    ([n]); ``target`` ([n, P] bool) marks the patches holding the queried object. The attention rows
+    are recomputed from q/k of those positions only (causal; right padding lies after them).
+    """
+    n, n_patches = target.shape
+    total = torch.zeros((), device=target.device)
+    for layer_idx in layers:
+        layer = lm.layers[layer_idx]
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden_states[layer_idx])  # [B, L, d]
+        bsz, length, _ = x.shape
+        pos = torch.arange(length, device=x.device).expand(bsz, length)
+        cos, sin = lm.rotary_emb(x, pos)  # [B, L, D]
+        d_head = attn.head_dim
+        k = attn.k_proj(x).view(bsz, length, -1, d_head)  # [B, L, Hkv, D]
+        k = k * cos[:, :, None] + _rotate_half(k) * sin[:, :, None]
+        q = attn.q_proj(x[rows_b, rows_p]).view(n, -1, d_head)  # [n, H, D]
+        q = q * cos[rows_b, rows_p][:, None] + _rotate_half(q) * sin[rows_b, rows_p][:, None]
+        kk = k[rows_b].repeat_interleave(q.shape[1] // k.shape[2], dim=2)  # [n, L, H, D]
+        scores = torch.einsum("nhd,nlhd->nhl", q.float(), kk.float()) * d_head**-0.5  # [n, H, L]
+        causal = torch.arange(length, device=x.device)[None, :] <= rows_p[:, None]  # [n, L]
+        probs = torch.softmax(scores.masked_fill(~causal[:, None], float("-inf")), -1).mean(1)  # [n, L]
+        idx = image_start[rows_b][:, None] + torch.arange(n_patches, device=x.device)[None]  # [n, P]
+        mass = (probs.gather(1, idx) * target).sum(-1)
+        total = total - torch.log(mass + 1e-4).mean()
+    return total / len(layers)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def train_stage2(llava, feats: np.ndarray, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path) -> None:
@@ -294,26 +339,35 @@ def train_stage2(llava, feats: np.ndarray, images: WorldImages, tokenizer, cfg: 
             encode_conversation(tokenizer, conversation(images.annotations[i], conversation_rng(cfg.seed, epoch, images.annotations[i].image_id)))
             for i in idx
         ]
-        ids, labels, mask, pb, pp, pc = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
+        ids, labels, mask, pb, pp, pc, py, img_start = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
         f = torch.from_numpy(np.asarray(feats[idx])).float()
         present = torch.from_numpy(images.present[idx]).float()
+        hist = torch.from_numpy(images.patch_hist[idx])  # [b, P, labels] pixel counts
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, steps, cfg.stage2_lr, warmup=100)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            logits, h2 = llava_forward(llava, f, ids, mask, image_id)
-            probe_h = h2[pb, pp]  # [n_probe, d]
+            logits, hs = llava_forward(llava, f, ids, mask, image_id, all_hidden=True)
+            probe_h = hs[2][pb, pp]  # [n_probe, d] hidden entering layer 2
             q_logits = heads.queried(probe_h).float()
             p_logits = heads.present(probe_h).float()
+            ground = torch.zeros(())
+            yes = py.nonzero().squeeze(1)
+            if cfg.grounding_weight > 0 and len(yes):
+                # patches of the queried object: label = category index + 1
+                target = hist[pb[yes], :, :].gather(2, (pc[yes] + 1)[:, None, None].expand(-1, n_patches, 1)).squeeze(2) > 0
+                ok = target.any(1)
+                if ok.any():
+                    ground = grounding_loss(llava.model.language_model, hs, pb[yes][ok], pp[yes][ok], img_start, target[ok], cfg.grounding_layers)
         lm_loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
         probe_loss = torch.zeros(())
         if len(pb):
             probe_loss = F.cross_entropy(q_logits, pc) + F.binary_cross_entropy_with_logits(p_logits, present[pb])
-        loss = lm_loss + cfg.probe_weight * probe_loss
+        loss = lm_loss + cfg.probe_weight * probe_loss + cfg.grounding_weight * ground.float()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        bar.set_postfix(lm=f"{lm_loss.item():.3f}", probe=f"{probe_loss.item():.3f}", ep=epoch)
+        bar.set_postfix(lm=f"{lm_loss.item():.3f}", probe=f"{probe_loss.item():.3f}", ground=f"{float(ground):.3f}", ep=epoch)
         if (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, modules, opt, {"step": step + 1})
     save_checkpoint(done, modules, None, {"step": steps})

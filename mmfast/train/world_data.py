@@ -133,6 +133,7 @@ class EncodedConversation:
     labels: list[int]  # -100 outside answers
     probe_pos: list[int]  # index (in ids) of the last prompt token of each yes/no turn
     probe_cat: list[int]  # queried category of each yes/no turn
+    probe_yes: list[bool]  # whether that turn's answer is "Yes" (the object is present)
 
 
 def encode_conversation(tokenizer, turns: list[Turn]) -> EncodedConversation:
@@ -141,6 +142,7 @@ def encode_conversation(tokenizer, turns: list[Turn]) -> EncodedConversation:
     labels: list[int] = []
     probe_pos: list[int] = []
     probe_cat: list[int] = []
+    probe_yes: list[bool] = []
     for i, t in enumerate(turns):
         prompt = f"USER: <image>\n{t.question} ASSISTANT:" if i == 0 else f"USER: {t.question} ASSISTANT:"
         p = tokenizer(prompt, add_special_tokens=(i == 0))["input_ids"]
@@ -150,9 +152,10 @@ def encode_conversation(tokenizer, turns: list[Turn]) -> EncodedConversation:
         if t.kind == "yesno":
             probe_pos.append(len(ids) - 1)
             probe_cat.append(t.queried)
+            probe_yes.append(t.answer == "Yes")
         ids += a
         labels += a
-    return EncodedConversation(ids, labels, probe_pos, probe_cat)
+    return EncodedConversation(ids, labels, probe_pos, probe_cat, probe_yes)
 
 
 def conversation_rng(seed: int, epoch: int, image_id: int) -> random.Random:
