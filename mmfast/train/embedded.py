@@ -359,15 +359,13 @@ def train_stage2(llava, feats: np.ndarray, images: WorldImages, tokenizer, cfg: 
                 ok = target.any(1)
                 if ok.any():
                     ground = grounding_loss(llava.model.language_model, hs, pb[yes][ok], pp[yes][ok], img_start, target[ok], cfg.grounding_layers)
-        # the 2-token yes/no answers are a few % of the answer tokens: weight them up so the decision
-        # is not drowned by the long descriptions (the logit at a question's last prompt token and the
-        # next one predict "Yes"/"No" and EOS)
+        # yes/no decisions are a few % of the answer tokens: weight them up so the decision is not
+        # drowned by the long descriptions
         tok_loss = F.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
         ).view(labels.shape[0], -1)  # [B, L-1]
         weight = (labels[:, 1:] != -100).float()
-        weight[pb, pp] *= cfg.yes_no_weight
-        weight[pb, (pp + 1).clamp(max=weight.shape[1] - 1)] *= cfg.yes_no_weight
+        weight[pb, pp] *= cfg.yes_no_weight  # pp predicts the "Yes"/"No" token
         lm_loss = (tok_loss * weight).sum() / weight.sum()
         probe_loss = torch.zeros(())
         if len(pb):

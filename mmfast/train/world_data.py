@@ -131,7 +131,7 @@ def conversation(ann: ImageAnnotation, rng: random.Random) -> list[Turn]:
 class EncodedConversation:
     ids: list[int]  # with ONE image token (expanded to the patch count at collate time)
     labels: list[int]  # -100 outside answers
-    probe_pos: list[int]  # index (in ids) of the last prompt token of each yes/no turn
+    probe_pos: list[int]  # index (in ids) of the position that predicts each yes/no turn's "Yes"/"No"
     probe_cat: list[int]  # queried category of each yes/no turn
     probe_yes: list[bool]  # whether that turn's answer is "Yes" (the object is present)
 
@@ -150,12 +150,21 @@ def encode_conversation(tokenizer, turns: list[Turn]) -> EncodedConversation:
         ids += p
         labels += [-100] * len(p)
         if t.kind == "yesno":
-            probe_pos.append(len(ids) - 1)
+            # the decision is predicted where the answer's first *word* token is predicted: with a BPE
+            # that splits " Yes" into a space token and "Yes", that is one position after the prompt
+            probe_pos.append(len(ids) - 1 + _lead_len(tokenizer, t.answer))
             probe_cat.append(t.queried)
             probe_yes.append(t.answer == "Yes")
         ids += a
         labels += a
     return EncodedConversation(ids, labels, probe_pos, probe_cat, probe_yes)
+
+
+def _lead_len(tokenizer, answer: str) -> int:
+    """Tokens of ``" " + answer`` before the one that starts the word (0 when the space is merged)."""
+    pieces = tokenizer(" " + answer, add_special_tokens=False)["input_ids"]
+    alone = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    return max(0, len(pieces) - len(alone))
 
 
 def conversation_rng(seed: int, epoch: int, image_id: int) -> random.Random:
