@@ -11,10 +11,12 @@ Stages (each resumable from ``work_dir``):
 2. **LLaVA training** (projector + Llama LM from scratch; vision frozen): multi-turn conversations
    mixing detailed descriptions, captions, balanced yes/no object questions and short QA. A tiny LM
    reading 576 image tokens learns captions from language priors long before it learns to *look*:
-   every yes/no question then gets the same answer (a long plateau). Two training-only signals break
-   it: linear probes on the layer-2 hidden state at yes/no answer positions (queried object; image
-   object set), and a grounding loss on the attention that the answer position pays, in the middle
-   layers, to the patches where the queried object is (known from the label map) when it is present.
+   every yes/no question then gets the same answer (a long plateau) and captions hallucinate from the
+   scene prior. Training-only signals fix it: linear probes on the layer-2 hidden state at yes/no
+   decision positions (queried object; image object set), a 5x weight on the yes/no decision tokens,
+   and a grounding loss on the attention that, in the middle layers, the positions predicting "Yes"
+   (object present) or an object word in a caption pay to that object's patches (known from the
+   label map).
    Both are discarded after training: the shipped model is a stock ``LlavaForConditionalGeneration``.
 """
 
@@ -234,14 +236,16 @@ def _collate(batch: list[EncodedConversation], n_patches: int, image_id: int, pa
         ids = enc.ids[:j] + [image_id] * n_patches + enc.ids[j + 1 :]
         labels = enc.labels[:j] + [-100] * n_patches + enc.labels[j + 1 :]
         shift = n_patches - 1
-        rows.append((ids, labels, [p + shift for p in enc.probe_pos], enc.probe_cat, enc.probe_yes, j))
+        rows.append((ids, labels, [p + shift for p in enc.probe_pos], enc.probe_cat, enc.probe_yes, j,
+                     [p + shift for p in enc.mention_pos], enc.mention_cat))
     length = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), -100, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.long)
     probe_b, probe_p, probe_c, probe_y = [], [], [], []
+    ment_b, ment_p, ment_c = [], [], []
     image_start = torch.tensor([r[5] for r in rows], dtype=torch.long)
-    for b, (i, lab, pp, pc, py, _) in enumerate(rows):
+    for b, (i, lab, pp, pc, py, _, mp, mc) in enumerate(rows):
         ids[b, : len(i)] = torch.tensor(i)
         labels[b, : len(lab)] = torch.tensor(lab)
         mask[b, : len(i)] = 1
@@ -249,8 +253,12 @@ def _collate(batch: list[EncodedConversation], n_patches: int, image_id: int, pa
         probe_p += pp
         probe_c += pc
         probe_y += py
+        ment_b += [b] * len(mp)
+        ment_p += mp
+        ment_c += mc
     as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return ids, labels, mask, as_long(probe_b), as_long(probe_p), as_long(probe_c), torch.tensor(probe_y, dtype=torch.bool), image_start
+    mentions = (as_long(ment_b), as_long(ment_p), as_long(ment_c))
+    return ids, labels, mask, as_long(probe_b), as_long(probe_p), as_long(probe_c), torch.tensor(probe_y, dtype=torch.bool), image_start, mentions
 
 
 class Stage2Heads(nn.Module):
@@ -340,7 +348,7 @@ def train_stage2(llava, feats: np.ndarray, images: WorldImages, tokenizer, cfg: 
             encode_conversation(tokenizer, conversation(images.annotations[i], conversation_rng(cfg.seed, epoch, images.annotations[i].image_id)))
             for i in idx
         ]
-        ids, labels, mask, pb, pp, pc, py, img_start = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
+        ids, labels, mask, pb, pp, pc, py, img_start, (mb, mp, mc) = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
         f = torch.from_numpy(np.asarray(feats[idx])).float()
         present = torch.from_numpy(images.present[idx]).float()
         hist = torch.from_numpy(images.patch_hist[idx])  # [b, P, labels] pixel counts
@@ -352,13 +360,15 @@ def train_stage2(llava, feats: np.ndarray, images: WorldImages, tokenizer, cfg: 
             q_logits = heads.queried(probe_h).float()
             p_logits = heads.present(probe_h).float()
             ground = torch.zeros(())
+            # rows to ground: yes/no decisions about a present object, and caption positions that
+            # predict an object word; target = that object's patches (label = category index + 1)
             yes = py.nonzero().squeeze(1)
-            if cfg.grounding_weight > 0 and len(yes):
-                # patches of the queried object: label = category index + 1
-                target = hist[pb[yes], :, :].gather(2, (pc[yes] + 1)[:, None, None].expand(-1, n_patches, 1)).squeeze(2) > 0
+            gb, gp, gc = torch.cat([pb[yes], mb]), torch.cat([pp[yes], mp]), torch.cat([pc[yes], mc])
+            if cfg.grounding_weight > 0 and len(gb):
+                target = hist[gb].gather(2, (gc + 1)[:, None, None].expand(-1, n_patches, 1)).squeeze(2) > 0
                 ok = target.any(1)
                 if ok.any():
-                    ground = grounding_loss(llava.model.language_model, hs, pb[yes][ok], pp[yes][ok], img_start, target[ok], cfg.grounding_layers)
+                    ground = grounding_loss(llava.model.language_model, hs, gb[ok], gp[ok], img_start, target[ok], cfg.grounding_layers)
         # yes/no decisions are a few % of the answer tokens: weight them up so the decision is not
         # drowned by the long descriptions
         tok_loss = F.cross_entropy(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -134,6 +134,39 @@ class EncodedConversation:
     probe_pos: list[int]  # index (in ids) of the position that predicts each yes/no turn's "Yes"/"No"
     probe_cat: list[int]  # queried category of each yes/no turn
     probe_yes: list[bool]  # whether that turn's answer is "Yes" (the object is present)
+    mention_pos: list[int] = field(default_factory=list)  # positions predicting an object word in a caption
+    mention_cat: list[int] = field(default_factory=list)  # that word's category index
+
+
+_NOUN_CACHE: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+
+
+def object_words(tokenizer) -> list[tuple[tuple[int, ...], int]]:
+    """Token sequences of every category noun (singular and plural, with a leading space), longest
+    first, with the category index: used to find object mentions in captions."""
+    key = id(tokenizer)
+    if key not in _NOUN_CACHE:
+        seqs = {}
+        for ci, cat in enumerate(CATEGORIES):
+            for pair in cat.nouns:
+                for word in pair:
+                    seqs[tuple(tokenizer(" " + word, add_special_tokens=False)["input_ids"])] = ci
+        _NOUN_CACHE[key] = sorted(seqs.items(), key=lambda kv: -len(kv[0]))
+    return _NOUN_CACHE[key]
+
+
+def _mentions(tokenizer, answer_ids: list[int]) -> list[tuple[int, int]]:
+    """(offset of the word's first token in ``answer_ids``, category) for each object noun."""
+    out, i = [], 0
+    words = object_words(tokenizer)
+    while i < len(answer_ids):
+        for seq, cat in words:
+            if tuple(answer_ids[i : i + len(seq)]) == seq:
+                out.append((i, cat))
+                i += len(seq) - 1
+                break
+        i += 1
+    return out
 
 
 def encode_conversation(tokenizer, turns: list[Turn]) -> EncodedConversation:
@@ -143,6 +176,8 @@ def encode_conversation(tokenizer, turns: list[Turn]) -> EncodedConversation:
     probe_pos: list[int] = []
     probe_cat: list[int] = []
     probe_yes: list[bool] = []
+    mention_pos: list[int] = []
+    mention_cat: list[int] = []
     for i, t in enumerate(turns):
         prompt = f"USER: <image>\n{t.question} ASSISTANT:" if i == 0 else f"USER: {t.question} ASSISTANT:"
         p = tokenizer(prompt, add_special_tokens=(i == 0))["input_ids"]
@@ -155,9 +190,13 @@ def encode_conversation(tokenizer, turns: list[Turn]) -> EncodedConversation:
             probe_pos.append(len(ids) - 1 + _lead_len(tokenizer, t.answer))
             probe_cat.append(t.queried)
             probe_yes.append(t.answer == "Yes")
+        if t.kind in ("detail", "caption"):
+            for off, cat in _mentions(tokenizer, a):
+                mention_pos.append(len(ids) + off - 1)  # the position that predicts the word
+                mention_cat.append(cat)
         ids += a
         labels += a
-    return EncodedConversation(ids, labels, probe_pos, probe_cat, probe_yes)
+    return EncodedConversation(ids, labels, probe_pos, probe_cat, probe_yes, mention_pos, mention_cat)
 
 
 def _lead_len(tokenizer, answer: str) -> int:
