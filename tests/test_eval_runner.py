@@ -83,6 +83,25 @@ def test_other_recipe_refused(tiny_dir, tiny_mm, small_world, tmp_path):
         run_eval(_recipe(tiny_dir, small_world, out, batch_size=3), limit=1, mm=tiny_mm)
 
 
+def test_other_weights_refused(tiny_dir, tiny_mm, small_world, tmp_path):
+    """Same recipe, retrained weights under the same path: resuming would mix two models' answers."""
+    import torch
+
+    out = tmp_path / "run"
+    run_eval(_recipe(tiny_dir, small_world, out), limit=1, mm=tiny_mm)
+    w = tiny_mm.model.lm_head.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.add_(0.5)
+        with pytest.raises(InputError, match="other model weights"):
+            run_eval(_recipe(tiny_dir, small_world, out), limit=1, mm=tiny_mm)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    run_eval(_recipe(tiny_dir, small_world, out), limit=1, mm=tiny_mm)  # the original weights resume fine
+
+
 def test_corrupt_image_recorded_not_empty(tiny_dir, tiny_mm, small_world, tmp_path):
     world = tmp_path / "world"
     shutil.copytree(small_world, world)

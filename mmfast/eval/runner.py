@@ -41,21 +41,43 @@ def output_dir(recipe: Recipe, output: str | None) -> Path:
     return Path(output or recipe.output.dir.format(name=recipe.name))
 
 
-def _guard(out: Path, recipe: Recipe) -> None:
-    """Refuse to mix results of different recipes in one directory (unless output.overwrite)."""
+def weights_fingerprint(model) -> str:
+    """A cheap content fingerprint of a model's weights: every tensor's name, shape, dtype and first
+    values (tensors offloaded to ``meta`` count by name and shape only). Retrained or swapped weights
+    under the same path change it, so a resumed run never mixes answers of two models."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            if t.device.type != "meta" and t.numel():
+                h.update(t.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _guard(out: Path, recipe: Recipe, fingerprint: str) -> None:
+    """Refuse to mix results of different recipes, or of different weights, in one directory
+    (unless output.overwrite, which starts over)."""
     run_file = out / "run.json"
     if run_file.exists():
         old = json.loads(run_file.read_text())
+        problem = None
         if old.get("recipe_hash") != recipe.hash():
+            problem = f"results of another recipe (hash {old.get('recipe_hash')} != {recipe.hash()})"
+        elif old.get("weights_fingerprint", fingerprint) != fingerprint:
+            problem = f"results of other model weights (fingerprint {old.get('weights_fingerprint')} != {fingerprint})"
+        if problem:
             if not recipe.output.overwrite:
-                raise InputError(
-                    f"{out} holds results of another recipe (hash {old.get('recipe_hash')} != {recipe.hash()}); "
-                    "use another --output, or set output.overwrite: true to start over"
-                )
+                raise InputError(f"{out} holds {problem}; use another --output, or set output.overwrite: true to start over")
+            logger.warning("%s holds %s; output.overwrite is set: starting over", out, problem)
             shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     if not run_file.exists():
-        run_file.write_text(json.dumps({"recipe_hash": recipe.hash(), "recipe": recipe.to_dict()}, indent=1))
+        run_file.write_text(json.dumps(
+            {"recipe_hash": recipe.hash(), "weights_fingerprint": fingerprint, "recipe": recipe.to_dict()}, indent=1))
 
 
 def _shard_device(device: str, rank: int, world: int) -> str:
@@ -139,17 +161,18 @@ def run_eval(
     data = resolve_data(cfg, cfg.tasks)  # every input checked before anything is written
     tasks = build_tasks(cfg, data, cache_dir=Path(os.environ.get("MMFAST_CACHE", Path.home() / ".cache" / "mmfast")) / "chair")
     plan = [(task, task.samples(limit)) for task in tasks]
+    if mm is None:
+        from ..model import load_model
+
+        mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
+    fingerprint = weights_fingerprint(mm.model)
     if rank == 0:
-        _guard(out, recipe)
+        _guard(out, recipe, fingerprint)
     n_total = sum(len(s) for _, s in plan)
     for task in tasks:
         if task.name == "chair" and rank == 0:
             (out / "chair_image_ids.txt").write_text("\n".join(str(i) for i in task.image_ids) + "\n")
     store = RecordStore(out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl"))
-    if mm is None:
-        from ..model import load_model
-
-        mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
     from ..pipeline import apply
 
     t0 = time.perf_counter()
@@ -220,6 +243,7 @@ def protocol(recipe: Recipe, mm, plan) -> dict[str, Any]:
     m = recipe.model
     return {
         "model": m.name,
+        "weights_fingerprint": weights_fingerprint(mm.model),
         "dtype": str(mm.dtype).removeprefix("torch."),
         "attn_implementation": m.attn_implementation,
         "recipe_name": recipe.name,
