@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(s)
     s.add_argument("--output", default=None)
     s.add_argument("--limit", type=int, default=None, help="samples (overrides bench.n_samples)")
+    s.add_argument("--only", default=None, metavar="NAMES", help="comma-separated bench.compare variants to run (the baseline always runs)")
 
     s = sub.add_parser("report", help="markdown/HTML report with plots from run directories")
     s.add_argument("runs", nargs="+")
@@ -126,6 +127,10 @@ def _cmd_bench(args) -> int:
     from .bench import run_bench
 
     recipe = _load(args)
+    if args.only:
+        from .bench.common import only_variants
+
+        recipe = only_variants(recipe, [n.strip() for n in args.only.split(",") if n.strip()])
     summary = run_bench(recipe, output=args.output, limit=args.limit)
     print(summary.get("table", json.dumps(summary.get("results", {}), indent=2)))
     return 0

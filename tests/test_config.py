@@ -110,3 +110,15 @@ def test_cli_run(tiny_dir, images, tmp_path, capsys):
     assert main(["-q", "run", str(recipe), "--image", str(img), "--prompt", "Describe.", "--max-new-tokens", "3", "--json"]) == 0
     assert '"n_vision_tokens": 16' in capsys.readouterr().out
     assert main(["-q", "run", str(recipe), "--image", str(tmp_path / "nope.png"), "--prompt", "x"]) == 2
+
+
+def test_bench_only_variants_filters_and_suggests():
+    from pathlib import Path
+
+    from mmfast.bench.common import only_variants, variants
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "bench" / "pruning.yaml")
+    cut = only_variants(recipe, ["visionzip-64", "fastv-64"])
+    assert [v.name for v in variants(cut)] == ["baseline", "fastv-64", "visionzip-64"]
+    with pytest.raises(ConfigError, match="did you mean 'fastv-64'"):
+        only_variants(recipe, ["fastv-46"])

@@ -9,6 +9,7 @@ median of ``repeats``), always reported as ratios to the baseline measured in th
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import statistics
@@ -57,6 +58,18 @@ def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
         except ConfigError as exc:
             raise ConfigError(f"bench.compare[{i}].{exc.path}", exc.detail) from None
     return out
+
+
+def only_variants(recipe: Recipe, names: list[str]) -> Recipe:
+    """The recipe with ``bench.compare`` cut down to ``names`` (in the recipe's order)."""
+    known = [item.get("name") for item in recipe.bench.compare if isinstance(item, dict)]
+    for n in names:
+        if n not in known:
+            hint = difflib.get_close_matches(n, known, n=1)
+            raise ConfigError("bench.compare", f"no variant named {n!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(known)}"))
+    data = recipe.to_dict()
+    data["bench"] = dict(data["bench"], compare=[item for item in recipe.bench.compare if item.get("name") in names])
+    return load_recipe(data)
 
 
 def _merge(a: dict, b: dict) -> dict:
