@@ -343,7 +343,7 @@ def train_dynamic_llava(model: str | Path, out_dir: str | Path | None, work_dir:
         "output_text_len_for_training": cfg.output_text_len_for_training,
         "mask_loss_weight": cfg.mask_loss_weight,
     }
-    meta = {"num_hidden_layers": n_layers, "model": str(model_out or model_dir), "training": asdict(cfg), "train_seconds": round(time.time() - t0), "steps": steps}
+    meta = {"num_hidden_layers": n_layers, "model": str(model_out or model), "training": asdict(cfg), "train_seconds": round(time.time() - t0), "steps": steps}
     save_predictors(predictors, out, sparse, meta)
     save_checkpoint(ckpt, modules, opt, {"step": steps})
     logger.info("wrote %s in %.0f s", out, time.time() - t0)
