@@ -122,3 +122,22 @@ def test_bench_only_variants_filters_and_suggests():
     assert [v.name for v in variants(cut)] == ["baseline", "fastv-64", "visionzip-64"]
     with pytest.raises(ConfigError, match="did you mean 'fastv-64'"):
         only_variants(recipe, ["fastv-46"])
+
+
+def test_bench_preflight_fails_before_any_work(tiny_dir, tmp_path):
+    """A variant that cannot install on this model (here: missing trained weights) stops the bench
+    before the baseline or any other variant runs."""
+    from mmfast.bench import run_bench
+    from mmfast.errors import InputError
+
+    recipe = load_recipe({
+        "name": "b",
+        "model": {"name": str(tiny_dir), "device": "cpu"},
+        "bench": {"kind": "pruning", "compare": [
+            {"name": "ok", "pruning": [{"method": "random", "params": {"keep": 4}}]},
+            {"name": "bad", "pruning": [{"method": "dynamic_llava", "params": {"predictors": str(tmp_path / "none")}}]},
+        ]},
+    })
+    with pytest.raises(InputError, match="bench variant 'bad'"):
+        run_bench(recipe, output=str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "variants").exists()

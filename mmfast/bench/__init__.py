@@ -14,6 +14,20 @@ from ..errors import InputError
 logger = logging.getLogger(__name__)
 
 
+def _preflight(mm, vs) -> None:
+    """Install and remove every variant's hooks once (trained weights found, layers compatible with
+    this model) so that a bad variant fails before hours of work, not after."""
+    from ..errors import MMFastError
+    from ..pipeline import apply
+
+    for v in vs:
+        try:
+            with apply(mm, v.recipe):
+                pass
+        except MMFastError as exc:
+            raise InputError(f"bench variant {v.name!r} cannot run on this model: {exc}") from exc
+
+
 def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = None) -> dict[str, Any]:
     """Run ``recipe.bench`` and write ``summary.json``, ``results.md`` and plots to the output dir."""
     from ..model import load_model
@@ -26,8 +40,9 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     command = "mmfast " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv and "mmfast" in sys.argv[0] else f"mmfast bench {recipe.name}"
     from .common import variants
 
-    variants(recipe)  # validate every compared variant before loading anything
+    vs = variants(recipe)  # validate every compared variant before loading anything
     mm = load_model(recipe.model)
+    _preflight(mm, vs)
     if kind == "pruning":
         from .pruning import run_pruning_bench, write_pruning_report
 
