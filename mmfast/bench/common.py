@@ -35,7 +35,8 @@ class Variant:
 def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
     """The baseline (the recipe itself) and every ``bench.compare`` item, validated up front."""
     base = recipe.to_dict()
-    out = [Variant("baseline", recipe)] if include_baseline else []
+    # the baseline drops the bench section too, so editing the compare list keeps its results resumable
+    out = [Variant("baseline", load_recipe(dict(base, bench={})))] if include_baseline else []
     names = {"baseline"}
     for i, item in enumerate(recipe.bench.compare):
         if not isinstance(item, dict) or "name" not in item:
