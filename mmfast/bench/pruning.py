@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..errors import MMFastError
 from ..eval.runner import run_eval
 from ..model import MMModel
 from ..pipeline import apply
@@ -129,12 +130,18 @@ def _shaped_speed(recipe, vs: list[Variant]) -> dict[str, Any]:
     prompt = "Is there a dog in the image?\nAnswer the question using a single word or phrase."
     batches = [mm.prepare([im], [prompt]) for im in images]
     wanted = set(cfg.params.get("shaped_variants", [v.name for v in vs]))
-    out: dict[str, Any] = {"shape": cfg.shape, "rows": []}
+    out: dict[str, Any] = {"shape": cfg.shape, "rows": [], "skipped": []}
     base = None
     for v in vs:
         if v.name != "baseline" and (v.name not in wanted or not all(_runs_on_random(s.method) for s in v.recipe.pruning)):
             continue
-        with apply(mm, v.recipe) as session:
+        try:
+            session_cm = apply(mm, v.recipe)
+        except MMFastError as exc:  # e.g. a layer schedule the shallow slice cannot hold
+            logger.warning("shaped speed: %s skipped: %s", v.name, exc)
+            out["skipped"].append({"variant": v.name, "reason": str(exc)})
+            continue
+        with session_cm as session:
             for _ in range(cfg.warmup):
                 session.run(batches[0], max_new_tokens=1)
             runs = [[session.run(b, max_new_tokens=1)[0] for b in batches] for _ in range(cfg.repeats)]
@@ -184,7 +191,7 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
                 "LLM prefill = the language model's prefill forward (what the FLOPs ratio counts); vision = tower + feature stages.",
                 "measured / ideal = LLM prefill speedup x FLOPs ratio (1.0 = every FLOP saved is time saved).",
                 "Random weights: token selections are not meaningful here, only their cost.",
-            ],
+            ] + [f"skipped {r['variant']}: {r['reason']}" for r in speed.get("skipped", [])],
         )
     from .plots import scatter_lines
 
