@@ -38,51 +38,15 @@ copied; ``clone`` runs K x N_can rows on a deep-cloned, repeated cache (``candid
 copies). Both give the same rows up to float rounding and gave identical tokens in every test; the
 clone path is used automatically when the recipe has per-step KV policies (``runner.step_hooks``).
 
-Memory. Only what the penalty needs is kept per beam: the running column log-sums
-``S_j = sum_{j <= i < t} log(sigma a_ij)`` of the response part (K x t floats, reordered with the beams,
-grown by one column per step), so a candidate costs O(t) (``log phi_j = log 1e-7 + S_j + log(sigma
-c_j)``), never an L x L map. Rollback snapshots hold S (K x p floats at step p) for the last
-window_size steps, so the attention history is bounded by K x T^2 / 2 floats for T response tokens
-(``attn_history_bytes_peak``). The KV cache is not snapshotted: a rollback clones the post-prompt cache
-of the sample (one copy of it is kept) and re-forwards the restored generated prefix (one multi-token
-forward, or token by token when the recipe has per-step KV policies), as the released code
-re-forwards the prompt. Beam bookkeeping snapshots: K x max_new_tokens ids per kept step.
+Memory: O(K x t) running column log-sums per step, bounded rollback snapshots, no L x L map; details in
+``docs/methods.md`` ("OPERA in detail").
 
 Limits: beam search only (``check_recipe`` refuses speculative drafting, pruning stages that refuse
 beam search, e.g. ZipVL, and Dynamic-LLaVA's decode-time text rule); needs the KV cache and every
 generated token cached in the last layer (checked at every forward). Samples of a batch share one
 prefill, then are decoded one after another (each has its own trigger and rollbacks). Per step:
 1 forward of K rows + 1 look-ahead forward (tree) + a multi-token forward per rollback.
-
-Deviations from the released code, with reasons:
-
-- phi is computed in fp32 log space from incrementally maintained column log-sums (same quantity).
-  The released code multiplies fp16 attention and stores phi in an fp16 buffer: a column product
-  above 65504 becomes inf (candidate excluded; the location becomes the *first* saturated column),
-  below fp16's range 0. ``fp16_saturation: true`` reproduces that saturation. phi is clamped to the
-  fp32 range so a zero penalty weight never meets inf (no NaN).
-- Attention rows come from the sdpa probe (fp32 softmax of the layer's own q/k), not eager
-  ``output_attentions`` in the model dtype; no full L x L attention and no per-step CPU copies of it.
-- The N_can sequential look-ahead forwards become one forward (tree siblings, or K x N_can rows of
-  a deep-cloned, repeated cache); the beams' cache is never shared with a look-ahead (OPERA issue
-  #16: ports to newer transformers broke on the shallow ``model_kwargs.copy()`` of a mutable cache).
-- Rollback restores a *copy* of the saved beam bookkeeping (the released code restores the saved
-  scorer object itself, which the redo then mutates, so a second rollback to the same position
-  started from a mutated scorer).
-- Bans of positions after the rollback target are cleared (the released code clears
-  ``reject_token_pos_gather[-(j+1)]``, the tail of its 512-slot array, and position p+1: an indexing
-  slip). Rollback counters are never reset, as released.
-- Batches: the released trigger takes one mode over all beams of all samples and rolls the whole batch
-  back (effectively batch 1); here every sample has its own history, trigger and rollbacks.
-- Image span: the vision slots of the last layer (after pruning, the surviving ones; with several
-  images, vision tokens only) instead of the index range image_start..image_end.
-- Rollback window: a target older than the last window_size steps is moved to the oldest kept step
-  (released: max(1, len - window - 1)); the rollback counter is incremented for the position actually
-  used (released: before that move). Positions >= window_size can be rolled back to (the released
-  counter array raises IndexError there, which its bare ``except`` turns into "no rollback"). Any
-  other error is raised, not swallowed.
-- A target that is not behind the current step (only reachable with threshold <= 1) is skipped (the
-  released code silently restored the previous step instead).
+Deviations from the released code, with the reason for each: ``docs/methods.md`` ("OPERA in detail").
 
 With ``penalty_weights: 0``, a threshold above ``max_new_tokens`` and ``num_attn_candidates`` >= the
 vocabulary size, OPERA is exactly the ``beam`` decoder (tested). With N_can < vocabulary it is a
@@ -117,7 +81,6 @@ BONUS_TOKENS = 10  # image-attention bonus while the response part (candidate in
 MIN_LOCATION = 10  # no rollback to a location < 10
 FILL = -999.0  # the released code's value for non-candidates and banned tokens
 _F32_MIN = torch.finfo(torch.float32).min
-# --------------------------------------------------------------------------- decoder
 
 
 @dataclass
