@@ -141,3 +141,20 @@ def test_bench_preflight_fails_before_any_work(tiny_dir, tmp_path):
     with pytest.raises(InputError, match="bench variant 'bad'"):
         run_bench(recipe, output=str(tmp_path / "out"))
     assert not (tmp_path / "out" / "variants").exists()
+
+
+def test_shaped_speed_skips_a_variant_the_slice_cannot_hold():
+    """One variant that cannot install on the random shaped model is reported with its reason; the
+    other rows are still measured."""
+    from mmfast.bench.common import variants
+    from mmfast.bench.pruning import _shaped_speed
+
+    recipe = load_recipe({"name": "s", "bench": {
+        "kind": "pruning", "shape": "tiny", "repeats": 1, "warmup": 0, "params": {"shaped_samples": 1},
+        "compare": [
+            {"name": "random-4", "pruning": [{"method": "random", "params": {"keep": 4}}]},
+            {"name": "hicom-4", "pruning": [{"method": "hicom", "params": {"local_tokens": 4}}]},  # no guide CLIP offline
+        ]}})
+    out = _shaped_speed(recipe, variants(recipe))
+    assert [r["variant"] for r in out["rows"]] == ["baseline", "random-4"]
+    assert [s["variant"] for s in out["skipped"]] == ["hicom-4"] and "clip_model" in out["skipped"][0]["reason"]
