@@ -69,7 +69,7 @@ def only_variants(recipe: Recipe, names: list[str]) -> Recipe:
             hint = difflib.get_close_matches(n, known, n=1)
             raise ConfigError("bench.compare", f"no variant named {n!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(known)}"))
     data = recipe.to_dict()
-    data["bench"] = dict(data["bench"], compare=[item for item in recipe.bench.compare if item.get("name") in names])
+    data["bench"] = dict(data["bench"], compare=[item for item in recipe.bench.compare if isinstance(item, dict) and item.get("name") in names])
     return load_recipe(data)
 
 
