@@ -1,7 +1,8 @@
 """``mmfast report RUN_DIR...``: one markdown + HTML page, with PNG plots, from evaluation and
 benchmark run directories (each holds a ``summary.json``).
 
-Evaluation runs become one row each (method settings, token accounting, POPE, CHAIR) and feed two
+Evaluation runs become one row each (method settings, token accounting, POPE, CHAIR, the weights
+fingerprint, so that results of two versions of a model are never read as one table) and feed two
 plots: POPE mean F1 against vision tokens, and CHAIR_i per decoder. Benchmark directories contribute
 their own result tables, their plots, and a speedup-per-method plot from their ratios.
 """
@@ -57,7 +58,20 @@ def _eval_row(name: str, s: dict[str, Any]) -> list[Any]:
         chair.get("chair_s"),
         chair.get("chair_i"),
         chair.get("recall"),
+        proto.get("weights_fingerprint"),
     ]
+
+
+def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
+    """The model a benchmark measured: its own record, else the fingerprints of its variant runs."""
+    if s.get("model"):
+        return f"`{s['model']['name']}` (weights `{s['model']['weights_fingerprint']}`)"
+    fps = set()
+    for sub in sorted(run.glob("variants/*/summary.json")):
+        fp = json.loads(sub.read_text()).get("protocol", {}).get("weights_fingerprint")
+        if fp:
+            fps.add(fp)
+    return "weights " + ", ".join(f"`{f}`" for f in sorted(fps)) + " (from its variant runs)" if fps else None
 
 
 def _fmt(v: Any) -> str:
@@ -89,7 +103,7 @@ def write_report(runs: list[str], output: str) -> Path:
     parts_html = ["<h1>mmfast report</h1>"]
     images: list[Path] = []
     if evals:
-        header = ["run", "methods", "vision tok", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1", "CHAIR_s", "CHAIR_i", "recall"]
+        header = ["run", "methods", "vision tok", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1", "CHAIR_s", "CHAIR_i", "recall", "weights"]
         rows = [_eval_row(run.name, s) for run, s in evals]
         md += ["## Evaluation runs", "", *_md_table(header, rows), ""]
         parts_html += ["<h2>Evaluation runs</h2>", _html_table(header, rows)]
@@ -102,6 +116,9 @@ def write_report(runs: list[str], output: str) -> Path:
     for run, s in benches:
         md += [f"## Benchmark: {run.name}", ""]
         parts_html.append(f"<h2>Benchmark: {html.escape(run.name)}</h2>")
+        if model := _bench_model(run, s):
+            md += [f"Model: {model}", ""]
+            parts_html.append(f"<p>Model: {html.escape(model)}</p>")
         if "header" in s and "rows" in s:
             md += [*_md_table(s["header"], s["rows"]), ""]
             parts_html.append(_html_table(s["header"], s["rows"]))

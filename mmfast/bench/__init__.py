@@ -43,20 +43,26 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     vs = variants(recipe)  # validate every compared variant before loading anything
     mm = load_model(recipe.model)
     _preflight(mm, vs)
+    from ..eval.runner import weights_fingerprint
+
+    model = {"name": recipe.model.name, "weights_fingerprint": weights_fingerprint(mm.model)}
     if kind == "pruning":
         from .pruning import run_pruning_bench, write_pruning_report
 
         result = run_pruning_bench(recipe, mm, out, limit)
+        result["model"] = model
         write_pruning_report(result, out, command)
     elif kind == "decoding":
         from .decoding import run_decoding_bench, write_decoding_report
 
         result = run_decoding_bench(recipe, mm, out, limit)
+        result["model"] = model
         write_decoding_report(result, out, command)
     elif kind == "speculative":
         from .speculative import run_speculative_bench, write_speculative_report
 
         result = run_speculative_bench(recipe, mm, out, limit)
+        result["model"] = model
         write_speculative_report(result, out, command)
     else:
         raise InputError(f"bench.kind {kind!r} is not implemented")

@@ -126,13 +126,15 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
-def write_markdown(path: Path, title: str, command: str, header: list[str], rows: list[list[Any]], notes: list[str]) -> None:
+def write_markdown(path: Path, title: str, command: str, header: list[str], rows: list[list[Any]], notes: list[str], model: dict | None = None) -> None:
     def fmt(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:.3f}" if abs(v) < 1000 else f"{v:.3g}"
         return "" if v is None else str(v)
 
     lines = [f"# {title}", "", f"Command: `{command}`", ""]
+    if model:
+        lines[-1:] = ["", f"Model: `{model['name']}` (weights fingerprint `{model['weights_fingerprint']}`)", ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]

@@ -99,7 +99,7 @@ def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> No
         "cost/token x: median decode seconds per generated token after the first, relative to the baseline.",
         "peak RSS: the process's peak resident memory while the variant generated (VmHWM reset per variant; the model's weights included).",
     ]
-    write_markdown(out / "results.md", "Anti-hallucination decoders on the embedded world", command, result["header"], result["rows"], notes)
+    write_markdown(out / "results.md", "Anti-hallucination decoders on the embedded world", command, result["header"], result["rows"], notes, model=result.get("model"))
     res = result["results"]
     labels = list(res)
     bars(out / "chair_i.png", labels, [res[n]["metrics"].get("chair", {}).get("chair_i", 0) for n in labels], "CHAIR_i", "CHAIR_i by decoder")

@@ -172,7 +172,7 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
         "FLOPs: 4nd^2 + 2n^2d + 3ndm per LLM layer (the papers' convention); 7B = the same token schedule on LLaVA-1.5-7B's shape.",
         "layer-avg tok: vision tokens averaged over LLM layers (the papers' 'equivalent tokens').",
     ]
-    write_markdown(out / "results.md", "Vision-token pruning on the embedded world", command, result["header"], result["rows"], notes)
+    write_markdown(out / "results.md", "Vision-token pruning on the embedded world", command, result["header"], result["rows"], notes, model=result.get("model"))
     speed = result.get("shaped_speed")
     if speed:
         rows = [

@@ -218,7 +218,7 @@ def write_speculative_report(result: dict[str, Any], out: Path, command: str) ->
         " at T = 0 the tokens are identical, so it is the wall-time ratio.",
         "identical to greedy: token-for-token equality with plain greedy decoding (T = 0, fp32).",
     ]
-    write_markdown(out / "results.md", "Speculative decoding on the embedded world", command, result["header"], result["rows"], notes)
+    write_markdown(out / "results.md", "Speculative decoding on the embedded world", command, result["header"], result["rows"], notes, model=result.get("model"))
     shaped = result.get("shaped")
     if shaped:
         rows = [[n, d["tree_tokens"], d["propose_s"] * 1000, d["c"], d["v"], d["tau_embedded_caption_T0"], d["projected_speedup_7b"]] for n, d in shaped["drafters"].items()]

@@ -23,6 +23,26 @@ from safetensors.torch import load_file, save_file
 logger = logging.getLogger(__name__)
 
 
+def bind_work_dir(work: Path, model: torch.nn.Module) -> None:
+    """Tie a work directory (cached features, generated data, checkpoints) to the weights that made it.
+
+    Caches are reused on rerun, which is what makes training resumable; reusing them after the model
+    was retrained would silently train on stale data, so a fingerprint mismatch is refused."""
+    from ..eval.runner import weights_fingerprint
+
+    fp = weights_fingerprint(model)
+    stamp = work / "model_fingerprint.json"
+    if stamp.exists():
+        old = json.loads(stamp.read_text()).get("weights_fingerprint")
+        if old != fp:
+            raise RuntimeError(
+                f"{work} holds data made from other model weights (fingerprint {old} != {fp}); "
+                "pass a fresh --work directory or delete this one"
+            )
+    else:
+        stamp.write_text(json.dumps({"weights_fingerprint": fp}))
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

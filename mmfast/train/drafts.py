@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..speculative._eagle_model import DraftModel, build_draft, save_draft
-from .common import cosine_lr, load_checkpoint, save_checkpoint, seed_everything
+from .common import bind_work_dir, cosine_lr, load_checkpoint, save_checkpoint, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -313,6 +313,7 @@ def train_draft(model_name: str, kind: str, out: str | Path | None, work_dir: st
     seed_everything(cfg.seed)
     mm = mmfast.load(model_name, device="cpu", dtype="float32")
     mm.model.requires_grad_(False)
+    bind_work_dir(work, mm.model)
     if out is None:
         d = _model_dir(mm)
         if d is None:

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from ..hooks import HookSession, attach
 from ..pruning._dynamic_llava_modules import Predictors, PredictorSpec, gather_rows, save_predictors, tau_at
-from .common import cosine_lr, load_checkpoint, save_checkpoint, seed_everything
+from .common import bind_work_dir, cosine_lr, load_checkpoint, save_checkpoint, seed_everything
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +258,7 @@ def train_dynamic_llava(model: str | Path, out_dir: str | Path | None, work_dir:
     (work / "config.json").write_text(json.dumps({**asdict(cfg), "model": str(model_dir)}, indent=1))
     seed_everything(cfg.seed)
     llava = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    bind_work_dir(work, llava)
     processor = AutoProcessor.from_pretrained(model_dir)
     tokenizer = processor.tokenizer
     vcfg = llava.config

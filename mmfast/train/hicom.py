@@ -36,7 +36,7 @@ from ..pruning._hicom_modules import (
     model_dir,
     save_global,
 )
-from .common import cosine_lr, load_checkpoint, save_checkpoint, seed_everything
+from .common import bind_work_dir, cosine_lr, load_checkpoint, save_checkpoint, seed_everything
 from .embedded import _collate
 from .world_data import conversation, conversation_rng, encode_conversation, render_split, to_pixel_values
 
@@ -144,6 +144,7 @@ def train_hicom_global(model: str | Path, out: str | Path | None, work_dir: str 
     work.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     mm = mmfast.load(model, device="cpu", dtype="float32")
+    bind_work_dir(work, mm.model)
     if out is None:
         d = model_dir(mm.model)
         if d is None:
