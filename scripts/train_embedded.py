@@ -23,7 +23,8 @@ def main() -> None:
     p.add_argument("--work", default=".mmfast_cache/train-embedded")
     for f in dataclasses.fields(TrainConfig):
         if isinstance(f.default, tuple):
-            kind = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731  e.g. --grounding-layers 1,2
+            item = type(f.default[0]) if f.default else int
+            kind = lambda s, item=item: tuple(item(x) for x in s.split(",") if x)  # noqa: E731  e.g. --grounding-layers 1,2
         else:
             kind = int if f.type == "bool" else type(f.default)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)

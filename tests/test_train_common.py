@@ -1,4 +1,4 @@
-"""Training plumbing: a work directory refuses caches made from other weights."""
+"""Training plumbing: work directories bound to their weights; the embedded trainer's refine rounds."""
 
 import pytest
 import torch
@@ -15,3 +15,17 @@ def test_work_dir_is_bound_to_the_weights(tmp_path):
         model.weight.add_(1.0)  # "retrained"
     with pytest.raises(RuntimeError, match="other model weights.*fresh --work"):
         bind_work_dir(tmp_path, model)
+
+
+def test_refine_rounds_name_their_phases_and_must_pair_up():
+    from mmfast.train.embedded import TrainConfig
+
+    cfg = TrainConfig(refine_stage0_epochs=(4.0, 0.0, 2.0), refine_stage2_epochs=(1.0, 0.5, 0.0), refine_fg_weight=3.0)
+    rounds = cfg.refine_rounds()
+    assert [(v.name, l.name) for v, l in rounds] == [
+        ("refine_stage0", "refine_stage2"), ("refine2_stage0", "refine2_stage2"), ("refine3_stage0", "refine3_stage2")]
+    assert [v.round for v, _ in rounds] == [1, 2, 3] and all(v.fg_weight == 3.0 and l.fg_weight == 1.0 for v, l in rounds)
+    assert [(v.epochs, l.epochs) for v, l in rounds] == [(4.0, 1.0), (0.0, 0.5), (2.0, 0.0)]
+    assert TrainConfig(refine_stage0_epochs=(), refine_stage2_epochs=()).refine_rounds() == []
+    with pytest.raises(ValueError, match="one entry per refine round"):
+        TrainConfig(refine_stage0_epochs=(4.0,), refine_stage2_epochs=(1.0, 1.0))

@@ -18,11 +18,11 @@ Stages (each resumable from ``work_dir``):
    (object present) or an object word in a caption pay to that object's patches (known from the
    label map).
    Both are discarded after training: the shipped model is a stock ``LlavaForConditionalGeneration``.
-3. **Refine round** (``refine_*``): stage 0 continued with foreground patches weighted up in the dense
-   loss (~90% of patches are background; round 1 left foreground patch accuracy at 0.25 and small
-   objects invisible), features re-cached, and stage 2 continued from round 1 on the new features.
-   Round 1 alone is what v1 of the model shipped; the rounds are kept separate so that its checkpoints
-   resume.
+3. **Refine rounds** (``refine_*``, ``refine2_*``, ...): stage 0 continued with foreground patches
+   weighted up in the dense loss (~90% of patches are background; round 1 left foreground patch
+   accuracy at 0.25 and small objects invisible), features re-cached, and stage 2 continued on the new
+   features. Round 1 alone is what v1 of the model shipped, one refine round v2; the rounds are kept
+   separate so that earlier checkpoints resume.
 """
 
 from __future__ import annotations
@@ -59,6 +59,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Phase:
+    """One resumable training phase: its work-dir name, length and what differs between rounds."""
+
+    name: str  # checkpoint prefix in the work dir ("stage0", "refine_stage0", ...)
+    epochs: float
+    round: int = 0  # offsets the data sampling so that round 2 draws fresh batches and conversations
+    fg_weight: float = 1.0  # stage 0 only: weight of foreground patches in the dense loss
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
     n_train: int = 10000
@@ -80,21 +90,27 @@ class TrainConfig:
     bf16: bool = True
     workers: int = 2
     checkpoint_every: int = 100
-    # round 2 ("refine"): stage 0 continued with foreground patches weighted up in the dense loss,
-    # features re-cached, stage 2 continued from round 1 on them; 0 epochs skips a phase
-    refine_stage0_epochs: float = 4.0
+    # refine rounds, one entry per round: stage 0 continued with foreground patches weighted up in
+    # the dense loss, features re-cached, stage 2 continued on them; 0 epochs skips a phase
+    refine_stage0_epochs: tuple[float, ...] = (4.0, 6.0)
     refine_fg_weight: float = 5.0
-    refine_stage2_epochs: float = 1.0
+    refine_stage2_epochs: tuple[float, ...] = (1.0, 1.0)
 
+    def __post_init__(self) -> None:
+        if len(self.refine_stage0_epochs) != len(self.refine_stage2_epochs):
+            raise ValueError(
+                f"refine_stage0_epochs {self.refine_stage0_epochs} and refine_stage2_epochs {self.refine_stage2_epochs}"
+                " need one entry per refine round each; give 0 to skip a phase of a round"
+            )
 
-@dataclass(frozen=True)
-class Phase:
-    """One resumable training phase: its work-dir name, length and what differs between rounds."""
-
-    name: str  # checkpoint prefix in the work dir ("stage0", "refine_stage0", ...)
-    epochs: float
-    round: int = 0  # offsets the data sampling so that round 2 draws fresh batches and conversations
-    fg_weight: float = 1.0  # stage 0 only: weight of foreground patches in the dense loss
+    def refine_rounds(self) -> list[tuple[Phase, Phase]]:
+        """(stage 0, stage 2) phases of every refine round, named ``refine_*``, ``refine2_*``, ..."""
+        rounds = []
+        for i, (e0, e2) in enumerate(zip(self.refine_stage0_epochs, self.refine_stage2_epochs), start=1):
+            prefix = "refine" if i == 1 else f"refine{i}"
+            rounds.append((Phase(f"{prefix}_stage0", e0, round=i, fg_weight=self.refine_fg_weight),
+                           Phase(f"{prefix}_stage2", e2, round=i)))
+        return rounds
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -446,13 +462,13 @@ def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig =
     llava = LlavaForConditionalGeneration(config)
     heads = Stage2Heads(llava.config.text_config.hidden_size)
     train_stage2(llava, heads, feats, images, tokenizer, cfg, work, Phase("stage2", cfg.stage2_epochs))
-    if cfg.refine_stage0_epochs > 0 or cfg.refine_stage2_epochs > 0:
-        # round 2: a sharper tower, then the LLaVA re-fitted to its features
-        if cfg.refine_stage0_epochs > 0:
-            train_stage0(stage0, images, tokenizer, cfg, work, Phase("refine_stage0", cfg.refine_stage0_epochs, round=1, fg_weight=cfg.refine_fg_weight))
-            feats = cache_features(stage0.clip.vision_model, images, work, tag="_refine")
-        if cfg.refine_stage2_epochs > 0:
-            train_stage2(llava, heads, feats, images, tokenizer, cfg, work, Phase("refine_stage2", cfg.refine_stage2_epochs, round=1))
+    for vision_phase, llava_phase in cfg.refine_rounds():
+        # a sharper tower, then the LLaVA re-fitted to its features
+        if vision_phase.epochs > 0:
+            train_stage0(stage0, images, tokenizer, cfg, work, vision_phase)
+            feats = cache_features(stage0.clip.vision_model, images, work, tag="_" + vision_phase.name.removesuffix("_stage0"))
+        if llava_phase.epochs > 0:
+            train_stage2(llava, heads, feats, images, tokenizer, cfg, work, llava_phase)
     clip = stage0.clip
     llava.model.vision_tower.load_state_dict(clip.vision_model.state_dict())
     llava.generation_config.eos_token_id = tokenizer.eos_token_id
