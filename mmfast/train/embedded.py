@@ -21,8 +21,8 @@ Stages (each resumable from ``work_dir``):
 3. **Refine rounds** (``refine_*``, ``refine2_*``, ...): stage 0 continued with foreground patches
    weighted up in the dense loss (~90% of patches are background; round 1 left foreground patch
    accuracy at 0.25 and small objects invisible), features re-cached, and stage 2 continued on the new
-   features. Round 1 alone is what v1 of the model shipped, one refine round v2; the rounds are kept
-   separate so that earlier checkpoints resume.
+   features. Round 1 alone was v1 of the shipped model, one refine round v2, two refine rounds (the
+   defaults) are v3; the rounds are kept separate so that earlier checkpoints resume.
 """
 
 from __future__ import annotations
