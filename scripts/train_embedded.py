@@ -21,6 +21,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="mmfast/assets/tiny-world")
     p.add_argument("--work", default=".mmfast_cache/train-embedded")
+    p.add_argument("--device", default="cpu", help="where the steps run (cpu, cuda); the recipe is the same")
     for f in dataclasses.fields(TrainConfig):
         if isinstance(f.default, tuple):
             item = type(f.default[0]) if f.default else int
@@ -31,7 +32,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = TrainConfig(**{f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name)) for f in dataclasses.fields(TrainConfig)})
-    train_embedded(args.out, args.work, cfg)
+    train_embedded(args.out, args.work, cfg, device=args.device)
 
 
 if __name__ == "__main__":

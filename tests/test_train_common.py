@@ -29,3 +29,27 @@ def test_refine_rounds_name_their_phases_and_must_pair_up():
     assert TrainConfig(refine_stage0_epochs=(), refine_stage2_epochs=()).refine_rounds() == []
     with pytest.raises(ValueError, match="one entry per refine round"):
         TrainConfig(refine_stage0_epochs=(4.0,), refine_stage2_epochs=(1.0, 1.0))
+
+
+def test_embedded_trainer_resumes_finished_phases_without_recomputing(tmp_path, monkeypatch):
+    """A second run over a finished work dir loads every phase (no features cached again, no step run)
+    and writes the same weights; training.json records each phase's steps and device."""
+    import json
+
+    from mmfast.train import embedded
+    from mmfast.train.embedded import TrainConfig, train_embedded
+
+    cfg = TrainConfig(n_train=16, stage0_epochs=2.0, stage0_batch=8, stage2_epochs=1.0, stage2_batch=8,
+                      refine_stage0_epochs=(2.0, 0.0), refine_stage2_epochs=(0.0, 1.0), workers=1)
+    first = train_embedded(tmp_path / "a", tmp_path / "work", cfg)
+    cached = []
+    real = embedded.cache_features
+    monkeypatch.setattr(embedded, "cache_features", lambda *a, **k: cached.append(k.get("tag")) or real(*a, **k))
+    second = train_embedded(tmp_path / "b", tmp_path / "work", cfg)
+    assert cached == []
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+    phases = json.loads((second / "training.json").read_text())["phases"]
+    assert list(phases) == ["stage0", "stage2", "refine_stage0", "refine2_stage2"]
+    assert phases["refine2_stage2"] == {"step": 2, "device": "cpu"}
+    # round 2 trains the LLaVA on the features of round 1's tower
+    assert sorted(p.name for p in (tmp_path / "work").glob("features*.npy")) == ["features_16.npy", "features_refine_16.npy"]

@@ -94,7 +94,7 @@ def save_checkpoint(path: str | os.PathLike, modules: dict[str, torch.nn.Module]
         otensors, ometa = _flatten_optimizer(opt)
         tensors.update(otensors)
         full_meta["optimizer"] = ometa
-    save_file(tensors, str(tmp / "tensors.safetensors"))
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
     (tmp / "meta.json").write_text(json.dumps(full_meta, indent=1))
     if path.exists():
         shutil.rmtree(path)

@@ -21,8 +21,12 @@ Stages (each resumable from ``work_dir``):
 3. **Refine rounds** (``refine_*``, ``refine2_*``, ...): stage 0 continued with foreground patches
    weighted up in the dense loss (~90% of patches are background; round 1 left foreground patch
    accuracy at 0.25 and small objects invisible), features re-cached, and stage 2 continued on the new
-   features. Round 1 alone was v1 of the shipped model, one refine round v2, two refine rounds (the
-   defaults) are v3; the rounds are kept separate so that earlier checkpoints resume.
+   features (a round with 0 stage-2 epochs only sharpens the tower). Round 1 alone was v1 of the
+   shipped model, one refine round v2, two v3; the ten rounds of the defaults are v4. The rounds are
+   kept separate so that earlier checkpoints resume.
+
+Every phase runs on ``device`` (CPU by default; ``--device cuda`` runs the same steps on a GPU, where
+the whole recipe takes minutes instead of hours; rounding differs, the algorithm does not).
 """
 
 from __future__ import annotations
@@ -91,10 +95,11 @@ class TrainConfig:
     workers: int = 2
     checkpoint_every: int = 100
     # refine rounds, one entry per round: stage 0 continued with foreground patches weighted up in
-    # the dense loss, features re-cached, stage 2 continued on them; 0 epochs skips a phase
-    refine_stage0_epochs: tuple[float, ...] = (4.0, 6.0)
+    # the dense loss, features re-cached, stage 2 continued on them; 0 epochs skips a phase (rounds
+    # 5-6 and 8-9 only sharpen the tower: the LLaVA is fitted to the tower of rounds 7 and 10)
+    refine_stage0_epochs: tuple[float, ...] = (4.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0)
     refine_fg_weight: float = 5.0
-    refine_stage2_epochs: tuple[float, ...] = (1.0, 1.0)
+    refine_stage2_epochs: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 2.0)
 
     def __post_init__(self) -> None:
         if len(self.refine_stage0_epochs) != len(self.refine_stage2_epochs):
@@ -189,9 +194,10 @@ def new_stage0(shape: LlavaShape, tokenizer, cfg: TrainConfig) -> Stage0:
     return Stage0(CLIPModel(clip_config(shape, tokenizer, cfg)), shape.vision_hidden)
 
 
-def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path, phase: Phase) -> Stage0:
-    """Train (or load, when ``<phase>_final`` exists) ``model`` in place for one stage-0 phase."""
+def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path, phase: Phase, device: str = "cpu") -> Stage0:
+    """Train (or load, when ``<phase>_final`` exists) ``model`` in place (moved to ``device``) for one stage-0 phase."""
     done = work / f"{phase.name}_final"
+    model.to(device)
     if done.exists():
         load_checkpoint(done, {"m": model})
         return model
@@ -211,17 +217,17 @@ def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig
         g = torch.Generator().manual_seed(cfg.seed * 100003 + draw)
         idx = torch.randint(0, n, (cfg.stage0_batch,), generator=g).numpy()
         rng = random.Random(draw)
-        pv = to_pixel_values(images.pixels[idx])
-        hist = torch.from_numpy(images.patch_hist[idx]).float()  # [B, P, L]
+        pv = to_pixel_values(images.pixels[idx]).to(device)
+        hist = torch.from_numpy(images.patch_hist[idx]).float().to(device)  # [B, P, L]
         target = hist / hist.sum(-1, keepdim=True).clamp(min=1)
         # a patch is foreground when objects cover >= 1/4 of it; ~90% of patches are background
         fg = target[..., 0] <= 0.75  # [B, P]
         patch_w = torch.where(fg, phase.fg_weight, 1.0)  # [B, P]
-        ids, mask = clip_text_ids(tokenizer, [rng.choice(caps[i]) for i in idx])
-        present = torch.from_numpy(images.present[idx]).float()
+        ids, mask = (t.to(device) for t in clip_text_ids(tokenizer, [rng.choice(caps[i]) for i in idx]))
+        present = torch.from_numpy(images.present[idx]).float().to(device)
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, steps, cfg.stage0_lr)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.bf16):
             vout = model.clip.vision_model(pixel_values=pv, output_hidden_states=True)
             feats = vout.hidden_states[-2][:, 1:]  # [B, P, Dv] what LLaVA's projector reads
             dense_logits = model.dense(feats).float()
@@ -232,7 +238,7 @@ def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig
         img_emb = F.normalize(img_emb, dim=-1)
         txt_emb = F.normalize(txt_emb, dim=-1)
         logits = model.clip.logit_scale.exp().clamp(max=100) * img_emb @ txt_emb.T
-        labels = torch.arange(len(idx))
+        labels = torch.arange(len(idx), device=device)
         # identical captions in a batch are rare but possible; CLIP ignores it too
         l_con = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
         l_dense = (-(target * F.log_softmax(dense_logits, -1)).sum(-1) * patch_w).sum() / patch_w.sum()
@@ -248,22 +254,22 @@ def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig
         bar.set_postfix(con=f"{l_con.item():.2f}", dense=f"{l_dense.item():.2f}", ml=f"{l_ml.item():.3f}", patch_acc=f"{acc:.3f}", fg_acc=f"{fg_acc:.3f}")
         if (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, {"m": model}, opt, {"step": step + 1})
-    save_checkpoint(done, {"m": model}, None, {"step": steps})
+    save_checkpoint(done, {"m": model}, None, {"step": steps, "device": str(device)})
     return model
 
 
 @torch.inference_mode()
-def cache_features(clip_vision, images: WorldImages, work: Path, tag: str = "", batch: int = 64) -> np.ndarray:
+def cache_features(clip_vision, images: WorldImages, work: Path, tag: str = "", batch: int = 64, device: str = "cpu") -> np.ndarray:
     """Feature-layer patch tokens ([N, P, Dv], fp16) of the frozen tower, cached on disk."""
     path = work / f"features{tag}_{len(images)}.npy"
     if path.exists():
         return np.load(path, mmap_mode="r")
-    clip_vision.eval()
+    clip_vision.eval().to(device)
     chunks = []
     for i in tqdm(range(0, len(images), batch), desc="cache features"):
-        pv = to_pixel_values(images.pixels[i : i + batch])
-        hs = clip_vision(pixel_values=pv, output_hidden_states=True).hidden_states[-2][:, 1:]
-        chunks.append(hs.to(torch.float16).numpy())
+        pv = to_pixel_values(images.pixels[i : i + batch]).to(device)
+        hs = clip_vision(pixel_values=pv, output_hidden_states=True).hidden_states[-2][:, 1:]  # [b, P, Dv]
+        chunks.append(hs.to(torch.float16).cpu().numpy())
     feats = np.concatenate(chunks)
     np.save(path.with_suffix(".tmp.npy"), feats)
     path.with_suffix(".tmp.npy").rename(path)
@@ -304,6 +310,13 @@ def _collate(batch: list[EncodedConversation], n_patches: int, image_id: int, pa
     as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     mentions = (as_long(ment_b), as_long(ment_p), as_long(ment_c))
     return ids, labels, mask, as_long(probe_b), as_long(probe_p), as_long(probe_c), torch.tensor(probe_y, dtype=torch.bool), image_start, mentions
+
+
+def _to(batch, device: str):
+    """``batch`` (tensors and tuples of tensors, as :func:`_collate` returns it) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    return type(batch)(_to(x, device) for x in batch)
 
 
 class Stage2Heads(nn.Module):
@@ -363,10 +376,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path, phase: Phase) -> None:
-    """Train (or load, when ``<phase>_final`` exists) projector + LM in place for one stage-2 phase."""
+def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path, phase: Phase, device: str = "cpu") -> None:
+    """Train (or load, when ``<phase>_final`` exists) projector + LM in place (moved to ``device``) for one stage-2 phase."""
     done = work / f"{phase.name}_final"
     modules = {"projector": llava.model.multi_modal_projector, "lm": llava.model.language_model, "head": llava.lm_head, "probes": heads}
+    llava.to(device)
+    heads.to(device)
     if done.exists():
         load_checkpoint(done, modules)
         return
@@ -394,18 +409,19 @@ def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImag
             encode_conversation(tokenizer, conversation(images.annotations[i], conversation_rng(cfg.seed, draw, images.annotations[i].image_id)))
             for i in idx
         ]
-        ids, labels, mask, pb, pp, pc, py, img_start, (mb, mp, mc) = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
-        f = torch.from_numpy(np.asarray(feats[idx])).float()
-        present = torch.from_numpy(images.present[idx]).float()
-        hist = torch.from_numpy(images.patch_hist[idx])  # [b, P, labels] pixel counts
+        batch = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
+        ids, labels, mask, pb, pp, pc, py, img_start, (mb, mp, mc) = _to(batch, device)
+        f = torch.from_numpy(np.asarray(feats[idx])).float().to(device)
+        present = torch.from_numpy(images.present[idx]).float().to(device)
+        hist = torch.from_numpy(images.patch_hist[idx]).to(device)  # [b, P, labels] pixel counts
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, steps, cfg.stage2_lr, warmup=100)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.bf16):
             logits, hs = llava_forward(llava, f, ids, mask, image_id, all_hidden=True)
             probe_h = hs[2][pb, pp]  # [n_probe, d] hidden entering layer 2
             q_logits = heads.queried(probe_h).float()
             p_logits = heads.present(probe_h).float()
-            ground = torch.zeros(())
+            ground = torch.zeros((), device=device)
             # rows to ground: yes/no decisions about a present object, and caption positions that
             # predict an object word; target = that object's patches (label = category index + 1)
             yes = py.nonzero().squeeze(1)
@@ -423,7 +439,7 @@ def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImag
         weight = (labels[:, 1:] != -100).float()
         weight[pb, pp] *= cfg.yes_no_weight  # pp predicts the "Yes"/"No" token
         lm_loss = (tok_loss * weight).sum() / weight.sum()
-        probe_loss = torch.zeros(())
+        probe_loss = torch.zeros((), device=device)
         if len(pb):
             probe_loss = F.cross_entropy(q_logits, pc) + F.binary_cross_entropy_with_logits(p_logits, present[pb])
         loss = lm_loss + cfg.probe_weight * probe_loss + cfg.grounding_weight * ground.float()
@@ -431,17 +447,21 @@ def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImag
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        bar.set_postfix(lm=f"{lm_loss.item():.3f}", probe=f"{probe_loss.item():.3f}", ground=f"{float(ground):.3f}", ep=epoch)
+        bar.set_postfix(lm=f"{lm_loss.item():.3f}", probe=f"{probe_loss.item():.3f}", ground=f"{ground.item():.3f}", ep=epoch)
         if (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, modules, opt, {"step": step + 1})
-    save_checkpoint(done, modules, None, {"step": steps})
+    save_checkpoint(done, modules, None, {"step": steps, "device": str(device)})
 
 
 # ------------------------------------------------------------------------------------ driver
 
 
-def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig = TrainConfig()) -> Path:
-    """Run every stage and write the model (``save_pretrained``) plus its CLIP towers to ``out_dir``."""
+def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig = TrainConfig(), device: str = "cpu") -> Path:
+    """Run every stage and write the model (``save_pretrained``) plus its CLIP towers to ``out_dir``.
+
+    ``device`` only decides where the steps run (the recipe is the same; a GPU gives different
+    rounding, not a different algorithm). Finished phases found in ``work_dir`` are loaded, not rerun.
+    """
     from transformers import LlavaForConditionalGeneration
 
     t0 = time.time()
@@ -455,20 +475,23 @@ def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig =
     tokenizer = build_tokenizer(images, cfg)
     logger.info("tokenizer: %d tokens", len(tokenizer))
     stage0 = new_stage0(shape, tokenizer, cfg)
-    train_stage0(stage0, images, tokenizer, cfg, work, Phase("stage0", cfg.stage0_epochs))
-    feats = cache_features(stage0.clip.vision_model, images, work)
     seed_everything(cfg.seed + 1)
-    config = llava_config(shape, vocab_size=len(tokenizer))
-    llava = LlavaForConditionalGeneration(config)
+    llava = LlavaForConditionalGeneration(llava_config(shape, vocab_size=len(tokenizer)))
     heads = Stage2Heads(llava.config.text_config.hidden_size)
-    train_stage2(llava, heads, feats, images, tokenizer, cfg, work, Phase("stage2", cfg.stage2_epochs))
-    for vision_phase, llava_phase in cfg.refine_rounds():
-        # a sharper tower, then the LLaVA re-fitted to its features
+    phases = [(Phase("stage0", cfg.stage0_epochs), Phase("stage2", cfg.stage2_epochs))] + cfg.refine_rounds()
+    feats, tag = None, ""
+    for vision_phase, llava_phase in phases:
+        # (a sharper) tower, then the LLaVA (re-)fitted to its features; features are only computed
+        # for a LLaVA phase that still has to run, and are named after the tower phase that made them
         if vision_phase.epochs > 0:
-            train_stage0(stage0, images, tokenizer, cfg, work, vision_phase)
-            feats = cache_features(stage0.clip.vision_model, images, work, tag="_" + vision_phase.name.removesuffix("_stage0"))
+            train_stage0(stage0, images, tokenizer, cfg, work, vision_phase, device)
+            feats, tag = None, ("_" + vision_phase.name.removesuffix("_stage0") if vision_phase.round else "")
         if llava_phase.epochs > 0:
-            train_stage2(llava, heads, feats, images, tokenizer, cfg, work, llava_phase)
+            if feats is None and not (work / f"{llava_phase.name}_final").exists():
+                feats = cache_features(stage0.clip.vision_model, images, work, tag=tag, device=device)
+            train_stage2(llava, heads, feats, images, tokenizer, cfg, work, llava_phase, device)
+    stage0.cpu()
+    llava.cpu()
     clip = stage0.clip
     llava.model.vision_tower.load_state_dict(clip.vision_model.state_dict())
     llava.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -477,7 +500,10 @@ def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig =
     llava.eval()
     out = save_model(llava, build_processor(tokenizer, shape.image_size, shape.patch_size), out_dir)
     clip.save_pretrained(out / "clip", safe_serialization=True)  # text tower for instruction-guided methods
-    meta = {"train_config": asdict(cfg), "train_seconds": round(time.time() - t0), "categories": [c.name for c in CATEGORIES]}
+    ran = {p.name: json.loads((work / f"{p.name}_final" / "meta.json").read_text())
+           for pair in phases for p in pair if (work / f"{p.name}_final" / "meta.json").exists()}
+    meta = {"train_config": asdict(cfg), "train_seconds": round(time.time() - t0), "phases": ran,
+            "categories": [c.name for c in CATEGORIES]}
     (out / "training.json").write_text(json.dumps(meta, indent=1))
     logger.info("wrote %s in %.0f s", out, time.time() - t0)
     return out
