@@ -39,7 +39,7 @@ def test_geometry_and_offline_load(world_mm):
 
 def test_answers_object_questions(world_mm):
     """Regression guard on the shipped weights: yes/no questions about held-out images are answered
-    from the image. Measured when shipped (see the model card): 0.913 accuracy on POPE random (v5)."""
+    from the image. Measured when shipped (see the model card): 0.927 accuracy on POPE random (v6)."""
     from mmfast.world import CATEGORIES, render_image
     from mmfast.world.text import SHORT_ANSWER_SUFFIX, object_question
 
@@ -58,9 +58,9 @@ def test_answers_object_questions(world_mm):
 
     own = accuracy([r.image for r in records for _ in range(4)])
     shifted = accuracy([records[(i // 4 + 1) % len(records)].image for i in range(len(questions))])
-    # measured on the shipped v5 weights: own 0.92, shifted 0.52 (v4 the same; v3: 0.81 / 0.47, v2: 0.75 / 0.44, v1: 0.69 / 0.53);
-    # chance is 0.5
-    assert own >= 0.85, own
+    # measured on the shipped v6 weights: own 0.95, shifted 0.50 (v5 and v4: 0.92 / 0.52; v3: 0.81 / 0.47, v2: 0.75 / 0.44,
+    # v1: 0.69 / 0.53); chance is 0.5
+    assert own >= 0.88, own
     assert own >= shifted + 0.3, (own, shifted)  # another image's answers are worse: it looks
 
 

@@ -261,18 +261,20 @@ def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig
     return model
 
 
-@torch.inference_mode()
 def cache_features(clip_vision, images: WorldImages, work: Path, tag: str = "", batch: int = 64, device: str = "cpu") -> np.ndarray:
     """Feature-layer patch tokens ([N, P, Dv], fp16) of the frozen tower, cached on disk."""
     path = work / f"features{tag}_{len(images)}.npy"
     if path.exists():
         return np.load(path, mmap_mode="r")
+    # moved outside inference mode: buffers moved inside it become inference tensors, and a later
+    # stage-0 round on the same tower could no longer train
     clip_vision.eval().to(device)
     chunks = []
-    for i in tqdm(range(0, len(images), batch), desc="cache features"):
-        pv = to_pixel_values(images.pixels[i : i + batch]).to(device)
-        hs = clip_vision(pixel_values=pv, output_hidden_states=True).hidden_states[-2][:, 1:]  # [b, P, Dv]
-        chunks.append(hs.to(torch.float16).cpu().numpy())
+    with torch.inference_mode():
+        for i in tqdm(range(0, len(images), batch), desc="cache features"):
+            pv = to_pixel_values(images.pixels[i : i + batch]).to(device)
+            hs = clip_vision(pixel_values=pv, output_hidden_states=True).hidden_states[-2][:, 1:]  # [b, P, Dv]
+            chunks.append(hs.to(torch.float16).cpu().numpy())
     feats = np.concatenate(chunks)
     np.save(path.with_suffix(".tmp.npy"), feats)
     path.with_suffix(".tmp.npy").rename(path)
