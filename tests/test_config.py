@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 import mmfast
 from mmfast.cli import main
@@ -155,6 +156,6 @@ def test_shaped_speed_skips_a_variant_the_slice_cannot_hold():
             {"name": "random-4", "pruning": [{"method": "random", "params": {"keep": 4}}]},
             {"name": "hicom-4", "pruning": [{"method": "hicom", "params": {"local_tokens": 4}}]},  # no guide CLIP offline
         ]}})
-    out = _shaped_speed(recipe, variants(recipe))
+    out = _shaped_speed(recipe, variants(recipe), torch.device("cpu"))
     assert [r["variant"] for r in out["rows"]] == ["baseline", "random-4"]
     assert [s["variant"] for s in out["skipped"]] == ["hicom-4"] and "clip_model" in out["skipped"][0]["reason"]

@@ -121,3 +121,16 @@ def test_sampling_with_drafter_runs(tiny_mm, images, prompts):
     out = _run(tiny_mm, images[:2], prompts[:2], {"method": "layer_skip", "params": {"skip": [1, 2]}}, n=12,
                decoding={"method": "sample", "seed": 3})
     assert all(len(r.token_ids) > 0 for r in out)
+
+
+def test_bench_repeats_do_not_teach_a_stateful_drafter(tiny_mm, images):
+    """Prompt lookup's trigram table learns across requests; a timing repeat must not replay answers
+    it learned in an earlier repeat (tau of the last repeat = tau of a single fresh run)."""
+    from mmfast.bench.speculative import _run_workload
+
+    recipe = load_recipe({"speculative": {"method": "prompt_lookup"}})
+    wl = {"name": "w", "prompt": "Describe the image.", "max_new_tokens": 24}
+    once = _run_workload(tiny_mm, recipe, images[:2], wl, repeats=1)
+    thrice = _run_workload(tiny_mm, recipe, images[:2], wl, repeats=3)
+    assert thrice["tau"] == pytest.approx(once["tau"])
+    assert thrice["n_new_tokens"] == once["n_new_tokens"]

@@ -93,7 +93,7 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
         "variant", "vision tok @LLM", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1",
         "CHAIR_s", "CHAIR_i", "prefill x", "e2e x", "FLOPs ratio", "FLOPs ratio 7B", "KV ratio", "scoring ovh",
     ]
-    speed = _shaped_speed(recipe, vs) if cfg.shape else None
+    speed = _shaped_speed(recipe, vs, mm.device) if cfg.shape else None
     return {"header": header, "rows": rows, "results": results, "shaped_speed": speed}
 
 
@@ -108,7 +108,7 @@ def _accounting(run_dir: Path) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def _shaped_speed(recipe, vs: list[Variant]) -> dict[str, Any]:
+def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, Any]:
     """LLM prefill speed on a LLaVA-1.5-shaped random model, same inputs for every variant.
 
     The measured time is the LLM prefill (``timings.prefill_s``: what the FLOPs ratio counts) and,
@@ -122,7 +122,7 @@ def _shaped_speed(recipe, vs: list[Variant]) -> dict[str, Any]:
 
     cfg = recipe.bench
     model, processor = random_llava(cfg.shape, dtype=torch.float32)
-    mm = MMModel(model, processor, cfg.shape)
+    mm = MMModel(model.to(device), processor, cfg.shape)  # where the benchmarked model runs
     rng = np.random.default_rng(0)
     n = int(cfg.params.get("shaped_samples", 2))
     size = model.config.vision_config.image_size

@@ -27,7 +27,7 @@ import torch
 from ..config import load_recipe
 from ..model import MMModel
 from ..pipeline import apply
-from .common import dump, timing_samples_of, variants, write_markdown
+from .common import dump, median_time, timing_samples_of, variants, write_markdown
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +45,19 @@ def _with_decoding(v, temperature: float, seed: int):
 
 
 def _run_workload(mm: MMModel, recipe, images, wl: dict, repeats: int) -> dict[str, Any]:
+    batches = [mm.prepare([im], [wl["prompt"]]) for im in images]
     with apply(mm, recipe) as session:
-        batches = [mm.prepare([im], [wl["prompt"]]) for im in images]
         session.run(batches[0], max_new_tokens=8)  # warm-up
-        walls, decodes, outs = [], [], []
-        for _ in range(repeats):
+    walls, decodes, outs = [], [], []
+    for _ in range(repeats):
+        # a fresh session per repeat: a drafter that learns across requests (prompt lookup's trigram
+        # table) must not have seen these very answers in an earlier repeat or in the warm-up
+        with apply(mm, recipe) as session:
             t0 = time.perf_counter()
             res = [session.run(b, max_new_tokens=wl["max_new_tokens"])[0] for b in batches]
             walls.append(time.perf_counter() - t0)
-            decodes.append(sum(r.timings.decode_s for r in res))
-            outs = res
+        decodes.append(sum(r.timings.decode_s for r in res))
+        outs = res
     spec = [r.stats.get("speculative") for r in outs if r.stats.get("speculative")]
     agg: dict[str, Any] = {}
     if spec:
@@ -109,21 +112,13 @@ def run_speculative_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> 
                 rows.append([key, v.name, r.get("tau"), r.get("draft_forwards_per_cycle"), r["n_new_tokens"], r["wall_s"], r["speedup"],
                              r["decode_speedup"], r["lossless"]])
     header = ["workload", "variant", "tau", "draft fwd/cycle", "new tokens", "wall s", "speedup", "decode speedup", "identical to greedy"]
-    shaped = _shaped_costs(recipe, vs, results) if cfg.shape else None
+    # the slice runs where the benchmarked model runs, so a GPU run measures GPU costs
+    shaped = _shaped_costs(recipe, vs, results, mm.device) if cfg.shape else None
     return {"header": header, "rows": rows, "results": results, "shaped": shaped}
 
 
-def _median_time(fn, n: int = 5) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
-def _shaped_costs(recipe, vs, results) -> dict[str, Any]:
+def _shaped_costs(recipe, vs, results, device: torch.device) -> dict[str, Any]:
     """Per-forward costs on the shaped random model and the implied 7B speedups."""
     import tempfile
 
@@ -136,7 +131,7 @@ def _shaped_costs(recipe, vs, results) -> dict[str, Any]:
 
     cfg = recipe.bench
     model, processor = random_llava(cfg.shape, dtype=torch.float32)
-    mm = MMModel(model, processor, cfg.shape)
+    mm = MMModel(model.to(device), processor, cfg.shape)
     size = model.config.vision_config.image_size
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (size, size, 3), dtype=np.uint8))
     batch = mm.prepare([image], ["Please describe this image in detail."])
@@ -145,16 +140,16 @@ def _shaped_costs(recipe, vs, results) -> dict[str, Any]:
     with apply(mm, load_recipe({})) as session:
         inputs = session.build_inputs(batch, session.encode(batch))
         state, _ = session.runner.prefill(inputs)
-        tok = torch.tensor([[5]])
+        tok = torch.tensor([[5]], device=inputs.input_ids.device)
         cp = state.checkpoint()
 
         def step(n: int = 1):
             session.runner.step(state, tok.expand(1, n).contiguous())
             state.rollback(cp)
 
-        t_step = _median_time(step)
-        h = torch.randn(1, 1, model.config.text_config.hidden_size)
-        t_head = _median_time(lambda: mm.adapter.lm_head(h))
+        t_step = median_time(step, 0, 5)
+        h = torch.randn(1, 1, model.config.text_config.hidden_size, device=device)
+        t_head = median_time(lambda: mm.adapter.lm_head(h), 0, 5)
         t_layer = max(1e-9, (t_step - t_head) / n_layers)
         t_step_7b = t_step + (32 - n_layers) * t_layer
         out.update({"t_step_s": t_step, "t_layer_s": t_layer, "t_head_s": t_head, "t_step_7b_est_s": t_step_7b, "n_layers": n_layers})
@@ -162,8 +157,8 @@ def _shaped_costs(recipe, vs, results) -> dict[str, Any]:
 
         def verify_7b(n: int) -> float:
             if n not in verify_cache:
-                t_n = _median_time(lambda: step(n))
-                t_head_n = _median_time(lambda: mm.adapter.lm_head(h.expand(1, n, -1)))
+                t_n = median_time(lambda: step(n), 0, 5)
+                t_head_n = median_time(lambda: mm.adapter.lm_head(h.expand(1, n, -1)), 0, 5)
                 verify_cache[n] = (t_n - t_head_n) / n_layers * 32 + t_head_n
             return verify_cache[n]
 
@@ -187,7 +182,7 @@ def _shaped_costs(recipe, vs, results) -> dict[str, Any]:
                 def propose():
                     trees.append(dsession.drafter.propose(ctx, 5))
 
-                t_prop = _median_time(propose)
+                t_prop = median_time(propose, 0, 5)
                 n_nodes = max(1, trees[-1].n)
         # a layer-skip draft runs the target itself: scale its forwards to 32 layers
         if spec.method == "layer_skip":

@@ -70,13 +70,14 @@ class LayerSkip(Drafter):
         n_layers = len(self.session.adapter.layers)
         target = int(round(self.config.skip_fraction * n_layers))
         # the full model's greedy continuation of this prompt
+        dev = ctx.inputs.input_ids.device
         state, out = runner.prefill(ctx.inputs)
         toks = [int(out.logits[0, -1].argmax())]
         for _ in range(self.config.calibration_tokens - 1):
-            toks.append(int(runner.step(state, torch.tensor([[toks[-1]]])).logits[0, -1].argmax()))
-        embeds = self.session.adapter.embed_tokens(torch.tensor([toks[:-1]]))
-        seq = ctx.inputs.append(torch.tensor([toks[:-1]]), embeds)
-        want = torch.tensor(toks)
+            toks.append(int(runner.step(state, torch.tensor([[toks[-1]]], device=dev)).logits[0, -1].argmax()))
+        prev = torch.tensor([toks[:-1]], device=dev)  # [1, n-1]
+        seq = ctx.inputs.append(prev, self.session.adapter.embed_tokens(prev))
+        want = torch.tensor(toks, device=dev)  # [n]
 
         def agreement(skip: set[int]) -> float:
             self.skip, self.active = skip, True
