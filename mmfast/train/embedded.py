@@ -23,11 +23,11 @@ Stages (each resumable from ``work_dir``):
    accuracy at 0.25 and small objects invisible), features re-cached, and stage 2 continued on the new
    features (a round with 0 stage-2 epochs only sharpens the tower, one with 0 stage-0 epochs only
    continues the LLaVA on the last tower). Round 1 alone was v1 of the shipped model, one refine round
-   v2, two v3, ten v4; the eleven rounds of the defaults are v5. The rounds are kept separate so that
-   earlier checkpoints resume.
+   v2, two v3, ten v4, eleven v5; the twelve rounds of the defaults are v6. The rounds are kept
+   separate so that earlier checkpoints resume.
 
-Every phase runs on ``device`` (CPU by default, where the defaults take 15-16 hours on 2 cores;
-``--device cuda`` runs the same steps on a GPU, about half an hour on one H100; rounding differs, the
+Every phase runs on ``device`` (CPU by default, where the defaults take 17-18 hours on 2 cores;
+``--device cuda`` runs the same steps on a GPU, about 35 minutes on one H100; rounding differs, the
 algorithm does not).
 """
 
@@ -99,10 +99,11 @@ class TrainConfig:
     # refine rounds, one entry per round: stage 0 continued with foreground patches weighted up in
     # the dense loss, features re-cached, stage 2 continued on them; 0 epochs skips a phase (rounds
     # 5-6 and 8-9 only sharpen the tower: the LLaVA is fitted to the tower of rounds 7 and 10; round
-    # 11 only continues the LLaVA on round 10's tower)
-    refine_stage0_epochs: tuple[float, ...] = (4.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 0.0)
+    # 11 only continues the LLaVA on round 10's tower; round 12 sharpens the tower once more and
+    # continues the LLaVA on it)
+    refine_stage0_epochs: tuple[float, ...] = (4.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 0.0, 6.0)
     refine_fg_weight: float = 5.0
-    refine_stage2_epochs: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 2.0, 2.0)
+    refine_stage2_epochs: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 2.0, 2.0, 2.0)
 
     def __post_init__(self) -> None:
         if len(self.refine_stage0_epochs) != len(self.refine_stage2_epochs):
