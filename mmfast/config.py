@@ -381,8 +381,11 @@ class Recipe:
         }
 
     def hash(self) -> str:
-        """sha256 of the canonical resolved recipe (written into every output)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """sha256 of the canonical resolved recipe (written into every output). The ``output``
+        section says where results go and whether to replace them, not what they are: it is left out,
+        so rerunning a command without ``output.overwrite`` resumes what a run with it started."""
+        what = {k: v for k, v in self.to_dict().items() if k != "output"}
+        blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def replace(self, **changes: Any) -> Recipe:

@@ -27,6 +27,13 @@ def test_defaults():
     assert len(r.hash()) == 16 and r.hash() == load_recipe({}).hash()
 
 
+def test_hash_names_what_is_computed_not_where_it_goes():
+    base = load_recipe({})
+    assert load_recipe({"output": {"overwrite": True, "dir": "elsewhere"}}).hash() == base.hash()
+    assert load_recipe({"decoding": {"max_new_tokens": 32}}).hash() != base.hash()
+    assert load_recipe({"model": {"name": "other/model"}}).hash() != base.hash()
+
+
 def test_unknown_key_has_dotted_path_and_suggestion(tmp_path):
     path = _write(tmp_path, """
         decoding:

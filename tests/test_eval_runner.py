@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -74,6 +75,18 @@ def test_resume_skips_finished(tiny_dir, tiny_mm, small_world, tmp_path):
     recs = _lines(out / "samples.jsonl")
     assert recs[: len(first)] == first  # finished samples untouched
     assert len(recs) == 12 and len({r["doc_id"] for r in recs}) == 12
+
+
+def test_overwrite_run_resumes_without_the_flag(tiny_dir, tiny_mm, small_world, tmp_path):
+    """A run started with output.overwrite (replacing old results) and interrupted resumes under the
+    same command without the flag: where results go is not part of what they are."""
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, small_world, out)
+    run_eval(recipe.replace(output=dataclasses.replace(recipe.output, overwrite=True)), limit=2, mm=tiny_mm)
+    first = _lines(out / "samples.jsonl")
+    run_eval(recipe, limit=4, mm=tiny_mm)
+    recs = _lines(out / "samples.jsonl")
+    assert recs[: len(first)] == first and len(recs) == 12
 
 
 def test_other_recipe_refused(tiny_dir, tiny_mm, small_world, tmp_path):
