@@ -140,7 +140,7 @@ def _shaped_costs(recipe, vs, results, device: torch.device) -> dict[str, Any]:
     with apply(mm, load_recipe({})) as session:
         inputs = session.build_inputs(batch, session.encode(batch))
         state, _ = session.runner.prefill(inputs)
-        tok = torch.tensor([[5]], device=inputs.input_ids.device)
+        tok = torch.tensor([[5]], device=device)
         cp = state.checkpoint()
 
         def step(n: int = 1):
