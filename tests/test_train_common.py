@@ -53,3 +53,9 @@ def test_embedded_trainer_resumes_finished_phases_without_recomputing(tmp_path, 
     assert phases["refine2_stage2"] == {"step": 2, "device": "cpu"}
     # round 2 trains the LLaVA on the features of round 1's tower
     assert sorted(p.name for p in (tmp_path / "work").glob("features*.npy")) == ["features_16.npy", "features_refine_16.npy"]
+
+
+def test_phase_records_its_device():
+    from mmfast.train.common import describe_device
+
+    assert describe_device("cpu") == "cpu" and describe_device(torch.device("cpu")) == "cpu"

@@ -49,6 +49,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def describe_device(device: str | torch.device) -> str:
+    """What a finished phase records as the device it ran on: ``cpu``, or the GPU's name."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def cosine_lr(step: int, total: int, base: float, warmup: int = 50, floor: float = 0.05) -> float:
     """Linear warmup then cosine decay to ``floor * base``."""
     if step < warmup:

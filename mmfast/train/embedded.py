@@ -49,7 +49,7 @@ from tqdm import tqdm
 from ..models.factory import SHAPES, LlavaShape, build_processor, llava_config, save_model, train_bpe_tokenizer
 from ..world import CATEGORIES, NUM_LABELS
 from ..world.text import captions, text_rng, world_corpus
-from .common import cosine_lr, load_checkpoint, save_checkpoint, seed_everything
+from .common import cosine_lr, describe_device, load_checkpoint, save_checkpoint, seed_everything
 from .world_data import (
     N_CATS,
     EncodedConversation,
@@ -258,7 +258,7 @@ def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig
         bar.set_postfix(con=f"{l_con.item():.2f}", dense=f"{l_dense.item():.2f}", ml=f"{l_ml.item():.3f}", patch_acc=f"{acc:.3f}", fg_acc=f"{fg_acc:.3f}")
         if (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, {"m": model}, opt, {"step": step + 1})
-    save_checkpoint(done, {"m": model}, None, {"step": steps, "device": str(device)})
+    save_checkpoint(done, {"m": model}, None, {"step": steps, "device": describe_device(device)})
     return model
 
 
@@ -456,7 +456,7 @@ def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImag
         bar.set_postfix(lm=f"{lm_loss.item():.3f}", probe=f"{probe_loss.item():.3f}", ground=f"{ground.item():.3f}", ep=epoch)
         if (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, modules, opt, {"step": step + 1})
-    save_checkpoint(done, modules, None, {"step": steps, "device": str(device)})
+    save_checkpoint(done, modules, None, {"step": steps, "device": describe_device(device)})
 
 
 # ------------------------------------------------------------------------------------ driver
