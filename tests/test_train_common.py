@@ -31,6 +31,15 @@ def test_refine_rounds_name_their_phases_and_must_pair_up():
         TrainConfig(refine_stage0_epochs=(4.0,), refine_stage2_epochs=(1.0, 1.0))
 
 
+def test_first_round_takes_its_own_foreground_weight():
+    from mmfast.train.embedded import TrainConfig
+
+    (v, l), *rest = TrainConfig(stage0_epochs=3.0, stage0_fg_weight=5.0, refine_stage0_epochs=(2.0,), refine_stage2_epochs=(1.0,)).phases()
+    assert (v.name, v.epochs, v.fg_weight, v.round) == ("stage0", 3.0, 5.0, 0) and (l.name, l.fg_weight) == ("stage2", 1.0)
+    assert [(r.name, r.fg_weight) for r, _ in rest] == [("refine_stage0", 5.0)]
+    assert TrainConfig().phases()[0][0].fg_weight == 1.0  # the shipped recipe's first round weighs every patch alike
+
+
 def test_embedded_trainer_resumes_finished_phases_without_recomputing(tmp_path, monkeypatch):
     """A second run over a finished work dir loads every phase (no features cached again, no step run)
     and writes the same weights; training.json records each phase's steps and device."""

@@ -86,6 +86,9 @@ class TrainConfig:
     stage0_epochs: float = 2.5
     stage0_batch: int = 32
     stage0_lr: float = 1e-3
+    # weight of foreground patches in the dense loss of the first stage-0 phase (the refine rounds use
+    # refine_fg_weight); 1.0 in the shipped recipe, whose first round weighted every patch alike
+    stage0_fg_weight: float = 1.0
     stage2_epochs: float = 2.0
     stage2_batch: int = 16
     stage2_lr: float = 1e-3
@@ -111,6 +114,11 @@ class TrainConfig:
                 f"refine_stage0_epochs {self.refine_stage0_epochs} and refine_stage2_epochs {self.refine_stage2_epochs}"
                 " need one entry per refine round each; give 0 to skip a phase of a round"
             )
+
+    def phases(self) -> list[tuple[Phase, Phase]]:
+        """Every (stage 0, stage 2) pair in training order: the first round, then the refine rounds."""
+        first = (Phase("stage0", self.stage0_epochs, fg_weight=self.stage0_fg_weight), Phase("stage2", self.stage2_epochs))
+        return [first] + self.refine_rounds()
 
     def refine_rounds(self) -> list[tuple[Phase, Phase]]:
         """(stage 0, stage 2) phases of every refine round, named ``refine_*``, ``refine2_*``, ..."""
@@ -484,7 +492,7 @@ def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig =
     seed_everything(cfg.seed + 1)
     llava = LlavaForConditionalGeneration(llava_config(shape, vocab_size=len(tokenizer)))
     heads = Stage2Heads(llava.config.text_config.hidden_size)
-    phases = [(Phase("stage0", cfg.stage0_epochs), Phase("stage2", cfg.stage2_epochs))] + cfg.refine_rounds()
+    phases = cfg.phases()
     feats, tag = None, ""
     for vision_phase, llava_phase in phases:
         # (a sharper) tower, then the LLaVA (re-)fitted to its features; features are only computed
