@@ -3,10 +3,8 @@ method components (drafts, predictors, HICom's global branch) load and stay loss
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-import torch
 
 import mmfast
 from mmfast.config import load_recipe
