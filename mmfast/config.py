@@ -407,32 +407,13 @@ class _RecipeScalars:
 
 
 def check_compatible(recipe: Recipe) -> None:
-    """Refuse combinations that cannot run together, before any model is loaded."""
+    """Refuse combinations that cannot run together, before any model is loaded (capabilities)."""
+    from .capabilities import check_recipe
     from .errors import IncompatibleRecipeError
-    from .registry import DECODERS, DRAFTERS
 
-    decoder = DECODERS.get(recipe.decoding.method).cls
-    if recipe.speculative is not None:
-        drafter = DRAFTERS.get(recipe.speculative.method).cls
-        if not getattr(decoder, "supports_speculative", False):
-            raise IncompatibleRecipeError(
-                f"decoding.method {recipe.decoding.method!r} cannot be combined with speculative drafting "
-                f"({recipe.speculative.method!r}): {getattr(decoder, 'speculative_conflict', 'it owns its own search loop')}. "
-                "Use decoding.method 'greedy' or 'sample' with a drafter, or remove the speculative section."
-            )
-        problem = getattr(drafter, "check_decoder", lambda spec: None)(recipe.decoding)
-        if problem:
-            raise IncompatibleRecipeError(problem)
-    for i, stage in enumerate(recipe.pruning):
-        from .registry import PRUNERS
-
-        cls = PRUNERS.get(stage.method).cls
-        problem = cls.check_recipe(recipe, i) if hasattr(cls, "check_recipe") else None
-        if problem:
-            raise IncompatibleRecipeError(f"pruning[{i}] ({stage.method}): {problem}")
-    problem = decoder.check_recipe(recipe) if hasattr(decoder, "check_recipe") else None
+    problem = check_recipe(recipe)
     if problem:
-        raise IncompatibleRecipeError(f"decoding ({recipe.decoding.method}): {problem}")
+        raise IncompatibleRecipeError(problem)
 
 
 # --------------------------------------------------------------------------- loading

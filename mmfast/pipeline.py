@@ -19,7 +19,9 @@ from typing import Any, Sequence
 
 import torch
 
+from .capabilities import caps_of, check_model
 from .config import Recipe, load_recipe
+from .context import MethodContext
 from .decoding.base import DecodeOutput, DecodeRequest, now
 from .errors import IncompatibleRecipeError
 from .hooks import AttentionProbe, HookSession
@@ -84,26 +86,18 @@ class Session:
         self.hooks = HookSession(mm.model)
         self.probe = AttentionProbe(self.hooks)
         self.runner = LMRunner(self.adapter, self.hooks)
+        self.ctx = MethodContext.of(mm, self.runner, self.probe, self.hooks, self.encode)
         self.scoring_s = 0.0
         try:
-            self.pruners = []
-            for i, spec in enumerate(recipe.pruning):
-                cls = PRUNERS.get(spec.method).cls
-                problem = cls.check_model(self.adapter)
-                if problem:
-                    raise IncompatibleRecipeError(f"pruning[{i}] ({spec.method}) on {mm.name}: {problem}")
-                self.pruners.append(cls(spec.params, self))
-            dec_cls = DECODERS.get(recipe.decoding.method).cls
-            if self.adapter.family not in dec_cls.families:
-                raise IncompatibleRecipeError(
-                    f"decoding {recipe.decoding.method!r} does not support the {self.adapter.family} family; "
-                    f"use one of: {', '.join(e.name for e in DECODERS.entries() if self.adapter.family in e.cls.families)}"
-                )
-            self.decoder = dec_cls(recipe.decoding.params, self)
+            problem = check_model(recipe, self.adapter)
+            if problem:
+                raise IncompatibleRecipeError(f"{problem} (model {mm.name})")
+            self.pruners = [PRUNERS.get(spec.method).cls(spec.params, self.ctx) for spec in recipe.pruning]
+            self._tower_per_image = any(caps_of(type(p), p.config).tower_per_image for p in self.pruners)
+            self.decoder = DECODERS.get(recipe.decoding.method).cls(recipe.decoding.params, self.ctx)
             self.drafter = None
             if recipe.speculative is not None:
-                dcls = DRAFTERS.get(recipe.speculative.method).cls
-                self.drafter = dcls(recipe.speculative.params, self)
+                self.drafter = DRAFTERS.get(recipe.speculative.method).cls(recipe.speculative.params, self.ctx)
             for pruner in self.pruners:
                 pruner.install()
             self.decoder.install()
@@ -116,44 +110,43 @@ class Session:
     # -- pipeline stages -----------------------------------------------------------------------
     @torch.inference_mode()
     def encode(self, batch: PreparedBatch) -> VisionBatch:
-        """Vision tower + feature-stage pruners (pre-projection)."""
+        """Vision tower + feature-stage pruners (pre-projection). The tower's untouched output is kept
+        in ``vision.raw`` (DAMRO's outlier branch reads it)."""
         self.probe.clear()
-        vision = self.adapter.encode_images(batch.pixel_values, image_sizes=batch.image_sizes)
-        self.raw_vision = dataclasses.replace(vision, features=list(vision.features), patch_ids=list(vision.patch_ids))
+        if self._tower_per_image and batch.pixel_values.shape[0] > 1:
+            sizes = batch.image_sizes
+            vision = VisionBatch.concat([
+                self._tower(batch.pixel_values[i : i + 1], None if sizes is None else sizes[i : i + 1])
+                for i in range(batch.pixel_values.shape[0])
+            ])
+        else:
+            vision = self._tower(batch.pixel_values, batch.image_sizes)
+        raw = dataclasses.replace(vision, features=list(vision.features), patch_ids=list(vision.patch_ids),
+                                  tags={}, stats={})
         for pruner in self.pruners:
             t0 = time.perf_counter()
             vision = pruner.prune_vision(vision, batch)
             self.scoring_s += time.perf_counter() - t0
+        vision.raw = raw
         return vision
 
-    @torch.inference_mode()
+    def _tower(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None) -> VisionBatch:
+        vision = self.adapter.encode_images(pixel_values, image_sizes=image_sizes)
+        for pruner in self.pruners:
+            pruner.observe_tower(vision)
+        return vision
+
     def build_inputs(
         self, batch: PreparedBatch, vision: VisionBatch, token_ids: list[list[int]] | None = None
     ) -> LMInputs:
         """Project the (pruned) features and splice them into the prompts."""
-        projected = self.adapter.project(vision)
-        per_sample: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
-        per_ids: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
-        for img, owner in enumerate(batch.image_owner):
-            per_sample[owner].append(projected[img])
-            per_ids[owner].append(vision.patch_ids[img])
-        return build_lm_inputs(
-            self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.mm.pad_token_id
-        )
+        return self.ctx.build_inputs(batch, vision, token_ids)
 
-    @torch.inference_mode()
     def text_only_inputs(self, batch: PreparedBatch) -> LMInputs:
-        """The same prompts with no image at all (M3ID's unconditioned branch, VHR's text stream)."""
-        tok = self.mm.tokenizer
-        ids = [tok(self.mm.chat_text(p, 0), add_special_tokens=True)["input_ids"] for p in batch.prompts]
-        empty: list[list[torch.Tensor]] = [[] for _ in ids]
-        return build_lm_inputs(self.adapter, ids, empty, [[] for _ in ids], self.mm.pad_token_id)
+        return self.ctx.text_only_inputs(batch)
 
     def reprompt(self, batch: PreparedBatch, prompts: list[str]) -> PreparedBatch:
-        """``batch`` with other prompts about the same images (pixels reused, no re-encoding needed)."""
-        texts = [self.mm.chat_text(p, len(ims)) for p, ims in zip(prompts, batch.images)]
-        ids = [self.mm.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
-        return dataclasses.replace(batch, prompts=list(prompts), texts=texts, token_ids=ids)
+        return self.ctx.reprompt(batch, prompts)
 
     # -- generation ------------------------------------------------------------------------------
     def generate(
@@ -177,15 +170,20 @@ class Session:
         vision = self.encode(batch)
         inputs = self.build_inputs(batch, vision)
         t1 = now(device)
-        out: DecodeOutput = self.decoder.decode(DecodeRequest(batch, vision, inputs, max_new, seed, self.raw_vision))
+        req = DecodeRequest(batch, vision, inputs, max_new, seed, vision.raw)
+        if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
+            from .speculative.engine import speculative_decode
+
+            out = speculative_decode(self.ctx, self.drafter, req, self.decoder.sampling())
+        else:
+            out = self.decoder.decode(req)
         timings = Timings(t1 - t0, out.prefill_s, out.decode_s)
         stats = dict(out.stats)
         if self.pruners:
             # time spent deciding what to drop (probe rows + selection), per batch
             stats["scoring_s"] = round(self.scoring_s + self.runner.scoring_s + self.probe.time_s, 6)
-        for pruner in self.pruners:
-            if pruner.last_stats:
-                stats[pruner.registered_name] = pruner.last_stats  # type: ignore[attr-defined]
+        for name in dict.fromkeys([*vision.stats, *out.method_stats]):
+            stats[name] = {**vision.stats.get(name, {}), **out.method_stats.get(name, {})}
         n_vis = inputs.n_vision_tokens()
         results = []
         for b, toks in enumerate(out.tokens):

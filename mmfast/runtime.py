@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -66,8 +67,28 @@ class StepOutput:
 
 
 @dataclass
+class TokenAccounting:
+    """Per-layer token counts of one state, for FLOPs and equivalent-token accounting."""
+
+    prefill_tokens: torch.Tensor | None = None  # [B, n_layers] text + vision tokens prefill computed
+    prefill_vision: torch.Tensor | None = None  # [B, n_layers] vision tokens prefill computed
+    #: [B, n_layers] a KV policy's layer-wise *equivalent* vision count (ZipVL keeps every token but
+    #: treats some as unimportant); replaces the slot count when set
+    vision_override: torch.Tensor | None = None
+
+    def select(self, index: torch.Tensor) -> TokenAccounting:
+        pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
+        return TokenAccounting(pick(self.prefill_tokens), pick(self.prefill_vision), pick(self.vision_override))
+
+
+@dataclass
 class LMState:
-    """One branch's decoding state: inputs, cache and layer groups."""
+    """One branch's decoding state: inputs, cache and layer groups.
+
+    What methods learn about this state's tokens lives here too, never on the method: ``extras``
+    (method-private per-state data, keyed by method name) and ``stats`` (method name -> statistics,
+    ``per_sample_*`` lists indexed by row), so branches batched together or decoded apart never mix.
+    """
 
     inputs: LMInputs
     cache: Any
@@ -75,6 +96,24 @@ class LMState:
     n_layers: int
     extras: dict[str, Any] = field(default_factory=dict)
     text_config: Any = None
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    accounting: TokenAccounting = field(default_factory=TokenAccounting)
+
+    def stats_rows(self, n: int, start: int = 0) -> dict[str, dict[str, Any]]:
+        """``stats`` restricted to rows ``start .. start + n - 1`` (``per_sample_*`` lists sliced)."""
+
+        def cut(d: dict[str, Any]) -> dict[str, Any]:
+            out = {}
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    out[k] = cut(v)
+                elif k.startswith("per_sample_") and isinstance(v, list):
+                    out[k] = v[start : start + n]
+                else:
+                    out[k] = v
+            return out
+
+        return {name: cut(d) for name, d in self.stats.items()}
 
     @property
     def batch_size(self) -> int:
@@ -157,6 +196,7 @@ class LMState:
         for grp in self.groups:
             grp._map(lambda t: t[index])
         self.inputs = self.inputs.select(index)
+        self.accounting = self.accounting.select(index)
 
     def repeat_interleave(self, n: int) -> None:
         """Repeat every batch row n times (beam search expansion after a single prefill)."""
@@ -167,6 +207,7 @@ class LMState:
         for grp in self.groups:
             grp._map(lambda t: t.repeat_interleave(n, 0))
         self.inputs = self.inputs.select(index)
+        self.accounting = self.accounting.select(index)
 
     def clone(self) -> LMState:
         return LMState(
@@ -176,6 +217,8 @@ class LMState:
             self.n_layers,
             dict(self.extras),
             self.text_config,
+            {k: dict(v) for k, v in self.stats.items()},
+            dataclasses.replace(self.accounting),
         )
 
     def kv_bytes(self) -> int:
@@ -204,9 +247,9 @@ class LMState:
         """[B, n_layers] number of cached vision tokens each layer holds.
 
         A KV policy that keeps every token but treats some as unimportant (ZipVL) publishes its
-        layer-wise *equivalent* count in ``extras["vision_tokens_per_layer"]``, which is returned instead.
+        layer-wise *equivalent* count in ``accounting.vision_override``, which is returned instead.
         """
-        override = self.extras.get("vision_tokens_per_layer")
+        override = self.accounting.vision_override
         if override is not None:
             return override
         counts = [self.vision_slots(g).sum(1) for g in range(len(self.groups))]
@@ -281,6 +324,12 @@ class LMRunner:
             self.session.pre_hook(self.adapter.layers[i], self._make_layer_hook(i), with_kwargs=True)
         self._hooked_from = start
 
+    @property
+    def active(self) -> LMState | None:
+        """The state whose forward is running (None between forwards): for callbacks such as probe
+        row selectors that need the current batch's data."""
+        return self._active
+
     # -- forward passes ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def _activate(self, state: LMState, phase: str) -> Iterator[None]:
@@ -314,8 +363,8 @@ class LMRunner:
             )
         last = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
         # what prefill computed, before KV policies trim the cache (FLOPs and equivalent tokens)
-        state.extras["prefill_tokens_per_layer"] = state.tokens_per_layer()
-        state.extras["prefill_vision_per_layer"] = state.vision_tokens_per_layer()
+        state.accounting.prefill_tokens = state.tokens_per_layer()
+        state.accounting.prefill_vision = state.vision_tokens_per_layer()
         for hook in self.prefill_hooks:
             hook(state)
         return state, StepOutput(self.adapter.lm_head(last).float(), out.last_hidden_state if all_hidden else last)

@@ -122,8 +122,10 @@ def test_key_set_is_cls_top_k_and_never_dropped(tiny_dir, tiny_mm, images, promp
     with torch.no_grad():
         att = eager.adapter.vision_tower(s.mm.prepare(images[:3], prompts[:3]).pixel_values, output_attentions=True).attentions[-1]
     want = att[:, :, 0, 1:].mean(1).topk(math.ceil(0.25 * 16), dim=1).indices.sort(1).values
-    keys = vision.extras["mustdrop.key_set"]
+    keys = [t.nonzero().squeeze(1) for t in vision.tags["mustdrop.key"]]  # the key set travels as a tag
     assert [k.tolist() for k in keys] == want.tolist()
+    assert torch.equal(inputs.tags["mustdrop.key"].nonzero(), torch.cat(
+        [torch.stack([torch.full_like(k, b), inputs.image_mask[b].nonzero().squeeze(1)[k]], 1) for b, k in enumerate(keys)]))
     text_after = inputs.text_after_image()
     for b in range(3):
         pos = inputs.image_mask[b].nonzero().squeeze(1)
@@ -137,14 +139,14 @@ def test_key_set_is_cls_top_k_and_never_dropped(tiny_dir, tiny_mm, images, promp
 def test_key_set_survives_merge_and_filter(tiny_mm, images, prompts):
     with Session(tiny_mm, _recipe(sim_threshold=-1.0, lambda_g=100.0, lambda_i=2.0, key_ratio=0.5)) as s:
         vision, inputs, state, _ = _prefill(s, images[:2], prompts[:2])
-        stats = s.pruners[0].last_stats
-    assert stats["merged_windows"] == 4 and vision.counts() == [4, 4]
+        stats = {**vision.stats["mustdrop"], **state.stats["mustdrop"]}
+    assert stats["per_sample_merged_windows"] == [[4], [4]] and vision.counts() == [4, 4]
     assert all((p == -1).all() for p in vision.patch_ids)  # merged tokens have no patch id
     assert stats["per_sample_key_set"] == [2, 2] and stats["per_sample_kept"] == [[4, 2, 2], [4, 2, 2]]
     final = state.groups[-1]
     for b in range(2):
         pos = inputs.image_mask[b].nonzero().squeeze(1)
-        assert set(final.source[b][state.vision_slots(len(state.groups) - 1)[b]].tolist()) == set(pos[vision.extras["mustdrop.key_set"][b]].tolist())
+        assert set(final.source[b][state.vision_slots(len(state.groups) - 1)[b]].tolist()) == set(pos[vision.tags["mustdrop.key"][b]].tolist())
 
 
 def test_kv_policy_keeps_only_final_survivors(tiny_mm, images, prompts):
@@ -153,11 +155,11 @@ def test_kv_policy_keeps_only_final_survivors(tiny_mm, images, prompts):
         _, _, plain, out_plain = _prefill(s, images[:3], prompts[:3])
     with Session(tiny_mm, _recipe(**params)) as s:
         _, inputs, state, out = _prefill(s, images[:3], prompts[:3])
-        kept = s.pruners[0].last_stats["per_sample_kept"]
+        kept = state.stats["mustdrop"]["per_sample_kept"]
         first = s.pruners[0].first_layer
         gen = s.generate(images[:3], prompts[:3], max_new_tokens=4)
     assert all(k[0] > k[1] > k[2] for k in kept)  # both filter stages dropped tokens in every sample
-    stats = s.pruners[0].last_stats  # filters at the output of layers 1 and 2 (prune at 2 and 3)
+    stats = state.stats["mustdrop"]  # filters at the output of layers 1 and 2 (prune at 2 and 3)
     assert stats["per_sample_prefill_tokens_layer_avg"] == [(2 * k[0] + k[1] + k[2]) / 4 for k in kept]
     assert stats["per_sample_equivalent_tokens"] == [(k[0] + k[1] + 2 * k[2]) / 4 for k in kept]
     assert torch.equal(out.logits, out_plain.logits)  # the policy acts after prefill

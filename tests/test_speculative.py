@@ -60,10 +60,13 @@ def test_layer_skip_calibration_and_restore(tiny_mm, images, prompts):
 
 
 def test_prompt_lookup_drafts_from_prompt(tiny_mm):
+    from mmfast.config import Recipe
+    from mmfast.pipeline import Session
     from mmfast.speculative.prompt_lookup import PromptLookup
 
-    d = PromptLookup(PromptLookup.Config(num_tokens=3, max_ngram=2), session=type("S", (), {"mm": tiny_mm})())
-    d.install()
+    with Session(tiny_mm, Recipe()) as s:
+        d = PromptLookup(PromptLookup.Config(num_tokens=3, max_ngram=2), s.ctx)
+        d.install()
     assert d._lookup([5, 6, 7, 8, 9, 5, 6]) == [7, 8, 9]
     assert d._lookup([1, 2, 3]) == []
 

@@ -82,7 +82,7 @@ def test_merges_r_per_block_and_tracks_patches(tiny_mm, images, prompts):
         finally:
             for h in handles:
                 h.remove()
-        assert tome.last_stats["r"] == want_r
+        assert vision.stats["tome"]["r"] == want_r
         assert lengths == [(17, 17 - want_r[0]), (17 - want_r[0], 17 - sum(want_r)), (17 - sum(want_r),) * 2]
         assert vision.counts() == [16 - sum(want_r)] * 2
         assert (final_ids[:, 0] == -1).all() and (final_size[:, 0, 0] == 1).all()  # CLS never merged

@@ -278,7 +278,7 @@ def test_session_quantised_cache_prefill_bytes_and_requant(tiny_mm, images, prom
         dense = valid.sum(1) * len(layers) * 2 * c * 4  # fp32
         # 4/2-bit codes (~8-16x) minus scale overhead on a ~40-token prompt: at least 4x smaller
         assert all(d / g > 4 for d, g in zip(dense.tolist(), got))
-        stats = zipvl.last_stats
+        stats = state.stats["zipvl"]
         assert stats["per_sample_kv_bytes_prefill"] == got and stats["per_sample_kv_bytes_dense"] == dense.tolist()
         ratios = torch.tensor(stats["per_sample_keep_ratio"])
         assert ratios.shape == (2, len(layers)) and bool((ratios < 1).any()) and bool((ratios > 0).all())
@@ -293,8 +293,8 @@ def test_session_quantised_cache_prefill_bytes_and_requant(tiny_mm, images, prom
             assert all(lay.buffer_length == step % interval for lay in layers)
         assert all(len(lay.segments) == 1 + 7 // interval for lay in layers)
         assert all(lay.get_seq_length() == inputs.length + 7 for lay in layers)
-        assert zipvl.last_stats["requant_events"] == len(layers) * (7 // interval)
-        assert zipvl.last_stats["per_sample_kv_bytes_end"] == state.kv_bytes_per_sample()
+        assert state.stats["zipvl"]["requant_events"] == len(layers) * (7 // interval)
+        assert state.stats["zipvl"]["per_sample_kv_bytes_end"] == state.kv_bytes_per_sample()
         # re-scored blocks keep the newest tokens' smallest set reaching tau of the current query's mass
         assert all(bool(seg.important.any(1).all()) for lay in layers for seg in lay.segments[1:])
 
@@ -313,8 +313,6 @@ def test_gqa_model_runs(tiny_gqa_dir, images, prompts):
 
 
 def test_refuses_speculative_beam_and_bad_bits():
-    spec_recipe = SimpleNamespace(speculative=object(), decoding=SimpleNamespace(method="greedy"), pruning=())
-    assert "speculative" in ZipVL.check_recipe(spec_recipe, 0)
     with pytest.raises(IncompatibleRecipeError, match="speculative"):
         load_recipe({"pruning": [{"method": "zipvl"}], "speculative": {"method": "prompt_lookup"}})
     with pytest.raises(IncompatibleRecipeError, match="beam"):

@@ -1,8 +1,10 @@
 """Base class for decoders: the loop that turns prefill logits into tokens.
 
-Decoders own their loop (greedy, sampling, beam, contrastive branches, OPERA's rollback, ...) and use
-the session's :class:`~mmfast.runtime.LMRunner` for every forward, so pruning stages compose with
-them. A decoder returns a :class:`DecodeOutput`.
+A decoder supplies a step policy to the one decode driver (:func:`mmfast.decoding.loop.drive`: greedy,
+sampling, contrastive branches, VHR) or owns a search (beam, OPERA's rollback) that ends through the
+driver's shared :func:`~mmfast.decoding.loop.finish`. Every forward goes through the context's
+:class:`~mmfast.runtime.LMRunner`, so pruning stages compose with every decoder. When the recipe has a
+drafter, the session runs the speculative engine with the decoder's :meth:`Decoder.sampling` instead.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..capabilities import Capabilities
+
 if TYPE_CHECKING:
-    from ..config import Recipe
     from ..model import PreparedBatch
     from ..models.base import LMInputs, VisionBatch
-    from ..pipeline import Session
+    from ..context import MethodContext
     from ..runtime import LMState
 
 
@@ -47,6 +50,8 @@ class DecodeOutput:
     flops_prefill: list[float] = field(default_factory=list)  # per sample, model at hand (papers' convention)
     flops_prefill_7b: list[float] = field(default_factory=list)  # same schedule on the LLaVA-1.5-7B shape
     stats: dict[str, Any] = field(default_factory=dict)
+    #: per-method statistics of the clean branch's LLM stages (``LMState.stats``, first B rows)
+    method_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def set_prefill_accounting(self, acc: Accounting) -> None:
         self.kv_bytes_prefill = acc.kv_bytes
@@ -55,27 +60,35 @@ class DecodeOutput:
         self.flops_prefill_7b = acc.flops_7b
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the speculative engine chooses tokens for a decoder (temperature 0 = greedy)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
 class Decoder:
     """Turns a prepared batch into tokens."""
 
     Config: ClassVar[type]
-    supports_speculative: ClassVar[bool] = False
-    families: ClassVar[frozenset[str]] = frozenset({"llava", "llava_next"})
-    speculative_conflict: ClassVar[str] = "it owns its own search loop"
+    caps: ClassVar[Capabilities] = Capabilities()
 
-    def __init__(self, config: Any, session: Session) -> None:
+    def __init__(self, config: Any, ctx: MethodContext) -> None:
         self.config = config
-        self.session = session
+        self.ctx = ctx
+
+    def sampling(self) -> Sampling | None:
+        """The token choice the speculative engine reproduces losslessly, or None when this decoder
+        cannot be served by draft-and-verify (see its capabilities)."""
+        return None
 
     def install(self) -> None:
         """Register hooks (called once when the session opens)."""
 
     def decode(self, req: DecodeRequest) -> DecodeOutput:
         raise NotImplementedError
-
-    @classmethod
-    def check_recipe(cls, recipe: Recipe) -> str | None:
-        return None
 
 
 def now(device: torch.device) -> float:
@@ -94,15 +107,20 @@ class Accounting:
     flops: list[float]
     flops_7b: list[float]
 
+    def rows(self, n: int, start: int = 0) -> Accounting:
+        """The accounting of rows ``start .. start + n - 1`` (the clean branch of a branch batch)."""
+        return Accounting(*(v[start : start + n] for v in (self.kv_bytes, self.vision_layer_avg, self.flops, self.flops_7b)))
+
 
 def state_accounting(state: LMState) -> Accounting:
     """Logical KV bytes, layer-averaged vision tokens and prefill FLOPs of each sample."""
     from ..flops import LLAVA_7B, LMShape, prefill_flops, project_schedule
 
     # per-layer counts of what prefill computed (before any KV policy trimmed the cache)
-    vis = state.extras.get("vision_tokens_per_layer", state.extras.get("prefill_vision_per_layer"))
+    acc = state.accounting
+    vis = acc.vision_override if acc.vision_override is not None else acc.prefill_vision
     vis = (vis if vis is not None else state.vision_tokens_per_layer()).float()  # [B, n_layers]
-    tok = state.extras.get("prefill_tokens_per_layer")
+    tok = acc.prefill_tokens
     tok = (tok if tok is not None else state.tokens_per_layer()).float()  # [B, n_layers] text + vision
     shape = LMShape.of(state.text_config) if state.text_config is not None else None
     starts = [g.ref_start if g.ref_start is not None else g.start * LLAVA_7B.n_layers / state.n_layers for g in state.groups]

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
-from .loop import strip
+from .loop import finish
 
 
 class BeamSearch:
@@ -94,7 +95,7 @@ class BeamSearch:
 class Beam(Decoder):
     """Beam search."""
 
-    speculative_conflict = "beam search scores several hypotheses per step, which draft verification does not"
+    caps = Capabilities(search="beam")
 
     @dataclass(frozen=True)
     class Config:
@@ -103,10 +104,10 @@ class Beam(Decoder):
 
     def decode(self, req: DecodeRequest) -> DecodeOutput:
         inputs, max_new_tokens = req.inputs, req.max_new_tokens
-        runner, mm = self.session.runner, self.session.mm
-        device = mm.device
+        runner = self.ctx.runner
+        device = self.ctx.device
         k = self.config.num_beams
-        stop = torch.tensor(mm.eos_token_ids, device=device)
+        stop = torch.tensor(self.ctx.special.eos, device=device)
         t0 = now(device)
         state, out = runner.prefill(inputs)
         t1 = now(device)
@@ -124,12 +125,8 @@ class Beam(Decoder):
             n_forwards += 1
         t2 = now(device)
         kv_end = state.kv_bytes_per_sample()
-        result = DecodeOutput(
-            tokens=[strip(t, mm.eos_token_ids) for t in search.best()],
-            prefill_s=t1 - t0,
-            decode_s=t2 - t1,
-            n_forwards=n_forwards,
-            kv_bytes_end=[sum(kv_end[i * k : (i + 1) * k]) for i in range(inputs.batch_size)],
+        return finish(
+            self.ctx, search.best(), times=(t0, t1, t2), acc=acc, n_forwards=n_forwards,
+            method_stats=state.stats_rows(inputs.batch_size),
+            kv_end=[sum(kv_end[i * k : (i + 1) * k]) for i in range(inputs.batch_size)],
         )
-        result.set_prefill_accounting(acc)
-        return result

@@ -12,7 +12,9 @@ fuses the branch logits:
   the clean branch's logits (every reference implementation works in logit space);
 - selection: greedy, or sampling with (VCD, RITUAL, M3ID) or without (DAMRO) the usual warpers.
 
-Pruning stages in the same recipe act on every branch's prefill (they are hooked into the runner).
+Pruning stages in the same recipe act on every branch's prefill (they are hooked into the runner); an
+image branch is encoded with ``ctx.encode_branch``, so per-token decisions (tags) and statistics stay
+with each branch's own inputs and states. The loop itself is the one decode driver's.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import torch
 
 from ..config import opt
 from ..models.base import LMInputs
-from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
-from .loop import make_generator, sample_from, strip, warpers
+from .base import Decoder, DecodeOutput, DecodeRequest
+from .loop import drive, make_generator, sample_from, warpers
 
 if TYPE_CHECKING:
-    from ..pipeline import Session
+    from ..context import MethodContext
 
 
 @dataclass
@@ -41,8 +43,8 @@ class Branch:
 class BranchSet:
     """Branches of one batch, each with its own KV cache, all fed the same token each step."""
 
-    def __init__(self, session: Session, branches: list[Branch]) -> None:
-        self.session = session
+    def __init__(self, ctx: MethodContext, branches: list[Branch]) -> None:
+        self.ctx = ctx
         self.names = [b.name for b in branches]
         self.batch = branches[0].inputs.batch_size
         by_len: dict[int, list[int]] = {}
@@ -60,7 +62,7 @@ class BranchSet:
         """Prefill every group; returns last-position logits [B, V] per branch name."""
         out: dict[str, torch.Tensor] = {}
         for idx, inputs in self.groups:
-            state, step = self.session.runner.prefill(inputs)
+            state, step = self.ctx.runner.prefill(inputs)
             self.states.append(state)
             self._split(idx, step.logits[:, -1], out)
         return out
@@ -70,7 +72,7 @@ class BranchSet:
         out: dict[str, torch.Tensor] = {}
         for (idx, _), state in zip(self.groups, self.states):
             toks = tokens.repeat(len(idx))[:, None]  # [n_branches * B, 1]
-            self._split(idx, self.session.runner.step(state, toks).logits[:, -1], out)
+            self._split(idx, self.ctx.runner.step(state, toks).logits[:, -1], out)
             self.n_forwards += 1
         return out
 
@@ -127,45 +129,44 @@ class MultiBranchDecoder(Decoder):
         raise NotImplementedError
 
     def decode(self, req: DecodeRequest) -> DecodeOutput:
-        cfg = self.config
-        session, mm = self.session, self.session.mm
-        device = mm.device
-        stop = torch.tensor(mm.eos_token_ids, device=device)
-        gen = make_generator(req.seed, device)
-        procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p) if self.use_warpers else None
-        t0 = now(device)
-        bset = BranchSet(session, [Branch("clean", req.inputs), *self.branches(req)])
-        logits = bset.prefill()
-        t1 = now(device)
-        state, row = bset.clean_state()
-        acc = state_accounting(state)
-        bsz = req.inputs.batch_size
-        finished = torch.zeros(bsz, dtype=torch.bool, device=device)
-        generated = []
-        for step in range(req.max_new_tokens):
-            fused = self.fuse(logits, step).float()
-            fused = fused.masked_fill(~plausibility_mask(logits["clean"].float(), cfg.beta), float("-inf"))
-            if cfg.sample:
-                nxt = sample_from(procs(None, fused) if procs is not None else fused, gen)
-            else:
-                nxt = fused.argmax(-1)
-            nxt = torch.where(finished, torch.full_like(nxt, mm.pad_token_id), nxt)
-            generated.append(nxt)
-            finished |= torch.isin(nxt, stop)
-            if bool(finished.all()) or step == req.max_new_tokens - 1:
-                break
-            logits = bset.step(nxt)
-        t2 = now(device)
-        kv_end = state.kv_bytes_per_sample()[row : row + bsz]
-        ids = torch.stack(generated, 1).tolist()
-        out = DecodeOutput(
-            tokens=[strip(r, mm.eos_token_ids) for r in ids],
-            prefill_s=t1 - t0,
-            decode_s=t2 - t1,
-            n_forwards=bset.n_forwards,
-            kv_bytes_end=kv_end,
-            stats={"branches": bset.names, "forwards_per_step": len(bset.groups)},
-        )
-        out.set_prefill_accounting(type(acc)(*(v[row : row + bsz] for v in vars(acc).values())))
+        policy = _BranchPolicy(self, req)
+        out = drive(self.ctx, policy, req.inputs.batch_size, req.max_new_tokens)
+        out.stats = {"branches": policy.bset.names, "forwards_per_step": len(policy.bset.groups)}
         return out
 
+
+class _BranchPolicy:
+    """The driver's step policy for a branch decoder: prefill every branch, fuse, feed all."""
+
+    def __init__(self, decoder: MultiBranchDecoder, req: DecodeRequest) -> None:
+        cfg = decoder.config
+        self.decoder, self.req, self.beta, self.sample = decoder, req, cfg.beta, cfg.sample
+        self.gen = make_generator(req.seed, decoder.ctx.device)
+        self.procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p) if decoder.use_warpers else None
+        self.bset: BranchSet
+        self.logits: dict[str, torch.Tensor] = {}
+
+    @property
+    def n_forwards(self) -> int:
+        return self.bset.n_forwards
+
+    def prefill(self):
+        self.bset = BranchSet(self.decoder.ctx, [Branch("clean", self.req.inputs), *self.decoder.branches(self.req)])
+        self.logits = self.bset.prefill()
+        state, row = self.bset.clean_state()
+        assert row == 0, "the clean branch leads its group"
+        return state, self.logits["clean"]
+
+    def choose(self, clean: torch.Tensor, step: int) -> torch.Tensor:
+        fused = self.decoder.fuse(self.logits, step).float()
+        fused = fused.masked_fill(~plausibility_mask(self.logits["clean"].float(), self.beta), float("-inf"))
+        if not self.sample:
+            return fused.argmax(-1)
+        return sample_from(self.procs(None, fused) if self.procs is not None else fused, self.gen)
+
+    def advance(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.logits = self.bset.step(tokens)
+        return self.logits["clean"]
+
+    def end_state(self):
+        return self.bset.clean_state()[0]

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..hooks import attach
-from ..registry import DECODERS, PRUNERS
+from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
 
 
@@ -31,24 +32,18 @@ class Damro(MultiBranchDecoder):
     """DAMRO."""
 
     use_warpers = False
-    families = frozenset({"llava"})  # the outlier branch indexes one patch grid per image
+    # the outlier branch indexes one patch grid per image and reads the tower's unmerged tokens
+    caps = Capabilities(families=frozenset({"llava"}), search="branches", needs_unmerged_tower=True)
 
     @dataclass(frozen=True)
     class Config(BranchConfig):
         alpha: float = opt(2.0, lo=0.0, hi=20.0, doc="contrast weight (LLaVA: 2)")
         k: int = opt(10, lo=1, doc="outlier tokens fed to the auxiliary branch")
 
-    @classmethod
-    def check_recipe(cls, recipe):
-        for stage in recipe.pruning:
-            if "vision_tower" in PRUNERS.get(stage.method).cls.hook_points:
-                return f"the outlier branch needs unmerged vision tokens; {stage.method} merges inside the vision tower"
-        return None
-
     def install(self) -> None:
-        layer = self.session.adapter.vision_feature_layer_index()
+        layer = self.ctx.adapter.vision_feature_layer_index()
         self._cls_scores: torch.Tensor | None = None
-        attach(self.session.hooks, self.session.adapter.vision_layers[layer].self_attn).recorders.append(self._record)
+        attach(self.ctx.hooks, self.ctx.adapter.vision_layers[layer].self_attn).recorders.append(self._record)
 
     def _record(self, module, query, key, attention_mask, scaling) -> None:
         bsz, heads, n, d = query.shape
@@ -70,7 +65,7 @@ class Damro(MultiBranchDecoder):
             patch_ids=[p[idx] for p, idx in zip(raw.patch_ids, top)],
             projected=[None] * raw.n_images,
         )
-        return [Branch("outliers", self.session.build_inputs(req.batch, outliers))]
+        return [Branch("outliers", self.ctx.build_inputs(req.batch, outliers))]
 
     def fuse(self, logits, step):
         return contrastive(logits["clean"], logits["outliers"], self.config.alpha)

@@ -1,6 +1,6 @@
 """Greedy decoding (argmax at every step): the baseline every other decoder is compared with.
 
-With a ``speculative`` section in the recipe, greedy runs the lossless draft-and-verify engine
+With a ``speculative`` section in the recipe, the session runs the lossless draft-and-verify engine
 instead of one token per forward; the output tokens are identical.
 """
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..capabilities import Capabilities
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput, DecodeRequest
+from .base import Decoder, DecodeOutput, DecodeRequest, Sampling
 from .loop import autoregressive
 
 
@@ -17,15 +18,14 @@ from .loop import autoregressive
 class Greedy(Decoder):
     """Greedy decoding."""
 
-    supports_speculative = True
+    caps = Capabilities(speculative=True)
 
     @dataclass(frozen=True)
     class Config:
         pass
 
-    def decode(self, req: DecodeRequest) -> DecodeOutput:
-        if self.session.drafter is not None:
-            from ..speculative.engine import speculative_decode
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=0.0)
 
-            return speculative_decode(self.session, req, temperature=0.0)
-        return autoregressive(self.session, req.inputs, lambda logits, step, state: logits.argmax(-1), req.max_new_tokens)
+    def decode(self, req: DecodeRequest) -> DecodeOutput:
+        return autoregressive(self.ctx, req.inputs, lambda logits, step, state: logits.argmax(-1), req.max_new_tokens)

@@ -1,17 +1,17 @@
-"""The shared single-branch decode loop and token selection helpers."""
+"""The one decode driver (:func:`drive`), the single-branch step policy, and token selection helpers."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .base import DecodeOutput, now, state_accounting
+from .base import Accounting, DecodeOutput, now, state_accounting
 
 if TYPE_CHECKING:
+    from ..context import MethodContext
     from ..models.base import LMInputs
-    from ..pipeline import Session
     from ..runtime import LMState, StepOutput
 
 # (logits [B, V] fp32, step, state) -> next tokens [B]
@@ -42,7 +42,7 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return gen
 
 
-def strip(tokens: list[int], stop_ids: list[int]) -> list[int]:
+def strip(tokens: list[int], stop_ids) -> list[int]:
     """Generated ids up to (excluding) the first stop token."""
     out = []
     for t in tokens:
@@ -52,49 +52,127 @@ def strip(tokens: list[int], stop_ids: list[int]) -> list[int]:
     return out
 
 
+class StepPolicy(Protocol):
+    """What a decoder supplies to :func:`drive`: how to prefill, choose and advance.
+
+    ``prefill`` returns the state that holds the clean branch (accounting is taken from its first
+    ``B`` rows) and the first next-token logits ``[B, V]``; ``choose`` turns logits into tokens
+    ``[B]``; ``advance`` feeds the chosen tokens and returns the next logits ``[B, V]``.
+    """
+
+    n_forwards: int
+
+    def prefill(self) -> tuple[LMState, torch.Tensor]: ...
+
+    def choose(self, logits: torch.Tensor, step: int) -> torch.Tensor: ...
+
+    def advance(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def end_state(self) -> LMState: ...
+
+
+def finish(
+    ctx: MethodContext,
+    rows: list[list[int]],
+    *,
+    times: tuple[float, float, float],
+    acc: Accounting,
+    kv_end: list[int],
+    n_forwards: int,
+    method_stats: dict[str, dict[str, Any]],
+    stats: dict[str, Any] | None = None,
+) -> DecodeOutput:
+    """The shared end of every decode loop: strip at the first stop token, times and accounting."""
+    t0, t1, t2 = times
+    out = DecodeOutput(
+        tokens=[strip(r, ctx.special.eos) for r in rows],
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+        n_forwards=n_forwards,
+        kv_bytes_end=kv_end,
+        stats=dict(stats or {}),
+        method_stats=method_stats,
+    )
+    out.set_prefill_accounting(acc)
+    return out
+
+
+def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_tokens: int) -> DecodeOutput:
+    """The one decode driver: prefill, then one token per step until EOS or ``max_new_tokens``.
+
+    Owns timing, stopping (finished rows are fed padding), stripping and accounting; the policy owns
+    the forwards and the token choice.
+    """
+    device = ctx.device
+    stop = torch.tensor(ctx.special.eos, device=device)
+    t0 = now(device)
+    state, logits = policy.prefill()
+    t1 = now(device)
+    acc = state_accounting(state).rows(batch_size)
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    generated: list[torch.Tensor] = []
+    for step in range(max_new_tokens):
+        nxt = policy.choose(logits, step)  # [B]
+        nxt = torch.where(finished, torch.full_like(nxt, ctx.special.pad), nxt)
+        generated.append(nxt)
+        finished |= torch.isin(nxt, stop)
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        logits = policy.advance(nxt)
+    t2 = now(device)
+    ids = torch.stack(generated, 1).tolist() if generated else [[] for _ in range(batch_size)]
+    end = policy.end_state()  # stats of decode-time policies are complete only now
+    kv_end = end.kv_bytes_per_sample()[:batch_size]
+    return finish(ctx, ids, times=(t0, t1, t2), acc=acc, kv_end=kv_end, n_forwards=policy.n_forwards,
+                  method_stats=end.stats_rows(batch_size))
+
+
+class SingleBranch:
+    """One branch: ``runner.prefill`` then ``runner.step`` (or a full recompute without cache)."""
+
+    def __init__(
+        self,
+        ctx: MethodContext,
+        inputs: LMInputs,
+        choose: ChooseFn,
+        on_prefill: Callable[[LMState, StepOutput], None] | None = None,
+    ) -> None:
+        self.ctx, self.inputs, self._choose, self.on_prefill = ctx, inputs, choose, on_prefill
+        self.state: LMState | None = None
+        self.n_forwards = 0
+
+    def prefill(self) -> tuple[LMState, torch.Tensor]:
+        self.state, out = self.ctx.runner.prefill(self.inputs)
+        if self.on_prefill is not None:
+            self.on_prefill(self.state, out)  # may drop rows (VHR's text-only stream)
+        return self.state, out.logits[:, -1]
+
+    def choose(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        return self._choose(logits, step, self.state)
+
+    def advance(self, tokens: torch.Tensor) -> torch.Tensor:
+        runner, state = self.ctx.runner, self.state
+        self.n_forwards += 1
+        if runner.use_cache:
+            return runner.step(state, tokens[:, None]).logits[:, -1]
+        # recompute the whole sequence (Dynamic-LLaVA's decode-without-cache rule)
+        inputs = state.inputs.append(tokens[:, None], self.ctx.adapter.embed_tokens(tokens[:, None]))
+        self.state, out = runner.prefill(inputs)
+        return out.logits[:, -1]
+
+    def end_state(self) -> LMState:
+        return self.state
+
+
 def autoregressive(
-    session: Session,
+    ctx: MethodContext,
     inputs: LMInputs,
     choose: ChooseFn,
     max_new_tokens: int,
     *,
     on_prefill: Callable[[LMState, StepOutput], None] | None = None,
+    batch_size: int | None = None,
 ) -> DecodeOutput:
-    """Prefill, then one token per step chosen by ``choose`` until EOS or ``max_new_tokens``."""
-    runner, mm = session.runner, session.mm
-    device = mm.device
-    stop = torch.tensor(mm.eos_token_ids, device=device)
-    t0 = now(device)
-    state, out = runner.prefill(inputs)
-    if on_prefill is not None:
-        on_prefill(state, out)
-    t1 = now(device)
-    acc = state_accounting(state)
-    bsz = state.batch_size  # on_prefill may drop rows (VHR's text-only stream)
-    finished = torch.zeros(bsz, dtype=torch.bool, device=device)
-    generated: list[torch.Tensor] = []
-    n_forwards = 0
-    for step in range(max_new_tokens):
-        nxt = choose(out.logits[:, -1], step, state)  # [B]
-        nxt = torch.where(finished, torch.full_like(nxt, mm.pad_token_id), nxt)
-        generated.append(nxt)
-        finished |= torch.isin(nxt, stop)
-        if bool(finished.all()) or step == max_new_tokens - 1:
-            break
-        if runner.use_cache:
-            out = runner.step(state, nxt[:, None])
-        else:  # recompute the whole sequence (Dynamic-LLaVA's decode-without-cache rule)
-            inputs = state.inputs.append(nxt[:, None], session.adapter.embed_tokens(nxt[:, None]))
-            state, out = runner.prefill(inputs)
-        n_forwards += 1
-    t2 = now(device)
-    ids = torch.stack(generated, 1).tolist() if generated else [[] for _ in range(bsz)]
-    result = DecodeOutput(
-        tokens=[strip(row, mm.eos_token_ids) for row in ids],
-        prefill_s=t1 - t0,
-        decode_s=t2 - t1,
-        n_forwards=n_forwards,
-        kv_bytes_end=state.kv_bytes_per_sample(),
-    )
-    result.set_prefill_accounting(acc)
-    return result
+    """Single-branch decoding with ``choose`` through the driver."""
+    policy = SingleBranch(ctx, inputs, choose, on_prefill)
+    return drive(ctx, policy, batch_size or inputs.batch_size, max_new_tokens)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
@@ -50,6 +51,8 @@ def leading_query(question: str, rng, yes_no: tuple[str, ...], open_ended: tuple
 class LQCD(MultiBranchDecoder):
     """Leading Query Contrastive Decoding."""
 
+    caps = Capabilities(search="branches")
+
     @dataclass(frozen=True)
     class Config(BranchConfig):
         alpha: float = opt(1.0, lo=0.0, hi=20.0, doc="contrast weight (unverified default)")
@@ -63,8 +66,8 @@ class LQCD(MultiBranchDecoder):
             for p, ims in zip(req.batch.prompts, req.batch.images)
         ]
         self.last_leading = leads
-        batch = self.session.reprompt(req.batch, leads)
-        return [Branch("leading", self.session.build_inputs(batch, req.vision))]
+        batch = self.ctx.reprompt(req.batch, leads)
+        return [Branch("leading", self.ctx.build_inputs(batch, req.vision))]
 
     def fuse(self, logits, step):
         return contrastive(logits["clean"], logits["leading"], self.config.alpha)

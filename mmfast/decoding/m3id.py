@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, MultiBranchDecoder, m3id
@@ -19,6 +20,8 @@ from .branches import Branch, MultiBranchDecoder, m3id
 @DECODERS.register("m3id", description="M3ID: amplify the image's contribution against an image-free branch")
 class M3ID(MultiBranchDecoder):
     """M3ID."""
+
+    caps = Capabilities(search="branches")
 
     @dataclass(frozen=True)
     class Config:
@@ -30,7 +33,7 @@ class M3ID(MultiBranchDecoder):
         top_k: int = opt(0, lo=0)
 
     def branches(self, req):
-        return [Branch("no_image", self.session.text_only_inputs(req.batch))]
+        return [Branch("no_image", self.ctx.text_only_inputs(req.batch))]
 
     def fuse(self, logits, step):
         return m3id(logits["clean"], logits["no_image"], step, self.config.lam)

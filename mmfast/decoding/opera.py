@@ -63,13 +63,14 @@ from typing import Any, Literal
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
 from .beam import BeamSearch
 from ._opera_penalty import OverTrustHistory, mode, phi_from_log
-from .loop import strip
+from .loop import finish
 
 #: The README's settings: "paper" (the defaults) and the faster "efficient" one.
 _PAPER = {
@@ -105,10 +106,7 @@ class _SampleResult:
 class Opera(Decoder):
     """OPERA (over-trust penalty + retrospection-allocation beam search)."""
 
-    speculative_conflict = (
-        "OPERA is a beam search with candidate look-ahead and rollback; draft verification checks a single "
-        "greedy/sampled hypothesis per step"
-    )
+    caps = Capabilities(search="beam", needs_full_decode_cache=True)
     probe_key = "opera.last_layer"
 
     @dataclass(frozen=True)
@@ -126,45 +124,23 @@ class Opera(Decoder):
         candidate_chunk: int = opt(0, lo=0, doc="clone look-ahead: candidate sets per forward (0: all N_can in one forward)")
         fp16_saturation: bool = opt(False, doc="reproduce the released code's fp16 score buffer (inf above 65504)")
 
-    @classmethod
-    def check_recipe(cls, recipe) -> str | None:
-        from ..registry import PRUNERS
-
-        if recipe.speculative is not None:
-            return f"cannot use speculative drafting: {cls.speculative_conflict}"
-        # OPERA is a beam search: a pruning stage that refuses beam search refuses OPERA too
-        as_beam = dataclasses.replace(recipe, decoding=dataclasses.replace(recipe.decoding, method="beam"))
-        for i, stage in enumerate(recipe.pruning):
-            problem = PRUNERS.get(stage.method).cls.check_recipe(as_beam, i)
-            if problem:
-                return f"pruning[{i}] ({stage.method}) refuses beam search, which OPERA is: {problem}"
-            params = stage.params
-            if stage.method == "dynamic_llava" and (params.text_keep == "predictor" or not params.use_cache):
-                return (
-                    f"pruning[{i}] (dynamic_llava) drops generated tokens from the KV cache while decoding (or decodes "
-                    "without cache); OPERA's over-trust map needs every generated token cached in the last layer and "
-                    "clones/re-forwards caches for its look-ahead and rollback. Set text_keep: always"
-                )
-        return None
-
     def install(self) -> None:
-        layer = self.session.adapter.layers[-1]
+        layer = self.ctx.adapter.layers[-1]
         self._tree = False  # set during a tree look-ahead forward: record every query row
-        self.session.probe.watch(
+        self.ctx.probe.watch(
             self.probe_key,
             layer.self_attn,
             rows=lambda q, k: torch.arange(q) if self._tree else torch.tensor([q - 1]),
             when=lambda q, k: q == 1 or self._tree,
             reduce="max",
         )
-        self.last_trace: list[list[dict[str, Any]]] = []
 
     # -- forwards ----------------------------------------------------------------------------------
     def _forward_rows(self, state, tokens: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` ([R]) and return (logits [R, V], renormalised last-layer rows [R, keys])."""
-        probe = self.session.probe
+        probe = self.ctx.probe
         probe.records.pop(self.probe_key, None)
-        logits = self.session.runner.step(state, tokens[:, None], all_logits=False).logits[:, -1]
+        logits = self.ctx.runner.step(state, tokens[:, None], all_logits=False).logits[:, -1]
         rec = probe.get(self.probe_key)
         if rec is None or rec.k_len != keys:
             got = None if rec is None else rec.k_len
@@ -187,11 +163,11 @@ class Opera(Decoder):
         past and itself only), then the cache is cropped back: no cache copy at all."""
         k, n = cand.shape
         dev = cand.device
-        probe = self.session.probe
+        probe = self.ctx.probe
         probe.records.pop(self.probe_key, None)
         self._tree = True
         try:
-            self.session.runner.step(
+            self.ctx.runner.step(
                 state, cand, depth=torch.zeros(n, dtype=torch.long, device=dev),
                 block_mask=torch.eye(n, dtype=torch.bool, device=dev), all_logits=False,
             )
@@ -226,12 +202,12 @@ class Opera(Decoder):
 
     def _per_step_policies(self) -> bool:
         """Whether the recipe acts on every decode step (KV policies after a step, decode-time layer hooks)."""
-        runner = self.session.runner
+        runner = self.ctx.runner
         return bool(runner.step_hooks) or bool(getattr(runner, "_decode", None))
 
     def _rebuild(self, base, ids: torch.Tensor, first_logits: torch.Tensor):
         """A fresh beam state: the post-prompt cache cloned for K beams plus the generated prefix ``ids`` [K, p]."""
-        runner = self.session.runner
+        runner = self.ctx.runner
         k, p = ids.shape
         state = base.clone()
         state.repeat_interleave(k)
@@ -246,16 +222,15 @@ class Opera(Decoder):
     # -- decode --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, req: DecodeRequest) -> DecodeOutput:
-        runner, mm = self.session.runner, self.session.mm
-        if not runner.use_cache:
-            raise IncompatibleRecipeError("OPERA needs the KV cache (a pruning stage set decode without cache)")
-        device = mm.device
+        runner = self.ctx.runner
+        device = self.ctx.device
         inputs = req.inputs
-        stop = torch.tensor(mm.eos_token_ids, device=device)
+        stop = torch.tensor(self.ctx.special.eos, device=device)
         t0 = now(device)
         state, out = runner.prefill(inputs)
         t1 = now(device)
         acc = state_accounting(state)
+        method_stats = state.stats_rows(inputs.batch_size)
         g_last = state.group_of(state.n_layers - 1)
         resp_start = state.groups[g_last].length  # prompt length as the last layer caches it
         vision = state.vision_slots(g_last).float()  # [B, T0]
@@ -269,24 +244,19 @@ class Opera(Decoder):
                 base.reorder(torch.tensor([b], device=device))
             results.append(self._decode_sample(base, out.logits[b, -1], resp_start, vision[b], req.max_new_tokens, stop))
         t2 = now(device)
-        self.last_trace = [r.rollbacks for r in results]
-        result = DecodeOutput(
-            tokens=[strip(r.tokens, mm.eos_token_ids) for r in results],
-            prefill_s=t1 - t0,
-            decode_s=t2 - t1,
-            n_forwards=sum(r.n_forwards for r in results),
-            kv_bytes_end=[r.kv_bytes_end for r in results],
-            stats={
-                "per_sample_rollbacks": [len(r.rollbacks) for r in results],
-                "per_sample_rollback_positions": [[e["position"] for e in r.rollbacks] for r in results],
-                "per_sample_penalty_steps": [r.penalty_steps for r in results],
-                "per_sample_bonus_steps": [r.bonus_steps for r in results],
-                "per_sample_candidate_forwards": [r.candidate_forwards for r in results],
-                "per_sample_attn_history_bytes_peak": [r.history_bytes_peak for r in results],
-            },
+        stats = {
+            "per_sample_rollbacks": [len(r.rollbacks) for r in results],
+            "per_sample_rollback_events": [r.rollbacks for r in results],
+            "per_sample_rollback_positions": [[e["position"] for e in r.rollbacks] for r in results],
+            "per_sample_penalty_steps": [r.penalty_steps for r in results],
+            "per_sample_bonus_steps": [r.bonus_steps for r in results],
+            "per_sample_candidate_forwards": [r.candidate_forwards for r in results],
+            "per_sample_attn_history_bytes_peak": [r.history_bytes_peak for r in results],
+        }
+        return finish(
+            self.ctx, [r.tokens for r in results], times=(t0, t1, t2), acc=acc, method_stats=method_stats,
+            kv_end=[r.kv_bytes_end for r in results], n_forwards=sum(r.n_forwards for r in results), stats=stats,
         )
-        result.set_prefill_accounting(acc)
-        return result
 
     def _rollback_target(self, locs: list[torch.Tensor], loc: int, step: int, counts: dict[int, int], oldest: int) -> int | None:
         """The response position to roll back to, or None (trigger not fired, or positions exhausted)."""

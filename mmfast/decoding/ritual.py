@@ -24,6 +24,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageEnhance
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, additive
@@ -100,7 +101,8 @@ def query_rng(seed: int, prompt: str, image: Image.Image) -> random.Random:
 class Ritual(MultiBranchDecoder):
     """RITUAL."""
 
-    families = frozenset({"llava"})  # transforms change the image size: another anyres token layout
+    # transforms change the image size: another anyres token layout
+    caps = Capabilities(families=frozenset({"llava"}), search="branches")
 
     @dataclass(frozen=True)
     class Config(BranchConfig):
@@ -110,7 +112,7 @@ class Ritual(MultiBranchDecoder):
         transforms: tuple[Transform, ...] = opt(POOL, doc="the pool one transform is drawn from per query")
 
     def branches(self, req):
-        cfg, session = self.config, self.session
+        cfg, ctx = self.config, self.ctx
         size = int(req.batch.pixel_values.shape[-1])
         chosen, images = [], []
         for prompt, ims in zip(req.batch.prompts, req.batch.images):
@@ -120,11 +122,11 @@ class Ritual(MultiBranchDecoder):
             images.append([transform(im, kind, rng, size) for im in ims])
         self.last_transforms = chosen
         flat = [im for ims in images for im in ims]
-        pixels = session.mm.image_processor(images=flat, return_tensors="pt")["pixel_values"]
+        pixels = ctx.image_processor(images=flat, return_tensors="pt")["pixel_values"]
         batch = dataclasses.replace(req.batch, images=images, pixel_values=pixels)
-        out = [Branch("transformed", session.build_inputs(batch, session.encode(batch)))]
+        out = [Branch("transformed", ctx.encode_branch(batch)[1])]
         if cfg.alpha_neg > 0:
-            out.append(noised_branch(session, req, cfg.noise_step, req.seed))
+            out.append(noised_branch(ctx, req, cfg.noise_step, req.seed))
         return out
 
     def fuse(self, logits, step):

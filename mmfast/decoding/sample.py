@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import opt
+from ..capabilities import Capabilities
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput, DecodeRequest
+from .base import Decoder, DecodeOutput, DecodeRequest, Sampling
 from .loop import autoregressive, make_generator, sample_from, warpers
 
 
@@ -18,7 +19,7 @@ from .loop import autoregressive, make_generator, sample_from, warpers
 class Sample(Decoder):
     """Sampling."""
 
-    supports_speculative = True
+    caps = Capabilities(speculative=True)
 
     @dataclass(frozen=True)
     class Config:
@@ -26,16 +27,16 @@ class Sample(Decoder):
         top_k: int = opt(0, lo=0, doc="keep the k most likely tokens (0 = off)")
         top_p: float = opt(1.0, lo=0.0, hi=1.0, doc="nucleus mass (1 = off)")
 
+    def sampling(self) -> Sampling:
+        cfg = self.config
+        return Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+
     def decode(self, req: DecodeRequest) -> DecodeOutput:
         cfg = self.config
-        if self.session.drafter is not None:
-            from ..speculative.engine import speculative_decode
-
-            return speculative_decode(self.session, req, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-        gen = make_generator(req.seed, self.session.mm.device)
+        gen = make_generator(req.seed, self.ctx.device)
         procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p)
 
         def choose(logits, step, state):
             return sample_from(procs(None, logits), gen)
 
-        return autoregressive(self.session, req.inputs, choose, req.max_new_tokens)
+        return autoregressive(self.ctx, req.inputs, choose, req.max_new_tokens)

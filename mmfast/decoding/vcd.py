@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
+
+if TYPE_CHECKING:
+    from ..context import MethodContext
 
 
 def ddpm_noise(pixel_values: torch.Tensor, step: int, generator: torch.Generator) -> torch.Tensor:
@@ -31,7 +36,7 @@ def ddpm_noise(pixel_values: torch.Tensor, step: int, generator: torch.Generator
     return (abar.sqrt() * x + (1 - abar).sqrt() * eps.to(x.device)).to(pixel_values.dtype)
 
 
-def noised_branch(session, req, step: int, seed: int, name: str = "noised") -> Branch:
+def noised_branch(ctx: MethodContext, req, step: int, seed: int, name: str = "noised") -> Branch:
     """The batch with every image noised; each image's noise depends only on (seed, image, prompt),
     never on the sampling RNG or on the batch it is in."""
     from .ritual import query_rng
@@ -43,12 +48,14 @@ def noised_branch(session, req, step: int, seed: int, name: str = "noised") -> B
         gen = torch.Generator(device="cpu").manual_seed(rng.getrandbits(63))
         noised.append(ddpm_noise(req.batch.pixel_values[i : i + 1], step, gen))
     batch = dataclasses.replace(req.batch, pixel_values=torch.cat(noised))
-    return Branch(name, session.build_inputs(batch, session.encode(batch)))
+    return Branch(name, ctx.encode_branch(batch)[1])
 
 
 @DECODERS.register("vcd", description="VCD: contrast against a diffusion-noised image (baseline)")
 class VCD(MultiBranchDecoder):
     """Visual Contrastive Decoding."""
+
+    caps = Capabilities(search="branches")
 
     @dataclass(frozen=True)
     class Config(BranchConfig):
@@ -56,7 +63,7 @@ class VCD(MultiBranchDecoder):
         noise_step: int = opt(500, lo=0, hi=999, doc="DDPM step of the distortion")
 
     def branches(self, req):
-        return [noised_branch(self.session, req, self.config.noise_step, req.seed)]
+        return [noised_branch(self.ctx, req, self.config.noise_step, req.seed)]
 
     def fuse(self, logits, step):
         return contrastive(logits["clean"], logits["noised"], self.config.alpha)

@@ -56,7 +56,7 @@ class VHR(Decoder):
         top_k: int = opt(0, lo=0)
 
     def install(self) -> None:
-        adapter = self.session.adapter
+        adapter = self.ctx.adapter
         n = len(adapter.layers)
         self.layers = list(self.config.layers) if self.config.layers is not None else paper_layers(n)
         bad = [layer for layer in self.layers if not 0 <= layer < n]
@@ -68,7 +68,7 @@ class VHR(Decoder):
         self.n_image_rows = 0
         if self.config.alpha != 1.0:
             for layer in self.layers:
-                self.session.hooks.pre_hook(adapter.layers[layer].self_attn.o_proj, self._hook(layer))
+                self.ctx.hooks.pre_hook(adapter.layers[layer].self_attn.o_proj, self._hook(layer))
 
     def _hook(self, layer: int):
         def pre_hook(module, args):
@@ -96,21 +96,21 @@ class VHR(Decoder):
 
     def decode(self, req: DecodeRequest) -> DecodeOutput:
         cfg = self.config
-        gen = make_generator(req.seed, self.session.mm.device)
+        gen = make_generator(req.seed, self.ctx.device)
         procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p)
 
         def choose(logits, step, state):
             return sample_from(procs(None, logits), gen) if cfg.sample else logits.argmax(-1)
 
         if cfg.alpha == 1.0:
-            return autoregressive(self.session, req.inputs, choose, req.max_new_tokens)
+            return autoregressive(self.ctx, req.inputs, choose, req.max_new_tokens)
         bsz = req.inputs.batch_size
-        text = self.session.text_only_inputs(req.batch)
-        joint = _left_pad_cat(req.inputs, text, self.session.mm.pad_token_id, self.session.adapter)
+        text = self.ctx.text_only_inputs(req.batch)
+        joint = _left_pad_cat(req.inputs, text, self.ctx.special.pad, self.ctx.adapter)
         self.n_image_rows = bsz
         self.phase = "select"
         try:
-            out = autoregressive(self.session, joint, choose, req.max_new_tokens, on_prefill=self._after_prefill)
+            out = autoregressive(self.ctx, joint, choose, req.max_new_tokens, on_prefill=self._after_prefill, batch_size=bsz)
         finally:
             self.phase = "off"
         out.tokens = out.tokens[:bsz]

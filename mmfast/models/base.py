@@ -31,6 +31,13 @@ class VisionBatch:
     pixel_values: torch.Tensor  # [n_images, 3, H, W] as fed to the tower
     projected: list[torch.Tensor | None] = field(default_factory=list)  # per image [N_i, d] or None
     extras: dict[str, Any] = field(default_factory=dict)  # probe results and per-method side data
+    #: per-token data that travels with the tokens into ``LMInputs.tags``: name -> per image [N_i]
+    #: (bool or long; text and padding get 0). A stage that selects rows must select these too.
+    tags: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: per-method statistics of this encoding (method name -> stats; ``per_sample_*`` lists)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the tower's output before any feature stage (set by the session; DAMRO's outlier branch)
+    raw: Any = None
 
     def __post_init__(self) -> None:
         if not self.projected:
@@ -39,6 +46,27 @@ class VisionBatch:
     @property
     def n_images(self) -> int:
         return len(self.features)
+
+    @staticmethod
+    def concat(parts: list[VisionBatch]) -> VisionBatch:
+        """Images of several encodings (one tower call each) as one batch. List-valued ``extras``
+        and tags are joined per image; other extras must agree."""
+        if len(parts) == 1:
+            return parts[0]
+        extras: dict[str, Any] = {}
+        for p in parts:
+            for k, v in p.extras.items():
+                extras[k] = extras.get(k, []) + list(v) if isinstance(v, list) else v
+        return VisionBatch(
+            features=[f for p in parts for f in p.features],
+            patch_ids=[i for p in parts for i in p.patch_ids],
+            cls=None if parts[0].cls is None else torch.cat([p.cls for p in parts]),
+            grid=parts[0].grid,
+            pixel_values=torch.cat([p.pixel_values for p in parts]),
+            projected=[x for p in parts for x in p.projected],
+            extras=extras,
+            tags={k: [t for p in parts for t in p.tags[k]] for k in parts[0].tags},
+        )
 
     def counts(self) -> list[int]:
         return [int(p.shape[0]) if p is not None else int(f.shape[0]) for f, p in zip(self.features, self.projected)]
@@ -60,6 +88,10 @@ class LMInputs:
     image_mask: torch.Tensor  # [B, L] bool
     patch_ids: torch.Tensor  # [B, L] long
     image_index: torch.Tensor  # [B, L] long
+    #: per-token data of methods (e.g. MustDrop's key set), each [B, L]; 0 / False at text and padding.
+    #: Concatenation, row selection and appends carry them, so they follow the tokens into every
+    #: branch, beam and speculative rollback.
+    tags: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -91,6 +123,7 @@ class LMInputs:
             torch.cat([self.image_mask, torch.zeros(bsz, q, dtype=torch.bool, device=dev)], 1),
             torch.cat([self.patch_ids, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
             torch.cat([self.image_index, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
+            {k: torch.cat([t, t.new_zeros(bsz, q)], 1) for k, t in self.tags.items()},
         )
 
     @staticmethod
@@ -98,11 +131,22 @@ class LMInputs:
         """Concatenate equal-length inputs along the batch."""
         if len(parts) == 1:
             return parts[0]
-        return LMInputs(*(torch.cat([getattr(p, f) for p in parts], 0) for f in _LMINPUT_FIELDS))
+        names = sorted({k for p in parts for k in p.tags})
+        tags = {}
+        for k in names:  # a branch without the tag (no such tokens) contributes zeros
+            like = next(p.tags[k] for p in parts if k in p.tags)
+            tags[k] = torch.cat([p.tags[k] if k in p.tags else like.new_zeros(p.input_ids.shape) for p in parts], 0)
+        return LMInputs(*(torch.cat([getattr(p, f) for p in parts], 0) for f in _LMINPUT_FIELDS), tags)
+
+    def crop_left(self, n: int) -> LMInputs:
+        """The inputs without their first ``n`` slots (padding of a single-row batch)."""
+        if n == 0:
+            return self
+        return LMInputs(*(getattr(self, f)[:, n:] for f in _LMINPUT_FIELDS), {k: t[:, n:] for k, t in self.tags.items()})
 
     def select(self, index: torch.Tensor) -> LMInputs:
         """Rows ``index`` of the batch (used to split or repeat branches)."""
-        return LMInputs(*(getattr(self, f)[index] for f in _LMINPUT_FIELDS))
+        return LMInputs(*(getattr(self, f)[index] for f in _LMINPUT_FIELDS), {k: t[index] for k, t in self.tags.items()})
 
 
 _LMINPUT_FIELDS = ("embeds", "input_ids", "attention_mask", "position_ids", "image_mask", "patch_ids", "image_index")
@@ -161,22 +205,27 @@ def build_lm_inputs(
     image_tokens: list[list[torch.Tensor]],
     image_patch_ids: list[list[torch.Tensor]],
     pad_id: int,
+    image_tags: dict[str, list[list[torch.Tensor]]] | None = None,
 ) -> LMInputs:
     """Splice projected image tokens into tokenised prompts and left-pad the batch.
 
     ``token_ids[b]`` holds one ``image_token_id`` per image of sample ``b``; each is replaced by the
     ``image_tokens[b][j]`` rows ([N_j, d]) of that image, so pruned images of any length fit, and the
-    placeholder run always equals the feature count.
+    placeholder run always equals the feature count. ``image_tags[name][b][j]`` ([N_j]) are spliced
+    into ``LMInputs.tags[name]`` at the same slots (0 elsewhere).
     """
+    image_tags = image_tags or {}
     image_id = adapter.image_token_id
     embed_layer = adapter.language_model.embed_tokens
     device = embed_layer.weight.device
     rows = []
+    tag_rows: dict[str, list[torch.Tensor]] = {}
     for b, ids in enumerate(token_ids):
         n_slots = sum(1 for t in ids if t == image_id)
         if n_slots != len(image_tokens[b]):
             raise ValueError(f"sample {b}: prompt has {n_slots} image slots but {len(image_tokens[b])} images were given")
         pieces, ids_out, img_mask, pids, img_idx = [], [], [], [], []
+        tag_pieces: dict[str, list[torch.Tensor]] = {k: [] for k in image_tags}
         text_run: list[int] = []
         j = 0
 
@@ -188,6 +237,8 @@ def build_lm_inputs(
                 img_mask.append(torch.zeros(len(text_run), dtype=torch.bool, device=device))
                 pids.append(torch.full((len(text_run),), -1, device=device))
                 img_idx.append(torch.full((len(text_run),), -1, device=device))
+                for k, per in image_tags.items():
+                    tag_pieces[k].append(torch.zeros(len(text_run), dtype=per[b][0].dtype if per[b] else torch.long, device=device))
                 text_run.clear()
 
         for t in ids:
@@ -202,9 +253,13 @@ def build_lm_inputs(
             img_mask.append(torch.ones(n, dtype=torch.bool, device=device))
             pids.append(image_patch_ids[b][j].to(device))
             img_idx.append(torch.full((n,), j, device=device))
+            for k, per in image_tags.items():
+                tag_pieces[k].append(per[b][j].to(device))
             j += 1
         flush()
         rows.append((torch.cat(pieces), torch.cat(ids_out), torch.cat(img_mask), torch.cat(pids), torch.cat(img_idx)))
+        for k in image_tags:
+            tag_rows.setdefault(k, []).append(torch.cat(tag_pieces[k]))
 
     length = max(r[0].shape[0] for r in rows)
     bsz, d = len(rows), rows[0][0].shape[-1]
@@ -224,5 +279,10 @@ def build_lm_inputs(
         image_mask[b, length - n :] = im
         patch_ids[b, length - n :] = pid
         image_index[b, length - n :] = iidx
+    tags = {}
+    for k, per_row in tag_rows.items():
+        tags[k] = torch.zeros(bsz, length, dtype=per_row[0].dtype, device=device)
+        for b, t in enumerate(per_row):
+            tags[k][b, length - t.shape[0] :] = t
     position_ids = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)  # as HF generate does for left padding
-    return LMInputs(embeds, input_ids, attn, position_ids, image_mask, patch_ids, image_index)
+    return LMInputs(embeds, input_ids, attn, position_ids, image_mask, patch_ids, image_index, tags)

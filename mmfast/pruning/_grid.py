@@ -6,7 +6,7 @@
 - :func:`adaptive_bins` / :func:`near_square_grid`: the bins of ``torch.nn.AdaptiveAvgPool`` and the
   output grid with about ``n`` cells;
 - :func:`group_index`: padded member lists of (t, h, w) groups, for grouped weighted pooling;
-- :func:`per_sample`: per-image counts summed per prompt (``last_stats``).
+- :func:`per_sample`: per-image counts summed per prompt (stats).
 """
 
 from __future__ import annotations
@@ -78,9 +78,11 @@ def group_index(shape: tuple[int, int, int], out: tuple[int, int, int], device=N
 
 
 def select_rows(vision: VisionBatch, i: int, rows: torch.Tensor) -> None:
-    """Keep rows ``rows`` of image ``i`` (features, patch ids and projected tokens if set), in place."""
+    """Keep rows ``rows`` of image ``i`` (features, patch ids, tags and projected tokens if set), in place."""
     vision.features[i] = vision.features[i][rows]
     vision.patch_ids[i] = vision.patch_ids[i][rows]
+    for tags in vision.tags.values():
+        tags[i] = tags[i][rows.to(tags[i].device)]
     if vision.projected[i] is not None:
         vision.projected[i] = vision.projected[i][rows]
 

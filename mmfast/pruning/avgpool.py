@@ -6,7 +6,7 @@ and a baseline row in VisionZip's (arXiv 2412.04467) ablations.
 Algorithm: reshape each image's pre-projection patch features to the ``rows x cols`` grid, apply
 2-D adaptive average pooling to a near-square ``oh x ow`` grid with about ``keep`` cells
 (``oh = round(sqrt(keep * rows / cols))``, ``ow = round(keep / oh)``; 24x24 -> 64: 8x8, 128: 11x12
-= 132, 192: 14x14 = 196; the actual count is in ``last_stats``), and feed the pooled tokens in
+= 132, 192: 14x14 = 196; the actual count is in the stats), and feed the pooled tokens in
 raster order to the existing projector. A non-patch token (CLS under the ``full`` select strategy)
 is kept in front.
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import grid_features, near_square_grid, per_sample
@@ -32,7 +33,7 @@ class AvgPool(Pruner):
     """2-D adaptive average pooling (baseline)."""
 
     hook_points = frozenset({"vision_features"})
-    position_mode = "compact"
+    caps = Capabilities(families=frozenset({"llava"}), edits_features=True, needs_full_grid=True)
 
     @dataclass(frozen=True)
     class Config:
@@ -53,7 +54,7 @@ class AvgPool(Pruner):
     def prune_vision(self, vision, batch):
         rows, cols = vision.grid
         if self.config.keep >= rows * cols:
-            self.last_stats = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+            vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
             return vision
         oh, ow = self.out_grid((rows, cols))
         for i in range(vision.n_images):
@@ -62,7 +63,7 @@ class AvgPool(Pruner):
             pooled = pooled.flatten(1).T.to(grid.dtype)  # [oh*ow, Dv] raster order
             vision.features[i] = torch.cat([extra, pooled])
             vision.patch_ids[i] = torch.full((extra.shape[0] + oh * ow,), -1, dtype=torch.long, device=grid.device)
-        self.last_stats = {
+        vision.stats[self.name] = {
             "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
             "grid": [oh, ow],
         }

@@ -1,26 +1,31 @@
 """Base class for vision-token pruning and merging stages.
 
-A stage acts at one or more hook points, declared in ``hook_points``:
+A stage acts at one or more hook points, declared in ``hook_points`` (documentation; what the stage
+does and needs for compatibility is its :class:`~mmfast.capabilities.Capabilities`, ``caps``):
 
 - ``vision_tower``: hooks inside the vision encoder (ToMe, MustDrop's window merge);
 - ``vision_features``: edits the selected features before the projector (VisionZip, HICom, ...),
   through :meth:`Pruner.prune_vision`;
-- ``llm_layer``: drops tokens at decoder layers during prefill, through ``session.runner.prune_at``;
+- ``llm_layer``: drops tokens at decoder layers during prefill, through ``ctx.runner.prune_at``;
 - ``kv_cache``: edits the cache after prefill or per decode step (MustDrop, ZipVL, Dynamic-LLaVA);
-- ``attention_probe``: reads attention rows through ``session.probe``.
+- ``attention_probe``: reads attention rows through ``ctx.probe``.
+
+A stage gets a :class:`~mmfast.context.MethodContext`, never the session. What it decides about one
+batch travels with that batch: per-token data as ``VisionBatch.tags`` (spliced into
+``LMInputs.tags``), statistics in ``VisionBatch.stats`` / ``LMState.stats`` under its name.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..capabilities import Capabilities
 from ..models.base import VisionBatch
 
 if TYPE_CHECKING:
-    from ..config import Recipe
+    from ..context import MethodContext
     from ..model import PreparedBatch
     from ..models.base import VLMAdapter
-    from ..pipeline import Session
 
 
 class Pruner:
@@ -28,21 +33,24 @@ class Pruner:
 
     Config: ClassVar[type]
     hook_points: ClassVar[frozenset[str]] = frozenset()
-    supports_batch: ClassVar[bool] = True
-    needs_cls: ClassVar[bool] = False
-    #: "original": kept tokens keep their position ids; "compact": survivors are renumbered.
-    position_mode: ClassVar[str] = "original"
-    #: model families the stage runs on (LLaVA-NeXT's anyres mosaic has no single square grid)
-    families: ClassVar[frozenset[str]] = frozenset({"llava"})
+    caps: ClassVar[Capabilities] = Capabilities(families=frozenset({"llava"}))
+    registered_name: ClassVar[str]
 
-    def __init__(self, config: Any, session: Session) -> None:
+    def __init__(self, config: Any, ctx: MethodContext) -> None:
         self.config = config
-        self.session = session
-        self.adapter = session.adapter
-        self.last_stats: dict[str, Any] = {}
+        self.ctx = ctx
+        self.adapter = ctx.adapter
+
+    @property
+    def name(self) -> str:
+        return self.registered_name
 
     def install(self) -> None:
         """Register hooks and probes (called once when the session opens)."""
+
+    def observe_tower(self, vision: VisionBatch) -> None:
+        """Right after the vision tower ran (on one image when any stage declares
+        ``tower_per_image``, else on the batch): move what tower hooks saw into ``vision``."""
 
     def prune_vision(self, vision: VisionBatch, batch: PreparedBatch) -> VisionBatch:
         """Feature-stage edit; identity by default."""
@@ -57,23 +65,3 @@ class Pruner:
     def test_params(cls, adapter: VLMAdapter) -> dict[str, Any]:
         """Recipe params that really prune on a tiny test model (tests)."""
         raise NotImplementedError(f"{cls.__name__} must define a pruning setting for tests")
-
-    @classmethod
-    def check_model(cls, adapter: VLMAdapter) -> str | None:
-        """A reason this stage cannot run on ``adapter``'s model, or None."""
-        if adapter.family not in cls.families:
-            from ..registry import PRUNERS
-
-            ok = [e.name for e in PRUNERS.entries() if adapter.family in e.cls.families]
-            return (
-                f"does not support the {adapter.family} family (it needs one square patch grid per image; "
-                f"LLaVA-NeXT's anyres tiles are a newline-separated mosaic). Stages that run there: {', '.join(ok)}"
-            )
-        if cls.needs_cls and not adapter.has_cls:
-            return "needs a CLS token in the vision tower, which this model does not have"
-        return None
-
-    @classmethod
-    def check_recipe(cls, recipe: Recipe, index: int) -> str | None:
-        """A reason this stage cannot run with the rest of ``recipe``, or None."""
-        return None

@@ -47,7 +47,7 @@ Deviations (with reasons):
 - predictor sizes scale with the LLM width (c = max(32, d/8), see ``_dynamic_llava_modules``): the
   released c = 512 is wider than the embedded model's whole LLM (d = 256); released checkpoints keep theirs.
 
-Stats (``last_stats``): ``image_tokens``, ``kept`` (image tokens after prefill), ``generated`` (generated
+Stats (``LMState.stats["dynamic_llava"]``): ``image_tokens``, ``kept`` (image tokens after prefill), ``generated`` (generated
 tokens fed back: decode steps with cache, generated tokens in the last forward without), ``kv_skipped``
 and ``kv_skipped_fraction`` (of those, dropped from layers >= K; without cache the last token is never a
 candidate). Decode steps a batch runs after a sample finished (on padding) count for that sample; with
@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError, ModelLoadError
 from ..registry import PRUNERS
@@ -87,9 +88,19 @@ PREDICTOR_DIR = "dynamic_llava"
 class DynamicLLaVA(Pruner):
     """Dynamic-LLaVA."""
 
-    families = frozenset({"llava", "llava_next"})  # acts on the spliced sequence, any vision layout
     hook_points = frozenset({"llm_layer", "kv_cache"})
-    position_mode = "original"
+
+    @classmethod
+    def capabilities(cls, params) -> Capabilities:
+        # acts on the spliced sequence, any vision layout; the decode rule drops generated tokens'
+        # KV from layers >= K one step at a time (or recomputes without a cache)
+        decode_rule = params is not None and params.text_keep == "predictor"
+        return Capabilities(
+            families=frozenset({"llava", "llava_next"}),
+            kv_edit_decode=decode_rule and params.use_cache,
+            decodes_without_cache=params is not None and not params.use_cache,
+            decode_free_setting="text_keep: always and use_cache: true",
+        )
 
     @dataclass(frozen=True)
     class Config:
@@ -114,16 +125,6 @@ class DynamicLLaVA(Pruner):
     def test_params(cls, adapter):
         return {"predictors": "random"}
 
-    @classmethod
-    def check_recipe(cls, recipe, index: int) -> str | None:
-        params = recipe.pruning[index].params
-        if recipe.speculative is not None and params.text_keep == "predictor" and params.use_cache:
-            return (
-                "its decode rule removes generated tokens' KV from layers >= K one step at a time, which "
-                "speculative verification (several tokens per step, rollback) cannot undo; set text_keep: always"
-            )
-        return None
-
     # -- installation ------------------------------------------------------------------------------
     def install(self) -> None:
         cfg = self.config
@@ -135,7 +136,7 @@ class DynamicLLaVA(Pruner):
         if needed or cfg.predictors != "auto":
             self.predictors = self._load()
         self._prompt: tuple | None = None  # (batch, length, ids, embeds) of the last prompt (no-cache mode)
-        runner = self.session.runner
+        runner = self.ctx.runner
         runner.prune_at(layer, self.select, ref_layer=paper)
         if not cfg.use_cache:
             runner.use_cache = False
@@ -166,7 +167,7 @@ class DynamicLLaVA(Pruner):
         return predictors.to(device).eval().requires_grad_(False)
 
     def _model_dir(self) -> Path | None:
-        path = Path(str(getattr(self.session.mm.model, "name_or_path", "") or ""))
+        path = Path(self.ctx.model_path)
         return path if str(path) not in ("", ".") and path.is_dir() else None
 
     def _predictor_dir(self) -> Path:
@@ -175,7 +176,7 @@ class DynamicLLaVA(Pruner):
         model_dir = self._model_dir()
         if model_dir is None:
             raise ModelLoadError(
-                f"dynamic_llava predictors: auto looks in <model dir>/{PREDICTOR_DIR}, but {self.session.mm.name!r} "
+                f"dynamic_llava predictors: auto looks in <model dir>/{PREDICTOR_DIR}, but {self.ctx.model_name!r} "
                 "was not loaded from a local directory; set the pruning param `predictors:` to a trained directory "
                 "or a released Dynamic-LLaVA checkpoint"
             )
@@ -207,7 +208,7 @@ class DynamicLLaVA(Pruner):
         elif self.text_rule:  # decode steps fill these in (_apply)
             zeros = [0] * len(n_vis)
             stats.update(per_sample_generated=zeros, per_sample_kv_skipped=zeros, per_sample_kv_skipped_fraction=[0.0] * len(n_vis))
-        self.last_stats = stats
+        view.state.stats[self.name] = stats
         return keep
 
     def _drop_generated(self, view, stats: dict) -> torch.Tensor:
@@ -272,11 +273,12 @@ class DynamicLLaVA(Pruner):
         fed, skipped = state.extras.get(_COUNTS, (torch.zeros(bsz, dtype=torch.long), torch.zeros(bsz, dtype=torch.long)))
         fed, skipped = fed + q, skipped + drop.sum(1).cpu()
         state.extras[_COUNTS] = (fed, skipped)
-        n = len(self.last_stats.get("per_sample_kept", [])) or bsz
+        mine = state.stats.setdefault(self.name, {})
+        n = len(mine.get("per_sample_kept", [])) or bsz
         if bsz != n and bsz % n == 0:  # beam search: rows are samples x beams, summed per sample
             fed, skipped = fed.view(n, -1).sum(1), skipped.view(n, -1).sum(1)
-        self.last_stats = {
-            **self.last_stats,
+        state.stats[self.name] = {
+            **mine,
             "per_sample_generated": fed.tolist(),
             "per_sample_kv_skipped": skipped.tolist(),
             "per_sample_kv_skipped_fraction": (skipped.double() / fed.clamp(min=1)).tolist(),

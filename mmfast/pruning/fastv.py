@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..hooks import last_row
 from ..registry import PRUNERS
@@ -26,9 +27,8 @@ from .base import Pruner
 class FastV(Pruner):
     """FastV."""
 
-    families = frozenset({"llava", "llava_next"})  # acts on the spliced sequence, any vision layout
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    position_mode = "original"
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # acts on the spliced sequence, any vision layout
 
     @dataclass(frozen=True)
     class Config:
@@ -51,14 +51,14 @@ class FastV(Pruner):
         self.layer = layer
         self.probe_key = f"fastv.{layer - 1}"
         attn = self.adapter.layers[layer - 1].self_attn
-        self.session.probe.watch(self.probe_key, attn, rows=last_row, when=lambda q, k: q > 1, reduce="mean")
-        self.session.runner.prune_at(layer, self.select, ref_layer=paper)
+        self.ctx.probe.watch(self.probe_key, attn, rows=last_row, when=lambda q, k: q > 1, reduce="mean")
+        self.ctx.runner.prune_at(layer, self.select, ref_layer=paper)
 
     def select(self, view):
-        rec = self.session.probe[self.probe_key]
+        rec = self.ctx.probe[self.probe_key]
         scores = rec.probs[:, 0]  # [B, T] attention of the last token to every slot, head mean
         n_vis = view.vision.sum(1)  # [B]
         keep = (n_vis.float() * (1 - self.config.ratio)).round().long() if self.config.keep is None else n_vis.clamp(max=self.config.keep)
         kept = topk_keep(scores, view.vision, keep)
-        self.last_stats = {"per_sample_kept": kept.sum(1).tolist(), "layer": self.layer}
+        view.state.stats[self.name] = {"per_sample_kept": kept.sum(1).tolist(), "layer": self.layer}
         return keep_only(view.vision, kept)

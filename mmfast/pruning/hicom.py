@@ -46,6 +46,7 @@ from typing import Literal
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..models.base import VisionBatch
@@ -68,7 +69,7 @@ class HICom(Pruner):
     """HICom."""
 
     hook_points = frozenset({"vision_features"})
-    position_mode = "compact"
+    caps = Capabilities(families=frozenset({"llava"}), edits_features=True, needs_full_grid=True)
 
     @dataclass(frozen=True)
     class Config:
@@ -106,9 +107,9 @@ class HICom(Pruner):
             return
         cfg = self.config
         model = self.adapter.model
-        self.clip = load_clip_guide(cfg.clip_model, model, self.session.mm.tokenizer)
+        self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
         if cfg.local and cfg.alpha > 0:
-            self.session.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
+            self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
         if cfg.global_queries > 0:
             d = model_dir(model)
             path = cfg.global_weights or (str(d / GLOBAL_WEIGHTS) if d is not None else None)
@@ -137,7 +138,7 @@ class HICom(Pruner):
 
     def prune_vision(self, vision: VisionBatch, batch) -> VisionBatch:
         if self.is_noop():
-            self.last_stats = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+            vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
             return vision
         cfg = self.config
         rows, cols = vision.grid
@@ -176,7 +177,7 @@ class HICom(Pruner):
                 vision.patch_ids[i] = torch.full((keep.shape[0],), -1, dtype=torch.long, device=dev)
                 vision.projected[i] = None if proj is None else (proj if j == 0 else proj[:0])
             n_frames[b] += t
-        self.last_stats = {
+        vision.stats[self.name] = {
             "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
             "per_sample_local": n_local,
             "per_sample_frames": n_frames,

@@ -4,8 +4,7 @@ Language Model", arXiv 2411.10803; code liuting20/MustDrop).
 Algorithm (three stages, per image / per sample):
 1. Vision encoding: on the output of CLIP layer 0, split the patch grid into non-overlapping w x w
    windows (w = 3); a window whose mean off-diagonal pairwise cosine similarity is >= 0.8 collapses
-   into one size-weighted (here: plain mean) token. r = the number of such windows, the minimum over
-   the images of the batch (every image merges its r most similar windows). Order: CLS, merged
+   into one size-weighted (here: plain mean) token; r = the number of such windows, per image. Order: CLS, merged
    windows (most similar first), unmerged patches in raster order. Key set = the top
    ceil(0.08 * N') patches (N' after the merge) by head-mean CLS attention of the last CLIP layer.
 2. Prefill: at the output of LLM layers [2, 6, 10, 14], A = head-mean attention of every token after
@@ -15,7 +14,7 @@ Algorithm (three stages, per image / per sample):
    layers from the first pruning layer on, so they cache only the final survivors; earlier layers
    keep the full cache. Nothing is pruned during decode.
 Budgets: ``preset`` "192" / "128" / "64" = (lambda_g, lambda_i) (0.001, 0.001), (0.0012, 0.001),
-(0.011, 0.01) (README); the counts are adaptive, reported in ``last_stats``.
+(0.011, 0.01) (README); the counts are adaptive, reported in the stats.
 
 Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
 tokens are what the tower's hidden-state recorder and every later layer see); attention probe on the
@@ -29,12 +28,13 @@ the first pruning layer continue from the full length, the trimmed layers from t
 
 Limits and deviations: the window must divide the patch grid (the paper's grid is 24 x 24, w = 3;
 the tiny test grid is 4 x 4, use w = 2). The released code is batch 1 in the LLM (it uses sample 0's
-attention); here every decision is per sample, with left padding. The merge's r is the batch
-minimum (as the released vision code), so a sample's token count can depend on its batch mates.
-The merge is computed in fp32. The key set is tracked through the merge and the LLM stages by slot
-provenance; MustDrop must be the first feature stage (checked). Prefill FLOPs and the
+attention); here every decision is per sample, with left padding. The released vision code merges
+the batch-minimum r; here every image merges its own r (the tower runs one image at a time for this
+stage), so decisions never depend on the batch (equal to the release at batch 1, its evaluation setting).
+The merge is computed in fp32. The key set travels with the tokens as the ``mustdrop.key`` tag (through branches,
+beams and rollbacks) and through the LLM stages by slot provenance; MustDrop must be the first feature stage (checked). Prefill FLOPs and the
 layer-averaged token count are accounted from what prefill computed (before the KV policy trims the
-caches), KV bytes from the trimmed caches; ``last_stats`` also reports the prefill layer-average of the vision tokens
+caches), KV bytes from the trimmed caches; the stats also report the prefill layer-average of the vision tokens
 (``prefill_tokens_layer_avg``) and the code's printed "tokens" figure (``equivalent_tokens``, which
 counts layer l with its post-filter count), plus the kept count after each stage, the key-set size
 and the merged windows.
@@ -48,6 +48,7 @@ from typing import Literal
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import cls_row
@@ -55,6 +56,18 @@ from ..registry import PRUNERS
 from ..runtime import LayerGroup, LMState
 from ._common import LayerMapping, map_layers
 from .base import Pruner
+
+KEY_TAG = "mustdrop.key"  # LMInputs / VisionBatch tag: the key-set tokens (bool)
+
+
+@dataclass
+class _PrefillData:
+    """What MustDrop tracks through one prefill (kept in that state's ``extras``)."""
+
+    n_text: torch.Tensor  # [B] instruction tokens after the image
+    key_full: torch.Tensor  # [B, L] bool key-set slots of the prefill sequence
+    counts: list[torch.Tensor]  # [B] vision tokens entering the LLM, then after each stage
+
 
 #: (lambda_g, lambda_i) of the paper's budgets (liuting20/MustDrop README, TextVQA examples).
 PRESETS: dict[str, tuple[float, float]] = {"192": (0.001, 0.001), "128": (0.0012, 0.001), "64": (0.011, 0.01)}
@@ -133,8 +146,13 @@ class MustDrop(Pruner):
     """MustDrop."""
 
     hook_points = frozenset({"vision_tower", "attention_probe", "llm_layer", "kv_cache"})
-    position_mode = "compact"
-    needs_cls = True
+
+    @classmethod
+    def capabilities(cls, params) -> Capabilities:
+        return Capabilities(
+            families=frozenset({"llava"}), needs_cls=True, merges_in_tower=True, needs_full_grid=True,
+            kv_edit_prefill=params is None or params.kv_policy, tower_per_image=True,
+        )
 
     @dataclass(frozen=True)
     class Config:
@@ -190,11 +208,12 @@ class MustDrop(Pruner):
         if key_layer is None:
             raise ConfigError("mustdrop.key_layer", f"{cfg.key_layer} is not a layer of this {n_vis}-layer vision tower")
 
-        # stage 1: window merge on the output of CLIP layer 0, key set from the CLS attention
-        self._merge_r = 0
-        self._merge_ids: torch.Tensor | None = None
+        # stage 1: window merge on the output of CLIP layer 0, key set from the CLS attention. The
+        # session runs the tower one image at a time for this stage (capability tower_per_image),
+        # so every image merges its own windows whatever its batch.
         layer0 = vis_layers[0]
         original = layer0.forward
+        self._pending: tuple[int, torch.Tensor] | None = None  # set by the merge, read by observe_tower
 
         def merged_forward(*args, **kwargs):
             out = original(*args, **kwargs)
@@ -202,94 +221,90 @@ class MustDrop(Pruner):
                 return (self._merge(out[0]), *out[1:])
             return self._merge(out)
 
-        self.session.hooks.set_attr(layer0, "forward", merged_forward)
+        self.ctx.hooks.set_attr(layer0, "forward", merged_forward)
         self.key_probe = f"mustdrop.key.{key_layer}"
-        self.session.probe.watch(self.key_probe, vis_layers[key_layer].self_attn, rows=cls_row, reduce="mean")
-        self._keys: list[list[torch.Tensor]] | None = None  # per sample, per image: key feature indices
+        self.ctx.probe.watch(self.key_probe, vis_layers[key_layer].self_attn, rows=cls_row, reduce="mean")
 
         # stage 2: dual-attention filter at the output of each layer l (= pruning at the input of l + 1)
         first = self.filters[0][0]
         self.first_layer = first
-        self._n_text: torch.Tensor | None = None
-        self._key_full: torch.Tensor | None = None
-        self.session.runner.prune_at(first, self._capture)  # before the first probe: text rows, key slots
+        self.ctx.runner.prune_at(first, self._capture)  # before the first probe: text rows, key slots
         for layer, paper in self.filters:
             attn = self.adapter.layers[layer].self_attn
-            self.session.probe.watch(f"mustdrop.llm.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean")
-            self.session.runner.prune_at(layer + 1, self._make_select(layer), compact=True, ref_layer=paper + 1)
+            self.ctx.probe.watch(f"mustdrop.llm.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean")
+            self.ctx.runner.prune_at(layer + 1, self._make_select(layer), compact=True, ref_layer=paper + 1)
 
         # stage 3: output-aware KV policy after prefill
-        self.session.runner.prefill_hooks.append(self._after_prefill)
+        self.ctx.runner.prefill_hooks.append(self._after_prefill)
 
     # -- stage 1 -----------------------------------------------------------------------------------
     def _merge(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] != 1:
+            raise RuntimeError("MustDrop: the vision tower must run one image at a time (the session does this)")
         cfg = self.config
-        out, self._merge_r, self._merge_ids = spatial_merge(hidden, self.adapter.grid, cfg.window, cfg.sim_threshold)
+        out, r, ids = spatial_merge(hidden, self.adapter.grid, cfg.window, cfg.sim_threshold)
+        self._pending = (r, ids[0])
         return out
 
-    def prune_vision(self, vision, batch):
-        ids = self._merge_ids  # [n_img, N'] raster patch id of each token after the merge
-        rec = self.session.probe.get(self.key_probe)
-        if ids is None or rec is None:
+    def observe_tower(self, vision) -> None:
+        """Right after the tower ran on one image: its merge and key-set attention, into ``vision``."""
+        rec = self.ctx.probe.get(self.key_probe)
+        if self._pending is None or rec is None:
             raise RuntimeError("MustDrop: the vision tower did not run with MustDrop's hooks")
-        n_post = ids.shape[1]
-        if rec.probs.shape[-1] != 1 + n_post:
+        (r, ids), self._pending = self._pending, None
+        if rec.probs.shape[-1] != 1 + ids.shape[0]:
             raise RuntimeError("MustDrop: the key-set layer must run after the merge (key_layer >= 1)")
-        cls_attn = rec.probs[:, 0, 1:]  # [n_img, N'] head-mean CLS -> patch attention
-        n_key = min(n_post, math.ceil(self.config.key_ratio * n_post))
-        key_idx = cls_attn.topk(n_key, dim=1).indices.sort(dim=1).values  # [n_img, K]
-        keys: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
-        patch_ids, image_keys = [], []
-        for i, feats in enumerate(vision.features):
+        vision.extras["mustdrop.merge"] = [(r, ids, rec.probs[0, 0, 1:])]  # CLS -> patch attention [N']
+
+    def prune_vision(self, vision, batch):
+        merges = vision.extras.pop("mustdrop.merge", None)
+        if merges is None or len(merges) != vision.n_images:
+            raise RuntimeError("MustDrop: the vision tower did not run with MustDrop's hooks")
+        patch_ids, key_tags = [], []
+        for i, (feats, (r, ids, cls_attn)) in enumerate(zip(vision.features, merges)):
+            n_post = ids.shape[0]
             offset = feats.shape[0] - n_post  # 1 when the select strategy keeps CLS
             if offset not in (0, 1) or vision.projected[i] is not None:
                 raise ValueError(
                     f"MustDrop expected {n_post} patch tokens for image {i} (after its merge) but got "
                     f"{feats.shape[0]}; put MustDrop first among the feature stages"
                 )
-            pid = ids[i].to(vision.patch_ids[i].device)
-            patch_ids.append(torch.cat([vision.patch_ids[i][:offset], pid]))
-            image_keys.append(key_idx[i] + offset)
-            keys[batch.image_owner[i]].append(image_keys[-1])
+            n_key = min(n_post, math.ceil(self.config.key_ratio * n_post))
+            key_idx = cls_attn.topk(n_key).indices  # [K] feature indices (after the offset) of the key set
+            tag = torch.zeros(feats.shape[0], dtype=torch.bool, device=vision.patch_ids[i].device)
+            tag[key_idx.to(tag.device) + offset] = True
+            patch_ids.append(torch.cat([vision.patch_ids[i][:offset], ids.to(vision.patch_ids[i].device)]))
+            key_tags.append(tag)
         vision.patch_ids = patch_ids
-        vision.extras["mustdrop.key_set"] = image_keys  # per image: feature indices of the key tokens
-        self._keys = keys
-        per_key = [sum(int(k.numel()) for k in per) for per in keys]
-        self.last_stats = {"merged_windows": self._merge_r, "per_sample_key_set": per_key}
+        vision.tags[KEY_TAG] = key_tags  # travels with the tokens into LMInputs.tags
+        owner = batch.image_owner
+        vision.stats[self.name] = {
+            "per_sample_merged_windows": [[m[0] for m, o in zip(merges, owner) if o == b] for b in range(batch.batch_size)],
+            "per_sample_key_set": [sum(int(t.sum()) for t, o in zip(key_tags, owner) if o == b) for b in range(batch.batch_size)],
+        }
         return vision
 
     # -- stage 2 -----------------------------------------------------------------------------------
     def _capture(self, view) -> None:
-        """At the first filter layer (before its attention runs): text-row counts and key slots."""
-        self._n_text = view.text_after.sum(1)  # [B]; text is never dropped, so constant over stages
-        self._key_full = self._key_slots(view.state)
-        self._counts = [view.vision.sum(1)]
-        return None
+        """At the first filter layer (before its attention runs): text-row counts and key slots.
 
-    def _key_slots(self, state: LMState) -> torch.Tensor:
-        """[B, L] bool over the prefill sequence: the key-set tokens."""
-        inputs = state.inputs
-        bsz, length = inputs.image_mask.shape
-        mask = torch.zeros(bsz, length, dtype=torch.bool, device=inputs.image_mask.device)
-        if not bool(inputs.image_mask.any()):
-            return mask
-        if self._keys is None or len(self._keys) != bsz:
-            raise RuntimeError("MustDrop: the LLM inputs do not come from the last encoded batch (key set unknown)")
-        for b, per_image in enumerate(self._keys):
-            for j, key in enumerate(per_image):
-                pos = ((inputs.image_index[b] == j) & inputs.image_mask[b]).nonzero().squeeze(1)
-                if pos.numel() == 0 or key.numel() == 0:
-                    continue
-                if int(key.max()) >= pos.numel():
-                    raise RuntimeError(f"MustDrop: sample {b} image {j} has fewer tokens than its key set refers to")
-                mask[b, pos[key.to(pos.device)]] = True
-        return mask
+        Everything MustDrop learns about a prefill lives in that state's ``extras`` (one state per
+        branch), never on the stage."""
+        key = view.state.inputs.tags.get(KEY_TAG)
+        view.state.extras[self.name] = _PrefillData(
+            n_text=view.text_after.sum(1),  # [B]; text is never dropped, so constant over stages
+            key_full=key.bool() if key is not None else torch.zeros_like(view.state.inputs.image_mask),  # [B, L]
+            counts=[view.vision.sum(1)],
+        )
+        return None
 
     def _rows(self, q_len: int, k_len: int) -> torch.Tensor:
         """Rows of the text after the image: the last n_b slots of each sample (-1 pads)."""
-        n = self._n_text
-        if n is None:  # the LLM ran outside the runner's prefill: record nothing useful
+        state = self.ctx.runner.active
+        data = state.extras.get(self.name) if state is not None else None
+        if data is None:  # the LLM ran outside the runner's prefill: record nothing useful
             return torch.tensor([-1])
+        n = data.n_text
         width = max(1, int(n.max()))
         i = torch.arange(width, device=n.device)
         rows = (q_len - width + i).expand(n.shape[0], -1)
@@ -299,24 +314,24 @@ class MustDrop(Pruner):
         key = f"mustdrop.llm.{layer}"
 
         def select(view) -> torch.Tensor:
-            rec = self.session.probe[key]
+            rec = self.ctx.probe[key]
             if rec.k_len != view.group.length:
                 raise RuntimeError(f"MustDrop: stale attention record at layer {layer}")
+            data: _PrefillData = view.state.extras[self.name]
             src = view.group.source
-            key_slots = self._key_full.gather(1, src.clamp(min=0)) & (src >= 0)
+            key_slots = data.key_full.gather(1, src.clamp(min=0)) & (src >= 0)
             drop = dual_attention_drop(rec.probs, view.vision, key_slots, self.lambda_g, self.lambda_i)
-            self._counts.append((view.vision & ~drop).sum(1))
+            data.counts.append((view.vision & ~drop).sum(1))
             return ~drop
 
         return select
 
     # -- stage 3 -----------------------------------------------------------------------------------
     def _after_prefill(self, state: LMState) -> None:
-        counts = getattr(self, "_counts", None)
-        if counts is None or self._n_text is None:
+        data = state.extras.pop(self.name, None)
+        if data is None:
             return
-        self._stage_stats(state, counts)
-        self._counts = None
+        self._stage_stats(state, data.counts)
         if self.config.kv_policy:
             apply_kv_policy(state, self.first_layer, self.filters[-1][0] + 1, ref_start=self.filters[0][1])
 
@@ -328,8 +343,7 @@ class MustDrop(Pruner):
             return kept[:, idx].float().mean(1).tolist()
 
         filters = [layer for layer, _ in self.filters]
-        self.last_stats = {
-            **self.last_stats,
+        state.stats[self.name] = {
             "per_sample_kept": kept.tolist(),
             # what prefill computed: stage k's count from layer l_k + 1 on
             "per_sample_prefill_tokens_layer_avg": layer_average([0] + [layer + 1 for layer in filters]),

@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import per_sample, select_rows
@@ -39,7 +40,7 @@ class RandomDrop(Pruner):
     """Random token drop (baseline)."""
 
     hook_points = frozenset({"vision_features"})
-    position_mode = "compact"
+    caps = Capabilities(families=frozenset({"llava"}), edits_features=True)
 
     @dataclass(frozen=True)
     class Config:
@@ -60,7 +61,7 @@ class RandomDrop(Pruner):
         cfg = self.config
         counts = vision.counts()
         if all(n <= cfg.keep for n in counts):
-            self.last_stats = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
+            vision.stats[self.name] = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
             return vision
         for i, n in enumerate(counts):
             if n <= cfg.keep:
@@ -69,5 +70,5 @@ class RandomDrop(Pruner):
             g = torch.Generator().manual_seed(seed)
             rows = torch.randperm(n, generator=g)[: cfg.keep].sort().values
             select_rows(vision, i, rows.to(vision.features[i].device))
-        self.last_stats = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+        vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
         return vision

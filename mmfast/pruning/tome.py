@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach
@@ -134,7 +135,7 @@ class ToMe(Pruner):
     """ToMe."""
 
     hook_points = frozenset({"vision_tower"})
-    position_mode = "compact"
+    caps = Capabilities(families=frozenset({"llava"}), merges_in_tower=True, needs_full_grid=True)
 
     @dataclass(frozen=True)
     class Config:
@@ -170,7 +171,7 @@ class ToMe(Pruner):
         self._merged: list[int] = []
         if not any(self.r_schedule):
             return  # r = 0 everywhere: the tower runs untouched
-        hooks = self.session.hooks
+        hooks = self.ctx.hooks
         layers = self.adapter.vision_layers
         for part in ("layer_norm1", "self_attn", "layer_norm2", "mlp"):
             if not hasattr(layers[0], part):
@@ -248,5 +249,5 @@ class ToMe(Pruner):
         per_sample = [0] * batch.batch_size
         for i, owner in enumerate(batch.image_owner):
             per_sample[owner] += int(vision.features[i].shape[0])
-        self.last_stats = {"r": list(self._merged), "per_sample_tokens": per_sample}
+        vision.stats[self.name] = {"r": list(self._merged), "per_sample_tokens": per_sample}
         return vision

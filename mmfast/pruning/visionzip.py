@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach, cls_row
@@ -71,8 +72,7 @@ class VisionZip(Pruner):
     """VisionZip."""
 
     hook_points = frozenset({"attention_probe", "vision_features"})
-    position_mode = "compact"
-    needs_cls = True
+    caps = Capabilities(families=frozenset({"llava"}), needs_cls=True, edits_features=True, needs_full_grid=True)
 
     @dataclass(frozen=True)
     class Config:
@@ -111,9 +111,9 @@ class VisionZip(Pruner):
         self.layer = self.adapter.vision_feature_layer_index()
         attn = self.adapter.vision_layers[self.layer].self_attn
         self.probe_key = f"visionzip.cls.{self.layer}"
-        self.session.probe.watch(self.probe_key, attn, rows=cls_row, reduce=None)
+        self.ctx.probe.watch(self.probe_key, attn, rows=cls_row, reduce=None)
         self._keys: torch.Tensor | None = None
-        attach(self.session.hooks, attn).recorders.append(self._record_keys)
+        attach(self.ctx.hooks, attn).recorders.append(self._record_keys)
 
     def _record_keys(self, module, query, key, attention_mask, scaling) -> None:
         self._keys = key.mean(1)  # [n_img, 1 + N, head_dim]: the official "metric"
@@ -122,10 +122,10 @@ class VisionZip(Pruner):
         rows, cols = vision.grid
         n = rows * cols
         if self.is_noop(n):
-            self.last_stats = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+            vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
             return vision
         d, c = self.budget()
-        cls_attn = self.session.probe[self.probe_key].probs[:, :, 0, 1:].sum(1)  # [n_img, N], sum over heads
+        cls_attn = self.ctx.probe[self.probe_key].probs[:, :, 0, 1:].sum(1)  # [n_img, N], sum over heads
         keys, self._keys = self._keys, None
         if keys is None or cls_attn.shape[1] != n:
             raise RuntimeError(f"visionzip: vision layer {self.layer} did not run on the full {rows}x{cols} grid")
@@ -141,7 +141,7 @@ class VisionZip(Pruner):
             vision.patch_ids[i] = torch.cat(
                 [torch.tensor([-1], device=patches.device), top, torch.full((ctx.shape[0],), -1, device=patches.device)]
             ).long()
-        self.last_stats = {
+        vision.stats[self.name] = {
             "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
             "dominant": d,
             "contextual": c,

@@ -20,9 +20,9 @@ the full-precision decode buffer every ``requant_interval`` tokens.
 Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
 U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
 
-Accounting: ``state.extras["vision_tokens_per_layer"]`` = important (T) vision tokens per layer, so
+Accounting: ``state.accounting.vision_override`` = important (T) vision tokens per layer, so
 ``vision_tokens_layer_avg`` is ZipVL's *equivalent* token count (every vision token stays cached, at
-low precision); FLOPs are reported dense (the MLP runs on every token). ``last_stats``: per-layer keep
+low precision); FLOPs are reported dense (the MLP runs on every token). ``LMState.stats["zipvl"]``: per-layer keep
 ratio p/n, important vision tokens per layer, equivalent tokens, KV bytes (dense, after prefill, at the
 end), re-quantisation count.
 
@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import compat
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..hooks import attach
@@ -195,9 +196,8 @@ class _LayerSelection:
 class ZipVL(Pruner):
     """ZipVL."""
 
-    families = frozenset({"llava", "llava_next"})  # acts on the spliced sequence, any vision layout
     hook_points = frozenset({"attention_probe", "kv_cache"})
-    position_mode = "original"
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}), owns_kv_cache=True, kv_edit_prefill=True, kv_edit_decode=True)
 
     @dataclass(frozen=True)
     class Config:
@@ -228,23 +228,6 @@ class ZipVL(Pruner):
     def test_params(cls, adapter):
         return {"tau": 0.9, "requant_interval": 2}
 
-    @classmethod
-    def check_recipe(cls, recipe, index: int) -> str | None:
-        if recipe.speculative is not None:
-            return (
-                "ZipVL quantises the KV cache (and re-quantises it while decoding), which speculative verification "
-                "and rollback cannot use; remove the speculative section"
-            )
-        if recipe.decoding.method == "beam":
-            return (
-                "ZipVL's decode-time re-scoring and quantisation are defined for one sequence per sample, not for "
-                "beam search; use decoding.method greedy or sample"
-            )
-        for i, stage in enumerate(recipe.pruning):
-            if i != index and "kv_cache" in PRUNERS.get(stage.method).cls.hook_points:
-                return f"ZipVL owns the KV cache (mixed-precision layers) and cannot share it with pruning[{i}] ({stage.method})"
-        return None
-
     # -- installation ---------------------------------------------------------------------------------
     def install(self) -> None:
         cfg = self.config
@@ -261,15 +244,15 @@ class ZipVL(Pruner):
         self.spec = QuantSpec(cfg.bits_high, cfg.bits_low, cfg.k_group_size, cfg.v_group_size, cfg.requant_interval)
         self._layer_of: dict[int, int] = {}
         for i, layer in enumerate(self.adapter.layers):
-            hooks = attach(self.session.hooks, layer.self_attn)
+            hooks = attach(self.ctx.hooks, layer.self_attn)
             if hooks.override is not None:
                 raise IncompatibleRecipeError(f"ZipVL: LLM layer {i}'s attention is already overridden by another method")
             hooks.override = self._attention
             self._layer_of[id(layer.self_attn)] = i
         self._prefill: dict[int, _LayerSelection] = {}
         self._last_query: dict[int, tuple[torch.Tensor, float]] = {}
-        self.session.runner.prefill_hooks.append(self._after_prefill)
-        self.session.runner.step_hooks.append(self._after_step)
+        self.ctx.runner.prefill_hooks.append(self._after_prefill)
+        self.ctx.runner.step_hooks.append(self._after_step)
 
     # -- attention override ----------------------------------------------------------------------------
     def _attention(self, module, query, key, value, attention_mask, scaling, base, dropout=0.0, **kwargs):
@@ -317,9 +300,9 @@ class ZipVL(Pruner):
             dense += dense_bytes_per_sample(valid, lay.keys.shape[1], lay.keys.shape[-1], lay.keys.element_size())
             if self.config.quantize_kv:
                 state.cache.layers[layer] = MixedPrecisionKVLayer.from_dense(lay.keys, lay.values, valid, keep, self.spec)
-        state.extras["vision_tokens_per_layer"] = vis_kept.to(state.groups[0].key_mask.device)
+        state.accounting.vision_override = vis_kept.to(state.groups[0].key_mask.device)
         kv = state.kv_bytes_per_sample()
-        self.last_stats = {
+        state.stats[self.name] = {
             "per_sample_keep_ratio": [[round(float(x), 4) for x in row] for row in ratio],  # p/n per layer
             "per_sample_important_vision": vis_kept.tolist(),  # per layer
             "per_sample_vision_tokens": vis_all[:, 0].tolist(),
@@ -354,6 +337,7 @@ class ZipVL(Pruner):
             lay.compress_buffer(keep, vbuf)
             events += 1
         self._last_query.clear()
-        if self.last_stats:
-            self.last_stats["requant_events"] = self.last_stats.get("requant_events", 0) + events
-            self.last_stats["per_sample_kv_bytes_end"] = state.kv_bytes_per_sample()
+        mine = state.stats.get(self.name)
+        if mine:
+            mine["requant_events"] = mine.get("requant_events", 0) + events
+            mine["per_sample_kv_bytes_end"] = state.kv_bytes_per_sample()

@@ -219,9 +219,8 @@ class EagleDrafter(Drafter):
     kind: ClassVar[str] = ""
 
     def install(self) -> None:
-        mm = self.session.mm
-        path = resolve_weights(getattr(self.config, "weights", None), mm, self.kind)
-        self.model = load_draft(path, mm, self.kind)
+        path = resolve_weights(getattr(self.config, "weights", None), self.ctx, self.kind)
+        self.model = load_draft(path, self.ctx, self.kind)
         self.cache = DraftCache(self.model)
         self.root_slots: torch.Tensor | None = None  # [K, d] the draft's features at the root row
         self.pos = 0  # draft position of the next committed row

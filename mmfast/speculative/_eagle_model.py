@@ -282,7 +282,10 @@ class DraftModel(nn.Module):
 
 
 def _model_dir(mm) -> Path | None:
-    p = getattr(mm.model, "name_or_path", None) or getattr(mm.model.config, "_name_or_path", None)
+    if hasattr(mm, "model_path"):  # a MethodContext
+        p = mm.model_path
+    else:
+        p = getattr(mm.model, "name_or_path", None) or getattr(mm.model.config, "_name_or_path", None)
     return Path(p) if p and Path(p).is_dir() else None
 
 

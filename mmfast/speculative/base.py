@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..capabilities import Capabilities
+
 if TYPE_CHECKING:
-    from ..config import DecodingConfig
-    from ..pipeline import Session
+    from ..context import MethodContext
     from .engine import SpecContext
     from .tree import DraftTree
 
@@ -26,10 +27,11 @@ class Drafter:
     Config: ClassVar[type]
     #: the engine passes the prompt's final hidden states (EAGLE-style drafts)
     needs_hidden: ClassVar[bool] = False
+    caps: ClassVar[Capabilities] = Capabilities()
 
-    def __init__(self, config: Any, session: Session) -> None:
+    def __init__(self, config: Any, ctx: MethodContext) -> None:
         self.config = config
-        self.session = session
+        self.ctx = ctx
 
     def install(self) -> None:
         """Register hooks (called once when the session opens)."""
@@ -43,7 +45,3 @@ class Drafter:
     def accept(self, ctx: SpecContext, tree: DraftTree, path: list[int], hidden: torch.Tensor, bonus: int) -> None:
         """``path`` (node ids) was accepted; ``hidden`` ([1 + len(path), d]) are the target's final
         hidden states at the root and the accepted nodes; ``bonus`` is the next root."""
-
-    @classmethod
-    def check_decoder(cls, decoding: DecodingConfig) -> str | None:
-        return None

@@ -25,7 +25,9 @@ from .tree import verify
 
 if TYPE_CHECKING:
     from ..models.base import LMInputs
-    from ..pipeline import Session
+    from ..context import MethodContext
+    from ..decoding.base import Sampling
+    from .base import Drafter
     from ..runtime import LMState, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 class SpecContext:
     """What a drafter sees: the target state, the tokens so far, and the sampling setup."""
 
-    session: Session
+    method: MethodContext
     state: LMState
     inputs: LMInputs  # [1, L] the prompt
     committed: list[int]  # generated tokens so far (the root is the last one)
@@ -104,21 +106,23 @@ def _first_token(ctx: SpecContext, logits: torch.Tensor) -> int:
 class _OneResult:
     tokens: list[int]
     prefill_acc: Any
+    method_stats: dict[str, dict[str, Any]]
     kv_end: int
     prefill_s: float
     decode_s: float
 
 
 @torch.inference_mode()
-def _decode_one(session: Session, inputs: LMInputs, max_new: int, ctx_kw: dict, stats: SpecStats) -> _OneResult:
-    runner, drafter, mm = session.runner, session.drafter, session.mm
-    stop = set(mm.eos_token_ids)
-    t0 = now(mm.device)
-    state, out = runner.prefill(inputs, all_hidden=getattr(drafter, "needs_hidden", False))
-    ctx = SpecContext(session, state, inputs, [], prefill=out, **ctx_kw)
+def _decode_one(method: MethodContext, drafter: Drafter, inputs: LMInputs, max_new: int, ctx_kw: dict, stats: SpecStats) -> _OneResult:
+    runner, device = method.runner, method.device
+    stop = set(method.special.eos)
+    t0 = now(device)
+    state, out = runner.prefill(inputs, all_hidden=drafter.needs_hidden)
+    ctx = SpecContext(method, state, inputs, [], prefill=out, **ctx_kw)
     root = _first_token(ctx, out.logits[0, -1])
-    t1 = now(mm.device)
+    t1 = now(device)
     acc = state_accounting(state)
+    method_stats = state.stats_rows(1)
     ctx.committed.append(root)
     drafter.begin(ctx)
     while len(ctx.committed) < max_new and root not in stop:
@@ -141,38 +145,51 @@ def _decode_one(session: Session, inputs: LMInputs, max_new: int, ctx_kw: dict, 
                 break
         drafter.accept(ctx, tree, verdict.path, step.hidden[0, keep], verdict.bonus)
         root = ctx.committed[-1]
-    t2 = now(mm.device)
+    t2 = now(device)
     stats.draft_forwards += ctx.extras.get("draft_forwards", 0)
     stats.draft_tokens += ctx.extras.get("draft_tokens", 0)
     tokens = ctx.committed
     cut = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
-    return _OneResult(tokens[:cut], acc, state.kv_bytes_per_sample()[0], t1 - t0, t2 - t1)
+    return _OneResult(tokens[:cut], acc, method_stats, state.kv_bytes_per_sample()[0], t1 - t0, t2 - t1)
 
 
-_FIELDS = ("embeds", "input_ids", "attention_mask", "position_ids", "image_mask", "patch_ids", "image_index")
-
-
-def speculative_decode(session: Session, req: DecodeRequest, *, temperature: float, top_k: int = 0, top_p: float = 1.0) -> DecodeOutput:
-    """Draft-and-verify decoding of ``req`` (samples one at a time). Output follows the target exactly."""
-    gen = make_generator(req.seed, session.mm.device)
-    ctx_kw = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": gen}
+def speculative_decode(ctx: MethodContext, drafter: Drafter, req: DecodeRequest, sampling: Sampling) -> DecodeOutput:
+    """Draft-and-verify decoding of ``req`` (samples one at a time). Output follows the target's
+    ``sampling`` rule exactly (the session runs this when the recipe has a drafter)."""
+    gen = make_generator(req.seed, ctx.device)
+    ctx_kw = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "generator": gen}
     stats = SpecStats()
     results = []
     for b in range(req.inputs.batch_size):
         row = req.inputs.select(torch.tensor([b], device=req.inputs.input_ids.device))
         pad = int((row.attention_mask[0] == 0).sum())  # batch-1 verification needs no left padding
-        row = type(row)(*(getattr(row, f)[:, pad:] for f in _FIELDS))
-        results.append(_decode_one(session, row, req.max_new_tokens, ctx_kw, stats))
-    out = DecodeOutput(
+        row = row.crop_left(pad)
+        results.append(_decode_one(ctx, drafter, row, req.max_new_tokens, ctx_kw, stats))
+    accs = [r.prefill_acc for r in results]
+    return DecodeOutput(
         tokens=[r.tokens for r in results],
         prefill_s=sum(r.prefill_s for r in results),
         decode_s=sum(r.decode_s for r in results),
         n_forwards=stats.cycles,
-        kv_bytes_prefill=[r.prefill_acc.kv_bytes[0] for r in results],
+        kv_bytes_prefill=[a.kv_bytes[0] for a in accs],
         kv_bytes_end=[r.kv_end for r in results],
-        vision_tokens_layer_avg=[r.prefill_acc.vision_layer_avg[0] for r in results],
-        flops_prefill=[r.prefill_acc.flops[0] for r in results],
-        flops_prefill_7b=[r.prefill_acc.flops_7b[0] for r in results],
+        vision_tokens_layer_avg=[a.vision_layer_avg[0] for a in accs],
+        flops_prefill=[a.flops[0] for a in accs],
+        flops_prefill_7b=[a.flops_7b[0] for a in accs],
         stats={"speculative": stats.as_dict()},
+        method_stats=_stack_rows([r.method_stats for r in results]),
     )
+
+
+def _stack_rows(per_row: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One-row method statistics of consecutive samples as one batch's (``per_sample_*`` joined)."""
+    out: dict[str, dict[str, Any]] = {}
+    for stats in per_row:
+        for name, d in stats.items():
+            merged = out.setdefault(name, {})
+            for k, v in d.items():
+                if k.startswith("per_sample_") and isinstance(v, list):
+                    merged.setdefault(k, []).extend(v)
+                else:
+                    merged[k] = v
     return out

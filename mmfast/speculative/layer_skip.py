@@ -41,7 +41,7 @@ class LayerSkip(Drafter):
         calibration_tokens: int = opt(16, lo=0, hi=256, doc="greedy tokens per calibration prompt")
 
     def install(self) -> None:
-        layers = self.session.adapter.layers
+        layers = self.ctx.adapter.layers
         self.active = False
         self.skip: set[int] = set(self.config.skip or ())
         bad = [i for i in self.skip if not 0 < i < len(layers)]
@@ -49,7 +49,7 @@ class LayerSkip(Drafter):
             raise ValueError(f"layer_skip: cannot skip layers {bad} (layer 0 always runs; {len(layers)} layers)")
         for i in range(1, len(layers)):
             layer = layers[i]
-            self.session.hooks.set_attr(layer, "forward", self._wrap(i, layer.forward))
+            self.ctx.hooks.set_attr(layer, "forward", self._wrap(i, layer.forward))
 
     def _wrap(self, index: int, forward):
         def maybe_skip(hidden_states, *args, **kwargs):
@@ -66,8 +66,8 @@ class LayerSkip(Drafter):
     @torch.inference_mode()
     def calibrate(self, ctx) -> set[int]:
         """Greedy skip-set search on this prompt under teacher forcing (full-model greedy tokens)."""
-        runner = self.session.runner
-        n_layers = len(self.session.adapter.layers)
+        runner = self.ctx.runner
+        n_layers = len(self.ctx.adapter.layers)
         target = int(round(self.config.skip_fraction * n_layers))
         # the full model's greedy continuation of this prompt
         dev = ctx.inputs.input_ids.device
@@ -76,13 +76,13 @@ class LayerSkip(Drafter):
         for _ in range(self.config.calibration_tokens - 1):
             toks.append(int(runner.step(state, torch.tensor([[toks[-1]]], device=dev)).logits[0, -1].argmax()))
         prev = torch.tensor([toks[:-1]], device=dev)  # [1, n-1]
-        seq = ctx.inputs.append(prev, self.session.adapter.embed_tokens(prev))
+        seq = ctx.inputs.append(prev, self.ctx.adapter.embed_tokens(prev))
         want = torch.tensor(toks, device=dev)  # [n]
 
         def agreement(skip: set[int]) -> float:
             self.skip, self.active = skip, True
             try:
-                logits = self.session.adapter.lm_head(_last_hidden(runner, seq))  # [1, L, V]
+                logits = self.ctx.adapter.lm_head(_last_hidden(runner, seq))  # [1, L, V]
             finally:
                 self.active = False
             pred = logits[0, -len(toks) :].argmax(-1)
@@ -98,7 +98,7 @@ class LayerSkip(Drafter):
         return chosen
 
     def propose(self, ctx, root: int) -> DraftTree:
-        runner, state = self.session.runner, ctx.state
+        runner, state = self.ctx.runner, ctx.state
         cp = state.checkpoint()
         tokens, qs = [], []
         x = root
@@ -119,7 +119,7 @@ class LayerSkip(Drafter):
                     break
                 tokens.append(x)
                 qs.append(q)
-                if x in self.session.mm.eos_token_ids:
+                if x in self.ctx.special.eos:
                     break
         finally:
             self.active = False

@@ -45,7 +45,7 @@ class PromptLookup(Drafter):
 
     def _lookup(self, seq: list[int]) -> list[int]:
         cfg = self.config
-        stop = set(self.session.mm.eos_token_ids)
+        stop = set(self.ctx.special.eos)
         for n in range(min(cfg.max_ngram, len(seq) - 1), 0, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n):

@@ -110,7 +110,7 @@ def _generate_shard(session, images, prompts: list[str], with_image: bool, max_n
         inputs = session.build_inputs(batch, session.encode(batch))
     else:
         inputs = session.text_only_inputs(batch)
-    out = autoregressive(session, inputs, lambda logits, step, state: logits.argmax(-1), max_new)
+    out = autoregressive(session.ctx, inputs, lambda logits, step, state: logits.argmax(-1), max_new)
     lm = mm.adapter.language_model
     eos = mm.eos_token_ids[0]
     ids_l, hid_l, vis_l, off, voff, plen, has_eos, top_i, top_v = [], [], [], [0], [0], [], [], [], []

@@ -1,0 +1,184 @@
+"""Capabilities: what each method does and needs, and the one check that compares them.
+
+Every pruning stage, decoder and drafter declares a :class:`Capabilities` (a class attribute
+``caps``, or a ``capabilities(params)`` classmethod when a parameter changes what the method does).
+:func:`check_recipe` compares the declarations of a recipe's methods before any model is loaded, and
+:func:`check_model` compares them with the loaded model before any compute; each refusal says why and
+what to do instead. No method inspects another method's name or parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .config import Recipe
+    from .models.base import VLMAdapter
+
+Search = Literal["single", "beam", "branches"]
+ALL_FAMILIES = frozenset({"llava", "llava_next"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """A method's declaration. Defaults describe a method that does nothing special."""
+
+    #: model families the method runs on
+    families: frozenset[str] = ALL_FAMILIES
+    #: needs a CLS token in the vision tower
+    needs_cls: bool = False
+
+    # -- pruning stages ---------------------------------------------------------------------------
+    #: changes the token set inside the vision tower (ToMe, MustDrop's window merge)
+    merges_in_tower: bool = False
+    #: the tower must run one image at a time (a per-image merge changes each image's length)
+    tower_per_image: bool = False
+    #: rebuilds an image's features from the full patch grid, so it must be the first stage that
+    #: edits vision tokens (in the tower or on the features)
+    needs_full_grid: bool = False
+    #: edits vision features before the projector
+    edits_features: bool = False
+    #: removes cached slots after prefill (a KV policy over the prompt)
+    kv_edit_prefill: bool = False
+    #: removes or rewrites cached slots while decoding (one step at a time)
+    kv_edit_decode: bool = False
+    #: replaces the cache layers themselves (ZipVL's mixed-precision layers): no other stage may
+    #: edit the cache, and nothing may roll it back or reorder it
+    owns_kv_cache: bool = False
+    #: decodes by recomputing the whole sequence (no KV cache)
+    decodes_without_cache: bool = False
+    #: how to set the stage so that it leaves decoding alone (named in refusals)
+    decode_free_setting: str = ""
+
+    # -- decoders ---------------------------------------------------------------------------------
+    #: single: one sequence per sample; beam: several hypotheses reordered every step; branches:
+    #: auxiliary inputs decoded beside the clean one (contrastive / ensemble decoders)
+    search: Search = "single"
+    #: draft-and-verify can reproduce this decoder's token choice exactly (greedy, sampling)
+    speculative: bool = False
+    #: needs every generated token cached in the last layer, and clones and re-forwards caches
+    #: (OPERA's over-trust map, look-ahead and rollback)
+    needs_full_decode_cache: bool = False
+    #: reads the vision tower's unmerged tokens (DAMRO's outlier branch)
+    needs_unmerged_tower: bool = False
+
+
+def caps_of(cls: type, params: Any) -> Capabilities:
+    """The declaration of method class ``cls`` under recipe ``params``."""
+    fn = getattr(cls, "capabilities", None)
+    if callable(fn):
+        return fn(params)
+    return getattr(cls, "caps", Capabilities())
+
+
+@dataclass(frozen=True)
+class _Declared:
+    where: str  # "pruning[0] (fastv)", "decoding (vcd)", "speculative (msd)"
+    name: str
+    caps: Capabilities
+
+
+def _declared(recipe: Recipe) -> tuple[list[_Declared], _Declared, _Declared | None]:
+    from .registry import DECODERS, DRAFTERS, PRUNERS
+
+    stages = [
+        _Declared(f"pruning[{i}] ({s.method})", s.method, caps_of(PRUNERS.get(s.method).cls, s.params))
+        for i, s in enumerate(recipe.pruning)
+    ]
+    dec = recipe.decoding
+    decoder = _Declared(f"decoding ({dec.method})", dec.method, caps_of(DECODERS.get(dec.method).cls, dec.params))
+    drafter = None
+    if recipe.speculative is not None:
+        sp = recipe.speculative
+        drafter = _Declared(f"speculative ({sp.method})", sp.method, caps_of(DRAFTERS.get(sp.method).cls, sp.params))
+    return stages, decoder, drafter
+
+
+def check_recipe(recipe: Recipe) -> str | None:
+    """A reason the recipe's methods cannot run together, or None. Needs no model."""
+    stages, decoder, drafter = _declared(recipe)
+    d = decoder.caps
+    if drafter is not None:
+        if not d.speculative:
+            return (
+                f"{decoder.where} cannot be combined with speculative drafting ({drafter.where}): its search is "
+                f"'{d.search}', which draft verification does not reproduce. Use decoding.method 'greedy' or 'sample' "
+                "with a drafter, or remove the speculative section"
+            )
+        for st in stages:
+            c = st.caps
+            if c.kv_edit_decode or c.owns_kv_cache or c.decodes_without_cache:
+                what = (
+                    "owns the KV cache (quantised layers)" if c.owns_kv_cache
+                    else "decodes without a KV cache" if c.decodes_without_cache
+                    else "edits the KV cache at every decode step"
+                )
+                fix = f"set {c.decode_free_setting}" if c.decode_free_setting else "remove the speculative section"
+                return (
+                    f"{st.where} {what}, which speculative verification (several tokens per forward, then a "
+                    f"rollback) cannot undo; {fix}"
+                )
+    for st in stages:
+        c = st.caps
+        if d.search != "single" and c.decodes_without_cache:
+            return (
+                f"{st.where} decodes without a KV cache, which only a single-sequence decoder can do; "
+                f"{decoder.where} searches with '{d.search}'. Use decoding greedy or sample, or "
+                + (f"set {c.decode_free_setting}" if c.decode_free_setting else "keep the cache")
+            )
+        if d.search == "beam" and c.owns_kv_cache:
+            return (
+                f"{st.where} owns the KV cache and defines decoding for one sequence per sample; {decoder.where} "
+                "is a beam search. Use decoding greedy or sample"
+            )
+        if d.needs_full_decode_cache and (c.kv_edit_decode or c.decodes_without_cache):
+            return (
+                f"{decoder.where} needs every generated token cached in the last layer and clones its caches, but "
+                f"{st.where} drops generated tokens from the cache while decoding (or decodes without one); "
+                + (f"set {c.decode_free_setting}" if c.decode_free_setting else "use another decoder")
+            )
+        if d.needs_unmerged_tower and c.merges_in_tower:
+            return (
+                f"{decoder.where} reads the vision tower's unmerged tokens, but {st.where} merges tokens inside the "
+                "tower; use a feature-stage pruner instead"
+            )
+    for i, st in enumerate(stages):
+        c = st.caps
+        if c.owns_kv_cache:
+            other = next((o for j, o in enumerate(stages) if j != i and (o.caps.kv_edit_prefill or o.caps.kv_edit_decode or o.caps.owns_kv_cache)), None)
+            if other is not None:
+                return f"{st.where} owns the KV cache (mixed-precision layers) and cannot share it with {other.where}, which edits it"
+        if c.needs_full_grid:
+            # the tower runs before every feature stage, so a merge in the tower comes first wherever it is listed
+            earlier = next((o for o in stages[:i] if o.caps.edits_features), None)
+            earlier = earlier or next((o for j, o in enumerate(stages) if j != i and o.caps.merges_in_tower), None)
+            if earlier is not None:
+                return (
+                    f"{st.where} needs every image's full patch grid, but {earlier.where} changes the vision tokens "
+                    f"before it; put {st.name} first, or keep only one of them"
+                )
+        if c.merges_in_tower:
+            other = next((o for j, o in enumerate(stages) if j != i and o.caps.merges_in_tower), None)
+            if other is not None:
+                return f"{st.where} and {other.where} both merge tokens inside the vision tower; keep one of them"
+    return None
+
+
+def check_model(recipe: Recipe, adapter: VLMAdapter) -> str | None:
+    """A reason the recipe's methods cannot run on ``adapter``'s model, or None (before any compute)."""
+    from .registry import DECODERS, DRAFTERS, PRUNERS
+
+    stages, decoder, drafter = _declared(recipe)
+    kinds = [(st, PRUNERS) for st in stages] + [(decoder, DECODERS)] + ([(drafter, DRAFTERS)] if drafter else [])
+    for item, registry in kinds:
+        c = item.caps
+        if adapter.family not in c.families:
+            ok = [e.name for e in registry.entries() if adapter.family in caps_of(e.cls, None).families]
+            return (
+                f"{item.where} does not support the {adapter.family} family; {registry.kind} methods that run there: "
+                f"{', '.join(ok) or 'none'}"
+            )
+        if c.needs_cls and not adapter.has_cls:
+            return f"{item.where} needs a CLS token in the vision tower, which this model does not have"
+    return None

@@ -1,0 +1,121 @@
+"""The narrow interface a method may use: :class:`MethodContext`.
+
+Pruning stages, decoders and drafters are built against this context, never against the pipeline's
+``Session``. It gives them the model's structure (``adapter``), the LLM runtime (``runner``), the
+attention probe, the hook session that restores the model, the tokenizer and special token ids, and
+a few input builders. What a method learns about one batch travels with that batch's data (tags on
+``VisionBatch`` / ``LMInputs``, stats and extras on ``LMState``), so an auxiliary branch encoded with
+:meth:`MethodContext.encode_branch` can never overwrite what the clean batch needs.
+
+This module imports nothing from ``pipeline`` or the method packages: the session imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .models.base import LMInputs, VisionBatch, build_lm_inputs
+
+if TYPE_CHECKING:
+    from .hooks import AttentionProbe, HookSession
+    from .model import MMModel, PreparedBatch
+    from .models.base import VLMAdapter
+    from .runtime import LMRunner
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """Token ids a method may need."""
+
+    pad: int
+    eos: tuple[int, ...]
+    image: int
+
+
+@dataclass
+class MethodContext:
+    """Everything a pruning stage, decoder or drafter may touch.
+
+    ``encode`` runs the vision tower and every feature stage on a batch and returns a fresh
+    :class:`VisionBatch` (the session supplies it); methods reach it through :meth:`encode_branch`.
+    """
+
+    adapter: VLMAdapter
+    runner: LMRunner
+    probe: AttentionProbe
+    hooks: HookSession
+    tokenizer: Any
+    image_processor: Any
+    special: SpecialIds
+    model_name: str  # what the user loaded (embedded name, hub id or directory)
+    model_path: str  # where the weights came from (``name_or_path``), for methods with side files
+    chat_text: Callable[[str, int], str]  # (prompt, n_images) -> chat-templated text
+    encode: Callable[[PreparedBatch], VisionBatch]
+
+    @classmethod
+    def of(cls, mm: MMModel, runner: LMRunner, probe: AttentionProbe, hooks: HookSession,
+           encode: Callable[[PreparedBatch], VisionBatch]) -> MethodContext:
+        return cls(
+            adapter=mm.adapter,
+            runner=runner,
+            probe=probe,
+            hooks=hooks,
+            tokenizer=mm.tokenizer,
+            image_processor=mm.image_processor,
+            special=SpecialIds(mm.pad_token_id, tuple(mm.eos_token_ids), mm.adapter.image_token_id),
+            model_name=mm.name,
+            model_path=str(getattr(mm.model, "name_or_path", "") or ""),
+            chat_text=mm.chat_text,
+            encode=encode,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapter.lm_head.weight.dtype
+
+    @property
+    def name(self) -> str:
+        return self.model_name
+
+    # -- inputs ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def build_inputs(self, batch: PreparedBatch, vision: VisionBatch, token_ids: list[list[int]] | None = None) -> LMInputs:
+        """Project the (pruned) features and splice them, with their tags, into the prompts."""
+        projected = self.adapter.project(vision)
+        per_sample: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
+        per_ids: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
+        per_tags: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in range(batch.batch_size)] for k in vision.tags}
+        for img, owner in enumerate(batch.image_owner):
+            per_sample[owner].append(projected[img])
+            per_ids[owner].append(vision.patch_ids[img])
+            for k, tag in vision.tags.items():
+                per_tags[k][owner].append(tag[img])
+        return build_lm_inputs(self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.special.pad, per_tags)
+
+    def encode_branch(self, batch: PreparedBatch) -> tuple[VisionBatch, LMInputs]:
+        """Encode an auxiliary branch (a noised or transformed image): vision tower, feature stages
+        and splicing, exactly as the clean batch was encoded. Everything the stages decide travels
+        with the returned data, so the clean batch's tags and states are untouched."""
+        vision = self.encode(batch)
+        return vision, self.build_inputs(batch, vision)
+
+    @torch.inference_mode()
+    def text_only_inputs(self, batch: PreparedBatch) -> LMInputs:
+        """The same prompts with no image at all (M3ID's unconditioned branch, VHR's text stream)."""
+        ids = [self.tokenizer(self.chat_text(p, 0), add_special_tokens=True)["input_ids"] for p in batch.prompts]
+        empty: list[list[torch.Tensor]] = [[] for _ in ids]
+        return build_lm_inputs(self.adapter, ids, empty, [[] for _ in ids], self.special.pad)
+
+    def reprompt(self, batch: PreparedBatch, prompts: list[str]) -> PreparedBatch:
+        """``batch`` with other prompts about the same images (pixels reused, no re-encoding needed)."""
+        texts = [self.chat_text(p, len(ims)) for p, ims in zip(prompts, batch.images)]
+        ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        return dataclasses.replace(batch, prompts=list(prompts), texts=texts, token_ids=ids)

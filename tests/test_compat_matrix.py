@@ -1,0 +1,111 @@
+"""The compatibility matrix: every registered pruner x every decoder x {no drafter, a drafter}, and
+every ordered pair of stacked pruners, on tiny random LLaVA and LLaVA-NeXT models.
+
+Each combination either generates (batch 2, so branch batching and per-sample decisions are
+exercised) or is refused before any compute with a reason that names the method: by
+``load_recipe`` (the methods' capabilities) or by ``apply`` (the loaded model's family or tower).
+Nothing else may ever be raised.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import mmfast
+from mmfast.config import load_recipe
+from mmfast.errors import IncompatibleRecipeError
+from mmfast.pipeline import Session
+from mmfast.registry import DECODERS, DRAFTERS, PRUNERS
+
+# small searches keep the matrix inside the CI budget; every other parameter is the method's default
+DECODER_PARAMS = {
+    "beam": {"num_beams": 2},
+    "opera": {"num_beams": 2, "num_attn_candidates": 2},
+}
+DRAFTER = "prompt_lookup"  # needs no trained weights
+
+
+@pytest.fixture(scope="module")
+def families(tiny_mm, tmp_path_factory):
+    from mmfast.models.factory import random_llava_next, save_model
+
+    model, processor = random_llava_next("tiny")
+    path = save_model(model, processor, tmp_path_factory.mktemp("next_matrix"))
+    return {"llava": tiny_mm, "llava_next": mmfast.load(path, device="cpu")}
+
+
+def _stage(name: str, mm) -> dict:
+    return {"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}
+
+
+def _outcome(mm, recipe_data: dict, images, prompts) -> str:
+    """'ran', or 'refused: <reason>'; anything else raised propagates (a failure)."""
+    try:
+        recipe = load_recipe(recipe_data)
+    except IncompatibleRecipeError as exc:
+        return f"refused: {exc}"
+    try:
+        session = Session(mm, recipe)
+    except IncompatibleRecipeError as exc:
+        return f"refused: {exc}"
+    with session:
+        out = session.generate(images[:2], prompts[:2], max_new_tokens=3)
+    assert len(out) == 2
+    return "ran"
+
+
+def _names_a_method(reason: str, recipe_data: dict) -> bool:
+    names = [s["method"] for s in recipe_data.get("pruning", [])]
+    names.append(recipe_data["decoding"]["method"])
+    if "speculative" in recipe_data:
+        names.append(recipe_data["speculative"]["method"])
+    return any(n in reason for n in names)
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+@pytest.mark.parametrize("pruner", PRUNERS.names())
+def test_pruner_x_decoder_x_drafter(family, pruner, families, images, prompts):
+    mm = families[family]
+    problems, ran = [], 0
+    for decoder in DECODERS.names():
+        for drafter in (None, DRAFTER):
+            data = {"pruning": [_stage(pruner, mm)], "decoding": {"method": decoder, "params": DECODER_PARAMS.get(decoder, {})}}
+            if drafter:
+                data["speculative"] = {"method": drafter}
+            try:
+                result = _outcome(mm, data, images, prompts)
+            except Exception as exc:  # noqa: BLE001 - the point: report every combination that crashes
+                problems.append(f"{pruner} x {decoder} x {drafter}: {type(exc).__name__}: {exc}")
+                continue
+            if result == "ran":
+                ran += 1
+            elif not _names_a_method(result, data):
+                problems.append(f"{pruner} x {decoder} x {drafter}: refusal names no method: {result}")
+    assert not problems, "\n".join(problems)
+    if family == "llava":
+        assert ran > 0  # every pruner runs with some decoder on the anchor family
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+@pytest.mark.parametrize("first", PRUNERS.names())
+def test_stacked_pruners(family, first, families, images, prompts):
+    mm = families[family]
+    problems = []
+    for second in PRUNERS.names():
+        data = {"pruning": [_stage(first, mm), _stage(second, mm)], "decoding": {"method": "greedy"}}
+        try:
+            result = _outcome(mm, data, images, prompts)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"{first} + {second}: {type(exc).__name__}: {exc}")
+            continue
+        if result != "ran" and not _names_a_method(result, data):
+            problems.append(f"{first} + {second}: refusal names no method: {result}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_method_declares_capabilities():
+    from mmfast.capabilities import Capabilities, caps_of
+
+    for registry in (PRUNERS, DECODERS, DRAFTERS):
+        for entry in registry.entries():
+            assert isinstance(caps_of(entry.cls, None), Capabilities), entry.name
