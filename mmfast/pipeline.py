@@ -11,11 +11,12 @@ Everything it changed is removed by ``close()``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -23,7 +24,7 @@ from .capabilities import caps_of, check_model
 from .config import Recipe, load_recipe
 from .context import MethodContext
 from .decoding.base import DecodeOutput, DecodeRequest, now
-from .errors import IncompatibleRecipeError
+from .errors import ConfigError, IncompatibleRecipeError
 from .hooks import AttentionProbe, HookSession
 from .model import MMModel, PreparedBatch
 from .models.base import LMInputs, VisionBatch, build_lm_inputs
@@ -98,11 +99,14 @@ class Session:
             self.drafter = None
             if recipe.speculative is not None:
                 self.drafter = DRAFTERS.get(recipe.speculative.method).cls(recipe.speculative.params, self.ctx)
-            for pruner in self.pruners:
-                pruner.install()
-            self.decoder.install()
+            for i, pruner in enumerate(self.pruners):
+                with _recipe_path(f"pruning[{i}].params"):
+                    pruner.install()
+            with _recipe_path("decoding.params"):
+                self.decoder.install()
             if self.drafter is not None:
-                self.drafter.install()
+                with _recipe_path("speculative.params"):
+                    self.drafter.install()
         except BaseException:
             self.hooks.close()
             raise
@@ -213,6 +217,15 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _recipe_path(prefix: str) -> Iterator[None]:
+    """Methods name the parameter a ConfigError is about; the session adds where it sits in the recipe."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}.{exc.path}" if exc.path else prefix, exc.detail, exc.source) from None
 
 
 def _sample_stats(stats: dict[str, Any], b: int) -> dict[str, Any]:

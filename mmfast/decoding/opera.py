@@ -23,7 +23,7 @@ Algorithm (one beam step; released code ``shikiw/OPERA`` ``transformers-4.29.2/.
 
 Defaults (README / argparse / signature): num_beams 5, scale_factor 50, threshold r 15,
 num_attn_candidates N_can 5, penalty_weights alpha 1, window_size 512 (rollback buffer only: phi
-uses *all* response tokens). The README's "efficient" preset is r = 25, N_can = 1 (:data:`PRESETS`).
+uses *all* response tokens). The README's "efficient" setting is ``threshold: 25, num_attn_candidates: 1``.
 
 Hook points: ``session.probe.watch`` on the last decoder layer's attention (``reduce="max"`` over
 heads, the new query rows of decode forwards only; the model keeps running sdpa); everything else is
@@ -71,12 +71,6 @@ from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
 from .beam import BeamSearch
 from ._opera_penalty import OverTrustHistory, mode, phi_from_log
 from .loop import finish
-
-#: The README's settings: "paper" (the defaults) and the faster "efficient" one.
-_PAPER = {
-    "num_beams": 5, "scale_factor": 50.0, "threshold": 15, "num_attn_candidates": 5, "penalty_weights": 1.0, "window_size": 512,
-}
-PRESETS: dict[str, dict[str, Any]] = {"paper": _PAPER, "efficient": {**_PAPER, "threshold": 25, "num_attn_candidates": 1}}
 
 BONUS_TOKENS = 10  # image-attention bonus while the response part (candidate included) has <= 10 tokens
 MIN_LOCATION = 10  # no rollback to a location < 10

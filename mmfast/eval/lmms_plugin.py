@@ -1,7 +1,7 @@
 """lmms-eval plugin: run any mmfast recipe on lmms-eval tasks.
 
     pip install lmms-eval          # optional; mmfast registers itself through its entry point
-    python -m lmms_eval --model mmfast --model_args recipe=configs/fastv.yaml --tasks pope --batch_size 1
+    python -m lmms_eval --model mmfast --model_args recipe=configs/examples/fastv_64.yaml --tasks pope --batch_size 1
 
 mmfast declares the entry point group ``lmms_eval.models`` (lmms-eval >= 0.7's plugin mechanism,
 ``ModelManifest``); the model loads the recipe's checkpoint, installs its methods once and answers

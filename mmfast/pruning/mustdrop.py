@@ -196,17 +196,17 @@ class MustDrop(Pruner):
         cfg = self.config
         rows, cols = self.adapter.grid
         if rows % cfg.window or cols % cfg.window:
-            raise ConfigError("mustdrop.window", f"{cfg.window} does not divide the {rows}x{cols} patch grid of this model")
+            raise ConfigError("window", f"{cfg.window} does not divide the {rows}x{cols} patch grid of this model")
         n_layers = len(self.adapter.layers)
         self.filters = map_layers(cfg.layers, n_layers, cfg.layer_mapping)  # [(probe layer, paper layer)]
         if self.filters[-1][0] + 1 >= n_layers:
-            raise ConfigError("mustdrop.layers", f"a filter at the output of layer {self.filters[-1][0]} leaves no layer to prune in this {n_layers}-layer LLM")
+            raise ConfigError("layers", f"a filter at the output of layer {self.filters[-1][0]} leaves no layer to prune in this {n_layers}-layer LLM")
         self.lambda_g, self.lambda_i = self.thresholds()
         vis_layers = self.adapter.vision_layers
         n_vis = len(vis_layers)
         key_layer = cfg.key_layer % n_vis if -n_vis <= cfg.key_layer < n_vis else None
         if key_layer is None:
-            raise ConfigError("mustdrop.key_layer", f"{cfg.key_layer} is not a layer of this {n_vis}-layer vision tower")
+            raise ConfigError("key_layer", f"{cfg.key_layer} is not a layer of this {n_vis}-layer vision tower")
 
         # stage 1: window merge on the output of CLIP layer 0, key set from the CLS attention. The
         # session runs the tower one image at a time for this stage (capability tower_per_image),

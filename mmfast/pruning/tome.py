@@ -161,7 +161,7 @@ class ToMe(Pruner):
         try:
             return merge_schedule(rows * cols, n_blocks, self.config.budget, int(self.adapter.has_cls))
         except ValueError as exc:
-            raise ConfigError("tome.budget", str(exc)) from None
+            raise ConfigError("budget", str(exc)) from None
 
     def install(self) -> None:
         self.r_schedule = self.schedule()
@@ -175,7 +175,7 @@ class ToMe(Pruner):
         layers = self.adapter.vision_layers
         for part in ("layer_norm1", "self_attn", "layer_norm2", "mlp"):
             if not hasattr(layers[0], part):
-                raise ConfigError("tome", f"the vision encoder layer {type(layers[0]).__name__} has no {part!r}; ToMe supports CLIP-style layers")
+                raise ConfigError("", f"the vision encoder layer {type(layers[0]).__name__} has no {part!r}; ToMe supports CLIP-style layers")
         hooks.pre_hook(layers[0], self._reset)
         first = next(i for i, r in enumerate(self.r_schedule) if r > 0)
         for i, layer in enumerate(layers):
@@ -185,7 +185,7 @@ class ToMe(Pruner):
                 hooks.set_attr(layer, "forward", self._make_forward(layer, self.r_schedule[i]))
             if self.config.prop_attn and i > first:
                 if attn_hooks.override is not None:
-                    raise ConfigError("tome", f"vision layer {i}'s attention is already overridden by another stage")
+                    raise ConfigError("", f"vision layer {i}'s attention is already overridden by another stage")
                 attn_hooks.override = self._proportional_attention
 
     # -- per-forward state -------------------------------------------------------------------------

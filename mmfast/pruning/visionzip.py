@@ -107,7 +107,7 @@ class VisionZip(Pruner):
             return
         d, c = self.budget()
         if d - 1 + c > n:
-            raise ConfigError("visionzip", f"dominant - 1 + contextual = {d - 1 + c} exceeds the {n} patches of this model")
+            raise ConfigError("", f"dominant - 1 + contextual = {d - 1 + c} exceeds the {n} patches of this model")
         self.layer = self.adapter.vision_feature_layer_index()
         attn = self.adapter.vision_layers[self.layer].self_attn
         self.probe_key = f"visionzip.cls.{self.layer}"
