@@ -6,7 +6,7 @@ a stable ``doc_id``), and turns the finished per-sample records back into metric
 
     @TASKS.register("name", description="one line for `mmfast list`")
     class Name(Task):
-        Config = NameConfig                    # optional options dataclass
+        Config = NameConfig                    # optional options dataclass: recipe section eval.name
         needs = frozenset({"images"})          # shared inputs data.py locates (images, annotations)
         def samples(self, limit): ...          # -> list[Sample]
         def metrics(self, records): ...        # {record group: [record, ...]} -> {metric: value}

@@ -39,7 +39,7 @@ class Task(abc.ABC):
     """
 
     Config: ClassVar[type | None] = None
-    """The task's options dataclass (ranges via ``config.opt``; ``mmfast list -v`` shows it)."""
+    """The task's options dataclass (recipe section ``eval.<name>``; ranges via ``config.opt``)."""
     needs: ClassVar[frozenset[str]] = frozenset({"images"})
     """Shared inputs :func:`~mmfast.eval.data.resolve_data` locates and checks: ``images``, ``annotations``."""
     files_help: ClassVar[Mapping[str, str]] = {}
@@ -62,6 +62,11 @@ class Task(abc.ABC):
         if not self.registered_name:
             raise TypeError(f"{type(self).__name__} is not registered: decorate it with @TASKS.register('name')")
         return self.registered_name
+
+    @property
+    def options(self) -> Any:
+        """This task's options (an instance of ``Config``), from ``eval.<name>`` or its defaults."""
+        return self.cfg.task_config(self.name)
 
     @property
     def files(self) -> dict[str, Path]:
