@@ -1,6 +1,6 @@
 """The ``mmfast`` command line.
 
-    mmfast list [-v]                         registered methods by kind
+    mmfast list [-v]                         registered methods by kind, and evaluation tasks
     mmfast validate RECIPE                   check a recipe, print the resolved config
     mmfast run RECIPE --image P --prompt T   answer one prompt
     mmfast eval RECIPE [--limit N] [--output DIR]
@@ -28,8 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("list", help="registered methods, grouped by kind")
-    s.add_argument("-v", "--verbose", action="store_true", help="also show each method's parameters and defaults")
+    s = sub.add_parser("list", help="registered methods (grouped by kind) and evaluation tasks")
+    s.add_argument("-v", "--verbose", action="store_true", help="also show each method's parameters and each task's options, with defaults")
 
     def recipe_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("recipe", help="YAML recipe path (or a name under configs/)")
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=None)
     s.add_argument("--json", action="store_true", help="print the full result as JSON")
 
-    s = sub.add_parser("eval", help="run the recipe's evaluation (POPE / CHAIR)")
+    s = sub.add_parser("eval", help="run the recipe's evaluation tasks (POPE, CHAIR, ...)")
     recipe_args(s)
     s.add_argument("--limit", type=int, default=None, help="samples per task/split")
     s.add_argument("--output", default=None, help="output directory (default: the recipe's output.dir)")
@@ -65,9 +65,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_list(args) -> int:
     from .config import describe_fields
-    from .registry import REGISTRIES
+    from .registry import REGISTRIES, TASKS
 
-    for kind, reg in REGISTRIES.items():
+    for kind, reg in {**REGISTRIES, "tasks": TASKS}.items():
         print(f"{kind}:")
         entries = list(reg.entries())
         if not entries:

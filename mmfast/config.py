@@ -27,7 +27,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, UnknownMethodError
 
 _MISSING = dataclasses.MISSING
 
@@ -139,12 +139,17 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     hook = getattr(cls, "_from_recipe", None)
     if hook is not None:
         return hook(data, path)
+    return _from_fields(cls, data, path)
+
+
+def _from_fields(cls: type, data: Any, path: str, **fixed: Any) -> Any:
+    """``from_dict`` without the ``_from_recipe`` hook; ``fixed`` fields are set by the caller, not the recipe."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls))}")
+        raise ConfigError(path, f"expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls) if f.name not in fixed)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in fixed}
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -159,7 +164,7 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         elif f.default is _MISSING and f.default_factory is _MISSING:  # type: ignore[misc]
             raise ConfigError(sub, "is required")
     try:
-        return cls(**kwargs)
+        return cls(**kwargs, **fixed)
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
@@ -303,15 +308,77 @@ class DataConfig:
     captions: tuple[str, ...] = ()
 
 
+_TASK_SECTIONS = ("pope", "chair")  # built-in tasks whose options are EvalConfig fields (eval.pope, eval.chair)
+
+
 @dataclass(frozen=True)
 class EvalConfig:
-    tasks: tuple[Literal["pope", "chair"], ...] = ()
+    """``eval``: which registered tasks run (``eval.tasks``), on what data, and each task's options.
+
+    Built-in tasks keep their sections as fields (``eval.pope``, ``eval.chair``); any other registered
+    task with a ``Config`` dataclass takes its section ``eval.<task name>``, validated by that class and
+    kept in ``task_options`` (written back as ``eval.<task name>``)."""
+
+    tasks: tuple[str, ...] = opt((), doc="registered evaluation tasks to run, in order (`mmfast list` shows them)")
     data: DataConfig = opt(factory=DataConfig)
     pope: PopeTaskConfig = opt(factory=PopeTaskConfig)
     chair: ChairTaskConfig = opt(factory=ChairTaskConfig)
     batch_size: int = opt(1, lo=1, hi=256)
     limit: int | None = opt(None, lo=1, doc="samples per task/split (smoke runs)")
     max_failures: float = opt(0.05, lo=0.0, hi=1.0, doc="abort when this fraction of samples fail")
+    task_options: dict[str, Any] = opt(factory=dict, doc="sections eval.<task> of tasks outside the built-ins")
+
+    def task_config(self, name: str) -> Any:
+        """The options of task ``name``: ``eval.pope`` / ``eval.chair``, or a registered task's
+        ``eval.<name>`` section (its ``Config()`` defaults when the recipe has none; None without a Config)."""
+        if name in _TASK_SECTIONS:
+            return getattr(self, name)
+        if name in self.task_options:
+            return self.task_options[name]
+        from .registry import TASKS
+
+        config_cls = TASKS.get(name).config_cls
+        return config_cls() if config_cls is not None else None
+
+    @classmethod
+    def _from_recipe(cls, data: Any, path: str) -> EvalConfig:
+        from .registry import TASKS
+
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(path, "expected a mapping with keys tasks, data, pope, chair, batch_size, ...")
+        own = [f.name for f in dataclasses.fields(cls) if f.name != "task_options"]
+        sections = [n for n in TASKS.names() if n not in own and TASKS.get(n).config_cls is not None]
+        options: dict[str, Any] = {}
+        rest: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in own:
+                rest[key] = value
+            elif key in sections:
+                options[key] = from_dict(TASKS.get(key).config_cls, value, _join(path, key))
+            else:
+                close = difflib.get_close_matches(str(key), own + sections, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(sorted(own + sections))}"
+                raise ConfigError(_join(path, str(key)), f"unknown key; {hint}")
+        cfg = _from_fields(cls, rest, path, task_options=options)
+        for i, name in enumerate(cfg.tasks):
+            where = f"{_join(path, 'tasks')}[{i}]"
+            try:
+                entry = TASKS.get(name)
+            except UnknownMethodError as exc:
+                raise ConfigError(where, str(exc)) from None
+            if name in cfg.tasks[:i]:
+                raise ConfigError(where, f"task {name!r} is listed twice; list each task once")
+            if name in own and name not in _TASK_SECTIONS and entry.config_cls is not None:
+                raise ConfigError(where, f"task {name!r} has options but its name is the eval key {_join(path, name)}; "
+                                         "register the task under another name")
+        return cfg
+
+    def _to_recipe(self) -> dict:
+        out = {f.name: to_dict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "task_options"}
+        out.update({name: to_dict(value) for name, value in self.task_options.items()})
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,15 @@
-"""Typed registries for methods (timm style) plus an entry-point group for outside packages.
+"""Typed registries for methods and evaluation tasks (timm style) plus an entry-point group for outside packages.
 
-Built-in methods register on import of their package::
+Built-in methods and tasks register on import of their package::
 
     @PRUNERS.register("fastv")
     class FastV(Pruner): ...
 
-Outside packages add methods through the entry-point group ``mmfast.plugins``: each entry point names a
-module (imported, so its decorators run) or a callable (called with no arguments).
+    @TASKS.register("pope")
+    class PopeTask(Task): ...
+
+Outside packages add methods and tasks through the entry-point group ``mmfast.plugins``: each entry
+point names a module (imported, so its decorators run) or a callable (called with no arguments).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .errors import UnknownMethodError
 
 if TYPE_CHECKING:
     from .decoding.base import Decoder
+    from .eval.tasks import Task
     from .pruning.base import Pruner
     from .speculative.base import Drafter
 
@@ -33,7 +37,7 @@ ENTRY_POINT_GROUP = "mmfast.plugins"
 
 @dataclass(frozen=True)
 class RegistryEntry(Generic[T]):
-    """One registered method: its class, its config dataclass and a one-line description."""
+    """One registered method (or task): its class, its config dataclass and a one-line description."""
 
     name: str
     kind: str
@@ -43,10 +47,13 @@ class RegistryEntry(Generic[T]):
 
 
 class Registry(Generic[T]):
-    """A name -> class mapping for one kind of method (pruning, speculative, decoding)."""
+    """A name -> class mapping for one kind of method (pruning, speculative, decoding) or for tasks.
 
-    def __init__(self, kind: str) -> None:
+    ``label`` names one entry in messages ("pruning method", "evaluation task")."""
+
+    def __init__(self, kind: str, label: str | None = None) -> None:
         self.kind = kind
+        self.label = label or f"{kind} method"
         self._entries: dict[str, RegistryEntry[T]] = {}
 
     def register(self, name: str, *, description: str | None = None) -> Callable[[type[T]], type[T]]:
@@ -54,7 +61,7 @@ class Registry(Generic[T]):
 
         def deco(cls: type[T]) -> type[T]:
             if name in self._entries and self._entries[name].cls is not cls:
-                raise ValueError(f"{self.kind} method {name!r} is already registered by {self._entries[name].cls}")
+                raise ValueError(f"{self.label} {name!r} is already registered by {self._entries[name].cls}")
             doc = description or next(iter((cls.__doc__ or "").strip().splitlines()), "")
             self._entries[name] = RegistryEntry(name, self.kind, cls, getattr(cls, "Config", None), doc)
             cls.registered_name = name  # type: ignore[attr-defined]
@@ -68,7 +75,7 @@ class Registry(Generic[T]):
             close = difflib.get_close_matches(name, list(self._entries), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise UnknownMethodError(
-                f"unknown {self.kind} method {name!r}{hint} (known: {', '.join(sorted(self._entries)) or 'none'}; "
+                f"unknown {self.label} {name!r}{hint} (known: {', '.join(sorted(self._entries)) or 'none'}; "
                 "`mmfast list` shows all)"
             )
         return self._entries[name]
@@ -90,13 +97,13 @@ _plugins_loaded = False
 
 
 def load_plugins() -> None:
-    """Import built-in methods and every ``mmfast.plugins`` entry point (once)."""
+    """Import built-in methods and tasks and every ``mmfast.plugins`` entry point (once)."""
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
     # Built-ins: importing the packages runs their @register decorators.
-    for pkg in ("mmfast.pruning", "mmfast.speculative", "mmfast.decoding"):
+    for pkg in ("mmfast.pruning", "mmfast.speculative", "mmfast.decoding", "mmfast.eval.tasks"):
         importlib.import_module(pkg)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
@@ -112,3 +119,6 @@ PRUNERS: Registry["Pruner"] = Registry("pruning")
 DRAFTERS: Registry["Drafter"] = Registry("speculative")
 DECODERS: Registry["Decoder"] = Registry("decoding")
 REGISTRIES: dict[str, Registry] = {"pruning": PRUNERS, "speculative": DRAFTERS, "decoding": DECODERS}
+"""The method registries (a recipe's ``method:`` keys pick from these)."""
+TASKS: Registry["Task"] = Registry("task", label="evaluation task")
+"""Evaluation tasks (``eval.tasks`` picks from this); not a method kind, so not in ``REGISTRIES``."""

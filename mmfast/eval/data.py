@@ -2,8 +2,12 @@
 
 Real COCO follows one convention: ``coco_root/val2014/`` images, ``coco_root/annotations/``
 (``instances_val2014.json``, ``captions_val2014.json``) and ``coco_root/pope/coco_pope_{split}.json``
-(the official POPE files), given by ``eval.data.root`` or ``$MMFAST_COCO_ROOT``. Every required file
-is checked before any model is loaded, and all missing ones are listed with where to get them.
+(the official POPE files), given by ``eval.data.root`` or ``$MMFAST_COCO_ROOT``.
+
+What is checked depends on the tasks: each registered task declares the shared inputs it reads
+(``Task.needs``: ``images``, ``annotations``) and its own files (``Task.required_files``, e.g. POPE's
+question files). Every required file is checked before any model is loaded, and all missing ones are
+listed with where to get them.
 """
 
 from __future__ import annotations
@@ -13,34 +17,47 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from ..config import DataConfig, EvalConfig
 from ..errors import InputError
 
 logger = logging.getLogger(__name__)
 
+SHARED_INPUTS: tuple[str, ...] = ("images", "annotations")
+"""What a task may list in ``Task.needs``: the val images, the instances + captions annotations."""
+
 _COCO_HELP = {
-    "val2014": "COCO 2014 val images: https://cocodataset.org/#download (val2014.zip)",
+    "images": "COCO 2014 val images: https://cocodataset.org/#download (val2014.zip)",
     "annotations": "COCO 2014 annotations: https://cocodataset.org/#download (annotations_trainval2014.zip)",
-    "pope": "POPE question files: https://github.com/RUCAIBox/POPE (output/coco/coco_pope_*.json)",
 }
 
 
 @dataclass(frozen=True)
 class EvalData:
+    """The located inputs: shared ones (images, annotations) and each task's own files."""
+
     dataset: str
     root: Path
     image_dir: Path
     instances: tuple[Path, ...]
     captions: tuple[Path, ...]
-    pope_files: dict[str, Path] = field(default_factory=dict)
+    task_files: dict[str, dict[str, Path]] = field(default_factory=dict)  # task name -> {key: path}
+
+    def files_of(self, task: str) -> dict[str, Path]:
+        """Task ``task``'s own files as its ``required_files`` declared them (empty if none)."""
+        return self.task_files.get(task, {})
+
+
+def cache_root() -> Path:
+    """mmfast's cache directory: ``$MMFAST_CACHE`` or ``~/.cache/mmfast``."""
+    return Path(os.environ.get("MMFAST_CACHE", Path.home() / ".cache" / "mmfast"))
 
 
 def world_cache_dir(seed: int) -> Path:
     from ..world import WORLD_VERSION
 
-    base = Path(os.environ.get("MMFAST_CACHE", Path.home() / ".cache" / "mmfast"))
-    return base / f"world-v{WORLD_VERSION}-seed{seed}"
+    return cache_root() / f"world-v{WORLD_VERSION}-seed{seed}"
 
 
 def ensure_world(root: Path, seed: int) -> Path:
@@ -54,17 +71,18 @@ def ensure_world(root: Path, seed: int) -> Path:
     return root
 
 
-def resolve_data(cfg: EvalConfig, tasks: tuple[str, ...]) -> EvalData:
-    """Locate (and for the world, create) every file the tasks need; fail listing what is missing."""
+def resolve_data(cfg: EvalConfig, tasks: Sequence[str]) -> EvalData:
+    """Locate (and for the world, create) every file the named tasks need; fail listing what is missing."""
+    from ..registry import TASKS
+
+    classes = {name: TASKS.get(name).cls for name in tasks}
     data: DataConfig = cfg.data
-    splits = cfg.pope.splits
     if data.dataset == "world":
         root = Path(data.root).expanduser() if data.root else world_cache_dir(data.world_seed)
         ensure_world(root, data.world_seed)
         image_dir = Path(data.image_dir) if data.image_dir else root / "images" / "val"
         instances = tuple(Path(p) for p in data.instances) or (root / "annotations" / "instances_val.json",)
         captions = tuple(Path(p) for p in data.captions) or (root / "annotations" / "captions_val.json",)
-        pope = {s: Path(cfg.pope.files.get(s, root / "pope" / f"world_pope_{s}.json")) for s in splits}
     else:
         env_root = os.environ.get("MMFAST_COCO_ROOT")
         if not data.root and not env_root:
@@ -76,14 +94,21 @@ def resolve_data(cfg: EvalConfig, tasks: tuple[str, ...]) -> EvalData:
         image_dir = Path(data.image_dir) if data.image_dir else root / "val2014"
         instances = tuple(Path(p) for p in data.instances) or (root / "annotations" / "instances_val2014.json",)
         captions = tuple(Path(p) for p in data.captions) or (root / "annotations" / "captions_val2014.json",)
-        pope = {s: Path(cfg.pope.files.get(s, root / "pope" / f"coco_pope_{s}.json")) for s in splits}
-    needed: list[tuple[Path, str]] = [(image_dir, "val2014")]
-    if "chair" in tasks:
-        needed += [(p, "annotations") for p in instances + captions]
-    if "pope" in tasks:
-        needed += [(p, "pope") for p in pope.values()]
-    missing = [(p, why) for p, why in needed if not p.exists()]
+    shared = EvalData(data.dataset, root, image_dir, instances, captions)
+    world_help = "regenerate the world"
+    needs = {need for cls in classes.values() for need in cls.needs}
+    needed: list[tuple[Path, str]] = []  # (path, where to get it)
+    if "images" in needs:
+        needed.append((image_dir, _COCO_HELP["images"] if data.dataset == "coco" else world_help))
+    if "annotations" in needs:
+        needed += [(p, _COCO_HELP["annotations"] if data.dataset == "coco" else world_help) for p in instances + captions]
+    task_files: dict[str, dict[str, Path]] = {}
+    for name, cls in classes.items():
+        task_files[name] = {k: Path(p) for k, p in cls.required_files(cfg, shared).items()}
+        default = world_help if data.dataset == "world" else f"an input of evaluation task {name!r}"
+        needed += [(p, cls.files_help.get(data.dataset, default)) for p in task_files[name].values()]
+    missing = list(dict.fromkeys((p, why) for p, why in needed if not p.exists()))
     if missing:
-        lines = "\n".join(f"  - {p}  ({_COCO_HELP[why] if data.dataset == 'coco' else 'regenerate the world'})" for p, why in missing)
+        lines = "\n".join(f"  - {p}  ({why})" for p, why in missing)
         raise InputError(f"missing evaluation data ({len(missing)} file(s)):\n{lines}")
-    return EvalData(data.dataset, root, image_dir, instances, captions, pope)
+    return EvalData(data.dataset, root, image_dir, instances, captions, task_files)

@@ -4,9 +4,10 @@ Per-sample records are appended to ``samples.jsonl`` as each batch finishes; rer
 command skips finished samples and retries failed ones. A sample whose image is missing or corrupt
 (or whose generation raises) is recorded with its error, never as an empty answer; the run aborts
 once failures exceed ``eval.max_failures`` of the planned samples. ``summary.json`` holds the
-metrics (``metrics.pope.<split>.*``, ``metrics.pope.mean_f1``, ``metrics.chair.*``), token
-accounting and the full protocol (model, recipe + hash, prompts, decoding, parser, file checksums,
-seeds, package versions).
+metrics by task (``metrics.<task>.*``: ``metrics.pope.<split>.*``, ``metrics.pope.mean_f1``,
+``metrics.chair.*``), token accounting and the full protocol (model, recipe + hash, prompts,
+decoding, parser, file checksums, seeds, package versions). Tasks come from the registry
+(:data:`mmfast.registry.TASKS`); the runner knows none of them by name.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from tqdm import tqdm
 from .. import compat
 from ..config import Recipe
 from ..errors import InputError, MMFastError
-from .data import resolve_data
+from .data import cache_root, resolve_data
 from .records import RecordStore
-from .tasks import Sample, build_tasks
+from .tasks import Sample, Task, build_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,40 @@ def git_sha() -> str | None:
         return None
 
 
+def check_plan(plan: list[tuple[Task, list[Sample]]]) -> None:
+    """Refuse a plan whose samples collide: a ``doc_id`` planned twice, or one record group used by two
+    tasks, would mix answers on resume or in scoring."""
+    doc_owner: dict[str, str] = {}
+    group_owner: dict[str, str] = {}
+    for task, samples in plan:
+        for s in samples:
+            if s.doc_id in doc_owner:
+                raise InputError(
+                    f"doc_id {s.doc_id!r} is planned twice (by evaluation tasks {doc_owner[s.doc_id]!r} and {task.name!r}); "
+                    "each sample needs its own doc_id, prefixed with its task's name"
+                )
+            doc_owner[s.doc_id] = task.name
+            if group_owner.setdefault(s.task, task.name) != task.name:
+                raise InputError(
+                    f"evaluation tasks {group_owner[s.task]!r} and {task.name!r} both use record group {s.task!r}; "
+                    "prefix each task's record groups (Sample.task) with its name"
+                )
+
+
+def side_files(tasks: list[Task]) -> dict[str, str]:
+    """Every task's side files (e.g. CHAIR's sampled image ids), written next to the records: file name -> text."""
+    files: dict[str, str] = {}
+    owner: dict[str, str] = {}
+    for task in tasks:
+        for fname, text in task.side_files().items():
+            if Path(fname).name != fname or fname in ("run.json", "summary.json") or fname.startswith("samples."):
+                raise InputError(f"evaluation task {task.name!r}: side file {fname!r} must be a plain file name, not one of the run's own files")
+            if owner.setdefault(fname, task.name) != task.name:
+                raise InputError(f"evaluation tasks {owner[fname]!r} and {task.name!r} both write side file {fname!r}")
+            files[fname] = text
+    return files
+
+
 def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str]) -> dict[str, Any]:
     return {
         "doc_id": sample.doc_id,
@@ -159,8 +194,10 @@ def run_eval(
 
     rank, world = shard_info()
     data = resolve_data(cfg, cfg.tasks)  # every input checked before anything is written
-    tasks = build_tasks(cfg, data, cache_dir=Path(os.environ.get("MMFAST_CACHE", Path.home() / ".cache" / "mmfast")) / "chair")
+    tasks = build_tasks(cfg, data, cache_dir=cache_root())
     plan = [(task, task.samples(limit)) for task in tasks]
+    check_plan(plan)
+    extra_files = side_files(tasks)
     if mm is None:
         from ..model import load_model
 
@@ -169,9 +206,9 @@ def run_eval(
     if rank == 0:
         _guard(out, recipe, fingerprint)
     n_total = sum(len(s) for _, s in plan)
-    for task in tasks:
-        if task.name == "chair" and rank == 0:
-            (out / "chair_image_ids.txt").write_text("\n".join(str(i) for i in task.image_ids) + "\n")
+    if rank == 0:
+        for fname, text in extra_files.items():
+            (out / fname).write_text(text)
     store = RecordStore(out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl"))
     from ..pipeline import apply
 
@@ -214,8 +251,9 @@ def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: flo
     for r in ok:
         by_task.setdefault(r["task"], []).append(r)
     metrics = {}
-    for task, _ in plan:
-        scored = task.score(by_task)
+    for task, samples in plan:
+        groups = dict.fromkeys(s.task for s in samples)
+        scored = task.metrics({g: by_task[g] for g in groups if g in by_task})
         if scored:
             metrics[task.name] = scored
     summary = {

@@ -1,0 +1,68 @@
+"""CHAIR (Rohrbach et al. 2018) as an evaluation task: object hallucination in detailed
+descriptions, scored by :class:`mmfast.eval.chair.ChairEvaluator`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...config import ChairTaskConfig, EvalConfig
+from ...errors import InputError
+from ...registry import TASKS
+from ..data import EvalData
+from .base import Sample, Task
+
+
+@TASKS.register("chair", description="CHAIR object hallucination in detailed descriptions (CHAIR_s, CHAIR_i, recall)")
+class ChairTask(Task):
+    """CHAIR on detailed descriptions of a sorted+seeded image sample (ids saved with the run)."""
+
+    Config = ChairTaskConfig
+    needs = frozenset({"images", "annotations"})
+
+    def __init__(self, cfg: EvalConfig, data: EvalData, cache_dir: Path | None = None) -> None:
+        from ..chair import ChairEvaluator, coco_image_id, sample_image_ids
+
+        super().__init__(cfg, data, cache_dir)
+        c = cfg.chair
+        self.evaluator = ChairEvaluator.from_coco(list(data.instances), list(data.captions), cache_dir=cache_dir)
+        files = sorted(p for p in data.image_dir.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+        names = {coco_image_id(p.name): p.name for p in files}
+        if c.image_ids_file:
+            ids = [int(x) for x in Path(c.image_ids_file).read_text().split()]
+            unknown = [i for i in ids if i not in names]
+            if unknown:
+                raise InputError(f"{c.image_ids_file}: {len(unknown)} image ids have no file in {data.image_dir} (e.g. {unknown[:3]})")
+        else:
+            ids = sample_image_ids(sorted(names), min(c.n_images, len(names)), c.seed)
+        self.image_ids = ids
+        self.file_names = names
+
+    def samples(self, limit: int | None) -> list[Sample]:
+        c = self.cfg.chair
+        ids = self.image_ids[:limit] if limit else self.image_ids
+        return [
+            Sample(f"chair/{i}", "chair", self.data.image_dir / self.file_names[i], c.prompt, i, c.max_new_tokens, {"image_id": i})
+            for i in ids
+        ]
+
+    def metrics(self, records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        recs = records.get("chair", [])
+        if not recs:
+            return {}
+        result = self.evaluator.evaluate([{"image_id": r["target"], "caption": r["resps"][0][0]} for r in recs])
+        return result.as_dict()
+
+    def protocol(self) -> dict[str, Any]:
+        c = self.cfg.chair
+        return {
+            "prompt": c.prompt,
+            "max_new_tokens": c.max_new_tokens,
+            "n_images": len(self.image_ids),
+            "sampling": "ids from sorted file names, random.Random(seed).shuffle, first n" if not c.image_ids_file else c.image_ids_file,
+            "seed": c.seed,
+            "evaluator": self.evaluator.describe(),
+        }
+
+    def side_files(self) -> dict[str, str]:
+        return {"chair_image_ids.txt": "\n".join(str(i) for i in self.image_ids) + "\n"}
