@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -25,6 +26,9 @@ logger = logging.getLogger("mmfast")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmfast", description=__doc__.split("\n\n")[0])
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"mmfast {__version__}")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -166,7 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe surfaces here, inside the handler below
+        return code
+    except BrokenPipeError:
+        # the reader went away (`mmfast list | head`): stop quietly, as command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except MMFastError as exc:
         print(f"mmfast: error: {exc}", file=sys.stderr)
         return 2
