@@ -374,6 +374,8 @@ class EvalConfig:
 class BenchConfig:
     kind: Literal["none", "pruning", "decoding", "speculative", "speed"] = "none"
     compare: tuple[Any, ...] = opt((), doc="method variants run against the baseline in the same process")
+    budgets: tuple[int, ...] = opt((), lo=1, doc="pruning budgets (vision tokens per image): each bench.methods entry runs at each")
+    methods: tuple[Any, ...] = opt((), doc="pruning methods run at every bench.budgets entry: NAME or {method, params} (params without the budget's knobs)")
     n_samples: int = opt(32, lo=1)
     warmup: int = opt(1, lo=0)
     repeats: int = opt(3, lo=1)
