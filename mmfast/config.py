@@ -202,12 +202,45 @@ def describe_fields(cls: type) -> list[tuple[str, Any, str]]:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """One budget vocabulary for every pruning stage: exactly one of ``tokens`` or ``flops``.
+
+    ``tokens``: vision tokens per image at the LLM input for feature/tower-stage methods, or the
+    layer-averaged equivalent vision tokens per image for in-LLM methods (each method's docstring
+    says which and how it maps the budget to its own knobs, in ``budget_params`` or ``calibrate``).
+    ``flops``: prefill FLOPs of the LLM as a fraction of the unpruned model on the loaded model's
+    shape; converted to ``tokens`` by :func:`mmfast.flops.tokens_for_flops_ratio` (rule documented there).
+    """
+
+    tokens: int | None = opt(None, lo=1, doc="vision tokens per image (layer-averaged for in-LLM methods)")
+    flops: float | None = opt(None, lo=0.0, hi=1.0, doc="prefill FLOPs ratio vs the unpruned model (0 < flops <= 1)")
+
+    def __post_init__(self) -> None:
+        if (self.tokens is None) == (self.flops is None):
+            raise ValueError("set exactly one of tokens or flops, e.g. budget: {tokens: 64} or budget: {flops: 0.2}")
+        if self.flops is not None and self.flops <= 0.0:
+            raise ValueError(f"flops must be > 0, got {self.flops}")
+
+    def _to_recipe(self) -> dict:
+        return {"tokens": self.tokens} if self.tokens is not None else {"flops": self.flops}
+
+
+_STAGE_KEYS = ("method", "params", "budget")
+
+
+@dataclass(frozen=True)
 class MethodSpec:
-    """``{method: name, params: {...}}`` validated against the method's own ``Config``."""
+    """``{method: name, params: {...}, budget: {...}}`` validated against the method's own ``Config``.
+
+    ``budget`` (pruning stages only) is mapped to the method's own knobs when the session installs the
+    stage; a ``params`` key that sets one of those knobs (the class's ``budget_knobs``) together with a
+    budget is refused.
+    """
 
     kind: str
     method: str
     params: Any
+    budget: Budget | None = None
 
     @classmethod
     def build(cls, kind: str, data: Any, path: str) -> MethodSpec:
@@ -217,10 +250,11 @@ class MethodSpec:
             data = {"method": data}
         if not isinstance(data, dict):
             raise ConfigError(path, "expected a mapping like {method: NAME, params: {...}}")
+        allowed = _STAGE_KEYS if kind == "pruning" else ("method", "params")
         for key in data:
-            if key not in ("method", "params"):
-                close = difflib.get_close_matches(str(key), ["method", "params"], n=1)
-                hint = f"did you mean {close[0]!r}?" if close else "allowed keys: method, params"
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), list(allowed), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
                 raise ConfigError(_join(path, str(key)), f"unknown key; {hint}")
         if "method" not in data:
             raise ConfigError(_join(path, "method"), "is required")
@@ -230,11 +264,33 @@ class MethodSpec:
             entry = registry.get(name)
         except Exception as exc:
             raise ConfigError(_join(path, "method"), str(exc)) from None
-        params = from_dict(entry.config_cls, data.get("params") or {}, _join(path, "params")) if entry.config_cls else None
-        return cls(kind, name, params)
+        raw_params = data.get("params") or {}
+        params = from_dict(entry.config_cls, raw_params, _join(path, "params")) if entry.config_cls else None
+        budget = None
+        if data.get("budget") is not None:
+            budget = from_dict(Budget, data["budget"], _join(path, "budget"))
+            knobs = tuple(getattr(entry.cls, "budget_knobs", ()))
+            if not knobs:
+                raise ConfigError(_join(path, "budget"), f"method {name!r} does not take a budget; set its params instead")
+            clash = [k for k in knobs if isinstance(raw_params, dict) and k in raw_params]
+            if clash:
+                which = "tokens" if budget.tokens is not None else "flops"
+                raise ConfigError(
+                    _join(path, f"params.{clash[0]}"),
+                    f"sets the same knob as {_join(path, 'budget.' + which)}; remove one of them "
+                    f"(the budget sets {', '.join(knobs)})",
+                )
+        return cls(kind, name, params, budget)
 
     def _to_recipe(self) -> dict:
-        return {"method": self.method, "params": to_dict(self.params) if self.params is not None else {}}
+        out = {"method": self.method, "params": to_dict(self.params) if self.params is not None else {}}
+        if self.budget is not None:  # only when set: recipes without a budget keep their hashes
+            from .registry import REGISTRIES
+
+            knobs = getattr(REGISTRIES[self.kind].get(self.method).cls, "budget_knobs", ())
+            out["params"] = {k: v for k, v in out["params"].items() if k not in knobs}  # the budget sets them
+            out["budget"] = self.budget._to_recipe()
+        return out
 
 
 @dataclass(frozen=True)
@@ -385,6 +441,8 @@ class EvalConfig:
 class BenchConfig:
     kind: Literal["none", "pruning", "decoding", "speculative", "speed"] = "none"
     compare: tuple[Any, ...] = opt((), doc="method variants run against the baseline in the same process")
+    budgets: tuple[int, ...] = opt((), lo=1, doc="pruning budgets (vision tokens per image): each bench.methods entry runs at each")
+    methods: tuple[Any, ...] = opt((), doc="pruning methods run at every bench.budgets entry: NAME or {method, params} (params without the budget's knobs)")
     n_samples: int = opt(32, lo=1)
     warmup: int = opt(1, lo=0)
     repeats: int = opt(3, lo=1)

@@ -93,7 +93,7 @@ class Session:
             problem = check_model(recipe, self.adapter)
             if problem:
                 raise IncompatibleRecipeError(f"{problem} (model {mm.name})")
-            self.pruners = [PRUNERS.get(spec.method).cls(spec.params, self.ctx) for spec in recipe.pruning]
+            self.pruners = [self._make_pruner(i, spec) for i, spec in enumerate(recipe.pruning)]
             self._tower_per_image = any(caps_of(type(p), p.config).tower_per_image for p in self.pruners)
             self.decoder = DECODERS.get(recipe.decoding.method).cls(recipe.decoding.params, self.ctx)
             self.drafter = None
@@ -102,6 +102,9 @@ class Session:
             for i, pruner in enumerate(self.pruners):
                 with _recipe_path(f"pruning[{i}].params"):
                     pruner.install()
+            for pruner in self.pruners:
+                if pruner.calibrated and pruner.budget_tokens is not None:
+                    pruner.calibrate(pruner.budget_tokens)
             with _recipe_path("decoding.params"):
                 self.decoder.install()
             if self.drafter is not None:
@@ -110,6 +113,26 @@ class Session:
         except BaseException:
             self.hooks.close()
             raise
+
+    def _make_pruner(self, i: int, spec):
+        """Instantiate stage ``i``, mapping its ``budget`` (if any) onto the method's own knobs."""
+        from .config import from_dict, to_dict
+        from .pruning._budget import budget_tokens
+
+        cls = PRUNERS.get(spec.method).cls
+        params, tokens = spec.params, None
+        if spec.budget is not None:
+            path = f"pruning[{i}].budget"
+            tokens = budget_tokens(spec.budget, self.adapter, path)
+            if not cls.calibrated:
+                mapped = cls.budget_params(tokens, self.adapter, params, path)
+                params = from_dict(cls.Config, {**to_dict(params), **mapped}, f"pruning[{i}].params")
+            logger.info("pruning[%d] %s: budget %s -> %d tokens per image%s", i, spec.method,
+                        spec.budget._to_recipe(), tokens, "" if cls.calibrated else f" -> {mapped}")
+        pruner = cls(params, self.ctx)
+        pruner.budget_tokens = tokens
+        pruner.budget_path = f"pruning[{i}].budget"
+        return pruner
 
     # -- pipeline stages -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -188,6 +211,9 @@ class Session:
             stats["scoring_s"] = round(self.scoring_s + self.runner.scoring_s + self.probe.time_s, 6)
         for name in dict.fromkeys([*vision.stats, *out.method_stats]):
             stats[name] = {**vision.stats.get(name, {}), **out.method_stats.get(name, {})}
+        for pruner in self.pruners:  # calibrated thresholds and the tokens they kept on the calibration set
+            if pruner.calibration is not None:
+                stats[pruner.name] = {**stats.get(pruner.name, {}), "calibration": pruner.calibration.as_stats()}
         n_vis = inputs.n_vision_tokens()
         results = []
         for b, toks in enumerate(out.tokens):

@@ -26,6 +26,11 @@ Positions: ``original``. Kept image tokens keep their position ids; a token gene
 dropped gets, in layers >= K, the same position as in layers < K (the full sequence length), as the
 released code does (RoPE position from layer K-1's cache length).
 
+Budget (``budget: {tokens: B}``, layer-averaged equivalent vision tokens per image at prefill; sets
+``vision_keep_rate``): with the mapped layer K of an L-layer LLM and N vision tokens per image,
+k = round((L * B - K * N) / (L - K)) (as FastV) and vision_keep_rate = (k + 0.5) / N (capped at 1),
+so int(N * rate) = k; budgets below ceil(K * N / L) are refused, naming that smallest budget.
+
 Predictors (``predictors``): ``auto`` = ``<model dir>/dynamic_llava/`` (the embedded model ships them
 there), a directory written by the training script, or a released Dynamic-LLaVA checkpoint directory
 (its ``sparse_config`` sets the predictor sizes; ``model.image_score_predictor.*`` and
@@ -117,9 +122,21 @@ class DynamicLLaVA(Pruner):
         )
         use_cache: bool = opt(True, doc="false: decode without KV cache (recompute; drop generated tokens at layer K)")
 
+    budget_knobs = ("vision_keep_rate",)
+
     @classmethod
     def noop_params(cls, adapter):
         return {"vision_keep_rate": 1.0, "text_keep": "always", "predictors": "random"}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """vision_keep_rate = (k + 0.5) / N with k from the layer-average closed form."""
+        from ._budget import in_llm_keep, vision_tokens_per_image
+
+        n_layers, n = len(adapter.layers), vision_tokens_per_image(adapter)
+        (layer, _), = map_layers([config.sparse_layer], n_layers, config.layer_mapping)
+        k = in_llm_keep(tokens, n, layer, n_layers, path)
+        return {"vision_keep_rate": 1.0 if k >= n else (k + 0.5) / n}
 
     @classmethod
     def test_params(cls, adapter):

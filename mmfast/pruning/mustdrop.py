@@ -14,7 +14,15 @@ Algorithm (three stages, per image / per sample):
    layers from the first pruning layer on, so they cache only the final survivors; earlier layers
    keep the full cache. Nothing is pruned during decode.
 Budgets: ``preset`` "192" / "128" / "64" = (lambda_g, lambda_i) (0.001, 0.001), (0.0012, 0.001),
-(0.011, 0.01) (README); the counts are adaptive, reported in the stats.
+(0.011, 0.01) (README); the counts are adaptive, reported in the stats. (On the embedded model the
+"192" and "128" presets both land near 386 tokens: the presets do not transfer between models.)
+``budget: {tokens: B}`` (layer-averaged vision tokens per image, the prefill accounting below; sets
+``preset``/``lambda_g``/``lambda_i``) is *calibrated* when the session opens: the thresholds are
+s x (0.011, 0.01) (the "64" preset's ratio), and s is bisected on a log scale in [1e-4, 1e3] on the
+fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style questions) until the
+mean layer-averaged vision tokens are within 2% of B. The calibrated thresholds, s and the tokens they
+kept are logged and reported in the stats (``calibration``, ``thresholds``). A budget outside the
+range the thresholds can reach (the window merge and key set bound it) is refused with that range.
 
 Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
 tokens are what the tower's hidden-state recorder and every later layer see); attention probe on the
@@ -42,6 +50,7 @@ and the merged windows.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -56,6 +65,8 @@ from ..registry import PRUNERS
 from ..runtime import LayerGroup, LMState
 from ._common import LayerMapping, map_layers
 from .base import Pruner
+
+logger = logging.getLogger(__name__)
 
 KEY_TAG = "mustdrop.key"  # LMInputs / VisionBatch tag: the key-set tokens (bool)
 
@@ -177,9 +188,32 @@ class MustDrop(Pruner):
             params["layer_mapping"] = "proportional"
         return params
 
+    budget_knobs = ("preset", "lambda_g", "lambda_i")
+    calibrated = True
+    #: the thresholds a calibration scales (the "64" preset's lambda_g : lambda_i ratio) and its range of scales
+    CALIBRATION_BASE = PRESETS["64"]
+    CALIBRATION_RANGE = (1e-4, 1e3)
+
     @classmethod
     def noop_params(cls, adapter):
         return {**cls._fit(adapter), "lambda_g": 0.0, "lambda_i": 0.0, "sim_threshold": 1.5}
+
+    def calibrate(self, tokens: int) -> None:
+        """Bisect the threshold scale s (module docstring) to land on ``tokens`` layer-averaged tokens."""
+        from ._budget import calibrate_scalar, calibration_batch, check_reachable, measure_layer_avg
+
+        batch = calibration_batch(self.ctx)
+        base_g, base_i = self.CALIBRATION_BASE
+
+        def measure(s: float) -> float:
+            self.lambda_g, self.lambda_i = s * base_g, s * base_i
+            return measure_layer_avg(self.ctx, batch)
+
+        lo, hi = self.CALIBRATION_RANGE
+        check_reachable(self.budget_path, measure, tokens, lo, hi, increasing=False)
+        self.calibration = calibrate_scalar("mustdrop threshold scale", measure, tokens, lo, hi, increasing=False, log_scale=True)
+        measure(self.calibration.value)  # leave the chosen thresholds in place
+        logger.info("mustdrop: budget %d -> lambda_g %.6g, lambda_i %.6g", tokens, self.lambda_g, self.lambda_i)
 
     @classmethod
     def test_params(cls, adapter):

@@ -13,6 +13,8 @@ Algorithm (every CLIP block up to the feature layer, between the attention and t
    cap forbids the even spread, shallow towers, earlier blocks merge just enough more).
 5. LLaVA-1.5 (N = 576, F + 1 = 23 blocks): T = 192 / 128 / 64 gives r = 16-17 / 19-20 / 22-23.
 Or ``r`` merges r tokens in every block up to the feature layer (ToMe's constant schedule).
+Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input; sets ``budget``, ``r`` must
+not be given): budget = B, reached exactly (an unreachable B fails at install with the reachable count).
 
 Hook points: an instance ``forward`` on each merging CLIP encoder layer, set through
 ``session.hooks.set_attr`` (hook kind #3: the merge sits between the attention and the MLP of the
@@ -143,9 +145,16 @@ class ToMe(Pruner):
         r: int | None = opt(None, lo=0, doc="tokens merged in every block up to the feature layer (overrides budget)")
         prop_attn: bool = opt(True, doc="proportional attention: add log(size) to the attention logits")
 
+    budget_knobs = ("budget", "r")
+
     @classmethod
     def noop_params(cls, adapter):
         return {"r": 0}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """budget = B."""
+        return {"budget": tokens}
 
     @classmethod
     def test_params(cls, adapter):

@@ -45,6 +45,13 @@ Assumptions / deviations (the ZipVL code was not public):
   parameters (ZipCache's code re-quantises the whole cache);
 - quantisation statistics are per sample and ignore padding (ZipCache pools the batch).
 
+Budget (``budget: {tokens: B}``, layer-averaged *equivalent* vision tokens per image, the accounting
+above; sets ``tau``): calibrated when the session opens: x = 1 - tau is bisected on a log scale in
+[1e-6, 1] on the fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style
+questions) until the mean equivalent vision tokens are within 2% of B; the calibrated tau and the tokens
+it kept are logged and reported in the stats (``calibration``, ``tau``). A budget outside the reachable
+range is refused with that range.
+
 Limits: refuses speculative decoding (drafts are verified against, and rolled back from, a cache that
 is being quantised) and beam search (the paper defines decoding for one sequence; the per-layer
 accounting in ``extras`` is per prefill row), and other stages that edit the KV cache (the quantised
@@ -54,6 +61,7 @@ gathered important tokens; it saves attention FLOPs, not MLP FLOPs.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +76,8 @@ from ..registry import PRUNERS
 from ._common import topk_keep
 from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, dense_bytes_per_sample
 from .base import Pruner
+
+logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- selection (pure functions)
 
@@ -220,9 +230,29 @@ class ZipVL(Pruner):
             if self.bits_low > self.bits_high:
                 raise ValueError(f"bits_low ({self.bits_low}) must not exceed bits_high ({self.bits_high})")
 
+    budget_knobs = ("tau",)
+    calibrated = True
+
     @classmethod
     def noop_params(cls, adapter):
         return {"tau": 1.0, "quantize_kv": False}
+
+    def calibrate(self, tokens: int) -> None:
+        """Bisect x = 1 - tau (module docstring) to land on ``tokens`` equivalent vision tokens."""
+        import dataclasses
+
+        from ._budget import calibrate_scalar, calibration_batch, check_reachable, measure_layer_avg
+
+        batch = calibration_batch(self.ctx)
+
+        def measure(x: float) -> float:
+            self.config = dataclasses.replace(self.config, tau=1.0 - x)
+            return measure_layer_avg(self.ctx, batch)
+
+        check_reachable(self.budget_path, measure, tokens, 1e-6, 1.0, increasing=False)
+        self.calibration = calibrate_scalar("zipvl 1 - tau", measure, tokens, 1e-6, 1.0, increasing=False, log_scale=True)
+        measure(self.calibration.value)
+        logger.info("zipvl: budget %d -> tau %.6g", tokens, self.config.tau)
 
     @classmethod
     def test_params(cls, adapter):
