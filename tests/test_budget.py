@@ -128,6 +128,20 @@ def test_calibration_converges(tiny_mm, method, params, tokens):
     assert abs(mean - tokens) <= 0.1 * tokens  # same images, the session's own prompts
 
 
+def test_mustdrop_calibrates_the_merge_when_thresholds_cannot_reach(tiny_mm):
+    """Budget 4 of 16 on the tiny model: the largest lambda scale still keeps more, so the merge
+    threshold is lowered (more windows merge) until the calibration set lands on the budget."""
+    from mmfast.pipeline import Session
+    from mmfast.pruning._budget import CALIBRATION_TOLERANCE
+
+    recipe = load_recipe(_stage("mustdrop", 4, window=2, layer_mapping="proportional"))
+    with Session(tiny_mm, recipe) as s:
+        md = s.pruners[0]
+        assert md.sim_threshold < md.config.sim_threshold == 0.8
+        assert abs(md.calibration.tokens - 4) <= CALIBRATION_TOLERANCE * 4
+        assert md.calibration.value == md.sim_threshold
+
+
 def test_calibration_refuses_unreachable_budget(tiny_mm, images):
     with pytest.raises(ConfigError, match="out of reach") as exc:
         tiny_mm.generate(images[:1], PROMPTS[:1], recipe=_stage("mustdrop", 1, window=2, layer_mapping="proportional"), max_new_tokens=1)
