@@ -32,11 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("list", help="registered methods (grouped by kind) and evaluation tasks")
+    s = sub.add_parser("list", help="registered methods (grouped by kind), evaluation tasks, shipped recipes")
+    s.add_argument("what", nargs="?", choices=["methods", "tasks", "recipes"], help="only this section")
     s.add_argument("-v", "--verbose", action="store_true", help="also show each method's parameters and each task's options, with defaults")
 
     def recipe_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("recipe", help="YAML recipe path (or a name under configs/)")
+        sp.add_argument("recipe", help="YAML recipe path, or a shipped recipe's name (`mmfast list recipes`)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
 
     s = sub.add_parser("validate", help="check a recipe and print the resolved config")
@@ -69,9 +70,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_list(args) -> int:
     from .config import describe_fields
-    from .registry import REGISTRIES, TASKS
 
-    for kind, reg in {**REGISTRIES, "tasks": TASKS}.items():
+    sections = {}
+    if args.what in (None, "methods", "tasks"):
+        from .registry import REGISTRIES, TASKS
+
+        sections = {**REGISTRIES, "tasks": TASKS} if args.what is None else REGISTRIES if args.what == "methods" else {"tasks": TASKS}
+    for kind, reg in sections.items():
         print(f"{kind}:")
         entries = list(reg.entries())
         if not entries:
@@ -81,7 +86,23 @@ def _cmd_list(args) -> int:
             if args.verbose and e.config_cls is not None:
                 for name, default, doc in describe_fields(e.config_cls):
                     print(f"      {name} = {default!r}" + (f"  # {doc}" if doc else ""))
+    if args.what in (None, "recipes"):
+        from .config import RECIPES_DIR, shipped_recipes
+
+        print("recipes:")
+        for name in shipped_recipes():
+            print(f"  {name:<28} {_recipe_summary(RECIPES_DIR / f'{name}.yaml')}")
     return 0
+
+
+def _recipe_summary(path) -> str:
+    """A shipped recipe's description, else its first comment line."""
+    text = path.read_text()
+    data = yaml.safe_load(text) or {}
+    if data.get("description"):
+        return str(data["description"]).strip().splitlines()[0]
+    first = next((ln for ln in text.splitlines() if ln.startswith("#")), "")
+    return first.lstrip("# ").strip()
 
 
 def _load(args):

@@ -585,12 +585,25 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         raise
 
 
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
 def resolve_recipe_path(source: str | os.PathLike) -> Path:
+    """A recipe file: a path, else a name (``world_eval``, ``bench/pruning``) under ``./configs`` or
+    among the recipes shipped in the package (``mmfast list recipes``)."""
     path = Path(source)
     if path.is_file():
         return path
-    for root in (Path.cwd() / "configs", Path(__file__).resolve().parent.parent / "configs"):
+    for root in (Path.cwd() / "configs", RECIPES_DIR):
         for cand in (root / str(source), root / f"{source}.yaml"):
             if cand.is_file():
                 return cand
-    raise InputError(f"recipe {str(source)!r} not found (give a path to a YAML file, or a name under configs/)")
+    raise InputError(
+        f"recipe {str(source)!r} not found: give a path to a YAML file, or the name of a shipped recipe "
+        f"(`mmfast list recipes`: {', '.join(shipped_recipes()) or 'none'})"
+    )
+
+
+def shipped_recipes() -> list[str]:
+    """Names of the recipes shipped in the package (relative paths without ``.yaml``)."""
+    return sorted(str(p.relative_to(RECIPES_DIR).with_suffix("")) for p in RECIPES_DIR.rglob("*.yaml"))

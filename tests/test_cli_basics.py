@@ -33,3 +33,29 @@ def test_closed_pipe_exits_quietly():
     code = proc.wait(timeout=120)
     assert "Traceback" not in err and "internal error" not in err, err
     assert code in (0, 141)
+
+
+def test_shipped_recipes_resolve_by_name_from_anywhere(tmp_path):
+    from mmfast.config import load_recipe, shipped_recipes
+
+    names = shipped_recipes()
+    assert {"world_eval", "bench/pruning", "coco_pope"} <= set(names)
+    for name in names:  # every shipped recipe validates
+        load_recipe(name)
+    out = subprocess.run([sys.executable, "-m", "mmfast", "validate", "world_eval"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and "recipe hash" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "mmfast", "list", "recipes"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and "world_eval" in out.stdout and "pruning:" not in out.stdout
+
+
+def test_wheel_carries_recipes_and_the_embedded_model(tmp_path):
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(root)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    wheel = next(tmp_path.glob("mmfast-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "mmfast/recipes/world_eval.yaml" in names and "mmfast/recipes/bench/pruning.yaml" in names
+    assert "mmfast/assets/tiny-world/config.json" in names
