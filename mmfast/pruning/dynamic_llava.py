@@ -74,6 +74,7 @@ from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError, ModelLoadError
 from ..registry import PRUNERS
+from ..models.base import GENERATED
 from ..runtime import LayerGroup
 from ._common import LayerMapping, map_layers
 from ._dynamic_llava_modules import Predictors, gather_rows, keep_topk, load_predictors, random_predictors
@@ -152,7 +153,6 @@ class DynamicLLaVA(Pruner):
         self.predictors: Predictors | None = None
         if needed or cfg.predictors != "auto":
             self.predictors = self._load()
-        self._prompt: tuple | None = None  # (batch, length, ids, embeds) of the last prompt (no-cache mode)
         runner = self.ctx.runner
         runner.prune_at(layer, self.select, ref_layer=paper)
         if not cfg.use_cache:
@@ -229,40 +229,30 @@ class DynamicLLaVA(Pruner):
         return keep
 
     def _drop_generated(self, view, stats: dict) -> torch.Tensor:
-        """[B, T] bool: generated answer tokens (all but the last) the text predictor marks "drop"."""
+        """[B, T] bool: generated answer tokens (all but the last) the text predictor marks "drop".
+
+        Generated tokens are the ones decoding appended (the inputs' ``generated`` tag), so the rule
+        needs no memory of earlier prompts."""
         inputs = view.state.inputs
-        n_gen = self._n_generated(inputs)
+        gen = inputs.tags.get(GENERATED)
+        gen = gen.bool() if gen is not None else torch.zeros_like(inputs.image_mask)  # [B, L]
+        n_gen = gen.sum(1).tolist()
         drop = torch.zeros_like(view.vision)
-        bsz = inputs.batch_size
-        if n_gen > 1:
+        gen = gen.clone()
+        gen[:, -1] = False  # the newest token always enters (it produces the next logits)
+        if bool(gen.any()):
             src = view.group.source
-            length = inputs.length
-            cand = (src >= length - n_gen) & (src < length - 1) & view.group.key_mask
+            cand = gen.gather(1, src.clamp(min=0)) & (src >= 0) & view.group.key_mask
             x, valid, index = gather_rows(view.hidden, cand)
             with torch.no_grad():
                 logits = self.predictors.text(x.to(self._device(), torch.float32)).to(drop.device)
             dropped = (logits[..., 0] <= logits[..., 1]) & valid
             drop = _scatter_rows(dropped, valid, index, drop.shape[1])
         skipped = drop.sum(1).tolist()
-        stats["per_sample_generated"] = [n_gen] * bsz
+        stats["per_sample_generated"] = n_gen
         stats["per_sample_kv_skipped"] = skipped
-        stats["per_sample_kv_skipped_fraction"] = [s / n_gen if n_gen else 0.0 for s in skipped]
+        stats["per_sample_kv_skipped_fraction"] = [s / n if n else 0.0 for s, n in zip(skipped, n_gen)]
         return drop
-
-    def _n_generated(self, inputs) -> int:
-        """Generated tokens at the end of ``inputs``: the extension of the last prompt seen (0 for a new one)."""
-        p = self._prompt
-        if p is not None:
-            bsz, length, ids, embeds = p
-            if (
-                inputs.batch_size == bsz
-                and inputs.length > length
-                and torch.equal(inputs.input_ids[:, :length], ids)
-                and torch.equal(inputs.embeds[:, :length], embeds)
-            ):
-                return inputs.length - length
-        self._prompt = (inputs.batch_size, inputs.length, inputs.input_ids, inputs.embeds)
-        return 0
 
     # -- decode with KV cache ------------------------------------------------------------------------
     def _decide(self, layer: int, hidden: torch.Tensor, state) -> None:
