@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
+from urllib.parse import urlsplit
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -247,9 +248,15 @@ def _check_local_files(path: Path) -> None:
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
+    url = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        port = url.port or (80 if url.scheme == "http" else 443)
+    except ValueError:
+        raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} has an invalid port; use e.g. http://host:8080") from None
+    if not url.hostname:
+        raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} names no host; use e.g. https://hf-mirror.example.org")
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
         return True
     except OSError:
         return False

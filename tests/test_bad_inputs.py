@@ -353,3 +353,29 @@ def test_pope_image_paths_stay_in_the_image_dir(tmp_path, name):
         load_pope_questions(path)
     path.write_text(json.dumps({"question_id": 1, "image": "sub/ok.jpg", "text": "Is there a cat?", "label": "yes"}) + "\n")
     assert load_pope_questions(path)[0].image == "sub/ok.jpg"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "address"),
+    [("http://mirror.local:8080", ("mirror.local", 8080)), ("https://hf-mirror.com/", ("hf-mirror.com", 443)),
+     ("http://mirror.local", ("mirror.local", 80)), ("https://[::1]:9000", ("::1", 9000))],
+)
+def test_hub_mirror_port(monkeypatch, endpoint, address):
+    import socket
+
+    from mmfast.model import _hub_reachable
+
+    seen = []
+
+    class _Conn:
+        def close(self) -> None:
+            pass
+
+    def connect(addr, timeout=None):
+        seen.append(addr)
+        return _Conn()
+
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    assert _hub_reachable()
+    assert seen == [address]
