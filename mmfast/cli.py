@@ -13,15 +13,29 @@ Exit codes: 0 ok, 2 bad input (the message names the file/key and the fix), 1 in
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Sequence
 
 import yaml
 
 logger = logging.getLogger("mmfast")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 or a negative count is a mistake, never "everything")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,19 +61,19 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(s)
     s.add_argument("--image", required=True, action="append", help="image path (repeat for several images)")
     s.add_argument("--prompt", required=True)
-    s.add_argument("--max-new-tokens", type=int, default=None)
+    s.add_argument("--max-new-tokens", type=_positive_int, default=None)
     s.add_argument("--json", action="store_true", help="print the full result as JSON")
 
     s = sub.add_parser("eval", help="run the recipe's evaluation tasks (POPE, CHAIR, ...)")
     recipe_args(s)
-    s.add_argument("--limit", type=int, default=None, help="samples per task/split")
+    s.add_argument("--limit", type=_positive_int, default=None, help="samples per task/split")
     s.add_argument("--output", default=None, help="output directory (default: the recipe's output.dir)")
-    s.add_argument("--num-processes", type=int, default=1, help="data-parallel processes (accelerate)")
+    s.add_argument("--num-processes", type=_positive_int, default=1, help="data-parallel processes (accelerate)")
 
     s = sub.add_parser("bench", help="run the recipe's benchmark (baseline vs methods, same process)")
     recipe_args(s)
     s.add_argument("--output", default=None)
-    s.add_argument("--limit", type=int, default=None, help="samples (overrides bench.n_samples)")
+    s.add_argument("--limit", type=_positive_int, default=None, help="samples (overrides bench.n_samples)")
     s.add_argument("--only", default=None, metavar="NAMES", help="comma-separated bench.compare variants to run (the baseline always runs)")
 
     s = sub.add_parser("report", help="markdown/HTML report with plots from run directories")
@@ -139,10 +153,33 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def check_output_dir(path: Path) -> None:
+    """Refuse an output path that is a file or cannot be written, before any model loads."""
+    from .errors import InputError
+
+    if path.exists() and not path.is_dir():
+        raise InputError(f"output {str(path)!r} is a file, not a directory; give --output a directory (created if missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"output {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another --output")
+    try:  # a real write: os.access misses read-only mounts and says yes to root
+        fd, probe = tempfile.mkstemp(prefix=".mmfast-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(
+            f"output {str(path)!r} is not writable ({str(existing)!r}: {exc.strerror}); choose another --output "
+            "or fix the directory's permissions"
+        ) from None
+
+
 def _cmd_eval(args) -> int:
-    from .eval.runner import run_eval
+    from .eval.runner import output_dir, run_eval
 
     recipe = _load(args)
+    check_output_dir(output_dir(recipe, args.output))
     summary = run_eval(recipe, limit=args.limit, output=args.output, num_processes=args.num_processes)
     print(json.dumps(summary["metrics"], indent=2))
     return 0
@@ -152,6 +189,7 @@ def _cmd_bench(args) -> int:
     from .bench import run_bench
 
     recipe = _load(args)
+    check_output_dir(Path(args.output or recipe.output.dir.format(name=recipe.name)))
     if args.only:
         from .bench.common import only_variants
 
@@ -164,10 +202,20 @@ def _cmd_bench(args) -> int:
 def _cmd_report(args) -> int:
     from .report import write_report
 
+    check_output_dir(Path(args.output))
     path = write_report(args.runs, args.output)
     print(path)
     return 0
 
+
+#: file-system failures caused by the machine, not by mmfast: a clear error (exit 2) with what to do
+_ENVIRONMENT_ERRNOS: dict[int, str] = {
+    errno.EACCES: "fix the permissions or choose another path",
+    errno.EPERM: "fix the permissions or choose another path",
+    errno.EROFS: "the file system is read-only; choose another path",
+    errno.ENOSPC: "the disk is full; free space or choose another --output",
+    errno.EDQUOT: "the disk quota is exceeded; free space or choose another --output",
+}
 
 COMMANDS = {
     "list": _cmd_list,
@@ -200,6 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except MMFastError as exc:
         print(f"mmfast: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            logger.exception("internal error (please report it with the command and the recipe)")
+            return 1
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"mmfast: error: {where}{exc.strerror} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("mmfast: interrupted (finished samples are saved; rerun the same command to resume)", file=sys.stderr)

@@ -24,7 +24,7 @@ from .capabilities import caps_of, check_model
 from .config import Recipe, load_recipe
 from .context import MethodContext
 from .decoding.base import DecodeOutput, DecodeRequest, now
-from .errors import ConfigError, IncompatibleRecipeError
+from .errors import ConfigError, IncompatibleRecipeError, InputError
 from .hooks import AttentionProbe, HookSession
 from .model import MMModel, PreparedBatch
 from .models.base import LMInputs, VisionBatch, build_lm_inputs
@@ -175,6 +175,40 @@ class Session:
     def reprompt(self, batch: PreparedBatch, prompts: list[str]) -> PreparedBatch:
         return self.ctx.reprompt(batch, prompts)
 
+    @property
+    def context_length(self) -> int | None:
+        """The LLM's context (``text_config.max_position_embeddings``), or None when it declares none."""
+        n = getattr(self.adapter.text_config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    def check_context(self, batch: PreparedBatch, max_new: int, inputs: LMInputs | None = None) -> None:
+        """Refuse samples whose prompt (text + vision tokens) plus ``max_new`` new tokens exceed the
+        LLM's context, saying by how much. Without ``inputs`` only the text tokens are counted (a
+        check before the vision tower runs); with them, the spliced inputs as the LLM will see them."""
+        limit = self.context_length
+        if limit is None:
+            return
+        problems = []
+        for b in range(batch.batch_size):
+            n_images = sum(1 for owner in batch.image_owner if owner == b)
+            if inputs is None:
+                text, vision = len(batch.token_ids[b]) - n_images, 0
+            else:
+                used = inputs.attention_mask[b].bool()
+                vision = int((inputs.image_mask[b].bool() & used).sum())
+                text = int(used.sum()) - vision
+            total = text + vision + max_new
+            if total > limit:
+                problems.append(
+                    f"sample {b}: {text} text + {vision} vision tokens ({n_images} image(s)) + {max_new} new tokens = "
+                    f"{total}, {total - limit} over"
+                )
+        if problems:
+            raise InputError(
+                f"input longer than the context of {self.mm.name} ({limit} tokens): {'; '.join(problems)}; "
+                "shorten the prompt, pass fewer images, lower max_new_tokens, or prune vision tokens"
+            )
+
     # -- generation ------------------------------------------------------------------------------
     def generate(
         self,
@@ -189,13 +223,17 @@ class Session:
         return self.run(batch, max_new_tokens=max_new_tokens, seed=seed)
 
     def run(self, batch: PreparedBatch, *, max_new_tokens: int | None = None, seed: int | None = None) -> list[GenerationResult]:
-        max_new = max_new_tokens or self.recipe.decoding.max_new_tokens
+        max_new = self.recipe.decoding.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {max_new!r}")
         seed = self.recipe.decoding.seed if seed is None else seed
         device = self.mm.device
         self.scoring_s = self.runner.scoring_s = self.probe.time_s = 0.0
+        self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         vision = self.encode(batch)
         inputs = self.build_inputs(batch, vision)
+        self.check_context(batch, max_new, inputs)  # text + vision tokens, before the LLM runs
         t1 = now(device)
         req = DecodeRequest(batch, vision, inputs, max_new, seed, vision.raw)
         if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice

@@ -146,7 +146,7 @@ class DynamicLLaVA(Pruner):
     # -- installation ------------------------------------------------------------------------------
     def install(self) -> None:
         cfg = self.config
-        (layer, paper), = map_layers([cfg.sparse_layer], len(self.adapter.layers), cfg.layer_mapping)
+        (layer, paper), = map_layers([cfg.sparse_layer], len(self.adapter.layers), cfg.layer_mapping, param="sparse_layer")
         self.layer, self.paper_layer = layer, paper
         self.text_rule = cfg.text_keep == "predictor"
         needed = cfg.vision_keep_rate < 1.0 or self.text_rule
