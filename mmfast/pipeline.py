@@ -102,9 +102,12 @@ class Session:
             for i, pruner in enumerate(self.pruners):
                 with _recipe_path(f"pruning[{i}].params"):
                     pruner.install()
-            for pruner in self.pruners:
+            from .pruning._budget import calibrate_once, calibration_key
+
+            stages = [st._to_recipe() for st in recipe.pruning]
+            for i, pruner in enumerate(self.pruners):
                 if pruner.calibrated and pruner.budget_tokens is not None:
-                    pruner.calibrate(pruner.budget_tokens)
+                    calibrate_once(pruner, pruner.budget_tokens, calibration_key(mm.model, stages, i))
             with _recipe_path("decoding.params"):
                 self.decoder.install()
             if self.drafter is not None:

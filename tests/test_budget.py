@@ -176,3 +176,35 @@ def test_pruning_bench_recipe_expands():
     for m in ("visionzip", "tome", "random", "avgpool", "mustdrop", "hicom", "zipvl"):
         assert {f"{m}-192", f"{m}-128", f"{m}-64"} <= set(names)
     assert "fastv-192" in names and "zipvl-tau0.975" in names
+
+
+def test_calibration_is_reused_for_the_same_stages_and_model(tiny_mm, monkeypatch):
+    """A benchmark opens each variant several times: the same stages on the same, unmodified model
+    reuse the first calibration; a model modified in place since is calibrated anew."""
+    import torch
+
+    from mmfast.pipeline import Session
+    from mmfast.pruning import _budget
+    from mmfast.pruning.mustdrop import MustDrop
+
+    monkeypatch.setattr(_budget, "_CALIBRATED", {})
+    calls = []
+    real = MustDrop.calibrate
+
+    def counting(self, tokens):
+        calls.append(tokens)
+        return real(self, tokens)
+
+    monkeypatch.setattr(MustDrop, "calibrate", counting)
+    recipe = load_recipe(_stage("mustdrop", 8, window=2, layer_mapping="proportional"))
+    with Session(tiny_mm, recipe) as s:
+        first = (s.pruners[0].lambda_g, s.pruners[0].sim_threshold, s.pruners[0].calibration)
+    with Session(tiny_mm, recipe) as s:
+        assert (s.pruners[0].lambda_g, s.pruners[0].sim_threshold, s.pruners[0].calibration) == first
+    assert calls == [8]
+    p = next(tiny_mm.model.parameters())
+    with torch.no_grad():
+        p.add_(0.0)  # an in-place change (as training makes): a new calibration
+    with Session(tiny_mm, recipe):
+        pass
+    assert calls == [8, 8]

@@ -115,6 +115,32 @@ def _sample(batch: PreparedBatch, b: int) -> PreparedBatch:
                          batch.pixel_values[idx], [0] * len(idx), [], sizes)
 
 
+#: calibrated settings already found in this process: (model identity, the recipe's stages, stage index)
+#: -> the stage's setting. A session that opens the same stages on the same, unmodified model again (a
+#: benchmark opens each variant several times) reuses it instead of bisecting again.
+_CALIBRATED: dict[tuple, dict] = {}
+
+
+def calibration_key(model, stages: list[dict], index: int) -> tuple:
+    """Identity of a calibration: the model object and the in-place-modification counters of its
+    parameters (so a model trained since is calibrated anew), the recipe's stages, the stage index."""
+    import json
+
+    versions = sum(p._version for p in model.parameters())
+    return (id(model), versions, json.dumps(stages, sort_keys=True), index)
+
+
+def calibrate_once(pruner, tokens: int, key: tuple) -> None:
+    """``pruner.calibrate(tokens)``, or the setting an identical earlier calibration found."""
+    setting = _CALIBRATED.get(key)
+    if setting is not None:
+        pruner.apply_calibrated(setting)
+        logger.info("%s: reusing this process's calibration for budget %d", pruner.name, tokens)
+        return
+    pruner.calibrate(tokens)
+    _CALIBRATED[key] = pruner.calibrated_setting()
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Where a calibration landed: the scalar, the tokens it keeps, and the target."""

@@ -83,3 +83,11 @@ class Pruner:
         """Threshold methods: set the thresholds so the layer-averaged vision tokens meet ``tokens``
         (called once after every stage is installed; see ``pruning._budget.calibrate_scalar``)."""
         raise NotImplementedError(f"{type(self).__name__} is not calibrated")
+
+    def calibrated_setting(self) -> dict:
+        """What :meth:`calibrate` set (to reuse it in another session on the same model)."""
+        raise NotImplementedError(f"{type(self).__name__} is not calibrated")
+
+    def apply_calibrated(self, setting: dict) -> None:
+        """Set what :meth:`calibrated_setting` returned."""
+        raise NotImplementedError(f"{type(self).__name__} is not calibrated")

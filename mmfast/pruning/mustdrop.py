@@ -234,6 +234,14 @@ class MustDrop(Pruner):
         logger.info("mustdrop: budget %d -> lambda_g %.6g, lambda_i %.6g, merge threshold %.4g", tokens,
                     self.lambda_g, self.lambda_i, self.sim_threshold)
 
+    def calibrated_setting(self) -> dict:
+        return {"calibration": self.calibration, "lambda": (self.lambda_g, self.lambda_i), "sim_threshold": self.sim_threshold}
+
+    def apply_calibrated(self, setting: dict) -> None:
+        self.calibration = setting["calibration"]
+        self.lambda_g, self.lambda_i = setting["lambda"]
+        self.sim_threshold = setting["sim_threshold"]
+
     @classmethod
     def test_params(cls, adapter):
         # every window merges (the same r for any batch), then both filter stages drop tokens

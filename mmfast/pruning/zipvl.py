@@ -262,6 +262,15 @@ class ZipVL(Pruner):
         measure(self.calibration.value)
         logger.info("zipvl: budget %d -> tau %.6g", tokens, self.config.tau)
 
+    def calibrated_setting(self) -> dict:
+        return {"calibration": self.calibration, "tau": self.config.tau}
+
+    def apply_calibrated(self, setting: dict) -> None:
+        import dataclasses
+
+        self.calibration = setting["calibration"]
+        self.config = dataclasses.replace(self.config, tau=setting["tau"])
+
     @classmethod
     def test_params(cls, adapter):
         return {"tau": 0.9, "requant_interval": 2}
