@@ -9,6 +9,14 @@ from typing import Sequence
 logger = logging.getLogger(__name__)
 
 
+def plot_title(path: Path) -> str | None:
+    """The title a plot of this module stored in its PNG (``Title`` text chunk)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.info.get("Title")
+
+
 def _plt():
     try:
         import matplotlib
@@ -49,7 +57,7 @@ def scatter_lines(path: Path, points: Sequence[tuple[str, float, float]], xlabel
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Title": title})
     plt.close(fig)
     return path
 
@@ -79,7 +87,7 @@ def bars(path: Path, labels: Sequence[str], values: Sequence[float], ylabel: str
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Title": title})
     plt.close(fig)
     return path
 
@@ -106,6 +114,6 @@ def labelled_points(path: Path, points: Sequence[tuple[str, float, float, tuple[
     if points:
         ax.legend(fontsize=6, ncol=2 if len(points) > 10 else 1)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Title": title})
     plt.close(fig)
     return path

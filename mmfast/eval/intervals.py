@@ -217,12 +217,6 @@ class ChairIntervals:
                 "recall_ci95": self.recall.as_list(), "n_mentions": self.n_mentions, "n_gt_objects": self.n_gt_objects}
 
 
-def _ratio_bootstrap(num: np.ndarray, den: np.ndarray, rng: np.random.Generator, resamples: int) -> tuple[float, float]:
-    n = len(num)
-    idx = rng.integers(0, n, size=(resamples, n))
-    return _percentile(_safe_ratio(num[idx].sum(axis=1), den[idx].sum(axis=1)))
-
-
 def chair_intervals(captions: Sequence[CaptionCounts], *, resamples: int = RESAMPLES, seed: int = SEED) -> ChairIntervals:
     """Intervals from every caption's counts; CHAIR_i and recall from the same resampled captions."""
     n = len(captions)
