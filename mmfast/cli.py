@@ -6,6 +6,7 @@
     mmfast eval RECIPE [--limit N] [--output DIR]
     mmfast bench RECIPE [--output DIR]
     mmfast report RUN_DIR... [--output DIR]
+    mmfast rerender BENCH_DIR...             rewrite a bench's results.md + plots (n, 95% intervals), no re-run
 
 Exit codes: 0 ok, 2 bad input (the message names the file/key and the fix), 1 internal error.
 """
@@ -79,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("report", help="markdown/HTML report with plots from run directories")
     s.add_argument("runs", nargs="+")
     s.add_argument("--output", default="report")
+
+    s = sub.add_parser("rerender", help="rewrite a finished bench directory's results.md and plots (n, 95%% intervals) without re-running")
+    s.add_argument("benches", nargs="+", metavar="BENCH_DIR")
     return p
 
 
@@ -208,6 +212,14 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_rerender(args) -> int:
+    from .bench.render import rerender_bench
+
+    for d in args.benches:
+        print(rerender_bench(d))
+    return 0
+
+
 #: file-system failures caused by the machine, not by mmfast: a clear error (exit 2) with what to do
 _ENVIRONMENT_ERRNOS: dict[int, str] = {
     errno.EACCES: "fix the permissions or choose another path",
@@ -224,6 +236,7 @@ COMMANDS = {
     "eval": _cmd_eval,
     "bench": _cmd_bench,
     "report": _cmd_report,
+    "rerender": _cmd_rerender,
 }
 
 

@@ -1,10 +1,14 @@
 """``mmfast report RUN_DIR...``: one markdown + HTML page, with PNG plots, from evaluation and
 benchmark run directories (each holds a ``summary.json``).
 
-Evaluation runs become one row each (method settings, token accounting, POPE, CHAIR, the weights
-fingerprint, so that results of two versions of a model are never read as one table) and feed two
-plots: POPE mean F1 against vision tokens, and CHAIR_i per decoder. Benchmark directories contribute
-their own result tables, their plots, and a speedup-per-method plot from their ratios.
+Evaluation runs become one row each (method settings, token accounting, POPE, CHAIR with n and 95%
+intervals, the weights fingerprint, so that results of two versions of a model are never read as one
+table) and feed three plots: POPE mean F1 against vision tokens, CHAIR_i per run, and CHAIR_i against
+recall (fewer hallucinations vs shorter captions). Benchmark directories contribute their result
+tables (n and intervals beside POPE mean F1 and CHAIR_i), their protocol notes, their side tables
+(``speed_shaped.md``, ``projected_7b.md``), their plots drawn again with titles naming the bench, and
+a speedup-per-method plot from their ratios. Runs written before intervals existed get them from
+their per-sample records (:func:`mmfast.eval.intervals.run_intervals`).
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ import html
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bench.plots import bars, scatter_lines
+from .bench.plots import bars, labelled_points, plot_title, scatter_lines
+from .bench.render import bench_kind, bench_plots, fmt_ci, interval_notes, variant_intervals, with_intervals
 from .errors import InputError
+from .eval.intervals import RunIntervals, run_intervals
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +60,56 @@ def _short(params: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in list(params.items())[:3])
 
 
-def _eval_row(name: str, s: dict[str, Any]) -> list[Any]:
+EVAL_HEADER = ["run", "methods", "vision tok", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1 [95% CI]", "n POPE",
+               "CHAIR_s [95% CI]", "CHAIR_i [95% CI]", "recall [95% CI]", "n CHAIR", "weights"]
+
+
+EVAL_INTERVAL_NOTE = (
+    "[95% CI]: POPE mean F1 by a percentile bootstrap (1000 resamples, seed 0; questions resampled within each split); "
+    "CHAIR_s by the Wilson score interval, CHAIR_i and recall by a percentile bootstrap over captions; "
+    "n POPE = questions over all splits, n CHAIR = captions (mmfast.eval.intervals)."
+)
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One evaluation run: its figures (for the plots) and its table row (figures with 95% intervals)."""
+
+    name: str
+    tokens_layer_avg: float | None
+    mean_f1: float | None
+    chair_i: float | None
+    recall: float | None
+    intervals: RunIntervals
+    cells: list[Any]
+
+
+def _with_ci(value: Any, part: dict[str, Any] | None, key: str) -> str:
+    if value is None:
+        return ""
+    ci = (part or {}).get(f"{key}_ci95")
+    return f"{value:.3f} {fmt_ci(ci)}" if ci else f"{value:.3f}"
+
+
+def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
     m, acc, proto = s.get("metrics", {}), s.get("accounting", {}), s.get("protocol", {})
     pope, chair = m.get("pope", {}), m.get("chair", {})
-    return [
-        name,
+    iv = run_intervals(run, s)
+    cells = [
+        run.name,
         _method_label(proto),
         acc.get("mean_n_vision_tokens"),
         acc.get("mean_vision_tokens_layer_avg"),
         *(pope.get(k, {}).get("f1") for k in ("random", "popular", "adversarial")),
-        pope.get("mean_f1"),
-        chair.get("chair_s"),
-        chair.get("chair_i"),
-        chair.get("recall"),
+        _with_ci(pope.get("mean_f1"), iv.pope, "mean_f1"),
+        (iv.pope or {}).get("n") or (sum(v.get("n", 0) for v in pope.values() if isinstance(v, dict)) or None),
+        _with_ci(chair.get("chair_s"), iv.chair, "chair_s"),
+        _with_ci(chair.get("chair_i"), iv.chair, "chair_i"),
+        _with_ci(chair.get("recall"), iv.chair, "recall"),
+        chair.get("n"),
         proto.get("weights_fingerprint"),
     ]
+    return EvalRow(run.name, acc.get("mean_vision_tokens_layer_avg"), pope.get("mean_f1"), chair.get("chair_i"), chair.get("recall"), iv, cells)
 
 
 def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
@@ -99,7 +141,64 @@ def _html_table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _bench_notes(run: Path) -> list[str]:
+    """The protocol notes under a bench's ``results.md`` table (its ``- `` lines after the table)."""
+    md = run / "results.md"
+    if not md.is_file():
+        return []
+    lines = md.read_text().splitlines()
+    last_table = max((i for i, ln in enumerate(lines) if ln.startswith("|")), default=-1)
+    return [ln[2:] for ln in lines[last_table + 1:] if ln.startswith("- ")]
+
+
+def _side_tables(run: Path) -> list[tuple[str, list[str]]]:
+    """A bench's other markdown files (``speed_shaped.md``, ``projected_7b.md``, ...): name and lines."""
+    return [(p.name, p.read_text().splitlines()) for p in sorted(run.glob("*.md")) if p.name not in ("results.md", "README.md")]
+
+
+def _md_to_html(lines: list[str]) -> str:
+    """The markdown mmfast writes (headings, paragraphs, one table, bullet notes) as HTML."""
+    parts: list[str] = []
+    table: list[list[str]] = []
+    items: list[str] = []
+
+    def flush() -> None:
+        if table:
+            parts.append(_html_table(table[0], table[2:]))
+            table.clear()
+        if items:
+            parts.append("<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>")
+            items.clear()
+
+    for ln in lines:
+        if ln.startswith("|"):
+            table.append([c.strip() for c in ln.strip().strip("|").split("|")])
+            continue
+        if ln.startswith("- "):
+            items.append(ln[2:])
+            continue
+        flush()
+        if ln.startswith("#"):
+            level = min(6, len(ln) - len(ln.lstrip("#")))
+            parts.append(f"<h{level}>{html.escape(ln.lstrip('#').strip())}</h{level}>")
+        elif ln.strip():
+            parts.append(f"<p>{html.escape(ln)}</p>")
+    flush()
+    return "".join(parts)
+
+
+def _demote(lines: list[str]) -> list[str]:
+    """A side file's headings under its bench's section ('# T' -> '### T')."""
+    return ["##" + ln if ln.startswith("#") else ln for ln in lines]
+
+
 def write_report(runs: list[str], output: str) -> Path:
+    """Write ``report.md`` and ``report.html`` with their plots into ``output``.
+
+    Every accuracy and CHAIR figure carries its n and 95% interval (from the summaries, else from the
+    runs' per-sample records); bench directories keep their protocol notes and side tables
+    (``speed_shaped.md``, ``projected_7b.md``); every plot is titled with the runs it shows.
+    """
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     evals, benches = [], []
@@ -111,15 +210,26 @@ def write_report(runs: list[str], output: str) -> Path:
     parts_html = ["<h1>mmfast report</h1>"]
     images: list[Path] = []
     if evals:
-        header = ["run", "methods", "vision tok", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1", "CHAIR_s", "CHAIR_i", "recall", "weights"]
-        rows = [_eval_row(run.name, s) for run, s in evals]
-        md += ["## Evaluation runs", "", *_md_table(header, rows), ""]
-        parts_html += ["<h2>Evaluation runs</h2>", _html_table(header, rows)]
-        pts = [(r[0], r[3], r[7]) for r in rows if r[3] is not None and r[7] is not None]
-        if pts and (p := scatter_lines(out / "accuracy_vs_tokens.png", pts, "layer-averaged vision tokens", "POPE mean F1", "Accuracy vs vision tokens")):
+        rows = [_eval_row(run, s) for run, s in evals]
+        md += ["## Evaluation runs", "", *_md_table(EVAL_HEADER, [r.cells for r in rows]), ""]
+        parts_html += ["<h2>Evaluation runs</h2>", _html_table(EVAL_HEADER, [r.cells for r in rows])]
+        notes = [EVAL_INTERVAL_NOTE] + [n for r in rows for n in r.intervals.notes]
+        md += [f"- {n}" for n in notes] + [""]
+        parts_html.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+        pts = [(r.name, r.tokens_layer_avg, r.mean_f1) for r in rows if r.tokens_layer_avg is not None and r.mean_f1 is not None]
+        if pts and (p := scatter_lines(out / "accuracy_vs_tokens.png", pts, "layer-averaged vision tokens", "POPE mean F1",
+                                       "POPE mean F1 vs vision tokens (evaluation runs)")):
             images.append(p)
-        chair = [(r[0], r[9]) for r in rows if r[9] is not None]
-        if chair and (p := bars(out / "chair_by_run.png", [c[0] for c in chair], [c[1] for c in chair], "CHAIR_i", "CHAIR_i by run (decoder)")):
+        chair = [r for r in rows if r.chair_i is not None]
+        if chair and (p := bars(out / "chair_by_run.png", [r.name for r in chair], [r.chair_i for r in chair], "CHAIR_i",
+                                "CHAIR_i by evaluation run", intervals=[_ci_of(r.intervals.chair, "chair_i") for r in chair],
+                                series="CHAIR_i (hallucinated mentions)")):
+            images.append(p)
+        both = [r for r in chair if r.recall is not None]
+        if both and (p := labelled_points(out / "chair_i_vs_recall.png",
+                                          [(r.name, r.recall, r.chair_i, _ci_of(r.intervals.chair, "recall"), _ci_of(r.intervals.chair, "chair_i")) for r in both],
+                                          "CHAIR recall (ground-truth objects mentioned)", "CHAIR_i (hallucinated mentions)",
+                                          "CHAIR_i vs recall (evaluation runs)")):
             images.append(p)
     for run, s in benches:
         md += [f"## Benchmark: {run.name}", ""]
@@ -127,22 +237,54 @@ def write_report(runs: list[str], output: str) -> Path:
         if model := _bench_model(run, s):
             md += [f"Model: {model}", ""]
             parts_html.append(f"<p>Model: {html.escape(model)}</p>")
+        try:
+            kind: str | None = bench_kind(s)
+        except InputError:
+            kind = None
+        intervals = variant_intervals(run, s["results"]) if kind in ("pruning", "decoding") else {}
         if "header" in s and "rows" in s:
-            md += [*_md_table(s["header"], s["rows"]), ""]
-            parts_html.append(_html_table(s["header"], s["rows"]))
+            header, rows = with_intervals(s["header"], s["rows"], intervals) if intervals else (s["header"], s["rows"])
+            md += [*_md_table(header, rows), ""]
+            parts_html.append(_html_table(header, rows))
+        notes = _bench_notes(run)
+        if intervals:
+            notes = [n for n in notes if not n.startswith("95% CI:") and not n.startswith("no interval for")] + interval_notes(intervals)
+        if notes:
+            md += [f"- {n}" for n in notes] + [""]
+            parts_html.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+        for name, lines in _side_tables(run):
+            md += [*_demote(lines), ""]
+            parts_html.append(_md_to_html(_demote(lines)))
         speed = [(n, r["ratios"].get("prefill_speedup") or r["ratios"].get("speedup")) for n, r in s["results"].items() if r.get("ratios")]
         speed = [(n, v) for n, v in speed if v is not None]
-        if speed and (p := bars(out / f"speedup_{run.name}.png", [n for n, _ in speed], [v for _, v in speed], "speedup (x)", f"Speedup per method ({run.name})")):
+        if speed and (p := bars(out / f"speedup_{run.name}.png", [n for n, _ in speed], [v for _, v in speed], "speedup (x)",
+                                f"Speedup per method ({run.name})", baseline=1.0, series="speedup vs the baseline")):
             images.append(p)
-        for png in sorted(run.glob("*.png")):
-            dest = out / f"{run.name}_{png.name}"
-            shutil.copyfile(png, dest)
-            images.append(dest)
+        if kind is not None:  # drawn again here, titled with this bench (two benches' plots never share a title)
+            images += bench_plots(s, out, run.name, intervals, prefix=f"{run.name}_")
+        else:
+            for png in sorted(run.glob("*.png")):
+                dest = out / f"{run.name}_{png.name}"
+                shutil.copyfile(png, dest)
+                images.append(dest)
     for img in images:
-        md += [f"![{img.stem}]({img.name})", ""]
-        parts_html.append(f'<p><img src="{html.escape(img.name)}" alt="{html.escape(img.stem)}"></p>')
+        alt = _title(img) or img.stem
+        md += [f"![{alt}]({img.name})", ""]
+        parts_html.append(f'<p><img src="{html.escape(img.name)}" alt="{html.escape(alt)}"></p>')
     (out / "report.md").write_text("\n".join(md) + "\n")
     style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}"
     (out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{''.join(parts_html)}</body></html>")
     logger.info("wrote %s", out / "report.md")
     return out / "report.md"
+
+
+def _ci_of(part: dict[str, Any] | None, key: str) -> tuple[float, float] | None:
+    ci = (part or {}).get(f"{key}_ci95")
+    return (ci[0], ci[1]) if ci else None
+
+
+def _title(png: Path) -> str | None:
+    try:
+        return plot_title(png)
+    except Exception:  # noqa: BLE001 - a copied PNG from elsewhere: no stored title
+        return None

@@ -51,9 +51,14 @@ def test_summary_layout_and_records(tiny_dir, tiny_mm, small_world, tmp_path):
     for split in ("random", "adversarial"):
         assert set(pope[split]) >= {"accuracy", "precision", "recall", "f1", "yes_ratio", "n"}
         assert pope[split]["n"] == 4
-    assert "mean_f1" in pope
-    assert set(s["metrics"]["chair"]) == {"chair_s", "chair_i", "recall", "len", "n"}
+        lo, hi = pope[split]["f1_ci95"]  # every figure carries its n and 95% interval
+        assert lo <= pope[split]["f1"] <= hi
+    assert "mean_f1" in pope and pope["n"] == 8
+    assert pope["mean_f1_ci95"][0] <= pope["mean_f1"] <= pope["mean_f1_ci95"][1]
+    assert set(s["metrics"]["chair"]) == {"chair_s", "chair_i", "recall", "len", "n", "chair_s_ci95", "chair_i_ci95",
+                                          "recall_ci95", "n_mentions", "n_gt_objects"}
     assert s["metrics"]["chair"]["n"] == 4
+    assert s["protocol"]["tasks"]["chair"]["intervals"]["resamples"] == 1000
     assert s["protocol"]["tasks"]["pope"]["files"]["random"]["sha256"]
     assert s["protocol"]["recipe_hash"] and s["protocol"]["versions"]["transformers"]
     recs = _lines(out / "samples.jsonl")

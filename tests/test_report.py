@@ -64,3 +64,111 @@ def test_report_names_the_weights_of_every_run(tmp_path):
     assert "| 1111 |" in md and "| 2222 |" in md
     assert "Model: `mmfast/tiny-world` (weights `2222`)" in md
     assert "Model: weights `1111` (from its variant runs)" in md
+
+
+def _pope_run(tmp_path, name, p_right, n=40, with_ci=False):
+    """An eval run dir with POPE records (and a summary from the task's own scoring)."""
+    import random
+
+    from mmfast.eval.pope import PopeRecord, score_pope, summarize_pope
+
+    rnd = random.Random(name)
+    d = tmp_path / name
+    d.mkdir()
+    recs, per_split = [], {}
+    for split in ("random", "popular", "adversarial"):
+        rs = []
+        for i in range(n):
+            label = "yes" if i % 2 else "no"
+            right = rnd.random() < p_right
+            ans = label if right else ("no" if label == "yes" else "yes")
+            rs.append({"doc_id": f"pope_{split}/{i}", "task": f"pope_{split}", "target": label, "resps": [[ans.capitalize()]],
+                       "meta": {"question_id": i}})
+        per_split[split] = score_pope([PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in rs])
+        recs += rs
+    (d / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    pope = summarize_pope(per_split)
+    summary = {"metrics": {"pope": pope}, "accounting": {"mean_n_vision_tokens": 576, "mean_vision_tokens_layer_avg": 576},
+               "protocol": {"pruning": [], "decoding": {"method": "greedy", "params": {}}, "weights_fingerprint": "aaaa",
+                            "tasks": {"pope": {"parser": "pope"}}}}
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d, pope
+
+
+def test_report_tables_carry_n_and_intervals(tmp_path):
+    """A run whose summary predates intervals gets them from its records; the interval holds the figure."""
+    run, pope = _pope_run(tmp_path, "old_run", 0.85)
+    md = write_report([str(run)], str(tmp_path / "rep")).read_text()
+    assert "| mean F1 [95% CI] | n POPE |" in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| old_run"))
+    cell = row.split("|")[8].strip()
+    value, lo, hi = (float(x) for x in cell.replace("[", "").replace("]", "").replace(",", "").split())
+    assert value == pytest.approx(pope["mean_f1"], abs=5e-4) and lo <= value <= hi and hi - lo > 0.02
+    assert row.split("|")[9].strip() == "120"
+    assert "percentile bootstrap" in md
+
+
+def _bench_dir(tmp_path, runs):
+    """A decoding-bench directory written before intervals: summary.json, results.md notes, a side table."""
+    bench = tmp_path / "bench_dec"
+    (bench / "variants").mkdir(parents=True)
+    results, rows = {}, []
+    for name, p in runs:
+        run, pope = _pope_run(bench / "variants", name, p)
+        chair = {"chair_s": 0.5, "chair_i": 0.2 + p / 10, "recall": p / 2, "len": 50, "n": 10}
+        results[name] = {"decoding": {"method": name}, "metrics": {"pope": pope, "chair": chair},
+                         "cost": {"decode_s_per_token": 0.01}, "ratios": {"cost_per_token": 1.0 + p}, "protocol": {}}
+        rows.append([name, name, pope["random"]["f1"], pope["popular"]["f1"], pope["adversarial"]["f1"], pope["mean_f1"],
+                     chair["chair_s"], chair["chair_i"], chair["recall"], 50, 1.0 + p, 100.0])
+    header = ["variant", "decoder", "POPE F1 rand", "pop", "adv", "mean F1", "CHAIR_s", "CHAIR_i", "recall", "len", "cost/token x", "peak RSS MiB"]
+    (bench / "summary.json").write_text(json.dumps({"header": header, "rows": rows, "results": results}))
+    (bench / "results.md").write_text("# Decoders\n\nCommand: `mmfast bench decoding.yaml --output bench_dec`\n\n| variant |\n|---|\n| baseline |\n\n"
+                                      "- All decoders ran in one process on the same samples.\n- peak RSS: the process's peak.\n")
+    (bench / "projected_7b.md").write_text("# Projected 7B speedup\n\nCommand: `x`\n\n| drafter | projected 7B speedup |\n|---|---|\n"
+                                           "| msd | 2.590 |\n\n- projected speedup = tau / (1 + c + v).\n")
+    return bench
+
+
+def test_report_keeps_bench_notes_side_tables_and_titles_every_plot(tmp_path):
+    from mmfast.bench.plots import plot_title
+
+    bench = _bench_dir(tmp_path, [("baseline", 0.9), ("vcd", 0.8)])
+    ev, _ = _pope_run(tmp_path, "eval_run", 0.9)
+    s = json.loads((ev / "summary.json").read_text())
+    s["metrics"]["chair"] = {"chair_s": 0.5, "chair_i": 0.25, "recall": 0.5, "len": 50, "n": 10,
+                             "chair_s_ci95": [0.24, 0.76], "chair_i_ci95": [0.2, 0.3], "recall_ci95": [0.4, 0.6]}
+    (ev / "summary.json").write_text(json.dumps(s))
+    out = tmp_path / "rep"
+    md = write_report([str(ev), str(bench)], str(out)).read_text()
+    # the bench's table: n and intervals computed from each variant's records (CHAIR has none to re-score here)
+    assert "| mean F1 | mean F1 [95% CI] | n POPE |" in md and "| 120 |" in md
+    assert "0.250 [0.200, 0.300]" in md  # CHAIR figures carry the recorded interval
+    # protocol notes and the projection table survive
+    assert "- All decoders ran in one process on the same samples." in md
+    assert "| msd | 2.590 |" in md and "projected speedup = tau / (1 + c + v)" in md
+    html = (out / "report.html").read_text()
+    assert "<h3>Projected 7B speedup</h3>" in html and "<li>All decoders ran in one process" in html
+    # CHAIR_i vs recall, from the eval runs and from the bench's variants
+    assert (out / "chair_i_vs_recall.png").is_file() and (out / "bench_dec_chair_i_vs_recall.png").is_file()
+    pngs = sorted(out.glob("*.png"))
+    titles = [plot_title(p) for p in pngs]
+    assert all(titles) and len(set(titles)) == len(titles), titles
+    assert "CHAIR_i vs recall (evaluation runs)" in titles and "CHAIR_i vs recall (bench_dec)" in titles
+
+
+def test_rerender_bench_dir_adds_intervals_without_running(tmp_path):
+    bench = _bench_dir(tmp_path, [("baseline", 0.9), ("vcd", 0.8)])
+    before = json.loads((bench / "summary.json").read_text())
+    assert main(["-q", "rerender", str(bench)]) == 0
+    md = (bench / "results.md").read_text()
+    assert "Command: `mmfast bench decoding.yaml --output bench_dec`" in md
+    assert "| mean F1 | mean F1 [95% CI] | n POPE |" in md and "95% CI: POPE mean F1 by a percentile bootstrap" in md
+    after = json.loads((bench / "summary.json").read_text())
+    assert after["kind"] == "decoding"
+    for name, r in after["results"].items():
+        iv = r.pop("intervals")
+        lo, hi = iv["pope"]["mean_f1_ci95"]
+        assert lo <= r["metrics"]["pope"]["mean_f1"] <= hi
+    after.pop("kind")
+    assert after == before  # nothing else changes
+    assert {"chair_i.png", "cost_per_token.png", "chair_i_vs_recall.png"} <= {p.name for p in bench.glob("*.png")}

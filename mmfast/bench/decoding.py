@@ -86,7 +86,7 @@ def run_decoding_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dic
 
 
 def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> None:
-    from .plots import bars
+    from .render import decoding_plots, interval_notes, store_intervals, variant_intervals, with_intervals
 
     base = result["results"]["baseline"]
     proto = base["protocol"]
@@ -99,9 +99,11 @@ def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> No
         "cost/token x: median decode seconds per generated token after the first, relative to the baseline.",
         "peak RSS: the process's peak resident memory while the variant generated (VmHWM reset per variant; the model's weights included).",
     ]
-    write_markdown(out / "results.md", "Anti-hallucination decoders on the embedded world", command, result["header"], result["rows"], notes, model=result.get("model"))
-    res = result["results"]
-    labels = list(res)
-    bars(out / "chair_i.png", labels, [res[n]["metrics"].get("chair", {}).get("chair_i", 0) for n in labels], "CHAIR_i", "CHAIR_i by decoder")
-    bars(out / "cost_per_token.png", labels, [res[n]["ratios"]["cost_per_token"] for n in labels], "x greedy", "Cost per generated token")
+    result["kind"] = "decoding"
+    intervals = variant_intervals(out, result["results"])
+    store_intervals(result["results"], intervals)
+    header, rows = with_intervals(result["header"], result["rows"], intervals)
+    write_markdown(out / "results.md", "Anti-hallucination decoders on the embedded world", command, header, rows, notes + interval_notes(intervals),
+                   model=result.get("model"))
+    decoding_plots(result, out, out.name, intervals)
     dump(out / "summary.json", result)

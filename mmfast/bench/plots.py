@@ -9,6 +9,14 @@ from typing import Sequence
 logger = logging.getLogger(__name__)
 
 
+def plot_title(path: Path) -> str | None:
+    """The title a plot of this module stored in its PNG (``Title`` text chunk)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.info.get("Title")
+
+
 def _plt():
     try:
         import matplotlib
@@ -49,23 +57,63 @@ def scatter_lines(path: Path, points: Sequence[tuple[str, float, float]], xlabel
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Title": title})
     plt.close(fig)
     return path
 
 
-def bars(path: Path, labels: Sequence[str], values: Sequence[float], ylabel: str, title: str) -> Path | None:
+def bars(path: Path, labels: Sequence[str], values: Sequence[float], ylabel: str, title: str,
+         intervals: Sequence[tuple[float, float] | None] | None = None, baseline: float | None = None,
+         series: str | None = None) -> Path | None:
+    """One bar per label, with 95% intervals as error bars where given; the legend names the series
+    (``series``, else ``ylabel``), the intervals and the baseline line."""
     plt = _plt()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(labels)), 4), dpi=120)
-    ax.bar(range(len(labels)), values, color="#4C72B0")
-    ax.set_xticks(range(len(labels)))
+    xs = range(len(labels))
+    ax.bar(xs, values, color="#4C72B0", label=series or ylabel)
+    if intervals and any(iv is not None for iv in intervals):
+        pts = [(x, v, iv) for x, v, iv in zip(xs, values, intervals) if iv is not None]
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
+                    yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]],
+                    fmt="none", ecolor="black", capsize=3, linewidth=1, label="95% interval")
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", linestyle="--", linewidth=1, label="baseline")
+    ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Title": title})
+    plt.close(fig)
+    return path
+
+
+def labelled_points(path: Path, points: Sequence[tuple[str, float, float, tuple[float, float] | None, tuple[float, float] | None]],
+                    xlabel: str, ylabel: str, title: str) -> Path | None:
+    """One marker per labelled point ``(label, x, y, x_interval, y_interval)``, with 95% intervals as
+    error bars where given; every point in the legend (e.g. CHAIR_i against recall per decoder)."""
+    plt = _plt()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=120)
+    markers = "osD^vP*Xh<>"
+    for i, (label, x, y, xiv, yiv) in enumerate(points):
+        if x is None or y is None:
+            continue
+        xerr = [[x - xiv[0]], [xiv[1] - x]] if xiv else None
+        yerr = [[y - yiv[0]], [yiv[1] - y]] if yiv else None
+        ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt=markers[i % len(markers)], capsize=2, linewidth=0.8, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if points:
+        ax.legend(fontsize=6, ncol=2 if len(points) > 10 else 1)
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Title": title})
     plt.close(fig)
     return path

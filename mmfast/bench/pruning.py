@@ -172,7 +172,14 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
         "FLOPs: 4nd^2 + 2n^2d + 3ndm per LLM layer (the papers' convention); 7B = the same token schedule on LLaVA-1.5-7B's shape.",
         "layer-avg tok: vision tokens averaged over LLM layers (the papers' 'equivalent tokens').",
     ]
-    write_markdown(out / "results.md", "Vision-token pruning on the embedded world", command, result["header"], result["rows"], notes, model=result.get("model"))
+    from .render import interval_notes, pruning_plots, store_intervals, variant_intervals, with_intervals
+
+    result["kind"] = "pruning"
+    intervals = variant_intervals(out, result["results"])
+    store_intervals(result["results"], intervals)
+    header, rows = with_intervals(result["header"], result["rows"], intervals)
+    write_markdown(out / "results.md", "Vision-token pruning on the embedded world", command, header, rows, notes + interval_notes(intervals),
+                   model=result.get("model"))
     speed = result.get("shaped_speed")
     if speed:
         rows = [
@@ -193,18 +200,5 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
                 "Random weights: token selections are not meaningful here, only their cost.",
             ] + [f"skipped {r['variant']}: {r['reason']}" for r in speed.get("skipped", [])],
         )
-    from .plots import scatter_lines
-
-    res = result["results"]
-    base = res["baseline"]
-    pts = [(n, r["accounting"]["vision_tokens_layer_avg"], r["metrics"].get("pope", {}).get("mean_f1")) for n, r in res.items() if n != "baseline"]
-    scatter_lines(out / "accuracy_vs_tokens.png", pts, "layer-averaged vision tokens", "POPE mean F1",
-                  "Accuracy vs tokens (embedded world)", base["metrics"].get("pope", {}).get("mean_f1"))
-    pts = [(n, r["accounting"]["vision_tokens_layer_avg"], r["ratios"]["prefill_speedup"]) for n, r in res.items() if n != "baseline"]
-    scatter_lines(out / "speedup_vs_tokens.png", pts, "layer-averaged vision tokens", "prefill speedup (x)",
-                  "Prefill speedup vs tokens (embedded world)", 1.0)
-    if speed:
-        pts = [(r["variant"], r["vision_tokens"], r["speedup"]) for r in speed["rows"] if r["variant"] != "baseline"]
-        scatter_lines(out / "speedup_vs_tokens_shaped.png", pts, "vision tokens at the LLM input", "prefill speedup (x)",
-                      f"Prefill speedup on {speed['shape']}", 1.0)
+    pruning_plots(result, out, out.name, intervals)
     dump(out / "summary.json", result)

@@ -205,7 +205,7 @@ def _shaped_costs(recipe, vs, results, device: torch.device) -> dict[str, Any]:
 
 
 def write_speculative_report(result: dict[str, Any], out: Path, command: str) -> None:
-    from .plots import bars
+    from .render import speculative_plots
 
     notes = [
         "tau = tokens committed per target verification forward, bonus token included (FLASH's convention; MSD's acclen = tau - 1).",
@@ -231,10 +231,7 @@ def write_speculative_report(result: dict[str, Any], out: Path, command: str) ->
                 "layer_skip's draft cost is its measured forwards per cycle x (LM head + unskipped fraction of 32 layers).",
             ],
         )
-    res = result["results"]
-    for key, by in res.items():
-        names = [n for n in by if n != "baseline"]
-        if names:
-            bars(out / f"speedup_{key.replace('@', '_').replace('.', '')}.png", names, [by[n]["speedup"] for n in names], "speedup (x)", f"Wall-clock speedup ({key})")
+    result["kind"] = "speculative"
+    speculative_plots(result, out, out.name)
     dump(out / "summary.json", {k: v for k, v in result.items()})
 

@@ -591,7 +591,8 @@ def score_pope(records: Iterable[PopeRecord | Mapping[str, Any]], mode: ParserMo
     """
     if mode not in PARSER_MODES:
         raise ValueError(f"unknown POPE parser mode {mode!r}; choose from {PARSER_MODES}")
-    tp = fp = tn = fn = n_unknown = n_unscored = 0
+    cells = {"tp": 0, "fp": 0, "tn": 0, "fn": 0, "unscored": 0}
+    n_unknown = 0
     unknown_ids: list[int | str] = []
     for i, item in enumerate(records):
         rec = _as_record(item, i)
@@ -599,19 +600,23 @@ def score_pope(records: Iterable[PopeRecord | Mapping[str, Any]], mode: ParserMo
         if parsed.unknown:
             n_unknown += 1
             unknown_ids.append(rec.question_id)
-        if parsed.pred is None:
-            n_unscored += 1
-        elif parsed.pred == "yes":
-            if rec.label == "yes":
-                tp += 1
-            else:
-                fp += 1
-        elif rec.label == "no":
-            tn += 1
-        else:
-            fn += 1
-    counts = PopeCounts(tp, fp, tn, fn, n_unknown, n_unscored)
+        cells[_cell(parsed.pred, rec.label)] += 1
+    counts = PopeCounts(cells["tp"], cells["fp"], cells["tn"], cells["fn"], n_unknown, cells["unscored"])
     return metrics_from_counts(counts, mode, unknown_ids)
+
+
+def _cell(pred: Label | None, label: Label) -> str:
+    if pred is None:
+        return "unscored"
+    if pred == "yes":
+        return "tp" if label == "yes" else "fp"
+    return "tn" if label == "no" else "fn"
+
+
+def pope_cell(answer: str, label: Label, mode: ParserMode = "pope") -> str:
+    """The confusion cell (``tp``, ``fp``, ``tn``, ``fn`` or ``unscored``) :func:`score_pope` counts
+    this answer in (what :mod:`mmfast.eval.intervals` resamples)."""
+    return _cell(parse_answer(answer, mode, label=label).pred, label)
 
 
 def summarize_pope(per_split: Mapping[str, PopeMetrics]) -> dict[str, Any]:

@@ -50,10 +50,15 @@ class ChairTask(Task):
         recs = records.get("chair", [])
         if not recs:
             return {}
+        from ..intervals import caption_counts, chair_intervals
+
         result = self.evaluator.evaluate([{"image_id": r["target"], "caption": r["resps"][0][0]} for r in recs])
-        return result.as_dict()
+        # n and 95% intervals next to every figure (keys *_ci95; mmfast.eval.intervals)
+        return {**result.as_dict(), **chair_intervals(caption_counts(result)).as_dict()}
 
     def protocol(self) -> dict[str, Any]:
+        from ..intervals import RESAMPLES, SEED
+
         c = self.cfg.chair
         return {
             "prompt": c.prompt,
@@ -62,6 +67,12 @@ class ChairTask(Task):
             "sampling": "ids from sorted file names, random.Random(seed).shuffle, first n" if not c.image_ids_file else c.image_ids_file,
             "seed": c.seed,
             "evaluator": self.evaluator.describe(),
+            "intervals": {
+                "chair_s": "Wilson score interval over captions, 95%",
+                "chair_i, recall": "percentile bootstrap over captions (ratio of sums), 95%",
+                "resamples": RESAMPLES,
+                "seed": SEED,
+            },
         }
 
     def side_files(self) -> dict[str, str]:

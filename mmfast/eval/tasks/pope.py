@@ -69,18 +69,40 @@ class PopeTask(Task):
         return parse_answer(text, self.cfg.pope.parser, label=sample.target).pred
 
     def metrics(self, records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        from ..intervals import pope_cells, pope_intervals
         from ..pope import PopeRecord, score_pope, summarize_pope
 
-        per_split = {}
+        per_split, cells = {}, {}
         for split in self.questions:
             recs = records.get(f"pope_{split}", [])
             if not recs:
                 continue
             items = [PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in recs]
             per_split[split] = score_pope(items, self.cfg.pope.parser)
-        return summarize_pope(per_split) if per_split else {}
+            cells[split] = pope_cells(recs, self.cfg.pope.parser)
+        if not per_split:
+            return {}
+        out = summarize_pope(per_split)
+        # n and 95% intervals next to every figure (keys *_ci95; mmfast.eval.intervals)
+        intervals = pope_intervals(cells).as_dict()
+        for split in per_split:
+            out[split].update(intervals.pop(split))
+        out.update(intervals)
+        return out
 
     def protocol(self) -> dict[str, Any]:
         p = self.cfg.pope
         return {"splits": list(p.splits), "prompt": p.prompt, "parser": p.parser, "max_new_tokens": p.max_new_tokens,
-                "files": self.file_info}
+                "files": self.file_info, "intervals": _intervals_protocol()}
+
+
+def _intervals_protocol() -> dict[str, Any]:
+    from ..intervals import RESAMPLES, SEED
+
+    return {
+        "accuracy, precision, recall": "Wilson score interval, 95%",
+        "f1": "percentile bootstrap over the split's questions, 95%",
+        "mean_f1, mean_accuracy": "percentile bootstrap, questions resampled within each split, 95%",
+        "resamples": RESAMPLES,
+        "seed": SEED,
+    }

@@ -1,0 +1,227 @@
+"""Rendering a benchmark's results: n and 95% intervals beside its accuracy and CHAIR columns, its
+plots (each titled with the benchmark it belongs to, each with a legend), and :func:`rerender_bench`,
+which rewrites an existing bench directory's ``results.md``, side tables and plots from its
+``summary.json`` and per-variant records without running anything.
+
+Nothing here imports torch: the report and the re-rendering use it on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+from ..eval.intervals import RunIntervals, run_intervals
+from .plots import bars, labelled_points, scatter_lines
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_NOTE = (
+    "95% CI: POPE mean F1 by a percentile bootstrap (1000 resamples, seed 0; questions resampled within each split), "
+    "CHAIR_i by a percentile bootstrap over captions; n = POPE questions over all splits / CHAIR captions "
+    "(mmfast.eval.intervals)."
+)
+
+
+def fmt_ci(ci: list[float] | tuple[float, float] | None) -> str:
+    """``[lo, hi]`` with three decimals, or empty when there is no interval."""
+    return "" if not ci else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def bench_kind(summary: dict[str, Any]) -> str:
+    """``pruning``, ``decoding`` or ``speculative`` (recorded since intervals; inferred before)."""
+    if summary.get("kind"):
+        return str(summary["kind"])
+    if "shaped_speed" in summary or any("accounting" in r for r in summary.get("results", {}).values()):
+        return "pruning"
+    if any("cost" in r for r in summary.get("results", {}).values()):
+        return "decoding"
+    if "shaped" in summary or "identical to greedy" in summary.get("header", []):
+        return "speculative"
+    raise InputError("summary.json is not from `mmfast bench` (no pruning, decoding or speculative results)")
+
+
+def variant_intervals(bench_dir: Path, results: dict[str, Any]) -> dict[str, RunIntervals]:
+    """Every variant's POPE / CHAIR intervals: from its recorded metrics, else from the records under
+    ``variants/<name>/`` (see :func:`mmfast.eval.intervals.run_intervals`)."""
+    out: dict[str, RunIntervals] = {}
+    for name, r in results.items():
+        metrics = r.get("metrics")
+        if not isinstance(metrics, dict):
+            continue
+        stored = r.get("intervals")
+        if isinstance(stored, dict) and (stored.get("pope") or not metrics.get("pope")) and (stored.get("chair") or not metrics.get("chair")):
+            out[name] = RunIntervals(stored.get("pope"), stored.get("chair"), tuple(stored.get("notes", ())))
+            continue
+        run = Path(bench_dir) / "variants" / name
+        summary_path = run / "summary.json"
+        if summary_path.is_file():
+            summary = json.loads(summary_path.read_text())
+            summary["metrics"] = metrics  # the bench's record of what it reported is the reference
+        else:
+            summary = {"metrics": metrics}
+        out[name] = run_intervals(run, summary)
+    return out
+
+
+@dataclass(frozen=True)
+class IntervalColumns:
+    """Where the interval columns go: after ``after`` insert ``[95% CI]`` of ``metric`` and its n."""
+
+    after: str
+    task: str
+    metric: str
+    ci_header: str
+    n_header: str
+
+
+PRUNING_DECODING_COLUMNS = (
+    IntervalColumns("mean F1", "pope", "mean_f1", "mean F1 [95% CI]", "n POPE"),
+    IntervalColumns("CHAIR_i", "chair", "chair_i", "CHAIR_i [95% CI]", "n CHAIR"),
+)
+
+
+def with_intervals(header: list[str], rows: list[list[Any]], intervals: dict[str, RunIntervals],
+                   columns: tuple[IntervalColumns, ...] = PRUNING_DECODING_COLUMNS) -> tuple[list[str], list[list[Any]]]:
+    """The table with a ``[95% CI]`` and an ``n`` column after each of ``columns`` (rows keyed by
+    their first cell, the variant name); a table that already has them is returned unchanged."""
+    header, rows = list(header), [list(r) for r in rows]
+    for col in columns:
+        if col.after not in header or col.ci_header in header:
+            continue
+        at = header.index(col.after) + 1
+        header[at:at] = [col.ci_header, col.n_header]
+        for row in rows:
+            iv = intervals.get(row[0])
+            part = getattr(iv, col.task, None) if iv else None
+            row[at:at] = [fmt_ci(part.get(f"{col.metric}_ci95")) if part else "", part.get("n") if part else None]
+    return header, rows
+
+
+def store_intervals(results: dict[str, Any], intervals: dict[str, RunIntervals]) -> None:
+    """Keep every variant's intervals in its result (``results.<variant>.intervals`` in summary.json)."""
+    for name, iv in intervals.items():
+        results[name]["intervals"] = {"pope": iv.pope, "chair": iv.chair, "notes": list(iv.notes)}
+
+
+def interval_notes(intervals: dict[str, RunIntervals]) -> list[str]:
+    missing = [f"{name}: {n}" for name, iv in intervals.items() for n in iv.notes]
+    return [INTERVAL_NOTE] + [f"no interval for {m}" for m in missing]
+
+
+def _ci(iv: RunIntervals | None, task: str, key: str) -> tuple[float, float] | None:
+    part = getattr(iv, task, None) if iv else None
+    ci = part.get(f"{key}_ci95") if part else None
+    return (ci[0], ci[1]) if ci else None
+
+
+def chair_recall_plot(path: Path, results: dict[str, Any], intervals: dict[str, RunIntervals], title: str) -> Path | None:
+    """CHAIR_i against CHAIR recall per variant: fewer hallucinations at the same recall is a better
+    decoder; lower CHAIR_i with lower recall may only be shorter captions."""
+    pts = []
+    for name, r in results.items():
+        chair = (r.get("metrics") or {}).get("chair") or {}
+        if "chair_i" in chair and "recall" in chair:
+            iv = intervals.get(name)
+            pts.append((name, chair["recall"], chair["chair_i"], _ci(iv, "chair", "recall"), _ci(iv, "chair", "chair_i")))
+    if not pts:
+        return None
+    return labelled_points(path, pts, "CHAIR recall (ground-truth objects mentioned)", "CHAIR_i (hallucinated mentions)", title)
+
+
+def pruning_plots(result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = "") -> list[Path]:
+    """The pruning bench's plots, titled with ``label`` (the bench they belong to)."""
+    res = result["results"]
+    base = res.get("baseline", {})
+    made: list[Path | None] = []
+    pts = [(n, r["accounting"]["vision_tokens_layer_avg"], r["metrics"].get("pope", {}).get("mean_f1")) for n, r in res.items() if n != "baseline"]
+    made.append(scatter_lines(out / f"{prefix}accuracy_vs_tokens.png", pts, "layer-averaged vision tokens", "POPE mean F1",
+                              f"POPE mean F1 vs vision tokens ({label})", base.get("metrics", {}).get("pope", {}).get("mean_f1")))
+    pts = [(n, r["accounting"]["vision_tokens_layer_avg"], r["ratios"]["prefill_speedup"]) for n, r in res.items() if n != "baseline" and r.get("ratios")]
+    made.append(scatter_lines(out / f"{prefix}speedup_vs_tokens.png", pts, "layer-averaged vision tokens", "prefill speedup (x)",
+                              f"Prefill speedup vs vision tokens ({label})", 1.0))
+    speed = result.get("shaped_speed")
+    if speed:
+        pts = [(r["variant"], r["vision_tokens"], r["speedup"]) for r in speed["rows"] if r["variant"] != "baseline"]
+        made.append(scatter_lines(out / f"{prefix}speedup_vs_tokens_shaped.png", pts, "vision tokens at the LLM input", "prefill speedup (x)",
+                                  f"Prefill speedup on {speed['shape']} ({label})", 1.0))
+    made.append(chair_recall_plot(out / f"{prefix}chair_i_vs_recall.png", res, intervals, f"CHAIR_i vs recall ({label})"))
+    return [p for p in made if p is not None]
+
+
+def decoding_plots(result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = "") -> list[Path]:
+    """The decoding bench's plots, titled with ``label``."""
+    res = result["results"]
+    names = list(res)
+    base_chair = res.get("baseline", {}).get("metrics", {}).get("chair", {}).get("chair_i")
+    made = [
+        bars(out / f"{prefix}chair_i.png", names, [res[n]["metrics"].get("chair", {}).get("chair_i", 0) for n in names], "CHAIR_i",
+             f"CHAIR_i by decoder ({label})", intervals=[_ci(intervals.get(n), "chair", "chair_i") for n in names],
+             baseline=base_chair, series="CHAIR_i (hallucinated mentions)"),
+        bars(out / f"{prefix}cost_per_token.png", names, [res[n]["ratios"]["cost_per_token"] for n in names], "x baseline",
+             f"Cost per generated token ({label})", baseline=1.0, series="decode time per token / baseline's"),
+        chair_recall_plot(out / f"{prefix}chair_i_vs_recall.png", res, intervals, f"CHAIR_i vs recall ({label})"),
+    ]
+    return [p for p in made if p is not None]
+
+
+def speculative_plots(result: dict[str, Any], out: Path, label: str, prefix: str = "") -> list[Path]:
+    """The speculative bench's speedup plots (one per workload), titled with ``label``."""
+    made = []
+    for key, by in result["results"].items():
+        names = [n for n in by if n != "baseline"]
+        if names:
+            made.append(bars(out / f"{prefix}speedup_{key.replace('@', '_').replace('.', '')}.png", names, [by[n]["speedup"] for n in names],
+                             "speedup (x)", f"Wall-clock speedup, {key} ({label})", baseline=1.0, series="tokens/s vs plain decoding"))
+    return [p for p in made if p is not None]
+
+
+def bench_plots(result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = "") -> list[Path]:
+    kind = bench_kind(result)
+    if kind == "pruning":
+        return pruning_plots(result, out, label, intervals, prefix)
+    if kind == "decoding":
+        return decoding_plots(result, out, label, intervals, prefix)
+    return speculative_plots(result, out, label, prefix)
+
+
+def recorded_command(bench_dir: Path) -> str:
+    """The command a bench directory's ``results.md`` records (its first ``Command:`` line)."""
+    md = Path(bench_dir) / "results.md"
+    if md.is_file():
+        m = re.search(r"^Command: `(.*)`$", md.read_text(), flags=re.M)
+        if m:
+            return m.group(1)
+    return f"mmfast bench ... --output {bench_dir}"
+
+
+def rerender_bench(bench_dir: str | Path) -> Path:
+    """Rewrite ``results.md`` (with n and 95% intervals), the side tables and the plots of an existing
+    bench directory from its ``summary.json`` and ``variants/*/samples.jsonl``; nothing is run. The
+    intervals are added to ``summary.json`` (``results.<variant>.intervals``); nothing else changes."""
+    out = Path(bench_dir)
+    path = out / "summary.json"
+    if not path.is_file():
+        raise InputError(f"{out}: no summary.json (re-rendering needs a finished `mmfast bench` directory)")
+    result = json.loads(path.read_text())
+    kind = bench_kind(result)
+    command = recorded_command(out)
+    logger.info("re-rendering the %s bench in %s", kind, out)
+    if kind == "pruning":
+        from .pruning import write_pruning_report
+
+        write_pruning_report(result, out, command)
+    elif kind == "decoding":
+        from .decoding import write_decoding_report
+
+        write_decoding_report(result, out, command)
+    else:
+        from .speculative import write_speculative_report
+
+        write_speculative_report(result, out, command)
+    return out / "results.md"

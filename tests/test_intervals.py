@@ -1,0 +1,170 @@
+"""95% intervals (mmfast.eval.intervals): Wilson against its closed form, bootstrap reproducible and
+centred on the tasks' own metrics, summaries and old run directories carrying n and intervals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mmfast.eval.intervals import (
+    CaptionCounts,
+    chair_intervals,
+    pope_cells,
+    pope_intervals,
+    read_records,
+    run_intervals,
+    wilson,
+)
+from mmfast.eval.pope import PopeRecord, score_pope, summarize_pope
+
+
+def test_wilson_matches_the_closed_form():
+    # Wilson (1927) / Agresti & Coull (1998): 81 of 263 -> [0.2553, 0.3662] (z = 1.96)
+    iv = wilson(81, 263)
+    assert iv.estimate == pytest.approx(81 / 263)
+    assert iv.lo == pytest.approx(0.2553, abs=1e-4) and iv.hi == pytest.approx(0.3662, abs=1e-4)
+    for k, n in [(0, 10), (10, 10), (3, 7), (91, 200)]:
+        p, z = k / n, 1.959963984540054
+        c = (p + z * z / (2 * n)) / (1 + z * z / n)
+        h = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        got = wilson(k, n)
+        assert got.lo == pytest.approx(max(0, c - h), abs=1e-12) and got.hi == pytest.approx(min(1, c + h), abs=1e-12)
+        assert got.contains(p) and got.n == n
+    assert wilson(0, 0).as_list() == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        wilson(5, 3)
+
+
+def _pope_records(rng, n, p_correct, answer_yes="Yes", answer_no="No"):
+    recs = []
+    for i in range(n):
+        label = "yes" if i % 2 == 0 else "no"
+        right = rng.random() < p_correct
+        pred_yes = (label == "yes") == right
+        text = answer_yes if pred_yes else answer_no
+        if i % 37 == 0:
+            text = "I cannot tell"  # no yes/no word: the parser's default
+        recs.append({"doc_id": f"q{i}", "target": label, "resps": [[text]], "meta": {"question_id": i}})
+    return recs
+
+
+@pytest.mark.parametrize("mode", ["pope", "lmms"])
+def test_pope_point_estimates_are_the_task_metrics(mode):
+    rng = np.random.default_rng(1)
+    splits = {s: _pope_records(rng, 150, p) for s, p in [("random", 0.9), ("popular", 0.8), ("adversarial", 0.7)]}
+    scored = summarize_pope({s: score_pope([PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in rs], mode)
+                             for s, rs in splits.items()})
+    iv = pope_intervals({s: pope_cells(rs, mode) for s, rs in splits.items()})
+    assert iv.mean_f1.estimate == pytest.approx(scored["mean_f1"], abs=1e-12)
+    assert iv.mean_accuracy.estimate == pytest.approx(scored["mean_accuracy"], abs=1e-12)
+    assert iv.n == 450
+    for s in splits:
+        m, si = scored[s], iv.splits[s]
+        assert si.f1.estimate == pytest.approx(m["f1"], abs=1e-12)
+        for k in ("accuracy", "precision", "recall", "f1"):
+            got = getattr(si, k)
+            assert got.estimate == pytest.approx(m[k], abs=1e-12) and got.contains(m[k]), (s, k)
+            assert 0 <= got.lo < got.hi <= 1
+    assert iv.mean_f1.contains(scored["mean_f1"])
+    # the mean over three splits is tighter than one split of the three
+    assert iv.mean_f1.hi - iv.mean_f1.lo < min(s.f1.hi - s.f1.lo for s in iv.splits.values())
+
+
+def test_bootstrap_is_deterministic_given_the_seed_and_shrinks_with_n():
+    cells = ["tp"] * 40 + ["fp"] * 8 + ["tn"] * 42 + ["fn"] * 10
+    a, b = pope_intervals({"random": cells}), pope_intervals({"random": cells})
+    assert a == b
+    c = pope_intervals({"random": cells}, seed=1)
+    assert c.splits["random"].f1 != a.splits["random"].f1
+    assert c.splits["random"].f1.estimate == a.splits["random"].f1.estimate
+    big = pope_intervals({"random": cells * 10})
+    wa, wb = (x.splits["random"].f1 for x in (a, big))
+    assert wb.hi - wb.lo < 0.5 * (wa.hi - wa.lo)
+    # a bootstrap replicate by hand: the same generator draws the same resample
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(cells), size=(1000, len(cells)))
+    arr = np.array(cells)[idx]
+    tp, fp, fn = ((arr == k).sum(1) for k in ("tp", "fp", "fn"))
+    f1 = 2 * tp / (2 * tp + fp + fn)
+    assert [wa.lo, wa.hi] == pytest.approx(list(np.percentile(f1, [2.5, 97.5])), abs=1e-12)
+
+
+def test_f1_interval_of_degenerate_splits():
+    all_right = pope_intervals({"random": ["tp"] * 20 + ["tn"] * 20}).splits["random"]
+    assert all_right.f1.as_list() == [1.0, 1.0] and all_right.f1.estimate == 1.0
+    never_yes = pope_intervals({"random": ["tn"] * 20 + ["fn"] * 20}).splits["random"]
+    assert never_yes.f1.as_list() == [0.0, 0.0] and never_yes.precision.n == 0
+    with pytest.raises(ValueError, match="unknown POPE cell"):
+        pope_intervals({"random": ["tp", "yes"]})
+
+
+def test_chair_intervals_against_direct_computation():
+    rng = np.random.default_rng(3)
+    caps = []
+    for _ in range(120):
+        m = int(rng.integers(0, 8))
+        gt = int(rng.integers(1, 6))
+        caps.append(CaptionCounts(m, int(rng.integers(0, m + 1)), gt, int(rng.integers(0, gt + 1))))
+    iv = chair_intervals(caps)
+    n_m = sum(c.mentions for c in caps)
+    assert iv.chair_i.estimate == pytest.approx(sum(c.hallucinated for c in caps) / n_m)
+    assert iv.recall.estimate == pytest.approx(sum(c.recalled for c in caps) / sum(c.gt_objects for c in caps))
+    assert iv.chair_s.estimate == pytest.approx(sum(c.hallucinated > 0 for c in caps) / len(caps))
+    assert iv.chair_s.as_list() == wilson(sum(c.hallucinated > 0 for c in caps), len(caps)).as_list()
+    for k in ("chair_s", "chair_i", "recall"):
+        assert getattr(iv, k).contains(getattr(iv, k).estimate) and getattr(iv, k).hi > getattr(iv, k).lo
+    assert iv.n == 120 and iv.n_mentions == n_m
+    assert chair_intervals(caps) == iv
+
+
+def test_chair_task_metrics_carry_n_and_intervals(tmp_path):
+    """The CHAIR task's summary entry: the old keys and values, plus the intervals of its captions."""
+    pytest.importorskip("nltk")
+    from mmfast.eval.chair import ChairEvaluator
+    from mmfast.eval.tasks.chair import ChairTask
+
+    task = ChairTask.__new__(ChairTask)
+    task.evaluator = ChairEvaluator({1: ["dog", "person"], 2: ["car"], 3: ["cat"]})
+    captions = {1: "A man walks a dog past a car.", 2: "A red car next to a bus and a tree.", 3: "A cat sleeps on a bed."}
+    recs = {"chair": [{"target": i, "resps": [[c]]} for i, c in captions.items()]}
+    got = task.metrics(recs)
+    plain = task.evaluator.evaluate([{"image_id": i, "caption": c} for i, c in captions.items()]).as_dict()
+    assert {k: got[k] for k in plain} == plain
+    for k in ("chair_s", "chair_i", "recall"):
+        lo, hi = got[f"{k}_ci95"]
+        assert lo <= got[k] <= hi
+    assert got["n"] == 3 and got["n_mentions"] >= 5
+
+
+def test_run_intervals_of_a_run_without_them(tmp_path):
+    """A summary written before intervals existed: POPE intervals from its records (gzipped too)."""
+    import gzip
+
+    rng = np.random.default_rng(2)
+    recs, per_split = [], {}
+    for s in ("random", "popular"):
+        rs = _pope_records(rng, 60, 0.85)
+        for r in rs:
+            r.update(doc_id=f"pope_{s}/{r['doc_id']}", task=f"pope_{s}")
+        recs += rs
+        per_split[s] = score_pope([PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in rs])
+    summary = {"metrics": {"pope": summarize_pope(per_split)}, "protocol": {"tasks": {"pope": {"parser": "pope"}}}}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(summary))
+    recs.append({"doc_id": "pope_random/bad", "task": "pope_random", "error": "boom"})
+    with gzip.open(run / "samples.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in recs) + "\n")
+    assert len(read_records(run)) == 120
+    iv = run_intervals(run)
+    lo, hi = iv.pope["mean_f1_ci95"]
+    assert lo <= summary["metrics"]["pope"]["mean_f1"] <= hi and iv.pope["n"] == 120
+    assert iv.chair is None and not iv.notes
+    # records that do not reproduce the summary's figure give no interval, and say why
+    summary["metrics"]["pope"]["mean_f1"] += 0.01
+    (run / "summary.json").write_text(json.dumps(summary))
+    iv = run_intervals(run)
+    assert iv.pope is None and "differs" in iv.notes[0]
