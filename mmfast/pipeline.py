@@ -162,8 +162,8 @@ class Session:
 
     def _tower(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None) -> VisionBatch:
         vision = self.adapter.encode_images(pixel_values, image_sizes=image_sizes)
-        for pruner in self.pruners:
-            pruner.observe_tower(vision)
+        for method in (*self.pruners, self.decoder):
+            method.observe_tower(vision)
         return vision
 
     def build_inputs(

@@ -103,11 +103,12 @@ def test_damro_branch_sees_exactly_k_tokens(tiny_mm, images, prompts):
             return orig(inputs)
 
         s.runner.prefill = spy
-        s.generate(images[:2], prompts[:2], max_new_tokens=3)
+        res = s.generate(images[:2], prompts[:2], max_new_tokens=3)
         assert sorted(seen) == sorted([[16, 16], [3, 3]])
-        scores = s.decoder._cls_scores
-        top = scores.topk(3, -1).indices.sort(-1).values
-        assert s.decoder.last_outliers == top.tolist()
+        # the outliers are the top-k of the feature layer's CLS attention, which travels with the encoding
+        vision = s.encode(s.mm.prepare(images[:2], prompts[:2]))
+        top = torch.stack(vision.extras["damro.cls_scores"]).topk(3, -1).indices.sort(-1).values
+        assert [r.stats["outliers"] for r in res] == [[t] for t in top.tolist()]
 
 
 def test_ritual_transform_pool(tiny_mm, images, prompts):
@@ -120,8 +121,8 @@ def test_ritual_transform_pool(tiny_mm, images, prompts):
             assert out.size == images[0].size
     recipe = load_recipe({"decoding": {"method": "ritual", "params": {"transforms": ["vflip"]}}})
     with Session(tiny_mm, recipe) as s:
-        s.generate(images[:2], prompts[:2], max_new_tokens=2)
-        assert s.decoder.last_transforms == ["vflip", "vflip"]
+        r = s.generate(images[:2], prompts[:2], max_new_tokens=2)
+        assert [x.stats["transform"] for x in r] == ["vflip", "vflip"]
     recipe = load_recipe({"decoding": {"method": "ritual", "params": {"alpha_neg": 1.0}}})
     with Session(tiny_mm, recipe) as s:
         r = s.generate(images[:1], prompts[:1], max_new_tokens=2)

@@ -189,3 +189,18 @@ def test_kv_policy_keeps_only_final_survivors(tiny_mm, images, prompts):
     assert all(len(r.token_ids) > 0 for r in gen)
     assert all(r.vision_tokens_layer_avg < r.n_vision_tokens for r in gen)
     assert "forward" not in tiny_mm.adapter.vision_layers[0].__dict__  # the merge is gone after close
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "vcd", "ritual", "vhr", "beam"])
+def test_key_set_travels_into_every_branch(tiny_mm, images, prompts, decoder):
+    """Filters that drop every non-key token leave exactly the key set, whatever the decoder builds
+    around the clean batch (noised / transformed branches re-encode, VHR stacks a text stream, beams
+    repeat rows): the key set travels with the tokens as a tag."""
+    recipe = load_recipe({"pruning": [{"method": "mustdrop", "params": {**BASE, "sim_threshold": 1.5, "key_ratio": 0.25,
+                                                                       "lambda_g": 100.0, "lambda_i": 2.0}}],
+                          "decoding": {"method": decoder, **({"params": {"num_beams": 2}} if decoder == "beam" else {})}})
+    with Session(tiny_mm, recipe) as s:
+        out = s.generate(images[:2], prompts[:2], max_new_tokens=2)
+    for r in out:
+        st = r.stats["mustdrop"]
+        assert st["key_set"] == 4 and st["kept"][-1] == st["key_set"], st

@@ -108,6 +108,13 @@ class Decoder:
         self.config = config
         self.ctx = ctx
 
+    @property
+    def name(self) -> str:
+        return self.registered_name  # type: ignore[attr-defined]
+
+    def observe_tower(self, vision: VisionBatch) -> None:
+        """Right after the vision tower ran: move what this decoder's tower hooks saw into ``vision``."""
+
     def sampling(self) -> Sampling | None:
         """The token choice the speculative engine reproduces losslessly, or None when this decoder
         cannot be served by draft-and-verify (see its capabilities)."""

@@ -20,7 +20,7 @@ with each branch's own inputs and states. The loop itself is the one decode driv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 class Branch:
     name: str
     inputs: LMInputs  # [B, L_branch]
+    #: what building the branch decided (``per_sample_*`` lists), merged into the decoder's stats
+    stats: dict = field(default_factory=dict)
 
 
 class BranchSet:
@@ -132,6 +134,8 @@ class MultiBranchDecoder(Decoder):
         policy = _BranchPolicy(self, req)
         out = drive(self.ctx, policy, req.inputs.batch_size, req.max_new_tokens)
         out.stats = {"branches": policy.bset.names, "forwards_per_step": len(policy.bset.groups)}
+        for branch in policy.branches:
+            out.stats.update(branch.stats)
         return out
 
 
@@ -151,7 +155,8 @@ class _BranchPolicy:
         return self.bset.n_forwards
 
     def prefill(self):
-        self.bset = BranchSet(self.decoder.ctx, [Branch("clean", self.req.inputs), *self.decoder.branches(self.req)])
+        self.branches = self.decoder.branches(self.req)
+        self.bset = BranchSet(self.decoder.ctx, [Branch("clean", self.req.inputs), *self.branches])
         self.logits = self.bset.prefill()
         state, row = self.bset.clean_state()
         assert row == 0, "the clean branch leads its group"

@@ -27,6 +27,9 @@ from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
 
 
+SCORES = "damro.cls_scores"  # VisionBatch extras: per image [N] CLS -> patch attention of the feature layer
+
+
 @DECODERS.register("damro", description="DAMRO: contrast against the vision tower's CLS-attention outlier tokens")
 class Damro(MultiBranchDecoder):
     """DAMRO."""
@@ -42,7 +45,7 @@ class Damro(MultiBranchDecoder):
 
     def install(self) -> None:
         layer = self.ctx.adapter.vision_feature_layer_index()
-        self._cls_scores: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None  # set by the tower hook, moved into the VisionBatch
         attach(self.ctx.hooks, self.ctx.adapter.vision_layers[layer].self_attn).recorders.append(self._record)
 
     def _record(self, module, query, key, attention_mask, scaling) -> None:
@@ -50,22 +53,30 @@ class Damro(MultiBranchDecoder):
         q = query[:, :, 0].reshape(bsz, heads * d).float()  # [B, C] CLS query as one head
         k = key.transpose(1, 2).reshape(bsz, n, heads * d).float()  # [B, N, C]
         scores = torch.softmax(torch.einsum("bc,bnc->bn", q, k) / (heads * d) ** 0.5, dim=-1)
-        self._cls_scores = scores[:, 1:]  # [B, N-1] CLS -> patches
+        self._pending = scores[:, 1:]  # [B, N-1] CLS -> patches
+
+    def observe_tower(self, vision) -> None:
+        """The tower's CLS attention travels with this encoding (per image), not on the decoder."""
+        if self._pending is not None:
+            vision.extras[SCORES] = list(self._pending.unbind(0))
+            self._pending = None
 
     def branches(self, req):
-        if self._cls_scores is None or req.raw_vision is None:
-            raise IncompatibleRecipeError("DAMRO found no vision-tower attention for this batch")
         raw = req.raw_vision
+        scores = raw.extras.get(SCORES) if raw is not None else None
+        if scores is None or len(scores) != raw.n_images:
+            raise IncompatibleRecipeError("DAMRO found no vision-tower attention for this batch")
         k = min(self.config.k, raw.features[0].shape[0])
-        top = self._cls_scores.topk(k, dim=-1).indices.sort(dim=-1).values  # [n_images, k] raster order
-        self.last_outliers = top.tolist()
+        top = torch.stack(scores).topk(k, dim=-1).indices.sort(dim=-1).values  # [n_images, k] raster order
         outliers = dataclasses.replace(
             raw,
             features=[f[idx] for f, idx in zip(raw.features, top)],
             patch_ids=[p[idx] for p, idx in zip(raw.patch_ids, top)],
             projected=[None] * raw.n_images,
         )
-        return [Branch("outliers", self.ctx.build_inputs(req.batch, outliers))]
+        owner = req.batch.image_owner
+        per_sample = [[top[i].tolist() for i, o in enumerate(owner) if o == b] for b in range(req.batch.batch_size)]
+        return [Branch("outliers", self.ctx.build_inputs(req.batch, outliers), {"per_sample_outliers": per_sample})]
 
     def fuse(self, logits, step):
         return contrastive(logits["clean"], logits["outliers"], self.config.alpha)

@@ -65,9 +65,8 @@ class LQCD(MultiBranchDecoder):
             leading_query(p, query_rng(req.seed, p, ims[0]), cfg.yes_no_templates, cfg.open_templates)
             for p, ims in zip(req.batch.prompts, req.batch.images)
         ]
-        self.last_leading = leads
         batch = self.ctx.reprompt(req.batch, leads)
-        return [Branch("leading", self.ctx.build_inputs(batch, req.vision))]
+        return [Branch("leading", self.ctx.build_inputs(batch, req.vision), {"per_sample_leading_query": leads})]
 
     def fuse(self, logits, step):
         return contrastive(logits["clean"], logits["leading"], self.config.alpha)

@@ -120,11 +120,10 @@ class Ritual(MultiBranchDecoder):
             kind = rng.choice(cfg.transforms)
             chosen.append(kind)
             images.append([transform(im, kind, rng, size) for im in ims])
-        self.last_transforms = chosen
         flat = [im for ims in images for im in ims]
         pixels = ctx.image_processor(images=flat, return_tensors="pt")["pixel_values"]
         batch = dataclasses.replace(req.batch, images=images, pixel_values=pixels)
-        out = [Branch("transformed", ctx.encode_branch(batch)[1])]
+        out = [Branch("transformed", ctx.encode_branch(batch)[1], {"per_sample_transform": chosen})]
         if cfg.alpha_neg > 0:
             out.append(noised_branch(ctx, req, cfg.noise_step, req.seed))
         return out

@@ -15,11 +15,13 @@ in the paper: ``reinforce_text_stream`` (default false). Limits: greedy or sampl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from ..config import opt
+from ..errors import ConfigError
 from ..models.base import LMInputs
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest
@@ -61,34 +63,33 @@ class VHR(Decoder):
         self.layers = list(self.config.layers) if self.config.layers is not None else paper_layers(n)
         bad = [layer for layer in self.layers if not 0 <= layer < n]
         if bad:
-            raise ValueError(f"vhr layers {bad} do not exist in this {n}-layer LLM")
+            raise ConfigError("layers", f"{bad} do not exist in this {n}-layer LLM (0-based, 0..{n - 1})")
         self.heads = adapter.text_config.num_attention_heads
-        self.phase = "off"  # "select" (t = 0 joint prefill) | "apply" (frozen heads) | "off"
-        self.selected: dict[int, torch.Tensor] = {}
-        self.n_image_rows = 0
         if self.config.alpha != 1.0:
             for layer in self.layers:
                 self.ctx.hooks.pre_hook(adapter.layers[layer].self_attn.o_proj, self._hook(layer))
 
     def _hook(self, layer: int):
         def pre_hook(module, args):
-            if self.phase == "off":
-                return None
+            state = self.ctx.runner.active
+            data = _heads_of(state, self.name)
+            if data is None:
+                return None  # a forward that is not VHR's (no text stream among its inputs)
             x = args[0]  # [rows, T, H*D] per-head outputs, concatenated
             rows, t, hd = x.shape
             heads = x.view(rows, t, self.heads, hd // self.heads)  # [rows, T, H, D]
-            if self.phase == "select":
-                b = self.n_image_rows
+            if data.phase == "select":
+                b = data.n_image_rows
                 img, txt = heads[:b, -1].float(), heads[b:, -1].float()  # [B, H, D] at the last position
                 vhd = (img - txt).norm(dim=-1)  # [B, H]
-                self.selected[layer] = select_heads(vhd, txt.pow(2).sum(-1))
-                mask = self.selected[layer]
+                data.selected[layer] = select_heads(vhd, txt.pow(2).sum(-1))
+                mask = data.selected[layer]
                 if self.config.reinforce_text_stream:
                     mask = torch.cat([mask, mask])
                 else:
                     mask = torch.cat([mask, torch.zeros_like(mask)])
             else:
-                mask = self.selected[layer]
+                mask = data.selected[layer]
             scale = 1 + (self.config.alpha - 1) * mask.to(x.dtype)  # [rows, H]
             return ((heads * scale[:, None, :, None]).view(rows, t, hd),)
 
@@ -107,51 +108,57 @@ class VHR(Decoder):
         bsz = req.inputs.batch_size
         text = self.ctx.text_only_inputs(req.batch)
         joint = _left_pad_cat(req.inputs, text, self.ctx.special.pad, self.ctx.adapter)
-        self.n_image_rows = bsz
-        self.phase = "select"
-        try:
-            out = autoregressive(self.ctx, joint, choose, req.max_new_tokens, on_prefill=self._after_prefill, batch_size=bsz)
-        finally:
-            self.phase = "off"
+        # the text stream's rows are marked on the inputs: the hooks find them on the running state
+        joint.tags[TEXT_STREAM] = torch.arange(joint.batch_size, device=joint.input_ids.device)[:, None].expand_as(joint.input_ids) >= bsz
+        out = autoregressive(self.ctx, joint, choose, req.max_new_tokens, on_prefill=self._after_prefill, batch_size=bsz)
         out.tokens = out.tokens[:bsz]
-        out.stats = {
-            "per_sample_reinforced_heads": [
-                {str(layer): int(m[b].sum()) for layer, m in self.selected.items()} for b in range(bsz)
-            ]
-        }
         return out
 
     def _after_prefill(self, state, step_out) -> None:
         """Freeze the heads and drop the text-only rows: decoding continues on the image stream."""
-        keep = torch.arange(self.n_image_rows, device=step_out.logits.device)
+        data = _heads_of(state, self.name)
+        keep = torch.arange(data.n_image_rows, device=step_out.logits.device)
         state.reorder(keep)
         step_out.logits = step_out.logits[keep]
         step_out.hidden = step_out.hidden[keep]
-        self.phase = "apply"
+        data.phase = "apply"
+        state.stats[self.name] = {
+            "per_sample_reinforced_heads": [
+                {str(layer): int(m[b].sum()) for layer, m in data.selected.items()} for b in range(data.n_image_rows)
+            ],
+            "per_sample_selected_heads": [
+                {str(layer): m[b].tolist() for layer, m in data.selected.items()} for b in range(data.n_image_rows)
+            ],
+        }
+
+
+TEXT_STREAM = "vhr.text_stream"  # LMInputs tag: rows of the text-only stream at t = 0 (bool)
+
+
+@dataclass
+class _Heads:
+    """VHR's per-state data: the phase, the image rows at t = 0, and the heads chosen per layer."""
+
+    phase: Literal["select", "apply"]
+    n_image_rows: int
+    selected: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H] bool
+
+
+def _heads_of(state, name: str) -> _Heads | None:
+    """The running state's VHR data; created at the joint prefill (its inputs carry the text stream)."""
+    if state is None:
+        return None
+    data = state.extras.get(name)
+    if data is None:
+        stream = state.inputs.tags.get(TEXT_STREAM)
+        if stream is None:
+            return None
+        data = state.extras[name] = _Heads("select", int((~stream[:, -1]).sum()))
+    return data
 
 
 def _left_pad_cat(a: LMInputs, b: LMInputs, pad_id: int, adapter) -> LMInputs:
-    """Stack two input batches of different lengths with joint left padding."""
+    """Stack two input batches of different lengths with joint left padding (tags carried)."""
     length = max(a.length, b.length)
-
-    def pad(x: LMInputs) -> LMInputs:
-        n = length - x.length
-        if n == 0:
-            return x
-        bsz = x.batch_size
-        dev = x.input_ids.device
-        pad_ids = torch.full((bsz, n), pad_id, dtype=torch.long, device=dev)
-        pad_emb = adapter.embed_tokens(pad_ids).to(x.embeds.dtype)
-        zeros = torch.zeros(bsz, n, dtype=x.attention_mask.dtype, device=dev)
-        neg = torch.full((bsz, n), -1, dtype=torch.long, device=dev)
-        return LMInputs(
-            torch.cat([pad_emb, x.embeds], 1),
-            torch.cat([pad_ids, x.input_ids], 1),
-            torch.cat([zeros, x.attention_mask], 1),
-            torch.cat([torch.ones_like(zeros), x.position_ids], 1),
-            torch.cat([torch.zeros(bsz, n, dtype=torch.bool, device=dev), x.image_mask], 1),
-            torch.cat([neg, x.patch_ids], 1),
-            torch.cat([neg, x.image_index], 1),
-        )
-
-    return LMInputs.cat([pad(a), pad(b)])
+    pad_embed = adapter.embed_tokens(torch.tensor([pad_id], device=a.input_ids.device))[0]  # [d]
+    return LMInputs.cat([x.pad_left(length - x.length, pad_id, pad_embed) for x in (a, b)])

@@ -142,6 +142,25 @@ class LMInputs:
             tags[k] = torch.cat([p.tags[k] if k in p.tags else like.new_zeros(p.input_ids.shape) for p in parts], 0)
         return LMInputs(*(torch.cat([getattr(p, f) for p in parts], 0) for f in _LMINPUT_FIELDS), tags)
 
+    def pad_left(self, n: int, pad_id: int, pad_embed: torch.Tensor) -> LMInputs:
+        """The inputs with ``n`` padding slots in front (``pad_embed``: [d], what HF feeds at padding);
+        tags get 0 there."""
+        if n == 0:
+            return self
+        bsz, dev = self.batch_size, self.input_ids.device
+        zeros = torch.zeros(bsz, n, dtype=self.attention_mask.dtype, device=dev)
+        neg = torch.full((bsz, n), -1, dtype=torch.long, device=dev)
+        return LMInputs(
+            torch.cat([pad_embed.to(self.embeds.dtype).expand(bsz, n, -1), self.embeds], 1),
+            torch.cat([torch.full((bsz, n), pad_id, dtype=torch.long, device=dev), self.input_ids], 1),
+            torch.cat([zeros, self.attention_mask], 1),
+            torch.cat([torch.ones_like(zeros), self.position_ids], 1),
+            torch.cat([torch.zeros(bsz, n, dtype=torch.bool, device=dev), self.image_mask], 1),
+            torch.cat([neg, self.patch_ids], 1),
+            torch.cat([neg, self.image_index], 1),
+            {k: torch.cat([t.new_zeros(bsz, n), t], 1) for k, t in self.tags.items()},
+        )
+
     def crop_left(self, n: int) -> LMInputs:
         """The inputs without their first ``n`` slots (padding of a single-row batch)."""
         if n == 0:

@@ -33,6 +33,10 @@ class Drafter:
         self.config = config
         self.ctx = ctx
 
+    @property
+    def name(self) -> str:
+        return self.registered_name  # type: ignore[attr-defined]
+
     def install(self) -> None:
         """Register hooks (called once when the session opens)."""
 
