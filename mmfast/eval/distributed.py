@@ -120,9 +120,7 @@ def launch_data_parallel(recipe, *, limit: int | None, output: str | None, num_p
     from .runner import RunAbortedError, output_dir
 
     out = output_dir(recipe, output)
-    if rundir.read_run_json(out) is None:
-        rundir.check_recognised(out)
-    with rundir.OutputLock(out):
+    with rundir.claim(out):
         recipe_path = out / rundir.DP_RECIPE
         recipe_path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         cmd = [sys.executable, "-m", "mmfast", "-q", "eval", str(recipe_path), "--output", str(out), "--allow-failures"]

@@ -176,6 +176,17 @@ class OutputLock:
         self.release()
 
 
+def claim(out: Path) -> OutputLock:
+    """Make ``out`` this run's: create it (or fail naming the fix), refuse it when it is not an mmfast
+    run directory, and take its lock (held until :meth:`OutputLock.release`)."""
+    prepare_dir(out)
+    if read_run_json(out) is None:
+        check_recognised(out)
+    lock = OutputLock(out)
+    lock.acquire()
+    return lock
+
+
 def check_held_by_launcher(out: Path) -> bool:
     """In a worker of mmfast's data-parallel launcher: whether the launcher holds ``out``'s lock."""
     owner = os.environ.get(LOCK_OWNER_ENV)

@@ -246,10 +246,7 @@ def run_eval(
     extra_files = side_files(tasks)
     lock = None
     if rank == 0 and not rundir.check_held_by_launcher(out):
-        if rundir.read_run_json(out) is None:
-            rundir.check_recognised(out)
-        lock = rundir.OutputLock(out)
-        lock.acquire()  # before loading the model: a second run into the directory stops at once
+        lock = rundir.claim(out)  # before loading the model: a second run into the directory stops at once
     try:
         return _run_locked(recipe, out, plan, extra_files, mm, rank, world, barrier)
     finally:
