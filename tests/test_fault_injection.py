@@ -376,11 +376,11 @@ def _dp_cmd(tiny_dir, world, tmp_path, out) -> tuple[list[str], dict]:
     cfg.write_text(json.dumps({
         "name": "dpfi", "model": {"name": str(tiny_dir), "device": "cpu"},
         "eval": {"tasks": ["pope"], "data": {"dataset": "world", "root": str(world)},
-                 "pope": {"max_new_tokens": 16, "splits": ["random"]}, "batch_size": 1},
+                 "pope": {"max_new_tokens": 8, "splits": ["random"]}, "batch_size": 1},
         "output": {"dir": str(out)},
     }))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
-    return [sys.executable, "-m", "mmfast", "-q", "eval", str(cfg), "--num-processes", "2", "--limit", "40"], env
+    return [sys.executable, "-m", "mmfast", "-q", "eval", str(cfg), "--num-processes", "2", "--limit", "24"], env
 
 
 def _workers_of(pid: int) -> list[int]:
@@ -433,9 +433,9 @@ def test_data_parallel_killed_launcher_stops_workers_and_resumes(tiny_dir, tiny_
     assert done.returncode == 0, done.stderr
     assert "stale lock" in done.stderr
     assert not (out / ".mmfast-dp-recipe.yaml").exists() and not (out / LOCK_NAME).exists()
-    recs = _assert_complete(out / "samples.jsonl", 40)
+    recs = _assert_complete(out / "samples.jsonl", 24)
     spec = json.loads((tmp_path / "dp.yaml").read_text())
-    single = run_eval(load_recipe({**spec, "output": {"dir": str(tmp_path / "one")}}), limit=40, mm=tiny_mm)
+    single = run_eval(load_recipe({**spec, "output": {"dir": str(tmp_path / "one")}}), limit=24, mm=tiny_mm)
     assert {r["doc_id"]: r["resps"] for r in recs} == {r["doc_id"]: r["resps"] for r in _lines(tmp_path / "one" / "samples.jsonl")}
     assert json.loads((out / "summary.json").read_text())["metrics"] == single["metrics"]
 
@@ -455,8 +455,8 @@ def test_data_parallel_interrupt_is_clean(sig, code, tiny_dir, world, tmp_path):
     assert proc.returncode == code
     assert _wait_gone(workers, 10) == []
     assert not (out / ".mmfast-dp-recipe.yaml").exists() and not (out / LOCK_NAME).exists()
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("mmfast: ") and "Traceback" not in err, err
+    said = [x for x in err.splitlines() if "mmfast" in x or "Error" in x]  # (model-loading progress bars aside)
+    assert said == [err.splitlines()[-1]] and said[0].startswith("mmfast: ") and "Traceback" not in err, err
 
 
 def test_records_module_keeps_fsync(tmp_path, monkeypatch):

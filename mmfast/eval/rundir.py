@@ -169,7 +169,8 @@ class OutputLock:
             self._fd = None
 
     def __enter__(self) -> OutputLock:
-        self.acquire()
+        if self._fd is None:  # claim() returns a lock already held
+            self.acquire()
         return self
 
     def __exit__(self, *exc: Any) -> None:
