@@ -12,21 +12,50 @@ Public API::
 
 from __future__ import annotations
 
+import importlib
 import logging
-
-from .config import Recipe, load_recipe
-from .errors import ConfigError, IncompatibleRecipeError, InputError, MMFastError, ModelLoadError, UnknownMethodError
-from .model import MMModel, load
-from .pipeline import GenerationResult, Session, apply
-from .registry import DECODERS, DRAFTERS, PRUNERS, REGISTRIES
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
+# Attributes are imported on first use (PEP 562), so `import mmfast` and `mmfast --help` do not pay
+# for torch and transformers until something needs them.
+_LAZY = {
+    "Recipe": "config", "load_recipe": "config",
+    "ConfigError": "errors", "IncompatibleRecipeError": "errors", "InputError": "errors", "MMFastError": "errors",
+    "ModelLoadError": "errors", "UnknownMethodError": "errors",
+    "MMModel": "model", "load": "model",
+    "GenerationResult": "pipeline", "Session": "pipeline", "apply": "pipeline",
+    "DECODERS": "registry", "DRAFTERS": "registry", "PRUNERS": "registry", "REGISTRIES": "registry", "TASKS": "registry",
+}
+
+if TYPE_CHECKING:
+    from .config import Recipe, load_recipe
+    from .errors import ConfigError, IncompatibleRecipeError, InputError, MMFastError, ModelLoadError, UnknownMethodError
+    from .model import MMModel, load
+    from .pipeline import GenerationResult, Session, apply
+    from .registry import DECODERS, DRAFTERS, PRUNERS, REGISTRIES, TASKS
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mmfast' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 def list_methods() -> dict[str, list[tuple[str, str]]]:
     """Every registered method by kind: {kind: [(name, description), ...]}."""
+    from .registry import REGISTRIES
+
     return {kind: [(e.name, e.description) for e in reg.entries()] for kind, reg in REGISTRIES.items()}
 
 
@@ -43,6 +72,7 @@ __all__ = [
     "PRUNERS",
     "Recipe",
     "Session",
+    "TASKS",
     "UnknownMethodError",
     "apply",
     "list_methods",

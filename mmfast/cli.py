@@ -16,9 +16,13 @@ a finished run unless ``--allow-failures``; they are counted and listed in ``sum
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Sequence
 
 import yaml
@@ -27,25 +31,30 @@ logger = logging.getLogger("mmfast")
 
 
 def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 or a negative count is a mistake, never "everything")."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value} (leave the option out to run every sample)")
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmfast", description=__doc__.split("\n\n")[0])
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"mmfast {__version__}")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("list", help="registered methods (grouped by kind) and evaluation tasks")
+    s = sub.add_parser("list", help="registered methods (grouped by kind), evaluation tasks, shipped recipes")
+    s.add_argument("what", nargs="?", choices=["methods", "tasks", "recipes"], help="only this section")
     s.add_argument("-v", "--verbose", action="store_true", help="also show each method's parameters and each task's options, with defaults")
 
     def recipe_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("recipe", help="YAML recipe path (or a name under configs/)")
+        sp.add_argument("recipe", help="YAML recipe path, or a shipped recipe's name (`mmfast list recipes`)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
 
     s = sub.add_parser("validate", help="check a recipe and print the resolved config")
@@ -55,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(s)
     s.add_argument("--image", required=True, action="append", help="image path (repeat for several images)")
     s.add_argument("--prompt", required=True)
-    s.add_argument("--max-new-tokens", type=int, default=None)
+    s.add_argument("--max-new-tokens", type=_positive_int, default=None)
     s.add_argument("--json", action="store_true", help="print the full result as JSON")
 
     s = sub.add_parser("eval", help="run the recipe's evaluation tasks (POPE, CHAIR, ...)")
@@ -69,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="run the recipe's benchmark (baseline vs methods, same process)")
     recipe_args(s)
     s.add_argument("--output", default=None)
-    s.add_argument("--limit", type=int, default=None, help="samples (overrides bench.n_samples)")
+    s.add_argument("--limit", type=_positive_int, default=None, help="samples (overrides bench.n_samples)")
     s.add_argument("--only", default=None, metavar="NAMES", help="comma-separated bench.compare variants to run (the baseline always runs)")
 
     s = sub.add_parser("report", help="markdown/HTML report with plots from run directories")
@@ -80,9 +89,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_list(args) -> int:
     from .config import describe_fields
-    from .registry import REGISTRIES, TASKS
 
-    for kind, reg in {**REGISTRIES, "tasks": TASKS}.items():
+    sections = {}
+    if args.what in (None, "methods", "tasks"):
+        from .registry import REGISTRIES, TASKS
+
+        sections = {**REGISTRIES, "tasks": TASKS} if args.what is None else REGISTRIES if args.what == "methods" else {"tasks": TASKS}
+    for kind, reg in sections.items():
         print(f"{kind}:")
         entries = list(reg.entries())
         if not entries:
@@ -92,7 +105,23 @@ def _cmd_list(args) -> int:
             if args.verbose and e.config_cls is not None:
                 for name, default, doc in describe_fields(e.config_cls):
                     print(f"      {name} = {default!r}" + (f"  # {doc}" if doc else ""))
+    if args.what in (None, "recipes"):
+        from .config import RECIPES_DIR, shipped_recipes
+
+        print("recipes:")
+        for name in shipped_recipes():
+            print(f"  {name:<28} {_recipe_summary(RECIPES_DIR / f'{name}.yaml')}")
     return 0
+
+
+def _recipe_summary(path) -> str:
+    """A shipped recipe's description, else its first comment line."""
+    text = path.read_text()
+    data = yaml.safe_load(text) or {}
+    if data.get("description"):
+        return str(data["description"]).strip().splitlines()[0]
+    first = next((ln for ln in text.splitlines() if ln.startswith("#")), "")
+    return first.lstrip("# ").strip()
 
 
 def _load(args):
@@ -129,13 +158,34 @@ def _cmd_run(args) -> int:
     return 0
 
 
-def _cmd_eval(args) -> int:
-    from .eval.runner import run_eval
+def check_output_dir(path: Path) -> None:
+    """Refuse an output path that is a file or cannot be written, before any model loads."""
+    from .errors import InputError
 
+    if path.exists() and not path.is_dir():
+        raise InputError(f"output {str(path)!r} is a file, not a directory; give --output a directory (created if missing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"output {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another --output")
+    try:  # a real write: os.access misses read-only mounts and says yes to root
+        fd, probe = tempfile.mkstemp(prefix=".mmfast-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(
+            f"output {str(path)!r} is not writable ({str(existing)!r}: {exc.strerror}); choose another --output "
+            "or fix the directory's permissions"
+        ) from None
+
+
+def _cmd_eval(args) -> int:
     from .eval.distributed import is_worker
-    from .eval.runner import EXIT_SAMPLES_FAILED
+    from .eval.runner import EXIT_SAMPLES_FAILED, output_dir, run_eval
 
     recipe = _load(args)
+    check_output_dir(output_dir(recipe, args.output))
     summary = run_eval(recipe, limit=args.limit, output=args.output, num_processes=args.num_processes)
     if is_worker():
         return 0  # the launcher prints the result
@@ -152,6 +202,7 @@ def _cmd_bench(args) -> int:
     from .bench import run_bench
 
     recipe = _load(args)
+    check_output_dir(Path(args.output or recipe.output.dir.format(name=recipe.name)))
     if args.only:
         from .bench.common import only_variants
 
@@ -164,10 +215,20 @@ def _cmd_bench(args) -> int:
 def _cmd_report(args) -> int:
     from .report import write_report
 
+    check_output_dir(Path(args.output))
     path = write_report(args.runs, args.output)
     print(path)
     return 0
 
+
+#: file-system failures caused by the machine, not by mmfast: a clear error (exit 2) with what to do
+_ENVIRONMENT_ERRNOS: dict[int, str] = {
+    errno.EACCES: "fix the permissions or choose another path",
+    errno.EPERM: "fix the permissions or choose another path",
+    errno.EROFS: "the file system is read-only; choose another path",
+    errno.ENOSPC: "the disk is full; free space or choose another --output",
+    errno.EDQUOT: "the disk quota is exceeded; free space or choose another --output",
+}
 
 COMMANDS = {
     "list": _cmd_list,
@@ -190,18 +251,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    from .eval.distributed import Terminated, is_worker, watch_parent
-    from .eval.runner import EXIT_SAMPLES_FAILED, SamplesFailedError
+    from .eval.distributed import Terminated, is_worker, watch_parent  # stdlib + yaml only: no torch
 
     watch_parent()
     try:
-        return COMMANDS[args.command](args)
-    except SamplesFailedError as exc:
-        print(f"mmfast: error: {exc}", file=sys.stderr)
-        return EXIT_SAMPLES_FAILED
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe surfaces here, inside the handler below
+        return code
+    except BrokenPipeError:
+        # the reader went away (`mmfast list | head`): stop quietly, as command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except MMFastError as exc:
         print(f"mmfast: error: {exc}", file=sys.stderr)
-        return int(getattr(exc, "exit_code", 2))
+        return int(getattr(exc, "exit_code", 2))  # 3: evaluation samples failed (SamplesFailedError)
+    except OSError as exc:
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            logger.exception("internal error (please report it with the command and the recipe)")
+            return 1
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"mmfast: error: {where}{exc.strerror} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         if not is_worker():  # the launcher says it once
             print("mmfast: interrupted (finished samples are saved; rerun the same command to resume)", file=sys.stderr)

@@ -18,7 +18,9 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -114,6 +116,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(path, f"{value!r} is not a finite number; give a finite value")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -202,12 +206,45 @@ def describe_fields(cls: type) -> list[tuple[str, Any, str]]:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """One budget vocabulary for every pruning stage: exactly one of ``tokens`` or ``flops``.
+
+    ``tokens``: vision tokens per image at the LLM input for feature/tower-stage methods, or the
+    layer-averaged equivalent vision tokens per image for in-LLM methods (each method's docstring
+    says which and how it maps the budget to its own knobs, in ``budget_params`` or ``calibrate``).
+    ``flops``: prefill FLOPs of the LLM as a fraction of the unpruned model on the loaded model's
+    shape; converted to ``tokens`` by :func:`mmfast.flops.tokens_for_flops_ratio` (rule documented there).
+    """
+
+    tokens: int | None = opt(None, lo=1, doc="vision tokens per image (layer-averaged for in-LLM methods)")
+    flops: float | None = opt(None, lo=0.0, hi=1.0, doc="prefill FLOPs ratio vs the unpruned model (0 < flops <= 1)")
+
+    def __post_init__(self) -> None:
+        if (self.tokens is None) == (self.flops is None):
+            raise ValueError("set exactly one of tokens or flops, e.g. budget: {tokens: 64} or budget: {flops: 0.2}")
+        if self.flops is not None and self.flops <= 0.0:
+            raise ValueError(f"flops must be > 0, got {self.flops}")
+
+    def _to_recipe(self) -> dict:
+        return {"tokens": self.tokens} if self.tokens is not None else {"flops": self.flops}
+
+
+_STAGE_KEYS = ("method", "params", "budget")
+
+
+@dataclass(frozen=True)
 class MethodSpec:
-    """``{method: name, params: {...}}`` validated against the method's own ``Config``."""
+    """``{method: name, params: {...}, budget: {...}}`` validated against the method's own ``Config``.
+
+    ``budget`` (pruning stages only) is mapped to the method's own knobs when the session installs the
+    stage; a ``params`` key that sets one of those knobs (the class's ``budget_knobs``) together with a
+    budget is refused.
+    """
 
     kind: str
     method: str
     params: Any
+    budget: Budget | None = None
 
     @classmethod
     def build(cls, kind: str, data: Any, path: str) -> MethodSpec:
@@ -217,10 +254,11 @@ class MethodSpec:
             data = {"method": data}
         if not isinstance(data, dict):
             raise ConfigError(path, "expected a mapping like {method: NAME, params: {...}}")
+        allowed = _STAGE_KEYS if kind == "pruning" else ("method", "params")
         for key in data:
-            if key not in ("method", "params"):
-                close = difflib.get_close_matches(str(key), ["method", "params"], n=1)
-                hint = f"did you mean {close[0]!r}?" if close else "allowed keys: method, params"
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), list(allowed), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(allowed)}"
                 raise ConfigError(_join(path, str(key)), f"unknown key; {hint}")
         if "method" not in data:
             raise ConfigError(_join(path, "method"), "is required")
@@ -230,11 +268,33 @@ class MethodSpec:
             entry = registry.get(name)
         except Exception as exc:
             raise ConfigError(_join(path, "method"), str(exc)) from None
-        params = from_dict(entry.config_cls, data.get("params") or {}, _join(path, "params")) if entry.config_cls else None
-        return cls(kind, name, params)
+        raw_params = data.get("params") or {}
+        params = from_dict(entry.config_cls, raw_params, _join(path, "params")) if entry.config_cls else None
+        budget = None
+        if data.get("budget") is not None:
+            budget = from_dict(Budget, data["budget"], _join(path, "budget"))
+            knobs = tuple(getattr(entry.cls, "budget_knobs", ()))
+            if not knobs:
+                raise ConfigError(_join(path, "budget"), f"method {name!r} does not take a budget; set its params instead")
+            clash = [k for k in knobs if isinstance(raw_params, dict) and k in raw_params]
+            if clash:
+                which = "tokens" if budget.tokens is not None else "flops"
+                raise ConfigError(
+                    _join(path, f"params.{clash[0]}"),
+                    f"sets the same knob as {_join(path, 'budget.' + which)}; remove one of them "
+                    f"(the budget sets {', '.join(knobs)})",
+                )
+        return cls(kind, name, params, budget)
 
     def _to_recipe(self) -> dict:
-        return {"method": self.method, "params": to_dict(self.params) if self.params is not None else {}}
+        out = {"method": self.method, "params": to_dict(self.params) if self.params is not None else {}}
+        if self.budget is not None:  # only when set: recipes without a budget keep their hashes
+            from .registry import REGISTRIES
+
+            knobs = getattr(REGISTRIES[self.kind].get(self.method).cls, "budget_knobs", ())
+            out["params"] = {k: v for k, v in out["params"].items() if k not in knobs}  # the budget sets them
+            out["budget"] = self.budget._to_recipe()
+        return out
 
 
 @dataclass(frozen=True)
@@ -246,7 +306,7 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager"] = opt("sdpa", doc="attention kernels; scores come from the probe")
     revision: str | None = opt(None, doc="hub revision")
     offload_folder: str | None = opt(None, doc="disk offload folder for device_map placement")
-    max_memory: dict[str, str] | None = opt(None, doc="per-device memory caps for device_map, e.g. {0: 20GiB}")
+    max_memory: dict[int | str, str] | None = opt(None, doc="per-device memory caps for device_map, e.g. {0: 20GiB, cpu: 60GiB}")
 
 
 @dataclass(frozen=True)
@@ -258,6 +318,10 @@ class DecodingConfig:
 
     @classmethod
     def _from_recipe(cls, data: Any, path: str) -> DecodingConfig:
+        if isinstance(data, str):  # shorthand: ``decoding: beam``
+            data = {"method": data}
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(path, "expected a decoder name or a mapping like {method: NAME, params: {...}, max_new_tokens: N}")
         data = dict(data or {})
         extra = {k: data.pop(k) for k in ("max_new_tokens", "seed") if k in data}
         spec = MethodSpec.build("decoding", {"method": data.pop("method", "greedy"), **data}, path)
@@ -385,6 +449,8 @@ class EvalConfig:
 class BenchConfig:
     kind: Literal["none", "pruning", "decoding", "speculative", "speed"] = "none"
     compare: tuple[Any, ...] = opt((), doc="method variants run against the baseline in the same process")
+    budgets: tuple[int, ...] = opt((), lo=1, doc="pruning budgets (vision tokens per image): each bench.methods entry runs at each")
+    methods: tuple[Any, ...] = opt((), doc="pruning methods run at every bench.budgets entry: NAME or {method, params} (params without the budget's knobs)")
     n_samples: int = opt(32, lo=1)
     warmup: int = opt(1, lo=0)
     repeats: int = opt(3, lo=1)
@@ -486,20 +552,168 @@ def check_compatible(recipe: Recipe) -> None:
 # --------------------------------------------------------------------------- loading
 
 
+#: recipes larger than this are refused (a recipe is a few KiB; this bounds parsing time and memory)
+MAX_RECIPE_BYTES = 1 << 20
+#: YAML nodes a recipe may expand to, aliases counted at every use (bounds "billion laughs" recipes)
+MAX_YAML_NODES = 100_000
+
+
+class RecipeYAMLError(yaml.YAMLError):
+    """A recipe the safe loader refuses (duplicate key, alias bomb); the message names the line."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate mapping keys and documents whose aliases expand
+    beyond :data:`MAX_YAML_NODES` nodes."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # unhashable keys: SafeLoader's own error says so
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise RecipeYAMLError(
+                    f"line {line}: duplicate key {key!r} (first given at line {first}); keep only one of them"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            _expanded_size(node)
+        return node
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """Nodes of the document with every alias expanded; refuses cycles and more than MAX_YAML_NODES."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise RecipeYAMLError(f"line {node.start_mark.line + 1}: a recursive alias (an anchor used inside itself); remove it")
+        active.add(key)
+        n = 1
+        if isinstance(node, yaml.SequenceNode):
+            n += sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            n += sum(size(k) + size(v) for k, v in node.value)
+        active.discard(key)
+        if n > MAX_YAML_NODES:
+            raise RecipeYAMLError(
+                f"line {node.start_mark.line + 1}: aliases expand the document to more than {MAX_YAML_NODES} "
+                "values (nested anchors and aliases); write the recipe out without them"
+            )
+        sizes[key] = n
+        return n
+
+    return size(root)
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse recipe text with the strict safe loader (no tags beyond SafeLoader's, no duplicate keys,
+    bounded alias expansion). Raises ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: the problem and where (PyYAML's own text spans several lines)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context = f" ({exc.context})" if exc.context else ""
+        return f"{exc.problem}{context}{where}"
+    return " ".join(str(exc).split())
+
+
+def read_recipe_text(path: Path) -> str:
+    """The text of a recipe file: refuses files over MAX_RECIPE_BYTES and non-UTF-8 (binary) files."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_RECIPE_BYTES:
+            raise InputError(
+                f"{path}: the recipe is {size} bytes, over the {MAX_RECIPE_BYTES}-byte limit; is this the right file?"
+            )
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the recipe ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{path}: not a text recipe (invalid UTF-8 at byte {exc.start}); give a YAML file saved as UTF-8"
+        ) from None
+
+
+_INDEXED = re.compile(r"^([^\[\]]*)((?:\[-?\d+\])*)$")
+
+
+def _override_keys(dotted: str) -> list[str | int]:
+    """``pruning[0].params.k`` -> ["pruning", 0, "params", "k"]; refuses malformed paths."""
+    keys: list[str | int] = []
+    for part in dotted.split("."):
+        m = _INDEXED.match(part)
+        if not part or m is None or (not m.group(1) and not keys):
+            raise InputError(
+                f"override key {dotted!r} is not a dotted key path; use e.g. decoding.params.alpha=2 or pruning[0].params.k=3"
+            )
+        if m.group(1):
+            keys.append(m.group(1))
+        keys.extend(int(i) for i in re.findall(r"-?\d+", m.group(2)))
+    return keys
+
+
 def _apply_override(data: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = data
-    for k in keys[:-1]:
-        if not isinstance(node.get(k), dict):
-            node[k] = {}
-        node = node[k]
-    node[keys[-1]] = value
+    """Set ``dotted`` (``a.b``, ``a[i].b``) in ``data``: missing mappings are created, lists are
+    indexed within range, and a key below a scalar is refused (it would silently replace it)."""
+    keys = _override_keys(dotted)
+    node: Any = data
+    where = ""
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        label = f"{where}[{k}]" if isinstance(k, int) else _join(where, k)
+        if isinstance(k, int):
+            if not isinstance(node, list):
+                raise InputError(f"override {dotted!r}: {where or 'the recipe'} is not a list, so [{k}] cannot index it")
+            if not -len(node) <= k < len(node):
+                raise InputError(
+                    f"override {dotted!r}: {where} has {len(node)} entries, so [{k}] does not exist; "
+                    f"index 0..{len(node) - 1}, or set the whole list"
+                )
+        elif not isinstance(node, dict):
+            raise InputError(f"override {dotted!r}: {where} is {node!r}, not a mapping, so it has no key {k!r}")
+        if last:
+            node[k] = value
+            return
+        child = node[k] if isinstance(k, int) else node.get(k)
+        if child is None and isinstance(keys[i + 1], int):
+            raise InputError(
+                f"override {dotted!r}: {label} is not in the recipe, so [{keys[i + 1]}] does not exist; "
+                f"set the whole list instead (e.g. {label}=[...])"
+            )
+        if child is None:
+            child = node[k] = {}
+        elif isinstance(child, str) and keys[i + 1] in ("method", "params"):
+            child = node[k] = {"method": child}  # ``decoding: beam`` shorthand, then a key under it
+        node = child
+        where = label
 
 
 def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = None) -> Recipe:
     """Load and validate a recipe from a YAML file, a package recipe name, or a mapping.
 
-    ``overrides`` are ``dotted.key=yaml_value`` strings applied before validation.
+    ``overrides`` are ``dotted.key=yaml_value`` strings (``pruning[0].params.k=3`` indexes a list)
+    applied before validation.
     """
     label = "<dict>"
     if isinstance(source, dict):
@@ -508,9 +722,9 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         path = resolve_recipe_path(source)
         label = str(path)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = parse_yaml(read_recipe_text(path)) or {}
         except yaml.YAMLError as exc:
-            raise InputError(f"{path}: not valid YAML: {exc}") from None
+            raise InputError(f"{path}: not a valid recipe: {yaml_problem(exc)}") from None
         if not isinstance(data, dict):
             raise InputError(f"{path}: a recipe must be a YAML mapping")
         data.setdefault("name", path.stem)
@@ -518,7 +732,11 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         if "=" not in item:
             raise InputError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
-        _apply_override(data, key.strip(), yaml.safe_load(raw))
+        try:
+            value = parse_yaml(raw)
+        except yaml.YAMLError as exc:
+            raise InputError(f"override {item!r}: the value is not valid YAML ({yaml_problem(exc)}); quote it or fix the syntax") from None
+        _apply_override(data, key.strip(), value)
     try:
         return from_dict(Recipe, data, "")
     except ConfigError as exc:
@@ -527,12 +745,25 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         raise
 
 
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
 def resolve_recipe_path(source: str | os.PathLike) -> Path:
+    """A recipe file: a path, else a name (``world_eval``, ``bench/pruning``) under ``./configs`` or
+    among the recipes shipped in the package (``mmfast list recipes``)."""
     path = Path(source)
     if path.is_file():
         return path
-    for root in (Path.cwd() / "configs", Path(__file__).resolve().parent.parent / "configs"):
+    for root in (Path.cwd() / "configs", RECIPES_DIR):
         for cand in (root / str(source), root / f"{source}.yaml"):
             if cand.is_file():
                 return cand
-    raise InputError(f"recipe {str(source)!r} not found (give a path to a YAML file, or a name under configs/)")
+    raise InputError(
+        f"recipe {str(source)!r} not found: give a path to a YAML file, or the name of a shipped recipe "
+        f"(`mmfast list recipes`: {', '.join(shipped_recipes()) or 'none'})"
+    )
+
+
+def shipped_recipes() -> list[str]:
+    """Names of the recipes shipped in the package (relative paths without ``.yaml``)."""
+    return sorted(str(p.relative_to(RECIPES_DIR).with_suffix("")) for p in RECIPES_DIR.rglob("*.yaml"))

@@ -54,3 +54,32 @@ def project_schedule(starts: Sequence[float], counts: Sequence[float], n_layers:
         g = max(i for i, s in enumerate(starts) if s <= layer)
         out.append(counts[g])
     return out
+
+
+#: Text tokens of the "typical prompt" a ``budget: {flops: r}`` is converted on: LLaVA-1.5's system
+#: prompt + chat template + a short question with the answer-format suffix (about 64 tokens).
+TYPICAL_TEXT_TOKENS = 64
+
+
+def tokens_for_flops_ratio(ratio: float, shape: LMShape, n_vision: int, n_text: int = TYPICAL_TEXT_TOKENS) -> int:
+    """Vision tokens per image whose prefill FLOPs are ``ratio`` x those of the unpruned model.
+
+    Rule: a prompt of ``n_text`` text tokens and one image of ``n_vision`` tokens; the budget ``t``
+    is the vision-token count which, held at every layer of ``shape``, gives
+    ``prefill_flops([n_text + t] * L) = ratio * prefill_flops([n_text + n_vision] * L)`` (the papers'
+    FLOPs, :func:`layer_flops`), rounded to the nearest token. In-LLM methods use ``t`` as their
+    layer-averaged budget (exact up to the small quadratic attention term). Raises ValueError when
+    ``ratio`` is below the text-only cost (naming the smallest feasible ratio).
+    """
+    full = layer_flops(n_text + n_vision, shape)
+    floor = layer_flops(n_text, shape) / full
+    if ratio < floor:
+        raise ValueError(f"a FLOPs ratio of {ratio} is below the text-only cost of a typical prompt; the smallest feasible is {floor:.4f}")
+    lo, hi = 0.0, float(n_vision)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if layer_flops(n_text + mid, shape) < ratio * full:
+            lo = mid
+        else:
+            hi = mid
+    return max(1, round((lo + hi) / 2)) if ratio > floor else 0

@@ -14,9 +14,11 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
+from urllib.parse import urlsplit
 
 import torch
 from PIL import Image, UnidentifiedImageError
+from safetensors import SafetensorError
 
 from .errors import InputError, ModelLoadError
 from .models import adapter_for
@@ -62,8 +64,26 @@ def open_image(image: Any) -> Image.Image:
     try:
         with Image.open(path) as im:
             return im.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        raise InputError(
+            f"image {str(path)!r} is too large to decode safely ({exc}); downscale it below "
+            f"{Image.MAX_IMAGE_PIXELS} pixels first"
+        ) from None
     except (UnidentifiedImageError, OSError) as exc:
         raise InputError(f"image {str(path)!r} cannot be read ({exc}); is the file corrupt or not an image?") from None
+
+
+def _check_prompt_text(prompt: Any, b: int) -> None:
+    """A prompt must be a string that is valid Unicode (no lone surrogates from undecodable bytes)."""
+    if not isinstance(prompt, str):
+        raise InputError(f"prompt {b} is a {type(prompt).__name__}, not a string")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"prompt {b} is not valid UTF-8 text (undecodable byte at character {exc.start}); pass the prompt as "
+            "UTF-8 (check the terminal or file encoding)"
+        ) from None
 
 
 class MMModel:
@@ -116,9 +136,21 @@ class MMModel:
             images = [images]
         if len(images) != len(prompts):
             raise InputError(f"got {len(images)} images for {len(prompts)} prompts; pass one image (or list) per prompt")
+        for b, prompt in enumerate(prompts):
+            _check_prompt_text(prompt, b)
         per_sample = [[open_image(im) for im in (x if isinstance(x, (list, tuple)) else [x])] for x in images]
         texts = list(texts) if texts is not None else [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
         token_ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        image_id = self.adapter.image_token_id
+        for b, (ids, ims) in enumerate(zip(token_ids, per_sample)):
+            n_slots = sum(1 for t in ids if t == image_id)
+            if n_slots != len(ims):
+                token = self.tokenizer.convert_ids_to_tokens(image_id)
+                raise InputError(
+                    f"prompt {b} has {n_slots} image placeholders {token!r} for {len(ims)} image(s): the prompt text "
+                    f"must not contain {token!r} (images are passed separately and placed by the chat template); "
+                    "remove it from the prompt"
+                )
         flat = [im for ims in per_sample for im in ims]
         owner = [b for b, ims in enumerate(per_sample) for _ in ims]
         processed = self.image_processor(images=flat, return_tensors="pt")
@@ -184,11 +216,47 @@ def _resolve(name_or_path: str | os.PathLike) -> tuple[str, bool]:
     return name, False
 
 
+def _check_device(device: str) -> None:
+    """Refuse a device this machine does not have, before any weights load."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise InputError(f"model.device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(
+                f"model.device {device!r}: CUDA is not available here (torch {torch.__version__}); "
+                "use device: auto (cuda when present, else cpu) or device: cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(
+                f"model.device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
+            )
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise InputError(f"model.device {device!r}: MPS is not available here; use device: auto or cpu")
+
+
+def _check_local_files(path: Path) -> None:
+    """A local checkpoint directory must hold safetensors weights (the loader reads only those)."""
+    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise ModelLoadError(
+            f"{path} has no model.safetensors (or model.safetensors.index.json); mmfast loads safetensors "
+            "weights only: save the checkpoint with save_pretrained(safe_serialization=True)"
+        )
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
+    url = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        port = url.port or (80 if url.scheme == "http" else 443)
+    except ValueError:
+        raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} has an invalid port; use e.g. http://host:8080") from None
+    if not url.hostname:
+        raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} names no host; use e.g. https://hf-mirror.example.org")
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
         return True
     except OSError:
         return False
@@ -229,6 +297,8 @@ def load(
     path, local = _resolve(name_or_path)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_map is None:
+        _check_device(device)
     torch_dtype = _pick_dtype(dtype, device)
     kwargs: dict[str, Any] = dict(from_pretrained_kwargs)
     if revision:
@@ -258,6 +328,16 @@ def load(
     if config.model_type not in MODEL_CLASSES:
         msg = _REJECTED.get(config.model_type, f"model_type {config.model_type!r} is not a supported LLaVA checkpoint")
         raise ModelLoadError(f"{path}: {msg}")
+    if local:
+        _check_local_files(Path(path))
+    try:  # the processor first: a missing tokenizer fails before the weights load
+        processor = AutoProcessor.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "
+            "the directory needs the files save_pretrained writes for the processor (tokenizer.json, "
+            "tokenizer_config.json, processor_config.json or preprocessor_config.json)"
+        ) from None
     try:
         model = MODEL_CLASSES[config.model_type]().from_pretrained(
             path,
@@ -267,7 +347,10 @@ def load(
             use_safetensors=True,
             **kwargs,
         )
-        processor = AutoProcessor.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
+    except SafetensorError as exc:
+        raise ModelLoadError(
+            f"the weights of {path!r} are corrupt or truncated ({exc}); download or save the checkpoint again"
+        ) from None
     except OSError as exc:
         raise ModelLoadError(f"cannot load {path!r}: {exc}") from None
     if device_map is None:

@@ -24,7 +24,7 @@ from .capabilities import caps_of, check_model
 from .config import Recipe, load_recipe
 from .context import MethodContext
 from .decoding.base import DecodeOutput, DecodeRequest, now
-from .errors import ConfigError, IncompatibleRecipeError
+from .errors import ConfigError, IncompatibleRecipeError, InputError
 from .hooks import AttentionProbe, HookSession
 from .model import MMModel, PreparedBatch
 from .models.base import LMInputs, VisionBatch, build_lm_inputs
@@ -93,7 +93,7 @@ class Session:
             problem = check_model(recipe, self.adapter)
             if problem:
                 raise IncompatibleRecipeError(f"{problem} (model {mm.name})")
-            self.pruners = [PRUNERS.get(spec.method).cls(spec.params, self.ctx) for spec in recipe.pruning]
+            self.pruners = [self._make_pruner(i, spec) for i, spec in enumerate(recipe.pruning)]
             self._tower_per_image = any(caps_of(type(p), p.config).tower_per_image for p in self.pruners)
             self.decoder = DECODERS.get(recipe.decoding.method).cls(recipe.decoding.params, self.ctx)
             self.drafter = None
@@ -102,6 +102,9 @@ class Session:
             for i, pruner in enumerate(self.pruners):
                 with _recipe_path(f"pruning[{i}].params"):
                     pruner.install()
+            for pruner in self.pruners:
+                if pruner.calibrated and pruner.budget_tokens is not None:
+                    pruner.calibrate(pruner.budget_tokens)
             with _recipe_path("decoding.params"):
                 self.decoder.install()
             if self.drafter is not None:
@@ -110,6 +113,26 @@ class Session:
         except BaseException:
             self.hooks.close()
             raise
+
+    def _make_pruner(self, i: int, spec):
+        """Instantiate stage ``i``, mapping its ``budget`` (if any) onto the method's own knobs."""
+        from .config import from_dict, to_dict
+        from .pruning._budget import budget_tokens
+
+        cls = PRUNERS.get(spec.method).cls
+        params, tokens = spec.params, None
+        if spec.budget is not None:
+            path = f"pruning[{i}].budget"
+            tokens = budget_tokens(spec.budget, self.adapter, path)
+            if not cls.calibrated:
+                mapped = cls.budget_params(tokens, self.adapter, params, path)
+                params = from_dict(cls.Config, {**to_dict(params), **mapped}, f"pruning[{i}].params")
+            logger.info("pruning[%d] %s: budget %s -> %d tokens per image%s", i, spec.method,
+                        spec.budget._to_recipe(), tokens, "" if cls.calibrated else f" -> {mapped}")
+        pruner = cls(params, self.ctx)
+        pruner.budget_tokens = tokens
+        pruner.budget_path = f"pruning[{i}].budget"
+        return pruner
 
     # -- pipeline stages -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -152,6 +175,40 @@ class Session:
     def reprompt(self, batch: PreparedBatch, prompts: list[str]) -> PreparedBatch:
         return self.ctx.reprompt(batch, prompts)
 
+    @property
+    def context_length(self) -> int | None:
+        """The LLM's context (``text_config.max_position_embeddings``), or None when it declares none."""
+        n = getattr(self.adapter.text_config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    def check_context(self, batch: PreparedBatch, max_new: int, inputs: LMInputs | None = None) -> None:
+        """Refuse samples whose prompt (text + vision tokens) plus ``max_new`` new tokens exceed the
+        LLM's context, saying by how much. Without ``inputs`` only the text tokens are counted (a
+        check before the vision tower runs); with them, the spliced inputs as the LLM will see them."""
+        limit = self.context_length
+        if limit is None:
+            return
+        problems = []
+        for b in range(batch.batch_size):
+            n_images = sum(1 for owner in batch.image_owner if owner == b)
+            if inputs is None:
+                text, vision = len(batch.token_ids[b]) - n_images, 0
+            else:
+                used = inputs.attention_mask[b].bool()
+                vision = int((inputs.image_mask[b].bool() & used).sum())
+                text = int(used.sum()) - vision
+            total = text + vision + max_new
+            if total > limit:
+                problems.append(
+                    f"sample {b}: {text} text + {vision} vision tokens ({n_images} image(s)) + {max_new} new tokens = "
+                    f"{total}, {total - limit} over"
+                )
+        if problems:
+            raise InputError(
+                f"input longer than the context of {self.mm.name} ({limit} tokens): {'; '.join(problems)}; "
+                "shorten the prompt, pass fewer images, lower max_new_tokens, or prune vision tokens"
+            )
+
     # -- generation ------------------------------------------------------------------------------
     def generate(
         self,
@@ -166,13 +223,17 @@ class Session:
         return self.run(batch, max_new_tokens=max_new_tokens, seed=seed)
 
     def run(self, batch: PreparedBatch, *, max_new_tokens: int | None = None, seed: int | None = None) -> list[GenerationResult]:
-        max_new = max_new_tokens or self.recipe.decoding.max_new_tokens
+        max_new = self.recipe.decoding.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise InputError(f"max_new_tokens must be a positive integer, got {max_new!r}")
         seed = self.recipe.decoding.seed if seed is None else seed
         device = self.mm.device
         self.scoring_s = self.runner.scoring_s = self.probe.time_s = 0.0
+        self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         vision = self.encode(batch)
         inputs = self.build_inputs(batch, vision)
+        self.check_context(batch, max_new, inputs)  # text + vision tokens, before the LLM runs
         t1 = now(device)
         req = DecodeRequest(batch, vision, inputs, max_new, seed, vision.raw)
         if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
@@ -188,6 +249,9 @@ class Session:
             stats["scoring_s"] = round(self.scoring_s + self.runner.scoring_s + self.probe.time_s, 6)
         for name in dict.fromkeys([*vision.stats, *out.method_stats]):
             stats[name] = {**vision.stats.get(name, {}), **out.method_stats.get(name, {})}
+        for pruner in self.pruners:  # calibrated thresholds and the tokens they kept on the calibration set
+            if pruner.calibration is not None:
+                stats[pruner.name] = {**stats.get(pruner.name, {}), "calibration": pruner.calibration.as_stats()}
         n_vis = inputs.n_vision_tokens()
         results = []
         for b, toks in enumerate(out.tokens):

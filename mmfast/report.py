@@ -26,10 +26,18 @@ def _load(run: Path) -> dict[str, Any]:
     path = run / "summary.json"
     if not path.is_file():
         raise InputError(f"{run}: no summary.json (is it an `mmfast eval` or `mmfast bench` output directory?)")
+    return _read_json(path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A run's JSON summary as a mapping; a damaged file is an InputError naming it."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc}); rerun the evaluation or remove the directory from the report") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(data).__name__}; is this an mmfast summary?")
+    return data
 
 
 def _method_label(protocol: dict[str, Any]) -> str:
@@ -68,7 +76,7 @@ def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
         return f"`{s['model']['name']}` (weights `{s['model']['weights_fingerprint']}`)"
     fps = set()
     for sub in sorted(run.glob("variants/*/summary.json")):
-        fp = json.loads(sub.read_text()).get("protocol", {}).get("weights_fingerprint")
+        fp = _read_json(sub).get("protocol", {}).get("weights_fingerprint")
         if fp:
             fps.add(fp)
     return "weights " + ", ".join(f"`{f}`" for f in sorted(fps)) + " (from its variant runs)" if fps else None

@@ -126,10 +126,10 @@ def test_bench_only_variants_filters_and_suggests():
     from mmfast.bench.common import only_variants, variants
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "bench" / "pruning.yaml")
-    cut = only_variants(recipe, ["visionzip-64", "fastv-64"])
-    assert [v.name for v in variants(cut)] == ["baseline", "fastv-64", "visionzip-64"]
-    with pytest.raises(ConfigError, match="did you mean 'fastv-64'"):
-        only_variants(recipe, ["fastv-46"])
+    cut = only_variants(recipe, ["visionzip-64", "fastv-192"])
+    assert [v.name for v in variants(cut)] == ["baseline", "fastv-192", "visionzip-64"]
+    with pytest.raises(ConfigError, match="did you mean 'fastv-192'"):
+        only_variants(recipe, ["fastv-129"])
 
 
 def test_bench_preflight_fails_before_any_work(tiny_dir, tmp_path):

@@ -106,7 +106,8 @@ def test_presets_and_explicit_thresholds(tiny_mm):
 def test_rejects_a_window_that_does_not_divide_the_grid(tiny_mm):
     with pytest.raises(ConfigError, match="does not divide"):
         Session(tiny_mm, _recipe(window=3))
-    with pytest.raises(ValueError, match="layer_mapping"):
+    # the paper's layers on a shallow model: a recipe error naming the parameter (issue 18), not a crash
+    with pytest.raises(ConfigError, match=r"pruning\[0\]\.params\.layers: layer \d+ does not exist .*layer_mapping"):
         Session(tiny_mm, load_recipe({"pruning": [{"method": "mustdrop", "params": {"window": 2}}]}))
 
 

@@ -78,7 +78,8 @@ def test_merges_r_per_block_and_tracks_patches(tiny_mm, images, prompts):
                 batch = s.mm.prepare(images[:2], prompts[:2])
                 vision = s.encode(batch)
                 tome = s.pruners[0]
-                final_ids, final_size = tome._ids, tome._size
+                merge = vision.extras["tome.merge"]
+                final_ids, final_size = merge.ids, merge.size
         finally:
             for h in handles:
                 h.remove()

@@ -32,20 +32,41 @@ class Variant:
     recipe: Recipe
 
 
+def budget_items(recipe: Recipe) -> list[dict]:
+    """``bench.methods`` x ``bench.budgets`` as compare items ``{method}-{B}`` with ``budget: {tokens: B}``
+    (in method order, then budget order)."""
+    if bool(recipe.bench.methods) != bool(recipe.bench.budgets):
+        missing = "bench.budgets" if recipe.bench.methods else "bench.methods"
+        raise ConfigError(missing, "bench.methods and bench.budgets go together; set both (or neither)")
+    items = []
+    for j, entry in enumerate(recipe.bench.methods):
+        if isinstance(entry, str):
+            entry = {"method": entry}
+        if not isinstance(entry, dict) or "method" not in entry or set(entry) - {"method", "params"}:
+            raise ConfigError(f"bench.methods[{j}]", "expected a method name or {method: NAME, params: {...}}")
+        for b in recipe.bench.budgets:
+            stage = {"method": entry["method"], "params": dict(entry.get("params") or {}), "budget": {"tokens": b}}
+            items.append({"name": f"{entry['method']}-{b}", "pruning": [stage], "_origin": f"bench.methods[{j}]"})
+    return items
+
+
 def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
-    """The baseline (the recipe itself) and every ``bench.compare`` item, validated up front."""
+    """The baseline (the recipe itself), every ``bench.compare`` item, then every ``bench.methods`` x
+    ``bench.budgets`` variant (:func:`budget_items`), validated up front."""
     base = recipe.to_dict()
     # the baseline drops the bench section too, so editing the compare list keeps its results resumable
     out = [Variant("baseline", load_recipe(dict(base, bench={})))] if include_baseline else []
     names = {"baseline"}
-    for i, item in enumerate(recipe.bench.compare):
+    for i, item in enumerate([*recipe.bench.compare, *budget_items(recipe)]):
+        where = item.pop("_origin", None) if isinstance(item, dict) else None
+        where = where or f"bench.compare[{i}]"
         if not isinstance(item, dict) or "name" not in item:
             raise ConfigError(f"bench.compare[{i}]", "expected a mapping with a name and the sections to replace")
         unknown = set(item) - {"name", "pruning", "decoding", "speculative", "eval"}
         if unknown:
-            raise ConfigError(f"bench.compare[{i}].{sorted(unknown)[0]}", "unknown key; allowed: name, pruning, decoding, speculative, eval")
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}", "unknown key; allowed: name, pruning, decoding, speculative, eval")
         if item["name"] in names:
-            raise ConfigError(f"bench.compare[{i}].name", f"duplicate variant name {item['name']!r}")
+            raise ConfigError(f"{where}.name", f"duplicate variant name {item['name']!r}")
         names.add(item["name"])
         data = dict(base, name=f"{recipe.name}-{item['name']}")
         data["bench"] = {}
@@ -57,19 +78,23 @@ def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
         try:
             out.append(Variant(item["name"], load_recipe(data)))
         except ConfigError as exc:
-            raise ConfigError(f"bench.compare[{i}].{exc.path}", exc.detail) from None
+            raise ConfigError(f"{where}.{exc.path}", exc.detail) from None
     return out
 
 
 def only_variants(recipe: Recipe, names: list[str]) -> Recipe:
     """The recipe with ``bench.compare`` cut down to ``names`` (in the recipe's order)."""
-    known = [item.get("name") for item in recipe.bench.compare if isinstance(item, dict)]
+    generated = budget_items(recipe)
+    known = [item.get("name") for item in [*recipe.bench.compare, *generated] if isinstance(item, dict)]
     for n in names:
         if n not in known:
             hint = difflib.get_close_matches(n, known, n=1)
             raise ConfigError("bench.compare", f"no variant named {n!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(known)}"))
     data = recipe.to_dict()
-    data["bench"] = dict(data["bench"], compare=[item for item in recipe.bench.compare if isinstance(item, dict) and item.get("name") in names])
+    keep = [item for item in [*recipe.bench.compare, *generated] if isinstance(item, dict) and item.get("name") in names]
+    for item in keep:
+        item.pop("_origin", None)
+    data["bench"] = dict(data["bench"], compare=keep, methods=[], budgets=[])
     return load_recipe(data)
 
 

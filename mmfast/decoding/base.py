@@ -9,6 +9,7 @@ drafter, the session runs the speculative engine with the decoder's :meth:`Decod
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -34,6 +35,34 @@ class DecodeRequest:
     max_new_tokens: int
     seed: int
     raw_vision: VisionBatch | None = None  # before feature-stage pruning (DAMRO's outlier branch)
+
+    def generators(self, device: torch.device) -> list[torch.Generator]:
+        """One random generator per sample, seeded by (seed, sample identity): a sample draws the
+        same numbers whatever batch, shard or process it is decoded in (see :func:`sample_seed`)."""
+        return [sample_generator(sample_seed(self.seed, self.batch, b), device) for b in range(self.batch.batch_size)]
+
+
+def sample_seed(seed: int, batch: PreparedBatch, b: int) -> int:
+    """A 63-bit seed for sample ``b`` of ``batch`` from the run's ``seed`` and the sample's identity:
+    its ``doc_id`` (``batch.meta[b]["doc_id"]``) when the caller gave one, else its prompt and the
+    bytes of its images. Never depends on the sample's position in the batch."""
+    meta = batch.meta[b] if b < len(batch.meta) else {}
+    doc_id = meta.get("doc_id") if isinstance(meta, dict) else None
+    h = hashlib.sha256(f"mmfast-sample\0{seed}\0".encode())
+    if doc_id is not None:
+        h.update(f"doc\0{doc_id}".encode())
+    else:
+        h.update(f"prompt\0{batch.prompts[b]}\0".encode())
+        for im in batch.images[b]:
+            h.update(f"{im.mode}\0{im.size[0]}x{im.size[1]}\0".encode())
+            h.update(im.tobytes())
+    return int.from_bytes(h.digest()[:8], "big") >> 1
+
+
+def sample_generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 from ..config import opt
 from ..models.base import LMInputs
 from .base import Decoder, DecodeOutput, DecodeRequest
-from .loop import drive, make_generator, sample_from, warpers
+from .loop import drive, sample_from, warpers
 
 if TYPE_CHECKING:
     from ..context import MethodContext
@@ -141,7 +141,7 @@ class _BranchPolicy:
     def __init__(self, decoder: MultiBranchDecoder, req: DecodeRequest) -> None:
         cfg = decoder.config
         self.decoder, self.req, self.beta, self.sample = decoder, req, cfg.beta, cfg.sample
-        self.gen = make_generator(req.seed, decoder.ctx.device)
+        self.gens = req.generators(decoder.ctx.device)  # one per sample: batch-independent draws
         self.procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p) if decoder.use_warpers else None
         self.bset: BranchSet
         self.logits: dict[str, torch.Tensor] = {}
@@ -162,7 +162,7 @@ class _BranchPolicy:
         fused = fused.masked_fill(~plausibility_mask(self.logits["clean"].float(), self.beta), float("-inf"))
         if not self.sample:
             return fused.argmax(-1)
-        return sample_from(self.procs(None, fused) if self.procs is not None else fused, self.gen)
+        return sample_from(self.procs(None, fused) if self.procs is not None else fused, self.gens)
 
     def advance(self, tokens: torch.Tensor) -> torch.Tensor:
         self.logits = self.bset.step(tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -30,16 +30,13 @@ def warpers(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Log
     return procs
 
 
-def sample_from(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Multinomial sample from softmax(logits) ([B, V] -> [B])."""
+def sample_from(logits: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Multinomial sample from softmax(logits) ([B, V] -> [B]); row b draws from ``generators[b]``
+    only, so a sample's tokens do not depend on the other rows of its batch."""
+    if len(generators) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows to sample but {len(generators)} generators (mmfast bug)")
     probs = torch.softmax(logits.float(), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+    return torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g)[:, 0] for b, g in enumerate(generators)])
 
 
 def strip(tokens: list[int], stop_ids) -> list[int]:

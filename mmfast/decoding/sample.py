@@ -12,7 +12,7 @@ from ..config import opt
 from ..capabilities import Capabilities
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest, Sampling
-from .loop import autoregressive, make_generator, sample_from, warpers
+from .loop import autoregressive, sample_from, warpers
 
 
 @DECODERS.register("sample", description="multinomial sampling (T, top-k, top-p); the VCD/RITUAL 'regular' baseline")
@@ -33,10 +33,10 @@ class Sample(Decoder):
 
     def decode(self, req: DecodeRequest) -> DecodeOutput:
         cfg = self.config
-        gen = make_generator(req.seed, self.ctx.device)
+        gens = req.generators(self.ctx.device)  # one per sample: batch-independent draws
         procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p)
 
         def choose(logits, step, state):
-            return sample_from(procs(None, logits), gen)
+            return sample_from(procs(None, logits), gens)
 
         return autoregressive(self.ctx, req.inputs, choose, req.max_new_tokens)

@@ -23,7 +23,7 @@ from ..config import opt
 from ..models.base import LMInputs
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest
-from .loop import autoregressive, make_generator, sample_from, warpers
+from .loop import autoregressive, sample_from, warpers
 
 
 def paper_layers(n_layers: int) -> list[int]:
@@ -96,11 +96,11 @@ class VHR(Decoder):
 
     def decode(self, req: DecodeRequest) -> DecodeOutput:
         cfg = self.config
-        gen = make_generator(req.seed, self.ctx.device)
+        gens = req.generators(self.ctx.device)  # one per sample (the image rows)
         procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p)
 
         def choose(logits, step, state):
-            return sample_from(procs(None, logits), gen) if cfg.sample else logits.argmax(-1)
+            return sample_from(procs(None, logits), gens) if cfg.sample else logits.argmax(-1)
 
         if cfg.alpha == 1.0:
             return autoregressive(self.ctx, req.inputs, choose, req.max_new_tokens)

@@ -23,7 +23,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from ..errors import InputError
@@ -309,6 +309,16 @@ def _where(path: Path, pos: int, is_array: bool) -> str:
     return f"{path}: item {pos}" if is_array else f"{path}:{pos}"
 
 
+def _check_image_name(name: str, where: str) -> None:
+    """An image is a relative path inside the image directory: no absolute path, no ``..``."""
+    pure = PurePosixPath(name.replace("\\", "/"))
+    if not name.strip() or pure.is_absolute() or ".." in pure.parts or PureWindowsPath(name).drive:
+        raise PopeFormatError(
+            f"{where}: image {name!r} is not a file name inside the image directory (absolute paths and '..' "
+            "are refused); give the image's path relative to the data's image directory"
+        )
+
+
 def _check_label(value: Any, where: str) -> Label:
     label = value.strip().lower() if isinstance(value, str) else value
     if label not in ("yes", "no"):
@@ -353,6 +363,7 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
         for key in ("image", "text"):
             if not isinstance(rec[key], str):
                 raise PopeFormatError(f"{where}: {key} must be a string, got {rec[key]!r}")
+        _check_image_name(rec["image"], where)
         image_id = rec.get("image_id")
         if image_id is not None and (isinstance(image_id, bool) or not isinstance(image_id, int)):
             raise PopeFormatError(f"{where}: image_id must be an int, got {image_id!r}")

@@ -49,6 +49,8 @@ aborted), or any at all in a finished run (unless ``--allow-failures``)."""
 class SamplesFailedError(MMFastError):
     """Samples of the evaluation failed; ``mmfast eval`` exits :data:`EXIT_SAMPLES_FAILED`."""
 
+    exit_code = EXIT_SAMPLES_FAILED
+
 
 class RunAbortedError(SamplesFailedError):
     """More samples failed than ``eval.max_failures`` allows."""

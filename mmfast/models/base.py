@@ -111,10 +111,14 @@ class LMInputs:
         return (pos > last_img) & self.attention_mask.bool()
 
     def append(self, ids: torch.Tensor, embeds: torch.Tensor) -> LMInputs:
-        """The inputs with generated text tokens ``ids`` ([B, Q], embeddings [B, Q, d]) appended."""
+        """The inputs with generated text tokens ``ids`` ([B, Q], embeddings [B, Q, d]) appended; they
+        are marked in the ``GENERATED`` tag (decode-without-cache rules tell them from the prompt)."""
         bsz, q = ids.shape
         dev = ids.device
         last = self.position_ids[:, -1:]
+        tags = {k: torch.cat([t, t.new_zeros(bsz, q)], 1) for k, t in self.tags.items() if k != GENERATED}
+        done = self.tags.get(GENERATED, torch.zeros_like(self.image_mask))
+        tags[GENERATED] = torch.cat([done, torch.ones(bsz, q, dtype=torch.bool, device=dev)], 1)
         return LMInputs(
             torch.cat([self.embeds, embeds.to(self.embeds.dtype)], 1),
             torch.cat([self.input_ids, ids], 1),
@@ -123,7 +127,7 @@ class LMInputs:
             torch.cat([self.image_mask, torch.zeros(bsz, q, dtype=torch.bool, device=dev)], 1),
             torch.cat([self.patch_ids, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
             torch.cat([self.image_index, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
-            {k: torch.cat([t, t.new_zeros(bsz, q)], 1) for k, t in self.tags.items()},
+            tags,
         )
 
     @staticmethod
@@ -149,6 +153,7 @@ class LMInputs:
         return LMInputs(*(getattr(self, f)[index] for f in _LMINPUT_FIELDS), {k: t[index] for k, t in self.tags.items()})
 
 
+GENERATED = "generated"  # LMInputs tag: tokens appended by decoding (bool)
 _LMINPUT_FIELDS = ("embeds", "input_ids", "attention_mask", "position_ids", "image_mask", "patch_ids", "image_index")
 
 

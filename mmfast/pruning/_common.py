@@ -6,26 +6,31 @@ from typing import Literal, Sequence
 
 import torch
 
+from ..errors import ConfigError
+
 #: Depth of LLaVA-1.5-7B's LLM, the reference for every paper's layer indices.
 REFERENCE_LAYERS = 32
 
 LayerMapping = Literal["absolute", "proportional"]
 
 
-def map_layers(paper_layers: Sequence[int], n_layers: int, mode: LayerMapping) -> list[tuple[int, int]]:
+def map_layers(paper_layers: Sequence[int], n_layers: int, mode: LayerMapping, *, param: str = "layers") -> list[tuple[int, int]]:
     """Map layer indices given for a 32-layer LLM onto a model with ``n_layers`` layers.
 
     ``absolute`` keeps the indices (they must exist); ``proportional`` scales them by
     ``n_layers / 32`` (rounded, at least 1) so a shallow model prunes at the same relative depth.
     Returns sorted unique ``(model_layer, paper_layer)`` pairs (the first paper layer wins a tie).
+    A layer that does not exist is a :class:`ConfigError` about the method parameter ``param``.
     """
     out: dict[int, int] = {}
     for p in paper_layers:
         layer = p if mode == "absolute" else max(1, round(p * n_layers / REFERENCE_LAYERS))
         if not 0 < layer < n_layers:
-            raise ValueError(
-                f"layer {p} does not exist in this {n_layers}-layer LLM; use layer_mapping: proportional "
-                "or smaller layer indices"
+            where = f" (mapped proportionally to layer {layer})" if mode == "proportional" else ""
+            raise ConfigError(
+                param,
+                f"layer {p}{where} does not exist in this {n_layers}-layer LLM (layers 1..{n_layers - 1} can "
+                "prune); use layer_mapping: proportional or smaller layer indices",
             )
         out.setdefault(layer, p)
     return sorted(out.items())

@@ -12,6 +12,10 @@ is kept in front.
 
 Hook points: ``vision_features``. Positions: contiguous. Limits: must be the first feature stage
 (needs the full grid). No-op: ``keep`` >= rows x cols returns the vision batch untouched.
+
+Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): keep = B; the count is
+the near-square grid's ``oh * ow`` above (granularity: 24x24 -> 64: 64, 128: 132, 192: 196; the
+rule is :func:`~mmfast.pruning._grid.near_square_grid`), not always B exactly.
 """
 
 from __future__ import annotations
@@ -39,10 +43,17 @@ class AvgPool(Pruner):
     class Config:
         keep: int = opt(64, lo=1, doc="about this many pooled tokens per image (near-square grid; see stats for the count)")
 
+    budget_knobs = ("keep",)
+
     @classmethod
     def noop_params(cls, adapter):
         rows, cols = adapter.grid
         return {"keep": rows * cols}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """keep = B (the pooled grid rounds it, see the module docstring)."""
+        return {"keep": tokens}
 
     @classmethod
     def test_params(cls, adapter):

@@ -35,11 +35,19 @@ class Pruner:
     hook_points: ClassVar[frozenset[str]] = frozenset()
     caps: ClassVar[Capabilities] = Capabilities(families=frozenset({"llava"}))
     registered_name: ClassVar[str]
+    #: Config keys a ``budget:`` sets (a recipe may not set them in ``params`` too); empty = no budget.
+    budget_knobs: ClassVar[tuple[str, ...]] = ()
+    #: True: the budget is reached by :meth:`calibrate` after installation, not by :meth:`budget_params`.
+    calibrated: ClassVar[bool] = False
 
     def __init__(self, config: Any, ctx: MethodContext) -> None:
         self.config = config
         self.ctx = ctx
         self.adapter = ctx.adapter
+
+        self.budget_tokens: int | None = None  # the stage's budget in tokens, when the recipe gave one
+        self.budget_path = "budget"  # the recipe path of the budget, for errors (set by the session)
+        self.calibration = None  # a ``_budget.Calibration`` after :meth:`calibrate`
 
     @property
     def name(self) -> str:
@@ -65,3 +73,13 @@ class Pruner:
     def test_params(cls, adapter: VLMAdapter) -> dict[str, Any]:
         """Recipe params that really prune on a tiny test model (tests)."""
         raise NotImplementedError(f"{cls.__name__} must define a pruning setting for tests")
+
+    @classmethod
+    def budget_params(cls, tokens: int, adapter: VLMAdapter, config: Any, path: str) -> dict[str, Any]:
+        """Recipe params (over ``budget_knobs``) that realise ``tokens`` (see the method's docstring)."""
+        raise NotImplementedError(f"{cls.__name__} takes no budget")
+
+    def calibrate(self, tokens: int) -> None:
+        """Threshold methods: set the thresholds so the layer-averaged vision tokens meet ``tokens``
+        (called once after every stage is installed; see ``pruning._budget.calibrate_scalar``)."""
+        raise NotImplementedError(f"{type(self).__name__} is not calibrated")

@@ -26,6 +26,11 @@ Positions: ``original``. Kept image tokens keep their position ids; a token gene
 dropped gets, in layers >= K, the same position as in layers < K (the full sequence length), as the
 released code does (RoPE position from layer K-1's cache length).
 
+Budget (``budget: {tokens: B}``, layer-averaged equivalent vision tokens per image at prefill; sets
+``vision_keep_rate``): with the mapped layer K of an L-layer LLM and N vision tokens per image,
+k = round((L * B - K * N) / (L - K)) (as FastV) and vision_keep_rate = (k + 0.5) / N (capped at 1),
+so int(N * rate) = k; budgets below ceil(K * N / L) are refused, naming that smallest budget.
+
 Predictors (``predictors``): ``auto`` = ``<model dir>/dynamic_llava/`` (the embedded model ships them
 there), a directory written by the training script, or a released Dynamic-LLaVA checkpoint directory
 (its ``sparse_config`` sets the predictor sizes; ``model.image_score_predictor.*`` and
@@ -69,6 +74,7 @@ from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError, ModelLoadError
 from ..registry import PRUNERS
+from ..models.base import GENERATED
 from ..runtime import LayerGroup
 from ._common import LayerMapping, map_layers
 from ._dynamic_llava_modules import Predictors, gather_rows, keep_topk, load_predictors, random_predictors
@@ -117,9 +123,21 @@ class DynamicLLaVA(Pruner):
         )
         use_cache: bool = opt(True, doc="false: decode without KV cache (recompute; drop generated tokens at layer K)")
 
+    budget_knobs = ("vision_keep_rate",)
+
     @classmethod
     def noop_params(cls, adapter):
         return {"vision_keep_rate": 1.0, "text_keep": "always", "predictors": "random"}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """vision_keep_rate = (k + 0.5) / N with k from the layer-average closed form."""
+        from ._budget import in_llm_keep, vision_tokens_per_image
+
+        n_layers, n = len(adapter.layers), vision_tokens_per_image(adapter)
+        (layer, _), = map_layers([config.sparse_layer], n_layers, config.layer_mapping)
+        k = in_llm_keep(tokens, n, layer, n_layers, path)
+        return {"vision_keep_rate": 1.0 if k >= n else (k + 0.5) / n}
 
     @classmethod
     def test_params(cls, adapter):
@@ -128,14 +146,13 @@ class DynamicLLaVA(Pruner):
     # -- installation ------------------------------------------------------------------------------
     def install(self) -> None:
         cfg = self.config
-        (layer, paper), = map_layers([cfg.sparse_layer], len(self.adapter.layers), cfg.layer_mapping)
+        (layer, paper), = map_layers([cfg.sparse_layer], len(self.adapter.layers), cfg.layer_mapping, param="sparse_layer")
         self.layer, self.paper_layer = layer, paper
         self.text_rule = cfg.text_keep == "predictor"
         needed = cfg.vision_keep_rate < 1.0 or self.text_rule
         self.predictors: Predictors | None = None
         if needed or cfg.predictors != "auto":
             self.predictors = self._load()
-        self._prompt: tuple | None = None  # (batch, length, ids, embeds) of the last prompt (no-cache mode)
         runner = self.ctx.runner
         runner.prune_at(layer, self.select, ref_layer=paper)
         if not cfg.use_cache:
@@ -212,40 +229,30 @@ class DynamicLLaVA(Pruner):
         return keep
 
     def _drop_generated(self, view, stats: dict) -> torch.Tensor:
-        """[B, T] bool: generated answer tokens (all but the last) the text predictor marks "drop"."""
+        """[B, T] bool: generated answer tokens (all but the last) the text predictor marks "drop".
+
+        Generated tokens are the ones decoding appended (the inputs' ``generated`` tag), so the rule
+        needs no memory of earlier prompts."""
         inputs = view.state.inputs
-        n_gen = self._n_generated(inputs)
+        gen = inputs.tags.get(GENERATED)
+        gen = gen.bool() if gen is not None else torch.zeros_like(inputs.image_mask)  # [B, L]
+        n_gen = gen.sum(1).tolist()
         drop = torch.zeros_like(view.vision)
-        bsz = inputs.batch_size
-        if n_gen > 1:
+        gen = gen.clone()
+        gen[:, -1] = False  # the newest token always enters (it produces the next logits)
+        if bool(gen.any()):
             src = view.group.source
-            length = inputs.length
-            cand = (src >= length - n_gen) & (src < length - 1) & view.group.key_mask
+            cand = gen.gather(1, src.clamp(min=0)) & (src >= 0) & view.group.key_mask
             x, valid, index = gather_rows(view.hidden, cand)
             with torch.no_grad():
                 logits = self.predictors.text(x.to(self._device(), torch.float32)).to(drop.device)
             dropped = (logits[..., 0] <= logits[..., 1]) & valid
             drop = _scatter_rows(dropped, valid, index, drop.shape[1])
         skipped = drop.sum(1).tolist()
-        stats["per_sample_generated"] = [n_gen] * bsz
+        stats["per_sample_generated"] = n_gen
         stats["per_sample_kv_skipped"] = skipped
-        stats["per_sample_kv_skipped_fraction"] = [s / n_gen if n_gen else 0.0 for s in skipped]
+        stats["per_sample_kv_skipped_fraction"] = [s / n if n else 0.0 for s, n in zip(skipped, n_gen)]
         return drop
-
-    def _n_generated(self, inputs) -> int:
-        """Generated tokens at the end of ``inputs``: the extension of the last prompt seen (0 for a new one)."""
-        p = self._prompt
-        if p is not None:
-            bsz, length, ids, embeds = p
-            if (
-                inputs.batch_size == bsz
-                and inputs.length > length
-                and torch.equal(inputs.input_ids[:, :length], ids)
-                and torch.equal(inputs.embeds[:, :length], embeds)
-            ):
-                return inputs.length - length
-        self._prompt = (inputs.batch_size, inputs.length, inputs.input_ids, inputs.embeds)
-        return 0
 
     # -- decode with KV cache ------------------------------------------------------------------------
     def _decide(self, layer: int, hidden: torch.Tensor, state) -> None:

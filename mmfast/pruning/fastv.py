@@ -2,8 +2,15 @@
 
 Algorithm: at the input of LLM layer K (default 2), rank every image token by the attention the
 *last* prompt token pays to it in layer K-1 (mean over heads; the released code uses the last token,
-not the average attention the paper's text describes, FastV issue #14), keep the top ``keep`` (or
-``(1-R) * N``, R = 50% by default) and drop the rest from the sequence for layers >= K.
+not the average attention the paper's text describes, FastV issue #14), keep the top ``keep`` of each
+image (or ``(1-R) * N`` of each image, R = 50% by default) and drop the rest from the sequence for
+layers >= K. ``keep`` is per image (a multi-image prompt keeps ``keep`` tokens of every image, each
+image ranked on its own; with one image this is the released per-sample top-k).
+
+Budget (``budget: {tokens: B}``, layer-averaged equivalent vision tokens per image; sets ``keep``,
+``ratio`` must not be given): with the mapped layer K of an L-layer LLM and N vision tokens per image,
+B = (K * N + (L - K) * keep) / L, so keep = round((L * B - K * N) / (L - K)); the average lands within
+(L - K) / (2 L) tokens of B. B < ceil(K * N / L) (keep < 0) is refused, naming that smallest budget.
 
 Positions: the in-place variant keeps each kept token's original position id. KV cache: layers >= K
 cache only the kept tokens; pruning is static after prefill (as the released KV-cache variant).
@@ -15,10 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..capabilities import Capabilities
 from ..config import opt
 from ..hooks import last_row
 from ..registry import PRUNERS
+from ._budget import in_llm_keep, vision_tokens_per_image
 from ._common import LayerMapping, keep_only, map_layers, topk_keep
 from .base import Pruner
 
@@ -34,12 +44,21 @@ class FastV(Pruner):
     class Config:
         k: int = opt(2, lo=1, doc="prune at the input of layer K (index on a 32-layer LLM, see layer_mapping)")
         ratio: float = opt(0.5, lo=0.0, hi=1.0, doc="R: fraction of image tokens dropped (paper: 50%)")
-        keep: int | None = opt(None, lo=0, doc="image tokens kept per sample (overrides ratio)")
+        keep: int | None = opt(None, lo=0, doc="vision tokens kept per image (overrides ratio)")
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
+
+    budget_knobs = ("keep", "ratio")
 
     @classmethod
     def noop_params(cls, adapter):
         return {"ratio": 0.0}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """keep = round((L * B - K * N) / (L - K)) (module docstring)."""
+        n_layers = len(adapter.layers)
+        (layer, _), = map_layers([config.k], n_layers, config.layer_mapping)
+        return {"keep": in_llm_keep(tokens, vision_tokens_per_image(adapter), layer, n_layers, path)}
 
     @classmethod
     def test_params(cls, adapter):
@@ -47,7 +66,7 @@ class FastV(Pruner):
 
     def install(self) -> None:
         cfg = self.config
-        (layer, paper), = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping)
+        (layer, paper), = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")
         self.layer = layer
         self.probe_key = f"fastv.{layer - 1}"
         attn = self.adapter.layers[layer - 1].self_attn
@@ -57,8 +76,17 @@ class FastV(Pruner):
     def select(self, view):
         rec = self.ctx.probe[self.probe_key]
         scores = rec.probs[:, 0]  # [B, T] attention of the last token to every slot, head mean
-        n_vis = view.vision.sum(1)  # [B]
-        keep = (n_vis.float() * (1 - self.config.ratio)).round().long() if self.config.keep is None else n_vis.clamp(max=self.config.keep)
-        kept = topk_keep(scores, view.vision, keep)
+        src = view.group.source
+        image = view.state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
+        image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere
+        kept = torch.zeros_like(view.vision)
+        for j in range(int(image.max()) + 1):  # per image: keep tokens of every image of a sample
+            cand = image == j
+            n_vis = cand.sum(1)  # [B]
+            if self.config.keep is None:
+                keep = (n_vis.float() * (1 - self.config.ratio)).round().long()
+            else:
+                keep = n_vis.clamp(max=self.config.keep)
+            kept |= topk_keep(scores, cand, keep)
         view.state.stats[self.name] = {"per_sample_kept": kept.sum(1).tolist(), "layer": self.layer}
         return keep_only(view.vision, kept)

@@ -37,6 +37,11 @@ Deviations and limits (reasons):
   by default (a clear error names the file and the training command when missing).
 No-op: spatial_kernel 1, temporal_kernel 1, global_queries 0 (no local_tokens) returns the vision
 batch untouched.
+
+Budget (``budget: {tokens: B}``, vision tokens per image (frame group) at the LLM input; sets
+``local_tokens`` and overrides ``spatial_kernel``, which must not be given): local_tokens =
+B - global_queries (``global_queries`` stays the trained branch's size; B must exceed it), so the
+total is the near-square local grid (``_grid.near_square_grid``, the avgpool rule) + global_queries.
 """
 
 from __future__ import annotations
@@ -88,9 +93,25 @@ class HICom(Pruner):
             if not self.local and self.global_queries == 0:
                 raise ValueError("local: false needs global_queries > 0 (nothing would be left)")
 
+    budget_knobs = ("local_tokens", "spatial_kernel")
+
     @classmethod
     def noop_params(cls, adapter):
         return {"spatial_kernel": 1, "temporal_kernel": 1, "global_queries": 0}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """local_tokens = B - global_queries."""
+        n_global = config.global_queries if config.local else 0
+        if not config.local:
+            raise ConfigError(f"{path}.tokens", "local: false leaves only the global queries; set global_queries instead of a budget")
+        if tokens <= n_global:
+            raise ConfigError(
+                f"{path}.tokens",
+                f"{tokens} tokens leave no local tokens beside the {n_global} global queries; the smallest feasible "
+                f"budget is {n_global + 1} (or set params.global_queries lower)",
+            )
+        return {"local_tokens": tokens - n_global}
 
     @classmethod
     def test_params(cls, adapter):

@@ -14,7 +14,19 @@ Algorithm (three stages, per image / per sample):
    layers from the first pruning layer on, so they cache only the final survivors; earlier layers
    keep the full cache. Nothing is pruned during decode.
 Budgets: ``preset`` "192" / "128" / "64" = (lambda_g, lambda_i) (0.001, 0.001), (0.0012, 0.001),
-(0.011, 0.01) (README); the counts are adaptive, reported in the stats.
+(0.011, 0.01) (README); the counts are adaptive, reported in the stats. (On the embedded model the
+"192" and "128" presets both land near 386 tokens: the presets do not transfer between models.)
+``budget: {tokens: B}`` (layer-averaged vision tokens per image, the prefill accounting below; sets
+``preset``/``lambda_g``/``lambda_i``) is *calibrated* when the session opens: the thresholds are
+s x (0.011, 0.01) (the "64" preset's ratio), and s is bisected on a log scale in [1e-4, 1e3] on the
+fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style questions) until the
+mean layer-averaged vision tokens are within 2% of B. The calibrated thresholds, s and the tokens they
+kept are logged and reported in the stats (``calibration``, ``thresholds``). Deviation: when even the
+largest scale keeps more than B (on a shallow LLM the first filter follows layer 0, so every token the
+merge leaves is computed there: on the embedded 4-layer model no lambda gets below ~129), the
+thresholds stay at that scale and the window-merge threshold (paper: 0.8) is bisected in [-1, 0.8]
+instead, so more windows merge; the stats report it (``merge_threshold``). A budget outside what
+both can reach is refused with the reachable range.
 
 Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
 tokens are what the tower's hidden-state recorder and every later layer see); attention probe on the
@@ -42,6 +54,7 @@ and the merged windows.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -56,6 +69,8 @@ from ..registry import PRUNERS
 from ..runtime import LayerGroup, LMState
 from ._common import LayerMapping, map_layers
 from .base import Pruner
+
+logger = logging.getLogger(__name__)
 
 KEY_TAG = "mustdrop.key"  # LMInputs / VisionBatch tag: the key-set tokens (bool)
 
@@ -177,9 +192,47 @@ class MustDrop(Pruner):
             params["layer_mapping"] = "proportional"
         return params
 
+    budget_knobs = ("preset", "lambda_g", "lambda_i")
+    calibrated = True
+    #: the thresholds a calibration scales (the "64" preset's lambda_g : lambda_i ratio) and its range of scales
+    CALIBRATION_BASE = PRESETS["64"]
+    CALIBRATION_RANGE = (1e-4, 1e3)
+
     @classmethod
     def noop_params(cls, adapter):
         return {**cls._fit(adapter), "lambda_g": 0.0, "lambda_i": 0.0, "sim_threshold": 1.5}
+
+    def calibrate(self, tokens: int) -> None:
+        """Land on ``tokens`` layer-averaged tokens (module docstring): bisect the threshold scale s;
+        when even the largest s keeps too many tokens, keep it and bisect the merge threshold."""
+        from ._budget import CALIBRATION_TOLERANCE, calibrate_scalar, calibration_batch, check_reachable, measure_layer_avg
+
+        batch = calibration_batch(self.ctx)
+        base_g, base_i = self.CALIBRATION_BASE
+
+        def measure(s: float) -> float:
+            self.lambda_g, self.lambda_i = s * base_g, s * base_i
+            return measure_layer_avg(self.ctx, batch)
+
+        def measure_merge(sim: float) -> float:
+            self.sim_threshold = sim
+            return measure_layer_avg(self.ctx, batch)
+
+        lo, hi = self.CALIBRATION_RANGE
+        if measure(hi) > tokens * (1 + CALIBRATION_TOLERANCE):
+            # the filters cannot drop enough (a shallow LLM's first filter sees every merged token):
+            # thresholds at their largest scale, then merge more windows
+            merge_lo = -1.0
+            check_reachable(self.budget_path, measure_merge, tokens, merge_lo, self.config.sim_threshold, increasing=True)
+            self.calibration = calibrate_scalar("mustdrop merge threshold", measure_merge, tokens, merge_lo,
+                                                self.config.sim_threshold, increasing=True)
+            measure_merge(self.calibration.value)
+        else:
+            check_reachable(self.budget_path, measure, tokens, lo, hi, increasing=False)
+            self.calibration = calibrate_scalar("mustdrop threshold scale", measure, tokens, lo, hi, increasing=False, log_scale=True)
+            measure(self.calibration.value)  # leave the chosen thresholds in place
+        logger.info("mustdrop: budget %d -> lambda_g %.6g, lambda_i %.6g, merge threshold %.4g", tokens,
+                    self.lambda_g, self.lambda_i, self.sim_threshold)
 
     @classmethod
     def test_params(cls, adapter):
@@ -202,6 +255,7 @@ class MustDrop(Pruner):
         if self.filters[-1][0] + 1 >= n_layers:
             raise ConfigError("layers", f"a filter at the output of layer {self.filters[-1][0]} leaves no layer to prune in this {n_layers}-layer LLM")
         self.lambda_g, self.lambda_i = self.thresholds()
+        self.sim_threshold = cfg.sim_threshold  # a budget's calibration may lower it (module docstring)
         vis_layers = self.adapter.vision_layers
         n_vis = len(vis_layers)
         key_layer = cfg.key_layer % n_vis if -n_vis <= cfg.key_layer < n_vis else None
@@ -242,7 +296,7 @@ class MustDrop(Pruner):
         if hidden.shape[0] != 1:
             raise RuntimeError("MustDrop: the vision tower must run one image at a time (the session does this)")
         cfg = self.config
-        out, r, ids = spatial_merge(hidden, self.adapter.grid, cfg.window, cfg.sim_threshold)
+        out, r, ids = spatial_merge(hidden, self.adapter.grid, cfg.window, self.sim_threshold)
         self._pending = (r, ids[0])
         return out
 
@@ -351,6 +405,7 @@ class MustDrop(Pruner):
             "per_sample_equivalent_tokens": layer_average([0] + filters),
             "filter_layers": filters,
             "thresholds": [self.lambda_g, self.lambda_i],
+            "merge_threshold": self.sim_threshold,
         }
 
 

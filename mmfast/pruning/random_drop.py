@@ -11,6 +11,8 @@ from ``seed`` alone (``shared``: the same patch positions for every image).
 Hook points: ``vision_features`` only. Positions: the kept tokens are spliced contiguously (as
 every feature-stage method). Limits: none (batch > 1, several images per prompt, any grid).
 No-op: ``keep`` >= the tokens of the image returns the vision batch untouched.
+
+Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): keep = B (exact).
 """
 
 from __future__ import annotations
@@ -48,10 +50,17 @@ class RandomDrop(Pruner):
         seed: int = opt(0, doc="random seed")
         mask: Literal["per_image", "shared"] = opt("per_image", doc="per_image: seed from the image's pixels too; shared: one subset for all")
 
+    budget_knobs = ("keep",)
+
     @classmethod
     def noop_params(cls, adapter):
         rows, cols = adapter.grid
         return {"keep": rows * cols}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """keep = B."""
+        return {"keep": tokens}
 
     @classmethod
     def test_params(cls, adapter):

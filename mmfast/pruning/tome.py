@@ -13,6 +13,8 @@ Algorithm (every CLIP block up to the feature layer, between the attention and t
    cap forbids the even spread, shallow towers, earlier blocks merge just enough more).
 5. LLaVA-1.5 (N = 576, F + 1 = 23 blocks): T = 192 / 128 / 64 gives r = 16-17 / 19-20 / 22-23.
 Or ``r`` merges r tokens in every block up to the feature layer (ToMe's constant schedule).
+Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input; sets ``budget``, ``r`` must
+not be given): budget = B, reached exactly (an unreachable B fails at install with the reachable count).
 
 Hook points: an instance ``forward`` on each merging CLIP encoder layer, set through
 ``session.hooks.set_attr`` (hook kind #3: the merge sits between the attention and the MLP of the
@@ -130,6 +132,15 @@ def merge_schedule(n_patches: int, n_blocks: int, budget: int, protected: int = 
     return out
 
 
+@dataclass
+class _TowerMerge:
+    """What ToMe's tower hooks leave for one tower call."""
+
+    ids: torch.Tensor  # [n_img, T] source patch of each token (-1: CLS)
+    size: torch.Tensor  # [n_img, T, 1] tokens merged into each
+    r: list[int]  # tokens merged per block
+
+
 @PRUNERS.register("tome", description="ToMe: bipartite token merging inside the CLIP blocks, with proportional attention")
 class ToMe(Pruner):
     """ToMe."""
@@ -143,9 +154,16 @@ class ToMe(Pruner):
         r: int | None = opt(None, lo=0, doc="tokens merged in every block up to the feature layer (overrides budget)")
         prop_attn: bool = opt(True, doc="proportional attention: add log(size) to the attention logits")
 
+    budget_knobs = ("budget", "r")
+
     @classmethod
     def noop_params(cls, adapter):
         return {"r": 0}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """budget = B."""
+        return {"budget": tokens}
 
     @classmethod
     def test_params(cls, adapter):
@@ -229,13 +247,25 @@ class ToMe(Pruner):
         return hidden
 
     # -- feature stage -----------------------------------------------------------------------------
+    def observe_tower(self, vision) -> None:
+        """Right after the tower: the merge's provenance and sizes move into ``vision`` (the hooks'
+        per-forward scratch is cleared, so nothing about this batch stays on the stage)."""
+        if not any(self.r_schedule):
+            return
+        if self._ids is None or self._size is None:
+            raise RuntimeError("ToMe: the vision tower did not run with ToMe's hooks")
+        vision.extras["tome.merge"] = _TowerMerge(self._ids, self._size, list(self._merged))
+        self._ids = self._size = self._metric = None
+        self._merged = []
+
     def prune_vision(self, vision, batch):
         if not any(self.r_schedule):
             return vision
-        if self._ids is None or self._size is None:
+        merge: _TowerMerge | None = vision.extras.get("tome.merge")
+        if merge is None:
             raise RuntimeError("ToMe: the vision tower did not run with ToMe's hooks")
-        ids = self._ids.masked_fill(self._size[..., 0] > 1, -1)  # [n_img, T] -1: merged (or CLS)
-        sizes = self._size[..., 0]
+        ids = merge.ids.masked_fill(merge.size[..., 0] > 1, -1)  # [n_img, T] -1: merged (or CLS)
+        sizes = merge.size[..., 0]
         t = ids.shape[1]
         patch_ids, token_sizes = [], []
         for i, feats in enumerate(vision.features):
@@ -249,5 +279,5 @@ class ToMe(Pruner):
         per_sample = [0] * batch.batch_size
         for i, owner in enumerate(batch.image_owner):
             per_sample[owner] += int(vision.features[i].shape[0])
-        vision.stats[self.name] = {"r": list(self._merged), "per_sample_tokens": per_sample}
+        vision.stats[self.name] = {"r": merge.r, "per_sample_tokens": per_sample}
         return vision

@@ -20,6 +20,9 @@ Limits: needs a CLS token and the full patch grid (put it first among the featur
 ``D - 1 + C`` must not exceed the patch count (official issue #30). Deviations: none in the
 algorithm; the merge is computed in fp32 (the official code runs it in the model dtype).
 No-op: ``tokens`` >= the patch count (without explicit counts) returns the vision batch untouched.
+
+Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input; sets ``tokens``, so
+``dominant``/``contextual`` must not be given): tokens = B, i.e. CLS + (D - 1) + C = B exactly.
 """
 
 from __future__ import annotations
@@ -84,10 +87,17 @@ class VisionZip(Pruner):
             if (self.dominant is None) != (self.contextual is None):
                 raise ValueError("set both dominant and contextual, or neither (tokens then picks the split)")
 
+    budget_knobs = ("tokens", "dominant", "contextual")
+
     @classmethod
     def noop_params(cls, adapter):
         rows, cols = adapter.grid
         return {"tokens": rows * cols}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """tokens = B."""
+        return {"tokens": tokens}
 
     @classmethod
     def test_params(cls, adapter):

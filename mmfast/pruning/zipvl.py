@@ -45,6 +45,13 @@ Assumptions / deviations (the ZipVL code was not public):
   parameters (ZipCache's code re-quantises the whole cache);
 - quantisation statistics are per sample and ignore padding (ZipCache pools the batch).
 
+Budget (``budget: {tokens: B}``, layer-averaged *equivalent* vision tokens per image, the accounting
+above; sets ``tau``): calibrated when the session opens: x = 1 - tau is bisected on a log scale in
+[1e-6, 1] on the fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style
+questions) until the mean equivalent vision tokens are within 2% of B; the calibrated tau and the tokens
+it kept are logged and reported in the stats (``calibration``, ``tau``). A budget outside the reachable
+range is refused with that range.
+
 Limits: refuses speculative decoding (drafts are verified against, and rolled back from, a cache that
 is being quantised) and beam search (the paper defines decoding for one sequence; the per-layer
 accounting in ``extras`` is per prefill row), and other stages that edit the KV cache (the quantised
@@ -54,7 +61,8 @@ gathered important tokens; it saves attention FLOPs, not MLP FLOPs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,6 +76,8 @@ from ..registry import PRUNERS
 from ._common import topk_keep
 from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, dense_bytes_per_sample
 from .base import Pruner
+
+logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- selection (pure functions)
 
@@ -192,6 +202,14 @@ class _LayerSelection:
     p: torch.Tensor  # [B]
 
 
+@dataclass
+class _Scratch:
+    """Per-forward data of one state: prefill selections per layer, the last decode query per layer."""
+
+    prefill: dict[int, _LayerSelection] = field(default_factory=dict)
+    last_query: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)
+
+
 @PRUNERS.register("zipvl", description="ZipVL: attention-mass-adaptive important tokens, sparse prefill, 4/2-bit mixed-precision KV")
 class ZipVL(Pruner):
     """ZipVL."""
@@ -220,9 +238,29 @@ class ZipVL(Pruner):
             if self.bits_low > self.bits_high:
                 raise ValueError(f"bits_low ({self.bits_low}) must not exceed bits_high ({self.bits_high})")
 
+    budget_knobs = ("tau",)
+    calibrated = True
+
     @classmethod
     def noop_params(cls, adapter):
         return {"tau": 1.0, "quantize_kv": False}
+
+    def calibrate(self, tokens: int) -> None:
+        """Bisect x = 1 - tau (module docstring) to land on ``tokens`` equivalent vision tokens."""
+        import dataclasses
+
+        from ._budget import calibrate_scalar, calibration_batch, check_reachable, measure_layer_avg
+
+        batch = calibration_batch(self.ctx)
+
+        def measure(x: float) -> float:
+            self.config = dataclasses.replace(self.config, tau=1.0 - x)
+            return measure_layer_avg(self.ctx, batch)
+
+        check_reachable(self.budget_path, measure, tokens, 1e-6, 1.0, increasing=False)
+        self.calibration = calibrate_scalar("zipvl 1 - tau", measure, tokens, 1e-6, 1.0, increasing=False, log_scale=True)
+        measure(self.calibration.value)
+        logger.info("zipvl: budget %d -> tau %.6g", tokens, self.config.tau)
 
     @classmethod
     def test_params(cls, adapter):
@@ -249,8 +287,6 @@ class ZipVL(Pruner):
                 raise IncompatibleRecipeError(f"ZipVL: LLM layer {i}'s attention is already overridden by another method")
             hooks.override = self._attention
             self._layer_of[id(layer.self_attn)] = i
-        self._prefill: dict[int, _LayerSelection] = {}
-        self._last_query: dict[int, tuple[torch.Tensor, float]] = {}
         self.ctx.runner.prefill_hooks.append(self._after_prefill)
         self.ctx.runner.step_hooks.append(self._after_step)
 
@@ -262,11 +298,11 @@ class ZipVL(Pruner):
         if q_len > 1 and q_len == k_len:  # prefill (every sequence starts with an empty cache)
             valid = key_validity(attention_mask, bsz, k_len, query.device)
             keep, p = self._select(layer, query, key, attention_mask, scaling, valid)
-            self._prefill[layer] = _LayerSelection(keep, valid, p)
+            self._scratch().prefill[layer] = _LayerSelection(keep, valid, p)
             if self.config.sparse_prefill and not torch.equal(keep, valid):
                 return sparse_attention(module, query, key, value, keep, scaling, base, dropout=dropout, **kwargs)
         elif self.config.quantize_kv:
-            self._last_query[layer] = (query[:, :, -1:], scaling)
+            self._scratch().last_query[layer] = (query[:, :, -1:], scaling)
         out, _ = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         return out
 
@@ -279,9 +315,16 @@ class ZipVL(Pruner):
         return select_important(probs, rows, valid, cfg.tau)
 
     # -- KV-cache policy ---------------------------------------------------------------------------------
+    def _scratch(self) -> _Scratch:
+        """What this forward's attention calls leave for the KV policy, kept on the running state."""
+        state = self.ctx.runner.active
+        if state is None:
+            raise RuntimeError("ZipVL: the LLM ran outside the runner")
+        return state.extras.setdefault(self.name, _Scratch())
+
     def _after_prefill(self, state) -> None:
-        sel, self._prefill = self._prefill, {}
-        self._last_query.clear()
+        scratch: _Scratch = state.extras.pop(self.name, _Scratch())
+        sel = scratch.prefill
         bsz, n_layers = state.batch_size, state.n_layers
         ratio = torch.ones(bsz, n_layers, dtype=torch.float64)
         vis_kept = torch.zeros(bsz, n_layers)
@@ -317,11 +360,12 @@ class ZipVL(Pruner):
 
     def _after_step(self, state) -> None:
         cfg = self.config
+        scratch: _Scratch = state.extras.pop(self.name, _Scratch())
         events = 0
         for layer, lay in enumerate(state.cache.layers):
             if not isinstance(lay, MixedPrecisionKVLayer) or lay.buffer_length < cfg.requant_interval:
                 continue
-            got = self._last_query.get(layer)
+            got = scratch.last_query.get(layer)
             valid = state.groups[state.group_of(layer)].key_mask
             n = lay.buffer_length
             vbuf = valid[:, valid.shape[1] - n :]
@@ -336,7 +380,6 @@ class ZipVL(Pruner):
                 keep = topk_keep(scores, vbuf, mass_count(scores, vbuf, cfg.tau))
             lay.compress_buffer(keep, vbuf)
             events += 1
-        self._last_query.clear()
         mine = state.stats.get(self.name)
         if mine:
             mine["requant_events"] = mine.get("requant_events", 0) + events

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..decoding.base import DecodeOutput, DecodeRequest, now, state_accounting
-from ..decoding.loop import make_generator, warpers
+from ..decoding.base import sample_generator, sample_seed
+from ..decoding.loop import warpers
 from .tree import verify
 
 if TYPE_CHECKING:
@@ -156,11 +157,12 @@ def _decode_one(method: MethodContext, drafter: Drafter, inputs: LMInputs, max_n
 def speculative_decode(ctx: MethodContext, drafter: Drafter, req: DecodeRequest, sampling: Sampling) -> DecodeOutput:
     """Draft-and-verify decoding of ``req`` (samples one at a time). Output follows the target's
     ``sampling`` rule exactly (the session runs this when the recipe has a drafter)."""
-    gen = make_generator(req.seed, ctx.device)
-    ctx_kw = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "generator": gen}
+    ctx_kw = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     stats = SpecStats()
     results = []
     for b in range(req.inputs.batch_size):
+        # each sample its own generator, seeded by (seed, sample identity): batch-independent draws
+        ctx_kw["generator"] = sample_generator(sample_seed(req.seed, req.batch, b), ctx.device)
         row = req.inputs.select(torch.tensor([b], device=req.inputs.input_ids.device))
         pad = int((row.attention_mask[0] == 0).sum())  # batch-1 verification needs no left padding
         row = row.crop_left(pad)

@@ -1,0 +1,176 @@
+"""The shared budget vocabulary of pruning stages (``budget: {tokens: B}`` / ``budget: {flops: r}``).
+
+A stage's :class:`~mmfast.config.Budget` is resolved when the session installs it:
+
+1. ``flops`` becomes ``tokens`` with :func:`mmfast.flops.tokens_for_flops_ratio` on the loaded model's
+   LLM shape and its vision tokens per image (typical prompt of ``TYPICAL_TEXT_TOKENS`` text tokens);
+2. methods with count knobs map ``tokens`` to them in their ``budget_params`` classmethod (closed form,
+   documented in each method's docstring): feature/tower-stage methods count tokens per image at the
+   LLM input, in-LLM methods count the layer-averaged tokens per image (:func:`in_llm_keep`);
+3. methods whose knobs are thresholds (MustDrop, ZipVL) are *calibrated* after installation: a bisection on
+   one scalar of their thresholds, measured on :func:`calibration_batch` (a fixed, offline set of
+   rendered world images with POPE-style questions), until the mean layer-averaged vision tokens are
+   within ``CALIBRATION_TOLERANCE`` of the budget (:func:`calibrate_scalar`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config import Budget
+    from ..context import MethodContext
+    from ..model import PreparedBatch
+    from ..models.base import VLMAdapter
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_IMAGES = 4
+CALIBRATION_TOLERANCE = 0.02
+CALIBRATION_STEPS = 24
+_QUESTIONS = ("Is there a {} in the image?", "Is there a {} in this picture?")
+_OBJECTS = ("person", "dog", "chair", "car")
+_SUFFIX = "\nAnswer the question using a single word or phrase."
+
+
+def vision_tokens_per_image(adapter: VLMAdapter) -> int:
+    rows, cols = adapter.grid
+    return rows * cols
+
+
+def budget_tokens(budget: Budget, adapter: VLMAdapter, path: str) -> int:
+    """The budget in vision tokens per image for this model (``flops`` converted, see module doc)."""
+    from ..flops import LMShape, tokens_for_flops_ratio
+
+    if budget.tokens is not None:
+        return budget.tokens
+    try:
+        return tokens_for_flops_ratio(budget.flops, LMShape.of(adapter.text_config), vision_tokens_per_image(adapter))
+    except ValueError as exc:
+        raise ConfigError(f"{path}.flops", str(exc)) from None
+
+
+def in_llm_keep(tokens: int, n_vision: int, layer: int, n_layers: int, path: str) -> int:
+    """Kept vision tokens per image after ``layer`` so the layer average is ``tokens``.
+
+    avg = (K * N + (L - K) * keep) / L  =>  keep = (L * avg - K * N) / (L - K), rounded to the
+    nearest token (the average then lands within (L - K) / (2 L) of the budget). Budgets below
+    K * N / L (keep = 0) or above N are refused, naming the feasible range.
+    """
+    k, n, L = layer, n_vision, n_layers
+    lo = math.ceil(k * n / L)
+    if tokens > n or tokens < lo:
+        raise ConfigError(
+            f"{path}.tokens",
+            f"{tokens} layer-averaged tokens is infeasible when pruning at layer {k} of {L} with {n} vision tokens per "
+            f"image: the smallest feasible budget is {lo} (keep 0 after layer {k}), the largest {n}; "
+            "use a larger budget or an earlier pruning layer",
+        )
+    return max(0, min(n, round((L * tokens - k * n) / (L - k))))
+
+
+def calibration_batch(ctx: MethodContext, n: int = CALIBRATION_IMAGES) -> PreparedBatch:
+    """A fixed, offline calibration batch: ``n`` rendered world images (seed 0, split val, ids 0..n-1)
+    with POPE-style questions under the model's chat template."""
+    from ..model import PreparedBatch
+    from ..world import render_image
+
+    images = [render_image(0, "val", i).image.convert("RGB") for i in range(n)]
+    prompts = [_QUESTIONS[i % 2].format(_OBJECTS[i % len(_OBJECTS)]) + _SUFFIX for i in range(n)]
+    texts = [ctx.chat_text(p, 1) for p in prompts]
+    ids = [ctx.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+    processed = ctx.image_processor(images=images, return_tensors="pt")
+    pixels = processed["pixel_values"].to(ctx.device, ctx.dtype)
+    return PreparedBatch([[im] for im in images], prompts, texts, ids, pixels, list(range(n)), [], processed.get("image_sizes"))
+
+
+@torch.inference_mode()
+def measure_layer_avg(ctx: MethodContext, batch: PreparedBatch) -> float:
+    """Mean layer-averaged vision tokens per image of one prefill of ``batch`` (samples run one by one,
+    so no decision depends on the batch)."""
+    from ..decoding.base import state_accounting
+
+    values = []
+    for b in range(batch.batch_size):
+        one = _sample(batch, b)
+        vision = ctx.encode(one)
+        state, _ = ctx.runner.prefill(ctx.build_inputs(one, vision))
+        values.append(state_accounting(state).vision_layer_avg[0] / len(one.image_owner))
+    return sum(values) / len(values)
+
+
+def _sample(batch: PreparedBatch, b: int) -> PreparedBatch:
+    from ..model import PreparedBatch
+
+    idx = [i for i, o in enumerate(batch.image_owner) if o == b]
+    sizes = None if batch.image_sizes is None else batch.image_sizes[idx]
+    return PreparedBatch([batch.images[b]], [batch.prompts[b]], [batch.texts[b]], [batch.token_ids[b]],
+                         batch.pixel_values[idx], [0] * len(idx), [], sizes)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Where a calibration landed: the scalar, the tokens it keeps, and the target."""
+
+    value: float
+    tokens: float
+    target: int
+    steps: int
+
+    def as_stats(self) -> dict:
+        return {"value": self.value, "tokens": round(self.tokens, 3), "target": self.target, "steps": self.steps}
+
+
+def calibrate_scalar(
+    name: str,
+    measure: Callable[[float], float],
+    target: int,
+    lo: float,
+    hi: float,
+    *,
+    increasing: bool,
+    log_scale: bool = False,
+    tolerance: float = CALIBRATION_TOLERANCE,
+    steps: int = CALIBRATION_STEPS,
+) -> Calibration:
+    """Bisection on a scalar in [lo, hi] until ``measure(x)`` (mean layer-averaged tokens) is within
+    ``tolerance`` of ``target``; ``increasing``: tokens grow with x. Returns the closest setting found
+    (logged with a warning when the tolerance was not reached: the tokens are too coarse)."""
+    best: Calibration | None = None
+    a, b = lo, hi
+    for step in range(1, steps + 1):
+        x = math.sqrt(a * b) if log_scale else (a + b) / 2
+        got = measure(x)
+        if best is None or abs(got - target) < abs(best.tokens - target):
+            best = Calibration(x, got, target, step)
+        if abs(got - target) <= tolerance * target:
+            break
+        if (got < target) == increasing:
+            a = x
+        else:
+            b = x
+    assert best is not None
+    level = logging.INFO if abs(best.tokens - target) <= tolerance * target else logging.WARNING
+    logger.log(level, "%s: calibrated to %.6g -> %.2f layer-averaged vision tokens (budget %d, %d steps)",
+               name, best.value, best.tokens, target, best.steps)
+    return best
+
+
+def check_reachable(path: str, measure: Callable[[float], float], target: int, lo: float, hi: float, *, increasing: bool) -> None:
+    """Refuse a budget outside what the scalar's range [lo, hi] can reach on the calibration set
+    (with ``CALIBRATION_TOLERANCE`` slack), naming the reachable range."""
+    a, b = measure(lo), measure(hi)
+    least, most = (a, b) if increasing else (b, a)
+    if target < least * (1 - CALIBRATION_TOLERANCE) or target > most * (1 + CALIBRATION_TOLERANCE):
+        raise ConfigError(
+            f"{path}.tokens",
+            f"{target} layer-averaged vision tokens is out of reach of this method's thresholds on this model: "
+            f"its calibration set keeps between {least:.1f} and {most:.1f}; pick a budget in that range",
+        )

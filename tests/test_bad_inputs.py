@@ -1,0 +1,381 @@
+"""Every bad input is a clear error (exit 2) naming the thing and the fix, never a traceback (issue 18).
+
+Exit codes are checked through ``mmfast.cli.main`` in-process (it returns the code the process exits
+with); the model-loading cases use the tiny random model of ``conftest.tiny_dir``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mmfast.cli import main
+from mmfast.config import MAX_RECIPE_BYTES, load_recipe, parse_yaml
+from mmfast.errors import ConfigError, InputError
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    """Run the CLI in-process; returns (exit code, stderr)."""
+    rc = main(["-q", *argv])
+    return rc, capsys.readouterr().err
+
+
+def _write(tmp_path: Path, name: str, text: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+# --------------------------------------------------------------------------- recipes (item 8)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_non_finite_float_is_refused(tmp_path, capsys, value):
+    recipe = _write(tmp_path, "r.yaml", f"decoding: {{method: sample, params: {{temperature: {value}}}}}\n")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2
+    assert "decoding.params.temperature" in err and "not a finite number" in err
+
+
+def test_set_with_invalid_yaml_is_an_input_error(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", "name: r\n")
+    rc, err = _cli(capsys, "validate", str(recipe), "--set", "decoding.seed=[")
+    assert rc == 2
+    assert "override 'decoding.seed=['" in err and "not valid YAML" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_set_indexed_paths():
+    base = {"pruning": [{"method": "fastv"}], "decoding": "sample"}
+    recipe = load_recipe(base, overrides=["pruning[0].params.k=1", "decoding.params.temperature=0.5"])
+    assert recipe.pruning[0].params.k == 1
+    assert recipe.decoding.method == "sample" and recipe.decoding.params.temperature == 0.5
+    with pytest.raises(InputError, match=r"pruning has 1 entries, so \[3\] does not exist"):
+        load_recipe(base, overrides=["pruning[3].params.k=1"])
+    with pytest.raises(InputError, match=r"speculative is not in the recipe"):
+        load_recipe(base, overrides=["speculative[0].method=msd"])
+    with pytest.raises(InputError, match=r"decoding.max_new_tokens is 8, not a mapping"):
+        load_recipe({"decoding": {"max_new_tokens": 8}}, overrides=["decoding.max_new_tokens.x=1"])
+    with pytest.raises(InputError, match="not a dotted key path"):
+        load_recipe(base, overrides=["pruning..k=1"])
+
+
+def test_decoding_shorthand_string(tmp_path, capsys):
+    assert load_recipe({"decoding": "beam"}).decoding.method == "beam"
+    recipe = _write(tmp_path, "r.yaml", "decoding: beam\n")
+    rc, _ = _cli(capsys, "validate", str(recipe))
+    assert rc == 0
+    with pytest.raises(ConfigError, match=r"decoding: expected a decoder name or a mapping"):
+        load_recipe({"decoding": [1, 2]})
+
+
+def test_duplicate_keys_refused_with_line(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", "name: a\ndecoding:\n  seed: 1\n  seed: 2\n")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2
+    assert "line 4: duplicate key 'seed' (first given at line 3)" in err
+    # YAML merge keys are not duplicates
+    assert parse_yaml("a: &a {x: 1}\nb:\n  <<: *a\n  y: 2\n") == {"a": {"x": 1}, "b": {"x": 1, "y": 2}}
+
+
+def test_alias_bomb_fails_fast(tmp_path, capsys):
+    lines = ["bench:", "  params:", "    a: &a [x, x, x, x, x, x, x, x, x]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"    {name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    recipe = _write(tmp_path, "bomb.yaml", "\n".join(lines) + "\n")
+    assert recipe.stat().st_size < 600
+    t0 = time.perf_counter()
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert time.perf_counter() - t0 < 5
+    assert rc == 2 and "aliases expand the document" in err
+    # a reasonable use of anchors still loads
+    assert parse_yaml("a: &a [1, 2]\nb: *a\n") == {"a": [1, 2], "b": [1, 2]}
+
+
+def test_recursive_alias_refused():
+    with pytest.raises(yaml.YAMLError, match="recursive alias"):
+        parse_yaml("a: &a [1, *a]\n")
+
+
+def test_binary_recipe_refused(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", b"\xff\xfe\x00\x01garbage\x80")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "not a text recipe (invalid UTF-8" in err
+
+
+def test_oversized_recipe_refused(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", "# " + "x" * MAX_RECIPE_BYTES + "\nname: r\n")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "over the" in err and "byte limit" in err
+
+
+def test_max_memory_integer_device_keys():
+    """docs/scaling.md's example ``max_memory: {0: 38GiB, 1: 38GiB, cpu: 120GiB}`` validates."""
+    recipe = load_recipe(parse_yaml("model: {device_map: auto, max_memory: {0: 38GiB, 1: 38GiB, cpu: 120GiB}}"))
+    assert recipe.model.max_memory == {0: "38GiB", 1: "38GiB", "cpu": "120GiB"}
+    again = load_recipe(parse_yaml(yaml.safe_dump(recipe.to_dict())))
+    assert again.hash() == recipe.hash()
+
+
+# --------------------------------------------------------------------------- models, images, prompts (item 9)
+
+
+def test_cuda_device_without_cuda(tmp_path, capsys, tiny_dir, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = _write(tmp_path, "r.yaml", f"model: {{name: {tiny_dir}, device: cuda}}\n")
+    rc, err = _cli(capsys, "run", str(recipe), "--image", "x.png", "--prompt", "hi")
+    assert rc == 2 and "model.device 'cuda': CUDA is not available" in err and "device: cpu" in err
+
+
+def test_bad_device_string(tiny_dir):
+    import mmfast
+
+    with pytest.raises(InputError, match="model.device 'gpu' is not a device"):
+        mmfast.load(tiny_dir, device="gpu")
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_weights(tmp_path, tiny_dir):
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    d = _copy_model(tiny_dir, tmp_path / "m")
+    weights = d / "model.safetensors"
+    with weights.open("r+b") as fh:
+        fh.truncate(weights.stat().st_size // 2)
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        mmfast.load(d, device="cpu")
+    weights.unlink()
+    with pytest.raises(ModelLoadError, match="has no model.safetensors"):
+        mmfast.load(d, device="cpu")
+
+
+def test_missing_tokenizer_files(tmp_path, tiny_dir):
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    d = _copy_model(tiny_dir, tmp_path / "m")
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ModelLoadError, match=r"cannot load the processor .*tokenizer\.json"):
+        mmfast.load(d, device="cpu")
+
+
+def test_image_placeholder_typed_in_prompt(tiny_mm, images):
+    with pytest.raises(InputError, match=r"prompt 0 has 2 image placeholders '<image>' for 1 image\(s\)"):
+        tiny_mm.prepare([images[0]], ["<image> What is this?"])
+
+
+def test_invalid_utf8_prompt(tiny_mm, images):
+    bad = b"caf\xe9?".decode("utf-8", "surrogateescape")  # what argv holds for a Latin-1 terminal
+    with pytest.raises(InputError, match="prompt 0 is not valid UTF-8"):
+        tiny_mm.prepare([images[0]], [bad])
+
+
+def test_decompression_bomb_image(tmp_path, tiny_mm, monkeypatch):
+    from PIL import Image
+
+    path = tmp_path / "big.png"
+    Image.new("L", (64, 64)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 4096 px > 2x the limit: Pillow's bomb error
+    with pytest.raises(InputError, match="too large to decode safely"):
+        tiny_mm.prepare([path], ["hi"])
+
+
+def test_max_new_tokens_zero(tmp_path, capsys, tiny_mm, images):
+    from mmfast.pipeline import apply
+
+    with apply(tiny_mm) as s, pytest.raises(InputError, match="max_new_tokens must be a positive integer, got 0"):
+        s.generate([images[0]], ["hi"], max_new_tokens=0)
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "r.yaml", "--image", "x.png", "--prompt", "hi", "--max-new-tokens", "0"])
+    assert exc.value.code == 2 and "--max-new-tokens: must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", ["0", "-3"])
+def test_eval_limit_must_be_positive(capsys, limit):
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "r.yaml", "--limit", limit])
+    assert exc.value.code == 2 and "--limit: must be at least 1" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- method params against the model (item 8)
+
+
+def test_fastv_layer_beyond_the_model(tiny_mm):
+    from mmfast.pipeline import apply
+
+    with pytest.raises(ConfigError, match=r"pruning\[0\]\.params\.k: layer 999 does not exist in this 4-layer LLM"):
+        apply(tiny_mm, {"pruning": [{"method": "fastv", "params": {"k": 999}}]})
+    hooks = tiny_mm.adapter.layers[0]._forward_pre_hooks
+    assert not hooks  # the failed session restored the model
+
+
+def test_fastv_k_999_cli_exit_2(tmp_path, capsys, tiny_dir, images):
+    image = tmp_path / "i.png"
+    images[0].save(image)
+    recipe = _write(tmp_path, "r.yaml", f"model: {{name: {tiny_dir}, device: cpu}}\npruning: [{{method: fastv, params: {{k: 999}}}}]\n")
+    rc, err = _cli(capsys, "run", str(recipe), "--image", str(image), "--prompt", "hi")
+    assert rc == 2 and "pruning[0].params.k" in err
+
+
+# --------------------------------------------------------------------------- context limits (item 7)
+
+
+@pytest.fixture(scope="module")
+def short_context_mm(tmp_path_factory):
+    """The tiny model with a 64-token context."""
+    import dataclasses
+
+    import mmfast
+    from mmfast.models.factory import SHAPES, random_llava, save_model
+
+    model, processor = random_llava(dataclasses.replace(SHAPES["tiny"], max_positions=64), init_std=0.2)
+    return mmfast.load(save_model(model, processor, tmp_path_factory.mktemp("ctx64")), device="cpu")
+
+
+def _count_llm_forwards(mm) -> list[int]:
+    calls: list[int] = []
+    mm.adapter.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls
+
+
+def test_long_prompt_refused_before_compute(short_context_mm, images):
+    from mmfast.pipeline import apply
+
+    calls = _count_llm_forwards(short_context_mm)
+    with apply(short_context_mm) as s:
+        with pytest.raises(InputError, match=r"context of .* \(64 tokens\): sample 0: \d+ text \+ 0 vision tokens .* over"):
+            s.generate([images[0]], ["word " * 80], max_new_tokens=4)
+        assert not calls
+        assert s.generate([images[0]], ["hi"], max_new_tokens=2)  # a short one still runs
+
+
+def test_many_images_refused_before_the_llm(short_context_mm, images):
+    """3 images x 16 vision tokens + the prompt + 8 new tokens > 64: refused after the tower, before the LLM."""
+    from mmfast.pipeline import apply
+
+    calls = _count_llm_forwards(short_context_mm)
+    with apply(short_context_mm) as s:
+        with pytest.raises(InputError, match=r"48 vision tokens \(3 image\(s\)\) \+ 8 new tokens = \d+, \d+ over"):
+            s.generate([images[:3]], ["Describe these images."], max_new_tokens=8)
+        assert not calls
+
+
+def test_context_limit_counts_max_new_tokens(short_context_mm, images):
+    from mmfast.pipeline import apply
+
+    with apply(short_context_mm) as s:
+        with pytest.raises(InputError, match=r"\+ 60 new tokens"):
+            s.generate([images[0]], ["hi"], max_new_tokens=60)
+
+
+# --------------------------------------------------------------------------- output paths (item 9)
+
+
+def test_output_pointing_at_a_file(tmp_path, capsys):
+    target = _write(tmp_path, "afile", "x")
+    recipe = _write(tmp_path, "r.yaml", "model: {name: /nonexistent-model-dir}\neval: {tasks: [pope]}\n")
+    rc, err = _cli(capsys, "eval", str(recipe), "--output", str(target))
+    assert rc == 2 and "is a file, not a directory" in err  # before the (missing) model is even looked at
+
+
+def test_unwritable_output_dir(tmp_path, monkeypatch):
+    import tempfile
+
+    from mmfast.cli import check_output_dir
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(InputError, match="is not writable .*Permission denied"):
+        check_output_dir(tmp_path / "new" / "run")
+
+
+@pytest.mark.skipif(hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0, reason="root writes into read-only dirs")
+def test_read_only_output_dir(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    recipe = _write(tmp_path, "r.yaml", "model: {name: /nonexistent-model-dir}\neval: {tasks: [pope]}\n")
+    try:
+        rc, err = _cli(capsys, "eval", str(recipe), "--output", str(ro / "run"))
+    finally:
+        ro.chmod(0o700)
+    assert rc == 2 and "is not writable" in err
+
+
+def test_disk_full_is_exit_2(capsys, monkeypatch):
+    import errno
+
+    from mmfast import cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "runs/x/samples.jsonl")
+
+    monkeypatch.setitem(cli.COMMANDS, "list", full)
+    rc, err = _cli(capsys, "list")
+    assert rc == 2 and "runs/x/samples.jsonl: No space left on device (the disk is full" in err
+
+
+def test_corrupt_summary_in_report(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_bytes(b"\xff{not json")
+    rc, err = _cli(capsys, "report", str(run), "--output", str(tmp_path / "rep"))
+    assert rc == 2 and "summary.json: not valid JSON" in err
+
+
+# --------------------------------------------------------------------------- data files (item 9)
+
+
+@pytest.mark.parametrize("name", ["../secret.jpg", "/etc/passwd", "a/../../b.jpg"])
+def test_pope_image_paths_stay_in_the_image_dir(tmp_path, name):
+    import json
+
+    from mmfast.eval.pope import PopeFormatError, load_pope_questions
+
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "image": name, "text": "Is there a cat?", "label": "yes"}) + "\n")
+    with pytest.raises(PopeFormatError, match=r"q.jsonl:1: image .* is not a file name inside the image directory"):
+        load_pope_questions(path)
+    path.write_text(json.dumps({"question_id": 1, "image": "sub/ok.jpg", "text": "Is there a cat?", "label": "yes"}) + "\n")
+    assert load_pope_questions(path)[0].image == "sub/ok.jpg"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "address"),
+    [("http://mirror.local:8080", ("mirror.local", 8080)), ("https://hf-mirror.com/", ("hf-mirror.com", 443)),
+     ("http://mirror.local", ("mirror.local", 80)), ("https://[::1]:9000", ("::1", 9000))],
+)
+def test_hub_mirror_port(monkeypatch, endpoint, address):
+    import socket
+
+    from mmfast.model import _hub_reachable
+
+    seen = []
+
+    class _Conn:
+        def close(self) -> None:
+            pass
+
+    def connect(addr, timeout=None):
+        seen.append(addr)
+        return _Conn()
+
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    assert _hub_reachable()
+    assert seen == [address]

@@ -1,0 +1,178 @@
+"""The budget vocabulary of pruning stages: strict config, per-method mappings, calibration, bench expansion."""
+
+from __future__ import annotations
+
+import pytest
+
+import mmfast
+from mmfast.config import load_recipe
+from mmfast.errors import ConfigError
+from mmfast.pruning._budget import in_llm_keep
+
+PROMPTS = ["Describe the image.", "Is there a cat in the image?"]
+
+
+def _stage(method, tokens, **params):
+    return {"pruning": [{"method": method, "params": params, "budget": {"tokens": tokens}}]}
+
+
+# -- strict config -----------------------------------------------------------------------------------
+
+
+def test_budget_parses_and_roundtrips():
+    r = load_recipe(_stage("random", 8))
+    assert r.pruning[0].budget.tokens == 8 and r.pruning[0].budget.flops is None
+    again = load_recipe(r.to_dict())  # the dump omits the knobs the budget sets
+    assert again.pruning[0] == r.pruning[0] and again.hash() == r.hash()
+    assert load_recipe({"pruning": [{"method": "fastv", "budget": {"flops": 0.2}}]}).pruning[0].budget.flops == 0.2
+
+
+@pytest.mark.parametrize(
+    "budget, path",
+    [({"tokens": 8, "flops": 0.5}, "pruning[0].budget"), ({}, "pruning[0].budget"), ({"tokns": 8}, "pruning[0].budget.tokns"),
+     ({"tokens": 0}, "pruning[0].budget.tokens"), ({"flops": 1.5}, "pruning[0].budget.flops"), ({"tokens": "64"}, "pruning[0].budget.tokens")],
+)
+def test_budget_strict_errors(budget, path):
+    with pytest.raises(ConfigError) as exc:
+        load_recipe({"pruning": [{"method": "random", "budget": budget}]})
+    assert exc.value.path == path
+
+
+def test_unknown_stage_key_suggests_budget():
+    with pytest.raises(ConfigError, match="did you mean 'budget'") as exc:
+        load_recipe({"pruning": [{"method": "random", "budgt": {"tokens": 8}}]})
+    assert exc.value.path == "pruning[0].budgt"
+
+
+@pytest.mark.parametrize("method, knob, value", [("fastv", "keep", 5), ("fastv", "ratio", 0.5), ("random", "keep", 4),
+                                                 ("mustdrop", "preset", "64"), ("zipvl", "tau", 0.9), ("tome", "r", 2)])
+def test_budget_and_knob_together_fail_naming_both(method, knob, value):
+    with pytest.raises(ConfigError) as exc:
+        load_recipe(_stage(method, 8, **{knob: value}))
+    assert exc.value.path == f"pruning[0].params.{knob}" and "pruning[0].budget.tokens" in str(exc.value)
+
+
+# -- mappings on the tiny model (4x4 grid = 16 vision tokens, 4-layer LLM) -----------------------------------
+
+EXTRA = {
+    "hicom": {"global_queries": 0, "clip_model": "random"},
+    "dynamic_llava": {"predictors": "random", "layer_mapping": "proportional"},
+    "fastv": {"layer_mapping": "proportional"},
+}
+
+
+@pytest.mark.parametrize("method", ["random", "visionzip", "tome", "fastv", "dynamic_llava"])
+@pytest.mark.parametrize("tokens", [8, 4])
+def test_budget_lands_within_5_percent(tiny_mm, images, method, tokens):
+    out = tiny_mm.generate(images[:2], PROMPTS, recipe=_stage(method, tokens, **EXTRA.get(method, {})), max_new_tokens=2)
+    for r in out:
+        assert abs(r.vision_tokens_layer_avg - tokens) <= 0.05 * tokens, (method, tokens, r.vision_tokens_layer_avg)
+
+
+@pytest.mark.parametrize("method", ["avgpool", "hicom"])
+@pytest.mark.parametrize("tokens", [8, 4, 6])
+def test_grid_methods_follow_the_near_square_rule(tiny_mm, images, method, tokens):
+    from mmfast.pruning._grid import near_square_grid
+
+    oh, ow = near_square_grid(tokens, 4, 4)
+    out = tiny_mm.generate(images[:2], PROMPTS, recipe=_stage(method, tokens, **EXTRA.get(method, {})), max_new_tokens=2)
+    assert [r.vision_tokens_layer_avg for r in out] == [oh * ow] * 2
+
+
+def test_fastv_closed_form(tiny_mm):
+    from mmfast.pruning.fastv import FastV
+
+    cfg = load_recipe({"pruning": [{"method": "fastv", "params": {"k": 8, "layer_mapping": "proportional"}}]}).pruning[0].params
+    # L = 4, K = round(8 * 4 / 32) = 1, N = 16: keep = round((4B - 16) / 3)
+    for b, keep in [(16, 16), (10, 8), (8, 5), (4, 0)]:
+        assert FastV.budget_params(b, tiny_mm.adapter, cfg, "b") == {"keep": keep}
+    assert in_llm_keep(200, 576, 2, 32, "b") == round((32 * 200 - 2 * 576) / 30)
+    with pytest.raises(ConfigError, match="smallest feasible budget is 4") as exc:
+        FastV.budget_params(3, tiny_mm.adapter, cfg, "pruning[0].budget")
+    assert exc.value.path == "pruning[0].budget.tokens"
+
+
+def test_fastv_keep_is_per_image(tiny_mm, images):
+    rec = {"pruning": [{"method": "fastv", "params": {"keep": 3, "layer_mapping": "proportional"}}]}
+    out = tiny_mm.generate([images[:2], images[2]], PROMPTS, recipe=rec, max_new_tokens=2)
+    assert out[0].stats["fastv"]["kept"] == 6 and out[1].stats["fastv"]["kept"] == 3
+
+
+def test_flops_budget_converts_to_tokens(tiny_mm, images):
+    from mmfast.flops import LMShape, layer_flops, tokens_for_flops_ratio
+
+    shape = LMShape.of(tiny_mm.adapter.text_config)
+    t = tokens_for_flops_ratio(0.9, shape, 16)
+    assert 0 < t < 16 and abs(layer_flops(64 + t, shape) / layer_flops(64 + 16, shape) - 0.9) < 0.01
+    with pytest.raises(ValueError, match="smallest feasible"):
+        tokens_for_flops_ratio(0.01, shape, 16)
+    out = tiny_mm.generate(images[:1], PROMPTS[:1], recipe={"pruning": [{"method": "random", "budget": {"flops": 0.9}}]}, max_new_tokens=1)
+    assert out[0].n_vision_tokens == t
+
+
+# -- calibration (MustDrop, ZipVL) on the calibration set itself --------------------------------------------
+
+
+@pytest.mark.parametrize("method, params, tokens", [("mustdrop", {"window": 2, "layer_mapping": "proportional"}, 8), ("zipvl", {}, 6)])
+def test_calibration_converges(tiny_mm, method, params, tokens):
+    from mmfast.world import render_image
+
+    from mmfast.pruning._budget import _OBJECTS, _QUESTIONS, _SUFFIX
+
+    images = [render_image(0, "val", i).image.convert("RGB") for i in range(4)]
+    prompts = [_QUESTIONS[i % 2].format(_OBJECTS[i]) + _SUFFIX for i in range(4)]  # the calibration set itself
+    out = tiny_mm.generate(images, prompts, recipe=_stage(method, tokens, **params), max_new_tokens=1)
+    cal = out[0].stats[method]["calibration"]
+    assert cal["target"] == tokens and abs(cal["tokens"] - tokens) <= 0.02 * tokens
+    mean = sum(r.vision_tokens_layer_avg for r in out) / len(out)
+    assert abs(mean - tokens) <= 0.1 * tokens  # same images, the session's own prompts
+
+
+def test_mustdrop_calibrates_the_merge_when_thresholds_cannot_reach(tiny_mm):
+    """Budget 4 of 16 on the tiny model: the largest lambda scale still keeps more, so the merge
+    threshold is lowered (more windows merge) until the calibration set lands on the budget."""
+    from mmfast.pipeline import Session
+    from mmfast.pruning._budget import CALIBRATION_TOLERANCE
+
+    recipe = load_recipe(_stage("mustdrop", 4, window=2, layer_mapping="proportional"))
+    with Session(tiny_mm, recipe) as s:
+        md = s.pruners[0]
+        assert md.sim_threshold < md.config.sim_threshold == 0.8
+        assert abs(md.calibration.tokens - 4) <= CALIBRATION_TOLERANCE * 4
+        assert md.calibration.value == md.sim_threshold
+
+
+def test_calibration_refuses_unreachable_budget(tiny_mm, images):
+    with pytest.raises(ConfigError, match="out of reach") as exc:
+        tiny_mm.generate(images[:1], PROMPTS[:1], recipe=_stage("mustdrop", 1, window=2, layer_mapping="proportional"), max_new_tokens=1)
+    assert exc.value.path == "pruning[0].budget.tokens"
+
+
+# -- bench expansion ---------------------------------------------------------------------------------------
+
+
+def test_bench_budgets_expand_to_variants():
+    from mmfast.bench.common import only_variants, variants
+
+    r = load_recipe({"bench": {"kind": "pruning", "budgets": [192, 64], "methods": ["random", {"method": "mustdrop", "params": {"window": 2}}],
+                               "compare": [{"name": "fastv-paper", "pruning": [{"method": "fastv", "params": {"keep": 64}}]}]}})
+    vs = variants(r)
+    assert [v.name for v in vs] == ["baseline", "fastv-paper", "random-192", "random-64", "mustdrop-192", "mustdrop-64"]
+    md = vs[-1].recipe.pruning[0]
+    assert md.method == "mustdrop" and md.budget.tokens == 64 and md.params.window == 2
+    assert [v.name for v in variants(only_variants(r, ["random-64"]))] == ["baseline", "random-64"]
+    with pytest.raises(ConfigError, match="bench.methods and bench.budgets go together"):
+        variants(load_recipe({"bench": {"budgets": [64]}}))
+    bad = load_recipe({"bench": {"budgets": [64], "methods": [{"method": "random", "params": {"keep": 3}}]}})
+    with pytest.raises(ConfigError) as exc:
+        variants(bad)
+    assert exc.value.path.startswith("bench.methods[0].pruning[0].params.keep")
+
+
+def test_pruning_bench_recipe_expands():
+    from mmfast.bench.common import variants
+
+    names = [v.name for v in variants(load_recipe("configs/bench/pruning.yaml"))]
+    for m in ("visionzip", "tome", "random", "avgpool", "mustdrop", "hicom", "zipvl"):
+        assert {f"{m}-192", f"{m}-128", f"{m}-64"} <= set(names)
+    assert "fastv-192" in names and "zipvl-tau0.975" in names

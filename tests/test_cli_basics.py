@@ -1,0 +1,61 @@
+"""CLI basics: help without heavy imports, --version, a closed pipe ends quietly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import mmfast
+
+
+def _run(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_help_and_import_do_not_load_torch():
+    # `mmfast --help` builds the parser; neither it nor `import mmfast` may pull in torch / transformers
+    out = _run("import sys, mmfast, mmfast.cli; mmfast.cli._parser(); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    assert out == "[]"
+    # the public API still resolves on first use
+    assert _run("import mmfast; print(mmfast.load_recipe.__module__, mmfast.PRUNERS.kind)") == "mmfast.config pruning"
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "mmfast", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"mmfast {mmfast.__version__}"
+
+
+def test_closed_pipe_exits_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "mmfast", "list", "-v"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away, as `| head -1` does
+    err = proc.stderr.read().decode()
+    code = proc.wait(timeout=120)
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert code in (0, 141)
+
+
+def test_shipped_recipes_resolve_by_name_from_anywhere(tmp_path):
+    from mmfast.config import load_recipe, shipped_recipes
+
+    names = shipped_recipes()
+    assert {"world_eval", "bench/pruning", "coco_pope"} <= set(names)
+    for name in names:  # every shipped recipe validates
+        load_recipe(name)
+    out = subprocess.run([sys.executable, "-m", "mmfast", "validate", "world_eval"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and "recipe hash" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "mmfast", "list", "recipes"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and "world_eval" in out.stdout and "pruning:" not in out.stdout
+
+
+def test_wheel_carries_recipes_and_the_embedded_model(tmp_path):
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(root)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    wheel = next(tmp_path.glob("mmfast-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "mmfast/recipes/world_eval.yaml" in names and "mmfast/recipes/bench/pruning.yaml" in names
+    assert "mmfast/assets/tiny-world/config.json" in names
