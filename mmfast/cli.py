@@ -8,7 +8,10 @@
     mmfast report RUN_DIR... [--output DIR]
     mmfast rerender BENCH_DIR...             rewrite a bench's results.md + plots (n, 95% intervals), no re-run
 
-Exit codes: 0 ok, 2 bad input (the message names the file/key and the fix), 1 internal error.
+Exit codes: 0 ok, 2 bad input (the message names the file/key and the fix), 1 internal error,
+3 evaluation samples failed (``mmfast eval``: more than ``eval.max_failures`` allow, or any at all in
+a finished run unless ``--allow-failures``; they are counted and listed in ``summary.json``),
+130 interrupted (Ctrl-C), 128 + N ended by signal N (e.g. 143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -67,9 +70,11 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("eval", help="run the recipe's evaluation tasks (POPE, CHAIR, ...)")
     recipe_args(s)
-    s.add_argument("--limit", type=_positive_int, default=None, help="samples per task/split")
+    s.add_argument("--limit", type=_positive_int, default=None, help="samples per task/split (>= 1)")
     s.add_argument("--output", default=None, help="output directory (default: the recipe's output.dir)")
-    s.add_argument("--num-processes", type=_positive_int, default=1, help="data-parallel processes (accelerate)")
+    s.add_argument("--num-processes", type=_positive_int, default=1, help="data-parallel processes (>= 1)")
+    s.add_argument("--allow-failures", action="store_true",
+                   help="exit 0 even when samples failed (within eval.max_failures); they are still listed")
 
     s = sub.add_parser("bench", help="run the recipe's benchmark (baseline vs methods, same process)")
     recipe_args(s)
@@ -180,12 +185,20 @@ def check_output_dir(path: Path) -> None:
 
 
 def _cmd_eval(args) -> int:
-    from .eval.runner import output_dir, run_eval
+    from .eval.distributed import is_worker
+    from .eval.runner import EXIT_SAMPLES_FAILED, output_dir, run_eval
 
     recipe = _load(args)
     check_output_dir(output_dir(recipe, args.output))
     summary = run_eval(recipe, limit=args.limit, output=args.output, num_processes=args.num_processes)
+    if is_worker():
+        return 0  # the launcher prints the result
     print(json.dumps(summary["metrics"], indent=2))
+    failed = summary["counts"]["failed"]
+    if failed and not args.allow_failures:
+        logger.error("%d of %d samples failed (listed in summary.json); exiting %d (--allow-failures accepts them)",
+                     failed, summary["counts"]["planned"], EXIT_SAMPLES_FAILED)
+        return EXIT_SAMPLES_FAILED
     return 0
 
 
@@ -251,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    from .eval.distributed import Terminated, is_worker, watch_parent  # stdlib + yaml only: no torch
+
+    watch_parent()
     try:
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe surfaces here, inside the handler below
@@ -261,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except MMFastError as exc:
         print(f"mmfast: error: {exc}", file=sys.stderr)
-        return 2
+        return int(getattr(exc, "exit_code", 2))  # 3: evaluation samples failed (SamplesFailedError)
     except OSError as exc:
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             logger.exception("internal error (please report it with the command and the recipe)")
@@ -270,8 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mmfast: error: {where}{exc.strerror} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("mmfast: interrupted (finished samples are saved; rerun the same command to resume)", file=sys.stderr)
+        if not is_worker():  # the launcher says it once
+            print("mmfast: interrupted (finished samples are saved; rerun the same command to resume)", file=sys.stderr)
         return 130
+    except Terminated as exc:
+        print(f"mmfast: {exc} (finished samples are saved; rerun the same command to resume)", file=sys.stderr)
+        return 128 + exc.signum
     except Exception:
         logger.exception("internal error (please report it with the command and the recipe)")
         return 1

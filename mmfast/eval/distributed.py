@@ -1,30 +1,97 @@
-"""Data-parallel evaluation with accelerate: shards, per-shard resume, one merged result.
+"""Data-parallel evaluation: shards, per-shard resume, one merged result, a clean process lifecycle.
 
-``accelerate launch --num_processes N -m mmfast eval RECIPE`` on GPUs, ``torchrun --nproc_per_node N
--m mmfast eval RECIPE`` anywhere, or ``mmfast eval --num-processes N`` (which runs the torchrun form)
-gives process ``r`` every N-th planned sample; it writes
-``samples.rank{r}.jsonl`` (so each shard resumes on its own), and after a barrier the main process
-merges the shards in plan order into ``samples.jsonl`` and writes the single ``summary.json``. Because
-mmfast's answers do not depend on batch composition, the merged answers and metrics equal a
-single-process run's. On CPU the processes use the gloo backend.
+``mmfast eval --num-processes N`` starts N worker processes (``python -m mmfast eval`` with the
+``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_*`` variables ``torchrun`` would set; accelerate's
+``PartialState`` then picks nccl on GPUs and gloo on CPUs). ``accelerate launch --num_processes N -m
+mmfast eval RECIPE`` and ``torchrun --nproc_per_node N -m mmfast eval RECIPE`` work too. Process
+``r`` takes every N-th planned sample and writes ``samples.rank{r}.jsonl`` (so each shard resumes on
+its own); after a barrier the main process merges the shards in plan order into ``samples.jsonl``
+and writes the single ``summary.json``. Because mmfast's answers do not depend on batch composition,
+the merged answers and metrics equal a single-process run's.
+
+Lifecycle: the launcher holds the output directory's lock for its workers and keeps them in its own
+process group (never in new sessions), so a signal to the group reaches every worker. Each worker
+also dies with the launcher (``PR_SET_PDEATHSIG`` on Linux, and a watchdog polling its parent pid
+everywhere), so even a ``SIGKILL`` of the launcher alone stops them. On ``SIGINT`` / ``SIGTERM`` /
+``SIGHUP`` the launcher stops the workers, removes its temporary recipe and exits ``128 + signal``
+(130 for Ctrl-C) with one line; when one worker fails, the others are stopped.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
-import tempfile
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
 from ..errors import MMFastError
 
 logger = logging.getLogger(__name__)
+
+PARENT_ENV = "MMFAST_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+_STOP_GRACE_S = 5.0
+
+
+class Terminated(BaseException):
+    """The launcher received a termination signal (its workers are stopped and cleaned up)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+
+
+class WorkerError(MMFastError):
+    """A worker of a data-parallel run failed; ``exit_code`` is what ``mmfast eval`` exits with."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _libc_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def watch_parent() -> None:
+    """In a worker started by :func:`launch_data_parallel`: die when the launcher dies. Checks at once
+    (the launcher may be gone already), then a watchdog thread polls the parent pid."""
+    expected = os.environ.get(PARENT_ENV)
+    if not expected:
+        return
+    expected_pid = int(expected)
+    if os.getppid() != expected_pid:
+        os._exit(143)
+
+    def poll() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != expected_pid:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(_STOP_GRACE_S)
+                os._exit(143)
+
+    threading.Thread(target=poll, name="mmfast-parent-watchdog", daemon=True).start()
+
+
+def is_worker() -> bool:
+    """Whether this process is a worker of mmfast's data-parallel launcher."""
+    return bool(os.environ.get(PARENT_ENV))
 
 
 def shard_info() -> tuple[int, int]:
@@ -48,29 +115,103 @@ def barrier() -> None:
 
 
 def launch_data_parallel(recipe, *, limit: int | None, output: str | None, num_processes: int) -> dict[str, Any]:
-    """Run this evaluation under ``accelerate launch`` with ``num_processes`` processes; return the summary."""
-    from .runner import output_dir
+    """Run this evaluation in ``num_processes`` worker processes; return the merged summary."""
+    from . import rundir
+    from .runner import RunAbortedError, output_dir
 
     out = output_dir(recipe, output)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
-        yaml.safe_dump(recipe.to_dict(), fh, sort_keys=False)
-        recipe_path = fh.name
-    # torchrun sets RANK / WORLD_SIZE / LOCAL_RANK like `accelerate launch` does; accelerate's
-    # PartialState then picks nccl on GPUs and gloo on CPUs (accelerate's own CPU launcher needs MPI)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
-        "--master_port", str(_free_port()), "-m", "mmfast", "-q", "eval", recipe_path, "--output", str(out),
-    ]
-    if limit:
-        cmd += ["--limit", str(limit)]
-    logger.info("launching %d processes: %s", num_processes, " ".join(cmd))
+    with rundir.claim(out):
+        recipe_path = out / rundir.DP_RECIPE
+        recipe_path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        cmd = [sys.executable, "-m", "mmfast", "-q", "eval", str(recipe_path), "--output", str(out), "--allow-failures"]
+        if limit:
+            cmd += ["--limit", str(limit)]
+        port = _free_port()
+        base = dict(
+            os.environ,
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+            WORLD_SIZE=str(num_processes), LOCAL_WORLD_SIZE=str(num_processes),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            **{PARENT_ENV: str(os.getpid()), rundir.LOCK_OWNER_ENV: str(os.getpid())},
+        )
+        logger.info("launching %d processes: %s", num_processes, " ".join(cmd))
+        procs: list[subprocess.Popen] = []
+        try:
+            with _signals_raise():
+                prctl = _libc_prctl()
+                for rank in range(num_processes):
+                    env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
+                    procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent(prctl)))
+                codes, first_failed = _wait(procs)
+        finally:
+            _stop(procs)
+            recipe_path.unlink(missing_ok=True)
+    if first_failed is not None:
+        rank, code = first_failed, codes[first_failed]
+        where = f"finished samples are kept per shard in {out}; fix the cause (the worker's message is above) and rerun to resume"
+        if code == 3:
+            raise RunAbortedError(f"data-parallel evaluation stopped: too many samples failed in process {rank}; {where}")
+        raise WorkerError(f"data-parallel evaluation failed: process {rank} exited with {code}; {where}",
+                          exit_code=2 if code == 2 else 1)
+    return json.loads((out / rundir.SUMMARY_JSON).read_text())
+
+
+def _die_with_parent(prctl):
+    """``preexec_fn``: the child gets SIGTERM when the launcher dies (Linux)."""
+    if prctl is None:
+        return None
+
+    def set_pdeathsig() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+    return set_pdeathsig
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While workers run, SIGTERM and SIGHUP raise :class:`Terminated` (SIGINT: KeyboardInterrupt) so
+    the launcher stops them and removes its files before exiting."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+        yield
     finally:
-        os.unlink(recipe_path)
-    if proc.returncode != 0:
-        raise MMFastError(f"data-parallel evaluation failed (exit {proc.returncode}); finished samples are kept per shard in {out}")
-    return json.loads((out / "summary.json").read_text())
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _wait(procs: list[subprocess.Popen]) -> tuple[list[int], int | None]:
+    """Wait for every worker; when one fails, stop the others (they would wait for it forever).
+    Returns the exit codes and the rank that failed first (None when all succeeded)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            _stop(procs)
+            return [p.wait() for p in procs], failed[0]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes], None
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every live worker, SIGKILL those still alive after a grace period, reap them all."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _free_port() -> int:

@@ -1,10 +1,15 @@
 """Crash-safe per-sample records (``samples.jsonl``) with resume.
 
-Every finished sample is appended as one JSON line and flushed to disk before the next batch starts,
-so a killed run loses at most the batch in flight. On restart the file is read back: a torn last line
-(the process died mid-write) is cut off, the last record of each ``doc_id`` wins, successful samples
-are skipped, failed ones are retried. Field names follow lmms-eval (``doc_id``, ``target``, ``resps``,
-``filtered_resps``) plus mmfast's own (``task``, ``image``, ``prompt``, ``pred``, accounting).
+Every finished sample is appended as one JSON line (one ``write`` per line, flushed, and the file
+fsynced after each batch), so a killed run loses at most the record being written. On restart the
+file is read back line by line: a damaged line anywhere (cut short, blank, invalid UTF-8, not a JSON
+object with a ``doc_id``) is moved, byte for byte, to the side file ``samples.quarantine.jsonl``
+with a warning naming its line number, and every valid record before and after it is kept. The last
+record of each ``doc_id`` wins. A record counts as done only while its ``fingerprint`` (a digest of
+the sample's inputs, :mod:`mmfast.eval.fingerprint`) equals the planned sample's: a record whose
+inputs changed is recomputed, never reused. Field names follow lmms-eval (``doc_id``, ``target``,
+``resps``, ``filtered_resps``) plus mmfast's own (``task``, ``image``, ``prompt``, ``fingerprint``,
+accounting).
 """
 
 from __future__ import annotations
@@ -12,53 +17,147 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
 
 
+def quarantine_path(path: Path) -> Path:
+    """Where damaged lines of record file ``path`` go: ``samples.jsonl`` -> ``samples.quarantine.jsonl``."""
+    return path.with_suffix(".quarantine" + path.suffix)
+
+
+@dataclass(frozen=True)
+class DamagedLine:
+    """A line of a record file that is not a valid record (1-based ``line_no``, raw bytes, why)."""
+
+    line_no: int
+    raw: bytes
+    reason: str
+
+
+def _parse_line(line: bytes) -> dict[str, Any] | str:
+    """The record on ``line`` (without its newline), or why it is not one."""
+    if not line.strip():
+        return "blank line"
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"invalid UTF-8 at byte {exc.start}"
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"not JSON ({exc.msg} at column {exc.colno})"
+    if not isinstance(rec, dict) or not isinstance(rec.get("doc_id"), str):
+        return "not a record (a JSON object with a string doc_id)"
+    return rec
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: written to a temporary file, fsynced, renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 class RecordStore:
-    """Append-only JSONL store keyed by ``doc_id``."""
+    """Append-only JSONL store keyed by ``doc_id``; damaged lines are quarantined, never dropped."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.records: dict[str, dict[str, Any]] = {}
+        self.quarantined: list[DamagedLine] = []
+        self.n_lines = 0  # valid lines in the file (superseded records included)
         if self.path.exists():
             self._load()
 
+    @property
+    def quarantine_path(self) -> Path:
+        return quarantine_path(self.path)
+
     def _load(self) -> None:
         raw = self.path.read_bytes()
-        good_end = 0
-        for line in raw.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break  # torn write at the end
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            self.records[str(rec["doc_id"])] = rec
-            good_end += len(line)
-        if good_end < len(raw):
-            logger.warning("%s: dropping a partially written last record (%d bytes)", self.path, len(raw) - good_end)
-            with open(self.path, "r+b") as fh:
-                fh.truncate(good_end)
+        lines = raw.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()  # the file ends with a newline, as it should
+        kept: list[bytes] = []
+        damaged: list[DamagedLine] = []
+        for no, line in enumerate(lines, start=1):
+            parsed = _parse_line(line)
+            if isinstance(parsed, str):
+                torn = no == len(lines) and not raw.endswith(b"\n")
+                damaged.append(DamagedLine(no, line, parsed + (" (cut short: the last write did not finish)" if torn else "")))
+                continue
+            self.records[parsed["doc_id"]] = parsed
+            kept.append(line)
+        self.n_lines = len(kept)
+        if damaged:
+            self._quarantine(damaged, kept)
 
-    def done(self, doc_id: str) -> bool:
+    def _quarantine(self, damaged: list[DamagedLine], kept: list[bytes]) -> None:
+        """Move the damaged lines to the quarantine file (first, fsynced), then rewrite the record file
+        with the valid ones (atomically): a crash in between only quarantines a line twice."""
+        q = self.quarantine_path
+        with open(q, "ab") as fh:
+            for d in damaged:
+                fh.write(d.raw + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        write_atomic(self.path, b"".join(line + b"\n" for line in kept))
+        for d in damaged:
+            logger.warning("%s line %d: %s; moved to %s (the sample will be recomputed)", self.path, d.line_no, d.reason, q)
+        self.quarantined.extend(damaged)
+
+    def done(self, doc_id: str, fingerprint: str | None = None) -> bool:
+        """Whether ``doc_id`` has a successful record (of inputs ``fingerprint``, when given)."""
         rec = self.records.get(doc_id)
-        return rec is not None and "error" not in rec
+        if rec is None or "error" in rec:
+            return False
+        return fingerprint is None or rec.get("fingerprint") == fingerprint
+
+    def stale(self, doc_id: str, fingerprint: str) -> bool:
+        """Whether ``doc_id`` has a record made from other inputs than ``fingerprint``."""
+        rec = self.records.get(doc_id)
+        return rec is not None and rec.get("fingerprint") != fingerprint
 
     def failed(self) -> list[dict[str, Any]]:
         return [r for r in self.records.values() if "error" in r]
 
     def append(self, records: Iterable[dict[str, Any]]) -> None:
+        """Append records, one ``write`` per line, flushed per line and fsynced per call."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as fh:
+        with open(self.path, "ab") as fh:
             for rec in records:
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                fh.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+                fh.flush()
                 self.records[str(rec["doc_id"])] = rec
-            fh.flush()
+                self.n_lines += 1
             os.fsync(fh.fileno())
+
+    def compact(self) -> int:
+        """Rewrite the file (atomically) with one line per ``doc_id``, its latest record at the place of
+        its first line, when superseded lines exist (retried or recomputed samples); returns how many
+        lines were dropped."""
+        extra = self.n_lines - len(self.records)
+        if extra <= 0:
+            return 0
+        write_atomic(self.path, b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in self.records.values()))
+        self.n_lines = len(self.records)
+        return extra
 
     def successful(self, task: str | None = None) -> list[dict[str, Any]]:
         return [r for r in self.records.values() if "error" not in r and (task is None or r.get("task") == task)]

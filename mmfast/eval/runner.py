@@ -1,9 +1,17 @@
 """``mmfast eval``: run a recipe's evaluation tasks, crash-safe and resumable.
 
-Per-sample records are appended to ``samples.jsonl`` as each batch finishes; rerunning the same
-command skips finished samples and retries failed ones. A sample whose image is missing or corrupt
-(or whose generation raises) is recorded with its error, never as an empty answer; the run aborts
-once failures exceed ``eval.max_failures`` of the planned samples. ``summary.json`` holds the
+Per-sample records are appended to ``samples.jsonl`` as each batch finishes (see
+:mod:`mmfast.eval.records`); rerunning the same command skips finished samples whose inputs are
+unchanged (each record carries a fingerprint of its inputs, :mod:`mmfast.eval.fingerprint`),
+recomputes those whose inputs changed, and retries failed ones. The output directory is locked for
+the run and only mmfast's own files in it are ever removed (:mod:`mmfast.eval.rundir`).
+
+Failures are loud: a sample whose image is missing or corrupt (or whose generation raises) is
+recorded with its error, never as an empty answer; the run aborts as soon as more than
+``floor(eval.max_failures * planned)`` samples failed (``max_failures: 0`` stops at the first
+failure), and a run that finishes with failed samples counts and lists them in ``summary.json``
+(``counts.failed``, ``failures``) and in the log, and ``mmfast eval`` exits 3 (see
+:data:`EXIT_SAMPLES_FAILED`; ``--allow-failures`` makes it exit 0). ``summary.json`` holds the
 metrics by task (``metrics.<task>.*``: ``metrics.pope.<split>.*``, ``metrics.pope.mean_f1``,
 ``metrics.chair.*``), token accounting and the full protocol (model, recipe + hash, prompts,
 decoding, parser, file checksums, seeds, package versions). Tasks come from the registry
@@ -15,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
 import time
 import traceback
@@ -34,8 +41,25 @@ from .tasks import Sample, Task, build_tasks
 logger = logging.getLogger(__name__)
 
 
-class RunAbortedError(MMFastError):
-    """Too many samples failed."""
+EXIT_SAMPLES_FAILED = 3
+"""``mmfast eval``'s exit status when samples failed: more than ``eval.max_failures`` allow (the run
+aborted), or any at all in a finished run (unless ``--allow-failures``)."""
+
+
+class SamplesFailedError(MMFastError):
+    """Samples of the evaluation failed; ``mmfast eval`` exits :data:`EXIT_SAMPLES_FAILED`."""
+
+    exit_code = EXIT_SAMPLES_FAILED
+
+
+class RunAbortedError(SamplesFailedError):
+    """More samples failed than ``eval.max_failures`` allows."""
+
+
+def failure_budget(max_failures: float, n_planned: int) -> int:
+    """How many failed samples a run of ``n_planned`` samples tolerates: ``floor(max_failures * n)``
+    (``0``: none, the run stops at the first failure; ``1.0``: all)."""
+    return int(max_failures * n_planned + 1e-9)
 
 
 def output_dir(recipe: Recipe, output: str | None) -> Path:
@@ -59,12 +83,16 @@ def weights_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def _guard(out: Path, recipe: Recipe, fingerprint: str) -> None:
+def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> None:
     """Refuse to mix results of different recipes, or of different weights, in one directory
-    (unless output.overwrite, which starts over)."""
-    run_file = out / "run.json"
-    if run_file.exists():
-        old = json.loads(run_file.read_text())
+    (unless output.overwrite, which removes the earlier run's own files and starts over); record in
+    ``run.json`` every file this run writes."""
+    from . import rundir
+
+    old = rundir.read_run_json(out)
+    if old is None:
+        rundir.check_recognised(out)
+    else:
         problem = None
         if old.get("recipe_hash") != recipe.hash():
             problem = f"results of another recipe (hash {old.get('recipe_hash')} != {recipe.hash()})"
@@ -74,11 +102,12 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str) -> None:
             if not recipe.output.overwrite:
                 raise InputError(f"{out} holds {problem}; use another --output, or set output.overwrite: true to start over")
             logger.warning("%s holds %s; output.overwrite is set: starting over", out, problem)
-            shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if not run_file.exists():
-        run_file.write_text(json.dumps(
-            {"recipe_hash": recipe.hash(), "weights_fingerprint": fingerprint, "recipe": recipe.to_dict()}, indent=1))
+            rundir.remove_own(out, old)
+            old = None
+        else:
+            files = list(dict.fromkeys(rundir.listed_files(old, out) + files))
+    rundir.write_run_json(out, {"recipe_hash": recipe.hash(), "weights_fingerprint": fingerprint,
+                                "recipe": recipe.to_dict(), "files": files})
 
 
 def _shard_device(device: str, rank: int, world: int) -> str:
@@ -132,7 +161,7 @@ def side_files(tasks: list[Task]) -> dict[str, str]:
     return files
 
 
-def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str]) -> dict[str, Any]:
+def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str], fingerprint: str) -> dict[str, Any]:
     return {
         "doc_id": sample.doc_id,
         "task": sample.task,
@@ -142,11 +171,12 @@ def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str]) -
         "image": sample.image.name,
         "prompt": sample.prompt,
         "meta": sample.meta,
+        "fingerprint": fingerprint,
         **{k: v for k, v in result.to_dict().items() if k != "text"},
     }
 
 
-def _error_record(sample: Sample, exc: BaseException) -> dict[str, Any]:
+def _error_record(sample: Sample, exc: BaseException, fingerprint: str) -> dict[str, Any]:
     return {
         "doc_id": sample.doc_id,
         "task": sample.task,
@@ -154,22 +184,36 @@ def _error_record(sample: Sample, exc: BaseException) -> dict[str, Any]:
         "image": sample.image.name,
         "prompt": sample.prompt,
         "meta": sample.meta,
+        "fingerprint": fingerprint,
         "error": f"{type(exc).__name__}: {exc}",
     }
 
 
-def _run_batch(session, samples: list[Sample], text_filter) -> list[dict[str, Any]]:
+def batch_meta(samples: list[Sample]) -> list[dict[str, Any]]:
+    """The per-sample meta that reaches the session (``PreparedBatch.meta``): the task's meta plus the
+    sample's stable ``doc_id`` (what per-sample random generators are seeded with)."""
+    return [{**s.meta, "doc_id": s.doc_id} for s in samples]
+
+
+def _run_batch(session, samples: list[Sample], text_filter, fps: dict[str, str]) -> list[dict[str, Any]]:
     """Generate for a batch; on failure, isolate the failing samples one by one."""
     try:
-        batch = session.mm.prepare([s.image for s in samples], [s.prompt for s in samples], meta=[s.meta for s in samples])
+        batch = session.mm.prepare([s.image for s in samples], [s.prompt for s in samples], meta=batch_meta(samples))
         results = session.run(batch, max_new_tokens=samples[0].max_new_tokens)
-        return [_record(s, r, text_filter) for s, r in zip(samples, results)]
+        return [_record(s, r, text_filter, fps[s.doc_id]) for s, r in zip(samples, results)]
     except Exception as exc:
         if len(samples) > 1:
-            return [rec for s in samples for rec in _run_batch(session, [s], text_filter)]
+            return [rec for s in samples for rec in _run_batch(session, [s], text_filter, fps)]
         if not isinstance(exc, MMFastError):
             logger.warning("sample %s failed:\n%s", samples[0].doc_id, traceback.format_exc())
-        return [_error_record(samples[0], exc)]
+        else:
+            logger.warning("sample %s failed: %s", samples[0].doc_id, exc)
+        return [_error_record(samples[0], exc, fps[samples[0].doc_id])]
+
+
+def _check_limit(limit: int | None) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InputError(f"limit must be a whole number >= 1 (samples per task/split), got {limit!r}; leave it out to run every sample")
 
 
 def run_eval(
@@ -184,13 +228,17 @@ def run_eval(
     cfg = recipe.eval
     if not cfg.tasks:
         raise InputError("the recipe has no eval.tasks (add e.g. tasks: [pope, chair])")
+    _check_limit(limit)
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise InputError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
     if num_processes > 1:
         from .distributed import launch_data_parallel
 
         return launch_data_parallel(recipe, limit=limit, output=output, num_processes=num_processes)
     limit = limit or cfg.limit
     out = output_dir(recipe, output)
-    from .distributed import shard_info
+    from . import rundir
+    from .distributed import barrier, shard_info
 
     rank, world = shard_info()
     data = resolve_data(cfg, cfg.tasks)  # every input checked before anything is written
@@ -198,42 +246,66 @@ def run_eval(
     plan = [(task, task.samples(limit)) for task in tasks]
     check_plan(plan)
     extra_files = side_files(tasks)
+    lock = None
+    if rank == 0 and not rundir.check_held_by_launcher(out):
+        lock = rundir.claim(out)  # before loading the model: a second run into the directory stops at once
+    try:
+        return _run_locked(recipe, out, plan, extra_files, mm, rank, world, barrier)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm, rank: int, world: int, barrier) -> dict[str, Any]:
+    from . import rundir
+    from .fingerprint import sample_fingerprint
+
+    cfg = recipe.eval
     if mm is None:
         from ..model import load_model
 
         mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
     fingerprint = weights_fingerprint(mm.model)
     if rank == 0:
-        _guard(out, recipe, fingerprint)
-    n_total = sum(len(s) for _, s in plan)
-    if rank == 0:
+        _guard(out, recipe, fingerprint, rundir.own_files(world, extra_files))
         for fname, text in extra_files.items():
             (out / fname).write_text(text)
-    store = RecordStore(out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl"))
+    if world > 1:
+        barrier()  # no shard writes before the main process has checked and claimed the directory
+    n_total = sum(len(s) for _, s in plan)
+    budget = failure_budget(cfg.max_failures, n_total)
+    store = RecordStore(out / (rundir.SAMPLES if world == 1 else rundir.shard_name(rank)))
+    recipe_hash = recipe.hash()
+    fps = {s.doc_id: sample_fingerprint(s, recipe_hash, fingerprint)
+           for _, samples in plan for i, s in enumerate(samples) if i % world == rank}
     from ..pipeline import apply
 
     t0 = time.perf_counter()
-    failures = 0
     with apply(mm, recipe) as session:
         for task, samples in plan:
             mine = [s for i, s in enumerate(samples) if i % world == rank]
-            todo = [s for s in mine if not store.done(s.doc_id)]
+            todo = [s for s in mine if not store.done(s.doc_id, fps[s.doc_id])]
+            stale = [s for s in todo if store.done(s.doc_id) and store.stale(s.doc_id, fps[s.doc_id])]
+            if stale:
+                logger.warning("%s: %d finished sample(s) were computed from other inputs (question, prompt, label or "
+                               "image changed under the same path); recomputing them", task.name, len(stale))
             if len(todo) < len(mine):
                 logger.info("%s: %d of %d samples already done (resuming)", task.name, len(mine) - len(todo), len(mine))
             bar = tqdm(total=len(todo), desc=f"{task.name}", disable=None if todo else True)  # None: only on a TTY
             for i in range(0, len(todo), cfg.batch_size):
                 chunk = todo[i : i + cfg.batch_size]
-                records = _run_batch(session, chunk, task.filter_response)
+                records = _run_batch(session, chunk, task.filter_response, fps)
                 store.append(records)
-                failures = len([r for r in store.failed() if r["doc_id"] in {s.doc_id for _, ss in plan for s in ss}])
                 bar.update(len(chunk))
-                if failures > max(2, cfg.max_failures * n_total):
-                    errs = "; ".join(f"{r['doc_id']}: {r['error']}" for r in store.failed()[:3])
+                failed = [r for r in store.failed() if fps.get(r["doc_id"]) == r.get("fingerprint")]
+                if len(failed) > budget:
+                    errs = "; ".join(f"{r['doc_id']}: {r['error']}" for r in failed[:3])
                     raise RunAbortedError(
-                        f"{failures} of {n_total} samples failed (threshold eval.max_failures={cfg.max_failures}); "
-                        f"first errors: {errs}. Finished samples are saved in {store.path}; fix the cause and rerun."
+                        f"{len(failed)} of {n_total} samples failed, more than eval.max_failures={cfg.max_failures} allows "
+                        f"({budget}); first errors: {errs}. Finished samples are saved in {store.path}; fix the cause and rerun."
                     )
             bar.close()
+    store.compact()
     elapsed = time.perf_counter() - t0
     if world > 1:
         from .distributed import gather_and_finish
@@ -243,10 +315,17 @@ def run_eval(
 
 
 def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: float) -> dict[str, Any]:
-    """Score the planned samples and write ``summary.json``."""
-    planned = {s.doc_id for _, ss in plan for s in ss}
-    ok = [r for r in store.successful() if r["doc_id"] in planned]
-    failed = [r for r in store.failed() if r["doc_id"] in planned]
+    """Score the planned samples whose records match their inputs, and write ``summary.json``."""
+    from . import rundir
+    from .fingerprint import digest_of, sample_fingerprint
+
+    weights = weights_fingerprint(mm.model)
+    recipe_hash = recipe.hash()
+    planned = {s.doc_id: sample_fingerprint(s, recipe_hash, weights) for _, ss in plan for s in ss}
+    current = {d: r for d, r in store.records.items() if d in planned and r.get("fingerprint") == planned[d]}
+    ok = [current[d] for d in planned if d in current and "error" not in current[d]]
+    failed = [current[d] for d in planned if d in current and "error" in current[d]]
+    missing = [d for d in planned if d not in current]
     by_task: dict[str, list[dict[str, Any]]] = {}
     for r in ok:
         by_task.setdefault(r["task"], []).append(r)
@@ -256,16 +335,28 @@ def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: flo
         scored = task.metrics({g: by_task[g] for g in groups if g in by_task})
         if scored:
             metrics[task.name] = scored
+    proto = protocol(recipe, mm, plan)
+    proto["samples_digest"] = digest_of(r["fingerprint"] for r in ok)
     summary = {
         "metrics": metrics,
-        "counts": {"planned": len(planned), "finished": len(ok), "failed": len(failed)},
+        "counts": {"planned": len(planned), "finished": len(ok), "failed": len(failed), "not_run": len(missing),
+                   "quarantined_lines": len(store.quarantined)},
         "accounting": _accounting(ok),
-        "protocol": protocol(recipe, mm, plan),
+        "protocol": proto,
         "elapsed_s": round(elapsed, 2),
-        "failures": [{"doc_id": r["doc_id"], "error": r["error"]} for r in failed[:50]],
+        "failures": [{"doc_id": r["doc_id"], "error": r["error"]} for r in failed],
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    logger.info("wrote %s", out / "summary.json")
+    from .records import write_atomic
+
+    write_atomic(out / rundir.SUMMARY_JSON, json.dumps(summary, indent=2).encode("utf-8"))
+    logger.info("wrote %s", out / rundir.SUMMARY_JSON)
+    if failed:
+        shown = "\n".join(f"  {r['doc_id']}: {r['error']}" for r in failed[:20])
+        more = f"\n  ... and {len(failed) - 20} more (all listed in summary.json)" if len(failed) > 20 else ""
+        logger.warning("%d of %d samples FAILED; the metrics cover the other %d:\n%s%s", len(failed), len(planned),
+                       len(ok), shown, more)
+    if missing:
+        logger.warning("%d of %d planned samples have no current record (e.g. %s)", len(missing), len(planned), missing[0])
     return summary
 
 

@@ -1,0 +1,470 @@
+"""Fault injection for ``mmfast eval``: crashes at random points, damaged record files, inputs
+changed under the same path, concurrent runs, stale locks, foreign and unusable output directories,
+failed samples, killed data-parallel runs. Each asserts nothing lost, nothing stale, nothing
+duplicated, and nothing silent."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmfast.config import load_recipe
+from mmfast.errors import InputError
+from mmfast.eval import records as records_mod
+from mmfast.eval.records import RecordStore
+from mmfast.eval.rundir import LOCK_NAME, OutputLock, OutputLockedError
+from mmfast.eval.runner import RunAbortedError, failure_budget, run_eval
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    from mmfast.world import write_world
+
+    root = tmp_path_factory.mktemp("fiworld")
+    write_world(root, seed=0, n_train=0, n_val=14, pope_images=14, progress=False)
+    return root
+
+
+def _recipe(tiny_dir, world, out, *, overwrite=False, **eval_over):
+    ev = {
+        "tasks": ["pope"],
+        "data": {"dataset": "world", "root": str(world)},
+        "pope": {"max_new_tokens": 2, "splits": ["random", "adversarial"]},
+        "chair": {"n_images": 4, "max_new_tokens": 3},
+        "batch_size": 4,
+    }
+    ev.update(eval_over)
+    return load_recipe({"name": "fi", "model": {"name": str(tiny_dir), "device": "cpu"}, "eval": ev,
+                        "output": {"dir": str(out), "overwrite": overwrite}})
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _answers(path: Path) -> dict[str, tuple]:
+    return {r["doc_id"]: (r["target"], r["resps"], r["fingerprint"]) for r in _lines(path)}
+
+
+def _assert_complete(path: Path, n: int) -> list[dict]:
+    """Exactly ``n`` records, one per doc_id, all successful, all with a fingerprint."""
+    recs = _lines(path)
+    ids = [r["doc_id"] for r in recs]
+    assert len(ids) == len(set(ids)) == n, "records lost or duplicated"
+    assert all("error" not in r and r.get("fingerprint") for r in recs)
+    return recs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, tiny_mm, world, tmp_path_factory) -> Path:
+    """An uninterrupted run: POPE random + adversarial, 80 questions each (160 records)."""
+    out = tmp_path_factory.mktemp("fi") / "ref"
+    run_eval(_recipe(tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]}),
+             limit=80, mm=tiny_mm)
+    _assert_complete(out / "samples.jsonl", 160)
+    return out
+
+
+class _Crash(BaseException):
+    """A simulated kill: not an Exception, so nothing in mmfast may catch it."""
+
+
+def test_crash_at_random_points_then_resume(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
+    """Crash after a random number of batches (sometimes leaving a half-written line), resume, repeat:
+    the final records equal an uninterrupted run's, with no duplicates and nothing quarantined but
+    the torn lines."""
+    rng = random.Random(1234)
+    recipe = _recipe(tiny_dir, world, tmp_path / "crashy", tasks=["pope", "chair"], batch_size=2)
+    fresh = run_eval(recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh"))), limit=4, mm=tiny_mm)
+    real_append = RecordStore.append
+    torn = 0
+    for attempt in range(20):
+        budget = rng.randint(0, 3)
+        tear = rng.random() < 0.5
+
+        def append(self, recs, _state={"n": 0}, _budget=budget, _tear=tear):
+            if _state["n"] >= _budget:
+                if _tear:
+                    with open(self.path, "ab") as fh:
+                        fh.write(b'{"doc_id": "pope_random/1", "resps": [["ye')
+                raise _Crash
+            _state["n"] += 1
+            real_append(self, recs)
+
+        monkeypatch.setattr(RecordStore, "append", append)
+        try:
+            summary = run_eval(recipe, limit=4, mm=tiny_mm)
+            break
+        except _Crash:
+            torn += tear
+            assert not (tmp_path / "crashy" / LOCK_NAME).exists(), "the lock must be released however the run ends"
+    else:
+        pytest.fail("the run never finished")
+    monkeypatch.setattr(RecordStore, "append", real_append)
+    assert attempt > 0, "no crash was injected"
+    def counts(c):
+        return {k: v for k, v in c.items() if k != "quarantined_lines"}
+
+    assert summary["metrics"] == fresh["metrics"] and counts(summary["counts"]) == counts(fresh["counts"])
+    got = _answers(tmp_path / "crashy" / "samples.jsonl")
+    want = _answers(tmp_path / "fresh" / "samples.jsonl")
+    assert got == want  # nothing lost, nothing duplicated, same answers
+    q = tmp_path / "crashy" / "samples.quarantine.jsonl"
+    assert (len(q.read_bytes().splitlines()) if q.exists() else 0) == torn
+
+
+@pytest.mark.parametrize("damage", [b'{"doc_id": "pope_random/3", "ta', b"", b'{"doc_id": "\xff\xfe broken"}', b"[1, 2]"])
+def test_damaged_middle_line_quarantined(damage, reference, tiny_dir, tiny_mm, world, tmp_path, caplog):
+    """One damaged line in the middle of a 160-record file: 159 kept byte for byte, 1 recomputed,
+    the damaged bytes in samples.quarantine.jsonl, a warning naming the line."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    path = out / "samples.jsonl"
+    lines = path.read_bytes().splitlines()
+    victim = json.loads(lines[79])["doc_id"]
+    path.write_bytes(b"\n".join(lines[:79] + [damage] + lines[80:]) + b"\n")
+    recipe = _recipe(tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]})
+    with caplog.at_level(logging.WARNING):
+        s = run_eval(recipe, limit=80, mm=tiny_mm)
+    assert any("line 80" in r.getMessage() and "quarantine" in r.getMessage() for r in caplog.records)
+    after = path.read_bytes().splitlines()
+    assert len(after) == 160
+    kept = [x for x in after if json.loads(x)["doc_id"] != victim]
+    assert kept == lines[:79] + lines[80:]  # every other record untouched
+    assert _answers(path) == _answers(reference / "samples.jsonl")  # the victim recomputed, same answer
+    assert (out / "samples.quarantine.jsonl").read_bytes() == damage + b"\n"
+    assert s["counts"]["finished"] == 160 and s["counts"]["quarantined_lines"] == 1
+    assert s["metrics"] == json.loads((reference / "summary.json").read_text())["metrics"]
+
+
+def test_store_keeps_records_around_several_damaged_lines(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    good = [json.dumps({"doc_id": f"d{i}", "resps": [["x"]]}).encode() for i in range(6)]
+    path.write_bytes(b"\n".join([good[0], b"\xc3\x28", good[1], b"   ", good[2], b"{", good[3], good[4], b"null", good[5]]) + b"\n{\"doc")
+    store = RecordStore(path)
+    assert sorted(store.records) == [f"d{i}" for i in range(6)]
+    assert [d.line_no for d in store.quarantined] == [2, 4, 6, 9, 11]
+    assert path.read_bytes() == b"".join(g + b"\n" for g in good)
+    assert len(path.with_name("samples.quarantine.jsonl").read_bytes().splitlines()) == 5
+    assert RecordStore(path).quarantined == []  # clean now
+
+
+def _replace_questions(path: Path) -> list[dict]:
+    """Other questions under the same ids (labels flipped, text changed), as a same-path replacement."""
+    qs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    for q in qs:
+        q["label"] = "no" if q["label"] == "yes" else "yes"
+        q["text"] = q["text"].replace("Is there", "Do you see")
+    path.write_text("".join(json.dumps(q) + "\n" for q in qs))
+    return qs
+
+
+def test_changed_question_file_recomputed(tiny_dir, tiny_mm, world, tmp_path, caplog):
+    """A POPE file replaced at the same path by other questions reusing the ids: the rerun recomputes
+    them, its metrics equal a fresh run's, and the summary's checksum is the data the answers came from."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]})
+    first = run_eval(recipe, limit=12, mm=tiny_mm)
+    qfile = w / "pope" / "world_pope_random.json"
+    new = _replace_questions(qfile)
+    with caplog.at_level(logging.WARNING):
+        rerun = run_eval(recipe, limit=12, mm=tiny_mm)
+    assert any("12 finished sample(s) were computed from other inputs" in r.getMessage() for r in caplog.records)
+    fresh = run_eval(recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh"))), limit=12, mm=tiny_mm)
+    assert rerun["metrics"] == fresh["metrics"]
+    recs = _assert_complete(out / "samples.jsonl", 12)
+    by_id = {q["question_id"]: q for q in new}
+    assert all(r["target"] == by_id[r["meta"]["question_id"]]["label"] for r in recs)
+    assert all(r["meta"]["question"] == by_id[r["meta"]["question_id"]]["text"] for r in recs)
+    import hashlib
+
+    assert rerun["protocol"]["tasks"]["pope"]["files"]["random"]["sha256"] == hashlib.sha256(qfile.read_bytes()).hexdigest()
+    assert rerun["protocol"]["samples_digest"] == fresh["protocol"]["samples_digest"] != first["protocol"]["samples_digest"]
+
+
+def test_changed_image_recomputed(tiny_dir, tiny_mm, world, tmp_path):
+    """An image replaced under the same name: only the samples about it are recomputed."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]})
+    run_eval(recipe, limit=12, mm=tiny_mm)
+    before = {r["doc_id"]: r for r in _lines(out / "samples.jsonl")}
+    img_name = next(iter(before.values()))["image"]
+    victim = w / "images" / "val" / img_name
+    other = next(p for p in sorted(victim.parent.iterdir()) if p.name != img_name)
+    shutil.copyfile(other, victim)
+    run_eval(recipe, limit=12, mm=tiny_mm)
+    after = {r["doc_id"]: r for r in _assert_complete(out / "samples.jsonl", 12)}
+    changed = {d for d, r in after.items() if r != before[d]}
+    assert changed == {d for d, r in after.items() if r["image"] == img_name} and 0 < len(changed) < 12
+    assert all(after[d]["fingerprint"] != before[d]["fingerprint"] for d in changed)
+
+
+def test_concurrent_run_refused_with_owner(tiny_dir, tiny_mm, world, tmp_path):
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out)
+    with OutputLock(out):
+        with pytest.raises(OutputLockedError, match=rf"in use by another mmfast run \(pid {os.getpid()} on host"):
+            run_eval(recipe, limit=2, mm=tiny_mm)
+        from mmfast.cli import main
+
+        cfg = tmp_path / "r.yaml"
+        cfg.write_text(json.dumps(recipe.to_dict()))
+        assert main(["-q", "eval", str(cfg), "--limit", "2"]) == 2
+    assert not (out / "samples.jsonl").exists()  # the refused runs wrote nothing
+    run_eval(recipe, limit=2, mm=tiny_mm)  # free again
+    _assert_complete(out / "samples.jsonl", 4)
+
+
+def test_stale_lock_of_dead_process_taken_over(tiny_dir, tiny_mm, world, tmp_path, caplog):
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": "earlier", "command": "x"}))
+    with caplog.at_level(logging.WARNING):
+        run_eval(_recipe(tiny_dir, world, out), limit=2, mm=tiny_mm)
+    assert any("stale lock" in r.getMessage() and f"pid {dead.pid}" in r.getMessage() for r in caplog.records)
+    assert not (out / LOCK_NAME).exists()
+    _assert_complete(out / "samples.jsonl", 4)
+
+
+def test_overwrite_removes_only_own_files(tiny_dir, tiny_mm, world, tmp_path):
+    out = tmp_path / "run"
+    run_eval(_recipe(tiny_dir, world, out, tasks=["pope", "chair"]), limit=2, mm=tiny_mm)
+    listed = json.loads((out / "run.json").read_text())["files"]
+    assert {"run.json", "summary.json", "samples.jsonl", "chair_image_ids.txt"} <= set(listed)
+    (out / "notes.txt").write_text("my notes")
+    (out / "plots").mkdir()
+    (out / "plots" / "a.png").write_bytes(b"png")
+    other = _recipe(tiny_dir, world, out, overwrite=True, batch_size=3)  # another recipe: starts over
+    run_eval(other, limit=1, mm=tiny_mm)
+    assert (out / "notes.txt").read_text() == "my notes" and (out / "plots" / "a.png").exists()
+    assert not (out / "chair_image_ids.txt").exists()  # the earlier run's side file is gone
+    _assert_complete(out / "samples.jsonl", 2)
+    assert json.loads((out / "run.json").read_text())["recipe_hash"] == other.hash()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_foreign_directory_refused(overwrite, tiny_dir, tiny_mm, world, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    with pytest.raises(InputError, match="not an mmfast run directory"):
+        run_eval(_recipe(tiny_dir, world, out, overwrite=overwrite), limit=1, mm=tiny_mm)
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"]
+
+
+def test_damaged_run_json_is_an_input_error(tiny_dir, tiny_mm, world, tmp_path):
+    out = tmp_path / "run"
+    run_eval(_recipe(tiny_dir, world, out), limit=1, mm=tiny_mm)
+    (out / "run.json").write_text('{"recipe_ha')
+    with pytest.raises(InputError, match="run.json is damaged"):
+        run_eval(_recipe(tiny_dir, world, out), limit=1, mm=tiny_mm)
+
+
+def test_unusable_output_paths(tiny_dir, tiny_mm, world, tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    with pytest.raises(InputError, match="is a file, not a directory"):
+        run_eval(_recipe(tiny_dir, world, a_file), limit=1, mm=tiny_mm)
+    with pytest.raises(InputError, match="cannot create output directory"):
+        run_eval(_recipe(tiny_dir, world, a_file / "run"), limit=1, mm=tiny_mm)
+    deep = tmp_path / "missing" / "parents" / "run"  # missing parents are created
+    run_eval(_recipe(tiny_dir, world, deep), limit=1, mm=tiny_mm)
+    _assert_complete(deep / "samples.jsonl", 2)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_output(tiny_dir, tiny_mm, world, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(InputError, match="cannot create output directory"):
+            run_eval(_recipe(tiny_dir, world, ro / "run"), limit=1, mm=tiny_mm)
+        with pytest.raises(InputError, match="not writable"):
+            run_eval(_recipe(tiny_dir, world, ro), limit=1, mm=tiny_mm)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_failure_budget():
+    assert failure_budget(0.0, 1000) == 0
+    assert failure_budget(0.05, 12) == 0
+    assert failure_budget(0.05, 100) == 5
+    assert failure_budget(1.0, 7) == 7
+
+
+def test_missing_image_is_loud(tiny_dir, tiny_mm, world, tmp_path, caplog):
+    """A missing image: max_failures 0 stops at the first failure; a tolerated failure is counted,
+    listed in the summary and the log, and `mmfast eval` exits 3 unless --allow-failures."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=1, max_failures=0.0)
+    qs = _lines(w / "pope" / "world_pope_random.json")[:12]
+    gone = qs[8]["image"]
+    first_bad = next(i for i, q in enumerate(qs) if q["image"] == gone)
+    n_bad = sum(1 for q in qs if q["image"] == gone)
+    (w / "images" / "val" / gone).unlink()
+    with pytest.raises(RunAbortedError, match="1 of 12 samples failed, more than eval.max_failures=0.0 allows"):
+        run_eval(recipe, limit=12, mm=tiny_mm)
+    recs = _lines(out / "samples.jsonl")
+    assert len(recs) == first_bad + 1 and "error" in recs[-1]  # stopped at the first failure
+    tolerant = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=1, max_failures=0.5)
+    with caplog.at_level(logging.WARNING):
+        s = run_eval(tolerant.replace(output=dataclasses.replace(tolerant.output, overwrite=True)), limit=12, mm=tiny_mm)
+    assert s["counts"]["failed"] == n_bad and s["counts"]["finished"] == 12 - n_bad
+    assert {f["doc_id"] for f in s["failures"]} == {r["doc_id"] for r in _lines(out / "samples.jsonl") if "error" in r}
+    assert any("samples FAILED" in r.getMessage() for r in caplog.records)
+    from mmfast.cli import main
+
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(json.dumps(tolerant.to_dict()))
+    assert main(["-q", "eval", str(cfg), "--limit", "12"]) == 3
+    assert main(["-q", "eval", str(cfg), "--limit", "12", "--allow-failures"]) == 0
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "x"])
+def test_bad_limit_exits_2(bad, capsys):
+    from mmfast.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "recipe.yaml", "--limit", bad])
+    assert exc.value.code == 2 and "--limit" in capsys.readouterr().err
+    with pytest.raises(InputError, match="limit must be a whole number >= 1"):
+        run_eval(load_recipe({"eval": {"tasks": ["pope"]}}), limit=int(bad) if bad != "x" else 0)
+
+
+def test_doc_id_reaches_the_session(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
+    from mmfast.pipeline import Session
+
+    seen: list[str] = []
+    real_run = Session.run
+
+    def run(self, batch, **kw):
+        seen.extend(m["doc_id"] for m in batch.meta)
+        return real_run(self, batch, **kw)
+
+    monkeypatch.setattr(Session, "run", run)
+    run_eval(_recipe(tiny_dir, world, tmp_path / "run"), limit=2, mm=tiny_mm)
+    assert seen == [r["doc_id"] for r in _lines(tmp_path / "run" / "samples.jsonl")]
+
+
+# -- data-parallel lifecycle (real processes) --------------------------------------------------------
+
+
+def _dp_cmd(tiny_dir, world, tmp_path, out) -> tuple[list[str], dict]:
+    cfg = tmp_path / "dp.yaml"
+    cfg.write_text(json.dumps({
+        "name": "dpfi", "model": {"name": str(tiny_dir), "device": "cpu"},
+        "eval": {"tasks": ["pope"], "data": {"dataset": "world", "root": str(world)},
+                 "pope": {"max_new_tokens": 8, "splits": ["random"]}, "batch_size": 1},
+        "output": {"dir": str(out)},
+    }))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+    return [sys.executable, "-m", "mmfast", "-q", "eval", str(cfg), "--num-processes", "2", "--limit", "24"], env
+
+
+def _workers_of(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    return alive
+
+
+def _wait_shards(out: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    shards = [out / "samples.rank0.jsonl", out / "samples.rank1.jsonl"]
+    while time.monotonic() < deadline and proc.poll() is None:
+        if all(s.exists() and s.stat().st_size for s in shards):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the workers did not start writing (exit {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_data_parallel_killed_launcher_stops_workers_and_resumes(tiny_dir, tiny_mm, world, tmp_path):
+    """SIGKILL the launcher alone mid-run: both workers die with it (nothing keeps writing); the
+    rerun completes, equal to a single-process run, nothing lost or duplicated."""
+    out = tmp_path / "dp"
+    cmd, env = _dp_cmd(tiny_dir, world, tmp_path, out)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait_shards(out, proc)
+    workers = _workers_of(proc.pid)
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait()
+    assert _wait_gone(workers, 15) == [], "workers outlived the launcher"
+    sizes = [(out / f"samples.rank{r}.jsonl").stat().st_size for r in range(2)]
+    time.sleep(1.0)
+    assert sizes == [(out / f"samples.rank{r}.jsonl").stat().st_size for r in range(2)], "a shard is still being written"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "stale lock" in done.stderr
+    assert not (out / ".mmfast-dp-recipe.yaml").exists() and not (out / LOCK_NAME).exists()
+    recs = _assert_complete(out / "samples.jsonl", 24)
+    spec = json.loads((tmp_path / "dp.yaml").read_text())
+    single = run_eval(load_recipe({**spec, "output": {"dir": str(tmp_path / "one")}}), limit=24, mm=tiny_mm)
+    assert {r["doc_id"]: r["resps"] for r in recs} == {r["doc_id"]: r["resps"] for r in _lines(tmp_path / "one" / "samples.jsonl")}
+    assert json.loads((out / "summary.json").read_text())["metrics"] == single["metrics"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_data_parallel_interrupt_is_clean(sig, code, tiny_dir, world, tmp_path):
+    """Ctrl-C / SIGTERM to the launcher: every worker stops, the temporary recipe and the lock are
+    removed, the exit status is 128 + signal, and stderr is one line (no traceback)."""
+    out = tmp_path / "dp"
+    cmd, env = _dp_cmd(tiny_dir, world, tmp_path, out)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_shards(out, proc)
+    workers = _workers_of(proc.pid)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code
+    assert _wait_gone(workers, 10) == []
+    assert not (out / ".mmfast-dp-recipe.yaml").exists() and not (out / LOCK_NAME).exists()
+    said = [x for x in err.splitlines() if "mmfast" in x or "Error" in x]  # (model-loading progress bars aside)
+    assert said == [err.splitlines()[-1]] and said[0].startswith("mmfast: ") and "Traceback" not in err, err
+
+
+def test_records_module_keeps_fsync(tmp_path, monkeypatch):
+    """Each append reaches the disk before the next batch starts (fsync per call)."""
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(records_mod.os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    store = RecordStore(tmp_path / "s.jsonl")
+    store.append([{"doc_id": "a"}, {"doc_id": "b"}])
+    store.append([{"doc_id": "c"}])
+    assert len(calls) == 2 and [r["doc_id"] for r in _lines(tmp_path / "s.jsonl")] == ["a", "b", "c"]
