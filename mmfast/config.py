@@ -389,7 +389,7 @@ class EvalConfig:
     chair: ChairTaskConfig = opt(factory=ChairTaskConfig)
     batch_size: int = opt(1, lo=1, hi=256)
     limit: int | None = opt(None, lo=1, doc="samples per task/split (smoke runs)")
-    max_failures: float = opt(0.05, lo=0.0, hi=1.0, doc="abort when this fraction of samples fail")
+    max_failures: float = opt(0.05, lo=0.0, hi=1.0, doc="abort when more than this fraction of the planned samples fail (0: at the first failure)")
     task_options: dict[str, Any] = opt(factory=dict, doc="sections eval.<task> of tasks outside the built-ins")
 
     def task_config(self, name: str) -> Any:
