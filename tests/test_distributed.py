@@ -19,9 +19,10 @@ def world(tmp_path_factory):
     return root
 
 
-def _recipe(tiny_dir, world, out):
+def _recipe(tiny_dir, world, out, methods=None):
     return load_recipe({
         "name": "dp",
+        **(methods or {}),
         "model": {"name": str(tiny_dir), "device": "cpu"},
         "eval": {
             "tasks": ["pope", "chair"],
@@ -50,3 +51,32 @@ def test_two_processes_equal_one(tiny_dir, tiny_mm, world, tmp_path):
     # resume per shard: rerunning does no new work and gives the same summary
     again = run_eval(_recipe(tiny_dir, world, tmp_path / "two"), limit=6, num_processes=2)
     assert again["metrics"] == single["metrics"]
+
+
+# every kind of method: a pruner with per-image decisions and a branch decoder that re-encodes, a
+# sampling decoder with a trained-style draft, and the transformed-image branch decoder
+STACKS = {
+    "mustdrop+vcd": {"pruning": [{"method": "mustdrop", "params": {"window": 2, "layer_mapping": "proportional",
+                                                                   "sim_threshold": -1.0, "lambda_g": 0.2, "lambda_i": 1.0}}],
+                     "decoding": {"method": "vcd"}},
+    "sample+msd": {"decoding": {"method": "sample"}, "speculative": {"method": "msd"}},
+    "ritual": {"decoding": {"method": "ritual"}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_two_processes_equal_one_for_every_method_kind(stack, tiny_dir, tiny_mm, world, tmp_path):
+    """Per-sample randomness and per-image decisions: the shard a sample lands in never matters."""
+    if stack == "sample+msd":
+        from mmfast.speculative._eagle_model import _model_dir, write_random_draft
+
+        d = _model_dir(tiny_mm)
+        if not (d / "msd").exists():
+            write_random_draft(tiny_mm, "msd", d / "msd")
+    methods = STACKS[stack]
+    single = run_eval(_recipe(tiny_dir, world, tmp_path / "one", methods), limit=4, mm=tiny_mm)
+    multi = run_eval(_recipe(tiny_dir, world, tmp_path / "two", methods), limit=4, num_processes=2)
+    assert multi["protocol"]["processes"] == 2
+    assert _answers(tmp_path / "one" / "samples.jsonl") == _answers(tmp_path / "two" / "samples.jsonl")
+    assert multi["metrics"] == single["metrics"]

@@ -313,8 +313,9 @@ def test_failure_budget():
 
 
 def test_missing_image_is_loud(tiny_dir, tiny_mm, world, tmp_path, caplog):
-    """A missing image: max_failures 0 stops at the first failure; a tolerated failure is counted,
-    listed in the summary and the log, and `mmfast eval` exits 3 unless --allow-failures."""
+    """A missing image: with max_failures 0 the run is refused before the model loads (naming the
+    image); a tolerated failure is counted, listed in the summary and the log, and `mmfast eval`
+    exits 3 unless --allow-failures."""
     w = tmp_path / "world"
     shutil.copytree(world, w)
     out = tmp_path / "run"
@@ -324,10 +325,10 @@ def test_missing_image_is_loud(tiny_dir, tiny_mm, world, tmp_path, caplog):
     first_bad = next(i for i, q in enumerate(qs) if q["image"] == gone)
     n_bad = sum(1 for q in qs if q["image"] == gone)
     (w / "images" / "val" / gone).unlink()
-    with pytest.raises(RunAbortedError, match="1 of 12 samples failed, more than eval.max_failures=0.0 allows"):
+    with pytest.raises(InputError, match=f"1 image\\(s\\) of this evaluation are missing .*{gone}.*{n_bad} of 12 samples would fail"):
         run_eval(recipe, limit=12, mm=tiny_mm)
-    recs = _lines(out / "samples.jsonl")
-    assert len(recs) == first_bad + 1 and "error" in recs[-1]  # stopped at the first failure
+    assert not (out / "samples.jsonl").exists()  # refused before anything ran
+    assert first_bad < 12
     tolerant = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=1, max_failures=0.5)
     with caplog.at_level(logging.WARNING):
         s = run_eval(tolerant.replace(output=dataclasses.replace(tolerant.output, overwrite=True)), limit=12, mm=tiny_mm)
@@ -340,6 +341,23 @@ def test_missing_image_is_loud(tiny_dir, tiny_mm, world, tmp_path, caplog):
     cfg.write_text(json.dumps(tolerant.to_dict()))
     assert main(["-q", "eval", str(cfg), "--limit", "12"]) == 3
     assert main(["-q", "eval", str(cfg), "--limit", "12", "--allow-failures"]) == 0
+
+
+def test_corrupt_image_stops_at_the_first_failure(tiny_dir, tiny_mm, world, tmp_path):
+    """An image that exists but cannot be read fails its samples while running: with max_failures 0
+    the run stops at the first one, keeping every record finished before it."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=1, max_failures=0.0)
+    qs = _lines(w / "pope" / "world_pope_random.json")[:12]
+    bad = qs[8]["image"]
+    first_bad = next(i for i, q in enumerate(qs) if q["image"] == bad)
+    (w / "images" / "val" / bad).write_bytes(b"not an image")
+    with pytest.raises(RunAbortedError, match="1 of 12 samples failed, more than eval.max_failures=0.0 allows"):
+        run_eval(recipe, limit=12, mm=tiny_mm)
+    recs = _lines(out / "samples.jsonl")
+    assert len(recs) == first_bad + 1 and "error" in recs[-1] and "cannot be read" in recs[-1]["error"]
 
 
 @pytest.mark.parametrize("bad", ["0", "-3", "x"])

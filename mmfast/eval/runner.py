@@ -62,6 +62,25 @@ def failure_budget(max_failures: float, n_planned: int) -> int:
     return int(max_failures * n_planned + 1e-9)
 
 
+def _check_images(plan, max_failures: float, rank: int, world: int) -> None:
+    """Every planned image exists, or the missing ones fit the failure budget (then a warning);
+    otherwise refuse before any model is loaded, naming them."""
+    missing = sorted({str(s.image) for _, samples in plan for s in samples if not Path(s.image).is_file()})
+    if not missing:
+        return
+    n_bad = sum(1 for _, samples in plan for s in samples if str(s.image) in set(missing))
+    n_total = sum(len(samples) for _, samples in plan)
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    if n_bad > failure_budget(max_failures, n_total):
+        raise InputError(
+            f"{len(missing)} image(s) of this evaluation are missing ({shown}): {n_bad} of {n_total} samples would "
+            f"fail, more than eval.max_failures={max_failures} allows; fix the data root or the question files"
+        )
+    if rank == 0:
+        logger.warning("%d image(s) missing (%s): %d of %d samples will fail (within eval.max_failures=%s)",
+                       len(missing), shown, n_bad, n_total, max_failures)
+
+
 def output_dir(recipe: Recipe, output: str | None) -> Path:
     return Path(output or recipe.output.dir.format(name=recipe.name))
 
@@ -245,6 +264,7 @@ def run_eval(
     tasks = build_tasks(cfg, data, cache_dir=cache_root())
     plan = [(task, task.samples(limit)) for task in tasks]
     check_plan(plan)
+    _check_images(plan, cfg.max_failures, rank, world)  # before the model loads: no hour-long load for a typo
     extra_files = side_files(tasks)
     lock = None
     if rank == 0 and not rundir.check_held_by_launcher(out):
