@@ -300,8 +300,8 @@ def test_cache_key_changes_with_inputs(tmp_path: Path) -> None:
 def test_cache_key_changes_with_the_language_data_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path)
     shipped = load_shipped_resources()
-    other = ChairResources(shipped.tagger, shipped.lemmatize, "nltk",
-                           {**shipped.provenance, "route": "nltk", "lemmas": "WordNetLemmatizer (all of WordNet)"})
+    provenance = {**shipped.provenance, "route": "nltk", "lemmas": "WordNetLemmatizer (all of WordNet)"}
+    other = ChairResources(shipped.tagger, shipped.lemmatize, "nltk", provenance)
     monkeypatch.setattr(chair_mod, "load_chair_resources", lambda nltk_data=None: other)
     ev = ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path)
     assert len(list(tmp_path.glob("chair_gt_*.json"))) == 2

@@ -188,9 +188,10 @@ def _sweep_sentences(wn: object, table: dict[str, dict[str, str]], n_random: int
     rng = random.Random(0)
     script = _build_script()
     exc = {pos: wn._exception_map[pos] for pos in POS}  # type: ignore[attr-defined]
+    rules = wn.MORPHOLOGICAL_SUBSTITUTIONS  # type: ignore[attr-defined]
     targets = set(RELEVANT)
     for pos in POS:
-        targets |= script.candidate_forms(RELEVANT, exc[pos], wn.MORPHOLOGICAL_SUBSTITUTIONS[pos])  # type: ignore[attr-defined]
+        targets |= script.candidate_forms(RELEVANT, exc[pos], rules[pos])
         targets |= set(table[pos])
     exception_forms = {f for pos in POS for f, bases in exc[pos].items() if RELEVANT.intersection(bases)}
     assert exception_forms <= targets

@@ -379,8 +379,9 @@ class CaptionParser:
         if self.resources.exact_for is not None:
             uncovered = relevant_words(synonyms, phrases) - self.resources.exact_for
             if uncovered:
-                raise ValueError(f"the shipped CHAIR lemma table covers the reference vocabulary only, not "
-                                 f"{sorted(uncovered)[:10]}; pass NLTK data (load_nltk_resources) for another one")
+                raise ValueError(f"the shipped CHAIR lemma table covers the reference vocabulary only, "
+                                 f"not {sorted(uncovered)[:10]}; pass NLTK data (load_nltk_resources) "
+                                 "for another one")
         self.synonyms = synonyms
         self.phrases = phrases
         self._lemma_cache: dict[tuple[str, str], str] = {}
