@@ -6,12 +6,11 @@ PYTHON     ?= python3.11
 VENV       ?= .venv
 PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-NLTK_DATA  ?= $(abspath $(firstword $(wildcard ../shared/nltk_data) $(HOME)/nltk_data))
 DEMO_LIMIT ?= 100
 
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
-export NLTK_DATA
+# CHAIR's tagger and lemma data ship in the package; NLTK_DATA is only read if you set it yourself.
 
 .PHONY: setup demo test clean
 

@@ -7,9 +7,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-_NLTK = Path(__file__).resolve().parents[1].parent / "shared" / "nltk_data"
-if _NLTK.is_dir():
-    os.environ.setdefault("NLTK_DATA", str(_NLTK))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -17,6 +14,28 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and the suite shares the machine
+
+# NLTK data the product could pick up from the machine (CHAIR ships its own; see mmfast/assets/chair).
+_MACHINE_NLTK_DATA = ("taggers/averaged_perceptron_tagger_eng", "taggers/averaged_perceptron_tagger_eng.zip",
+                      "corpora/wordnet", "corpora/wordnet.zip")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With ``MMFAST_BARE=1`` (``.ci/run``) refuse to run unless the product is on its own: no
+    ``$NLTK_DATA`` and no tagger or WordNet anywhere on NLTK's default path (``~/nltk_data``,
+    ``/usr/share/nltk_data``, ``sys.prefix``/..., ...), so a test passing cannot rest on them.
+    The CHAIR identity tests load reference data explicitly (``MMFAST_REFERENCE_NLTK_DATA``)."""
+    if os.environ.get("MMFAST_BARE") != "1":
+        return
+    import nltk
+
+    problems = [f"NLTK_DATA is set ({os.environ['NLTK_DATA']})"] if os.environ.get("NLTK_DATA") else []
+    problems += [f"{os.path.join(root, rel)} exists" for root in nltk.data.path for rel in _MACHINE_NLTK_DATA
+                 if os.path.exists(os.path.join(root, rel))]
+    if problems:
+        pytest.exit("MMFAST_BARE=1, but NLTK data outside the clone is visible: " + "; ".join(problems)
+                    + " (unset NLTK_DATA, use an empty HOME, remove the folders)",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture(scope="session")

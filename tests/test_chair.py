@@ -11,6 +11,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -18,10 +19,14 @@ from mmfast.eval import chair as chair_mod
 from mmfast.eval.chair import (
     CaptionParser,
     ChairEvaluator,
+    ChairResources,
     NltkDataMissingError,
+    ShippedDataError,
     coco_image_id,
     load_captions,
+    load_chair_resources,
     load_nltk_resources,
+    load_shipped_resources,
     sample_image_ids,
     split_sentences,
     tokenize_caption,
@@ -32,26 +37,29 @@ from mmfast.eval.chair_vocab import (
     PHRASE_MAP,
     PUNKT_ENGLISH_ABBREVIATIONS,
     SYNONYM_TO_NODE,
+    relevant_words,
 )
 from mmfast.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
-NLTK_DATA = REPO.parent / "shared" / "nltk_data"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chair"
 INSTANCES = [FIXTURES / "instances_a.json", FIXTURES / "instances_b.json"]
 CAPTIONS = FIXTURES / "captions.json"
 GENERATED = FIXTURES / "generated.jsonl"
 
 
-@pytest.fixture(autouse=True)
-def _nltk_data(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Point NLTK at the shared offline data (CI: ../shared/nltk_data from the repo root)."""
-    monkeypatch.setenv("NLTK_DATA", str(NLTK_DATA))
+@pytest.fixture(autouse=True, scope="module")
+def _no_nltk_data() -> Iterator[None]:
+    """These tests use the data shipped with mmfast (the default route), whatever the machine has;
+    tests/test_chair_identity.py compares it with NLTK's data."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("NLTK_DATA", raising=False)
+        yield
 
 
 @pytest.fixture(scope="module")
 def parser() -> CaptionParser:
-    return CaptionParser(load_nltk_resources(NLTK_DATA))
+    return CaptionParser()
 
 
 # --- vocabulary --------------------------------------------------------------------------------
@@ -144,7 +152,11 @@ PARSE_CASES = [
     ("A cheesecake on the stove top oven.", ["a", "cheesecake", "on", "the", "stove", "top", "oven", "."],
      [("stove", "oven"), ("oven", "oven")]),
     ("Train tracks and a motor bike.", ["train track", "and", "a", "motor bike", "."], []),
-    ("The sky is blue.", ["the", "sky", "be", "blue", "."], []),
+    # With the shipped lemma table a token CHAIR cannot compare keeps its form: "is" (NLTK's WordNet
+    # lemmatizer gives "be"; no metric reads it; see tests/test_chair_identity.py).
+    ("The sky is blue.", ["the", "sky", "is", "blue", "."], []),
+    ("Hair driers, toilet seats and mice.", ["hair drier", ",", "toilet", "and", "mouse", "."],
+     [("hair drier", "hair drier"), ("toilet", "toilet"), ("mouse", "mouse")]),
 ]
 
 
@@ -183,7 +195,7 @@ EXPECTED_METRICS = {"chair_s": 0.5, "chair_i": 3 / 17, "recall": 0.9, "len": 71 
 
 @pytest.fixture(scope="module")
 def evaluator() -> ChairEvaluator:
-    return ChairEvaluator.from_coco(INSTANCES, CAPTIONS, nltk_data=NLTK_DATA)
+    return ChairEvaluator.from_coco(INSTANCES, CAPTIONS)
 
 
 def test_ground_truth_from_instances_and_captions(evaluator: ChairEvaluator) -> None:
@@ -253,7 +265,7 @@ def test_coco_image_id() -> None:
 
 def test_json_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                caplog: pytest.LogCaptureFixture) -> None:
-    first = ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path, nltk_data=NLTK_DATA)
+    first = ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path)
     files = list(tmp_path.glob("chair_gt_*.json"))
     assert len(files) == 1
     data = json.loads(files[0].read_text())  # plain JSON, not a pickle
@@ -285,7 +297,37 @@ def test_cache_key_changes_with_inputs(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("chair_gt_*.json"))) == 2
 
 
-# --- missing NLTK data ------------------------------------------------------------------------------------
+def test_cache_key_changes_with_the_language_data_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path)
+    shipped = load_shipped_resources()
+    provenance = {**shipped.provenance, "route": "nltk", "lemmas": "WordNetLemmatizer (all of WordNet)"}
+    other = ChairResources(shipped.tagger, shipped.lemmatize, "nltk", provenance)
+    monkeypatch.setattr(chair_mod, "load_chair_resources", lambda nltk_data=None: other)
+    ev = ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("chair_gt_*.json"))) == 2
+    assert ev.provenance["language_data"]["route"] == "nltk"
+
+
+# --- language data: shipped by default, NLTK data when asked for ------------------------------------------
+
+
+def test_shipped_data_is_the_default_and_needs_no_nltk_data(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import nltk
+
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nothing")])
+    res = load_chair_resources()
+    assert res.route == "shipped" and res is load_shipped_resources()
+    assert res.exact_for == relevant_words()
+    assert res.provenance["wordnet_version"] == "3.0"
+    assert set(res.provenance["tagger_sha256"]) == {"weights", "tagdict", "classes"}
+    assert res.lemmatize("mice", "n") == "mouse" and res.lemmatize("driers", "n") == "drier"
+    assert res.lemmatize("drier", "a") == "dry"  # "hair drier" as an adjective is no phrase (as NLTK)
+    assert res.lemmatize("is", "v") == "is"  # not comparable by CHAIR: its own form
+    assert [t for _, t in res.tagger.tag(["a", "dog", "runs", "."])] == ["DT", "NN", "VBZ", "."]
+    # $NLTK_DATA without the tagger and WordNet is not an error: the shipped data is used.
+    monkeypatch.setenv("NLTK_DATA", str(tmp_path))
+    assert load_chair_resources().route == "shipped"
 
 
 def test_missing_nltk_data_error_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,14 +338,47 @@ def test_missing_nltk_data_error_says_what_to_do(tmp_path: Path, monkeypatch: py
     with pytest.raises(NltkDataMissingError) as info:
         load_nltk_resources()
     msg = str(info.value)
-    assert "NLTK_DATA" in msg and "../shared/nltk_data" in msg
+    assert "NLTK_DATA" in msg and "../shared" not in msg
     assert "python -m nltk.downloader averaged_perceptron_tagger_eng wordnet" in msg
-    assert "averaged_perceptron_tagger_eng" in msg and "wordnet" in msg
+    assert "averaged_perceptron_tagger_eng" in msg and "wordnet" in msg and "shipped" in msg
     assert isinstance(info.value, LookupError)
-    # The evaluator only needs NLTK once it parses captions, and then fails the same way.
-    ev = ChairEvaluator({1: ["dog"]})
+    # NLTK data asked for explicitly must be there: the evaluator fails once it parses captions.
+    ev = ChairEvaluator({1: ["dog"]}, nltk_data=tmp_path)
     with pytest.raises(NltkDataMissingError):
         ev.evaluate([{"image_id": 1, "caption": "A dog."}])
+    # Without the request it uses the shipped data.
+    assert ChairEvaluator({1: ["dog"]}).evaluate([{"image_id": 1, "caption": "A dog."}]).chair_i == 0.0
+
+
+def test_shipped_table_must_match_the_vocabulary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    copy = tmp_path / "chair"
+    shutil.copytree(chair_mod.SHIPPED_DATA, copy)
+    doc = json.loads((copy / "chair_lemmas.json").read_text())
+    doc["vocabulary"] = "0" * 64
+    (copy / "chair_lemmas.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(chair_mod, "SHIPPED_DATA", copy)
+    with pytest.raises(ShippedDataError, match="another CHAIR vocabulary"):
+        load_shipped_resources.__wrapped__()
+    (copy / "averaged_perceptron_tagger_eng.classes.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(ShippedDataError, match="cannot be read"):
+        load_shipped_resources.__wrapped__()
+
+
+def test_shipped_table_refuses_another_vocabulary() -> None:
+    with pytest.raises(ValueError, match="covers the reference vocabulary only"):
+        CaptionParser(synonyms={**SYNONYM_TO_NODE, "gnu": "cow"})
+    CaptionParser(synonyms={"dog": "dog"})  # a subset is covered
+
+
+def test_product_names_no_data_outside_the_package() -> None:
+    # CHAIR must not find the reference NLTK data by itself (tests/test_chair_identity.py loads it
+    # explicitly) nor name this repository's neighbour folders.
+    for path in (REPO / "mmfast").rglob("*"):
+        if path.suffix in (".py", ".md", ".txt", ".yaml"):
+            text = path.read_text(encoding="utf-8")
+            assert "MMFAST_REFERENCE_NLTK_DATA" not in text and "../shared" not in text, path
 
 
 def test_search_order_env_then_argument_then_defaults(monkeypatch: pytest.MonkeyPatch,
@@ -338,4 +413,5 @@ def test_sample_image_ids_is_portable(tmp_path: Path) -> None:
 def test_describe_records_the_protocol(evaluator: ChairEvaluator) -> None:
     info = evaluator.describe()
     assert info["wordnet_version"] == "3.0" and info["pipeline_version"] == chair_mod.PIPELINE_VERSION
+    assert info["language_data"]["route"] == "shipped" and "table_sha256" in info["language_data"]["lemmas"]
     json.dumps(info)

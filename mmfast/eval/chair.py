@@ -14,10 +14,19 @@ reference captions. Metrics (as the reference computes them):
 * len     = mean number of tokens after phrase merging, punctuation included (the reference stores
   ``0.01 * mean`` as "Len"; ``ChairResult.len`` is the mean itself, ``to_reference_dict`` the 0.01 form).
 
-Offline NLTK and the one deviation in tokenisation. The reference calls ``nltk.word_tokenize``,
-which needs the Punkt sentence model (``punkt_tab``). mmfast only requires the POS tagger and
-WordNet (``NLTK_DATA``; never downloaded at run time). Sentences are split by NLTK's own Punkt
-algorithm (``nltk.tokenize.punkt``, pure code) given the English model's abbreviation list
+Language data: no NLTK data needed. The tagger (NLTK's ``averaged_perceptron_tagger_eng`` weights,
+loaded into NLTK's ``PerceptronTagger``) and a WordNet lemma table ship in ``mmfast/assets/chair``
+(licences there). The table holds ``WordNetLemmatizer`` lemmas only for the forms whose lemma CHAIR
+can compare (``scripts/build_chair_data.py`` builds it and argues why that gives the same mentions,
+counts and metrics as all of WordNet; tests/test_chair_identity.py checks it against NLTK's data);
+other tokens keep their own form in ``words`` ("is", not "be"), which no metric reads. NLTK data is
+used instead when asked for: ``nltk_data=`` or ``$NLTK_DATA`` holding the tagger and WordNet (see
+``load_chair_resources``). Nothing is ever downloaded, and ``describe()["language_data"]`` (part of
+the ground-truth cache key) records which route ran, with versions and data digests.
+
+The one deviation in tokenisation. The reference calls ``nltk.word_tokenize``, which needs the
+Punkt sentence model (``punkt_tab``), which mmfast does not use. Sentences are split by NLTK's own
+Punkt algorithm (``nltk.tokenize.punkt``, pure code) given the English model's abbreviation list
 (``chair_vocab.PUNKT_ENGLISH_ABBREVIATIONS``) but not its collocation and orthographic statistics;
 each sentence is then tokenised with ``nltk.word_tokenize(sentence, preserve_line=True)`` (the same
 Treebank tokeniser). On lower-cased captions the trained statistics only matter after a number or a
@@ -34,6 +43,7 @@ COCO images, so record the NLTK version with every number.
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
 import json
 import logging
@@ -43,15 +53,22 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from ..errors import InputError
-from .chair_vocab import PHRASE_MAP, PUNKT_ENGLISH_ABBREVIATIONS, SYNONYM_TO_NODE, vocabulary_digest
+from .chair_vocab import (PHRASE_MAP, PUNKT_ENGLISH_ABBREVIATIONS, SEAT_RULE, SYNONYM_TO_NODE, relevant_words,
+                          vocabulary_digest)
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_VERSION = 1  # bump when caption processing changes; part of the ground-truth cache key
 _CACHE_FORMAT = "mmfast.chair.ground_truth"
+SHIPPED_DATA = Path(__file__).resolve().parents[1] / "assets" / "chair"
+_TAGGER_NAME = "averaged_perceptron_tagger_eng"
+_TAGGER_PARTS = ("weights", "tagdict", "classes")  # the order PerceptronTagger.decode_json_obj takes
+_LEMMA_FILE = "chair_lemmas.json"
+_LEMMA_FORMAT = "mmfast.chair.lemmas"
+_WORDNET_POS = ("n", "v", "a", "r")  # what _wordnet_pos maps tags to
 _TAGGER = ("taggers/averaged_perceptron_tagger_eng/",)
 _WORDNET = ("corpora/wordnet/", "corpora/wordnet.zip/wordnet/")
 _TAGGER_FILES = ("taggers/averaged_perceptron_tagger_eng", "taggers/averaged_perceptron_tagger_eng.zip")
@@ -62,38 +79,137 @@ _COCO_FILE_RE = re.compile(r"^(?:[A-Za-z]+_[A-Za-z]+\d*_)?0*(\d+)\.(?:jpe?g|png)
 
 
 class NltkDataMissingError(InputError, LookupError):
-    """The POS tagger or WordNet data that CHAIR needs is not installed where NLTK looks."""
+    """NLTK data was asked for (``nltk_data=``) but its POS tagger or WordNet is not there."""
+
+
+class ShippedDataError(InputError):
+    """The CHAIR data shipped in ``mmfast/assets/chair`` is missing, corrupt or out of date."""
 
 
 # ---------------------------------------------------------------------------------------------
-# NLTK resources (located explicitly, loaded once, never downloaded)
+# Tagger and lemmatizer: the data shipped in the package, or NLTK data (never downloaded)
 # ---------------------------------------------------------------------------------------------
+
+#: A lemmatizer: ``(word, WordNet POS) -> lemma``.
+Lemmatizer = Callable[[str, str], str]
+
+
+@dataclass(frozen=True)
+class ChairResources:
+    """The POS tagger and lemmatizer CHAIR uses, and where they came from.
+
+    ``route`` is ``"shipped"`` (``mmfast/assets/chair``: NLTK's tagger weights and a lemma table
+    restricted to what CHAIR can compare) or ``"nltk"`` (an NLTK data folder: the tagger and all of
+    WordNet). ``provenance`` is JSON-safe and says which route, with versions and data digests.
+    ``exact_for`` is the set of words the lemmatizer is exact for when a lemma lands in it (the
+    shipped table; see ``chair_vocab.relevant_words``); ``None`` means every word. ``wordnet`` is
+    NLTK's WordNet reader (route ``"nltk"`` only).
+    """
+
+    tagger: Any
+    lemmatize: Lemmatizer
+    route: Literal["shipped", "nltk"]
+    provenance: Mapping[str, Any]
+    exact_for: frozenset[str] | None = None
+    wordnet: Any = None
+
+    @property
+    def nltk_version(self) -> str:
+        return str(self.provenance["nltk_version"])
+
+    @property
+    def wordnet_version(self) -> str:
+        return str(self.provenance["wordnet_version"])
+
+    def cache_key(self) -> dict[str, Any]:
+        """``provenance`` without the folders it was read from (what a result depends on)."""
+        return {k: v for k, v in self.provenance.items() if k not in _LOCATION_KEYS}
+
+
+_LOCATION_KEYS = ("tagger_root", "wordnet_root", "shipped_dir")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _wordnet_lemmatizer(wordnet: Any) -> Lemmatizer:
+    def lemmatize(word: str, pos: str) -> str:
+        # == WordNetLemmatizer().lemmatize(word, pos): the shortest WordNet lemma, else the word.
+        lemmas = wordnet._morphy(word, pos)
+        return min(lemmas, key=len) if lemmas else word
+
+    return lemmatize
+
+
+def _table_lemmatizer(table: Mapping[str, Mapping[str, str]]) -> Lemmatizer:
+    def lemmatize(word: str, pos: str) -> str:
+        return table[pos].get(word, word)
+
+    return lemmatize
+
+
+@functools.lru_cache(maxsize=1)
+def load_shipped_resources() -> ChairResources:
+    """The tagger and lemma table shipped in ``mmfast/assets/chair`` (no NLTK data needed).
+
+    The tagger is NLTK's ``averaged_perceptron_tagger_eng`` (its JSON files, gzip-compressed),
+    loaded into NLTK's ``PerceptronTagger``; the lemma table is written by
+    ``scripts/build_chair_data.py``, which argues why CHAIR results equal full WordNet's.
+    """
+    import nltk
+    from nltk.tag.perceptron import PerceptronTagger
+
+    params: list[Any] = []
+    tagger_sha: dict[str, str] = {}
+    try:
+        for part in _TAGGER_PARTS:
+            raw = gzip.decompress((SHIPPED_DATA / f"{_TAGGER_NAME}.{part}.json.gz").read_bytes())
+            tagger_sha[part] = _sha256(raw)
+            params.append(json.loads(raw))
+        raw = (SHIPPED_DATA / _LEMMA_FILE).read_bytes()
+        doc = json.loads(raw)
+    except (OSError, ValueError) as exc:  # missing file, bad gzip, bad JSON
+        raise ShippedDataError(f"the CHAIR data shipped in {SHIPPED_DATA} cannot be read ({exc}); "
+                               "reinstall mmfast, or pass NLTK data (nltk_data= or NLTK_DATA)") from exc
+    if not isinstance(doc, dict) or doc.get("format") != _LEMMA_FORMAT or doc.get("version") != 1:
+        raise ShippedDataError(f"{SHIPPED_DATA / _LEMMA_FILE}: not an mmfast CHAIR lemma table "
+                               f"({_LEMMA_FORMAT}, version 1)")
+    if doc.get("vocabulary") != vocabulary_digest():
+        raise ShippedDataError(f"{SHIPPED_DATA / _LEMMA_FILE} was built for another CHAIR vocabulary; "
+                               "rebuild it with scripts/build_chair_data.py --nltk-data <folder>")
+    # NLTK's own constructor from (weights, tagdict, classes), as load_from_json reads them (nltk >= 3.9)
+    tagger = PerceptronTagger.decode_json_obj(tuple(params))
+    table = {pos: dict(doc["lemmas"][pos]) for pos in _WORDNET_POS}
+    built = doc["built_with"]
+    provenance = {
+        "route": "shipped", "nltk_version": nltk.__version__, "wordnet_version": built["wordnet"],
+        "tagger": _TAGGER_NAME, "tagger_sha256": tagger_sha,
+        "lemmas": {"table_sha256": _sha256(raw), "built_with_nltk": built["nltk"],
+                   "entries": sum(len(t) for t in table.values())},
+        "shipped_dir": str(SHIPPED_DATA),
+    }
+    logger.info("CHAIR: tagger and lemma table shipped with mmfast (WordNet %s, table built with nltk %s)",
+                built["wordnet"], built["nltk"])
+    return ChairResources(tagger, _table_lemmatizer(table), "shipped", provenance,
+                          frozenset(doc["relevant"]))
 
 
 def nltk_search_paths(nltk_data: str | Path | None = None) -> list[str]:
-    """Folders searched for NLTK data, in order: ``$NLTK_DATA`` (read now, ``os.pathsep``-separated),
-    then the explicit ``nltk_data`` argument, then ``nltk.data.path`` (NLTK's defaults)."""
+    """Folders ``load_nltk_resources`` searches, in order: ``$NLTK_DATA`` (read now,
+    ``os.pathsep``-separated), then the explicit ``nltk_data`` argument, then ``nltk.data.path``
+    (NLTK's defaults)."""
     import nltk
 
-    roots: list[str] = []
-    env = os.environ.get("NLTK_DATA", "")
-    roots.extend(p for p in env.split(os.pathsep) if p)
+    roots = _env_roots()
     if nltk_data is not None:
         roots.append(str(nltk_data))
     roots.extend(str(p) for p in nltk.data.path)
     return list(dict.fromkeys(roots))  # first occurrence wins
 
 
-@dataclass(frozen=True)
-class NltkResources:
-    """The loaded POS tagger and WordNet reader, and where they came from."""
-
-    tagger: Any
-    wordnet: Any
-    tagger_root: str
-    wordnet_root: str
-    nltk_version: str
-    wordnet_version: str
+def _env_roots() -> list[str]:
+    return [p for p in os.environ.get("NLTK_DATA", "").split(os.pathsep) if p]
 
 
 def _locate(roots: Sequence[str], files: Sequence[str]) -> str | None:
@@ -119,41 +235,77 @@ def _pointer(root: str, names: Sequence[str]) -> Any:
     raise NltkDataMissingError(f"NLTK data under {root} could not be opened as {list(names)}: {errors}")
 
 
-def load_nltk_resources(nltk_data: str | Path | None = None) -> NltkResources:
-    """Locate and load the averaged-perceptron tagger and WordNet (cached per location).
+def load_nltk_resources(nltk_data: str | Path | None = None) -> ChairResources:
+    """The tagger and all of WordNet from NLTK data (route ``"nltk"``; cached per location).
 
-    Raises ``NltkDataMissingError`` with the exact fix when either is missing; never downloads.
+    Searches ``nltk_search_paths(nltk_data)``. Raises ``NltkDataMissingError`` with the fix when
+    either is missing; never downloads. CHAIR only comes here when asked (see
+    ``load_chair_resources``).
     """
     roots = nltk_search_paths(nltk_data)
     tagger_root = _locate(roots, _TAGGER_FILES)
     wordnet_root = _locate(roots, _WORDNET_FILES)
     if tagger_root is None or wordnet_root is None:
-        missing = [name for name, root in (("averaged_perceptron_tagger_eng", tagger_root),
-                                           ("wordnet", wordnet_root)) if root is None]
+        missing = [name for name, root in ((_TAGGER_NAME, tagger_root), ("wordnet", wordnet_root))
+                   if root is None]
         raise NltkDataMissingError(
-            f"CHAIR needs the NLTK data {missing}, which is not installed in any of {roots}. "
-            "Set NLTK_DATA to a folder that holds taggers/averaged_perceptron_tagger_eng and "
-            "corpora/wordnet (in this repository: NLTK_DATA=../shared/nltk_data from the project root), "
-            "or install it once with `python -m nltk.downloader averaged_perceptron_tagger_eng wordnet`. "
+            f"NLTK data {missing} was asked for but is not installed in any of {roots}. "
+            "Point nltk_data (or NLTK_DATA) at a folder that holds taggers/averaged_perceptron_tagger_eng "
+            "and corpora/wordnet, or install them once with "
+            "`python -m nltk.downloader averaged_perceptron_tagger_eng wordnet`; or pass no NLTK data "
+            "at all to use the data shipped with mmfast (same CHAIR results). "
             "mmfast never downloads data at run time.")
     return _load_resources(tagger_root, wordnet_root)
 
 
 @functools.lru_cache(maxsize=4)
-def _load_resources(tagger_root: str, wordnet_root: str) -> NltkResources:
+def _load_resources(tagger_root: str, wordnet_root: str) -> ChairResources:
     import nltk
     from nltk.corpus.reader.wordnet import WordNetCorpusReader
     from nltk.tag.perceptron import PerceptronTagger
 
-    tagger = PerceptronTagger(loc=_pointer(tagger_root, _TAGGER))
+    loc = _pointer(tagger_root, _TAGGER)
+    tagger = PerceptronTagger(loc=loc)
+    tagger_sha: dict[str, str] = {}
+    for part in _TAGGER_PARTS:
+        with loc.join(f"{_TAGGER_NAME}.{part}.json").open() as fh:
+            tagger_sha[part] = _sha256(fh.read())
     with warnings.catch_warnings():
         # Without the multilingual OMW data the reader warns; CHAIR only uses English lemmas.
         warnings.filterwarnings("ignore", message="The multilingual functions are not available")
         wordnet = WordNetCorpusReader(_pointer(wordnet_root, _WORDNET), None)
-    logger.info("CHAIR NLTK data: tagger from %s, WordNet %s from %s (nltk %s)", tagger_root,
+    logger.info("CHAIR: NLTK data, tagger from %s, WordNet %s from %s (nltk %s)", tagger_root,
                 wordnet.get_version(), wordnet_root, nltk.__version__)
-    return NltkResources(tagger, wordnet, tagger_root, wordnet_root, nltk.__version__,
-                         str(wordnet.get_version()))
+    provenance = {
+        "route": "nltk", "nltk_version": nltk.__version__, "wordnet_version": str(wordnet.get_version()),
+        "tagger": _TAGGER_NAME, "tagger_sha256": tagger_sha, "lemmas": "WordNetLemmatizer (all of WordNet)",
+        "tagger_root": tagger_root, "wordnet_root": wordnet_root,
+    }
+    return ChairResources(tagger, _wordnet_lemmatizer(wordnet), "nltk", provenance, wordnet=wordnet)
+
+
+def load_chair_resources(nltk_data: str | Path | None = None) -> ChairResources:
+    """The tagger and lemmatizer CHAIR uses, by this precedence:
+
+    1. ``nltk_data`` given: NLTK data (``load_nltk_resources(nltk_data)``; raises if it is missing);
+    2. ``$NLTK_DATA`` set and its folders hold both the tagger and WordNet: NLTK data from there;
+    3. otherwise the data shipped with mmfast (``load_shipped_resources``).
+
+    NLTK's default folders (``~/nltk_data``, ``/usr/share/nltk_data``, ...) are never searched
+    implicitly, so a result does not depend on what a machine happens to have installed; both
+    routes give the same CHAIR results (tests/test_chair_identity.py) and ``provenance`` says which
+    one ran.
+    """
+    if nltk_data is not None:
+        return load_nltk_resources(nltk_data)
+    env = _env_roots()
+    if env:
+        tagger_root, wordnet_root = _locate(env, _TAGGER_FILES), _locate(env, _WORDNET_FILES)
+        if tagger_root is not None and wordnet_root is not None:
+            return _load_resources(tagger_root, wordnet_root)
+        logger.info("CHAIR: NLTK_DATA=%s lacks the tagger or WordNet; using the data shipped with mmfast",
+                    os.pathsep.join(env))
+    return load_shipped_resources()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,11 +366,22 @@ class CaptionObjects:
 
 
 class CaptionParser:
-    """Caption -> object mentions, exactly as the reference ``CHAIR.caption_to_words``."""
+    """Caption -> object mentions, exactly as the reference ``CHAIR.caption_to_words``.
 
-    def __init__(self, resources: NltkResources, synonyms: Mapping[str, str] = SYNONYM_TO_NODE,
+    ``resources`` defaults to ``load_chair_resources()``. With the shipped lemma table, the lemmas
+    of tokens CHAIR cannot compare stay the tokens themselves (so ``words`` may read "is" where
+    NLTK's lemmatizer gives "be"); every mention, index and count is the same.
+    """
+
+    def __init__(self, resources: ChairResources | None = None, synonyms: Mapping[str, str] = SYNONYM_TO_NODE,
                  phrases: Mapping[str, str] = PHRASE_MAP) -> None:
-        self.resources = resources
+        self.resources = load_chair_resources() if resources is None else resources
+        if self.resources.exact_for is not None:
+            uncovered = relevant_words(synonyms, phrases) - self.resources.exact_for
+            if uncovered:
+                raise ValueError(f"the shipped CHAIR lemma table covers the reference vocabulary only, "
+                                 f"not {sorted(uncovered)[:10]}; pass NLTK data (load_nltk_resources) "
+                                 "for another one")
         self.synonyms = synonyms
         self.phrases = phrases
         self._lemma_cache: dict[tuple[str, str], str] = {}
@@ -227,10 +390,7 @@ class CaptionParser:
         key = (word, pos)
         lemma = self._lemma_cache.get(key)
         if lemma is None:
-            # == WordNetLemmatizer().lemmatize(word, pos): the shortest WordNet lemma, else the word.
-            lemmas = self.resources.wordnet._morphy(word, pos)
-            lemma = min(lemmas, key=len) if lemmas else word
-            self._lemma_cache[key] = lemma
+            lemma = self._lemma_cache[key] = self.resources.lemmatize(word, pos)
         return lemma
 
     def lemmas(self, caption: str) -> list[str]:
@@ -253,10 +413,11 @@ class CaptionParser:
             else:
                 merged.append(lemmas[i])
                 i += 1
-        drop_seat = "toilet" in merged and "seat" in merged  # "the seat of the toilet" is no chair
+        trigger, dropped = SEAT_RULE  # "the seat of the toilet" is no chair
+        drop_seat = trigger in merged and dropped in merged
         mentions, idxs = [], []
         for word, start in zip(merged, starts):
-            if drop_seat and word == "seat":
+            if drop_seat and word == dropped:
                 continue
             node = self.synonyms.get(word)
             if node is not None:
@@ -472,31 +633,35 @@ def _load_json(path: Path) -> Any:
 class ChairEvaluator:
     """Ground truth (image id -> COCO node words) plus the caption parser; computes CHAIR.
 
-    Build it with ``from_coco`` (optionally cached as JSON) or ``load_json``. The NLTK data is
-    loaded lazily, when captions are first parsed.
+    Build it with ``from_coco`` (optionally cached as JSON) or ``load_json``. The tagger and
+    lemmatizer (``resources``, else ``load_chair_resources(nltk_data)``) are loaded lazily, when
+    captions are first parsed.
     """
 
     def __init__(self, ground_truth: Mapping[int, Iterable[str]], *, nltk_data: str | Path | None = None,
-                 provenance: Mapping[str, Any] | None = None) -> None:
+                 provenance: Mapping[str, Any] | None = None, resources: ChairResources | None = None) -> None:
         self.ground_truth: dict[int, frozenset[str]] = {int(k): frozenset(v) for k, v in ground_truth.items()}
         unknown = {w for objs in self.ground_truth.values() for w in objs} - set(SYNONYM_TO_NODE.values())
         if unknown:
             raise InputError(f"ground truth holds words that are not COCO node words: {sorted(unknown)[:10]}")
         self.provenance: dict[str, Any] = dict(provenance or {})
         self._nltk_data = nltk_data
+        self._resources = resources
         self._parser: CaptionParser | None = None
 
     @property
     def parser(self) -> CaptionParser:
         if self._parser is None:
-            self._parser = CaptionParser(load_nltk_resources(self._nltk_data))
+            self._parser = CaptionParser(self._resources or load_chair_resources(self._nltk_data))
         return self._parser
 
     def describe(self) -> dict[str, Any]:
-        """The protocol facts to store next to a CHAIR number (loads the NLTK data)."""
+        """The protocol facts to store next to a CHAIR number (loads the tagger and lemmatizer);
+        ``language_data`` says which route they came from (shipped or NLTK data) with digests."""
         res = self.parser.resources
         return {"pipeline_version": PIPELINE_VERSION, "vocabulary": vocabulary_digest(),
                 "nltk_version": res.nltk_version, "wordnet_version": res.wordnet_version,
+                "language_data": dict(res.provenance),
                 "tokenizer": "punkt-algorithm(english abbreviations)+treebank",
                 "n_images_with_ground_truth": len(self.ground_truth),
                 "ground_truth": {k: v for k, v in self.provenance.items() if k != "key"}}
@@ -510,25 +675,28 @@ class ChairEvaluator:
 
         The reference uses train2014 + val2014 of both (for val2014 images the val files alone give
         the same result). With ``cache_dir`` the ground truth is stored as JSON under a name derived
-        from the inputs' sha256, the vocabulary, the pipeline version and the NLTK version, and
-        reused when all of them match.
+        from the inputs' sha256, the vocabulary, the pipeline version, the NLTK version and the
+        tagger/lemmatizer route with its data digests (``ChairResources.cache_key``), and reused
+        when all of them match.
         """
         inst, caps = _as_paths(instances_paths), _as_paths(captions_paths)
         for p in inst + caps:
             if not p.is_file():
                 raise InputError(f"{p}: COCO annotation file not found")
         cache_file = None
+        resources: ChairResources | None = None
         provenance: dict[str, Any] = {}
         if cache_dir is not None:
             import nltk
 
+            resources = load_chair_resources(nltk_data)
             provenance = {
                 "instances": sorted(({"file": p.name, "sha256": file_sha256(p)} for p in inst),
                                     key=lambda d: d["sha256"]),
                 "captions": sorted(({"file": p.name, "sha256": file_sha256(p)} for p in caps),
                                    key=lambda d: d["sha256"]),
                 "vocabulary": vocabulary_digest(), "pipeline_version": PIPELINE_VERSION,
-                "nltk_version": nltk.__version__,
+                "nltk_version": nltk.__version__, "language_data": resources.cache_key(),
             }
             key_src = {k: ([d["sha256"] for d in v] if k in ("instances", "captions") else v)
                        for k, v in provenance.items()}
@@ -536,12 +704,12 @@ class ChairEvaluator:
             provenance["key"] = key
             cache_file = Path(cache_dir) / f"chair_gt_{key[:16]}.json"
             if cache_file.is_file():
-                cached = cls.load_json(cache_file, nltk_data=nltk_data)
+                cached = cls.load_json(cache_file, nltk_data=nltk_data, resources=resources)
                 if cached.provenance.get("key") == key:
                     logger.info("CHAIR ground truth loaded from cache %s", cache_file)
                     return cached
                 logger.warning("%s does not match its key; rebuilding", cache_file)
-        evaluator = cls({}, nltk_data=nltk_data, provenance=provenance)
+        evaluator = cls({}, nltk_data=nltk_data, provenance=provenance, resources=resources)
         gt = evaluator._build(inst, caps)
         evaluator.ground_truth = {k: frozenset(v) for k, v in gt.items()}
         if cache_file is not None:
@@ -595,7 +763,8 @@ class ChairEvaluator:
         os.replace(tmp, path)
 
     @classmethod
-    def load_json(cls, path: str | Path, *, nltk_data: str | Path | None = None) -> ChairEvaluator:
+    def load_json(cls, path: str | Path, *, nltk_data: str | Path | None = None,
+                  resources: ChairResources | None = None) -> ChairEvaluator:
         """Read ground truth written by ``save_json``."""
         data = _load_json(Path(path))
         if not isinstance(data, dict) or data.get("format") != _CACHE_FORMAT or data.get("version") != 1:
@@ -608,7 +777,8 @@ class ChairEvaluator:
         if built_with and built_with != nltk.__version__:
             logger.warning("%s was built with nltk %s but nltk %s is installed; lemmas may differ",
                            path, built_with, nltk.__version__)
-        return cls({int(k): v for k, v in data["images"].items()}, nltk_data=nltk_data, provenance=provenance)
+        return cls({int(k): v for k, v in data["images"].items()}, nltk_data=nltk_data, provenance=provenance,
+                   resources=resources)
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, captions: Iterable[Mapping[str, Any]], *, image_id_key: str = "image_id",

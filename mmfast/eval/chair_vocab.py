@@ -179,6 +179,10 @@ PHRASE_OVERRIDES: tuple[tuple[str, str], ...] = (
     ("wine glas", "wine glass"),
 )
 
+#: The rule "seat is no chair mention when toilet occurs" (reference ``caption_to_words``): the first
+#: word's presence among a caption's merged tokens drops every mention of the second.
+SEAT_RULE: tuple[str, str] = ("toilet", "seat")
+
 #: Abbreviations of NLTK's trained English Punkt model (``abbrev_types`` of ``english.pickle`` /
 #: ``punkt_tab/english``), as printed by an NLTK maintainer in nltk/nltk#2500. Used only to split
 #: sentences the way Punkt does when the Punkt data is not installed; see ``chair.split_sentences``.
@@ -225,6 +229,24 @@ def build_phrase_map() -> dict[str, str]:
 #: Read-only views used by the evaluator.
 SYNONYM_TO_NODE: Mapping[str, str] = MappingProxyType(build_synonym_map())
 PHRASE_MAP: Mapping[str, str] = MappingProxyType(build_phrase_map())
+
+
+def relevant_words(synonyms: Mapping[str, str] | None = None,
+                   phrases: Mapping[str, str] | None = None) -> frozenset[str]:
+    """Every string the caption parser compares a single lemma with (the default tables if None).
+
+    That is each synonym without whitespace (a lemma never holds whitespace, so multi-word synonyms
+    are only reached through a merged phrase), each word of each phrase key (a pair of lemmas is
+    merged only when both are those words) and the ``SEAT_RULE`` words. A lemma outside this set
+    can change no CHAIR output but ``words``; ``scripts/build_chair_data.py`` restricts the shipped
+    lemma table to it.
+    """
+    synonyms = SYNONYM_TO_NODE if synonyms is None else synonyms
+    phrases = PHRASE_MAP if phrases is None else phrases
+    words = {w for w in synonyms if w and not any(c.isspace() for c in w)}
+    words.update(part for key in phrases for part in key.split(" ") if part)
+    words.update(SEAT_RULE)
+    return frozenset(words)
 
 
 def vocabulary_digest() -> str:
