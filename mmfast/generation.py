@@ -125,17 +125,19 @@ def parse_generation_args(
         )
     if num_beams > 1:
         spec = {"method": "beam", "params": {"num_beams": num_beams, "length_penalty": values["length_penalty"]}}
-        unused = [k for k in ("temperature", "top_k", "top_p") if k in given and given[k] != HF_DEFAULTS[k]]
+        ignored: tuple[str, ...] = ("temperature", "top_k", "top_p")
     elif do_sample:
         spec = {"method": "sample", "params": {k: values[k] for k in ("temperature", "top_k", "top_p")}}
-        unused = [k for k in ("length_penalty",) if k in given and given[k] != HF_DEFAULTS[k]]
+        ignored = ("length_penalty",)
     else:
         spec = {"method": "greedy", "params": {}}
-        unused = [k for k in ("temperature", "top_k", "top_p", "length_penalty") if k in given and given[k] != HF_DEFAULTS[k]]
+        ignored = ("temperature", "top_k", "top_p", "length_penalty")
+    # only explicit keywords are checked: a GenerationConfig may carry settings for another search
+    unused = [k for k in ignored if k in kwargs and kwargs[k] != HF_DEFAULTS[k]]
     if unused:
         if strict:
             raise InputError(
-                f"{', '.join(f'{k}={given[k]!r}' for k in unused)} has no effect in {spec['method']} decoding; "
+                f"{', '.join(f'{k}={kwargs[k]!r}' for k in unused)} has no effect in {spec['method']} decoding; "
                 + ("pass do_sample=True to sample" if spec["method"] == "greedy" else "drop it")
             )
         logger.debug("generation settings without effect in %s decoding: %s", spec["method"], unused)

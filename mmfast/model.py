@@ -441,7 +441,7 @@ def _wrap_loaded(model: torch.nn.Module, processor: Any, *, device: str | None, 
 
     from .models import MODEL_CLASSES, _REJECTED
 
-    if not isinstance(model, PreTrainedModel) or not hasattr(model, "generation_config"):
+    if not isinstance(model, PreTrainedModel):
         raise InputError(
             f"mmfast.load got a {type(model).__name__}, not a transformers model; pass e.g. "
             "LlavaForConditionalGeneration.from_pretrained(...)"
