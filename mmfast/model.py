@@ -165,15 +165,40 @@ class MMModel:
         images: Sequence[Any] | Any,
         prompts: Sequence[str] | str,
         recipe: Recipe | str | dict | None = None,
+        *,
+        decoding: str | dict[str, Any] | None = None,
         **generation_kwargs: Any,
     ) -> list[GenerationResult]:
         """Answer ``prompts`` about ``images`` with the recipe's methods (plain greedy without one).
 
-        ``generation_kwargs``: ``max_new_tokens``, ``seed``, or ``decoding`` (a method name).
-        Returns one :class:`~mmfast.pipeline.GenerationResult` per prompt.
+        Opens a session for ``recipe`` (:func:`mmfast.apply`), generates, and restores the model.
+
+        Args:
+            images: one image (PIL image or path) per prompt, or a list of images per prompt.
+            prompts: one string or a list of strings.
+            recipe: a :class:`~mmfast.config.Recipe`, a recipe file or shipped recipe name, or a mapping.
+            decoding: a decoder replacing the recipe's for this call: a name (``"opera"``) or
+                ``{"method": "vcd", "params": {"alpha": 1.0}}``; any registered decoder, including those
+                that install hooks.
+            **generation_kwargs: ``max_new_tokens``, ``seed``, ``meta``, ``streamer``,
+                ``generation_config`` and transformers' ``do_sample`` / ``temperature`` / ``top_k`` /
+                ``top_p`` / ``num_beams`` / ``length_penalty``; see :meth:`mmfast.pipeline.Session.generate`.
+
+        Returns:
+            One :class:`~mmfast.pipeline.GenerationResult` per prompt.
         """
+        from .config import load_recipe
+        from .generation import decoding_config
         from .pipeline import apply
 
+        if decoding is not None:  # folded into the recipe, so decoders that install hooks work too
+            from .config import Recipe as _Recipe
+
+            resolved = recipe if isinstance(recipe, _Recipe) else load_recipe(recipe if recipe is not None else {})
+            base = resolved.decoding
+            recipe = resolved.replace(
+                decoding=decoding_config(decoding, max_new_tokens=base.max_new_tokens, seed=base.seed)
+            )
         with apply(self, recipe) as session:
             return session.generate(images, prompts, **generation_kwargs)
 
@@ -274,24 +299,56 @@ def _pick_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 
 
 def load(
-    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    name_or_path: str | os.PathLike | Any = DEFAULT_MODEL,
     *,
-    device: str = "auto",
-    dtype: str | torch.dtype = "float32",
-    attn_implementation: str = "sdpa",
+    processor: Any = None,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str | None = None,
     device_map: str | dict | None = None,
     revision: str | None = None,
     **from_pretrained_kwargs: Any,
 ) -> MMModel:
-    """Load a LLaVA checkpoint and its processor as an :class:`MMModel`.
+    """Load a LLaVA checkpoint and its processor as an :class:`MMModel`, or wrap a loaded one.
 
     Args:
-        name_or_path: embedded name (``mmfast/tiny-world``), local directory, or hub id.
-        device: ``auto`` (cuda if available), ``cpu``, ``cuda``, ``cuda:N``; ignored with ``device_map``.
-        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``.
-        attn_implementation: ``sdpa`` (default) or ``eager``.
+        name_or_path: embedded name (``mmfast/tiny-world``), local directory, hub id, or an already
+            loaded transformers model (``LlavaForConditionalGeneration`` or a supported family), which
+            is then used as it is (``processor=`` required).
+        processor: the model's processor (``AutoProcessor.from_pretrained(...)``); required with a loaded
+            model, optional otherwise (replaces the checkpoint's own).
+        device: ``auto`` (the default: cuda if available), ``cpu``, ``cuda``, ``cuda:N``; ignored with
+            ``device_map``. With a loaded model: moves it there; unset keeps it where it is.
+        dtype: ``float32`` (the default), ``bfloat16``, ``float16`` or ``auto``. With a loaded model:
+            casts it; unset keeps its dtype.
+        attn_implementation: ``sdpa`` (the default) or ``eager``; with a loaded model, set it when loading.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a 13B model over GPUs).
+        revision: hub revision.
+        **from_pretrained_kwargs: passed to ``from_pretrained``.
+
+    Example::
+
+        model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
+        mm = mmfast.load(model, processor=AutoProcessor.from_pretrained(path))
     """
+    if isinstance(name_or_path, torch.nn.Module):
+        given = {"attn_implementation": attn_implementation, "device_map": device_map, "revision": revision,
+                 **from_pretrained_kwargs}
+        unused = [k for k, v in given.items() if v is not None]
+        if unused:
+            raise InputError(
+                f"{', '.join(unused)} only apply when mmfast loads the checkpoint; the model is already loaded: "
+                "pass them to from_pretrained yourself, or give mmfast.load the checkpoint's name or directory"
+            )
+        return _wrap_loaded(name_or_path, processor, device=device, dtype=dtype)
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise InputError(
+            f"mmfast.load got a {type(name_or_path).__name__}; pass a model name, a directory, or a loaded "
+            "transformers model (with processor=)"
+        )
+    device = device or "auto"
+    dtype = dtype or "float32"
+    attn_implementation = attn_implementation or "sdpa"
     from transformers import AutoConfig, AutoProcessor
 
     path, local = _resolve(name_or_path)
@@ -330,14 +387,10 @@ def load(
         raise ModelLoadError(f"{path}: {msg}")
     if local:
         _check_local_files(Path(path))
-    try:  # the processor first: a missing tokenizer fails before the weights load
-        processor = AutoProcessor.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(
-            f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "
-            "the directory needs the files save_pretrained writes for the processor (tokenizer.json, "
-            "tokenizer_config.json, processor_config.json or preprocessor_config.json)"
-        ) from None
+    if processor is not None:
+        _check_processor(processor)
+    else:
+        processor = _load_processor(path, kwargs)  # before the weights: a missing tokenizer fails early
     try:
         model = MODEL_CLASSES[config.model_type]().from_pretrained(
             path,
@@ -357,3 +410,67 @@ def load(
         model = model.to(device)
     logger.info("loaded %s (%s, %s, attention=%s)", name_or_path, model.device, torch_dtype, attn_implementation)
     return MMModel(model, processor, str(name_or_path))
+
+
+def _load_processor(path: str, kwargs: dict[str, Any]) -> Any:
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "
+            "the directory needs the files save_pretrained writes for the processor (tokenizer.json, "
+            "tokenizer_config.json, processor_config.json or preprocessor_config.json)"
+        ) from None
+
+
+def _check_processor(processor: Any) -> None:
+    """A multimodal processor: a tokenizer and an image processor (not a bare tokenizer)."""
+    missing = [a for a in ("tokenizer", "image_processor", "apply_chat_template") if not hasattr(processor, a)]
+    if missing:
+        raise InputError(
+            f"processor is a {type(processor).__name__} without {', '.join(missing)}; pass the model's multimodal "
+            "processor (transformers.AutoProcessor.from_pretrained(<checkpoint>)), not its tokenizer or image processor"
+        )
+
+
+def _wrap_loaded(model: torch.nn.Module, processor: Any, *, device: str | None, dtype: str | torch.dtype | None) -> MMModel:
+    """An :class:`MMModel` around a model the caller loaded with transformers."""
+    from transformers import PreTrainedModel
+
+    from .models import MODEL_CLASSES, _REJECTED
+
+    if not isinstance(model, PreTrainedModel):
+        raise InputError(
+            f"mmfast.load got a {type(model).__name__}, not a transformers model; pass e.g. "
+            "LlavaForConditionalGeneration.from_pretrained(...)"
+        )
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_CLASSES:
+        msg = _REJECTED.get(model_type, f"model_type {model_type!r} is not a supported LLaVA checkpoint")
+        raise ModelLoadError(f"{type(model).__name__}: {msg}")
+    if not isinstance(model, MODEL_CLASSES[model_type]()):
+        raise InputError(
+            f"mmfast.load got a {type(model).__name__}; mmfast needs the generation class "
+            f"{MODEL_CLASSES[model_type]().__name__} (with its lm_head) for model_type {model_type!r}"
+        )
+    if processor is None:
+        source = getattr(model, "name_or_path", "") or "<checkpoint>"
+        raise InputError(
+            f"mmfast.load(model) needs the model's processor: mmfast.load(model, "
+            f"processor=AutoProcessor.from_pretrained({source!r}))"
+        )
+    _check_processor(processor)
+    if device is not None:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if getattr(model, "hf_device_map", None):
+            raise InputError("the model is spread over devices (device_map); load it without device= to keep that placement")
+        _check_device(device)
+        model = model.to(device)
+    if dtype is not None:
+        model = model.to(_pick_dtype(dtype, str(model.device)))
+    name = getattr(model, "name_or_path", "") or type(model).__name__
+    logger.info("using loaded %s (%s, %s)", name, model.device, model.dtype)
+    return MMModel(model, processor, str(name))

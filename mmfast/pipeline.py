@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,10 +21,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .capabilities import caps_of, check_model
+from .capabilities import caps_of, check_model, check_recipe
 from .config import Recipe, load_recipe
 from .context import MethodContext
-from .decoding.base import DecodeOutput, DecodeRequest, now
+from .decoding.base import DecodeOutput, DecodeRequest, Decoder, now
+from .decoding.loop import Streamer, streaming
+from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .errors import ConfigError, IncompatibleRecipeError, InputError
 from .hooks import AttentionProbe, HookSession
 from .model import MMModel, PreparedBatch
@@ -89,6 +92,8 @@ class Session:
         self.runner = LMRunner(self.adapter, self.hooks)
         self.ctx = MethodContext.of(mm, self.runner, self.probe, self.hooks, self.encode)
         self.scoring_s = 0.0
+        self._call_decoders: dict[str, Decoder] = {}  # per-call decoders (generate(decoding=...)), by spec
+        self._decoder: Decoder | None = None  # the decoder of the batch being run
         try:
             problem = check_model(recipe, self.adapter)
             if problem:
@@ -113,9 +118,37 @@ class Session:
             if self.drafter is not None:
                 with _recipe_path("speculative.params"):
                     self.drafter.install()
+            self._guard_hf_generate()
         except BaseException:
             self.hooks.close()
             raise
+
+    def _guard_hf_generate(self) -> None:
+        """transformers' own ``model.generate`` does not go through the session's pipeline: inside a
+        session whose recipe changes anything, calling it warns (once) and runs the unmodified model.
+        The wrapper is an instance attribute set through the hook session, so ``close()`` removes it."""
+        recipe = self.recipe
+        if not recipe.pruning and recipe.speculative is None and recipe.decoding.method == "greedy":
+            return
+        model = self.mm.model
+        original = model.generate
+        warned = False
+        methods = [st.method for st in recipe.pruning] + [recipe.decoding.method]
+        methods += [recipe.speculative.method] if recipe.speculative is not None else []
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            nonlocal warned
+            if not warned:
+                warned = True
+                logger.warning(
+                    "model.generate() inside an mmfast session runs the unmodified model: the recipe's methods (%s) "
+                    "do not apply to transformers' own generate; call session.generate(images, prompts, ...) (or "
+                    "MMModel.generate) to run them", ", ".join(methods),
+                )
+            return original(*args, **kwargs)
+
+        self.hooks.set_attr(model, "generate", generate)
 
     def _make_pruner(self, i: int, spec):
         """Instantiate stage ``i``, mapping its ``budget`` (if any) onto the method's own knobs."""
@@ -162,7 +195,7 @@ class Session:
 
     def _tower(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None) -> VisionBatch:
         vision = self.adapter.encode_images(pixel_values, image_sizes=image_sizes)
-        for method in (*self.pruners, self.decoder):
+        for method in (*self.pruners, self._decoder or self.decoder):
             method.observe_tower(vision)
         return vision
 
@@ -221,11 +254,96 @@ class Session:
         max_new_tokens: int | None = None,
         seed: int | None = None,
         meta: Sequence[dict] | None = None,
+        decoding: str | dict[str, Any] | None = None,
+        generation_config: Any = None,
+        streamer: Streamer | None = None,
+        **generation_kwargs: Any,
     ) -> list[GenerationResult]:
-        batch = self.mm.prepare(images, prompts, meta=meta)
-        return self.run(batch, max_new_tokens=max_new_tokens, seed=seed)
+        """Answer ``prompts`` about ``images`` with the recipe's methods.
 
-    def run(self, batch: PreparedBatch, *, max_new_tokens: int | None = None, seed: int | None = None) -> list[GenerationResult]:
+        Args:
+            images: one image (PIL image or path) per prompt, or a list of images per prompt.
+            prompts: one string or a list (one per sample); the chat template is applied.
+            max_new_tokens: tokens to generate (default: the recipe's ``decoding.max_new_tokens``).
+            seed: sampling seed (default: the recipe's ``decoding.seed``).
+            meta: per-sample dicts; ``meta[b]["doc_id"]`` fixes the sample's random stream.
+            decoding: a decoder for this call instead of the recipe's: a name (``"beam"``) or
+                ``{"method": "vcd", "params": {...}}``. Decoders that install hooks (OPERA, VHR, DAMRO)
+                must be in the recipe (or use :meth:`mmfast.MMModel.generate`, which opens a session per call).
+            generation_config: a ``transformers.GenerationConfig`` (see below).
+            streamer: an object with ``put`` / ``end`` (e.g. ``transformers.TextStreamer(tokenizer,
+                skip_prompt=True)``): gets the prompt ids ``[B, L]`` first, then each step's tokens ``[B]``,
+                then ``end()``, as in transformers. Not with beam searches or a drafter.
+            **generation_kwargs: transformers' ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+                ``num_beams``, ``length_penalty``: they choose greedy, sample or beam with transformers'
+                semantics (:mod:`mmfast.generation`); refused when the recipe's decoder has its own token
+                rule (VCD, ...) -- pass ``decoding=`` to replace it.
+
+        Returns:
+            One :class:`GenerationResult` per prompt.
+        """
+        args = parse_generation_args(
+            generation_kwargs, generation_config, model_generation_config=self.mm.model.generation_config
+        )
+        decoder = self.decoder_for(decoding, args.decoding)
+        if max_new_tokens is None:
+            max_new_tokens = args.max_new_tokens
+        batch = self.mm.prepare(images, prompts, meta=meta)
+        return self.run(batch, max_new_tokens=max_new_tokens, seed=seed, decoder=decoder, streamer=streamer)
+
+    def decoder_for(self, decoding: str | dict[str, Any] | None, keywords: dict[str, Any] | None = None) -> Decoder:
+        """The decoder a call asks for: the recipe's, ``decoding=`` (a name or ``{method, params}``), or
+        greedy / sample / beam from generation keywords (``keywords``, from
+        :func:`~mmfast.generation.parse_generation_args`). Checked against the recipe's other methods and
+        the model like a recipe; built once per distinct setting."""
+        recipe_dec = self.recipe.decoding
+        if decoding is not None and keywords is not None:
+            raise InputError(
+                "pass either decoding= or sampling keywords (do_sample, temperature, top_k, top_p, num_beams, "
+                "length_penalty), not both; put the decoder's parameters in decoding={'method': ..., 'params': {...}}"
+            )
+        if decoding is None and keywords is None:
+            return self.decoder
+        if decoding is None and recipe_dec.method not in KEYWORD_DECODERS:
+            raise InputError(
+                f"the recipe decodes with {recipe_dec.method!r}, which has its own token rule; generation keywords "
+                f"choose among {', '.join(sorted(KEYWORD_DECODERS))}: set the decoder's parameters in the recipe "
+                f"(decoding.params), or pass decoding= to replace it for this call"
+            )
+        cfg = decoding_config(decoding if decoding is not None else keywords, max_new_tokens=recipe_dec.max_new_tokens,
+                              seed=recipe_dec.seed)
+        if cfg == recipe_dec:
+            return self.decoder
+        key = repr((cfg.method, cfg.params))
+        if key in self._call_decoders:
+            return self._call_decoders[key]
+        cls = DECODERS.get(cfg.method).cls
+        if cls.install is not Decoder.install:
+            raise IncompatibleRecipeError(
+                f"decoder {cfg.method!r} installs hooks on the model, which a session does when it opens; put it in "
+                f"the recipe (decoding: {cfg.method}) or call MMModel.generate(..., decoding=...), which opens a "
+                "session per call"
+            )
+        trial = self.recipe.replace(decoding=cfg)
+        problem = check_recipe(trial) or check_model(trial, self.adapter)
+        if problem:
+            raise IncompatibleRecipeError(f"decoding={cfg.method!r} for this call: {problem} (model {self.mm.name})")
+        decoder = cls(cfg.params, self.ctx)
+        self._call_decoders[key] = decoder
+        return decoder
+
+    def run(
+        self,
+        batch: PreparedBatch,
+        *,
+        max_new_tokens: int | None = None,
+        seed: int | None = None,
+        decoder: Decoder | None = None,
+        streamer: Streamer | None = None,
+    ) -> list[GenerationResult]:
+        """Run one prepared batch end to end (see :meth:`generate` for the arguments); ``decoder``
+        replaces the recipe's for this batch (build it with :meth:`decoder_for`)."""
+        decoder = decoder or self.decoder
         max_new = self.recipe.decoding.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new!r}")
@@ -234,17 +352,28 @@ class Session:
         self.scoring_s = self.runner.scoring_s = self.probe.time_s = 0.0
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
-        vision = self.encode(batch)
+        self._decoder = decoder  # observes the tower (DAMRO) for this batch
+        try:
+            vision = self.encode(batch)
+        finally:
+            self._decoder = None
         inputs = self.build_inputs(batch, vision)
         self.check_context(batch, max_new, inputs)  # text + vision tokens, before the LLM runs
         t1 = now(device)
         req = DecodeRequest(batch, vision, inputs, max_new, seed, vision.raw)
-        if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
-            from .speculative.engine import speculative_decode
-
-            out = speculative_decode(self.ctx, self.drafter, req, self.decoder.sampling())
+        if streamer is not None:
+            self._check_streamable(decoder, streamer)
+            streamer.put(_padded(batch.token_ids, self.mm.pad_token_id))  # the prompt first, as transformers does
+            with streaming(streamer) as streamed:
+                out = self._decode(req, decoder)
+            if streamed[0] == 0:
+                raise IncompatibleRecipeError(
+                    f"decoder {decoder.name!r} did not run the decode driver, so nothing was streamed; call without "
+                    "streamer= (mmfast bug: its capabilities should say it cannot stream)"
+                )
+            streamer.end()
         else:
-            out = self.decoder.decode(req)
+            out = self._decode(req, decoder)
         timings = Timings(t1 - t0, out.prefill_s, out.decode_s)
         stats = dict(out.stats)
         if self.pruners:
@@ -275,6 +404,31 @@ class Session:
             )
         return results
 
+    def _decode(self, req: DecodeRequest, decoder: Decoder) -> DecodeOutput:
+        if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
+            from .speculative.engine import speculative_decode
+
+            return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
+        return decoder.decode(req)
+
+    def _check_streamable(self, decoder: Decoder, streamer: Any) -> None:
+        if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+            raise InputError(
+                f"streamer is a {type(streamer).__name__} without put() and end(); pass e.g. "
+                "transformers.TextStreamer(mm.tokenizer, skip_prompt=True)"
+            )
+        if self.drafter is not None:
+            raise IncompatibleRecipeError(
+                f"speculative decoding ({self.recipe.speculative.method}) commits several tokens per verification "
+                "and does not stream; remove the speculative section to stream"
+            )
+        search = caps_of(type(decoder), decoder.config).search
+        if search not in ("single", "branches"):
+            raise IncompatibleRecipeError(
+                f"decoder {decoder.name!r} searches with '{search}': its tokens are final only when the search "
+                "ends, so it cannot stream; use greedy, sample or a contrastive decoder to stream"
+            )
+
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
         self.hooks.close()
@@ -284,6 +438,12 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+    """Left-padded ``[B, L]`` token ids."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
 
 
 @contextlib.contextmanager

@@ -1,13 +1,100 @@
-"""The lmms-eval plugin: registered through the entry point, runs a recipe on a tiny model.
-Skipped unless lmms-eval is installed (optional extra)."""
+"""The lmms-eval plugin against lmms-eval's model API contract.
+
+These tests run without lmms-eval: when it is not installed, a minimal stand-in for
+``lmms_eval.api.model.lmms`` (the base class's constructor, ``rank`` / ``world_size``,
+``create_from_arg_string`` with lmms-eval's ``key=value`` parsing, the cache hook) is put in
+``sys.modules`` and the plugin module is reloaded against it. Requests are objects whose ``args`` are
+``(context, gen_kwargs, doc_to_visual, doc_id, task, split)`` and documents come from ``task_dict``,
+as lmms-eval's evaluator provides them. With lmms-eval installed the real base class is used.
+"""
 
 from __future__ import annotations
 
-import importlib.metadata
+import abc
+import importlib
+import logging
+import sys
+import tomllib
+import types
+from pathlib import Path
 
 import pytest
+import torch
 
-lmms_eval = pytest.importorskip("lmms_eval.api.model")
+import mmfast
+from mmfast.errors import ConfigError, InputError
+
+TASK, SPLIT = "pope", "test"
+
+
+def _handle_arg_string(arg: str):  # lmms_eval.utils.handle_arg_string
+    if arg.lower() == "true":
+        return True
+    if arg.lower() == "false":
+        return False
+    if arg.isnumeric():
+        return int(arg)
+    try:
+        return float(arg)
+    except ValueError:
+        return arg
+
+
+def _standin_modules() -> dict[str, types.ModuleType]:
+    class CacheHook:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def add_partial(self, attr, req, res) -> None:
+            self.calls.append((attr, req, res))
+
+    class lmms(abc.ABC):  # noqa: N801 - lmms-eval's name
+        is_simple = True
+
+        def __init__(self) -> None:
+            self._rank = 0
+            self._world_size = 1
+            self.cache_hook = CacheHook()
+            self.task_dict: dict = {}
+
+        @classmethod
+        def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+            args = {k: _handle_arg_string(v) for k, v in (a.split("=") for a in arg_string.strip().split(",") if a)}
+            extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+            return cls(**args, **extra)
+
+        @property
+        def rank(self) -> int:
+            return self._rank
+
+        @property
+        def world_size(self) -> int:
+            return self._world_size
+
+    root, api, model = (types.ModuleType(n) for n in ("lmms_eval", "lmms_eval.api", "lmms_eval.api.model"))
+    model.lmms = lmms
+    model.CacheHook = CacheHook
+    root.api, api.model = api, model
+    return {"lmms_eval": root, "lmms_eval.api": api, "lmms_eval.api.model": model}
+
+
+@pytest.fixture
+def plugin(monkeypatch):
+    try:
+        import lmms_eval.api.model  # noqa: F401
+
+        real = True
+    except ImportError:
+        real = False
+        for name, mod in _standin_modules().items():
+            monkeypatch.setitem(sys.modules, name, mod)
+    import mmfast.eval.lmms_plugin as module
+
+    module = importlib.reload(module)
+    yield module
+    if not real:
+        monkeypatch.undo()
+        importlib.reload(module)
 
 
 class _Req:
@@ -15,26 +102,186 @@ class _Req:
         self.args = args
 
 
+def _visual(doc):
+    return [doc["image"]]
+
+
+QUESTIONS = ["Is there a cat in the image?", "Describe the image.", "What color is the car? Tell me now please.",
+             "How many dogs are there?", "Is there a dog?"]
+
+
+def _requests(gen_kwargs: dict, doc_ids=range(5)) -> list[_Req]:
+    return [_Req((f"<image>\n{QUESTIONS[d]}", dict(gen_kwargs), _visual, d, TASK, SPLIT)) for d in doc_ids]
+
+
+@pytest.fixture(scope="module")
+def task_dict(images):
+    return {TASK: {SPLIT: {d: {"image": images[d % len(images)]} for d in range(5)}}}
+
+
+def _model(plugin, args: str, task_dict, **extra):
+    m = plugin.MMFast.create_from_arg_string(args, {"batch_size": 1, "device": "cpu", **extra})
+    m.task_dict = task_dict
+    return m
+
+
+def _expected(tiny_mm, recipe, doc_ids, max_new, **kw) -> list[str]:
+    with mmfast.apply(tiny_mm, recipe) as s:
+        out = []
+        for d in doc_ids:
+            meta = [{"doc_id": f"{TASK}/{SPLIT}/{d}"}]
+            im = s.mm.prepare([[tiny_mm_images[d % 4]]], [QUESTIONS[d]], meta=meta)
+            out.append(s.run(im, max_new_tokens=max_new, decoder=s.decoder_for(None, kw.get("keywords")))[0].text)
+        return out
+
+
+tiny_mm_images: list = []
+
+
+@pytest.fixture(autouse=True)
+def _images(images):
+    tiny_mm_images[:] = images
+
+
 def test_entry_point_declared():
-    eps = importlib.metadata.entry_points(group="lmms_eval.models")
-    assert any(ep.name == "mmfast" and ep.value == "mmfast.eval.lmms_plugin:manifest" for ep in eps)
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert project["project"]["entry-points"]["lmms_eval.models"] == {"mmfast": "mmfast.eval.lmms_plugin:manifest"}
 
 
-def test_plugin_runs_a_recipe(tiny_dir, images, tmp_path):
-    from lmms_eval.models.registry_v2 import ModelRegistryV2
-
-    from mmfast.eval.lmms_plugin import MMFast, manifest
-
-    reg = ModelRegistryV2()
-    reg.register_manifest(manifest())
-    cls = reg.get_model_class("mmfast")
-    assert cls is MMFast
+def test_plugin_runs_a_recipe(plugin, tiny_dir, task_dict, tiny_mm, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {{name: {tiny_dir}, device: cpu}}\npruning: [{{method: fastv, params: {{keep: 5}}}}]\n")
-    model = cls.create_from_arg_string(f"recipe={recipe}", {"batch_size": 1, "device": "cpu"})
-    model.task_dict = {"pope": {"test": {0: {"image": images[0]}}}}
-    visual = lambda doc: [doc["image"]]
-    out = model.generate_until([_Req(("Is there a cat in the image?", {"max_new_tokens": 4, "until": ["\n"]}, visual, 0, "pope", "test"))])
-    assert isinstance(out[0], str)
-    (lp, greedy), = model.loglikelihood([_Req(("Is there a cat?", " Yes", visual, 0, "pope", "test"))])
+    model = _model(plugin, f"recipe={recipe}", task_dict)
+    assert (model.rank, model.world_size, model.device, model.batch_size) == (0, 1, torch.device("cpu"), 1)
+    assert not hasattr(model, "accelerator")
+    out = model.generate_until(_requests({"max_new_tokens": 4, "until": ["\n"]}, [0, 1]))
+    assert out == _expected(tiny_mm, str(recipe), [0, 1], 4)
+    assert [c[0] for c in model.cache_hook.calls] == ["generate_until"] * 2
+    assert model.token_counts.requests == 2 and 0 < model.token_counts.new_tokens <= 8
+    assert model.token_counts.vision_tokens == 2 * 16 and model.token_counts.per_task[TASK]["requests"] == 2
+    (lp, greedy), = model.loglikelihood([_Req(("Is there a cat?", " Yes", _visual, 0, TASK, SPLIT))])
     assert lp < 0 and isinstance(greedy, bool)
+
+
+def test_pretrained_and_overrides(plugin, tiny_dir, task_dict, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: no/such-model}\npruning: [{method: fastv, params: {keep: 5}}]\n")
+    for key in ("pruning.0.params.keep", "pruning[0].params.keep"):
+        m = _model(plugin, f"pretrained={tiny_dir},recipe={recipe},{key}=3,decoding.max_new_tokens=7", task_dict)
+        assert m.recipe.model.name == str(tiny_dir) == m.pretrained
+        assert m.recipe.pruning[0].params.keep == 3 and m.recipe.decoding.max_new_tokens == 7
+    m = _model(plugin, f"pretrained={tiny_dir}", task_dict)  # no recipe: no methods
+    assert m.recipe.pruning == () and m.recipe.decoding.method == "greedy"
+    with pytest.raises(ConfigError, match="keep"):
+        _model(plugin, f"pretrained={tiny_dir},recipe={recipe},pruning.0.params.kepp=3", task_dict)
+    with pytest.raises(InputError, match="pruning.*has 1 entries"):
+        _model(plugin, f"pretrained={tiny_dir},recipe={recipe},pruning.4.params.keep=3", task_dict)
+    with pytest.raises(InputError, match="dtyp=.*unknown argument.*pretrained="):
+        _model(plugin, f"pretrained={tiny_dir},dtyp=float16", task_dict)
+    with pytest.raises(InputError, match="batch_size='auto'"):
+        _model(plugin, f"pretrained={tiny_dir}", task_dict, batch_size="auto")
+
+
+def test_batching_keeps_answers_and_order(plugin, tiny_dir, task_dict, monkeypatch):
+    reqs = _requests({"max_new_tokens": 5})
+    one = _model(plugin, f"pretrained={tiny_dir}", task_dict).generate_until(reqs)
+    model = _model(plugin, f"pretrained={tiny_dir}", task_dict, batch_size=3)
+    sizes: list[int] = []
+    run = model.session.run
+
+    def spy(batch, **kw):
+        sizes.append(batch.batch_size)
+        return run(batch, **kw)
+
+    monkeypatch.setattr(model.session, "run", spy)
+    assert model.generate_until(reqs) == one
+    assert sizes == [3, 2]
+    # requests with other settings are never batched with these
+    mixed = reqs[:2] + _requests({"max_new_tokens": 2}, [2])
+    sizes.clear()
+    out = model.generate_until(mixed)
+    assert sizes == [2, 1] and out[:2] == one[:2] and len(out[2]) <= len(one[2])
+
+
+def test_gen_kwargs_honoured(plugin, tiny_dir, task_dict, tiny_mm):
+    model = _model(plugin, f"pretrained={tiny_dir}", task_dict)
+    pope = {"max_new_tokens": 6, "temperature": 0, "top_p": 1.0, "num_beams": 1, "do_sample": False}
+    greedy = model.generate_until(_requests(pope, [0, 1]))
+    assert greedy == _expected(tiny_mm, None, [0, 1], 6)
+    sampled = model.generate_until(_requests({"max_new_tokens": 6, "do_sample": True, "temperature": 0.7}, [0, 1]))
+    want = _expected(tiny_mm, None, [0, 1], 6, keywords={"method": "sample", "params": {"temperature": 0.7, "top_k": 50}})
+    assert sampled == want and sampled != greedy
+    beams = model.generate_until(_requests({"max_new_tokens": 6, "num_beams": 2}, [0]))
+    assert beams == _expected(tiny_mm, None, [0], 6, keywords={"method": "beam", "params": {"num_beams": 2}})
+    # until cuts the answer at the first stop string
+    stop = greedy[0].split()[1]
+    assert model.generate_until(_requests({**pope, "until": [stop]}, [0])) == [greedy[0].split(stop)[0]]
+    before = model.token_counts.new_tokens
+    model.generate_until(_requests({"max_new_tokens": 2}, [0, 1]))
+    assert model.token_counts.new_tokens - before <= 4
+
+
+def test_recipe_decoder_kept_with_a_warning(plugin, tiny_dir, task_dict, tiny_mm, caplog):
+    model = _model(plugin, f"pretrained={tiny_dir},decoding.method=vcd", task_dict)
+    pope = {"max_new_tokens": 4, "do_sample": False, "temperature": 0, "image_aspect_ratio": "pad"}
+    with caplog.at_level(logging.WARNING, logger="mmfast.eval.lmms_plugin"):
+        out = model.generate_until(_requests(pope, [0, 1]))
+        model.generate_until(_requests(pope, [2]))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("recipe's decoder 'vcd' is kept" in m for m in msgs) == 1
+    assert sum("image_aspect_ratio='pad'" in m and "ignored" in m for m in msgs) == 1
+    assert out == _expected(tiny_mm, {"decoding": "vcd"}, [0, 1], 4)
+
+
+def test_two_ranks_shard_like_lmms_eval(plugin, tiny_dir, task_dict, monkeypatch):
+    gk = {"max_new_tokens": 5, "until": ["\n"]}
+    single = _model(plugin, f"pretrained={tiny_dir}", task_dict, batch_size=2).generate_until(_requests(gk))
+
+    class FakeAccelerator:  # what accelerate gives process `rank` of 2 (no process group needed here)
+        def __init__(self, rank: int) -> None:
+            self.process_index, self.num_processes, self.device = rank, 2, torch.device("cpu")
+
+    merged: dict[int, str] = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(plugin, "data_parallel_state", lambda rank=rank: FakeAccelerator(rank))
+        model = _model(plugin, f"pretrained={tiny_dir}", task_dict, batch_size=2)
+        assert (model.rank, model.world_size, model.device) == (rank, 2, torch.device("cpu"))
+        assert model.accelerator.process_index == rank
+        # lmms-eval's evaluator: build_all_requests(rank=..., world_size=...) takes every world_size-th doc,
+        # then pads the shorter shard by repeating its last request
+        docs = list(range(5))[rank::2]
+        reqs = _requests(gk, docs)
+        reqs += [reqs[-1]] * (3 - len(reqs))
+        out = model.generate_until(reqs)
+        assert len(out) == 3
+        merged.update(zip(docs, out))
+    assert [merged[d] for d in range(5)] == single
+    with pytest.raises(InputError, match="device_map.*data parallel"):
+        _model(plugin, f"pretrained={tiny_dir},model.device_map=auto", task_dict)
+
+
+def test_data_parallel_state_outside_a_launch(plugin, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert plugin.data_parallel_state() is None
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert plugin.data_parallel_state() is None
+
+
+def test_recipe_overrides_translation(plugin):
+    assert plugin.recipe_overrides({"pruning.0.params.keep": 32, "decoding.method": "vcd", "model.x.1": True}) == [
+        "pruning[0].params.keep=32", "decoding.method=vcd", "model.x[1]=true",
+    ]
+
+
+def test_without_lmms_eval_the_class_refuses(monkeypatch):
+    try:
+        import lmms_eval.api.model  # noqa: F401
+
+        pytest.skip("lmms-eval is installed: the real base class is used")
+    except ImportError:
+        pass
+    import mmfast.eval.lmms_plugin as module
+
+    module = importlib.reload(module)
+    with pytest.raises(ImportError, match="pip install lmms-eval"):
+        module.MMFast()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+import contextlib
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -16,6 +18,33 @@ if TYPE_CHECKING:
 
 # (logits [B, V] fp32, step, state) -> next tokens [B]
 ChooseFn = Callable[[torch.Tensor, int, "LMState"], torch.Tensor]
+
+
+class Streamer(Protocol):
+    """What :func:`drive` feeds while it decodes (transformers' ``BaseStreamer``: ``TextStreamer``,
+    ``TextIteratorStreamer`` fit): ``put`` gets the chosen token ids of every step, ``[B]`` on the CPU
+    (finished rows get the pad id); ``end`` is called once after the last token."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
+
+_STREAMER: ContextVar[Streamer | None] = ContextVar("mmfast_streamer", default=None)
+_STREAMED: ContextVar[list[int] | None] = ContextVar("mmfast_streamed", default=None)
+
+
+@contextlib.contextmanager
+def streaming(streamer: Streamer) -> Iterator[list[int]]:
+    """Within the block, :func:`drive` puts every step's tokens into ``streamer``. Yields a one-element
+    list counting the steps streamed (0 after the block means the decoder never ran the driver)."""
+    count = [0]
+    token, token_count = _STREAMER.set(streamer), _STREAMED.set(count)
+    try:
+        yield count
+    finally:
+        _STREAMER.reset(token)
+        _STREAMED.reset(token_count)
 
 
 def warpers(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
@@ -98,9 +127,10 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
     """The one decode driver: prefill, then one token per step until EOS or ``max_new_tokens``.
 
     Owns timing, stopping (finished rows are fed padding), stripping and accounting; the policy owns
-    the forwards and the token choice.
+    the forwards and the token choice. Inside :func:`streaming`, every step's tokens go to the streamer.
     """
     device = ctx.device
+    streamer, streamed = _STREAMER.get(), _STREAMED.get()
     stop = torch.tensor(ctx.special.eos, device=device)
     t0 = now(device)
     state, logits = policy.prefill()
@@ -112,6 +142,9 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
         nxt = policy.choose(logits, step)  # [B]
         nxt = torch.where(finished, torch.full_like(nxt, ctx.special.pad), nxt)
         generated.append(nxt)
+        if streamer is not None:
+            streamer.put(nxt.cpu())
+            streamed[0] += 1
         finished |= torch.isin(nxt, stop)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
