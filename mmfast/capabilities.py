@@ -165,20 +165,101 @@ def check_recipe(recipe: Recipe) -> str | None:
     return None
 
 
-def check_model(recipe: Recipe, adapter: VLMAdapter) -> str | None:
-    """A reason the recipe's methods cannot run on ``adapter``'s model, or None (before any compute)."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the methods' parameters are checked against: read from a loaded model's adapter, or from
+    the model's config alone (before any weights load)."""
+
+    family: str
+    llm_layers: int
+    vision_layers: int
+    grid: tuple[int, int]  # (rows, cols) of the base patch grid
+    has_cls: bool
+
+    @classmethod
+    def of_adapter(cls, adapter: VLMAdapter) -> ModelFacts:
+        return cls(adapter.family, len(adapter.layers), len(adapter.vision_layers), tuple(adapter.grid), adapter.has_cls)
+
+    @classmethod
+    def of_config(cls, config: Any) -> ModelFacts | None:
+        """From a transformers config of a supported family (None for any other)."""
+        family = getattr(config, "model_type", None)
+        if family not in ALL_FAMILIES:
+            return None
+        text, vision = config.text_config, config.vision_config
+        side = int(vision.image_size) // int(vision.patch_size)
+        # the LLaVA families' towers are CLIP-style: a CLS token the "default" strategy drops
+        return cls(family, int(text.num_hidden_layers), int(vision.num_hidden_layers), (side, side), True)
+
+
+def _methods(recipe: Recipe):
+    """(recipe path of the params, method class, params) of every method in the recipe."""
     from .registry import DECODERS, DRAFTERS, PRUNERS
 
+    for i, st in enumerate(recipe.pruning):
+        yield f"pruning[{i}].params", PRUNERS.get(st.method).cls, st.params
+    yield "decoding.params", DECODERS.get(recipe.decoding.method).cls, recipe.decoding.params
+    if recipe.speculative is not None:
+        yield "speculative.params", DRAFTERS.get(recipe.speculative.method).cls, recipe.speculative.params
+
+
+def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
+    """A reason the recipe's methods cannot run on the model (a loaded adapter, or the facts of its
+    config before loading), or None. Parameters that do not fit the model (a layer it does not have)
+    raise :class:`~mmfast.errors.ConfigError` at their recipe path."""
+    from .errors import ConfigError
+    from .registry import DECODERS, DRAFTERS, PRUNERS
+
+    facts = model if isinstance(model, ModelFacts) else ModelFacts.of_adapter(model)
     stages, decoder, drafter = _declared(recipe)
     kinds = [(st, PRUNERS) for st in stages] + [(decoder, DECODERS)] + ([(drafter, DRAFTERS)] if drafter else [])
     for item, registry in kinds:
         c = item.caps
-        if adapter.family not in c.families:
-            ok = [e.name for e in registry.entries() if adapter.family in caps_of(e.cls, None).families]
+        if facts.family not in c.families:
+            ok = [e.name for e in registry.entries() if facts.family in caps_of(e.cls, None).families]
             return (
-                f"{item.where} does not support the {adapter.family} family; {registry.kind} methods that run there: "
+                f"{item.where} does not support the {facts.family} family; {registry.kind} methods that run there: "
                 f"{', '.join(ok) or 'none'}"
             )
-        if c.needs_cls and not adapter.has_cls:
+        if c.needs_cls and not facts.has_cls:
             return f"{item.where} needs a CLS token in the vision tower, which this model does not have"
+    for path, cls, params in _methods(recipe):
+        check = getattr(cls, "check_facts", None)
+        if check is None or params is None:
+            continue
+        try:
+            check(params, facts)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}.{exc.path}" if exc.path else path, exc.detail, exc.source) from None
     return None
+
+
+def check_model_config(recipe: Recipe) -> None:
+    """Check the recipe against its model's config before any weights load (``mmfast validate``,
+    ``run``, ``eval``, ``bench``): families, CLS, layer indices and grids. Silent when the config
+    cannot be read without a download (a hub id not in the local cache)."""
+    import logging
+
+    from .errors import IncompatibleRecipeError
+
+    facts = _facts_of_model_name(recipe.model.name, recipe.model.revision)
+    if facts is None:
+        logging.getLogger(__name__).debug("no local config for %s: methods are checked once it loads", recipe.model.name)
+        return
+    problem = check_model(recipe, facts)
+    if problem:
+        raise IncompatibleRecipeError(f"{problem} (model {recipe.model.name})")
+
+
+def _facts_of_model_name(name: str, revision: str | None) -> ModelFacts | None:
+    from transformers import AutoConfig
+
+    from .errors import ModelLoadError
+    from .model import _resolve
+
+    try:
+        path, local = _resolve(name)
+        config = AutoConfig.from_pretrained(path, revision=revision, local_files_only=True)
+    except (OSError, ValueError, ModelLoadError):
+        return None
+    return ModelFacts.of_config(config)

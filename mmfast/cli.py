@@ -135,7 +135,10 @@ def _load(args):
 
 
 def _cmd_validate(args) -> int:
+    from .capabilities import check_model_config
+
     recipe = _load(args)
+    check_model_config(recipe)  # layer indices, grids, families against the model's config (no weights)
     if recipe.bench.kind != "none":
         from .bench.common import variants
 
@@ -147,10 +150,12 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from .capabilities import check_model_config
     from .model import load_model
     from .pipeline import apply
 
     recipe = _load(args)
+    check_model_config(recipe)
     mm = load_model(recipe.model)
     images = args.image if len(args.image) > 1 else args.image[0]
     with apply(mm, recipe) as session:

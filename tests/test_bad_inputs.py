@@ -379,3 +379,30 @@ def test_hub_mirror_port(monkeypatch, endpoint, address):
     monkeypatch.setattr(socket, "create_connection", connect)
     assert _hub_reachable()
     assert seen == [address]
+
+
+# -- method parameters against the model's config, before any weights load --------------------------
+
+
+@pytest.mark.parametrize("stage, path", [
+    ({"method": "mustdrop", "params": {"window": 2}}, "pruning[0].params.layers"),  # the paper's layers 2..14, 4-layer LLM
+    ({"method": "fastv", "params": {"k": 999}}, "pruning[0].params.k"),
+    ({"method": "mustdrop", "params": {"window": 5, "layer_mapping": "proportional"}}, "pruning[0].params.window"),
+])
+def test_method_params_checked_against_the_config_before_loading(stage, path, tiny_dir, tmp_path, monkeypatch, capsys):
+    import mmfast.model
+    from mmfast.capabilities import check_model_config
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the recipe was checked")
+
+    monkeypatch.setattr(mmfast.model, "load_model", no_load)
+    recipe = load_recipe({"model": {"name": str(tiny_dir)}, "pruning": [stage]})
+    with pytest.raises(ConfigError) as exc:
+        check_model_config(recipe)
+    assert exc.value.path == path
+    f = _write(tmp_path, "r.yaml", yaml.safe_dump({"model": {"name": str(tiny_dir)}, "pruning": [stage]}))
+    code, err = _cli(capsys, "validate", str(f))
+    assert code == 2 and path in err
+    code, err = _cli(capsys, "run", str(f), "--image", "x.png", "--prompt", "hi")
+    assert code == 2 and path in err  # refused before the (patched-out) load

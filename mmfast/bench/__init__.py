@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Recipe
-from ..errors import InputError
+from ..errors import InputError, MMFastError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     from .common import variants
 
     vs = variants(recipe)  # validate every compared variant before loading anything
+    from ..capabilities import check_model_config
+
+    for v in vs:  # and against the model's config (layers, grids, families), still before any weights load
+        try:
+            check_model_config(v.recipe)
+        except MMFastError as exc:
+            raise InputError(f"bench variant {v.name!r} cannot run on this model: {exc}") from exc
     mm = load_model(recipe.model)
     _preflight(mm, vs)
     from ..eval.runner import weights_fingerprint

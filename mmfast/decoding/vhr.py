@@ -57,13 +57,21 @@ class VHR(Decoder):
         top_p: float = opt(1.0, lo=0.0, hi=1.0)
         top_k: int = opt(0, lo=0)
 
-    def install(self) -> None:
-        adapter = self.ctx.adapter
-        n = len(adapter.layers)
-        self.layers = list(self.config.layers) if self.config.layers is not None else paper_layers(n)
-        bad = [layer for layer in self.layers if not 0 <= layer < n]
+    @classmethod
+    def check_facts(cls, config, facts) -> list[int]:
+        """The reinforced layers exist in this LLM (from the config before weights load, or the model)."""
+        n = facts.llm_layers
+        layers = list(config.layers) if config.layers is not None else paper_layers(n)
+        bad = [layer for layer in layers if not 0 <= layer < n]
         if bad:
             raise ConfigError("layers", f"{bad} do not exist in this {n}-layer LLM (0-based, 0..{n - 1})")
+        return layers
+
+    def install(self) -> None:
+        from ..capabilities import ModelFacts
+
+        adapter = self.ctx.adapter
+        self.layers = self.check_facts(self.config, ModelFacts.of_adapter(adapter))
         self.heads = adapter.text_config.num_attention_heads
         if self.config.alpha != 1.0:
             for layer in self.layers:

@@ -265,6 +265,10 @@ def run_eval(
     plan = [(task, task.samples(limit)) for task in tasks]
     check_plan(plan)
     _check_images(plan, cfg.max_failures, rank, world)  # before the model loads: no hour-long load for a typo
+    if mm is None:
+        from ..capabilities import check_model_config
+
+        check_model_config(recipe)  # the methods' layers and grids against the model's config
     extra_files = side_files(tasks)
     lock = None
     if rank == 0 and not rundir.check_held_by_launcher(out):

@@ -143,6 +143,11 @@ class DynamicLLaVA(Pruner):
     def test_params(cls, adapter):
         return {"predictors": "random"}
 
+    @classmethod
+    def check_facts(cls, config, facts) -> None:
+        """The sparse layer must exist in this LLM (checked from the config, before weights load)."""
+        map_layers([config.sparse_layer], facts.llm_layers, config.layer_mapping, param="sparse_layer")
+
     # -- installation ------------------------------------------------------------------------------
     def install(self) -> None:
         cfg = self.config

@@ -64,6 +64,11 @@ class FastV(Pruner):
     def test_params(cls, adapter):
         return {"keep": 5}
 
+    @classmethod
+    def check_facts(cls, config, facts) -> None:
+        """K must be a layer of this LLM (checked from the config, before weights load)."""
+        map_layers([config.k], facts.llm_layers, config.layer_mapping, param="k")
+
     def install(self) -> None:
         cfg = self.config
         (layer, paper), = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")

@@ -253,22 +253,32 @@ class MustDrop(Pruner):
         lg, li = PRESETS[cfg.preset]
         return (lg if cfg.lambda_g is None else cfg.lambda_g, li if cfg.lambda_i is None else cfg.lambda_i)
 
+    @classmethod
+    def check_facts(cls, config, facts) -> tuple[list[tuple[int, int]], int]:
+        """The window divides the grid, every filter layer exists and leaves a layer to prune, the key
+        layer exists (from the config before weights load, or the loaded model). Returns the filters
+        ``[(probe layer, paper layer)]`` and the key layer."""
+        rows, cols = facts.grid
+        if rows % config.window or cols % config.window:
+            raise ConfigError("window", f"{config.window} does not divide the {rows}x{cols} patch grid of this model")
+        n_layers = facts.llm_layers
+        filters = map_layers(config.layers, n_layers, config.layer_mapping)
+        if filters[-1][0] + 1 >= n_layers:
+            raise ConfigError("layers", f"a filter at the output of layer {filters[-1][0]} leaves no layer to prune in "
+                                        f"this {n_layers}-layer LLM; use layer_mapping: proportional or earlier layers")
+        n_vis = facts.vision_layers
+        if not -n_vis <= config.key_layer < n_vis:
+            raise ConfigError("key_layer", f"{config.key_layer} is not a layer of this {n_vis}-layer vision tower")
+        return filters, config.key_layer % n_vis
+
     def install(self) -> None:
         cfg = self.config
-        rows, cols = self.adapter.grid
-        if rows % cfg.window or cols % cfg.window:
-            raise ConfigError("window", f"{cfg.window} does not divide the {rows}x{cols} patch grid of this model")
-        n_layers = len(self.adapter.layers)
-        self.filters = map_layers(cfg.layers, n_layers, cfg.layer_mapping)  # [(probe layer, paper layer)]
-        if self.filters[-1][0] + 1 >= n_layers:
-            raise ConfigError("layers", f"a filter at the output of layer {self.filters[-1][0]} leaves no layer to prune in this {n_layers}-layer LLM")
+        from ..capabilities import ModelFacts
+
+        self.filters, key_layer = self.check_facts(cfg, ModelFacts.of_adapter(self.adapter))  # [(probe layer, paper layer)]
         self.lambda_g, self.lambda_i = self.thresholds()
         self.sim_threshold = cfg.sim_threshold  # a budget's calibration may lower it (module docstring)
         vis_layers = self.adapter.vision_layers
-        n_vis = len(vis_layers)
-        key_layer = cfg.key_layer % n_vis if -n_vis <= cfg.key_layer < n_vis else None
-        if key_layer is None:
-            raise ConfigError("key_layer", f"{cfg.key_layer} is not a layer of this {n_vis}-layer vision tower")
 
         # stage 1: window merge on the output of CLIP layer 0, key set from the CLS attention. The
         # session runs the tower one image at a time for this stage (capability tower_per_image),
