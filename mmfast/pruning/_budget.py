@@ -126,7 +126,8 @@ def calibration_key(model, stages: list[dict], index: int) -> tuple:
     parameters (so a model trained since is calibrated anew), the recipe's stages, the stage index."""
     import json
 
-    versions = sum(p._version for p in model.parameters())
+    # inference tensors (a model built under inference mode) cannot change in place: no counter to read
+    versions = sum(0 if p.is_inference() else p._version for p in model.parameters())
     return (id(model), versions, json.dumps(stages, sort_keys=True), index)
 
 
