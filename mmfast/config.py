@@ -454,8 +454,32 @@ class BenchConfig:
     n_samples: int = opt(32, lo=1)
     warmup: int = opt(1, lo=0)
     repeats: int = opt(3, lo=1)
-    shape: str | None = opt(None, doc="random-weight model shape for timings, e.g. llava-1.5-7b-shaped")
-    params: dict[str, Any] = opt(factory=dict, doc="benchmark-specific settings")
+    shape: str | None = opt(None, doc="random-weight model shape for timings, e.g. llava-1.5-7b-slice")
+    params: dict[str, Any] = opt(factory=dict, doc="benchmark-specific settings (keys by kind: BENCH_PARAMS)")
+
+    def __post_init__(self) -> None:
+        allowed = BENCH_PARAMS.get(self.kind, {})
+        for key, value in self.params.items():
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), list(allowed), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"allowed for a {self.kind} bench: {', '.join(sorted(allowed)) or 'none'}"
+                raise ConfigError(f"bench.params.{key}", f"unknown key; {hint}")
+            _convert(value, allowed[key], f"bench.params.{key}")
+        if self.shape is not None:
+            from .models.factory import SHAPES
+
+            if self.shape not in SHAPES:
+                close = difflib.get_close_matches(self.shape, list(SHAPES), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError("bench.shape", f"unknown shape {self.shape!r}{hint} (known: {', '.join(SHAPES)})")
+
+
+#: the ``bench.params`` each kind of benchmark reads, with their types (checked when the recipe loads)
+BENCH_PARAMS: dict[str, dict[str, Any]] = {
+    "pruning": {"e2e_new_tokens": int, "shaped_samples": int, "shaped_variants": tuple[str, ...]},
+    "decoding": {"cost_new_tokens": int},
+    "speculative": {"workloads": Any, "temperatures": tuple[float, ...]},
+}
 
 
 @dataclass(frozen=True)

@@ -166,3 +166,18 @@ def test_shaped_speed_skips_a_variant_the_slice_cannot_hold():
     out = _shaped_speed(recipe, variants(recipe), torch.device("cpu"))
     assert [r["variant"] for r in out["rows"]] == ["baseline", "random-4"]
     assert [s["variant"] for s in out["skipped"]] == ["hicom-4"] and "clip_model" in out["skipped"][0]["reason"]
+
+
+@pytest.mark.parametrize("override, path", [
+    ("bench.params.e2e_new_token=3", "bench.params.e2e_new_token"),  # a typo
+    ("bench.params.e2e_new_tokens=many", "bench.params.e2e_new_tokens"),  # a wrong type
+    ("bench.shape=llava-1.5-7b-slic", "bench.shape"),
+    ("bench.params.shaped_variants=[visionzip-6]", "bench.params.shaped_variants[0]"),
+])
+def test_bench_section_is_strict(override, path):
+    """Typos in bench.params / bench.shape fail at validation, not after every variant ran."""
+    from mmfast.bench.common import variants
+
+    with pytest.raises(ConfigError) as exc:
+        variants(load_recipe("bench/pruning", overrides=[override]))
+    assert exc.value.path == path

@@ -79,6 +79,12 @@ def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
             out.append(Variant(item["name"], load_recipe(data)))
         except ConfigError as exc:
             raise ConfigError(f"{where}.{exc.path}", exc.detail) from None
+    shaped = recipe.bench.params.get("shaped_variants")
+    for j, name in enumerate(shaped or ()):
+        if name not in names:
+            hint = difflib.get_close_matches(name, sorted(names), n=1)
+            raise ConfigError(f"bench.params.shaped_variants[{j}]", f"no variant named {name!r}"
+                              + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(sorted(names))}"))
     return out
 
 
