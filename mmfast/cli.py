@@ -198,7 +198,10 @@ def _cmd_eval(args) -> int:
     summary = run_eval(recipe, limit=args.limit, output=args.output, num_processes=args.num_processes)
     if is_worker():
         return 0  # the launcher prints the result
-    print(json.dumps(summary["metrics"], indent=2))
+    from .report import metrics_table
+
+    print(metrics_table(summary["metrics"]))
+    print(f"(all figures: {output_dir(recipe, args.output) / 'summary.json'})")
     failed = summary["counts"]["failed"]
     if failed and not args.allow_failures:
         logger.error("%d of %d samples failed (listed in summary.json); exiting %d (--allow-failures accepts them)",

@@ -112,6 +112,40 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
     return EvalRow(run.name, acc.get("mean_vision_tokens_layer_avg"), pope.get("mean_f1"), chair.get("chair_i"), chair.get("recall"), iv, cells)
 
 
+def metrics_table(metrics: dict[str, Any]) -> str:
+    """The metrics of an ``mmfast eval`` run as an aligned plain-text table (the end of ``mmfast eval``):
+    one row per POPE split and one for CHAIR, with n and 95% intervals where the run has them."""
+
+    def cell(d: dict[str, Any], key: str) -> str:
+        v = d.get(key)
+        if not isinstance(v, (int, float)):
+            return ""
+        ci = d.get(f"{key}_ci95")
+        return f"{v:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if isinstance(ci, (list, tuple)) and len(ci) == 2 else "")
+
+    rows: list[list[str]] = []
+    for task, m in metrics.items():
+        if not isinstance(m, dict):
+            continue
+        splits = {k: v for k, v in m.items() if isinstance(v, dict) and "f1" in v}
+        for split, d in splits.items():
+            rows.append([f"{task} {split}", str(d.get("n", "")), "F1 " + cell(d, "f1"), "acc " + cell(d, "accuracy"),
+                         "yes " + cell(d, "yes_ratio")])
+        if "mean_f1" in m:
+            rows.append([f"{task} mean", str(m.get("n", "")), "F1 " + cell(m, "mean_f1"), "acc " + cell(m, "mean_accuracy"), ""])
+        if "chair_i" in m:
+            rows.append([task, str(m.get("n", "")), "CHAIR_s " + cell(m, "chair_s"), "CHAIR_i " + cell(m, "chair_i"),
+                         "recall " + cell(m, "recall")])
+        if not splits and "chair_i" not in m and "mean_f1" not in m:  # another task: its scalar metrics
+            rows.append([task, str(m.get("n", "")), *(f"{k} {v:.3f}" for k, v in m.items() if isinstance(v, float))])
+    if not rows:
+        return "(no metrics)"
+    width = max(len(r) for r in rows)
+    rows = [r + [""] * (width - len(r)) for r in [["task", "n", *[""] * (width - 2)], *rows]]
+    cols = [max(len(r[i]) for r in rows) for i in range(width)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, cols)).rstrip() for r in rows)
+
+
 def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
     """The model a benchmark measured: its own record, else the fingerprints of its variant runs."""
     if s.get("model"):

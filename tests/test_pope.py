@@ -245,3 +245,25 @@ def test_known_version_table_is_well_formed() -> None:
         twin = by_md5.get(f.md5_lf)
         if twin is not None:
             assert (twin.dataset, twin.split, twin.n_typos) == (f.dataset, f.split, f.n_typos)
+
+
+def test_generated_world_files_are_recognised(tmp_path, caplog):
+    """mmfast's own world POPE files are named as generated, not logged as unknown versions; an
+    edited copy is unknown again."""
+    import logging
+    import shutil
+
+    from mmfast.eval.pope import generated_by_world, load_pope_questions, pope_file_info
+    from mmfast.world import write_world
+
+    root = tmp_path / "w"
+    write_world(root, seed=0, n_train=0, n_val=6, pope_images=4, progress=False)
+    f = root / "pope" / "world_pope_random.json"
+    assert "random split of the mmfast world" in generated_by_world(f, pope_file_info(f).sha256)
+    with caplog.at_level(logging.INFO, logger="mmfast.eval.pope"):
+        load_pope_questions(f)
+    assert not any("unknown POPE file version" in r.getMessage() for r in caplog.records)
+    edited = root / "pope" / "edited.json"
+    shutil.copyfile(f, edited)
+    edited.write_text(edited.read_text() + "\n")
+    assert generated_by_world(edited, pope_file_info(edited).sha256) is None

@@ -51,8 +51,8 @@ def run_decoding_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dic
     samples = timing_samples_of(recipe, cfg.n_samples, tasks=("chair",))
     new_tokens = int(cfg.params.get("cost_new_tokens", 48))
     results = {}
-    for v in vs:
-        logger.info("bench variant %s", v.name)
+    for i, v in enumerate(vs, 1):
+        logger.info("bench variant %d/%d %s: evaluation, then cost per token", i, len(vs), v.name)
         summary = run_eval(v.recipe, limit=limit, output=str(out / "variants" / v.name), mm=mm)
         results[v.name] = {
             "decoding": v.recipe.decoding._to_recipe(),

@@ -55,9 +55,10 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
     rows, results = [], {}
     timing_samples = timing_samples_of(recipe, cfg.n_samples)
     new_tokens = int(cfg.params.get("e2e_new_tokens", 32))
-    for v in vs:
-        logger.info("bench variant %s", v.name)
+    for i, v in enumerate(vs, 1):
+        logger.info("bench variant %d/%d %s: evaluation", i, len(vs), v.name)
         summary = run_eval(v.recipe, limit=limit, output=str(out / "variants" / v.name), mm=mm)
+        logger.info("bench variant %d/%d %s: timing (%d samples x %d repeats)", i, len(vs), v.name, len(timing_samples), cfg.repeats)
         timing = time_variant(mm, v, timing_samples, cfg.warmup, cfg.repeats, new_tokens)
         results[v.name] = {"metrics": summary["metrics"], "accounting": _accounting(out / "variants" / v.name), "timing": timing}
     base = results["baseline"]
@@ -121,6 +122,7 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
     from ..models.factory import random_llava
 
     cfg = recipe.bench
+    logger.info("bench phase: prefill timing on the %s random-weight model (building it)", cfg.shape)
     model, processor = random_llava(cfg.shape, dtype=torch.float32)
     mm = MMModel(model.to(device), processor, cfg.shape)  # where the benchmarked model runs
     rng = np.random.default_rng(0)
@@ -135,6 +137,7 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
     for v in vs:
         if v.name != "baseline" and (v.name not in wanted or not all(_runs_on_random(s.method) for s in v.recipe.pruning)):
             continue
+        logger.info("bench phase: %s prefill timing of %s", cfg.shape, v.name)
         try:
             session_cm = apply(mm, v.recipe)
         except MMFastError as exc:  # e.g. a layer schedule the shallow slice cannot hold

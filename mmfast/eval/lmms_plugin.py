@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from tqdm import tqdm
+from ..progress import Progress
 
 from ..errors import InputError
 
@@ -61,7 +61,6 @@ except ImportError:  # pragma: no cover - exercised when lmms-eval is absent
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_LOG_S = 30.0  # seconds between progress log lines
 _NUMBERED = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -119,36 +118,6 @@ class TokenCounts:
         t["requests"] += 1
         t["new_tokens"] += new_tokens
         t["vision_tokens"] += vision_tokens
-
-
-class _Progress:
-    """A tqdm bar on rank 0's terminal, and a log line every ``PROGRESS_LOG_S`` seconds everywhere else."""
-
-    def __init__(self, total: int, rank: int, what: str) -> None:
-        self.total, self.rank, self.what = total, rank, what
-        self.done = 0
-        self.t0 = self.last = time.monotonic()
-        self.bar = tqdm(total=total, desc=f"mmfast {what}", disable=rank != 0 or not _isatty())
-
-    def update(self, n: int) -> None:
-        self.done += n
-        self.bar.update(n)
-        now = time.monotonic()
-        if self.bar.disable and (now - self.last >= PROGRESS_LOG_S or self.done == self.total):
-            self.last = now
-            rate = self.done / max(now - self.t0, 1e-9)
-            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            logger.info("rank %d %s: %d/%d requests, %.2f/s, eta %.0fs", self.rank, self.what, self.done, self.total,
-                        rate, eta)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _isatty() -> bool:
-    import sys
-
-    return sys.stderr.isatty()
 
 
 @dataclass(frozen=True)
@@ -292,7 +261,7 @@ class MMFast(_LMMBase):
             _, gen_kwargs, _, _, task, split = req.args[:6]
             key = (task, split, json.dumps(gen_kwargs or {}, sort_keys=True, default=repr))
             groups.setdefault(key, []).append(i)
-        progress = _Progress(len(reqs), self.rank, "generate_until")
+        progress = Progress(len(reqs), f"rank {self.rank} generate_until", report=True, unit="requests")
         t0 = time.perf_counter()
         counts_before = (self.token_counts.requests, self.token_counts.new_tokens, self.token_counts.vision_tokens)
         try:
@@ -341,7 +310,7 @@ class MMFast(_LMMBase):
     @torch.inference_mode()
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         out = []
-        progress = _Progress(len(requests), self.rank, "loglikelihood")
+        progress = Progress(len(requests), f"rank {self.rank} loglikelihood", report=True, unit="requests")
         try:
             for req in requests:
                 context, continuation, _, doc_id, task, split = req.args[:6]

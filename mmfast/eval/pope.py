@@ -326,6 +326,22 @@ def _check_label(value: Any, where: str) -> Label:
     return label  # type: ignore[return-value]
 
 
+def generated_by_world(path: Path, sha256: str) -> str | None:
+    """"POPE split S of the mmfast world vV, seed N" when ``path`` is a question file that
+    ``mmfast.world`` wrote (its ``world.json`` two folders up records this very checksum), else None."""
+    meta = path.parent.parent / "world.json"
+    try:
+        world = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(world, dict) or world.get("generator") != "mmfast.world":
+        return None
+    for split, digest in (world.get("pope") or {}).get("sha256", {}).items():
+        if digest == sha256:
+            return f"POPE {split} split of the mmfast world v{world.get('version')}, seed {world.get('seed')} (generated)"
+    return None
+
+
 def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQuestion]:
     """Load a POPE question file (JSON Lines or JSON array) in file order.
 
@@ -336,12 +352,16 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
     p = Path(path)
     data = p.read_bytes()
     info = _file_info(p, data)
+    generated = generated_by_world(p, info.sha256) if info.known is None else None
     if info.known is None:
         if strict:
             raise UnknownPopeFileError(
                 f"{p}: md5 {info.md5} is not a known POPE question file; pass strict=False to use "
                 "it anyway (e.g. a locally generated file) and report its sha256")
-        logger.info("%s: unknown POPE file version (sha256 %s)", p, info.sha256)
+        if generated:
+            logger.debug("%s: %s", p, generated)
+        else:
+            logger.info("%s: unknown POPE file version (sha256 %s)", p, info.sha256)
     else:
         k = info.known
         logger.info("%s: POPE %s/%s from %s@%s", p, k.dataset, k.split, k.repo, k.commit[:7])

@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from tqdm import tqdm
+from ..progress import Progress
 
 from .. import compat
 from ..config import Recipe
@@ -315,7 +315,8 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
                                "image changed under the same path); recomputing them", task.name, len(stale))
             if len(todo) < len(mine):
                 logger.info("%s: %d of %d samples already done (resuming)", task.name, len(mine) - len(todo), len(mine))
-            bar = tqdm(total=len(todo), desc=f"{task.name}", disable=None if todo else True)  # None: only on a TTY
+            where = f"{task.name} [rank {rank}]" if world > 1 else task.name
+            bar = Progress(len(todo), where, report=bool(todo))  # a bar on a terminal, periodic log lines elsewhere
             for i in range(0, len(todo), cfg.batch_size):
                 chunk = todo[i : i + cfg.batch_size]
                 records = _run_batch(session, chunk, task.filter_response, fps)
