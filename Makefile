@@ -26,7 +26,7 @@ demo: setup
 	$(VENV)/bin/mmfast eval configs/world_eval.yaml --limit $(DEMO_LIMIT) --output runs/demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -117,10 +117,11 @@ def test_flops_budget_converts_to_tokens(tiny_mm, images):
 def test_calibration_converges(tiny_mm, method, params, tokens):
     from mmfast.world import render_image
 
-    from mmfast.pruning._budget import _OBJECTS, _QUESTIONS, _SUFFIX
+    from mmfast.pruning._budget import CALIBRATION_IMAGES, calibration_prompt
 
-    images = [render_image(0, "val", i).image.convert("RGB") for i in range(4)]
-    prompts = [_QUESTIONS[i % 2].format(_OBJECTS[i]) + _SUFFIX for i in range(4)]  # the calibration set itself
+    n = CALIBRATION_IMAGES  # the calibration set itself
+    images = [render_image(0, "val", 20 * i).image.convert("RGB") for i in range(n)]
+    prompts = [calibration_prompt(i) for i in range(n)]
     out = tiny_mm.generate(images, prompts, recipe=_stage(method, tokens, **params), max_new_tokens=1)
     cal = out[0].stats[method]["calibration"]
     assert cal["target"] == tokens and abs(cal["tokens"] - tokens) <= 0.02 * tokens

@@ -100,7 +100,10 @@ def only_variants(recipe: Recipe, names: list[str]) -> Recipe:
     keep = [item for item in [*recipe.bench.compare, *generated] if isinstance(item, dict) and item.get("name") in names]
     for item in keep:
         item.pop("_origin", None)
-    data["bench"] = dict(data["bench"], compare=keep, methods=[], budgets=[])
+    params = dict(data["bench"].get("params") or {})
+    if "shaped_variants" in params:  # the timing subset follows the cut
+        params["shaped_variants"] = [n for n in params["shaped_variants"] if n in names]
+    data["bench"] = dict(data["bench"], compare=keep, methods=[], budgets=[], params=params)
     return load_recipe(data)
 
 
