@@ -55,6 +55,8 @@ class MethodContext:
     model_path: str  # where the weights came from (``name_or_path``), for methods with side files
     chat_text: Callable[[str, int], str]  # (prompt, n_images) -> chat-templated text
     encode: Callable[[PreparedBatch], VisionBatch]
+    #: samples token budgets are calibrated on (``pruning._budget.CalibrationSet``; None: the default set)
+    calibration_set: Any = None
 
     @classmethod
     def of(cls, mm: MMModel, runner: LMRunner, probe: AttentionProbe, hooks: HookSession,

@@ -83,7 +83,7 @@ class GenerationResult:
 class Session:
     """A recipe installed on a model. Use as a context manager; see :func:`apply`."""
 
-    def __init__(self, mm: MMModel, recipe: Recipe) -> None:
+    def __init__(self, mm: MMModel, recipe: Recipe, *, calibration: Any = None) -> None:
         self.mm = mm
         self.recipe = recipe
         self.adapter = mm.adapter
@@ -91,6 +91,7 @@ class Session:
         self.probe = AttentionProbe(self.hooks)
         self.runner = LMRunner(self.adapter, self.hooks)
         self.ctx = MethodContext.of(mm, self.runner, self.probe, self.hooks, self.encode)
+        self.ctx.calibration_set = calibration  # what token budgets are calibrated on (None: the default set)
         self.scoring_s = 0.0
         self._call_decoders: dict[str, Decoder] = {}  # per-call decoders (generate(decoding=...)), by spec
         self._decoder: Decoder | None = None  # the decoder of the batch being run
@@ -112,7 +113,7 @@ class Session:
             stages = [st._to_recipe() for st in recipe.pruning]
             for i, pruner in enumerate(self.pruners):
                 if pruner.calibrated and pruner.budget_tokens is not None:
-                    calibrate_once(pruner, pruner.budget_tokens, calibration_key(mm.model, stages, i))
+                    calibrate_once(pruner, pruner.budget_tokens, calibration_key(mm.model, stages, i, calibration))
             with _recipe_path("decoding.params"):
                 self.decoder.install()
             if self.drafter is not None:
@@ -470,10 +471,13 @@ def _sample_stats(stats: dict[str, Any], b: int) -> dict[str, Any]:
     return out
 
 
-def apply(mm: MMModel, recipe: Recipe | str | dict | None = None) -> Session:
-    """Install ``recipe`` on ``mm`` and return the session (a context manager that restores the model)."""
+def apply(mm: MMModel, recipe: Recipe | str | dict | None = None, *, calibration: Any = None) -> Session:
+    """Install ``recipe`` on ``mm`` and return the session (a context manager that restores the model).
+
+    ``calibration``: a ``pruning._budget.CalibrationSet`` that token budgets of threshold methods are
+    calibrated on (an evaluation passes a spread of its own samples); None: the default world set."""
     if recipe is None:
         recipe = Recipe()
     elif not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
-    return Session(mm, recipe)
+    return Session(mm, recipe, calibration=calibration)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import MMFastError
-from ..eval.runner import run_eval
+from ..eval.runner import evaluation_calibration, run_eval
 from ..model import MMModel
 from ..pipeline import apply
 from .common import Variant, dump, median_time, timing_samples_of, variants, write_markdown
@@ -28,9 +28,11 @@ from .common import Variant, dump, median_time, timing_samples_of, variants, wri
 logger = logging.getLogger(__name__)
 
 
-def time_variant(mm: MMModel, v: Variant, samples, warmup: int, repeats: int, new_tokens: int) -> dict[str, float]:
-    """Median prefill (1 new token) and end-to-end (``new_tokens``) latency summed over ``samples``."""
-    with apply(mm, v.recipe) as session:
+def time_variant(mm: MMModel, v: Variant, samples, warmup: int, repeats: int, new_tokens: int,
+                 calibration=None) -> dict[str, float]:
+    """Median prefill (1 new token) and end-to-end (``new_tokens``) latency summed over ``samples``
+    (token budgets calibrated on ``calibration``, the evaluation's own set)."""
+    with apply(mm, v.recipe, calibration=calibration) as session:
         batches = [mm.prepare([s.image], [s.prompt]) for s in samples]
         scoring = []
 
@@ -59,7 +61,8 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
         logger.info("bench variant %d/%d %s: evaluation", i, len(vs), v.name)
         summary = run_eval(v.recipe, limit=limit, output=str(out / "variants" / v.name), mm=mm)
         logger.info("bench variant %d/%d %s: timing (%d samples x %d repeats)", i, len(vs), v.name, len(timing_samples), cfg.repeats)
-        timing = time_variant(mm, v, timing_samples, cfg.warmup, cfg.repeats, new_tokens)
+        calibration = evaluation_calibration(v.recipe, limit) if any(st.budget for st in v.recipe.pruning) else None
+        timing = time_variant(mm, v, timing_samples, cfg.warmup, cfg.repeats, new_tokens, calibration)
         results[v.name] = {"metrics": summary["metrics"], "accounting": _accounting(out / "variants" / v.name), "timing": timing}
     base = results["baseline"]
     for name, r in results.items():

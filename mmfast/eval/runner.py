@@ -81,6 +81,23 @@ def _check_images(plan, max_failures: float, rank: int, world: int) -> None:
                        len(missing), shown, n_bad, n_total, max_failures)
 
 
+def evaluation_calibration(recipe: Recipe, limit: int | None = None):
+    """:func:`calibration_set` of the evaluation ``run_eval(recipe, limit)`` would plan (for a
+    benchmark's timing sessions, which must run with the evaluation's calibrated thresholds)."""
+    cfg = recipe.eval
+    limit = limit if limit is not None else cfg.limit
+    tasks = build_tasks(cfg, resolve_data(cfg, cfg.tasks), cache_dir=cache_root())
+    return calibration_set([(task, task.samples(limit)) for task in tasks])
+
+
+def calibration_set(plan):
+    """The samples token budgets are calibrated on: a spread of the evaluation's own (every task in its
+    share), so a calibrated method lands on its budget in this evaluation's mean."""
+    from ..pruning._budget import CalibrationSet
+
+    return CalibrationSet.spread([s for _, samples in plan for s in samples])
+
+
 def output_dir(recipe: Recipe, output: str | None) -> Path:
     return Path(output or recipe.output.dir.format(name=recipe.name))
 
@@ -305,7 +322,7 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
     from ..pipeline import apply
 
     t0 = time.perf_counter()
-    with apply(mm, recipe) as session:
+    with apply(mm, recipe, calibration=calibration_set(plan)) as session:
         for task, samples in plan:
             mine = [s for i, s in enumerate(samples) if i % world == rank]
             todo = [s for s in mine if not store.done(s.doc_id, fps[s.doc_id])]

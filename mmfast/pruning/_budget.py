@@ -85,16 +85,44 @@ def calibration_prompt(i: int) -> str:
     return _QUESTIONS[i % 2].format(_OBJECTS[i % len(_OBJECTS)]) + _SUFFIX
 
 
+@dataclass(frozen=True)
+class CalibrationSet:
+    """Samples a budget is calibrated on: an evaluation passes a spread of its own samples (so the
+    calibrated mean is the evaluation's mean, whatever its mix of tasks); without one, the rendered
+    world set of :func:`calibration_batch` is used."""
+
+    images: tuple[str, ...]  # image paths
+    prompts: tuple[str, ...]
+
+    @property
+    def identity(self) -> str:
+        import hashlib
+
+        return hashlib.sha256("\n".join([*self.images, *self.prompts]).encode()).hexdigest()[:16]
+
+    @classmethod
+    def spread(cls, samples: list, n: int = CALIBRATION_IMAGES) -> CalibrationSet:
+        """Every k-th of ``samples`` (objects with ``image`` and ``prompt``), so tasks keep their shares."""
+        step = max(1, len(samples) // n)
+        picked = samples[::step][:n]
+        return cls(tuple(str(s.image) for s in picked), tuple(s.prompt for s in picked))
+
+
 def calibration_batch(ctx: MethodContext, n: int = CALIBRATION_IMAGES) -> PreparedBatch:
     """A fixed, offline calibration batch: ``n`` rendered world images (seed 0, split val, every 20th
     id) with :func:`calibration_prompt` prompts under the model's chat template. Adaptive methods'
     counts vary a lot between images and prompts, so a few samples do not predict an evaluation's
     mean: two dozen of both kinds do (measured in benchmarks/pruning)."""
-    from ..model import PreparedBatch
+    from ..model import PreparedBatch, open_image
     from ..world import render_image
 
-    images = [render_image(0, "val", 20 * i).image.convert("RGB") for i in range(n)]
-    prompts = [calibration_prompt(i) for i in range(n)]
+    given: CalibrationSet | None = ctx.calibration_set
+    if given is not None:  # the evaluation's own samples
+        images = [open_image(p) for p in given.images]
+        prompts = list(given.prompts)
+    else:
+        images = [render_image(0, "val", 20 * i).image.convert("RGB") for i in range(n)]
+        prompts = [calibration_prompt(i) for i in range(n)]
     texts = [ctx.chat_text(p, 1) for p in prompts]
     ids = [ctx.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     processed = ctx.image_processor(images=images, return_tensors="pt")
@@ -132,14 +160,14 @@ def _sample(batch: PreparedBatch, b: int) -> PreparedBatch:
 _CALIBRATED: dict[tuple, dict] = {}
 
 
-def calibration_key(model, stages: list[dict], index: int) -> tuple:
+def calibration_key(model, stages: list[dict], index: int, calibration: CalibrationSet | None = None) -> tuple:
     """Identity of a calibration: the model object and the in-place-modification counters of its
     parameters (so a model trained since is calibrated anew), the recipe's stages, the stage index."""
     import json
 
     # inference tensors (a model built under inference mode) cannot change in place: no counter to read
     versions = sum(0 if p.is_inference() else p._version for p in model.parameters())
-    return (id(model), versions, json.dumps(stages, sort_keys=True), index)
+    return (id(model), versions, json.dumps(stages, sort_keys=True), index, calibration.identity if calibration else None)
 
 
 def calibrate_once(pruner, tokens: int, key: tuple) -> None:
