@@ -28,7 +28,7 @@ thresholds stay at that scale and the window-merge threshold (paper: 0.8) is bis
 instead, so more windows merge; the stats report it (``merge_threshold``). A budget outside what
 both can reach is refused with the reachable range.
 
-Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
+Tensor operations (merge, drop rule, KV policy) are in ``_mustdrop_ops.py``. Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
 tokens are what the tower's hidden-state recorder and every later layer see); attention probe on the
 last CLIP layer (CLS row) and on each LLM filter layer (rows = the text after the image, prefill
 only); ``runner.prune_at`` at layer l+1 for a filter at the output of layer l (the same thing: the
@@ -66,8 +66,9 @@ from ..config import opt
 from ..errors import ConfigError
 from ..hooks import cls_row
 from ..registry import PRUNERS
-from ..runtime import LayerGroup, LMState
+from ..runtime import LMState
 from ._common import LayerMapping, map_layers
+from ._mustdrop_ops import apply_kv_policy, dual_attention_drop, spatial_merge, window_similarity, window_tokens  # noqa: F401
 from .base import Pruner
 
 logger = logging.getLogger(__name__)
@@ -86,74 +87,6 @@ class _PrefillData:
 
 #: (lambda_g, lambda_i) of the paper's budgets (liuting20/MustDrop README, TextVQA examples).
 PRESETS: dict[str, tuple[float, float]] = {"192": (0.001, 0.001), "128": (0.0012, 0.001), "64": (0.011, 0.01)}
-
-
-def window_similarity(patches: torch.Tensor, grid: tuple[int, int], window: int) -> torch.Tensor:
-    """Mean off-diagonal pairwise cosine similarity of each w x w window: [B, W] fp32.
-
-    ``patches``: [B, rows * cols, D] in raster order. Windows are listed in raster order of the
-    window grid.
-    """
-    tokens = window_tokens(grid, window, patches.device)  # [W, w*w]
-    x = patches.float()[:, tokens]  # [B, W, w*w, D]
-    x = x / x.norm(dim=-1, keepdim=True).clamp(min=1e-8)
-    sims = x @ x.transpose(-1, -2)  # [B, W, n, n]
-    n = tokens.shape[1]
-    off_diag = sims.sum((-1, -2)) - sims.diagonal(dim1=-2, dim2=-1).sum(-1)
-    return off_diag / (n * (n - 1))
-
-
-def window_tokens(grid: tuple[int, int], window: int, device=None) -> torch.Tensor:
-    """[W, w*w] raster patch indices of each window (windows in raster order, members in raster order)."""
-    rows, cols = grid
-    idx = torch.arange(rows * cols, device=device).reshape(rows // window, window, cols // window, window)
-    return idx.permute(0, 2, 1, 3).reshape(-1, window * window)
-
-
-def spatial_merge(
-    hidden: torch.Tensor, grid: tuple[int, int], window: int, threshold: float
-) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """MustDrop's local spatial merge of ``hidden`` [B, 1 + N, D] (CLS first).
-
-    Returns the merged hidden states [B, 1 + N - r (w*w - 1), D], r (windows merged per image, the
-    batch minimum of the windows whose similarity is >= ``threshold``) and the raster patch id of
-    every output patch token [B, N'] (-1 for merged windows). r = 0 returns ``hidden`` itself.
-    """
-    bsz, t, d = hidden.shape
-    if t != 1 + grid[0] * grid[1]:
-        raise ValueError(f"MustDrop's merge expects CLS + {grid[0]}x{grid[1]} patches, got {t} tokens")
-    cls, patches = hidden[:, :1], hidden[:, 1:]
-    sim = window_similarity(patches, grid, window)  # [B, W]
-    r = int((sim >= threshold).sum(1).min())
-    n = patches.shape[1]
-    if r == 0:
-        return hidden, 0, torch.arange(n, device=hidden.device).expand(bsz, -1)
-    tokens = window_tokens(grid, window, hidden.device)  # [W, w*w]
-    chosen = sim.argsort(dim=1, descending=True, stable=True)[:, :r]  # [B, r] most similar first
-    members = tokens[chosen]  # [B, r, w*w]
-    merged = patches.float().gather(1, members.reshape(bsz, -1, 1).expand(-1, -1, d))  # [B, r*w*w, D]
-    merged = merged.reshape(bsz, r, -1, d).mean(2)  # size-weighted average of size-1 tokens
-    in_window = torch.zeros(bsz, n, dtype=torch.bool, device=hidden.device)
-    in_window.scatter_(1, members.reshape(bsz, -1), True)
-    keep_ids = torch.arange(n, device=hidden.device).expand(bsz, -1)[~in_window].reshape(bsz, -1)  # raster order
-    unmerged = patches.gather(1, keep_ids[..., None].expand(-1, -1, d))
-    out = torch.cat([cls, merged.to(hidden.dtype), unmerged], dim=1)
-    ids = torch.cat([torch.full((bsz, r), -1, dtype=torch.long, device=hidden.device), keep_ids], dim=1)
-    return out, r, ids
-
-
-def dual_attention_drop(
-    attn: torch.Tensor, vision: torch.Tensor, key: torch.Tensor, lambda_g: float, lambda_i: float
-) -> torch.Tensor:
-    """[B, T] bool slots MustDrop drops: vision, not key, g < lambda_g * sum(g) and m < lambda_i.
-
-    ``attn``: [B, R, T] head-mean attention of the text rows (all-zero rows are ignored) to all slots;
-    ``vision``, ``key``: [B, T] bool.
-    """
-    g = attn.sum(1)  # [B, T] global attention each slot receives
-    m = attn.amax(1)  # [B, T] largest individual attention
-    total = (g * vision).sum(1, keepdim=True)  # over the surviving image tokens
-    return vision & ~key & (g < lambda_g * total) & (m < lambda_i)
 
 
 @PRUNERS.register("mustdrop", description="MustDrop: window merge + key set in CLIP, dual-attention drop in prefill, KV policy")
@@ -425,42 +358,3 @@ class MustDrop(Pruner):
             "thresholds": [self.lambda_g, self.lambda_i],
             "merge_threshold": self.sim_threshold,
         }
-
-
-def apply_kv_policy(state: LMState, first: int, last_start: int, ref_start: float | None = None) -> None:
-    """Trim the caches of layers ``first`` .. ``last_start - 1`` to the slots that survive at ``last_start``.
-
-    The group holding ``first`` is split there (earlier layers keep their cache); each trimmed group's
-    positions are renumbered 0..L_final-1, so its next token takes the cache length as position, as
-    the MustDrop code does.
-    """
-    final_g = state.group_of(last_start)
-    final = state.groups[final_g]
-    if final.start <= first:
-        return  # nothing was dropped at or after ``first``
-    g1 = state.group_of(first)
-    head = state.groups[g1]
-    if head.start < first:
-        state.groups.insert(
-            g1 + 1,
-            LayerGroup(first, head.key_mask.clone(), head.positions.clone(), head.source.clone(), compact=True, ref_start=ref_start),
-        )
-        g1, final_g = g1 + 1, final_g + 1
-    length = int(state.inputs.input_ids.shape[1])
-    src = final.source.clamp(min=0)
-    survivor = torch.zeros(final.key_mask.shape[0], length, dtype=torch.long, device=src.device)
-    survivor.scatter_add_(1, src, (final.key_mask & (final.source >= 0)).long())
-    survivor = survivor > 0  # [B, L] prefill tokens that reach the last stage
-    for g in range(g1, final_g):
-        grp = state.groups[g]
-        keep = grp.key_mask & (grp.source >= 0) & survivor.gather(1, grp.source.clamp(min=0))
-        counts = keep.sum(1)
-        new_len = int(counts.max())
-        index = torch.zeros(keep.shape[0], new_len, dtype=torch.long, device=keep.device)
-        valid = torch.zeros(keep.shape[0], new_len, dtype=torch.bool, device=keep.device)
-        for b in range(keep.shape[0]):
-            idx = keep[b].nonzero().squeeze(1)
-            index[b, new_len - idx.numel() :] = idx
-            valid[b, new_len - idx.numel() :] = True
-        state.select_slots(g, index, valid)
-        grp.positions = (grp.key_mask.long().cumsum(1) - 1).masked_fill(~grp.key_mask, 1)
