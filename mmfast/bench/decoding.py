@@ -17,7 +17,7 @@ from typing import Any
 from ..eval.runner import run_eval
 from ..model import MMModel
 from ..pipeline import apply
-from .common import Variant, dump, peak_rss_bytes, peak_rss_reset, timing_samples_of, variants, write_markdown
+from .common import Variant, dump, peak_rss_bytes, peak_rss_reset, timing_samples_of, variants
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def run_decoding_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dic
 
 
 def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> None:
-    from .render import decoding_plots, interval_notes, store_intervals, variant_intervals, with_intervals
+    from .render import decoding_plots, write_results
 
     base = result["results"]["baseline"]
     proto = base["protocol"]
@@ -99,11 +99,6 @@ def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> No
         "cost/token x: median decode seconds per generated token after the first, relative to the baseline.",
         "peak RSS: the process's peak resident memory while the variant generated (VmHWM reset per variant; the model's weights included).",
     ]
-    result["kind"] = "decoding"
-    intervals = variant_intervals(out, result["results"])
-    store_intervals(result["results"], intervals)
-    header, rows = with_intervals(result["header"], result["rows"], intervals)
-    write_markdown(out / "results.md", "Anti-hallucination decoders on the embedded world", command, header, rows, notes + interval_notes(intervals),
-                   model=result.get("model"))
+    intervals = write_results(result, out, "decoding", "Anti-hallucination decoders on the embedded world", command, notes)
     decoding_plots(result, out, out.name, intervals)
     dump(out / "summary.json", result)

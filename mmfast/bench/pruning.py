@@ -178,14 +178,9 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
         "FLOPs: 4nd^2 + 2n^2d + 3ndm per LLM layer (the papers' convention); 7B = the same token schedule on LLaVA-1.5-7B's shape.",
         "layer-avg tok: vision tokens averaged over LLM layers (the papers' 'equivalent tokens').",
     ]
-    from .render import interval_notes, pruning_plots, store_intervals, variant_intervals, with_intervals
+    from .render import pruning_plots, write_results
 
-    result["kind"] = "pruning"
-    intervals = variant_intervals(out, result["results"])
-    store_intervals(result["results"], intervals)
-    header, rows = with_intervals(result["header"], result["rows"], intervals)
-    write_markdown(out / "results.md", "Vision-token pruning on the embedded world", command, header, rows, notes + interval_notes(intervals),
-                   model=result.get("model"))
+    intervals = write_results(result, out, "pruning", "Vision-token pruning on the embedded world", command, notes)
     speed = result.get("shaped_speed")
     if speed:
         rows = [

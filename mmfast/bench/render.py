@@ -114,6 +114,19 @@ def interval_notes(intervals: dict[str, RunIntervals]) -> list[str]:
     return [INTERVAL_NOTE] + [f"no interval for {m}" for m in missing]
 
 
+def write_results(result: dict[str, Any], out: Path, kind: str, title: str, command: str, notes: list[str]) -> dict[str, RunIntervals]:
+    """A bench's ``results.md`` with n and 95% intervals from its variant records (also stored in
+    ``result``); returns the intervals for the plots."""
+    from .common import write_markdown
+
+    result["kind"] = kind
+    intervals = variant_intervals(out, result["results"])
+    store_intervals(result["results"], intervals)
+    header, rows = with_intervals(result["header"], result["rows"], intervals)
+    write_markdown(out / "results.md", title, command, header, rows, notes + interval_notes(intervals), model=result.get("model"))
+    return intervals
+
+
 def _ci(iv: RunIntervals | None, task: str, key: str) -> tuple[float, float] | None:
     part = getattr(iv, task, None) if iv else None
     ci = part.get(f"{key}_ci95") if part else None
