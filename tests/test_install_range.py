@@ -1,0 +1,59 @@
+"""The declared install range: pyproject's Python range is compat's, and every source file parses and
+compiles for each Python of that range (3.10 grammar included; other interpreters when present)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mmfast import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted((ROOT / "mmfast").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+
+
+def test_requires_python_is_compat_range():
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(r'^requires-python = "(.+)"$', text, re.M)
+    assert m is not None
+    assert m.group(1) == f">={compat.PYTHON_MIN},<{compat.PYTHON_MAX_EXCLUSIVE}"
+    for v in compat.PYTHON_TESTED:
+        major_minor = tuple(int(x) for x in v.split(".")[:2])
+        lo = tuple(int(x) for x in compat.PYTHON_MIN.split("."))
+        hi = tuple(int(x) for x in compat.PYTHON_MAX_EXCLUSIVE.split("."))
+        assert lo <= major_minor < hi
+
+
+def test_sources_parse_with_the_oldest_grammar():
+    lo = tuple(int(x) for x in compat.PYTHON_MIN.split("."))
+    bad = []
+    for path in SOURCES:
+        try:
+            ast.parse(path.read_text(), filename=str(path), feature_version=lo)
+        except SyntaxError as exc:
+            bad.append(f"{path.relative_to(ROOT)}:{exc.lineno}: {exc.msg}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.12"])
+def test_sources_compile_under_other_pythons(version, tmp_path):
+    candidates = [str(p) for p in sorted(Path("/root/.pyenv/versions").glob(f"{version}.*/bin/python"))]
+    candidates += [c for c in [shutil.which(f"python{version}")] if c]
+    exe = next((c for c in candidates if subprocess.run([c, "-c", "pass"], capture_output=True).returncode == 0), None)
+    if exe is None:
+        pytest.skip(f"no working Python {version} interpreter on this machine")
+    code = (
+        "import sys, pathlib\n"
+        "bad = []\n"
+        "for p in sys.argv[1:]:\n"
+        "    try: compile(pathlib.Path(p).read_text(), p, 'exec')\n"
+        "    except SyntaxError as e: bad.append(f'{p}:{e.lineno}: {e.msg}')\n"
+        "print('\\n'.join(bad)); sys.exit(1 if bad else 0)\n"
+    )
+    proc = subprocess.run([exe, "-c", code, *map(str, SOURCES)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
