@@ -114,3 +114,86 @@ def test_attention_overriders_refused_together():
         load_recipe({"pruning": [{"method": "zipvl"}], "decoding": {"method": "pai"}})
     # the no-op setting overrides nothing and stacks
     load_recipe({"pruning": [{"method": "zipvl"}], "decoding": {"method": "pai", "params": {"alpha": 0.0}}})
+
+
+# -- ONLY -------------------------------------------------------------------------------------------
+def test_only_noop_is_greedy(tiny_mm, images, prompts):
+    base, _ = _tokens(tiny_mm, images[:3], prompts[:3], {"method": "greedy"})
+    noop = {"alpha_pos": 0.0, "alpha_neg": 0.0, "beta": 0.0, "sample": False}
+    got, _ = _tokens(tiny_mm, images[:3], prompts[:3], {"method": "only", "params": noop})
+    assert got == base
+
+
+def _only_rule(p: torch.Tensor, text: list[int], img: list[int]) -> torch.Tensor:
+    """The official rule on one sample's last-row probabilities p [H, K], written with index lists."""
+    p = p.clone()
+    for cols in (text, img):
+        x = p[:, cols]
+        p[:, cols] = torch.where(x > x.mean(-1, keepdim=True) + x.std(-1, keepdim=True), torch.zeros_like(x), x)
+    def ent(cols, nan):
+        q = p[:, cols] / p[:, cols].sum(-1, keepdim=True)
+        return torch.nan_to_num(-(q * torch.log(q + 1e-6)).sum(-1), nan=nan)
+    ratio = ent(text, 0.0) / ent(img, float("inf"))
+    p[ratio < ratio.mean()] = 0.0
+    return p
+
+
+def test_only_perturbed_logits_match_direct_computation(tiny_mm, images, prompts):
+    """l' = lm_head(norm(h) + 0.5 x_final), h = last layer's MLP block on input_layernorm(a) + 0.2 x_last,
+    a = o_proj(P' V) at layer 0 with P' the official outlier / entropy-ratio rule -- all computed here
+    from the model's weights with eager attention; then the first token is argmax of the official fusion."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    params = {"sample": False, "gamma": 0.2}
+    ad = tiny_mm.adapter
+    lm, cfg = ad.language_model, ad.text_config
+    with Session(tiny_mm, load_recipe({"decoding": {"method": "only", "params": params}})) as s:
+        batch = tiny_mm.prepare(images[:2], prompts[:2])
+        inputs = s.ctx.build_inputs(batch, s.encode(batch))
+        state, step = s.runner.prefill(inputs)
+        got = s.decoder.perturbed_logits(state.extras["only"])
+        first = [r.token_ids[0] for r in s.generate(images[:2], prompts[:2], max_new_tokens=1)]
+    with torch.no_grad():
+        out = lm(inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
+                 output_hidden_states=True)
+        x_last = out.hidden_states[cfg.num_hidden_layers - 1][:, -1]  # input of the last layer
+        x_final = out.last_hidden_state[:, -1]
+        layer0 = ad.layers[0].self_attn
+        h0 = ad.layers[0].input_layernorm(inputs.embeds)
+        bsz, t, _ = h0.shape
+        nh, hd = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+        q = layer0.q_proj(h0).view(bsz, t, nh, hd).transpose(1, 2)
+        k = layer0.k_proj(h0).view(bsz, t, -1, hd).transpose(1, 2)
+        v = layer0.v_proj(h0).view(bsz, t, -1, hd).transpose(1, 2)
+        cos, sin = lm.rotary_emb(h0, inputs.position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        a_rows = []
+        for b in range(bsz):
+            valid = inputs.attention_mask[b].bool()
+            idx = valid.nonzero().squeeze(1)
+            scores = torch.einsum("hd,htd->ht", q[b, :, -1], k[b]) * hd**-0.5  # [H, T]
+            scores = scores.masked_fill(~valid, float("-inf"))
+            p = torch.softmax(scores, -1)
+            img = [int(i) for i in idx if inputs.image_mask[b, i]]
+            text = [int(i) for i in idx[1:] if not inputs.image_mask[b, i]]  # BOS (first real token) excluded
+            p = _only_rule(p, text, img)
+            a_rows.append(layer0.o_proj(torch.einsum("ht,htd->hd", p, v[b]).reshape(-1)))
+        a = torch.stack(a_rows)
+        last = ad.layers[-1]
+        h = last.input_layernorm(a) + 0.2 * x_last
+        h = h + last.mlp(last.post_attention_layernorm(h))
+        want = ad.lm_head(lm.norm(h) + 0.5 * x_final)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    l = step.logits[:, -1]
+    tvd = (torch.softmax(l, -1) - torch.softmax(want, -1)).abs().sum(-1)
+    fused = torch.stack([l[b] + 3.0 * want[b] if tvd[b] < 0.2 else 2.0 * l[b] - want[b] for b in range(bsz)])
+    fused = fused.masked_fill(l < math.log(0.1) + l.max(-1, keepdim=True).values, float("-inf"))
+    assert first == fused.argmax(-1).tolist()
+
+
+def test_only_batch_equals_single(tiny_mm, images, prompts):
+    dec = {"method": "only", "params": {"gamma": 1.5}}  # sampling (official), per-sample generators
+    batched, out = _tokens(tiny_mm, images[:3], prompts[:3], dec)
+    single = [_tokens(tiny_mm, [im], [p], dec)[0][0] for im, p in zip(images[:3], prompts[:3])]
+    assert batched == single
+    assert "only" in out[0].stats and out[0].stats["intervention_layer"] == 0
