@@ -197,3 +197,72 @@ def test_only_batch_equals_single(tiny_mm, images, prompts):
     single = [_tokens(tiny_mm, [im], [p], dec)[0][0] for im, p in zip(images[:3], prompts[:3])]
     assert batched == single
     assert "only" in out[0].stats and out[0].stats["intervention_layer"] == 0
+
+
+# -- ClearSight (VAF) -------------------------------------------------------------------------------
+def test_clearsight_paper_layers():
+    from mmfast.decoding.clearsight import paper_layers
+
+    assert paper_layers(32) == list(range(9, 15))
+    assert paper_layers(4) == [1, 2]
+
+
+def test_clearsight_noop_is_greedy(tiny_mm, images, prompts):
+    base, _ = _tokens(tiny_mm, images[:3], prompts[:3], {"method": "greedy"})
+    got, _ = _tokens(tiny_mm, images[:3], prompts[:3], {"method": "clearsight", "params": {"enhance": 1.0, "suppress": 1.0}})
+    assert got == base
+
+
+def test_clearsight_scales_logits_of_rows_after_the_image(tiny_mm, images, prompts):
+    """The override equals eager attention where every row after the image has its pre-mask logits
+    multiplied by enhance on image keys and by suppress on the keys before the image."""
+    enh, sup = 1.6, 0.7
+    recipe = load_recipe({"decoding": {"method": "clearsight", "params": {"enhance": enh, "suppress": sup, "layers": [1]}}})
+    with Session(tiny_mm, recipe) as s:
+        state = _state(s, tiny_mm, images[:2], prompts[:2])
+        valid, image = state.groups[0].key_mask, state.inputs.image_mask  # [B, T]
+        bsz, t = valid.shape
+        pos = torch.arange(t).expand(bsz, -1)
+        first_img = torch.where(image, pos, t).min(1, keepdim=True).values
+        last_img = torch.where(image, pos, -1).max(1, keepdim=True).values
+        system = valid & (pos < first_img)  # BOS + system prompt
+        after = valid & (pos > last_img)  # instruction + assistant prompt
+        module = tiny_mm.adapter.layers[1].self_attn
+        for q_len in (t, 1):
+            q, k, v, scale = _qkv(tiny_mm, bsz, q_len, t, seed=1)
+            mask = _causal_mask(valid, q_len)
+            with s.runner._activate(state, "decode"):
+                got = s.decoder._override(1)(module, q, k, v, mask, scale, compat.eager_attention)
+            w = q @ k.transpose(-1, -2) * scale  # [B, H, Q, T]
+            for b in range(bsz):
+                for r in range(q_len):
+                    if after[b, t - q_len + r]:
+                        w[b, :, r, image[b]] *= enh
+                        w[b, :, r, system[b]] *= sup
+            w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+            want = (torch.softmax(w, -1) @ v).transpose(1, 2)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            plain, _ = compat.eager_attention(module, q, k, v, mask, scale)
+            assert not torch.allclose(got, plain)
+
+
+def test_clearsight_batch_equals_single(tiny_mm, images, prompts):
+    dec = {"method": "clearsight", "params": {"enhance": 2.0, "suppress": 0.5}}
+    batched, _ = _tokens(tiny_mm, images[:3], prompts[:3], dec)
+    single = [_tokens(tiny_mm, [im], [p], dec)[0][0] for im, p in zip(images[:3], prompts[:3])]
+    assert batched == single
+    base, _ = _tokens(tiny_mm, images[:3], prompts[:3], {"method": "greedy"})
+    assert batched != base
+
+
+# -- with pruning stages ----------------------------------------------------------------------------
+@pytest.mark.parametrize("decoder", ["pai", "only", "clearsight"])
+def test_peers_run_on_a_pruned_layout(decoder, tiny_mm, images, prompts):
+    """FastV drops vision slots inside the LLM (new layer groups): the key classes follow the layout."""
+    from mmfast.registry import PRUNERS
+
+    stage = {"method": "fastv", "params": PRUNERS.get("fastv").cls.test_params(tiny_mm.adapter)}
+    dec = {"method": decoder}
+    batched, _ = _tokens(tiny_mm, images[:2], prompts[:2], dec, pruning=[stage])
+    single = [_tokens(tiny_mm, [im], [p], dec, pruning=[stage])[0][0] for im, p in zip(images[:2], prompts[:2])]
+    assert batched == single
