@@ -266,3 +266,32 @@ def test_peers_run_on_a_pruned_layout(decoder, tiny_mm, images, prompts):
     batched, _ = _tokens(tiny_mm, images[:2], prompts[:2], dec, pruning=[stage])
     single = [_tokens(tiny_mm, [im], [p], dec, pruning=[stage])[0][0] for im, p in zip(images[:2], prompts[:2])]
     assert batched == single
+
+
+@pytest.mark.parametrize("decoder", ["pai", "only", "clearsight"])
+def test_peers_restore_the_model(decoder, tiny_mm, images, prompts):
+    from mmfast.hooks.session import count_hooks
+
+    model = tiny_mm.model
+    impl, hooks = compat.get_attn_implementation(model), count_hooks(model)
+    batch = tiny_mm.prepare(images[:1], prompts[:1])
+    inputs = tiny_mm.processor(images=batch.images[0], text=batch.texts[0], return_tensors="pt")
+    with torch.no_grad():
+        before = model(**inputs).logits
+    with Session(tiny_mm, load_recipe({"decoding": {"method": decoder}})) as s:
+        s.generate(images[:2], prompts[:2], max_new_tokens=2)
+    assert compat.get_attn_implementation(model) == impl and count_hooks(model) == hooks
+    assert all("_mmfast_attn" not in layer.self_attn.__dict__ for layer in tiny_mm.adapter.layers)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, before)
+
+
+@pytest.mark.parametrize("decoder", ["pai", "only", "clearsight"])
+def test_peers_with_grouped_query_attention(decoder, tiny_gqa_dir, images, prompts):
+    import mmfast
+
+    mm = mmfast.load(tiny_gqa_dir, device="cpu", dtype="float32")
+    dec = {"method": decoder, "params": {"sample": False}}
+    batched, _ = _tokens(mm, images[:2], prompts[:2], dec)
+    single = [_tokens(mm, [im], [p], dec)[0][0] for im, p in zip(images[:2], prompts[:2])]
+    assert batched == single
