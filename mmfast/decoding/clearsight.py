@@ -16,7 +16,10 @@ rows after the image are recomputed in fp32, O(rows x keys)). Cost: one forward 
 
 Deviations from the official code: the image span and the system-prompt span come from the running
 layout (left padding, LLaVA-NeXT tiles, pruned vision tokens) instead of the fixed indices 35 / 576;
-rows and keys are classified per sample; the edited rows are computed in fp32 (official: fp16 eager).
+rows and keys are classified per sample; the edited rows are computed in fp32 (official: fp16 eager);
+a sample without an image is left untouched. Not verified: a third-party summary of the paper mentions
+restricting the edit to "visual perception" heads; the released inference code edits every head of
+the chosen layers, which is what mmfast does.
 """
 
 from __future__ import annotations
