@@ -50,6 +50,9 @@ class Capabilities:
     decodes_without_cache: bool = False
     #: how to set the stage so that it leaves decoding alone (named in refusals)
     decode_free_setting: str = ""
+    #: replaces LLM attention computations through the probe wrapper's per-module override (ZipVL's
+    #: sparse prefill; PAI, ClearSight and ONLY edit or extend attention): one such method per recipe
+    overrides_llm_attention: bool = False
 
     # -- decoders ---------------------------------------------------------------------------------
     #: single: one sequence per sample; beam: several hypotheses reordered every step; branches:
@@ -143,6 +146,13 @@ def check_recipe(recipe: Recipe) -> str | None:
                 f"{decoder.where} reads the vision tower's unmerged tokens, but {st.where} merges tokens inside the "
                 "tower; use a feature-stage pruner instead"
             )
+    overriders = [m for m in (*stages, decoder) if m.caps.overrides_llm_attention]
+    if len(overriders) > 1:
+        a, b = overriders[0], overriders[1]
+        return (
+            f"{a.where} and {b.where} both replace the LLM's attention computation (one attention override per "
+            f"layer); keep one of them, or set {b.name} to its no-op setting"
+        )
     for i, st in enumerate(stages):
         c = st.caps
         if c.owns_kv_cache:

@@ -103,6 +103,38 @@ def test_stacked_pruners(family, first, families, images, prompts):
     assert not problems, "\n".join(problems)
 
 
+SINGLE_PASS_PEERS = ("pai", "only", "clearsight")  # attention-editing decoders (one attention override each)
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next"])
+@pytest.mark.parametrize("decoder", SINGLE_PASS_PEERS)
+def test_single_pass_peers_x_stacked_pruners(family, decoder, families, images, prompts):
+    """Each single-pass peer (paper defaults) with every pruner alone and stacked in front of an in-LLM
+    pruner: it generates, or is refused naming a method. ZipVL also overrides the LLM's attention, so
+    it must be refused by the capabilities (never by a crash)."""
+    mm = families[family]
+    problems, ran = [], 0
+    for pruner in PRUNERS.names():
+        for stack in ([pruner], [pruner, "fastv"]):
+            data = {"pruning": [_stage(p, mm) for p in stack], "decoding": {"method": decoder}}
+            try:
+                result = _outcome(mm, data, images, prompts)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"{stack} x {decoder}: {type(exc).__name__}: {exc}")
+                continue
+            if result == "ran":
+                ran += 1
+            elif not _names_a_method(result, data):
+                problems.append(f"{stack} x {decoder}: refusal names no method: {result}")
+            elif "zipvl" in stack and "attention" not in result:
+                problems.append(f"{stack} x {decoder}: refused for another reason than the attention override: {result}")
+        if pruner == "zipvl":
+            with pytest.raises(IncompatibleRecipeError, match="attention"):
+                load_recipe({"pruning": [_stage("zipvl", mm)], "decoding": {"method": decoder}})
+    assert not problems, "\n".join(problems)
+    assert ran > 0
+
+
 def test_every_method_declares_capabilities():
     from mmfast.capabilities import Capabilities, caps_of
 

@@ -1,0 +1,134 @@
+"""Shared machinery of the single-pass decoders that edit LLM attention (PAI, ClearSight, ONLY).
+
+The model keeps running sdpa: each decoder sets the probe wrapper's per-module *override*
+(``hooks.attach(ctx.hooks, self_attn).override``) on the layers it edits. The override calls the base
+implementation for every row, then recomputes only the rows the method edits -- scores
+``q K^T * scale`` in fp32 for those rows, the method's edit on the logits, the mask, softmax, times V
+(O(rows x keys)) -- and writes them over the base rows. Which key slots are vision tokens, system
+prompt, instruction or generated text comes from the running state's layer group (``source`` indices
+into the prompt), so pruning stages that drop or reorder slots compose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import IncompatibleRecipeError
+from ..hooks.attention import attach
+
+
+@dataclass
+class SlotClasses:
+    """What each slot of one layer's cache holds ([B, K] bool each, K = the layer group's length)."""
+
+    valid: torch.Tensor  # a real token (not padding)
+    image: torch.Tensor  # a vision token
+    before_image: torch.Tensor  # prompt text before the first vision token (BOS + system prompt + "USER:")
+    after_image: torch.Tensor  # text after the last vision token: instruction, assistant prompt, generated
+    bos: torch.Tensor  # the first real prompt token of the row
+    generated: torch.Tensor  # a generated token (cached decode, or a decode-without-cache re-prefill)
+
+
+def slot_classes(state, layer: int) -> SlotClasses:
+    """The slot classes of ``layer``'s current layout in the running ``state``."""
+    from ..models.base import GENERATED
+
+    grp = state.groups[state.group_of(layer)]
+    inputs = state.inputs
+    real = grp.source >= 0  # [B, K] slot holds a prompt token (generated / padding: -1)
+    src = grp.source.clamp(min=0)
+    length = inputs.length
+    pos = torch.arange(length, device=src.device).expand(inputs.batch_size, -1)  # [B, L]
+    img_mask = inputs.image_mask
+    first_img = torch.where(img_mask, pos, torch.full_like(pos, length)).min(1, keepdim=True).values  # [B, 1]
+    last_img = torch.where(img_mask, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values  # [B, 1]
+    first_real = inputs.attention_mask.long().argmax(1, keepdim=True)  # [B, 1]
+    valid = grp.key_mask
+    image = img_mask.gather(1, src) & real & valid
+    tagged = inputs.tags.get(GENERATED)
+    generated = valid & ~real
+    if tagged is not None:
+        generated = generated | (tagged.gather(1, src) & real & valid)
+    return SlotClasses(
+        valid=valid,
+        image=image,
+        before_image=valid & real & ~image & (grp.source < first_img),
+        after_image=valid & ~image & ((grp.source > last_img) | ~real),
+        bos=valid & real & (grp.source == first_real),
+        generated=generated,
+    )
+
+
+def masked_scores(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, r0: int) -> tuple:
+    """Raw scores of query rows ``r0..Q-1`` and the mask that applies to them.
+
+    Args:
+        query: [B, H, Q, D] (after RoPE). key: [B, Hkv, K, D] (cache included).
+    Returns:
+        (q K^T [B, H, R, K] fp32 without scaling, additive fp32 mask [B|1, 1, R, K] of 0 / -inf).
+    """
+    bsz, heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    k = key.float()
+    if k.shape[1] != heads:  # GQA: repeat_kv
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)  # [B, H, K, D]
+    scores = torch.matmul(query[:, :, r0:].float(), k.transpose(-1, -2))  # [B, H, R, K]
+    if attention_mask is not None:
+        m = attention_mask[:, :, r0:q_len, :k_len]
+        if m.dtype == torch.bool:
+            add = torch.zeros(m.shape, device=m.device).masked_fill(~m, float("-inf"))
+        else:
+            add = m.float().masked_fill(m <= torch.finfo(m.dtype).min / 2, float("-inf"))
+    else:  # causal: row r sees keys up to r + (K - Q)
+        rows = torch.arange(r0, q_len, device=query.device)[:, None] + (k_len - q_len)
+        allowed = torch.arange(k_len, device=query.device)[None, :] <= rows  # [R, K]
+        add = torch.zeros(allowed.shape, device=query.device).masked_fill(~allowed, float("-inf"))[None, None]
+    return scores, add
+
+
+def attend(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """probs [B, H, R, K] fp32 times value [B, Hkv, K, D] -> [B, R, H, D] fp32 (attention-function layout)."""
+    v = value.float()
+    if v.shape[1] != probs.shape[1]:
+        v = v.repeat_interleave(probs.shape[1] // v.shape[1], dim=1)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def install_override(ctx, layer: int, fn: Callable, who: str) -> None:
+    """Set ``fn`` as the attention override of LLM layer ``layer`` (refused if another method holds it)."""
+    hooks = attach(ctx.hooks, ctx.adapter.layers[layer].self_attn)
+    if hooks.override is not None:
+        raise IncompatibleRecipeError(f"{who}: LLM layer {layer}'s attention is already overridden by another method")
+    hooks.override = fn
+
+
+def edit_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    base_out: torch.Tensor,
+    rows: torch.Tensor,
+    edit: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """The base output with the rows in ``rows`` ([B, Q] bool) recomputed from edited logits.
+
+    ``edit(logits [B, H, R, K], r0)`` gets the scaled scores ``q K^T * scale`` of rows ``r0..Q-1``
+    before the mask is added (the mask is added after the edit) and returns the edited logits.
+    base_out: [B, Q, H, D]. Returns [B, Q, H, D] in base_out's dtype.
+    """
+    if not bool(rows.any()):
+        return base_out
+    r0 = int(rows.any(0).nonzero()[0])  # first row edited in any sample
+    scores, add = masked_scores(query, key, attention_mask, r0)
+    logits = edit(scores * scaling, r0) + add  # [B, H, R, K]
+    probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    new = attend(probs, value).to(base_out.dtype)  # [B, R, H, D]
+    out = base_out.clone()
+    keep = rows[:, r0:, None, None]  # [B, R, 1, 1]
+    out[:, r0:] = torch.where(keep, new, base_out[:, r0:])
+    return out
