@@ -289,3 +289,32 @@ def test_sparsevlm_refuses_bad_layers(tiny_mm):
         Session(tiny_mm, _recipe("sparsevlm", {}))  # the paper's layers on a 4-layer LLM
     with pytest.raises(ConfigError, match="keep"):
         Session(tiny_mm, _recipe("sparsevlm", {**SV, "keep": (4, 2)}))
+
+
+# -- LLaVA-NeXT: the packed span, row separators included, is what both rank ------------------------
+
+
+@pytest.fixture(scope="module")
+def next_mm(tmp_path_factory):
+    from mmfast.models.factory import random_llava_next, save_model
+
+    model, processor = random_llava_next("tiny")
+    return mmfast.load(save_model(model, processor, tmp_path_factory.mktemp("next_staged")), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("method, params", [("pyramiddrop", {**PD, "ratio": 0.5}), ("sparsevlm", {**SV, "keep": (40, 20, 10)})])
+def test_llava_next_counts_the_whole_packed_span(next_mm, images, prompts, method, params):
+    with Session(next_mm, _recipe(method, params)) as s:
+        inputs, state, _ = _prefill(s, images[:2], prompts[:2])
+        single = [_prefill(s, [im], [p]) for im, p in zip(images[:2], prompts[:2])]
+    n = inputs.image_mask.sum(1)  # packed tokens per image, image_newline included
+    mosaic = inputs.image_mask & (inputs.patch_ids < 0)
+    assert bool(mosaic.any())  # beyond the base grid: the mosaic tokens and its row separators are vision slots
+    first = state.vision_slots(1).sum(1)
+    if method == "pyramiddrop":
+        assert first.tolist() == [int(x * 0.5) for x in n.tolist()]
+    else:
+        assert state.stats["sparsevlm"]["per_sample_kept"][0][0] == int(first[0])
+    for b, (_, st1, _) in enumerate(single):  # the batch decides each sample as alone
+        assert [int(st1.vision_slots(g).sum()) for g in range(len(st1.groups))] == \
+            [int(state.vision_slots(g)[b].sum()) for g in range(len(state.groups))]
