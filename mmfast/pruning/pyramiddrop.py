@@ -1,5 +1,5 @@
 """PyramidDrop (Xing et al., "PyramidDrop: Accelerating Your Large Vision-Language Models via Pyramid
-Visual Redundancy Reduction", CVPR 2025, arXiv 2410.17247; code Cooperx521/PyramidDrop).
+Visual Redundancy Reduction", CVPR 2025, arXiv 2410.17247; code Cooperx521/PyramidDrop, read at 6444f30, ``modeling_llama_pdrop.py``).
 
 Algorithm (inference): the LLM is split into stages by the layers ``[8, 16, 24]`` (32-layer indices);
 at the input of each stage layer l_s the image tokens still present are ranked and only
@@ -19,8 +19,10 @@ Budget (``budget: {tokens: B}``, layer-averaged vision tokens per image, sets ``
 LLM and N vision tokens per image, avg(lambda) = (l_1 N + sum_s (l_{s+1} - l_s) int(N lambda^s)) / L
 (l_4 = L), a step function of lambda; ``budget_params`` evaluates it between every pair of steps
 (lambda = (j / N)^(1/s)) and takes the lambda whose average is nearest B (it lands within the step
-size of B; on LLaVA-1.5 B = 192 / 128 / 64 give lambda ~ 0.59 / 0.47 / 0.32). A budget below the
-lambda = 0 average ceil(l_1 N / L) or above N is refused. ``ref_layer`` = the 32-layer stage index,
+size of B). A budget below the lambda = 0 average ceil(l_1 N / L) or above N is refused. On
+LLaVA-1.5 (N = 576, 32 layers) the paper's lambda = 0.5 is 270 layer-averaged tokens, B = 192 gives
+lambda = 0.254 (146 / 37 / 9 kept), and 128 and 64 are below the floor of 144 of stages [8, 16, 24]:
+they need earlier stage layers (``layers``). ``ref_layer`` = the 32-layer stage index,
 so FLOPs project onto the paper's depth (as FastV).
 
 Hook points: ``runner.prune_at(l_s, compact=True)``; the scoring reads the layer's own modules (no

@@ -1,5 +1,6 @@
 """SparseVLM (Zhang et al., "SparseVLM: Visual Token Sparsification for Efficient Vision-Language
-Model Inference", ICML 2025, arXiv 2410.04417; code Gumpest/SparseVLMs, v1.5 rule, ``USE_VERSION=1_0``).
+Model Inference", ICML 2025, arXiv 2410.04417; code Gumpest/SparseVLMs read at 9e1f649 (Dec 2025), its
+default ``USE_VERSION=1_0`` rule (the v1.x fixed per-layer counts); the optional v2.0 "SparseVLM+" mode is not implemented).
 
 Algorithm (prefill only, per sample):
 1. Text raters, once, on the LLM input embeddings: M = softmax over the text tokens after the image of
