@@ -318,3 +318,27 @@ def test_llava_next_counts_the_whole_packed_span(next_mm, images, prompts, metho
     for b, (_, st1, _) in enumerate(single):  # the batch decides each sample as alone
         assert [int(st1.vision_slots(g).sum()) for g in range(len(st1.groups))] == \
             [int(state.vision_slots(g)[b].sum()) for g in range(len(state.groups))]
+
+
+def test_pdrop_grouped_query_attention_matches_eager(tiny_gqa_dir, images, prompts):
+    """The recomputed attention row repeats the KV heads as the model does (4 heads, 2 KV heads)."""
+    mm = mmfast.load(tiny_gqa_dir, device="cpu", dtype="float32")
+    ref = mmfast.load(tiny_gqa_dir, device="cpu", dtype="float32", attn_implementation="eager")
+    with Session(mm, _recipe("pyramiddrop", {**PD, "ratio": 0.5})) as s:
+        inputs, state, _ = _prefill(s, images[:2], prompts[:2])
+        singles = [_single_inputs(s, im, p) for im, p in zip(images[:2], prompts[:2])]
+    pad = (~inputs.attention_mask.bool()).sum(1)
+    for b, one in enumerate(singles):
+        want, _ = _pdrop_reference(ref, one, [1, 2, 3], [0.5, 0.25, 0.125])
+        assert [[i - int(pad[b]) for i in g] for g in _kept_sources(state, b)] == want
+
+
+@pytest.mark.parametrize("method, params", [("pyramiddrop", PD), ("sparsevlm", SV)])
+def test_flops_budget_runs_through_the_token_mapping(tiny_mm, images, prompts, method, params):
+    from mmfast.flops import LMShape, tokens_for_flops_ratio
+
+    tokens = tokens_for_flops_ratio(0.9, LMShape.of(tiny_mm.adapter.text_config), 16)
+    assert tokens == 9  # the tiny model's prompt dominates its FLOPs
+    out = tiny_mm.generate(images[:2], prompts[:2], recipe=_recipe(method, params, {"flops": 0.9}), max_new_tokens=2)
+    for r in out:
+        assert abs(r.vision_tokens_layer_avg - tokens) <= 0.05 * tokens
