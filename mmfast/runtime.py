@@ -273,9 +273,25 @@ class PrefillView:
     text_after: torch.Tensor  # [B, T] bool instruction/assistant-prompt slots after the image
 
 
-# A pruner hook: PrefillView -> keep mask [B, T] bool over ALL slots (None = keep all). Slots a
-# pruner does not decide about must be True; several pruners on one layer are ANDed.
-SelectFn = Callable[[PrefillView], "torch.Tensor | None"]
+@dataclass
+class SlotEdit:
+    """A select function's answer when it does more than drop slots (SparseVLM's token recycling).
+
+    ``keep`` is the keep mask as usual; the kept slots in ``replace`` continue with ``hidden`` instead of
+    their own hidden state, and ``order`` (a sort key per slot, stable) lays the kept slots out in the
+    new group (default: slot order), e.g. to put merged tokens right after the kept image tokens.
+    """
+
+    keep: torch.Tensor  # [B, T] bool
+    replace: torch.Tensor | None = None  # [B, T] bool kept slots whose hidden state is replaced
+    hidden: torch.Tensor | None = None  # [B, T, d] the replacements (read where ``replace``)
+    order: torch.Tensor | None = None  # [B, T] float64 layout key of the kept slots
+
+
+# A pruner hook: PrefillView -> keep mask [B, T] bool over ALL slots (None = keep all), or a SlotEdit.
+# Slots a pruner does not decide about must be True; several pruners on one layer are ANDed (their
+# reorderings add up as displacements from the slot order).
+SelectFn = Callable[[PrefillView], "torch.Tensor | SlotEdit | None"]
 # A decode hook at a layer: (layer, hidden [B, Q, d], state) -> None (may set state.extras)
 DecodeFn = Callable[[int, torch.Tensor, LMState], None]
 
@@ -459,16 +475,27 @@ class LMRunner:
         keep = prev.key_mask.clone()
         compact = False
         ref = None
+        order = None
+        edited = False
         for fn, is_compact, ref_layer in self._select[layer]:
             t0 = time.perf_counter()
             k = fn(view)
             self.scoring_s += time.perf_counter() - t0
             compact = compact or is_compact
             ref = ref_layer if ref is None else min(ref, ref_layer) if ref_layer is not None else ref
+            if isinstance(k, SlotEdit):
+                if k.replace is not None and bool(k.replace.any()):
+                    hidden = torch.where(k.replace[..., None], k.hidden.to(hidden.dtype), hidden)  # [B, T, d]
+                    edited = True
+                if k.order is not None:  # several reorderings at one layer add their displacements
+                    base = torch.arange(keep.shape[1], device=keep.device, dtype=torch.float64)
+                    order = k.order if order is None else order + (k.order - base)
+                    edited = True
+                k = k.keep
             if k is not None:
                 keep &= k
         keep[:, -1] = prev.key_mask[:, -1]  # the last prompt token produces the first logits
-        if self.skip_noop_groups and bool((keep == prev.key_mask).all()):
+        if self.skip_noop_groups and not edited and bool((keep == prev.key_mask).all()):
             return hidden  # nothing dropped: the layers keep computing exactly as without pruning
         counts = keep.sum(1)
         new_len = int(counts.max())
@@ -477,6 +504,8 @@ class LMRunner:
         valid = torch.zeros(bsz, new_len, dtype=torch.bool, device=keep.device)
         for b in range(bsz):
             idx = keep[b].nonzero().squeeze(1)  # kept slots in order
+            if order is not None:
+                idx = idx[order[b, idx].argsort(stable=True)]  # the select function's layout
             index[b, new_len - idx.numel() :] = idx  # left-pad
             valid[b, new_len - idx.numel() :] = True
         positions = prev.positions.gather(1, index)
