@@ -196,3 +196,74 @@ def test_cdpruner_is_conditional_and_refuses_next(tiny_mm, next_mm, images, prom
         assert [r.n_vision_tokens for r in s.generate(images[:2], prompts[:2], max_new_tokens=1)] == [6, 6]
     with pytest.raises(IncompatibleRecipeError, match="llava_next family"):
         _session(next_mm, "cdpruner", keep=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_clip_dir(tiny_mm, tmp_path_factory):
+    """A tiny CLIP checkpoint paired with the tiny tower's width (text tower, projections, tokenizer)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    from mmfast.models.factory import _TEST_CORPUS, train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(_TEST_CORPUS * 4, 300)
+    vis = tiny_mm.adapter.vision_config
+    cfg = CLIPConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "max_position_embeddings": 77, "eos_token_id": 2, "pad_token_id": 0},
+        vision_config={"hidden_size": vis.hidden_size, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": vis.image_size, "patch_size": vis.patch_size},
+        projection_dim=12,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("clip")
+    CLIPModel(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_cdpruner_with_a_supplied_clip_text_tower(tiny_mm, tiny_clip_dir, images, prompts):
+    """clip_model: relevance = -cos(visual_projection(post_layernorm(feature-layer patch)), pooled
+    projected text of the zero-padded 77-token window), as the release; similarity on projected tokens."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    clip = CLIPModel.from_pretrained(tiny_clip_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_clip_dir)
+    batch = tiny_mm.prepare(images[:2], prompts[:2])
+    full = _full_projected(tiny_mm, batch)
+    with Session(tiny_mm, load_recipe({})) as base, torch.inference_mode():
+        feats = [f.clone() for f in base.encode(batch).features]
+    k = 5
+    with _session(tiny_mm, "cdpruner", keep=k, clip_model=str(tiny_clip_dir)) as s:
+        vision = s.encode(batch)
+    post = tiny_mm.adapter.vision_tower.post_layernorm
+    with torch.inference_mode():
+        for i in range(2):
+            ids = tok(prompts[i])["input_ids"]
+            window = torch.tensor([ids + [0] * (77 - len(ids))])
+            mask = torch.tensor([[1] * len(ids) + [0] * (77 - len(ids))])
+            text = clip.text_projection(clip.text_model(input_ids=window, attention_mask=mask).pooler_output)  # [1, D]
+            image = clip.visual_projection(post(feats[i]))  # [N, D]
+            want = _cdpruner_reference_split(full[i], image, text, k)
+            assert vision.patch_ids[i].tolist() == want
+
+
+def _cdpruner_reference_split(tokens, image, text, k):
+    """As _cdpruner_reference, with relevance -cos(image embedding, text) and similarity on tokens."""
+    v = image.double() / image.double().norm(dim=-1, keepdim=True)
+    t = text.double() / text.double().norm(dim=-1, keepdim=True)
+    rel = -(v @ t.T).mean(-1)
+    rel = (rel - rel.min() + 1e-6) / (rel.max() - rel.min())
+    xs = tokens.double() / tokens.double().norm(dim=-1, keepdim=True)
+    kernel = rel[:, None] * (xs @ xs.T) * rel[None, :]
+    chosen: list[int] = []
+    for _ in range(k):
+        dets = {j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]])) for j in range(tokens.shape[0]) if j not in chosen}
+        chosen.append(max(dets, key=dets.get))
+    return sorted(chosen)
+
+
+def test_cdpruner_clip_model_must_exist(tiny_mm, tmp_path):
+    from mmfast.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="clip_model"):
+        _session(tiny_mm, "cdpruner", keep=4, clip_model=str(tmp_path / "missing"))
