@@ -267,3 +267,31 @@ def test_cdpruner_clip_model_must_exist(tiny_mm, tmp_path):
 
     with pytest.raises(ConfigError, match="clip_model"):
         _session(tiny_mm, "cdpruner", keep=4, clip_model=str(tmp_path / "missing"))
+
+
+# -- all three: several images per prompt, LLaVA-NeXT batches ------------------------------------
+
+
+@pytest.mark.parametrize("method, params, per_image", [
+    ("divprune", {"keep": 4}, 4),
+    ("cdpruner", {"keep": 4}, 4),
+    ("dart", {"pivot_image": 1, "pivot_text": 1, "truncation": 4}, 1 + 2 * 2),
+])
+def test_each_image_of_a_prompt_is_reduced_on_its_own(method, params, per_image, tiny_mm, images):
+    prompts = ["Compare the two images.", "Describe the image."]
+    rec = {"pruning": [{"method": method, "params": params}]}
+    out = tiny_mm.generate([images[:2], images[2]], prompts, recipe=rec, max_new_tokens=2)
+    assert out[0].stats[method]["kept"] == 2 * per_image and out[1].stats[method]["kept"] == per_image
+
+
+@pytest.mark.parametrize("method, params", [("divprune", {"keep": 7}), ("dart", {"pivot_image": 2, "pivot_text": 2, "truncation": 8})])
+def test_next_batch_equals_single(method, params, next_mm, images, prompts):
+    rec = {"pruning": [{"method": method, "params": params}]}
+    batched = next_mm.generate(images[:3], prompts[:3], recipe=rec, max_new_tokens=4)
+    single = [next_mm.generate([im], [p], recipe=rec, max_new_tokens=4)[0] for im, p in zip(images[:3], prompts[:3])]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    assert [r.stats[method]["kept"] for r in batched] == [r.stats[method]["kept"] for r in single]
+    if method == "divprune":  # before the LLM: 7 tokens of the packed sequence enter it
+        assert [r.n_vision_tokens for r in batched] == [7, 7, 7]
+    else:  # in the LLM: all tokens enter, fewer after layer K
+        assert all(r.vision_tokens_layer_avg < r.n_vision_tokens for r in batched)
