@@ -73,10 +73,11 @@ def max_min_select(dist: torch.Tensor, k: int) -> torch.Tensor:
 
 def select_image_rows(vision, i: int, rows: torch.Tensor) -> None:
     """Keep rows ``rows`` of image ``i``'s LLM-input tokens (projected rows, patch ids, tags; the
-    pre-projection features too when they are row-aligned, i.e. not LLaVA-NeXT's tile features)."""
-    n = vision.projected[i].shape[0]
+    pre-projection features too when they are row-aligned: not LLaVA-NeXT's per-tile features, which
+    the adapter marks with ``extras["n_tiles"]``, nor tokens an earlier stage built itself)."""
+    aligned = "n_tiles" not in vision.extras and vision.features[i].shape[0] == vision.projected[i].shape[0]
     vision.projected[i] = vision.projected[i][rows]
-    if vision.features[i].shape[0] == n:
+    if aligned:
         vision.features[i] = vision.features[i][rows.to(vision.features[i].device)]
     vision.patch_ids[i] = vision.patch_ids[i][rows.to(vision.patch_ids[i].device)]
     for tags in vision.tags.values():
