@@ -185,17 +185,53 @@ def test_cdpruner_selects_the_greedy_map_subset(params, tiny_mm, images, prompts
             torch.testing.assert_close(vision.projected[i], full[i][want], atol=0, rtol=0)
 
 
-def test_cdpruner_is_conditional_and_refuses_next(tiny_mm, next_mm, images, prompts):
-    from mmfast.errors import IncompatibleRecipeError
-
+def test_cdpruner_is_conditional_and_takes_a_budget(tiny_mm, images, prompts):
     with _session(tiny_mm, "cdpruner", keep=4) as s:
         picks = {p: s.encode(tiny_mm.prepare(images[:1], [p])).patch_ids[0].tolist() for p in prompts}
     assert len(set(map(tuple, picks.values()))) > 1  # the instruction changes the selection
     rec = load_recipe({"pruning": [{"method": "cdpruner", "budget": {"tokens": 6}}]})
     with Session(tiny_mm, rec) as s:
         assert [r.n_vision_tokens for r in s.generate(images[:2], prompts[:2], max_new_tokens=1)] == [6, 6]
-    with pytest.raises(IncompatibleRecipeError, match="llava_next family"):
-        _session(next_mm, "cdpruner", keep=4)
+
+
+def test_cdpruner_next_keeps_t_per_tile_and_every_row_separator(next_mm, images, prompts):
+    """LLaVA-NeXT: relevance normalised over the image's tiles, one DPP per tile keeping T, the mask
+    unpadded with the features, row separators kept. Checked by matching packed rows to tile tokens by value."""
+    batch = next_mm.prepare(images[:2], prompts[:2])
+    k = 3
+    with Session(next_mm, load_recipe({})) as base, torch.inference_mode():
+        full = base.encode(batch)
+        packed_full = [p.clone() for p in full.projected]
+        tile_feats = [f.clone() for f in full.features]
+    with _session(next_mm, "cdpruner", keep=k) as s:
+        vision = s.encode(batch)
+    newline = next_mm.adapter.base.image_newline.detach()
+    with torch.inference_mode():
+        for i in range(2):
+            n_t = full.extras["n_tiles"][i]
+            tiles = next_mm.adapter.projector(tile_feats[i].reshape(n_t, 16, -1))  # [n_t, 16, d]
+            ids = next_mm.tokenizer(prompts[i], add_special_tokens=False)["input_ids"]
+            text = next_mm.adapter.embed_tokens(torch.tensor(ids)).mean(0, keepdim=True)
+            flat = tiles.reshape(n_t * 16, -1).double()
+            rel = (flat / flat.norm(dim=-1, keepdim=True) @ (text.double() / text.double().norm()).T).mean(-1)
+            rel = ((rel - rel.min() + 1e-6) / (rel.max() - rel.min())).reshape(n_t, 16)
+            picked = set()
+            for t in range(n_t):
+                xs = tiles[t].double() / tiles[t].double().norm(dim=-1, keepdim=True)
+                kern = rel[t][:, None] * (xs @ xs.T) * rel[t][None, :]
+                chosen: list[int] = []
+                for _ in range(k):
+                    dets = {j: float(torch.linalg.det(kern[chosen + [j]][:, chosen + [j]])) for j in range(16) if j not in chosen}
+                    chosen.append(max(dets, key=dets.get))
+                picked |= {t * 16 + j for j in chosen}
+            want = []
+            for r, row in enumerate(packed_full[i]):
+                if torch.equal(row, newline):
+                    want.append(r)
+                elif int((flat - row.double()).norm(dim=-1).argmin()) in picked:
+                    want.append(r)
+            torch.testing.assert_close(vision.projected[i], packed_full[i][want], atol=0, rtol=0)
+            assert len(want) < packed_full[i].shape[0]
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +320,8 @@ def test_each_image_of_a_prompt_is_reduced_on_its_own(method, params, per_image,
     assert out[0].stats[method]["kept"] == 2 * per_image and out[1].stats[method]["kept"] == per_image
 
 
-@pytest.mark.parametrize("method, params", [("divprune", {"keep": 7}), ("dart", {"pivot_image": 2, "pivot_text": 2, "truncation": 8})])
+@pytest.mark.parametrize("method, params", [("divprune", {"keep": 7}), ("cdpruner", {"keep": 3}),
+                                            ("dart", {"pivot_image": 2, "pivot_text": 2, "truncation": 8})])
 def test_next_batch_equals_single(method, params, next_mm, images, prompts):
     rec = {"pruning": [{"method": method, "params": params}]}
     batched = next_mm.generate(images[:3], prompts[:3], recipe=rec, max_new_tokens=4)
@@ -293,5 +330,7 @@ def test_next_batch_equals_single(method, params, next_mm, images, prompts):
     assert [r.stats[method]["kept"] for r in batched] == [r.stats[method]["kept"] for r in single]
     if method == "divprune":  # before the LLM: 7 tokens of the packed sequence enter it
         assert [r.n_vision_tokens for r in batched] == [7, 7, 7]
+    elif method == "cdpruner":  # 3 per tile plus the row separators
+        assert all(r.n_vision_tokens < 40 for r in batched)
     else:  # in the LLM: all tokens enter, fewer after layer K
         assert all(r.vision_tokens_layer_avg < r.n_vision_tokens for r in batched)

@@ -34,16 +34,21 @@ greedy MAP are the release's.
 
 Other deviations: (a) the min-max normalisation is per image (the release normalises over the whole
 batch of images/tiles; equal at batch 1); (b) every image of every sample is pruned on its own.
-LLaVA-NeXT is refused: the release prunes each tile (the base view and every crop) to T tokens before
-unpadding and always keeps the row separators, which needs the tile layout before packing; mmfast's
-NeXT adapter packs tiles before feature stages run.
 
-Hook points: ``vision_features`` (the projector is run here, per image, as splicing would run it).
+LLaVA-NeXT, as the release: every tile (the base view and each crop) keeps T tokens, each tile
+with its own DPP kernel, the relevance min-max normalised over all tiles of the image; the keep mask is
+unpadded and packed exactly as the features are (mmfast packs a tile-token index map with the model's
+own ``pack_image_features``), and every ``image_newline`` row separator is kept.
+
+Hook points: ``vision_features`` (the projector is run here, per image, as splicing would run it);
+the first stage that edits vision tokens (``needs_full_grid``: NeXT's tiles must be whole).
 Positions: kept tokens spliced contiguously (as the release). No-op: ``keep`` >= the tokens of an
 image leaves the vision batch untouched (the release's default of 576 selects every token).
 
 Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): ``keep`` = B (exact; the
-release's ``visual_token_num``).
+release's ``visual_token_num``). LLaVA-NeXT: ``keep`` counts per tile (the release's README: "32 * 5 =
+160"), so a budget sets keep = round(B / the most tiles an image can have, 5 for LLaVA-1.6's pinpoints);
+an image with fewer tiles keeps fewer, and the kept row separators come on top (approximate).
 """
 
 from __future__ import annotations
@@ -61,22 +66,24 @@ from .base import Pruner
 from .divprune import select_image_rows
 
 
-def dpp_kernel(tokens: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None, *,
-               negate: bool = False, theta: float | None = None) -> torch.Tensor:
-    """L = diag(r) S diag(r) [N, N] fp32: S from the image tokens [N, d]; r from the image embeddings
-    ``image`` [N, D] (default: the tokens) against the instruction embeddings ``text`` [M, D]."""
-    x = tokens.float()
-    x = x / x.norm(dim=-1, keepdim=True)
-    similarity = x @ x.T  # [N, N]
-    v = x if image is None else image.float() / image.float().norm(dim=-1, keepdim=True)
-    t = text.float()
-    t = t / t.norm(dim=-1, keepdim=True)
+def relevance(image: torch.Tensor, text: torch.Tensor, *, negate: bool = False, theta: float | None = None) -> torch.Tensor:
+    """[N] fp32: mean cosine of each image embedding [N, D] with the instruction embeddings [M, D]
+    (negated if ``negate``), min-max normalised, then exp(alpha r) when ``theta`` is set."""
+    v = image.float() / image.float().norm(dim=-1, keepdim=True)
+    t = text.float() / text.float().norm(dim=-1, keepdim=True)
     rel = v @ t.T  # [N, M]
     rel = (-rel if negate else rel).mean(-1)  # [N]
     rel = (rel - rel.min() + 1e-6) / (rel.max() - rel.min())
     if theta is not None:
         rel = torch.exp(theta / (2 * (1 - theta)) * rel)
-    return rel[:, None] * similarity * rel[None, :]
+    return rel
+
+
+def dpp_kernel(tokens: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+    """L = diag(r) S diag(r) [N, N] fp32, S the cosine similarity of the tokens [N, d], r [N]."""
+    x = tokens.float()
+    x = x / x.norm(dim=-1, keepdim=True)
+    return rel[:, None] * (x @ x.T) * rel[None, :]
 
 
 def greedy_map(kernel: torch.Tensor, k: int) -> torch.Tensor:
@@ -94,6 +101,13 @@ def greedy_map(kernel: torch.Tensor, k: int) -> torch.Tensor:
         di2s = di2s - eis.square()
         di2s[j] = -math.inf
     return picked
+
+
+def max_tiles(adapter) -> int:
+    """The most tiles (base view + crops) LLaVA-NeXT cuts an image into: 1 + the largest pinpoint grid."""
+    cfg = adapter.model.config
+    size = int(cfg.vision_config.image_size)
+    return 1 + max((h // size) * (w // size) for h, w in cfg.image_grid_pinpoints)
 
 
 class ClipText:
@@ -138,7 +152,8 @@ class CDPruner(Pruner):
     """CDPruner."""
 
     hook_points = frozenset({"vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}), edits_features=True)
+    # NeXT: the per-tile selection needs every tile whole, so it runs as the first vision-token edit
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}), edits_features=True, needs_full_grid=True)
 
     @dataclass(frozen=True)
     class Config:
@@ -156,8 +171,10 @@ class CDPruner(Pruner):
 
     @classmethod
     def budget_params(cls, tokens, adapter, config, path):
-        """keep = B."""
-        return {"keep": tokens}
+        """keep = B (LLaVA-NeXT: per tile, B / the most tiles an image can have; module docstring)."""
+        if adapter.family != "llava_next":
+            return {"keep": tokens}
+        return {"keep": max(1, round(tokens / max_tiles(adapter)))}
 
     @classmethod
     def test_params(cls, adapter):
@@ -186,21 +203,50 @@ class CDPruner(Pruner):
         post = getattr(tower, "vision_model", tower).post_layernorm  # transformers 5 flattens CLIPVisionModel
         return self.clip.visual_projection(post(vision.features[i]).to(self.clip.visual_projection.weight.dtype))
 
+    def negate(self) -> bool:
+        return (self.clip is not None) if self.config.negate is None else self.config.negate
+
     def prune_vision(self, vision, batch):
         cfg = self.config
+        tiled = "n_tiles" in vision.extras  # LLaVA-NeXT: T tokens per tile, as the release
+        rows, cols = vision.grid
         counts = vision.counts()
-        if all(cfg.keep >= n for n in counts):
+        if all(cfg.keep >= (rows * cols if tiled else n) for n in counts):
             vision.stats[self.name] = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
             return vision
-        projected = self.adapter.project(vision)
+        projected = None if tiled else self.adapter.project(vision)
         text = [self.instruction_embeddings(p) for p in batch.prompts]
         for i, n in enumerate(counts):
+            t = text[batch.image_owner[i]]
+            if tiled:
+                self._prune_tiles(vision, i, batch.image_sizes[i], t)
+                continue
             if cfg.keep >= n:
                 continue
             vision.projected[i] = projected[i]
-            negate = (self.clip is not None) if cfg.negate is None else cfg.negate
-            rel_img = self.image_embeddings(vision, i, projected[i])
-            kernel = dpp_kernel(projected[i], text[batch.image_owner[i]].to(projected[i].device), rel_img, negate=negate, theta=cfg.theta)
-            select_image_rows(vision, i, greedy_map(kernel, cfg.keep).sort().values)
+            rel = relevance(self.image_embeddings(vision, i, projected[i]), t.to(projected[i].device), negate=self.negate(), theta=cfg.theta)
+            select_image_rows(vision, i, greedy_map(dpp_kernel(projected[i], rel), cfg.keep).sort().values)
         vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
         return vision
+
+    def _prune_tiles(self, vision, i: int, image_size: torch.Tensor, text: torch.Tensor) -> None:
+        """LLaVA-NeXT, as the release: relevance normalised over all tiles of the image, one DPP per
+        tile (base view and every crop) keeping T tokens, the keep mask packed (unpadded) exactly as
+        the features are, every row separator kept."""
+        rows, cols = vision.grid
+        n, n_t = rows * cols, vision.extras["n_tiles"][i]
+        feats = vision.features[i]  # [n_t * n, Dv]
+        index = torch.arange(1, n_t * n + 1, dtype=torch.float32, device=feats.device).reshape(n_t, n, 1)
+        packed, _ = self.adapter.base.pack_image_features([index], image_size[None], self.adapter.select_strategy,
+                                                           image_newline=index.new_zeros(1))
+        slot = packed[0][:, 0].round().long()  # [L] tile token (1-based) behind each packed row, 0 = row separator
+        if feats.shape[0] != n_t * n or vision.projected[i].shape[0] != slot.numel():
+            raise ValueError("cdpruner needs every image's full tiles on LLaVA-NeXT; put it first among the feature stages")
+        tiles = self.adapter.projector(feats.reshape(n_t, n, -1))  # [n_t, n, d]
+        emb = tiles.reshape(n_t * n, -1) if self.clip is None else self.image_embeddings(vision, i, None)
+        rel = relevance(emb, text.to(feats.device), negate=self.negate(), theta=self.config.theta).reshape(n_t, n)
+        mask = torch.zeros(n_t, n, dtype=torch.bool, device=feats.device)
+        for t in range(n_t):
+            mask[t, greedy_map(dpp_kernel(tiles[t], rel[t]), self.config.keep)] = True
+        keep = (slot == 0) | mask.flatten()[(slot - 1).clamp(min=0)]  # [L]
+        select_image_rows(vision, i, keep.nonzero().squeeze(1).to(vision.projected[i].device))
