@@ -141,3 +141,15 @@ def test_every_method_declares_capabilities():
     for registry in (PRUNERS, DECODERS, DRAFTERS):
         for entry in registry.entries():
             assert isinstance(caps_of(entry.cls, None), Capabilities), entry.name
+
+
+# what each diversity-based peer must do on each family (the matrix above accepts any named refusal)
+DIVERSITY_PEERS = {"divprune": ("ran", "ran"), "dart": ("ran", "ran"), "cdpruner": ("ran", "ran")}
+
+
+@pytest.mark.parametrize("pruner", sorted(DIVERSITY_PEERS))
+def test_diversity_peers_families(pruner, families, images, prompts):
+    for family, want in zip(("llava", "llava_next"), DIVERSITY_PEERS[pruner]):
+        mm = families[family]
+        got = _outcome(mm, {"pruning": [_stage(pruner, mm)], "decoding": {"method": "greedy"}}, images, prompts)
+        assert got.split(":")[0] == want, f"{pruner} on {family}: {got}"

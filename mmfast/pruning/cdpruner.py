@@ -1,0 +1,252 @@
+"""CDPruner (Zhang et al., "Beyond Attention or Similarity: Maximizing Conditional Diversity for Token
+Pruning in MLLMs", arXiv 2506.10967; code Theia-4869/CDPruner, ``llava/model/llava_arch.py`` and
+``llava/model/multimodal_encoder/clip_encoder.py``).
+
+Algorithm (per image, before the LLM; T = tokens kept):
+
+1. Similarity: S = cosine similarity of the image's *projected* tokens ([N, N], fp32).
+2. Relevance: r_i = mean_m cos(v_i, t_m) of each token with the instruction embedding(s) t_m,
+   min-max normalised: r = (r - min r + 1e-6) / (max r - min r). Optional theta weighting (the
+   paper's, commented out in the release): r = exp(alpha r), alpha = theta / (2 (1 - theta)).
+3. Kernel of the conditional DPP: L = diag(r) S diag(r).
+4. Fast greedy MAP inference (Chen et al. 2018), T steps: pick j = argmax d_j^2 (d^2 starts at
+   diag L); e = (L[j, :] - sum_{t < i} c_t[j] c_t) / sqrt(d_j^2); c_i = e; d^2 -= e^2; d_j^2 = -inf.
+5. Keep the T picked tokens in their original order; drop the rest before the LLM.
+
+Relevance, and the deviation it forces: the release embeds the instruction with CLIP's text tower
+(``CLIPTextModelWithProjection``; the tokenised text zero-padded to a multiple of 77 tokens, one pooled
+embedding per 77-token segment) and the image tokens with the vision tower's ``post_layernorm`` +
+``visual_projection`` on the selected-layer features, then *negates* the cosine (relevance = -cos; the
+authors observed this inversion only for LLaVA's CLIP, issues #9/#14). LLaVA checkpoints ship neither
+the text tower nor ``visual_projection``, and nothing may be downloaded at run time, so:
+
+- ``clip_model: <local path>`` (the tower's paired CLIP checkpoint, e.g. a local copy of
+  openai/clip-vit-large-patch14-336, loaded with ``local_files_only``): the release's relevance exactly
+  (its text tower, text and visual projections and tokenizer; the LLaVA tower's own ``post_layernorm``),
+  negated as the release;
+- without it (default): relevance in the LLM's input embedding space: v_i = the projected image token
+  (what the LLM reads), t = the mean of the instruction's LLM token embeddings (one pooled vector, the
+  analogue of CLIP's pooled text embedding); the CLIP-specific sign inversion is not applied.
+
+``negate`` overrides the sign in either case. The instruction is the user prompt without the chat
+template (the release passes the bare question). The DPP kernel, the min-max normalisation and the
+greedy MAP are the release's.
+
+Other deviations: (a) the min-max normalisation is per image (the release normalises over the whole
+batch of images/tiles; equal at batch 1); (b) every image of every sample is pruned on its own.
+
+LLaVA-NeXT, as the release: every tile (the base view and each crop) keeps T tokens, each tile
+with its own DPP kernel, the relevance min-max normalised over all tiles of the image; the keep mask is
+unpadded and packed exactly as the features are (mmfast packs a tile-token index map with the model's
+own ``pack_image_features``), and every ``image_newline`` row separator is kept.
+
+Hook points: ``vision_features`` (the projector is run here, per image, as splicing would run it);
+the first stage that edits vision tokens (``needs_full_grid``: NeXT's tiles must be whole).
+Positions: kept tokens spliced contiguously (as the release). No-op: ``keep`` >= the tokens of an
+image leaves the vision batch untouched (the release's default of 576 selects every token).
+
+Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): ``keep`` = B (exact; the
+release's ``visual_token_num``). LLaVA-NeXT: ``keep`` counts per tile (the release's README: "32 * 5 =
+160"), so a budget sets keep = round(B / the most tiles an image can have, 5 for LLaVA-1.6's pinpoints);
+an image with fewer tiles keeps fewer, and the kept row separators come on top (approximate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..capabilities import Capabilities
+from ..config import opt
+from ..registry import PRUNERS
+from ._grid import per_sample
+from .base import Pruner
+from .divprune import select_image_rows
+
+
+def relevance(image: torch.Tensor, text: torch.Tensor, *, negate: bool = False, theta: float | None = None) -> torch.Tensor:
+    """[N] fp32: mean cosine of each image embedding [N, D] with the instruction embeddings [M, D]
+    (negated if ``negate``), min-max normalised, then exp(alpha r) when ``theta`` is set."""
+    v = image.float() / image.float().norm(dim=-1, keepdim=True)
+    t = text.float() / text.float().norm(dim=-1, keepdim=True)
+    rel = v @ t.T  # [N, M]
+    rel = (-rel if negate else rel).mean(-1)  # [N]
+    rel = (rel - rel.min() + 1e-6) / (rel.max() - rel.min())
+    if theta is not None:
+        rel = torch.exp(theta / (2 * (1 - theta)) * rel)
+    return rel
+
+
+def dpp_kernel(tokens: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+    """L = diag(r) S diag(r) [N, N] fp32, S the cosine similarity of the tokens [N, d], r [N]."""
+    x = tokens.float()
+    x = x / x.norm(dim=-1, keepdim=True)
+    return rel[:, None] * (x @ x.T) * rel[None, :]
+
+
+def greedy_map(kernel: torch.Tensor, k: int) -> torch.Tensor:
+    """Fast greedy MAP inference of a DPP with kernel [N, N]: [k] indices in pick order."""
+    n = kernel.shape[0]
+    k = min(k, n)
+    cis = torch.zeros(k, n, dtype=kernel.dtype, device=kernel.device)  # [k, N]
+    di2s = kernel.diagonal().clone()  # [N]
+    picked = torch.empty(k, dtype=torch.long, device=kernel.device)
+    for i in range(k):
+        j = di2s.argmax()
+        picked[i] = j
+        eis = (kernel[j] - cis[:i, j] @ cis[:i]) / di2s[j].sqrt()  # [N]
+        cis[i] = eis
+        di2s = di2s - eis.square()
+        di2s[j] = -math.inf
+    return picked
+
+
+def max_tiles(adapter) -> int:
+    """The most tiles (base view + crops) LLaVA-NeXT cuts an image into: 1 + the largest pinpoint grid."""
+    cfg = adapter.model.config
+    size = int(cfg.vision_config.image_size)
+    return 1 + max((h // size) * (w // size) for h, w in cfg.image_grid_pinpoints)
+
+
+class ClipText:
+    """The parts of a CLIP checkpoint the release's relevance needs: text tower with projection,
+    visual projection, tokenizer (loaded from a local path only)."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.text_model = model.text_model
+        self.text_projection = model.text_projection
+        self.visual_projection = model.visual_projection
+        self.tokenizer = tokenizer
+        self.width = int(model.config.text_config.max_position_embeddings)
+
+    @torch.inference_mode()
+    def embed_text(self, text: str) -> torch.Tensor:
+        """[M, D] pooled, projected embeddings of the text's zero-padded 77-token segments (as the release)."""
+        enc = self.tokenizer(text=text, return_tensors="pt")
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        pad = -ids.shape[1] % self.width
+        ids = torch.cat([ids, ids.new_zeros(1, pad)], 1).reshape(-1, self.width)
+        mask = torch.cat([mask, mask.new_zeros(1, pad)], 1).reshape(-1, self.width)
+        dev = self.text_projection.weight.device
+        pooled = self.text_model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).pooler_output  # [M, H]
+        return self.text_projection(pooled)
+
+
+def load_clip_text(path: str, device, dtype) -> ClipText:
+    from transformers import AutoTokenizer, CLIPModel
+
+    from ..errors import ConfigError
+
+    try:
+        model = CLIPModel.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("clip_model", f"cannot load a CLIP model (text tower, projections, tokenizer) from {path!r}: {exc}") from None
+    return ClipText(model, tokenizer)
+
+
+@PRUNERS.register("cdpruner", description="CDPruner: conditional DPP (instruction relevance x token similarity), greedy MAP")
+class CDPruner(Pruner):
+    """CDPruner."""
+
+    hook_points = frozenset({"vision_features"})
+    # NeXT: the per-tile selection needs every tile whole, so it runs as the first vision-token edit
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}), edits_features=True, needs_full_grid=True)
+
+    @dataclass(frozen=True)
+    class Config:
+        keep: int = opt(64, lo=0, doc="T: tokens kept per image (release visual_token_num)")
+        theta: float | None = opt(None, lo=0.0, hi=0.99, doc="relevance weight: r = exp(theta / (2 (1 - theta)) r); None: off (release)")
+        negate: bool | None = opt(None, doc="relevance = -cos (None: the release's sign with clip_model, none with LLM embeddings)")
+        clip_model: str | None = opt(None, doc="local path of the tower's paired CLIP model (text tower, projections, tokenizer)")
+
+    budget_knobs = ("keep",)
+
+    @classmethod
+    def noop_params(cls, adapter):
+        rows, cols = adapter.grid
+        return {"keep": rows * cols}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """keep = B (LLaVA-NeXT: per tile, B / the most tiles an image can have; module docstring)."""
+        if adapter.family != "llava_next":
+            return {"keep": tokens}
+        return {"keep": max(1, round(tokens / max_tiles(adapter)))}
+
+    @classmethod
+    def test_params(cls, adapter):
+        return {"keep": 5}
+
+    def install(self) -> None:
+        self.clip = None
+        if self.config.clip_model is not None:
+            self.clip = load_clip_text(self.config.clip_model, self.ctx.device, self.ctx.dtype)
+
+    def instruction_embeddings(self, prompt: str) -> torch.Tensor:
+        """[M, D]: CLIP's pooled text embeddings per 77-token segment (``clip_model``), else [1, d]: the
+        mean LLM input embedding of the instruction's tokens (module docstring)."""
+        if self.clip is not None:
+            return self.clip.embed_text(prompt)
+        ids = self.ctx.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.ctx.special.pad]
+        emb = self.adapter.embed_tokens(torch.tensor(ids, device=self.ctx.device))  # [M_tok, d]
+        return emb.float().mean(0, keepdim=True)
+
+    def image_embeddings(self, vision, i: int, projected: torch.Tensor) -> torch.Tensor:
+        """What relevance compares with the text: CLIP image embeddings of the selected-layer features
+        (``clip_model``), else the projected tokens."""
+        if self.clip is None:
+            return projected
+        tower = self.adapter.vision_tower
+        post = getattr(tower, "vision_model", tower).post_layernorm  # transformers 5 flattens CLIPVisionModel
+        return self.clip.visual_projection(post(vision.features[i]).to(self.clip.visual_projection.weight.dtype))
+
+    def negate(self) -> bool:
+        return (self.clip is not None) if self.config.negate is None else self.config.negate
+
+    def prune_vision(self, vision, batch):
+        cfg = self.config
+        tiled = "n_tiles" in vision.extras  # LLaVA-NeXT: T tokens per tile, as the release
+        rows, cols = vision.grid
+        counts = vision.counts()
+        if all(cfg.keep >= (rows * cols if tiled else n) for n in counts):
+            vision.stats[self.name] = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
+            return vision
+        projected = None if tiled else self.adapter.project(vision)
+        text = [self.instruction_embeddings(p) for p in batch.prompts]
+        for i, n in enumerate(counts):
+            t = text[batch.image_owner[i]]
+            if tiled:
+                self._prune_tiles(vision, i, batch.image_sizes[i], t)
+                continue
+            if cfg.keep >= n:
+                continue
+            vision.projected[i] = projected[i]
+            rel = relevance(self.image_embeddings(vision, i, projected[i]), t.to(projected[i].device), negate=self.negate(), theta=cfg.theta)
+            select_image_rows(vision, i, greedy_map(dpp_kernel(projected[i], rel), cfg.keep).sort().values)
+        vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+        return vision
+
+    def _prune_tiles(self, vision, i: int, image_size: torch.Tensor, text: torch.Tensor) -> None:
+        """LLaVA-NeXT, as the release: relevance normalised over all tiles of the image, one DPP per
+        tile (base view and every crop) keeping T tokens, the keep mask packed (unpadded) exactly as
+        the features are, every row separator kept."""
+        rows, cols = vision.grid
+        n, n_t = rows * cols, vision.extras["n_tiles"][i]
+        feats = vision.features[i]  # [n_t * n, Dv]
+        index = torch.arange(1, n_t * n + 1, dtype=torch.float32, device=feats.device).reshape(n_t, n, 1)
+        packed, _ = self.adapter.base.pack_image_features([index], image_size[None], self.adapter.select_strategy,
+                                                           image_newline=index.new_zeros(1))
+        slot = packed[0][:, 0].round().long()  # [L] tile token (1-based) behind each packed row, 0 = row separator
+        if feats.shape[0] != n_t * n or vision.projected[i].shape[0] != slot.numel():
+            raise ValueError("cdpruner needs every image's full tiles on LLaVA-NeXT; put it first among the feature stages")
+        tiles = self.adapter.projector(feats.reshape(n_t, n, -1))  # [n_t, n, d]
+        emb = tiles.reshape(n_t * n, -1) if self.clip is None else self.image_embeddings(vision, i, None)
+        rel = relevance(emb, text.to(feats.device), negate=self.negate(), theta=self.config.theta).reshape(n_t, n)
+        mask = torch.zeros(n_t, n, dtype=torch.bool, device=feats.device)
+        for t in range(n_t):
+            mask[t, greedy_map(dpp_kernel(tiles[t], rel[t]), self.config.keep)] = True
+        keep = (slot == 0) | mask.flatten()[(slot - 1).clamp(min=0)]  # [L]
+        select_image_rows(vision, i, keep.nonzero().squeeze(1).to(vision.projected[i].device))

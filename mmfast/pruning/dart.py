@@ -1,0 +1,178 @@
+"""DART (Wen et al., "Stop Looking for Important Tokens in Multimodal Language Models: Duplication
+Matters More", arXiv 2502.11494; code ZichenWen1/DART, ``llava/model/language_model/modeling_llama_self.py``,
+read through its public fork xqy1111111/DART, whose history is the upstream's).
+
+Algorithm (at the input of LLM layer K, K = 2 in the release, per image):
+
+1. Pivots: the ``pivot_image`` image tokens and the ``pivot_text`` tokens after the image (instruction
+   and assistant prompt) with the largest L1 norm of their layer K-1 keys (after RoPE, all heads
+   concatenated, as the release's sdpa path returns them).
+2. Features for duplication: the hidden states entering layer K passed through the LLM's *final*
+   RMSNorm (the release applies ``self.norm``, the model's last norm, to layer K-1's output).
+3. For each pivot in turn: among the image tokens not chosen yet (image pivots excluded), keep the
+   ``t`` tokens *least* cosine-similar to the pivot (the release takes ``topk`` of the negated
+   cosine: tokens duplicating a pivot are the ones dropped), then remove them from the candidates.
+4. Kept image tokens: the image pivots plus every token picked in 3 (text pivots are text and stay
+   anyway); all text is kept. t = M // (pivot_image + pivot_text), so an image keeps
+   ``pivot_image + (pivot_image + pivot_text) * t`` tokens.
+
+M is ``truncation`` (the release's ``max_num_trunction``, 128 in its LLaVA-1.5 scripts; for LLaVA-NeXT
+its ``retain_token_num_for_llava_next``, 320, capped at N - pivot_image), or N (1 - ``ratio``) (the
+release's ``reduction_ratio``, used when no truncation is given).
+
+LLaVA-NeXT: the release counts every image token between the prompt's text parts, the row-separator
+``image_newline`` tokens included, as candidates (``image_token_length = len - text_length``); mmfast
+does the same (every vision slot of the image is a candidate).
+
+Positions: kept tokens keep their original position ids (the release sets ``position_ids =
+keep_indexs``). KV cache: layers >= K cache only the kept tokens (static after prefill).
+Hook points: a key recorder on layer K-1's attention (``hooks.attach``, prefill only; the L1 norms
+travel in the state's ``extras``); ``llm_layer`` (``runner.prune_at``).
+
+Deviations from the release: (a) pivots are visited in ascending sequence order (the release iterates
+a Python ``set`` of sequence indices, i.e. CPython's hash-table order); (b) every image of every sample
+is reduced on its own (the release: batch 1, one image at a fixed offset of 35 tokens); with several
+images the text pivots are the tokens after the last image; (c) M is capped at N - pivot_image on
+LLaVA-1.5 too (the release caps it only for NeXT; beyond it its ``topk`` would fail); (d) cosine
+similarities in fp32.
+No-op: ``ratio`` 0 with no ``truncation`` drops nothing (the release's run without ``--sparse``).
+
+Budget (``budget: {tokens: B}``, layer-averaged vision tokens per image, as FastV): with K of an
+L-layer LLM and N vision tokens per image, keep = round((L B - K N) / (L - K)) (refused below
+ceil(K N / L)), then t = max(0, round((keep - pivot_image) / (pivot_image + pivot_text))) and
+``truncation`` = t (pivot_image + pivot_text): the kept count is within (pivot_image + pivot_text) / 2
+of keep (when keep >= pivot_image).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..capabilities import Capabilities
+from ..config import opt
+from ..hooks import attach
+from ..registry import PRUNERS
+from ._budget import in_llm_keep, vision_tokens_per_image
+from ._common import LayerMapping, keep_only, map_layers
+from .base import Pruner
+
+#: the release's M per family (max_num_trunction for LLaVA-1.5, retain_token_num_for_llava_next)
+RELEASE_TRUNCATION = {"llava": 128, "llava_next": 320}
+
+
+def dart_select(
+    features: torch.Tensor, key_l1: torch.Tensor, image: torch.Tensor, text: torch.Tensor,
+    pivot_image: int, pivot_text: int, per_pivot: int,
+) -> torch.Tensor:
+    """One image of one sample. ``features`` [T, d] (final-normed hidden states), ``key_l1`` [T],
+    ``image`` / ``text`` [n] / [m] slot indices. Returns the kept image slots (sorted)."""
+    img_piv = image[key_l1[image].topk(min(pivot_image, image.numel())).indices]
+    txt_piv = text[key_l1[text].topk(min(pivot_text, text.numel())).indices]
+    feats = features.float()
+    free = torch.ones(features.shape[0], dtype=torch.bool, device=features.device)
+    free[img_piv] = False
+    cand = torch.zeros_like(free)
+    cand[image] = True
+    kept = [img_piv]
+    for p in torch.cat([img_piv, txt_piv]).sort().values:  # pivots in sequence order
+        valid = (cand & free).nonzero().squeeze(1)  # [V] image slots still unchosen
+        if valid.numel() == 0 or per_pivot == 0:
+            break
+        sim = torch.nn.functional.cosine_similarity(feats[p][None], feats[valid], dim=-1)  # [V]
+        picked = valid[(-sim).topk(min(per_pivot, valid.numel())).indices]  # least duplicated
+        free[picked] = False
+        kept.append(picked)
+    return torch.cat(kept).sort().values
+
+
+@PRUNERS.register("dart", description="DART: keep image tokens least duplicated of key-norm pivots at LLM layer K")
+class DART(Pruner):
+    """DART."""
+
+    hook_points = frozenset({"llm_layer"})
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # vision slots of the spliced sequence
+
+    @dataclass(frozen=True)
+    class Config:
+        k: int = opt(2, lo=1, doc="prune at the input of layer K (index on a 32-layer LLM, see layer_mapping)")
+        pivot_image: int = opt(4, lo=0, doc="image pivot tokens (largest key L1 norm), kept")
+        pivot_text: int = opt(4, lo=0, doc="text pivot tokens after the image (largest key L1 norm)")
+        truncation: int | None = opt(None, lo=0, doc="M: tokens picked for all pivots together (None: release default per family, unless ratio)")
+        ratio: float | None = opt(None, lo=0.0, hi=1.0, doc="reduction ratio: M = N (1 - ratio) when truncation is not set; 0 = no pruning")
+        layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
+
+    budget_knobs = ("truncation", "ratio")
+
+    @classmethod
+    def noop_params(cls, adapter):
+        return {"ratio": 0.0}
+
+    @classmethod
+    def budget_params(cls, tokens, adapter, config, path):
+        """truncation = t (pivot_image + pivot_text), t from keep (module docstring)."""
+        n_layers = len(adapter.layers)
+        (layer, _), = map_layers([config.k], n_layers, config.layer_mapping)
+        keep = in_llm_keep(tokens, vision_tokens_per_image(adapter), layer, n_layers, path)
+        pivots = config.pivot_image + config.pivot_text
+        per_pivot = max(0, round((keep - config.pivot_image) / pivots)) if pivots else 0
+        return {"truncation": per_pivot * pivots}
+
+    @classmethod
+    def test_params(cls, adapter):
+        return {"pivot_image": 2, "pivot_text": 2, "truncation": 4}
+
+    @classmethod
+    def check_facts(cls, config, facts) -> None:
+        map_layers([config.k], facts.llm_layers, config.layer_mapping, param="k")
+
+    def is_noop(self) -> bool:
+        return self.config.truncation is None and self.config.ratio == 0.0
+
+    def install(self) -> None:
+        cfg = self.config
+        if self.is_noop():
+            return
+        (layer, paper), = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")
+        self.layer = layer
+        attach(self.ctx.hooks, self.adapter.layers[layer - 1].self_attn).recorders.append(self._record_keys)
+        self.ctx.runner.prune_at(layer, self.select, ref_layer=paper)
+
+    def _record_keys(self, module, query, key, attention_mask, scaling) -> None:
+        state = self.ctx.runner.active
+        if state is None or query.shape[2] != key.shape[2] or query.shape[2] < 2:
+            return  # prefill only (no cache before it): decode and verify steps are not pruned
+        groups = query.shape[1] // key.shape[1]  # the release's keys are repeat_kv'd: each KV head counts `groups` times
+        state.extras.setdefault(self.name, {})[f"key_l1.{self.layer - 1}"] = key.float().abs().sum((1, 3)) * groups  # [B, T]
+
+    def per_pivot(self, n: int) -> int:
+        cfg = self.config
+        pivots = cfg.pivot_image + cfg.pivot_text
+        if cfg.truncation is not None:
+            m = cfg.truncation
+        elif cfg.ratio is not None:
+            m = n * (1 - cfg.ratio)
+        else:
+            m = RELEASE_TRUNCATION[self.adapter.family]
+        m = min(m, n - min(cfg.pivot_image, n))
+        return int(m // pivots) if pivots else 0
+
+    def select(self, view):
+        cfg = self.config
+        key_l1 = view.state.extras.get(self.name, {}).get(f"key_l1.{self.layer - 1}")
+        if key_l1 is None or key_l1.shape[1] != view.hidden.shape[1]:
+            raise RuntimeError(f"dart: layer {self.layer - 1}'s keys were not recorded for this prefill")
+        feats = self.adapter.language_model.norm(view.hidden)  # [B, T, d] the release's self.norm(...)
+        src = view.group.source
+        image = view.state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
+        image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere
+        kept = torch.zeros_like(view.vision)
+        for b in range(view.hidden.shape[0]):
+            text = view.text_after[b].nonzero().squeeze(1)
+            for j in range(int(image[b].max()) + 1):
+                slots = (image[b] == j).nonzero().squeeze(1)
+                t = self.per_pivot(slots.numel())
+                kept[b, dart_select(feats[b], key_l1[b], slots, text, cfg.pivot_image, cfg.pivot_text, t)] = True
+        view.state.stats[self.name] = {"per_sample_kept": kept.sum(1).tolist(), "layer": self.layer}
+        return keep_only(view.vision, kept)
