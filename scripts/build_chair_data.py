@@ -6,49 +6,37 @@
 
 The folder must hold NLTK's ``taggers/averaged_perceptron_tagger_eng`` and ``corpora/wordnet``
 (directories or zips, NLTK's layout). Only that folder is read: NLTK's default search path is
-replaced, so nothing else on the machine can leak in. Two things are written:
+replaced, so nothing else on the machine can leak in. Two things are written (gzip level 9, no
+name or time stamp; ``--check`` compares them decompressed):
 
 1. ``averaged_perceptron_tagger_eng.{weights,tagdict,classes}.json.gz``: the tagger's three JSON
-   files, byte for byte, gzip-compressed (level 9, no name or time stamp). mmfast loads them into
-   NLTK's own ``PerceptronTagger`` class, so tags are those of ``nltk.pos_tag``.
-2. ``chair_lemmas.json``: for each WordNet POS the parser uses (``n v a r``), a map
-   ``form -> WordNetLemmatizer().lemmatize(form, pos)`` restricted to the forms below. At run time a
-   form that is not in the map is its own lemma.
+   files, byte for byte. mmfast loads them into NLTK's own ``PerceptronTagger`` class, so tags are
+   those of ``nltk.pos_tag``.
+2. ``wordnet_morphy.json.gz``: what NLTK's ``WordNetLemmatizer`` reads from WordNet, for the POS
+   CHAIR uses (``n v a r``), taken from NLTK's own ``WordNetCorpusReader``: the detachment rules
+   (``MORPHOLOGICAL_SUBSTITUTIONS``), the exception maps (``_exception_map``, i.e. NLTK's parse of
+   ``{noun,verb,adj,adv}.exc``, verbatim) and the lemma names (keys of ``_lemma_pos_offset_map``
+   that have the POS) that ``_morphy`` can ever consult. ``mmfast.eval.chair_morphy`` re-implements
+   ``_morphy`` + ``lemmatize`` on them (its docstring states the rules).
 
-Why the restricted table gives the same CHAIR result as the full lemmatizer
-------------------------------------------------------------------------
+Which lemma names are needed
+----------------------------
 
-Notation: ``L(t, p)`` is ``WordNetLemmatizer().lemmatize(t, p)``, i.e. the shortest element of
-``morphy(t, p)`` or ``t`` when that is empty; ``L'(t, p)`` is the table's value or ``t``.
-``R`` (``chair_vocab.relevant_words()``) is every string the parser ever compares a single lemma
-with: each synonym without whitespace (a lemma never holds whitespace: tokens are split on it and
-WordNet lemma names join words with ``_``), each word of each two-word phrase key, and the
-``toilet``/``seat`` rule words.
-
-(a) What CHAIR reads from the lemmas. ``CaptionParser.parse`` merges ``l_i l_{i+1}`` when the
-    pair is a phrase key; since neither lemma holds whitespace, that needs ``l_i`` and ``l_{i+1}``
-    to be the two words of the key, both in ``R``. A single merged lemma is a mention iff it is a
-    synonym (then in ``R``), and the seat rule tests ``toilet``/``seat`` (in ``R``). So merging,
-    the token count, the mentions, their indices and the seat rule, hence every metric and the
-    ground truth, depend on the lemmas only through ``g(l) = l if l in R else NONE``.
-(b) It is therefore enough that ``g(L'(t, p)) == g(L(t, p))`` for every string ``t`` and POS
-    ``p``, i.e. that the table holds ``(t, p)`` whenever ``L(t, p) != t`` and either
-    ``L(t, p) in R`` or ``t in R``. (If ``L(t, p) == t`` the fallback is right; if neither
-    ``L(t, p)`` nor ``t`` is in ``R``, both sides map to ``NONE``.)
-(c) Which ``t`` can have ``L(t, p) in R``. NLTK's ``_morphy(t, p)`` returns the members of
-    ``[t] + E_p[t]`` (``t`` in the exception list ``E_p``, ``{noun,verb,adj,adv}.exc``) or else
-    ``[t] + [t[:-len(old)] + new for (old, new) in SUBSTITUTIONS[p] if t.endswith(old)]`` (one
-    pass, no recursion) that are WordNet lemmas of POS ``p``. So ``L(t, p) = r in R`` needs
-    ``t == r``, or ``t`` an exception form with ``r`` among its bases, or ``t = r[:-len(new)] + old``
-    for a rule ``(old, new)`` with ``r.endswith(new)`` (inverting the detachment rule). The union
-    of these three sets over ``r in R`` is finite; the script computes ``L`` on all of it with NLTK
-    and keeps the entries that (b) requires. Nothing else is needed, for any input word.
-
-Only the lemmas of the other tokens differ from NLTK's: ``CaptionObjects.words`` holds the token
-itself there ("is" where NLTK gives "be"), which no metric reads. The argument depends on the
-vocabulary tables and on NLTK's one-pass morphy; the table records the vocabulary digest (checked at
-load time) and the NLTK version it was built with, and tests/test_chair_identity.py re-checks the
-result against the full data (``MMFAST_REFERENCE_NLTK_DATA``).
+``_morphy(t, p)`` tests membership in the lemma names ``N_p`` only for the strings of
+``[t] + E_p[t]`` (``t`` an exception form) or ``[t] + [t[:-len(old)] + new ...]`` (rules whose
+``old`` ends ``t``). Dropping a name ``L`` from ``N_p`` changes no result iff ``L`` is never in such
+a list in a way that matters. ``L`` is in the list of ``t`` iff ``L == t``, or ``L`` is a base in
+``E_p`` (exception form ``t``), or ``L`` ends with the ``new`` of a rule (``t`` its inflection). And
+when ``L`` is only ever its own form ``t`` (not an exception form), its membership matters only if
+a rule with ``t.endswith(old)`` yields a candidate at least as long as ``t`` (else ``L`` is the
+result whether or not it is a name: either the sole survivor, or the fallback, or beaten by a
+shorter candidate either way). So ``N_p`` is restricted to the names that are an exception form or
+base, or end with some rule's ``new``, or end with the ``old`` of a rule with
+``len(new) >= len(old)``. For nouns, verbs and adjectives a rule has ``new == ""``, so every name is
+kept; adverbs have no rules, so only those in ``adv.exc`` are. Everything else is shipped whole,
+so the lemmatiser equals NLTK's for every string; tests/test_chair_identity.py checks it on every
+WordNet lemma name, exception form and one-rule inflection of a name, in the four POS, against the
+full data (``MMFAST_REFERENCE_NLTK_DATA``).
 """
 
 from __future__ import annotations
@@ -59,7 +47,7 @@ import hashlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,56 +55,39 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this checkout's mmfast, not whichever one is installed
 
-from mmfast.eval.chair_vocab import relevant_words, vocabulary_digest  # noqa: E402
+from mmfast.eval.chair_morphy import FORMAT as MORPHY_FORMAT  # noqa: E402
+from mmfast.eval.chair_morphy import POS  # noqa: E402
+from mmfast.eval.chair_morphy import VERSION as MORPHY_VERSION  # noqa: E402
 
 logger = logging.getLogger("build_chair_data")
 
 OUT = REPO / "mmfast" / "assets" / "chair"
-POS = ("n", "v", "a", "r")  # the WordNet POS CaptionParser maps tags to
 EXC_FILES = {"n": "noun.exc", "v": "verb.exc", "a": "adj.exc", "r": "adv.exc"}
 INDEX_FILES = {"n": "index.noun", "v": "index.verb", "a": "index.adj", "r": "index.adv"}
 TAGGER = "averaged_perceptron_tagger_eng"
 TAGGER_FILES = tuple(f"{TAGGER}.{part}.json" for part in ("weights", "tagdict", "classes"))
-LEMMA_FILE = "chair_lemmas.json"
-LEMMA_FORMAT = "mmfast.chair.lemmas"
+MORPHY_FILE = "wordnet_morphy.json"
 
 
-def candidate_forms(relevant: Iterable[str], exceptions: Mapping[str, Sequence[str]],
-                    substitutions: Sequence[tuple[str, str]]) -> set[str]:
-    """Every form whose lemma for one POS can be in ``relevant`` (step (c) of the module docstring)."""
-    rel = set(relevant)
-    forms = set(rel)
-    forms.update(form for form, bases in exceptions.items() if rel.intersection(bases))
-    for r in rel:
-        for old, new in substitutions:
-            if r.endswith(new):
-                forms.add(r[:len(r) - len(new)] + old)
-    return forms
+def consultable_names(names: Iterable[str], exceptions: Mapping[str, Sequence[str]],
+                      rules: Sequence[tuple[str, str]]) -> list[str]:
+    """The lemma names of one POS whose membership can change a ``_morphy`` result (module
+    docstring), sorted."""
+    in_exceptions = set(exceptions).union(*exceptions.values())
+    news = {new for _, new in rules}
+    lengthening = {old for old, new in rules if len(new) >= len(old)}
+    return sorted(n for n in names if n in in_exceptions or any(n.endswith(s) for s in news)
+                  or any(n.endswith(s) for s in lengthening))
 
 
-def lemma_table(lemmatize: Callable[[str, str], str], relevant: Iterable[str],
-                exceptions: Mapping[str, Mapping[str, Sequence[str]]],
-                substitutions: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, dict[str, str]]:
-    """``{pos: {form: lemma}}`` holding exactly the entries step (b) requires."""
-    rel = frozenset(relevant)
-    table: dict[str, dict[str, str]] = {}
-    for pos in POS:
-        entries = {}
-        for form in sorted(candidate_forms(rel, exceptions[pos], substitutions[pos])):
-            lemma = lemmatize(form, pos)
-            if lemma != form and (lemma in rel or form in rel):
-                entries[form] = lemma
-        table[pos] = entries
-    return table
-
-
-def _read_exceptions(wordnet: Any) -> dict[str, dict[str, list[str]]]:
-    # The same parse as NLTK's WordNetCorpusReader._load_exception_map.
-    out: dict[str, dict[str, list[str]]] = {}
-    for pos, name in EXC_FILES.items():
-        with wordnet.open(name) as fh:
-            out[pos] = {terms[0]: terms[1:] for terms in (line.split() for line in fh) if terms}
-    return out
+def morphy_doc(wordnet: Any, rules: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, Any]:
+    """The ``wordnet_morphy.json`` document from NLTK's WordNet reader and its rules."""
+    lemma_map = wordnet._lemma_pos_offset_map  # name -> {pos: offsets}, what _morphy filters with
+    exceptions = {p: {form: list(bases) for form, bases in wordnet._exception_map[p].items()} for p in POS}
+    names = {p: consultable_names((n for n, by_pos in lemma_map.items() if p in by_pos), exceptions[p], rules[p])
+             for p in POS}
+    return {"rules": {p: [list(r) for r in rules[p]] for p in POS}, "exceptions": exceptions,
+            "lemma_names": names}
 
 
 def _sha256_text(wordnet: Any, name: str) -> str:
@@ -124,63 +95,52 @@ def _sha256_text(wordnet: Any, name: str) -> str:
         return hashlib.sha256(fh.read().encode("utf-8")).hexdigest()
 
 
-def build(nltk_data: Path) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """Read the folder; return the tagger's JSON files (raw bytes) and the lemma table document."""
+def build(nltk_data: Path) -> dict[str, bytes]:
+    """Read the folder; return ``{file name (uncompressed): content}`` of every shipped file."""
     import nltk
     from nltk.corpus.reader.wordnet import WordNetCorpusReader
-    from nltk.stem import WordNetLemmatizer
 
     root = str(nltk_data.resolve())
     nltk.data.path[:] = [root]  # only this folder: no ~/nltk_data, no /usr/share/nltk_data
     tagger_dir = nltk.data.find(f"taggers/{TAGGER}/", paths=[root])
-    tagger = {name: tagger_dir.join(name).open().read() for name in TAGGER_FILES}
+    files = {name: tagger_dir.join(name).open().read() for name in TAGGER_FILES}
 
-    from nltk.corpus import wordnet
+    from nltk.corpus import wordnet  # the reader WordNetLemmatizer uses (this folder only)
 
-    lemmatizer = WordNetLemmatizer()  # the reference's call, on the global reader (this folder only)
-    relevant = relevant_words()
-    exceptions = _read_exceptions(wordnet)
-    table = lemma_table(lemmatizer.lemmatize, relevant, exceptions,
-                        WordNetCorpusReader.MORPHOLOGICAL_SUBSTITUTIONS)
     doc = {
-        "format": LEMMA_FORMAT, "version": 1,
-        "about": "form -> WordNetLemmatizer().lemmatize(form, pos), restricted to the forms whose lemma "
-                 "CHAIR can compare; any other form is its own lemma. Built by scripts/build_chair_data.py "
-                 "(see its docstring for why this gives the same CHAIR result as the full lemmatizer).",
+        "format": MORPHY_FORMAT, "version": MORPHY_VERSION,
+        "about": "What nltk.stem.WordNetLemmatizer().lemmatize(form, pos) reads from WordNet for POS n v a r: "
+                 "NLTK's detachment rules, its parse of the exception lists, and the lemma names its _morphy can "
+                 "consult. Built by scripts/build_chair_data.py; used by mmfast.eval.chair_morphy. Derived from "
+                 "WordNet 3.0 (Princeton University; licence in LICENSE-WordNet-3.0.txt).",
         "built_with": {"nltk": nltk.__version__, "wordnet": str(wordnet.get_version()),
                        "wordnet_files_sha256": {name: _sha256_text(wordnet, name)
                                                 for name in (*INDEX_FILES.values(), *EXC_FILES.values())}},
-        "vocabulary": vocabulary_digest(),
-        "relevant": sorted(relevant),
-        "lemmas": table,
+        **morphy_doc(wordnet, WordNetCorpusReader.MORPHOLOGICAL_SUBSTITUTIONS),
     }
-    logger.info("lemma table: %s entries for %d relevant words (nltk %s, WordNet %s)",
-                {p: len(t) for p, t in table.items()}, len(relevant), nltk.__version__, wordnet.get_version())
-    return tagger, doc
+    files[MORPHY_FILE] = (json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+                          + "\n").encode("utf-8")
+    logger.info("morphy tables: lemma names %s, exception forms %s (nltk %s, WordNet %s)",
+                {p: len(doc["lemma_names"][p]) for p in POS}, {p: len(doc["exceptions"][p]) for p in POS},
+                nltk.__version__, wordnet.get_version())
+    return files
 
 
-def _dump_lemmas(doc: Mapping[str, Any]) -> bytes:
-    return (json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def write(out: Path, tagger: Mapping[str, bytes], doc: Mapping[str, Any]) -> None:
+def write(out: Path, files: Mapping[str, bytes]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    for name, data in tagger.items():
+    for name, data in files.items():
         (out / f"{name}.gz").write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
-    (out / LEMMA_FILE).write_bytes(_dump_lemmas(doc))
-    logger.info("wrote %s", ", ".join(sorted(p.name for p in out.iterdir())))
+    logger.info("wrote %s", ", ".join(f"{name}.gz ({(out / f'{name}.gz').stat().st_size} bytes)"
+                                      for name in files))
 
 
-def stale_files(out: Path, tagger: Mapping[str, bytes], doc: Mapping[str, Any]) -> list[str]:
-    """Names of the shipped files whose content differs from a fresh build (gz compared decompressed)."""
+def stale_files(out: Path, files: Mapping[str, bytes]) -> list[str]:
+    """Names of the shipped files whose content differs from a fresh build (compared decompressed)."""
     stale = []
-    for name, data in tagger.items():
+    for name, data in files.items():
         path = out / f"{name}.gz"
         if not path.is_file() or gzip.decompress(path.read_bytes()) != data:
             stale.append(path.name)
-    path = out / LEMMA_FILE
-    if not path.is_file() or path.read_bytes() != _dump_lemmas(doc):
-        stale.append(LEMMA_FILE)
     return stale
 
 
@@ -192,15 +152,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="compare with the files in --out; exit 1 if any differs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    tagger, doc = build(args.nltk_data)
+    files = build(args.nltk_data)
     if args.check:
-        stale = stale_files(args.out, tagger, doc)
+        stale = stale_files(args.out, files)
         if stale:
             logger.error("out of date in %s: %s (rerun without --check)", args.out, ", ".join(stale))
             return 1
         logger.info("%s is up to date", args.out)
         return 0
-    write(args.out, tagger, doc)
+    write(args.out, files)
     return 0
 
 

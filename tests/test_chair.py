@@ -37,7 +37,6 @@ from mmfast.eval.chair_vocab import (
     PHRASE_MAP,
     PUNKT_ENGLISH_ABBREVIATIONS,
     SYNONYM_TO_NODE,
-    relevant_words,
 )
 from mmfast.errors import InputError
 
@@ -152,9 +151,9 @@ PARSE_CASES = [
     ("A cheesecake on the stove top oven.", ["a", "cheesecake", "on", "the", "stove", "top", "oven", "."],
      [("stove", "oven"), ("oven", "oven")]),
     ("Train tracks and a motor bike.", ["train track", "and", "a", "motor bike", "."], []),
-    # With the shipped lemma table a token CHAIR cannot compare keeps its form: "is" (NLTK's WordNet
-    # lemmatizer gives "be"; no metric reads it; see tests/test_chair_identity.py).
-    ("The sky is blue.", ["the", "sky", "is", "blue", "."], []),
+    # Every token is lemmatised as NLTK's WordNetLemmatizer does, not only those CHAIR compares.
+    ("The sky is blue.", ["the", "sky", "be", "blue", "."], []),
+    ("The women were running.", ["the", "woman", "be", "run", "."], [("woman", "person")]),
     ("Hair driers, toilet seats and mice.", ["hair drier", ",", "toilet", "and", "mouse", "."],
      [("hair drier", "hair drier"), ("toilet", "toilet"), ("mouse", "mouse")]),
 ]
@@ -318,12 +317,14 @@ def test_shipped_data_is_the_default_and_needs_no_nltk_data(tmp_path: Path,
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nothing")])
     res = load_chair_resources()
     assert res.route == "shipped" and res is load_shipped_resources()
-    assert res.exact_for == relevant_words()
     assert res.provenance["wordnet_version"] == "3.0"
     assert set(res.provenance["tagger_sha256"]) == {"weights", "tagdict", "classes"}
     assert res.lemmatize("mice", "n") == "mouse" and res.lemmatize("driers", "n") == "drier"
     assert res.lemmatize("drier", "a") == "dry"  # "hair drier" as an adjective is no phrase (as NLTK)
-    assert res.lemmatize("is", "v") == "is"  # not comparable by CHAIR: its own form
+    assert res.lemmatize("is", "v") == "be" and res.lemmatize("geese", "n") == "goose"
+    assert res.lemmatize("quickly", "r") == "quickly" and res.lemmatize("hardest", "r") == "hard"
+    assert res.lemmatize("best", "r") == "best"  # itself an adverb, as short as its base "well": first wins
+    assert res.lemmatize("xyzzies", "n") == "xyzzies"  # no lemma: the form itself
     assert [t for _, t in res.tagger.tag(["a", "dog", "runs", "."])] == ["DT", "NN", "VBZ", "."]
     # $NLTK_DATA without the tagger and WordNet is not an error: the shipped data is used.
     monkeypatch.setenv("NLTK_DATA", str(tmp_path))
@@ -350,26 +351,74 @@ def test_missing_nltk_data_error_says_what_to_do(tmp_path: Path, monkeypatch: py
     assert ChairEvaluator({1: ["dog"]}).evaluate([{"image_id": 1, "caption": "A dog."}]).chair_i == 0.0
 
 
-def test_shipped_table_must_match_the_vocabulary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shipped_data_errors_say_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gzip
     import shutil
 
     copy = tmp_path / "chair"
     shutil.copytree(chair_mod.SHIPPED_DATA, copy)
-    doc = json.loads((copy / "chair_lemmas.json").read_text())
-    doc["vocabulary"] = "0" * 64
-    (copy / "chair_lemmas.json").write_text(json.dumps(doc))
+    morphy = copy / "wordnet_morphy.json.gz"
+    doc = json.loads(gzip.decompress(morphy.read_bytes()))
     monkeypatch.setattr(chair_mod, "SHIPPED_DATA", copy)
-    with pytest.raises(ShippedDataError, match="another CHAIR vocabulary"):
+    morphy.write_bytes(gzip.compress(json.dumps({**doc, "version": 0}).encode()))
+    with pytest.raises(ShippedDataError, match="not an mmfast WordNet morphy table"):
         load_shipped_resources.__wrapped__()
+    morphy.write_bytes(gzip.compress(json.dumps({k: v for k, v in doc.items() if k != "lemma_names"}).encode()))
+    with pytest.raises(ShippedDataError, match="malformed"):
+        load_shipped_resources.__wrapped__()
+    morphy.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    assert load_shipped_resources.__wrapped__().lemmatize("mice", "n") == "mouse"
     (copy / "averaged_perceptron_tagger_eng.classes.json.gz").write_bytes(b"not gzip")
     with pytest.raises(ShippedDataError, match="cannot be read"):
         load_shipped_resources.__wrapped__()
 
 
-def test_shipped_table_refuses_another_vocabulary() -> None:
-    with pytest.raises(ValueError, match="covers the reference vocabulary only"):
-        CaptionParser(synonyms={**SYNONYM_TO_NODE, "gnu": "cow"})
-    CaptionParser(synonyms={"dog": "dog"})  # a subset is covered
+def test_morphy_rules_on_a_toy_wordnet() -> None:
+    """chair_morphy follows NLTK's _morphy: an exception form uses only its bases (no rules, even
+    when none is a lemma); otherwise one pass of the rules; the form itself is a candidate first;
+    the first shortest lemma wins; no lemma -> the form."""
+    from mmfast.eval.chair_morphy import FORMAT, MorphyLemmatizer
+
+    doc = {"format": FORMAT, "version": 1,
+           "rules": {"n": [["s", ""], ["ses", "s"], ["men", "man"]], "v": [["ing", ""], ["ing", "e"]],
+                     "a": [], "r": []},
+           "exceptions": {"n": {"oxen": ["ox"], "dices": ["dix"], "lens": []}, "v": {}, "a": {}, "r": {}},
+           "lemma_names": {"n": ["ox", "dice", "bus", "buse", "len", "lens", "women", "woman", "cat"],
+                           "v": ["sing", "singe", "bake"], "a": [], "r": []}}
+    lem = MorphyLemmatizer.from_doc(doc)
+    assert lem.lemmatize("oxen", "n") == "ox"
+    assert lem.morphy("dices", "n") == [] and lem.lemmatize("dices", "n") == "dices"  # no rule fallback
+    assert lem.morphy("lens", "n") == ["lens"]  # an exception form that is itself a lemma
+    assert lem.morphy("buses", "n") == ["buse", "bus"] and lem.lemmatize("buses", "n") == "bus"
+    assert lem.lemmatize("women", "n") == "women"  # itself a lemma, "woman" no shorter: first wins
+    assert lem.lemmatize("cats", "n") == "cat" and lem.lemmatize("cat", "n") == "cat"
+    assert lem.morphy("singing", "v") == ["sing", "singe"] and lem.lemmatize("singing", "v") == "sing"
+    assert lem.lemmatize("baking", "v") == "bake" and lem.lemmatize("Cats", "n") == "Cats"  # no lower-casing
+    with pytest.raises(ValueError, match="POS"):
+        lem.lemmatize("cats", "s")
+    with pytest.raises(ValueError):
+        MorphyLemmatizer.from_doc({**doc, "rules": {**doc["rules"], "a": [["", "x"]]}})
+
+
+def test_build_script_keeps_the_names_morphy_can_consult() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_chair_data", REPO / "scripts" / "build_chair_data.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    names = ["quickly", "well", "better", "ox", "woman", "axman"]
+    assert script.consultable_names(names, {}, [("s", "")]) == sorted(names)  # every name + "s"
+    assert script.consultable_names(names, {"best": ["well"], "better": ["well"]}, []) == ["better", "well"]
+    # "axman" only as its own form, but a same-length rule can make it lose or win
+    assert script.consultable_names(names, {}, [("man", "men")]) == ["axman", "woman"]
+    assert script.consultable_names(names, {}, [("xes", "x")]) == ["ox"]
+
+
+def test_shipped_route_serves_any_vocabulary() -> None:
+    # The shipped lemmatiser is all of WordNet's (not a table cut to the reference vocabulary).
+    parsed = CaptionParser(synonyms={**SYNONYM_TO_NODE, "gnu": "cow"}).parse("Two gnus are grazing.")
+    assert parsed.mentions == (("gnu", "cow"),) and parsed.words == ("two", "gnu", "be", "graze", ".")
 
 
 def test_product_names_no_data_outside_the_package() -> None:

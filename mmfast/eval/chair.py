@@ -15,14 +15,13 @@ reference captions. Metrics (as the reference computes them):
   ``0.01 * mean`` as "Len"; ``ChairResult.len`` is the mean itself, ``to_reference_dict`` the 0.01 form).
 
 Language data: no NLTK data needed. The tagger (NLTK's ``averaged_perceptron_tagger_eng`` weights,
-loaded into NLTK's ``PerceptronTagger``) and a WordNet lemma table ship in ``mmfast/assets/chair``
-(licences there). The table holds ``WordNetLemmatizer`` lemmas only for the forms whose lemma CHAIR
-can compare (``scripts/build_chair_data.py`` builds it and argues why that gives the same mentions,
-counts and metrics as all of WordNet; tests/test_chair_identity.py checks it against NLTK's data);
-other tokens keep their own form in ``words`` ("is", not "be"), which no metric reads. NLTK data is
-used instead when asked for: ``nltk_data=`` or ``$NLTK_DATA`` holding the tagger and WordNet (see
-``load_chair_resources``). Nothing is ever downloaded, and ``describe()["language_data"]`` (part of
-the ground-truth cache key) records which route ran, with versions and data digests.
+loaded into NLTK's ``PerceptronTagger``) and the WordNet tables NLTK's ``WordNetLemmatizer`` reads
+(detachment rules, exception lists, lemma names; lemmatised by ``chair_morphy``) ship in
+``mmfast/assets/chair`` (licences there; ``scripts/build_chair_data.py`` builds them), so every
+output, ``words`` included, equals that with NLTK's full data (tests/test_chair_identity.py). NLTK
+data is used instead when asked for: ``nltk_data=`` or ``$NLTK_DATA`` holding the tagger and WordNet
+(see ``load_chair_resources``). Nothing is ever downloaded, and ``describe()["language_data"]``
+(part of the ground-truth cache key) records which route ran, with versions and data digests.
 
 The one deviation in tokenisation. The reference calls ``nltk.word_tokenize``, which needs the
 Punkt sentence model (``punkt_tab``), which mmfast does not use. Sentences are split by NLTK's own
@@ -56,8 +55,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from ..errors import InputError
-from .chair_vocab import (PHRASE_MAP, PUNKT_ENGLISH_ABBREVIATIONS, SEAT_RULE, SYNONYM_TO_NODE, relevant_words,
-                          vocabulary_digest)
+from .chair_morphy import MorphyLemmatizer
+from .chair_vocab import PHRASE_MAP, PUNKT_ENGLISH_ABBREVIATIONS, SEAT_RULE, SYNONYM_TO_NODE, vocabulary_digest
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +65,7 @@ _CACHE_FORMAT = "mmfast.chair.ground_truth"
 SHIPPED_DATA = Path(__file__).resolve().parents[1] / "assets" / "chair"
 _TAGGER_NAME = "averaged_perceptron_tagger_eng"
 _TAGGER_PARTS = ("weights", "tagdict", "classes")  # the order PerceptronTagger.decode_json_obj takes
-_LEMMA_FILE = "chair_lemmas.json"
-_LEMMA_FORMAT = "mmfast.chair.lemmas"
-_WORDNET_POS = ("n", "v", "a", "r")  # what _wordnet_pos maps tags to
+_MORPHY_FILE = "wordnet_morphy.json.gz"
 _TAGGER = ("taggers/averaged_perceptron_tagger_eng/",)
 _WORDNET = ("corpora/wordnet/", "corpora/wordnet.zip/wordnet/")
 _TAGGER_FILES = ("taggers/averaged_perceptron_tagger_eng", "taggers/averaged_perceptron_tagger_eng.zip")
@@ -98,19 +95,17 @@ Lemmatizer = Callable[[str, str], str]
 class ChairResources:
     """The POS tagger and lemmatizer CHAIR uses, and where they came from.
 
-    ``route`` is ``"shipped"`` (``mmfast/assets/chair``: NLTK's tagger weights and a lemma table
-    restricted to what CHAIR can compare) or ``"nltk"`` (an NLTK data folder: the tagger and all of
-    WordNet). ``provenance`` is JSON-safe and says which route, with versions and data digests.
-    ``exact_for`` is the set of words the lemmatizer is exact for when a lemma lands in it (the
-    shipped table; see ``chair_vocab.relevant_words``); ``None`` means every word. ``wordnet`` is
-    NLTK's WordNet reader (route ``"nltk"`` only).
+    ``route`` is ``"shipped"`` (``mmfast/assets/chair``: NLTK's tagger weights and the WordNet
+    tables of ``chair_morphy``) or ``"nltk"`` (an NLTK data folder: the tagger and WordNet). Both
+    lemmatise as ``WordNetLemmatizer().lemmatize``. ``provenance`` is JSON-safe and says which
+    route, with versions and data digests. ``wordnet`` is NLTK's WordNet reader (route ``"nltk"``
+    only).
     """
 
     tagger: Any
     lemmatize: Lemmatizer
     route: Literal["shipped", "nltk"]
     provenance: Mapping[str, Any]
-    exact_for: frozenset[str] | None = None
     wordnet: Any = None
 
     @property
@@ -142,20 +137,13 @@ def _wordnet_lemmatizer(wordnet: Any) -> Lemmatizer:
     return lemmatize
 
 
-def _table_lemmatizer(table: Mapping[str, Mapping[str, str]]) -> Lemmatizer:
-    def lemmatize(word: str, pos: str) -> str:
-        return table[pos].get(word, word)
-
-    return lemmatize
-
-
 @functools.lru_cache(maxsize=1)
 def load_shipped_resources() -> ChairResources:
-    """The tagger and lemma table shipped in ``mmfast/assets/chair`` (no NLTK data needed).
+    """The tagger and WordNet tables shipped in ``mmfast/assets/chair`` (no NLTK data needed).
 
     The tagger is NLTK's ``averaged_perceptron_tagger_eng`` (its JSON files, gzip-compressed),
-    loaded into NLTK's ``PerceptronTagger``; the lemma table is written by
-    ``scripts/build_chair_data.py``, which argues why CHAIR results equal full WordNet's.
+    loaded into NLTK's ``PerceptronTagger``; the lemmatiser is ``chair_morphy.MorphyLemmatizer``
+    on the tables ``scripts/build_chair_data.py`` takes from NLTK's WordNet reader.
     """
     import nltk
     from nltk.tag.perceptron import PerceptronTagger
@@ -167,32 +155,30 @@ def load_shipped_resources() -> ChairResources:
             raw = gzip.decompress((SHIPPED_DATA / f"{_TAGGER_NAME}.{part}.json.gz").read_bytes())
             tagger_sha[part] = _sha256(raw)
             params.append(json.loads(raw))
-        raw = (SHIPPED_DATA / _LEMMA_FILE).read_bytes()
+        raw = gzip.decompress((SHIPPED_DATA / _MORPHY_FILE).read_bytes())
         doc = json.loads(raw)
-    except (OSError, ValueError) as exc:  # missing file, bad gzip, bad JSON
+    except (OSError, EOFError, ValueError) as exc:  # missing file, bad gzip, bad JSON
         raise ShippedDataError(f"the CHAIR data shipped in {SHIPPED_DATA} cannot be read ({exc}); "
                                "reinstall mmfast, or pass NLTK data (nltk_data= or NLTK_DATA)") from exc
-    if not isinstance(doc, dict) or doc.get("format") != _LEMMA_FORMAT or doc.get("version") != 1:
-        raise ShippedDataError(f"{SHIPPED_DATA / _LEMMA_FILE}: not an mmfast CHAIR lemma table "
-                               f"({_LEMMA_FORMAT}, version 1)")
-    if doc.get("vocabulary") != vocabulary_digest():
-        raise ShippedDataError(f"{SHIPPED_DATA / _LEMMA_FILE} was built for another CHAIR vocabulary; "
-                               "rebuild it with scripts/build_chair_data.py --nltk-data <folder>")
+    try:
+        lemmatizer = MorphyLemmatizer.from_doc(doc)
+        built = doc["built_with"]
+        wordnet_version, built_nltk = str(built["wordnet"]), str(built["nltk"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShippedDataError(f"{SHIPPED_DATA / _MORPHY_FILE}: {exc}; rebuild it with "
+                               "scripts/build_chair_data.py --nltk-data <folder>") from exc
     # NLTK's own constructor from (weights, tagdict, classes), as load_from_json reads them (nltk >= 3.9)
     tagger = PerceptronTagger.decode_json_obj(tuple(params))
-    table = {pos: dict(doc["lemmas"][pos]) for pos in _WORDNET_POS}
-    built = doc["built_with"]
     provenance = {
-        "route": "shipped", "nltk_version": nltk.__version__, "wordnet_version": built["wordnet"],
+        "route": "shipped", "nltk_version": nltk.__version__, "wordnet_version": wordnet_version,
         "tagger": _TAGGER_NAME, "tagger_sha256": tagger_sha,
-        "lemmas": {"table_sha256": _sha256(raw), "built_with_nltk": built["nltk"],
-                   "entries": sum(len(t) for t in table.values())},
+        "lemmas": {"table_sha256": _sha256(raw), "built_with_nltk": built_nltk,
+                   "lemma_names": {p: len(n) for p, n in lemmatizer.names.items()}},
         "shipped_dir": str(SHIPPED_DATA),
     }
-    logger.info("CHAIR: tagger and lemma table shipped with mmfast (WordNet %s, table built with nltk %s)",
-                built["wordnet"], built["nltk"])
-    return ChairResources(tagger, _table_lemmatizer(table), "shipped", provenance,
-                          frozenset(doc["relevant"]))
+    logger.info("CHAIR: tagger and WordNet tables shipped with mmfast (WordNet %s, built with nltk %s)",
+                wordnet_version, built_nltk)
+    return ChairResources(tagger, lemmatizer.lemmatize, "shipped", provenance)
 
 
 def nltk_search_paths(nltk_data: str | Path | None = None) -> list[str]:
@@ -368,20 +354,12 @@ class CaptionObjects:
 class CaptionParser:
     """Caption -> object mentions, exactly as the reference ``CHAIR.caption_to_words``.
 
-    ``resources`` defaults to ``load_chair_resources()``. With the shipped lemma table, the lemmas
-    of tokens CHAIR cannot compare stay the tokens themselves (so ``words`` may read "is" where
-    NLTK's lemmatizer gives "be"); every mention, index and count is the same.
+    ``resources`` defaults to ``load_chair_resources()``.
     """
 
     def __init__(self, resources: ChairResources | None = None, synonyms: Mapping[str, str] = SYNONYM_TO_NODE,
                  phrases: Mapping[str, str] = PHRASE_MAP) -> None:
         self.resources = load_chair_resources() if resources is None else resources
-        if self.resources.exact_for is not None:
-            uncovered = relevant_words(synonyms, phrases) - self.resources.exact_for
-            if uncovered:
-                raise ValueError(f"the shipped CHAIR lemma table covers the reference vocabulary only, "
-                                 f"not {sorted(uncovered)[:10]}; pass NLTK data (load_nltk_resources) "
-                                 "for another one")
         self.synonyms = synonyms
         self.phrases = phrases
         self._lemma_cache: dict[tuple[str, str], str] = {}

@@ -238,8 +238,8 @@ def relevant_words(synonyms: Mapping[str, str] | None = None,
     That is each synonym without whitespace (a lemma never holds whitespace, so multi-word synonyms
     are only reached through a merged phrase), each word of each phrase key (a pair of lemmas is
     merged only when both are those words) and the ``SEAT_RULE`` words. A lemma outside this set
-    can change no CHAIR output but ``words``; ``scripts/build_chair_data.py`` restricts the shipped
-    lemma table to it.
+    can change no CHAIR output but ``words``; tests/test_chair_identity.py aims its sentence sweep
+    at the forms that lemmatise into it.
     """
     synonyms = SYNONYM_TO_NODE if synonyms is None else synonyms
     phrases = PHRASE_MAP if phrases is None else phrases
