@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from .models.base import VLMAdapter
 
 Search = Literal["single", "beam", "branches"]
-ALL_FAMILIES = frozenset({"llava", "llava_next"})
+ALL_FAMILIES = frozenset({"llava", "llava_next", "llava_onevision"})
+#: families whose vision tower has no CLS token (SigLIP)
+CLS_LESS_FAMILIES = frozenset({"llava_onevision"})
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,9 @@ class ModelFacts:
             return None
         text, vision = config.text_config, config.vision_config
         side = int(vision.image_size) // int(vision.patch_size)
-        # the LLaVA families' towers are CLIP-style: a CLS token the "default" strategy drops
-        return cls(family, int(text.num_hidden_layers), int(vision.num_hidden_layers), (side, side), True)
+        # LLaVA / LLaVA-NeXT: CLIP towers (a CLS token the "default" strategy drops); OneVision: SigLIP, none
+        has_cls = family not in CLS_LESS_FAMILIES
+        return cls(family, int(text.num_hidden_layers), int(vision.num_hidden_layers), (side, side), has_cls)
 
 
 def _methods(recipe: Recipe):
