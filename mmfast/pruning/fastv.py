@@ -38,7 +38,7 @@ class FastV(Pruner):
     """FastV."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # acts on the spliced sequence, any vision layout
+    caps = Capabilities(families=frozenset({"llava", "llava_next", "llava_onevision"}))  # acts on the spliced sequence, any vision layout
 
     @dataclass(frozen=True)
     class Config:

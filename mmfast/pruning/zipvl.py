@@ -215,7 +215,7 @@ class ZipVL(Pruner):
     """ZipVL."""
 
     hook_points = frozenset({"attention_probe", "kv_cache"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}), owns_kv_cache=True, kv_edit_prefill=True, kv_edit_decode=True)
+    caps = Capabilities(families=frozenset({"llava", "llava_next", "llava_onevision"}), owns_kv_cache=True, kv_edit_prefill=True, kv_edit_decode=True)
 
     @dataclass(frozen=True)
     class Config:

@@ -1,0 +1,258 @@
+"""LLaVA-OneVision (SigLIP without CLS, anyres-max tiles, Qwen2 LLM) on a tiny random model, fp32:
+mmfast's runtime reproduces transformers exactly, sessions restore the model, the probe equals eager
+attention, batches of mixed image sizes equal batch 1, no-op pruning equals the baseline, drafts are
+lossless, and the methods that need a square grid or a CLS token are refused before compute."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import mmfast
+from mmfast import compat
+from mmfast.config import Recipe, load_recipe
+from mmfast.errors import IncompatibleRecipeError
+from mmfast.hooks import count_hooks, last_row
+from mmfast.pipeline import Session
+from mmfast.registry import PRUNERS
+
+FAMILY = "llava_onevision"
+# (H, W): a small image (2x2 tiles), a near-square large one whose 4x4 mosaic exceeds 9 base views
+# (anyres_max_9 downscales it), and a wide one (1x3 tiles, unpadded rows)
+SIZES = [(40, 48), (120, 128), (30, 90)]
+
+
+@pytest.fixture(scope="module")
+def ov_dir(tmp_path_factory):
+    from mmfast.models.factory import random_llava_onevision, save_model
+
+    model, processor = random_llava_onevision("tiny")
+    return save_model(model, processor, tmp_path_factory.mktemp("onevision"))
+
+
+@pytest.fixture(scope="module")
+def ov_mm(ov_dir):
+    return mmfast.load(ov_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ov_images():
+    rng = np.random.default_rng(3)
+    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+
+
+def _hf_inputs(mm, image, prompt):
+    text = mm.prepare([image], [prompt]).texts[0]
+    return mm.processor(images=image, text=text, return_tensors="pt")
+
+
+def _hf_greedy(mm, image, prompt, n):
+    inputs = _hf_inputs(mm, image, prompt)
+    out = mm.model.generate(**inputs, max_new_tokens=n, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[: out.index(2)] if 2 in out else out
+
+
+def _expected_tokens(mm, size) -> tuple[int, bool]:
+    """Vision tokens of an image of ``size`` by the anyres-max rule, computed here from the config
+    (base view + unpadded mosaic, downscaled past max_num_patches base views, one newline per row),
+    and whether the downscaling branch applies."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    cfg = mm.model.config
+    tile, patch = cfg.vision_config.image_size, cfg.vision_config.patch_size
+    side = tile // patch
+    h, w = size
+    best_h, best_w = select_best_resolution([h, w], cfg.image_grid_pinpoints)
+    rows, cols = best_h // tile * side, best_w // tile * side
+    if w / h > cols / rows:
+        rows -= 2 * ((rows - int(round(h * cols / w, 7))) // 2)
+    else:
+        cols -= 2 * ((cols - int(round(w * rows / h, 7))) // 2)
+    max_views = int(cfg.vision_aspect_ratio.removeprefix("anyres_max_"))
+    ratio = math.sqrt(rows * cols / (max_views * side * side))
+    if ratio > 1.1:
+        rows, cols = int(rows // ratio), int(cols // ratio)
+    return side * side + rows * (cols + 1), ratio > 1.1
+
+
+def test_loads_with_config_facts(ov_mm, ov_dir):
+    from transformers import AutoConfig
+
+    from mmfast.capabilities import ModelFacts
+
+    assert ov_mm.adapter.family == FAMILY and not ov_mm.adapter.has_cls
+    facts = ModelFacts.of_config(AutoConfig.from_pretrained(ov_dir))
+    assert facts == ModelFacts.of_adapter(ov_mm.adapter)
+    assert facts.has_cls is False and facts.grid == (4, 4)
+
+
+def test_token_counts_follow_the_anyres_max_rule(ov_mm, ov_images, prompts):
+    out = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    downscaled = []
+    for r, size in zip(out, SIZES):
+        want, down = _expected_tokens(ov_mm, size)
+        assert r.n_vision_tokens == want
+        downscaled.append(down)
+    assert downscaled == [False, True, False]  # the test images exercise both branches
+
+
+@torch.inference_mode()
+def test_prefill_logits_equal_model_forward(ov_mm, ov_images, prompts):
+    with Session(ov_mm, Recipe()) as s:
+        for image, prompt in zip(ov_images, prompts):
+            batch = ov_mm.prepare([image], [prompt])
+            inputs = s.build_inputs(batch, s.encode(batch))
+            hf = _hf_inputs(ov_mm, image, prompt)
+            assert torch.equal(inputs.input_ids, hf["input_ids"])  # same placeholder run as HF's processor
+            state, out = s.runner.prefill(inputs, all_hidden=True)
+            with torch.no_grad():
+                want = ov_mm.model(**hf, output_hidden_states=True)
+            # fp32 rounding of batched vs per-image matmuls only (the LLaVA-1.5 anchor differs by the
+            # same ~1e-6); token identity is checked against model.generate below
+            torch.testing.assert_close(out.logits, want.logits[:, -1:], atol=1e-5, rtol=1e-5)  # last position
+            torch.testing.assert_close(ov_mm.adapter.lm_head(out.hidden), want.logits, atol=1e-5, rtol=1e-5)  # every one
+            step = s.runner.step(state, out.logits[:, -1].argmax(-1)[:, None])
+            with torch.no_grad():
+                nxt = ov_mm.model(
+                    input_ids=out.logits[:, -1].argmax(-1)[:, None], past_key_values=want.past_key_values,
+                    attention_mask=torch.ones(1, hf["input_ids"].shape[1] + 1, dtype=torch.long),
+                ).logits
+            torch.testing.assert_close(step.logits, nxt, atol=1e-5, rtol=1e-5)  # a decode step on the cache
+
+
+def test_greedy_equals_generate_and_mixed_batch_equals_batch_1(ov_mm, ov_images, prompts):
+    n = 10
+    batched = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=n)
+    for r, image, prompt in zip(batched, ov_images, prompts):
+        single = ov_mm.generate([image], [prompt], max_new_tokens=n)[0]
+        assert r.token_ids == single.token_ids == _hf_greedy(ov_mm, image, prompt, n)
+
+
+def test_session_restores_model(ov_mm, ov_images, prompts):
+    model = ov_mm.model
+    inputs = _hf_inputs(ov_mm, ov_images[1], prompts[1])
+    with torch.no_grad():
+        before = model(**inputs).logits
+    impl, hooks = compat.get_attn_implementation(model), count_hooks(model)
+    recipe = load_recipe({"pruning": [{"method": "fastv", "params": {"keep": 5}}], "decoding": {"method": "vcd"}})
+    with Session(ov_mm, recipe) as s:
+        s.probe.watch("vis.1", ov_mm.adapter.vision_layers[1].self_attn, rows=lambda q, k: torch.tensor([0]))
+        assert count_hooks(model) > hooks and compat.get_attn_implementation(model) != impl
+        out = s.generate(ov_images[:2], prompts[:2], max_new_tokens=3)
+        assert out[0].vision_tokens_layer_avg < out[0].n_vision_tokens
+    assert count_hooks(model) == hooks and compat.get_attn_implementation(model) == impl
+    for module in model.modules():
+        assert "_mmfast_attn" not in module.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, before)
+
+
+def test_llm_probe_equals_eager(ov_mm, ov_dir, ov_images, prompts):
+    eager = mmfast.load(ov_dir, device="cpu", attn_implementation="eager")
+    with Session(ov_mm, Recipe()) as s:
+        batch = ov_mm.prepare(ov_images, prompts[:3])  # mixed sizes: left padding
+        inputs = s.build_inputs(batch, s.encode(batch))
+        rows = torch.tensor([inputs.length - 1, inputs.length - 20, 7])
+        for layer in (0, 3):
+            s.probe.watch(f"llm.{layer}", ov_mm.adapter.layers[layer].self_attn, rows=lambda q, k: rows)
+        kwargs = dict(inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids)
+        with torch.no_grad():
+            ov_mm.adapter.language_model(**kwargs)
+            want = eager.adapter.language_model(**kwargs, output_attentions=True).attentions
+        valid = inputs.attention_mask.bool()
+        for layer in (0, 3):
+            got = s.probe[f"llm.{layer}"].probs  # [B, H, R, L]
+            for b in range(3):
+                for i, r in enumerate(rows.tolist()):
+                    if valid[b, r]:
+                        torch.testing.assert_close(got[b, :, i], want[layer][b, :, r].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_siglip_probe_equals_eager(ov_mm, ov_dir, ov_images, prompts):
+    eager = mmfast.load(ov_dir, device="cpu", attn_implementation="eager")
+    pixels = ov_mm.prepare(ov_images[:1], prompts[:1]).pixel_values[0]  # the image's tiles [T, 3, H, W]
+    with torch.no_grad():
+        want = eager.adapter.vision_tower(pixels, output_attentions=True).attentions
+    with Session(ov_mm, Recipe()) as s:
+        s.probe.watch("vis", ov_mm.adapter.vision_layers[1].self_attn, rows=lambda q, k: torch.tensor([0, 5, 15]))
+        with torch.no_grad():
+            ov_mm.adapter.vision_tower(pixels)
+        got = s.probe["vis"].probs
+    torch.testing.assert_close(got, want[1][:, :, [0, 5, 15]].float(), atol=1e-5, rtol=1e-4)
+
+
+def _families(name):
+    from mmfast.capabilities import caps_of
+
+    return caps_of(PRUNERS.get(name).cls, None).families
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PRUNERS.names() if FAMILY in _families(n)))
+def test_noop_pruning_equals_baseline(name, ov_mm, ov_images, prompts):
+    cls = PRUNERS.get(name).cls
+    try:
+        params = cls.noop_params(ov_mm.adapter)
+    except NotImplementedError:
+        pytest.skip(f"{name} defines no no-op setting")
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=6)
+    noop = ov_mm.generate(ov_images, prompts[:3], recipe={"pruning": [{"method": name, "params": params}]}, max_new_tokens=6)
+    assert [r.token_ids for r in noop] == [r.token_ids for r in base]
+    assert [r.n_vision_tokens for r in noop] == [r.n_vision_tokens for r in base]
+
+
+def test_fastv_keeps_per_image_top_attended(ov_mm, ov_images, prompts):
+    """FastV on the spliced anyres sequence: ``keep`` tokens of every image, the newline slots included
+    among the candidates (they are vision slots, as in llava_next), chosen by the last token's attention."""
+    recipe = {"pruning": [{"method": "fastv", "params": {"keep": 9}}]}
+    out = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=2)
+    for r in out:
+        assert r.stats["fastv"]["kept"] == 9
+
+
+@pytest.mark.parametrize("drafter, params", [
+    ("prompt_lookup", {}),
+    ("layer_skip", {"skip": [2], "gamma": 3, "threshold": 0.0}),
+    ("msd", {"depth": 3, "top_k": 4, "total_tokens": 16}),
+    ("flash", {"top_k": 4, "total_tokens": 12, "rounds": 2}),
+])
+def test_drafts_are_token_identical_to_greedy(drafter, params, ov_mm, ov_images, prompts):
+    from mmfast.speculative._eagle_model import _model_dir, write_random_draft
+
+    d = _model_dir(ov_mm)
+    if drafter == "msd" and not (d / "msd").exists():
+        write_random_draft(ov_mm, "msd", d / "msd")
+    if drafter == "flash" and not (d / "flash").exists():
+        write_random_draft(ov_mm, "flash", d / "flash", sar_k=3, n_latents=4)
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=16)
+    spec = ov_mm.generate(ov_images, prompts[:3], recipe={"speculative": {"method": drafter, "params": params}}, max_new_tokens=16)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in base]
+    assert spec[0].stats["speculative"]["cycles"] >= 1
+
+
+@pytest.mark.parametrize("recipe, why", [
+    ({"pruning": [{"method": "visionzip", "params": {"tokens": 8}}]}, "does not support the llava_onevision family"),
+    ({"pruning": [{"method": "mustdrop"}]}, "does not support the llava_onevision family"),
+    ({"pruning": [{"method": "tome", "params": {"budget": 8}}]}, "does not support the llava_onevision family"),
+    ({"pruning": [{"method": "avgpool", "params": {"keep": 4}}]}, "does not support the llava_onevision family"),
+    ({"pruning": [{"method": "random", "params": {"keep": 4}}]}, "does not support the llava_onevision family"),
+    ({"pruning": [{"method": "hicom"}]}, "does not support the llava_onevision family"),
+    ({"decoding": {"method": "damro"}}, "does not support the llava_onevision family"),
+    ({"decoding": {"method": "ritual"}}, "does not support the llava_onevision family"),
+])
+def test_refused_before_compute(recipe, why, ov_mm, ov_dir):
+    from mmfast.capabilities import check_model_config
+
+    calls = []
+    handle = ov_mm.adapter.vision_tower.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(IncompatibleRecipeError, match=why):
+            Session(ov_mm, load_recipe(recipe))
+        with pytest.raises(IncompatibleRecipeError, match=why):  # from the config alone, before weights load
+            check_model_config(load_recipe({**recipe, "model": {"name": str(ov_dir)}}))
+    finally:
+        handle.remove()
+    assert not calls
