@@ -218,14 +218,14 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     kinds = [(st, PRUNERS) for st in stages] + [(decoder, DECODERS)] + ([(drafter, DRAFTERS)] if drafter else [])
     for item, registry in kinds:
         c = item.caps
+        if c.needs_cls and not facts.has_cls:  # the more specific reason first
+            return f"{item.where} needs a CLS token in the vision tower, which this model ({facts.family}) does not have"
         if facts.family not in c.families:
             ok = [e.name for e in registry.entries() if facts.family in caps_of(e.cls, None).families]
             return (
                 f"{item.where} does not support the {facts.family} family; {registry.kind} methods that run there: "
                 f"{', '.join(ok) or 'none'}"
             )
-        if c.needs_cls and not facts.has_cls:
-            return f"{item.where} needs a CLS token in the vision tower, which this model does not have"
     for path, cls, params in _methods(recipe):
         check = getattr(cls, "check_facts", None)
         if check is None or params is None:

@@ -213,6 +213,22 @@ def test_fastv_keeps_per_image_top_attended(ov_mm, ov_images, prompts):
         assert r.stats["fastv"]["kept"] == 9
 
 
+def test_budget_scales_with_each_images_token_count(ov_mm, ov_images, prompts):
+    """``budget: {tokens: B}`` is the budget of a base-view-sized image (N0 = 16 tokens here): an image
+    of N_i tokens keeps round(N_i * keep0 / N0), keep0 = (L * B - K * N0) / (L - K)."""
+    n0 = ov_mm.adapter.grid[0] * ov_mm.adapter.grid[1]
+    budget, k, n_layers = 10, 2, len(ov_mm.adapter.layers)
+    keep0 = round((n_layers * budget - k * n0) / (n_layers - k))
+    recipe = {"pruning": [{"method": "fastv", "params": {"k": k}, "budget": {"tokens": budget}}]}
+    out = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=2)
+    counts = [r.n_vision_tokens for r in out]
+    assert len(set(counts)) == 3  # three different token counts
+    for r, n in zip(out, counts):
+        assert r.stats["fastv"]["kept"] == round(n * keep0 / n0)
+        # rounding keep0 (<= 0.5, scaled by N_i / N0) and the image's keep (<= 0.5), over L - K layers
+        assert abs(r.vision_tokens_layer_avg - budget * n / n0) <= (n_layers - k) / n_layers * 0.5 * (1 + n / n0) + 1e-6
+
+
 @pytest.mark.parametrize("drafter, params", [
     ("prompt_lookup", {}),
     ("layer_skip", {"skip": [2], "gamma": 3, "threshold": 0.0}),
@@ -234,13 +250,13 @@ def test_drafts_are_token_identical_to_greedy(drafter, params, ov_mm, ov_images,
 
 
 @pytest.mark.parametrize("recipe, why", [
-    ({"pruning": [{"method": "visionzip", "params": {"tokens": 8}}]}, "does not support the llava_onevision family"),
-    ({"pruning": [{"method": "mustdrop"}]}, "does not support the llava_onevision family"),
+    ({"pruning": [{"method": "visionzip", "params": {"tokens": 8}}]}, "needs a CLS token"),
+    ({"pruning": [{"method": "mustdrop"}]}, "needs a CLS token"),
     ({"pruning": [{"method": "tome", "params": {"budget": 8}}]}, "does not support the llava_onevision family"),
     ({"pruning": [{"method": "avgpool", "params": {"keep": 4}}]}, "does not support the llava_onevision family"),
     ({"pruning": [{"method": "random", "params": {"keep": 4}}]}, "does not support the llava_onevision family"),
     ({"pruning": [{"method": "hicom"}]}, "does not support the llava_onevision family"),
-    ({"decoding": {"method": "damro"}}, "does not support the llava_onevision family"),
+    ({"decoding": {"method": "damro"}}, "needs a CLS token"),
     ({"decoding": {"method": "ritual"}}, "does not support the llava_onevision family"),
 ])
 def test_refused_before_compute(recipe, why, ov_mm, ov_dir):
