@@ -272,3 +272,75 @@ def test_refused_before_compute(recipe, why, ov_mm, ov_dir):
     finally:
         handle.remove()
     assert not calls
+
+
+# --------------------------------------------------------------------------- recipe and CLI end to end
+
+
+def test_shipped_recipe_validates_on_a_tiny_stand_in(ov_dir, capsys):
+    from mmfast.capabilities import check_model_config
+    from mmfast.cli import main
+
+    recipe = load_recipe("llava_onevision_pope")
+    assert recipe.model.name == "llava-hf/llava-onevision-qwen2-7b-ov-hf"
+    import dataclasses
+
+    stand_in = recipe.replace(model=dataclasses.replace(recipe.model, name=str(ov_dir)))
+    check_model_config(stand_in)  # families, layers against the stand-in's config
+    assert main(["-q", "validate", "llava_onevision_pope", "--set", f"model.name={ov_dir}"]) == 0
+    assert "fastv" in capsys.readouterr().out
+
+
+PRUNE = [{"method": "fastv", "params": {"k": 2}, "budget": {"tokens": 10}}]
+DRAFT = {"method": "layer_skip", "params": {"skip": [2], "gamma": 3, "threshold": 0.0}}
+
+
+def _recipe_file(ov_dir, tmp_path, name, **sections) -> str:
+    import yaml
+
+    data = {"name": name, "model": {"name": str(ov_dir), "device": "cpu", "dtype": "float32"}, "pruning": PRUNE, **sections}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_cli_run_with_pruning_and_drafter(ov_mm, ov_dir, ov_images, tmp_path, capsys):
+    import json
+
+    from mmfast.cli import main
+
+    image = tmp_path / "wide.png"
+    ov_images[2].save(image)
+    cfg = _recipe_file(ov_dir, tmp_path, "run", decoding={"method": "greedy", "max_new_tokens": 6}, speculative=DRAFT)
+    assert main(["-q", "run", cfg, "--image", str(image), "--prompt", "Describe the image.", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plain = ov_mm.generate([image], ["Describe the image."], recipe={"pruning": PRUNE}, max_new_tokens=6)[0]
+    assert out["text"] == plain.text and out["n_new_tokens"] == len(plain.token_ids)  # the drafter is lossless
+    assert out["vision_tokens_layer_avg"] == round(plain.vision_tokens_layer_avg, 3) < out["n_vision_tokens"]
+    assert out["stats"]["speculative"]["cycles"] >= 1
+
+
+@pytest.mark.parametrize("sections", [
+    {"decoding": {"method": "greedy", "max_new_tokens": 6}, "speculative": DRAFT},  # pruning + drafter
+    {"decoding": {"method": "vcd", "max_new_tokens": 6}},  # pruning + a contrastive decoder
+], ids=["fastv+greedy+layer_skip", "fastv+vcd"])
+def test_cli_eval_limit_2_stacked(sections, ov_dir, tmp_path):
+    import json
+
+    from mmfast.cli import main
+    from mmfast.world import write_world
+
+    world = tmp_path / "world"
+    write_world(world, seed=0, n_train=0, n_val=4, pope_images=4, progress=False)
+    evaluation = {
+        "tasks": ["pope", "chair"],
+        "data": {"dataset": "world", "root": str(world)},
+        "pope": {"max_new_tokens": 3, "splits": ["random"]},
+        "chair": {"n_images": 2, "max_new_tokens": 4},
+        "batch_size": 2,
+    }
+    cfg = _recipe_file(ov_dir, tmp_path, "eval", eval=evaluation, **sections)
+    out = tmp_path / "out"
+    assert main(["-q", "eval", cfg, "--limit", "2", "--output", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metrics"]["pope"]["random"]["n"] == 2 and summary["metrics"]["chair"]["n"] == 2
