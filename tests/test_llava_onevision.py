@@ -90,6 +90,23 @@ def test_loads_with_config_facts(ov_mm, ov_dir):
     assert facts.has_cls is False and facts.grid == (4, 4)
 
 
+def test_loads_a_checkpoint_that_ships_a_video_processor(ov_dir, tmp_path, ov_images, prompts):
+    """Hub checkpoints carry a video processor (torchvision-backed in transformers 5.23); mmfast's
+    image-only processor loads them without it and expands image tokens as HF's processor does."""
+    import json
+    import shutil
+
+    hub = tmp_path / "hub"
+    shutil.copytree(ov_dir, hub)
+    cfg = json.loads((hub / "processor_config.json").read_text())
+    assert cfg["processor_class"] == "LlavaOnevisionProcessor"
+    cfg["video_processor"] = {"video_processor_type": "LlavaOnevisionVideoProcessor", "size": {"height": 32, "width": 32}}
+    (hub / "processor_config.json").write_text(json.dumps(cfg))
+    mm = mmfast.load(hub, device="cpu")
+    assert mm.processor.image_token == "<image>" and not hasattr(mm.processor, "video_processor")
+    assert mm.generate(ov_images[:1], prompts[:1], max_new_tokens=4)[0].token_ids == _hf_greedy(mm, ov_images[0], prompts[0], 4)
+
+
 def test_token_counts_follow_the_anyres_max_rule(ov_mm, ov_images, prompts):
     out = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
     downscaled = []
