@@ -230,6 +230,32 @@ def test_fastv_keeps_per_image_top_attended(ov_mm, ov_images, prompts):
         assert r.stats["fastv"]["kept"] == 9
 
 
+def test_fastv_decisions_equal_a_direct_computation(ov_mm, ov_dir, ov_images, prompts):
+    """FastV's rule computed here on eager attention: at layer K-1, the last prompt token's attention
+    (head mean) ranks every slot of each image (base view, mosaic, newlines); the top ``keep`` of each
+    image survive, every text token too, at their original positions."""
+    keep, k = 9, 2
+    eager = mmfast.load(ov_dir, device="cpu", attn_implementation="eager")
+    with Session(ov_mm, load_recipe({"pruning": [{"method": "fastv", "params": {"k": k, "keep": keep}}]})) as s:
+        batch = ov_mm.prepare(ov_images, prompts[:3])  # mixed sizes: left padding
+        inputs = s.build_inputs(batch, s.encode(batch))
+        state, _ = s.runner.prefill(inputs)
+    with torch.no_grad():
+        att = eager.adapter.language_model(
+            inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
+            output_attentions=True,
+        ).attentions[k - 1][:, :, -1].mean(1)  # [B, L] last token, head mean
+    grp = next(g for g in state.groups if g.start == k)
+    for b in range(3):
+        img = inputs.image_mask[b].nonzero().squeeze(1)
+        want = img[att[b, img].topk(keep).indices].sort().values
+        src = grp.source[b][grp.key_mask[b]]
+        assert torch.equal(src[inputs.image_mask[b, src]], want)
+        text = (inputs.attention_mask[b].bool() & ~inputs.image_mask[b]).nonzero().squeeze(1)
+        assert torch.equal(src[~inputs.image_mask[b, src]], text)
+        assert torch.equal(grp.positions[b][grp.key_mask[b]], inputs.position_ids[b, src])
+
+
 def test_budget_scales_with_each_images_token_count(ov_mm, ov_images, prompts):
     """``budget: {tokens: B}`` is the budget of a base-view-sized image (N0 = 16 tokens here): an image
     of N_i tokens keeps round(N_i * keep0 / N0), keep0 = (L * B - K * N0) / (L - K)."""
