@@ -3,7 +3,9 @@ and the architecture of the embedded world model.
 
 Everything is a real ``LlavaForConditionalGeneration`` (CLIP vision tower, MLP projector, Llama LM)
 with a real processor (CLIP image processor, a ``tokenizers`` BPE tokenizer, the LLaVA-1.5 chat
-template), so tests exercise the same code paths as a hub checkpoint.
+template), so tests exercise the same code paths as a hub checkpoint. The other families' builders
+(:func:`random_llava_next`, :func:`random_llava_onevision`: SigLIP without CLS, Qwen2 LM, anyres-max
+tiles, ChatML template) are tiny random models of their real classes in the same way.
 """
 
 from __future__ import annotations
