@@ -28,6 +28,8 @@ Stages that need one square patch grid (or a CLS token) per image are refused fo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .base import VisionBatch
@@ -104,6 +106,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         )
 
 
+@functools.cache
 def image_processor_class():
     """``LlavaOnevisionProcessor`` without its video processor.
 
@@ -111,7 +114,8 @@ def image_processor_class():
     the CPU torch wheel mmfast installs; mmfast feeds images only, so its processor has the image
     processor and the tokenizer, and the text/token expansion of HF's processor unchanged (a
     subclass that only drops the ``video_processor`` argument). Loads from the files of a hub
-    checkpoint or of ``save_pretrained`` (it ignores the video processor's file).
+    checkpoint or of ``save_pretrained`` (it ignores the video processor's file). Built on first use
+    (transformers is imported lazily) and cached, so every caller gets the same class.
     """
     from transformers import LlavaOnevisionProcessor
 
