@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 Search = Literal["single", "beam", "branches"]
 ALL_FAMILIES = frozenset({"llava", "llava_next", "llava_onevision"})
-#: families whose vision tower has no CLS token (SigLIP)
-CLS_LESS_FAMILIES = frozenset({"llava_onevision"})
+#: vision-tower config types without a CLS token (OneVision's SigLIP)
+CLS_LESS_TOWERS = frozenset({"siglip_vision_model", "siglip2_vision_model"})
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ class ModelFacts:
         text, vision = config.text_config, config.vision_config
         side = int(vision.image_size) // int(vision.patch_size)
         # LLaVA / LLaVA-NeXT: CLIP towers (a CLS token the "default" strategy drops); OneVision: SigLIP, none
-        has_cls = family not in CLS_LESS_FAMILIES
+        has_cls = getattr(vision, "model_type", "") not in CLS_LESS_TOWERS
         return cls(family, int(text.num_hidden_layers), int(vision.num_hidden_layers), (side, side), has_cls)
 
 
