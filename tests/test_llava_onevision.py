@@ -387,3 +387,13 @@ def test_cli_eval_limit_2_stacked(sections, ov_dir, tmp_path):
     assert main(["-q", "eval", cfg, "--limit", "2", "--output", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["metrics"]["pope"]["random"]["n"] == 2 and summary["metrics"]["chair"]["n"] == 2
+
+
+def test_list_verbose_names_each_methods_families(capsys):
+    from mmfast.cli import main
+
+    assert main(["list", "methods", "-v"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    families = {line.split()[0]: out[i + 1] for i, line in enumerate(out[:-1]) if out[i + 1].strip().startswith("families:")}
+    assert FAMILY in families["fastv"] and FAMILY in families["greedy"] and FAMILY in families["prompt_lookup"]
+    assert FAMILY not in families["visionzip"] and FAMILY not in families["damro"]
