@@ -397,3 +397,22 @@ def test_list_verbose_names_each_methods_families(capsys):
     families = {line.split()[0]: out[i + 1] for i, line in enumerate(out[:-1]) if out[i + 1].strip().startswith("families:")}
     assert FAMILY in families["fastv"] and FAMILY in families["greedy"] and FAMILY in families["prompt_lookup"]
     assert FAMILY not in families["visionzip"] and FAMILY not in families["damro"]
+
+
+def test_real_geometry_token_count(tmp_path):
+    """The 7B checkpoints' geometry (SigLIP 384 px / 14 px patches = 27 x 27 base view, 1..6 x 1..6
+    tiles of 384 px, anyres_max_9) with tiny widths: a 1024 x 768 image gives HF's placeholder count
+    (computed by HF's processor) and the same greedy tokens as ``model.generate``."""
+    from transformers import LlavaOnevisionConfig
+
+    from mmfast.models.factory import LlavaShape, random_llava_onevision, save_model
+
+    model, processor = random_llava_onevision(LlavaShape(384, 14, 32, 1, 2, 64, 2, 4, 2, 128, 300, 32768), max_tiles=6)
+    assert model.config.image_grid_pinpoints == LlavaOnevisionConfig().image_grid_pinpoints  # the hub default
+    mm = mmfast.load(save_model(model, processor, tmp_path / "ov7b_geometry"), device="cpu")
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (768, 1024, 3), dtype=np.uint8))
+    ours = mm.generate([image], ["Describe the image."], max_new_tokens=2)[0]
+    hf = _hf_inputs(mm, image, "Describe the image.")
+    assert ours.n_vision_tokens == int((hf["input_ids"] == mm.adapter.image_token_id).sum()) == _expected_tokens(mm, (768, 1024))[0]
+    assert ours.n_vision_tokens == 4725  # 729 base view + 2 x 3 tiles unpadded to 54 x 73 patches + 54 newlines
+    assert ours.token_ids == _hf_greedy(mm, image, "Describe the image.", 2)
