@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from .models.base import VLMAdapter
 
 Search = Literal["single", "beam", "branches"]
-ALL_FAMILIES = frozenset({"llava", "llava_next"})
+ALL_FAMILIES = frozenset({"llava", "llava_next", "llava_onevision"})
+#: vision-tower config types without a CLS token (OneVision's SigLIP)
+CLS_LESS_TOWERS = frozenset({"siglip_vision_model", "siglip2_vision_model"})
 
 
 @dataclass(frozen=True)
@@ -198,8 +200,9 @@ class ModelFacts:
             return None
         text, vision = config.text_config, config.vision_config
         side = int(vision.image_size) // int(vision.patch_size)
-        # the LLaVA families' towers are CLIP-style: a CLS token the "default" strategy drops
-        return cls(family, int(text.num_hidden_layers), int(vision.num_hidden_layers), (side, side), True)
+        # LLaVA / LLaVA-NeXT: CLIP towers (a CLS token the "default" strategy drops); OneVision: SigLIP, none
+        has_cls = getattr(vision, "model_type", "") not in CLS_LESS_TOWERS
+        return cls(family, int(text.num_hidden_layers), int(vision.num_hidden_layers), (side, side), has_cls)
 
 
 def _methods(recipe: Recipe):
@@ -225,14 +228,14 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     kinds = [(st, PRUNERS) for st in stages] + [(decoder, DECODERS)] + ([(drafter, DRAFTERS)] if drafter else [])
     for item, registry in kinds:
         c = item.caps
+        if c.needs_cls and not facts.has_cls:  # the more specific reason first
+            return f"{item.where} needs a CLS token in the vision tower, which this model ({facts.family}) does not have"
         if facts.family not in c.families:
             ok = [e.name for e in registry.entries() if facts.family in caps_of(e.cls, None).families]
             return (
                 f"{item.where} does not support the {facts.family} family; {registry.kind} methods that run there: "
                 f"{', '.join(ok) or 'none'}"
             )
-        if c.needs_cls and not facts.has_cls:
-            return f"{item.where} needs a CLS token in the vision tower, which this model does not have"
     for path, cls, params in _methods(recipe):
         check = getattr(cls, "check_facts", None)
         if check is None or params is None:

@@ -390,7 +390,7 @@ def load(
     if processor is not None:
         _check_processor(processor)
     else:
-        processor = _load_processor(path, kwargs)  # before the weights: a missing tokenizer fails early
+        processor = _load_processor(path, kwargs, config.model_type)  # before the weights: a missing tokenizer fails early
     try:
         model = MODEL_CLASSES[config.model_type]().from_pretrained(
             path,
@@ -412,11 +412,14 @@ def load(
     return MMModel(model, processor, str(name_or_path))
 
 
-def _load_processor(path: str, kwargs: dict[str, Any]) -> Any:
+def _load_processor(path: str, kwargs: dict[str, Any], model_type: str | None = None) -> Any:
     from transformers import AutoProcessor
 
+    from .models import PROCESSOR_CLASSES
+
+    cls = PROCESSOR_CLASSES[model_type]() if model_type in PROCESSOR_CLASSES else AutoProcessor
     try:
-        return AutoProcessor.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
+        return cls.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
             f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "

@@ -1,5 +1,5 @@
 """The compatibility matrix: every registered pruner x every decoder x {no drafter, a drafter}, and
-every ordered pair of stacked pruners, on tiny random LLaVA and LLaVA-NeXT models.
+every ordered pair of stacked pruners, on tiny random LLaVA, LLaVA-NeXT and LLaVA-OneVision models.
 
 Each combination either generates (batch 2, so branch batching and per-sample decisions are
 exercised) or is refused before any compute with a reason that names the method: by
@@ -23,15 +23,18 @@ DECODER_PARAMS = {
     "opera": {"num_beams": 2, "num_attn_candidates": 2},
 }
 DRAFTER = "prompt_lookup"  # needs no trained weights
+FAMILIES = ["llava", "llava_next", "llava_onevision"]
 
 
 @pytest.fixture(scope="module")
 def families(tiny_mm, tmp_path_factory):
-    from mmfast.models.factory import random_llava_next, save_model
+    from mmfast.models.factory import random_llava_next, random_llava_onevision, save_model
 
     model, processor = random_llava_next("tiny")
     path = save_model(model, processor, tmp_path_factory.mktemp("next_matrix"))
-    return {"llava": tiny_mm, "llava_next": mmfast.load(path, device="cpu")}
+    model, processor = random_llava_onevision("tiny")
+    ov_path = save_model(model, processor, tmp_path_factory.mktemp("onevision_matrix"))
+    return {"llava": tiny_mm, "llava_next": mmfast.load(path, device="cpu"), "llava_onevision": mmfast.load(ov_path, device="cpu")}
 
 
 def _stage(name: str, mm) -> dict:
@@ -62,7 +65,7 @@ def _names_a_method(reason: str, recipe_data: dict) -> bool:
     return any(n in reason for n in names)
 
 
-@pytest.mark.parametrize("family", ["llava", "llava_next"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("pruner", PRUNERS.names())
 def test_pruner_x_decoder_x_drafter(family, pruner, families, images, prompts):
     mm = families[family]
@@ -82,11 +85,13 @@ def test_pruner_x_decoder_x_drafter(family, pruner, families, images, prompts):
             elif not _names_a_method(result, data):
                 problems.append(f"{pruner} x {decoder} x {drafter}: refusal names no method: {result}")
     assert not problems, "\n".join(problems)
-    if family == "llava":
-        assert ran > 0  # every pruner runs with some decoder on the anchor family
+    from mmfast.capabilities import caps_of
+
+    if family == "llava" or family in caps_of(PRUNERS.get(pruner).cls, None).families:
+        assert ran > 0  # every pruner runs with some decoder on the anchor family and on those it declares
 
 
-@pytest.mark.parametrize("family", ["llava", "llava_next"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("first", PRUNERS.names())
 def test_stacked_pruners(family, first, families, images, prompts):
     mm = families[family]

@@ -79,10 +79,10 @@ def test_load_errors(tmp_path, monkeypatch):
 
 
 def test_unsupported_family_rejected(tmp_path):
-    from transformers import LlavaOnevisionConfig
+    from transformers import PaliGemmaConfig
 
-    LlavaOnevisionConfig().save_pretrained(tmp_path)
-    with pytest.raises(mmfast.ModelLoadError, match="OneVision"):
+    PaliGemmaConfig().save_pretrained(tmp_path)
+    with pytest.raises(mmfast.ModelLoadError, match="paligemma"):
         mmfast.load(tmp_path)
 
 

@@ -285,3 +285,15 @@ def test_without_lmms_eval_the_class_refuses(monkeypatch):
     module = importlib.reload(module)
     with pytest.raises(ImportError, match="pip install lmms-eval"):
         module.MMFast()
+
+
+def test_plugin_runs_a_onevision_recipe(plugin, task_dict, tmp_path):
+    """The plugin works unchanged on LLaVA-OneVision (anyres-max tiles, ChatML template)."""
+    from mmfast.models.factory import random_llava_onevision, save_model
+
+    path = save_model(*random_llava_onevision("tiny"), tmp_path / "onevision")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{name: {path}, device: cpu}}\npruning: [{{method: fastv, params: {{keep: 5}}}}]\n")
+    model = _model(plugin, f"recipe={recipe}", task_dict)
+    out = model.generate_until(_requests({"max_new_tokens": 4, "until": ["\n"]}, [0, 1]))
+    assert out == _expected(mmfast.load(path, device="cpu"), str(recipe), [0, 1], 4)

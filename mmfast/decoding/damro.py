@@ -36,7 +36,7 @@ class Damro(MultiBranchDecoder):
 
     use_warpers = False
     # the outlier branch indexes one patch grid per image and reads the tower's unmerged tokens
-    caps = Capabilities(families=frozenset({"llava"}), search="branches", needs_unmerged_tower=True)
+    caps = Capabilities(families=frozenset({"llava"}), needs_cls=True, search="branches", needs_unmerged_tower=True)
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

@@ -8,8 +8,13 @@ from ..errors import ModelLoadError
 from .base import LMInputs, VisionBatch, VLMAdapter, build_lm_inputs
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
+from .llava_onevision import LlavaOnevisionAdapter
 
-ADAPTERS: dict[str, type[VLMAdapter]] = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter}
+ADAPTERS: dict[str, type[VLMAdapter]] = {
+    "llava": LlavaAdapter,
+    "llava_next": LlavaNextAdapter,
+    "llava_onevision": LlavaOnevisionAdapter,
+}
 
 
 def _llava():
@@ -24,11 +29,20 @@ def _llava_next():
     return LlavaNextForConditionalGeneration
 
 
+def _llava_onevision():
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    return LlavaOnevisionForConditionalGeneration
+
+
+#: model_type -> (lazy) processor class, for families whose HF processor mmfast cannot build as it is
+PROCESSOR_CLASSES = {"llava_onevision": lambda: __import__(
+    "mmfast.models.llava_onevision", fromlist=["image_processor_class"]).image_processor_class()}
+
 #: model_type -> (lazy) model class
-MODEL_CLASSES = {"llava": _llava, "llava_next": _llava_next}
+MODEL_CLASSES = {"llava": _llava, "llava_next": _llava_next, "llava_onevision": _llava_onevision}
 
 _REJECTED = {
-    "llava_onevision": "LLaVA-OneVision (SigLIP without CLS, anyres_max_9) is not supported.",
     "qwen2_vl": "Qwen2-VL (M-RoPE positions, PatchMerger) is not supported.",
 }
 
@@ -47,9 +61,11 @@ def adapter_for(model: nn.Module) -> VLMAdapter:
 __all__ = [
     "ADAPTERS",
     "MODEL_CLASSES",
+    "PROCESSOR_CLASSES",
     "LMInputs",
     "LlavaAdapter",
     "LlavaNextAdapter",
+    "LlavaOnevisionAdapter",
     "VLMAdapter",
     "VisionBatch",
     "adapter_for",

@@ -3,7 +3,9 @@ and the architecture of the embedded world model.
 
 Everything is a real ``LlavaForConditionalGeneration`` (CLIP vision tower, MLP projector, Llama LM)
 with a real processor (CLIP image processor, a ``tokenizers`` BPE tokenizer, the LLaVA-1.5 chat
-template), so tests exercise the same code paths as a hub checkpoint.
+template), so tests exercise the same code paths as a hub checkpoint. The other families' builders
+(:func:`random_llava_next`, :func:`random_llava_onevision`: SigLIP without CLS, Qwen2 LM, anyres-max
+tiles, ChatML template) are tiny random models of their real classes in the same way.
 """
 
 from __future__ import annotations
@@ -106,11 +108,13 @@ def llava_config(shape: LlavaShape, *, vocab_size: int | None = None, init_std: 
     )
 
 
-def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with mmfast's special tokens at ids 0..4.
+def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int, extra_tokens: list[str] | None = None):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with mmfast's special tokens at ids 0..4
+    (``extra_tokens``, e.g. a video token, follow at 5...).
 
     BOS is added by a post-processor, as Llama tokenizers do; ``<image>`` is a single special token.
     """
+    special = SPECIAL_TOKENS + list(extra_tokens or [])
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -119,7 +123,7 @@ def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -131,10 +135,10 @@ def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int):
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        extra_special_tokens={"image_token": IMAGE_TOKEN},
+        extra_special_tokens={"image_token": IMAGE_TOKEN, **({"video_token": VIDEO_TOKEN} if VIDEO_TOKEN in special else {})},
         padding_side="left",
     )
-    for i, t in enumerate(SPECIAL_TOKENS):
+    for i, t in enumerate(special):
         assert fast.convert_tokens_to_ids(t) == i, f"special token {t} must have id {i}"
     return fast
 
@@ -237,5 +241,101 @@ def random_llava_next(shape: str | LlavaShape = "tiny", *, seed: int = 0, init_s
         chat_template=CHAT_TEMPLATE,
         image_token=IMAGE_TOKEN,
         num_additional_image_tokens=1,
+    )
+    return model, processor
+
+
+#: ChatML, as the llava-hf OneVision checkpoints template a user turn: images first, then the text.
+ONEVISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+VIDEO_TOKEN = "<video>"
+
+
+def random_llava_onevision(
+    shape: str | LlavaShape = "tiny",
+    *,
+    seed: int = 0,
+    init_std: float = 0.2,
+    max_tiles: int = 4,
+    vision_aspect_ratio: str = "anyres_max_9",
+):
+    """A randomly initialised LLaVA-OneVision model (SigLIP tower without CLS, Qwen2 LLM, anyres-max
+    tiles) and its processor, for tests. Returns (model, processor).
+
+    The pinpoints are every (r x c) tiling of the tower's input size with r, c <= ``max_tiles``, as the
+    hub checkpoints' (1..6 tiles of 384 px per side); with the tiny 4x4 grid, a 4x4 tiling holds more
+    than 9 base views' worth of patches, so ``anyres_max_9`` also exercises the downscaling branch.
+    """
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        Qwen2Config,
+        SiglipVisionConfig,
+    )
+    from transformers.models.llava_onevision import LlavaOnevisionImageProcessorPil
+
+    from .llava_onevision import image_processor_class
+
+    shp = SHAPES[shape] if isinstance(shape, str) else shape
+    tokenizer = train_bpe_tokenizer(_TEST_CORPUS * 4, min(shp.vocab_size, 600), extra_tokens=[VIDEO_TOKEN])
+    s = shp.image_size
+    vision = SiglipVisionConfig(
+        hidden_size=shp.vision_hidden,
+        intermediate_size=shp.vision_hidden * 4,
+        num_hidden_layers=shp.vision_layers,
+        num_attention_heads=shp.vision_heads,
+        image_size=s,
+        patch_size=shp.patch_size,
+        vision_use_head=False,
+    )
+    text = Qwen2Config(
+        vocab_size=max(shp.vocab_size, len(tokenizer)),
+        hidden_size=shp.text_hidden,
+        intermediate_size=shp.text_intermediate,
+        num_hidden_layers=shp.text_layers,
+        num_attention_heads=shp.text_heads,
+        num_key_value_heads=shp.text_kv_heads,
+        max_position_embeddings=shp.max_positions,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+    )
+    pinpoints = [[s * r, s * c] for r in range(1, max_tiles + 1) for c in range(1, max_tiles + 1)]
+    config = LlavaOnevisionConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        video_token_index=tokenizer.convert_tokens_to_ids(VIDEO_TOKEN),
+        image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        vision_aspect_ratio=vision_aspect_ratio,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    model.generation_config.bos_token_id = 1
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": s, "width": s}, image_grid_pinpoints=pinpoints)
+    processor = image_processor_class()(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        num_image_tokens=(s // shp.patch_size) ** 2,
+        vision_feature_select_strategy="full",
+        chat_template=ONEVISION_CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        video_token=VIDEO_TOKEN,
+        vision_aspect_ratio=vision_aspect_ratio,
     )
     return model, processor

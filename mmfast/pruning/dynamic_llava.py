@@ -102,7 +102,7 @@ class DynamicLLaVA(Pruner):
         # KV from layers >= K one step at a time (or recomputes without a cache)
         decode_rule = params is not None and params.text_keep == "predictor"
         return Capabilities(
-            families=frozenset({"llava", "llava_next"}),
+            families=frozenset({"llava", "llava_next", "llava_onevision"}),
             kv_edit_decode=decode_rule and params.use_cache,
             decodes_without_cache=params is not None and not params.use_cache,
             decode_free_setting="text_keep: always and use_cache: true",

@@ -11,6 +11,10 @@ Budget (``budget: {tokens: B}``, layer-averaged equivalent vision tokens per ima
 ``ratio`` must not be given): with the mapped layer K of an L-layer LLM and N vision tokens per image,
 B = (K * N + (L - K) * keep) / L, so keep = round((L * B - K * N) / (L - K)); the average lands within
 (L - K) / (2 L) tokens of B. B < ceil(K * N / L) (keep < 0) is refused, naming that smallest budget.
+On families whose images have different token counts and whose adapter sets
+``budget_scales_with_tokens`` (LLaVA-OneVision), N is the base view's count N0 and the budget maps to
+``ratio = 1 - keep / N0`` instead, so an image of N_i tokens keeps round(N_i * keep / N0) and its
+layer-averaged budget is B * N_i / N0.
 
 Positions: the in-place variant keeps each kept token's original position id. KV cache: layers >= K
 cache only the kept tokens; pruning is static after prefill (as the released KV-cache variant).
@@ -38,7 +42,7 @@ class FastV(Pruner):
     """FastV."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # acts on the spliced sequence, any vision layout
+    caps = Capabilities(families=frozenset({"llava", "llava_next", "llava_onevision"}))  # acts on the spliced sequence, any vision layout
 
     @dataclass(frozen=True)
     class Config:
@@ -58,7 +62,13 @@ class FastV(Pruner):
         """keep = round((L * B - K * N) / (L - K)) (module docstring)."""
         n_layers = len(adapter.layers)
         (layer, _), = map_layers([config.k], n_layers, config.layer_mapping)
-        return {"keep": in_llm_keep(tokens, vision_tokens_per_image(adapter), layer, n_layers, path)}
+        n = vision_tokens_per_image(adapter)
+        keep = in_llm_keep(tokens, n, layer, n_layers, path)
+        if getattr(adapter, "budget_scales_with_tokens", False):
+            # anyres-max (OneVision): B is the budget of a base-view-sized image (N0 tokens); every
+            # image keeps the same fraction, round(N_i * keep / N0), so its budget is B * N_i / N0
+            return {"ratio": 1.0 - keep / n}
+        return {"keep": keep}
 
     @classmethod
     def test_params(cls, adapter):

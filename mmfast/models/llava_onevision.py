@@ -1,0 +1,154 @@
+"""LLaVA-OneVision family adapter (``LlavaOnevisionForConditionalGeneration``, model_type ``llava_onevision``).
+
+Layout in transformers 5.x: ``model.model.vision_tower`` (SigLIP, no CLS token, no pooling head),
+``model.model.multi_modal_projector``, ``model.model.image_newline``, ``model.model.language_model``
+(Qwen2: 1-D RoPE, biased q/k/v projections) and ``model.lm_head``.
+
+Images (anyres-max): the processor resizes each image to the best resolution of
+``image_grid_pinpoints`` and cuts it into tower-size tiles plus a downscaled base view; every tile goes
+through SigLIP; the feature layer (``vision_feature_layer``, -1 for the hub checkpoints) is selected
+with ``vision_feature_select_strategy`` ("full": every patch, there is no CLS to drop); the projected
+tile mosaic is unpadded to the image's aspect ratio, bilinearly downscaled when it holds more than
+``max_num_patches`` (``vision_aspect_ratio`` = ``anyres_max_<max>``) base views' worth of patches, and a
+learned ``image_newline`` ends every row. The model's own ``pack_image_features`` does that packing here,
+so the tokens spliced into the prompt are exactly HF's: the base view's square grid first, then the
+newline-separated mosaic. All counts come from the config (tile size, patch size, pinpoints, the
+``anyres_max`` number); nothing is hard-coded.
+
+Multi-image prompts: mmfast processes a batch's images as one flat list, as HF's processor does for a
+flat list, so every image is tiled. (HF's processor given a *nested* per-sample list uses only the base
+view of images in multi-image samples; mmfast does not reproduce that mode.)
+
+Video (``pixel_values_videos``, 2x2-pooled frames) is not wired: mmfast's inputs are images.
+
+What runs on it: the methods that act inside the LLM on the spliced sequence, every decoder that does
+not read the tower's CLS, and every drafter (see ``docs/methods.md``, "Model families: LLaVA-OneVision").
+Stages that need one square patch grid (or a CLS token) per image are refused for this family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .base import VisionBatch
+from .llava import LlavaAdapter
+
+
+class LlavaOnevisionAdapter(LlavaAdapter):
+    family = "llava_onevision"
+
+    #: a pruning budget of B tokens is for an image of the base view's N0 = rows * cols tokens; an
+    #: image of N_i tokens gets B * N_i / N0 (see the stages' ``budget_params``)
+    budget_scales_with_tokens = True
+
+    @property
+    def has_cls(self) -> bool:
+        return False  # SigLIP prepends no CLS token
+
+    @property
+    def n_image_tokens(self) -> int:
+        raise AttributeError("LLaVA-OneVision's vision-token count depends on the image size (anyres-max tiling)")
+
+    @property
+    def video_token_id(self) -> int:
+        return int(self.model.config.video_token_id)
+
+    def tiles_per_image(self, image_sizes: torch.Tensor) -> list[int]:
+        """Tower inputs per image (base view + tiles of the best pinpoint resolution), as HF counts them."""
+        from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+        cfg = self.model.config
+        return [
+            image_size_to_num_patches(image_size=s, grid_pinpoints=cfg.image_grid_pinpoints, patch_size=cfg.vision_config.image_size)
+            for s in image_sizes
+        ]
+
+    def encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
+        """SigLIP on every tile, feature selection, projection and the model's own anyres-max packing.
+
+        The packed, projected tokens go to ``VisionBatch.projected``; ``features`` keep each image's
+        pre-projection tile features (``[n_tiles * N, Dv]``) for reference. ``patch_ids`` number the
+        base view's grid (0..N-1); mosaic tokens and newlines get -1. ``cls`` is None (no CLS token).
+        """
+        if image_sizes is None:
+            raise ValueError("LLaVA-OneVision needs image_sizes from its image processor")
+        base, cfg = self.base, self.model.config
+        tower = self.vision_tower
+        n_tiles = self.tiles_per_image(image_sizes)
+        pv = pixel_values
+        if pv.dim() == 5:  # [n_images, max_tiles, 3, H, W] padded: keep each image's real tiles
+            pv = torch.cat([p[:n] for p, n in zip(pv, n_tiles)], dim=0)
+        pv = pv.to(device=tower.device, dtype=tower.dtype)
+        out = tower(pv, output_hidden_states=True, return_dict=True)
+        selected = torch.cat([out.hidden_states[k] for k in self._feature_layers], dim=-1)  # [tiles, N, Dv]
+        patches = selected[:, 1:] if self.select_strategy == "default" else selected
+        projected = torch.split(self.projector(patches), n_tiles, dim=0)  # per image [tiles_i, N, d]
+        packed, _ = base.pack_image_features(
+            list(projected), image_sizes, image_newline=base.image_newline, vision_aspect_ratio=cfg.vision_aspect_ratio
+        )  # per image [n_i, d]
+        feats = [f.reshape(-1, f.shape[-1]) for f in torch.split(patches, n_tiles, dim=0)]
+        n_base = patches.shape[1]
+        ids = []
+        for p in packed:
+            pid = torch.full((p.shape[0],), -1, dtype=torch.long, device=p.device)
+            pid[:n_base] = torch.arange(n_base, device=p.device)  # the base view is the square grid
+            ids.append(pid)
+        return VisionBatch(
+            features=feats,
+            patch_ids=ids,
+            cls=None,
+            grid=self.grid,
+            pixel_values=pv,
+            projected=list(packed),
+            extras={"n_tiles": n_tiles},
+        )
+
+
+@functools.cache
+def image_processor_class():
+    """``LlavaOnevisionProcessor`` without its video processor.
+
+    transformers 5.23 builds the OneVision video processor on torchvision, which does not import beside
+    the CPU torch wheel mmfast installs; mmfast feeds images only, so its processor has the image
+    processor and the tokenizer, and the text/token expansion of HF's processor unchanged (a
+    subclass that only drops the ``video_processor`` argument). Loads from the files of a hub
+    checkpoint or of ``save_pretrained`` (it ignores the video processor's file). Built on first use
+    (transformers is imported lazily) and cached, so every caller gets the same class.
+    """
+    from transformers import LlavaOnevisionProcessor
+
+    class LlavaOnevisionImageProcessor(LlavaOnevisionProcessor):
+        def __init__(
+            self,
+            image_processor=None,
+            tokenizer=None,
+            num_image_tokens=None,
+            vision_feature_select_strategy=None,
+            chat_template=None,
+            image_token="<image>",
+            video_token="<video>",
+            vision_aspect_ratio="anyres_max_9",
+            **kwargs,
+        ):
+            kwargs.pop("video_processor", None)
+            super().__init__(
+                image_processor,
+                tokenizer,
+                None,  # no video processor: ProcessorMixin only binds the attributes of this signature
+                num_image_tokens=num_image_tokens,
+                vision_feature_select_strategy=vision_feature_select_strategy,
+                chat_template=chat_template,
+                image_token=image_token,
+                video_token=video_token,
+                vision_aspect_ratio=vision_aspect_ratio,
+                **kwargs,
+            )
+
+        def to_dict(self):
+            out = super().to_dict()
+            out["processor_class"] = "LlavaOnevisionProcessor"  # a checkpoint's files name HF's class
+            return out
+
+    return LlavaOnevisionImageProcessor
