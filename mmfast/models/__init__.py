@@ -8,8 +8,15 @@ from ..errors import ModelLoadError
 from .base import LMInputs, VisionBatch, VLMAdapter, build_lm_inputs
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
+from .qwen2_vl import Qwen2_5_VLAdapter, Qwen2VLAdapter, Qwen3VLAdapter
 
-ADAPTERS: dict[str, type[VLMAdapter]] = {"llava": LlavaAdapter, "llava_next": LlavaNextAdapter}
+ADAPTERS: dict[str, type[VLMAdapter]] = {
+    "llava": LlavaAdapter,
+    "llava_next": LlavaNextAdapter,
+    "qwen2_vl": Qwen2VLAdapter,
+    "qwen2_5_vl": Qwen2_5_VLAdapter,
+    "qwen3_vl": Qwen3VLAdapter,
+}
 
 
 def _llava():
@@ -24,12 +31,26 @@ def _llava_next():
     return LlavaNextForConditionalGeneration
 
 
+def _class(name: str):
+    def get():
+        import transformers
+
+        return getattr(transformers, name)
+
+    return get
+
+
 #: model_type -> (lazy) model class
-MODEL_CLASSES = {"llava": _llava, "llava_next": _llava_next}
+MODEL_CLASSES = {
+    "llava": _llava,
+    "llava_next": _llava_next,
+    "qwen2_vl": _class("Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": _class("Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": _class("Qwen3VLForConditionalGeneration"),
+}
 
 _REJECTED = {
     "llava_onevision": "LLaVA-OneVision (SigLIP without CLS, anyres_max_9) is not supported.",
-    "qwen2_vl": "Qwen2-VL (M-RoPE positions, PatchMerger) is not supported.",
 }
 
 
@@ -50,6 +71,9 @@ __all__ = [
     "LMInputs",
     "LlavaAdapter",
     "LlavaNextAdapter",
+    "Qwen2VLAdapter",
+    "Qwen2_5_VLAdapter",
+    "Qwen3VLAdapter",
     "VLMAdapter",
     "VisionBatch",
     "adapter_for",

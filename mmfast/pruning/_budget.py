@@ -126,8 +126,8 @@ def calibration_batch(ctx: MethodContext, n: int = CALIBRATION_IMAGES) -> Prepar
     texts = [ctx.chat_text(p, 1) for p in prompts]
     ids = [ctx.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     processed = ctx.image_processor(images=images, return_tensors="pt")
-    pixels = processed["pixel_values"].to(ctx.device, ctx.dtype)
-    return PreparedBatch([[im] for im in images], prompts, texts, ids, pixels, list(range(n)), [], processed.get("image_sizes"))
+    pixels, sizes = ctx.adapter.pack_pixels(processed)
+    return PreparedBatch([[im] for im in images], prompts, texts, ids, pixels.to(ctx.device, ctx.dtype), list(range(n)), [], sizes)
 
 
 @torch.inference_mode()
