@@ -156,3 +156,81 @@ def test_llm_probe_equals_eager(family_dir, qmm, qimages):
             want = eager.adapter.language_model(**kw, output_attentions=True).attentions[1][:, :, rows]
         got = s.probe["llm.1"].probs
         torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-4)
+
+
+def test_pre_llm_pruning_keeps_grid_positions(qmm, qimages):
+    """Random drop before the LLM: each kept token has its grid cell's unpruned (t, h, w) ids and the
+    text after the image keeps its unpruned position."""
+    base, _, _ = _prefill(qmm, qimages[:2], QPROMPTS[:2])
+    pruned, _, _ = _prefill(qmm, qimages[:2], QPROMPTS[:2], load_recipe({"pruning": [{"method": "random", "params": {"fraction": 0.4}}]}))
+    for b in range(2):
+        vb, vp = base.image_mask[b], pruned.image_mask[b]
+        assert int(vp.sum()) == round(0.4 * int(vb.sum()))
+        by_patch = dict(zip(base.patch_ids[b][vb].tolist(), base.position_ids[b][vb].tolist()))
+        assert [by_patch[p] for p in pruned.patch_ids[b][vp].tolist()] == pruned.position_ids[b][vp].tolist()
+        n_after = int(base.text_after_image()[b].sum())
+        assert torch.equal(pruned.position_ids[b, -n_after:], base.position_ids[b, -n_after:])
+
+
+def test_budget_is_a_fraction_under_dynamic_resolution(qmm):
+    from mmfast.pruning.fastv import FastV
+    from mmfast.pruning.random_drop import RandomDrop
+
+    cfg = FastV.Config(k=1)
+    got = FastV.budget_params(192, qmm.adapter, cfg, "b")
+    n, k, L = 576, 1, len(qmm.adapter.layers)
+    assert got["keep"] is None and got["ratio"] == pytest.approx(1 - round((L * 192 - k * n) / (L - k)) / n)
+    assert RandomDrop.budget_params(128, qmm.adapter, RandomDrop.Config(), "b") == {"fraction": 128 / 576}
+
+
+def test_mrope_rules():
+    from mmfast.models.mrope import compact_positions, grid_offsets, sample_positions
+
+    offs = grid_offsets(torch.tensor([-1, 5, -1, 7]), (1, 3, 4))
+    assert offs.tolist() == [[0, 0, 0], [0, 1, 1], [0, 1, 1], [0, 1, 3]]  # synthetic: previous real token
+    pos = sample_positions([("text", 2), ("image", torch.arange(6), (1, 2, 3)), ("text", 2)], torch.device("cpu"))
+    assert pos[:, 1].tolist()[2:8] == [2, 2, 2, 3, 3, 3] and pos[8].tolist() == [5, 5, 5]  # s + max(h, w)
+    image_index = torch.tensor([[-1, -1, 0, 0, 0, 0, 0, 0, -1, -1]])
+    full = torch.ones(1, 10, dtype=torch.bool)
+    assert torch.equal(compact_positions(pos[None], image_index, full)[0], pos)  # nothing dropped: unchanged
+    keep = full.clone()
+    keep[0, [2, 3, 4]] = False  # the image's first row
+    got = compact_positions(pos[None], image_index, keep)[0]
+    assert got[5:8].tolist() == [[2, 2, 2], [2, 2, 3], [2, 2, 4]] and got[8].tolist() == [5, 5, 5]
+
+
+def test_qwen3_deepstack_follows_pruned_tokens(family_dir, qmm, qimages):
+    """Qwen3-VL: pruning at layer 1 (between the two deepstack levels) adds level 1 to the kept
+    vision slots only, with their own rows: checked against a layer-by-layer computation."""
+    if qmm.adapter.family != "qwen3_vl":
+        pytest.skip("deepstack is Qwen3-VL's")
+    from mmfast.models.qwen2_vl import DEEPSTACK
+
+    drop = lambda view: ~(view.vision & (torch.arange(view.vision.shape[1]) % 3 == 0))  # noqa: E731
+    with Session(qmm, Recipe()) as s:
+        batch = qmm.prepare(qimages[:1], QPROMPTS[:1])
+        inputs = s.build_inputs(batch, s.encode(batch))
+        s.runner.prune_at(1, drop)
+        state, out = s.runner.prefill(inputs)
+    assert len(state.groups) == 2
+    lm = qmm.adapter.language_model
+    deep = inputs.tags[DEEPSTACK][0]  # [L, levels, d]
+    vis = inputs.image_mask[0]
+
+    def run(layer, h, pos):
+        n = h.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        pe = lm.rotary_emb(h, position_ids=pos.permute(2, 0, 1))
+        return lm.layers[layer](h, attention_mask=mask, position_embeddings=pe)
+
+    with torch.no_grad():
+        h = run(0, inputs.embeds, inputs.position_ids)
+        h[0, vis] += deep[vis, 0]
+        kept = (~(vis & (torch.arange(inputs.length) % 3 == 0))).nonzero().squeeze(1)
+        h, pos = h[:, kept], inputs.position_ids[:, kept]
+        for layer in range(1, len(lm.layers)):
+            h = run(layer, h, pos)
+            if layer == 1:
+                h[0, vis[kept]] += deep[kept][vis[kept], 1]
+        want = qmm.adapter.lm_head(lm.norm(h)[:, -1:]).float()
+    torch.testing.assert_close(out.logits, want, atol=1e-5, rtol=1e-5)

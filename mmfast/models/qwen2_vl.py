@@ -46,6 +46,8 @@ BUDGET_REFERENCE_GRID = (24, 24)
 class Qwen2VLAdapter(VLMAdapter):
     family = "qwen2_vl"
     rope_axes = 3
+    #: token count varies per image: budgets are fractions of each image's count (``_budget.py``)
+    dynamic_resolution = True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

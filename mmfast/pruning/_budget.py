@@ -7,6 +7,10 @@ A stage's :class:`~mmfast.config.Budget` is resolved when the session installs i
 2. methods with count knobs map ``tokens`` to them in their ``budget_params`` classmethod (closed form,
    documented in each method's docstring): feature/tower-stage methods count tokens per image at the
    LLM input, in-LLM methods count the layer-averaged tokens per image (:func:`in_llm_keep`);
+   Under dynamic resolution (Qwen-VL: ``adapter.dynamic_resolution``) an image's token count is its
+   own, so a budget is a *fraction*: B tokens means B / N_ref of each image's tokens, N_ref =
+   ``vision_tokens_per_image(adapter)`` = 576 (the LLaVA-1.5 count the papers' 192/128/64 refer to;
+   the adapter's budget reference grid). Methods map it onto a per-image ratio (:func:`budget_fraction`).
 3. methods whose knobs are thresholds (MustDrop, ZipVL) are *calibrated* after installation: a bisection on
    one scalar of their thresholds, measured on :func:`calibration_batch` (a fixed, offline set of
    rendered world images with POPE-style questions), until the mean layer-averaged vision tokens are
@@ -44,6 +48,11 @@ _SUFFIX = "\nAnswer the question using a single word or phrase."
 def vision_tokens_per_image(adapter: VLMAdapter) -> int:
     rows, cols = adapter.grid
     return rows * cols
+
+
+def budget_fraction(adapter: VLMAdapter) -> bool:
+    """True when budgets are fractions of each image's own token count (dynamic resolution)."""
+    return bool(getattr(adapter, "dynamic_resolution", False))
 
 
 def budget_tokens(budget: Budget, adapter: VLMAdapter, path: str) -> int:

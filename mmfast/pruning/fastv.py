@@ -12,7 +12,11 @@ Budget (``budget: {tokens: B}``, layer-averaged equivalent vision tokens per ima
 B = (K * N + (L - K) * keep) / L, so keep = round((L * B - K * N) / (L - K)); the average lands within
 (L - K) / (2 L) tokens of B. B < ceil(K * N / L) (keep < 0) is refused, naming that smallest budget.
 
-Positions: the in-place variant keeps each kept token's original position id. KV cache: layers >= K
+Dynamic resolution (Qwen-VL): a budget B keeps ratio = 1 - keep_ref / 576 of each image, keep_ref
+the formula above at N = 576 (``_budget.py``); ``keep`` stays an absolute per-image count.
+
+Positions: the in-place variant keeps each kept token's original position id (under M-RoPE its
+original (t, h, w) ids, as the official Qwen-VL FastV ports keep the ``position_ids`` rows). KV cache: layers >= K
 cache only the kept tokens; pruning is static after prefill (as the released KV-cache variant).
 Hook points: attention probe on layer K-1 (last query row only, O(keys)); layer pre-hooks >= K.
 Limits: none on batch size (per-sample top-k with left padding); needs no eager attention.
@@ -28,7 +32,7 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..hooks import last_row
 from ..registry import PRUNERS
-from ._budget import in_llm_keep, vision_tokens_per_image
+from ._budget import budget_fraction, in_llm_keep, vision_tokens_per_image
 from ._common import LayerMapping, keep_only, map_layers, topk_keep
 from .base import Pruner
 
@@ -58,7 +62,11 @@ class FastV(Pruner):
         """keep = round((L * B - K * N) / (L - K)) (module docstring)."""
         n_layers = len(adapter.layers)
         (layer, _), = map_layers([config.k], n_layers, config.layer_mapping)
-        return {"keep": in_llm_keep(tokens, vision_tokens_per_image(adapter), layer, n_layers, path)}
+        n_ref = vision_tokens_per_image(adapter)
+        keep = in_llm_keep(tokens, n_ref, layer, n_layers, path)
+        if budget_fraction(adapter):  # dynamic resolution: the same fraction of every image's tokens
+            return {"keep": None, "ratio": 1.0 - keep / n_ref}
+        return {"keep": keep}
 
     @classmethod
     def test_params(cls, adapter):
