@@ -118,9 +118,15 @@ def test_session_restores_model(qmm, qimages):
         assert torch.equal(qmm.model(**hf_in).logits, before)
 
 
-def test_noop_pruning_equals_baseline(qmm, qimages):
+@pytest.mark.parametrize("pruner", ["fastv", "random", "zipvl"])
+def test_noop_pruning_equals_baseline(qmm, qimages, pruner):
+    from mmfast.capabilities import caps_of
+    from mmfast.registry import PRUNERS
+
+    cls = PRUNERS.get(pruner).cls
+    assert qmm.adapter.family in caps_of(cls, None).families
     base = qmm.generate(qimages[:2], QPROMPTS[:2], max_new_tokens=8)
-    noop = qmm.generate(qimages[:2], QPROMPTS[:2], recipe={"pruning": [{"method": "fastv", "params": {"k": 2, "ratio": 0.0}}]},
+    noop = qmm.generate(qimages[:2], QPROMPTS[:2], recipe={"pruning": [{"method": pruner, "params": cls.noop_params(qmm.adapter)}]},
                         max_new_tokens=8)
     assert [r.token_ids for r in noop] == [r.token_ids for r in base]
 
