@@ -61,3 +61,25 @@ def test_recipe_run_and_eval_on_tiny_stand_in(family, world, images, tmp_path, c
     data["output"] = {"dir": str(tmp_path / "out_vcd"), "overwrite": False}
     cfg.write_text(json.dumps(data))
     assert main(["-q", "eval", str(cfg), "--limit", "2"]) == 0
+
+
+def test_shaped_prefill_bench_runs_on_a_qwen_slice():
+    """The bench's real-shape prefill timing builds a Qwen2.5-VL model for a Qwen shape (here the tiny
+    stand-in of ``qwen2.5-vl-7b-slice``, same code path) and times the variants the family runs."""
+    import torch
+
+    from mmfast.bench.common import variants
+    from mmfast.bench.pruning import _shaped_speed
+    from mmfast.models.factory import QWEN_SHAPES
+
+    recipe = load_recipe("bench/pruning_qwen2_5_vl")
+    assert recipe.bench.shape == "qwen2.5-vl-7b-slice" and QWEN_SHAPES[recipe.bench.shape].text_hidden == 3584
+    data = recipe.to_dict()
+    data["bench"].update(shape="qwen2.5-vl-tiny-slice", warmup=0, repeats=1)
+    recipe = load_recipe(data)
+    speed = _shaped_speed(recipe, variants(recipe), torch.device("cpu"))
+    rows = {r["variant"]: r for r in speed["rows"]}
+    assert {"baseline", "random-64", "fastv-ratio0.5"} <= set(rows)
+    n = rows["baseline"]["vision_tokens"]
+    assert rows["random-64"]["vision_tokens"] == round(64 / 576 * n)  # the budget as a fraction of the image
+    assert rows["random-64"]["flops_ratio"] < 1 and rows["fastv-ratio0.5"]["layer_avg_tokens"] < n

@@ -8,6 +8,7 @@ template), so tests exercise the same code paths as a hub checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,9 +298,30 @@ class QwenShape:
     min_pixels: int = 16 * 16
     max_pixels: int = 64 * 64
     max_positions: int = 2048
+    vision_intermediate: int | None = None  # default 2 x vision_hidden
+    fullatt_blocks: tuple[int, ...] | None = None  # Qwen2.5-VL full-attention blocks (default: the last)
+    bench_image: tuple[int, int] = (48, 64)  # (H, W) of the images the shaped prefill timing feeds
 
 
-QWEN_SHAPES: dict[str, QwenShape] = {"tiny": QwenShape()}
+#: Qwen2.5-VL-7B-Instruct's sizes (its config.json): the real tower (32 blocks of 1280, window 112,
+#: full attention in 7/15/23/31, out 3584) and the LLM at width 3584 (28 layers, 28 heads, 4 KV heads,
+#: MLP 18944, mrope_section 16/24/24), processor min/max pixels 56*56 .. 28*28*16384.
+_QWEN25_7B = QwenShape(
+    patch_size=14, vision_hidden=1280, vision_layers=32, vision_heads=16, text_hidden=3584, text_layers=28,
+    text_heads=28, text_kv_heads=4, text_intermediate=18944, vocab_size=32064, window_size=112,
+    mrope_section=(16, 24, 24), min_pixels=56 * 56, max_pixels=28 * 28 * 16384, max_positions=32768,
+    vision_intermediate=3420, fullatt_blocks=(7, 15, 23, 31), bench_image=(768, 1024),
+)
+
+QWEN_SHAPES: dict[str, QwenShape] = {
+    "tiny": QwenShape(),
+    # the bench's timing slice: the real tower and 4 of the 28 decoder layers at the real width; a
+    # 1024 x 768 image is resized to 1036 x 756 = 74 x 54 patches -> 37 x 27 = 999 vision tokens
+    # (vocabulary cut to 32064: only the embedding / LM-head size changes, not prefill FLOPs)
+    "qwen2.5-vl-7b-slice": dataclasses.replace(_QWEN25_7B, text_layers=4),
+    # a tiny stand-in with the same code path (tests of the shaped bench)
+    "qwen2.5-vl-tiny-slice": QwenShape(),
+}
 
 
 def qwen_config(family: str, shape: QwenShape, *, vocab_size: int, init_std: float = 0.02):
@@ -320,9 +342,10 @@ def qwen_config(family: str, shape: QwenShape, *, vocab_size: int, init_std: flo
         vision = dict(common_vision, embed_dim=shape.vision_hidden, hidden_size=shape.text_hidden, mlp_ratio=2)
         return tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     if family == "qwen2_5_vl":
-        vision = dict(common_vision, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
+        vision = dict(common_vision, hidden_size=shape.vision_hidden,
+                      intermediate_size=shape.vision_intermediate or 2 * shape.vision_hidden,
                       out_hidden_size=shape.text_hidden, window_size=shape.window_size,
-                      fullatt_block_indexes=[shape.vision_layers - 1], tokens_per_second=2)
+                      fullatt_block_indexes=list(shape.fullatt_blocks or [shape.vision_layers - 1]), tokens_per_second=2)
         return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     if family == "qwen3_vl":
         rope = dict(rope, mrope_interleaved=True)
