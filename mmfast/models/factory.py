@@ -301,6 +301,7 @@ class QwenShape:
     vision_intermediate: int | None = None  # default 2 x vision_hidden
     fullatt_blocks: tuple[int, ...] | None = None  # Qwen2.5-VL full-attention blocks (default: the last)
     bench_image: tuple[int, int] = (48, 64)  # (H, W) of the images the shaped prefill timing feeds
+    rope_theta: float = 10000.0
 
 
 #: Qwen2.5-VL-7B-Instruct's sizes (its config.json): the real tower (32 blocks of 1280, window 112,
@@ -310,7 +311,7 @@ _QWEN25_7B = QwenShape(
     patch_size=14, vision_hidden=1280, vision_layers=32, vision_heads=16, text_hidden=3584, text_layers=28,
     text_heads=28, text_kv_heads=4, text_intermediate=18944, vocab_size=32064, window_size=112,
     mrope_section=(16, 24, 24), min_pixels=56 * 56, max_pixels=28 * 28 * 16384, max_positions=32768,
-    vision_intermediate=3420, fullatt_blocks=(7, 15, 23, 31), bench_image=(768, 1024),
+    vision_intermediate=3420, fullatt_blocks=(7, 15, 23, 31), bench_image=(768, 1024), rope_theta=1000000.0,
 )
 
 QWEN_SHAPES: dict[str, QwenShape] = {
@@ -330,7 +331,7 @@ def qwen_config(family: str, shape: QwenShape, *, vocab_size: int, init_std: flo
     import transformers as tf
 
     head_dim = shape.text_hidden // shape.text_heads
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(shape.mrope_section)}
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta, "mrope_section": list(shape.mrope_section)}
     text = dict(vocab_size=vocab_size, hidden_size=shape.text_hidden, intermediate_size=shape.text_intermediate,
                 num_hidden_layers=shape.text_layers, num_attention_heads=shape.text_heads,
                 num_key_value_heads=shape.text_kv_heads, max_position_embeddings=shape.max_positions,
