@@ -240,3 +240,16 @@ def test_qwen3_deepstack_follows_pruned_tokens(family_dir, qmm, qimages):
                 h[0, vis[kept]] += deep[kept][vis[kept], 1]
         want = qmm.adapter.lm_head(lm.norm(h)[:, -1:]).float()
     torch.testing.assert_close(out.logits, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", [
+    {"decoding": {"method": "vcd"}},
+    {"pruning": [{"method": "random", "params": {"fraction": 0.5}}]},
+    {"pruning": [{"method": "fastv", "params": {"k": 1, "ratio": 0.5}}], "speculative": {"method": "prompt_lookup"}},
+], ids=["vcd", "random", "fastv+prompt_lookup"])
+def test_methods_batch_equals_single_with_mixed_sizes(qmm, qimages, recipe):
+    """Per-image decisions (noise, random subsets, top-k) do not depend on the batch an image is in,
+    although batch pixels are padded to the largest image's patches."""
+    batched = qmm.generate(qimages[:3], QPROMPTS[:3], recipe=recipe, max_new_tokens=6)
+    single = [qmm.generate([im], [p], recipe=recipe, max_new_tokens=6)[0] for im, p in zip(qimages[:3], QPROMPTS[:3])]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]

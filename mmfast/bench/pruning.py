@@ -126,11 +126,11 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
     from ..model import MMModel
     from ..models.factory import random_llava
 
-    from ..models.factory import QWEN_SHAPES, random_qwen_vl
+    from ..models.factory import QWEN_SHAPES, SHAPES, random_qwen_vl
 
     cfg = recipe.bench
     logger.info("bench phase: prefill timing on the %s random-weight model (building it)", cfg.shape)
-    if cfg.shape in QWEN_SHAPES:  # Qwen2.5-VL shapes: dynamic resolution, the shape's image size
+    if cfg.shape not in SHAPES and cfg.shape in QWEN_SHAPES:  # Qwen2.5-VL shapes: the shape's image size
         model, processor = random_qwen_vl("qwen2_5_vl", cfg.shape, init_std=0.02)
         height, width = QWEN_SHAPES[cfg.shape].bench_image
     else:

@@ -206,6 +206,11 @@ class VLMAdapter:
         """[L, 3] positions of one sample from its pieces (M-RoPE families only); see ``build_lm_inputs``."""
         raise NotImplementedError
 
+    def image_pixels(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None) -> torch.Tensor:
+        """The real pixels (a view) of a one-image slice ``pixel_values[i:i+1]`` (``image_sizes[i:i+1]``):
+        without the padding a family adds to batch images of different sizes."""
+        return pixel_values
+
     def pack_pixels(self, processed: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(pixel_values, image_sizes) of a ``PreparedBatch`` from the image processor's output: one row
         per image (families whose processors flatten patches pad them per image)."""

@@ -117,6 +117,9 @@ class Qwen2VLAdapter(VLMAdapter):
     def mrope_positions(self, pieces: list, device: torch.device) -> torch.Tensor:
         return sample_positions(pieces, device)
 
+    def image_pixels(self, pixel_values, image_sizes):
+        return pixel_values[:, : int(image_sizes[0].prod())]  # [1, P_i, D] of the padded [1, max P, D]
+
     def pack_pixels(self, processed):
         grid = processed["image_grid_thw"]
         return pad_patches(processed["pixel_values"], grid), grid
@@ -148,7 +151,7 @@ class Qwen2VLAdapter(VLMAdapter):
             cls=None,
             grid=self.grid,
             pixel_values=pixel_values,
-            extras={"grid_thw": merged},
+            extras={"grid_thw": merged, "n_patches": counts},  # n_patches: real rows of pixel_values[i]
         )
         if deep is not None:
             stacked = torch.stack(deep, dim=1)  # [sum N_i, n_levels, d]

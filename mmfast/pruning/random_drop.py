@@ -84,7 +84,9 @@ class RandomDrop(Pruner):
         for i, (n, k) in enumerate(zip(counts, keeps)):
             if n <= k:
                 continue
-            seed = image_seed(cfg.seed, vision.pixel_values[i]) if cfg.mask == "per_image" else cfg.seed
+            rows_px = vision.extras.get("n_patches")  # padded pixel rows (Qwen-VL): hash the image's own
+            pixels = vision.pixel_values[i] if rows_px is None else vision.pixel_values[i][: rows_px[i]]
+            seed = image_seed(cfg.seed, pixels) if cfg.mask == "per_image" else cfg.seed
             g = torch.Generator().manual_seed(seed)
             rows = torch.randperm(n, generator=g)[:k].sort().values
             select_rows(vision, i, rows.to(vision.features[i].device))
