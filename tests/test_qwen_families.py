@@ -253,3 +253,25 @@ def test_methods_batch_equals_single_with_mixed_sizes(qmm, qimages, recipe):
     batched = qmm.generate(qimages[:3], QPROMPTS[:3], recipe=recipe, max_new_tokens=6)
     single = [qmm.generate([im], [p], recipe=recipe, max_new_tokens=6)[0] for im, p in zip(qimages[:3], QPROMPTS[:3])]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+
+
+def test_compact_group_under_mrope(qmm, qimages):
+    """A compact pruning group (positions renumbered) under M-RoPE: the layout of
+    ``compact_positions`` on the kept slots, and decoding continues after its maximum."""
+    from mmfast.models.mrope import compact_positions
+
+    drop = lambda view: ~(view.vision & (torch.arange(view.vision.shape[1]) % 2 == 0))  # noqa: E731
+    with Session(qmm, Recipe()) as s:
+        batch = qmm.prepare(qimages[:2], QPROMPTS[:2])
+        inputs = s.build_inputs(batch, s.encode(batch))
+        s.runner.prune_at(2, drop, compact=True)
+        state, _ = s.runner.prefill(inputs)
+        g1 = state.groups[1]
+        src = g1.source.clamp(min=0)
+        orig = inputs.position_ids.gather(1, src[:, :, None].expand(-1, -1, 3))
+        image_index = inputs.image_index.gather(1, src).masked_fill(g1.source < 0, -1)
+        want = compact_positions(orig, image_index, g1.key_mask)
+        assert torch.equal(g1.positions[g1.key_mask], want[g1.key_mask])
+        assert int(g1.key_mask.sum()) < int(state.groups[0].key_mask.sum())
+        s.runner.step(state, torch.tensor([[7], [7]]))
+        assert torch.equal(g1.positions[:, -1], (want.masked_fill(~g1.key_mask[:, :-1, None], -1).amax((1, 2)) + 1)[:, None].expand(-1, 3))
