@@ -83,3 +83,45 @@ def test_shaped_prefill_bench_runs_on_a_qwen_slice():
     n = rows["baseline"]["vision_tokens"]
     assert rows["random-64"]["vision_tokens"] == round(64 / 576 * n)  # the budget as a fraction of the image
     assert rows["random-64"]["flops_ratio"] < 1 and rows["fastv-ratio0.5"]["layer_avg_tokens"] < n
+
+
+def test_lmms_plugin_runs_a_qwen_recipe(images, tmp_path, monkeypatch):
+    """The lmms-eval plugin runs a Qwen recipe unchanged: answers equal mmfast's own generation."""
+    import importlib
+    import sys
+
+    from mmfast.models.factory import random_qwen_vl, save_model
+    from tests.test_lmms_plugin import _standin_modules
+
+    try:
+        import lmms_eval.api.model  # noqa: F401
+    except ImportError:
+        for name, mod in _standin_modules().items():
+            monkeypatch.setitem(sys.modules, name, mod)
+    import mmfast
+    import mmfast.eval.lmms_plugin as plugin
+
+    plugin = importlib.reload(plugin)
+    model, processor = random_qwen_vl("qwen2_5_vl")
+    path = save_model(model, processor, tmp_path / "m")
+    data = load_recipe("qwen/qwen2_5_vl_pope").to_dict()
+    data["model"].update(name=str(path), device="cpu", dtype="float32")
+    data["pruning"][0]["budget"] = {"tokens": 400}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps(data))
+    lm = plugin.MMFast.create_from_arg_string(f"recipe={recipe}", {"batch_size": 2, "device": "cpu"})
+    docs = {d: {"image": images[d].resize((32 + 16 * d, 48))} for d in range(3)}
+    lm.task_dict = {"pope": {"test": docs}}
+
+    class Req:
+        def __init__(self, args):
+            self.args = args
+
+    qs = ["Is there a cat in the image?", "Describe the image.", "How many dogs are there?"]
+    reqs = [Req((f"<image>\n{qs[d]}", {"max_new_tokens": 4}, lambda doc: [doc["image"]], d, "pope", "test")) for d in range(3)]
+    got = lm.generate_until(reqs)
+    mm = mmfast.load(path, device="cpu")
+    want = [r.text for r in mm.generate([docs[d]["image"] for d in range(3)], qs, recipe=str(recipe), max_new_tokens=4)]
+    assert got == want and all(want)
+    monkeypatch.undo()
+    importlib.reload(plugin)
