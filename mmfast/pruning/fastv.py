@@ -16,8 +16,9 @@ Dynamic resolution (Qwen-VL): a budget B keeps ratio = 1 - keep_ref / 576 of eac
 the formula above at N = 576 (``_budget.py``); ``keep`` stays an absolute per-image count.
 
 Positions: the in-place variant keeps each kept token's original position id (under M-RoPE its
-original (t, h, w) ids, as the official Qwen-VL FastV ports keep the ``position_ids`` rows). KV cache: layers >= K
-cache only the kept tokens; pruning is static after prefill (as the released KV-cache variant).
+original (t, h, w) ids, the in-place rule applied per axis; no official Qwen-VL FastV code was
+checked). KV cache: layers >= K cache only the kept tokens; pruning is static after prefill (as the
+released KV-cache variant).
 Hook points: attention probe on layer K-1 (last query row only, O(keys)); layer pre-hooks >= K.
 Limits: none on batch size (per-sample top-k with left padding); needs no eager attention.
 """
