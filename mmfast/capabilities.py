@@ -17,7 +17,11 @@ if TYPE_CHECKING:
     from .models.base import VLMAdapter
 
 Search = Literal["single", "beam", "branches"]
-ALL_FAMILIES = frozenset({"llava", "llava_next", "llava_onevision"})
+#: the LLaVA-style families (1-D RoPE): LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision
+LLAVA_FAMILIES = frozenset({"llava", "llava_next", "llava_onevision"})
+#: multimodal-RoPE families (mmfast/models/qwen2_vl.py); a method runs there only if it declares them
+QWEN_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+ALL_FAMILIES = LLAVA_FAMILIES | QWEN_FAMILIES
 #: vision-tower config types without a CLS token (OneVision's SigLIP)
 CLS_LESS_TOWERS = frozenset({"siglip_vision_model", "siglip2_vision_model"})
 
@@ -26,8 +30,8 @@ CLS_LESS_TOWERS = frozenset({"siglip_vision_model", "siglip2_vision_model"})
 class Capabilities:
     """A method's declaration. Defaults describe a method that does nothing special."""
 
-    #: model families the method runs on
-    families: frozenset[str] = ALL_FAMILIES
+    #: model families the method runs on (the LLaVA ones unless the method declares more)
+    families: frozenset[str] = LLAVA_FAMILIES
     #: needs a CLS token in the vision tower
     needs_cls: bool = False
 
@@ -199,6 +203,10 @@ class ModelFacts:
         if family not in ALL_FAMILIES:
             return None
         text, vision = config.text_config, config.vision_config
+        if family in QWEN_FAMILIES:  # dynamic resolution, no CLS; grid = the budget reference grid
+            from .models.qwen2_vl import BUDGET_REFERENCE_GRID
+
+            return cls(family, int(text.num_hidden_layers), int(vision.depth), BUDGET_REFERENCE_GRID, False)
         side = int(vision.image_size) // int(vision.patch_size)
         # LLaVA / LLaVA-NeXT: CLIP towers (a CLS token the "default" strategy drops); OneVision: SigLIP, none
         has_cls = getattr(vision, "model_type", "") not in CLS_LESS_TOWERS

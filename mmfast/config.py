@@ -466,12 +466,13 @@ class BenchConfig:
                 raise ConfigError(f"bench.params.{key}", f"unknown key; {hint}")
             _convert(value, allowed[key], f"bench.params.{key}")
         if self.shape is not None:
-            from .models.factory import SHAPES
+            from .models.factory import QWEN_SHAPES, SHAPES
 
-            if self.shape not in SHAPES:
-                close = difflib.get_close_matches(self.shape, list(SHAPES), n=1)
+            known = [*SHAPES, *(k for k in QWEN_SHAPES if k != "tiny")]
+            if self.shape not in known:
+                close = difflib.get_close_matches(self.shape, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError("bench.shape", f"unknown shape {self.shape!r}{hint} (known: {', '.join(SHAPES)})")
+                raise ConfigError("bench.shape", f"unknown shape {self.shape!r}{hint} (known: {', '.join(known)})")
 
 
 #: the ``bench.params`` each kind of benchmark reads, with their types (checked when the recipe loads)

@@ -100,7 +100,13 @@ class MethodContext:
             per_ids[owner].append(vision.patch_ids[img])
             for k, tag in vision.tags.items():
                 per_tags[k][owner].append(tag[img])
-        return build_lm_inputs(self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.special.pad, per_tags)
+        grids = vision.extras.get("grid_thw")  # per image (t, h, w): M-RoPE families
+        per_grid: list[list] | None = None if grids is None else [[] for _ in range(batch.batch_size)]
+        if per_grid is not None:
+            for img, owner in enumerate(batch.image_owner):
+                per_grid[owner].append(grids[img])
+        return build_lm_inputs(self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.special.pad, per_tags,
+                               per_grid)
 
     def encode_branch(self, batch: PreparedBatch) -> tuple[VisionBatch, LMInputs]:
         """Encode an auxiliary branch (a noised or transformed image): vision tower, feature stages

@@ -44,10 +44,10 @@ class PreparedBatch:
     prompts: list[str]
     texts: list[str]  # after the chat template
     token_ids: list[list[int]]  # one image token per image (expanded later to the feature count)
-    pixel_values: torch.Tensor  # [n_images, 3, H, W] ([n_images, n_tiles, 3, H, W] for anyres families)
+    pixel_values: torch.Tensor  # [n_images, 3, H, W] ([n_images, n_tiles, 3, H, W] anyres; [n_images, max P, D] Qwen-VL)
     image_owner: list[int]  # sample index of each image
     meta: list[dict[str, Any]] = field(default_factory=list)  # per-sample info from the caller
-    image_sizes: torch.Tensor | None = None  # [n_images, 2] original (H, W), for anyres families
+    image_sizes: torch.Tensor | None = None  # [n_images, 2] original (H, W), anyres; [n_images, 3] grid_thw, Qwen-VL
 
     @property
     def batch_size(self) -> int:
@@ -154,10 +154,8 @@ class MMModel:
         flat = [im for ims in per_sample for im in ims]
         owner = [b for b, ims in enumerate(per_sample) for _ in ims]
         processed = self.image_processor(images=flat, return_tensors="pt")
-        return PreparedBatch(
-            per_sample, list(prompts), texts, token_ids, processed["pixel_values"], owner, list(meta or []),
-            processed.get("image_sizes"),
-        )
+        pixel_values, image_sizes = self.adapter.pack_pixels(processed)
+        return PreparedBatch(per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []), image_sizes)
 
     # -- generation ----------------------------------------------------------------------------
     def generate(
@@ -417,9 +415,18 @@ def _load_processor(path: str, kwargs: dict[str, Any], model_type: str | None = 
 
     from .models import PROCESSOR_CLASSES
 
+    kw = {k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")}
     cls = PROCESSOR_CLASSES[model_type]() if model_type in PROCESSOR_CLASSES else AutoProcessor
     try:
-        return cls.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
+        return cls.from_pretrained(path, **kw)
+    except (AttributeError, ImportError, TypeError) as exc:  # Qwen-VL processors' video half needs torchvision
+        from .models.qwen_processor import load_qwen_processor
+
+        logger.info("AutoProcessor unavailable for %s (%s); using its tokenizer and image processor", path, exc)
+        try:
+            return load_qwen_processor(path, **kw)
+        except (OSError, ValueError) as exc2:
+            raise ModelLoadError(f"cannot load the processor of {path!r}: {exc2}") from None
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
             f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "

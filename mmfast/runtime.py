@@ -10,6 +10,14 @@ and no hooks: the language model runs untouched.
 
 Positions follow each method's paper: ``original`` keeps each kept token's position id (FastV's
 in-place variant, Dynamic-LLaVA); ``compact`` renumbers the survivors 0..L'-1 (MustDrop, PDrop).
+
+Multimodal RoPE (Qwen-VL): positions are [B, T, 3] (temporal, height, width) everywhere a 1-D family
+has [B, T]; every slot edit (gather, crop, reorder, rollback) carries the 3 axes. A new token goes at
+(max over the group's valid positions and axes) + 1 (+ its tree depth), replicated on the 3 axes, as
+HF's ``rope_deltas`` places it. ``compact`` under M-RoPE (:func:`mmfast.models.mrope.compact_positions`)
+closes the gaps between spans: text tokens are renumbered consecutively, and each image's kept tokens
+keep their (t, h, w) offsets from the image's kept minimum per axis, starting at the running position;
+the next span starts after the image's maximum.
 """
 
 from __future__ import annotations
@@ -53,8 +61,9 @@ class LayerGroup:
         return int(self.key_mask.shape[1])
 
     def next_positions(self) -> torch.Tensor:
-        """[B] position id of the next appended token."""
-        return self.positions.masked_fill(~self.key_mask, -1).max(1).values + 1
+        """[B] position id of the next appended token (M-RoPE: max over the 3 axes too)."""
+        pos = self.positions if self.positions.dim() == 2 else self.positions.amax(-1)
+        return pos.masked_fill(~self.key_mask, -1).max(1).values + 1
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.key_mask, self.positions, self.source = fn(self.key_mask), fn(self.positions), fn(self.source)
@@ -152,7 +161,7 @@ class LMState:
             lay = self.cache.layers[layer]
             idx = index[:, None, :, None].expand(-1, lay.keys.shape[1], -1, lay.keys.shape[-1])
             compat.set_layer_kv(self.cache, layer, lay.keys.gather(2, idx), lay.values.gather(2, idx))
-        grp._map(lambda t: t.gather(1, index))
+        grp._map(lambda t: gather_slots(t, index))
         if valid is not None:
             grp.key_mask = grp.key_mask & valid
 
@@ -314,6 +323,12 @@ class LMRunner:
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
         self.step_hooks: list[Callable[[LMState], None]] = []  # KV policies after each decode step
+        # Qwen3-VL deepstack: after LLM layers 0..n-1 of prefill, add each vision slot's level-i feature
+        # (the LMInputs tag carried with the tokens, so pruned layouts get the right rows)
+        self.deepstack_levels = int(getattr(adapter, "deepstack_levels", 0))
+        if self.deepstack_levels and session is not None:
+            for i in range(self.deepstack_levels):
+                session.forward_hook(adapter.layers[i], self._make_deepstack_hook(i))
 
     # -- registration (by pruners, through the session) -------------------------------------------
     def prune_at(self, layer: int, fn: SelectFn, *, compact: bool = False, ref_layer: float | None = None) -> None:
@@ -373,7 +388,7 @@ class LMRunner:
             out = self.lm(
                 inputs_embeds=inputs.embeds,
                 attention_mask=inputs.attention_mask,
-                position_ids=inputs.position_ids,
+                position_ids=self.adapter.lm_position_ids(inputs.position_ids),
                 past_key_values=state.cache,
                 use_cache=True,
             )
@@ -414,6 +429,8 @@ class LMRunner:
         dtype = self.adapter.lm_head.weight.dtype
         for g, grp in enumerate(state.groups):
             pos = grp.next_positions()[:, None] + depth  # [B, Q]
+            if grp.positions.dim() == 3:  # M-RoPE: the same position on every axis
+                pos = pos[:, :, None].expand(-1, -1, grp.positions.shape[-1])  # [B, Q, 3]
             grp.key_mask = torch.cat([grp.key_mask, torch.ones(bsz, q, dtype=torch.bool, device=dev)], 1)
             grp.positions = torch.cat([grp.positions, pos], 1)
             grp.source = torch.cat([grp.source, torch.full((bsz, q), -1, device=dev, dtype=grp.source.dtype)], 1)
@@ -427,7 +444,7 @@ class LMRunner:
             out = self.lm(
                 inputs_embeds=embeds,
                 attention_mask=grp0.fwd_mask if custom else grp0.key_mask.long(),
-                position_ids=grp0.positions[:, -q:],
+                position_ids=self.adapter.lm_position_ids(grp0.positions[:, -q:]),
                 past_key_values=state.cache,
                 use_cache=True,
             )
@@ -453,15 +470,34 @@ class LMRunner:
                 return (args, kwargs) if not args else ((hidden, *args[1:]), kwargs)
             grp = state.groups[g]
             if grp.fwd_pos_emb is None:
-                grp.fwd_pos_emb = self.lm.rotary_emb(hidden, position_ids=grp.fwd_pos_ids)
+                grp.fwd_pos_emb = self.lm.rotary_emb(hidden, position_ids=self.adapter.lm_position_ids(grp.fwd_pos_ids))
             kwargs = dict(kwargs)
             kwargs["attention_mask"] = grp.fwd_mask
-            kwargs["position_ids"] = grp.fwd_pos_ids
+            # what the LM itself hands its layers: the 1-D ids, or None under M-RoPE (as HF does)
+            kwargs["position_ids"] = grp.fwd_pos_ids if grp.fwd_pos_ids.dim() == 2 else None
             kwargs["position_embeddings"] = grp.fwd_pos_emb
             if args:
                 return (hidden, *args[1:]), kwargs
             kwargs["hidden_states"] = hidden
             return args, kwargs
+
+        return hook
+
+    def _make_deepstack_hook(self, level: int) -> Callable:
+        from .models.qwen2_vl import DEEPSTACK
+
+        def hook(module, args, output):
+            state = self._active
+            if state is None or self._phase != "prefill" or DEEPSTACK not in state.inputs.tags:
+                return None
+            hidden = output[0] if isinstance(output, tuple) else output  # [B, T, d]
+            g = state.group_of(level)
+            src = state.groups[g].source.clamp(min=0)  # [B, T]
+            feats = state.inputs.tags[DEEPSTACK][:, :, level]  # [B, L, d]
+            feats = feats.gather(1, src[:, :, None].expand(-1, -1, feats.shape[-1])).to(hidden.dtype)  # [B, T, d]
+            vis = state.vision_slots(g)[:, :, None]
+            hidden = torch.where(vis, hidden + feats, hidden)
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
         return hook
 
@@ -508,10 +544,16 @@ class LMRunner:
                 idx = idx[order[b, idx].argsort(stable=True)]  # the select function's layout
             index[b, new_len - idx.numel() :] = idx  # left-pad
             valid[b, new_len - idx.numel() :] = True
-        positions = prev.positions.gather(1, index)
-        if compact:
+        positions = gather_slots(prev.positions, index)
+        source = prev.source.gather(1, index).masked_fill(~valid, -1)
+        if compact and positions.dim() == 3:
+            from .models.mrope import compact_positions
+
+            image_index = state.inputs.image_index.gather(1, source.clamp(min=0)).masked_fill(source < 0, -1)
+            positions = compact_positions(positions, image_index, valid)
+        elif compact:
             positions = (valid.long().cumsum(1) - 1).masked_fill(~valid, 1)
-        grp = LayerGroup(layer, valid, positions, prev.source.gather(1, index).masked_fill(~valid, -1), compact, ref)
+        grp = LayerGroup(layer, valid, positions, source, compact, ref)
         impl = self.adapter.text_config._attn_implementation
         causal = torch.ones(new_len, new_len, dtype=torch.bool, device=keep.device).tril()
         grp.fwd_mask = compat.format_mask(_block_causal_mask(valid, causal.expand(bsz, -1, -1)), impl, hidden.dtype)
@@ -519,6 +561,13 @@ class LMRunner:
         state.groups.append(grp)
         state.groups.sort(key=lambda g: g.start)
         return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
+
+
+def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t`` ([B, T] or [B, T, k]: M-RoPE positions) at slots ``index`` ([B, T'])."""
+    if t.dim() == 2:
+        return t.gather(1, index)
+    return t.gather(1, index[:, :, None].expand(-1, -1, t.shape[-1]))
 
 
 def _block_causal_mask(key_mask: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The compatibility matrix: every registered pruner x every decoder x {no drafter, a drafter}, and
-every ordered pair of stacked pruners, on tiny random LLaVA, LLaVA-NeXT and LLaVA-OneVision models.
+every ordered pair of stacked pruners, on tiny random LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL models (the Qwen ones with mixed image sizes: dynamic resolution).
 
 Each combination either generates (batch 2, so branch batching and per-sample decisions are
 exercised) or is refused before any compute with a reason that names the method: by
@@ -23,18 +24,33 @@ DECODER_PARAMS = {
     "opera": {"num_beams": 2, "num_attn_candidates": 2},
 }
 DRAFTER = "prompt_lookup"  # needs no trained weights
-FAMILIES = ["llava", "llava_next", "llava_onevision"]
 
 
 @pytest.fixture(scope="module")
 def families(tiny_mm, tmp_path_factory):
     from mmfast.models.factory import random_llava_next, random_llava_onevision, save_model
 
+    from mmfast.models.factory import random_qwen_vl
+
     model, processor = random_llava_next("tiny")
     path = save_model(model, processor, tmp_path_factory.mktemp("next_matrix"))
     model, processor = random_llava_onevision("tiny")
     ov_path = save_model(model, processor, tmp_path_factory.mktemp("onevision_matrix"))
-    return {"llava": tiny_mm, "llava_next": mmfast.load(path, device="cpu"), "llava_onevision": mmfast.load(ov_path, device="cpu")}
+    out = {"llava": tiny_mm, "llava_next": mmfast.load(path, device="cpu"), "llava_onevision": mmfast.load(ov_path, device="cpu")}
+    for family in QWEN:
+        model, processor = random_qwen_vl(family)
+        out[family] = mmfast.load(save_model(model, processor, tmp_path_factory.mktemp(family)), device="cpu")
+    return out
+
+
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("llava", "llava_next", "llava_onevision", *QWEN)
+
+
+@pytest.fixture(scope="module")
+def mixed_images(images):
+    """The shared images, every other one resized: dynamic-resolution families get two grids."""
+    return [im if i % 2 == 0 else im.resize((32, 64)) for i, im in enumerate(images)]
 
 
 def _stage(name: str, mm) -> dict:
@@ -67,8 +83,8 @@ def _names_a_method(reason: str, recipe_data: dict) -> bool:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("pruner", PRUNERS.names())
-def test_pruner_x_decoder_x_drafter(family, pruner, families, images, prompts):
-    mm = families[family]
+def test_pruner_x_decoder_x_drafter(family, pruner, families, images, mixed_images, prompts):
+    mm, images = families[family], mixed_images if family in QWEN else images
     problems, ran = [], 0
     for decoder in DECODERS.names():
         for drafter in (None, DRAFTER):
@@ -93,8 +109,8 @@ def test_pruner_x_decoder_x_drafter(family, pruner, families, images, prompts):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("first", PRUNERS.names())
-def test_stacked_pruners(family, first, families, images, prompts):
-    mm = families[family]
+def test_stacked_pruners(family, first, families, images, mixed_images, prompts):
+    mm, images = families[family], mixed_images if family in QWEN else images
     problems = []
     for second in PRUNERS.names():
         data = {"pruning": [_stage(first, mm), _stage(second, mm)], "decoding": {"method": "greedy"}}

@@ -61,8 +61,11 @@ def test_load_loaded_model_dtype_and_unsupported(tiny_dir):
     model = LlavaForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
     mm = mmfast.load(model, processor=AutoProcessor.from_pretrained(tiny_dir), dtype="bfloat16", device="cpu")
     assert mm.dtype == torch.bfloat16 and mm.device.type == "cpu"
-    model.config.model_type = "qwen2_vl"
-    with pytest.raises(ModelLoadError, match="Qwen2-VL"):
+    model.config.model_type = "qwen2_vl"  # a supported family, but not this model's class
+    with pytest.raises(mmfast.InputError, match="Qwen2VLForConditionalGeneration"):
+        mmfast.load(model, processor=AutoProcessor.from_pretrained(tiny_dir))
+    model.config.model_type = "idefics2"
+    with pytest.raises(ModelLoadError, match="idefics2"):
         mmfast.load(model, processor=AutoProcessor.from_pretrained(tiny_dir))
 
 

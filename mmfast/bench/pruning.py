@@ -113,7 +113,9 @@ def _accounting(run_dir: Path) -> dict[str, float]:
 
 @torch.inference_mode()
 def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, Any]:
-    """LLM prefill speed on a LLaVA-1.5-shaped random model, same inputs for every variant.
+    """LLM prefill speed on a LLaVA-1.5- or Qwen2.5-VL-shaped random model, same inputs for every variant.
+
+    Variants a family refuses (IncompatibleRecipeError at apply) are listed as skipped with the reason.
 
     The measured time is the LLM prefill (``timings.prefill_s``: what the FLOPs ratio counts) and,
     separately, the vision tower + feature stages (``vision_s``); medians over ``bench.repeats``.
@@ -124,14 +126,20 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
     from ..model import MMModel
     from ..models.factory import random_llava
 
+    from ..models.factory import QWEN_SHAPES, SHAPES, random_qwen_vl
+
     cfg = recipe.bench
     logger.info("bench phase: prefill timing on the %s random-weight model (building it)", cfg.shape)
-    model, processor = random_llava(cfg.shape, dtype=torch.float32)
+    if cfg.shape not in SHAPES and cfg.shape in QWEN_SHAPES:  # Qwen2.5-VL shapes: the shape's image size
+        model, processor = random_qwen_vl("qwen2_5_vl", cfg.shape, init_std=0.02)
+        height, width = QWEN_SHAPES[cfg.shape].bench_image
+    else:
+        model, processor = random_llava(cfg.shape, dtype=torch.float32)
+        height = width = model.config.vision_config.image_size
     mm = MMModel(model.to(device), processor, cfg.shape)  # where the benchmarked model runs
     rng = np.random.default_rng(0)
     n = int(cfg.params.get("shaped_samples", 2))
-    size = model.config.vision_config.image_size
-    images = [Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+    images = [Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)) for _ in range(n)]
     prompt = "Is there a dog in the image?\nAnswer the question using a single word or phrase."
     batches = [mm.prepare([im], [prompt]) for im in images]
     wanted = set(cfg.params.get("shaped_variants", [v.name for v in vs]))
@@ -190,7 +198,7 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
         ]
         write_markdown(
             out / "speed_shaped.md",
-            f"Prefill speed on a LLaVA-1.5-shaped random model ({speed['shape']})",
+            f"Prefill speed on a random-weight model of real shape ({speed['shape']})",
             command,
             ["variant", "vision tok @LLM", "layer-avg tok", "LLM prefill s", "vision s", "LLM prefill speedup", "prefill+vision speedup",
              "FLOPs ratio", "ideal speedup", "measured / ideal"],

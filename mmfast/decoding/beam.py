@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
@@ -95,7 +95,7 @@ class BeamSearch:
 class Beam(Decoder):
     """Beam search."""
 
-    caps = Capabilities(search="beam")
+    caps = Capabilities(families=ALL_FAMILIES, search="beam")
 
     @dataclass(frozen=True)
     class Config:

@@ -10,6 +10,9 @@ clean branch, then sampled straight from the softmax at T = 1 (no warpers), as t
 Hook points: a recorder on the feature layer's vision attention (q/k of the forward that runs anyway);
 an auxiliary branch via the branch manager. Limits: the outlier branch uses the unpruned features,
 so it composes with feature-stage pruning but not with merging inside the vision tower.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: contrasts against the tower's
+CLS-attention outliers; Qwen-VL towers have no CLS.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest, Sampling
 from .loop import autoregressive
@@ -18,7 +18,7 @@ from .loop import autoregressive
 class Greedy(Decoder):
     """Greedy decoding."""
 
-    caps = Capabilities(speculative=True)
+    caps = Capabilities(families=ALL_FAMILIES, speculative=True)
 
     @dataclass(frozen=True)
     class Config:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
@@ -51,7 +51,7 @@ def leading_query(question: str, rng, yes_no: tuple[str, ...], open_ended: tuple
 class LQCD(MultiBranchDecoder):
     """Leading Query Contrastive Decoding."""
 
-    caps = Capabilities(search="branches")
+    caps = Capabilities(families=ALL_FAMILIES, search="branches")
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

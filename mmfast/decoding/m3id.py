@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, MultiBranchDecoder, m3id
@@ -21,7 +21,7 @@ from .branches import Branch, MultiBranchDecoder, m3id
 class M3ID(MultiBranchDecoder):
     """M3ID."""
 
-    caps = Capabilities(search="branches")
+    caps = Capabilities(families=ALL_FAMILIES, search="branches")
 
     @dataclass(frozen=True)
     class Config:

@@ -63,7 +63,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..registry import DECODERS
@@ -100,7 +100,7 @@ class _SampleResult:
 class Opera(Decoder):
     """OPERA (over-trust penalty + retrospection-allocation beam search)."""
 
-    caps = Capabilities(search="beam", needs_full_decode_cache=True)
+    caps = Capabilities(families=ALL_FAMILIES, search="beam", needs_full_decode_cache=True)
     probe_key = "opera.last_layer"
 
     @dataclass(frozen=True)

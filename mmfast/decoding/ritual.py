@@ -10,6 +10,9 @@ weights of the released code imply; that code branches exclusively, so this comb
 The transforms follow torchvision's parameter sampling, implemented with PIL/numpy (torchvision does
 not install beside the CPU torch used here); the Gaussian blur uses the exact 13-tap kernel with
 reflect padding. Hook points: one or two extra branches via the branch manager.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: re-runs the image processor on a
+transformed square view (CLIP crop size); the dynamic-resolution patch layout is not wired.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import opt
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest, Sampling
 from .loop import autoregressive, sample_from, warpers
@@ -19,7 +19,7 @@ from .loop import autoregressive, sample_from, warpers
 class Sample(Decoder):
     """Sampling."""
 
-    caps = Capabilities(speculative=True)
+    caps = Capabilities(families=ALL_FAMILIES, speculative=True)
 
     @dataclass(frozen=True)
     class Config:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
@@ -46,7 +46,11 @@ def noised_branch(ctx: MethodContext, req, step: int, seed: int, name: str = "no
         image = req.batch.images[owner][i - req.batch.image_owner.index(owner)]
         rng = query_rng(seed, req.batch.prompts[owner], image)
         gen = torch.Generator(device="cpu").manual_seed(rng.getrandbits(63))
-        noised.append(ddpm_noise(req.batch.pixel_values[i : i + 1], step, gen))
+        row = req.batch.pixel_values[i : i + 1].clone()
+        sizes = None if req.batch.image_sizes is None else req.batch.image_sizes[i : i + 1]
+        own = ctx.adapter.image_pixels(row, sizes)  # a view without batch padding (Qwen-VL)
+        own.copy_(ddpm_noise(own, step, gen))
+        noised.append(row)
     batch = dataclasses.replace(req.batch, pixel_values=torch.cat(noised))
     return Branch(name, ctx.encode_branch(batch)[1])
 
@@ -55,7 +59,7 @@ def noised_branch(ctx: MethodContext, req, step: int, seed: int, name: str = "no
 class VCD(MultiBranchDecoder):
     """Visual Contrastive Decoding."""
 
-    caps = Capabilities(search="branches")
+    caps = Capabilities(families=ALL_FAMILIES, search="branches")
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

@@ -23,6 +23,7 @@ import torch
 from ..config import opt
 from ..errors import ConfigError
 from ..models.base import LMInputs
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest
 from .loop import autoregressive, sample_from, warpers
@@ -45,6 +46,7 @@ def select_heads(vhd: torch.Tensor, text_energy: torch.Tensor) -> torch.Tensor:
 
 @DECODERS.register("vhr", description="VHR: reinforce vision-aware attention heads chosen at the first token")
 class VHR(Decoder):
+    caps = Capabilities(families=ALL_FAMILIES)
     """Vision-aware Head Reinforcement."""
 
     @dataclass(frozen=True)

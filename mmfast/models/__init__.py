@@ -9,11 +9,15 @@ from .base import LMInputs, VisionBatch, VLMAdapter, build_lm_inputs
 from .llava import LlavaAdapter
 from .llava_next import LlavaNextAdapter
 from .llava_onevision import LlavaOnevisionAdapter
+from .qwen2_vl import Qwen2_5_VLAdapter, Qwen2VLAdapter, Qwen3VLAdapter
 
 ADAPTERS: dict[str, type[VLMAdapter]] = {
     "llava": LlavaAdapter,
     "llava_next": LlavaNextAdapter,
     "llava_onevision": LlavaOnevisionAdapter,
+    "qwen2_vl": Qwen2VLAdapter,
+    "qwen2_5_vl": Qwen2_5_VLAdapter,
+    "qwen3_vl": Qwen3VLAdapter,
 }
 
 
@@ -35,16 +39,31 @@ def _llava_onevision():
     return LlavaOnevisionForConditionalGeneration
 
 
+def _class(name: str):
+    def get():
+        import transformers
+
+        return getattr(transformers, name)
+
+    return get
+
+
 #: model_type -> (lazy) processor class, for families whose HF processor mmfast cannot build as it is
 PROCESSOR_CLASSES = {"llava_onevision": lambda: __import__(
     "mmfast.models.llava_onevision", fromlist=["image_processor_class"]).image_processor_class()}
 
 #: model_type -> (lazy) model class
-MODEL_CLASSES = {"llava": _llava, "llava_next": _llava_next, "llava_onevision": _llava_onevision}
-
-_REJECTED = {
-    "qwen2_vl": "Qwen2-VL (M-RoPE positions, PatchMerger) is not supported.",
+MODEL_CLASSES = {
+    "llava": _llava,
+    "llava_next": _llava_next,
+    "llava_onevision": _llava_onevision,
+    "qwen2_vl": _class("Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": _class("Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": _class("Qwen3VLForConditionalGeneration"),
 }
+
+#: model types recognised but refused, with the reason
+_REJECTED: dict[str, str] = {}
 
 
 def adapter_for(model: nn.Module) -> VLMAdapter:
@@ -66,6 +85,9 @@ __all__ = [
     "LlavaAdapter",
     "LlavaNextAdapter",
     "LlavaOnevisionAdapter",
+    "Qwen2VLAdapter",
+    "Qwen2_5_VLAdapter",
+    "Qwen3VLAdapter",
     "VLMAdapter",
     "VisionBatch",
     "adapter_for",

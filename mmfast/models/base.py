@@ -21,7 +21,9 @@ class VisionBatch:
     ``features[i]`` are the selected-layer patch features of image ``i`` *before* the projector
     ([N_i, Dv]); a stage that produces LLM-width tokens itself sets ``projected[i]`` ([N_i, d]).
     ``patch_ids[i]`` maps each token to its raster patch index in the original grid (-1 for merged
-    or synthetic tokens), which keeps spatial bookkeeping honest after reordering.
+    or synthetic tokens), which keeps spatial bookkeeping honest after reordering. Families with
+    dynamic resolution (Qwen-VL) index the image's own merged-token grid ``extras["grid_thw"][i]``
+    (t, h, w) in raster order ``t * h * w``; their multimodal RoPE positions are derived from it.
     """
 
     features: list[torch.Tensor]  # per image [N_i, Dv]
@@ -32,7 +34,8 @@ class VisionBatch:
     projected: list[torch.Tensor | None] = field(default_factory=list)  # per image [N_i, d] or None
     extras: dict[str, Any] = field(default_factory=dict)  # probe results and per-method side data
     #: per-token data that travels with the tokens into ``LMInputs.tags``: name -> per image [N_i]
-    #: (bool or long; text and padding get 0). A stage that selects rows must select these too.
+    #: (bool or long; text and padding get 0), or [N_i, ...] for per-token vectors (Qwen3-VL's
+    #: deepstack features). A stage that selects rows must select these too.
     tags: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: per-method statistics of this encoding (method name -> stats; ``per_sample_*`` lists)
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -79,6 +82,11 @@ class LMInputs:
     All tensors are [B, L]: ``input_ids`` holds the image token id at image positions and the pad id at
     padding; ``image_mask`` marks vision tokens; ``patch_ids`` maps a vision token to its patch (-1 for
     text); ``image_index`` says which image of the sample a vision token came from (-1 for text).
+
+    ``position_ids`` is [B, L] for 1-D RoPE families and [B, L, 3] (temporal, height, width) for
+    multimodal-RoPE families (Qwen-VL); the adapter's ``lm_position_ids`` turns it into what the HF
+    language model takes. Generated tokens continue at (max over the sample's valid positions and
+    axes) + 1, replicated on the 3 axes: what HF's ``rope_deltas`` computes.
     """
 
     embeds: torch.Tensor  # [B, L, d]
@@ -115,15 +123,20 @@ class LMInputs:
         are marked in the ``GENERATED`` tag (decode-without-cache rules tell them from the prompt)."""
         bsz, q = ids.shape
         dev = ids.device
-        last = self.position_ids[:, -1:]
-        tags = {k: torch.cat([t, t.new_zeros(bsz, q)], 1) for k, t in self.tags.items() if k != GENERATED}
+        if self.position_ids.dim() == 3:  # M-RoPE: next = max over valid positions and axes + 1
+            valid = self.attention_mask.bool()[:, :, None]
+            last = self.position_ids.masked_fill(~valid, -1).amax((1, 2))[:, None]  # [B, 1]
+            new_pos = (last + torch.arange(1, q + 1, device=dev))[:, :, None].expand(-1, -1, self.position_ids.shape[-1])
+        else:
+            new_pos = self.position_ids[:, -1:] + torch.arange(1, q + 1, device=dev)
+        tags = {k: torch.cat([t, t.new_zeros(bsz, q, *t.shape[2:])], 1) for k, t in self.tags.items() if k != GENERATED}
         done = self.tags.get(GENERATED, torch.zeros_like(self.image_mask))
         tags[GENERATED] = torch.cat([done, torch.ones(bsz, q, dtype=torch.bool, device=dev)], 1)
         return LMInputs(
             torch.cat([self.embeds, embeds.to(self.embeds.dtype)], 1),
             torch.cat([self.input_ids, ids], 1),
             torch.cat([self.attention_mask, torch.ones(bsz, q, dtype=self.attention_mask.dtype, device=dev)], 1),
-            torch.cat([self.position_ids, last + torch.arange(1, q + 1, device=dev)], 1),
+            torch.cat([self.position_ids, new_pos], 1),
             torch.cat([self.image_mask, torch.zeros(bsz, q, dtype=torch.bool, device=dev)], 1),
             torch.cat([self.patch_ids, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
             torch.cat([self.image_index, torch.full((bsz, q), -1, dtype=torch.long, device=dev)], 1),
@@ -139,7 +152,7 @@ class LMInputs:
         tags = {}
         for k in names:  # a branch without the tag (no such tokens) contributes zeros
             like = next(p.tags[k] for p in parts if k in p.tags)
-            tags[k] = torch.cat([p.tags[k] if k in p.tags else like.new_zeros(p.input_ids.shape) for p in parts], 0)
+            tags[k] = torch.cat([p.tags[k] if k in p.tags else like.new_zeros(*p.input_ids.shape, *like.shape[2:]) for p in parts], 0)
         return LMInputs(*(torch.cat([getattr(p, f) for p in parts], 0) for f in _LMINPUT_FIELDS), tags)
 
     def pad_left(self, n: int, pad_id: int, pad_embed: torch.Tensor) -> LMInputs:
@@ -154,11 +167,11 @@ class LMInputs:
             torch.cat([pad_embed.to(self.embeds.dtype).expand(bsz, n, -1), self.embeds], 1),
             torch.cat([torch.full((bsz, n), pad_id, dtype=torch.long, device=dev), self.input_ids], 1),
             torch.cat([zeros, self.attention_mask], 1),
-            torch.cat([torch.ones_like(zeros), self.position_ids], 1),
+            torch.cat([torch.ones_like(zeros).view(bsz, n, *[1] * (self.position_ids.dim() - 2)).expand(bsz, n, *self.position_ids.shape[2:]), self.position_ids], 1),
             torch.cat([torch.zeros(bsz, n, dtype=torch.bool, device=dev), self.image_mask], 1),
             torch.cat([neg, self.patch_ids], 1),
             torch.cat([neg, self.image_index], 1),
-            {k: torch.cat([t.new_zeros(bsz, n), t], 1) for k, t in self.tags.items()},
+            {k: torch.cat([t.new_zeros(bsz, n, *t.shape[2:]), t], 1) for k, t in self.tags.items()},
         )
 
     def crop_left(self, n: int) -> LMInputs:
@@ -182,6 +195,26 @@ class VLMAdapter:
 
     family: str = ""
     model: nn.Module
+    #: RoPE axes per token: 1, or 3 for multimodal RoPE (temporal, height, width; Qwen-VL)
+    rope_axes: int = 1
+
+    def lm_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """mmfast positions ([B, L] or [B, L, 3]) -> the ``position_ids`` the HF language model takes."""
+        return positions
+
+    def mrope_positions(self, pieces: list, device: torch.device) -> torch.Tensor:
+        """[L, 3] positions of one sample from its pieces (M-RoPE families only); see ``build_lm_inputs``."""
+        raise NotImplementedError
+
+    def image_pixels(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None) -> torch.Tensor:
+        """The real pixels (a view) of a one-image slice ``pixel_values[i:i+1]`` (``image_sizes[i:i+1]``):
+        without the padding a family adds to batch images of different sizes."""
+        return pixel_values
+
+    def pack_pixels(self, processed: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(pixel_values, image_sizes) of a ``PreparedBatch`` from the image processor's output: one row
+        per image (families whose processors flatten patches pad them per image)."""
+        return processed["pixel_values"], processed.get("image_sizes")
 
     # -- structure -------------------------------------------------------------------------------
     @property
@@ -230,13 +263,16 @@ def build_lm_inputs(
     image_patch_ids: list[list[torch.Tensor]],
     pad_id: int,
     image_tags: dict[str, list[list[torch.Tensor]]] | None = None,
+    image_grids: list[list[Any]] | None = None,
 ) -> LMInputs:
     """Splice projected image tokens into tokenised prompts and left-pad the batch.
 
     ``token_ids[b]`` holds one ``image_token_id`` per image of sample ``b``; each is replaced by the
     ``image_tokens[b][j]`` rows ([N_j, d]) of that image, so pruned images of any length fit, and the
     placeholder run always equals the feature count. ``image_tags[name][b][j]`` ([N_j]) are spliced
-    into ``LMInputs.tags[name]`` at the same slots (0 elsewhere).
+    into ``LMInputs.tags[name]`` at the same slots (0 elsewhere). ``image_grids[b][j]`` is image j's
+    merged-token grid (t, h, w) for M-RoPE families (``adapter.rope_axes == 3``), whose [B, L, 3]
+    positions ``adapter.mrope_positions`` derives from the pieces (text runs and images' patch ids).
     """
     image_tags = image_tags or {}
     image_id = adapter.image_token_id
@@ -244,11 +280,13 @@ def build_lm_inputs(
     device = embed_layer.weight.device
     rows = []
     tag_rows: dict[str, list[torch.Tensor]] = {}
+    pos_rows: list[torch.Tensor] = []
     for b, ids in enumerate(token_ids):
         n_slots = sum(1 for t in ids if t == image_id)
         if n_slots != len(image_tokens[b]):
             raise ValueError(f"sample {b}: prompt has {n_slots} image slots but {len(image_tokens[b])} images were given")
         pieces, ids_out, img_mask, pids, img_idx = [], [], [], [], []
+        layout: list = []  # ("text", n) or ("image", patch ids, grid) per piece, for M-RoPE positions
         tag_pieces: dict[str, list[torch.Tensor]] = {k: [] for k in image_tags}
         text_run: list[int] = []
         j = 0
@@ -258,11 +296,13 @@ def build_lm_inputs(
                 t = torch.tensor(text_run, device=device)
                 pieces.append(embed_layer(t))  # [n_text, d]
                 ids_out.append(t)
+                layout.append(("text", len(text_run)))
                 img_mask.append(torch.zeros(len(text_run), dtype=torch.bool, device=device))
                 pids.append(torch.full((len(text_run),), -1, device=device))
                 img_idx.append(torch.full((len(text_run),), -1, device=device))
                 for k, per in image_tags.items():
-                    tag_pieces[k].append(torch.zeros(len(text_run), dtype=per[b][0].dtype if per[b] else torch.long, device=device))
+                    like = per[b][0] if per[b] else torch.zeros(0, dtype=torch.long)
+                    tag_pieces[k].append(torch.zeros(len(text_run), *like.shape[1:], dtype=like.dtype, device=device))
                 text_run.clear()
 
         for t in ids:
@@ -276,11 +316,14 @@ def build_lm_inputs(
             ids_out.append(torch.full((n,), image_id, device=device))
             img_mask.append(torch.ones(n, dtype=torch.bool, device=device))
             pids.append(image_patch_ids[b][j].to(device))
+            layout.append(("image", image_patch_ids[b][j], None if image_grids is None else image_grids[b][j]))
             img_idx.append(torch.full((n,), j, device=device))
             for k, per in image_tags.items():
                 tag_pieces[k].append(per[b][j].to(device))
             j += 1
         flush()
+        if adapter.rope_axes != 1:
+            pos_rows.append(adapter.mrope_positions(layout, device))  # [L_b, 3]
         rows.append((torch.cat(pieces), torch.cat(ids_out), torch.cat(img_mask), torch.cat(pids), torch.cat(img_idx)))
         for k in image_tags:
             tag_rows.setdefault(k, []).append(torch.cat(tag_pieces[k]))
@@ -305,8 +348,12 @@ def build_lm_inputs(
         image_index[b, length - n :] = iidx
     tags = {}
     for k, per_row in tag_rows.items():
-        tags[k] = torch.zeros(bsz, length, dtype=per_row[0].dtype, device=device)
+        tags[k] = torch.zeros(bsz, length, *per_row[0].shape[1:], dtype=per_row[0].dtype, device=device)
         for b, t in enumerate(per_row):
             tags[k][b, length - t.shape[0] :] = t
     position_ids = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)  # as HF generate does for left padding
+    if adapter.rope_axes != 1:  # [B, L, 3]; padding 1 as above
+        position_ids = position_ids[:, :, None].repeat(1, 1, adapter.rope_axes)
+        for b, p in enumerate(pos_rows):
+            position_ids[b, length - p.shape[0] :] = p
     return LMInputs(embeds, input_ids, attn, position_ids, image_mask, patch_ids, image_index, tags)

@@ -10,6 +10,7 @@ tiles, ChatML template) are tiny random models of their real classes in the same
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,12 +109,15 @@ def llava_config(shape: LlavaShape, *, vocab_size: int | None = None, init_std: 
     )
 
 
-def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int, extra_tokens: list[str] | None = None):
+def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int, extra_tokens: list[str] | None = None, *, qwen: bool = False):
     """A byte-level BPE ``PreTrainedTokenizerFast`` with mmfast's special tokens at ids 0..4
     (``extra_tokens``, e.g. a video token, follow at 5...).
 
     BOS is added by a post-processor, as Llama tokenizers do; ``<image>`` is a single special token.
+    ``qwen``: Qwen-VL's special tokens instead (ids 0..6, see ``QWEN_SPECIAL_TOKENS``), no BOS.
     """
+    if qwen:
+        return _qwen_tokenizer(corpus, vocab_size)
     special = SPECIAL_TOKENS + list(extra_tokens or [])
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -338,4 +342,151 @@ def random_llava_onevision(
         video_token=VIDEO_TOKEN,
         vision_aspect_ratio=vision_aspect_ratio,
     )
+
+
+# -- Qwen-VL families -------------------------------------------------------------------------------
+#: Qwen-VL's special tokens (pad, im_start, im_end = EOS, vision_start, vision_end, image, video) at ids 0..6
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|image_pad|>", "<|video_pad|>"]
+
+#: Qwen2-VL / Qwen2.5-VL / Qwen3-VL chat template (system-less): each image is
+#: "<|vision_start|><|image_pad|><|vision_end|>" before the text, as the official template places it.
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _qwen_tokenizer(corpus: Iterable[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+    )
+    for i, t in enumerate(QWEN_SPECIAL_TOKENS):
+        assert fast.convert_tokens_to_ids(t) == i, f"special token {t} must have id {i}"
+    return fast
+
+
+@dataclass(frozen=True)
+class QwenShape:
+    """Sizes of a Qwen-VL model built from config (all three families)."""
+
+    patch_size: int = 4
+    vision_hidden: int = 32
+    vision_layers: int = 3
+    vision_heads: int = 4
+    text_hidden: int = 64
+    text_layers: int = 4
+    text_heads: int = 4
+    text_kv_heads: int = 2
+    text_intermediate: int = 128
+    vocab_size: int = 300
+    window_size: int = 16  # Qwen2.5-VL tower window in pixels: 16 / 4 / 2 = 2 x 2 merged tokens
+    mrope_section: tuple[int, int, int] = (2, 3, 3)  # half the head dim, split over (t, h, w)
+    min_pixels: int = 16 * 16
+    max_pixels: int = 64 * 64
+    max_positions: int = 2048
+    vision_intermediate: int | None = None  # default 2 x vision_hidden
+    fullatt_blocks: tuple[int, ...] | None = None  # Qwen2.5-VL full-attention blocks (default: the last)
+    bench_image: tuple[int, int] = (48, 64)  # (H, W) of the images the shaped prefill timing feeds
+    rope_theta: float = 10000.0
+
+
+#: Qwen2.5-VL-7B-Instruct's sizes (its config.json): the real tower (32 blocks of 1280, window 112,
+#: full attention in 7/15/23/31, out 3584) and the LLM at width 3584 (28 layers, 28 heads, 4 KV heads,
+#: MLP 18944, mrope_section 16/24/24), processor min/max pixels 56*56 .. 28*28*16384.
+_QWEN25_7B = QwenShape(
+    patch_size=14, vision_hidden=1280, vision_layers=32, vision_heads=16, text_hidden=3584, text_layers=28,
+    text_heads=28, text_kv_heads=4, text_intermediate=18944, vocab_size=32064, window_size=112,
+    mrope_section=(16, 24, 24), min_pixels=56 * 56, max_pixels=28 * 28 * 16384, max_positions=32768,
+    vision_intermediate=3420, fullatt_blocks=(7, 15, 23, 31), bench_image=(768, 1024), rope_theta=1000000.0,
+)
+
+QWEN_SHAPES: dict[str, QwenShape] = {
+    "tiny": QwenShape(),
+    # the bench's timing slice: the real tower and 4 of the 28 decoder layers at the real width; a
+    # 1024 x 768 image is resized to 1036 x 756 = 74 x 54 patches -> 37 x 27 = 999 vision tokens
+    # (vocabulary cut to 32064: only the embedding / LM-head size changes, not prefill FLOPs)
+    "qwen2.5-vl-7b-slice": dataclasses.replace(_QWEN25_7B, text_layers=4),
+    # a tiny stand-in with the same code path (tests of the shaped bench)
+    "qwen2.5-vl-tiny-slice": QwenShape(),
+}
+
+
+def qwen_config(family: str, shape: QwenShape, *, vocab_size: int, init_std: float = 0.02):
+    """The ``Qwen2VLConfig`` / ``Qwen2_5_VLConfig`` / ``Qwen3VLConfig`` of ``shape``'s sizes (ids as
+    ``QWEN_SPECIAL_TOKENS``)."""
+    import transformers as tf
+
+    head_dim = shape.text_hidden // shape.text_heads
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta, "mrope_section": list(shape.mrope_section)}
+    text = dict(vocab_size=vocab_size, hidden_size=shape.text_hidden, intermediate_size=shape.text_intermediate,
+                num_hidden_layers=shape.text_layers, num_attention_heads=shape.text_heads,
+                num_key_value_heads=shape.text_kv_heads, max_position_embeddings=shape.max_positions,
+                initializer_range=init_std, pad_token_id=0, bos_token_id=None, eos_token_id=2, rope_parameters=rope)
+    ids = dict(image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4, tie_word_embeddings=False)
+    common_vision = dict(depth=shape.vision_layers, num_heads=shape.vision_heads, patch_size=shape.patch_size,
+                         spatial_merge_size=2, temporal_patch_size=2, initializer_range=init_std)
+    if family == "qwen2_vl":
+        vision = dict(common_vision, embed_dim=shape.vision_hidden, hidden_size=shape.text_hidden, mlp_ratio=2)
+        return tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    if family == "qwen2_5_vl":
+        vision = dict(common_vision, hidden_size=shape.vision_hidden,
+                      intermediate_size=shape.vision_intermediate or 2 * shape.vision_hidden,
+                      out_hidden_size=shape.text_hidden, window_size=shape.window_size,
+                      fullatt_block_indexes=list(shape.fullatt_blocks or [shape.vision_layers - 1]), tokens_per_second=2)
+        return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    if family == "qwen3_vl":
+        rope = dict(rope, mrope_interleaved=True)
+        text = dict(text, head_dim=head_dim, rope_parameters=rope)
+        vision = dict(common_vision, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
+                      out_hidden_size=shape.text_hidden, num_position_embeddings=64,
+                      deepstack_visual_indexes=list(range(min(2, shape.vision_layers - 1))))
+        return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    raise ValueError(f"unknown Qwen-VL family {family!r} (qwen2_vl, qwen2_5_vl, qwen3_vl)")
+
+
+QWEN_MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                      "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+_QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+
+
+def random_qwen_vl(family: str = "qwen2_5_vl", shape: str | QwenShape = "tiny", *, seed: int = 0, init_std: float = 0.2,
+                   dtype: torch.dtype = torch.float32):
+    """A randomly initialised Qwen2-VL / Qwen2.5-VL / Qwen3-VL model and processor (no downloads): the
+    real model class, the real (PIL) Qwen2-VL image processor with dynamic resolution, a BPE tokenizer
+    with Qwen's special tokens and the Qwen chat layout. Returns (model, processor)."""
+    import transformers as tf
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    shp = QWEN_SHAPES[shape] if isinstance(shape, str) else shape
+    tokenizer = _qwen_tokenizer(_TEST_CORPUS * 4, min(shp.vocab_size, 600))
+    config = qwen_config(family, shp, vocab_size=max(shp.vocab_size, len(tokenizer)), init_std=init_std)
+    torch.manual_seed(seed)
+    model = getattr(tf, QWEN_MODEL_CLASSES[family])(config).to(dtype).eval()
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    model.generation_config.bos_token_id = None
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": shp.min_pixels, "longest_edge": shp.max_pixels},
+        patch_size=shp.patch_size, temporal_patch_size=2, merge_size=2,
+    )
+    from .qwen_processor import QwenVLImageProcessor
+
+    try:
+        processor = getattr(tf, _QWEN_PROCESSORS[family])(image_processor=image_processor, tokenizer=tokenizer,
+                                                          chat_template=QWEN_CHAT_TEMPLATE)
+    except (AttributeError, ImportError, TypeError):  # its video processor needs torchvision
+        processor = QwenVLImageProcessor(image_processor, tokenizer, QWEN_CHAT_TEMPLATE)
     return model, processor

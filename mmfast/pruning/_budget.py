@@ -7,6 +7,10 @@ A stage's :class:`~mmfast.config.Budget` is resolved when the session installs i
 2. methods with count knobs map ``tokens`` to them in their ``budget_params`` classmethod (closed form,
    documented in each method's docstring): feature/tower-stage methods count tokens per image at the
    LLM input, in-LLM methods count the layer-averaged tokens per image (:func:`in_llm_keep`);
+   Under dynamic resolution (Qwen-VL: ``adapter.dynamic_resolution``) an image's token count is its
+   own, so a budget is a *fraction*: B tokens means B / N_ref of each image's tokens, N_ref =
+   ``vision_tokens_per_image(adapter)`` = 576 (the LLaVA-1.5 count the papers' 192/128/64 refer to;
+   the adapter's budget reference grid). Methods map it onto a per-image ratio (:func:`budget_fraction`).
 3. methods whose knobs are thresholds (MustDrop, ZipVL) are *calibrated* after installation: a bisection on
    one scalar of their thresholds, measured on :func:`calibration_batch` (a fixed, offline set of
    rendered world images with POPE-style questions), until the mean layer-averaged vision tokens are
@@ -44,6 +48,13 @@ _SUFFIX = "\nAnswer the question using a single word or phrase."
 def vision_tokens_per_image(adapter: VLMAdapter) -> int:
     rows, cols = adapter.grid
     return rows * cols
+
+
+def budget_fraction(adapter: VLMAdapter) -> bool:
+    """True when budgets are fractions of each image's own token count: dynamic resolution (Qwen-VL,
+    ``adapter.dynamic_resolution``) or anyres-max packing (LLaVA-OneVision, ``budget_scales_with_tokens``);
+    the reference count is ``vision_tokens_per_image(adapter)`` (576, or OneVision's base view N0)."""
+    return bool(getattr(adapter, "dynamic_resolution", False) or getattr(adapter, "budget_scales_with_tokens", False))
 
 
 def budget_tokens(budget: Budget, adapter: VLMAdapter, path: str) -> int:
@@ -126,8 +137,8 @@ def calibration_batch(ctx: MethodContext, n: int = CALIBRATION_IMAGES) -> Prepar
     texts = [ctx.chat_text(p, 1) for p in prompts]
     ids = [ctx.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     processed = ctx.image_processor(images=images, return_tensors="pt")
-    pixels = processed["pixel_values"].to(ctx.device, ctx.dtype)
-    return PreparedBatch([[im] for im in images], prompts, texts, ids, pixels, list(range(n)), [], processed.get("image_sizes"))
+    pixels, sizes = ctx.adapter.pack_pixels(processed)
+    return PreparedBatch([[im] for im in images], prompts, texts, ids, pixels.to(ctx.device, ctx.dtype), list(range(n)), [], sizes)
 
 
 @torch.inference_mode()

@@ -16,6 +16,9 @@ Hook points: ``vision_features``. Positions: contiguous. Limits: must be the fir
 Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): keep = B; the count is
 the near-square grid's ``oh * ow`` above (granularity: 24x24 -> 64: 64, 128: 132, 192: 196; the
 rule is :func:`~mmfast.pruning._grid.near_square_grid`), not always B exactly.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: pools one square patch grid
+shared by all images; per-image dynamic grids are not wired.
 """
 
 from __future__ import annotations

@@ -57,6 +57,9 @@ tokens fed back: decode steps with cache, generated tokens in the last forward w
 and ``kv_skipped_fraction`` (of those, dropped from layers >= K; without cache the last token is never a
 candidate). Decode steps a batch runs after a sample finished (on padding) count for that sample; with
 beam search the counts are summed over the sample's beams.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: its predictors are trained for a
+LLaVA LLM; no Qwen-VL weights.
 """
 
 from __future__ import annotations

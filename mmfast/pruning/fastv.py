@@ -16,8 +16,13 @@ On families whose images have different token counts and whose adapter sets
 ``ratio = 1 - keep / N0`` instead, so an image of N_i tokens keeps round(N_i * keep / N0) and its
 layer-averaged budget is B * N_i / N0.
 
-Positions: the in-place variant keeps each kept token's original position id. KV cache: layers >= K
-cache only the kept tokens; pruning is static after prefill (as the released KV-cache variant).
+Dynamic resolution (Qwen-VL): a budget B keeps ratio = 1 - keep_ref / 576 of each image, keep_ref
+the formula above at N = 576 (``_budget.py``); ``keep`` stays an absolute per-image count.
+
+Positions: the in-place variant keeps each kept token's original position id (under M-RoPE its
+original (t, h, w) ids, the in-place rule applied per axis; no official Qwen-VL FastV code was
+checked). KV cache: layers >= K cache only the kept tokens; pruning is static after prefill (as the
+released KV-cache variant).
 Hook points: attention probe on layer K-1 (last query row only, O(keys)); layer pre-hooks >= K.
 Limits: none on batch size (per-sample top-k with left padding); needs no eager attention.
 """
@@ -28,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..hooks import last_row
 from ..registry import PRUNERS
-from ._budget import in_llm_keep, vision_tokens_per_image
+from ._budget import budget_fraction, in_llm_keep, vision_tokens_per_image
 from ._common import LayerMapping, keep_only, map_layers, topk_keep
 from .base import Pruner
 
@@ -42,7 +47,7 @@ class FastV(Pruner):
     """FastV."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next", "llava_onevision"}))  # acts on the spliced sequence, any vision layout
+    caps = Capabilities(families=ALL_FAMILIES)  # acts on the spliced sequence, any vision layout; M-RoPE: kept ids
 
     @dataclass(frozen=True)
     class Config:
@@ -62,12 +67,12 @@ class FastV(Pruner):
         """keep = round((L * B - K * N) / (L - K)) (module docstring)."""
         n_layers = len(adapter.layers)
         (layer, _), = map_layers([config.k], n_layers, config.layer_mapping)
-        n = vision_tokens_per_image(adapter)
-        keep = in_llm_keep(tokens, n, layer, n_layers, path)
-        if getattr(adapter, "budget_scales_with_tokens", False):
-            # anyres-max (OneVision): B is the budget of a base-view-sized image (N0 tokens); every
-            # image keeps the same fraction, round(N_i * keep / N0), so its budget is B * N_i / N0
-            return {"ratio": 1.0 - keep / n}
+        n_ref = vision_tokens_per_image(adapter)
+        keep = in_llm_keep(tokens, n_ref, layer, n_layers, path)
+        if budget_fraction(adapter):
+            # dynamic resolution (Qwen-VL) or anyres-max (OneVision): B is the budget of a reference-sized
+            # image (576 tokens / OneVision's base view N0); every image keeps the same fraction
+            return {"keep": None, "ratio": 1.0 - keep / n_ref}
         return {"keep": keep}
 
     @classmethod

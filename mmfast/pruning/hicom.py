@@ -42,6 +42,9 @@ Budget (``budget: {tokens: B}``, vision tokens per image (frame group) at the LL
 ``local_tokens`` and overrides ``spatial_kernel``, which must not be given): local_tokens =
 B - global_queries (``global_queries`` stays the trained branch's size; B must exceed it), so the
 total is the near-square local grid (``_grid.near_square_grid``, the avgpool rule) + global_queries.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: its global queries and CLIP
+guide are trained for LLaVA-1.5 features; no Qwen-VL weights.
 """
 
 from __future__ import annotations

@@ -50,6 +50,9 @@ caches), KV bytes from the trimmed caches; the stats also report the prefill lay
 (``prefill_tokens_layer_avg``) and the code's printed "tokens" figure (``equivalent_tokens``, which
 counts layer l with its post-filter count), plus the kept count after each stage, the key-set size
 and the merged windows.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: its key set needs CLS attention
+and its window merge a fixed square grid in CLIP layer 0; Qwen-VL towers have neither.
 """
 
 from __future__ import annotations

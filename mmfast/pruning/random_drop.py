@@ -9,10 +9,13 @@ The generator is seeded per image from ``seed`` and a hash of the image's pixel 
 from ``seed`` alone (``shared``: the same patch positions for every image).
 
 Hook points: ``vision_features`` only. Positions: the kept tokens are spliced contiguously (as
-every feature-stage method). Limits: none (batch > 1, several images per prompt, any grid).
+every feature-stage method); under M-RoPE (Qwen-VL) each kept token keeps its grid cell's original
+(t, h, w) ids and the text after the image keeps its unpruned position (``mmfast/models/mrope.py``).
+Limits: none (batch > 1, several images per prompt, any grid, dynamic resolution).
 No-op: ``keep`` >= the tokens of the image returns the vision batch untouched.
 
-Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): keep = B (exact).
+Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): keep = B (exact); under
+dynamic resolution ``fraction`` = B / 576 of each image's own tokens (``_budget.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import per_sample, select_rows
+from ._budget import budget_fraction, vision_tokens_per_image
 from .base import Pruner
 
 
@@ -42,11 +46,12 @@ class RandomDrop(Pruner):
     """Random token drop (baseline)."""
 
     hook_points = frozenset({"vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}), edits_features=True)
+    caps = Capabilities(families=frozenset({"llava"}) | QWEN_FAMILIES, edits_features=True)
 
     @dataclass(frozen=True)
     class Config:
         keep: int = opt(64, lo=0, doc="image tokens kept per image (576 -> 192/128/64 in the papers' tables)")
+        fraction: float | None = opt(None, lo=0.0, hi=1.0, doc="keep round(fraction * N_i) of each image (overrides keep; dynamic resolution)")
         seed: int = opt(0, doc="random seed")
         mask: Literal["per_image", "shared"] = opt("per_image", doc="per_image: seed from the image's pixels too; shared: one subset for all")
 
@@ -59,7 +64,9 @@ class RandomDrop(Pruner):
 
     @classmethod
     def budget_params(cls, tokens, adapter, config, path):
-        """keep = B."""
+        """keep = B; under dynamic resolution fraction = B / 576 of each image (``_budget.py``)."""
+        if budget_fraction(adapter):
+            return {"fraction": min(1.0, tokens / vision_tokens_per_image(adapter))}
         return {"keep": tokens}
 
     @classmethod
@@ -69,15 +76,19 @@ class RandomDrop(Pruner):
     def prune_vision(self, vision, batch):
         cfg = self.config
         counts = vision.counts()
-        if all(n <= cfg.keep for n in counts):
+        keeps = [n if cfg.fraction is None and n <= cfg.keep else
+                 (cfg.keep if cfg.fraction is None else round(cfg.fraction * n)) for n in counts]
+        if all(n <= k for n, k in zip(counts, keeps)):
             vision.stats[self.name] = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
             return vision
-        for i, n in enumerate(counts):
-            if n <= cfg.keep:
+        for i, (n, k) in enumerate(zip(counts, keeps)):
+            if n <= k:
                 continue
-            seed = image_seed(cfg.seed, vision.pixel_values[i]) if cfg.mask == "per_image" else cfg.seed
+            rows_px = vision.extras.get("n_patches")  # padded pixel rows (Qwen-VL): hash the image's own
+            pixels = vision.pixel_values[i] if rows_px is None else vision.pixel_values[i][: rows_px[i]]
+            seed = image_seed(cfg.seed, pixels) if cfg.mask == "per_image" else cfg.seed
             g = torch.Generator().manual_seed(seed)
-            rows = torch.randperm(n, generator=g)[: cfg.keep].sort().values
+            rows = torch.randperm(n, generator=g)[:k].sort().values
             select_rows(vision, i, rows.to(vision.features[i].device))
         vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
         return vision

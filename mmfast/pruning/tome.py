@@ -28,6 +28,10 @@ Positions: the T tokens (ToMe's order: unmerged then merged, not spatial) are sp
 Limits and deviations: no proportional attention or merging inside the LLM (ToMe issue #38: only in
 the ViT); blocks after the feature layer do not merge (their output is unused by LLaVA) but keep the
 proportional attention; the merge is computed in fp32; the vision tower must get no attention mask.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: merges patches inside a CLIP
+tower; Qwen-VL towers attend per image / per window (cu_seqlens) with 2-D rotary patch positions and
+their PatchMerger needs every 2x2 unit intact.
 """
 
 from __future__ import annotations

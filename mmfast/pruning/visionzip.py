@@ -23,6 +23,11 @@ No-op: ``tokens`` >= the patch count (without explicit counts) returns the visio
 
 Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input; sets ``tokens``, so
 ``dominant``/``contextual`` must not be given): tokens = B, i.e. CLS + (D - 1) + C = B exactly.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: needs the tower's CLS attention,
+which Qwen-VL towers lack; the official repository's Qwen2.5-VL variant is not in the snapshot
+readable here (dvlab-research/VisionZip @3151f6d holds the LLaVA code only), so its CLS substitute
+is not implemented from memory.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import compat
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..hooks import attach
@@ -215,8 +215,8 @@ class ZipVL(Pruner):
     """ZipVL."""
 
     hook_points = frozenset({"attention_probe", "kv_cache"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next", "llava_onevision"}), owns_kv_cache=True, kv_edit_prefill=True,
-                        kv_edit_decode=True, overrides_llm_attention=True)
+    caps = Capabilities(families=ALL_FAMILIES, owns_kv_cache=True, kv_edit_prefill=True, kv_edit_decode=True,
+                        overrides_llm_attention=True)
 
     @dataclass(frozen=True)
     class Config:

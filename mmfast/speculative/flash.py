@@ -43,6 +43,9 @@ Deviations (reasons):
 - ``total_tokens`` default 26 is the size of FlashSD's inference tree (``mc_sim_7b_63``: 25 drafts + root).
   On a CPU the target's tree forward is compute-bound, so the embedded model wants ~12-16 (``rounds: 1``).
 - A further round is skipped when no deeper candidate could enter the kept set (exact, as MSD's).
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: its draft head is trained for
+the embedded LLaVA model.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import opt
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..registry import DRAFTERS
 from .base import Drafter
 from .tree import DraftTree
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 @DRAFTERS.register("layer_skip", description="self-speculative drafts from the target with layers skipped; no training")
 class LayerSkip(Drafter):
+    caps = Capabilities(families=ALL_FAMILIES)
     """Self-speculative layer skipping."""
 
     @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def _last_hidden(runner, inputs) -> torch.Tensor:
     out = runner.lm(
         inputs_embeds=inputs.embeds,
         attention_mask=inputs.attention_mask,
-        position_ids=inputs.position_ids,
+        position_ids=runner.adapter.lm_position_ids(inputs.position_ids),
         use_cache=False,
     )
     return out.last_hidden_state

@@ -41,6 +41,9 @@ Deviations (reasons):
   levels (as in ``topK_genrate``).
 - Learning rate and schedule are scaled for a 256-wide draft trained for ~1-2k steps on CPU (MSD: 5e-5
   with 2k warmup steps over 40 epochs of ~600k samples); see ``mmfast.train.drafts``.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: its draft is trained for the
+embedded LLaVA model.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import opt
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..registry import DRAFTERS
 from .base import Drafter
 from .tree import DraftTree
@@ -25,6 +26,7 @@ from .tree import DraftTree
 
 @DRAFTERS.register("prompt_lookup", description="prompt lookup (n-gram) drafts + adaptive trigram table; no training")
 class PromptLookup(Drafter):
+    caps = Capabilities(families=ALL_FAMILIES)
     """Prompt lookup + adaptive trigram drafts."""
 
     @dataclass(frozen=True)

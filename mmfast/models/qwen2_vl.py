@@ -1,0 +1,197 @@
+"""Qwen-VL family adapters: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (transformers 5.x classes
+``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``,
+``Qwen3VLForConditionalGeneration``; model_type ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``).
+
+Layout: ``model.model.visual`` (the ViT: ``patch_embed``, ``blocks``, ``merger``; Qwen3-VL adds
+``deepstack_merger_list``), ``model.model.language_model`` (decoder, layers at ``.layers``), and
+``model.lm_head``. Geometry, all read from the config and the image processor's ``image_grid_thw``:
+
+* dynamic resolution: each image is resized to a multiple of ``patch_size * spatial_merge_size`` and
+  cut into (t, H, W) patches (``temporal_patch_size`` frames per patch); the processor flattens them.
+  ``pack_pixels`` pads them per image ([n_images, max P_i, D]), ``image_sizes`` carries ``grid_thw``.
+* the merger (PatchMerger) maps each 2x2 block of patches to one LLM token: an image has
+  t * (H/2) * (W/2) vision tokens. mmfast's vision token = one merge unit: ``VisionBatch.features[i]``
+  is [N_i, 4 * Dv] (the tower's last hidden states of the unit's 4 patches, in raster order of the
+  merged grid) and ``project`` is the merger, so feature-stage pruners select whole LLM tokens;
+  ``patch_ids`` index the merged grid ``extras["grid_thw"][i]`` = (t, H/2, W/2).
+* Qwen2.5-VL's tower runs window attention (``window_size`` pixels, full attention in
+  ``fullatt_block_indexes``) on units permuted into window order; the features are returned in
+  raster order (the model's own ``reverse_indices``).
+* Qwen3-VL's deepstack: the tower's ``deepstack_visual_indexes`` layers each give, through their own
+  merger, a [N_i, d] feature added to the vision tokens' hidden states after LLM layers 0, 1, ...
+  They travel with the vision tokens as the per-token tag ``DEEPSTACK`` ([N_i, n_levels, d]), so a
+  stage that selects or drops tokens keeps the right rows, and the runner adds them to the slots that
+  remain (``LMRunner``'s deepstack hooks).
+* no CLS token; positions are multimodal RoPE ([B, L, 3], :mod:`mmfast.models.mrope`).
+
+``grid`` is the *budget reference grid* (24 x 24 = 576 tokens, the LLaVA-1.5 count budgets are
+stated for), not a geometry: under dynamic resolution a budget of B tokens keeps the fraction
+B / 576 of each image's own token count (docs/methods.md, "Budgets under dynamic resolution").
+Video input is not wired yet (images only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import VisionBatch, VLMAdapter
+from .mrope import sample_positions
+from .qwen_processor import pad_patches
+
+DEEPSTACK = "deepstack"  # VisionBatch / LMInputs tag of Qwen3-VL's multi-level features
+BUDGET_REFERENCE_GRID = (24, 24)
+
+
+class Qwen2VLAdapter(VLMAdapter):
+    family = "qwen2_vl"
+    rope_axes = 3
+    #: token count varies per image: budgets are fractions of each image's count (``_budget.py``)
+    dynamic_resolution = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.merge = int(model.config.vision_config.spatial_merge_size)
+
+    # -- structure -------------------------------------------------------------------------------
+    @property
+    def base(self) -> nn.Module:
+        return self.model.model
+
+    @property
+    def vision_tower(self) -> nn.Module:
+        return self.base.visual
+
+    @property
+    def projector(self) -> nn.Module:
+        return self.vision_tower.merger
+
+    @property
+    def language_model(self) -> nn.Module:
+        return self.base.language_model
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
+    @property
+    def vision_layers(self) -> nn.ModuleList:
+        return self.vision_tower.blocks
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+    @property
+    def text_config(self):
+        return self.model.config.text_config
+
+    @property
+    def vision_config(self):
+        return self.model.config.vision_config
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.model.config.image_token_id)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return BUDGET_REFERENCE_GRID
+
+    @property
+    def has_cls(self) -> bool:
+        return False
+
+    @property
+    def deepstack_levels(self) -> int:
+        return 0
+
+    def vision_feature_layer_index(self) -> int:
+        return len(self.vision_layers) - 1  # the merger reads the last block
+
+    # -- positions -------------------------------------------------------------------------------
+    def lm_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, L, 3] -> [3, B, L] (HF's layout; the LM builds no text-position row from it)."""
+        return positions.permute(2, 0, 1) if positions.dim() == 3 else positions
+
+    def mrope_positions(self, pieces: list, device: torch.device) -> torch.Tensor:
+        return sample_positions(pieces, device)
+
+    def image_pixels(self, pixel_values, image_sizes):
+        return pixel_values[:, : int(image_sizes[0].prod())]  # [1, P_i, D] of the padded [1, max P, D]
+
+    def pack_pixels(self, processed):
+        grid = processed["image_grid_thw"]
+        return pad_patches(processed["pixel_values"], grid), grid
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _run_tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor):
+        """Tower output: (hidden [P, Dv] in merge-unit raster order, deepstack list or None)."""
+        out = self.vision_tower(pixels, grid_thw=grid_thw, return_dict=True)
+        return out.last_hidden_state, None
+
+    def encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
+        """Tower on the images' patches (``pixel_values`` [n, max P_i, D] padded, ``image_sizes`` =
+        ``image_grid_thw`` [n, 3]); features per merge unit, pre-merger (module docstring)."""
+        if image_sizes is None:
+            raise ValueError(f"{self.family} needs image_grid_thw (passed as image_sizes) from its image processor")
+        tower = self.vision_tower
+        grid_thw = image_sizes.to(pixel_values.device).long()
+        counts = grid_thw.prod(-1).tolist()
+        pixels = torch.cat([pv[:n] for pv, n in zip(pixel_values, counts)]).to(device=tower.device, dtype=tower.dtype)
+        hidden, deep = self._run_tower(pixels, grid_thw.to(tower.device))  # [P, Dv], levels x [P/4, d]
+        unit = self.merge * self.merge
+        units = hidden.reshape(-1, unit * hidden.shape[-1])  # [sum N_i, 4 * Dv]
+        n_tok = [c // unit for c in counts]
+        feats = list(torch.split(units, n_tok))
+        merged = [(int(t), int(h) // self.merge, int(w) // self.merge) for t, h, w in grid_thw.tolist()]
+        vision = VisionBatch(
+            features=feats,
+            patch_ids=[torch.arange(n, device=units.device) for n in n_tok],
+            cls=None,
+            grid=self.grid,
+            pixel_values=pixel_values,
+            extras={"grid_thw": merged, "n_patches": counts},  # n_patches: real rows of pixel_values[i]
+        )
+        if deep is not None:
+            stacked = torch.stack(deep, dim=1)  # [sum N_i, n_levels, d]
+            vision.tags[DEEPSTACK] = list(torch.split(stacked, n_tok))
+        return vision
+
+    def project(self, vision: VisionBatch) -> list[torch.Tensor]:
+        """The merger on every image a stage has not projected: [N_i, 4 * Dv] -> [N_i, d]."""
+        dv = self.vision_config.embed_dim if hasattr(self.vision_config, "embed_dim") else self.vision_config.hidden_size
+        return [p if p is not None else self.projector(f.reshape(-1, dv)) for f, p in zip(vision.features, vision.projected)]
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(ids)
+
+
+class Qwen2_5_VLAdapter(Qwen2VLAdapter):
+    family = "qwen2_5_vl"
+
+    def _run_tower(self, pixels, grid_thw):
+        """The tower's blocks run on window-ordered units; return them to raster order (as the model
+        does after its merger with ``reverse_indices``)."""
+        from transformers.vision_utils import get_vision_window_index
+
+        tower = self.vision_tower
+        out = tower(pixels, grid_thw=grid_thw, return_dict=True)
+        window_index, _ = get_vision_window_index(grid_thw, spatial_merge_size=tower.spatial_merge_size,
+                                                  window_size=tower.window_size, patch_size=tower.patch_size, kwargs={})
+        hidden = out.last_hidden_state  # [P, Dv], units in window order
+        unit = tower.spatial_merge_unit
+        units = hidden.reshape(-1, unit, hidden.shape[-1])[torch.argsort(window_index)]
+        return units.reshape(hidden.shape), None
+
+
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    family = "qwen3_vl"
+
+    @property
+    def deepstack_levels(self) -> int:
+        return len(self.vision_config.deepstack_visual_indexes)
+
+    def _run_tower(self, pixels, grid_thw):
+        out = self.vision_tower(pixels, grid_thw=grid_thw, return_dict=True)
+        return out.last_hidden_state, list(out.deepstack_features)
