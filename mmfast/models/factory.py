@@ -342,6 +342,7 @@ def random_llava_onevision(
         video_token=VIDEO_TOKEN,
         vision_aspect_ratio=vision_aspect_ratio,
     )
+    return model, processor
 
 
 # -- Qwen-VL families -------------------------------------------------------------------------------
