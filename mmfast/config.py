@@ -351,6 +351,8 @@ class PopeTaskConfig:
     parser: Literal["pope", "opera", "vcd", "lmms"] = "pope"
     max_new_tokens: int = opt(16, lo=1, hi=1024)
     strict_version: bool = opt(False, doc="refuse question files whose checksum is not a known release")
+    world_version: Literal["official", "v1"] = opt(
+        "official", doc="world POPE files: 'official' rule (default) or 'v1' (area-ordered positives, before 2026-11)")
 
 
 @dataclass(frozen=True)

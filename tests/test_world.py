@@ -185,7 +185,9 @@ def test_coco_instances_roundtrip(world: Path) -> None:
             assert im["scene"] in SCENE_BY_NAME and re.fullmatch(rf"WORLD_{split}_\d{{12}}\.png", im["file_name"])
     info = json.loads((world / "world.json").read_text())
     assert info["seed"] == 3 and info["label_names"] == list(LABEL_NAMES)
-    assert set(info["pope"]["sha256"]) == set(POPE_SPLITS)
+    assert set(info["pope"]["sha256"]) == set(POPE_SPLITS) and info["pope"]["default_version"] == "official"
+    assert {v: set(r["sha256"]) for v, r in info["pope"]["versions"].items()} == {
+        "official": set(POPE_SPLITS), "v1": set(POPE_SPLITS)}
 
 
 def test_captions_file_and_synonyms(world: Path) -> None:
@@ -209,9 +211,11 @@ def test_captions_file_and_synonyms(world: Path) -> None:
     assert any(re.match(r"(Two|Three|Four) ", c) or " two " in c for cs in caps.values() for c in cs)
 
 
-def test_pope_official_rule(world: Path) -> None:
+def test_pope_v1_rule(world: Path) -> None:
+    """POPE version v1 (area-ordered positives, ties by COCO id); the official version is checked in
+    tests/test_world_pope.py."""
     anns = {a.file_name: a for a in load_annotations(world, "val")}
-    splits = {s: read_pope(world / f"pope/world_pope_{s}.json") for s in POPE_SPLITS}
+    splits = {s: read_pope(world / f"pope/world_pope_v1_{s}.json") for s in POPE_SPLITS}
     images = None
     for split, qs in splits.items():
         assert len(qs) == 6 * N_POPE and [q["question_id"] for q in qs] == list(range(1, len(qs) + 1))
@@ -219,6 +223,7 @@ def test_pope_official_rule(world: Path) -> None:
         order = list(dict.fromkeys(q["image"] for q in qs))
         images = images or order
         assert order == images and len(order) == N_POPE  # same images in all splits
+        assert order == sorted(order)  # v1 orders the pool by image id
         pool = [anns[f] for f in order]
         _, by_freq, co = pool_statistics(pool)
         for k, a in enumerate(pool):

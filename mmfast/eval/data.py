@@ -61,13 +61,26 @@ def world_cache_dir(seed: int) -> Path:
 
 
 def ensure_world(root: Path, seed: int) -> Path:
-    """Generate the world's val split and POPE files into ``root`` unless already there."""
+    """Generate the world's val split and POPE files into ``root`` unless already there.
+
+    A world written before POPE version ``official`` (its ``pope/world_pope_{split}.json`` are the
+    ``v1`` files) gets every POPE version added (:func:`mmfast.world.generate.upgrade_pope`; its
+    images and annotations are kept).
+    """
     from ..world import write_world
+    from ..world.generate import pope_versions_present, upgrade_pope
 
     marker = root / "world.json"
     if not marker.is_file():
         logger.info("generating the evaluation world (seed %d) in %s", seed, root)
         write_world(root, seed=seed, n_train=0, progress=sys.stderr.isatty())
+    elif not pope_versions_present(root):
+        logger.warning("the world in %s predates the official POPE files (its world_pope_*.json are version v1); "
+                       "writing every POPE version (images and annotations kept)", root)
+        try:
+            upgrade_pope(root)
+        except ValueError as exc:
+            raise InputError(f"{exc} (python -m mmfast.world.generate --out DIR --seed {seed} ...)") from exc
     return root
 
 

@@ -327,8 +327,9 @@ def _check_label(value: Any, where: str) -> Label:
 
 
 def generated_by_world(path: Path, sha256: str) -> str | None:
-    """"POPE split S of the mmfast world vV, seed N" when ``path`` is a question file that
-    ``mmfast.world`` wrote (its ``world.json`` two folders up records this very checksum), else None."""
+    """"POPE split S of the mmfast world vV, seed N, POPE version P (generated)" when ``path`` is a
+    question file that ``mmfast.world`` wrote (its ``world.json`` two folders up records this very
+    checksum), else None."""
     meta = path.parent.parent / "world.json"
     try:
         world = json.loads(meta.read_text(encoding="utf-8"))
@@ -336,9 +337,14 @@ def generated_by_world(path: Path, sha256: str) -> str | None:
         return None
     if not isinstance(world, dict) or world.get("generator") != "mmfast.world":
         return None
-    for split, digest in (world.get("pope") or {}).get("sha256", {}).items():
-        if digest == sha256:
-            return f"POPE {split} split of the mmfast world v{world.get('version')}, seed {world.get('seed')} (generated)"
+    pope = world.get("pope") or {}
+    # worlds written before the official version record one unnamed set (version v1)
+    versions = pope.get("versions") or {"v1": {"sha256": pope.get("sha256", {})}}
+    for version, rec in versions.items():
+        for split, digest in (rec.get("sha256") or {}).items():
+            if digest == sha256:
+                return (f"POPE {split} split of the mmfast world v{world.get('version')}, seed {world.get('seed')}, "
+                        f"POPE version {version} (generated)")
     return None
 
 

@@ -10,7 +10,8 @@ properties of COCO that those methods depend on:
 * small (10-18 px) and partly occluded instances, textured and cluttered backgrounds;
 * seven scene types with co-occurrence statistics, so that a language prior toward
   "typical but absent" objects exists (POPE popular / adversarial, CHAIR);
-* COCO instances / captions files, POPE files built with the official rule, a per-pixel
+* COCO instances / captions files, POPE files built with the official rule (version ``official``;
+  the earlier files stay buildable as version ``v1``), a per-pixel
   label map for dense supervision, and text generators for instruction tuning.
 
 Public API::
@@ -19,7 +20,7 @@ Public API::
     write_world(out_dir, seed=0, n_train=8000, n_val=500, image_size=192, ...) -> WorldSummary
     load_annotations / load_captions / load_label_map / load_world_info  # read a written world
     captions / detailed_description / yes_no_questions / short_qa / world_corpus  # text
-    build_pope / read_pope                                               # POPE files
+    build_pope(annotations, version="official") / read_pope               # POPE files
     CATEGORIES, SCENES, LABEL_NAMES, NUM_LABELS, CAPTION_PROMPTS, DETAIL_PROMPT, ...
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from .categories import CATEGORIES, CATEGORY_BY_ID, CATEGORY_BY_NAME, LABEL_NAMES, NUM_LABELS, Category, category
 from .dataset import load_annotations, load_captions, load_label_map, load_world_info, world_config
-from .pope_build import POPE_SPLITS, PopeQuestion, build_pope, read_pope
+from .pope_build import DEFAULT_POPE_VERSION, POPE_SPLITS, POPE_VERSIONS, PopeQuestion, build_pope, read_pope
 from .render import (
     WORLD_VERSION,
     ImageAnnotation,
@@ -58,13 +59,13 @@ from .text import (
 )
 
 __all__ = [
-    "CAPTION_PROMPTS", "CATEGORIES", "CATEGORY_BY_ID", "CATEGORY_BY_NAME", "Category", "DETAIL_PROMPT",
-    "DETAIL_PROMPTS", "ImageAnnotation", "Instance", "LABEL_NAMES", "NUM_LABELS", "POPE_SPLITS", "PopeQuestion",
-    "QAPair", "RenderedImage", "SCENES", "SCENE_BY_NAME", "SHORT_ANSWER_SUFFIX", "SceneSpec", "WORLD_VERSION",
-    "WorldConfig", "WorldSummary", "build_pope", "captions", "category", "detailed_description", "file_name_for",
-    "image_seed", "image_texts", "label_lut", "load_annotations", "load_captions", "load_label_map", "load_world_info",
-    "object_question", "read_pope", "render_image", "short_qa", "static_texts", "text_rng", "world_config",
-    "world_corpus", "write_world", "yes_no_questions",
+    "CAPTION_PROMPTS", "CATEGORIES", "CATEGORY_BY_ID", "CATEGORY_BY_NAME", "Category", "DEFAULT_POPE_VERSION",
+    "DETAIL_PROMPT", "DETAIL_PROMPTS", "ImageAnnotation", "Instance", "LABEL_NAMES", "NUM_LABELS", "POPE_SPLITS",
+    "POPE_VERSIONS", "PopeQuestion", "QAPair", "RenderedImage", "SCENES", "SCENE_BY_NAME", "SHORT_ANSWER_SUFFIX",
+    "SceneSpec", "WORLD_VERSION", "WorldConfig", "WorldSummary", "build_pope", "captions", "category",
+    "detailed_description", "file_name_for", "image_seed", "image_texts", "label_lut", "load_annotations",
+    "load_captions", "load_label_map", "load_world_info", "object_question", "read_pope", "render_image",
+    "short_qa", "static_texts", "text_rng", "world_config", "world_corpus", "write_world", "yes_no_questions",
 ]
 
 

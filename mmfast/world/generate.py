@@ -8,7 +8,9 @@ Layout written by :func:`write_world`::
       labels/train/WORLD_train_000000000001.png ...   label maps, mode "L" PNG (see below)
       annotations/instances_{train,val}.json          COCO instances (+ scene / colour extras)
       annotations/captions_{train,val}.json           COCO captions, 5 per image
-      pope/world_pope_{random,popular,adversarial}.json   POPE JSON Lines, official rule
+      pope/world_pope_{random,popular,adversarial}.json   POPE JSON Lines, version "official" (default)
+      pope/world_pope_v1_{random,popular,adversarial}.json   POPE version "v1" (before the official rule)
+      pope/world_objects_val.json                     the official POPE builder's input (objects in annotation order)
       world.json                                      protocol record (seed, config, sha256s)
 
 Label-map pixels are ``0`` for background and ``k`` for ``CATEGORIES[k - 1]`` (see
@@ -39,7 +41,15 @@ from PIL import Image
 from tqdm import tqdm
 
 from .categories import CATEGORIES, LABEL_NAMES, coco_categories
-from .pope_build import POPE_SPLITS, build_pope, pope_file_name, write_pope
+from .pope_build import (
+    DEFAULT_POPE_VERSION,
+    POPE_RULES,
+    POPE_VERSIONS,
+    build_pope,
+    verify_pope,
+    write_pope,
+)
+from .pope_official import OBJECTS_FILE, ground_truth_objects, write_objects
 from .render import WORLD_VERSION, ImageAnnotation, WorldConfig, render_image
 from .scenes import scene_definitions
 from .text import captions, text_rng
@@ -165,18 +175,12 @@ def write_world(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_val: 
             path = out / "annotations" / f"{kind}_{split}.json"
             _dump(obj, path)
             files[f"annotations/{path.name}"] = _sha256(path)
-    pope_paths: dict[str, Path] = {}
     n_pope = 0
+    pope_info: dict[str, object] = {}
     if n_val > 0 and pope_images > 0:
-        pope = build_pope(split_anns["val"], n_images=pope_images, seed=seed)
-        pope_paths = write_pope(out / "pope", pope)
-        n_pope = len(pope["random"]) // 6
-        if n_pope < pope_images:
-            logger.warning("only %d val images have >= 3 categories; POPE uses %d images instead of %d",
-                           n_pope, n_pope, pope_images)
-        for path in pope_paths.values():
-            files[f"pope/{path.name}"] = _sha256(path)
-        logger.info("POPE: %d images, %d questions per split", n_pope, len(pope["random"]))
+        standard = cfg == WorldConfig() and n_val == 500 and pope_images == 500
+        pope_info, n_pope, pope_sha = _write_pope_versions(out, split_anns["val"], seed, pope_images, standard)
+        files.update(pope_sha)
     val_hash = hashlib.sha256()
     for a in split_anns["val"]:
         val_hash.update((out / "images" / "val" / a.file_name).read_bytes())
@@ -192,11 +196,9 @@ def write_world(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_val: 
         "label_names": list(LABEL_NAMES),
         "label_map_splits": [s for s in ("train", "val") if s in label_map_splits],
         "instance_order": "visible area, descending",
+        "annotation_order": "scene model sampling order (Instance.sample_index; pope/world_objects_val.json)",
         "scene_model": scene_definitions(),
-        "pope": {"rule": "official POPE (Li et al. 2023): 3 first gt objects (area order) as positives, "
-                         "one negative each; random / popular / adversarial over the drawn pool",
-                 "files": {s: pope_file_name(s) for s in POPE_SPLITS if s in pope_paths},
-                 "sha256": {s: _sha256(p) for s, p in pope_paths.items()}},
+        "pope": pope_info,
         "sha256": files,
         "val_images_sha256": val_hash.hexdigest(),
     }
@@ -204,6 +206,81 @@ def write_world(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_val: 
     secs = time.perf_counter() - t0
     logger.info("world written to %s in %.1fs", out, secs)
     return WorldSummary(out, n_train, n_val, n_pope, secs)
+
+
+def _write_pope_versions(out: Path, val: list[ImageAnnotation], seed: int, pope_images: int,
+                         standard: bool) -> tuple[dict[str, object], int, dict[str, str]]:
+    """Write every POPE version and the official builder's input.
+
+    Returns:
+        (the ``pope`` record of world.json, number of POPE images, {relative path: sha256}).
+    """
+    objects = write_objects(out / "pope" / OBJECTS_FILE, ground_truth_objects(val))
+    sha: dict[str, str] = {f"pope/{OBJECTS_FILE}": _sha256(objects)}
+    versions: dict[str, object] = {}
+    n_pope = 0
+    for version in POPE_VERSIONS:
+        splits = build_pope(val, version=version, n_images=pope_images, seed=seed)
+        paths = write_pope(out / "pope", splits, version)
+        n_pope = len(splits["random"]) // 6
+        verified = verify_pope(splits, version, seed) if standard else None
+        if verified is False:
+            logger.warning("world POPE %s files differ from the published checksums of seed %d: results on them "
+                           "are not comparable with published ones (different Pillow/numpy rendering?)", version, seed)
+        versions[version] = {"rule": POPE_RULES[version], "files": {s: p.name for s, p in paths.items()},
+                             "sha256": {s: _sha256(p) for s, p in paths.items()}, "verified": verified}
+        sha.update({f"pope/{p.name}": _sha256(p) for p in paths.values()})
+    if n_pope < pope_images:
+        logger.warning("only %d val images have >= 3 categories; POPE uses %d images instead of %d",
+                       n_pope, n_pope, pope_images)
+    logger.info("POPE: %d images, %d questions per split, versions %s", n_pope, 6 * n_pope, ", ".join(POPE_VERSIONS))
+    default = versions[DEFAULT_POPE_VERSION]
+    info = {"default_version": DEFAULT_POPE_VERSION, "rule": default["rule"],  # type: ignore[index]
+            "files": default["files"], "sha256": default["sha256"],  # type: ignore[index]
+            "objects_file": OBJECTS_FILE, "versions": versions}
+    return info, n_pope, sha
+
+
+def pope_versions_present(root: str | Path) -> bool:
+    """Whether the world at ``root`` has every POPE version's files (worlds written before the
+    ``official`` version have only the v1 files, under the names the official ones now use)."""
+    try:
+        info = json.loads((Path(root) / "world.json").read_text(encoding="utf-8"))
+        versions = info["pope"]["versions"]
+        return all((Path(root) / "pope" / name).is_file()
+                   for v in POPE_VERSIONS for name in versions[v]["files"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def upgrade_pope(root: str | Path) -> bool:
+    """Add the missing POPE versions to a world written before them; True if it was upgraded.
+
+    The val annotations are re-rendered from the seed and config in ``world.json`` (no image is
+    rewritten) and must reproduce the recorded ``instances_val.json`` checksum; then every POPE
+    version is written and ``world.json`` updated. Raises ``ValueError`` if the re-rendered
+    annotations differ (a different renderer: regenerate the world instead).
+    """
+    from .dataset import load_world_info, world_config
+
+    root = Path(root)
+    if pope_versions_present(root):
+        return False
+    info = load_world_info(root)
+    seed, cfg, counts = int(info["seed"]), world_config(info), info["counts"]
+    val = [render_image(seed, "val", i, cfg).annotation for i in range(1, int(counts["val"]) + 1)]
+    recorded = info["sha256"].get("annotations/instances_val.json")
+    rendered = (json.dumps(coco_instances(val, seed), separators=(",", ":")) + "\n").encode()
+    if hashlib.sha256(rendered).hexdigest() != recorded:
+        raise ValueError(f"{root}: re-rendered val annotations differ from instances_val.json; regenerate the world")
+    pope_images = int(counts["pope_images"])
+    standard = cfg == WorldConfig() and len(val) == 500 and pope_images == 500
+    pope_info, _, sha = _write_pope_versions(root, val, seed, pope_images, standard)
+    info["pope"] = pope_info
+    info["sha256"].update(sha)
+    info["annotation_order"] = "scene model sampling order (Instance.sample_index; pope/world_objects_val.json)"
+    (root / "world.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

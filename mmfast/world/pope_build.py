@@ -1,169 +1,119 @@
-"""POPE question files for the world, built with the official POPE construction rule.
+"""POPE question files for the world, in named versions.
 
-Official rule (Li et al., 2023, "Evaluating Object Hallucination in Large Vision-Language
-Models", github.com/AoiDragon/POPE), reproduced here on the world's val split:
+* ``official`` (default): the construction rule of the POPE release, exactly (positives in
+  annotation order, official tie-breaks; :mod:`mmfast.world.pope_official`). Files
+  ``pope/world_pope_{split}.json``.
+* ``v1``: mmfast's files before that (positives by visible area, ties by COCO id;
+  :mod:`mmfast.world.pope_v1`), kept so that results measured on them stay reproducible. Files
+  ``pope/world_pope_v1_{split}.json``.
 
-1. Pool: images with at least 3 distinct ground-truth categories; ``n_images`` (default 500) are
-   drawn with a seeded RNG (``random.Random(seed)``; the pool is then ordered by image id).
-2. Per image, the *first 3* ground-truth categories are the positives. Ground-truth order is the
-   instance order of the annotation: **visible area, descending** (distinct categories).
-3. Each positive is followed by one negative, a category absent from the image and not yet used
-   for that image:
+``write_world`` writes both. The sha256 of every version for the standard world (``write_world``
+defaults: 500 val images, 500 POPE images, ``WorldConfig()``) are pinned in
+:data:`KNOWN_WORLD_POPE`; :func:`verify_pope` compares a build with them.
 
-   * ``random``: uniform over all categories seen in the pool (re-drawn until valid);
-   * ``popular``: the most frequent categories in the pool (number of pool images containing
-     them; ties by COCO id), the first one that is valid;
-   * ``adversarial``: the categories that co-occur most often with *that positive* in the pool
-     (ties by COCO id), the first valid one; if none is valid, a random one as in ``random``.
-
-4. Questions alternate yes / no (6 per image, 3000 per split for 500 images), with the template
-   ``"Is there a {obj} in the image?"`` ("an" before a vowel). The official generator's
-   ``template.replace("a", "an")`` bug (which yields "imange") is not reproduced.
-
-The same images are used in all three splits. Lines are JSON objects (POPE's JSON Lines format):
-``{"question_id", "image", "image_id", "text", "label"}``.
+Lines are JSON objects (POPE's JSON Lines format): ``{"question_id", "image", "image_id", "text",
+"label"}``; the same images are used in all three splits.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import random
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .categories import CATEGORY_BY_NAME
+from ._pope_common import POPE_SPLITS, PopeQuestion
+from .pope_official import build_pope_official, ground_truth_objects
+from .pope_v1 import build_pope_v1, pool_statistics, pope_pool
 from .render import ImageAnnotation
-from .text import object_question
 
-POPE_SPLITS: tuple[str, ...] = ("random", "popular", "adversarial")
+__all__ = [
+    "DEFAULT_POPE_VERSION", "KNOWN_WORLD_POPE", "POPE_RULES", "POPE_SPLITS", "POPE_VERSIONS", "PopeQuestion",
+    "build_pope", "pool_statistics", "pope_bytes", "pope_file_name", "pope_pool", "read_pope", "verify_pope",
+    "write_pope",
+]
 
+POPE_VERSIONS: tuple[str, ...] = ("official", "v1")
+DEFAULT_POPE_VERSION = "official"
 
-@dataclass(frozen=True)
-class PopeQuestion:
-    """One POPE line (``to_json`` gives the dict written to the file)."""
+#: One line per version, recorded in ``world.json``.
+POPE_RULES: dict[str, str] = {
+    "official": "official POPE (Li et al. 2023, RUCAIBox/POPE utils.py): first 3 objects in annotation order "
+                "as positives; ties in first-appearance order; images in drawn order; one random stream",
+    "v1": "mmfast v1: first 3 objects by visible area as positives; ties by COCO id; images in id order",
+}
 
-    question_id: int
-    image: str
-    image_id: int
-    text: str
-    label: str
-
-    def to_json(self) -> dict[str, object]:
-        """The JSON object of this line."""
-        return asdict(self)
-
-
-def pope_file_name(split: str) -> str:
-    """``world_pope_random.json`` etc."""
-    return f"world_pope_{split}.json"
-
-
-def _cid(name: str) -> int:
-    return CATEGORY_BY_NAME[name].id
-
-
-def pope_pool(annotations: Sequence[ImageAnnotation], n_images: int = 500, seed: int = 0,
-              min_objects: int = 3) -> list[ImageAnnotation]:
-    """Draw the POPE images: ``n_images`` of those with ``>= min_objects`` distinct categories.
-
-    Returns:
-        The drawn annotations ordered by image id (fewer if not enough images are eligible).
-    """
-    eligible = sorted((a for a in annotations if len(a.object_names()) >= min_objects), key=lambda a: a.image_id)
-    rng = random.Random(int.from_bytes(hashlib.sha256(f"mmfast-pope-pool:{seed}".encode()).digest()[:8], "big"))
-    drawn = rng.sample(eligible, min(n_images, len(eligible)))
-    return sorted(drawn, key=lambda a: a.image_id)
+#: sha256 of each split's file for the standard world, by (version, world seed). The ``v1`` entries
+#: are the files behind every benchmark committed before the ``official`` version (their
+#: ``summary.json`` protocol records the same checksums).
+KNOWN_WORLD_POPE: dict[tuple[str, int], dict[str, str]] = {
+    ("v1", 0): {
+        "random": "bb90685577c6a76cd11398b62acd495fe4bdfa6eca23093a770cd10e13c44e32",
+        "popular": "63e7ffcdbcbfcd9f953c4dc533d42d24d802c1c684e8e615efeb340d46aa5de6",
+        "adversarial": "6226f45ad2a336087fc181ece29b1d29fa731da159fdd8fe63781b4db6859f58",
+    },
+    ("official", 0): {
+        "random": "16bd38e487d12aded1278d2c6277be7745c1d567b42adc3ff93e2852074655d6",
+        "popular": "93c86dcf4f3718f04c45fb91b654838ac82d9aebceddee56ca8f3a2048718d6a",
+        "adversarial": "72b294869f7d3759e54159a3f6cf323e6619013657e65f30a8439dca43159b6a",
+    },
+}
 
 
-def pool_statistics(pool: Sequence[ImageAnnotation]) -> tuple[list[str], list[str], dict[str, list[str]]]:
-    """Object lists of the official rule, computed over the pool.
-
-    Returns:
-        ``(all_objects, by_frequency, co_occurring)``: all categories seen (COCO id order); the same
-        sorted by number of images containing them (descending); and for each category the
-        others sorted by number of images where both appear (descending, only those > 0).
-    """
-    freq: Counter[str] = Counter()
-    co: dict[str, Counter[str]] = {}
-    for a in pool:
-        objs = a.object_names()
-        freq.update(objs)
-        for o in objs:
-            co.setdefault(o, Counter()).update(x for x in objs if x != o)
-    all_objects = sorted(freq, key=_cid)
-    by_freq = sorted(freq, key=lambda n: (-freq[n], _cid(n)))
-    co_sorted = {o: sorted(c, key=lambda n: (-c[n], _cid(n))) for o, c in co.items()}
-    return all_objects, by_freq, co_sorted
+def pope_file_name(split: str, version: str = DEFAULT_POPE_VERSION) -> str:
+    """``world_pope_random.json`` (official) or ``world_pope_v1_random.json`` etc."""
+    _check_version(version)
+    return f"world_pope_{split}.json" if version == "official" else f"world_pope_{version}_{split}.json"
 
 
-def build_pope(annotations: Sequence[ImageAnnotation], *, n_images: int = 500, seed: int = 0,
-               n_pos: int = 3) -> dict[str, list[PopeQuestion]]:
-    """Build the three POPE splits from val annotations with the official rule.
+def _check_version(version: str) -> None:
+    if version not in POPE_VERSIONS:
+        raise ValueError(f"unknown world POPE version {version!r}; choose from {POPE_VERSIONS}")
+
+
+def build_pope(annotations: Sequence[ImageAnnotation], *, version: str = DEFAULT_POPE_VERSION, n_images: int = 500,
+               seed: int = 0, n_pos: int = 3) -> dict[str, list[PopeQuestion]]:
+    """Build the three POPE splits of ``version`` from rendered val annotations.
 
     Args:
-        annotations: Val-split annotations.
+        annotations: Val-split annotations as rendered (``official`` needs their annotation order).
+        version: ``"official"`` or ``"v1"``.
         n_images: Number of images to draw (500 in POPE).
-        seed: Seed of the image draw and of the random negatives.
+        seed: World seed (seeds the image draw and the random negatives).
         n_pos: Positives (and negatives) per image (3 in POPE).
 
     Returns:
         ``{"random": [...], "popular": [...], "adversarial": [...]}``.
-
-    Raises:
-        ValueError: if no image has ``n_pos`` distinct categories.
     """
-    pool = pope_pool(annotations, n_images, seed, n_pos)
-    if not pool:
-        raise ValueError(f"no image has {n_pos} distinct categories; cannot build POPE")
-    all_objects, by_freq, co = pool_statistics(pool)
-    out: dict[str, list[PopeQuestion]] = {}
-    for split in POPE_SPLITS:
-        h = hashlib.sha256(f"mmfast-pope-neg:{seed}:{split}".encode()).digest()
-        rng = random.Random(int.from_bytes(h[:8], "big"))
-        questions: list[PopeQuestion] = []
-        for a in pool:
-            present = set(a.object_names())
-            used: list[str] = []
-
-            def ok(name: str) -> bool:
-                return name not in present and name not in used
-
-            def random_neg() -> str:
-                cands = [n for n in all_objects if ok(n)]
-                if not cands:
-                    raise ValueError(f"image {a.image_id}: no absent object left for a negative")
-                while True:  # official: re-draw uniformly until valid
-                    name = rng.choice(all_objects)
-                    if ok(name):
-                        return name
-
-            for gt in a.object_names()[:n_pos]:
-                used.append(gt)
-                if split == "random":
-                    neg = random_neg()
-                elif split == "popular":
-                    neg = next((n for n in by_freq if ok(n)), None) or random_neg()
-                else:
-                    neg = next((n for n in co.get(gt, []) if ok(n)), None) or random_neg()
-                used.append(neg)
-                for name, label in ((gt, "yes"), (neg, "no")):
-                    questions.append(PopeQuestion(len(questions) + 1, a.file_name, a.image_id,
-                                                  object_question(name), label))
-        out[split] = questions
-    return out
+    _check_version(version)
+    if version == "v1":
+        return build_pope_v1(annotations, n_images=n_images, seed=seed, n_pos=n_pos)
+    return build_pope_official(ground_truth_objects(annotations), n_images=n_images, seed=seed, n_pos=n_pos)
 
 
-def write_pope(out_dir: str | Path, splits: dict[str, list[PopeQuestion]]) -> dict[str, Path]:
+def pope_bytes(questions: Sequence[PopeQuestion]) -> bytes:
+    """The exact bytes of a split's file."""
+    return "".join(json.dumps(q.to_json()) + "\n" for q in questions).encode("utf-8")
+
+
+def verify_pope(splits: dict[str, list[PopeQuestion]], version: str, seed: int) -> bool | None:
+    """True / False: the build equals / differs from the pinned checksums of (version, seed);
+    None: nothing is pinned for it (only the standard world's files are)."""
+    known = KNOWN_WORLD_POPE.get((version, seed))
+    if known is None:
+        return None
+    return {s: hashlib.sha256(pope_bytes(qs)).hexdigest() for s, qs in splits.items()} == known
+
+
+def write_pope(out_dir: str | Path, splits: dict[str, list[PopeQuestion]],
+               version: str = DEFAULT_POPE_VERSION) -> dict[str, Path]:
     """Write one JSON Lines file per split into ``out_dir``; returns their paths."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for split, qs in splits.items():
-        path = d / pope_file_name(split)
-        path.write_text("".join(json.dumps(q.to_json()) + "\n" for q in qs), encoding="utf-8")
+        path = d / pope_file_name(split, version)
+        path.write_bytes(pope_bytes(qs))
         paths[split] = path
     return paths
 

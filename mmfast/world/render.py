@@ -20,9 +20,12 @@ Per-pixel maps: ``instance_map`` (0 = background, ``k`` = ``annotation.instances
 ``label_map`` (0 = background, ``k`` = ``CATEGORIES[k - 1]``); the last-drawn object wins.
 A pixel belongs to an object where its layer's alpha is at least 50%.
 
-Instances are listed by **visible area, descending** (ties: drawing order), the order POPE uses
-for its "first three ground-truth objects". ``bbox`` is the COCO ``[x, y, w, h]`` box of the
-*visible* pixels and ``area`` their count; ``visible_fraction`` is visible / full-object pixels.
+Instances are listed by **visible area, descending** (ties: drawing order); POPE version ``v1`` took
+its "first three ground-truth objects" in this order. Each instance also keeps ``sample_index``, its
+position in the scene model's sampled object list: the world's *annotation order*, not sorted by size,
+which the official POPE rule (version ``official``) reads (:meth:`ImageAnnotation.annotated_names`).
+``bbox`` is the COCO ``[x, y, w, h]`` box of the *visible* pixels and ``area`` their count;
+``visible_fraction`` is visible / full-object pixels.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class Instance:
     is_small: bool
     color: str
     variant: str = ""
+    sample_index: int = -1  # position in the scene model's sampled list (annotation order); -1: not recorded
 
     @property
     def label(self) -> int:
@@ -128,6 +132,23 @@ class ImageAnnotation:
                 seen.append(inst.name)
         return seen
 
+    def annotated_names(self) -> list[str]:
+        """Distinct category names in annotation order (the scene model's sampling order, see
+        ``Instance.sample_index``), each at its first sampled instance.
+
+        Raises:
+            ValueError: for annotations read back from COCO files, which do not record the order
+                (``pope/world_objects_val.json`` of a written world does).
+        """
+        if any(inst.sample_index < 0 for inst in self.instances):
+            raise ValueError(f"image {self.image_id}: annotation order not recorded (read from a COCO file?); "
+                             "use the world's pope/world_objects_val.json")
+        seen: list[str] = []
+        for inst in sorted(self.instances, key=lambda i: i.sample_index):
+            if inst.name not in seen:
+                seen.append(inst.name)
+        return seen
+
     def counts(self) -> dict[str, int]:
         """Number of instances per category name (instance order)."""
         out: dict[str, int] = {}
@@ -157,6 +178,7 @@ class _Plan:
     flip: bool
     depth: float
     small: bool
+    index: int  # position in the sampled name list (annotation order)
 
 
 def image_seed(seed: int, split: str, image_id: int) -> int:
@@ -180,7 +202,7 @@ def label_lut() -> np.ndarray:
     return _LABEL_LUT_CACHE[0]
 
 
-def _plan(name: str, rng: random.Random, cfg: WorldConfig) -> _Plan:
+def _plan(name: str, rng: random.Random, cfg: WorldConfig, index: int) -> _Plan:
     cat = CATEGORY_BY_NAME[name]
     variant = rng.choices([v for v, _ in cat.variants], [w for _, w in cat.variants])[0] if cat.variants else ""
     color = VARIANT_COLOR.get((name, variant)) or rng.choice(cat.colors)
@@ -198,7 +220,7 @@ def _plan(name: str, rng: random.Random, cfg: WorldConfig) -> _Plan:
     w, h = (long_side, long_side / aspect) if aspect >= 1 else (long_side * aspect, long_side)
     angle = rng.uniform(-cat.rotation, cat.rotation)
     flip = cat.flip and rng.random() < 0.5
-    return _Plan(cat, variant, color, max(3, round(w)), max(3, round(h)), angle, flip, depth, small)
+    return _Plan(cat, variant, color, max(3, round(w)), max(3, round(h)), angle, flip, depth, small, index)
 
 
 def _rgb(p: _Plan, rng: random.Random) -> RGB:
@@ -278,7 +300,7 @@ def _compose(canvas: Image.Image, hz: int, names: list[str], rng: random.Random,
              cfg: WorldConfig) -> tuple[np.ndarray, list[int], list[_Plan]]:
     """Place and draw the objects onto ``canvas``; returns instance map, full sizes, plans."""
     s = cfg.image_size
-    plans = sorted((_plan(n, rng, cfg) for n in names), key=lambda p: (p.cat.layer, p.depth))
+    plans = sorted((_plan(n, rng, cfg, i) for i, n in enumerate(names)), key=lambda p: (p.cat.layer, p.depth))
     inst_map = np.zeros((s, s), dtype=np.uint8)
     full: list[int] = [0]  # full-object pixel counts, index = provisional instance id
     vis: list[int] = [0]  # currently visible pixel counts
@@ -334,7 +356,7 @@ def _finalize(canvas: Image.Image, inst_map: np.ndarray, full: list[int], placed
         bbox = (x0, y0, int(xs.max()) - x0 + 1, int(ys.max()) - y0 + 1)
         area = int(len(xs))
         inst = Instance(p.cat.id, p.cat.name, bbox, area, round(area / full[k], 4), area < small_area, p.color,
-                        p.variant)
+                        p.variant, p.index)
         found.append((area, k, inst))
     found.sort(key=lambda t: (-t[0], t[1]))
     remap = np.zeros(256, dtype=np.uint8)

@@ -23,8 +23,13 @@ class PopeTask(Task):
 
     @classmethod
     def required_files(cls, cfg: EvalConfig, data: EvalData) -> dict[str, Path]:
-        prefix = "coco" if data.dataset == "coco" else "world"
-        return {s: Path(cfg.pope.files.get(s, data.root / "pope" / f"{prefix}_pope_{s}.json")) for s in cfg.pope.splits}
+        if data.dataset == "coco":
+            names = {s: f"coco_pope_{s}.json" for s in cfg.pope.splits}
+        else:
+            from ...world.pope_build import pope_file_name
+
+            names = {s: pope_file_name(s, cfg.pope.world_version) for s in cfg.pope.splits}
+        return {s: Path(cfg.pope.files.get(s, data.root / "pope" / names[s])) for s in cfg.pope.splits}
 
     def __init__(self, cfg: EvalConfig, data: EvalData, cache_dir: Path | None = None) -> None:
         from .. import pope
@@ -92,8 +97,11 @@ class PopeTask(Task):
 
     def protocol(self) -> dict[str, Any]:
         p = self.cfg.pope
-        return {"splits": list(p.splits), "prompt": p.prompt, "parser": p.parser, "max_new_tokens": p.max_new_tokens,
-                "files": self.file_info, "intervals": _intervals_protocol()}
+        out = {"splits": list(p.splits), "prompt": p.prompt, "parser": p.parser, "max_new_tokens": p.max_new_tokens,
+               "files": self.file_info, "intervals": _intervals_protocol()}
+        if self.data.dataset == "world":
+            out["world_version"] = p.world_version
+        return out
 
 
 def _intervals_protocol() -> dict[str, Any]:
