@@ -58,6 +58,11 @@ try:  # optional dependency: importing this module without lmms-eval is allowed,
     from lmms_eval.api.model import lmms as _LMMBase
 except ImportError:  # pragma: no cover - exercised when lmms-eval is absent
     _LMMBase = object
+try:  # lmms-eval >= 0.7: per-answer token counts travel with the text into its samples file
+    from lmms_eval.api.instance import GenerationResult as _LMMResult
+    from lmms_eval.api.instance import TokenCounts as _LMMTokenCounts
+except ImportError:  # older lmms-eval or its stand-in: plain strings
+    _LMMResult = _LMMTokenCounts = None
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,62 @@ def data_parallel_state() -> Any | None:
     from accelerate import Accelerator
 
     return Accelerator(cpu=not torch.cuda.is_available())
+
+
+class _ToLoguru(logging.Handler):
+    """Hands ``logging`` records to loguru, which lmms-eval logs through (with the caller's location)."""
+
+    def __init__(self, sink: Any) -> None:
+        super().__init__()
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        frame, depth = logging.currentframe(), 0
+        while frame is not None and (depth == 0 or frame.f_code.co_filename == logging.__file__):
+            frame, depth = frame.f_back, depth + 1
+        try:
+            level: str | int = self.sink.level(record.levelname).name
+        except ValueError:
+            level = record.levelno
+        self.sink.opt(depth=depth, exception=record.exc_info).log(level, record.getMessage())
+
+
+def route_logs_to_lmms_eval() -> bool:
+    """Show mmfast's log lines (progress, token counts, warnings) in lmms-eval's loguru output.
+
+    lmms-eval configures loguru only, so ``logging`` records at INFO were dropped and warnings came
+    out unformatted. When neither the ``mmfast`` logger (beyond the library's ``NullHandler``) nor the
+    root logger has a handler (the application configured no ``logging``), a handler forwarding to
+    loguru is added to the ``mmfast`` logger, at INFO unless a level was set. Returns whether it was added
+    (once per process).
+    """
+    pkg = logging.getLogger("mmfast")
+    configured = [h for h in pkg.handlers if not isinstance(h, (logging.NullHandler, _ToLoguru))]
+    if configured or logging.getLogger().handlers or any(isinstance(h, _ToLoguru) for h in pkg.handlers):
+        return False
+    try:
+        from loguru import logger as sink
+    except ImportError:  # pragma: no cover - loguru comes with lmms-eval
+        return False
+    pkg.addHandler(_ToLoguru(sink))
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.INFO)
+    return True
+
+
+def rank_and_size(accelerator: Any) -> tuple[int, int]:
+    """This process's rank and the process count: torch.distributed's group when it is up, else accelerate's.
+
+    lmms-eval's command line builds its own ``Accelerator()`` before the model; accelerate's state is
+    shared, and on a machine without CUDA that first one records a single process although ``torchrun``
+    started several (the group itself is up), so ``process_index`` / ``num_processes`` said 0 / 1 on
+    every rank.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return int(accelerator.process_index), int(accelerator.num_processes)
 
 
 def recipe_overrides(args: dict[str, Any]) -> list[str]:
@@ -146,6 +207,7 @@ class MMFast(_LMMBase):
         if _LMMBase is object:
             raise ImportError("lmms-eval is not installed: pip install lmms-eval (or pip install 'mmfast[lmms]')")
         super().__init__()
+        route_logs_to_lmms_eval()
         from ..config import load_recipe
         from ..model import load_model
         from ..pipeline import apply
@@ -168,7 +230,7 @@ class MMFast(_LMMBase):
                 )
             device = str(accelerator.device)
             self.accelerator = accelerator
-            self._rank, self._world_size = int(accelerator.process_index), int(accelerator.num_processes)
+            self._rank, self._world_size = rank_and_size(accelerator)
         self.mm = load_model(self.recipe.model, device=device)
         self.session = apply(self.mm, self.recipe)
         self._device = self.mm.device
@@ -252,10 +314,14 @@ class MMFast(_LMMBase):
             decoder = self.session.decoder
         return _Plan(decoder, int(max_new), tuple(until))
 
-    def generate_until(self, requests) -> list[str]:
-        """Answer every request; batches of ``batch_size`` requests with equal task settings."""
+    def generate_until(self, requests) -> list[Any]:
+        """Answer every request; batches of ``batch_size`` requests with equal task settings.
+
+        With lmms-eval >= 0.7 each answer is its ``GenerationResult`` (text and ``output_tokens``, the
+        generated token count, as lmms-eval's own ``llava_hf`` reports); otherwise the text.
+        """
         reqs = list(requests)
-        out: list[str | None] = [None] * len(reqs)
+        out: list[Any] = [None] * len(reqs)
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, req in enumerate(reqs):
             _, gen_kwargs, _, _, task, split = req.args[:6]
@@ -270,8 +336,8 @@ class MMFast(_LMMBase):
                 idx = sorted(idx, key=lambda i: -len(reqs[i].args[0]))  # longest first: OOMs show at once
                 for start in range(0, len(idx), self.batch_size):
                     chunk = idx[start : start + self.batch_size]
-                    for i, text in zip(chunk, self._answer([reqs[i] for i in chunk], plan)):
-                        out[i] = text
+                    for i, (text, n_new) in zip(chunk, self._answer([reqs[i] for i in chunk], plan)):
+                        out[i] = text if _LMMResult is None else _LMMResult(text, _LMMTokenCounts(output_tokens=n_new))
                         self.cache_hook.add_partial("generate_until", (reqs[i].args[0], reqs[i].args[1]), text)
                     progress.update(len(chunk))
         finally:
@@ -283,9 +349,10 @@ class MMFast(_LMMBase):
             vis = self.token_counts.vision_tokens - counts_before[2]
             logger.info("rank %d generate_until: %d requests, %d new tokens (%.1f per answer), %.1f vision tokens per "
                         "request at the LLM input, %.1fs", self.rank, n, new, new / n, vis / n, time.perf_counter() - t0)
-        return [t if t is not None else "" for t in out]
+        return out
 
-    def _answer(self, chunk: Sequence[Any], plan: _Plan) -> list[str]:
+    def _answer(self, chunk: Sequence[Any], plan: _Plan) -> list[tuple[str, int]]:
+        """(answer cut at the first stop string, generated token count) per request."""
         images, prompts, meta = [], [], []
         for req in chunk:
             context, _, _, doc_id, task, split = req.args[:6]
@@ -303,7 +370,7 @@ class MMFast(_LMMBase):
             for stop in plan.until:
                 if stop and stop in text:
                     text = text.split(stop)[0]
-            texts.append(text)
+            texts.append((text, len(res.token_ids)))
             self.token_counts.add(req.args[4], len(res.token_ids), res.n_vision_tokens)
         return texts
 
