@@ -1,4 +1,4 @@
-"""``python -m lmms_eval --model mmfast`` end to end, one process and two (``accelerate launch --cpu``).
+"""``python -m lmms_eval --model mmfast`` end to end, one process and two (``torchrun --nproc_per_node 2``, CPU).
 
 Runs only where lmms-eval is installed (CI's venv does not have it; see docs/scaling.md for the
 manual commands on the embedded world). The task is the one ``mmfast lmms-task`` writes, on a small
@@ -87,11 +87,13 @@ def test_lmms_eval_one_and_two_processes(setup, tiny_dir):
 
     tmp, recipe = setup
     one = _lmms_eval(tmp, recipe, tiny_dir, "one", [sys.executable])
-    two = _lmms_eval(tmp, recipe, tiny_dir, "two", [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
-                                                    "2", "--cpu", "--main_process_port", str(_free_port())])
+    # torchrun: on a machine without CUDA `accelerate launch --num_processes 2 --cpu` starts one process
+    two = _lmms_eval(tmp, recipe, tiny_dir, "two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                                    "--master_port", str(_free_port())])
     # mmfast's own log lines reach lmms-eval's (loguru) output: rank announcements and token summaries
-    assert "mmfast rank 1 of 2 on cpu (data parallel)" in two.stderr
-    assert "rank 0 generate_until:" in one.stderr and "rank 1 generate_until:" in two.stderr
+    logs_one, logs_two = one.stdout + one.stderr, two.stdout + two.stderr
+    assert "mmfast rank 1 of 2 on cpu (data parallel)" in logs_two and "rank 0 of" not in logs_one
+    assert "rank 0 generate_until:" in logs_one and "rank 1 generate_until:" in logs_two
 
     a, b = _samples(tmp / "one"), _samples(tmp / "two")
     assert len(a) == len(SPLITS) * LIMIT and a.keys() == b.keys()

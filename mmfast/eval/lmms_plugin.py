@@ -4,7 +4,14 @@
     python -m lmms_eval --model mmfast --model_args recipe=examples/fastv_64 --tasks pope --batch_size 4
     python -m lmms_eval --model mmfast \\
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,recipe=examples/fastv_64,pruning.0.params.keep=32 ...
-    accelerate launch --num_processes 8 -m lmms_eval --model mmfast --model_args recipe=... --tasks pope
+    accelerate launch --num_processes 8 -m lmms_eval --model mmfast --model_args recipe=... --tasks pope   # 8 GPUs
+    torchrun --nproc_per_node 2 -m lmms_eval --model mmfast --model_args recipe=... --tasks pope         # 2 CPU processes
+
+Offline, on the embedded world (``mmfast lmms-task`` writes the recipe's POPE questions as a local task):
+
+    mmfast lmms-task world_eval
+    python -m lmms_eval --model mmfast --model_args recipe=world_eval \
+        --include_path ~/.cache/mmfast/lmms_tasks/mmfast_world_pope --tasks mmfast_world_pope --limit 8
 
 Model arguments (``--model_args``, comma separated):
 
@@ -15,9 +22,12 @@ Model arguments (``--model_args``, comma separated):
   ``decoding.method=vcd``); an unknown key fails with the recipe validator's did-you-mean.
 - ``batch_size`` (``--batch_size``): requests answered per forward batch; ``device`` (``--device``).
 
-Data parallel: under ``accelerate launch`` or ``torchrun`` (``WORLD_SIZE > 1``) the model takes
-accelerate's process index, process count and device (``cuda:<LOCAL_RANK>``, or the CPU with gloo) as
-``rank`` / ``world_size`` / ``device`` and exposes the ``accelerator``, as lmms-eval's own models do;
+Data parallel: under ``accelerate launch`` or ``torchrun`` (``WORLD_SIZE > 1``) the model takes the
+process group's rank and size (accelerate's when no group is up) and accelerate's device
+(``cuda:<LOCAL_RANK>``, or the CPU with gloo) as ``rank`` / ``world_size`` / ``device`` and exposes the
+``accelerator``, as lmms-eval's own models do. On a machine without CUDA use ``torchrun`` (or
+``accelerate launch --multi_gpu``): ``accelerate launch --num_processes 2 --cpu`` starts a single
+process unless given an mpirun hostfile;
 lmms-eval then hands each process its shard of the requests (every ``world_size``-th document, padded
 to equal length) and gathers the results. mmfast's answers do not depend on batch composition, so the
 gathered answers equal a single-process run's.
@@ -30,7 +40,9 @@ OPERA, sample, ...) keeps it, and a warning says which task settings it override
 implement are reported in a warning once. Requests with equal settings are batched (longest prompt
 first); answers come back in request order. Progress goes to a bar on rank 0's terminal and to periodic
 log lines; a summary of generated and vision token counts is logged after each call and kept in
-``token_counts``.
+``token_counts``; each answer is returned as lmms-eval's ``GenerationResult`` with ``output_tokens``
+(lmms-eval >= 0.7 writes it into the samples file). mmfast's log lines go through lmms-eval's loguru
+output when the application configured no ``logging`` (:func:`route_logs_to_lmms_eval`).
 
 mmfast declares the entry point group ``lmms_eval.models`` (lmms-eval >= 0.7's plugin mechanism,
 ``ModelManifest``); the model loads the recipe's checkpoint, installs its methods once and answers
@@ -53,6 +65,7 @@ import torch
 from ..progress import Progress
 
 from ..errors import InputError
+from .lmms_logs import route_logs_to_lmms_eval
 
 try:  # optional dependency: importing this module without lmms-eval is allowed, using the class is not
     from lmms_eval.api.model import lmms as _LMMBase
@@ -86,47 +99,6 @@ def data_parallel_state() -> Any | None:
     from accelerate import Accelerator
 
     return Accelerator(cpu=not torch.cuda.is_available())
-
-
-class _ToLoguru(logging.Handler):
-    """Hands ``logging`` records to loguru, which lmms-eval logs through (with the caller's location)."""
-
-    def __init__(self, sink: Any) -> None:
-        super().__init__()
-        self.sink = sink
-
-    def emit(self, record: logging.LogRecord) -> None:
-        frame, depth = logging.currentframe(), 0
-        while frame is not None and (depth == 0 or frame.f_code.co_filename == logging.__file__):
-            frame, depth = frame.f_back, depth + 1
-        try:
-            level: str | int = self.sink.level(record.levelname).name
-        except ValueError:
-            level = record.levelno
-        self.sink.opt(depth=depth, exception=record.exc_info).log(level, record.getMessage())
-
-
-def route_logs_to_lmms_eval() -> bool:
-    """Show mmfast's log lines (progress, token counts, warnings) in lmms-eval's loguru output.
-
-    lmms-eval configures loguru only, so ``logging`` records at INFO were dropped and warnings came
-    out unformatted. When neither the ``mmfast`` logger (beyond the library's ``NullHandler``) nor the
-    root logger has a handler (the application configured no ``logging``), a handler forwarding to
-    loguru is added to the ``mmfast`` logger, at INFO unless a level was set. Returns whether it was added
-    (once per process).
-    """
-    pkg = logging.getLogger("mmfast")
-    configured = [h for h in pkg.handlers if not isinstance(h, (logging.NullHandler, _ToLoguru))]
-    if configured or logging.getLogger().handlers or any(isinstance(h, _ToLoguru) for h in pkg.handlers):
-        return False
-    try:
-        from loguru import logger as sink
-    except ImportError:  # pragma: no cover - loguru comes with lmms-eval
-        return False
-    pkg.addHandler(_ToLoguru(sink))
-    if pkg.level == logging.NOTSET:
-        pkg.setLevel(logging.INFO)
-    return True
 
 
 def rank_and_size(accelerator: Any) -> tuple[int, int]:
