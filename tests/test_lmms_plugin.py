@@ -311,3 +311,19 @@ def test_without_lmms_eval_the_class_refuses(monkeypatch):
     module = importlib.reload(module)
     with pytest.raises(ImportError, match="pip install lmms-eval"):
         module.MMFast()
+
+
+def test_rank_and_size_prefer_the_process_group(plugin, monkeypatch):
+    """lmms-eval's CLI makes its own Accelerator() first; on a machine without CUDA accelerate's shared
+    state then says one process although torchrun started two (the gloo group is up)."""
+    import torch.distributed as dist
+
+    class OneProcess:  # what that shared state reports on every rank
+        process_index, num_processes = 0, 1
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert plugin.rank_and_size(OneProcess()) == (0, 1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert plugin.rank_and_size(OneProcess()) == (1, 2)
