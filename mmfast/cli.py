@@ -7,6 +7,7 @@
     mmfast bench RECIPE [--output DIR]
     mmfast report RUN_DIR... [--output DIR]
     mmfast rerender BENCH_DIR...             rewrite a bench's results.md + plots (n, 95% intervals), no re-run
+    mmfast lmms-task [RECIPE] [--output DIR] write the recipe's POPE data as a local lmms-eval task (--include_path)
 
 Exit codes: 0 ok, 2 bad input (the message names the file/key and the fix), 1 internal error,
 3 evaluation samples failed (``mmfast eval``: more than ``eval.max_failures`` allow, or any at all in
@@ -88,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("rerender", help="rewrite a finished bench directory's results.md and plots (n, 95%% intervals) without re-running")
     s.add_argument("benches", nargs="+", metavar="BENCH_DIR")
+
+    s = sub.add_parser("lmms-task", help="write the recipe's POPE questions and images as a local lmms-eval task (for --include_path)")
+    s.add_argument("recipe", nargs="?", default="world_eval", help="recipe whose eval.data / eval.pope define the task (default: world_eval)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+    s.add_argument("--output", default=None, help="task directory (default: ~/.cache/mmfast/lmms_tasks/<name>)")
+    s.add_argument("--name", default=None, help="lmms-eval group name (default: mmfast_<dataset>_pope); tasks are <name>_<split>")
     return p
 
 
@@ -237,6 +244,15 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_lmms_task(args) -> int:
+    from .eval.lmms_tasks import write_lmms_task
+
+    task = write_lmms_task(_load(args), args.output, args.name)
+    print(f"lmms-eval task {task.group} ({', '.join(f'{t}: {n}' for t, n in zip(task.tasks, task.n_questions.values()))} questions)")
+    print(f"  --include_path {task.directory} --tasks {task.group}")
+    return 0
+
+
 def _cmd_rerender(args) -> int:
     from .bench.render import rerender_bench
 
@@ -262,6 +278,7 @@ COMMANDS = {
     "bench": _cmd_bench,
     "report": _cmd_report,
     "rerender": _cmd_rerender,
+    "lmms-task": _cmd_lmms_task,
 }
 
 

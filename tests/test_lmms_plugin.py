@@ -124,6 +124,31 @@ def _model(plugin, args: str, task_dict, **extra):
     return m
 
 
+def _generate(model, reqs) -> list[str]:
+    """``generate_until``'s answers as text. With lmms-eval >= 0.7 installed each answer is its
+    ``GenerationResult`` whose ``output_tokens`` is the answer's generated token count."""
+    before = model.token_counts.new_tokens
+    out = model.generate_until(reqs)
+    assert len(out) == len(reqs)
+    result_cls = sys.modules[type(model).__module__]._LMMResult
+    if result_cls is None:
+        assert all(isinstance(o, str) for o in out)
+        return out
+    assert all(isinstance(o, result_cls) for o in out)
+    assert sum(o.token_counts.output_tokens for o in out) == model.token_counts.new_tokens - before
+    return [o.text for o in out]
+
+
+class _RecordingHook:
+    """Records ``add_partial`` calls (lmms-eval's own ``CacheHook`` keeps nothing without a cache)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def add_partial(self, attr, req, res) -> None:
+        self.calls.append((attr, req, res))
+
+
 def _expected(tiny_mm, recipe, doc_ids, max_new, **kw) -> list[str]:
     with mmfast.apply(tiny_mm, recipe) as s:
         out = []
@@ -154,7 +179,8 @@ def test_plugin_runs_a_recipe(plugin, tiny_dir, task_dict, tiny_mm, tmp_path):
     model = _model(plugin, f"recipe={recipe}", task_dict)
     assert (model.rank, model.world_size, model.device, model.batch_size) == (0, 1, torch.device("cpu"), 1)
     assert not hasattr(model, "accelerator")
-    out = model.generate_until(_requests({"max_new_tokens": 4, "until": ["\n"]}, [0, 1]))
+    model.cache_hook = _RecordingHook()
+    out = _generate(model, _requests({"max_new_tokens": 4, "until": ["\n"]}, [0, 1]))
     assert out == _expected(tiny_mm, str(recipe), [0, 1], 4)
     assert [c[0] for c in model.cache_hook.calls] == ["generate_until"] * 2
     assert model.token_counts.requests == 2 and 0 < model.token_counts.new_tokens <= 8
@@ -184,7 +210,7 @@ def test_pretrained_and_overrides(plugin, tiny_dir, task_dict, tmp_path):
 
 def test_batching_keeps_answers_and_order(plugin, tiny_dir, task_dict, monkeypatch):
     reqs = _requests({"max_new_tokens": 5})
-    one = _model(plugin, f"pretrained={tiny_dir}", task_dict).generate_until(reqs)
+    one = _generate(_model(plugin, f"pretrained={tiny_dir}", task_dict), reqs)
     model = _model(plugin, f"pretrained={tiny_dir}", task_dict, batch_size=3)
     sizes: list[int] = []
     run = model.session.run
@@ -194,30 +220,30 @@ def test_batching_keeps_answers_and_order(plugin, tiny_dir, task_dict, monkeypat
         return run(batch, **kw)
 
     monkeypatch.setattr(model.session, "run", spy)
-    assert model.generate_until(reqs) == one
+    assert _generate(model, reqs) == one
     assert sizes == [3, 2]
     # requests with other settings are never batched with these
     mixed = reqs[:2] + _requests({"max_new_tokens": 2}, [2])
     sizes.clear()
-    out = model.generate_until(mixed)
+    out = _generate(model, mixed)
     assert sizes == [2, 1] and out[:2] == one[:2] and len(out[2]) <= len(one[2])
 
 
 def test_gen_kwargs_honoured(plugin, tiny_dir, task_dict, tiny_mm):
     model = _model(plugin, f"pretrained={tiny_dir}", task_dict)
     pope = {"max_new_tokens": 6, "temperature": 0, "top_p": 1.0, "num_beams": 1, "do_sample": False}
-    greedy = model.generate_until(_requests(pope, [0, 1]))
+    greedy = _generate(model, _requests(pope, [0, 1]))
     assert greedy == _expected(tiny_mm, None, [0, 1], 6)
-    sampled = model.generate_until(_requests({"max_new_tokens": 6, "do_sample": True, "temperature": 0.7}, [0, 1]))
+    sampled = _generate(model, _requests({"max_new_tokens": 6, "do_sample": True, "temperature": 0.7}, [0, 1]))
     want = _expected(tiny_mm, None, [0, 1], 6, keywords={"method": "sample", "params": {"temperature": 0.7, "top_k": 50}})
     assert sampled == want and sampled != greedy
-    beams = model.generate_until(_requests({"max_new_tokens": 6, "num_beams": 2}, [0]))
+    beams = _generate(model, _requests({"max_new_tokens": 6, "num_beams": 2}, [0]))
     assert beams == _expected(tiny_mm, None, [0], 6, keywords={"method": "beam", "params": {"num_beams": 2}})
     # until cuts the answer at the first stop string
     stop = greedy[0].split()[1]
-    assert model.generate_until(_requests({**pope, "until": [stop]}, [0])) == [greedy[0].split(stop)[0]]
+    assert _generate(model, _requests({**pope, "until": [stop]}, [0])) == [greedy[0].split(stop)[0]]
     before = model.token_counts.new_tokens
-    model.generate_until(_requests({"max_new_tokens": 2}, [0, 1]))
+    _generate(model, _requests({"max_new_tokens": 2}, [0, 1]))
     assert model.token_counts.new_tokens - before <= 4
 
 
@@ -225,8 +251,8 @@ def test_recipe_decoder_kept_with_a_warning(plugin, tiny_dir, task_dict, tiny_mm
     model = _model(plugin, f"pretrained={tiny_dir},decoding.method=vcd", task_dict)
     pope = {"max_new_tokens": 4, "do_sample": False, "temperature": 0, "image_aspect_ratio": "pad"}
     with caplog.at_level(logging.WARNING, logger="mmfast.eval.lmms_plugin"):
-        out = model.generate_until(_requests(pope, [0, 1]))
-        model.generate_until(_requests(pope, [2]))
+        out = _generate(model, _requests(pope, [0, 1]))
+        _generate(model, _requests(pope, [2]))
     msgs = [r.getMessage() for r in caplog.records]
     assert sum("recipe's decoder 'vcd' is kept" in m for m in msgs) == 1
     assert sum("image_aspect_ratio='pad'" in m and "ignored" in m for m in msgs) == 1
@@ -235,7 +261,7 @@ def test_recipe_decoder_kept_with_a_warning(plugin, tiny_dir, task_dict, tiny_mm
 
 def test_two_ranks_shard_like_lmms_eval(plugin, tiny_dir, task_dict, monkeypatch):
     gk = {"max_new_tokens": 5, "until": ["\n"]}
-    single = _model(plugin, f"pretrained={tiny_dir}", task_dict, batch_size=2).generate_until(_requests(gk))
+    single = _generate(_model(plugin, f"pretrained={tiny_dir}", task_dict, batch_size=2), _requests(gk))
 
     class FakeAccelerator:  # what accelerate gives process `rank` of 2 (no process group needed here)
         def __init__(self, rank: int) -> None:
@@ -252,7 +278,7 @@ def test_two_ranks_shard_like_lmms_eval(plugin, tiny_dir, task_dict, monkeypatch
         docs = list(range(5))[rank::2]
         reqs = _requests(gk, docs)
         reqs += [reqs[-1]] * (3 - len(reqs))
-        out = model.generate_until(reqs)
+        out = _generate(model, reqs)
         assert len(out) == 3
         merged.update(zip(docs, out))
     assert [merged[d] for d in range(5)] == single
@@ -297,3 +323,19 @@ def test_plugin_runs_a_onevision_recipe(plugin, task_dict, tmp_path):
     model = _model(plugin, f"recipe={recipe}", task_dict)
     out = model.generate_until(_requests({"max_new_tokens": 4, "until": ["\n"]}, [0, 1]))
     assert out == _expected(mmfast.load(path, device="cpu"), str(recipe), [0, 1], 4)
+
+
+def test_rank_and_size_prefer_the_process_group(plugin, monkeypatch):
+    """lmms-eval's CLI makes its own Accelerator() first; on a machine without CUDA accelerate's shared
+    state then says one process although torchrun started two (the gloo group is up)."""
+    import torch.distributed as dist
+
+    class OneProcess:  # what that shared state reports on every rank
+        process_index, num_processes = 0, 1
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert plugin.rank_and_size(OneProcess()) == (0, 1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert plugin.rank_and_size(OneProcess()) == (1, 2)

@@ -4,7 +4,14 @@
     python -m lmms_eval --model mmfast --model_args recipe=examples/fastv_64 --tasks pope --batch_size 4
     python -m lmms_eval --model mmfast \\
         --model_args pretrained=llava-hf/llava-1.5-7b-hf,recipe=examples/fastv_64,pruning.0.params.keep=32 ...
-    accelerate launch --num_processes 8 -m lmms_eval --model mmfast --model_args recipe=... --tasks pope
+    accelerate launch --num_processes 8 -m lmms_eval --model mmfast --model_args recipe=... --tasks pope   # 8 GPUs
+    torchrun --nproc_per_node 2 -m lmms_eval --model mmfast --model_args recipe=... --tasks pope         # 2 CPU processes
+
+Offline, on the embedded world (``mmfast lmms-task`` writes the recipe's POPE questions as a local task):
+
+    mmfast lmms-task world_eval
+    python -m lmms_eval --model mmfast --model_args recipe=world_eval \
+        --include_path ~/.cache/mmfast/lmms_tasks/mmfast_world_pope --tasks mmfast_world_pope --limit 8
 
 Model arguments (``--model_args``, comma separated):
 
@@ -15,9 +22,12 @@ Model arguments (``--model_args``, comma separated):
   ``decoding.method=vcd``); an unknown key fails with the recipe validator's did-you-mean.
 - ``batch_size`` (``--batch_size``): requests answered per forward batch; ``device`` (``--device``).
 
-Data parallel: under ``accelerate launch`` or ``torchrun`` (``WORLD_SIZE > 1``) the model takes
-accelerate's process index, process count and device (``cuda:<LOCAL_RANK>``, or the CPU with gloo) as
-``rank`` / ``world_size`` / ``device`` and exposes the ``accelerator``, as lmms-eval's own models do;
+Data parallel: under ``accelerate launch`` or ``torchrun`` (``WORLD_SIZE > 1``) the model takes the
+process group's rank and size (accelerate's when no group is up) and accelerate's device
+(``cuda:<LOCAL_RANK>``, or the CPU with gloo) as ``rank`` / ``world_size`` / ``device`` and exposes the
+``accelerator``, as lmms-eval's own models do. On a machine without CUDA use ``torchrun`` (or
+``accelerate launch --multi_gpu``): ``accelerate launch --num_processes 2 --cpu`` starts a single
+process unless given an mpirun hostfile;
 lmms-eval then hands each process its shard of the requests (every ``world_size``-th document, padded
 to equal length) and gathers the results. mmfast's answers do not depend on batch composition, so the
 gathered answers equal a single-process run's.
@@ -30,7 +40,9 @@ OPERA, sample, ...) keeps it, and a warning says which task settings it override
 implement are reported in a warning once. Requests with equal settings are batched (longest prompt
 first); answers come back in request order. Progress goes to a bar on rank 0's terminal and to periodic
 log lines; a summary of generated and vision token counts is logged after each call and kept in
-``token_counts``.
+``token_counts``; each answer is returned as lmms-eval's ``GenerationResult`` with ``output_tokens``
+(lmms-eval >= 0.7 writes it into the samples file). mmfast's log lines go through lmms-eval's loguru
+output when the application configured no ``logging`` (:func:`route_logs_to_lmms_eval`).
 
 mmfast declares the entry point group ``lmms_eval.models`` (lmms-eval >= 0.7's plugin mechanism,
 ``ModelManifest``); the model loads the recipe's checkpoint, installs its methods once and answers
@@ -53,11 +65,17 @@ import torch
 from ..progress import Progress
 
 from ..errors import InputError
+from .lmms_logs import route_logs_to_lmms_eval
 
 try:  # optional dependency: importing this module without lmms-eval is allowed, using the class is not
     from lmms_eval.api.model import lmms as _LMMBase
 except ImportError:  # pragma: no cover - exercised when lmms-eval is absent
     _LMMBase = object
+try:  # lmms-eval >= 0.7: per-answer token counts travel with the text into its samples file
+    from lmms_eval.api.instance import GenerationResult as _LMMResult
+    from lmms_eval.api.instance import TokenCounts as _LMMTokenCounts
+except ImportError:  # older lmms-eval or its stand-in: plain strings
+    _LMMResult = _LMMTokenCounts = None
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +99,21 @@ def data_parallel_state() -> Any | None:
     from accelerate import Accelerator
 
     return Accelerator(cpu=not torch.cuda.is_available())
+
+
+def rank_and_size(accelerator: Any) -> tuple[int, int]:
+    """This process's rank and the process count: torch.distributed's group when it is up, else accelerate's.
+
+    lmms-eval's command line builds its own ``Accelerator()`` before the model; accelerate's state is
+    shared, and on a machine without CUDA that first one records a single process although ``torchrun``
+    started several (the group itself is up), so ``process_index`` / ``num_processes`` said 0 / 1 on
+    every rank.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return int(accelerator.process_index), int(accelerator.num_processes)
 
 
 def recipe_overrides(args: dict[str, Any]) -> list[str]:
@@ -146,6 +179,7 @@ class MMFast(_LMMBase):
         if _LMMBase is object:
             raise ImportError("lmms-eval is not installed: pip install lmms-eval (or pip install 'mmfast[lmms]')")
         super().__init__()
+        route_logs_to_lmms_eval()
         from ..config import load_recipe
         from ..model import load_model
         from ..pipeline import apply
@@ -168,7 +202,7 @@ class MMFast(_LMMBase):
                 )
             device = str(accelerator.device)
             self.accelerator = accelerator
-            self._rank, self._world_size = int(accelerator.process_index), int(accelerator.num_processes)
+            self._rank, self._world_size = rank_and_size(accelerator)
         self.mm = load_model(self.recipe.model, device=device)
         self.session = apply(self.mm, self.recipe)
         self._device = self.mm.device
@@ -252,10 +286,14 @@ class MMFast(_LMMBase):
             decoder = self.session.decoder
         return _Plan(decoder, int(max_new), tuple(until))
 
-    def generate_until(self, requests) -> list[str]:
-        """Answer every request; batches of ``batch_size`` requests with equal task settings."""
+    def generate_until(self, requests) -> list[Any]:
+        """Answer every request; batches of ``batch_size`` requests with equal task settings.
+
+        With lmms-eval >= 0.7 each answer is its ``GenerationResult`` (text and ``output_tokens``, the
+        generated token count, as lmms-eval's own ``llava_hf`` reports); otherwise the text.
+        """
         reqs = list(requests)
-        out: list[str | None] = [None] * len(reqs)
+        out: list[Any] = [None] * len(reqs)
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, req in enumerate(reqs):
             _, gen_kwargs, _, _, task, split = req.args[:6]
@@ -270,8 +308,8 @@ class MMFast(_LMMBase):
                 idx = sorted(idx, key=lambda i: -len(reqs[i].args[0]))  # longest first: OOMs show at once
                 for start in range(0, len(idx), self.batch_size):
                     chunk = idx[start : start + self.batch_size]
-                    for i, text in zip(chunk, self._answer([reqs[i] for i in chunk], plan)):
-                        out[i] = text
+                    for i, (text, n_new) in zip(chunk, self._answer([reqs[i] for i in chunk], plan)):
+                        out[i] = text if _LMMResult is None else _LMMResult(text, _LMMTokenCounts(output_tokens=n_new))
                         self.cache_hook.add_partial("generate_until", (reqs[i].args[0], reqs[i].args[1]), text)
                     progress.update(len(chunk))
         finally:
@@ -283,9 +321,10 @@ class MMFast(_LMMBase):
             vis = self.token_counts.vision_tokens - counts_before[2]
             logger.info("rank %d generate_until: %d requests, %d new tokens (%.1f per answer), %.1f vision tokens per "
                         "request at the LLM input, %.1fs", self.rank, n, new, new / n, vis / n, time.perf_counter() - t0)
-        return [t if t is not None else "" for t in out]
+        return out
 
-    def _answer(self, chunk: Sequence[Any], plan: _Plan) -> list[str]:
+    def _answer(self, chunk: Sequence[Any], plan: _Plan) -> list[tuple[str, int]]:
+        """(answer cut at the first stop string, generated token count) per request."""
         images, prompts, meta = [], [], []
         for req in chunk:
             context, _, _, doc_id, task, split = req.args[:6]
@@ -303,7 +342,7 @@ class MMFast(_LMMBase):
             for stop in plan.until:
                 if stop and stop in text:
                     text = text.split(stop)[0]
-            texts.append(text)
+            texts.append((text, len(res.token_ids)))
             self.token_counts.add(req.args[4], len(res.token_ids), res.n_vision_tokens)
         return texts
 

@@ -1,0 +1,203 @@
+"""An lmms-eval POPE task on local files: the recipe's POPE questions and images, no hub access.
+
+    mmfast lmms-task world_eval                   # writes ~/.cache/mmfast/lmms_tasks/mmfast_world_pope/
+    python -m lmms_eval --model mmfast --model_args recipe=world_eval \\
+        --include_path ~/.cache/mmfast/lmms_tasks/mmfast_world_pope --tasks mmfast_world_pope --limit 8
+
+:func:`write_lmms_task` locates the recipe's POPE data exactly as ``mmfast eval`` does (the embedded
+world is generated on first use; ``eval.data.dataset: coco`` takes the official POPE files and COCO
+val2014 images) and writes an lmms-eval task directory for ``--include_path``:
+
+- ``data/<split>.jsonl``: one line per question (``question_id``, ``image`` as an absolute path,
+  ``question``, ``answer`` = the label, ``split``, ``parser``), read by ``datasets``' ``json`` builder;
+- ``<name>_<split>.yaml``: one task per split (``generate_until``; the recipe's prompt split around
+  ``{question}`` into lmms-eval's ``pre_prompt`` / ``post_prompt``; ``max_new_tokens`` from the recipe,
+  greedy), metrics ``pope_accuracy``, ``pope_precision``, ``pope_recall``, ``pope_f1``, ``pope_yes_ratio``;
+- ``<name>.yaml``: the group of the splits, with the unweighted mean of F1 and accuracy over splits
+  (the three-split mean ``mmfast eval`` reports as ``mean_f1`` / ``mean_accuracy``);
+- ``utils.py``: imports the functions below (so the task needs mmfast installed, as the model does).
+
+Answers are scored by mmfast's POPE parser named in the recipe (``eval.pope.parser``, :mod:`mmfast.eval.pope`),
+so an lmms-eval run of a recipe reports the figures ``mmfast eval`` reports for the same questions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import InputError
+
+logger = logging.getLogger(__name__)
+
+METRICS = ("accuracy", "precision", "recall", "f1", "yes_ratio")
+
+
+@dataclass(frozen=True)
+class LmmsTask:
+    """What :func:`write_lmms_task` wrote: the directory for ``--include_path`` and the names for ``--tasks``."""
+
+    directory: Path
+    group: str
+    tasks: tuple[str, ...]  # one per POPE split
+    n_questions: dict[str, int]
+
+
+def default_output(name: str) -> Path:
+    from .data import cache_root
+
+    return cache_root() / "lmms_tasks" / name
+
+
+def write_lmms_task(recipe: Any, output: str | Path | None = None, name: str | None = None) -> LmmsTask:
+    """Write the lmms-eval task directory for ``recipe``'s POPE section (see the module docstring)."""
+    from .data import resolve_data
+    from .pope import load_pope_questions
+    from .tasks.pope import PopeTask
+
+    cfg = recipe.eval
+    pope = cfg.pope
+    if "{question}" not in pope.prompt:
+        raise InputError("eval.pope.prompt must contain '{question}' (where the POPE question goes)")
+    data = resolve_data(cfg, ["pope"])
+    name = name or f"mmfast_{data.dataset}_pope"
+    if not name.replace("_", "").isalnum():
+        raise InputError(f"task name {name!r}: use letters, digits and underscores (it becomes lmms-eval's --tasks name)")
+    out = Path(output).expanduser() if output is not None else default_output(name)
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    pre, post = pope.prompt.split("{question}", 1)
+    counts: dict[str, int] = {}
+    tasks = []
+    for split, path in PopeTask.required_files(cfg, data).items():
+        questions = load_pope_questions(path, strict=pope.strict_version)
+        lines = [
+            json.dumps({"question_id": q.question_id, "image": str((data.image_dir / q.image).resolve()),
+                        "question": q.text, "answer": q.label, "split": split, "parser": pope.parser})
+            for q in questions
+        ]
+        jsonl = (out / "data" / f"{split}.jsonl").resolve()
+        jsonl.write_text("\n".join(lines) + "\n")
+        counts[split] = len(lines)
+        task = f"{name}_{split}"
+        tasks.append(task)
+        (out / f"{task}.yaml").write_text(_task_yaml(task, split, jsonl, pre, post, pope.max_new_tokens))
+    (out / f"{name}.yaml").write_text(_group_yaml(name, tasks))
+    (out / "utils.py").write_text(_UTILS)
+    logger.info("wrote lmms-eval task %s (%s) to %s", name, ", ".join(f"{s}: {n}" for s, n in counts.items()), out)
+    return LmmsTask(out.resolve(), name, tuple(tasks), counts)
+
+
+def _task_yaml(task: str, split: str, jsonl: Path, pre: str, post: str, max_new_tokens: int) -> str:
+    metrics = "".join(
+        f"  - metric: pope_{m}\n    aggregation: !function utils.aggregate_{m}\n    higher_is_better: {str(m != 'yes_ratio').lower()}\n"
+        for m in METRICS
+    )
+    return (
+        f"# written by `mmfast lmms-task` (mmfast.eval.lmms_tasks); POPE {split} split on local files\n"
+        f"task: {task}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        f"    {split}: {json.dumps(str(jsonl))}\n"
+        f"test_split: {split}\n"
+        "output_type: generate_until\n"
+        "doc_to_visual: !function utils.doc_to_visual\n"
+        "doc_to_text: !function utils.doc_to_text\n"
+        "doc_to_target: answer\n"
+        "generation_kwargs:\n"
+        f"  max_new_tokens: {int(max_new_tokens)}\n"
+        "  temperature: 0\n"
+        "  do_sample: false\n"
+        "  num_beams: 1\n"
+        "process_results: !function utils.process_results\n"
+        "metric_list:\n"
+        f"{metrics}"
+        "lmms_eval_specific_kwargs:\n"
+        "  default:\n"
+        f"    pre_prompt: {json.dumps(pre)}\n"
+        f"    post_prompt: {json.dumps(post)}\n"
+        "metadata:\n"
+        "  version: 0.0\n"
+    )
+
+
+def _group_yaml(group: str, tasks: Sequence[str]) -> str:
+    return (
+        "# written by `mmfast lmms-task`: the POPE splits, with the unweighted mean over splits\n"
+        f"group: {group}\n"
+        "task:\n" + "".join(f"  - {t}\n" for t in tasks) +
+        "aggregate_metric_list:\n"
+        "  - metric: pope_f1\n    aggregation: mean\n    weight_by_size: false\n"
+        "  - metric: pope_accuracy\n    aggregation: mean\n    weight_by_size: false\n"
+        "metadata:\n"
+        "  version: 0.0\n"
+    )
+
+
+_UTILS = '''"""lmms-eval functions of the task written by `mmfast lmms-task` (they live in mmfast.eval.lmms_tasks)."""
+
+from mmfast.eval.lmms_tasks import (  # noqa: F401
+    aggregate_accuracy,
+    aggregate_f1,
+    aggregate_precision,
+    aggregate_recall,
+    aggregate_yes_ratio,
+    doc_to_text,
+    doc_to_visual,
+    process_results,
+)
+'''
+
+
+# -- the task's functions (lmms-eval calls them through the written utils.py) -------------------------
+
+
+def doc_to_visual(doc: dict[str, Any]) -> list:
+    """The question's image, read from disk."""
+    from PIL import Image
+
+    with Image.open(doc["image"]) as im:
+        return [im.convert("RGB")]
+
+
+def doc_to_text(doc: dict[str, Any], lmms_eval_specific_kwargs: dict[str, Any] | None = None) -> str:
+    kw = lmms_eval_specific_kwargs or {}
+    return f"{kw.get('pre_prompt', '')}{doc['question']}{kw.get('post_prompt', '')}"
+
+
+def process_results(doc: dict[str, Any], results: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """One record per metric; the aggregations score them with the recipe's parser (``doc["parser"]``)."""
+    record = {"question_id": doc["question_id"], "label": doc["answer"], "answer": results[0], "parser": doc["parser"]}
+    return {f"pope_{m}": record for m in METRICS}
+
+
+def _metrics(records: Sequence[dict[str, Any]]):
+    from .pope import score_pope
+
+    modes = {r["parser"] for r in records}
+    if len(modes) != 1:
+        raise InputError(f"POPE records scored with different parsers {sorted(modes)}")
+    return score_pope(records, modes.pop())
+
+
+def aggregate_accuracy(records: Sequence[dict[str, Any]]) -> float:
+    return _metrics(records).accuracy
+
+
+def aggregate_precision(records: Sequence[dict[str, Any]]) -> float:
+    return _metrics(records).precision
+
+
+def aggregate_recall(records: Sequence[dict[str, Any]]) -> float:
+    return _metrics(records).recall
+
+
+def aggregate_f1(records: Sequence[dict[str, Any]]) -> float:
+    return _metrics(records).f1
+
+
+def aggregate_yes_ratio(records: Sequence[dict[str, Any]]) -> float:
+    return _metrics(records).yes_ratio
