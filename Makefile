@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 # CHAIR's tagger and lemma data ship in the package; NLTK_DATA is only read if you set it yourself.
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test clean lmms-setup test-lmms
 
 setup: $(VENV)/.installed
 
@@ -28,5 +28,22 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
+# lmms-eval end to end (tests/test_lmms_eval_e2e.py): a second venv, since lmms-eval needs torchvision,
+# which imports only beside torch 2.14.1 here (a CUDA build, 5.6 GB, installed from this machine's disk)
+LMMS_VENV  ?= .venv-lmms
+LMMS_PY    := $(LMMS_VENV)/bin/python
+
+lmms-setup: $(LMMS_VENV)/.installed
+
+$(LMMS_VENV)/.installed: pyproject.toml
+	test -x $(LMMS_PY) || $(PYTHON) -m venv $(LMMS_VENV)
+	$(LMMS_PY) -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+	$(LMMS_PY) -m pip install -q "lmms-eval==0.7.3"
+	$(LMMS_PY) -m pip install -q -e ".[test]"
+	touch $@
+
+test-lmms: lmms-setup
+	$(LMMS_PY) -m pytest tests/test_lmms_eval_e2e.py tests/test_lmms_tasks.py tests/test_lmms_plugin.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(LMMS_VENV) runs .pytest_cache
