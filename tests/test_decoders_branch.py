@@ -92,6 +92,31 @@ def test_m3id_branch_has_no_image(tiny_mm, images, prompts):
         assert r[0].stats["forwards_per_step"] == 2  # different lengths: separate caches
 
 
+def test_m3id_image_free_prompt_keeps_the_newline(tiny_mm, images, prompts):
+    """RITUAL's M3ID deletes only the image placeholder id: the newline after it stays."""
+    tok = tiny_mm.processor.tokenizer
+    batch = tiny_mm.prepare(images[:2], prompts[:2])
+    recipe = load_recipe({"decoding": {"method": "m3id", "params": {"sample": False, "beta": 0.0, "lam": 0.5}}})
+    with Session(tiny_mm, recipe) as s:
+        seen = []
+        orig = s.runner.prefill
+
+        def spy(inputs):
+            seen.append(inputs)
+            return orig(inputs)
+
+        s.runner.prefill = spy
+        s.run(batch, max_new_tokens=2)
+    branch = next(x for x in seen if x.image_mask.sum() == 0)
+    for b, prompt in enumerate(prompts[:2]):
+        row = branch.input_ids[b][branch.attention_mask[b].bool()].tolist()
+        text = tiny_mm.chat_text(prompt, 1)
+        assert "<image>\n" in text
+        expect = tok(text.replace("<image>", ""), add_special_tokens=True)["input_ids"]
+        assert row == expect and tok.decode(row).count("\n") == 1
+        assert row != tok(tiny_mm.chat_text(prompt, 0), add_special_tokens=True)["input_ids"]
+
+
 def _damro_direct_outliers(mm, batch, k):
     """DAMRO's release rule, computed here from the tower alone: one-head CLS attention of the layer
     after the feature layer (its input is the selected features), top-k in descending order."""
