@@ -214,3 +214,12 @@ def test_decoding_bench_states_the_preset():
     assert preset_notes({"results": results}) == "beam (beam) exact, opera (opera) exact"
     results["opera"]["decoding"]["params"]["preset"] = "release"
     assert "opera (opera) release" in preset_notes({"results": results})
+
+
+def test_speculative_bench_says_flash_tau_is_not_the_release_tau():
+    from mmfast.bench.speculative import FLASH_NOTE, speculative_notes
+
+    rows = [["caption@T0", "baseline"], ["caption@T0", "flash"]]
+    assert FLASH_NOTE in speculative_notes({"rows": rows})
+    assert "EAGLE-1" in FLASH_NOTE and "mc_sim_7b_63" in FLASH_NOTE
+    assert FLASH_NOTE not in speculative_notes({"rows": rows[:1]})
