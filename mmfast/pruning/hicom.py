@@ -11,9 +11,12 @@ Algorithm (per prompt; its images are the frames of one clip unless ``frames: im
    k = ``visual_projection(post_layernorm(last-layer patch tokens))`` (MaskCLIP-style), values = the
    feature-layer patch features. Token = sum_j w_j v_j, w = alpha * softmax(s * cos(g, k_j))
    + (1 - alpha) / |G|, fed to the model's own projector (alpha = 0: plain average pooling).
-3. Global: ``global_queries`` learnable queries, FiLM-modulated by g ("coarse" injection:
-   LN(q * (1 + scale) + shift)), one multi-head cross-attention over all frame features plus 3-D
+3. Global: ``global_queries`` queries, one multi-head cross-attention over all frame features plus 3-D
    sinusoidal positions, readout MLP(q + attn) to the LLM width (trained: scripts/train_hicom.py).
+   ``global_mode: coarse`` (default, the paper): learnable queries FiLM-modulated by g
+   (LN(q * (1 + scale) + shift)). ``global_mode: direct`` (the release, ``--use_guide direct`` in its
+   ``directg_local43_global32`` script): every query is MLP(g), so the learned queries go unused and the
+   global tokens are identical copies. The mode is stored with the trained weights and must match.
 4. Tokens: local in (t, h, w) raster order, then global, in the prompt's first image slot; the
    prompt's other frame slots get zero tokens (``build_lm_inputs`` accepts empty images).
 
@@ -85,6 +88,10 @@ class HICom(Pruner):
         alpha: float = opt(0.5, lo=0.0, hi=1.0, doc="w = alpha * softmax(s * cos) + (1 - alpha) / |G| (0: average pooling)")
         scale: float = opt(20.0, lo=0.0, hi=200.0, doc="s: cosine scale of the local softmax (spec: 10-50; CLIP: 100)")
         global_queries: int = opt(32, lo=0, doc="learnable global queries (paper: 32; 0 = training-free local only)")
+        global_mode: Literal["coarse", "direct"] = opt(
+            "coarse", doc="global-branch instruction injection: coarse (the paper: FiLM-modulated learned queries) or "
+            "direct (the release: the queries are the projected instruction); must match the trained weights"
+        )
         global_weights: str | None = opt(None, doc="trained global branch (default <model dir>/hicom_global.safetensors)")
         clip_model: str | None = opt(None, doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': tests only)")
         frames: Literal["video", "images"] = opt("video", doc="video: a prompt's images are frames compressed jointly")
@@ -141,6 +148,7 @@ class HICom(Pruner):
                 "llm_hidden": self.adapter.text_config.hidden_size,
                 "text_dim": self.clip.dim,
                 "n_queries": cfg.global_queries,
+                "mode": cfg.global_mode,
             }
             self.glob, self.glob_meta = load_global(path, model_hint=str(d or "<model dir>"), expect=expect)
             self.glob.to(self.clip.device)
@@ -203,6 +211,7 @@ class HICom(Pruner):
             "per_sample_local": n_local,
             "per_sample_frames": n_frames,
             "global": cfg.global_queries if self.glob is not None else 0,
+            "global_mode": cfg.global_mode if self.glob is not None else None,
             "local_grid": list(out_grid) if out_grid is not None else None,
         }
         return vision
