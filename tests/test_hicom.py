@@ -157,6 +157,35 @@ def test_global_modes_direct_and_coarse_against_direct_computation(tiny_mm, imag
     assert res[0].stats["hicom"]["global_mode"] == "direct"
 
 
+def test_local_release_rule_against_direct_computation(tiny_mm, images, prompts):
+    """local_rule: release = HICom's released local attention: w = softmax(g . k / sqrt(P)) over each
+    group with raw keys visual_projection(last hidden state) (no post-layernorm), checked on the tiny
+    model against the rule written out here; it differs from the default blend."""
+    from mmfast.pruning._grid import group_index
+
+    batch = tiny_mm.prepare(images[:1], prompts[:1])
+    with _session(tiny_mm, local_rule="release") as s:
+        v = s.encode(batch)
+    with _session(tiny_mm) as s:
+        v_blend = s.encode(batch)
+    ad = tiny_mm.adapter
+    clip = load_clip_guide("random", tiny_mm.model, tiny_mm.tokenizer)
+    with torch.no_grad():
+        hs = ad.vision_tower(batch.pixel_values.float(), output_hidden_states=True).hidden_states
+        feats = hs[ad.vision_feature_layer_index() + 1][0, 1:]  # [N, Dv] feature layer
+        keys = clip.visual_projection(hs[-1][0, 1:].float())  # [N, P] raw, no post-layernorm
+        g = clip.text_embeds([guide_text(prompts[0])])[0]  # [P]
+        rows, cols = ad.grid
+        idx = group_index((1, rows, cols), (1, rows // 2, cols // 2))  # spatial_kernel 2
+        expect = []
+        for members in idx.tolist():
+            m = [j for j in members if j >= 0]
+            w = torch.softmax(keys[m] @ g / keys.shape[-1] ** 0.5, 0)
+            expect.append((w[:, None] * feats[m]).sum(0))
+    torch.testing.assert_close(v.features[0], torch.stack(expect), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(v.features[0], v_blend.features[0], atol=1e-4)
+
+
 def test_training_step_decreases_loss(tiny_mm):
     from mmfast.train.embedded import _collate
     from mmfast.train.hicom import HIComTrainConfig, hicom_loss, local_tokens

@@ -96,10 +96,11 @@ class ClipGuide(nn.Module):
         return text_features(self, ids, mask).float()
 
     @torch.no_grad()
-    def patch_embeds(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """[..., P] text-aligned embeddings of last-layer vision tokens [..., Dv] (fp32)."""
+    def patch_embeds(self, last_hidden: torch.Tensor, post_layernorm: bool = True) -> torch.Tensor:
+        """[..., P] text-aligned embeddings of last-layer vision tokens [..., Dv] (fp32); without
+        ``post_layernorm`` as HICom's release (``visual_projection(last_hidden_state)``)."""
         x = last_hidden.to(self.device, self.post_layernorm.weight.dtype)
-        return self.visual_projection(self.post_layernorm(x)).float()
+        return self.visual_projection(self.post_layernorm(x) if post_layernorm else x).float()
 
 
 _CLIP_CACHE: dict[tuple[str, str], ClipGuide] = {}
@@ -190,8 +191,13 @@ def local_compress(
     out: tuple[int, int, int],
     alpha: float,
     scale: float,
+    rule: str = "blend",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Instruction-weighted pooling of (t, h, w) groups.
+
+    ``rule``: ``blend`` (mmfast's training-free rule below) or ``release`` (HICom's local attention
+    with the instruction as the query, as its release runs it on CLIP without a logit scale:
+    w = softmax(g . k / sqrt(P)) over the group, raw (unnormalised) g and k; alpha and scale unused).
 
     Args:
         values: [T, H, W, Dv] features that are pooled (pre-projection). keys: [T, H, W, P]
@@ -208,7 +214,11 @@ def local_compress(
     safe = index.clamp(min=0)
     v = values.reshape(-1, dv).float()[safe]  # [G, S, Dv]
     uniform = valid.float() / valid.sum(1, keepdim=True)
-    if keys is None or guide is None or alpha == 0:
+    if rule == "release" and keys is not None and guide is not None:
+        k = keys.reshape(t * h * w, -1).float()[safe]  # [G, S, P]
+        logits = (k @ guide.float().to(k.device)) / math.sqrt(k.shape[-1])
+        weights = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+    elif keys is None or guide is None or alpha == 0:
         weights = uniform
     else:
         k = F.normalize(keys.reshape(t * h * w, -1).float(), dim=-1)[safe]  # [G, S, P]

@@ -30,7 +30,9 @@ Deviations and limits (reasons):
   projector so the tokens stay in its input space, and s ~ 10-50 with alpha < 1 degrades gracefully
   to average pooling (spec section 4d). Defaults alpha = 0.5, s = 20 are not from the paper.
 - Keys apply CLIP's post-layernorm before ``visual_projection`` (MaskCLIP); HICom's CLIP branch
-  projects the raw last hidden state. The guide is the CLIP text tower, as HICom's CLIP-L variant.
+  projects the raw last hidden state. ``local_rule: release`` takes the release's local weighting
+  instead: raw keys, w = softmax(g . k / sqrt(P)) (its trained readout is still replaced by LLaVA's
+  projector). The guide is the CLIP text tower, as HICom's CLIP-L variant.
 - Global queries start from N(0, 0.02) (HICom: zeros, identical queries until the LLM's positions
   break the symmetry), to train quickly on CPU. Heads = Dv // 128 (at least 1) as HICom.
 - Frame counts not divisible by the temporal kernel use adaptive bins (neighbouring groups overlap
@@ -87,6 +89,10 @@ class HICom(Pruner):
         local: bool = opt(True, doc="the local branch (false: global tokens only)")
         alpha: float = opt(0.5, lo=0.0, hi=1.0, doc="w = alpha * softmax(s * cos) + (1 - alpha) / |G| (0: average pooling)")
         scale: float = opt(20.0, lo=0.0, hi=200.0, doc="s: cosine scale of the local softmax (spec: 10-50; CLIP: 100)")
+        local_rule: Literal["blend", "release"] = opt(
+            "blend", doc="blend: alpha * softmax(s cos) + (1 - alpha) / |G| on post-layernorm keys; release: HICom's "
+            "released local attention softmax(g . k / sqrt(P)) on raw keys (alpha, scale unused)"
+        )
         global_queries: int = opt(32, lo=0, doc="learnable global queries (paper: 32; 0 = training-free local only)")
         global_mode: Literal["coarse", "direct"] = opt(
             "coarse", doc="global-branch instruction injection: coarse (the paper: FiLM-modulated learned queries) or "
@@ -136,7 +142,7 @@ class HICom(Pruner):
         cfg = self.config
         model = self.adapter.model
         self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
-        if cfg.local and cfg.alpha > 0:
+        if self._guided():
             self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
         if cfg.global_queries > 0:
             d = model_dir(model)
@@ -152,6 +158,10 @@ class HICom(Pruner):
             }
             self.glob, self.glob_meta = load_global(path, model_hint=str(d or "<model dir>"), expect=expect)
             self.glob.to(self.clip.device)
+
+    def _guided(self) -> bool:
+        cfg = self.config
+        return cfg.local and (cfg.alpha > 0 or cfg.local_rule == "release")
 
     def _record_last(self, module, args, output) -> None:
         self._last_hidden = output[0] if isinstance(output, tuple) else output  # [n_img, 1 + N, Dv]
@@ -173,11 +183,11 @@ class HICom(Pruner):
         rows, cols = vision.grid
         guides = self.clip.text_embeds([guide_text(p) for p in batch.prompts])  # [B, P]
         keys = None
-        if cfg.local and cfg.alpha > 0:
+        if self._guided():
             last, self._last_hidden = self._last_hidden, None
             if last is None or last.shape[1] != 1 + rows * cols:
                 raise RuntimeError("hicom: the last vision layer did not run on the full patch grid")
-            keys = self.clip.patch_embeds(last[:, 1:])  # [n_img, N, P]
+            keys = self.clip.patch_embeds(last[:, 1:], post_layernorm=cfg.local_rule == "blend")  # [n_img, N, P]
         n_local, n_frames = [0] * batch.batch_size, [0] * batch.batch_size
         out_grid = None
         for b, idx in self._units(batch):
@@ -188,7 +198,7 @@ class HICom(Pruner):
             if cfg.local:
                 out_grid = local_grid(t, rows, cols, cfg.temporal_kernel if t > 1 else 1, cfg.spatial_kernel, cfg.local_tokens)
                 k = keys[idx].reshape(t, rows, cols, -1) if keys is not None else None
-                local, _, _ = local_compress(values, k, guide, out_grid, cfg.alpha, cfg.scale)
+                local, _, _ = local_compress(values, k, guide, out_grid, cfg.alpha, cfg.scale, cfg.local_rule)
                 pieces_f.append(local.to(dtype))
                 n_local[b] += local.shape[0]
             if self.glob is not None:
