@@ -51,7 +51,7 @@ def test_token_counts_and_alpha0_matches_avgpool(tiny_mm, images, prompts):
     with _session(tiny_mm) as s:
         res = s.generate(images[:3], prompts[:3], max_new_tokens=2)
     assert [r.n_vision_tokens for r in res] == [4, 4, 4]  # (4 / 2)^2
-    with _session(tiny_mm, alpha=0.0) as s:
+    with _session(tiny_mm, local_rule="blend", alpha=0.0) as s:
         pooled = s.encode(batch)
     with Session(tiny_mm, load_recipe({"pruning": [{"method": "avgpool", "params": {"keep": 4}}]})) as s:
         avg = s.encode(batch)
@@ -65,7 +65,10 @@ def test_instruction_changes_local_tokens(tiny_mm, images):
     with _session(tiny_mm) as s:
         v = s.encode(batch)
     assert not torch.allclose(v.features[0], v.features[1])
-    with _session(tiny_mm, alpha=0.0) as s:
+    with _session(tiny_mm, local_rule="blend") as s:
+        v = s.encode(batch)
+    assert not torch.allclose(v.features[0], v.features[1])
+    with _session(tiny_mm, local_rule="blend", alpha=0.0) as s:
         v = s.encode(batch)
     torch.testing.assert_close(v.features[0], v.features[1])
 
@@ -164,9 +167,9 @@ def test_local_release_rule_against_direct_computation(tiny_mm, images, prompts)
     from mmfast.pruning._grid import group_index
 
     batch = tiny_mm.prepare(images[:1], prompts[:1])
-    with _session(tiny_mm, local_rule="release") as s:
+    with _session(tiny_mm) as s:  # the default
         v = s.encode(batch)
-    with _session(tiny_mm) as s:
+    with _session(tiny_mm, local_rule="blend") as s:
         v_blend = s.encode(batch)
     ad = tiny_mm.adapter
     clip = load_clip_guide("random", tiny_mm.model, tiny_mm.tokenizer)

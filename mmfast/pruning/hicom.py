@@ -7,10 +7,15 @@ Algorithm (per prompt; its images are the frames of one clip unless ``frames: im
 1. Guide g = CLIP ``text_embeds`` of the user instruction (``batch.prompts``, answer-format suffixes
    and option lists stripped as HICom's ``extract_guided_prompt``).
 2. Local: split the (T, H, W) patch volume into groups of ``temporal_kernel`` x g x g patches
-   (T = 1 for an image; 24x24: g=2 -> 144, g=3 -> 64 tokens per frame group). Keys
-   k = ``visual_projection(post_layernorm(last-layer patch tokens))`` (MaskCLIP-style), values = the
-   feature-layer patch features. Token = sum_j w_j v_j, w = alpha * softmax(s * cos(g, k_j))
-   + (1 - alpha) / |G|, fed to the model's own projector (alpha = 0: plain average pooling).
+   (T = 1 for an image; 24x24: g=2 -> 144, g=3 -> 64 tokens per frame group); values = the
+   feature-layer patch features, token = sum_j w_j v_j, fed to the model's own projector.
+   ``local_rule: release`` (default; HICom's released local attention with the instruction as the
+   query, CLIP path without a logit scale): k = ``visual_projection(last-layer patch tokens)``,
+   w = softmax(g . k_j / sqrt(P)) over the group. ``local_rule: blend`` (mmfast's earlier training-free
+   rule): k = ``visual_projection(post_layernorm(.))`` (MaskCLIP-style), w = alpha * softmax(s *
+   cos(g, k_j)) + (1 - alpha) / |G| (alpha = 0: plain average pooling). Measured on the embedded
+   model (docs/methods.md, "HICom on the embedded model"): release 0.622 vs blend 0.492 POPE F1 at 64
+   local tokens.
 3. Global: ``global_queries`` queries, one multi-head cross-attention over all frame features plus 3-D
    sinusoidal positions, readout MLP(q + attn) to the LLM width (trained: scripts/train_hicom.py).
    ``global_mode: coarse`` (default, the paper): learnable queries FiLM-modulated by g
@@ -25,10 +30,10 @@ Positions: contiguous (feature stage). With the global branch, ``projected`` hol
 [projector(local); global tokens] and ``features`` [local; query + attn] (pre-readout).
 
 Deviations and limits (reasons):
-- Training-free local branch with blend alpha and cosine scale s: HICom trains its projector with
-  attention q.k/sqrt(d) (or CLIP's logit scale 100) and its own readout MLP; mmfast keeps LLaVA's
-  projector so the tokens stay in its input space, and s ~ 10-50 with alpha < 1 degrades gracefully
-  to average pooling (spec section 4d). Defaults alpha = 0.5, s = 20 are not from the paper.
+- Training-free local branch: HICom trains its readout MLP (and, with adapt_k/q/v, key/query/value
+  adapters) after the local attention; mmfast keeps LLaVA's projector so the tokens stay in its input
+  space. The weighting itself is the release's (``local_rule: release``); ``blend`` (alpha = 0.5,
+  s = 20, not from the paper) degrades towards average pooling and measured worse.
 - Keys apply CLIP's post-layernorm before ``visual_projection`` (MaskCLIP); HICom's CLIP branch
   projects the raw last hidden state. ``local_rule: release`` takes the release's local weighting
   instead: raw keys, w = softmax(g . k / sqrt(P)) (its trained readout is still replaced by LLaVA's
@@ -90,7 +95,7 @@ class HICom(Pruner):
         alpha: float = opt(0.5, lo=0.0, hi=1.0, doc="w = alpha * softmax(s * cos) + (1 - alpha) / |G| (0: average pooling)")
         scale: float = opt(20.0, lo=0.0, hi=200.0, doc="s: cosine scale of the local softmax (spec: 10-50; CLIP: 100)")
         local_rule: Literal["blend", "release"] = opt(
-            "blend", doc="blend: alpha * softmax(s cos) + (1 - alpha) / |G| on post-layernorm keys; release: HICom's "
+            "release", doc="blend: alpha * softmax(s cos) + (1 - alpha) / |G| on post-layernorm keys; release: HICom's "
             "released local attention softmax(g . k / sqrt(P)) on raw keys (alpha, scale unused)"
         )
         global_queries: int = opt(32, lo=0, doc="learnable global queries (paper: 32; 0 = training-free local only)")
