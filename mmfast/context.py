@@ -116,9 +116,17 @@ class MethodContext:
         return vision, self.build_inputs(batch, vision)
 
     @torch.inference_mode()
-    def text_only_inputs(self, batch: PreparedBatch) -> LMInputs:
-        """The same prompts with no image at all (M3ID's unconditioned branch, VHR's text stream)."""
-        ids = [self.tokenizer(self.chat_text(p, 0), add_special_tokens=True)["input_ids"] for p in batch.prompts]
+    def text_only_inputs(self, batch: PreparedBatch, strip_image_tokens: bool = False) -> LMInputs:
+        """The same prompts with no image at all (M3ID's unconditioned branch, VHR's text stream).
+
+        Default: the chat template rendered for zero images (``USER: {q} ASSISTANT:`` on LLaVA-1.5).
+        ``strip_image_tokens``: the image prompt's own ids with only the image placeholder removed,
+        so the separator after it stays (``USER: \n{q} ASSISTANT:``), as RITUAL's M3ID does."""
+        if strip_image_tokens:
+            image_id = self.adapter.image_token_id
+            ids = [[t for t in row if t != image_id] for row in batch.token_ids]
+        else:
+            ids = [self.tokenizer(self.chat_text(p, 0), add_special_tokens=True)["input_ids"] for p in batch.prompts]
         empty: list[list[torch.Tensor]] = [[] for _ in ids]
         return build_lm_inputs(self.adapter, ids, empty, [[] for _ in ids], self.special.pad)
 

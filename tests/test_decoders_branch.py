@@ -92,23 +92,67 @@ def test_m3id_branch_has_no_image(tiny_mm, images, prompts):
         assert r[0].stats["forwards_per_step"] == 2  # different lengths: separate caches
 
 
-def test_damro_branch_sees_exactly_k_tokens(tiny_mm, images, prompts):
+def test_m3id_image_free_prompt_keeps_the_newline(tiny_mm, images, prompts):
+    """RITUAL's M3ID deletes only the image placeholder id: the newline after it stays."""
+    tok = tiny_mm.processor.tokenizer
+    batch = tiny_mm.prepare(images[:2], prompts[:2])
+    recipe = load_recipe({"decoding": {"method": "m3id", "params": {"sample": False, "beta": 0.0, "lam": 0.5}}})
+    with Session(tiny_mm, recipe) as s:
+        seen = []
+        orig = s.runner.prefill
+
+        def spy(inputs):
+            seen.append(inputs)
+            return orig(inputs)
+
+        s.runner.prefill = spy
+        s.run(batch, max_new_tokens=2)
+    branch = next(x for x in seen if x.image_mask.sum() == 0)
+    for b, prompt in enumerate(prompts[:2]):
+        row = branch.input_ids[b][branch.attention_mask[b].bool()].tolist()
+        text = tiny_mm.chat_text(prompt, 1)
+        assert "<image>\n" in text
+        expect = tok(text.replace("<image>", ""), add_special_tokens=True)["input_ids"]
+        assert row == expect and tok.decode(row).count("\n") == 1
+        assert row != tok(tiny_mm.chat_text(prompt, 0), add_special_tokens=True)["input_ids"]
+
+
+def _damro_direct_outliers(mm, batch, k):
+    """DAMRO's release rule, computed here from the tower alone: one-head CLS attention of the layer
+    after the feature layer (its input is the selected features), top-k in descending order."""
+    tower = mm.adapter.vision_tower
+    with torch.no_grad():
+        hs = tower(batch.pixel_values.float(), output_hidden_states=True).hidden_states
+        feat_idx = mm.adapter.vision_feature_layer_index()  # hs[feat_idx + 1] is the feature layer's output
+        layer = mm.adapter.vision_layers[feat_idx + 1]
+        h = layer.layer_norm1(hs[feat_idx + 1])  # [n, 1 + N, C]
+        q, kk = layer.self_attn.q_proj(h)[:, 0], layer.self_attn.k_proj(h)  # [n, C], [n, 1 + N, C]
+        attn = torch.softmax(torch.einsum("nc,nmc->nm", q, kk) / q.shape[-1] ** 0.5, dim=-1)[:, 1:]
+        order = attn.argsort(dim=-1, descending=True)[:, :k]  # [n, k] descending attention
+        feats = hs[feat_idx + 1][:, 1:]  # [n, N, C]
+        expect = torch.stack([mm.adapter.projector(feats[i, order[i]]) for i in range(len(order))])
+    return order, expect
+
+
+def test_damro_branch_feeds_topk_in_descending_attention_order(tiny_mm, images, prompts):
     recipe = load_recipe({"decoding": {"method": "damro", "params": {"k": 3}}})
     with Session(tiny_mm, recipe) as s:
         seen = []
         orig = s.runner.prefill
 
         def spy(inputs):
-            seen.append(inputs.image_mask.sum(1).tolist())
+            seen.append(inputs)
             return orig(inputs)
 
         s.runner.prefill = spy
         res = s.generate(images[:2], prompts[:2], max_new_tokens=3)
-        assert sorted(seen) == sorted([[16, 16], [3, 3]])
-        # the outliers are the top-k of the feature layer's CLS attention, which travels with the encoding
-        vision = s.encode(s.mm.prepare(images[:2], prompts[:2]))
-        top = torch.stack(vision.extras["damro.cls_scores"]).topk(3, -1).indices.sort(-1).values
-        assert [r.stats["outliers"] for r in res] == [[t] for t in top.tolist()]
+        assert sorted(x.image_mask.sum(1).tolist() for x in seen) == sorted([[16, 16], [3, 3]])
+    order, expect = _damro_direct_outliers(tiny_mm, tiny_mm.prepare(images[:2], prompts[:2]), 3)
+    assert [r.stats["outliers"] for r in res] == [[t] for t in order.tolist()]
+    assert any(order[i].tolist() != sorted(order[i].tolist()) for i in range(len(order)))  # order matters here
+    branch = next(x for x in seen if x.image_mask.sum(1).tolist() == [3, 3])
+    got = torch.stack([branch.embeds[b][branch.image_mask[b]] for b in range(2)])  # [2, k, D] in sequence order
+    torch.testing.assert_close(got, expect)
 
 
 def test_ritual_transform_pool(tiny_mm, images, prompts):

@@ -51,7 +51,7 @@ def test_token_counts_and_alpha0_matches_avgpool(tiny_mm, images, prompts):
     with _session(tiny_mm) as s:
         res = s.generate(images[:3], prompts[:3], max_new_tokens=2)
     assert [r.n_vision_tokens for r in res] == [4, 4, 4]  # (4 / 2)^2
-    with _session(tiny_mm, alpha=0.0) as s:
+    with _session(tiny_mm, local_rule="blend", alpha=0.0) as s:
         pooled = s.encode(batch)
     with Session(tiny_mm, load_recipe({"pruning": [{"method": "avgpool", "params": {"keep": 4}}]})) as s:
         avg = s.encode(batch)
@@ -65,7 +65,10 @@ def test_instruction_changes_local_tokens(tiny_mm, images):
     with _session(tiny_mm) as s:
         v = s.encode(batch)
     assert not torch.allclose(v.features[0], v.features[1])
-    with _session(tiny_mm, alpha=0.0) as s:
+    with _session(tiny_mm, local_rule="blend") as s:
+        v = s.encode(batch)
+    assert not torch.allclose(v.features[0], v.features[1])
+    with _session(tiny_mm, local_rule="blend", alpha=0.0) as s:
         v = s.encode(batch)
     torch.testing.assert_close(v.features[0], v.features[1])
 
@@ -119,6 +122,73 @@ def test_global_branch_shapes_and_weight_files(tiny_mm, images, prompts, tmp_pat
         _session(tiny_mm, global_queries=6, global_weights=str(path))
 
 
+def test_global_modes_direct_and_coarse_against_direct_computation(tiny_mm, images, prompts, tmp_path):
+    """coarse (the paper): FiLM-modulated learned queries; direct (the release's --use_guide direct):
+    every query is MLP(g), so the global tokens are identical. Both checked against the formulas written
+    out here; a weight file of one mode is refused for the other, and the stats name the mode."""
+    torch.manual_seed(0)
+    d, llm, p, n = 32, 64, 16, 5
+    frames, guide = torch.randn(1, 2, 4, 4, d), torch.randn(1, p)
+    for mode in ("coarse", "direct"):
+        glob = GlobalCompressor(d, llm, p, n_queries=n, mode=mode).eval()
+        with torch.no_grad():
+            for prm in glob.parameters():  # non-trivial weights (the init zeroes the biases)
+                prm.add_(0.1 * torch.randn_like(prm))
+            pre, tok = glob(frames, guide)
+            g = glob.text2q(guide)[0]  # [d]
+            if mode == "direct":
+                q = g.expand(n, d)
+            else:
+                scale, shift = glob.coarse_proj(g).chunk(2)
+                q = F.layer_norm(glob.query * (1 + scale) + shift, (d,), glob.coarse_norm.weight, glob.coarse_norm.bias, 1e-6)
+            kv = (frames[0] + sincos_3d(2, 4, 4, d)).reshape(-1, d)
+            h = glob.heads
+            qh, kh, vh = (x.view(x.shape[0], h, d // h).transpose(0, 1) for x in (glob.q_proj(q), glob.k_proj(kv), glob.v_proj(kv)))
+            att = torch.softmax(qh @ kh.transpose(1, 2) / (d // h) ** 0.5, -1) @ vh  # [h, n, d/h]
+            expect = q + glob.out_proj(att.transpose(0, 1).reshape(n, d))
+        torch.testing.assert_close(pre[0], expect, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(tok[0], glob.readout(expect), rtol=1e-4, atol=1e-5)
+        identical = bool((tok[0] - tok[0, :1]).abs().max() < 1e-6)
+        assert identical == (mode == "direct")
+    assert not hasattr(GlobalCompressor(d, llm, p, n, mode="direct"), "coarse_proj")
+    vc, tc = tiny_mm.adapter.vision_config, tiny_mm.adapter.text_config
+    path = save_global(GlobalCompressor(vc.hidden_size, tc.hidden_size, 16, n_queries=5, mode="direct"), tmp_path / "d.safetensors", {})
+    with pytest.raises(Exception, match="global_mode"):
+        _session(tiny_mm, global_queries=5, global_weights=str(path))  # default coarse vs a direct file
+    with _session(tiny_mm, global_queries=5, global_weights=str(path), global_mode="direct") as s:
+        res = s.generate(images[:1], prompts[:1], max_new_tokens=2)
+    assert res[0].stats["hicom"]["global_mode"] == "direct"
+
+
+def test_local_release_rule_against_direct_computation(tiny_mm, images, prompts):
+    """local_rule: release = HICom's released local attention: w = softmax(g . k / sqrt(P)) over each
+    group with raw keys visual_projection(last hidden state) (no post-layernorm), checked on the tiny
+    model against the rule written out here; it differs from the default blend."""
+    from mmfast.pruning._grid import group_index
+
+    batch = tiny_mm.prepare(images[:1], prompts[:1])
+    with _session(tiny_mm) as s:  # the default
+        v = s.encode(batch)
+    with _session(tiny_mm, local_rule="blend") as s:
+        v_blend = s.encode(batch)
+    ad = tiny_mm.adapter
+    clip = load_clip_guide("random", tiny_mm.model, tiny_mm.tokenizer)
+    with torch.no_grad():
+        hs = ad.vision_tower(batch.pixel_values.float(), output_hidden_states=True).hidden_states
+        feats = hs[ad.vision_feature_layer_index() + 1][0, 1:]  # [N, Dv] feature layer
+        keys = clip.visual_projection(hs[-1][0, 1:].float())  # [N, P] raw, no post-layernorm
+        g = clip.text_embeds([guide_text(prompts[0])])[0]  # [P]
+        rows, cols = ad.grid
+        idx = group_index((1, rows, cols), (1, rows // 2, cols // 2))  # spatial_kernel 2
+        expect = []
+        for members in idx.tolist():
+            m = [j for j in members if j >= 0]
+            w = torch.softmax(keys[m] @ g / keys.shape[-1] ** 0.5, 0)
+            expect.append((w[:, None] * feats[m]).sum(0))
+    torch.testing.assert_close(v.features[0], torch.stack(expect), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(v.features[0], v_blend.features[0], atol=1e-4)
+
+
 def test_training_step_decreases_loss(tiny_mm):
     from mmfast.train.embedded import _collate
     from mmfast.train.hicom import HIComTrainConfig, hicom_loss, local_tokens
@@ -154,3 +224,15 @@ def test_training_step_decreases_loss(tiny_mm):
     assert losses[-1] < losses[0]
     assert all(torch.equal(v, before[k]) for k, v in llava.state_dict().items())  # LLaVA stays frozen
     llava.zero_grad(set_to_none=True)
+
+
+def test_pruning_bench_names_the_hicom_global_mode():
+    from mmfast.bench.common import variants
+    from mmfast.bench.pruning import hicom_modes
+
+    recipe = load_recipe("configs/bench/pruning.yaml")
+    results = {v.name: {"pruning": [st._to_recipe() for st in v.recipe.pruning]} for v in variants(recipe)}
+    modes = hicom_modes({"results": results})
+    assert "hicom-64 coarse" in modes and "hicom-192 coarse" in modes
+    results["hicom-64"]["pruning"][0]["params"]["global_mode"] = "direct"
+    assert "hicom-64 direct" in hicom_modes({"results": results})

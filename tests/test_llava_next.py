@@ -48,3 +48,40 @@ def test_next_llm_stage_pruning_and_decoders(next_mm, images, prompts):
 def test_next_rejects_grid_methods(next_mm, recipe, match):
     with pytest.raises(IncompatibleRecipeError, match=match):
         Session(next_mm, load_recipe(recipe))
+
+
+def _newline_slots(mm, inputs):
+    """[B, L] the LLaVA-NeXT row separators (``image_newline`` embeddings) among the vision tokens."""
+    nl = mm.model.model.image_newline.to(inputs.embeds.dtype)
+    return inputs.image_mask & (inputs.embeds == nl).all(-1)
+
+
+def test_next_row_separators_are_droppable_vision_tokens(next_mm, images, prompts, monkeypatch):
+    """As the releases do (FastV ranks every token of the image span, Dynamic-LLaVA's image span holds
+    the newline embeddings, ZipVL has no code), the row separators are vision tokens: FastV ranks them
+    with the patches (a direct top-k over all vision slots) and drops the low-ranked ones."""
+    from mmfast.pruning.fastv import FastV
+
+    seen = []
+    real = FastV.select
+
+    def spy(self, view):
+        keep = real(self, view)
+        scores = self.ctx.probe[self.probe_key].probs[:, 0]  # [B, T] last row, head mean
+        seen.append((view.state.inputs, view.vision.clone(), scores.clone(), keep.clone()))
+        return keep
+
+    monkeypatch.setattr(FastV, "select", spy)
+    keep_n = 8
+    next_mm.generate(images[:2], prompts[:2], recipe={"pruning": [{"method": "fastv", "params": {"keep": keep_n}}]}, max_new_tokens=2)
+    inputs, vision, scores, keep = seen[0]
+    newline = _newline_slots(next_mm, inputs)
+    assert newline.sum(1).min() > 0 and bool((vision | ~newline).all())  # every separator is a vision slot
+    dropped_newlines = 0
+    for b in range(vision.shape[0]):
+        vis = vision[b].nonzero().squeeze(1)
+        top = vis[scores[b, vis].topk(keep_n).indices]  # direct rule: top-k over every vision slot
+        kept_vis = (keep[b] & vision[b]).nonzero().squeeze(1)
+        assert sorted(kept_vis.tolist()) == sorted(top.tolist())
+        dropped_newlines += int((newline[b] & ~keep[b]).sum())
+    assert dropped_newlines > 0

@@ -126,11 +126,12 @@ def test_rollback_fires_naturally(tiny_mm, images, prompts):
     assert first["position"] == first["location"] + 1
 
 
-def _dense_reference(mm_eager, session, image, prompt, k, n_can, r, alpha, sigma, max_new):
+def _dense_reference(mm_eager, session, image, prompt, k, n_can, r, alpha, sigma, max_new, release=False):
     """The released algorithm, literally: eager attention, no KV cache, the full L x L map per beam,
     float64 column products, the released history stack (pop loops, restore of entry -2, bans of the
     choices stored in entry -1), index-range image span. (Differences documented in opera.py: the
-    restored scorer is a copy, bans after the target are cleared.)"""
+    restored scorer is a copy, bans after the target are cleared.) ``release``: the fp16 score loop
+    (factors fp16(sigma fp16(a)), product and 1e-7 x product rounded to fp16) and the 4.29.2 scorer."""
     import copy
 
     from mmfast.decoding.beam import BeamSearch
@@ -148,7 +149,8 @@ def _dense_reference(mm_eager, session, image, prompt, k, n_can, r, alpha, sigma
         o = lm(inputs_embeds=e[None], output_attentions=True)
         return head(o.last_hidden_state[0, -1]).float(), o.attentions[-1][0].amax(0).double()
 
-    search = BeamSearch(1, k, max_new, 1.0, torch.device("cpu"))
+    plen = torch.tensor([len(batch.token_ids[0])]) if release else None
+    search = BeamSearch(1, k, max_new, 1.0, torch.device("cpu"), prompt_len=plen)
     states, hist_locs, times, rejects, events = [], [], {}, {}, []
     beam_tok = beam_idx = None
     while True:
@@ -167,13 +169,20 @@ def _dense_reference(mm_eager, session, image, prompt, k, n_can, r, alpha, sigma
                 square[:-1, :-1] = outs[b][1]
                 square[-1] = a[-1]
                 square = square / square.sum(-1, keepdim=True)
-                local = sigma * square[n_prompt:, n_prompt:]
-                lower = torch.ones_like(local, dtype=torch.bool).tril()
-                cols = 1e-7 * torch.where(lower, local, torch.ones_like(local)).prod(-2)  # prod_{i >= j}
-                phi[b, c], locs[b, c] = cols.max(0)
+                if release:
+                    local = (sigma * square[n_prompt:, n_prompt:].to(torch.float16).float()).to(torch.float16)
+                    buf = torch.zeros(local.shape[-1], dtype=torch.float16)
+                    for j in range(local.shape[-1]):
+                        buf[j] = (1e-7 * local[j:, j].double().prod().to(torch.float16).float()).to(torch.float16)
+                    phi[b, c], locs[b, c] = buf.double().max(0)
+                else:
+                    local = sigma * square[n_prompt:, n_prompt:]
+                    lower = torch.ones_like(local, dtype=torch.bool).tril()
+                    cols = 1e-7 * torch.where(lower, local, torch.ones_like(local)).prod(-2)  # prod_{i >= j}
+                    phi[b, c], locs[b, c] = cols.max(0)
                 img_attn[b, c] = square[-1, img_start : img_end + 1].sum()
         width = len(seqs[0]) + 1
-        cand_scores = cand_scores.double() - alpha * (-img_attn if width <= 10 else phi)
+        cand_scores = (cand_scores.double() - alpha * (-img_attn if width <= 10 else phi)).clamp(min=torch.finfo(torch.float32).min)
         hist_locs.append(torch.mode(locs, -1).values)
         loc = int(torch.mode(torch.mode(locs, -1).values).values)
         states.append(current)
@@ -209,17 +218,17 @@ def _dense_reference(mm_eager, session, image, prompt, k, n_can, r, alpha, sigma
             return (tokens[: tokens.index(2)] if 2 in tokens else tokens), events
 
 
-@pytest.mark.parametrize("case", [(0, 3, 4, 34, "tree"), (3, 2, 2, 24, "clone")])
+@pytest.mark.parametrize("case", [(0, 3, 4, 34, "tree", "exact"), (3, 2, 2, 24, "clone", "exact"), (0, 3, 4, 34, "tree", "release")])
 def test_matches_dense_reference(tiny_dir, tiny_mm, images, prompts, case):
     """The incremental decoder (sdpa probe rows, log-space column sums, snapshots, cache rebuilds)
     equals a literal dense implementation of the released algorithm, rollbacks included."""
     import mmfast
 
-    i, k, n_can, n, lookahead = case
+    i, k, n_can, n, lookahead, preset = case
     eager = mmfast.load(tiny_dir, device="cpu", attn_implementation="eager")
     with Session(eager, load_recipe({})) as s:
-        ref, ref_events = _dense_reference(eager, s, images[i], prompts[i], k, n_can, 1, 1.0, 50.0, n)
-    params = {"num_beams": k, "num_attn_candidates": n_can, "threshold": 1, "lookahead": lookahead}
+        ref, ref_events = _dense_reference(eager, s, images[i], prompts[i], k, n_can, 1, 1.0, 50.0, n, release=preset == "release")
+    params = {"num_beams": k, "num_attn_candidates": n_can, "threshold": 1, "lookahead": lookahead, "preset": preset}
     got, _, trace = _run(tiny_mm, [images[i]], [prompts[i]], params, n)
     assert ref_events, "the case must roll back"
     assert [(e["location"], e["position"]) for e in trace[0]] == ref_events

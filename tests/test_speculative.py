@@ -68,7 +68,36 @@ def test_prompt_lookup_drafts_from_prompt(tiny_mm):
         d = PromptLookup(PromptLookup.Config(num_tokens=3, max_ngram=2), s.ctx)
         d.install()
     assert d._lookup([5, 6, 7, 8, 9, 5, 6]) == [7, 8, 9]
-    assert d._lookup([1, 2, 3]) == []
+    assert d._lookup([1, 2, 3]) is None
+
+
+def test_prompt_lookup_equals_transformers_candidate_generator(tiny_mm):
+    """Drafts equal transformers' PromptLookupCandidateGenerator on random sequences rich in EOS and
+    repeats: the same match, cut before the first EOS (an EOS-first continuation drafts nothing)."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    from mmfast.config import Recipe
+    from mmfast.pipeline import Session
+    from mmfast.speculative.prompt_lookup import PromptLookup
+
+    eos = tiny_mm.eos_token_ids
+    with Session(tiny_mm, Recipe()) as s:
+        d = PromptLookup(PromptLookup.Config(num_tokens=4, max_ngram=2), s.ctx)
+        d.install()
+    ref = PromptLookupCandidateGenerator(torch.tensor(eos), num_output_tokens=4, max_matching_ngram_size=2, max_length=10**6)
+    g = torch.Generator().manual_seed(0)
+    alphabet = torch.tensor([eos[0], 5, 6, 7, 8])
+    cut_cases = empty_cases = 0
+    for _ in range(400):
+        seq = alphabet[torch.randint(0, len(alphabet), (int(torch.randint(3, 14, (1,), generator=g)),), generator=g)].tolist()
+        cand, _ = ref.get_candidates(torch.tensor([seq]))
+        expect = cand[0, len(seq):].tolist()
+        got = d._lookup(seq)
+        assert (got or []) == expect, seq
+        assert eos[0] not in (got or [])
+        cut_cases += got is not None and 0 < len(got) < 4 and eos[0] in seq
+        empty_cases += got == []
+    assert cut_cases and empty_cases  # both EOS situations occurred
 
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -101,6 +130,46 @@ def test_sampling_rule_is_lossless(kind):
         first = int(tree.tokens[v.path[0] - 1]) if v.path else v.bonus
         counts[first] += 1
     assert _chi2_pvalue(counts, p_root) > 1e-3
+
+
+def _first_token_counts(q, p_root, p_child, sampling, n, declared):
+    """Two sampled siblings drawn from q (``sampling``), verified with ``declared`` as the scheme."""
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.zeros(len(q))
+    for _ in range(n):
+        toks = torch.multinomial(q, 2, replacement=(sampling == "iid"), generator=gen).tolist()
+        tree = DraftTree(torch.tensor(toks), torch.tensor([0, 0]), [q, q], sibling_sampling=declared)
+        probs = torch.stack([p_root, p_child, p_child])
+        v = verify(tree, probs, probs.log(), gen)
+        counts[int(tree.tokens[v.path[0] - 1]) if v.path else v.bonus] += 1
+    return counts
+
+
+@pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
+def test_sampled_siblings_are_lossless_when_declared(sampling):
+    """Siblings sampled i.i.d. or without replacement (EAGLE-1) from a poor q: the first emitted token
+    follows p exactly once the tree says how its siblings were drawn."""
+    p_root = torch.tensor([0.1, 0.1, 0.5, 0.2, 0.05, 0.05])
+    q = torch.tensor([0.6, 0.3, 0.04, 0.03, 0.02, 0.01])
+    counts = _first_token_counts(q, p_root, torch.full((6,), 1 / 6), sampling, 20000, sampling)
+    assert _chi2_pvalue(counts, p_root) > 1e-3
+
+
+def test_without_replacement_siblings_verified_as_iid_are_lossy_and_undeclared_are_refused():
+    """The guard matters: drafts sampled without replacement but verified with the i.i.d. rule are
+    biased (the test above can fail), and a tree that does not declare its scheme is refused."""
+    p_root = torch.tensor([0.1, 0.1, 0.5, 0.2, 0.05, 0.05])
+    q = torch.tensor([0.6, 0.3, 0.04, 0.03, 0.02, 0.01])
+    counts = _first_token_counts(q, p_root, torch.full((6,), 1 / 6), "without_replacement", 20000, "iid")
+    assert _chi2_pvalue(counts, p_root) < 1e-6
+    tree = DraftTree(torch.tensor([0, 1]), torch.tensor([0, 0]), [q, q])
+    probs = torch.stack([p_root] * 3)
+    with pytest.raises(ValueError, match="sibling_sampling"):
+        verify(tree, probs, probs.log(), torch.Generator().manual_seed(0))
+    tree = DraftTree(torch.tensor([1, 1]), torch.tensor([0, 0]), [q, q], sibling_sampling="without_replacement")
+    with pytest.raises(ValueError, match="repeat"):
+        verify(tree, probs, probs.log(), torch.Generator().manual_seed(0))
+    verify(DraftTree.chain([1], [q]), probs[:2], probs[:2].log(), torch.Generator().manual_seed(0))  # chains need no declaration
 
 
 def test_greedy_rule():

@@ -85,6 +85,16 @@ def run_decoding_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dic
     return {"header": header, "rows": rows, "results": results}
 
 
+def preset_notes(result: dict[str, Any]) -> str:
+    """Which preset each OPERA / beam variant ran (``exact`` unless the recipe says ``release``)."""
+    parts = []
+    for name, r in result["results"].items():
+        dec = r["decoding"]
+        if dec.get("method") in ("opera", "beam"):
+            parts.append(f"{name} ({dec['method']}) {(dec.get('params') or {}).get('preset', 'exact')}")
+    return ", ".join(parts)
+
+
 def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> None:
     from .render import decoding_plots, write_results
 
@@ -99,6 +109,10 @@ def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> No
         "cost/token x: median decode seconds per generated token after the first, relative to the baseline.",
         "peak RSS: the process's peak resident memory while the variant generated (VmHWM reset per variant; the model's weights included).",
     ]
+    presets = preset_notes(result)
+    if presets:
+        notes.append("Beam-search presets (exact: fp32 log-space penalty and transformers 5's scorer; release: the OPERA "
+                     "release's fp16 score and transformers 4.29.2's scorer, prompt + generated length): " + presets + ".")
     intervals = write_results(result, out, "decoding", "Anti-hallucination decoders on the embedded world", command, notes)
     decoding_plots(result, out, out.name, intervals)
     dump(out / "summary.json", result)

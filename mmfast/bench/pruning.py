@@ -63,7 +63,8 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
         logger.info("bench variant %d/%d %s: timing (%d samples x %d repeats)", i, len(vs), v.name, len(timing_samples), cfg.repeats)
         calibration = evaluation_calibration(v.recipe, limit) if any(st.budget for st in v.recipe.pruning) else None
         timing = time_variant(mm, v, timing_samples, cfg.warmup, cfg.repeats, new_tokens, calibration)
-        results[v.name] = {"metrics": summary["metrics"], "accounting": _accounting(out / "variants" / v.name), "timing": timing}
+        results[v.name] = {"metrics": summary["metrics"], "accounting": _accounting(out / "variants" / v.name), "timing": timing,
+                           "pruning": [st._to_recipe() for st in v.recipe.pruning]}
     base = results["baseline"]
     for name, r in results.items():
         acc, t, m = r["accounting"], r["timing"], r["metrics"]
@@ -180,12 +181,28 @@ def _runs_on_random(method: str) -> bool:
     return method not in ("dynamic_llava",)
 
 
+def hicom_modes(result: dict[str, Any]) -> str:
+    """Which global-branch mode each HICom variant ran (``coarse`` unless the recipe says ``direct``)."""
+    parts = []
+    for name, r in result.get("results", {}).items():
+        for st in r.get("pruning", []):
+            if st.get("method") == "hicom":
+                params = st.get("params") or {}
+                mode = "none (local only)" if params.get("global_queries") == 0 else params.get("global_mode", "coarse")
+                parts.append(f"{name} {mode}")
+    return ", ".join(parts)
+
+
 def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> None:
     notes = [
         "All variants ran in one process on the same samples; ratios are against the baseline row.",
         "FLOPs: 4nd^2 + 2n^2d + 3ndm per LLM layer (the papers' convention); 7B = the same token schedule on LLaVA-1.5-7B's shape.",
         "layer-avg tok: vision tokens averaged over LLM layers (the papers' 'equivalent tokens').",
     ]
+    modes = hicom_modes(result)
+    if modes:
+        notes.append("hicom global branch: " + modes + " (coarse: the paper's FiLM-modulated learned queries; "
+                     "direct: the release's, queries = the projected instruction; see docs/methods.md).")
     from .render import pruning_plots, write_results
 
     intervals = write_results(result, out, "pruning", "Vision-token pruning on the embedded world", command, notes)

@@ -12,9 +12,8 @@ import math
 
 import torch
 
-LOG_PHI_OFFSET = math.log(1e-7)  # phi_j = 1e-7 * prod(...), as released
-_FP16_MAX_LOG = math.log(65504.0)  # fp16 saturation of the released score buffer
-_FP16_TINY_LOG = math.log(2.0**-24)
+PHI_OFFSET = 1e-7  # phi_j = 1e-7 * prod(...), as released
+LOG_PHI_OFFSET = math.log(PHI_OFFSET)
 _F32_MAX = torch.finfo(torch.float32).max
 
 
@@ -38,16 +37,16 @@ def phi_from_log(log_phi: torch.Tensor, fp16_saturation: bool = False) -> tuple[
     """Over-trust score and location from per-column log scores [..., T] -> (phi [...], loc [...]).
 
     fp32 (default): phi = exp(max_j log phi_j), clamped to the fp32 range; loc = the first argmax.
-    ``fp16_saturation``: the released code's fp16 arithmetic, where a column product above 65504 is inf
-    (phi = inf, loc = the first such column) and phi below fp16's range is 0.
+    ``fp16_saturation``: the released code's fp16 arithmetic: the column product is held in fp16 (a
+    product above fp16's range, >= 65520 after rounding, is inf), ``1e-7 *`` that product is rounded to
+    fp16 again (below 2^-25 it is 0), and the max / argmax run on that fp16 buffer (loc = the first
+    maximal column, so with a saturated column the first inf).
     """
     if fp16_saturation:
-        prod_log = log_phi - LOG_PHI_OFFSET
-        sat = prod_log > _FP16_MAX_LOG
-        log_phi = torch.where(sat, torch.full_like(log_phi, math.inf), log_phi)
-        log_phi = torch.where(~sat & (log_phi < _FP16_TINY_LOG), torch.full_like(log_phi, -math.inf), log_phi)
-        best, loc = log_phi.max(-1)
-        return torch.exp(best), loc
+        prod = torch.exp((log_phi - LOG_PHI_OFFSET).double()).to(torch.float16)  # [..., T] fp16 column products
+        phi16 = (prod.float() * PHI_OFFSET).to(torch.float16)  # [..., T] the released fp16 score buffer
+        best, loc = phi16.float().max(-1)
+        return best, loc
     best, loc = log_phi.max(-1)
     return torch.exp(best).clamp(max=_F32_MAX), loc
 
@@ -58,11 +57,21 @@ class OverTrustHistory:
     ``col[k, j] = sum_{j <= i < t} log(scale * a_ij)`` over the t response rows seen so far (rows
     renormalised, max over heads). A candidate row ``c`` ([t+1], its own column last) then has
     ``log phi_j = log 1e-7 + col_j + log(scale * c_j)`` for j < t and ``log 1e-7 + log(scale * c_t)``.
+    ``fp16_factors`` (OPERA's ``release`` preset): every factor is formed as the release forms it in
+    fp16, ``fp16(scale * fp16(a))``, and the sums are kept in fp64 so that rounding the product to fp16
+    afterwards (``phi_from_log(fp16_saturation=True)``) sees the exact product of those factors.
     """
 
-    def __init__(self, n_beams: int, scale: float, device: torch.device) -> None:
+    def __init__(self, n_beams: int, scale: float, device: torch.device, fp16_factors: bool = False) -> None:
         self.scale = float(scale)
-        self.col = torch.zeros(n_beams, 0, device=device)
+        self.fp16 = fp16_factors
+        self.col = torch.zeros(n_beams, 0, device=device, dtype=torch.float64 if fp16_factors else torch.float32)
+
+    def _logs(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.fp16:
+            factors = (self.scale * rows.to(torch.float16).float()).to(torch.float16)
+            return torch.log(factors.double())
+        return torch.log(self.scale * rows.float())
 
     @property
     def length(self) -> int:
@@ -76,12 +85,12 @@ class OverTrustHistory:
 
     def append(self, row: torch.Tensor) -> None:
         """Add the newest response row ([K, t+1], renormalised, its own column last)."""
-        logs = torch.log(self.scale * row.float())
+        logs = self._logs(row)
         self.col = torch.cat([self.col + logs[:, :-1], logs[:, -1:]], 1)
 
     def candidate_log_scores(self, rows: torch.Tensor) -> torch.Tensor:
         """log phi_j for candidate rows [K, N, t+1] -> [K, N, t+1]."""
-        logs = torch.log(self.scale * rows.float())
+        logs = self._logs(rows)
         return LOG_PHI_OFFSET + torch.cat([self.col[:, None, :] + logs[..., :-1], logs[..., -1:]], -1)
 
     def snapshot(self) -> torch.Tensor:

@@ -1,15 +1,20 @@
 """DAMRO (Gong et al., EMNLP 2024, arXiv 2410.04514): dive into the attention of the vision tower.
 
-Algorithm: in the vision layer that produces the selected features (LLaVA: ``vision_feature_layer``
-= -2), compute the CLS row of ``softmax(Q K^T / sqrt(C))`` with Q, K taken as *one* head over the full
-hidden size C (the released code's approximation of the 16-head attention); its top-k patches
-(k = 10) are the "outlier" tokens. An auxiliary branch feeds the LLM only those k projected features
-(the image placeholder run rebuilt to k tokens, the prompt unchanged) and the logits are contrasted,
+Algorithm: in the vision layer that reads the selected features (LLaVA's ``vision_feature_layer`` =
+-2 selects the output of layer 22 of CLIP-L's 24; the released code hooks ``q_proj`` / ``k_proj`` of
+layer 23, the layer after it), compute the CLS row of ``softmax(Q K^T / sqrt(C))`` with Q, K taken
+as *one* head over the full hidden size C (the released code's approximation of the 16-head
+attention); its top-k patches (k = 10) are the "outlier" tokens. An auxiliary branch feeds the LLM
+only those k projected features, in descending order of that attention (the release gathers them in
+``torch.topk``'s sorted order, not in raster order), the image placeholder run rebuilt to k tokens and
+the prompt unchanged, and the logits are contrasted,
 ``(1 + alpha) l - alpha l_outlier`` (alpha = 2), with the plausibility cutoff (beta = 0.1) on the
 clean branch, then sampled straight from the softmax at T = 1 (no warpers), as the released code does.
 Hook points: a recorder on the feature layer's vision attention (q/k of the forward that runs anyway);
 an auxiliary branch via the branch manager. Limits: the outlier branch uses the unpruned features,
-so it composes with feature-stage pruning but not with merging inside the vision tower.
+so it composes with feature-stage pruning but not with merging inside the vision tower. The attention
+layer is ``vision_feature_layer_index() + 1`` (the release hard-codes 23, the same layer for LLaVA-1.5);
+a model whose features come from the tower's last layer uses that last layer.
 
 Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: contrasts against the tower's
 CLS-attention outliers; Qwen-VL towers have no CLS.
@@ -47,9 +52,11 @@ class Damro(MultiBranchDecoder):
         k: int = opt(10, lo=1, doc="outlier tokens fed to the auxiliary branch")
 
     def install(self) -> None:
-        layer = self.ctx.adapter.vision_feature_layer_index()
+        adapter = self.ctx.adapter
+        # the layer whose input is the selected features (release: layers[23] of CLIP-L, feature layer 22)
+        layer = min(adapter.vision_feature_layer_index() + 1, len(adapter.vision_layers) - 1)
         self._pending: torch.Tensor | None = None  # set by the tower hook, moved into the VisionBatch
-        attach(self.ctx.hooks, self.ctx.adapter.vision_layers[layer].self_attn).recorders.append(self._record)
+        attach(self.ctx.hooks, adapter.vision_layers[layer].self_attn).recorders.append(self._record)
 
     def _record(self, module, query, key, attention_mask, scaling) -> None:
         bsz, heads, n, d = query.shape
@@ -70,7 +77,7 @@ class Damro(MultiBranchDecoder):
         if scores is None or len(scores) != raw.n_images:
             raise IncompatibleRecipeError("DAMRO found no vision-tower attention for this batch")
         k = min(self.config.k, raw.features[0].shape[0])
-        top = torch.stack(scores).topk(k, dim=-1).indices.sort(dim=-1).values  # [n_images, k] raster order
+        top = torch.stack(scores).topk(k, dim=-1, sorted=True).indices  # [n_images, k] descending attention
         outliers = dataclasses.replace(
             raw,
             features=[f[idx] for f, idx in zip(raw.features, top)],

@@ -5,6 +5,12 @@ Algorithm: an image-free branch (the same prompt without the image) gives ``l_u`
 generated token) amplify what the image contributes more and more as the answer grows (at t = 0 the
 weight is 0). Plausibility cutoff beta on the clean branch, then warpers and sampling (RITUAL's code).
 Hook points: an image-free branch (shorter sequence: its own forward) via the branch manager.
+Image-free prompt: RITUAL deletes only the image placeholder id (-200) from the prompt's ids, so the
+newline that followed ``<image>`` stays (``USER: \n{question} ASSISTANT:``); here likewise the image
+prompt's ids with the image placeholder removed (``ctx.text_only_inputs(batch, strip_image_tokens=True)``).
+The separator tokens come from transformers' tokenizer of the whole templated text, where RITUAL's
+``tokenizer_image_token`` tokenises the pieces around ``<image>`` separately (the ids at the seam can
+differ by a space token on the original Llama tokenizer).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ class M3ID(MultiBranchDecoder):
         top_k: int = opt(0, lo=0)
 
     def branches(self, req):
-        return [Branch("no_image", self.ctx.text_only_inputs(req.batch))]
+        return [Branch("no_image", self.ctx.text_only_inputs(req.batch, strip_image_tokens=True))]
 
     def fuse(self, logits, step):
         return m3id(logits["clean"], logits["no_image"], step, self.config.lam)

@@ -48,6 +48,13 @@ prefill, then are decoded one after another (each has its own trigger and rollba
 1 forward of K rows + 1 look-ahead forward (tree) + a multi-token forward per rollback.
 Deviations from the released code, with the reason for each: ``docs/methods.md`` ("OPERA in detail").
 
+Presets: ``exact`` (default) keeps the penalty in fp32 log space and uses transformers 5's beam
+scorer; ``release`` reproduces the release's arithmetic: attention rows rounded to fp16, factors
+``fp16(sigma * a)``, the column product held in fp16 (above 65504 it is inf and excludes the
+candidate; below fp16's range, 1e-7 x product is 0), the location taken on that fp16 buffer, and
+transformers 4.29.2's beam scorer (finished beams normalised by prompt + generated length; see
+:mod:`.beam`). ``fp16_saturation: true`` alone takes the fp16 score buffer with fp32 factors.
+
 With ``penalty_weights: 0``, a threshold above ``max_new_tokens`` and ``num_attn_candidates`` >= the
 vocabulary size, OPERA is exactly the ``beam`` decoder (tested). With N_can < vocabulary it is a
 candidate-restricted beam search (the -999 fill renormalises each beam over its candidates).
@@ -68,7 +75,7 @@ from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..registry import DECODERS
 from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
-from .beam import BeamSearch
+from .beam import BeamSearch, release_prompt_len
 from ._opera_penalty import OverTrustHistory, mode, phi_from_log
 from .loop import finish
 
@@ -117,6 +124,10 @@ class Opera(Decoder):
         )
         candidate_chunk: int = opt(0, lo=0, doc="clone look-ahead: candidate sets per forward (0: all N_can in one forward)")
         fp16_saturation: bool = opt(False, doc="reproduce the released code's fp16 score buffer (inf above 65504)")
+        preset: Literal["exact", "release"] = opt(
+            "exact", doc="exact: fp32 log-space penalty, transformers 5's beam scorer; release: the released "
+            "arithmetic (fp16 factors and score buffer, transformers 4.29.2's scorer: prompt + generated length)"
+        )
 
     def install(self) -> None:
         layer = self.ctx.adapter.layers[-1]
@@ -236,7 +247,8 @@ class Opera(Decoder):
             else:  # this sample's rows, on a copy (the batch state stays intact for the others)
                 base = state.clone() if b < bsz - 1 else state
                 base.reorder(torch.tensor([b], device=device))
-            results.append(self._decode_sample(base, out.logits[b, -1], resp_start, vision[b], req.max_new_tokens, stop))
+            plen = release_prompt_len(req)[b : b + 1] if self.config.preset == "release" else None
+            results.append(self._decode_sample(base, out.logits[b, -1], resp_start, vision[b], req.max_new_tokens, stop, plen))
         t2 = now(device)
         stats = {
             "per_sample_rollbacks": [len(r.rollbacks) for r in results],
@@ -269,8 +281,11 @@ class Opera(Decoder):
         counts[pos] = counts.get(pos, 0) + 1
         return pos
 
-    def _decode_sample(self, base, first_logits, resp_start: int, vision: torch.Tensor, max_new: int, stop) -> _SampleResult:
+    def _decode_sample(self, base, first_logits, resp_start: int, vision: torch.Tensor, max_new: int, stop,
+                       prompt_len: torch.Tensor | None = None) -> _SampleResult:
         cfg = self.config
+        release = cfg.preset == "release"
+        fp16 = cfg.fp16_saturation or release
         k, n_can = cfg.num_beams, cfg.num_attn_candidates
         alpha = cfg.penalty_weights
         device = first_logits.device
@@ -279,8 +294,8 @@ class Opera(Decoder):
         res = _SampleResult(tokens=[], kv_bytes_end=0, n_forwards=0)
 
         state, logits, _ = self._rebuild(base, torch.zeros(k, 0, dtype=torch.long, device=device), first_logits)
-        search = BeamSearch(1, k, max_new, cfg.length_penalty, device)
-        history = OverTrustHistory(k, cfg.scale_factor, device)
+        search = BeamSearch(1, k, max_new, cfg.length_penalty, device, prompt_len=prompt_len)
+        history = OverTrustHistory(k, cfg.scale_factor, device, fp16_factors=release)
         locs: list[torch.Tensor] = []  # per step: [K] location per beam slot (mode over candidates)
         snaps: dict[int, _Snapshot] = {}
         chosen: dict[int, torch.Tensor] = {}  # step -> [K] flat (source beam * V + token) chosen there
@@ -301,7 +316,7 @@ class Opera(Decoder):
             res.candidate_forwards += n_fw
             res.n_forwards += n_fw
             resp = rows[..., resp_start:]  # [K, N, step+1]
-            phi, cand_loc = phi_from_log(history.candidate_log_scores(resp), cfg.fp16_saturation)
+            phi, cand_loc = phi_from_log(history.candidate_log_scores(resp), fp16)
             # 3: penalty (image bonus while the response part has <= 10 tokens)
             if step + 1 <= BONUS_TOKENS:
                 penalty = -(rows[..., :resp_start] * vision).sum(-1)

@@ -96,10 +96,11 @@ class ClipGuide(nn.Module):
         return text_features(self, ids, mask).float()
 
     @torch.no_grad()
-    def patch_embeds(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """[..., P] text-aligned embeddings of last-layer vision tokens [..., Dv] (fp32)."""
+    def patch_embeds(self, last_hidden: torch.Tensor, post_layernorm: bool = True) -> torch.Tensor:
+        """[..., P] text-aligned embeddings of last-layer vision tokens [..., Dv] (fp32); without
+        ``post_layernorm`` as HICom's release (``visual_projection(last_hidden_state)``)."""
         x = last_hidden.to(self.device, self.post_layernorm.weight.dtype)
-        return self.visual_projection(self.post_layernorm(x)).float()
+        return self.visual_projection(self.post_layernorm(x) if post_layernorm else x).float()
 
 
 _CLIP_CACHE: dict[tuple[str, str], ClipGuide] = {}
@@ -190,8 +191,13 @@ def local_compress(
     out: tuple[int, int, int],
     alpha: float,
     scale: float,
+    rule: str = "blend",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Instruction-weighted pooling of (t, h, w) groups.
+
+    ``rule``: ``blend`` (mmfast's training-free rule below) or ``release`` (HICom's local attention
+    with the instruction as the query, as its release runs it on CLIP without a logit scale:
+    w = softmax(g . k / sqrt(P)) over the group, raw (unnormalised) g and k; alpha and scale unused).
 
     Args:
         values: [T, H, W, Dv] features that are pooled (pre-projection). keys: [T, H, W, P]
@@ -208,7 +214,11 @@ def local_compress(
     safe = index.clamp(min=0)
     v = values.reshape(-1, dv).float()[safe]  # [G, S, Dv]
     uniform = valid.float() / valid.sum(1, keepdim=True)
-    if keys is None or guide is None or alpha == 0:
+    if rule == "release" and keys is not None and guide is not None:
+        k = keys.reshape(t * h * w, -1).float()[safe]  # [G, S, P]
+        logits = (k @ guide.float().to(k.device)) / math.sqrt(k.shape[-1])
+        weights = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+    elif keys is None or guide is None or alpha == 0:
         weights = uniform
     else:
         k = F.normalize(keys.reshape(t * h * w, -1).float(), dim=-1)[safe]  # [G, S, P]
@@ -253,22 +263,36 @@ def _mlp(depth: int, d_in: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class GlobalCompressor(nn.Module):
-    """HICom's global branch: ``n`` learnable queries with coarse (FiLM) instruction injection, one
-    multi-head cross-attention over all frame features (+ 3-D sinusoidal positions), and a 2-layer
-    GELU readout of ``query + attention`` to the LLM width."""
+GLOBAL_MODES = ("coarse", "direct")
 
-    def __init__(self, vision_hidden: int, llm_hidden: int, text_dim: int, n_queries: int = 32) -> None:
+
+class GlobalCompressor(nn.Module):
+    """HICom's global branch: ``n`` queries, one multi-head cross-attention over all frame features
+    (+ 3-D sinusoidal positions), and a 2-layer GELU readout of ``query + attention`` to the LLM width.
+
+    ``mode`` (HICom's ``use_guide`` for the global branch):
+    - ``coarse`` (the paper): learnable queries FiLM-modulated by the instruction,
+      ``LN(q (1 + scale) + shift)`` with (scale, shift) = MLP(MLP(g)).
+    - ``direct`` (the release: ``scripts/qwen2.5_7B/release/directg_local43_global32.sh`` passes
+      ``--use_guide direct``): every query *is* the projected instruction MLP(g), so the learned query
+      parameters are unused and the n queries, their attention and their n output tokens are identical.
+    """
+
+    def __init__(self, vision_hidden: int, llm_hidden: int, text_dim: int, n_queries: int = 32, mode: str = "coarse") -> None:
         super().__init__()
+        if mode not in GLOBAL_MODES:
+            raise ValueError(f"global mode {mode!r}: one of {GLOBAL_MODES}")
         d = vision_hidden
+        self.mode = mode
         self.dims = {"vision_hidden": vision_hidden, "llm_hidden": llm_hidden, "text_dim": text_dim, "n_queries": n_queries}
         self.heads = max(1, d // 128)  # HICom: embed_dim // 128 heads
         if d % self.heads:
             self.heads = 1
         self.query = nn.Parameter(torch.zeros(n_queries, d))
         self.text2q = _mlp(2, text_dim, d) if text_dim != d else nn.Identity()
-        self.coarse_proj = _mlp(2, d, 2 * d)
-        self.coarse_norm = nn.LayerNorm(d, eps=1e-6)
+        if mode == "coarse":
+            self.coarse_proj = _mlp(2, d, 2 * d)
+            self.coarse_norm = nn.LayerNorm(d, eps=1e-6)
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
         self.readout = _mlp(2, d, llm_hidden)
         self.apply(self._init)
@@ -284,8 +308,11 @@ class GlobalCompressor(nn.Module):
             nn.init.zeros_(m.bias)
 
     def inject(self, guide: torch.Tensor) -> torch.Tensor:
-        """[B, text_dim] -> FiLM-modulated queries [B, n, Dv]."""
-        scale, shift = self.coarse_proj(self.text2q(guide)).chunk(2, dim=-1)
+        """[B, text_dim] -> queries [B, n, Dv]: FiLM-modulated (coarse) or the projected guide (direct)."""
+        g = self.text2q(guide)  # [B, Dv]
+        if self.mode == "direct":
+            return g[:, None].expand(-1, self.query.shape[0], -1)
+        scale, shift = self.coarse_proj(g).chunk(2, dim=-1)
         return self.coarse_norm(self.query[None] * (1 + scale[:, None]) + shift[:, None])
 
     def forward(self, frames: torch.Tensor, guide: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,7 +339,7 @@ def save_global(module: GlobalCompressor, path: str | Path, meta: dict[str, Any]
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, str(tmp))
     tmp.rename(path)
-    path.with_suffix(".json").write_text(json.dumps({**module.dims, **meta}, indent=1))
+    path.with_suffix(".json").write_text(json.dumps({**module.dims, "mode": module.mode, **meta}, indent=1))
     return path
 
 
@@ -329,11 +356,20 @@ def load_global(path: str | Path, *, model_hint: str, expect: dict[str, int]) ->
             "file, or set global_queries: 0 for the training-free local-only variant"
         )
     meta = json.loads(meta_path.read_text())
+    meta.setdefault("mode", "coarse")  # files written before the modes existed are coarse
+    want_mode = expect.get("mode")
+    if want_mode is not None and meta["mode"] != want_mode:
+        raise ConfigError(
+            "global_mode", f"{path} holds a {meta['mode']!r} global branch but global_mode is {want_mode!r}; "
+            f"train one with `{TRAIN_COMMAND.format(model=model_hint)} --global-mode {want_mode}` or set global_mode: {meta['mode']}"
+        )
     for k, v in expect.items():
+        if k == "mode":
+            continue
         if int(meta.get(k, -1)) != int(v):
             raise ConfigError(
                 "global_weights", f"{path} was trained with {k}={meta.get(k)} but this model/recipe needs {k}={v}; retrain it"
             )
-    module = GlobalCompressor(meta["vision_hidden"], meta["llm_hidden"], meta["text_dim"], meta["n_queries"])
+    module = GlobalCompressor(meta["vision_hidden"], meta["llm_hidden"], meta["text_dim"], meta["n_queries"], meta["mode"])
     module.load_state_dict(load_file(str(path)))
     return module.eval().requires_grad_(False), meta

@@ -7,13 +7,21 @@ Algorithm (per prompt; its images are the frames of one clip unless ``frames: im
 1. Guide g = CLIP ``text_embeds`` of the user instruction (``batch.prompts``, answer-format suffixes
    and option lists stripped as HICom's ``extract_guided_prompt``).
 2. Local: split the (T, H, W) patch volume into groups of ``temporal_kernel`` x g x g patches
-   (T = 1 for an image; 24x24: g=2 -> 144, g=3 -> 64 tokens per frame group). Keys
-   k = ``visual_projection(post_layernorm(last-layer patch tokens))`` (MaskCLIP-style), values = the
-   feature-layer patch features. Token = sum_j w_j v_j, w = alpha * softmax(s * cos(g, k_j))
-   + (1 - alpha) / |G|, fed to the model's own projector (alpha = 0: plain average pooling).
-3. Global: ``global_queries`` learnable queries, FiLM-modulated by g ("coarse" injection:
-   LN(q * (1 + scale) + shift)), one multi-head cross-attention over all frame features plus 3-D
+   (T = 1 for an image; 24x24: g=2 -> 144, g=3 -> 64 tokens per frame group); values = the
+   feature-layer patch features, token = sum_j w_j v_j, fed to the model's own projector.
+   ``local_rule: release`` (default; HICom's released local attention with the instruction as the
+   query, CLIP path without a logit scale): k = ``visual_projection(last-layer patch tokens)``,
+   w = softmax(g . k_j / sqrt(P)) over the group. ``local_rule: blend`` (mmfast's earlier training-free
+   rule): k = ``visual_projection(post_layernorm(.))`` (MaskCLIP-style), w = alpha * softmax(s *
+   cos(g, k_j)) + (1 - alpha) / |G| (alpha = 0: plain average pooling). Measured on the embedded
+   model (docs/methods.md, "HICom on the embedded model"): release 0.622 vs blend 0.492 POPE F1 at 64
+   local tokens.
+3. Global: ``global_queries`` queries, one multi-head cross-attention over all frame features plus 3-D
    sinusoidal positions, readout MLP(q + attn) to the LLM width (trained: scripts/train_hicom.py).
+   ``global_mode: coarse`` (default, the paper): learnable queries FiLM-modulated by g
+   (LN(q * (1 + scale) + shift)). ``global_mode: direct`` (the release, ``--use_guide direct`` in its
+   ``directg_local43_global32`` script): every query is MLP(g), so the learned queries go unused and the
+   global tokens are identical copies. The mode is stored with the trained weights and must match.
 4. Tokens: local in (t, h, w) raster order, then global, in the prompt's first image slot; the
    prompt's other frame slots get zero tokens (``build_lm_inputs`` accepts empty images).
 
@@ -22,12 +30,14 @@ Positions: contiguous (feature stage). With the global branch, ``projected`` hol
 [projector(local); global tokens] and ``features`` [local; query + attn] (pre-readout).
 
 Deviations and limits (reasons):
-- Training-free local branch with blend alpha and cosine scale s: HICom trains its projector with
-  attention q.k/sqrt(d) (or CLIP's logit scale 100) and its own readout MLP; mmfast keeps LLaVA's
-  projector so the tokens stay in its input space, and s ~ 10-50 with alpha < 1 degrades gracefully
-  to average pooling (spec section 4d). Defaults alpha = 0.5, s = 20 are not from the paper.
+- Training-free local branch: HICom trains its readout MLP (and, with adapt_k/q/v, key/query/value
+  adapters) after the local attention; mmfast keeps LLaVA's projector so the tokens stay in its input
+  space. The weighting itself is the release's (``local_rule: release``); ``blend`` (alpha = 0.5,
+  s = 20, not from the paper) degrades towards average pooling and measured worse.
 - Keys apply CLIP's post-layernorm before ``visual_projection`` (MaskCLIP); HICom's CLIP branch
-  projects the raw last hidden state. The guide is the CLIP text tower, as HICom's CLIP-L variant.
+  projects the raw last hidden state. ``local_rule: release`` takes the release's local weighting
+  instead: raw keys, w = softmax(g . k / sqrt(P)) (its trained readout is still replaced by LLaVA's
+  projector). The guide is the CLIP text tower, as HICom's CLIP-L variant.
 - Global queries start from N(0, 0.02) (HICom: zeros, identical queries until the LLM's positions
   break the symmetry), to train quickly on CPU. Heads = Dv // 128 (at least 1) as HICom.
 - Frame counts not divisible by the temporal kernel use adaptive bins (neighbouring groups overlap
@@ -87,7 +97,15 @@ class HICom(Pruner):
         local: bool = opt(True, doc="the local branch (false: global tokens only)")
         alpha: float = opt(0.5, lo=0.0, hi=1.0, doc="w = alpha * softmax(s * cos) + (1 - alpha) / |G| (0: average pooling)")
         scale: float = opt(20.0, lo=0.0, hi=200.0, doc="s: cosine scale of the local softmax (spec: 10-50; CLIP: 100)")
+        local_rule: Literal["blend", "release"] = opt(
+            "release", doc="blend: alpha * softmax(s cos) + (1 - alpha) / |G| on post-layernorm keys; release: HICom's "
+            "released local attention softmax(g . k / sqrt(P)) on raw keys (alpha, scale unused)"
+        )
         global_queries: int = opt(32, lo=0, doc="learnable global queries (paper: 32; 0 = training-free local only)")
+        global_mode: Literal["coarse", "direct"] = opt(
+            "coarse", doc="global-branch instruction injection: coarse (the paper: FiLM-modulated learned queries) or "
+            "direct (the release: the queries are the projected instruction); must match the trained weights"
+        )
         global_weights: str | None = opt(None, doc="trained global branch (default <model dir>/hicom_global.safetensors)")
         clip_model: str | None = opt(None, doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': tests only)")
         frames: Literal["video", "images"] = opt("video", doc="video: a prompt's images are frames compressed jointly")
@@ -132,7 +150,7 @@ class HICom(Pruner):
         cfg = self.config
         model = self.adapter.model
         self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
-        if cfg.local and cfg.alpha > 0:
+        if self._guided():
             self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
         if cfg.global_queries > 0:
             d = model_dir(model)
@@ -144,9 +162,14 @@ class HICom(Pruner):
                 "llm_hidden": self.adapter.text_config.hidden_size,
                 "text_dim": self.clip.dim,
                 "n_queries": cfg.global_queries,
+                "mode": cfg.global_mode,
             }
             self.glob, self.glob_meta = load_global(path, model_hint=str(d or "<model dir>"), expect=expect)
             self.glob.to(self.clip.device)
+
+    def _guided(self) -> bool:
+        cfg = self.config
+        return cfg.local and (cfg.alpha > 0 or cfg.local_rule == "release")
 
     def _record_last(self, module, args, output) -> None:
         self._last_hidden = output[0] if isinstance(output, tuple) else output  # [n_img, 1 + N, Dv]
@@ -168,11 +191,11 @@ class HICom(Pruner):
         rows, cols = vision.grid
         guides = self.clip.text_embeds([guide_text(p) for p in batch.prompts])  # [B, P]
         keys = None
-        if cfg.local and cfg.alpha > 0:
+        if self._guided():
             last, self._last_hidden = self._last_hidden, None
             if last is None or last.shape[1] != 1 + rows * cols:
                 raise RuntimeError("hicom: the last vision layer did not run on the full patch grid")
-            keys = self.clip.patch_embeds(last[:, 1:])  # [n_img, N, P]
+            keys = self.clip.patch_embeds(last[:, 1:], post_layernorm=cfg.local_rule == "blend")  # [n_img, N, P]
         n_local, n_frames = [0] * batch.batch_size, [0] * batch.batch_size
         out_grid = None
         for b, idx in self._units(batch):
@@ -183,7 +206,7 @@ class HICom(Pruner):
             if cfg.local:
                 out_grid = local_grid(t, rows, cols, cfg.temporal_kernel if t > 1 else 1, cfg.spatial_kernel, cfg.local_tokens)
                 k = keys[idx].reshape(t, rows, cols, -1) if keys is not None else None
-                local, _, _ = local_compress(values, k, guide, out_grid, cfg.alpha, cfg.scale)
+                local, _, _ = local_compress(values, k, guide, out_grid, cfg.alpha, cfg.scale, cfg.local_rule)
                 pieces_f.append(local.to(dtype))
                 n_local[b] += local.shape[0]
             if self.glob is not None:
@@ -206,6 +229,7 @@ class HICom(Pruner):
             "per_sample_local": n_local,
             "per_sample_frames": n_frames,
             "global": cfg.global_queries if self.glob is not None else 0,
+            "global_mode": cfg.global_mode if self.glob is not None else None,
             "local_grid": list(out_grid) if out_grid is not None else None,
         }
         return vision

@@ -2,7 +2,10 @@
 
 PLD (Saxena 2023; transformers' ``prompt_lookup_num_tokens``): find the trailing n-gram (n =
 ``max_ngram`` .. 1) earlier in the prompt text or the answer so far (first match, left to right)
-and propose the (at most ``num_tokens``) tokens that followed it, cut at EOS. When nothing matches,
+and propose the (at most ``num_tokens``) tokens that followed it, cut *before* the first EOS, as
+transformers' ``PromptLookupCandidateGenerator`` does (so a draft never contains EOS; a match whose
+continuation starts with EOS proposes nothing, and the search does not move on to a later match,
+also as there). When nothing matches,
 an ADED-style table (Liu et al., AAAI 2025) of trigram counts P(x_t | x_{t-2}, x_{t-1}), updated online
 from *verified* output and shared across requests in the session, proposes a small tree: the
 ``branching`` most frequent continuations per node, ``num_tokens`` deep (ADED grows its tree with
@@ -45,27 +48,25 @@ class PromptLookup(Drafter):
         text = ids.masked_fill(ctx.inputs.image_mask[0], -1)
         self.prompt = [int(t) for t in text.tolist() if t >= 0]
 
-    def _lookup(self, seq: list[int]) -> list[int]:
+    def _lookup(self, seq: list[int]) -> list[int] | None:
+        """The n-gram draft: the tokens after the first earlier match of the trailing n-gram (n from
+        ``max_ngram`` down), cut before the first EOS; ``None`` when nothing matches."""
         cfg = self.config
         stop = set(self.ctx.special.eos)
         for n in range(min(cfg.max_ngram, len(seq) - 1), 0, -1):
             tail = seq[-n:]
             for start in range(len(seq) - n):
                 if seq[start : start + n] == tail:
-                    out = []
-                    for t in seq[start + n : start + n + cfg.num_tokens]:
-                        out.append(t)
-                        if t in stop:
-                            break
-                    if out:
-                        return out
-        return []
+                    out = seq[start + n : start + n + cfg.num_tokens]
+                    cut = next((i for i, t in enumerate(out) if t in stop), len(out))
+                    return out[:cut]
+        return None
 
     def propose(self, ctx, root: int) -> DraftTree:
         seq = self.prompt + ctx.committed
         dev = ctx.inputs.input_ids.device
         drafted = self._lookup(seq)
-        if drafted:
+        if drafted is not None:  # a match (possibly cut to nothing at EOS: no draft, as transformers)
             tree = DraftTree.chain(drafted, device=dev)
         elif self.config.trigram and len(seq) >= 2:
             tree = self._trigram_tree(seq[-2], seq[-1], dev)
@@ -80,8 +81,10 @@ class PromptLookup(Drafter):
         frontier = [(0, a, b)]
         for _ in range(cfg.trigram_depth):
             nxt = []
+            stop = set(self.ctx.special.eos)
             for node, x, y in frontier:
-                for tok, _count in self.table.get((x, y), Counter()).most_common(cfg.branching):
+                ranked = [tok for tok, _ in self.table.get((x, y), Counter()).most_common() if tok not in stop]
+                for tok in ranked[: cfg.branching]:  # drafts never hold EOS (as the n-gram drafts)
                     tokens.append(tok)
                     parents.append(node)
                     nxt.append((len(tokens), y, tok))

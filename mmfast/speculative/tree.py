@@ -16,11 +16,21 @@ Acceptance walks down from the root:
   r - q)) (Leviathan et al. / Chen et al.). If no child is accepted, the bonus token is drawn from r;
   at a leaf it is drawn from the target p there. Either way the emitted tokens follow the target
   distribution exactly.
+
+Sampled siblings: the rule above needs the proposal each child was *actually* drawn from, given the
+siblings tried before it. Siblings drawn independently from q (``sibling_sampling="iid"``) use q
+itself; siblings drawn from q *without replacement* (EAGLE-1's ``multinomial(replacement=False)``)
+were drawn from q with the earlier siblings' tokens removed and renormalised, and that is the q the
+rule uses for them (recursive rejection sampling without replacement, Jeon et al. 2024); using the
+plain q there would over-accept later siblings and silently bias the output. A tree with two or more
+sampled children under one node must therefore say which (``sibling_sampling``); ``verify`` refuses it
+otherwise, and refuses a "without_replacement" tree whose sampled siblings repeat a token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -32,6 +42,8 @@ class DraftTree:
     tokens: torch.Tensor  # [N] long
     parents: torch.Tensor  # [N] long, parent of node i+1 in 0..N (0 = root), parents before children
     q: list[torch.Tensor | None] = field(default_factory=list)  # per node: proposal distribution [V] or None (point mass)
+    # how sampled siblings (>= 2 sampled children of one node) were drawn from their q; required then
+    sibling_sampling: Literal["iid", "without_replacement"] | None = None
 
     def __post_init__(self) -> None:
         if not self.q:
@@ -100,6 +112,9 @@ def verify(
     """
     children = tree.children()
     tokens = tree.tokens.tolist()
+    if probs is not None:
+        _check_siblings(tree, children, tokens)
+    without = tree.sibling_sampling == "without_replacement"
     node, path, tried = 0, [], []
     depth = 0
     while True:
@@ -114,9 +129,17 @@ def verify(
         else:
             r = probs[node].clone().float()
             nxt = None
+            drawn: list[int] = []  # tokens of the sampled siblings tried so far at this node
             for c in kids:
                 t = tokens[c - 1]
                 q = tree.q[c - 1]
+                if q is not None:
+                    q = q.float().to(r.device)
+                    if without and drawn:  # drawn from q without the earlier siblings, renormalised
+                        q = q.clone()
+                        q[drawn] = 0.0
+                        q = q / q.sum().clamp_min(1e-30)
+                    drawn.append(t)
                 u = float(torch.rand((), generator=generator, device=generator.device if generator else None))
                 if q is None:
                     if u < float(r[t]):
@@ -127,7 +150,7 @@ def verify(
                     if u < min(1.0, float(r[t]) / max(float(q[t]), 1e-30)):
                         nxt = c
                         break
-                    r = (r - q.float().to(r.device)).clamp(min=0)
+                    r = (r - q).clamp(min=0)
                 total = r.sum()
                 if total <= 0:  # cannot happen for valid distributions; guard the renormalisation
                     r = probs[node].clone().float()
@@ -139,3 +162,19 @@ def verify(
         path.append(nxt)
         node = nxt
         depth += 1
+
+
+def _check_siblings(tree: DraftTree, children: list[list[int]], tokens: list[int]) -> None:
+    """Refuse sampled siblings whose sampling scheme the acceptance rule cannot know."""
+    for kids in children:
+        sampled = [tokens[c - 1] for c in kids if tree.q[c - 1] is not None]
+        if len(sampled) < 2:
+            continue
+        if tree.sibling_sampling is None:
+            raise ValueError(
+                "a draft node has several sampled children, but the DraftTree does not say how they were drawn "
+                "(sibling_sampling='iid' or 'without_replacement'); the acceptance rule depends on it and would "
+                "be lossy with the wrong one"
+            )
+        if tree.sibling_sampling == "without_replacement" and len(set(sampled)) < len(sampled):
+            raise ValueError("sibling_sampling='without_replacement' but sampled siblings repeat a token")

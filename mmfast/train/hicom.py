@@ -52,6 +52,7 @@ class HIComTrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     n_queries: int = 32
+    global_mode: str = "coarse"  # coarse: the paper's FiLM queries; direct: the release's (queries = instruction)
     spatial_kernel: int = 3  # the local tokens the global branch is trained next to (inference default)
     alpha: float = 0.5
     scale: float = 20.0
@@ -158,7 +159,7 @@ def train_hicom_global(model: str | Path, out: str | Path | None, work_dir: str 
     patch = mm.adapter.vision_config.patch_size
     images = render_split(cfg.seed, "train", cfg.n_train, patch, workers=cfg.workers)
     feats, keys = cache_features(mm, clip, images.pixels, work)
-    glob = GlobalCompressor(mm.adapter.vision_config.hidden_size, mm.adapter.text_config.hidden_size, clip.dim, cfg.n_queries)
+    glob = GlobalCompressor(mm.adapter.vision_config.hidden_size, mm.adapter.text_config.hidden_size, clip.dim, cfg.n_queries, cfg.global_mode)
     opt = torch.optim.AdamW(glob.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ckpt = work / "hicom_ckpt"
     step = 0
