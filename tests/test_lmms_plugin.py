@@ -321,7 +321,7 @@ def test_plugin_runs_a_onevision_recipe(plugin, task_dict, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {{name: {path}, device: cpu}}\npruning: [{{method: fastv, params: {{keep: 5}}}}]\n")
     model = _model(plugin, f"recipe={recipe}", task_dict)
-    out = model.generate_until(_requests({"max_new_tokens": 4, "until": ["\n"]}, [0, 1]))
+    out = _generate(model, _requests({"max_new_tokens": 4, "until": ["\n"]}, [0, 1]))
     assert out == _expected(mmfast.load(path, device="cpu"), str(recipe), [0, 1], 4)
 
 

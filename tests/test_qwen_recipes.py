@@ -119,7 +119,7 @@ def test_lmms_plugin_runs_a_qwen_recipe(images, tmp_path, monkeypatch):
 
     qs = ["Is there a cat in the image?", "Describe the image.", "How many dogs are there?"]
     reqs = [Req((f"<image>\n{qs[d]}", {"max_new_tokens": 4}, lambda doc: [doc["image"]], d, "pope", "test")) for d in range(3)]
-    got = lm.generate_until(reqs)
+    got = [getattr(g, "text", g) for g in lm.generate_until(reqs)]  # lmms-eval >= 0.7: GenerationResult
     mm = mmfast.load(path, device="cpu")
     want = [r.text for r in mm.generate([docs[d]["image"] for d in range(3)], qs, recipe=str(recipe), max_new_tokens=4)]
     assert got == want and all(want)
