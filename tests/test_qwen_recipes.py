@@ -91,11 +91,12 @@ def test_lmms_plugin_runs_a_qwen_recipe(images, tmp_path, monkeypatch):
     import sys
 
     from mmfast.models.factory import random_qwen_vl, save_model
-    from tests.test_lmms_plugin import _standin_modules
 
     try:
         import lmms_eval.api.model  # noqa: F401
-    except ImportError:
+    except ImportError:  # the API stand-in (where lmms-eval is installed, its own `tests` package shadows ours)
+        from tests.test_lmms_plugin import _standin_modules
+
         for name, mod in _standin_modules().items():
             monkeypatch.setitem(sys.modules, name, mod)
     import mmfast
