@@ -29,6 +29,8 @@ argmax go to the lowest index (torch's documented rule; the release uses the sam
 No-op: ``ratio`` 1 (or ``keep`` >= the tokens of an image) leaves the vision batch untouched.
 
 Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): ``keep`` = B (exact).
+Families: llava, llava_next. Refused on llava_onevision and the Qwen-VL families, with the reason in
+``caps.unsupported`` (one ``keep`` count for every image has no per-image fraction rule there; untested).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import per_sample
@@ -90,7 +92,13 @@ class DivPrune(Pruner):
 
     hook_points = frozenset({"vision_features"})
     # the candidate set is the image's LLM-input tokens, whatever their layout (NeXT: tiles + newlines)
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}), edits_features=True)
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}), edits_features=True, unsupported=why_not(
+        ("llava_onevision", "not enabled: its budget `keep` is one count for every image, with no per-image fraction "
+         "rule for anyres-max images (N_i varies), and its selection on the downscaled mosaic is untested"),
+        (QWEN_FAMILIES, "not enabled: its budget `keep` is one count for every image, with no per-image fraction rule "
+         "under dynamic resolution, and the release snapshot readable here (vbdi/divprune) is its README only, so "
+         "no Qwen-VL setting was checked"),
+    ))
 
     @dataclass(frozen=True)
     class Config:

@@ -37,6 +37,9 @@ each ranked on its own), so results never depend on the batch; (2) the attention
 fp32 (the release casts the softmax back to fp16 before the head mean); (3) top-k ties break toward
 the earlier token; (4) stage layers that map onto one layer of a shallow LLM are refused
 (``layers``), rather than silently merged.
+Families: llava, llava_next. Refused on llava_onevision and the Qwen-VL families, with the reason in
+``caps.unsupported`` (lambda search assumes one token count per image; compact renumbering untested there;
+the official code is LLaVA's).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks.attention import row_attention
@@ -93,7 +96,13 @@ class PyramidDrop(Pruner):
     """PyramidDrop."""
 
     hook_points = frozenset({"llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # acts on the spliced sequence
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}), unsupported=why_not(  # acts on the spliced sequence
+        ("llava_onevision", "not enabled: its lambda budget search assumes one token count per image (anyres-max "
+         "images differ) and its compact renumbering is untested on OneVision"),
+        (QWEN_FAMILIES, "not enabled: compact renumbering under M-RoPE (mrope.compact_positions) is untested with "
+         "its stages, its lambda budget search assumes one token count per image, and the official code "
+         "(Cooperx521/PyramidDrop) is LLaVA's"),
+    ))
 
     @dataclass(frozen=True)
     class Config:

@@ -49,6 +49,9 @@ relevance (one text token), every text token is a rater (the release would avera
 (5) A count k_s >= n keeps every token (no drop, nothing recycled: the no-op setting); the release's
 min(k_s, n - 1) would still drop the lowest token and re-insert it as its own one-token cluster. (6) The filter layers must map onto distinct layers with a layer after the last (``layers``; on a
 4-layer LLM give e.g. ``layers: [0, 1, 2]`` with ``layer_mapping: absolute``).
+Families: llava, llava_next. Refused on llava_onevision and the Qwen-VL families, with the reason in
+``caps.unsupported`` (keep presets are counts for a 576-token image; the official code is LLaVA's and
+Video-LLaVA's; compact renumbering of merged tokens untested there).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
@@ -134,7 +137,13 @@ class SparseVLM(Pruner):
     """SparseVLM."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # acts on the spliced sequence
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}), unsupported=why_not(  # acts on the spliced sequence
+        ("llava_onevision", "not enabled: its keep presets are counts for LLaVA's 576-token image (no per-image "
+         "fraction rule for anyres-max images) and its compact renumbering and merged tokens are untested there"),
+        (QWEN_FAMILIES, "not enabled: the official code (Gumpest/SparseVLMs) has LLaVA and Video-LLaVA only; its "
+         "keep presets are counts for a 576-token image and compact renumbering of its merged tokens under "
+         "M-RoPE is untested"),
+    ))
 
     @dataclass(frozen=True)
     class Config:

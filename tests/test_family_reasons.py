@@ -1,0 +1,144 @@
+"""Family decisions (issue 20, item 3): every method either declares a family or says why it is
+refused there, and the refusal quotes the reason (from the config alone and on a loaded model). The
+single-pass attention-editing decoders (PAI, ONLY, ClearSight) on the Qwen-VL families: no-op settings
+are greedy exactly, batch with mixed image sizes equals per sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import mmfast
+from mmfast.capabilities import ALL_FAMILIES, ModelFacts, caps_of, check_model
+from mmfast.config import load_recipe
+from mmfast.errors import IncompatibleRecipeError
+from mmfast.pipeline import Session
+from mmfast.registry import DECODERS, DRAFTERS, PRUNERS
+
+QWEN = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"]
+
+
+@pytest.mark.parametrize("registry", [PRUNERS, DECODERS, DRAFTERS], ids=lambda r: r.kind)
+def test_every_refused_family_has_a_reason(registry):
+    missing = []
+    for e in registry.entries():
+        caps = caps_of(e.cls, None)
+        for family in sorted(ALL_FAMILIES - caps.families):
+            why = caps.unsupported.get(family, "")
+            if len(why) < 20:  # a sentence, not a placeholder
+                missing.append(f"{e.name} on {family}")
+        assert not set(caps.unsupported) & caps.families, f"{e.name} gives a reason for a family it supports"
+    assert not missing, "refused without a reason: " + ", ".join(missing)
+
+
+def _facts(family):
+    return ModelFacts(family, 4, 4, (24, 24), family in ("llava", "llava_next"))
+
+
+@pytest.mark.parametrize("recipe, family, reason", [
+    ({"pruning": [{"method": "divprune", "params": {"keep": 8}}]}, "qwen2_5_vl", "divprune"),
+    ({"pruning": [{"method": "tome"}]}, "llava_onevision", "tome"),
+    ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, "qwen3_vl", "dynamic_llava"),
+    ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
+], ids=["divprune-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"])
+def test_config_refusal_quotes_the_reason(recipe, family, reason):
+    from mmfast.registry import DRAFTERS as D, PRUNERS as P
+
+    name = reason
+    entry = P.get(name) if name in P.names() else D.get(name)
+    why = caps_of(entry.cls, None).unsupported[family]
+    msg = check_model(load_recipe(recipe), _facts(family))
+    assert msg is not None and f"does not support the {family} family: {why}; " in msg
+    assert "methods that run there:" in msg
+
+
+# -- loaded Qwen models -----------------------------------------------------------------------------
+@pytest.fixture(params=QWEN, scope="module")
+def qmm(request, tmp_path_factory):
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    model, processor = random_qwen_vl(request.param, seed=1)
+    return mmfast.load(save_model(model, processor, tmp_path_factory.mktemp(request.param)), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def qimages() -> list[Image.Image]:
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in [(40, 48), (64, 32), (24, 56)]]
+
+
+PROMPTS = ["Describe the image.", "Is there a cat in the image?", "What color is the car? Tell me now please."]
+
+
+def test_loaded_refusal_quotes_the_reason(qmm):
+    why = caps_of(PRUNERS.get("pyramiddrop").cls, None).unsupported[qmm.adapter.family]
+    with pytest.raises(IncompatibleRecipeError, match="pyramiddrop") as exc:
+        Session(qmm, load_recipe({"pruning": [{"method": "pyramiddrop"}]}))
+    assert f"does not support the {qmm.adapter.family} family: {why}; " in str(exc.value)
+
+
+def _tokens(mm, images, prompts, decoding, n=6):
+    with Session(mm, load_recipe({"decoding": decoding})) as s:
+        return [r.token_ids for r in s.generate(images, prompts, max_new_tokens=n)]
+
+
+NOOP = {
+    "pai": {"alpha": 0.0, "gamma": 1.0},
+    "only": {"alpha_pos": 0.0, "alpha_neg": 0.0, "beta": 0.0, "sample": False},
+    "clearsight": {"enhance": 1.0, "suppress": 1.0},
+}
+ACTIVE = {
+    "pai": {"alpha": 1.0, "gamma": 1.5},
+    "only": {"gamma": 1.5},  # sampling (official), per-sample generators
+    "clearsight": {"enhance": 2.0, "suppress": 0.5, "layers": [0, 1]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOOP))
+def test_attention_editors_on_qwen(name, qmm, qimages):
+    assert qmm.adapter.family in caps_of(DECODERS.get(name).cls, None).families
+    base = _tokens(qmm, qimages, PROMPTS, {"method": "greedy"})
+    assert _tokens(qmm, qimages, PROMPTS, {"method": name, "params": NOOP[name]}) == base
+    dec = {"method": name, "params": ACTIVE[name]}
+    batched = _tokens(qmm, qimages, PROMPTS, dec)
+    single = [_tokens(qmm, [im], [p], dec)[0] for im, p in zip(qimages, PROMPTS)]
+    assert batched == single
+    if name != "only":  # ONLY samples: a different draw, not an edit, could differ too
+        assert batched != base
+
+
+# -- DART on the Qwen-VL families (the release has Qwen2-VL / Qwen2.5-VL code) ----------------------
+def _gen(mm, images, prompts, pruning, n=6):
+    return mm.generate(images, prompts, recipe={"pruning": pruning}, max_new_tokens=n)
+
+
+def test_dart_noop_equals_baseline_on_qwen(qmm, qimages):
+    assert qmm.adapter.family in caps_of(PRUNERS.get("dart").cls, None).families
+    base = qmm.generate(qimages, PROMPTS, max_new_tokens=6)
+    noop = _gen(qmm, qimages, PROMPTS, [{"method": "dart", "params": PRUNERS.get("dart").cls.noop_params(qmm.adapter)}])
+    assert [r.token_ids for r in noop] == [r.token_ids for r in base]
+
+
+def test_dart_batch_equals_single_on_qwen(qmm, qimages):
+    """Mixed image sizes: each image keeps pivot_image + t (pivot_image + pivot_text) tokens with
+    t = min(M, N_i - pivot_image) // pivots, whatever batch it is in."""
+    params = {"k": 1, "pivot_image": 2, "pivot_text": 2, "truncation": 4}
+    stage = [{"method": "dart", "params": params}]
+    batched = _gen(qmm, qimages, PROMPTS, stage)
+    single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    base = qmm.generate(qimages, PROMPTS, max_new_tokens=1)
+    for r, b in zip(batched, base):
+        n = b.n_vision_tokens
+        assert r.stats["dart"]["kept"] == 2 + min(4, n - 2) // 4 * 4
+
+
+def test_dart_budget_is_a_fraction_on_qwen(qmm):
+    from mmfast.pruning._budget import in_llm_keep
+
+    cls = PRUNERS.get("dart").cls
+    cfg = cls.Config(k=1)
+    params = cls.budget_params(192, qmm.adapter, cfg, "budget")
+    keep = in_llm_keep(192, 576, 1, len(qmm.adapter.layers), "budget")
+    assert params == {"truncation": None, "ratio": 1.0 - (keep - cfg.pivot_image) / 576}
