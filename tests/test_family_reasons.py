@@ -6,6 +6,7 @@ are greedy exactly, batch with mixed image sizes equals per sample."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 from PIL import Image
 
@@ -142,3 +143,55 @@ def test_dart_budget_is_a_fraction_on_qwen(qmm):
     params = cls.budget_params(192, qmm.adapter, cfg, "budget")
     keep = in_llm_keep(192, 576, 1, len(qmm.adapter.layers), "budget")
     assert params == {"truncation": None, "ratio": 1.0 - (keep - cfg.pivot_image) / 576}
+
+
+def _qwen_dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot):
+    """DART's rule for one sample from the plain HF language model: keys of layer K-1 (k_proj, the
+    layer's k_norm where it has one, M-RoPE at the prompt's 3-D ids), final norm of the state entering K."""
+    import sys
+
+    lm, adapter = mm.adapter.language_model, mm.adapter
+    pos = adapter.lm_position_ids(inputs.position_ids)  # [3, 1, T]
+    with torch.inference_mode():
+        out = lm(inputs_embeds=inputs.embeds, position_ids=pos, output_hidden_states=True)
+        attn = adapter.layers[layer - 1].self_attn
+        x = adapter.layers[layer - 1].input_layernorm(out.hidden_states[layer - 1])
+        hd = attn.head_dim
+        k = attn.k_proj(x).view(1, x.shape[1], -1, hd)
+        q = attn.q_proj(x).view(1, x.shape[1], -1, hd)
+        if hasattr(attn, "k_norm"):
+            k, q = attn.k_norm(k), attn.q_norm(q)
+        cos, sin = lm.rotary_emb(x, position_ids=pos)
+        _, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        k = k.repeat_interleave(q.shape[2] // k.shape[1], dim=1)  # repeat_kv, as the release's keys
+        key_l1 = k[0].permute(1, 0, 2).reshape(x.shape[1], -1).abs().sum(-1)  # [T]
+        feats = lm.norm(out.hidden_states[layer])[0]  # [T, d]
+    image = inputs.image_mask[0].nonzero().squeeze(1).tolist()
+    text = list(range(image[-1] + 1, inputs.length))
+    img_piv = sorted(image, key=lambda t: -float(key_l1[t]))[:n_img_piv]
+    txt_piv = sorted(text, key=lambda t: -float(key_l1[t]))[:n_txt_piv]
+    valid = [t for t in image if t not in img_piv]
+    kept = set(img_piv)
+    for p in sorted(img_piv + txt_piv):
+        sims = {t: float(torch.nn.functional.cosine_similarity(feats[p].double(), feats[t].double(), dim=0)) for t in valid}
+        picked = sorted(valid, key=lambda t: sims[t])[:per_pivot]  # least similar to the pivot
+        kept.update(picked)
+        valid = [t for t in valid if t not in picked]
+    return sorted(kept)
+
+
+def test_dart_decisions_equal_a_direct_computation_on_qwen(qmm, qimages):
+    if qmm.adapter.family == "qwen3_vl":
+        pytest.skip("the plain LM forward has no deepstack features, which the runtime adds after layers 0..n-1")
+    layer, pi, pt, m = 2, 2, 2, 8  # t = 8 // 4 = 2 -> 2 + 2 x 4 = 10 image tokens kept
+    for b in range(2):
+        batch = qmm.prepare(qimages[b : b + 1], PROMPTS[b : b + 1])
+        params = {"k": layer, "pivot_image": pi, "pivot_text": pt, "truncation": m}
+        with Session(qmm, load_recipe({"pruning": [{"method": "dart", "params": params}]})) as s:
+            inputs = s.build_inputs(batch, s.encode(batch))
+            state, _ = s.runner.prefill(inputs)
+        want = _qwen_dart_reference(qmm, inputs, layer, pi, pt, 2)
+        grp = state.groups[-1]
+        src = grp.source[0][grp.key_mask[0]]
+        assert src[inputs.image_mask[0][src]].tolist() == want and len(want) == 10
+        assert torch.equal(grp.positions[0][grp.key_mask[0]], inputs.position_ids[0][src])  # original (t, h, w) ids

@@ -416,3 +416,20 @@ def test_real_geometry_token_count(tmp_path):
     assert ours.n_vision_tokens == int((hf["input_ids"] == mm.adapter.image_token_id).sum()) == _expected_tokens(mm, (768, 1024))[0]
     assert ours.n_vision_tokens == 4725  # 729 base view + 2 x 3 tiles unpadded to 54 x 73 patches + 54 newlines
     assert ours.token_ids == _hf_greedy(mm, image, "Describe the image.", 2)
+
+
+def test_pyramiddrop_keeps_a_fraction_of_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """PyramidDrop on the packed anyres-max spans: every image keeps int(N_i lambda^s) of its own N_i
+    tokens at stage s (so a lambda is a fraction of every image), and a mixed-size batch equals batch 1."""
+    from mmfast.pruning.pyramiddrop import PyramidDrop
+
+    params = PyramidDrop.test_params(ov_mm.adapter)
+    recipe = {"pruning": [{"method": "pyramiddrop", "params": params}]}
+    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    lam = params["ratio"]
+    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
+        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
+        n = b.n_vision_tokens
+        assert r.stats["pyramiddrop"]["kept"] == [int(n * lam ** (s + 1)) for s in range(len(r.stats["pyramiddrop"]["kept"]))]
+    assert len({b.n_vision_tokens for b in base}) > 1  # the images really differ in token count

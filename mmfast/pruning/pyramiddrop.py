@@ -28,7 +28,7 @@ so FLOPs project onto the paper's depth (as FastV).
 Hook points: ``runner.prune_at(l_s, compact=True)``; the scoring reads the layer's own modules (no
 eager attention, no probe hook: the attention row is computed before the layer runs, on the tokens
 the layer would have seen, then the layer runs on the survivors).
-Capabilities: llava and llava_next. On LLaVA-NeXT every token of an image's packed span is ranked,
+Capabilities: llava, llava_next, llava_onevision. On LLaVA-NeXT every token of an image's packed span is ranked,
 the ``image_newline`` tokens included (the release counts the whole packed feature as image tokens).
 
 Deviations from the release: (1) decisions are per sample and per image with left padding (the
@@ -37,9 +37,13 @@ each ranked on its own), so results never depend on the batch; (2) the attention
 fp32 (the release casts the softmax back to fp16 before the head mean); (3) top-k ties break toward
 the earlier token; (4) stage layers that map onto one layer of a shallow LLM are refused
 (``layers``), rather than silently merged.
-Families: llava, llava_next. Refused on llava_onevision and the Qwen-VL families, with the reason in
-``caps.unsupported`` (lambda search assumes one token count per image; compact renumbering untested there;
-the official code is LLaVA's).
+Families: llava, llava_next, llava_onevision. OneVision (Qwen2 LLM, 1-D RoPE): every slot of an
+image's packed span (base view, mosaic, newlines) is ranked, as on LLaVA-NeXT, and each image keeps
+int(N_i r_s) of its own N_i tokens, so lambda is already a fraction of each image: a budget B is
+fitted at the base view's N0 (``vision_tokens_per_image``) and the same lambda applies to every image
+(the anyres-max rule of docs/methods.md, up to the int() rounding). Not in the release (LLaVA only).
+Qwen-VL families: refused (``caps.unsupported``): the ranking recomputes the attention row with 1-D
+RoPE; M-RoPE (and Qwen3-VL's q/k norms) are not wired into it.
 """
 
 from __future__ import annotations
@@ -96,12 +100,11 @@ class PyramidDrop(Pruner):
     """PyramidDrop."""
 
     hook_points = frozenset({"llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}), unsupported=why_not(  # acts on the spliced sequence
-        ("llava_onevision", "not enabled: its lambda budget search assumes one token count per image (anyres-max "
-         "images differ) and its compact renumbering is untested on OneVision"),
-        (QWEN_FAMILIES, "not enabled: compact renumbering under M-RoPE (mrope.compact_positions) is untested with "
-         "its stages, its lambda budget search assumes one token count per image, and the official code "
-         "(Cooperx521/PyramidDrop) is LLaVA's"),
+    # acts on the spliced sequence (1-D RoPE families: the scoring recomputes the layer's RoPE)
+    caps = Capabilities(families=frozenset({"llava", "llava_next", "llava_onevision"}), unsupported=why_not(
+        (QWEN_FAMILIES, "its ranking recomputes the stage layer's attention row with 1-D RoPE on [B, T] positions "
+         "(LLaMA's rotary); M-RoPE's 3-axis sections (and Qwen3's q/k norms) are not wired into that "
+         "recomputation, and the official code (Cooperx521/PyramidDrop) is LLaVA's only"),
     ))
 
     @dataclass(frozen=True)
