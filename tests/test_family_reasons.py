@@ -38,11 +38,11 @@ def _facts(family):
 
 
 @pytest.mark.parametrize("recipe, family, reason", [
-    ({"pruning": [{"method": "divprune", "params": {"keep": 8}}]}, "qwen2_5_vl", "divprune"),
+    ({"pruning": [{"method": "sparsevlm"}]}, "qwen2_5_vl", "sparsevlm"),
     ({"pruning": [{"method": "tome"}]}, "llava_onevision", "tome"),
     ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, "qwen3_vl", "dynamic_llava"),
     ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
-], ids=["divprune-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"])
+], ids=["sparsevlm-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"])
 def test_config_refusal_quotes_the_reason(recipe, family, reason):
     from mmfast.registry import DRAFTERS as D, PRUNERS as P
 
@@ -195,3 +195,45 @@ def test_dart_decisions_equal_a_direct_computation_on_qwen(qmm, qimages):
         src = grp.source[0][grp.key_mask[0]]
         assert src[inputs.image_mask[0][src]].tolist() == want and len(want) == 10
         assert torch.equal(grp.positions[0][grp.key_mask[0]], inputs.position_ids[0][src])  # original (t, h, w) ids
+
+
+# -- DivPrune on the Qwen-VL families (merged tokens; budget a fraction of each image) ------------------
+def _divprune_reference(x: torch.Tensor, k: int) -> list[int]:
+    """The release's rule as plain loops: 1 - cos; first the token whose nearest other token is
+    farthest; then repeatedly the token farthest from the selected set."""
+    n = x.shape[0]
+    xs = [v / v.norm() for v in x.double()]
+    dist = [[1.0 - float(xs[i] @ xs[j]) for j in range(n)] for i in range(n)]
+    first = max(range(n), key=lambda j: (sorted(dist[i][j] for i in range(n))[1], -j))
+    chosen = [first]
+    while len(chosen) < k:
+        score = {j: min(dist[s][j] for s in chosen) for j in range(n) if j not in chosen}
+        chosen.append(max(score, key=lambda j: (score[j], -j)))
+    return sorted(chosen)
+
+
+def test_divprune_on_qwen_selects_the_max_min_subset_of_each_image(qmm, qimages):
+    batch = qmm.prepare(qimages, PROMPTS)
+    with Session(qmm, load_recipe({})) as base, torch.inference_mode():
+        full = [p.clone() for p in qmm.adapter.project(base.encode(batch))]
+    ratio = 0.3
+    with Session(qmm, load_recipe({"pruning": [{"method": "divprune", "params": {"ratio": ratio}}]})) as s:
+        vision = s.encode(batch)
+    for i, x in enumerate(full):
+        want = _divprune_reference(x, round(ratio * x.shape[0]))
+        torch.testing.assert_close(vision.projected[i], x[want], atol=0, rtol=0)
+        assert vision.patch_ids[i].tolist() == want  # merged-token ids: their grid cells' 3-D positions
+    assert len({x.shape[0] for x in full}) > 1  # mixed sizes: a fraction of each image, not one count
+
+
+def test_divprune_on_qwen_noop_batch_and_budget(qmm, qimages):
+    cls = PRUNERS.get("divprune").cls
+    base = qmm.generate(qimages, PROMPTS, max_new_tokens=6)
+    noop = _gen(qmm, qimages, PROMPTS, [{"method": "divprune", "params": cls.noop_params(qmm.adapter)}])
+    assert [r.token_ids for r in noop] == [r.token_ids for r in base]
+    stage = [{"method": "divprune", "budget": {"tokens": 192}}]
+    assert cls.budget_params(192, qmm.adapter, cls.Config(), "budget") == {"keep": None, "ratio": 192 / 576}
+    batched = _gen(qmm, qimages, PROMPTS, stage)
+    single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    assert [r.n_vision_tokens for r in batched] == [round(b.n_vision_tokens * 192 / 576) for b in base]

@@ -433,3 +433,30 @@ def test_pyramiddrop_keeps_a_fraction_of_each_image_and_batch_equals_single(ov_m
         n = b.n_vision_tokens
         assert r.stats["pyramiddrop"]["kept"] == [int(n * lam ** (s + 1)) for s in range(len(r.stats["pyramiddrop"]["kept"]))]
     assert len({b.n_vision_tokens for b in base}) > 1  # the images really differ in token count
+
+
+def test_divprune_keeps_a_fraction_of_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """DivPrune on the packed anyres-max tokens: a budget is B / N0 of every image's own N_i tokens."""
+    from mmfast.pruning._budget import vision_tokens_per_image
+
+    n0 = vision_tokens_per_image(ov_mm.adapter)
+    budget = n0 // 3
+    recipe = {"pruning": [{"method": "divprune", "budget": {"tokens": budget}}]}
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
+        assert r.n_vision_tokens == round(b.n_vision_tokens * budget / n0)
+        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
+
+
+def test_dart_default_truncation_is_a_fraction_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """DART on the packed spans with no release M: M_i = N_i x 128 / 576 of each image (docstring);
+    each image keeps pivot_image + (M_i // pivots) x pivots, whatever batch it is in."""
+    params = {"k": 1, "pivot_image": 2, "pivot_text": 2}
+    recipe = {"pruning": [{"method": "dart", "params": params}]}
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
+        n = b.n_vision_tokens
+        assert r.stats["dart"]["kept"] == 2 + int(min(n * 128 / 576, n - 2) // 4) * 4
+        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids

@@ -43,8 +43,10 @@ with 4 + 4 pivots and ``max_num_trunction`` 128 in both eval scripts; its candid
 their original (t, h, w) ids, as FastV under M-RoPE; Qwen3-VL's deepstack features follow the kept
 slots (runtime). Not checked: whether the release's Qwen key norms are taken before or after M-RoPE
 (mmfast: after, as on LLaVA).
-LLaVA-OneVision: refused (``caps.unsupported``): the release sets M per model and has none for
-anyres-max images, whose token counts vary per image; not enabled untested.
+LLaVA-OneVision: supported (not in the release). Every slot of an image's packed span (base view,
+mosaic, newlines) is a candidate, as on LLaVA-NeXT. The release has no M for it; mmfast's default
+is LLaVA-1.5's 128 of 576 as a fraction of each image: M_i = N_i x 128 / 576 (capped at
+N_i - pivot_image); a budget follows the dynamic-resolution rule below with N_ref = the base view N0.
 
 No-op: ``ratio`` 0 with no ``truncation`` drops nothing (the release's run without ``--sparse``).
 
@@ -52,8 +54,8 @@ Budget (``budget: {tokens: B}``, layer-averaged vision tokens per image, as Fast
 L-layer LLM and N vision tokens per image, keep = round((L B - K N) / (L - K)) (refused below
 ceil(K N / L)), then t = max(0, round((keep - pivot_image) / (pivot_image + pivot_text))) and
 ``truncation`` = t (pivot_image + pivot_text): the kept count is within (pivot_image + pivot_text) / 2
-of keep (when keep >= pivot_image). Under dynamic resolution (Qwen-VL, ``budget_fraction``) B is the
-budget of a reference image of N_ref = 576 tokens: keep is computed at N_ref as above and
+of keep (when keep >= pivot_image). Under dynamic resolution (Qwen-VL) and anyres-max (OneVision) (``budget_fraction``)
+B is the budget of a reference image of N_ref tokens (576 on Qwen, the base view N0 on OneVision): keep is computed at N_ref as above and
 ``ratio`` = 1 - max(0, keep - pivot_image) / N_ref, so an image of N_i tokens gets
 M_i = N_i (keep - pivot_image) / N_ref and keeps pivot_image + M_i rounded down to a multiple of
 (pivot_image + pivot_text): the same fraction of its tokens up to the pivots' rounding.
@@ -65,7 +67,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..hooks import attach
 from ..registry import PRUNERS
@@ -109,10 +111,7 @@ class DART(Pruner):
 
     hook_points = frozenset({"llm_layer"})
     # vision slots of the spliced sequence; M-RoPE: kept tokens keep their (t, h, w) ids
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}) | QWEN_FAMILIES, unsupported=why_not(
-        ("llava_onevision", "not enabled: the release sets its truncation M per model (128 LLaVA-1.5 and Qwen, 320 "
-         "LLaVA-NeXT) and has none for OneVision's anyres-max images, whose token counts vary per image; untested there"),
-    ))
+    caps = Capabilities(families=ALL_FAMILIES)
 
     @dataclass(frozen=True)
     class Config:
@@ -176,8 +175,10 @@ class DART(Pruner):
             m = cfg.truncation
         elif cfg.ratio is not None:
             m = n * (1 - cfg.ratio)
-        else:
+        elif self.adapter.family in RELEASE_TRUNCATION:
             m = RELEASE_TRUNCATION[self.adapter.family]
+        else:  # OneVision: no release value; LLaVA-1.5's 128 of 576 as a fraction of each image (docstring)
+            m = n * RELEASE_TRUNCATION["llava"] / 576
         m = min(m, n - min(cfg.pivot_image, n))
         return int(m // pivots) if pivots else 0
 
