@@ -56,11 +56,16 @@ def test_config_refusal_quotes_the_reason(recipe, family, reason):
 
 # -- loaded Qwen models -----------------------------------------------------------------------------
 @pytest.fixture(params=QWEN, scope="module")
-def qmm(request, tmp_path_factory):
+def qdir(request, tmp_path_factory):
     from mmfast.models.factory import random_qwen_vl, save_model
 
     model, processor = random_qwen_vl(request.param, seed=1)
-    return mmfast.load(save_model(model, processor, tmp_path_factory.mktemp(request.param)), device="cpu", dtype="float32")
+    return save_model(model, processor, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def qmm(qdir):
+    return mmfast.load(qdir, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +78,9 @@ PROMPTS = ["Describe the image.", "Is there a cat in the image?", "What color is
 
 
 def test_loaded_refusal_quotes_the_reason(qmm):
-    why = caps_of(PRUNERS.get("pyramiddrop").cls, None).unsupported[qmm.adapter.family]
-    with pytest.raises(IncompatibleRecipeError, match="pyramiddrop") as exc:
-        Session(qmm, load_recipe({"pruning": [{"method": "pyramiddrop"}]}))
+    why = caps_of(PRUNERS.get("sparsevlm").cls, None).unsupported[qmm.adapter.family]
+    with pytest.raises(IncompatibleRecipeError, match="sparsevlm") as exc:
+        Session(qmm, load_recipe({"pruning": [{"method": "sparsevlm"}]}))
     assert f"does not support the {qmm.adapter.family} family: {why}; " in str(exc.value)
 
 
@@ -237,3 +242,46 @@ def test_divprune_on_qwen_noop_batch_and_budget(qmm, qimages):
     single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
     assert [r.n_vision_tokens for r in batched] == [round(b.n_vision_tokens * 192 / 576) for b in base]
+
+
+# -- PyramidDrop on the Qwen-VL families (M-RoPE scoring, compact renumbering) ------------------------
+def test_pyramiddrop_on_qwen_noop_counts_and_batch(qmm, qimages):
+    cls = PRUNERS.get("pyramiddrop").cls
+    base = qmm.generate(qimages, PROMPTS, max_new_tokens=6)
+    noop = _gen(qmm, qimages, PROMPTS, [{"method": "pyramiddrop", "params": cls.noop_params(qmm.adapter)}])
+    assert [r.token_ids for r in noop] == [r.token_ids for r in base]
+    params = cls.test_params(qmm.adapter)
+    stage = [{"method": "pyramiddrop", "params": params}]
+    batched = _gen(qmm, qimages, PROMPTS, stage)
+    single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    for r, b in zip(batched, base):  # int(N_i lambda^s) of each image's own tokens
+        kept = r.stats["pyramiddrop"]["kept"]
+        assert kept == [int(b.n_vision_tokens * params["ratio"] ** (s + 1)) for s in range(len(kept))]
+
+
+def test_pyramiddrop_first_stage_ranks_by_the_eager_last_token_attention_on_qwen(qdir, qmm, qimages):
+    """The first stage (original 3-D ids, nothing dropped before it): kept image tokens = the top
+    int(N r_1) by the head-mean attention of the last token in that layer, from HF's eager attention."""
+    if qmm.adapter.family == "qwen3_vl":
+        pytest.skip("the plain LM forward has no deepstack features, which the runtime adds after layers 0..n-1")
+    cls = PRUNERS.get("pyramiddrop").cls
+    params = cls.test_params(qmm.adapter)
+    eager = mmfast.load(qdir, device="cpu", dtype="float32", attn_implementation="eager")
+    for b in range(2):
+        batch = qmm.prepare(qimages[b : b + 1], PROMPTS[b : b + 1])
+        with Session(qmm, load_recipe({"pruning": [{"method": "pyramiddrop", "params": params}]})) as s:
+            inputs = s.build_inputs(batch, s.encode(batch))
+            state, _ = s.runner.prefill(inputs)
+        layer = state.groups[1].start
+        with torch.no_grad():
+            att = eager.adapter.language_model(inputs_embeds=inputs.embeds, output_attentions=True,
+                                               position_ids=qmm.adapter.lm_position_ids(inputs.position_ids)).attentions
+        score = att[layer][0, :, -1].mean(0)  # [T] last token, head mean
+        image = inputs.image_mask[0].nonzero().squeeze(1)
+        k = int(image.numel() * params["ratio"])
+        want = sorted(image[score[image].topk(k).indices].tolist())
+        grp = state.groups[1]
+        src = grp.source[0][grp.key_mask[0]]
+        assert src[inputs.image_mask[0][src]].tolist() == want
+        assert grp.compact
