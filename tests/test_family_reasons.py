@@ -38,11 +38,11 @@ def _facts(family):
 
 
 @pytest.mark.parametrize("recipe, family, reason", [
-    ({"pruning": [{"method": "sparsevlm"}]}, "qwen2_5_vl", "sparsevlm"),
+    ({"pruning": [{"method": "cdpruner"}]}, "qwen2_5_vl", "cdpruner"),
     ({"pruning": [{"method": "tome"}]}, "llava_onevision", "tome"),
     ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, "qwen3_vl", "dynamic_llava"),
     ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
-], ids=["sparsevlm-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"])
+], ids=["cdpruner-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"])
 def test_config_refusal_quotes_the_reason(recipe, family, reason):
     from mmfast.registry import DRAFTERS as D, PRUNERS as P
 
@@ -78,9 +78,9 @@ PROMPTS = ["Describe the image.", "Is there a cat in the image?", "What color is
 
 
 def test_loaded_refusal_quotes_the_reason(qmm):
-    why = caps_of(PRUNERS.get("sparsevlm").cls, None).unsupported[qmm.adapter.family]
-    with pytest.raises(IncompatibleRecipeError, match="sparsevlm") as exc:
-        Session(qmm, load_recipe({"pruning": [{"method": "sparsevlm"}]}))
+    why = caps_of(PRUNERS.get("cdpruner").cls, None).unsupported[qmm.adapter.family]
+    with pytest.raises(IncompatibleRecipeError, match="cdpruner") as exc:
+        Session(qmm, load_recipe({"pruning": [{"method": "cdpruner"}]}))
     assert f"does not support the {qmm.adapter.family} family: {why}; " in str(exc.value)
 
 
@@ -285,3 +285,19 @@ def test_pyramiddrop_first_stage_ranks_by_the_eager_last_token_attention_on_qwen
         src = grp.source[0][grp.key_mask[0]]
         assert src[inputs.image_mask[0][src]].tolist() == want
         assert grp.compact
+
+
+# -- SparseVLM on the Qwen-VL families (counts scaled per image, compact renumbering) -----------------
+def test_sparsevlm_on_qwen_noop_counts_and_batch(qmm, qimages):
+    cls = PRUNERS.get("sparsevlm").cls
+    base = qmm.generate(qimages, PROMPTS, max_new_tokens=6)
+    noop = _gen(qmm, qimages, PROMPTS, [{"method": "sparsevlm", "params": cls.noop_params(qmm.adapter)}])
+    assert [r.token_ids for r in noop] == [r.token_ids for r in base]
+    params = cls.test_params(qmm.adapter)
+    stage = [{"method": "sparsevlm", "params": params}]
+    batched = _gen(qmm, qimages, PROMPTS, stage)
+    single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    for r, b in zip(batched, base):  # first filter: round(k_1 N_i / 576) kept, plus the recycled clusters
+        st, n = r.stats["sparsevlm"], b.n_vision_tokens
+        assert st["kept"][0] - st["recycled"][0] == min(n, round(params["keep"][0] * n / 576))

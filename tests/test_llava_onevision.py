@@ -460,3 +460,19 @@ def test_dart_default_truncation_is_a_fraction_and_batch_equals_single(ov_mm, ov
         n = b.n_vision_tokens
         assert r.stats["dart"]["kept"] == 2 + int(min(n * 128 / 576, n - 2) // 4) * 4
         assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
+
+
+def test_sparsevlm_counts_scale_with_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """SparseVLM's counts are for a base-view-sized image: an image of N_i tokens keeps round(k N_i / N0)."""
+    from mmfast.pruning._budget import vision_tokens_per_image
+    from mmfast.pruning.sparsevlm import SparseVLM
+
+    n0 = vision_tokens_per_image(ov_mm.adapter)
+    params = SparseVLM.test_params(ov_mm.adapter)
+    recipe = {"pruning": [{"method": "sparsevlm", "params": params}]}
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
+        st, n = r.stats["sparsevlm"], b.n_vision_tokens
+        assert st["kept"][0] - st["recycled"][0] == min(n, round(params["keep"][0] * n / n0))
+        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
