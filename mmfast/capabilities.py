@@ -9,7 +9,8 @@ what to do instead. No method inspects another method's name or parameters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -26,12 +27,25 @@ ALL_FAMILIES = LLAVA_FAMILIES | QWEN_FAMILIES
 CLS_LESS_TOWERS = frozenset({"siglip_vision_model", "siglip2_vision_model"})
 
 
+def why_not(*pairs: tuple[Iterable[str] | str, str]) -> dict[str, str]:
+    """``Capabilities.unsupported`` from (families, reason) pairs: every family of a pair -> its reason.
+    ``why_not((QWEN_FAMILIES, "needs CLS attention"), ("llava_next", "one square grid"))``."""
+    out: dict[str, str] = {}
+    for families, reason in pairs:
+        for f in (families,) if isinstance(families, str) else families:
+            out[f] = reason
+    return out
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """A method's declaration. Defaults describe a method that does nothing special."""
 
     #: model families the method runs on (the LLaVA ones unless the method declares more)
     families: frozenset[str] = LLAVA_FAMILIES
+    #: family -> why the method does not run there, quoted in the refusal (every family of
+    #: ALL_FAMILIES outside ``families`` should have one; tests/test_capabilities_families.py)
+    unsupported: Mapping[str, str] = field(default_factory=dict, hash=False)
     #: needs a CLS token in the vision tower
     needs_cls: bool = False
 
@@ -240,8 +254,11 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
             return f"{item.where} needs a CLS token in the vision tower, which this model ({facts.family}) does not have"
         if facts.family not in c.families:
             ok = [e.name for e in registry.entries() if facts.family in caps_of(e.cls, None).families]
+            why = c.unsupported.get(facts.family)
             return (
-                f"{item.where} does not support the {facts.family} family; {registry.kind} methods that run there: "
+                f"{item.where} does not support the {facts.family} family"
+                + (f": {why}" if why else "")
+                + f"; {registry.kind} methods that run there: "
                 f"{', '.join(ok) or 'none'}"
             )
     for path, cls, params in _methods(recipe):

@@ -416,3 +416,63 @@ def test_real_geometry_token_count(tmp_path):
     assert ours.n_vision_tokens == int((hf["input_ids"] == mm.adapter.image_token_id).sum()) == _expected_tokens(mm, (768, 1024))[0]
     assert ours.n_vision_tokens == 4725  # 729 base view + 2 x 3 tiles unpadded to 54 x 73 patches + 54 newlines
     assert ours.token_ids == _hf_greedy(mm, image, "Describe the image.", 2)
+
+
+def test_pyramiddrop_keeps_a_fraction_of_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """PyramidDrop on the packed anyres-max spans: every image keeps int(N_i lambda^s) of its own N_i
+    tokens at stage s (so a lambda is a fraction of every image), and a mixed-size batch equals batch 1."""
+    from mmfast.pruning.pyramiddrop import PyramidDrop
+
+    params = PyramidDrop.test_params(ov_mm.adapter)
+    recipe = {"pruning": [{"method": "pyramiddrop", "params": params}]}
+    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    lam = params["ratio"]
+    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
+        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
+        n = b.n_vision_tokens
+        assert r.stats["pyramiddrop"]["kept"] == [int(n * lam ** (s + 1)) for s in range(len(r.stats["pyramiddrop"]["kept"]))]
+    assert len({b.n_vision_tokens for b in base}) > 1  # the images really differ in token count
+
+
+def test_divprune_keeps_a_fraction_of_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """DivPrune on the packed anyres-max tokens: a budget is B / N0 of every image's own N_i tokens."""
+    from mmfast.pruning._budget import vision_tokens_per_image
+
+    n0 = vision_tokens_per_image(ov_mm.adapter)
+    budget = n0 // 3
+    recipe = {"pruning": [{"method": "divprune", "budget": {"tokens": budget}}]}
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
+        assert r.n_vision_tokens == round(b.n_vision_tokens * budget / n0)
+        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
+
+
+def test_dart_default_truncation_is_a_fraction_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """DART on the packed spans with no release M: M_i = N_i x 128 / 576 of each image (docstring);
+    each image keeps pivot_image + (M_i // pivots) x pivots, whatever batch it is in."""
+    params = {"k": 1, "pivot_image": 2, "pivot_text": 2}
+    recipe = {"pruning": [{"method": "dart", "params": params}]}
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
+        n = b.n_vision_tokens
+        assert r.stats["dart"]["kept"] == 2 + int(min(n * 128 / 576, n - 2) // 4) * 4
+        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
+
+
+def test_sparsevlm_counts_scale_with_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """SparseVLM's counts are for a base-view-sized image: an image of N_i tokens keeps round(k N_i / N0)."""
+    from mmfast.pruning._budget import vision_tokens_per_image
+    from mmfast.pruning.sparsevlm import SparseVLM
+
+    n0 = vision_tokens_per_image(ov_mm.adapter)
+    params = SparseVLM.test_params(ov_mm.adapter)
+    recipe = {"pruning": [{"method": "sparsevlm", "params": params}]}
+    base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
+    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
+        st, n = r.stats["sparsevlm"], b.n_vision_tokens
+        assert st["kept"][0] - st["recycled"][0] == min(n, round(params["keep"][0] * n / n0))
+        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids

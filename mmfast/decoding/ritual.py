@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, additive
@@ -105,7 +105,12 @@ class Ritual(MultiBranchDecoder):
     """RITUAL."""
 
     # transforms change the image size: another anyres token layout
-    caps = Capabilities(families=frozenset({"llava"}), search="branches")
+    caps = Capabilities(families=frozenset({"llava"}), search="branches", unsupported=why_not(
+        (("llava_next", "llava_onevision"), "its transforms change the image size, hence the anyres token layout, so "
+         "its branch is not aligned with the clean one"),
+        (QWEN_FAMILIES, "re-runs the image processor on a transformed square view (CLIP crop size); the "
+         "dynamic-resolution patch layout is not wired"),
+    ))
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

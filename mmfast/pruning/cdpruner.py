@@ -49,6 +49,8 @@ Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): ``ke
 release's ``visual_token_num``). LLaVA-NeXT: ``keep`` counts per tile (the release's README: "32 * 5 =
 160"), so a budget sets keep = round(B / the most tiles an image can have, 5 for LLaVA-1.6's pinpoints);
 an image with fewer tiles keeps fewer, and the kept row separators come on top (approximate).
+Families: llava, llava_next. Refused on llava_onevision and the Qwen-VL families, with the reason in
+``caps.unsupported`` (per-tile DPP and CLIP-text relevance are LLaVA's; the readable release code is LLaVA's).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import per_sample
@@ -153,7 +155,13 @@ class CDPruner(Pruner):
 
     hook_points = frozenset({"vision_features"})
     # NeXT: the per-tile selection needs every tile whole, so it runs as the first vision-token edit
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}), edits_features=True, needs_full_grid=True)
+    caps = Capabilities(families=frozenset({"llava", "llava_next"}), edits_features=True, needs_full_grid=True, unsupported=why_not(
+        ("llava_onevision", "its per-tile DPP follows LLaVA-NeXT's tiles; OneVision's anyres-max mosaic is "
+         "downscaled across tiles, a layout the release does not cover, and its budget has no per-image fraction rule"),
+        (QWEN_FAMILIES, "the release reports Qwen2.5-VL results but the code readable here (Theia-4869/CDPruner) is "
+         "LLaVA's only; its CLIP-text relevance has no counterpart in Qwen-VL towers and its budget no per-image "
+         "fraction rule under dynamic resolution"),
+    ))
 
     @dataclass(frozen=True)
     class Config:

@@ -35,13 +35,30 @@ is reduced on its own (the release: batch 1, one image at a fixed offset of 35 t
 images the text pivots are the tokens after the last image; (c) M is capped at N - pivot_image on
 LLaVA-1.5 too (the release caps it only for NeXT; beyond it its ``topk`` would fail); (d) cosine
 similarities in fp32.
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): supported. The release has Qwen2-VL and
+Qwen2.5-VL code (``Qwen2-VL/``, ``Qwen2_5-VL/`` with their lmms-eval wrappers): the same rule at K = 2
+with 4 + 4 pivots and ``max_num_trunction`` 128 in both eval scripts; its candidates are an image's
+``<|image_pad|>`` span (from the first pad to ``<|vision_end|>``), batch 1. mmfast uses M = 128 there
+(Qwen3-VL: no release; the Qwen2/2.5 value), capped at N_i - pivot_image per image; kept tokens keep
+their original (t, h, w) ids, as FastV under M-RoPE; Qwen3-VL's deepstack features follow the kept
+slots (runtime). Not checked: whether the release's Qwen key norms are taken before or after M-RoPE
+(mmfast: after, as on LLaVA).
+LLaVA-OneVision: supported (not in the release). Every slot of an image's packed span (base view,
+mosaic, newlines) is a candidate, as on LLaVA-NeXT. The release has no M for it; mmfast's default
+is LLaVA-1.5's 128 of 576 as a fraction of each image: M_i = N_i x 128 / 576 (capped at
+N_i - pivot_image); a budget follows the dynamic-resolution rule below with N_ref = the base view N0.
+
 No-op: ``ratio`` 0 with no ``truncation`` drops nothing (the release's run without ``--sparse``).
 
 Budget (``budget: {tokens: B}``, layer-averaged vision tokens per image, as FastV): with K of an
 L-layer LLM and N vision tokens per image, keep = round((L B - K N) / (L - K)) (refused below
 ceil(K N / L)), then t = max(0, round((keep - pivot_image) / (pivot_image + pivot_text))) and
 ``truncation`` = t (pivot_image + pivot_text): the kept count is within (pivot_image + pivot_text) / 2
-of keep (when keep >= pivot_image).
+of keep (when keep >= pivot_image). Under dynamic resolution (Qwen-VL) and anyres-max (OneVision) (``budget_fraction``)
+B is the budget of a reference image of N_ref tokens (576 on Qwen, the base view N0 on OneVision): keep is computed at N_ref as above and
+``ratio`` = 1 - max(0, keep - pivot_image) / N_ref, so an image of N_i tokens gets
+M_i = N_i (keep - pivot_image) / N_ref and keeps pivot_image + M_i rounded down to a multiple of
+(pivot_image + pivot_text): the same fraction of its tokens up to the pivots' rounding.
 """
 
 from __future__ import annotations
@@ -50,16 +67,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..hooks import attach
 from ..registry import PRUNERS
-from ._budget import in_llm_keep, vision_tokens_per_image
+from ._budget import budget_fraction, in_llm_keep, vision_tokens_per_image
 from ._common import LayerMapping, keep_only, map_layers
 from .base import Pruner
 
 #: the release's M per family (max_num_trunction for LLaVA-1.5, retain_token_num_for_llava_next)
-RELEASE_TRUNCATION = {"llava": 128, "llava_next": 320}
+#: (Qwen2-VL / Qwen2.5-VL: their eval scripts' max_num_trunction; Qwen3-VL: no release, the same value)
+RELEASE_TRUNCATION = {"llava": 128, "llava_next": 320, "qwen2_vl": 128, "qwen2_5_vl": 128, "qwen3_vl": 128}
 
 
 def dart_select(
@@ -92,7 +110,8 @@ class DART(Pruner):
     """DART."""
 
     hook_points = frozenset({"llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # vision slots of the spliced sequence
+    # vision slots of the spliced sequence; M-RoPE: kept tokens keep their (t, h, w) ids
+    caps = Capabilities(families=ALL_FAMILIES)
 
     @dataclass(frozen=True)
     class Config:
@@ -116,6 +135,9 @@ class DART(Pruner):
         (layer, _), = map_layers([config.k], n_layers, config.layer_mapping)
         keep = in_llm_keep(tokens, vision_tokens_per_image(adapter), layer, n_layers, path)
         pivots = config.pivot_image + config.pivot_text
+        if budget_fraction(adapter):  # dynamic resolution: the same fraction of every image (module docstring)
+            n_ref = vision_tokens_per_image(adapter)
+            return {"truncation": None, "ratio": 1.0 - max(0, keep - config.pivot_image) / n_ref}
         per_pivot = max(0, round((keep - config.pivot_image) / pivots)) if pivots else 0
         return {"truncation": per_pivot * pivots}
 
@@ -153,8 +175,10 @@ class DART(Pruner):
             m = cfg.truncation
         elif cfg.ratio is not None:
             m = n * (1 - cfg.ratio)
-        else:
+        elif self.adapter.family in RELEASE_TRUNCATION:
             m = RELEASE_TRUNCATION[self.adapter.family]
+        else:  # OneVision: no release value; LLaVA-1.5's 128 of 576 as a fraction of each image (docstring)
+            m = n * RELEASE_TRUNCATION["llava"] / 576
         m = min(m, n - min(cfg.pivot_image, n))
         return int(m // pivots) if pivots else 0
 

@@ -28,7 +28,15 @@ prunes sample 0's single image, at a hard-coded offset of 35 system-prompt token
 argmax go to the lowest index (torch's documented rule; the release uses the same call).
 No-op: ``ratio`` 1 (or ``keep`` >= the tokens of an image) leaves the vision batch untouched.
 
-Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): ``keep`` = B (exact).
+Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): ``keep`` = B (exact) on
+LLaVA-1.5 / NeXT; a fraction of each image on OneVision and Qwen (below).
+Families: all six. LLaVA-OneVision: the candidates are an image's packed anyres-max tokens (base view,
+downscaled mosaic, newlines), as on LLaVA-NeXT. Qwen-VL families: the candidates are an image's merged
+tokens (the PatchMerger's output, the adapter's ``project``); kept tokens keep their grid cells' 3-D
+ids (pre-LLM rule of docs/methods.md), Qwen3-VL's deepstack rows follow them. The release has no code
+for either (LLaVA). Budget there: B is the budget of a reference image (N_ref = 576 on Qwen, the base
+view N0 on OneVision): ``ratio`` = B / N_ref, so every image keeps round(N_i B / N_ref) of its tokens
+(``budget_fraction``).
 """
 
 from __future__ import annotations
@@ -37,9 +45,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import PRUNERS
+from ._budget import budget_fraction, vision_tokens_per_image
 from ._grid import per_sample
 from .base import Pruner
 
@@ -90,14 +99,14 @@ class DivPrune(Pruner):
 
     hook_points = frozenset({"vision_features"})
     # the candidate set is the image's LLM-input tokens, whatever their layout (NeXT: tiles + newlines)
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}), edits_features=True)
+    caps = Capabilities(families=ALL_FAMILIES, edits_features=True)
 
     @dataclass(frozen=True)
     class Config:
         ratio: float = opt(0.098, lo=0.0, hi=1.0, doc="fraction of each image's tokens kept (release SUBSET_RATIO)")
         keep: int | None = opt(None, lo=0, doc="tokens kept per image (overrides ratio)")
 
-    budget_knobs = ("keep",)
+    budget_knobs = ("keep", "ratio")
 
     @classmethod
     def noop_params(cls, adapter):
@@ -105,7 +114,9 @@ class DivPrune(Pruner):
 
     @classmethod
     def budget_params(cls, tokens, adapter, config, path):
-        """keep = B."""
+        """keep = B; dynamic resolution / anyres-max: ratio = B / N_ref (module docstring)."""
+        if budget_fraction(adapter):
+            return {"keep": None, "ratio": min(1.0, tokens / vision_tokens_per_image(adapter))}
         return {"keep": tokens}
 
     @classmethod

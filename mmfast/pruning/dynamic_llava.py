@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError, ModelLoadError
 from ..registry import PRUNERS
@@ -106,6 +106,7 @@ class DynamicLLaVA(Pruner):
         decode_rule = params is not None and params.text_keep == "predictor"
         return Capabilities(
             families=frozenset({"llava", "llava_next", "llava_onevision"}),
+            unsupported=why_not((QWEN_FAMILIES, "its predictors are trained for a LLaVA LLM; no Qwen-VL weights")),
             kv_edit_decode=decode_rule and params.use_cache,
             decodes_without_cache=params is not None and not params.use_cache,
             decode_free_setting="text_keep: always and use_cache: true",

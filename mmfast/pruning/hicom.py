@@ -64,7 +64,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError
 from ..models.base import VisionBatch
@@ -87,7 +87,11 @@ class HICom(Pruner):
     """HICom."""
 
     hook_points = frozenset({"vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}), edits_features=True, needs_full_grid=True)
+    caps = Capabilities(families=frozenset({"llava"}), edits_features=True, needs_full_grid=True, unsupported=why_not(
+        (("llava_next", "llava_onevision"), "its global queries and CLIP guide are trained for LLaVA-1.5's one square "
+         "grid per image; these families pack tiles into an unpadded, newline-separated mosaic"),
+        (QWEN_FAMILIES, "its global queries and CLIP guide are trained for LLaVA-1.5 features; no Qwen-VL weights"),
+    ))
 
     @dataclass(frozen=True)
     class Config:

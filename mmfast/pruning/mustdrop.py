@@ -64,7 +64,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import cls_row
@@ -92,6 +92,14 @@ class _PrefillData:
 PRESETS: dict[str, tuple[float, float]] = {"192": (0.001, 0.001), "128": (0.0012, 0.001), "64": (0.011, 0.01)}
 
 
+UNSUPPORTED = why_not(
+    (("llava_next", "llava_onevision"), "its window merge needs one square patch grid per image in the tower; these "
+     "families unpad and re-pack tiles after the projector (OneVision's SigLIP has no CLS for its key set either)"),
+    (QWEN_FAMILIES, "its key set needs CLS attention and its window merge a fixed square grid in CLIP layer 0; "
+     "Qwen-VL towers have neither"),
+)
+
+
 @PRUNERS.register("mustdrop", description="MustDrop: window merge + key set in CLIP, dual-attention drop in prefill, KV policy")
 class MustDrop(Pruner):
     """MustDrop."""
@@ -102,6 +110,7 @@ class MustDrop(Pruner):
     def capabilities(cls, params) -> Capabilities:
         return Capabilities(
             families=frozenset({"llava"}), needs_cls=True, merges_in_tower=True, needs_full_grid=True,
+            unsupported=UNSUPPORTED,
             kv_edit_prefill=params is None or params.kv_policy, tower_per_image=True,
         )
 

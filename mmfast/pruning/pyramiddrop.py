@@ -28,7 +28,7 @@ so FLOPs project onto the paper's depth (as FastV).
 Hook points: ``runner.prune_at(l_s, compact=True)``; the scoring reads the layer's own modules (no
 eager attention, no probe hook: the attention row is computed before the layer runs, on the tokens
 the layer would have seen, then the layer runs on the survivors).
-Capabilities: llava and llava_next. On LLaVA-NeXT every token of an image's packed span is ranked,
+Capabilities: all six families. On LLaVA-NeXT every token of an image's packed span is ranked,
 the ``image_newline`` tokens included (the release counts the whole packed feature as image tokens).
 
 Deviations from the release: (1) decisions are per sample and per image with left padding (the
@@ -37,6 +37,17 @@ each ranked on its own), so results never depend on the batch; (2) the attention
 fp32 (the release casts the softmax back to fp16 before the head mean); (3) top-k ties break toward
 the earlier token; (4) stage layers that map onto one layer of a shallow LLM are refused
 (``layers``), rather than silently merged.
+Families: llava, llava_next, llava_onevision. OneVision (Qwen2 LLM, 1-D RoPE): every slot of an
+image's packed span (base view, mosaic, newlines) is ranked, as on LLaVA-NeXT, and each image keeps
+int(N_i r_s) of its own N_i tokens, so lambda is already a fraction of each image: a budget B is
+fitted at the base view's N0 (``vision_tokens_per_image``) and the same lambda applies to every image
+(the anyres-max rule of docs/methods.md, up to the int() rounding). Not in the release (LLaVA only).
+Qwen-VL families (not in the release, which is LLaVA-only): the ranking recomputes the stage layer's
+attention row with the layer's own RoPE on the group's 3-D ids (``lm_position_ids``; Qwen3-VL: its
+q/k norms first); the survivors are renumbered with ``compact`` under M-RoPE
+(``mrope.compact_positions``: text consecutive, each image's kept tokens keep their offsets from the
+kept minimum of each axis); lambda is a fraction of every image (each keeps int(N_i r_s)), a budget is
+fitted at N_ref = 576.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks.attention import row_attention
@@ -71,16 +82,22 @@ def layer_average(n: int, starts: list[int], ratios: list[float], n_layers: int)
 
 def last_token_attention(layer_module, rotary, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[B, T] head-mean attention of the last slot to every slot, as ``layer_module`` would compute it
-    on ``hidden`` ([B, T, d]) with RoPE ``positions`` ([B, T]) and valid keys ``valid`` ([B, T] bool)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    on ``hidden`` ([B, T, d]) with the LM's RoPE ``positions`` ([B, T]; M-RoPE: [3, B, T], the adapter's
+    ``lm_position_ids``) and valid keys ``valid`` ([B, T] bool). Per-head q/k norms (Qwen3) are applied
+    where the layer has them, and RoPE is the layer's own module's ``apply_rotary_pos_emb``."""
+    import sys
 
     attn = layer_module.self_attn
+    apply_rotary_pos_emb = sys.modules[type(attn).__module__].apply_rotary_pos_emb
     h = layer_module.input_layernorm(hidden)  # [B, T, d]
     bsz, t, _ = h.shape
     hd = attn.head_dim
-    q = attn.q_proj(h[:, -1:]).view(bsz, 1, -1, hd).transpose(1, 2)  # [B, H, 1, D]
-    k = attn.k_proj(h).view(bsz, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
-    cos, sin = rotary(h, position_ids=positions)  # [B, T, D]
+    q = attn.q_proj(h[:, -1:]).view(bsz, 1, -1, hd)  # [B, 1, H, D]
+    k = attn.k_proj(h).view(bsz, t, -1, hd)  # [B, T, Hkv, D]
+    if hasattr(attn, "q_norm"):  # Qwen3-style per-head norms before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, 1, D], [B, Hkv, T, D]
+    cos, sin = rotary(h, position_ids=positions)  # [B, T, D] (M-RoPE: sections merged by the rotary module)
     q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
     k, _ = apply_rotary_pos_emb(k, k, cos, sin)
     rows = torch.zeros(1, dtype=torch.long, device=h.device)
@@ -93,7 +110,8 @@ class PyramidDrop(Pruner):
     """PyramidDrop."""
 
     hook_points = frozenset({"llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # acts on the spliced sequence
+    # acts on the spliced sequence; the scoring recomputes the layer's RoPE (M-RoPE: the adapter's 3-D ids)
+    caps = Capabilities(families=ALL_FAMILIES)
 
     @dataclass(frozen=True)
     class Config:
@@ -158,8 +176,8 @@ class PyramidDrop(Pruner):
     def _make_select(self, stage: int, layer: int):
         def select(view) -> torch.Tensor:
             state = view.state
-            scores = last_token_attention(self.adapter.layers[layer], self.adapter.language_model.rotary_emb,
-                                          view.hidden, view.group.positions, view.group.key_mask)  # [B, T]
+            scores = last_token_attention(self.adapter.layers[layer], self.adapter.language_model.rotary_emb, view.hidden,
+                                          self.adapter.lm_position_ids(view.group.positions), view.group.key_mask)  # [B, T]
             src = view.group.source
             image = state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
             image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import per_sample, select_rows
@@ -46,7 +46,10 @@ class RandomDrop(Pruner):
     """Random token drop (baseline)."""
 
     hook_points = frozenset({"vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}) | QWEN_FAMILIES, edits_features=True)
+    caps = Capabilities(families=frozenset({"llava"}) | QWEN_FAMILIES, edits_features=True, unsupported=why_not(
+        (("llava_next", "llava_onevision"), "edits pre-projector features, which these families re-pack (unpad / "
+         "downscale / newlines) after the projector: the edit would not reach the LLM"),
+    ))
 
     @dataclass(frozen=True)
     class Config:

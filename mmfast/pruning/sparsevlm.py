@@ -36,7 +36,7 @@ report both (``per_sample_layer_avg_nominal``: the release's way). ``budget: {to
 ``keep``: the preset whose nominal average is nearest B gives the shape, scaled so the real layer
 average (simulated exactly: the counts do not depend on the image) is nearest B.
 
-Capabilities: llava and llava_next (on LLaVA-NeXT every token of an image's packed span, the
+Capabilities: all six families (on LLaVA-NeXT every token of an image's packed span, the
 ``image_newline`` tokens included, is a vision token, as the release's span arithmetic would treat
 them; the release itself ships LLaVA-1.5 only).
 
@@ -49,6 +49,11 @@ relevance (one text token), every text token is a rater (the release would avera
 (5) A count k_s >= n keeps every token (no drop, nothing recycled: the no-op setting); the release's
 min(k_s, n - 1) would still drop the lowest token and re-insert it as its own one-token cluster. (6) The filter layers must map onto distinct layers with a layer after the last (``layers``; on a
 4-layer LLM give e.g. ``layers: [0, 1, 2]`` with ``layer_mapping: absolute``).
+Families: all six (the release: LLaVA-1.5 and, on its video branch, Video-LLaVA). LLaVA-OneVision and
+the Qwen-VL families (``budget_fraction``): the counts k_s (preset, given or from a budget, all for a
+reference image of N_ref tokens: OneVision's base view N0, 576 on Qwen) become round(k_s N_i / N_ref)
+for an image of N_i tokens, so every image keeps the same fraction. Under M-RoPE the survivors are
+renumbered with ``compact`` (``mrope.compact_positions``); a merged token takes its centre's 3-D ids.
 """
 
 from __future__ import annotations
@@ -59,12 +64,12 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
 from ..runtime import SlotEdit
-from ._budget import vision_tokens_per_image
+from ._budget import budget_fraction, vision_tokens_per_image
 from ._common import REFERENCE_LAYERS, LayerMapping
 from .base import Pruner
 
@@ -134,7 +139,7 @@ class SparseVLM(Pruner):
     """SparseVLM."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}))  # acts on the spliced sequence
+    caps = Capabilities(families=ALL_FAMILIES)  # acts on the spliced sequence; M-RoPE: compact 3-D renumbering
 
     @dataclass(frozen=True)
     class Config:
@@ -222,7 +227,9 @@ class SparseVLM(Pruner):
 
         self.filters = self.check_facts(self.config, ModelFacts.of_adapter(self.adapter))
         self.key = f"{self.name}@{id(self):x}"  # per-instance extras / probe names (a recipe may stack two)
-        self.keep_counts = self.keeps(self.config, vision_tokens_per_image(self.adapter))
+        self.n_ref = vision_tokens_per_image(self.adapter)
+        self.keep_counts = self.keeps(self.config, self.n_ref)
+        self.fraction = budget_fraction(self.adapter)  # counts scale with each image's own tokens
         for s, (layer, paper) in enumerate(self.filters):
             attn = self.adapter.layers[layer].self_attn
             self.ctx.probe.watch(f"{self.key}.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean")
@@ -288,7 +295,11 @@ class SparseVLM(Pruner):
                     cand = (image[b] == j).nonzero().squeeze(1)  # [n] slots of image j
                     if cand.numel() == 0:
                         continue
-                    k = min(self.keep_counts[stage], cand.numel())  # < n: the release's min(k, n - 1)
+                    k = self.keep_counts[stage]
+                    if self.fraction:  # dynamic resolution / anyres-max: k_s x N_i / N_ref of image j
+                        n_j = int(((state.inputs.image_index[b] == j) & state.inputs.image_mask[b]).sum())
+                        k = round(k * n_j / self.n_ref)
+                    k = min(k, cand.numel())  # < n: the release's min(k, n - 1)
                     ranked = cand[score[b, cand].float().argsort(descending=True, stable=True)]
                     kept, deleted = ranked[:k], ranked[k:]  # deleted: by descending score
                     keep[b, kept] = True

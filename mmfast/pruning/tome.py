@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach
@@ -150,7 +150,12 @@ class ToMe(Pruner):
     """ToMe."""
 
     hook_points = frozenset({"vision_tower"})
-    caps = Capabilities(families=frozenset({"llava"}), merges_in_tower=True, needs_full_grid=True)
+    caps = Capabilities(families=frozenset({"llava"}), merges_in_tower=True, needs_full_grid=True, unsupported=why_not(
+        (("llava_next", "llava_onevision"), "merges inside the tower over one square patch grid per image; these "
+         "families unpad and re-pack each image's tiles after the projector"),
+        (QWEN_FAMILIES, "merges patches inside a CLIP tower; Qwen-VL towers attend per image / per window with 2-D "
+         "rotary patch positions and their PatchMerger needs every 2x2 unit intact"),
+    ))
 
     @dataclass(frozen=True)
     class Config:

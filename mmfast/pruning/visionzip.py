@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach, cls_row
@@ -80,7 +80,14 @@ class VisionZip(Pruner):
     """VisionZip."""
 
     hook_points = frozenset({"attention_probe", "vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}), needs_cls=True, edits_features=True, needs_full_grid=True)
+    caps = Capabilities(families=frozenset({"llava"}), needs_cls=True, edits_features=True, needs_full_grid=True, unsupported=why_not(
+        ("llava_next", "selects on one square patch grid per image before the projector; LLaVA-NeXT re-packs tiles "
+         "(unpad, newlines) after it"),
+        ("llava_onevision", "needs the tower's CLS attention (SigLIP has none), and a feature edit would have to be "
+         "re-packed through unpad / downscale / newlines"),
+        (QWEN_FAMILIES, "needs the tower's CLS attention, which Qwen-VL towers lack; the official Qwen2.5-VL variant is "
+         "not in the readable repository snapshot, so its CLS substitute is not implemented from memory"),
+    ))
 
     @dataclass(frozen=True)
     class Config:

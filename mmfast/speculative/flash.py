@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import DRAFTERS
 from ._eagle import EagleDrafter, select_tree
@@ -65,6 +66,7 @@ class Flash(EagleDrafter):
     """FLASH: semi-autoregressive drafts with latent visual compression."""
 
     kind = "flash"
+    caps = Capabilities(unsupported=why_not((QWEN_FAMILIES, "its draft head is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden states); no Qwen-VL draft weights")))
 
     @dataclass(frozen=True)
     class Config:

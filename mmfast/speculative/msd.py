@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import DRAFTERS
 from ._eagle import EagleDrafter
@@ -61,6 +62,7 @@ class MSD(EagleDrafter):
     """MSD: EAGLE-2 dynamic-tree drafts with decoupled visual inputs."""
 
     kind = "msd"
+    caps = Capabilities(unsupported=why_not((QWEN_FAMILIES, "its draft is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden states); no Qwen-VL draft weights")))
 
     @dataclass(frozen=True)
     class Config:
