@@ -79,10 +79,11 @@ def test_shaped_prefill_bench_runs_on_a_qwen_slice():
     recipe = load_recipe(data)
     speed = _shaped_speed(recipe, variants(recipe), torch.device("cpu"))
     rows = {r["variant"]: r for r in speed["rows"]}
-    assert {"baseline", "random-64", "fastv-ratio0.5"} <= set(rows)
+    assert {"baseline", "random-64", "fastv-192", "divprune-64", "dart-64at28L", "sparsevlm-preset64"} <= set(rows)
     n = rows["baseline"]["vision_tokens"]
     assert rows["random-64"]["vision_tokens"] == round(64 / 576 * n)  # the budget as a fraction of the image
-    assert rows["random-64"]["flops_ratio"] < 1 and rows["fastv-ratio0.5"]["layer_avg_tokens"] < n
+    assert rows["random-64"]["flops_ratio"] < 1 and rows["fastv-192"]["layer_avg_tokens"] < n
+    assert rows["divprune-64"]["vision_tokens"] == rows["random-64"]["vision_tokens"]  # the same fraction rule
 
 
 def test_lmms_plugin_runs_a_qwen_recipe(images, tmp_path, monkeypatch):
