@@ -69,6 +69,17 @@ def budget_tokens(budget: Budget, adapter: VLMAdapter, path: str) -> int:
         raise ConfigError(f"{path}.flops", str(exc)) from None
 
 
+def in_llm_keep_at(tokens: int, adapter: VLMAdapter, k: float, layer_mapping: str, path: str) -> tuple[int, int]:
+    """(keep, N_ref) for a method pruning at its layer ``k`` (mapped onto this LLM's depth): the vision
+    tokens kept per reference-sized image after that layer so the layer average is ``tokens``."""
+    from ._common import map_layers
+
+    n_layers = len(adapter.layers)
+    (layer, _), = map_layers([k], n_layers, layer_mapping)
+    n_ref = vision_tokens_per_image(adapter)
+    return in_llm_keep(tokens, n_ref, layer, n_layers, path), n_ref
+
+
 def in_llm_keep(tokens: int, n_vision: int, layer: int, n_layers: int, path: str) -> int:
     """Kept vision tokens per image after ``layer`` so the layer average is ``tokens``.
 

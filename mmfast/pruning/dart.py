@@ -71,7 +71,7 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..hooks import attach
 from ..registry import PRUNERS
-from ._budget import budget_fraction, in_llm_keep, vision_tokens_per_image
+from ._budget import budget_fraction, in_llm_keep_at
 from ._common import LayerMapping, keep_only, map_layers
 from .base import Pruner
 
@@ -131,12 +131,9 @@ class DART(Pruner):
     @classmethod
     def budget_params(cls, tokens, adapter, config, path):
         """truncation = t (pivot_image + pivot_text), t from keep (module docstring)."""
-        n_layers = len(adapter.layers)
-        (layer, _), = map_layers([config.k], n_layers, config.layer_mapping)
-        keep = in_llm_keep(tokens, vision_tokens_per_image(adapter), layer, n_layers, path)
+        keep, n_ref = in_llm_keep_at(tokens, adapter, config.k, config.layer_mapping, path)
         pivots = config.pivot_image + config.pivot_text
         if budget_fraction(adapter):  # dynamic resolution: the same fraction of every image (module docstring)
-            n_ref = vision_tokens_per_image(adapter)
             return {"truncation": None, "ratio": 1.0 - max(0, keep - config.pivot_image) / n_ref}
         per_pivot = max(0, round((keep - config.pivot_image) / pivots)) if pivots else 0
         return {"truncation": per_pivot * pivots}

@@ -37,7 +37,7 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..hooks import last_row
 from ..registry import PRUNERS
-from ._budget import budget_fraction, in_llm_keep, vision_tokens_per_image
+from ._budget import budget_fraction, in_llm_keep_at
 from ._common import LayerMapping, keep_only, map_layers, topk_keep
 from .base import Pruner
 
@@ -65,10 +65,7 @@ class FastV(Pruner):
     @classmethod
     def budget_params(cls, tokens, adapter, config, path):
         """keep = round((L * B - K * N) / (L - K)) (module docstring)."""
-        n_layers = len(adapter.layers)
-        (layer, _), = map_layers([config.k], n_layers, config.layer_mapping)
-        n_ref = vision_tokens_per_image(adapter)
-        keep = in_llm_keep(tokens, n_ref, layer, n_layers, path)
+        keep, n_ref = in_llm_keep_at(tokens, adapter, config.k, config.layer_mapping, path)
         if budget_fraction(adapter):
             # dynamic resolution (Qwen-VL) or anyres-max (OneVision): B is the budget of a reference-sized
             # image (576 tokens / OneVision's base view N0); every image keeps the same fraction
