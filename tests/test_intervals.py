@@ -168,3 +168,43 @@ def test_run_intervals_of_a_run_without_them(tmp_path):
     (run / "summary.json").write_text(json.dumps(summary))
     iv = run_intervals(run)
     assert iv.pope is None and "differs" in iv.notes[0]
+
+
+def test_paired_mean_f1_difference_against_direct_computation():
+    """The point estimate is the difference of the two mean F1s; identical systems give exactly 0;
+    two systems that differ on a handful of questions get a narrow paired interval even though their
+    separate intervals overlap almost entirely; each replicate scores both systems on one draw."""
+    from mmfast.eval.intervals import _f1_from_counts, paired_mean_f1_difference
+
+    rng = np.random.default_rng(3)
+    a = {s: pope_cells(_pope_records(rng, 200, 0.85), "pope") for s in ("random", "popular")}
+    same = paired_mean_f1_difference(a, a)
+    assert (same.estimate, same.lo, same.hi) == (0.0, 0.0, 0.0) and same.n == 400
+    # b: a with 6 correct answers per split turned wrong
+    b = {}
+    for s, cells in a.items():
+        cells = list(cells)
+        flipped = 0
+        for j, c in enumerate(cells):
+            if c in ("tp", "tn") and flipped < 6:
+                cells[j] = "fn" if c == "tp" else "fp"
+                flipped += 1
+        b[s] = cells
+    d = paired_mean_f1_difference(a, b)
+    assert math.isclose(d.estimate, pope_intervals(a).mean_f1.estimate - pope_intervals(b).mean_f1.estimate, abs_tol=1e-12)
+    assert 0 < d.lo <= d.estimate <= d.hi
+    sep_a, sep_b = pope_intervals(a).mean_f1, pope_intervals(b).mean_f1
+    assert sep_b.hi > sep_a.lo  # unpaired: the intervals overlap; paired: the difference is clear
+    # direct re-computation of the paired bootstrap (one index draw per split, both systems on it)
+    codes = {"tp": 0, "fp": 1, "tn": 2, "fn": 3, "unscored": 4}
+    gen = np.random.default_rng(0)
+    reps = []
+    for s in sorted(a):
+        ca, cb = (np.array([codes[c] for c in x[s]]) for x in (a, b))
+        idx = gen.integers(0, len(ca), size=(1000, len(ca)))
+        f = [_f1_from_counts(*(((c[idx]) == k).sum(axis=1) for k in (0, 1, 3))) for c in (ca, cb)]
+        reps.append(f[0] - f[1])
+    lo, hi = np.percentile(np.mean(reps, axis=0), [2.5, 97.5])
+    assert math.isclose(d.lo, lo, abs_tol=1e-12) and math.isclose(d.hi, hi, abs_tol=1e-12)
+    with pytest.raises(ValueError, match="same"):
+        paired_mean_f1_difference(a, {"random": a["random"]})

@@ -172,3 +172,51 @@ def test_rerender_bench_dir_adds_intervals_without_running(tmp_path):
     after.pop("kind")
     assert after == before  # nothing else changes
     assert {"chair_i.png", "cost_per_token.png", "chair_i_vs_recall.png"} <= {p.name for p in bench.glob("*.png")}
+
+
+def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins(tmp_path):
+    """leaders.md's rows: per budget the best POPE mean F1 among the variants at that budget (layer
+    average within 5%), its margin over VisionZip and random as a paired interval; a variant off its
+    budget by more than 5% is left out, and the note says so."""
+    import numpy as np
+
+    from mmfast.bench.render import budget_leaders
+    from mmfast.eval.intervals import paired_mean_f1_difference, paired_pope_cells, pope_cells, pope_intervals, read_records
+
+    rng = np.random.default_rng(0)
+    labels = ["yes" if i % 2 == 0 else "no" for i in range(120)]
+    results = {}
+
+    def variant(name, method, budget, avg, p_right):
+        cells, recs = {}, []
+        for s in ("random", "popular"):
+            for i, lab in enumerate(labels):
+                right = rng.random() < p_right
+                ans = "Yes" if (lab == "yes") == right else "No"
+                recs.append({"doc_id": f"pope_{s}/{i}", "task": f"pope_{s}", "target": lab, "resps": [[ans]]})
+        run = tmp_path / "variants" / name
+        run.mkdir(parents=True)
+        (run / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+        for s in ("random", "popular"):
+            cells[s] = pope_cells([r for r in recs if r["task"] == f"pope_{s}"], "pope")
+        iv = pope_intervals(cells)
+        results[name] = {"metrics": {"pope": {"mean_f1": iv.mean_f1.estimate}},
+                         "intervals": {"pope": {"mean_f1_ci95": iv.mean_f1.as_list()}},
+                         "accounting": {"vision_tokens_layer_avg": avg},
+                         "pruning": [{"method": method, "params": {}, "budget": {"tokens": budget}}] if method else []}
+        return recs
+
+    variant("baseline", None, None, 576.0, 0.95)
+    c_div = variant("divprune-64", "divprune", 64, 64.0, 0.9)
+    c_vz = variant("visionzip-64", "visionzip", 64, 64.0, 0.8)
+    c_rnd = variant("random-64", "random", 64, 64.0, 0.7)
+    variant("mustdrop-64", "mustdrop", 64, 70.0, 0.99)  # 9% over its budget: not compared
+    header, rows, notes = budget_leaders(tmp_path, {"results": results})
+    assert len(rows) == 1 and rows[0][0] == 64 and rows[0][1] == "divprune-64"
+    assert rows[0][3].startswith("visionzip-64")
+    want = paired_mean_f1_difference(*paired_pope_cells(c_div, c_vz, "pope"))
+    assert rows[0][header.index("margin over visionzip [paired 95% CI]")] == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
+    want = paired_mean_f1_difference(*paired_pope_cells(c_div, c_rnd, "pope"))
+    assert read_records(tmp_path / "variants" / "divprune-64")
+    assert rows[0][header.index("margin over random [paired 95% CI]")] == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
+    assert any("mustdrop-64 left out of budget 64" in n for n in notes)

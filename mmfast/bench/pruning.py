@@ -203,9 +203,17 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
     if modes:
         notes.append("hicom global branch: " + modes + " (coarse: the paper's FiLM-modulated learned queries; "
                      "direct: the release's, queries = the projected instruction; see docs/methods.md).")
-    from .render import pruning_plots, write_results
+    from .render import budget_leaders, has_budgets, pruning_plots, with_slice_speedup, write_results
 
+    with_slice_speedup(result)
+    if result.get("shaped_speed"):
+        notes.append(f"prefill x 7B slice: LLM prefill speedup on {result['shaped_speed']['shape']} (random weights, the same schedule; "
+                     "speed_shaped.md); empty where the slice skipped the variant.")
+    if has_budgets(result):
+        notes.append("Per budget, the best variant and its margins over VisionZip and random drop: leaders.md.")
     intervals = write_results(result, out, "pruning", "Vision-token pruning on the embedded world", command, notes)
+    if has_budgets(result):
+        write_markdown(out / "leaders.md", "Best pruning method per token budget", command, *budget_leaders(out, result), model=result.get("model"))
     speed = result.get("shaped_speed")
     if speed:
         rows = [

@@ -127,6 +127,97 @@ def write_results(result: dict[str, Any], out: Path, kind: str, title: str, comm
     return intervals
 
 
+SLICE_COLUMN = "prefill x 7B slice"
+
+
+def with_slice_speedup(result: dict[str, Any]) -> None:
+    """Put each variant's LLM prefill speedup on the real-shape slice (``shaped_speed``) into the main
+    table, after ``prefill x``; empty for variants the slice skipped. Idempotent."""
+    speed = result.get("shaped_speed")
+    header = result["header"]
+    if not speed or SLICE_COLUMN in header or "prefill x" not in header:
+        return
+    by_name = {r["variant"]: r["speedup"] for r in speed["rows"]}
+    at = header.index("prefill x") + 1
+    header.insert(at, SLICE_COLUMN)
+    for row in result["rows"]:
+        row.insert(at, by_name.get(row[0]))
+
+
+BUDGET_TOLERANCE = 0.05
+"""A variant is compared at budget B when its layer-averaged vision tokens are within 5% of B."""
+
+
+def _stage_budget(r: dict[str, Any]) -> tuple[str, int] | None:
+    """(method, budget tokens) of a variant's budgeted pruning stage, from its recorded stages."""
+    for st in r.get("pruning") or []:
+        tokens = (st.get("budget") or {}).get("tokens")
+        if tokens is not None:
+            return str(st["method"]), int(tokens)
+    return None
+
+
+def has_budgets(result: dict[str, Any]) -> bool:
+    """Whether any variant ran a budgeted pruning stage (recorded in ``results.<variant>.pruning``)."""
+    return any(_stage_budget(r) for r in result["results"].values())
+
+
+def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...] = ("visionzip", "random")) -> tuple[list[str], list[list[Any]], list[str]]:
+    """Per token budget: the variant with the best POPE mean F1 among those at that budget (declared
+    ``budget.tokens`` B, layer-averaged tokens within 5% of B), and its margin over each reference
+    method at the same budget as a paired-bootstrap 95% interval on the same questions
+    (:func:`mmfast.eval.intervals.paired_mean_f1_difference`)."""
+    from ..eval.intervals import paired_mean_f1_difference, paired_pope_cells, read_records
+
+    res = result["results"]
+    at: dict[int, list[tuple[str, str]]] = {}
+    notes: list[str] = []
+    for name, r in res.items():
+        sb = _stage_budget(r)
+        if sb is None or not (r.get("metrics") or {}).get("pope"):
+            continue
+        method, b = sb
+        avg = r["accounting"]["vision_tokens_layer_avg"]
+        if abs(avg - b) > BUDGET_TOLERANCE * b:
+            notes.append(f"{name} left out of budget {b}: {avg:.1f} layer-averaged tokens is more than 5% away")
+            continue
+        at.setdefault(b, []).append((name, method))
+    records: dict[str, list[dict[str, Any]]] = {}
+
+    def recs(name: str) -> list[dict[str, Any]]:
+        if name not in records:
+            records[name] = read_records(out / "variants" / name)
+        return records[name]
+
+    def margin(a: str, b: str) -> str:
+        cells_a, cells_b = paired_pope_cells(recs(a), recs(b), "pope")
+        if not cells_a:
+            return "no paired records"
+        d = paired_mean_f1_difference(cells_a, cells_b)
+        return f"{d.estimate:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}]"
+
+    header = ["budget", "best (POPE mean F1)", "mean F1 [95% CI]", "runner-up"] + [f"margin over {m} [paired 95% CI]" for m in references]
+    rows = []
+    for b in sorted(at, reverse=True):
+        ranked = sorted(at[b], key=lambda nm: -res[nm[0]]["metrics"]["pope"]["mean_f1"])
+        best = ranked[0][0]
+        pope = res[best]["metrics"]["pope"]
+        ci = ((res[best].get("intervals") or {}).get("pope") or {}).get("mean_f1_ci95")
+        runner = f"{ranked[1][0]} ({res[ranked[1][0]]['metrics']['pope']['mean_f1']:.3f})" if len(ranked) > 1 else ""
+        row = [b, best, f"{pope['mean_f1']:.3f} {fmt_ci(ci)}".strip(), runner]
+        for ref in references:
+            ref_names = [n for n, m in at[b] if m == ref]
+            row.append("" if not ref_names else ("(is the best)" if ref_names[0] == best else margin(best, ref_names[0])))
+        rows.append(row)
+    notes = [
+        "Compared at each budget: variants whose budgeted stage declares budget.tokens = B and whose "
+        "layer-averaged vision tokens are within 5% of B.",
+        "margin: the best variant's POPE mean F1 minus the reference's on the same questions; 95% CI by a paired "
+        "percentile bootstrap (1000 resamples, seed 0; questions resampled within each split, the same draw for both).",
+    ] + notes
+    return header, rows, notes
+
+
 def _ci(iv: RunIntervals | None, task: str, key: str) -> tuple[float, float] | None:
     part = getattr(iv, task, None) if iv else None
     ci = part.get(f"{key}_ci95") if part else None

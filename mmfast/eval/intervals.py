@@ -189,6 +189,53 @@ def pope_intervals(cells_by_split: Mapping[str, Sequence[str]], *, resamples: in
     return PopeIntervals(splits, mean_f1, mean_acc)
 
 
+def paired_mean_f1_difference(a_by_split: Mapping[str, Sequence[str]], b_by_split: Mapping[str, Sequence[str]], *,
+                              resamples: int = RESAMPLES, seed: int = SEED) -> Interval:
+    """POPE mean F1 of ``a`` minus that of ``b`` on the same questions, with a paired bootstrap interval.
+
+    ``a_by_split[s][j]`` and ``b_by_split[s][j]`` are the confusion cells of the same question ``j``
+    of split ``s`` under two systems. Replicate ``b`` draws one set of question indices per split and
+    scores both systems on it (splits in sorted order), so the interval is that of the difference (two systems answering the
+    same questions are correlated: their separate intervals overlap even when one is reliably better).
+    """
+    if set(a_by_split) != set(b_by_split) or not a_by_split:
+        raise ValueError(f"paired POPE needs the same splits, got {sorted(a_by_split)} and {sorted(b_by_split)}")
+    rng = _rng(seed)
+    diff_reps, diff_points, total = [], [], 0
+    for name in sorted(a_by_split):  # one draw order whatever order the splits come in
+        a, b = _cell_codes(a_by_split[name]), _cell_codes(b_by_split[name])
+        if len(a) != len(b) or len(a) == 0:
+            raise ValueError(f"POPE split {name!r}: {len(a)} and {len(b)} questions; a paired difference needs the same non-empty set")
+        n = len(a)
+        idx = rng.integers(0, n, size=(resamples, n))  # [R, n]: the same questions for both systems
+        reps = []
+        for codes in (a, b):
+            picked = codes[idx]
+            counts = np.stack([(picked == i).sum(axis=1) for i in range(len(POPE_CELLS))], axis=1)  # [R, 5]
+            reps.append(_f1_from_counts(counts[:, 0], counts[:, 1], counts[:, 3]))
+        diff_reps.append(reps[0] - reps[1])
+        points = [_counts(c) for c in (a, b)]
+        diff_points.append(float(_f1_from_counts(*(np.array(points[0][i]) for i in (0, 1, 3))))
+                           - float(_f1_from_counts(*(np.array(points[1][i]) for i in (0, 1, 3)))))
+        total += n
+    return Interval(math.fsum(diff_points) / len(diff_points), *_percentile(np.mean(diff_reps, axis=0)), total, "bootstrap")
+
+
+def paired_pope_cells(a: Iterable[Mapping[str, Any]], b: Iterable[Mapping[str, Any]], mode: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Both runs' POPE cells by split (``task`` ``pope_<split>``), on the questions both answered, in
+    one order (by ``doc_id``): the input of :func:`paired_mean_f1_difference`."""
+    by_a = {r["doc_id"]: r for r in a if str(r.get("task", "")).startswith("pope_")}
+    by_b = {r["doc_id"]: r for r in b if str(r.get("task", "")).startswith("pope_")}
+    common = sorted(set(by_a) & set(by_b))
+    out_a: dict[str, list[str]] = {}
+    out_b: dict[str, list[str]] = {}
+    for doc in common:
+        split = by_a[doc]["task"][len("pope_"):]
+        out_a.setdefault(split, []).extend(pope_cells([by_a[doc]], mode))
+        out_b.setdefault(split, []).extend(pope_cells([by_b[doc]], mode))
+    return out_a, out_b
+
+
 @dataclass(frozen=True)
 class CaptionCounts:
     """What one caption contributes to CHAIR: object mentions, hallucinated mentions, ground-truth
