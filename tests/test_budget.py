@@ -209,3 +209,17 @@ def test_calibration_is_reused_for_the_same_stages_and_model(tiny_mm, monkeypatc
     with Session(tiny_mm, recipe):
         pass
     assert calls == [8, 8]
+
+
+def test_stacked_bench_recipe_expands_and_every_row_is_one_the_composition_core_accepts():
+    """The stacked bench: DivPrune at 64 with OPERA and, in another row, with the FLASH draft; OPERA
+    and the draft in one recipe are refused (beam search is not what draft verification reproduces)."""
+    from mmfast.bench.common import variants
+    from mmfast.config import load_recipe
+
+    vs = {v.name: v.recipe for v in variants(load_recipe("bench/stacked"))}
+    assert set(vs) == {"baseline", "divprune-64", "opera", "flash", "divprune-64+opera", "divprune-64+flash"}
+    both = vs["divprune-64+opera"]
+    assert [st.method for st in both.pruning] == ["divprune"] and both.decoding.method == "opera" and both.speculative is None
+    assert vs["divprune-64+flash"].speculative.method == "flash" and vs["divprune-64+flash"].decoding.method == "greedy"
+    assert load_recipe("bench/stacked").eval.tasks[0] == "chair"  # the timing passes time caption generation

@@ -157,12 +157,16 @@ def _stage_budget(r: dict[str, Any]) -> tuple[str, int] | None:
     return None
 
 
-def has_budgets(result: dict[str, Any]) -> bool:
-    """Whether any variant ran a budgeted pruning stage (recorded in ``results.<variant>.pruning``)."""
-    return any(_stage_budget(r) for r in result["results"].values())
+LEADER_REFERENCES = ("visionzip", "random")
 
 
-def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...] = ("visionzip", "random")) -> tuple[list[str], list[list[Any]], list[str]]:
+def has_budgets(result: dict[str, Any], references: tuple[str, ...] = LEADER_REFERENCES) -> bool:
+    """Whether a reference method ran at some budget (budgeted stages are recorded in
+    ``results.<variant>.pruning``): the condition for a leaders table."""
+    return any((sb := _stage_budget(r)) is not None and sb[0] in references for r in result["results"].values())
+
+
+def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...] = LEADER_REFERENCES) -> tuple[list[str], list[list[Any]], list[str]]:
     """Per token budget: the variant with the best POPE mean F1 among those at that budget (declared
     ``budget.tokens`` B, layer-averaged tokens within 5% of B), and its margin over each reference
     method at the same budget as a paired-bootstrap 95% interval on the same questions
