@@ -10,6 +10,7 @@ every WordNet lemma name, exception form and one-rule inflection, in the four PO
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -162,8 +163,10 @@ def test_fixture_results_identical(routes: tuple[ChairResources, ChairResources]
 
 def _sample_texts() -> list[str]:
     texts: set[str] = set()
-    for path in sorted((REPO / "benchmarks").rglob("samples.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
+    paths = sorted([*(REPO / "benchmarks").rglob("samples.jsonl"), *(REPO / "benchmarks").rglob("samples.jsonl.gz")])
+    for path in paths:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        for line in raw.decode("utf-8").splitlines():
             rec = json.loads(line)
             texts.update(r for resps in rec.get("resps", []) for r in resps if isinstance(r, str))
             if isinstance(rec.get("prompt"), str):
@@ -174,7 +177,7 @@ def _sample_texts() -> list[str]:
 def test_committed_samples_identical(parsers: tuple[CaptionParser, CaptionParser]) -> None:
     texts = _sample_texts()
     if not texts:
-        pytest.skip("no benchmarks/**/samples.jsonl in this checkout")
+        pytest.skip("no benchmarks/**/samples.jsonl(.gz) in this checkout")
     with_mentions = compare_captions(parsers, texts)
     assert with_mentions > 1000  # not vacuous: the model's captions mention objects
 
