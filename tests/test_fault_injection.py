@@ -389,7 +389,7 @@ def test_doc_id_reaches_the_session(tiny_dir, tiny_mm, world, tmp_path, monkeypa
 # -- data-parallel lifecycle (real processes) --------------------------------------------------------
 
 
-def _dp_cmd(tiny_dir, world, tmp_path, out, limit: int = 24) -> tuple[list[str], dict]:
+def _dp_cmd(tiny_dir, world, tmp_path, out) -> tuple[list[str], dict]:
     cfg = tmp_path / "dp.yaml"
     cfg.write_text(json.dumps({
         "name": "dpfi", "model": {"name": str(tiny_dir), "device": "cpu"},
@@ -398,7 +398,7 @@ def _dp_cmd(tiny_dir, world, tmp_path, out, limit: int = 24) -> tuple[list[str],
         "output": {"dir": str(out)},
     }))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
-    return [sys.executable, "-m", "mmfast", "-q", "eval", str(cfg), "--num-processes", "2", "--limit", str(limit)], env
+    return [sys.executable, "-m", "mmfast", "-q", "eval", str(cfg), "--num-processes", "2", "--limit", "24"], env
 
 
 def _workers_of(pid: int) -> list[int]:
@@ -464,9 +464,7 @@ def test_data_parallel_interrupt_is_clean(sig, code, tiny_dir, world, tmp_path):
     """Ctrl-C / SIGTERM to the launcher: every worker stops, the temporary recipe and the lock are
     removed, the exit status is 128 + signal, and stderr is one line (no traceback)."""
     out = tmp_path / "dp"
-    # far more questions than the workers answer before the signal (it comes once both write), so a
-    # loaded machine cannot let the run finish first (with 24 it once did: exit 0)
-    cmd, env = _dp_cmd(tiny_dir, world, tmp_path, out, limit=300)
+    cmd, env = _dp_cmd(tiny_dir, world, tmp_path, out)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _wait_shards(out, proc)
     workers = _workers_of(proc.pid)
