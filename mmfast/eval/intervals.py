@@ -200,24 +200,21 @@ def paired_mean_f1_difference(a_by_split: Mapping[str, Sequence[str]], b_by_spli
     """
     if set(a_by_split) != set(b_by_split) or not a_by_split:
         raise ValueError(f"paired POPE needs the same splits, got {sorted(a_by_split)} and {sorted(b_by_split)}")
+
+    def f1_rows(picked: np.ndarray) -> np.ndarray:  # [R, n] cell codes -> [R] F1
+        counts = np.stack([(picked == i).sum(axis=1) for i in range(len(POPE_CELLS))], axis=1)  # [R, 5]
+        return _f1_from_counts(counts[:, 0], counts[:, 1], counts[:, 3])
+
     rng = _rng(seed)
     diff_reps, diff_points, total = [], [], 0
     for name in sorted(a_by_split):  # one draw order whatever order the splits come in
         a, b = _cell_codes(a_by_split[name]), _cell_codes(b_by_split[name])
         if len(a) != len(b) or len(a) == 0:
             raise ValueError(f"POPE split {name!r}: {len(a)} and {len(b)} questions; a paired difference needs the same non-empty set")
-        n = len(a)
-        idx = rng.integers(0, n, size=(resamples, n))  # [R, n]: the same questions for both systems
-        reps = []
-        for codes in (a, b):
-            picked = codes[idx]
-            counts = np.stack([(picked == i).sum(axis=1) for i in range(len(POPE_CELLS))], axis=1)  # [R, 5]
-            reps.append(_f1_from_counts(counts[:, 0], counts[:, 1], counts[:, 3]))
-        diff_reps.append(reps[0] - reps[1])
-        points = [_counts(c) for c in (a, b)]
-        diff_points.append(float(_f1_from_counts(*(np.array(points[0][i]) for i in (0, 1, 3))))
-                           - float(_f1_from_counts(*(np.array(points[1][i]) for i in (0, 1, 3)))))
-        total += n
+        idx = rng.integers(0, len(a), size=(resamples, len(a)))  # [R, n]: the same questions for both systems
+        diff_reps.append(f1_rows(a[idx]) - f1_rows(b[idx]))
+        diff_points.append(float(f1_rows(a[None])[0] - f1_rows(b[None])[0]))
+        total += len(a)
     return Interval(math.fsum(diff_points) / len(diff_points), *_percentile(np.mean(diff_reps, axis=0)), total, "bootstrap")
 
 
