@@ -223,3 +223,49 @@ def test_stacked_bench_recipe_expands_and_every_row_is_one_the_composition_core_
     assert [st.method for st in both.pruning] == ["divprune"] and both.decoding.method == "opera" and both.speculative is None
     assert vs["divprune-64+flash"].speculative.method == "flash" and vs["divprune-64+flash"].decoding.method == "greedy"
     assert load_recipe("bench/stacked").eval.tasks[0] == "chair"  # the timing passes time caption generation
+
+
+def test_calibration_spread_covers_distinct_images_in_task_shares():
+    """An evaluation asks several questions per image: the spread keeps each task's share of the
+    positions but takes a new image at each one where its stretch has one (the old every-k-th pick
+    took the same image several times and missed MustDrop's evaluation mean by 6-8%)."""
+    from types import SimpleNamespace as S
+
+    from mmfast.pruning._budget import CalibrationSet
+
+    # POPE's three splits ask about the same 10 images (6 questions each), then 20 captions
+    pope = [S(image=f"pope{i // 6 % 10}.png", prompt=f"q{i}") for i in range(180)]
+    chair = [S(image=f"chair{i}.png", prompt="describe") for i in range(20)]
+    cal = CalibrationSet.spread(pope + chair, n=20)  # step 10
+    assert len(cal.images) == 20
+    assert sum(im.startswith("pope") for im in cal.images) == 18  # 180 of 200 samples -> 18 of 20 positions
+    assert len({im for im in cal.images if im.startswith("pope")}) == 10  # every image, repeats only after
+    assert all(p in {s.prompt for s in pope + chair} for p in cal.prompts)
+    everykth = (pope + chair)[::10][:20]
+    assert len({s.image for s in everykth if s.image.startswith("pope")}) < 10
+
+
+def test_pruning_bench_times_every_method_on_a_random_shape():
+    """The bench's real-shape timing (here on the embedded model's shape with random weights: 576
+    patches, 4 LLM layers, the code path of ``llava-1.5-7b-slice``) runs methods with trained parts on
+    seeded stand-ins and calibrates threshold budgets on the timed sample, so each row runs at its budget."""
+    import torch
+
+    from mmfast.bench.common import variants
+    from mmfast.bench.pruning import _shaped_speed
+
+    names = ["hicom-64", "mustdrop-64", "zipvl-64", "dynamic_llava-rate0.111", "fastv-192", "pyramiddrop-192", "sparsevlm-192"]
+    data = load_recipe("configs/bench/pruning.yaml").to_dict()
+    data["bench"].update(shape="world", warmup=0, repeats=1)
+    data["bench"]["params"]["shaped_variants"] = names
+    recipe = load_recipe(data)
+    speed = _shaped_speed(recipe, variants(recipe), torch.device("cpu"))
+    assert speed["skipped"] == []
+    rows = {r["variant"]: r for r in speed["rows"]}
+    assert set(rows) == {"baseline", *names}
+    for name in ("mustdrop-64", "zipvl-64"):  # calibrated on the timed sample (2% tolerance)
+        assert abs(rows[name]["layer_avg_tokens"] - 64) <= 0.02 * 64, rows[name]
+    assert rows["hicom-64"]["vision_tokens"] == 62  # 30 local (a 5 x 6 grid) + 32 global queries
+    for name in ("fastv-192", "pyramiddrop-192", "sparsevlm-192"):
+        assert abs(rows[name]["layer_avg_tokens"] - 192) <= 0.05 * 192, rows[name]
+    assert rows["dynamic_llava-rate0.111"]["layer_avg_tokens"] < 576

@@ -161,11 +161,11 @@ def test_shaped_speed_skips_a_variant_the_slice_cannot_hold():
         "kind": "pruning", "shape": "tiny", "repeats": 1, "warmup": 0, "params": {"shaped_samples": 1},
         "compare": [
             {"name": "random-4", "pruning": [{"method": "random", "params": {"keep": 4}}]},
-            {"name": "hicom-4", "pruning": [{"method": "hicom", "params": {"local_tokens": 4}}]},  # no guide CLIP offline
+            {"name": "pdrop-deep", "pruning": [{"method": "pyramiddrop", "params": {"layers": [8, 16, 24]}}]},  # 2 layers
         ]}})
     out = _shaped_speed(recipe, variants(recipe), torch.device("cpu"))
     assert [r["variant"] for r in out["rows"]] == ["baseline", "random-4"]
-    assert [s["variant"] for s in out["skipped"]] == ["hicom-4"] and "clip_model" in out["skipped"][0]["reason"]
+    assert [s["variant"] for s in out["skipped"]] == ["pdrop-deep"] and "params.layers" in out["skipped"][0]["reason"]
 
 
 @pytest.mark.parametrize("override, path", [

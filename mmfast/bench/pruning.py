@@ -14,6 +14,7 @@ Two parts, one process:
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..errors import MMFastError
 from ..eval.runner import evaluation_calibration, run_eval
 from ..model import MMModel
 from ..pipeline import apply
+from ..pruning._budget import CalibrationSet
 from .common import Variant, dump, median_time, timing_samples_of, variants, write_markdown
 
 logger = logging.getLogger(__name__)
@@ -117,6 +119,9 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
     """LLM prefill speed on a LLaVA-1.5- or Qwen2.5-VL-shaped random model, same inputs for every variant.
 
     Variants a family refuses (IncompatibleRecipeError at apply) are listed as skipped with the reason.
+    Trained parts (HICom's guide and global branch, Dynamic-LLaVA's predictors) are swapped for seeded
+    random ones of the slice's sizes (``random_shape_params``), and calibrated budgets (MustDrop, ZipVL)
+    are calibrated on the timed inputs themselves, so each timed prefill runs at its budget.
 
     The measured time is the LLM prefill (``timings.prefill_s``: what the FLOPs ratio counts) and,
     separately, the vision tower + feature stages (``vision_s``); medians over ``bench.repeats``.
@@ -143,15 +148,21 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
     images = [Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)) for _ in range(n)]
     prompt = "Is there a dog in the image?\nAnswer the question using a single word or phrase."
     batches = [mm.prepare([im], [prompt]) for im in images]
+    timed = tempfile.TemporaryDirectory(prefix="mmfast-shaped-")
+    paths = []
+    for i, im in enumerate(images):
+        paths.append(str(Path(timed.name) / f"timed{i}.png"))
+        im.save(paths[-1])
+    calibration = CalibrationSet(tuple(paths), (prompt,) * n)
     wanted = set(cfg.params.get("shaped_variants", [v.name for v in vs]))
     out: dict[str, Any] = {"shape": cfg.shape, "rows": [], "skipped": []}
     base = None
     for v in vs:
-        if v.name != "baseline" and (v.name not in wanted or not all(_runs_on_random(s.method) for s in v.recipe.pruning)):
+        if v.name != "baseline" and v.name not in wanted:
             continue
         logger.info("bench phase: %s prefill timing of %s", cfg.shape, v.name)
         try:
-            session_cm = apply(mm, v.recipe)
+            session_cm = apply(mm, _untrained(v.recipe), calibration=calibration)
         except MMFastError as exc:  # e.g. a layer schedule the shallow slice cannot hold
             logger.warning("shaped speed: %s skipped: %s", v.name, exc)
             out["skipped"].append({"variant": v.name, "reason": str(exc)})
@@ -173,12 +184,22 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
         row["flops_ratio"] = flops / base["flops"]
         out["rows"].append(row)
     del model, mm
+    timed.cleanup()
     return out
 
 
-def _runs_on_random(method: str) -> bool:
-    """Methods whose weights exist only for the embedded model are skipped on the random shape."""
-    return method not in ("dynamic_llava",)
+def _untrained(recipe):
+    """``recipe`` with every pruning stage's trained parts swapped for seeded random ones
+    (``random_shape_params``): what a random-weight model shape can run."""
+    from ..config import load_recipe
+    from ..registry import PRUNERS
+
+    data = recipe.to_dict()
+    for stage in data["pruning"]:
+        stand_in = PRUNERS.get(stage["method"]).cls.random_shape_params()
+        if stand_in:
+            stage["params"] = {**(stage.get("params") or {}), **stand_in}
+    return load_recipe(data)
 
 
 def hicom_modes(result: dict[str, Any]) -> str:

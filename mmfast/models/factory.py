@@ -60,9 +60,10 @@ SHAPES: dict[str, LlavaShape] = {
     # LLaVA-1.5 geometry with small widths: the speed benchmarks of docs/ use these
     "llava-1.5-shaped-small": LlavaShape(336, 14, 384, 6, 6, 512, 8, 8, 8, 1376, 32064, 4096),
     "llava-1.5-shaped-medium": LlavaShape(336, 14, 512, 8, 8, 1024, 12, 16, 16, 2752, 32064, 4096),
-    # the real CLIP-L/336 tower and two decoder layers at LLaVA-1.5-7B's width: on a CPU, prefill
-    # behaves like the real model's (LLM-dominated), at 1/16 of its depth
-    "llava-1.5-7b-slice": LlavaShape(336, 14, 1024, 24, 16, 4096, 2, 32, 32, 11008, 32064, 4096),
+    # the real CLIP-L/336 tower and four decoder layers at LLaVA-1.5-7B's width: on a CPU, prefill
+    # behaves like the real model's (LLM-dominated), at 1/8 of its depth; four layers, as the embedded
+    # world model's LLM, so in-LLM methods (proportional layer mapping) run the same token schedule
+    "llava-1.5-7b-slice": LlavaShape(336, 14, 1024, 24, 16, 4096, 4, 32, 32, 11008, 32064, 4096),
     # the real LLaVA-1.5-7B sizes (for FLOPs accounting; too big to instantiate on CPU here)
     "llava-1.5-7b": LlavaShape(336, 14, 1024, 24, 16, 4096, 32, 32, 32, 11008, 32064, 4096),
 }

@@ -344,9 +344,19 @@ def save_global(module: GlobalCompressor, path: str | Path, meta: dict[str, Any]
 
 
 def load_global(path: str | Path, *, model_hint: str, expect: dict[str, int]) -> tuple[GlobalCompressor, dict[str, Any]]:
-    """Load trained global-branch weights; clear errors for a missing file or mismatched sizes."""
+    """Load trained global-branch weights; clear errors for a missing file or mismatched sizes.
+
+    ``path == "random"``: a seeded, untrained branch of the expected sizes (timings on random-weight
+    model shapes, where no trained file can exist, and tests)."""
     from safetensors.torch import load_file
 
+    if str(path) == "random":
+        dims = {k: int(expect[k]) for k in ("vision_hidden", "llm_hidden", "text_dim", "n_queries")}
+        meta = {**dims, "mode": expect.get("mode", "coarse"), "trained": False}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            module = GlobalCompressor(*dims.values(), meta["mode"])
+        return module.eval().requires_grad_(False), meta
     path = Path(path)
     meta_path = path.with_suffix(".json")
     if not path.is_file() or not meta_path.is_file():

@@ -75,6 +75,13 @@ class Pruner:
         raise NotImplementedError(f"{cls.__name__} must define a pruning setting for tests")
 
     @classmethod
+    def random_shape_params(cls) -> dict[str, Any]:
+        """Recipe params that swap the method's trained parts for seeded, untrained ones of the right
+        sizes: the bench times methods on random-weight model shapes, where no trained file can exist
+        (their decisions are not meaningful there, only their cost). Methods without trained parts: {}."""
+        return {}
+
+    @classmethod
     def budget_params(cls, tokens: int, adapter: VLMAdapter, config: Any, path: str) -> dict[str, Any]:
         """Recipe params (over ``budget_knobs``) that realise ``tokens`` (see the method's docstring)."""
         raise NotImplementedError(f"{cls.__name__} takes no budget")

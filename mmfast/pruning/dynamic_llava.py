@@ -117,7 +117,7 @@ class DynamicLLaVA(Pruner):
         predictors: str = opt(
             "auto",
             doc="auto (<model dir>/dynamic_llava), a trained predictor dir, a released Dynamic-LLaVA checkpoint dir, "
-            "or random (untrained, tests only)",
+            "or random (untrained: tests and timings on random-weight shapes)",
         )
         sparse_layer: int = opt(2, lo=1, doc="K: predictors read the hidden states entering layer K (paper: 2)")
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
@@ -145,6 +145,10 @@ class DynamicLLaVA(Pruner):
 
     @classmethod
     def test_params(cls, adapter):
+        return {"predictors": "random"}
+
+    @classmethod
+    def random_shape_params(cls):
         return {"predictors": "random"}
 
     @classmethod

@@ -110,8 +110,8 @@ class HICom(Pruner):
             "coarse", doc="global-branch instruction injection: coarse (the paper: FiLM-modulated learned queries) or "
             "direct (the release: the queries are the projected instruction); must match the trained weights"
         )
-        global_weights: str | None = opt(None, doc="trained global branch (default <model dir>/hicom_global.safetensors)")
-        clip_model: str | None = opt(None, doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': tests only)")
+        global_weights: str | None = opt(None, doc="trained global branch (default <model dir>/hicom_global.safetensors; 'random': untrained, for timings on random-weight shapes and tests)")
+        clip_model: str | None = opt(None, doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': timings on random-weight shapes and tests)")
         frames: Literal["video", "images"] = opt("video", doc="video: a prompt's images are frames compressed jointly")
 
         def __post_init__(self) -> None:
@@ -141,6 +141,10 @@ class HICom(Pruner):
     @classmethod
     def test_params(cls, adapter):
         return {"spatial_kernel": 2, "global_queries": 0, "clip_model": "random"}
+
+    @classmethod
+    def random_shape_params(cls):
+        return {"clip_model": "random", "global_weights": "random"}
 
     def is_noop(self) -> bool:
         c = self.config
