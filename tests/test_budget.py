@@ -129,6 +129,25 @@ def test_calibration_converges(tiny_mm, method, params, tokens):
     assert abs(mean - tokens) <= 0.1 * tokens  # same images, the session's own prompts
 
 
+def test_calibration_on_an_evaluation_set_of_any_size(tiny_mm, tmp_path):
+    """An evaluation's calibration set has its own size (64 samples, not the 24 of the default world
+    set): every sample is measured with its own image."""
+    from mmfast.pipeline import apply
+    from mmfast.pruning._budget import EVAL_CALIBRATION_SAMPLES, CalibrationSet, calibration_prompt
+    from mmfast.world import render_image
+
+    n = EVAL_CALIBRATION_SAMPLES
+    paths = []
+    for i in range(n):
+        paths.append(str(tmp_path / f"{i}.png"))
+        render_image(1, "val", i).image.convert("RGB").save(paths[-1])
+    cal = CalibrationSet(tuple(paths), tuple(calibration_prompt(i) for i in range(n)))
+    with apply(tiny_mm, _stage("zipvl", 6), calibration=cal) as session:
+        out = session.run(tiny_mm.prepare([render_image(1, "val", 0).image.convert("RGB")], ["Is there a dog?"]), max_new_tokens=1)
+    cal_stats = out[0].stats["zipvl"]["calibration"]
+    assert cal_stats["target"] == 6 and abs(cal_stats["tokens"] - 6) <= 0.02 * 6
+
+
 def test_mustdrop_calibrates_the_merge_when_thresholds_cannot_reach(tiny_mm):
     """Budget 4 of 16 on the tiny model: the largest lambda scale still keeps more, so the merge
     threshold is lowered (more windows merge) until the calibration set lands on the budget."""

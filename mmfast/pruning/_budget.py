@@ -159,6 +159,7 @@ def calibration_batch(ctx: MethodContext, n: int = CALIBRATION_IMAGES) -> Prepar
     else:
         images = [render_image(0, "val", 20 * i).image.convert("RGB") for i in range(n)]
         prompts = [calibration_prompt(i) for i in range(n)]
+    n = len(images)  # a given set has its own size
     texts = [ctx.chat_text(p, 1) for p in prompts]
     ids = [ctx.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     processed = ctx.image_processor(images=images, return_tensors="pt")
