@@ -245,16 +245,23 @@ def test_divprune_on_qwen_noop_batch_and_budget(qmm, qimages):
 
 
 # -- PyramidDrop on the Qwen-VL families (M-RoPE scoring, compact renumbering) ------------------------
-def test_pyramiddrop_on_qwen_noop_counts_and_batch(qmm, qimages):
-    cls = PRUNERS.get("pyramiddrop").cls
+def _noop_and_batch(qmm, qimages, method):
+    """``method``'s no-op setting reproduces the baseline and its test setting decides a batch as its
+    samples alone; returns (params, batched results, baseline results)."""
+    cls = PRUNERS.get(method).cls
     base = qmm.generate(qimages, PROMPTS, max_new_tokens=6)
-    noop = _gen(qmm, qimages, PROMPTS, [{"method": "pyramiddrop", "params": cls.noop_params(qmm.adapter)}])
+    noop = _gen(qmm, qimages, PROMPTS, [{"method": method, "params": cls.noop_params(qmm.adapter)}])
     assert [r.token_ids for r in noop] == [r.token_ids for r in base]
     params = cls.test_params(qmm.adapter)
-    stage = [{"method": "pyramiddrop", "params": params}]
+    stage = [{"method": method, "params": params}]
     batched = _gen(qmm, qimages, PROMPTS, stage)
     single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    return params, batched, base
+
+
+def test_pyramiddrop_on_qwen_noop_counts_and_batch(qmm, qimages):
+    params, batched, base = _noop_and_batch(qmm, qimages, "pyramiddrop")
     for r, b in zip(batched, base):  # int(N_i lambda^s) of each image's own tokens
         kept = r.stats["pyramiddrop"]["kept"]
         assert kept == [int(b.n_vision_tokens * params["ratio"] ** (s + 1)) for s in range(len(kept))]
@@ -289,15 +296,7 @@ def test_pyramiddrop_first_stage_ranks_by_the_eager_last_token_attention_on_qwen
 
 # -- SparseVLM on the Qwen-VL families (counts scaled per image, compact renumbering) -----------------
 def test_sparsevlm_on_qwen_noop_counts_and_batch(qmm, qimages):
-    cls = PRUNERS.get("sparsevlm").cls
-    base = qmm.generate(qimages, PROMPTS, max_new_tokens=6)
-    noop = _gen(qmm, qimages, PROMPTS, [{"method": "sparsevlm", "params": cls.noop_params(qmm.adapter)}])
-    assert [r.token_ids for r in noop] == [r.token_ids for r in base]
-    params = cls.test_params(qmm.adapter)
-    stage = [{"method": "sparsevlm", "params": params}]
-    batched = _gen(qmm, qimages, PROMPTS, stage)
-    single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
-    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+    params, batched, base = _noop_and_batch(qmm, qimages, "sparsevlm")
     for r, b in zip(batched, base):  # first filter: round(k_1 N_i / 576) kept, plus the recycled clusters
         st, n = r.stats["sparsevlm"], b.n_vision_tokens
         assert st["kept"][0] - st["recycled"][0] == min(n, round(params["keep"][0] * n / 576))
