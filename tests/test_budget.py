@@ -246,8 +246,8 @@ def test_stacked_bench_recipe_expands_and_every_row_is_one_the_composition_core_
 
 def test_calibration_spread_covers_distinct_images_in_task_shares():
     """An evaluation asks several questions per image: the spread keeps each task's share of the
-    positions but takes a new image at each one where its stretch has one (the old every-k-th pick
-    took the same image several times and missed MustDrop's evaluation mean by 6-8%)."""
+    positions but takes a new image at each one where its stretch has one (on the pruning bench's
+    records, every 15th sample repeats images and misses MustDrop's evaluation mean by 4-9%)."""
     from types import SimpleNamespace as S
 
     from mmfast.pruning._budget import CalibrationSet

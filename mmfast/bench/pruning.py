@@ -252,7 +252,11 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
             [
                 "LLM prefill = the language model's prefill forward (what the FLOPs ratio counts); vision = tower + feature stages.",
                 "measured / ideal = LLM prefill speedup x FLOPs ratio (1.0 = every FLOP saved is time saved).",
-                "Random weights: token selections are not meaningful here, only their cost.",
+                "Random weights: token selections are not meaningful here, only their cost. Trained parts run on seeded "
+                "random stand-ins of the same sizes (random_shape_params: HICom's global branch, and a 2-layer guide "
+                "text tower in place of CLIP-L's; Dynamic-LLaVA's predictors). Token budgets of threshold methods (MustDrop, "
+                "ZipVL) are calibrated on the timed sample, so their layer average is the budget here too; fixed "
+                "thresholds (a preset, a tau) keep another count on random weights than on the embedded model.",
             ] + [f"skipped {r['variant']}: {r['reason']}" for r in speed.get("skipped", [])],
         )
     pruning_plots(result, out, out.name, intervals)

@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_IMAGES = 24
 #: samples of an evaluation its budgets are calibrated on (``CalibrationSet.spread``): an adaptive method's
-#: count varies mostly with the image, and an evaluation asks several questions per image, so 24 samples
-#: held ~14 distinct images and landed MustDrop 6-8% above its budget on the pruning bench's 1000 samples
-#: (144 images); 64 samples of distinct images land within 1% of the whole evaluation's mean there
+#: count varies mostly with the image, so 24 samples (24 of the pruning bench's 144 images) landed
+#: MustDrop 6-8% above its budget on that bench's 1000 samples; 64 land within 1% of the whole
+#: evaluation's mean when each takes a new image (every 15th sample, repeating images, missed by 4-9%)
 EVAL_CALIBRATION_SAMPLES = 64
 CALIBRATION_TOLERANCE = 0.02
 CALIBRATION_STEPS = 24

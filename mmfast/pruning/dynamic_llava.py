@@ -178,7 +178,8 @@ class DynamicLLaVA(Pruner):
         cfg = self.config
         hidden = self.adapter.text_config.hidden_size
         if cfg.predictors == "random":
-            logger.warning("dynamic_llava: untrained random predictors (predictors: random) are for tests only")
+            logger.warning("dynamic_llava: untrained random predictors (predictors: random) decide nothing meaningful: "
+                           "for tests and timings on random-weight shapes only")
             predictors, sparse = random_predictors(hidden), {}
         else:
             path = self._predictor_dir()
