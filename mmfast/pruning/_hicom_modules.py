@@ -351,6 +351,8 @@ def load_global(path: str | Path, *, model_hint: str, expect: dict[str, int]) ->
     from safetensors.torch import load_file
 
     if str(path) == "random":
+        logger.warning("hicom: an untrained random global branch (global_weights: random) decides nothing meaningful: "
+                       "for tests and timings on random-weight shapes only")
         dims = {k: int(expect[k]) for k in ("vision_hidden", "llm_hidden", "text_dim", "n_queries")}
         meta = {**dims, "mode": expect.get("mode", "coarse"), "trained": False}
         with torch.random.fork_rng(devices=[]):
