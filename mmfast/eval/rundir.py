@@ -161,9 +161,7 @@ class OutputLock:
         if self._fd is None:
             return
         try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+            self.path.unlink(missing_ok=True)
         finally:
             os.close(self._fd)
             self._fd = None
