@@ -357,7 +357,7 @@ def load_global(path: str | Path, *, model_hint: str, expect: dict[str, int]) ->
         meta = {**dims, "mode": expect.get("mode", "coarse"), "trained": False}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            module = GlobalCompressor(*dims.values(), meta["mode"])
+            module = GlobalCompressor(**dims, mode=meta["mode"])
         return module.eval().requires_grad_(False), meta
     path = Path(path)
     meta_path = path.with_suffix(".json")
