@@ -305,6 +305,72 @@ def test_cdpruner_clip_model_must_exist(tiny_mm, tmp_path):
         _session(tiny_mm, "cdpruner", keep=4, clip_model=str(tmp_path / "missing"))
 
 
+def test_cdpruner_embedded_clip_tells_instructions_apart():
+    """The CLIP the embedded model ships (clip/, no tokenizer files: trained on the LLaVA tokenizer)
+    embeds two different instructions differently (a 2-token CLIP tokenizer gave cosine 1.0), and the
+    relevance, hence the selection, follows the instruction."""
+    from mmfast.model import ASSETS
+    from mmfast.pruning.cdpruner import relevance
+    from mmfast.world import render_image
+
+    if not (ASSETS / "tiny-world" / "config.json").is_file():
+        pytest.skip("embedded model not built")
+    world = mmfast.load("mmfast/tiny-world", device="cpu")
+    image = render_image(0, "val", 1).image
+    asks = ["Is there a dog in the image?", "What color is the car on the left?"]
+    with _session(world, "cdpruner", keep=8, clip_model=str(ASSETS / "tiny-world" / "clip")) as s:
+        pruner = s.pruners[0]
+        assert pruner.clip.embedded and pruner.clip.tokenizer is world.tokenizer
+        text = [pruner.instruction_embeddings(a) for a in asks]  # [1, D] each
+        assert float(torch.nn.functional.cosine_similarity(text[0], text[1]).squeeze()) < 0.99
+        vision = s.encode(world.prepare([image], asks[:1]))
+    with Session(world, load_recipe({})) as base, torch.inference_mode():
+        full = base.encode(world.prepare([image], asks[:1]))
+        emb = pruner.image_embeddings(full, 0, None)
+        rels = [relevance(emb, t, negate=True) for t in text]
+    assert not torch.allclose(rels[0], rels[1], atol=1e-3)
+    assert vision.patch_ids[0].numel() == 8
+
+
+def test_cdpruner_clip_without_its_tokenizer_is_refused(tiny_mm, tiny_clip_dir, tmp_path):
+    """A CLIP directory without tokenizer files whose vocabulary is not the model's, or whose tokenizer
+    does not cover its vocabulary, is refused before compute (not run on a 2-token tokenizer)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    from mmfast.errors import ConfigError
+
+    cfg = CLIPModel.config_class.from_pretrained(tiny_clip_dir).to_dict()
+    cfg["text_config"]["vocab_size"] = 64  # not the tiny model's 300
+    bare = tmp_path / "bare"
+    CLIPModel(CLIPConfig(**{k: cfg[k] for k in ("text_config", "vision_config", "projection_dim")})).save_pretrained(bare)
+    assert len(tiny_mm.tokenizer) != 64
+    with pytest.raises(ConfigError, match="clip_model.*no tokenizer"):
+        _session(tiny_mm, "cdpruner", keep=4, clip_model=str(bare))
+    from mmfast.models.factory import _TEST_CORPUS, train_bpe_tokenizer
+
+    train_bpe_tokenizer(_TEST_CORPUS, 120).save_pretrained(bare)
+    with pytest.raises(ConfigError, match="clip_model.*tokens but the text tower"):
+        _session(tiny_mm, "cdpruner", keep=4, clip_model=str(bare))
+
+
+@pytest.mark.parametrize("suffix", ["\nAnswer the question using a single word or phrase.",
+                                    "\nAnswer with the option's letter from the given choices directly."])
+def test_cdpruner_relevance_text_drops_the_answer_suffix(suffix, tiny_mm, tiny_clip_dir, images):
+    """As the release's eval scripts, the answer-format suffix is not part of the relevance text:
+    a prompt with it selects exactly what the bare question selects (LLM-embedding and CLIP relevance)."""
+    from mmfast.pruning.cdpruner import instruction_text
+
+    ask = "Is there a cat in the image?"
+    assert instruction_text(ask + suffix) == ask
+    for extra in ({}, {"clip_model": str(tiny_clip_dir)}):
+        with _session(tiny_mm, "cdpruner", keep=5, **extra) as s:
+            bare = s.encode(tiny_mm.prepare(images[:1], [ask])).patch_ids[0].tolist()
+            full = s.encode(tiny_mm.prepare(images[:1], [ask + suffix])).patch_ids[0].tolist()
+            emb = [s.pruners[0].instruction_embeddings(p) for p in (ask, ask + suffix)]
+        assert full == bare
+        torch.testing.assert_close(emb[0], emb[1], atol=0, rtol=0)
+
+
 # -- all three: several images per prompt, LLaVA-NeXT batches ------------------------------------
 
 
