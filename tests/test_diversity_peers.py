@@ -81,9 +81,11 @@ def test_divprune_ratio_and_budget(tiny_mm, images, prompts):
 # -- DART ----------------------------------------------------------------------------------------
 
 
-def _dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot):
+def _dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot, order="sequence"):
     """DART's rule for one unpadded sample, from the plain HF forward: keys of layer K-1 (k_proj of
-    its input norm, RoPE at the prompt positions), the final norm of the hidden state entering K."""
+    its input norm, RoPE at the prompt positions), the final norm of the hidden state entering K.
+    Pivots visited in ascending order, or (``order="release"``) as the release's loop
+    ``for item in list(set(image_indices + query_indices))`` over sequence indices."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     lm = mm.adapter.language_model
@@ -106,7 +108,7 @@ def _dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot):
     txt_piv = sorted(text, key=lambda t: -float(key_l1[t]))[:n_txt_piv]
     valid = [t for t in image if t not in img_piv]
     kept = set(img_piv)
-    for p in sorted(img_piv + txt_piv):
+    for p in sorted(img_piv + txt_piv) if order == "sequence" else list(set(img_piv + txt_piv)):
         sims = {t: float(torch.nn.functional.cosine_similarity(feats[p].double(), feats[t].double(), dim=0)) for t in valid}
         picked = sorted(valid, key=lambda t: sims[t])[:per_pivot]  # least similar to the pivot
         kept.update(picked)
@@ -130,6 +132,31 @@ def test_dart_keeps_the_least_duplicated_tokens(tiny_mm, images, prompts):
         # text all kept, original positions
         assert int((~inputs.image_mask[0][src]).sum()) == int((~inputs.image_mask[0]).sum())
         assert torch.equal(grp.positions[0][grp.key_mask[0]], inputs.position_ids[0][src])
+
+
+def test_dart_release_pivot_order_preset(tiny_mm, images, prompts):
+    """preset: release visits the pivots in the release's set order; its kept tokens equal the
+    release's rule computed directly, and differ from the sequence order's on some samples."""
+    layer, pi, pt, m = 2, 3, 5, 8  # per pivot: 8 // 8 = 1 -> 3 + 8 = 11 image tokens kept
+    asks = prompts + ["Is there a person next to the red car in this picture?", "What is on the table?"]
+    differs = 0
+    for b, ask in enumerate(asks):
+        batch = tiny_mm.prepare(images[b % 4 : b % 4 + 1], [ask])
+        got = {}
+        for preset in ("sequence", "release"):
+            with _session(tiny_mm, "dart", k=layer, pivot_image=pi, pivot_text=pt, truncation=m, preset=preset) as s:
+                inputs = s.build_inputs(batch, s.encode(batch))
+                state, _ = s.runner.prefill(inputs)
+            grp = state.groups[-1]
+            src = grp.source[0][grp.key_mask[0]]
+            got[preset] = src[inputs.image_mask[0][src]].tolist()
+            assert got[preset] == _dart_reference(tiny_mm, inputs, layer, pi, pt, 1, order=preset), (b, preset)
+        differs += got["sequence"] != got["release"]
+    assert differs > 0, "the samples must tell the release's pivot order from the ascending one"
+    rec = {"pruning": [{"method": "dart", "params": {"pivot_image": pi, "pivot_text": pt, "truncation": m, "preset": "release"}}]}
+    batched = tiny_mm.generate(images[:3], asks[:3], recipe=rec, max_new_tokens=2)  # padded: sequence index, not slot
+    single = [tiny_mm.generate([im], [p], recipe=rec, max_new_tokens=2)[0] for im, p in zip(images[:3], asks[:3])]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
 
 
 def test_dart_release_counts_and_budget(tiny_mm, images, prompts):
