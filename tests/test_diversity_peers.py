@@ -81,9 +81,11 @@ def test_divprune_ratio_and_budget(tiny_mm, images, prompts):
 # -- DART ----------------------------------------------------------------------------------------
 
 
-def _dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot):
+def _dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot, order="sequence"):
     """DART's rule for one unpadded sample, from the plain HF forward: keys of layer K-1 (k_proj of
-    its input norm, RoPE at the prompt positions), the final norm of the hidden state entering K."""
+    its input norm, RoPE at the prompt positions), the final norm of the hidden state entering K.
+    Pivots visited in ascending order, or (``order="release"``) as the release's loop
+    ``for item in list(set(image_indices + query_indices))`` over sequence indices."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     lm = mm.adapter.language_model
@@ -106,7 +108,7 @@ def _dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot):
     txt_piv = sorted(text, key=lambda t: -float(key_l1[t]))[:n_txt_piv]
     valid = [t for t in image if t not in img_piv]
     kept = set(img_piv)
-    for p in sorted(img_piv + txt_piv):
+    for p in sorted(img_piv + txt_piv) if order == "sequence" else list(set(img_piv + txt_piv)):
         sims = {t: float(torch.nn.functional.cosine_similarity(feats[p].double(), feats[t].double(), dim=0)) for t in valid}
         picked = sorted(valid, key=lambda t: sims[t])[:per_pivot]  # least similar to the pivot
         kept.update(picked)
@@ -130,6 +132,31 @@ def test_dart_keeps_the_least_duplicated_tokens(tiny_mm, images, prompts):
         # text all kept, original positions
         assert int((~inputs.image_mask[0][src]).sum()) == int((~inputs.image_mask[0]).sum())
         assert torch.equal(grp.positions[0][grp.key_mask[0]], inputs.position_ids[0][src])
+
+
+def test_dart_release_pivot_order_preset(tiny_mm, images, prompts):
+    """preset: release visits the pivots in the release's set order; its kept tokens equal the
+    release's rule computed directly, and differ from the sequence order's on some samples."""
+    layer, pi, pt, m = 2, 3, 5, 8  # per pivot: 8 // 8 = 1 -> 3 + 8 = 11 image tokens kept
+    asks = prompts + ["Is there a person next to the red car in this picture?", "What is on the table?"]
+    differs = 0
+    for b, ask in enumerate(asks):
+        batch = tiny_mm.prepare(images[b % 4 : b % 4 + 1], [ask])
+        got = {}
+        for preset in ("sequence", "release"):
+            with _session(tiny_mm, "dart", k=layer, pivot_image=pi, pivot_text=pt, truncation=m, preset=preset) as s:
+                inputs = s.build_inputs(batch, s.encode(batch))
+                state, _ = s.runner.prefill(inputs)
+            grp = state.groups[-1]
+            src = grp.source[0][grp.key_mask[0]]
+            got[preset] = src[inputs.image_mask[0][src]].tolist()
+            assert got[preset] == _dart_reference(tiny_mm, inputs, layer, pi, pt, 1, order=preset), (b, preset)
+        differs += got["sequence"] != got["release"]
+    assert differs > 0, "the samples must tell the release's pivot order from the ascending one"
+    rec = {"pruning": [{"method": "dart", "params": {"pivot_image": pi, "pivot_text": pt, "truncation": m, "preset": "release"}}]}
+    batched = tiny_mm.generate(images[:3], asks[:3], recipe=rec, max_new_tokens=2)  # padded: sequence index, not slot
+    single = [tiny_mm.generate([im], [p], recipe=rec, max_new_tokens=2)[0] for im, p in zip(images[:3], asks[:3])]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
 
 
 def test_dart_release_counts_and_budget(tiny_mm, images, prompts):
@@ -303,6 +330,72 @@ def test_cdpruner_clip_model_must_exist(tiny_mm, tmp_path):
 
     with pytest.raises(ConfigError, match="clip_model"):
         _session(tiny_mm, "cdpruner", keep=4, clip_model=str(tmp_path / "missing"))
+
+
+def test_cdpruner_embedded_clip_tells_instructions_apart():
+    """The CLIP the embedded model ships (clip/, no tokenizer files: trained on the LLaVA tokenizer)
+    embeds two different instructions differently (a 2-token CLIP tokenizer gave cosine 1.0), and the
+    relevance, hence the selection, follows the instruction."""
+    from mmfast.model import ASSETS
+    from mmfast.pruning.cdpruner import relevance
+    from mmfast.world import render_image
+
+    if not (ASSETS / "tiny-world" / "config.json").is_file():
+        pytest.skip("embedded model not built")
+    world = mmfast.load("mmfast/tiny-world", device="cpu")
+    image = render_image(0, "val", 1).image
+    asks = ["Is there a dog in the image?", "What color is the car on the left?"]
+    with _session(world, "cdpruner", keep=8, clip_model=str(ASSETS / "tiny-world" / "clip")) as s:
+        pruner = s.pruners[0]
+        assert pruner.clip.embedded and pruner.clip.tokenizer is world.tokenizer
+        text = [pruner.instruction_embeddings(a) for a in asks]  # [1, D] each
+        assert float(torch.nn.functional.cosine_similarity(text[0], text[1]).squeeze()) < 0.99
+        vision = s.encode(world.prepare([image], asks[:1]))
+    with Session(world, load_recipe({})) as base, torch.inference_mode():
+        full = base.encode(world.prepare([image], asks[:1]))
+        emb = pruner.image_embeddings(full, 0, None)
+        rels = [relevance(emb, t, negate=True) for t in text]
+    assert not torch.allclose(rels[0], rels[1], atol=1e-3)
+    assert vision.patch_ids[0].numel() == 8
+
+
+def test_cdpruner_clip_without_its_tokenizer_is_refused(tiny_mm, tiny_clip_dir, tmp_path):
+    """A CLIP directory without tokenizer files whose vocabulary is not the model's, or whose tokenizer
+    does not cover its vocabulary, is refused before compute (not run on a 2-token tokenizer)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    from mmfast.errors import ConfigError
+
+    cfg = CLIPModel.config_class.from_pretrained(tiny_clip_dir).to_dict()
+    cfg["text_config"]["vocab_size"] = 64  # not the tiny model's 300
+    bare = tmp_path / "bare"
+    CLIPModel(CLIPConfig(**{k: cfg[k] for k in ("text_config", "vision_config", "projection_dim")})).save_pretrained(bare)
+    assert len(tiny_mm.tokenizer) != 64
+    with pytest.raises(ConfigError, match="clip_model.*no tokenizer"):
+        _session(tiny_mm, "cdpruner", keep=4, clip_model=str(bare))
+    from mmfast.models.factory import _TEST_CORPUS, train_bpe_tokenizer
+
+    train_bpe_tokenizer(_TEST_CORPUS, 120).save_pretrained(bare)
+    with pytest.raises(ConfigError, match="clip_model.*tokens but the text tower"):
+        _session(tiny_mm, "cdpruner", keep=4, clip_model=str(bare))
+
+
+@pytest.mark.parametrize("suffix", ["\nAnswer the question using a single word or phrase.",
+                                    "\nAnswer with the option's letter from the given choices directly."])
+def test_cdpruner_relevance_text_drops_the_answer_suffix(suffix, tiny_mm, tiny_clip_dir, images):
+    """As the release's eval scripts, the answer-format suffix is not part of the relevance text:
+    a prompt with it selects exactly what the bare question selects (LLM-embedding and CLIP relevance)."""
+    from mmfast.pruning.cdpruner import instruction_text
+
+    ask = "Is there a cat in the image?"
+    assert instruction_text(ask + suffix) == ask
+    for extra in ({}, {"clip_model": str(tiny_clip_dir)}):
+        with _session(tiny_mm, "cdpruner", keep=5, **extra) as s:
+            bare = s.encode(tiny_mm.prepare(images[:1], [ask])).patch_ids[0].tolist()
+            full = s.encode(tiny_mm.prepare(images[:1], [ask + suffix])).patch_ids[0].tolist()
+            emb = [s.pruners[0].instruction_embeddings(p) for p in (ask, ask + suffix)]
+        assert full == bare
+        torch.testing.assert_close(emb[0], emb[1], atol=0, rtol=0)
 
 
 # -- all three: several images per prompt, LLaVA-NeXT batches ------------------------------------

@@ -78,8 +78,13 @@ def _logp_fn(seed: int, vocab: int, eos: int, eos_boost: float):
 
 def _literal_4292(logp, prompt_len: int, k: int, max_new: int, lp: float, eos: int) -> list[int]:
     """transformers 4.29.2 ``beam_search`` + ``BeamSearchScorer`` + ``BeamHypotheses`` for one sample,
-    written out: hypotheses scored sum_logprobs / len(input_ids) ** lp, input_ids = prompt + tokens."""
-    beams = [[] for _ in range(k)]
+    written out on its own ``input_ids`` (the prompt's ``prompt_len`` ids, then the tokens):
+    ``process`` sets ``cur_len = input_ids.shape[-1] + 1``; an EOS among the top K ranks ``add``s
+    ``input_ids`` (without the EOS), scored ``sum_logprobs / hyp.shape[-1] ** lp``; ``is_done(best of
+    the 2K scores, cur_len)`` with ``early_stopping=False``: ``worst_score >= best / cur_len ** lp``;
+    ``finalize`` adds the running ``input_ids`` of an unfinished sample."""
+    prompt = [-1] * prompt_len  # stand-ins for the prompt's ids: only their number matters
+    input_ids = [list(prompt) for _ in range(k)]
     beam_scores = [0.0] + [-1e9] * (k - 1)
     hyps: list[tuple[float, list[int]]] = []
     worst = 1e9
@@ -87,7 +92,7 @@ def _literal_4292(logp, prompt_len: int, k: int, max_new: int, lp: float, eos: i
 
     def add(hyp: list[int], s: float) -> None:
         nonlocal worst
-        score = s / (prompt_len + len(hyp)) ** lp
+        score = s / len(hyp) ** lp
         if len(hyps) < k or score > worst:
             hyps.append((score, hyp))
             if len(hyps) > k:
@@ -97,33 +102,32 @@ def _literal_4292(logp, prompt_len: int, k: int, max_new: int, lp: float, eos: i
             else:
                 worst = min(score, worst)
 
-    cur_len = prompt_len
-    for _ in range(max_new):
-        scores = torch.stack([beam_scores[i] + logp(beams[i]) for i in range(k)])  # [K, V] float64
+    for _ in range(max_new):  # max_length = prompt_len + max_new
+        scores = torch.stack([beam_scores[i] + logp(input_ids[i][prompt_len:]) for i in range(k)])  # [K, V] float64
         vocab = scores.shape[1]
         top_s, top_i = scores.view(-1).topk(2 * k)
+        cur_len = len(input_ids[0]) + 1
         nxt = []
         for rank, (s, idx) in enumerate(zip(top_s.tolist(), top_i.tolist())):
             b, tok = divmod(idx, vocab)
             if tok == eos:
                 if rank >= k:
                     continue
-                add(list(beams[b]), s)
+                add(list(input_ids[b]), s)
             else:
-                nxt.append((s, beams[b] + [tok]))
+                nxt.append((s, input_ids[b] + [tok]))
             if len(nxt) == k:
                 break
         if len(hyps) >= k and worst >= max(top_s.tolist()) / cur_len**lp:
             done = True
         beam_scores = [s for s, _ in nxt]
-        beams = [seq for _, seq in nxt]
-        cur_len += 1
+        input_ids = [seq for _, seq in nxt]
         if done:
             break
     if not done:  # finalize: the running beams at the length limit
-        for s, seq in zip(beam_scores, beams):
+        for s, seq in zip(beam_scores, input_ids):
             add(seq, s)
-    return sorted(hyps, key=lambda x: x[0])[-1][1]
+    return sorted(hyps, key=lambda x: x[0])[-1][1][prompt_len:]
 
 
 def _ours(logp, prompt_len, k, max_new, lp, eos, release: bool) -> list[int]:
@@ -147,6 +151,16 @@ def test_beam_release_equals_literal_transformers_4292(lp):
         assert _ours(logp, prompt_len, k, max_new, lp, 0, release=True) == literal, seed
         differs += _ours(logp, prompt_len, k, max_new, lp, 0, release=False) != literal
     assert differs > 0, "the cases must tell prompt + generated normalisation from generated-length normalisation"
+
+
+@pytest.mark.parametrize("prompt_len", [1, 2])
+def test_beam_release_early_stop_at_short_prompts(prompt_len):
+    """At a short prompt the early-stop length matters: ``is_done`` divides the best candidate by
+    ``cur_len`` = prompt + generated (not prompt + generated - 1, the finished hypotheses' length)."""
+    for seed in range(40):
+        logp = _logp_fn(100 + seed, vocab=6, eos=0, eos_boost=1.5)
+        literal = _literal_4292(logp, prompt_len, 3, 8, 1.0, eos=0)
+        assert _ours(logp, prompt_len, 3, 8, 1.0, 0, release=True) == literal, seed
 
 
 # --------------------------------------------------------------------------- the presets end to end

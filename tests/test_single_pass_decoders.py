@@ -84,6 +84,17 @@ def test_pai_amplifies_the_last_row_on_image_keys(tiny_mm, images, prompts):
             torch.testing.assert_close(got[:, :-1], plain[:, :-1])  # earlier rows untouched
 
 
+def test_pai_layers_keep_the_absolute_start_on_a_shallow_llm(tiny_mm, images, prompts):
+    """start_layer is absolute (the release's range(2, 32): every layer but the first two) and the end
+    is the LLM's depth: the 4-layer tiny LLM amplifies layers 2..3, not a proportional 0..3."""
+    assert len(tiny_mm.adapter.layers) == 4
+    for params, want in (({}, [2, 3]), ({"start_layer": 1, "end_layer": 3}, [1, 2])):
+        recipe = load_recipe({"decoding": {"method": "pai", "params": {"gamma": 1.0, **params}}})
+        with Session(tiny_mm, recipe) as s:
+            out = s.generate(images[:1], prompts[:1], max_new_tokens=1)
+        assert out[0].stats["amplified_layers"] == want
+
+
 def test_pai_cfg_step_matches_official_formula(tiny_mm, images, prompts):
     """With alpha = 0 the first token is argmax of gamma(s - u) + u masked by s >= log(0.1) + max s,
     with s / u the log-softmax of the image prompt / the image-free prompt (computed here directly)."""

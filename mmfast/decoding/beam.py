@@ -12,8 +12,10 @@ beam-5 baseline: a hypothesis is scored ``sum_logprobs / len(input_ids) ** lengt
 ``input_ids`` the *prompt plus* the generated tokens (LLaVA's release prompt holds one placeholder id
 per image, not the expanded image tokens; here the prompt's ``token_ids`` likewise), a hypothesis
 ending in EOS is stored without its EOS (length prompt + generated - 1), beams still running at the
-length limit are added by ``finalize`` with length prompt + generated, and the early stop compares the
-worst finished score with the best of the step's 2K candidates over (prompt + generated - 1).
+length limit are added by ``finalize`` with length prompt + generated, and the early stop
+(``BeamHypotheses.is_done`` with ``cur_len = input_ids.shape[-1] + 1``, the length the step's scores
+are computed on) compares the worst finished score with the best of the step's 2K candidates over
+(prompt + generated) ** length_penalty.
 
 :class:`BeamSearch` is the bookkeeping alone, so OPERA can reuse it with its own scores.
 """
@@ -140,13 +142,12 @@ class BeamSearch:
         beam_src = src_beam.gather(1, nxt)
         # EOS among the top K ranks: stored without the EOS, so len(input_ids) = prompt + gen_len - 1
         just = eos & (torch.arange(keep, device=tok.device)[None, :] < k) & self.improvable
-        denom = (self.prompt_len + gen_len - 1) ** self.lp  # [B, 1]
-        fin_scores = torch.where(just, top_scores / denom, torch.full_like(top_scores, -1e9))
+        fin_scores = torch.where(just, top_scores / (self.prompt_len + gen_len - 1) ** self.lp, torch.full_like(top_scores, -1e9))
         self._merge(fin_scores, seqs, torch.full_like(tok, gen_len), just)
-        # is_done(best of the step's 2K scores, cur_len = prompt + gen_len - 1)
+        # is_done(best of the step's 2K scores, cur_len = input_ids.shape[-1] + 1 = prompt + gen_len)
         n_fin = self.is_finished.sum(1, keepdim=True)
         worst = self.finished_scores.min(1, keepdim=True).values
-        done_now = (n_fin >= k) & (worst >= top_scores[:, :1] / denom)
+        done_now = (n_fin >= k) & (worst >= top_scores[:, :1] / (self.prompt_len + gen_len) ** self.lp)
         self.improvable = self.improvable & ~done_now
         last = gen_len >= self.max_new
         if last:  # finalize: every running beam of an unfinished sample, length prompt + gen_len

@@ -14,6 +14,15 @@ Then greedy (the official evaluation scripts' default) or sampling with the usua
 
 Defaults: the README's POPE/CHAIR commands for LLaVA-1.5: ``--use-attn --alpha 0.2 --use-cfg
 --gamma 1.1 --start-layer 2 --end-layer 32`` (the scripts' argparse default is gamma 2), greedy.
+Layers on an LLM of another depth: ``start_layer`` stays absolute (2: every layer but the first two
+is amplified) and ``end_layer`` defaults to the LLM's depth, so an L-layer LLM gets layers 2..L-1 (the
+embedded 4-layer model: 2..3). The release runs ``--start-layer 2 --end-layer 32`` for all three of its
+models (LLaVA-1.5-7B, MiniGPT-4, Shikra; each a 32-layer 7B LLM) and has no rule for another depth,
+so mmfast keeps what its ``range(2, 32)`` says on any depth: skip the first two layers, amplify the
+rest, the same shallow cut that mmfast's VHR keeps absolute (its layer 1; its last 14 of 32 scale)
+and FastV's K = 2 by default (``layer_mapping: absolute``). ClearSight's layers scale because they are a
+band in the middle of the depth (9..14 of 32), which an absolute index would not keep. (Not checked:
+whether the paper states a reason for the first two layers.)
 Hook points: the probe wrapper's attention override on the amplified layers (the model stays on
 sdpa; only the last row is recomputed, O(keys) per head); the image-free branch through the branch
 manager. Cost: one forward per token with ``gamma = 1``; two (the second on a prompt without image
@@ -78,7 +87,7 @@ class PAI(MultiBranchDecoder):
         alpha: float = opt(0.2, lo=0.0, hi=10.0, doc="attention amplification w + alpha|w| on image keys (0 = off)")
         gamma: float = opt(1.1, lo=0.0, hi=20.0, doc="CFG weight against the image-free prompt (1 = off)")
         beta: float = opt(0.1, lo=0.0, hi=1.0, doc="adaptive plausibility cutoff of the CFG step (0 = off)")
-        start_layer: int = opt(2, lo=0, doc="first amplified LLM layer (0-based)")
+        start_layer: int = opt(2, lo=0, doc="first amplified LLM layer (0-based; absolute on any depth, see the docstring)")
         end_layer: int | None = opt(None, doc="one past the last amplified layer (default: the LLM's depth, 32)")
         amplify_first_token: bool = opt(True, doc="amplify at prefill too (false: the official code's CFG quirk)")
         sample: bool = opt(False, doc="sample instead of greedy")

@@ -23,22 +23,36 @@ the text tower nor ``visual_projection``, and nothing may be downloaded at run t
 - ``clip_model: <local path>`` (the tower's paired CLIP checkpoint, e.g. a local copy of
   openai/clip-vit-large-patch14-336, loaded with ``local_files_only``): the release's relevance exactly
   (its text tower, text and visual projections and tokenizer; the LLaVA tower's own ``post_layernorm``),
-  negated as the release;
+  negated as the release. The directory's tokenizer must cover the text tower's vocabulary (else
+  refused: transformers silently builds a 2-token CLIP tokenizer for a directory without tokenizer
+  files, which gives every prompt the same embedding). A directory without tokenizer files is taken
+  as the embedded model's ``clip/`` (``mmfast/tiny-world``), trained on the LLaVA tokenizer: used with
+  that tokenizer when the vocabularies match (pooled at the appended ``</s>``, one segment of its
+  64 positions, as it was trained), refused otherwise;
 - without it (default): relevance in the LLM's input embedding space: v_i = the projected image token
   (what the LLM reads), t = the mean of the instruction's LLM token embeddings (one pooled vector, the
   analogue of CLIP's pooled text embedding); the CLIP-specific sign inversion is not applied.
 
 ``negate`` overrides the sign in either case. The instruction is the user prompt without the chat
-template (the release passes the bare question). The DPP kernel, the min-max normalisation and the
-greedy MAP are the release's.
+template and without the answer-format suffix, as the release: its ``model_vqa_loader.py`` (POPE,
+GQA, TextVQA, ...) removes "\\nAnswer the question using a single word or phrase." and its
+``model_vqa_science.py`` "\\nAnswer with the option's letter from the given choices directly."
+(``RELEASE_SUFFIXES``; mmfast removes both from every prompt, while the release's MMBench script keeps
+the second). The DPP kernel, the min-max normalisation and the greedy MAP are the release's.
 
 Other deviations: (a) the min-max normalisation is per image (the release normalises over the whole
 batch of images/tiles; equal at batch 1); (b) every image of every sample is pruned on its own.
 
-LLaVA-NeXT, as the release: every tile (the base view and each crop) keeps T tokens, each tile
-with its own DPP kernel, the relevance min-max normalised over all tiles of the image; the keep mask is
-unpadded and packed exactly as the features are (mmfast packs a tile-token index map with the model's
-own ``pack_image_features``), and every ``image_newline`` row separator is kept.
+LLaVA-NeXT: every tile (the base view and each crop) gets its own DPP picking T tokens, with the
+relevance min-max normalised over all tiles of the image (the release normalises over the whole batch
+of tiles; the same at batch 1, as its evaluation runs). What reaches the LLM differs from the release:
+mmfast keeps the model's own layout (transformers' ``pack_image_features``: the crops unpadded to the
+image's aspect ratio, an ``image_newline`` after every row), packs the keep mask exactly as the
+features are (a tile-token index map through ``pack_image_features``) and keeps every row separator,
+so a crop's picks that fall in the padding are dropped and the separators come on top. The release
+(``llava_arch.py``) replaces ``_unpad`` in ``mm_patch_merge_type`` before testing for it, so it never
+unpads and adds no separators: it feeds exactly T tokens per tile, the base view first, then the crops
+in the spatial raster of the full (padded) grid.
 
 Hook points: ``vision_features`` (the projector is run here, per image, as splicing would run it);
 the first stage that edits vision tokens (``needs_full_grid``: NeXT's tiles must be whole).
@@ -48,7 +62,8 @@ image leaves the vision batch untouched (the release's default of 576 selects ev
 Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): ``keep`` = B (exact; the
 release's ``visual_token_num``). LLaVA-NeXT: ``keep`` counts per tile (the release's README: "32 * 5 =
 160"), so a budget sets keep = round(B / the most tiles an image can have, 5 for LLaVA-1.6's pinpoints);
-an image with fewer tiles keeps fewer, and the kept row separators come on top (approximate).
+an image with fewer tiles keeps fewer, picks in the unpadded-away margin are dropped and the kept
+row separators come on top (approximate).
 Families: llava, llava_next. Refused on llava_onevision and the Qwen-VL families, with the reason in
 ``caps.unsupported`` (per-tile DPP and CLIP-text relevance are LLaVA's; the readable release code is LLaVA's).
 """
@@ -112,40 +127,91 @@ def max_tiles(adapter) -> int:
     return 1 + max((h // size) * (w // size) for h, w in cfg.image_grid_pinpoints)
 
 
+#: Files that make a directory's tokenizer loadable by ``AutoTokenizer`` (without one, transformers
+#: builds an empty CLIP tokenizer of 2 tokens that maps every prompt to the same ids).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+
+#: The answer-format suffixes the release removes from the relevance text (``model_vqa_loader.py``:
+#: POPE, GQA, TextVQA, VQAv2, VizWiz, MME; ``model_vqa_science.py``: ScienceQA), exactly as written
+#: there, leading newline included.
+RELEASE_SUFFIXES = (
+    "\nAnswer the question using a single word or phrase.",
+    "\nAnswer with the option's letter from the given choices directly.",
+)
+
+
+def instruction_text(prompt: str) -> str:
+    """The relevance text: the user prompt without the answer-format suffixes the release strips."""
+    for suffix in RELEASE_SUFFIXES:
+        prompt = prompt.replace(suffix, "")
+    return prompt
+
+
 class ClipText:
     """The parts of a CLIP checkpoint the release's relevance needs: text tower with projection,
-    visual projection, tokenizer (loaded from a local path only)."""
+    visual projection, tokenizer (loaded from a local path only).
 
-    def __init__(self, model, tokenizer) -> None:
+    ``embedded``: the CLIP that ``mmfast/tiny-world`` ships in ``clip/``, trained on the LLaVA
+    tokenizer (ids end with the appended ``</s>``, pooled at that last real token, as
+    ``mmfast.train.embedded.clip_text_ids`` / ``text_features``); otherwise a CLIP with its own
+    tokenizer, embedded as the release does."""
+
+    def __init__(self, model, tokenizer, embedded: bool = False) -> None:
         self.text_model = model.text_model
         self.text_projection = model.text_projection
         self.visual_projection = model.visual_projection
         self.tokenizer = tokenizer
+        self.embedded = embedded
         self.width = int(model.config.text_config.max_position_embeddings)
 
     @torch.inference_mode()
     def embed_text(self, text: str) -> torch.Tensor:
-        """[M, D] pooled, projected embeddings of the text's zero-padded 77-token segments (as the release)."""
+        """[M, D] pooled, projected embeddings of the text's zero-padded 77-token segments (as the
+        release; ``embedded``: [1, D], the text truncated to the tower's width)."""
+        dev = self.text_projection.weight.device
+        if self.embedded:
+            from ..train.embedded import clip_text_ids, text_features
+
+            ids, mask = clip_text_ids(self.tokenizer, [text], max_len=self.width)
+            return text_features(self, ids.to(dev), mask.to(dev))
         enc = self.tokenizer(text=text, return_tensors="pt")
         ids, mask = enc["input_ids"], enc["attention_mask"]
         pad = -ids.shape[1] % self.width
         ids = torch.cat([ids, ids.new_zeros(1, pad)], 1).reshape(-1, self.width)
         mask = torch.cat([mask, mask.new_zeros(1, pad)], 1).reshape(-1, self.width)
-        dev = self.text_projection.weight.device
         pooled = self.text_model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).pooler_output  # [M, H]
         return self.text_projection(pooled)
 
 
-def load_clip_text(path: str, device, dtype) -> ClipText:
+def load_clip_text(path: str, device, dtype, llava_tokenizer) -> ClipText:
+    """The CLIP at ``path`` with a tokenizer that covers its text tower's vocabulary: the directory's
+    own, or (a directory without tokenizer files, as the embedded model's ``clip/``) the LLaVA
+    tokenizer when its vocabulary is the text tower's. Anything else is refused (ConfigError)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer, CLIPModel
 
     from ..errors import ConfigError
 
     try:
         model = CLIPModel.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError("clip_model", f"cannot load a CLIP model (text tower, projections, tokenizer) from {path!r}: {exc}") from None
+    vocab = int(model.config.text_config.vocab_size)
+    local = Path(path)
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
+        if len(llava_tokenizer) != vocab:
+            raise ConfigError("clip_model", f"{path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}) and its text tower's "
+                              f"vocabulary ({vocab}) is not the model's tokenizer's ({len(llava_tokenizer)}); point "
+                              f"clip_model at a CLIP directory that includes its tokenizer")
+        return ClipText(model, llava_tokenizer, embedded=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("clip_model", f"cannot load the CLIP tokenizer from {path!r}: {exc}") from None
+    if len(tokenizer) != vocab:
+        raise ConfigError("clip_model", f"the tokenizer in {path!r} has {len(tokenizer)} tokens but the text tower's "
+                          f"vocabulary has {vocab}; the CLIP directory needs its own complete tokenizer")
     return ClipText(model, tokenizer)
 
 
@@ -191,11 +257,13 @@ class CDPruner(Pruner):
     def install(self) -> None:
         self.clip = None
         if self.config.clip_model is not None:
-            self.clip = load_clip_text(self.config.clip_model, self.ctx.device, self.ctx.dtype)
+            self.clip = load_clip_text(self.config.clip_model, self.ctx.device, self.ctx.dtype, self.ctx.tokenizer)
 
     def instruction_embeddings(self, prompt: str) -> torch.Tensor:
         """[M, D]: CLIP's pooled text embeddings per 77-token segment (``clip_model``), else [1, d]: the
-        mean LLM input embedding of the instruction's tokens (module docstring)."""
+        mean LLM input embedding of the instruction's tokens (module docstring); the prompt's
+        answer-format suffix removed first, as the release."""
+        prompt = instruction_text(prompt)
         if self.clip is not None:
             return self.clip.embed_text(prompt)
         ids = self.ctx.tokenizer(prompt, add_special_tokens=False)["input_ids"] or [self.ctx.special.pad]
@@ -216,7 +284,7 @@ class CDPruner(Pruner):
 
     def prune_vision(self, vision, batch):
         cfg = self.config
-        tiled = "n_tiles" in vision.extras  # LLaVA-NeXT: T tokens per tile, as the release
+        tiled = "n_tiles" in vision.extras  # LLaVA-NeXT: T picks per tile, as the release
         rows, cols = vision.grid
         counts = vision.counts()
         if all(cfg.keep >= (rows * cols if tiled else n) for n in counts):
@@ -238,9 +306,10 @@ class CDPruner(Pruner):
         return vision
 
     def _prune_tiles(self, vision, i: int, image_size: torch.Tensor, text: torch.Tensor) -> None:
-        """LLaVA-NeXT, as the release: relevance normalised over all tiles of the image, one DPP per
-        tile (base view and every crop) keeping T tokens, the keep mask packed (unpadded) exactly as
-        the features are, every row separator kept."""
+        """LLaVA-NeXT: relevance normalised over all tiles of the image, one DPP per tile (base view
+        and every crop) picking T tokens (as the release); the keep mask packed (unpadded) exactly as
+        the features are, every row separator kept (the release neither unpads nor adds separators;
+        module docstring)."""
         rows, cols = vision.grid
         n, n_t = rows * cols, vision.extras["n_tiles"][i]
         feats = vision.features[i]  # [n_t * n, Dv]

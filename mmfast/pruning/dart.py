@@ -29,8 +29,15 @@ keep_indexs``). KV cache: layers >= K cache only the kept tokens (static after p
 Hook points: a key recorder on layer K-1's attention (``hooks.attach``, prefill only; the L1 norms
 travel in the state's ``extras``); ``llm_layer`` (``runner.prune_at``).
 
-Deviations from the release: (a) pivots are visited in ascending sequence order (the release iterates
-a Python ``set`` of sequence indices, i.e. CPython's hash-table order); (b) every image of every sample
+Pivot order (the order matters: each pivot removes its picks from the later pivots' candidates):
+``preset: sequence`` (default) visits the pivots in ascending sequence order; ``preset: release``
+visits them as the release does, in the iteration order of ``list(set(image_pivots + text_pivots))``
+over their sequence indices (each group in descending key-norm order, the image pivots first; the
+index of a token is its index in the sample's unpadded prefill sequence, as in the release's batch of
+one), computed with the same CPython ``set``. The two keep different tokens on a part of the samples.
+
+Deviations from the release: (a) with ``preset: sequence``, the pivot order above; with either preset,
+ties of the cosine are broken by slot order (the release's candidates are a ``list(set(...))``); (b) every image of every sample
 is reduced on its own (the release: batch 1, one image at a fixed offset of 35 tokens); with several
 images the text pivots are the tokens after the last image; (c) M is capped at N - pivot_image on
 LLaVA-1.5 too (the release caps it only for NeXT; beyond it its ``topk`` would fail); (d) cosine
@@ -64,6 +71,7 @@ M_i = N_i (keep - pivot_image) / N_ref and keeps pivot_image + M_i rounded down 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -80,21 +88,33 @@ from .base import Pruner
 RELEASE_TRUNCATION = {"llava": 128, "llava_next": 320, "qwen2_vl": 128, "qwen2_5_vl": 128, "qwen3_vl": 128}
 
 
+def release_pivot_order(pivots: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """``pivots`` [P] slots (image pivots, then text pivots, each by descending key norm) in the order
+    the release visits them: CPython's iteration order of the ``set`` of their sequence indices
+    (``seq_index`` [T], each slot's index in the unpadded sequence)."""
+    seq = seq_index[pivots].tolist()
+    slot_of = dict(zip(seq, pivots.tolist()))
+    return torch.tensor([slot_of[i] for i in set(seq)], dtype=pivots.dtype, device=pivots.device)
+
+
 def dart_select(
     features: torch.Tensor, key_l1: torch.Tensor, image: torch.Tensor, text: torch.Tensor,
-    pivot_image: int, pivot_text: int, per_pivot: int,
+    pivot_image: int, pivot_text: int, per_pivot: int, seq_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One image of one sample. ``features`` [T, d] (final-normed hidden states), ``key_l1`` [T],
-    ``image`` / ``text`` [n] / [m] slot indices. Returns the kept image slots (sorted)."""
+    ``image`` / ``text`` [n] / [m] slot indices. Pivots are visited in slot order, or in the release's
+    order when ``seq_index`` [T] (each slot's sequence index) is given. Returns the kept image slots (sorted)."""
     img_piv = image[key_l1[image].topk(min(pivot_image, image.numel())).indices]
     txt_piv = text[key_l1[text].topk(min(pivot_text, text.numel())).indices]
+    pivots = torch.cat([img_piv, txt_piv])
+    order = pivots.sort().values if seq_index is None else release_pivot_order(pivots, seq_index)
     feats = features.float()
     free = torch.ones(features.shape[0], dtype=torch.bool, device=features.device)
     free[img_piv] = False
     cand = torch.zeros_like(free)
     cand[image] = True
     kept = [img_piv]
-    for p in torch.cat([img_piv, txt_piv]).sort().values:  # pivots in sequence order
+    for p in order:
         valid = (cand & free).nonzero().squeeze(1)  # [V] image slots still unchosen
         if valid.numel() == 0 or per_pivot == 0:
             break
@@ -121,6 +141,9 @@ class DART(Pruner):
         truncation: int | None = opt(None, lo=0, doc="M: tokens picked for all pivots together (None: release default per family, unless ratio)")
         ratio: float | None = opt(None, lo=0.0, hi=1.0, doc="reduction ratio: M = N (1 - ratio) when truncation is not set; 0 = no pruning")
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
+        preset: Literal["sequence", "release"] = opt(
+            "sequence", doc="pivot order: sequence (ascending); release: the release's set iteration order of their sequence indices"
+        )
 
     budget_knobs = ("truncation", "ratio")
 
@@ -188,12 +211,16 @@ class DART(Pruner):
         src = view.group.source
         image = view.state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
         image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere
+        seq_index = None
+        if cfg.preset == "release":  # each slot's index in its sample's unpadded prefill sequence
+            seq_index = (view.state.inputs.attention_mask.long().cumsum(1) - 1).gather(1, src.clamp(min=0))  # [B, T]
         kept = torch.zeros_like(view.vision)
         for b in range(view.hidden.shape[0]):
             text = view.text_after[b].nonzero().squeeze(1)
             for j in range(int(image[b].max()) + 1):
                 slots = (image[b] == j).nonzero().squeeze(1)
                 t = self.per_pivot(slots.numel())
-                kept[b, dart_select(feats[b], key_l1[b], slots, text, cfg.pivot_image, cfg.pivot_text, t)] = True
+                kept[b, dart_select(feats[b], key_l1[b], slots, text, cfg.pivot_image, cfg.pivot_text, t,
+                                    None if seq_index is None else seq_index[b])] = True
         view.state.stats[self.name] = {"per_sample_kept": kept.sum(1).tolist(), "layer": self.layer}
         return keep_only(view.vision, kept)
