@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..eval.intervals import RunIntervals, run_intervals
+from ..eval.intervals import RunIntervals, current_intervals, run_intervals
 from .plots import bars, labelled_points, scatter_lines
 
 logger = logging.getLogger(__name__)
 
 INTERVAL_NOTE = (
-    "95% CI: POPE mean F1 by a percentile bootstrap (1000 resamples, seed 0; questions resampled within each split), "
-    "CHAIR_i by a percentile bootstrap over captions; n = POPE questions over all splits / CHAIR captions "
+    "95% CI: POPE mean F1 by a percentile bootstrap resampling images jointly across splits (one draw per image for all "
+    "its questions in every split; 10000 resamples, seed 0), CHAIR_i by a percentile bootstrap over captions; Wilson of "
+    "the pooled counts where every replicate is equal; n = POPE questions over all splits / CHAIR captions "
     "(mmfast.eval.intervals)."
 )
 
@@ -55,7 +56,8 @@ def variant_intervals(bench_dir: Path, results: dict[str, Any]) -> dict[str, Run
         if not isinstance(metrics, dict):
             continue
         stored = r.get("intervals")
-        if isinstance(stored, dict) and (stored.get("pope") or not metrics.get("pope")) and (stored.get("chair") or not metrics.get("chair")):
+        if (isinstance(stored, dict) and (current_intervals(stored.get("pope")) or not metrics.get("pope"))
+                and (current_intervals(stored.get("chair")) or not metrics.get("chair"))):
             out[name] = RunIntervals(stored.get("pope"), stored.get("chair"), tuple(stored.get("notes", ())))
             continue
         run = Path(bench_dir) / "variants" / name
@@ -194,10 +196,10 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
         return records[name]
 
     def margin(a: str, b: str) -> str:
-        cells_a, cells_b = paired_pope_cells(recs(a), recs(b), "pope")
-        if not cells_a:
+        paired = paired_pope_cells(recs(a), recs(b), "pope")
+        if not paired.a:
             return "no paired records"
-        d = paired_mean_f1_difference(cells_a, cells_b)
+        d = paired_mean_f1_difference(paired.a, paired.b, paired.units)
         return f"{d.estimate:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}]"
 
     header = ["budget", "best (POPE mean F1)", "mean F1 [95% CI]", "runner-up"] + [f"margin over {m} [paired 95% CI]" for m in references]
@@ -217,7 +219,7 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
         "Compared at each budget: variants whose budgeted stage declares budget.tokens = B and whose "
         "layer-averaged vision tokens are within 5% of B.",
         "margin: the best variant's POPE mean F1 minus the reference's on the same questions; 95% CI by a paired "
-        "percentile bootstrap (1000 resamples, seed 0; questions resampled within each split, the same draw for both).",
+        "percentile bootstrap (10000 resamples, seed 0; images resampled jointly across splits, the same draw for both).",
     ] + notes
     return header, rows, notes
 

@@ -69,7 +69,7 @@ class ChairTask(Task):
             "evaluator": self.evaluator.describe(),
             "intervals": {
                 "chair_s": "Wilson score interval over captions, 95%",
-                "chair_i, recall": "percentile bootstrap over captions (ratio of sums), 95%",
+                "chair_i, recall": "percentile bootstrap over captions (ratio of sums), 95%; Wilson of the pooled counts where every replicate is equal",
                 "resamples": RESAMPLES,
                 "seed": SEED,
             },
