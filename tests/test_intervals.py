@@ -304,3 +304,28 @@ def test_paired_difference_resamples_images_jointly():
     assert d.lo == pytest.approx(ref.low, abs=0.006) and d.hi == pytest.approx(ref.high, abs=0.006)
     loose = paired_mean_f1_difference(a, b)
     assert (loose.hi - loose.lo) < 0.85 * (d.hi - d.lo)
+
+
+def test_unparsed_answers_are_counted_by_the_official_rule_and_degenerate_captions_flagged():
+    from mmfast.eval.unparsed import count_unparsed, degenerate_caption, pope_unparsed
+
+    for bad in ("inNo", "inYes", "in theNo", "", "No!", "I can't tell", "A living room has a living room."):
+        assert pope_unparsed(bad), bad
+    for good in ("Yes", "No", "yes, there is a dog.", "No, there is not.", "There is no dog"):
+        assert not pope_unparsed(good), good
+    assert degenerate_caption("") == "empty" and degenerate_caption("  ... !") == "no words"
+    assert degenerate_caption("This is a bedroom. You can You can You can see a bed.").startswith("repetition loop ('you can'")
+    assert degenerate_caption("a red red red vase") is not None
+    real = ("This is a photo of a dining room. You can see a woman dressed in green on the left and a white keyboard "
+            "in the bottom left corner. There is also a white cup in the bottom left corner and a small knife")
+    assert degenerate_caption(real) is None
+    recs = ([{"task": "pope_random", "resps": [["inNo"]]}] * 6 + [{"task": "pope_random", "resps": [["Yes"]]}] * 94
+            + [{"task": "chair", "resps": [["A dog. A dog. A dog."]]}, {"task": "chair", "resps": [[real]]}])
+    u = count_unparsed(recs)
+    assert (u.pope.k, u.pope.n, u.pope.examples) == (6, 100, ("inNo",)) and u.pope.over_limit
+    assert (u.chair.k, u.chair.n) == (1, 2) and u.chair.over_limit
+    assert u.pope.cell() == "6/100 (6.0%)" and any("POPE answers neither yes nor no" in r for r in u.reasons())
+    yes = {"task": "pope_random", "resps": [["Yes"]]}
+    assert count_unparsed(recs[:5] + [yes] * 94).pope.over_limit  # 5 of 99: 5.05%
+    assert not count_unparsed(recs[:5] + [yes] * 95).pope.over_limit  # 5 of 100: 5% is the limit
+    assert count_unparsed([]).pope is None and type(u).from_dict(u.as_dict()) == u

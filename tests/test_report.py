@@ -169,6 +169,9 @@ def test_rerender_bench_dir_adds_intervals_without_running(tmp_path):
         iv = r.pop("intervals")
         lo, hi = iv["pope"]["mean_f1_ci95"]
         assert lo <= r["metrics"]["pope"]["mean_f1"] <= hi
+        bad = r.pop("unparsed")  # counted from the records: every POPE answer there is a yes or a no
+        assert bad["pope"]["k"] == 0 and bad["pope"]["n"] > 0
+    assert "| n POPE | POPE unparsed |" in md
     after.pop("kind")
     assert after == before  # nothing else changes
     assert {"chair_i.png", "cost_per_token.png", "chair_i_vs_recall.png"} <= {p.name for p in bench.glob("*.png")}
@@ -187,12 +190,12 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     labels = ["yes" if i % 2 == 0 else "no" for i in range(120)]
     results = {}
 
-    def variant(name, method, budget, avg, p_right):
+    def variant(name, method, budget, avg, p_right, yes="Yes"):
         cells, recs = {}, []
         for s in ("random", "popular"):
             for i, lab in enumerate(labels):
                 right = rng.random() < p_right
-                ans = "Yes" if (lab == "yes") == right else "No"
+                ans = yes if (lab == "yes") == right else "No"
                 recs.append({"doc_id": f"pope_{s}/{i}", "task": f"pope_{s}", "target": lab, "resps": [[ans]]})
         run = tmp_path / "variants" / name
         run.mkdir(parents=True)
@@ -211,6 +214,9 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     c_vz = variant("visionzip-64", "visionzip", 64, 64.0, 0.8)
     c_rnd = variant("random-64", "random", 64, 64.0, 0.7)
     variant("mustdrop-64", "mustdrop", 64, 70.0, 0.99)  # 9% over its budget: not compared
+    # the best F1 of all, but its "yes" is "inYes": the official rule's default, not a reading (about half its answers)
+    variant("zipvl-64", "zipvl", 64, 64.0, 1.0, yes="inYes")
+    assert results["zipvl-64"]["metrics"]["pope"]["mean_f1"] == 1.0
     header, rows, notes = budget_leaders(tmp_path, {"results": results})
     assert len(rows) == 1 and rows[0][0] == 64 and rows[0][1] == "divprune-64"
     assert rows[0][3].startswith("visionzip-64")
@@ -220,3 +226,20 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     assert read_records(tmp_path / "variants" / "divprune-64")
     assert rows[0][header.index("margin over random [paired 95% CI]")] == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
     assert any("mustdrop-64 left out of budget 64" in n for n in notes)
+    assert any(n.startswith("zipvl-64 not ranked at budget 64: 120/240 (50.0%) POPE answers neither yes nor no") and "'inYes'" in n
+               for n in notes), notes
+
+
+def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():
+    from mmfast.bench.render import unparsed_notes, with_unparsed
+    from mmfast.eval.unparsed import TaskUnparsed, Unparsed
+
+    header = ["variant", "mean F1", "n POPE", "CHAIR_i", "n CHAIR"]
+    rows = [["a", 0.8, 900, 0.2, 100], ["zipvl-64", 0.667, 900, 0.3, 100]]
+    u = {"a": Unparsed(TaskUnparsed(0, 900), TaskUnparsed(2, 100)), "zipvl-64": Unparsed(TaskUnparsed(900, 900, ("inNo",)), TaskUnparsed(0, 100))}
+    h, r = with_unparsed(header, rows, u)
+    assert h == ["variant", "mean F1", "n POPE", "POPE unparsed", "CHAIR_i", "n CHAIR", "CHAIR degenerate"]
+    assert r[0][3] == "0/900" and r[0][6] == "2/100 (2.0%)"
+    assert r[1][3] == "900/900 (100.0%) not ranked" and r[1][6] == "0/100"
+    assert with_unparsed(h, r, u) == (h, r)  # idempotent
+    assert any(n.startswith("zipvl-64: 900/900 (100.0%) POPE answers neither yes nor no") and "'inNo'" in n for n in unparsed_notes(u))

@@ -433,9 +433,12 @@ def _has_chair_ci(m: Mapping[str, Any]) -> bool:
 
 
 def run_intervals(run: Path, summary: Mapping[str, Any] | None = None, *, chair_rescore: bool = True) -> RunIntervals:
-    """Intervals of an eval run directory: from its ``summary.json`` when the tasks recorded them,
-    else computed from its per-sample records (POPE by the recorded parser; CHAIR by re-scoring the
-    captions against the run's ground truth, only when the re-scored CHAIR_i equals the recorded one).
+    """Intervals of an eval run directory: from its ``summary.json`` when the tasks recorded them by
+    this module's method (:data:`CI_METHOD`), else computed from its per-sample records (POPE by the
+    recorded parser; CHAIR by re-scoring the captions against the run's ground truth, only when the
+    re-scored CHAIR_i equals the recorded one). CHAIR intervals recorded by the older method (the same
+    unit, the caption; fewer resamples) are kept, with a note, where they cannot be recomputed; POPE
+    ones are not (they resampled questions within each split and came out too narrow).
     """
     run = Path(run)
     if summary is None:
@@ -454,14 +457,17 @@ def run_intervals(run: Path, summary: Mapping[str, Any] | None = None, *, chair_
         return RunIntervals(pope, chair)
     records = read_records(run)
     if not records:
-        return RunIntervals(pope, chair, (f"{run}: no per-sample records; intervals not computed",))
+        notes.append(f"{run}: no per-sample records; intervals not computed")
     tasks = summary.get("protocol", {}).get("tasks", {})
-    if need_pope:
+    if need_pope and records:
         pope, note = _pope_from_records(records, pope_m, tasks.get("pope", {}))
         notes += [f"{run}: {note}"] if note else []
-    if need_chair and chair_rescore:
+    if need_chair and chair_rescore and records:
         chair, note = _chair_from_records(records, chair_m, summary)
         notes += [f"{run}: {note}"] if note else []
+    if chair is None and "chair_i_ci95" in chair_m:
+        chair = {k: v for k, v in chair_m.items() if k.endswith("_ci95") or k in ("n", "n_mentions", "n_gt_objects")}
+        notes.append(f"{run}: CHAIR intervals as recorded by an older method (captions resampled, fewer resamples)")
     for n in notes:
         logger.warning("%s", n)
     return RunIntervals(pope, chair, tuple(notes))
