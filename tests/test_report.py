@@ -243,3 +243,38 @@ def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():
     assert r[1][3] == "900/900 (100.0%) not ranked" and r[1][6] == "0/100"
     assert with_unparsed(h, r, u) == (h, r)  # idempotent
     assert any(n.startswith("zipvl-64: 900/900 (100.0%) POPE answers neither yes nor no") and "'inNo'" in n for n in unparsed_notes(u))
+
+
+def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_runs(tmp_path):
+    """results.md's timing columns say which model they come from, the slice's column carries the
+    same label and the same figures as speed_shaped.md, and a timing that is not the median of >= 5
+    warm repeats is flagged (the Qwen slice bench was committed from one cold run)."""
+    from mmfast.bench.pruning import write_pruning_report
+
+    def variant(name, tokens, prefill, slice_speedup):
+        return {"metrics": {"pope": {"mean_f1": 0.8}}, "accounting": {"vision_tokens_layer_avg": tokens},
+                "ratios": {"prefill_speedup": prefill}, "pruning": []}
+
+    result = {
+        "header": ["variant", "layer-avg tok", "mean F1", "prefill x", "e2e x", "scoring ovh"],
+        "rows": [["baseline", 576.0, 0.8, 1.0, 1.0, 0.0], ["random-64", 64.0, 0.7, 1.49, 1.2, 0.01]],
+        "results": {"baseline": variant("baseline", 576.0, 1.0, 1.0), "random-64": variant("random-64", 64.0, 1.49, 3.47)},
+        "shaped_speed": {"shape": "qwen2.5-vl-7b-slice", "skipped": [], "warmup": 0, "repeats": 1, "rows": [
+            {"variant": "baseline", "vision_tokens": 999, "layer_avg_tokens": 999, "prefill_s": 15.3, "vision_s": 49.0,
+             "speedup": 1.0, "e2e_speedup": 1.0, "flops_ratio": 1.0, "flops": 1.0},
+            {"variant": "random-64", "vision_tokens": 111, "layer_avg_tokens": 111, "prefill_s": 4.41, "vision_s": 58.6,
+             "speedup": 3.469, "e2e_speedup": 1.02, "flops_ratio": 0.162, "flops": 0.162}]},
+        "timing_protocol": {"warmup": 1, "repeats": 5, "samples": 8},
+        "model": {"name": "mmfast/tiny-world", "weights_fingerprint": "f"},
+    }
+    write_pruning_report(result, tmp_path, "mmfast bench x.yaml")
+    md = (tmp_path / "results.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| variant"))
+    assert "| prefill x [embedded] | prefill x [qwen2.5-vl-7b-slice] | e2e x [embedded] |" in head
+    assert "| random-64 |" in md and "| 1.490 | 3.469 |" in md
+    assert "accuracy columns (POPE, CHAIR)" in md and "mmfast/tiny-world, LLaVA architecture" in md
+    assert "qwen2.5-vl-7b-slice timings: median of 1 repeat(s) after 0 warmup run(s); NOT a reliable speed" in md
+    assert "Timings on the embedded model ([embedded]): median of 5 repeat(s) after 1 warmup run(s)." in md
+    shaped = (tmp_path / "speed_shaped.md").read_text()
+    assert "| prefill+vision speedup |" in shaped and "| prefill x [qwen2.5-vl-7b-slice] |" in shaped and "| 3.469 |" in shaped
+    assert "NOT a reliable speed" in shaped

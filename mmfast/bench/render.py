@@ -173,9 +173,11 @@ def interval_notes(intervals: dict[str, RunIntervals]) -> list[str]:
     return [INTERVAL_NOTE] + [f"{INTERVAL_NOTE_PREFIX}{m}" for m in missing]
 
 
-def write_results(result: dict[str, Any], out: Path, kind: str, title: str, command: str, notes: list[str]) -> dict[str, RunIntervals]:
+def write_results(result: dict[str, Any], out: Path, kind: str, title: str, command: str, notes: list[str],
+                  labels: dict[str, str] | None = None) -> dict[str, RunIntervals]:
     """A bench's ``results.md`` with n and 95% intervals from its variant records (also stored in
-    ``result``); returns the intervals for the plots."""
+    ``result``), its columns shown under ``labels`` (e.g. which model a timing comes from; the stored
+    header keeps its names); returns the intervals for the plots."""
     from .common import write_markdown
 
     result["kind"] = kind
@@ -184,12 +186,39 @@ def write_results(result: dict[str, Any], out: Path, kind: str, title: str, comm
     unparsed = variant_unparsed(out, result["results"])
     store_unparsed(result["results"], unparsed)
     header, rows = with_unparsed(*with_intervals(result["header"], result["rows"], intervals), unparsed)
+    header = [(labels or {}).get(h, h) for h in header]
     write_markdown(out / "results.md", title, command, header, rows, notes + interval_notes(intervals) + unparsed_notes(unparsed),
                    model=result.get("model"))
     return intervals
 
 
 SLICE_COLUMN = "prefill x 7B slice"
+RELIABLE_REPEATS = 5
+"""A timing is the median of at least this many repeats after a warmup; fewer is flagged."""
+
+
+def timing_labels(result: dict[str, Any]) -> dict[str, str]:
+    """Column labels that name the model each timing comes from: ``[embedded]`` (the model the
+    accuracy columns come from) and ``[<slice shape>]`` (the random-weight slice, as speed_shaped.md)."""
+    speed = result.get("shaped_speed")
+    if not speed:
+        return {}
+    return {"prefill x": "prefill x [embedded]", "e2e x": "e2e x [embedded]", "scoring ovh": "scoring ovh [embedded]",
+            SLICE_COLUMN: slice_label(speed["shape"])}
+
+
+def slice_label(shape: str) -> str:
+    return f"prefill x [{shape}]"
+
+
+def timing_protocol_note(what: str, warmup: int | None, repeats: int | None) -> str:
+    """How a timing was taken, flagged when it is not the median of >= RELIABLE_REPEATS warm repeats."""
+    if warmup is None or repeats is None:
+        return f"{what}: warmup and repeats not recorded (see the command); not known to be the median of {RELIABLE_REPEATS} warm repeats."
+    text = f"{what}: median of {repeats} repeat(s) after {warmup} warmup run(s)"
+    if repeats < RELIABLE_REPEATS or warmup < 1:
+        return text + f"; NOT a reliable speed (fewer than {RELIABLE_REPEATS} warm repeats: a cold run can be off by 2x); re-run before quoting it."
+    return text + "."
 
 
 def with_slice_speedup(result: dict[str, Any]) -> None:
