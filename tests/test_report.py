@@ -278,3 +278,16 @@ def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_ru
     shaped = (tmp_path / "speed_shaped.md").read_text()
     assert "| prefill+vision speedup |" in shaped and "| prefill x [qwen2.5-vl-7b-slice] |" in shaped and "| 3.469 |" in shaped
     assert "NOT a reliable speed" in shaped
+    # a bench recorded before warmup/repeats were: its command line says what ran
+    import copy
+
+    legacy = copy.deepcopy(result)
+    for key in ("warmup", "repeats"):
+        legacy["shaped_speed"].pop(key)
+    legacy.pop("timing_protocol")
+    for r in legacy["results"].values():
+        r.pop("intervals", None), r.pop("unparsed", None)
+    write_pruning_report(legacy, tmp_path, "mmfast bench x.yaml --set bench.warmup=0 --set bench.repeats=1")
+    md = (tmp_path / "results.md").read_text()
+    assert "qwen2.5-vl-7b-slice timings: median of 1 repeat(s) after 0 warmup run(s); NOT a reliable speed" in md
+    assert "Timings on the embedded model ([embedded]): median of 1 repeat(s) after 0 warmup run(s); NOT" in md

@@ -213,6 +213,14 @@ def hicom_modes(result: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _command_timing(command: str) -> dict[str, int]:
+    """``bench.warmup`` / ``bench.repeats`` set on a recorded command line (``--set bench.repeats=1``):
+    what a bench that predates ``timing_protocol`` ran with, where its command says so."""
+    import re
+
+    return {k: int(v) for k, v in re.findall(r"--set bench\.(warmup|repeats)=(\d+)", command)}
+
+
 def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> None:
     notes = [
         "All variants ran in one process on the same samples; ratios are against the baseline row.",
@@ -229,6 +237,12 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
     with_slice_speedup(result)
     speed = result.get("shaped_speed")
     model = (result.get("model") or {}).get("name", "the embedded model")
+    overrides = _command_timing(command)
+    if len(overrides) == 2:  # recorded before warmup/repeats were: the command line says what ran
+        result.setdefault("timing_protocol", dict(overrides))
+        if speed:
+            speed.setdefault("warmup", overrides["warmup"])
+            speed.setdefault("repeats", overrides["repeats"])
     if speed:
         notes.append(f"Which model each column comes from: the accuracy columns (POPE, CHAIR), token counts, FLOPs, KV and the "
                      f"[embedded] timings come from the embedded model ({model}, LLaVA architecture); {slice_label(speed['shape'])} "
