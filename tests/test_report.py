@@ -291,3 +291,14 @@ def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_ru
     md = (tmp_path / "results.md").read_text()
     assert "qwen2.5-vl-7b-slice timings: median of 1 repeat(s) after 0 warmup run(s); NOT a reliable speed" in md
     assert "Timings on the embedded model ([embedded]): median of 1 repeat(s) after 0 warmup run(s); NOT" in md
+
+
+def test_eval_metrics_table_shows_unparsed_answers():
+    from mmfast.report import metrics_table
+
+    table = metrics_table({
+        "pope": {"random": {"f1": 0.667, "accuracy": 0.5, "yes_ratio": 1.0, "n": 100, "n_unknown": 100}, "mean_f1": 0.667, "n": 100},
+        "chair": {"chair_s": 0.6, "chair_i": 0.21, "recall": 0.55, "n": 50, "n_degenerate": 7},
+    })
+    assert "unparsed 100" in next(line for line in table.splitlines() if line.startswith("pope random"))
+    assert "degenerate 7" in next(line for line in table.splitlines() if line.startswith("chair"))
