@@ -105,6 +105,7 @@ def test_report_tables_carry_n_and_intervals(tmp_path):
     value, lo, hi = (float(x) for x in cell.replace("[", "").replace("]", "").replace(",", "").split())
     assert value == pytest.approx(pope["mean_f1"], abs=5e-4) and lo <= value <= hi and hi - lo > 0.02
     assert row.split("|")[9].strip() == "120"
+    assert "| n POPE | POPE unparsed |" in md and row.split("|")[10].strip() == "0/120"  # every answer a yes or a no
     assert "percentile bootstrap" in md
 
 
