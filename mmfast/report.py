@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from .bench.plots import bars, labelled_points, plot_title, scatter_lines
-from .bench.render import bench_kind, bench_plots, fmt_ci, interval_notes, variant_intervals, with_intervals
+from .bench.render import (INTERVAL_NOTE_PREFIX, bench_kind, bench_plots, fmt_ci, interval_notes, unparsed_cell, variant_intervals,
+                           variant_unparsed, with_intervals, with_unparsed)
 from .errors import InputError
-from .eval.intervals import RunIntervals, run_intervals
+from .eval.intervals import RunIntervals, read_records, run_intervals
+from .eval.unparsed import count_unparsed
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +63,15 @@ def _short(params: dict[str, Any]) -> str:
 
 
 EVAL_HEADER = ["run", "methods", "vision tok", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1 [95% CI]", "n POPE",
-               "CHAIR_s [95% CI]", "CHAIR_i [95% CI]", "recall [95% CI]", "n CHAIR", "weights"]
+               "POPE unparsed", "CHAIR_s [95% CI]", "CHAIR_i [95% CI]", "recall [95% CI]", "n CHAIR", "CHAIR degenerate", "weights"]
 
 
 EVAL_INTERVAL_NOTE = (
-    "[95% CI]: POPE mean F1 by a percentile bootstrap (1000 resamples, seed 0; questions resampled within each split); "
-    "CHAIR_s by the Wilson score interval, CHAIR_i and recall by a percentile bootstrap over captions; "
-    "n POPE = questions over all splits, n CHAIR = captions (mmfast.eval.intervals)."
+    "[95% CI]: POPE mean F1 by a percentile bootstrap resampling images jointly across splits (10000 resamples, seed 0); "
+    "CHAIR_s by the Wilson score interval, CHAIR_i and recall by a percentile bootstrap over captions; Wilson of the pooled "
+    "counts where every replicate is equal; n POPE = questions over all splits, n CHAIR = captions (mmfast.eval.intervals). "
+    "POPE unparsed / CHAIR degenerate: answers read as neither yes nor no by the official rule / empty, wordless or looping "
+    "captions (mmfast.eval.unparsed); over 5% the cell says 'not ranked'."
 )
 
 
@@ -95,6 +99,7 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
     m, acc, proto = s.get("metrics", {}), s.get("accounting", {}), s.get("protocol", {})
     pope, chair = m.get("pope", {}), m.get("chair", {})
     iv = run_intervals(run, s)
+    bad = count_unparsed(read_records(run))
     cells = [
         run.name,
         _method_label(proto),
@@ -103,10 +108,12 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
         *(pope.get(k, {}).get("f1") for k in ("random", "popular", "adversarial")),
         _with_ci(pope.get("mean_f1"), iv.pope, "mean_f1"),
         (iv.pope or {}).get("n") or (sum(v.get("n", 0) for v in pope.values() if isinstance(v, dict)) or None),
+        unparsed_cell(bad.pope),
         _with_ci(chair.get("chair_s"), iv.chair, "chair_s"),
         _with_ci(chair.get("chair_i"), iv.chair, "chair_i"),
         _with_ci(chair.get("recall"), iv.chair, "recall"),
         chair.get("n"),
+        unparsed_cell(bad.chair),
         proto.get("weights_fingerprint"),
     ]
     return EvalRow(run.name, acc.get("mean_vision_tokens_layer_avg"), pope.get("mean_f1"), chair.get("chair_i"), chair.get("recall"), iv, cells)
@@ -130,12 +137,12 @@ def metrics_table(metrics: dict[str, Any]) -> str:
         splits = {k: v for k, v in m.items() if isinstance(v, dict) and "f1" in v}
         for split, d in splits.items():
             rows.append([f"{task} {split}", str(d.get("n", "")), "F1 " + cell(d, "f1"), "acc " + cell(d, "accuracy"),
-                         "yes " + cell(d, "yes_ratio")])
+                         "yes " + cell(d, "yes_ratio"), f"unparsed {d['n_unknown']}" if "n_unknown" in d else ""])
         if "mean_f1" in m:
             rows.append([f"{task} mean", str(m.get("n", "")), "F1 " + cell(m, "mean_f1"), "acc " + cell(m, "mean_accuracy"), ""])
         if "chair_i" in m:
             rows.append([task, str(m.get("n", "")), "CHAIR_s " + cell(m, "chair_s"), "CHAIR_i " + cell(m, "chair_i"),
-                         "recall " + cell(m, "recall")])
+                         "recall " + cell(m, "recall"), f"degenerate {m['n_degenerate']}" if "n_degenerate" in m else ""])
         if not splits and "chair_i" not in m and "mean_f1" not in m:  # another task: its scalar metrics
             rows.append([task, str(m.get("n", "")), *(f"{k} {v:.3f}" for k, v in m.items() if isinstance(v, float))])
     if not rows:
@@ -278,11 +285,12 @@ def write_report(runs: list[str], output: str) -> Path:
         intervals = variant_intervals(run, s["results"]) if kind in ("pruning", "decoding") else {}
         if "header" in s and "rows" in s:
             header, rows = with_intervals(s["header"], s["rows"], intervals) if intervals else (s["header"], s["rows"])
+            header, rows = with_unparsed(header, rows, variant_unparsed(run, s["results"])) if intervals else (header, rows)
             md += [*_md_table(header, rows), ""]
             parts_html.append(_html_table(header, rows))
         notes = _bench_notes(run)
         if intervals:
-            notes = [n for n in notes if not n.startswith("95% CI:") and not n.startswith("no interval for")] + interval_notes(intervals)
+            notes = [n for n in notes if not n.startswith("95% CI:") and not n.startswith(INTERVAL_NOTE_PREFIX)] + interval_notes(intervals)
         if notes:
             md += [f"- {n}" for n in notes] + [""]
             parts_html.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")

@@ -181,3 +181,30 @@ def test_bench_section_is_strict(override, path):
     with pytest.raises(ConfigError) as exc:
         variants(load_recipe("bench/pruning", overrides=[override]))
     assert exc.value.path == path
+
+
+def test_shaped_speed_warms_up_and_takes_the_median_of_its_repeats(monkeypatch):
+    """The slice's timings go through the embedded model's warmup/repeat helper: ``warmup`` untimed
+    runs, then the median over ``repeats`` of every variant's LLM prefill; both are recorded."""
+    import statistics
+
+    import mmfast.bench.pruning as pruning
+    from mmfast.bench.common import variants, warm_repeats
+
+    seen = []
+
+    def recording(fn, warmup, repeats):
+        calls = []
+        out = warm_repeats(lambda: calls.append(1) or fn(), warmup, repeats)
+        seen.append((warmup, repeats, len(calls), [sum(r.timings.prefill_s for r in rs) for _, rs in out]))
+        return out
+
+    monkeypatch.setattr(pruning, "warm_repeats", recording)
+    recipe = load_recipe({"name": "s", "bench": {
+        "kind": "pruning", "shape": "tiny", "repeats": 5, "warmup": 1, "params": {"shaped_samples": 1},
+        "compare": [{"name": "random-4", "pruning": [{"method": "random", "params": {"keep": 4}}]}]}})
+    out = pruning._shaped_speed(recipe, variants(recipe), torch.device("cpu"))
+    assert (out["warmup"], out["repeats"]) == (1, 5)
+    assert [s[:3] for s in seen] == [(1, 5, 6), (1, 5, 6)]  # baseline, random-4: 1 + 5 runs each
+    for row, s in zip(out["rows"], seen):
+        assert row["prefill_s"] == statistics.median(s[3])

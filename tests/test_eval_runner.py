@@ -56,9 +56,10 @@ def test_summary_layout_and_records(tiny_dir, tiny_mm, small_world, tmp_path):
     assert "mean_f1" in pope and pope["n"] == 8
     assert pope["mean_f1_ci95"][0] <= pope["mean_f1"] <= pope["mean_f1_ci95"][1]
     assert set(s["metrics"]["chair"]) == {"chair_s", "chair_i", "recall", "len", "n", "chair_s_ci95", "chair_i_ci95",
-                                          "recall_ci95", "n_mentions", "n_gt_objects"}
-    assert s["metrics"]["chair"]["n"] == 4
-    assert s["protocol"]["tasks"]["chair"]["intervals"]["resamples"] == 1000
+                                          "recall_ci95", "n_mentions", "n_gt_objects", "n_degenerate", "ci_method"}
+    assert s["metrics"]["chair"]["n"] == 4 and 0 <= s["metrics"]["chair"]["n_degenerate"] <= 4
+    assert pope["n_units"] <= 8 and pope["ci_method"] == s["metrics"]["chair"]["ci_method"]  # POPE resampled by image
+    assert s["protocol"]["tasks"]["chair"]["intervals"]["resamples"] == 10_000
     assert s["protocol"]["tasks"]["pope"]["files"]["random"]["sha256"]
     assert s["protocol"]["recipe_hash"] and s["protocol"]["versions"]["transformers"]
     recs = _lines(out / "samples.jsonl")

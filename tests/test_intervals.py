@@ -83,20 +83,38 @@ def test_bootstrap_is_deterministic_given_the_seed_and_shrinks_with_n():
     big = pope_intervals({"random": cells * 10})
     wa, wb = (x.splits["random"].f1 for x in (a, big))
     assert wb.hi - wb.lo < 0.5 * (wa.hi - wa.lo)
-    # a bootstrap replicate by hand: the same generator draws the same resample
+    # the bootstrap by hand: the same generator draws the same resamples (10 blocks of 1000)
     rng = np.random.default_rng(0)
-    idx = rng.integers(0, len(cells), size=(1000, len(cells)))
+    idx = np.concatenate([rng.integers(0, len(cells), size=(1000, len(cells))) for _ in range(10)])
     arr = np.array(cells)[idx]
     tp, fp, fn = ((arr == k).sum(1) for k in ("tp", "fp", "fn"))
     f1 = 2 * tp / (2 * tp + fp + fn)
     assert [wa.lo, wa.hi] == pytest.approx(list(np.percentile(f1, [2.5, 97.5])), abs=1e-12)
 
 
-def test_f1_interval_of_degenerate_splits():
+def test_degenerate_bootstraps_fall_back_to_wilson():
+    """6 of 6 right: every replicate is 1.0, and the percentile bootstrap's [1, 1] claims certainty.
+    The fallback is Wilson of the pooled counts (F1 through the Jaccard index J = tp/(tp+fp+fn))."""
+    six = pope_intervals({s: ["tp", "tn"] for s in ("random", "popular", "adversarial")},
+                         {s: ["a.png", "a.png"] for s in ("random", "popular", "adversarial")})
+    w = wilson(6, 6)
+    assert six.mean_accuracy.estimate == 1.0 and six.mean_accuracy.method == "wilson"
+    assert six.mean_accuracy.as_list() == pytest.approx(w.as_list()) and six.mean_accuracy.lo < 0.7
+    j = wilson(3, 3)  # 3 tp, no fp / fn over the splits
+    assert six.mean_f1.as_list() == pytest.approx([2 * j.lo / (1 + j.lo), 1.0]) and six.mean_f1.lo < 1
     all_right = pope_intervals({"random": ["tp"] * 20 + ["tn"] * 20}).splits["random"]
-    assert all_right.f1.as_list() == [1.0, 1.0] and all_right.f1.estimate == 1.0
+    assert all_right.f1.estimate == 1.0 and all_right.f1.method == "wilson" and all_right.f1.hi == 1.0
+    j = wilson(20, 20)
+    assert all_right.f1.lo == pytest.approx(2 * j.lo / (1 + j.lo)) and all_right.f1.lo < 1
     never_yes = pope_intervals({"random": ["tn"] * 20 + ["fn"] * 20}).splits["random"]
-    assert never_yes.f1.as_list() == [0.0, 0.0] and never_yes.precision.n == 0
+    j = wilson(0, 20)  # 20 fn, no tp
+    assert never_yes.f1.estimate == 0.0 and never_yes.f1.lo == 0.0 and never_yes.precision.n == 0
+    assert never_yes.f1.hi == pytest.approx(2 * j.hi / (1 + j.hi)) and never_yes.f1.hi > 0
+    # CHAIR_i with no hallucination at all: not [0, 0]
+    clean = chair_intervals([CaptionCounts(3, 0, 4, 2)] * 10)
+    assert clean.chair_i.method == "wilson" and clean.chair_i.as_list() == pytest.approx(wilson(0, 30).as_list())
+    # a bootstrap with spread stays a bootstrap
+    assert pope_intervals({"random": ["tp", "fn", "tn", "fp"] * 5}).mean_f1.method == "bootstrap"
     with pytest.raises(ValueError, match="unknown POPE cell"):
         pope_intervals({"random": ["tp", "yes"]})
 
@@ -195,16 +213,119 @@ def test_paired_mean_f1_difference_against_direct_computation():
     assert 0 < d.lo <= d.estimate <= d.hi
     sep_a, sep_b = pope_intervals(a).mean_f1, pope_intervals(b).mean_f1
     assert sep_b.hi > sep_a.lo  # unpaired: the intervals overlap; paired: the difference is clear
-    # direct re-computation of the paired bootstrap (one index draw per split, both systems on it)
+    # direct re-computation of the paired bootstrap: without images every question is its own unit
+    # (splits in sorted order, one draw of all units, both systems scored on it)
     codes = {"tp": 0, "fp": 1, "tn": 2, "fn": 3, "unscored": 4}
+    names = sorted(a)
+    sizes = [len(a[s]) for s in names]
+    ca, cb = (np.concatenate([[codes[c] for c in x[s]] for s in names]) for x in (a, b))
+    split_of = np.repeat(np.arange(len(names)), sizes)
     gen = np.random.default_rng(0)
-    reps = []
-    for s in sorted(a):
-        ca, cb = (np.array([codes[c] for c in x[s]]) for x in (a, b))
-        idx = gen.integers(0, len(ca), size=(1000, len(ca)))
-        f = [_f1_from_counts(*(((c[idx]) == k).sum(axis=1) for k in (0, 1, 3))) for c in (ca, cb)]
-        reps.append(f[0] - f[1])
-    lo, hi = np.percentile(np.mean(reps, axis=0), [2.5, 97.5])
+    idx = np.concatenate([gen.integers(0, len(ca), size=(1000, len(ca))) for _ in range(10)])
+    f = []
+    for c in (ca, cb):
+        per = [_f1_from_counts(*(((c[idx] == k) & (split_of[idx] == j)).sum(axis=1) for k in (0, 1, 3))) for j in range(len(names))]
+        f.append(np.mean(per, axis=0))
+    lo, hi = np.percentile(f[0] - f[1], [2.5, 97.5])
     assert math.isclose(d.lo, lo, abs_tol=1e-12) and math.isclose(d.hi, hi, abs_tol=1e-12)
     with pytest.raises(ValueError, match="same"):
         paired_mean_f1_difference(a, {"random": a["random"]})
+
+
+def _shared_image_splits(n_images=40, seed=5):
+    """Three POPE splits over the same images, 3 positive + 3 negative questions per image and split;
+    the positive questions (and so their answers) are the same in every split, as in POPE."""
+    rng = np.random.default_rng(seed)
+    cells, units = {s: [] for s in ("random", "popular", "adversarial")}, {s: [] for s in ("random", "popular", "adversarial")}
+    for i in range(n_images):
+        hard = rng.random() < 0.3  # an image the model gets wrong more often, in every split
+        pos = ["tp" if rng.random() < (0.5 if hard else 0.9) else "fn" for _ in range(3)]
+        for s, p_fp in (("random", 0.05), ("popular", 0.15), ("adversarial", 0.3)):
+            neg = ["fp" if rng.random() < p_fp * (2 if hard else 1) else "tn" for _ in range(3)]
+            cells[s] += pos + neg
+            units[s] += [f"img{i}.png"] * 6
+    return cells, units
+
+
+def test_pope_mean_f1_interval_matches_scipy_bootstrap_over_images():
+    """The interval of the mean F1 is scipy.stats.bootstrap's percentile interval with the image as the
+    unit (all its questions of all splits resampled together); resampling questions within each split
+    instead (the old method) is far narrower on splits that share their positive answers."""
+    stats = pytest.importorskip("scipy.stats")
+    from mmfast.eval.intervals import _f1_from_counts
+
+    cells, units = _shared_image_splits()
+    iv = pope_intervals(cells, units)
+    codes = {"tp": 0, "fp": 1, "tn": 2, "fn": 3}
+    per_image = np.zeros((40, 3, 4))  # [image, split, cell]
+    for j, s in enumerate(cells):
+        for c, u in zip(cells[s], units[s]):
+            per_image[int(u[3:-4]), j, codes[c]] += 1
+
+    def mean_f1(idx):
+        c = per_image[idx.astype(int)].sum(axis=0)  # [split, cell]
+        return float(np.mean(_f1_from_counts(c[:, 0], c[:, 1], c[:, 3])))
+
+    assert iv.mean_f1.estimate == pytest.approx(mean_f1(np.arange(40)), abs=1e-12)
+    ref = stats.bootstrap((np.arange(40),), mean_f1, vectorized=False, n_resamples=10_000, method="percentile",
+                          rng=np.random.default_rng(123)).confidence_interval
+    assert iv.mean_f1.method == "bootstrap" and iv.n_units == 40 and iv.n == 720
+    assert iv.mean_f1.lo == pytest.approx(ref.low, abs=0.006) and iv.mean_f1.hi == pytest.approx(ref.high, abs=0.006)
+    by_question = pope_intervals(cells)  # every question its own unit, splits independent
+    assert by_question.n_units == 720
+    assert (by_question.mean_f1.hi - by_question.mean_f1.lo) < 0.75 * (iv.mean_f1.hi - iv.mean_f1.lo)
+
+
+def test_paired_difference_resamples_images_jointly():
+    """Paired margins draw images once for both systems and all splits: the same as scipy's paired
+    bootstrap of the per-image counts of both systems, and wider than a per-question draw."""
+    stats = pytest.importorskip("scipy.stats")
+    from mmfast.eval.intervals import _f1_from_counts, paired_mean_f1_difference
+
+    a, units = _shared_image_splits(seed=5)
+    b, _ = _shared_image_splits(seed=6)
+    d = paired_mean_f1_difference(a, b, units)
+    codes = {"tp": 0, "fp": 1, "tn": 2, "fn": 3}
+    names = sorted(a)
+    per_image = np.zeros((40, 2, 3, 4))
+    for k, x in enumerate((a, b)):
+        for j, s in enumerate(names):
+            for c, u in zip(x[s], units[s]):
+                per_image[int(u[3:-4]), k, j, codes[c]] += 1
+
+    def diff(idx):
+        c = per_image[idx.astype(int)].sum(axis=0)  # [system, split, cell]
+        f1 = _f1_from_counts(c[..., 0], c[..., 1], c[..., 3]).mean(axis=-1)
+        return float(f1[0] - f1[1])
+
+    assert d.estimate == pytest.approx(diff(np.arange(40)), abs=1e-12)
+    ref = stats.bootstrap((np.arange(40),), diff, vectorized=False, n_resamples=10_000, method="percentile",
+                          rng=np.random.default_rng(7)).confidence_interval
+    assert d.lo == pytest.approx(ref.low, abs=0.006) and d.hi == pytest.approx(ref.high, abs=0.006)
+    loose = paired_mean_f1_difference(a, b)
+    assert (loose.hi - loose.lo) < 0.85 * (d.hi - d.lo)
+
+
+def test_unparsed_answers_are_counted_by_the_official_rule_and_degenerate_captions_flagged():
+    from mmfast.eval.unparsed import count_unparsed, degenerate_caption, pope_unparsed
+
+    for bad in ("inNo", "inYes", "in theNo", "", "No!", "I can't tell", "A living room has a living room."):
+        assert pope_unparsed(bad), bad
+    for good in ("Yes", "No", "yes, there is a dog.", "No, there is not.", "There is no dog"):
+        assert not pope_unparsed(good), good
+    assert degenerate_caption("") == "empty" and degenerate_caption("  ... !") == "no words"
+    assert degenerate_caption("This is a bedroom. You can You can You can see a bed.").startswith("repetition loop ('you can'")
+    assert degenerate_caption("a red red red vase") is not None
+    real = ("This is a photo of a dining room. You can see a woman dressed in green on the left and a white keyboard "
+            "in the bottom left corner. There is also a white cup in the bottom left corner and a small knife")
+    assert degenerate_caption(real) is None
+    recs = ([{"task": "pope_random", "resps": [["inNo"]]}] * 6 + [{"task": "pope_random", "resps": [["Yes"]]}] * 94
+            + [{"task": "chair", "resps": [["A dog. A dog. A dog."]]}, {"task": "chair", "resps": [[real]]}])
+    u = count_unparsed(recs)
+    assert (u.pope.k, u.pope.n, u.pope.examples) == (6, 100, ("inNo",)) and u.pope.over_limit
+    assert (u.chair.k, u.chair.n) == (1, 2) and u.chair.over_limit
+    assert u.pope.cell() == "6/100 (6.0%)" and any("POPE answers neither yes nor no" in r for r in u.reasons())
+    yes = {"task": "pope_random", "resps": [["Yes"]]}
+    assert count_unparsed(recs[:5] + [yes] * 94).pope.over_limit  # 5 of 99: 5.05%
+    assert not count_unparsed(recs[:5] + [yes] * 95).pope.over_limit  # 5 of 100: 5% is the limit
+    assert count_unparsed([]).pope is None and type(u).from_dict(u.as_dict()) == u

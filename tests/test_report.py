@@ -105,6 +105,7 @@ def test_report_tables_carry_n_and_intervals(tmp_path):
     value, lo, hi = (float(x) for x in cell.replace("[", "").replace("]", "").replace(",", "").split())
     assert value == pytest.approx(pope["mean_f1"], abs=5e-4) and lo <= value <= hi and hi - lo > 0.02
     assert row.split("|")[9].strip() == "120"
+    assert "| n POPE | POPE unparsed |" in md and row.split("|")[10].strip() == "0/120"  # every answer a yes or a no
     assert "percentile bootstrap" in md
 
 
@@ -169,6 +170,9 @@ def test_rerender_bench_dir_adds_intervals_without_running(tmp_path):
         iv = r.pop("intervals")
         lo, hi = iv["pope"]["mean_f1_ci95"]
         assert lo <= r["metrics"]["pope"]["mean_f1"] <= hi
+        bad = r.pop("unparsed")  # counted from the records: every POPE answer there is a yes or a no
+        assert bad["pope"]["k"] == 0 and bad["pope"]["n"] > 0
+    assert "| n POPE | POPE unparsed |" in md
     after.pop("kind")
     assert after == before  # nothing else changes
     assert {"chair_i.png", "cost_per_token.png", "chair_i_vs_recall.png"} <= {p.name for p in bench.glob("*.png")}
@@ -187,12 +191,12 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     labels = ["yes" if i % 2 == 0 else "no" for i in range(120)]
     results = {}
 
-    def variant(name, method, budget, avg, p_right):
+    def variant(name, method, budget, avg, p_right, yes="Yes"):
         cells, recs = {}, []
         for s in ("random", "popular"):
             for i, lab in enumerate(labels):
                 right = rng.random() < p_right
-                ans = "Yes" if (lab == "yes") == right else "No"
+                ans = yes if (lab == "yes") == right else "No"
                 recs.append({"doc_id": f"pope_{s}/{i}", "task": f"pope_{s}", "target": lab, "resps": [[ans]]})
         run = tmp_path / "variants" / name
         run.mkdir(parents=True)
@@ -211,6 +215,9 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     c_vz = variant("visionzip-64", "visionzip", 64, 64.0, 0.8)
     c_rnd = variant("random-64", "random", 64, 64.0, 0.7)
     variant("mustdrop-64", "mustdrop", 64, 70.0, 0.99)  # 9% over its budget: not compared
+    # the best F1 of all, but its "yes" is "inYes": the official rule's default, not a reading (about half its answers)
+    variant("zipvl-64", "zipvl", 64, 64.0, 1.0, yes="inYes")
+    assert results["zipvl-64"]["metrics"]["pope"]["mean_f1"] == 1.0
     header, rows, notes = budget_leaders(tmp_path, {"results": results})
     assert len(rows) == 1 and rows[0][0] == 64 and rows[0][1] == "divprune-64"
     assert rows[0][3].startswith("visionzip-64")
@@ -220,3 +227,79 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     assert read_records(tmp_path / "variants" / "divprune-64")
     assert rows[0][header.index("margin over random [paired 95% CI]")] == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
     assert any("mustdrop-64 left out of budget 64" in n for n in notes)
+    assert any(n.startswith("zipvl-64 not ranked at budget 64: 120/240 (50.0%) POPE answers neither yes nor no") and "'inYes'" in n
+               for n in notes), notes
+
+
+def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():
+    from mmfast.bench.render import unparsed_notes, with_unparsed
+    from mmfast.eval.unparsed import TaskUnparsed, Unparsed
+
+    header = ["variant", "mean F1", "n POPE", "CHAIR_i", "n CHAIR"]
+    rows = [["a", 0.8, 900, 0.2, 100], ["zipvl-64", 0.667, 900, 0.3, 100]]
+    u = {"a": Unparsed(TaskUnparsed(0, 900), TaskUnparsed(2, 100)), "zipvl-64": Unparsed(TaskUnparsed(900, 900, ("inNo",)), TaskUnparsed(0, 100))}
+    h, r = with_unparsed(header, rows, u)
+    assert h == ["variant", "mean F1", "n POPE", "POPE unparsed", "CHAIR_i", "n CHAIR", "CHAIR degenerate"]
+    assert r[0][3] == "0/900" and r[0][6] == "2/100 (2.0%)"
+    assert r[1][3] == "900/900 (100.0%) not ranked" and r[1][6] == "0/100"
+    assert with_unparsed(h, r, u) == (h, r)  # idempotent
+    assert any(n.startswith("zipvl-64: 900/900 (100.0%) POPE answers neither yes nor no") and "'inNo'" in n for n in unparsed_notes(u))
+
+
+def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_runs(tmp_path):
+    """results.md's timing columns say which model they come from, the slice's column carries the
+    same label and the same figures as speed_shaped.md, and a timing that is not the median of >= 5
+    warm repeats is flagged (the Qwen slice bench was committed from one cold run)."""
+    from mmfast.bench.pruning import write_pruning_report
+
+    def variant(name, tokens, prefill, slice_speedup):
+        return {"metrics": {"pope": {"mean_f1": 0.8}}, "accounting": {"vision_tokens_layer_avg": tokens},
+                "ratios": {"prefill_speedup": prefill}, "pruning": []}
+
+    result = {
+        "header": ["variant", "layer-avg tok", "mean F1", "prefill x", "e2e x", "scoring ovh"],
+        "rows": [["baseline", 576.0, 0.8, 1.0, 1.0, 0.0], ["random-64", 64.0, 0.7, 1.49, 1.2, 0.01]],
+        "results": {"baseline": variant("baseline", 576.0, 1.0, 1.0), "random-64": variant("random-64", 64.0, 1.49, 3.47)},
+        "shaped_speed": {"shape": "qwen2.5-vl-7b-slice", "skipped": [], "warmup": 0, "repeats": 1, "rows": [
+            {"variant": "baseline", "vision_tokens": 999, "layer_avg_tokens": 999, "prefill_s": 15.3, "vision_s": 49.0,
+             "speedup": 1.0, "e2e_speedup": 1.0, "flops_ratio": 1.0, "flops": 1.0},
+            {"variant": "random-64", "vision_tokens": 111, "layer_avg_tokens": 111, "prefill_s": 4.41, "vision_s": 58.6,
+             "speedup": 3.469, "e2e_speedup": 1.02, "flops_ratio": 0.162, "flops": 0.162}]},
+        "timing_protocol": {"warmup": 1, "repeats": 5, "samples": 8},
+        "model": {"name": "mmfast/tiny-world", "weights_fingerprint": "f"},
+    }
+    write_pruning_report(result, tmp_path, "mmfast bench x.yaml")
+    md = (tmp_path / "results.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| variant"))
+    assert "| prefill x [embedded] | prefill x [qwen2.5-vl-7b-slice] | e2e x [embedded] |" in head
+    assert "| random-64 |" in md and "| 1.490 | 3.469 |" in md
+    assert "accuracy columns (POPE, CHAIR)" in md and "mmfast/tiny-world, LLaVA architecture" in md
+    assert "qwen2.5-vl-7b-slice timings: median of 1 repeat(s) after 0 warmup run(s); NOT a reliable speed" in md
+    assert "Timings on the embedded model ([embedded]): median of 5 repeat(s) after 1 warmup run(s)." in md
+    shaped = (tmp_path / "speed_shaped.md").read_text()
+    assert "| prefill+vision speedup |" in shaped and "| prefill x [qwen2.5-vl-7b-slice] |" in shaped and "| 3.469 |" in shaped
+    assert "NOT a reliable speed" in shaped
+    # a bench recorded before warmup/repeats were: its command line says what ran
+    import copy
+
+    legacy = copy.deepcopy(result)
+    for key in ("warmup", "repeats"):
+        legacy["shaped_speed"].pop(key)
+    legacy.pop("timing_protocol")
+    for r in legacy["results"].values():
+        r.pop("intervals", None), r.pop("unparsed", None)
+    write_pruning_report(legacy, tmp_path, "mmfast bench x.yaml --set bench.warmup=0 --set bench.repeats=1")
+    md = (tmp_path / "results.md").read_text()
+    assert "qwen2.5-vl-7b-slice timings: median of 1 repeat(s) after 0 warmup run(s); NOT a reliable speed" in md
+    assert "Timings on the embedded model ([embedded]): median of 1 repeat(s) after 0 warmup run(s); NOT" in md
+
+
+def test_eval_metrics_table_shows_unparsed_answers():
+    from mmfast.report import metrics_table
+
+    table = metrics_table({
+        "pope": {"random": {"f1": 0.667, "accuracy": 0.5, "yes_ratio": 1.0, "n": 100, "n_unknown": 100}, "mean_f1": 0.667, "n": 100},
+        "chair": {"chair_s": 0.6, "chair_i": 0.21, "recall": 0.55, "n": 50, "n_degenerate": 7},
+    })
+    assert "unparsed 100" in next(line for line in table.splitlines() if line.startswith("pope random"))
+    assert "degenerate 7" in next(line for line in table.splitlines() if line.startswith("chair"))

@@ -126,19 +126,25 @@ def timing_samples_of(recipe: Recipe, n: int, tasks: tuple[str, ...] | None = No
     return [s for task in build_tasks(cfg, data) for s in task.samples(n)][:n]
 
 
-def median_time(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    """Median wall time of ``fn()`` after ``warmup`` untimed calls (CUDA synchronised)."""
+def warm_repeats(fn: Callable[[], Any], warmup: int, repeats: int) -> list[tuple[float, Any]]:
+    """``(wall seconds, result)`` of ``repeats`` calls of ``fn()`` after ``warmup`` untimed ones (CUDA
+    synchronised): what every timing of a bench takes its median of."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
-    times = []
+    out = []
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        out.append((time.perf_counter() - t0, result))
+    return out
+
+
+def median_time(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """Median wall time of ``fn()`` after ``warmup`` untimed calls (CUDA synchronised)."""
+    return statistics.median(t for t, _ in warm_repeats(fn, warmup, repeats))
 
 
 def peak_rss_reset() -> bool:

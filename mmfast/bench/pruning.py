@@ -25,7 +25,7 @@ from ..eval.runner import evaluation_calibration, run_eval
 from ..model import MMModel
 from ..pipeline import apply
 from ..pruning._budget import CalibrationSet
-from .common import Variant, dump, median_time, timing_samples_of, variants, write_markdown
+from .common import Variant, dump, median_time, timing_samples_of, variants, warm_repeats, write_markdown
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
         "CHAIR_s", "CHAIR_i", "prefill x", "e2e x", "FLOPs ratio", "FLOPs ratio 7B", "KV ratio", "scoring ovh",
     ]
     speed = _shaped_speed(recipe, vs, mm.device) if cfg.shape else None
-    return {"header": header, "rows": rows, "results": results, "shaped_speed": speed}
+    return {"header": header, "rows": rows, "results": results, "shaped_speed": speed,
+            "timing_protocol": {"warmup": cfg.warmup, "repeats": cfg.repeats, "samples": len(timing_samples)}}
 
 
 def _accounting(run_dir: Path) -> dict[str, float]:
@@ -155,7 +156,7 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
         im.save(paths[-1])
     calibration = CalibrationSet(tuple(paths), (prompt,) * n)
     wanted = set(cfg.params.get("shaped_variants", [v.name for v in vs]))
-    out: dict[str, Any] = {"shape": cfg.shape, "rows": [], "skipped": []}
+    out: dict[str, Any] = {"shape": cfg.shape, "rows": [], "skipped": [], "warmup": cfg.warmup, "repeats": cfg.repeats, "samples": n}
     base = None
     for v in vs:
         if v.name != "baseline" and v.name not in wanted:
@@ -167,10 +168,8 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
             logger.warning("shaped speed: %s skipped: %s", v.name, exc)
             out["skipped"].append({"variant": v.name, "reason": str(exc)})
             continue
-        with session_cm as session:
-            for _ in range(cfg.warmup):
-                session.run(batches[0], max_new_tokens=1)
-            runs = [[session.run(b, max_new_tokens=1)[0] for b in batches] for _ in range(cfg.repeats)]
+        with session_cm as session:  # warmup and repeats as the embedded model's timing (common.warm_repeats)
+            runs = [rs for _, rs in warm_repeats(lambda: [session.run(b, max_new_tokens=1)[0] for b in batches], cfg.warmup, cfg.repeats)]
         prefill = float(np.median([sum(r.timings.prefill_s for r in rs) for rs in runs]))
         vision = float(np.median([sum(r.timings.vision_s for r in rs) for rs in runs]))
         flops = sum(r.flops_prefill for r in runs[0])
@@ -214,6 +213,14 @@ def hicom_modes(result: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _command_timing(command: str) -> dict[str, int]:
+    """``bench.warmup`` / ``bench.repeats`` set on a recorded command line (``--set bench.repeats=1``):
+    what a bench that predates ``timing_protocol`` ran with, where its command says so."""
+    import re
+
+    return {k: int(v) for k, v in re.findall(r"--set bench\.(warmup|repeats)=(\d+)", command)}
+
+
 def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> None:
     notes = [
         "All variants ran in one process on the same samples; ratios are against the baseline row.",
@@ -224,15 +231,29 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
     if modes:
         notes.append("hicom global branch: " + modes + " (coarse: the paper's FiLM-modulated learned queries; "
                      "direct: the release's, queries = the projected instruction; see docs/methods.md).")
-    from .render import budget_leaders, has_budgets, pruning_plots, with_slice_speedup, write_results
+    from .render import (budget_leaders, has_budgets, pruning_plots, slice_label, timing_labels, timing_protocol_note, with_slice_speedup,
+                         write_results)
 
     with_slice_speedup(result)
-    if result.get("shaped_speed"):
-        notes.append(f"prefill x 7B slice: LLM prefill speedup on {result['shaped_speed']['shape']} (random weights, the same schedule; "
-                     "speed_shaped.md); empty where the slice skipped the variant.")
+    speed = result.get("shaped_speed")
+    model = (result.get("model") or {}).get("name", "the embedded model")
+    overrides = _command_timing(command)
+    if len(overrides) == 2:  # recorded before warmup/repeats were: the command line says what ran
+        result.setdefault("timing_protocol", dict(overrides))
+        if speed:
+            speed.setdefault("warmup", overrides["warmup"])
+            speed.setdefault("repeats", overrides["repeats"])
+    if speed:
+        notes.append(f"Which model each column comes from: the accuracy columns (POPE, CHAIR), token counts, FLOPs, KV and the "
+                     f"[embedded] timings come from the embedded model ({model}, LLaVA architecture); {slice_label(speed['shape'])} "
+                     f"is the LLM prefill speedup on the {speed['shape']} (random weights, the same schedule; the same figure as "
+                     "speed_shaped.md), empty where the slice skipped the variant.")
+        notes.append(timing_protocol_note(f"{speed['shape']} timings", speed.get("warmup"), speed.get("repeats")))
+    tp = result.get("timing_protocol") or {}
+    notes.append(timing_protocol_note("Timings on the embedded model" + (" ([embedded])" if speed else ""), tp.get("warmup"), tp.get("repeats")))
     if has_budgets(result):
         notes.append("Per budget, the best variant and its margins over VisionZip and random drop: leaders.md.")
-    intervals = write_results(result, out, "pruning", "Vision-token pruning on the embedded world", command, notes)
+    intervals = write_results(result, out, "pruning", "Vision-token pruning on the embedded world", command, notes, timing_labels(result))
     if has_budgets(result):
         write_markdown(out / "leaders.md", "Best pruning method per token budget", command, *budget_leaders(out, result), model=result.get("model"))
     speed = result.get("shaped_speed")
@@ -246,10 +267,13 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
             out / "speed_shaped.md",
             f"Prefill speed on a random-weight model of real shape ({speed['shape']})",
             command,
-            ["variant", "vision tok @LLM", "layer-avg tok", "LLM prefill s", "vision s", "LLM prefill speedup", "prefill+vision speedup",
+            ["variant", "vision tok @LLM", "layer-avg tok", "LLM prefill s", "vision s", slice_label(speed["shape"]), "prefill+vision speedup",
              "FLOPs ratio", "ideal speedup", "measured / ideal"],
             rows,
             [
+                timing_protocol_note("Timings", speed.get("warmup"), speed.get("repeats")),
+                f"{slice_label(speed['shape'])}: the LLM prefill speedup (baseline's LLM prefill s / the variant's); the same "
+                "figure as results.md's column of that name.",
                 "LLM prefill = the language model's prefill forward (what the FLOPs ratio counts); vision = tower + feature stages.",
                 "measured / ideal = LLM prefill speedup x FLOPs ratio (1.0 = every FLOP saved is time saved).",
                 "Random weights: token selections are not meaningful here, only their cost. Trained parts run on seeded "

@@ -16,16 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..eval.intervals import RunIntervals, run_intervals
+from ..eval.intervals import RunIntervals, current_intervals, read_records, run_intervals
+from ..eval.unparsed import UNPARSED_LIMIT, TaskUnparsed, Unparsed, count_unparsed
 from .plots import bars, labelled_points, scatter_lines
 
 logger = logging.getLogger(__name__)
 
 INTERVAL_NOTE = (
-    "95% CI: POPE mean F1 by a percentile bootstrap (1000 resamples, seed 0; questions resampled within each split), "
-    "CHAIR_i by a percentile bootstrap over captions; n = POPE questions over all splits / CHAIR captions "
+    "95% CI: POPE mean F1 by a percentile bootstrap resampling images jointly across splits (one draw per image for all "
+    "its questions in every split; 10000 resamples, seed 0), CHAIR_i by a percentile bootstrap over captions; Wilson of "
+    "the pooled counts where every replicate is equal; n = POPE questions over all splits / CHAIR captions "
     "(mmfast.eval.intervals)."
 )
+
+
+INTERVAL_NOTE_PREFIX = "intervals of "
+"""Starts every note about one variant's intervals (missing, or recorded by an older method)."""
 
 
 def fmt_ci(ci: list[float] | tuple[float, float] | None) -> str:
@@ -55,7 +61,8 @@ def variant_intervals(bench_dir: Path, results: dict[str, Any]) -> dict[str, Run
         if not isinstance(metrics, dict):
             continue
         stored = r.get("intervals")
-        if isinstance(stored, dict) and (stored.get("pope") or not metrics.get("pope")) and (stored.get("chair") or not metrics.get("chair")):
+        if (isinstance(stored, dict) and (current_intervals(stored.get("pope")) or not metrics.get("pope"))
+                and (current_intervals(stored.get("chair")) or not metrics.get("chair"))):
             out[name] = RunIntervals(stored.get("pope"), stored.get("chair"), tuple(stored.get("notes", ())))
             continue
         run = Path(bench_dir) / "variants" / name
@@ -103,6 +110,58 @@ def with_intervals(header: list[str], rows: list[list[Any]], intervals: dict[str
     return header, rows
 
 
+UNPARSED_COLUMNS = (("n POPE", "pope", "POPE unparsed"), ("n CHAIR", "chair", "CHAIR degenerate"))
+NOT_RANKED = "not ranked"
+
+
+def variant_unparsed(bench_dir: Path, results: dict[str, Any]) -> dict[str, Unparsed]:
+    """Every variant's unparsed POPE answers and degenerate CHAIR captions, counted from its records
+    under ``variants/<name>/`` (:func:`mmfast.eval.unparsed.count_unparsed`); where there are none, the
+    counts stored by an earlier rendering (``results.<variant>.unparsed``), else nothing."""
+    out: dict[str, Unparsed] = {}
+    for name, r in results.items():
+        if not isinstance(r.get("metrics"), dict):
+            continue
+        records = read_records(Path(bench_dir) / "variants" / name)
+        if records:
+            out[name] = count_unparsed(records)
+        elif isinstance(r.get("unparsed"), dict):
+            out[name] = Unparsed.from_dict(r["unparsed"])
+    return out
+
+
+def unparsed_cell(t: TaskUnparsed | None) -> str:
+    """``k/n (p%)``, and "not ranked" over :data:`UNPARSED_LIMIT`; empty where the task did not run."""
+    return "" if t is None else t.cell() + (f" {NOT_RANKED}" if t.over_limit else "")
+
+
+def with_unparsed(header: list[str], rows: list[list[Any]], unparsed: dict[str, Unparsed]) -> tuple[list[str], list[list[Any]]]:
+    """The table with a ``POPE unparsed`` / ``CHAIR degenerate`` column (``k/n``) after each task's n
+    column; a task over :data:`UNPARSED_LIMIT` is marked "not ranked" in its cell. Idempotent."""
+    header, rows = list(header), [list(r) for r in rows]
+    for after, task, title in UNPARSED_COLUMNS:
+        if after not in header or title in header:
+            continue
+        at = header.index(after) + 1
+        header.insert(at, title)
+        for row in rows:
+            row.insert(at, unparsed_cell(getattr(unparsed.get(row[0]), task, None)))
+    return header, rows
+
+
+def unparsed_notes(unparsed: dict[str, Unparsed]) -> list[str]:
+    notes = [f"POPE unparsed: answers the official POPE rule reads as neither yes nor no (it scores them 'yes' by default); "
+             f"CHAIR degenerate: empty captions, captions without words or caught in a repetition loop (mmfast.eval.unparsed). "
+             f"Over {UNPARSED_LIMIT:.0%} in a task: that task's figures are marked and not ranked."]
+    return notes + [f"{name}: {why}; those figures are not ranked" for name, u in unparsed.items() for why in u.reasons()]
+
+
+def store_unparsed(results: dict[str, Any], unparsed: dict[str, Unparsed]) -> None:
+    """Keep every variant's counts in its result (``results.<variant>.unparsed`` in summary.json)."""
+    for name, u in unparsed.items():
+        results[name]["unparsed"] = u.as_dict()
+
+
 def store_intervals(results: dict[str, Any], intervals: dict[str, RunIntervals]) -> None:
     """Keep every variant's intervals in its result (``results.<variant>.intervals`` in summary.json)."""
     for name, iv in intervals.items():
@@ -111,23 +170,55 @@ def store_intervals(results: dict[str, Any], intervals: dict[str, RunIntervals])
 
 def interval_notes(intervals: dict[str, RunIntervals]) -> list[str]:
     missing = [f"{name}: {n}" for name, iv in intervals.items() for n in iv.notes]
-    return [INTERVAL_NOTE] + [f"no interval for {m}" for m in missing]
+    return [INTERVAL_NOTE] + [f"{INTERVAL_NOTE_PREFIX}{m}" for m in missing]
 
 
-def write_results(result: dict[str, Any], out: Path, kind: str, title: str, command: str, notes: list[str]) -> dict[str, RunIntervals]:
+def write_results(result: dict[str, Any], out: Path, kind: str, title: str, command: str, notes: list[str],
+                  labels: dict[str, str] | None = None) -> dict[str, RunIntervals]:
     """A bench's ``results.md`` with n and 95% intervals from its variant records (also stored in
-    ``result``); returns the intervals for the plots."""
+    ``result``), its columns shown under ``labels`` (e.g. which model a timing comes from; the stored
+    header keeps its names); returns the intervals for the plots."""
     from .common import write_markdown
 
     result["kind"] = kind
     intervals = variant_intervals(out, result["results"])
     store_intervals(result["results"], intervals)
-    header, rows = with_intervals(result["header"], result["rows"], intervals)
-    write_markdown(out / "results.md", title, command, header, rows, notes + interval_notes(intervals), model=result.get("model"))
+    unparsed = variant_unparsed(out, result["results"])
+    store_unparsed(result["results"], unparsed)
+    header, rows = with_unparsed(*with_intervals(result["header"], result["rows"], intervals), unparsed)
+    header = [(labels or {}).get(h, h) for h in header]
+    write_markdown(out / "results.md", title, command, header, rows, notes + interval_notes(intervals) + unparsed_notes(unparsed),
+                   model=result.get("model"))
     return intervals
 
 
 SLICE_COLUMN = "prefill x 7B slice"
+RELIABLE_REPEATS = 5
+"""A timing is the median of at least this many repeats after a warmup; fewer is flagged."""
+
+
+def timing_labels(result: dict[str, Any]) -> dict[str, str]:
+    """Column labels that name the model each timing comes from: ``[embedded]`` (the model the
+    accuracy columns come from) and ``[<slice shape>]`` (the random-weight slice, as speed_shaped.md)."""
+    speed = result.get("shaped_speed")
+    if not speed:
+        return {}
+    return {"prefill x": "prefill x [embedded]", "e2e x": "e2e x [embedded]", "scoring ovh": "scoring ovh [embedded]",
+            SLICE_COLUMN: slice_label(speed["shape"])}
+
+
+def slice_label(shape: str) -> str:
+    return f"prefill x [{shape}]"
+
+
+def timing_protocol_note(what: str, warmup: int | None, repeats: int | None) -> str:
+    """How a timing was taken, flagged when it is not the median of >= RELIABLE_REPEATS warm repeats."""
+    if warmup is None or repeats is None:
+        return f"{what}: warmup and repeats not recorded (see the command); not known to be the median of {RELIABLE_REPEATS} warm repeats."
+    text = f"{what}: median of {repeats} repeat(s) after {warmup} warmup run(s)"
+    if repeats < RELIABLE_REPEATS or warmup < 1:
+        return text + f"; NOT a reliable speed (fewer than {RELIABLE_REPEATS} warm repeats: a cold run can be off by 2x); re-run before quoting it."
+    return text + "."
 
 
 def with_slice_speedup(result: dict[str, Any]) -> None:
@@ -171,21 +262,11 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
     ``budget.tokens`` B, layer-averaged tokens within 5% of B), and its margin over each reference
     method at the same budget as a paired-bootstrap 95% interval on the same questions
     (:func:`mmfast.eval.intervals.paired_mean_f1_difference`)."""
-    from ..eval.intervals import paired_mean_f1_difference, paired_pope_cells, read_records
+    from ..eval.intervals import paired_mean_f1_difference, paired_pope_cells
 
     res = result["results"]
     at: dict[int, list[tuple[str, str]]] = {}
     notes: list[str] = []
-    for name, r in res.items():
-        sb = _stage_budget(r)
-        if sb is None or not (r.get("metrics") or {}).get("pope"):
-            continue
-        method, b = sb
-        avg = r["accounting"]["vision_tokens_layer_avg"]
-        if abs(avg - b) > BUDGET_TOLERANCE * b:
-            notes.append(f"{name} left out of budget {b}: {avg:.1f} layer-averaged tokens is more than 5% away")
-            continue
-        at.setdefault(b, []).append((name, method))
     records: dict[str, list[dict[str, Any]]] = {}
 
     def recs(name: str) -> list[dict[str, Any]]:
@@ -193,11 +274,32 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
             records[name] = read_records(out / "variants" / name)
         return records[name]
 
+    def pope_unparsed(name: str) -> Unparsed:
+        if recs(name):
+            return Unparsed(count_unparsed(recs(name)).pope, None)
+        stored = res[name].get("unparsed")
+        return Unparsed(Unparsed.from_dict(stored).pope, None) if isinstance(stored, dict) else Unparsed(None, None)
+
+    for name, r in res.items():
+        sb = _stage_budget(r)
+        if sb is None or not (r.get("metrics") or {}).get("pope"):
+            continue
+        method, b = sb
+        why = pope_unparsed(name).reasons()
+        if why:  # its POPE F1 is the parser's default, not the model's answers
+            notes.append(f"{name} not ranked at budget {b}: " + "; ".join(why))
+            continue
+        avg = r["accounting"]["vision_tokens_layer_avg"]
+        if abs(avg - b) > BUDGET_TOLERANCE * b:
+            notes.append(f"{name} left out of budget {b}: {avg:.1f} layer-averaged tokens is more than 5% away")
+            continue
+        at.setdefault(b, []).append((name, method))
+
     def margin(a: str, b: str) -> str:
-        cells_a, cells_b = paired_pope_cells(recs(a), recs(b), "pope")
-        if not cells_a:
+        paired = paired_pope_cells(recs(a), recs(b), "pope")
+        if not paired.a:
             return "no paired records"
-        d = paired_mean_f1_difference(cells_a, cells_b)
+        d = paired_mean_f1_difference(paired.a, paired.b, paired.units)
         return f"{d.estimate:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}]"
 
     header = ["budget", "best (POPE mean F1)", "mean F1 [95% CI]", "runner-up"] + [f"margin over {m} [paired 95% CI]" for m in references]
@@ -217,7 +319,9 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
         "Compared at each budget: variants whose budgeted stage declares budget.tokens = B and whose "
         "layer-averaged vision tokens are within 5% of B.",
         "margin: the best variant's POPE mean F1 minus the reference's on the same questions; 95% CI by a paired "
-        "percentile bootstrap (1000 resamples, seed 0; questions resampled within each split, the same draw for both).",
+        "percentile bootstrap (10000 resamples, seed 0; images resampled jointly across splits, the same draw for both).",
+        f"Not ranked: a variant with more than {UNPARSED_LIMIT:.0%} of its POPE answers read as neither yes nor no by the "
+        "official rule (its F1 is then the rule's default 'yes', not the model's answers).",
     ] + notes
     return header, rows, notes
 
@@ -311,7 +415,8 @@ def recorded_command(bench_dir: Path) -> str:
 def rerender_bench(bench_dir: str | Path) -> Path:
     """Rewrite ``results.md`` (with n and 95% intervals), the side tables and the plots of an existing
     bench directory from its ``summary.json`` and ``variants/*/samples.jsonl``; nothing is run. The
-    intervals are added to ``summary.json`` (``results.<variant>.intervals``); nothing else changes."""
+    intervals and the unparsed-answer counts are added to ``summary.json`` (``results.<variant>.intervals``,
+    ``.unparsed``); nothing else changes."""
     out = Path(bench_dir)
     path = out / "summary.json"
     if not path.is_file():

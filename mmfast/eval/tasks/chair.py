@@ -51,10 +51,13 @@ class ChairTask(Task):
         if not recs:
             return {}
         from ..intervals import caption_counts, chair_intervals
+        from ..unparsed import degenerate_caption
 
         result = self.evaluator.evaluate([{"image_id": r["target"], "caption": r["resps"][0][0]} for r in recs])
-        # n and 95% intervals next to every figure (keys *_ci95; mmfast.eval.intervals)
-        return {**result.as_dict(), **chair_intervals(caption_counts(result)).as_dict()}
+        # n and 95% intervals next to every figure (keys *_ci95; mmfast.eval.intervals); captions that are
+        # empty, wordless or looping (mmfast.eval.unparsed), counted so a table can flag them
+        n_degenerate = sum(degenerate_caption(r["resps"][0][0]) is not None for r in recs)
+        return {**result.as_dict(), **chair_intervals(caption_counts(result)).as_dict(), "n_degenerate": n_degenerate}
 
     def protocol(self) -> dict[str, Any]:
         from ..intervals import RESAMPLES, SEED
@@ -69,7 +72,7 @@ class ChairTask(Task):
             "evaluator": self.evaluator.describe(),
             "intervals": {
                 "chair_s": "Wilson score interval over captions, 95%",
-                "chair_i, recall": "percentile bootstrap over captions (ratio of sums), 95%",
+                "chair_i, recall": "percentile bootstrap over captions (ratio of sums), 95%; Wilson of the pooled counts where every replicate is equal",
                 "resamples": RESAMPLES,
                 "seed": SEED,
             },

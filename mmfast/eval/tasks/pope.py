@@ -74,10 +74,10 @@ class PopeTask(Task):
         return parse_answer(text, self.cfg.pope.parser, label=sample.target).pred
 
     def metrics(self, records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-        from ..intervals import pope_cells, pope_intervals
+        from ..intervals import pope_cells, pope_intervals, pope_units
         from ..pope import PopeRecord, score_pope, summarize_pope
 
-        per_split, cells = {}, {}
+        per_split, cells, units = {}, {}, {}
         for split in self.questions:
             recs = records.get(f"pope_{split}", [])
             if not recs:
@@ -85,11 +85,12 @@ class PopeTask(Task):
             items = [PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in recs]
             per_split[split] = score_pope(items, self.cfg.pope.parser)
             cells[split] = pope_cells(recs, self.cfg.pope.parser)
+            units[split] = pope_units(recs)
         if not per_split:
             return {}
         out = summarize_pope(per_split)
         # n and 95% intervals next to every figure (keys *_ci95; mmfast.eval.intervals)
-        intervals = pope_intervals(cells).as_dict()
+        intervals = pope_intervals(cells, units).as_dict()
         for split in per_split:
             out[split].update(intervals.pop(split))
         out.update(intervals)
@@ -109,8 +110,8 @@ def _intervals_protocol() -> dict[str, Any]:
 
     return {
         "accuracy, precision, recall": "Wilson score interval, 95%",
-        "f1": "percentile bootstrap over the split's questions, 95%",
-        "mean_f1, mean_accuracy": "percentile bootstrap, questions resampled within each split, 95%",
+        "f1, mean_f1, mean_accuracy": "percentile bootstrap resampling images jointly across splits (one draw per image for "
+                                      "all its questions of all splits), 95%; Wilson of the pooled counts where every replicate is equal",
         "resamples": RESAMPLES,
         "seed": SEED,
     }
