@@ -319,6 +319,9 @@ class LMRunner:
         self._active: LMState | None = None
         self._phase = "idle"
         self.use_cache = True  # False: every decode step recomputes the whole sequence
+        #: static KV cache (``model.compile``): free slots per layer after the prefill, or None for a
+        #: dynamic cache. Set for one decode call by :meth:`static_cache`.
+        self.static_reserve: int | None = None
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
@@ -361,6 +364,16 @@ class LMRunner:
         row selectors that need the current batch's data."""
         return self._active
 
+    @contextlib.contextmanager
+    def static_cache(self, reserve: int | None) -> Iterator[None]:
+        """States prefilled inside the block get a static KV cache with ``reserve`` free slots per
+        layer (None: the dynamic cache), and their decode steps run with fixed shapes."""
+        before, self.static_reserve = self.static_reserve, reserve
+        try:
+            yield
+        finally:
+            self.static_reserve = before
+
     # -- forward passes ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def _activate(self, state: LMState, phase: str) -> Iterator[None]:
@@ -383,7 +396,9 @@ class LMRunner:
         src = torch.arange(length, device=inputs.input_ids.device).expand(bsz, -1)
         mask = inputs.attention_mask.bool()
         grp0 = LayerGroup(0, mask, inputs.position_ids, src.masked_fill(~mask, -1))
-        state = LMState(inputs, compat.new_cache(self.adapter.text_config), [grp0], self.n_layers, text_config=self.adapter.text_config)
+        cfg = self.adapter.text_config
+        cache = compat.new_cache(cfg) if self.static_reserve is None else compat.new_static_cache(cfg, self.static_reserve)
+        state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
             out = self.lm(
                 inputs_embeds=inputs.embeds,
@@ -415,6 +430,10 @@ class LMRunner:
 
         ``depth`` ([Q] or [B, Q]) offsets the new positions (tree drafts: position = next + depth);
         ``block_mask`` ([Q, Q] or [B, Q, Q] bool) says which new tokens see which (default causal).
+
+        On a static cache every group's mask covers its layers' whole buffer ([B, 1, Q, C_g], free
+        slots masked) and the layers attend over all C_g slots: the step's shapes depend on Q and the
+        capacities only, not on how many tokens are held.
         """
         bsz, q = tokens.shape
         dev = tokens.device
@@ -427,6 +446,7 @@ class LMRunner:
         block_mask = block_mask.expand(bsz, q, q) if block_mask.dim() == 2 else block_mask
         impl = self.adapter.text_config._attn_implementation
         dtype = self.adapter.lm_head.weight.dtype
+        static = compat.is_static(state.cache)
         for g, grp in enumerate(state.groups):
             pos = grp.next_positions()[:, None] + depth  # [B, Q]
             if grp.positions.dim() == 3:  # M-RoPE: the same position on every axis
@@ -434,20 +454,32 @@ class LMRunner:
             grp.key_mask = torch.cat([grp.key_mask, torch.ones(bsz, q, dtype=torch.bool, device=dev)], 1)
             grp.positions = torch.cat([grp.positions, pos], 1)
             grp.source = torch.cat([grp.source, torch.full((bsz, q), -1, device=dev, dtype=grp.source.dtype)], 1)
-            if g > 0 or custom:
+            if static:
+                cap = compat.align_static(state.cache, state.layers_of(g), q)
+                mask = _block_causal_mask(grp.key_mask, block_mask)  # [B, 1, Q, T_g]
+                mask = torch.nn.functional.pad(mask, (0, cap - grp.length), value=False)  # [B, 1, Q, C_g]
+                grp.fwd_mask = compat.format_mask(mask, impl, dtype)
+                grp.fwd_pos_ids = pos
+            elif g > 0 or custom:
                 grp.fwd_mask = compat.format_mask(_block_causal_mask(grp.key_mask, block_mask), impl, dtype)
                 grp.fwd_pos_ids = pos
         if embeds is None:
             embeds = self.adapter.embed_tokens(tokens)
         grp0 = state.groups[0]
-        with self._activate(state, "decode"):
-            out = self.lm(
-                inputs_embeds=embeds,
-                attention_mask=grp0.fwd_mask if custom else grp0.key_mask.long(),
-                position_ids=self.adapter.lm_position_ids(grp0.positions[:, -q:]),
-                past_key_values=state.cache,
-                use_cache=True,
-            )
+        if static:
+            compat.set_padded(state.cache, True)
+        try:
+            with self._activate(state, "decode"):
+                out = self.lm(
+                    inputs_embeds=embeds,
+                    attention_mask=grp0.fwd_mask if custom or static else grp0.key_mask.long(),
+                    position_ids=self.adapter.lm_position_ids(grp0.positions[:, -q:]),
+                    past_key_values=state.cache,
+                    use_cache=True,
+                )
+        finally:
+            if static:
+                compat.set_padded(state.cache, False)
         for hook in self.step_hooks:
             hook(state)
         hidden = out.last_hidden_state if all_logits else out.last_hidden_state[:, -1:]
