@@ -26,6 +26,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .errors import InputError
+
 logger = logging.getLogger(__name__)
 
 TRANSFORMERS_MIN = "5.22"
@@ -218,8 +220,9 @@ def format_mask(mask: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tens
 # sequence length; the runtime masks the free slots.
 
 
-class StaticCacheCapacityError(RuntimeError):
-    """A static KV cache buffer could not be allocated (out of memory)."""
+class StaticCacheCapacityError(InputError):
+    """A static KV cache buffer could not be allocated (out of memory): the message names the tokens it
+    tried to hold and the keys to lower (an input error: the CLI exits 2 with it)."""
 
 
 class StaticSlotLayer(CacheLayerMixin):

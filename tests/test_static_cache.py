@@ -1,0 +1,228 @@
+"""The static KV cache (``model.compile: static``): per-layer preallocated buffers, fixed-shape decode
+steps over the whole buffer, and exactness against the dynamic cache.
+
+In fp32 on the CPU the static path must give the same tokens as the dynamic one for every decoder,
+drafter and pruner it serves; methods whose decode hooks need the dynamic step declare it
+(``Capabilities.dynamic_decode``) and fall back with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+import mmfast
+from mmfast import compat
+from mmfast.config import Recipe, load_recipe
+from mmfast.errors import ConfigError, InputError
+from mmfast.registry import PRUNERS
+
+
+@pytest.fixture
+def padded_steps(monkeypatch):
+    """Counts the decode steps that ran on a static cache with whole-buffer shapes."""
+    count = [0]
+    original = compat.set_padded
+
+    def spy(cache, padded):
+        count[0] += int(padded)
+        original(cache, padded)
+
+    monkeypatch.setattr(compat, "set_padded", spy)
+    return count
+
+
+def _tokens(mm, recipe: dict, images, prompts, compile: str, n: int = 8) -> list[list[int]]:
+    with mmfast.apply(mm, load_recipe(recipe), compile=compile) as s:
+        return [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=n)]
+
+
+def _stage(name: str, mm) -> dict:
+    return {"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}
+
+
+SERVED = {
+    "greedy": {},
+    "sample-seeded": {"decoding": {"method": "sample", "params": {"top_k": 20}, "seed": 5}},
+    "vcd": {"decoding": {"method": "vcd", "params": {"sample": False}}},
+    "beam": {"decoding": {"method": "beam", "params": {"num_beams": 3}}},
+    "vhr": {"decoding": {"method": "vhr"}},
+    "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
+    "layer_skip": {"speculative": {"method": "layer_skip"}},
+}
+PRUNED = ["fastv", "pyramiddrop", "dart", "visionzip", "divprune"]
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_static_decoders_and_drafters_match_dynamic(name, tiny_mm, images, prompts, padded_steps):
+    recipe = SERVED[name]
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
+    assert padded_steps[0] == 0
+    static = _tokens(tiny_mm, recipe, images, prompts, "static")
+    assert padded_steps[0] > 0, "the static path did not run"
+    assert static == dynamic
+
+
+@pytest.mark.parametrize("pruner", PRUNED)
+@pytest.mark.parametrize("decoding", ["greedy", "beam", "prompt_lookup"])
+def test_static_pruners_match_dynamic(pruner, decoding, tiny_mm, images, prompts, padded_steps):
+    recipe: dict = {"pruning": [_stage(pruner, tiny_mm)]}
+    if decoding == "beam":
+        recipe["decoding"] = {"method": "beam", "params": {"num_beams": 2}}
+    elif decoding == "prompt_lookup":
+        recipe["speculative"] = {"method": "prompt_lookup"}
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
+    static = _tokens(tiny_mm, recipe, images, prompts, "static")
+    assert padded_steps[0] > 0
+    assert static == dynamic
+
+
+@pytest.mark.parametrize("name", ["msd", "flash"])
+def test_static_trained_drafters_match_dynamic(name, tiny_mm, images, prompts, padded_steps):
+    from mmfast.speculative._eagle_model import _model_dir, write_random_draft
+
+    d = _model_dir(tiny_mm)
+    arch = {"sar_k": 3, "n_latents": 4} if name == "flash" else {}
+    if not (d / name).exists():
+        write_random_draft(tiny_mm, name, d / name, **arch)
+    params = {"msd": {"depth": 3, "top_k": 4, "total_tokens": 16}, "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2}}
+    recipe = {"speculative": {"method": name, "params": params[name]}, "pruning": [_stage("fastv", tiny_mm)]}
+    assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
+    assert padded_steps[0] > 0
+
+
+def test_in_llm_pruning_gives_later_layers_smaller_buffers(tiny_mm, images, prompts):
+    """Capacity is per layer: the prompt's length at that layer after pruning + max_new_tokens + 1."""
+    caps = []
+    with mmfast.apply(tiny_mm, {"pruning": [_stage("fastv", tiny_mm)]}, compile="static") as s:
+        runner = s.runner
+        original = runner.prefill
+
+        def prefill(inputs, **kw):
+            state, out = original(inputs, **kw)
+            caps.append(([compat.static_capacity(state.cache, i) for i in range(state.n_layers)],
+                         [g.length for g in state.groups], [g.start for g in state.groups]))
+            return state, out
+
+        runner.prefill = prefill
+        s.generate(images[:1], prompts[:1], max_new_tokens=5)
+    (capacity, lengths, starts), = caps
+    assert len(lengths) == 2, "fastv made no second layer group"
+    for layer, c in enumerate(capacity):
+        g = 1 if layer >= starts[1] else 0
+        assert c == lengths[g] + 5 + 1
+    assert capacity[-1] < capacity[0]
+
+
+@pytest.mark.parametrize("decoding", [
+    {"method": "opera", "params": {"num_beams": 2, "num_attn_candidates": 2}},
+    {"method": "pai"},
+])
+def test_dynamic_only_methods_fall_back_with_one_log_line(decoding, tiny_mm, images, prompts, padded_steps, caplog):
+    recipe = {"decoding": decoding}
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off", n=5)
+    with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
+        with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+            first = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=5)]
+            s.generate(images[:2], prompts[:2], max_new_tokens=5)
+    lines = [r.getMessage() for r in caplog.records if "model.compile" in r.getMessage()]
+    assert len(lines) == 1 and f"decoding ({decoding['method']})" in lines[0] and "dynamic KV cache" in lines[0]
+    assert padded_steps[0] == 0
+    assert first == dynamic
+
+
+def test_auto_is_static_on_cuda_only(tiny_mm, images, prompts, padded_steps):
+    _tokens(tiny_mm, {}, images, prompts, "auto", n=3)
+    assert padded_steps[0] == 0  # the CPU: the dynamic cache
+
+
+def test_recipe_key_and_api_value_are_checked():
+    assert load_recipe({"model": {"compile": "static"}}).model.compile == "static"
+    with pytest.raises(ConfigError) as err:
+        load_recipe({"model": {"compile": "yes"}})
+    assert "model.compile" in str(err.value)
+    assert Recipe().hash() != load_recipe({"model": {"compile": "static"}}).hash()
+    # the default leaves the hash of every recipe written before the key as it was (resume)
+    import hashlib
+    import json
+
+    before = {k: v for k, v in Recipe().to_dict().items() if k != "output"}
+    del before["model"]["compile"]
+    blob = json.dumps(before, sort_keys=True, separators=(",", ":"))
+    assert Recipe().hash() == hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def test_api_compile_value_is_checked(tiny_mm):
+    with pytest.raises(InputError, match="compile='on'"):
+        mmfast.apply(tiny_mm, {}, compile="on")
+
+
+# -- the layer itself, against transformers' DynamicLayer ---------------------------------------------
+
+
+def _pair(reserve: int = 4):
+    torch.manual_seed(0)
+    dyn, sta = DynamicLayer(), compat.StaticSlotLayer(reserve)
+    k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    dyn.update(k, v)
+    sta.update(k, v)
+    return dyn, sta
+
+
+def _same(dyn, sta):
+    assert sta.keys.shape == dyn.keys.shape and torch.equal(sta.keys, dyn.keys) and torch.equal(sta.values, dyn.values)
+
+
+def test_static_layer_edits_match_dynamic_layer():
+    dyn, sta = _pair()
+    assert sta.capacity == 5 + 4
+    buf = sta._k
+    for _ in range(3):  # appends, crop, reorder, slot gather: in place, no new buffer
+        k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+        dyn.update(k, v)
+        sta.update(k, v)
+    _same(dyn, sta)
+    dyn.crop(-2)
+    sta.crop(-2)
+    _same(dyn, sta)
+    idx = torch.tensor([2, 0, 0])
+    dyn.reorder_cache(idx)
+    sta.reorder_cache(idx)
+    _same(dyn, sta)
+    gather = torch.tensor([0, 2, 3])[None, None, :, None].expand(3, 2, 3, 4)
+    for lay in (dyn, sta):
+        lay.keys, lay.values = lay.keys.gather(2, gather), lay.values.gather(2, gather)
+    _same(dyn, sta)
+    assert sta._k is buf
+    # a static decode step sees the whole buffer
+    sta.padded = True
+    k_all, _ = sta.update(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4))
+    assert k_all.shape[2] == sta.capacity and sta.length == 4
+
+
+def test_static_layer_grows_past_capacity_keeping_slots(caplog):
+    dyn, sta = _pair(reserve=1)
+    k, v = torch.randn(3, 2, 3, 4), torch.randn(3, 2, 3, 4)
+    with caplog.at_level(logging.INFO, logger="mmfast.compat"):
+        dyn.update(k, v)
+        sta.update(k, v)
+    _same(dyn, sta)
+    assert sta.capacity >= 8 and "grows" in caplog.text
+    dyn.batch_repeat_interleave(2)
+    sta.batch_repeat_interleave(2)
+    _same(dyn, sta)
+
+
+def test_out_of_memory_names_the_tokens_and_the_key(monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    layer = compat.StaticSlotLayer(reserve=64)
+    monkeypatch.setattr(compat.torch, "zeros", oom)
+    with pytest.raises(compat.StaticCacheCapacityError) as err:
+        layer.update(torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4))
+    msg = str(err.value)
+    assert "2 x 74 tokens" in msg and "decoding.max_new_tokens" in msg and "model.compile: off" in msg
