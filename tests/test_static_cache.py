@@ -18,7 +18,7 @@ import mmfast
 from mmfast import compat
 from mmfast.config import Recipe, load_recipe
 from mmfast.errors import ConfigError, InputError
-from mmfast.registry import PRUNERS
+from mmfast.registry import DECODERS, PRUNERS
 
 
 @pytest.fixture
@@ -91,6 +91,53 @@ def test_static_trained_drafters_match_dynamic(name, tiny_mm, images, prompts, p
     params = {"msd": {"depth": 3, "top_k": 4, "total_tokens": 16}, "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2}}
     recipe = {"speculative": {"method": name, "params": params[name]}, "pruning": [_stage("fastv", tiny_mm)]}
     assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
+    assert padded_steps[0] > 0
+
+
+DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}
+
+
+def _served_or_named(mm, recipe: dict, where: str, images, prompts, padded_steps, caplog) -> None:
+    """The static path ran and matched the dynamic one, or the recipe fell back with a line naming ``where``."""
+    dynamic = _tokens(mm, recipe, images, prompts, "off", n=5)
+    with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
+        static = _tokens(mm, recipe, images, prompts, "static", n=5)
+    fell_back = [r.getMessage() for r in caplog.records if "model.compile" in r.getMessage()]
+    assert static == dynamic
+    if padded_steps[0] == 0:
+        assert len(fell_back) == 1 and where in fell_back[0], f"{where}: neither static steps nor a fallback line"
+    else:
+        assert not fell_back
+
+
+@pytest.mark.parametrize("pruner", [e.name for e in PRUNERS.entries()])
+def test_every_pruner_is_served_or_falls_back(pruner, tiny_mm, images, prompts, padded_steps, caplog):
+    recipe = {"pruning": [_stage(pruner, tiny_mm)]}
+    _served_or_named(tiny_mm, recipe, f"pruning[0] ({pruner})", images, prompts, padded_steps, caplog)
+
+
+@pytest.mark.parametrize("decoder", [e.name for e in DECODERS.entries()])
+def test_every_decoder_is_served_or_falls_back(decoder, tiny_mm, images, prompts, padded_steps, caplog):
+    recipe = {"decoding": {"method": decoder, "params": DECODER_PARAMS.get(decoder, {})}}
+    _served_or_named(tiny_mm, recipe, f"decoding ({decoder})", images, prompts, padded_steps, caplog)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    model, processor = random_qwen_vl("qwen2_vl")
+    return mmfast.load(save_model(model, processor, tmp_path_factory.mktemp("qwen_static")), device="cpu")
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_static_mrope_matches_dynamic(speculative, qwen2_vl, images, prompts, padded_steps):
+    """Multimodal RoPE (3-axis positions) through a pruned layer group, plain and with a verify tree."""
+    mixed = [im if i % 2 == 0 else im.resize((32, 64)) for i, im in enumerate(images)]
+    recipe: dict = {"pruning": [_stage("fastv", qwen2_vl)]}
+    if speculative:
+        recipe["speculative"] = {"method": "prompt_lookup"}
+    assert _tokens(qwen2_vl, recipe, mixed, prompts, "static") == _tokens(qwen2_vl, recipe, mixed, prompts, "off")
     assert padded_steps[0] > 0
 
 
