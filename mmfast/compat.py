@@ -241,11 +241,23 @@ class StaticSlotLayer(CacheLayerMixin):
         self.reserve = int(reserve)
         self._k: torch.Tensor | None = None  # [B, Hkv, C, D]
         self._v: torch.Tensor | None = None
-        self.length = 0
+        self._pos: torch.Tensor | None = None  # [] long on the buffers' device: the write index
+        self._len = 0  # the same on the host
         self.padded = False  # set by the cache for a static decode step
         super().__init__()
 
     # -- the held slots, as a dynamic layer exposes them ----------------------------------------
+    @property
+    def length(self) -> int:
+        """Slots held (the write index); setting it moves the device copy too (no host sync)."""
+        return self._len
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._len = int(n)
+        if self._pos is not None:
+            self._pos.fill_(self._len)
+
     @property
     def keys(self) -> torch.Tensor | None:
         return None if self._k is None else self._k[:, :, : self.length]
@@ -286,8 +298,8 @@ class StaticSlotLayer(CacheLayerMixin):
         if value is None:  # CacheLayerMixin.__init__ / reset
             if self._k is None:
                 return
-            self._k = self._v = None
-            self.length = 0
+            self._k = self._v = self._pos = None
+            self._len = 0
             return
         n = int(value.shape[2])
         buf = self._v if values else self._k
@@ -304,6 +316,8 @@ class StaticSlotLayer(CacheLayerMixin):
                 if other is None or other.shape[0] != value.shape[0] or other.shape[2] != cap:
                     self._v = self._alloc(value, int(value.shape[0]), cap)
             buf = new
+            if self._pos is None:
+                self._pos = torch.zeros((), dtype=torch.long, device=value.device)
             self.dtype, self.device = value.dtype, value.device
             self.is_initialized = True
         if value.data_ptr() != buf.data_ptr() or value.stride() != buf.stride():
@@ -315,6 +329,7 @@ class StaticSlotLayer(CacheLayerMixin):
         cap = int(key_states.shape[2]) + self.reserve
         self._k = self._alloc(key_states, int(key_states.shape[0]), cap)
         self._v = self._alloc(value_states, int(value_states.shape[0]), cap)
+        self._pos = torch.zeros((), dtype=torch.long, device=key_states.device)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length = 0
         self.is_initialized = True
@@ -330,18 +345,25 @@ class StaticSlotLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new ``[B, Hkv, Q, D]`` at the write index; return the held slots (prefill) or the
-        whole buffer (a static decode step, whose mask covers all ``C`` slots)."""
+        whole buffer (a static decode step, whose mask covers all ``C`` slots).
+
+        A static step reads and advances only the device write index, so a captured graph replays it;
+        the runner advances the host count after the step (:func:`advance_static`)."""
         if self._k is None:
             self.lazy_initialization(key_states, value_states)
         q = int(key_states.shape[2])
-        if self.length + q > self.capacity:
-            self._grow(max(self.length + q, self.capacity + self.reserve))
-        idx = torch.arange(self.length, self.length + q, device=self._k.device)  # [Q] write index
+        if self._len + q > self.capacity:
+            self._grow(max(self._len + q, self.capacity + self.reserve))
+        if self.padded:
+            idx = self._pos + torch.arange(q, device=self._k.device)  # [Q] write index, on the device
+            self._k.index_copy_(2, idx, key_states)
+            self._v.index_copy_(2, idx, value_states)
+            self._pos.add_(q)
+            return self._k, self._v
+        idx = torch.arange(self._len, self._len + q, device=self._k.device)  # [Q]
         self._k.index_copy_(2, idx, key_states)
         self._v.index_copy_(2, idx, value_states)
-        self.length += q
-        if self.padded:
-            return self._k, self._v
+        self.length = self._len + q
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -410,6 +432,17 @@ def set_padded(cache, padded: bool) -> None:
     """A static decode step: ``update`` returns whole buffers (fixed shapes) instead of the held slots."""
     for lay in cache.layers:
         lay.padded = padded
+
+
+def advance_static(cache, q: int) -> None:
+    """After a static step wrote ``q`` slots per layer (the device write indices moved): the host counts."""
+    for lay in cache.layers:
+        lay._len += q
+
+
+def static_buffers(cache) -> tuple[int, ...]:
+    """Addresses of every buffer: a captured step is valid while they stay (no growth, no new batch)."""
+    return tuple(p for lay in cache.layers for p in (lay._k.data_ptr(), lay._v.data_ptr(), lay._pos.data_ptr()))
 
 
 def align_static(cache, layers: range, q: int) -> int:

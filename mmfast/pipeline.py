@@ -357,7 +357,7 @@ class Session:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new!r}")
         seed = self.recipe.decoding.seed if seed is None else seed
         device = self.mm.device
-        self.scoring_s = self.runner.scoring_s = self.probe.time_s = 0.0
+        self.scoring_s = self.runner.scoring_s = self.probe.time_s = self.runner.capture_s = 0.0
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         self._decoder = decoder  # observes the tower (DAMRO) for this batch
@@ -387,6 +387,8 @@ class Session:
         if self.pruners:
             # time spent deciding what to drop (probe rows + selection), per batch
             stats["scoring_s"] = round(self.scoring_s + self.runner.scoring_s + self.probe.time_s, 6)
+        if self.runner.capture_s:  # inside decode_s: capturing this batch's step graphs (model.compile: auto)
+            stats["capture_s"] = round(self.runner.capture_s, 6)
         for name in dict.fromkeys([*vision.stats, *out.method_stats]):
             stats[name] = {**vision.stats.get(name, {}), **out.method_stats.get(name, {})}
         for pruner in self.pruners:  # calibrated thresholds and the tokens they kept on the calibration set
@@ -413,12 +415,21 @@ class Session:
         return results
 
     def _decode(self, req: DecodeRequest, decoder: Decoder) -> DecodeOutput:
-        with self.runner.static_cache(self._static_reserve(req, decoder)):
+        reserve = self._static_reserve(req, decoder)
+        with self.runner.static_cache(reserve, self._capture_factory() if reserve is not None else None):
             if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
                 from .speculative.engine import speculative_decode
 
                 return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
             return decoder.decode(req)
+
+    def _capture_factory(self):
+        """The step-graph factory of ``model.compile: auto`` on CUDA (None: eager static steps)."""
+        if self.recipe.model.compile == "auto" and self.ctx.device.type == "cuda":
+            from .runtime import CudaGraph
+
+            return CudaGraph
+        return None
 
     def _static_reserve(self, req: DecodeRequest, decoder: Decoder) -> int | None:
         """Free slots per layer of a static KV cache for this call (``model.compile``), or None for the

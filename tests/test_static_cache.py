@@ -244,10 +244,15 @@ def test_static_layer_edits_match_dynamic_layer():
         lay.keys, lay.values = lay.keys.gather(2, gather), lay.values.gather(2, gather)
     _same(dyn, sta)
     assert sta._k is buf
-    # a static decode step sees the whole buffer
+    # a static decode step sees the whole buffer and moves only the device write index (a replayed
+    # graph runs no Python); the runner then advances the host count
+    assert int(sta._pos) == sta.length == 3
     sta.padded = True
-    k_all, _ = sta.update(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4))
-    assert k_all.shape[2] == sta.capacity and sta.length == 4
+    k_new = torch.randn(3, 2, 1, 4)
+    k_all, _ = sta.update(k_new, torch.randn(3, 2, 1, 4))
+    assert k_all.shape[2] == sta.capacity and int(sta._pos) == 4 and sta.length == 3
+    compat.advance_static(type("C", (), {"layers": [sta]})(), 1)
+    assert sta.length == 4 and torch.equal(sta.keys[:, :, 3:], k_new)
 
 
 def test_static_layer_grows_past_capacity_keeping_slots(caplog):
