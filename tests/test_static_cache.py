@@ -278,3 +278,59 @@ def test_out_of_memory_names_the_tokens_and_the_key(monkeypatch):
         layer.update(torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4))
     msg = str(err.value)
     assert "2 x 74 tokens" in msg and "decoding.max_new_tokens" in msg and "model.compile: off" in msg
+
+
+# -- captured steps (model.compile: auto on CUDA), with a stand-in graph on the CPU ---------------------
+
+
+class ReplayGraph:
+    """A StepGraph stand-in: capture keeps the function without running it, replay runs it. What it
+    checks on the CPU is the runner's side: static inputs copied in, the first step run for real, the
+    device write index and host counts in step, one graph per cache and step shape."""
+
+    made: list = []
+
+    def __init__(self) -> None:
+        self.fn = None
+        self.replays = 0
+        self.capture_s = 0.0
+        ReplayGraph.made.append(self)
+
+    def warmup(self, fn):
+        return fn()
+
+    def capture(self, fn) -> None:
+        assert self.fn is None
+        self.fn = fn
+
+    def replay(self):
+        self.replays += 1
+        return self.fn()
+
+
+@pytest.mark.parametrize("name", ["greedy", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"])
+def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatch):
+    from mmfast.pipeline import Session
+
+    pdrop = {"pruning": [_stage("pyramiddrop", tiny_mm)]}
+    recipe = {"pyramiddrop": pdrop, "pyramiddrop+prompt_lookup": {**pdrop, **SERVED["prompt_lookup"]}}.get(name) or SERVED[name]
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
+    ReplayGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    assert _tokens(tiny_mm, recipe, images, prompts, "static") == dynamic
+    assert ReplayGraph.made and sum(g.replays for g in ReplayGraph.made) >= 5
+
+
+@pytest.mark.parametrize("recipe,blocker", [
+    ({}, None),
+    ({"pruning": [{"method": "pyramiddrop"}]}, None),
+    ({"pruning": [{"method": "fastv"}]}, "attention probes"),
+    ({"pruning": [{"method": "dart"}]}, "attention probes"),
+    ({"decoding": {"method": "vhr"}}, "hooks on the language model"),
+])
+def test_capture_blockers(recipe, blocker, tiny_mm):
+    if "pruning" in recipe:
+        recipe = {"pruning": [_stage(recipe["pruning"][0]["method"], tiny_mm)]}
+    with mmfast.apply(tiny_mm, recipe) as s:
+        got = s.runner._capture_blocker(None, 1)
+    assert got == blocker if blocker is None else blocker in got
