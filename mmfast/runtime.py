@@ -327,6 +327,7 @@ class LMRunner:
         self.capture: Callable[[], StepGraph] | None = None
         self.capture_s = 0.0
         self._graphs: dict[tuple, _Captured] = {}
+        self._capture_refusals: set[str] = set()  # reasons already logged
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
@@ -497,6 +498,9 @@ class LMRunner:
         finds nothing against it; the host's slot counts advance after the forward either way."""
         grp0 = state.groups[0]
         blocker = self._capture_blocker(state, q) if self.capture is not None else "not asked for"
+        if self.capture is not None and blocker is not None and blocker not in self._capture_refusals:
+            self._capture_refusals.add(blocker)
+            logger.info("model.compile: auto: static decode steps run without a captured graph (%s)", blocker)
         compat.set_padded(state.cache, True)
         try:
             if blocker is None:

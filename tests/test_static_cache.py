@@ -334,3 +334,22 @@ def test_capture_blockers(recipe, blocker, tiny_mm):
     with mmfast.apply(tiny_mm, recipe) as s:
         got = s.runner._capture_blocker(None, 1)
     assert got == blocker if blocker is None else blocker in got
+
+
+def test_auto_without_a_graph_says_why_once(tiny_mm, images, prompts, monkeypatch, caplog):
+    from mmfast.pipeline import Session
+
+    ReplayGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    recipe = {"pruning": [_stage("fastv", tiny_mm)]}
+    with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
+        static = _tokens(tiny_mm, recipe, images, prompts, "static")
+    lines = [r.getMessage() for r in caplog.records if "captured graph" in r.getMessage()]
+    assert len(lines) == 1 and "attention probes" in lines[0]
+    assert not ReplayGraph.made
+    assert static == _tokens(tiny_mm, recipe, images, prompts, "off")
+
+
+def test_generate_takes_compile(tiny_mm, images, prompts, padded_steps):
+    out = tiny_mm.generate(images[:1], prompts[:1], compile="static", max_new_tokens=3)
+    assert padded_steps[0] > 0 and len(out) == 1
