@@ -440,6 +440,16 @@ def advance_static(cache, q: int) -> None:
         lay._len += q
 
 
+def write_indices(cache) -> list[torch.Tensor]:
+    """Copies of every layer's device write index (to undo a step that ran only to be captured)."""
+    return [lay._pos.clone() for lay in cache.layers]
+
+
+def restore_write_indices(cache, saved: list[torch.Tensor]) -> None:
+    for lay, pos in zip(cache.layers, saved):
+        lay._pos.copy_(pos)
+
+
 def static_buffers(cache) -> tuple[int, ...]:
     """Addresses of every buffer: a captured step is valid while they stay (no growth, no new batch)."""
     return tuple(p for lay in cache.layers for p in (lay._k.data_ptr(), lay._v.data_ptr(), lay._pos.data_ptr()))

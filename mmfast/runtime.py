@@ -551,10 +551,17 @@ class LMRunner:
             self._point_groups(groups, static)
             graph = self.capture()
             run = lambda: self._lm_forward(state, static[0], static[1], static[2])  # noqa: E731
+            before = compat.write_indices(state.cache)
             with self._activate(state, "decode"):
                 last = graph.warmup(run).clone()  # this step's own forward, and the capture's warm-up
-            with self._activate(state, "decode"):
-                graph.capture(run)  # records the same kernels without running them
+                for g in groups:  # tables the warm-up computed are computed inside the graph instead
+                    g.fwd_pos_emb = None
+                after = compat.write_indices(state.cache)
+                # records the same kernels; a graph that runs them while capturing rewrites this step's
+                # slots with the same values from the same write index
+                compat.restore_write_indices(state.cache, before)
+                graph.capture(run)
+                compat.restore_write_indices(state.cache, after)
             self._graphs[key] = _Captured(graph, static)
             self.capture_s += graph.capture_s
             return last
