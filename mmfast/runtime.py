@@ -18,6 +18,11 @@ HF's ``rope_deltas`` places it. ``compact`` under M-RoPE (:func:`mmfast.models.m
 closes the gaps between spans: text tokens are renumbered consecutively, and each image's kept tokens
 keep their (t, h, w) offsets from the image's kept minimum per axis, starting at the running position;
 the next span starts after the image's maximum.
+
+Static KV cache (``model.compile``; :meth:`LMRunner.static_cache`): the cache layers are preallocated
+buffers (``compat.StaticSlotLayer``) sized at prefill per layer, the groups keep describing the held
+slots, and a decode step attends over each group's whole buffer with a mask padded to it, so its shapes
+are fixed; such a step may run as one captured graph (:class:`StepGraph`).
 """
 
 from __future__ import annotations
