@@ -86,6 +86,25 @@ class Capabilities:
     #: reads the vision tower's unmerged tokens (DAMRO's outlier branch)
     needs_unmerged_tower: bool = False
 
+    # -- any method ---------------------------------------------------------------------------------
+    #: why the method's decode-time hooks need the dynamic cache's step, whose keys are exactly the
+    #: held tokens (a static step attends over the whole preallocated buffer); "" = the static-cache
+    #: step serves it. ``model.compile`` falls back to the dynamic cache with this reason.
+    dynamic_decode: str = ""
+
+
+def static_cache_blocker(methods: Iterable[tuple[str, Capabilities]]) -> str | None:
+    """Why the static-cache decode step (``model.compile``) cannot serve these methods
+    ((where, capabilities) pairs), or None."""
+    for where, c in methods:
+        if c.dynamic_decode:
+            return f"{where}: {c.dynamic_decode}"
+        if c.owns_kv_cache:
+            return f"{where} replaces the cache layers with its own (mixed precision)"
+        if c.decodes_without_cache:
+            return f"{where} decodes without a KV cache"
+    return None
+
 
 def caps_of(cls: type, params: Any) -> Capabilities:
     """The declaration of method class ``cls`` under recipe ``params``."""

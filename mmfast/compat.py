@@ -22,9 +22,11 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers import AttentionInterface
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -203,3 +205,264 @@ def format_mask(mask: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tens
         f"attention implementation {impl!r} is not supported by mmfast's per-layer masks; "
         "load the model with attn_implementation='sdpa' or 'eager'"
     )
+
+
+# --------------------------------------------------------------------------- static KV cache
+# (issue 27 item 1; kept apart from the version-range code above)
+#
+# transformers' own ``StaticLayer`` does not fit mmfast's runtime: its ``keys`` is the whole
+# preallocated buffer (the runtime's slot edits read and assign ``keys`` as the cached tokens), it has
+# no ``crop`` (speculative rollback) and one capacity for every layer (in-LLM pruning makes later
+# layers hold fewer slots). :class:`StaticSlotLayer` keeps a fixed buffer per layer and a write index
+# (the number of slots held); ``keys`` / ``values`` read and assign the held prefix, so every edit the
+# runtime makes on a dynamic cache works unchanged, in place. During a static decode step
+# (``cache.padded``) ``update`` returns the whole buffer, so the step's shapes do not depend on the
+# sequence length; the runtime masks the free slots.
+
+
+class StaticCacheCapacityError(InputError):
+    """A static KV cache buffer could not be allocated (out of memory): the message names the tokens it
+    tried to hold and the keys to lower (an input error: the CLI exits 2 with it)."""
+
+
+class StaticSlotLayer(CacheLayerMixin):
+    """One decoder layer's K/V in a preallocated ``[B, Hkv, C, D]`` buffer; ``length`` slots are held.
+
+    The capacity ``C`` is fixed at the first write: the prefill's length at this layer (after in-LLM
+    pruning) plus ``reserve``. A write past ``C`` grows the buffer (logged: a captured step must then be
+    captured again); allocation failures raise :class:`StaticCacheCapacityError` with the token count.
+    """
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, reserve: int) -> None:
+        self.reserve = int(reserve)
+        self._k: torch.Tensor | None = None  # [B, Hkv, C, D]
+        self._v: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None  # [] long on the buffers' device: the write index
+        self._len = 0  # the same on the host
+        self.padded = False  # set by the cache for a static decode step
+        super().__init__()
+
+    # -- the held slots, as a dynamic layer exposes them ----------------------------------------
+    @property
+    def length(self) -> int:
+        """Slots held (the write index); setting it moves the device copy too (no host sync)."""
+        return self._len
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._len = int(n)
+        if self._pos is not None:
+            self._pos.fill_(self._len)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._assign(value, values=False)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._assign(value, values=True)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._k is None else int(self._k.shape[2])
+
+    def _alloc(self, like: torch.Tensor, batch: int, capacity: int) -> torch.Tensor:
+        shape = (batch, like.shape[1], capacity, like.shape[-1])
+        try:
+            return torch.zeros(shape, dtype=like.dtype, device=like.device)
+        except torch.OutOfMemoryError:
+            raise StaticCacheCapacityError(
+                f"the static KV cache could not allocate {batch} x {capacity} tokens for one layer on {like.device} "
+                f"({batch * capacity * like.shape[1] * like.shape[-1] * like.element_size() * 2 / 2**20:.0f} MiB of K and V); "
+                "lower decoding.max_new_tokens or the batch size, or set model.compile: off"
+            ) from None
+
+    def _assign(self, value: torch.Tensor | None, *, values: bool) -> None:
+        """``layer.keys = t`` / ``layer.values = t``: hold ``t`` ([B, Hkv, T, D]) as the first T slots.
+
+        Keys and values are assigned one after the other (``set_layer_kv``, ``keep_new``), so the held
+        length follows the last assignment; both always agree once the pair is assigned.
+        """
+        if value is None:  # CacheLayerMixin.__init__ / reset
+            if self._k is None:
+                return
+            self._k = self._v = self._pos = None
+            self._len = 0
+            return
+        n = int(value.shape[2])
+        buf = self._v if values else self._k
+        if buf is None or buf.shape[0] != value.shape[0] or n > buf.shape[2]:
+            other = self._k if values else self._v
+            cap = max(n + self.reserve, self.capacity)
+            new = self._alloc(value, int(value.shape[0]), cap)
+            if values:
+                self._v = new
+                if other is None or other.shape[0] != value.shape[0] or other.shape[2] != cap:
+                    self._k = self._alloc(value, int(value.shape[0]), cap)
+            else:
+                self._k = new
+                if other is None or other.shape[0] != value.shape[0] or other.shape[2] != cap:
+                    self._v = self._alloc(value, int(value.shape[0]), cap)
+            buf = new
+            if self._pos is None:
+                self._pos = torch.zeros((), dtype=torch.long, device=value.device)
+            self.dtype, self.device = value.dtype, value.device
+            self.is_initialized = True
+        if value.data_ptr() != buf.data_ptr() or value.stride() != buf.stride():
+            buf[:, :, :n].copy_(value)
+        self.length = n
+
+    # -- CacheLayerMixin ----------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cap = int(key_states.shape[2]) + self.reserve
+        self._k = self._alloc(key_states, int(key_states.shape[0]), cap)
+        self._v = self._alloc(value_states, int(value_states.shape[0]), cap)
+        self._pos = torch.zeros((), dtype=torch.long, device=key_states.device)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0
+        self.is_initialized = True
+
+    def _grow(self, cap: int) -> None:
+        """Reallocate to ``cap`` slots, keeping the held ones."""
+        old = self.capacity
+        logger.info("static KV cache: a layer grows from %d to %d slots (a captured step is captured again)", old, cap)
+        k, v = self._alloc(self._k, self._k.shape[0], cap), self._alloc(self._v, self._v.shape[0], cap)
+        k[:, :, :old].copy_(self._k)
+        v[:, :, :old].copy_(self._v)
+        self._k, self._v = k, v
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new ``[B, Hkv, Q, D]`` at the write index; return the held slots (prefill) or the
+        whole buffer (a static decode step, whose mask covers all ``C`` slots).
+
+        A static step reads and advances only the device write index, so a captured graph replays it;
+        the runner advances the host count after the step (:func:`advance_static`)."""
+        if self._k is None:
+            self.lazy_initialization(key_states, value_states)
+        q = int(key_states.shape[2])
+        if self._len + q > self.capacity:
+            self._grow(max(self._len + q, self.capacity + self.reserve))
+        if self.padded:
+            idx = self._pos + torch.arange(q, device=self._k.device)  # [Q] write index, on the device
+            self._k.index_copy_(2, idx, key_states)
+            self._v.index_copy_(2, idx, value_states)
+            self._pos.add_(q)
+            return self._k, self._v
+        idx = torch.arange(self._len, self._len + q, device=self._k.device)  # [Q]
+        self._k.index_copy_(2, idx, key_states)
+        self._v.index_copy_(2, idx, value_states)
+        self.length = self._len + q
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.padded:
+            return self.capacity, 0
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` held slots (the write index moves back; no copy)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes -tokens_to_remove (got {tokens_to_remove})")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam reorder / row selection in place (a new buffer only when the batch size changes)."""
+        if self._k is None:
+            return
+        idx = beam_idx.to(self._k.device)
+        if idx.numel() == self._k.shape[0]:
+            self._k.copy_(self._k.index_select(0, idx))
+            self._v.copy_(self._v.index_select(0, idx))
+        else:
+            self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._k is not None:
+            self._k = self._k.repeat_interleave(repeats, dim=0)
+            self._v = self._v.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._k is not None:
+            self._k, self._v = self._k[indices], self._v[indices]
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def stored_nbytes(self) -> int:
+        """Bytes of the preallocated buffers (free slots included): what the cache holds in memory."""
+        if self._k is None:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+
+
+def new_static_cache(config, reserve: int) -> Cache:
+    """A cache of :class:`StaticSlotLayer` for ``config``'s text model, ``reserve`` free slots per layer
+    after the prefill (``max_new_tokens`` plus what a verify step appends)."""
+    return Cache(layers=[StaticSlotLayer(reserve) for _ in range(int(config.num_hidden_layers))])
+
+
+def is_static(cache) -> bool:
+    return bool(cache is not None and cache.layers and all(isinstance(lay, StaticSlotLayer) for lay in cache.layers))
+
+
+def static_capacity(cache, layer_idx: int) -> int:
+    """Slots layer ``layer_idx``'s buffer holds (the key length of a static decode step)."""
+    return cache.layers[layer_idx].capacity
+
+
+def set_padded(cache, padded: bool) -> None:
+    """A static decode step: ``update`` returns whole buffers (fixed shapes) instead of the held slots."""
+    for lay in cache.layers:
+        lay.padded = padded
+
+
+def advance_static(cache, q: int) -> None:
+    """After a static step wrote ``q`` slots per layer (the device write indices moved): the host counts."""
+    for lay in cache.layers:
+        lay._len += q
+
+
+def write_indices(cache) -> list[torch.Tensor]:
+    """Copies of every layer's device write index (to undo a step that ran only to be captured)."""
+    return [lay._pos.clone() for lay in cache.layers]
+
+
+def restore_write_indices(cache, saved: list[torch.Tensor]) -> None:
+    for lay, pos in zip(cache.layers, saved):
+        lay._pos.copy_(pos)
+
+
+def static_buffers(cache) -> tuple[int, ...]:
+    """Addresses of every buffer: a captured step is valid while they stay (no growth, no new batch)."""
+    return tuple(p for lay in cache.layers for p in (lay._k.data_ptr(), lay._v.data_ptr(), lay._pos.data_ptr()))
+
+
+def align_static(cache, layers: range, q: int) -> int:
+    """Before a static step appends ``q`` slots to ``layers`` (one layer group): grow any buffer that
+    cannot take them, so that the group's layers share one capacity; returns it (the step's key length)."""
+    lays = [cache.layers[i] for i in layers]
+    need, cap = max(lay.length + q for lay in lays), max(lay.capacity for lay in lays)
+    if need > cap:
+        cap = max(need, cap + lays[0].reserve)
+    for lay in lays:
+        if lay.capacity < cap:
+            lay._grow(cap)
+    return lays[0].capacity

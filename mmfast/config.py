@@ -307,6 +307,12 @@ class ModelConfig:
     revision: str | None = opt(None, doc="hub revision")
     offload_folder: str | None = opt(None, doc="disk offload folder for device_map placement")
     max_memory: dict[int | str, str] | None = opt(None, doc="per-device memory caps for device_map, e.g. {0: 20GiB, cpu: 60GiB}")
+    compile: Literal["off", "static", "auto"] = opt(
+        "off",
+        doc="decode on a static KV cache with fixed-shape steps: static (any device), auto (static on CUDA, "
+        "off elsewhere), off (the dynamic cache); methods whose decode hooks need the dynamic cache fall "
+        "back to it with a logged reason",
+    )
 
 
 @dataclass(frozen=True)
@@ -545,6 +551,8 @@ class Recipe:
         section says where results go and whether to replace them, not what they are: it is left out,
         so rerunning a command without ``output.overwrite`` resumes what a run with it started."""
         what = {k: v for k, v in self.to_dict().items() if k != "output"}
+        if what["model"].get("compile") == "off":  # the default path: hashes of recipes from before the key stay
+            del what["model"]["compile"]
         blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

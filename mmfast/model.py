@@ -165,6 +165,7 @@ class MMModel:
         recipe: Recipe | str | dict | None = None,
         *,
         decoding: str | dict[str, Any] | None = None,
+        compile: str | None = None,
         **generation_kwargs: Any,
     ) -> list[GenerationResult]:
         """Answer ``prompts`` about ``images`` with the recipe's methods (plain greedy without one).
@@ -178,6 +179,8 @@ class MMModel:
             decoding: a decoder replacing the recipe's for this call: a name (``"opera"``) or
                 ``{"method": "vcd", "params": {"alpha": 1.0}}``; any registered decoder, including those
                 that install hooks.
+            compile: ``off`` | ``static`` | ``auto``, replacing the recipe's ``model.compile`` for this
+                call (the static KV cache and captured decode steps; docs/methods.md).
             **generation_kwargs: ``max_new_tokens``, ``seed``, ``meta``, ``streamer``,
                 ``generation_config`` and transformers' ``do_sample`` / ``temperature`` / ``top_k`` /
                 ``top_p`` / ``num_beams`` / ``length_penalty``; see :meth:`mmfast.pipeline.Session.generate`.
@@ -197,7 +200,7 @@ class MMModel:
             recipe = resolved.replace(
                 decoding=decoding_config(decoding, max_new_tokens=base.max_new_tokens, seed=base.seed)
             )
-        with apply(self, recipe) as session:
+        with apply(self, recipe, compile=compile) as session:
             return session.generate(images, prompts, **generation_kwargs)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .capabilities import caps_of, check_model, check_recipe
+from .capabilities import caps_of, check_model, check_recipe, static_cache_blocker
 from .config import Recipe, load_recipe
 from .context import MethodContext
 from .decoding.base import DecodeOutput, DecodeRequest, Decoder, now
@@ -35,6 +35,8 @@ from .registry import DECODERS, DRAFTERS, PRUNERS
 from .runtime import LMRunner
 
 logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("off", "static", "auto")  # model.compile
 
 
 @dataclass
@@ -83,9 +85,14 @@ class GenerationResult:
 class Session:
     """A recipe installed on a model. Use as a context manager; see :func:`apply`."""
 
-    def __init__(self, mm: MMModel, recipe: Recipe, *, calibration: Any = None) -> None:
+    def __init__(self, mm: MMModel, recipe: Recipe, *, calibration: Any = None, compile: str | None = None) -> None:
         self.mm = mm
+        if compile is not None:  # the Python API's override of model.compile
+            if compile not in COMPILE_MODES:
+                raise InputError(f"compile={compile!r} is not one of {', '.join(COMPILE_MODES)}")
+            recipe = recipe.replace(model=dataclasses.replace(recipe.model, compile=compile))
         self.recipe = recipe
+        self._static_refusals: set[str] = set()  # fall-back reasons already logged
         self.adapter = mm.adapter
         self.hooks = HookSession(mm.model)
         self.probe = AttentionProbe(self.hooks)
@@ -350,7 +357,7 @@ class Session:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new!r}")
         seed = self.recipe.decoding.seed if seed is None else seed
         device = self.mm.device
-        self.scoring_s = self.runner.scoring_s = self.probe.time_s = 0.0
+        self.scoring_s = self.runner.scoring_s = self.probe.time_s = self.runner.capture_s = 0.0
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         self._decoder = decoder  # observes the tower (DAMRO) for this batch
@@ -380,6 +387,8 @@ class Session:
         if self.pruners:
             # time spent deciding what to drop (probe rows + selection), per batch
             stats["scoring_s"] = round(self.scoring_s + self.runner.scoring_s + self.probe.time_s, 6)
+        if self.runner.capture_s:  # inside decode_s: capturing this batch's step graphs (model.compile: auto)
+            stats["capture_s"] = round(self.runner.capture_s, 6)
         for name in dict.fromkeys([*vision.stats, *out.method_stats]):
             stats[name] = {**vision.stats.get(name, {}), **out.method_stats.get(name, {})}
         for pruner in self.pruners:  # calibrated thresholds and the tokens they kept on the calibration set
@@ -406,11 +415,42 @@ class Session:
         return results
 
     def _decode(self, req: DecodeRequest, decoder: Decoder) -> DecodeOutput:
-        if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
-            from .speculative.engine import speculative_decode
+        reserve = self._static_reserve(req, decoder)
+        with self.runner.static_cache(reserve, self._capture_factory() if reserve is not None else None):
+            if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
+                from .speculative.engine import speculative_decode
 
-            return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
-        return decoder.decode(req)
+                return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
+            return decoder.decode(req)
+
+    def _capture_factory(self):
+        """The step-graph factory of ``model.compile: auto`` on CUDA (None: eager static steps)."""
+        if self.recipe.model.compile == "auto" and self.ctx.device.type == "cuda":
+            from .runtime import CudaGraph
+
+            return CudaGraph
+        return None
+
+    def _static_reserve(self, req: DecodeRequest, decoder: Decoder) -> int | None:
+        """Free slots per layer of a static KV cache for this call (``model.compile``), or None for the
+        dynamic cache; a method that needs the dynamic step makes it fall back, logged once per reason."""
+        mode = self.recipe.model.compile
+        if mode == "off" or (mode == "auto" and self.ctx.device.type != "cuda"):
+            return None
+        methods = [(f"pruning[{i}] ({st.method})", caps_of(type(p), p.config))
+                   for i, (st, p) in enumerate(zip(self.recipe.pruning, self.pruners))]
+        methods.append((f"decoding ({decoder.name})", caps_of(type(decoder), decoder.config)))
+        if self.drafter is not None:
+            methods.append((f"speculative ({self.drafter.name})", caps_of(type(self.drafter), self.drafter.config)))
+        reason = static_cache_blocker(methods)
+        if reason is not None:
+            if reason not in self._static_refusals:
+                self._static_refusals.add(reason)
+                logger.info("model.compile: %s: decoding on the dynamic KV cache (%s)", mode, reason)
+            return None
+        # every generated token, plus the root a verify step appends before its tree (a bigger tree
+        # grows the buffers once, logged)
+        return req.max_new_tokens + 1
 
     def _check_streamable(self, decoder: Decoder, streamer: Any) -> None:
         if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
@@ -471,13 +511,15 @@ def _sample_stats(stats: dict[str, Any], b: int) -> dict[str, Any]:
     return out
 
 
-def apply(mm: MMModel, recipe: Recipe | str | dict | None = None, *, calibration: Any = None) -> Session:
+def apply(mm: MMModel, recipe: Recipe | str | dict | None = None, *, calibration: Any = None,
+          compile: str | None = None) -> Session:
     """Install ``recipe`` on ``mm`` and return the session (a context manager that restores the model).
 
     ``calibration``: a ``pruning._budget.CalibrationSet`` that token budgets of threshold methods are
-    calibrated on (an evaluation passes a spread of its own samples); None: the default world set."""
+    calibrated on (an evaluation passes a spread of its own samples); None: the default world set.
+    ``compile``: ``off`` | ``static`` | ``auto``, replacing the recipe's ``model.compile`` (None keeps it)."""
     if recipe is None:
         recipe = Recipe()
     elif not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
-    return Session(mm, recipe, calibration=calibration)
+    return Session(mm, recipe, calibration=calibration, compile=compile)

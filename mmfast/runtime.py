@@ -18,6 +18,11 @@ HF's ``rope_deltas`` places it. ``compact`` under M-RoPE (:func:`mmfast.models.m
 closes the gaps between spans: text tokens are renumbered consecutively, and each image's kept tokens
 keep their (t, h, w) offsets from the image's kept minimum per axis, starting at the running position;
 the next span starts after the image's maximum.
+
+Static KV cache (``model.compile``; :meth:`LMRunner.static_cache`): the cache layers are preallocated
+buffers (``compat.StaticSlotLayer``) sized at prefill per layer, the groups keep describing the held
+slots, and a decode step attends over each group's whole buffer with a mask padded to it, so its shapes
+are fixed; such a step may run as one captured graph (:class:`StepGraph`).
 """
 
 from __future__ import annotations
@@ -319,6 +324,15 @@ class LMRunner:
         self._active: LMState | None = None
         self._phase = "idle"
         self.use_cache = True  # False: every decode step recomputes the whole sequence
+        #: static KV cache (``model.compile``): free slots per layer after the prefill, or None for a
+        #: dynamic cache. Set for one decode call by :meth:`static_cache`.
+        self.static_reserve: int | None = None
+        #: captured static steps: a graph factory (:class:`CudaGraph` on CUDA), or None for eager
+        #: static steps; graphs live for one :meth:`static_cache` block, their capture time adds up here
+        self.capture: Callable[[], StepGraph] | None = None
+        self.capture_s = 0.0
+        self._graphs: dict[tuple, _Captured] = {}
+        self._capture_refusals: set[str] = set()  # reasons already logged
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
@@ -361,6 +375,19 @@ class LMRunner:
         row selectors that need the current batch's data."""
         return self._active
 
+    @contextlib.contextmanager
+    def static_cache(self, reserve: int | None, capture: Callable[[], StepGraph] | None = None) -> Iterator[None]:
+        """States prefilled inside the block get a static KV cache with ``reserve`` free slots per
+        layer (None: the dynamic cache), and their decode steps run with fixed shapes; with
+        ``capture`` (a graph factory) each step shape is captured once and replayed."""
+        before = self.static_reserve, self.capture
+        self.static_reserve, self.capture = reserve, capture if reserve is not None else None
+        try:
+            yield
+        finally:
+            self.static_reserve, self.capture = before
+            self._graphs.clear()
+
     # -- forward passes ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def _activate(self, state: LMState, phase: str) -> Iterator[None]:
@@ -383,7 +410,9 @@ class LMRunner:
         src = torch.arange(length, device=inputs.input_ids.device).expand(bsz, -1)
         mask = inputs.attention_mask.bool()
         grp0 = LayerGroup(0, mask, inputs.position_ids, src.masked_fill(~mask, -1))
-        state = LMState(inputs, compat.new_cache(self.adapter.text_config), [grp0], self.n_layers, text_config=self.adapter.text_config)
+        cfg = self.adapter.text_config
+        cache = compat.new_cache(cfg) if self.static_reserve is None else compat.new_static_cache(cfg, self.static_reserve)
+        state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
             out = self.lm(
                 inputs_embeds=inputs.embeds,
@@ -415,6 +444,10 @@ class LMRunner:
 
         ``depth`` ([Q] or [B, Q]) offsets the new positions (tree drafts: position = next + depth);
         ``block_mask`` ([Q, Q] or [B, Q, Q] bool) says which new tokens see which (default causal).
+
+        On a static cache every group's mask covers its layers' whole buffer ([B, 1, Q, C_g], free
+        slots masked) and the layers attend over all C_g slots: the step's shapes depend on Q and the
+        capacities only, not on how many tokens are held.
         """
         bsz, q = tokens.shape
         dev = tokens.device
@@ -427,6 +460,7 @@ class LMRunner:
         block_mask = block_mask.expand(bsz, q, q) if block_mask.dim() == 2 else block_mask
         impl = self.adapter.text_config._attn_implementation
         dtype = self.adapter.lm_head.weight.dtype
+        static = compat.is_static(state.cache)
         for g, grp in enumerate(state.groups):
             pos = grp.next_positions()[:, None] + depth  # [B, Q]
             if grp.positions.dim() == 3:  # M-RoPE: the same position on every axis
@@ -434,24 +468,118 @@ class LMRunner:
             grp.key_mask = torch.cat([grp.key_mask, torch.ones(bsz, q, dtype=torch.bool, device=dev)], 1)
             grp.positions = torch.cat([grp.positions, pos], 1)
             grp.source = torch.cat([grp.source, torch.full((bsz, q), -1, device=dev, dtype=grp.source.dtype)], 1)
-            if g > 0 or custom:
+            if static:
+                cap = compat.align_static(state.cache, state.layers_of(g), q)
+                mask = _block_causal_mask(grp.key_mask, block_mask)  # [B, 1, Q, T_g]
+                mask = torch.nn.functional.pad(mask, (0, cap - grp.length), value=False)  # [B, 1, Q, C_g]
+                grp.fwd_mask = compat.format_mask(mask, impl, dtype)
+                grp.fwd_pos_ids = pos
+            elif g > 0 or custom:
                 grp.fwd_mask = compat.format_mask(_block_causal_mask(grp.key_mask, block_mask), impl, dtype)
                 grp.fwd_pos_ids = pos
         if embeds is None:
             embeds = self.adapter.embed_tokens(tokens)
         grp0 = state.groups[0]
-        with self._activate(state, "decode"):
-            out = self.lm(
-                inputs_embeds=embeds,
-                attention_mask=grp0.fwd_mask if custom else grp0.key_mask.long(),
-                position_ids=self.adapter.lm_position_ids(grp0.positions[:, -q:]),
-                past_key_values=state.cache,
-                use_cache=True,
-            )
+        if static:
+            last = self._static_forward(state, embeds, q)  # [B, Q, d]
+        else:
+            with self._activate(state, "decode"):
+                last = self.lm(
+                    inputs_embeds=embeds,
+                    attention_mask=grp0.fwd_mask if custom else grp0.key_mask.long(),
+                    position_ids=self.adapter.lm_position_ids(grp0.positions[:, -q:]),
+                    past_key_values=state.cache,
+                    use_cache=True,
+                ).last_hidden_state
         for hook in self.step_hooks:
             hook(state)
-        hidden = out.last_hidden_state if all_logits else out.last_hidden_state[:, -1:]
+        hidden = last if all_logits else last[:, -1:]
         return StepOutput(self.adapter.lm_head(hidden).float(), hidden)
+
+    # -- the static step: eager, or one captured graph -----------------------------------------------
+    def _static_forward(self, state: LMState, embeds: torch.Tensor, q: int) -> torch.Tensor:
+        """The LM forward of a static step ([B, Q, d] final hidden states): fixed shapes, every mask and
+        position already in the groups' ``fwd_*``. Captured and replayed when :meth:`_capture_blocker`
+        finds nothing against it; the host's slot counts advance after the forward either way."""
+        grp0 = state.groups[0]
+        blocker = self._capture_blocker(state, q) if self.capture is not None else "not asked for"
+        if self.capture is not None and blocker is not None and blocker not in self._capture_refusals:
+            self._capture_refusals.add(blocker)
+            logger.info("model.compile: auto: static decode steps run without a captured graph (%s)", blocker)
+        compat.set_padded(state.cache, True)
+        try:
+            if blocker is None:
+                last = self._replay(state, embeds, q)
+            else:
+                with self._activate(state, "decode"):
+                    last = self._lm_forward(state, embeds, grp0.fwd_mask, grp0.fwd_pos_ids)
+        finally:
+            compat.set_padded(state.cache, False)
+        compat.advance_static(state.cache, q)
+        return last
+
+    def _lm_forward(self, state: LMState, embeds: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.lm(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=self.adapter.lm_position_ids(pos),
+            past_key_values=state.cache,
+            use_cache=True,
+        ).last_hidden_state
+
+    def _capture_blocker(self, state: LMState, q: int) -> str | None:
+        """Why this static step cannot be one captured graph (None: it can). Python that must run at
+        every step cannot live in a graph: decode hooks, hooks on LM modules other than the runner's
+        layer pre-hooks, attention probes or overrides on LM layers."""
+        if self._decode:
+            return "decode hooks (on_decode)"
+        own = 0 if self._hooked_from is None else self.n_layers - self._hooked_from
+        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.lm.modules())
+        if hooks != own:
+            return "hooks on the language model's modules"
+        for layer in self.adapter.layers:
+            attn = getattr(layer.self_attn, "_mmfast_attn", None)
+            if attn is not None and (attn.recorders or attn.override is not None):
+                return "attention probes or overrides on the language model"
+        return None
+
+    def _replay(self, state: LMState, embeds: torch.Tensor, q: int) -> torch.Tensor:
+        """Run the step as a captured graph: inputs are copied into the graph's static tensors (the
+        groups' ``fwd_*`` point at them while the hooks run at capture), then the graph is replayed.
+        A graph serves one cache while its buffers stay (no growth, no new batch) and one Q."""
+        groups = state.groups
+        live = [embeds] + [t for g in groups for t in (g.fwd_mask, g.fwd_pos_ids)]
+        key = (id(state.cache), compat.static_buffers(state.cache), q, tuple(t.shape for t in live))
+        step = self._graphs.get(key)
+        if step is None:
+            static = [t.clone() for t in live]
+            self._point_groups(groups, static)
+            graph = self.capture()
+            run = lambda: self._lm_forward(state, static[0], static[1], static[2])  # noqa: E731
+            before = compat.write_indices(state.cache)
+            with self._activate(state, "decode"):
+                last = graph.warmup(run).clone()  # this step's own forward, and the capture's warm-up
+                for g in groups:  # tables the warm-up computed are computed inside the graph instead
+                    g.fwd_pos_emb = None
+                after = compat.write_indices(state.cache)
+                # records the same kernels; a graph that runs them while capturing rewrites this step's
+                # slots with the same values from the same write index
+                compat.restore_write_indices(state.cache, before)
+                graph.capture(run)
+                compat.restore_write_indices(state.cache, after)
+            self._graphs[key] = _Captured(graph, static)
+            self.capture_s += graph.capture_s
+            return last
+        for dst, src in zip(step.static, live):
+            dst.copy_(src)
+        self._point_groups(groups, step.static)
+        with self._activate(state, "decode"):
+            return step.graph.replay().clone()
+
+    @staticmethod
+    def _point_groups(groups: list[LayerGroup], static: list[torch.Tensor]) -> None:
+        for i, g in enumerate(groups):
+            g.fwd_mask, g.fwd_pos_ids = static[1 + 2 * i], static[2 + 2 * i]
 
     # -- layer hooks -------------------------------------------------------------------------------
     def _make_layer_hook(self, layer: int) -> Callable:
@@ -561,6 +689,58 @@ class LMRunner:
         state.groups.append(grp)
         state.groups.sort(key=lambda g: g.start)
         return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
+
+
+class StepGraph:
+    """A captured decode step: ``capture(fn)`` records ``fn``'s kernels without running them,
+    ``replay()`` runs them and returns ``fn``'s output tensor (static: copy it before the next replay)."""
+
+    capture_s: float = 0.0
+
+    def warmup(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run ``fn`` once for real (the step the graph is first needed for)."""
+        return fn()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def replay(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CudaGraph(StepGraph):
+    """:class:`StepGraph` as one ``torch.cuda.CUDAGraph`` (its own memory pool)."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.out: torch.Tensor | None = None
+
+    def warmup(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """On a side stream, as ``torch.cuda.graphs`` asks (lazy library initialisation stays out of the graph)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph):
+            self.out = fn()
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+@dataclass
+class _Captured:
+    graph: StepGraph
+    static: list[torch.Tensor]  # embeds, then (fwd_mask, fwd_pos_ids) per layer group
 
 
 def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,10 @@ class SlotClasses:
     generated: torch.Tensor  # a generated token (cached decode, or a decode-without-cache re-prefill)
 
 
+#: ``Capabilities.dynamic_decode`` of the attention-editing decoders (PAI, ClearSight, ONLY)
+ATTN_OVERRIDE_DYNAMIC = "its attention override lays out each row over exactly the held keys"
+
+
 def slot_classes(state, layer: int) -> SlotClasses:
     """The slot classes of ``layer``'s current layout in the running ``state``."""
     from ..models.base import GENERATED

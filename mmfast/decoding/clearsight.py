@@ -36,7 +36,7 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
-from ._attn_edit import edit_rows, install_override, slot_classes
+from ._attn_edit import ATTN_OVERRIDE_DYNAMIC, edit_rows, install_override, slot_classes
 from .base import Decoder, DecodeOutput, DecodeRequest
 from .loop import autoregressive, sample_from, warpers
 
@@ -79,7 +79,8 @@ class ClearSight(Decoder):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
-        return Capabilities(families=ALL_FAMILIES, overrides_llm_attention=cls.active(cfg))
+        return Capabilities(families=ALL_FAMILIES, overrides_llm_attention=cls.active(cfg),
+                            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "")
 
     @classmethod
     def check_facts(cls, config, facts) -> list[int]:

@@ -47,7 +47,7 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
-from ._attn_edit import attend, install_override, masked_scores, slot_classes
+from ._attn_edit import ATTN_OVERRIDE_DYNAMIC, attend, install_override, masked_scores, slot_classes
 from .base import Decoder, DecodeOutput, DecodeRequest
 from .branches import plausibility_mask
 from .loop import autoregressive, sample_from, warpers
@@ -122,7 +122,8 @@ class ONLY(Decoder):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
-        return Capabilities(families=ALL_FAMILIES, overrides_llm_attention=cls.active(cfg))
+        return Capabilities(families=ALL_FAMILIES, overrides_llm_attention=cls.active(cfg),
+                            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "")
 
     @staticmethod
     def active(cfg) -> bool:

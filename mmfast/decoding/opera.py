@@ -107,7 +107,11 @@ class _SampleResult:
 class Opera(Decoder):
     """OPERA (over-trust penalty + retrospection-allocation beam search)."""
 
-    caps = Capabilities(families=ALL_FAMILIES, search="beam", needs_full_decode_cache=True)
+    caps = Capabilities(
+        families=ALL_FAMILIES, search="beam", needs_full_decode_cache=True,
+        dynamic_decode="its over-trust map reads the last layer's attention rows over exactly the held keys, "
+        "and its look-ahead and rollback clone and crop the cache",
+    )
     probe_key = "opera.last_layer"
 
     @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
-from ._attn_edit import edit_rows, install_override, slot_classes
+from ._attn_edit import ATTN_OVERRIDE_DYNAMIC, edit_rows, install_override, slot_classes
 from .base import DecodeOutput, DecodeRequest
 from .branches import Branch, MultiBranchDecoder
 from .loop import autoregressive, sample_from, warpers
@@ -102,6 +102,7 @@ class PAI(MultiBranchDecoder):
             families=ALL_FAMILIES,
             search="single" if cfg.gamma == 1.0 else "branches",
             overrides_llm_attention=cfg.alpha != 0.0,
+            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cfg.alpha != 0.0 else "",
         )
 
     @classmethod

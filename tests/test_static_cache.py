@@ -1,0 +1,358 @@
+"""The static KV cache (``model.compile: static``): per-layer preallocated buffers, fixed-shape decode
+steps over the whole buffer, and exactness against the dynamic cache.
+
+In fp32 on the CPU the static path must give the same tokens as the dynamic one for every decoder,
+drafter and pruner it serves; methods whose decode hooks need the dynamic step declare it
+(``Capabilities.dynamic_decode``) and fall back with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+import mmfast
+from mmfast import compat
+from mmfast.config import Recipe, load_recipe
+from mmfast.errors import ConfigError, InputError
+from mmfast.registry import DECODERS, PRUNERS
+
+
+@pytest.fixture
+def padded_steps(monkeypatch):
+    """Counts the decode steps that ran on a static cache with whole-buffer shapes."""
+    count = [0]
+    original = compat.set_padded
+
+    def spy(cache, padded):
+        count[0] += int(padded)
+        original(cache, padded)
+
+    monkeypatch.setattr(compat, "set_padded", spy)
+    return count
+
+
+def _tokens(mm, recipe: dict, images, prompts, compile: str, n: int = 8) -> list[list[int]]:
+    with mmfast.apply(mm, load_recipe(recipe), compile=compile) as s:
+        return [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=n)]
+
+
+def _stage(name: str, mm) -> dict:
+    return {"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}
+
+
+SERVED = {
+    "greedy": {},
+    "sample-seeded": {"decoding": {"method": "sample", "params": {"top_k": 20}, "seed": 5}},
+    "vcd": {"decoding": {"method": "vcd", "params": {"sample": False}}},
+    "beam": {"decoding": {"method": "beam", "params": {"num_beams": 3}}},
+    "vhr": {"decoding": {"method": "vhr"}},
+    "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
+    "layer_skip": {"speculative": {"method": "layer_skip"}},
+}
+PRUNED = ["fastv", "pyramiddrop", "dart", "visionzip", "divprune"]
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_static_decoders_and_drafters_match_dynamic(name, tiny_mm, images, prompts, padded_steps):
+    recipe = SERVED[name]
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
+    assert padded_steps[0] == 0
+    static = _tokens(tiny_mm, recipe, images, prompts, "static")
+    assert padded_steps[0] > 0, "the static path did not run"
+    assert static == dynamic
+
+
+@pytest.mark.parametrize("pruner", PRUNED)
+@pytest.mark.parametrize("decoding", ["beam", "prompt_lookup"])  # greedy: test_every_pruner_...
+def test_static_pruners_match_dynamic(pruner, decoding, tiny_mm, images, prompts, padded_steps):
+    recipe: dict = {"pruning": [_stage(pruner, tiny_mm)]}
+    if decoding == "beam":
+        recipe["decoding"] = {"method": "beam", "params": {"num_beams": 2}}
+    elif decoding == "prompt_lookup":
+        recipe["speculative"] = {"method": "prompt_lookup"}
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
+    static = _tokens(tiny_mm, recipe, images, prompts, "static")
+    assert padded_steps[0] > 0
+    assert static == dynamic
+
+
+@pytest.mark.parametrize("name", ["msd", "flash"])
+def test_static_trained_drafters_match_dynamic(name, tiny_mm, images, prompts, padded_steps):
+    from mmfast.speculative._eagle_model import _model_dir, write_random_draft
+
+    d = _model_dir(tiny_mm)
+    arch = {"sar_k": 3, "n_latents": 4} if name == "flash" else {}
+    if not (d / name).exists():
+        write_random_draft(tiny_mm, name, d / name, **arch)
+    params = {"msd": {"depth": 3, "top_k": 4, "total_tokens": 16}, "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2}}
+    recipe = {"speculative": {"method": name, "params": params[name]}, "pruning": [_stage("fastv", tiny_mm)]}
+    assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
+    assert padded_steps[0] > 0
+
+
+DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}
+
+
+def _served_or_named(mm, recipe: dict, where: str, images, prompts, padded_steps, caplog) -> None:
+    """The static path ran and matched the dynamic one, or the recipe fell back with a line naming ``where``."""
+    dynamic = _tokens(mm, recipe, images, prompts, "off", n=5)
+    with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
+        static = _tokens(mm, recipe, images, prompts, "static", n=5)
+    fell_back = [r.getMessage() for r in caplog.records if "model.compile" in r.getMessage()]
+    assert static == dynamic
+    if padded_steps[0] == 0:
+        assert len(fell_back) == 1 and where in fell_back[0], f"{where}: neither static steps nor a fallback line"
+    else:
+        assert not fell_back
+
+
+@pytest.mark.parametrize("pruner", [e.name for e in PRUNERS.entries()])
+def test_every_pruner_is_served_or_falls_back(pruner, tiny_mm, images, prompts, padded_steps, caplog):
+    recipe = {"pruning": [_stage(pruner, tiny_mm)]}
+    _served_or_named(tiny_mm, recipe, f"pruning[0] ({pruner})", images, prompts, padded_steps, caplog)
+
+
+@pytest.mark.parametrize("decoder", [e.name for e in DECODERS.entries()])
+def test_every_decoder_is_served_or_falls_back(decoder, tiny_mm, images, prompts, padded_steps, caplog):
+    recipe = {"decoding": {"method": decoder, "params": DECODER_PARAMS.get(decoder, {})}}
+    _served_or_named(tiny_mm, recipe, f"decoding ({decoder})", images, prompts, padded_steps, caplog)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    model, processor = random_qwen_vl("qwen2_vl")
+    return mmfast.load(save_model(model, processor, tmp_path_factory.mktemp("qwen_static")), device="cpu")
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_static_mrope_matches_dynamic(speculative, qwen2_vl, images, prompts, padded_steps):
+    """Multimodal RoPE (3-axis positions) through a pruned layer group, plain and with a verify tree."""
+    mixed = [im if i % 2 == 0 else im.resize((32, 64)) for i, im in enumerate(images)]
+    recipe: dict = {"pruning": [_stage("fastv", qwen2_vl)]}
+    if speculative:
+        recipe["speculative"] = {"method": "prompt_lookup"}
+    assert _tokens(qwen2_vl, recipe, mixed, prompts, "static") == _tokens(qwen2_vl, recipe, mixed, prompts, "off")
+    assert padded_steps[0] > 0
+
+
+def test_in_llm_pruning_gives_later_layers_smaller_buffers(tiny_mm, images, prompts):
+    """Capacity is per layer: the prompt's length at that layer after pruning + max_new_tokens + 1."""
+    caps = []
+    with mmfast.apply(tiny_mm, {"pruning": [_stage("fastv", tiny_mm)]}, compile="static") as s:
+        runner = s.runner
+        original = runner.prefill
+
+        def prefill(inputs, **kw):
+            state, out = original(inputs, **kw)
+            caps.append(([compat.static_capacity(state.cache, i) for i in range(state.n_layers)],
+                         [g.length for g in state.groups], [g.start for g in state.groups]))
+            return state, out
+
+        runner.prefill = prefill
+        s.generate(images[:1], prompts[:1], max_new_tokens=5)
+    (capacity, lengths, starts), = caps
+    assert len(lengths) == 2, "fastv made no second layer group"
+    for layer, c in enumerate(capacity):
+        g = 1 if layer >= starts[1] else 0
+        assert c == lengths[g] + 5 + 1
+    assert capacity[-1] < capacity[0]
+
+
+@pytest.mark.parametrize("decoding", [
+    {"method": "opera", "params": {"num_beams": 2, "num_attn_candidates": 2}},
+    {"method": "pai"},
+])
+def test_dynamic_only_methods_fall_back_with_one_log_line(decoding, tiny_mm, images, prompts, padded_steps, caplog):
+    recipe = {"decoding": decoding}
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off", n=5)
+    with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
+        with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+            first = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=5)]
+            s.generate(images[:2], prompts[:2], max_new_tokens=5)
+    lines = [r.getMessage() for r in caplog.records if "model.compile" in r.getMessage()]
+    assert len(lines) == 1 and f"decoding ({decoding['method']})" in lines[0] and "dynamic KV cache" in lines[0]
+    assert padded_steps[0] == 0
+    assert first == dynamic
+
+
+def test_auto_is_static_on_cuda_only(tiny_mm, images, prompts, padded_steps):
+    _tokens(tiny_mm, {}, images, prompts, "auto", n=3)
+    assert padded_steps[0] == 0  # the CPU: the dynamic cache
+
+
+def test_recipe_key_and_api_value_are_checked():
+    assert load_recipe({"model": {"compile": "static"}}).model.compile == "static"
+    with pytest.raises(ConfigError) as err:
+        load_recipe({"model": {"compile": "yes"}})
+    assert "model.compile" in str(err.value)
+    assert Recipe().hash() != load_recipe({"model": {"compile": "static"}}).hash()
+    # the default leaves the hash of every recipe written before the key as it was (resume)
+    import hashlib
+    import json
+
+    before = {k: v for k, v in Recipe().to_dict().items() if k != "output"}
+    del before["model"]["compile"]
+    blob = json.dumps(before, sort_keys=True, separators=(",", ":"))
+    assert Recipe().hash() == hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def test_api_compile_value_is_checked(tiny_mm):
+    with pytest.raises(InputError, match="compile='on'"):
+        mmfast.apply(tiny_mm, {}, compile="on")
+
+
+# -- the layer itself, against transformers' DynamicLayer ---------------------------------------------
+
+
+def _pair(reserve: int = 4):
+    torch.manual_seed(0)
+    dyn, sta = DynamicLayer(), compat.StaticSlotLayer(reserve)
+    k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    dyn.update(k, v)
+    sta.update(k, v)
+    return dyn, sta
+
+
+def _same(dyn, sta):
+    assert sta.keys.shape == dyn.keys.shape and torch.equal(sta.keys, dyn.keys) and torch.equal(sta.values, dyn.values)
+
+
+def test_static_layer_edits_match_dynamic_layer():
+    dyn, sta = _pair()
+    assert sta.capacity == 5 + 4
+    buf = sta._k
+    for _ in range(3):  # appends, crop, reorder, slot gather: in place, no new buffer
+        k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+        dyn.update(k, v)
+        sta.update(k, v)
+    _same(dyn, sta)
+    dyn.crop(-2)
+    sta.crop(-2)
+    _same(dyn, sta)
+    idx = torch.tensor([2, 0, 0])
+    dyn.reorder_cache(idx)
+    sta.reorder_cache(idx)
+    _same(dyn, sta)
+    gather = torch.tensor([0, 2, 3])[None, None, :, None].expand(3, 2, 3, 4)
+    for lay in (dyn, sta):
+        lay.keys, lay.values = lay.keys.gather(2, gather), lay.values.gather(2, gather)
+    _same(dyn, sta)
+    assert sta._k is buf
+    # a static decode step sees the whole buffer and moves only the device write index (a replayed
+    # graph runs no Python); the runner then advances the host count
+    assert int(sta._pos) == sta.length == 3
+    sta.padded = True
+    k_new = torch.randn(3, 2, 1, 4)
+    k_all, _ = sta.update(k_new, torch.randn(3, 2, 1, 4))
+    assert k_all.shape[2] == sta.capacity and int(sta._pos) == 4 and sta.length == 3
+    compat.advance_static(type("C", (), {"layers": [sta]})(), 1)
+    assert sta.length == 4 and torch.equal(sta.keys[:, :, 3:], k_new)
+
+
+def test_static_layer_grows_past_capacity_keeping_slots(caplog):
+    dyn, sta = _pair(reserve=1)
+    k, v = torch.randn(3, 2, 3, 4), torch.randn(3, 2, 3, 4)
+    with caplog.at_level(logging.INFO, logger="mmfast.compat"):
+        dyn.update(k, v)
+        sta.update(k, v)
+    _same(dyn, sta)
+    assert sta.capacity >= 8 and "grows" in caplog.text
+    dyn.batch_repeat_interleave(2)
+    sta.batch_repeat_interleave(2)
+    _same(dyn, sta)
+
+
+def test_out_of_memory_names_the_tokens_and_the_key(monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    layer = compat.StaticSlotLayer(reserve=64)
+    monkeypatch.setattr(compat.torch, "zeros", oom)
+    with pytest.raises(compat.StaticCacheCapacityError) as err:
+        layer.update(torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4))
+    msg = str(err.value)
+    assert "2 x 74 tokens" in msg and "decoding.max_new_tokens" in msg and "model.compile: off" in msg
+
+
+# -- captured steps (model.compile: auto on CUDA), with a stand-in graph on the CPU ---------------------
+
+
+class ReplayGraph:
+    """A StepGraph stand-in: capture runs the function once (as a CUDA capture runs its Python, with
+    whatever the groups point at then), replay runs it again. What it checks on the CPU is the
+    runner's side: static inputs copied in, the first step run for real, the device write index and
+    host counts in step, one graph per cache and step shape. What it cannot check: values computed
+    in Python at capture time that a real replay would reuse."""
+
+    made: list = []
+
+    def __init__(self) -> None:
+        self.fn = None
+        self.replays = 0
+        self.capture_s = 0.0
+        ReplayGraph.made.append(self)
+
+    def warmup(self, fn):
+        return fn()
+
+    def capture(self, fn) -> None:
+        assert self.fn is None
+        self.fn = fn
+        fn()
+
+    def replay(self):
+        self.replays += 1
+        return self.fn()
+
+
+@pytest.mark.parametrize("name", ["greedy", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"])
+def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatch):
+    from mmfast.pipeline import Session
+
+    pdrop = {"pruning": [_stage("pyramiddrop", tiny_mm)]}
+    recipe = {"pyramiddrop": pdrop, "pyramiddrop+prompt_lookup": {**pdrop, **SERVED["prompt_lookup"]}}.get(name) or SERVED[name]
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
+    ReplayGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    assert _tokens(tiny_mm, recipe, images, prompts, "static") == dynamic
+    assert ReplayGraph.made and sum(g.replays for g in ReplayGraph.made) >= 5
+
+
+@pytest.mark.parametrize("recipe,blocker", [
+    ({}, None),
+    ({"pruning": [{"method": "pyramiddrop"}]}, None),
+    ({"pruning": [{"method": "fastv"}]}, "attention probes"),
+    ({"pruning": [{"method": "dart"}]}, "attention probes"),
+    ({"decoding": {"method": "vhr"}}, "hooks on the language model"),
+])
+def test_capture_blockers(recipe, blocker, tiny_mm):
+    if "pruning" in recipe:
+        recipe = {"pruning": [_stage(recipe["pruning"][0]["method"], tiny_mm)]}
+    with mmfast.apply(tiny_mm, recipe) as s:
+        got = s.runner._capture_blocker(None, 1)
+    assert got == blocker if blocker is None else blocker in got
+
+
+def test_auto_without_a_graph_says_why_once(tiny_mm, images, prompts, monkeypatch, caplog):
+    from mmfast.pipeline import Session
+
+    ReplayGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    recipe = {"pruning": [_stage("fastv", tiny_mm)]}
+    with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
+        static = _tokens(tiny_mm, recipe, images, prompts, "static")
+    lines = [r.getMessage() for r in caplog.records if "captured graph" in r.getMessage()]
+    assert len(lines) == 1 and "attention probes" in lines[0]
+    assert not ReplayGraph.made
+    assert static == _tokens(tiny_mm, recipe, images, prompts, "off")
+
+
+def test_generate_takes_compile(tiny_mm, images, prompts, padded_steps):
+    out = tiny_mm.generate(images[:1], prompts[:1], compile="static", max_new_tokens=3)
+    assert padded_steps[0] > 0 and len(out) == 1
