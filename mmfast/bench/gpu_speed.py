@@ -486,12 +486,13 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
 
 
 # -- the embedded model: real tau ------------------------------------------------------------------
-def _embedded_rows(vs: list[Variant]) -> list[Variant]:
-    return [v for v in vs[1:] if v.recipe.speculative is not None and not v.recipe.pruning]
+def _embedded_rows(vs: list[Variant], cp: GpuBenchParams | None = None) -> list[Variant]:
+    """The drafters without pruning (selected by ``bench.params.rows`` when ``cp`` is given)."""
+    return [v for v in vs[1:] if v.recipe.speculative is not None and not v.recipe.pruning and (cp is None or cp.wants(v.name))]
 
 
 def _embedded_plan(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo) -> dict[tuple, str]:
-    names = [UNPRUNED] + [v.name for v in _embedded_rows(vs)]
+    names = [UNPRUNED] + [v.name for v in _embedded_rows(vs, cp)]
     spec = {"model": recipe.model.name, "samples": cp.embedded_samples, "compiled": compile_available()}
     return {(EMBEDDED, 1, "caption", n): _settings(info, recipe.model.dtype, recipe.bench, cp.caption_tokens, {**spec, "row": n}) for n in names}
 
@@ -508,7 +509,7 @@ def _run_embedded(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: D
     mm = load_model(recipe.model)
     images = [s.image for s in timing_samples_of(recipe, cp.embedded_samples, tasks=("chair",))]
     batches = [mm.prepare([im], [WORKLOAD_PROMPTS["caption"]]) for im in images]
-    rows = {UNPRUNED: vs[0], **{v.name: v for v in _embedded_rows(vs)}}
+    rows = {UNPRUNED: vs[0], **{v.name: v for v in _embedded_rows(vs, cp)}}
     for key in todo:
         v = rows[key[3]]
         data = v.recipe.to_dict()
