@@ -146,3 +146,29 @@ def test_embedded_flash_row_has_real_tau_and_is_lossless(tmp_path):
     assert rows["flash"]["tau"] > 1.0 and rows["flash"]["tokens_sha"] == rows[gs.UNPRUNED]["tokens_sha"]
     assert "## Speculative decoding on the embedded model (real tau)" in result["table"]
     assert any(t["target"].startswith("embedded: flash") and t["status"] in ("pass", "fail") for t in result["targets"])
+
+
+@pytest.mark.parametrize("shape", ["tiny-next", "tiny-qwen"])
+def test_anyres_and_qwen_shapes_hf_rows_equal_mmfast(tmp_path, shape):
+    recipe = _recipe(f"bench.params.shapes=[{shape}]", rows=("hf *", "mmfast unpruned"), batches=(2,), workloads=("caption",), repeats=1)
+    rows = {r["row"]: r for r in run_bench(recipe, output=str(tmp_path))["rows"]}
+    assert {r["status"] for r in rows.values()} == {"ok"}
+    assert rows[gs.HF_EAGER]["tokens_sha"] == rows[gs.HF_STATIC]["tokens_sha"] == rows[gs.UNPRUNED]["tokens_sha"]
+
+
+@pytest.mark.parametrize("name,tokens,layers", [("llava-next-7b", 2928, 32), ("qwen2.5-vl-7b", 999, 28)])
+def test_full_depth_shapes_build_without_weights(name, tokens, layers):
+    """The 7B shapes build (on the meta device here: no memory, no init) with their real token geometry."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from mmfast.model import MMModel
+    from mmfast.models.factory import BENCH_MODELS, build_bench_model
+
+    model, processor = build_bench_model(name, device="meta", dtype=torch.float16)
+    mm = MMModel(model, processor, name)
+    image = Image.fromarray(np.zeros((*BENCH_MODELS[name].image, 3), dtype=np.uint8))
+    ids = processor(images=[image], text=mm.prepare([image], ["Is there a dog?"]).texts, return_tensors="pt")["input_ids"]
+    assert int((ids == mm.adapter.image_token_id).sum()) == tokens and len(mm.adapter.layers) == layers
+    assert mm.dtype == torch.float16 and mm.eos_token_ids == [model.config.get_text_config().vocab_size]  # never generated

@@ -305,9 +305,10 @@ def _build_shape(name: str, device: torch.device, dtype: torch.dtype, n_images: 
 def _hf_call(shape: _Shape, batch, static: bool) -> tuple[Callable[[int], Any], dict[str, Any]]:
     mm = shape.mm
     flat = [im for ims in batch.images for im in ims]
-    inputs = mm.processor(images=flat, text=batch.texts, return_tensors="pt", padding=True).to(mm.device)
-    if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
-        inputs["pixel_values"] = inputs["pixel_values"].to(mm.dtype)
+    processed = mm.processor(images=flat, text=batch.texts, return_tensors="pt", padding=True)
+    # [B, L] ids and mask, the pixels (and image sizes / grids) on the model's device, float pixels in its dtype
+    inputs = {k: (v.to(mm.device, mm.dtype) if v.is_floating_point() else v.to(mm.device)) if torch.is_tensor(v) else v
+              for k, v in dict(processed).items()}
     kw: dict[str, Any] = {"do_sample": False, "pad_token_id": mm.pad_token_id}
     if static:
         kw["cache_implementation"] = "static"

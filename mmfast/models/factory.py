@@ -526,6 +526,7 @@ BENCH_MODELS: dict[str, BenchModel] = {
     # tests: the tiny shapes through the same code paths
     "tiny": BenchModel("llava", "tiny", (32, 32)),
     "tiny-next": BenchModel("llava_next", "tiny", (64, 64), ((32, 32), (32, 64), (64, 32), (64, 64))),
+    "tiny-qwen": BenchModel("qwen2_5_vl", "qwen2.5-vl-tiny-slice", (48, 64)),
 }
 
 
