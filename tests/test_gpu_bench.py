@@ -45,9 +45,10 @@ def test_cpu_run_rows_columns_medians_and_hf_tokens(tmp_path, monkeypatch):
         assert r["peak_mem_bytes"] is None and r["ttft_s"] > 0 and r["e2e_s"] >= (r["ttft_s"] if w == "pope" else 0)
     for b in (1, 2):
         for w in ("pope", "caption"):  # greedy in fp32 on a CPU: HF's generate and mmfast agree token for token
-            shas = {rows[(b, w, n)]["tokens_sha"] for n in (gs.HF_EAGER, gs.HF_STATIC, gs.UNPRUNED)}
-            assert len(shas) == 1
+            same = (gs.HF_EAGER, gs.HF_STATIC, gs.UNPRUNED) + ((gs.COMPILED,) if gs.compile_available() else ())
+            assert len({rows[(b, w, n)]["tokens_sha"] for n in same}) == 1
             assert rows[(b, w, "divprune-8")]["n_vision_tokens"] == 8 < rows[(b, w, gs.UNPRUNED)]["n_vision_tokens"] == 16
+            assert rows[(b, w, gs.HF_EAGER)]["n_vision_tokens"] == 16
     # per timed row: the first call, then 2 repeats of (TTFT [+ end to end]); warm-ups are untimed
     n_ok = 4 + (1 if gs.compile_available() else 0)
     assert len(calls) == 2 * n_ok * ((1 + 2 * 2) + (1 + 2))

@@ -319,7 +319,8 @@ def _hf_call(shape: _Shape, batch, static: bool) -> tuple[Callable[[int], Any], 
         return mm.model.generate(**inputs, max_new_tokens=n, **kw)[:, n_in:].tolist()
 
     lengths = inputs["attention_mask"].sum(1).tolist()
-    return call, {"lengths": lengths}
+    n_vision = (inputs["input_ids"] == mm.adapter.image_token_id).sum(1).float().mean().item()
+    return call, {"lengths": lengths, "n_vision": n_vision}
 
 
 def _variant_recipe(v: Variant, shape: _Shape, compiled: bool) -> Recipe:
@@ -369,6 +370,7 @@ def _hf_row(shape: _Shape, b: int, workload: str, n: int, cfg, static: bool, m: 
     m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = t.first_call_s, t.ttft_s, t.e2e_s, t.repeats, t.peak_mem_bytes
     lm = LMShape.of(shape.mm.model.config.get_text_config())
     m.flops_prefill = sum(prefill_flops([L] * lm.n_layers, lm) for L in info["lengths"])
+    m.n_vision_tokens = info["n_vision"]
     m.kv_bytes_mean = sum((L + n / 2) * shape.kv_bytes_per_token for L in info["lengths"])
     m.weight_bytes = shape.weight_bytes
     m.tokens_sha = _sha(t.last)
@@ -688,7 +690,7 @@ def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store
     ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     summary = {"kind": "gpu_speed", "device": dataclasses.asdict(info), "dtype": str(cp.dtype), "compile_available": compile_available(),
-               "rows": [dataclasses.asdict(m) for m in rows.values()],
+               "rows": [dict(dataclasses.asdict(m), decode_step_s=m.decode_step_s, tokens_per_s=m.tokens_per_s) for m in rows.values()],
                "targets": [dict(dataclasses.asdict(c), status=c.status) for c in checks]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
