@@ -496,21 +496,26 @@ def _embedded_rows(vs: list[Variant], cp: GpuBenchParams | None = None) -> list[
 
 def _embedded_plan(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo) -> dict[tuple, str]:
     names = [UNPRUNED] + [v.name for v in _embedded_rows(vs, cp)]
-    spec = {"model": recipe.model.name, "samples": cp.embedded_samples, "compiled": compile_available()}
+    spec = {"model": recipe.model.name, "samples": cp.embedded_samples, "compiled": compile_available(), "data": recipe.eval.data}
     return {(EMBEDDED, 1, "caption", n): _settings(info, recipe.model.dtype, recipe.bench, cp.caption_tokens, {**spec, "row": n}) for n in names}
 
 
 def _run_embedded(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo, store: RowStore,
                   plan: dict[tuple, str], report: Callable[[], Any]) -> None:
     from ..model import load_model
+    from ..eval.data import resolve_data
     from ..pipeline import apply
-    from .common import timing_samples_of
 
     todo = [k for k in plan if store.done(k, plan[k]) is None]
     if not todo:
         return
     mm = load_model(recipe.model)
-    images = [s.image for s in timing_samples_of(recipe, cp.embedded_samples, tasks=("chair",))]
+    # the first images of the evaluation data (the world's val split by default), in file order; only the
+    # images are needed, so no task (CHAIR's parser alone takes tens of CPU seconds to build) is set up
+    image_dir = resolve_data(recipe.eval, ()).image_dir
+    images = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))[:cp.embedded_samples]
+    if len(images) < cp.embedded_samples:
+        raise InputError(f"bench.params.embedded_samples is {cp.embedded_samples} but {image_dir} holds {len(images)} images")
     batches = [mm.prepare([im], [WORKLOAD_PROMPTS["caption"]]) for im in images]
     rows = {UNPRUNED: vs[0], **{v.name: v for v in _embedded_rows(vs, cp)}}
     for key in todo:
