@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import gc
 import hashlib
 import json
 import logging
@@ -432,6 +433,8 @@ def _spec_of(what: Any, compiled: bool) -> Any:
 
 def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
     """Run the bench into ``out`` (rows.jsonl as rows finish; results.md / summary.json after each)."""
+    from ..models.factory import BENCH_MODELS
+
     cfg = recipe.bench
     cp = GpuBenchParams.of(recipe)
     vs = variants(recipe)
@@ -445,7 +448,8 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
         for b in cp.batches:
             for w in cp.workloads:
                 for name, what in specs:
-                    plan[(shape, b, w, name)] = _settings(info, cp.dtype, cfg, cp.tokens(w), _spec_of(what, name == COMPILED))
+                    plan[(shape, b, w, name)] = _settings(info, cp.dtype, cfg, cp.tokens(w),
+                                                          {"row": _spec_of(what, name == COMPILED), "shape": repr(BENCH_MODELS[shape])})
     emb_plan = _embedded_plan(recipe, vs, cp, info) if cp.embedded else {}
     store.prune({**plan, **emb_plan})
     report = lambda: write_gpu_report(recipe, cp, info, store, out, command, vs)  # noqa: E731
@@ -483,6 +487,7 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
         finally:
             shape.draft_dir.cleanup()
             del shape
+            gc.collect()  # the next shape needs the memory (a compiled generate holds the model in a cycle)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return report()
