@@ -173,3 +173,24 @@ def test_full_depth_shapes_build_without_weights(name, tokens, layers):
     ids = processor(images=[image], text=mm.prepare([image], ["Is there a dog?"]).texts, return_tensors="pt")["input_ids"]
     assert int((ids == mm.adapter.image_token_id).sum()) == tokens and len(mm.adapter.layers) == layers
     assert mm.dtype == torch.float16 and mm.eos_token_ids == [model.config.get_text_config().vocab_size]  # never generated
+
+
+def test_a_failing_row_is_recorded_loudly_and_re_runs(tmp_path, monkeypatch):
+    real = gs._mmfast_row
+    broken = [True]
+
+    def mm_row(shape, v, b, w, n, cfg, compiled, m):
+        if m.row == "divprune-8" and broken[0]:
+            raise RuntimeError("kernel exploded")
+        return real(shape, v, b, w, n, cfg, compiled, m)
+
+    monkeypatch.setattr(gs, "_mmfast_row", mm_row)
+    recipe = _recipe(batches=(1,), workloads=("pope",), rows=("mmfast unpruned", "divprune-8"), repeats=1)
+    result = run_bench(recipe, output=str(tmp_path))
+    status = {r["row"]: r["status"] for r in result["rows"]}
+    assert status == {gs.UNPRUNED: "ok", "divprune-8": "failed: RuntimeError: kernel exploded"}
+    assert "**1 rows failed**" in result["table"] and "failed: RuntimeError: kernel exploded" in result["table"]
+    broken[0] = False
+    result = run_bench(recipe, output=str(tmp_path))
+    assert {r["row"]: r["status"] for r in result["rows"]} == {gs.UNPRUNED: "ok", "divprune-8": "ok"}
+    assert [r["status"] for r in _rows(tmp_path)] == ["ok", "ok"]  # the failed line is replaced, not duplicated

@@ -482,6 +482,9 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                     m.status = f"failed: CUDA out of memory ({str(exc).splitlines()[0][:120]})"
                     logger.error("gpu bench: %s batch %d %s: %s ran out of memory", shape_name, b, w, name)
                     torch.cuda.empty_cache()
+                except Exception as exc:  # noqa: BLE001  one broken row must not cost the device time of the rest
+                    m.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    logger.exception("gpu bench: %s batch %d %s: %s failed (the row re-runs on resume)", shape_name, b, w, name)
                 store.add(m)
                 report()
         finally:
@@ -490,6 +493,10 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
             gc.collect()  # the next shape needs the memory (a compiled generate holds the model in a cycle)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    failed = [m for m in store.rows.values() if m.status.startswith("failed")]
+    if failed:
+        logger.error("gpu bench: %d rows failed (see their status in results.md; they re-run on resume): %s", len(failed),
+                     "; ".join(f"{m.shape} b{m.batch} {m.workload} {m.row}" for m in failed))
     return report()
 
 
@@ -669,6 +676,7 @@ def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store
         emb.append([("greedy" if m.row == UNPRUNED else m.row), "ok", _fmt(m.tau, ".2f"), m.new_tokens, _fmt(m.e2e_s, ".3f"), _fmt(sp, ".2f"),
                     "" if same is None else ("yes" if same else "no")])
     checks = targets(rows, vs)
+    failed = [m for m in rows.values() if m.status.startswith("failed")]
     lines = [
         "# GPU speed bench: full-depth random-weight models, HF generate and mmfast", "",
         f"Command: `{command}`", "",
@@ -676,6 +684,7 @@ def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store
         f"dtype {str(cp.dtype).replace('torch.', '')}; warm-up {recipe.bench.warmup}, median of {recipe.bench.repeats} repeats; "
         f"peaks: {_fmt(info.peak_bandwidth and info.peak_bandwidth / 1e12)} TB/s, {_fmt(info.peak_flops and info.peak_flops / 1e12, '.0f')} TFLOP/s; "
         f"model.compile in this build: {'yes' if compile_available() else 'no'}", "",
+        *([f"**{len(failed)} rows failed** (status column; they re-run when the same command is run again).", ""] if failed else []),
         "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
         *("| " + " | ".join(str(c) for c in r) + " |" for r in table), "",
         "## Targets", "", "| target | value | threshold | status | how |", "|---|---|---|---|---|",
