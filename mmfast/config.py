@@ -486,7 +486,8 @@ BENCH_PARAMS: dict[str, dict[str, Any]] = {
     # caption length, the random models' dtype, the embedded speculative part, device peak overrides
     "gpu_speed": {"shapes": tuple[str, ...], "batches": tuple[int, ...], "workloads": tuple[Literal["pope", "caption"], ...],
                   "caption_tokens": int, "rows": tuple[str, ...], "dtype": Literal["float16", "bfloat16", "float32"],
-                  "embedded_speculative": bool, "embedded_samples": int, "peak_bandwidth_tbs": float, "peak_tflops": float},
+                  "embedded_speculative": bool, "embedded_samples": int, "embedded_rows": tuple[str, ...],
+                  "peak_bandwidth_tbs": float, "peak_tflops": float},
 }
 
 

@@ -140,7 +140,7 @@ def test_embedded_flash_row_has_real_tau_and_is_lossless(tmp_path):
     recipe = _recipe("bench.params.embedded_speculative=true", "bench.params.embedded_samples=1",
                      'bench.compare=[{name: flash, speculative: {method: flash, params: {top_k: 4, total_tokens: 12}}}, '
                      '{name: prompt_lookup, speculative: {method: prompt_lookup}}]',
-                     "bench.params.shapes=[]", rows=("flash",), repeats=1)  # prompt_lookup: not selected
+                     "bench.params.shapes=[tiny]", "bench.params.embedded_rows=[flash]", rows=(), repeats=1)  # prompt_lookup: not selected
     result = run_bench(recipe, output=str(tmp_path))
     rows = {r["row"]: r for r in result["rows"]}
     assert set(rows) == {gs.UNPRUNED, "flash"} and {r["shape"] for r in rows.values()} == {gs.EMBEDDED}

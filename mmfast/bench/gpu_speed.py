@@ -30,7 +30,8 @@ On a CPU both are "n/a", as is peak memory (``torch.cuda.max_memory_allocated``)
 The embedded model's part: greedy decoding (compiled, "the captured greedy step", when ``model.compile``
 exists) against every drafter of the recipe on the same caption prompts (batch 1), with real tau.
 
-Rows are appended to ``rows.jsonl`` as they finish; a re-run with the same output directory keeps the rows
+Rows run in the order shape, workload, batch, row (the table sorts them by shape, batch, workload) and are
+appended to ``rows.jsonl`` as they finish; a re-run with the same output directory keeps the rows
 whose settings (device, dtype, warm-up, repeats, tokens, the row's recipe) are unchanged and runs the rest,
 so a run killed by a time limit loses at most the row in flight. ``results.md`` and ``summary.json`` are
 rewritten after every row. The issue's targets are checked at the end (pass / fail / not measured).
@@ -161,6 +162,7 @@ class GpuBenchParams:
     dtype: torch.dtype
     embedded: bool
     embedded_samples: int
+    embedded_rows: tuple[str, ...]  # drafters run on the embedded model (fnmatch patterns)
 
     @classmethod
     def of(cls, recipe: Recipe) -> GpuBenchParams:
@@ -182,15 +184,16 @@ class GpuBenchParams:
         batches = tuple(int(b) for b in p.get("batches", (1, 8, 32)))
         if any(b < 1 for b in batches):
             raise InputError("bench.params.batches: batch sizes must be >= 1")
-        return cls(shapes, batches, workloads, int(p.get("caption_tokens", 128)), tuple(p.get("rows", ("*",))),
+        rows = tuple(p.get("rows", ("*",)))
+        return cls(shapes, batches, workloads, int(p.get("caption_tokens", 128)), rows,
                    getattr(torch, p.get("dtype", "float16")), bool(p.get("embedded_speculative", True)),
-                   int(p.get("embedded_samples", 4)))
+                   int(p.get("embedded_samples", 4)), tuple(p.get("embedded_rows", rows)))
 
     def tokens(self, workload: str) -> int:
         return 1 if workload == "pope" else self.caption_tokens
 
-    def wants(self, row: str) -> bool:
-        return any(fnmatch.fnmatchcase(row, pat) for pat in self.rows)
+    def wants(self, row: str, embedded: bool = False) -> bool:
+        return any(fnmatch.fnmatchcase(row, pat) for pat in (self.embedded_rows if embedded else self.rows))
 
 
 def compile_available() -> bool:
@@ -444,9 +447,9 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
     store = RowStore(out / "rows.jsonl")
     specs = _row_specs(recipe, vs, cp)
     plan: dict[tuple, str] = {}
-    for shape in cp.shapes:
-        for b in cp.batches:
-            for w in cp.workloads:
+    for shape in cp.shapes:  # run order: shape, workload (one-token answers first by default), batch, row
+        for w in cp.workloads:
+            for b in cp.batches:
                 for name, what in specs:
                     plan[(shape, b, w, name)] = _settings(info, cp.dtype, cfg, cp.tokens(w),
                                                           {"row": _spec_of(what, name == COMPILED), "shape": repr(BENCH_MODELS[shape])})
@@ -502,8 +505,8 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
 
 # -- the embedded model: real tau ------------------------------------------------------------------
 def _embedded_rows(vs: list[Variant], cp: GpuBenchParams | None = None) -> list[Variant]:
-    """The drafters without pruning (selected by ``bench.params.rows`` when ``cp`` is given)."""
-    return [v for v in vs[1:] if v.recipe.speculative is not None and not v.recipe.pruning and (cp is None or cp.wants(v.name))]
+    """The drafters without pruning (selected by ``bench.params.embedded_rows`` when ``cp`` is given)."""
+    return [v for v in vs[1:] if v.recipe.speculative is not None and not v.recipe.pruning and (cp is None or cp.wants(v.name, embedded=True))]
 
 
 def _embedded_plan(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo) -> dict[tuple, str]:
