@@ -36,8 +36,15 @@ whose settings (device, dtype, warm-up, repeats, tokens, the row's recipe) are u
 so a run killed by a time limit loses at most the row in flight. ``results.md`` and ``summary.json`` are
 rewritten after every row. The issue's targets are checked at the end (pass / fail / not measured).
 
-Limits: HF rows time pre-moved inputs, mmfast rows move the pixels themselves; speculative decoding verifies
-one sample at a time, so its batch rows are serial; HF static-cache KV bytes are counted for live tokens.
+Selection (``bench.params``): ``shapes``, ``batches``, ``workloads``, ``rows`` (fnmatch patterns of row
+names), ``embedded_rows`` (the drafters run on the embedded model; default: ``rows``), ``embedded_speculative``.
+
+Limits and deviations: HF rows time inputs already on the device, mmfast rows move the pixels themselves
+(both exclude the image processor); speculative decoding verifies one sample at a time, so its batch rows are
+serial; HF static-cache KV bytes are counted for live tokens, not the whole buffer; a variant a shape cannot
+run is a "refused" row with the reason (PyramidDrop's default stages at layers 8/16/24 cannot average 64
+tokens on 32 layers); an unexpected error is a "failed" row (logged with its traceback, re-run on resume).
+Nothing here has run on a GPU yet: only the CPU path is tested (tests/test_gpu_bench.py).
 """
 
 from __future__ import annotations
