@@ -455,7 +455,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    kind: Literal["none", "pruning", "decoding", "speculative", "speed"] = "none"
+    kind: Literal["none", "pruning", "decoding", "speculative", "speed", "gpu_speed"] = "none"
     compare: tuple[Any, ...] = opt((), doc="method variants run against the baseline in the same process")
     budgets: tuple[int, ...] = opt((), lo=1, doc="pruning budgets (vision tokens per image): each bench.methods entry runs at each")
     methods: tuple[Any, ...] = opt((), doc="pruning methods run at every bench.budgets entry: NAME or {method, params} (params without the budget's knobs)")
@@ -488,6 +488,12 @@ BENCH_PARAMS: dict[str, dict[str, Any]] = {
     "pruning": {"e2e_new_tokens": int, "shaped_samples": int, "shaped_variants": tuple[str, ...]},
     "decoding": {"cost_new_tokens": int},
     "speculative": {"workloads": Any, "temperatures": tuple[float, ...]},
+    # mmfast/bench/gpu_speed.py: which shapes / batches / workloads / rows (fnmatch patterns) run, the
+    # caption length, the random models' dtype, the embedded speculative part, device peak overrides
+    "gpu_speed": {"shapes": tuple[str, ...], "batches": tuple[int, ...], "workloads": tuple[Literal["pope", "caption"], ...],
+                  "caption_tokens": int, "rows": tuple[str, ...], "dtype": Literal["float16", "bfloat16", "float32"],
+                  "embedded_speculative": bool, "embedded_samples": int, "embedded_rows": tuple[str, ...],
+                  "peak_bandwidth_tbs": float, "peak_tflops": float},
 }
 
 

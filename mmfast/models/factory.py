@@ -212,8 +212,11 @@ def save_model(model, processor, path: str | Path) -> Path:
     return path
 
 
-def random_llava_next(shape: str | LlavaShape = "tiny", *, seed: int = 0, init_std: float = 0.2):
-    """A randomly initialised LLaVA-NeXT (anyres) model and processor for tests. Returns (model, processor)."""
+def random_llava_next(shape: str | LlavaShape = "tiny", *, seed: int = 0, init_std: float = 0.2,
+                      pinpoints: list[list[int]] | None = None):
+    """A randomly initialised LLaVA-NeXT (anyres) model and processor for tests. Returns (model, processor).
+
+    ``pinpoints``: the anyres resolutions (default: 1 x 1, 1 x 2, 2 x 1 and 2 x 2 tiles of the tower's input)."""
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
     from transformers.models.llava_next import LlavaNextImageProcessorPil
 
@@ -221,7 +224,7 @@ def random_llava_next(shape: str | LlavaShape = "tiny", *, seed: int = 0, init_s
     tokenizer = train_bpe_tokenizer(_TEST_CORPUS * 4, min(shp.vocab_size, 600))
     base = llava_config(shp, vocab_size=max(shp.vocab_size, len(tokenizer)), init_std=init_std)
     s = shp.image_size
-    pinpoints = [[s, s], [s, 2 * s], [2 * s, s], [2 * s, 2 * s]]
+    pinpoints = pinpoints or [[s, s], [s, 2 * s], [2 * s, s], [2 * s, 2 * s]]
     config = LlavaNextConfig(
         vision_config=base.vision_config,
         text_config=base.text_config,
@@ -423,6 +426,8 @@ QWEN_SHAPES: dict[str, QwenShape] = {
     "qwen2.5-vl-7b-slice": dataclasses.replace(_QWEN25_7B, text_layers=4),
     # a tiny stand-in with the same code path (tests of the shaped bench)
     "qwen2.5-vl-tiny-slice": QwenShape(),
+    # the whole Qwen2.5-VL-7B (28 decoder layers, its 152064-token vocabulary): the GPU speed bench
+    "qwen2.5-vl-7b": dataclasses.replace(_QWEN25_7B, vocab_size=152064),
 }
 
 
@@ -491,4 +496,57 @@ def random_qwen_vl(family: str = "qwen2_5_vl", shape: str | QwenShape = "tiny", 
                                                           chat_template=QWEN_CHAT_TEMPLATE)
     except (AttributeError, ImportError, TypeError):  # its video processor needs torchvision
         processor = QwenVLImageProcessor(image_processor, tokenizer, QWEN_CHAT_TEMPLATE)
+    return model, processor
+
+
+# -- full-depth models for the GPU speed bench ----------------------------------------------------
+@dataclass(frozen=True)
+class BenchModel:
+    """A random-weight model of a real architecture for speed benchmarks: the family's builder, the
+    sizes (a ``SHAPES`` / ``QWEN_SHAPES`` key), the (H, W) of the images it is timed on, and the
+    anyres pinpoints (LLaVA-NeXT)."""
+
+    family: str  # llava | llava_next | qwen2_5_vl
+    shape: str
+    image: tuple[int, int]
+    pinpoints: tuple[tuple[int, int], ...] = ()
+
+
+#: LLaVA-NeXT-7B's anyres grid (llava-hf/llava-v1.6-vicuna-7b-hf): up to 2 x 2 tiles of 336 px
+_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+
+BENCH_MODELS: dict[str, BenchModel] = {
+    # LLaVA-1.5-7B: CLIP-L/336 + 32 Llama layers at 4096; 576 vision tokens
+    "llava-1.5-7b": BenchModel("llava", "llava-1.5-7b", (336, 336)),
+    # LLaVA-NeXT-7B (Vicuna): the same sizes, anyres; a 672 x 672 image gives the base view (576) and
+    # 2 x 2 tiles (48 x 48 unpadded + 48 newline tokens): 2,928 vision tokens (the 5 x 576 = 2,880 grid)
+    "llava-next-7b": BenchModel("llava_next", "llava-1.5-7b", (672, 672), _NEXT_PINPOINTS),
+    # Qwen2.5-VL-7B: a 1024 x 768 image -> 37 x 27 = 999 merged vision tokens
+    "qwen2.5-vl-7b": BenchModel("qwen2_5_vl", "qwen2.5-vl-7b", (768, 1024)),
+    # tests: the tiny shapes through the same code paths
+    "tiny": BenchModel("llava", "tiny", (32, 32)),
+    "tiny-next": BenchModel("llava_next", "tiny", (64, 64), ((32, 32), (32, 64), (64, 32), (64, 64))),
+    "tiny-qwen": BenchModel("qwen2_5_vl", "qwen2.5-vl-tiny-slice", (48, 64)),
+}
+
+
+def build_bench_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float16,
+                      seed: int = 0, init_std: float = 0.02):
+    """A :data:`BENCH_MODELS` model with random weights, built directly on ``device`` (a 7B model's
+    random init takes seconds on a GPU, minutes on a CPU) and cast to ``dtype``. Returns (model, processor).
+
+    EOS is moved outside the vocabulary, so every answer runs to ``max_new_tokens`` (fixed-length timings)."""
+    spec = BENCH_MODELS[name]
+    with torch.device(device):
+        if spec.family == "llava":
+            model, processor = random_llava(spec.shape, seed=seed, init_std=init_std)
+        elif spec.family == "llava_next":
+            model, processor = random_llava_next(spec.shape, seed=seed, init_std=init_std,
+                                                 pinpoints=[list(p) for p in spec.pinpoints] or None)
+        elif spec.family == "qwen2_5_vl":
+            model, processor = random_qwen_vl("qwen2_5_vl", spec.shape, seed=seed, init_std=init_std)
+        else:
+            raise ValueError(f"unknown bench model family {spec.family!r}")
+    model = model.to(dtype).eval()
+    model.generation_config.eos_token_id = model.config.get_text_config().vocab_size  # never generated
     return model, processor

@@ -1,0 +1,738 @@
+"""``mmfast bench`` kind ``gpu_speed``: full-depth random-weight models, HF ``generate`` and mmfast, one process.
+
+What it measures (issue 27, item 4). For every shape of ``bench.params.shapes`` (full-depth random-weight
+LLaVA-1.5-7B, LLaVA-NeXT-7B anyres, Qwen2.5-VL-7B: :data:`mmfast.models.factory.BENCH_MODELS`, built on
+the device in ``bench.params.dtype``), every batch size of ``bench.params.batches`` and every workload
+(``pope``: a one-token answer; ``caption``: ``bench.params.caption_tokens`` new tokens), these rows run on
+the same prepared inputs:
+
+- ``hf eager``: the HF model's own ``generate`` (dynamic cache);
+- ``hf static``: ``generate(cache_implementation="static")`` (on CUDA transformers compiles the decode
+  step itself; on a CPU it runs uncompiled, transformers' own rule);
+- ``mmfast unpruned``: the recipe's baseline through mmfast's generate path (``Session.run``);
+- ``mmfast unpruned (compiled)``: the same with ``model.compile: auto`` when this build's config schema has
+  that key (checked at run time), else a row that says "not available in this build";
+- every ``bench.compare`` / ``bench.methods`` x ``bench.budgets`` variant (pruners at 192 / 128 / 64,
+  drafters, DivPrune-64 + FLASH). Trained parts run on seeded random stand-ins of the same sizes (as the
+  pruning bench's shaped phase), drafts on random draft weights: only their cost is measured here; a
+  drafter's projected decode speedup uses the tau that the embedded model measures in the same run.
+
+Timing: a warm-up call (its wall time is the "first call" column: compile and capture land there, never in
+the medians), then the median of ``bench.repeats`` calls; CUDA events on a GPU (synchronised), perf_counter
+on a CPU. TTFT = a call with one new token (vision tower + prefill); end to end = a call with the workload's
+tokens; decode ms/step = (end to end - TTFT) / (tokens - 1). EOS lies outside the vocabulary of these
+random models, so every row generates exactly the workload's tokens. Columns derived from the device's
+peaks (:data:`DEVICE_PEAKS`, overridable with ``bench.params.peak_bandwidth_tbs`` / ``peak_tflops``):
+decode fraction of the memory-bandwidth limit = (LLM weight bytes + mean KV bytes) / (step time x peak
+bandwidth); prefill fraction of peak FLOP/s = prefill FLOPs (:mod:`mmfast.flops`) / (prefill time x peak).
+On a CPU both are "n/a", as is peak memory (``torch.cuda.max_memory_allocated``).
+
+The embedded model's part: greedy decoding (compiled, "the captured greedy step", when ``model.compile``
+exists) against every drafter of the recipe on the same caption prompts (batch 1), with real tau.
+
+Rows run in the order shape, workload, batch, row (the table sorts them by shape, batch, workload) and are
+appended to ``rows.jsonl`` as they finish; a re-run with the same output directory keeps the rows
+whose settings (device, dtype, warm-up, repeats, tokens, the row's recipe) are unchanged and runs the rest,
+so a run killed by a time limit loses at most the row in flight. ``results.md`` and ``summary.json`` are
+rewritten after every row. The issue's targets are checked at the end (pass / fail / not measured).
+
+Selection (``bench.params``): ``shapes``, ``batches``, ``workloads``, ``rows`` (fnmatch patterns of row
+names), ``embedded_rows`` (the drafters run on the embedded model; default: ``rows``), ``embedded_speculative``.
+
+Limits and deviations: HF rows time inputs already on the device, mmfast rows move the pixels themselves
+(both exclude the image processor); speculative decoding verifies one sample at a time, so its batch rows are
+serial; HF static-cache KV bytes are counted for live tokens, not the whole buffer; a variant a shape cannot
+run is a "refused" row with the reason (PyramidDrop's default stages at layers 8/16/24 cannot average 64
+tokens on 32 layers); an unexpected error is a "failed" row (logged with its traceback, re-run on resume).
+Nothing here has run on a GPU yet: only the CPU path is tested (tests/test_gpu_bench.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import gc
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import ModelConfig, Recipe, load_recipe
+from ..errors import InputError, MMFastError
+from .common import Variant, variants
+
+logger = logging.getLogger(__name__)
+
+#: (peak memory bandwidth B/s, dense fp16/bf16 FLOP/s) by a substring of the CUDA device name, first match wins
+DEVICE_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 4.8e12, 989e12),
+    ("H100 PCIe", 2.0e12, 756e12),
+    ("H100", 3.35e12, 989e12),  # SXM
+)
+HF_EAGER, HF_STATIC = "hf eager", "hf static"
+UNPRUNED, COMPILED = "mmfast unpruned", "mmfast unpruned (compiled)"
+NOT_AVAILABLE = "not available in this build (no model.compile key in the config schema)"
+WORKLOAD_PROMPTS = {
+    "pope": "Is there a dog in the image?\nAnswer the question using a single word or phrase.",
+    "caption": "Please describe this image in detail.",
+}
+EMBEDDED = "embedded"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    torch: str
+    cuda: str | None
+    transformers: str
+    peak_bandwidth: float | None  # bytes / s
+    peak_flops: float | None  # FLOP / s
+
+    @classmethod
+    def detect(cls, device: torch.device, params: dict[str, Any]) -> DeviceInfo:
+        import transformers
+
+        bw = flops = None
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            match = next((p for p in DEVICE_PEAKS if p[0] in name), None)
+            if match:
+                bw, flops = match[1], match[2]
+            if "peak_bandwidth_tbs" in params:
+                bw = float(params["peak_bandwidth_tbs"]) * 1e12
+            if "peak_tflops" in params:
+                flops = float(params["peak_tflops"]) * 1e12
+        else:  # peak fractions of a CPU are not what this bench is for: n/a
+            name = f"cpu ({platform.processor() or platform.machine()})"
+        return cls(name, torch.__version__, torch.version.cuda, transformers.__version__, bw, flops)
+
+
+@dataclass
+class Measurement:
+    """One finished row (one line of rows.jsonl). Times in seconds, sums over the batch."""
+
+    shape: str
+    batch: int
+    workload: str
+    row: str
+    settings: str  # fingerprint of everything the numbers depend on (resume reuses matching rows only)
+    status: str = "ok"  # ok | refused: ... | failed: ... | not available ...
+    new_tokens: int = 0
+    repeats: int = 0  # timed calls behind each median
+    first_call_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    prefill_s: float | None = None  # LLM prefill alone (mmfast rows)
+    peak_mem_bytes: int | None = None
+    n_vision_tokens: float | None = None  # per sample, at the LLM input
+    flops_prefill: float | None = None  # papers' convention, summed over the batch
+    kv_bytes_mean: float | None = None  # KV cache bytes read per decode step (mean over the answer), batch sum
+    weight_bytes: int | None = None  # LLM weights read per decode step
+    cycles: int | None = None  # speculative verification cycles (sum over the batch)
+    tau: float | None = None  # measured tokens per verification (random drafts here; real on the embedded model)
+    tokens_sha: str | None = None  # hash of the greedy tokens of every sample
+
+    @property
+    def key(self) -> tuple[str, int, str, str]:
+        return (self.shape, self.batch, self.workload, self.row)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def decode_step_s(self) -> float | None:
+        if not self.ok or self.new_tokens < 2 or self.e2e_s is None or self.ttft_s is None:
+            return None
+        return max(0.0, self.e2e_s - self.ttft_s) / (self.new_tokens - 1)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.batch * self.new_tokens / self.e2e_s if self.ok and self.e2e_s else None
+
+
+@dataclass(frozen=True)
+class GpuBenchParams:
+    shapes: tuple[str, ...]
+    batches: tuple[int, ...]
+    workloads: tuple[str, ...]
+    caption_tokens: int
+    rows: tuple[str, ...]  # fnmatch patterns of row names ("*": all)
+    dtype: torch.dtype
+    embedded: bool
+    embedded_samples: int
+    embedded_rows: tuple[str, ...]  # drafters run on the embedded model (fnmatch patterns)
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> GpuBenchParams:
+        from ..models.factory import BENCH_MODELS
+
+        p = recipe.bench.params
+        shapes = tuple(p.get("shapes", ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b")))
+        for i, s in enumerate(shapes):
+            if s not in BENCH_MODELS:
+                import difflib
+
+                close = difflib.get_close_matches(s, list(BENCH_MODELS), n=1)
+                raise InputError(f"bench.params.shapes[{i}]: unknown shape {s!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                                 + f" (known: {', '.join(BENCH_MODELS)})")
+        workloads = tuple(p.get("workloads", ("pope", "caption")))
+        for i, w in enumerate(workloads):
+            if w not in WORKLOAD_PROMPTS:
+                raise InputError(f"bench.params.workloads[{i}]: unknown workload {w!r} (known: {', '.join(WORKLOAD_PROMPTS)})")
+        batches = tuple(int(b) for b in p.get("batches", (1, 8, 32)))
+        if any(b < 1 for b in batches):
+            raise InputError("bench.params.batches: batch sizes must be >= 1")
+        rows = tuple(p.get("rows", ("*",)))
+        return cls(shapes, batches, workloads, int(p.get("caption_tokens", 128)), rows,
+                   getattr(torch, p.get("dtype", "float16")), bool(p.get("embedded_speculative", True)),
+                   int(p.get("embedded_samples", 4)), tuple(p.get("embedded_rows", rows)))
+
+    def tokens(self, workload: str) -> int:
+        return 1 if workload == "pope" else self.caption_tokens
+
+    def wants(self, row: str, embedded: bool = False) -> bool:
+        return any(fnmatch.fnmatchcase(row, pat) for pat in (self.embedded_rows if embedded else self.rows))
+
+
+def compile_available() -> bool:
+    """Whether this build's recipe schema has ``model.compile`` (added by another branch)."""
+    return "compile" in {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+# -- timing --------------------------------------------------------------------------------------
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Wall time of ``fn()``: CUDA events around it on a GPU (synchronised), perf_counter on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1000, out
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+@dataclass
+class _Timing:
+    first_call_s: float
+    ttft_s: float
+    e2e_s: float
+    repeats: int
+    last: Any  # the last end-to-end call's output
+    peak_mem_bytes: int | None
+
+
+def _measure(call: Callable[[int], Any], n: int, device: torch.device, warmup: int, repeats: int) -> _Timing:
+    """First call (compile / capture included), warm-up, then medians of TTFT (1 token) and end to end (n)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first, _ = _timed(lambda: call(n), device)
+    for _ in range(max(0, warmup - 1)):
+        call(n)
+    if n > 1:  # a one-token call has its own shapes (e.g. a static cache's length): warm it up too
+        for _ in range(max(1, warmup)):
+            call(1)
+    ttfts, e2es, last, last1 = [], [], None, None
+    for _ in range(repeats):
+        t, last1 = _timed(lambda: call(1), device)
+        ttfts.append(t)
+        if n > 1:
+            t, last = _timed(lambda: call(n), device)
+            e2es.append(t)
+    if n == 1:
+        e2es, last = ttfts, last1
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return _Timing(first, statistics.median(ttfts), statistics.median(e2es), repeats, last, peak)
+
+
+def _sha(rows: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+# -- rows ------------------------------------------------------------------------------------------
+@dataclass
+class _Shape:
+    """A built shape: the model, its inputs per (batch, workload), and what the derived columns need."""
+
+    name: str
+    mm: Any
+    images: list
+    weight_bytes: int
+    kv_bytes_per_token: int  # K + V over all layers, one token
+    calibration: Any
+    draft_dir: tempfile.TemporaryDirectory
+    drafts: dict[str, str] = field(default_factory=dict)
+    batches: dict[tuple[int, str], Any] = field(default_factory=dict)
+
+    def batch(self, b: int, workload: str):
+        if (b, workload) not in self.batches:
+            prompt = WORKLOAD_PROMPTS[workload]
+            self.batches[(b, workload)] = self.mm.prepare([self.images[i % len(self.images)] for i in range(b)], [prompt] * b)
+        return self.batches[(b, workload)]
+
+
+def _build_shape(name: str, device: torch.device, dtype: torch.dtype, n_images: int) -> _Shape:
+    import numpy as np
+    from PIL import Image
+
+    from ..model import MMModel
+    from ..models.factory import BENCH_MODELS, build_bench_model
+    from ..pruning._budget import CalibrationSet
+
+    t0 = time.perf_counter()
+    model, processor = build_bench_model(name, device=device, dtype=dtype, init_std=0.02 if dtype != torch.float32 else 0.2)
+    mm = MMModel(model, processor, name)
+    logger.info("gpu bench: built %s on %s in %.1f s", name, device, time.perf_counter() - t0)
+    h, w = BENCH_MODELS[name].image
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for _ in range(n_images)]
+    tmp = tempfile.TemporaryDirectory(prefix="mmfast-gpu-bench-")
+    paths = []
+    for i, im in enumerate(images[:2]):
+        paths.append(str(Path(tmp.name) / f"calib{i}.png"))
+        im.save(paths[-1])
+    calibration = CalibrationSet(tuple(paths), (WORKLOAD_PROMPTS["pope"],) * len(paths))
+    params = [p for layer in mm.adapter.layers for p in layer.parameters()] + list(mm.adapter.lm_head.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    tc = model.config.get_text_config()
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    kv_per_token = 2 * tc.num_hidden_layers * tc.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8
+    return _Shape(name, mm, images, weight_bytes, kv_per_token, calibration, tmp)
+
+
+def _hf_call(shape: _Shape, batch, static: bool) -> tuple[Callable[[int], Any], dict[str, Any]]:
+    mm = shape.mm
+    flat = [im for ims in batch.images for im in ims]
+    processed = mm.processor(images=flat, text=batch.texts, return_tensors="pt", padding=True)
+    # [B, L] ids and mask, the pixels (and image sizes / grids) on the model's device, float pixels in its dtype
+    inputs = {k: (v.to(mm.device, mm.dtype) if v.is_floating_point() else v.to(mm.device)) if torch.is_tensor(v) else v
+              for k, v in dict(processed).items()}
+    kw: dict[str, Any] = {"do_sample": False, "pad_token_id": mm.pad_token_id}
+    if static:
+        kw["cache_implementation"] = "static"
+    n_in = inputs["input_ids"].shape[1]
+
+    @torch.inference_mode()
+    def call(n: int):
+        return mm.model.generate(**inputs, max_new_tokens=n, **kw)[:, n_in:].tolist()
+
+    lengths = inputs["attention_mask"].sum(1).tolist()
+    n_vision = (inputs["input_ids"] == mm.adapter.image_token_id).sum(1).float().mean().item()
+    return call, {"lengths": lengths, "n_vision": n_vision}
+
+
+def _variant_recipe(v: Variant, shape: _Shape, compiled: bool) -> Recipe:
+    """The variant's recipe with trained parts swapped for random stand-ins (and random draft weights)."""
+    from ..speculative._eagle_model import write_random_draft
+    from .pruning import _untrained
+
+    recipe = _untrained(v.recipe)
+    data = recipe.to_dict()
+    spec = recipe.speculative
+    if spec is not None and spec.method in ("msd", "flash"):
+        if spec.method not in shape.drafts:
+            shape.drafts[spec.method] = str(write_random_draft(shape.mm, spec.method, Path(shape.draft_dir.name) / spec.method))
+        data["speculative"] = dict(data["speculative"], params={**(data["speculative"].get("params") or {}), "weights": shape.drafts[spec.method]})
+    if compiled:
+        data["model"] = dict(data["model"], compile="auto")
+    return load_recipe(data)
+
+
+def _mmfast_row(shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, compiled: bool, m: Measurement) -> None:
+    from ..pipeline import apply
+
+    batch = shape.batch(b, workload)
+    recipe = _variant_recipe(v, shape, compiled)
+    prefills: list[float] = []  # the LLM prefill of every one-token call (the pipeline's own timing)
+
+    def call(k: int):
+        res = session.run(batch, max_new_tokens=k)
+        if k == 1:
+            prefills.append(res[0].timings.prefill_s)
+        return res
+
+    with apply(shape.mm, recipe, calibration=shape.calibration) as session:
+        t = _measure(call, n, shape.mm.device, cfg.warmup, cfg.repeats)
+    res = t.last
+    m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = t.first_call_s, t.ttft_s, t.e2e_s, t.repeats, t.peak_mem_bytes
+    m.prefill_s = statistics.median(prefills[-cfg.repeats:])  # the timed TTFT calls are the last ones
+    m.n_vision_tokens = sum(r.n_vision_tokens for r in res) / len(res)
+    m.flops_prefill = sum(r.flops_prefill for r in res)
+    kv = [(r.kv_bytes_prefill + r.kv_bytes_end) / 2 for r in res]
+    m.kv_bytes_mean = sum(kv) if all(kv) else None
+    m.weight_bytes = shape.weight_bytes
+    m.tokens_sha = _sha([r.token_ids for r in res])
+    spec = [r.stats.get("speculative") for r in res if r.stats.get("speculative")]
+    if spec:
+        m.cycles = sum(s["cycles"] for s in spec)
+        m.tau = sum(s["tau"] * s["cycles"] for s in spec) / m.cycles if m.cycles else None
+
+
+def _hf_row(shape: _Shape, b: int, workload: str, n: int, cfg, static: bool, m: Measurement) -> None:
+    from ..flops import LMShape, prefill_flops
+
+    call, info = _hf_call(shape, shape.batch(b, workload), static)
+    t = _measure(call, n, shape.mm.device, cfg.warmup, cfg.repeats)
+    m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = t.first_call_s, t.ttft_s, t.e2e_s, t.repeats, t.peak_mem_bytes
+    lm = LMShape.of(shape.mm.model.config.get_text_config())
+    m.flops_prefill = sum(prefill_flops([L] * lm.n_layers, lm) for L in info["lengths"])
+    m.n_vision_tokens = info["n_vision"]
+    m.kv_bytes_mean = sum((L + n / 2) * shape.kv_bytes_per_token for L in info["lengths"])
+    m.weight_bytes = shape.weight_bytes
+    m.tokens_sha = _sha(t.last)
+
+
+def _settings(device: DeviceInfo, dtype: torch.dtype, cfg, n: int, row_spec: Any) -> str:
+    blob = json.dumps({"device": device.name, "torch": device.torch, "transformers": device.transformers, "dtype": str(dtype),
+                       "warmup": cfg.warmup, "repeats": cfg.repeats, "new_tokens": n, "row": row_spec}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class RowStore:
+    """``rows.jsonl``: one line per finished row, appended as it finishes; on a re-run the rows whose
+    settings still match are kept (stale ones dropped, a torn last line ignored), failed rows re-run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: dict[tuple, Measurement] = {}
+        if path.exists():
+            for i, line in enumerate(path.read_text().splitlines()):
+                try:
+                    m = Measurement(**json.loads(line))
+                except (json.JSONDecodeError, TypeError) as exc:
+                    logger.warning("gpu bench: %s line %d unreadable (%s), that row re-runs", path, i + 1, exc)
+                    continue
+                if not m.status.startswith("failed"):
+                    self.rows[m.key] = m
+
+    def done(self, key: tuple, settings: str) -> Measurement | None:
+        m = self.rows.get(key)
+        return m if m is not None and m.settings == settings else None
+
+    def prune(self, wanted: dict[tuple, str]) -> None:
+        """Drop rows whose settings changed (they re-run); rows outside this run's selection stay."""
+        stale = [k for k, m in self.rows.items() if k in wanted and m.settings != wanted[k]]
+        for k in stale:
+            del self.rows[k]
+        if stale:
+            logger.warning("gpu bench: %d stored rows have other settings (device, dtype, repeats, tokens or recipe) and re-run", len(stale))
+        self.path.write_text("".join(json.dumps(dataclasses.asdict(m)) + "\n" for m in self.rows.values()))
+
+    def add(self, m: Measurement) -> None:
+        self.rows[m.key] = m
+        with self.path.open("a") as f:
+            f.write(json.dumps(dataclasses.asdict(m)) + "\n")
+            f.flush()
+
+
+def _row_specs(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams) -> list[tuple[str, Any]]:
+    """(row name, what the row runs) in table order, filtered by ``bench.params.rows``."""
+    rows: list[tuple[str, Any]] = [(HF_EAGER, "hf-dynamic"), (HF_STATIC, "hf-static"), (UNPRUNED, vs[0]), (COMPILED, vs[0])]
+    rows += [(v.name, v) for v in vs[1:]]
+    return [(name, what) for name, what in rows if cp.wants(name)]
+
+
+def _spec_of(what: Any, compiled: bool) -> Any:
+    return what if isinstance(what, str) else {"recipe": what.recipe.to_dict(), "compiled": compiled}
+
+
+def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
+    """Run the bench into ``out`` (rows.jsonl as rows finish; results.md / summary.json after each)."""
+    from ..models.factory import BENCH_MODELS
+
+    cfg = recipe.bench
+    cp = GpuBenchParams.of(recipe)
+    vs = variants(recipe)
+    want = recipe.model.device  # load_model's rule: auto = cuda when there is one
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if want == "auto" else want)
+    info = DeviceInfo.detect(device, cfg.params)
+    store = RowStore(out / "rows.jsonl")
+    specs = _row_specs(recipe, vs, cp)
+    plan: dict[tuple, str] = {}
+    for shape in cp.shapes:  # run order: shape, workload (one-token answers first by default), batch, row
+        for w in cp.workloads:
+            for b in cp.batches:
+                for name, what in specs:
+                    plan[(shape, b, w, name)] = _settings(info, cp.dtype, cfg, cp.tokens(w),
+                                                          {"row": _spec_of(what, name == COMPILED), "shape": repr(BENCH_MODELS[shape])})
+    emb_plan = _embedded_plan(recipe, vs, cp, info) if cp.embedded else {}
+    store.prune({**plan, **emb_plan})
+    report = lambda: write_gpu_report(recipe, cp, info, store, out, command, vs)  # noqa: E731
+    if cp.embedded:
+        _run_embedded(recipe, vs, cp, info, store, emb_plan, report)
+    for shape_name in cp.shapes:
+        todo = [k for k in plan if k[0] == shape_name and store.done(k, plan[k]) is None]
+        if not todo:
+            logger.info("gpu bench: %s: every selected row is already in %s", shape_name, store.path)
+            continue
+        shape = _build_shape(shape_name, device, cp.dtype, max(cp.batches))
+        try:
+            for key in todo:
+                _, b, w, name = key
+                what = dict(specs)[name]
+                n = cp.tokens(w)
+                m = Measurement(shape_name, b, w, name, plan[key], new_tokens=n)
+                logger.info("gpu bench: %s batch %d %s: %s", shape_name, b, w, name)
+                try:
+                    if name == COMPILED and not compile_available():
+                        m.status = NOT_AVAILABLE
+                    elif isinstance(what, str):
+                        _hf_row(shape, b, w, n, cfg, what == "hf-static", m)
+                    else:
+                        _mmfast_row(shape, what, b, w, n, cfg, name == COMPILED, m)
+                except MMFastError as exc:  # a variant this shape cannot run: said so in its row
+                    m.status = f"refused: {exc}"
+                    logger.warning("gpu bench: %s batch %d %s: %s refused: %s", shape_name, b, w, name, exc)
+                except torch.cuda.OutOfMemoryError as exc:
+                    m.status = f"failed: CUDA out of memory ({str(exc).splitlines()[0][:120]})"
+                    logger.error("gpu bench: %s batch %d %s: %s ran out of memory", shape_name, b, w, name)
+                    torch.cuda.empty_cache()
+                except Exception as exc:  # noqa: BLE001  one broken row must not cost the device time of the rest
+                    m.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                    logger.exception("gpu bench: %s batch %d %s: %s failed (the row re-runs on resume)", shape_name, b, w, name)
+                store.add(m)
+                report()
+        finally:
+            shape.draft_dir.cleanup()
+            del shape
+            gc.collect()  # the next shape needs the memory (a compiled generate holds the model in a cycle)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    failed = [m for m in store.rows.values() if m.status.startswith("failed")]
+    if failed:
+        logger.error("gpu bench: %d rows failed (see their status in results.md; they re-run on resume): %s", len(failed),
+                     "; ".join(f"{m.shape} b{m.batch} {m.workload} {m.row}" for m in failed))
+    return report()
+
+
+# -- the embedded model: real tau ------------------------------------------------------------------
+def _embedded_rows(vs: list[Variant], cp: GpuBenchParams | None = None) -> list[Variant]:
+    """The drafters without pruning (selected by ``bench.params.embedded_rows`` when ``cp`` is given)."""
+    return [v for v in vs[1:] if v.recipe.speculative is not None and not v.recipe.pruning and (cp is None or cp.wants(v.name, embedded=True))]
+
+
+def _embedded_plan(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo) -> dict[tuple, str]:
+    names = [UNPRUNED] + [v.name for v in _embedded_rows(vs, cp)]
+    spec = {"model": recipe.model.name, "samples": cp.embedded_samples, "compiled": compile_available(), "data": recipe.eval.data}
+    return {(EMBEDDED, 1, "caption", n): _settings(info, recipe.model.dtype, recipe.bench, cp.caption_tokens, {**spec, "row": n}) for n in names}
+
+
+def _run_embedded(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo, store: RowStore,
+                  plan: dict[tuple, str], report: Callable[[], Any]) -> None:
+    from ..model import load_model
+    from ..eval.data import resolve_data
+    from ..pipeline import apply
+
+    todo = [k for k in plan if store.done(k, plan[k]) is None]
+    if not todo:
+        return
+    mm = load_model(recipe.model)
+    # the first images of the evaluation data (the world's val split by default), in file order; only the
+    # images are needed, so no task (CHAIR's parser alone takes tens of CPU seconds to build) is set up
+    image_dir = resolve_data(recipe.eval, ()).image_dir
+    images = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))[:cp.embedded_samples]
+    if len(images) < cp.embedded_samples:
+        raise InputError(f"bench.params.embedded_samples is {cp.embedded_samples} but {image_dir} holds {len(images)} images")
+    batches = [mm.prepare([im], [WORKLOAD_PROMPTS["caption"]]) for im in images]
+    rows = {UNPRUNED: vs[0], **{v.name: v for v in _embedded_rows(vs, cp)}}
+    for key in todo:
+        v = rows[key[3]]
+        data = v.recipe.to_dict()
+        if compile_available():  # the captured greedy step (and the drafters' target) where this build has it
+            data["model"] = dict(data["model"], compile="auto")
+        m = Measurement(*key, settings=plan[key], new_tokens=cp.caption_tokens)
+        logger.info("gpu bench: embedded model: %s", key[3])
+        try:
+            with apply(mm, load_recipe(data)) as session:
+                def run_all():
+                    return [session.run(b, max_new_tokens=cp.caption_tokens)[0] for b in batches]
+
+                first, _ = _timed(run_all, mm.device)
+                for _ in range(max(0, recipe.bench.warmup - 1)):
+                    run_all()
+                walls, res = [], None
+                for _ in range(recipe.bench.repeats):
+                    t, res = _timed(run_all, mm.device)
+                    walls.append(t)
+        except MMFastError as exc:
+            m.status = f"refused: {exc}"
+            store.add(m)
+            continue
+        m.first_call_s, m.e2e_s, m.repeats = first, statistics.median(walls), len(walls)
+        m.new_tokens = sum(len(r.token_ids) for r in res)  # real answers stop at EOS: total tokens of the prompts
+        m.tokens_sha = _sha([r.token_ids for r in res])
+        spec = [r.stats["speculative"] for r in res if r.stats.get("speculative")]
+        if spec:
+            m.cycles = sum(s["cycles"] for s in spec)
+            m.tau = sum(s["tau"] * s["cycles"] for s in spec) / m.cycles if m.cycles else None
+        store.add(m)
+        report()
+
+
+# -- report ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetCheck:
+    target: str
+    value: float | None
+    threshold: float
+    detail: str
+
+    @property
+    def status(self) -> str:
+        if self.value is None:
+            return "not measured"
+        return "pass" if self.value >= self.threshold else "fail"
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _drafter_tau(rows: dict[tuple, Measurement], vs: list[Variant], v: Variant) -> float | None:
+    """Tau measured on the embedded model by the embedded row whose drafter equals ``v``'s."""
+    if v.recipe.speculative is None:
+        return None
+    mine = v.recipe.speculative._to_recipe()
+    for e in _embedded_rows(vs):
+        if e.recipe.speculative._to_recipe() == mine:
+            m = rows.get((EMBEDDED, 1, "caption", e.name))
+            return m.tau if m is not None and m.ok else None
+    return None
+
+
+def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetCheck]:
+    """The issue's targets, each pass / fail / not measured."""
+    def get(shape, b, w, name):
+        m = rows.get((shape, b, w, name))
+        return m if m is not None and m.ok else None
+
+    out = []
+    for shape in sorted({k[0] for k in rows if k[0] != EMBEDDED}):
+        for b in (1, 8):
+            hf = get(shape, b, "caption", HF_STATIC)
+            ours = get(shape, b, "caption", COMPILED) or get(shape, b, "caption", UNPRUNED)
+            which = (ours.row if ours else UNPRUNED)
+            ratio = (hf.decode_step_s / ours.decode_step_s) if hf and ours and hf.decode_step_s and ours.decode_step_s else None
+            out.append(TargetCheck(f"{shape} b{b}: {which} decode ms/token <= 1.1 x hf static", ratio, 1 / 1.1,
+                                   "value = hf static step / mmfast step (>= 0.909 passes)"))
+    for shape, thr in (("llava-1.5-7b", 1.4), ("llava-next-7b", 2.5)):
+        base, dp = get(shape, 32, "caption", UNPRUNED), get(shape, 32, "caption", "divprune-64")
+        out.append(TargetCheck(f"{shape} b32: divprune-64 end-to-end throughput >= {thr} x unpruned",
+                               dp.tokens_per_s / base.tokens_per_s if base and dp else None, thr, "tokens/s ratio, caption workload"))
+    base, dp = get("llava-next-7b", 1, "pope", UNPRUNED), get("llava-next-7b", 1, "pope", "divprune-64")
+    out.append(TargetCheck("llava-next-7b b1: divprune-64 TTFT >= 2 x faster than unpruned",
+                           base.ttft_s / dp.ttft_s if base and dp else None, 2.0, "unpruned TTFT / divprune-64 TTFT, pope workload"))
+    for (shape, b, w, name), m in sorted(rows.items()):
+        base = get(shape, b, w, UNPRUNED)
+        if shape == EMBEDDED or b != 8 or w != "pope" or not m.ok or name in (UNPRUNED, COMPILED, HF_EAGER, HF_STATIC) or base is None:
+            continue
+        v = next((v for v in vs if v.name == name), None)
+        pre_llm = v is not None and v.recipe.speculative is None and m.n_vision_tokens is not None and m.n_vision_tokens < base.n_vision_tokens
+        if pre_llm and m.prefill_s and m.flops_prefill and base.flops_prefill:
+            out.append(TargetCheck(f"{shape} b8: {name} prefill >= 0.85 of the FLOPs ideal", base.prefill_s / m.prefill_s * m.flops_prefill / base.flops_prefill,
+                                   0.85, "LLM prefill speedup x FLOPs ratio"))
+    base = get(EMBEDDED, 1, "caption", UNPRUNED)
+    flash = [m for (s, _, _, n), m in rows.items() if s == EMBEDDED and m.ok and "flash" in n]
+    for m in flash or [None]:
+        out.append(TargetCheck(f"embedded: {m.row if m else 'flash'} >= 3 x end to end over the {'captured ' if compile_available() else ''}greedy step",
+                               (m.tokens_per_s / base.tokens_per_s) if m and base else None, 3.0, "tokens/s ratio, caption prompts, batch 1"))
+    return out
+
+
+def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store: RowStore, out: Path, command: str,
+                     vs: list[Variant]) -> dict[str, Any]:
+    rows = store.rows
+    header = ["shape", "batch", "workload", "row", "status", "vision tok", "TTFT ms", "decode ms/token", "tokens/s", "peak mem GiB",
+              "FLOPs ratio", "decode % BW limit", "prefill % peak FLOP/s", "first call s", "repeats", "tokens = hf eager",
+              "tau (embedded)", "projected decode x"]
+    table = []
+    for key, m in sorted(((k, m) for k, m in rows.items() if k[0] != EMBEDDED), key=lambda km: _order(km[0], vs)):
+        base = rows.get((m.shape, m.batch, m.workload, UNPRUNED))
+        hf = rows.get((m.shape, m.batch, m.workload, HF_EAGER))
+        if not m.ok:
+            table.append([m.shape, m.batch, m.workload, m.row, m.status] + [""] * (len(header) - 5))
+            continue
+        step = m.decode_step_s
+        bw = info.peak_bandwidth
+        frac_bw = (m.weight_bytes + (m.kv_bytes_mean or 0)) / (step * bw) if bw and step and m.weight_bytes else None
+        prefill_t = m.prefill_s if m.prefill_s else m.ttft_s
+        frac_fl = m.flops_prefill / (prefill_t * info.peak_flops) if info.peak_flops and m.flops_prefill and prefill_t else None
+        flops_ratio = m.flops_prefill / base.flops_prefill if base is not None and base.ok and base.flops_prefill and m.flops_prefill else None
+        v = next((v for v in vs if v.name == m.row), None)
+        tau = _drafter_tau(rows, vs, v) if v is not None else None
+        proj = None
+        if tau and m.cycles and base is not None and base.ok and base.decode_step_s and step is not None:
+            t_cycle = (m.e2e_s - m.ttft_s) / m.cycles  # one draft + verification of one sample
+            proj = tau * base.decode_step_s / (m.batch * t_cycle)
+        same = (m.tokens_sha == hf.tokens_sha) if hf is not None and hf.ok and m.row in (HF_STATIC, UNPRUNED, COMPILED) else None
+        table.append([m.shape, m.batch, m.workload, m.row, "ok", _fmt(m.n_vision_tokens, ".0f"), _fmt(m.ttft_s * 1000, ".1f"),
+                      _fmt(step * 1000 if step is not None else None, ".2f"), _fmt(m.tokens_per_s, ".1f"),
+                      _fmt(m.peak_mem_bytes / 2**30 if m.peak_mem_bytes else None, ".1f"), _fmt(flops_ratio, ".3f"),
+                      _fmt(frac_bw * 100 if frac_bw is not None else None, ".1f"), _fmt(frac_fl * 100 if frac_fl is not None else None, ".1f"),
+                      _fmt(m.first_call_s, ".2f"), m.repeats, "" if same is None else ("yes" if same else "no"), _fmt(tau, ".2f"), _fmt(proj, ".2f")])
+    emb = []
+    ebase = rows.get((EMBEDDED, 1, "caption", UNPRUNED))
+    for key, m in sorted(((k, m) for k, m in rows.items() if k[0] == EMBEDDED), key=lambda km: km[0][3] != UNPRUNED):
+        if not m.ok:
+            emb.append([m.row, m.status, "", "", "", "", ""])
+            continue
+        sp = m.tokens_per_s / ebase.tokens_per_s if ebase is not None and ebase.ok and m.tokens_per_s else None
+        same = (m.tokens_sha == ebase.tokens_sha) if ebase is not None and ebase.ok else None
+        emb.append([("greedy" if m.row == UNPRUNED else m.row), "ok", _fmt(m.tau, ".2f"), m.new_tokens, _fmt(m.e2e_s, ".3f"), _fmt(sp, ".2f"),
+                    "" if same is None else ("yes" if same else "no")])
+    checks = targets(rows, vs)
+    failed = [m for m in rows.values() if m.status.startswith("failed")]
+    lines = [
+        "# GPU speed bench: full-depth random-weight models, HF generate and mmfast", "",
+        f"Command: `{command}`", "",
+        f"Device: **{info.name}**; torch {info.torch}; CUDA {info.cuda or 'n/a'}; transformers {info.transformers}; "
+        f"dtype {str(cp.dtype).replace('torch.', '')}; warm-up {recipe.bench.warmup}, median of {recipe.bench.repeats} repeats; "
+        f"peaks: {_fmt(info.peak_bandwidth and info.peak_bandwidth / 1e12)} TB/s, {_fmt(info.peak_flops and info.peak_flops / 1e12, '.0f')} TFLOP/s; "
+        f"model.compile in this build: {'yes' if compile_available() else 'no'}", "",
+        *([f"**{len(failed)} rows failed** (status column; they re-run when the same command is run again).", ""] if failed else []),
+        "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+        *("| " + " | ".join(str(c) for c in r) + " |" for r in table), "",
+        "## Targets", "", "| target | value | threshold | status | how |", "|---|---|---|---|---|",
+        *(f"| {c.target} | {_fmt(c.value, '.3f')} | {c.threshold:.3f} | {c.status} | {c.detail} |" for c in checks), "",
+    ]
+    if emb:
+        lines += ["## Speculative decoding on the embedded model (real tau)", "",
+                  f"Model `{recipe.model.name}`, {cp.embedded_samples} caption prompts at batch 1, up to {cp.caption_tokens} new tokens; "
+                  f"baseline: greedy{' with model.compile: auto (the captured step)' if compile_available() else ' (uncompiled: no model.compile in this build)'}.", "",
+                  "| row | status | tau | new tokens | wall s | e2e x | identical to greedy |", "|---|---|---|---|---|---|---|",
+                  *("| " + " | ".join(str(c) for c in r) + " |" for r in emb), ""]
+    lines += [
+        "Notes:", "",
+        "- TTFT: one-token call (vision tower + prefill); decode ms/token: (end to end - TTFT) / (tokens - 1), per step of the whole batch; "
+        "tokens/s: batch x tokens / end to end. EOS is outside the random models' vocabulary: every row generates exactly the workload's tokens.",
+        "- first call s: the first (untimed) call, compile / capture included; never part of the medians.",
+        "- FLOPs ratio: prefill FLOPs (4nd^2 + 2n^2d + 3ndm per layer) / the unpruned row's. decode % BW limit: (LLM weight bytes + mean KV bytes) / "
+        "(step time x peak bandwidth); prefill % peak FLOP/s: prefill FLOPs / (LLM prefill time x peak) for mmfast rows, / TTFT for HF rows. n/a on a CPU.",
+        "- Random weights: trained parts (HICom, Dynamic-LLaVA) run on seeded stand-ins and drafts on random weights, so only costs are measured; "
+        "projected decode x = tau (embedded) x unpruned step / (batch x measured time per verification cycle); speculative decoding verifies one sample at a time.",
+        "- tokens = hf eager: the row's greedy tokens hash-equal HF eager generate's (fp16 kernels may differ in the last bit; fp32 on a CPU is exact).",
+    ]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    summary = {"kind": "gpu_speed", "device": dataclasses.asdict(info), "dtype": str(cp.dtype), "compile_available": compile_available(),
+               "rows": [dict(dataclasses.asdict(m), decode_step_s=m.decode_step_s, tokens_per_s=m.tokens_per_s) for m in rows.values()],
+               "targets": [dict(dataclasses.asdict(c), status=c.status) for c in checks]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _order(key: tuple, vs: list[Variant]) -> tuple:
+    names = [HF_EAGER, HF_STATIC, UNPRUNED, COMPILED] + [v.name for v in vs[1:]]
+    shape, b, w, name = key
+    return (shape, b, w, names.index(name) if name in names else len(names), name)
