@@ -3,6 +3,9 @@
 mmfast pins ``transformers>=5.22,<5.24`` (tested: 5.22.2 and 5.23.0) and Python 3.11-3.12. Behaviour that hooks rely on and
 that changed inside 5.x:
 
+- The KV cache keyword of model forwards (and attribute of their outputs): ``past_key_values`` up to
+  5.23, ``cache`` from 5.24 (the old name still works there, with a ``FutureWarning`` on every call,
+  until 5.40): :data:`CACHE_KWARG`, :func:`cache_kwargs`, :func:`output_cache`.
 - ``DynamicCache.crop(n)``: 5.0 took a target length; 5.22+ take ``-tokens_to_remove`` only.
 - ``forward(..., mm_encoder_outputs=...)`` and ``get_image_features(...).pooler_output`` as a list of
   per-image tensors (5.x; 4.x returned one tensor).
@@ -41,6 +44,8 @@ PYTHON_MAX_EXCLUSIVE = "3.13"
 PYTHON_TESTED = ("3.11.7", "3.12.1")
 
 _version = Version(transformers.__version__)
+#: (major, minor) of the installed transformers; a pre-release (5.24.0.dev0) counts as its release.
+_MINOR = _version.release[:2]
 if not (Version(TRANSFORMERS_MIN) <= _version < Version(TRANSFORMERS_MAX_EXCLUSIVE)):
     logger.warning(
         "mmfast is tested with transformers %s..%s (exclusive); found %s. Hooks may break: "
@@ -80,6 +85,22 @@ def vision_encoder(tower):
 
 
 # --------------------------------------------------------------------------- cache
+
+#: The keyword under which model forwards take the KV cache, and the attribute of their outputs that
+#: holds it: 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works there, with a
+#: ``FutureWarning`` per call, until 5.40).
+CACHE_KWARG = "cache" if _MINOR >= (5, 24) else "past_key_values"
+
+
+def cache_kwargs(cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
+    """``{CACHE_KWARG: cache}``: pass the KV cache to a model forward (``model(..., **cache_kwargs(c))``)."""
+    return {CACHE_KWARG: cache}
+
+
+def output_cache(out) -> DynamicCache | None:
+    """The KV cache a model forward returned (``out.cache`` from 5.24, ``out.past_key_values`` before)."""
+    return getattr(out, CACHE_KWARG)
+
 
 
 def new_cache(config) -> DynamicCache:
