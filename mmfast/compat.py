@@ -12,6 +12,8 @@ that changed inside 5.x:
 - Model forwards no longer take ``cache_position``; positions derive from the cache length.
 - A 4-D ``attention_mask`` is passed through the mask factory unchanged (``masking_utils``), which is
   how mmfast feeds per-layer masks after pruning and tree masks for speculative verification.
+- ``AutoImageProcessor`` needs torchvision on 5.17 (a placeholder that raises ``ImportError``); 5.23+
+  resolve a saved ``Qwen2VLImageProcessor`` to its PIL twin without it: :func:`load_image_processor`.
 - An attention implementation name missing from ``AttentionMaskInterface`` gets no mask at all, so the
   probe registers its mask function next to its attention function.
 """
@@ -72,6 +74,32 @@ def versions() -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- modules
+
+
+def load_image_processor(path: str, **kwargs):
+    """The image processor saved at ``path`` (``AutoImageProcessor.from_pretrained``).
+
+    Where ``AutoImageProcessor`` itself is unavailable without torchvision (5.17), the class the saved
+    config names is loaded on its PIL backend (``Qwen2VLImageProcessor`` -> ``Qwen2VLImageProcessorPil``),
+    which is what later releases resolve to when torchvision is missing.
+    """
+    from transformers import AutoImageProcessor
+    from transformers.image_processing_base import ImageProcessingMixin
+    from transformers.utils.import_utils import DummyObject
+
+    if not isinstance(AutoImageProcessor, DummyObject):
+        return AutoImageProcessor.from_pretrained(path, **kwargs)
+    config, _ = ImageProcessingMixin.get_image_processor_dict(path, **kwargs)
+    saved = str(config.get("image_processor_type") or "")
+    name = saved.removesuffix("Fast").removesuffix("Pil") + "Pil"
+    cls = getattr(transformers, name, None)
+    if not saved or cls is None or isinstance(cls, DummyObject):
+        raise ImportError(
+            f"{path}: image processor {saved or '(unnamed)'!r} needs torchvision with transformers "
+            f"{transformers.__version__} (no PIL class {name!r}); install torchvision or transformers>=5.23"
+        )
+    return cls.from_pretrained(path, **kwargs)
+
 
 
 def vision_encoder(tower):

@@ -39,3 +39,17 @@ def test_generation_uses_no_deprecated_transformers_keyword(tiny_mm, images, pro
         warnings.simplefilter("error", FutureWarning)
         out = tiny_mm.generate(images[:2], prompts[:2], max_new_tokens=4)
     assert all(r.token_ids for r in out)
+
+
+def test_saved_qwen_image_processor_loads_without_torchvision(tmp_path, images):
+    """A saved Qwen-VL directory loads its image processor on every release of the range, with the
+    pixels of the processor it was saved from (5.17's AutoImageProcessor needs torchvision)."""
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    model, processor = random_qwen_vl("qwen2_vl", seed=1)
+    path = save_model(model, processor, tmp_path / "q")
+    loaded = compat.load_image_processor(str(path))
+    want = processor.image_processor(images=images[:2], return_tensors="pt")
+    got = loaded(images=images[:2], return_tensors="pt")
+    assert torch.equal(got["pixel_values"], want["pixel_values"])
+    assert torch.equal(got["image_grid_thw"], want["image_grid_thw"])
