@@ -1,14 +1,21 @@
 """All knowledge about transformers versions lives here.
 
-mmfast pins ``transformers>=5.22,<5.24`` (tested: 5.22.2 and 5.23.0) and Python 3.11-3.12. Behaviour that hooks rely on and
-that changed inside 5.x:
+mmfast pins ``transformers>=5.17,<5.25`` and Python 3.11-3.12. ``make setup`` installs the top,
+5.24.0 (a new user gets the current release), and CI runs the whole suite on it; ``make
+test-compat-floor`` runs a smoke subset on the floor, 5.17.0, in its own venv. 5.23.0 was the
+previous default. The test files that exercise the hooks (generation, session, probe, each family,
+speculative decoding) were run on all three. Behaviour that hooks rely on and that
+changed inside 5.x:
 
 - The KV cache keyword of model forwards (and attribute of their outputs): ``past_key_values`` up to
   5.23, ``cache`` from 5.24 (the old name still works there, with a ``FutureWarning`` on every call,
   until 5.40): :data:`CACHE_KWARG`, :func:`cache_kwargs`, :func:`output_cache`.
-- ``DynamicCache.crop(n)``: 5.0 took a target length; 5.22+ take ``-tokens_to_remove`` only.
+- ``DynamicCache.crop(n)``: a negative ``n`` removes ``-n`` slots on every release of the range (5.17
+  also took a positive target length, with a deprecation warning; 5.22+ take ``-tokens_to_remove``
+  only); mmfast only passes negative values.
 - ``forward(..., mm_encoder_outputs=...)`` and ``get_image_features(...).pooler_output`` as a list of
-  per-image tensors (5.x; 4.x returned one tensor).
+  per-image tensors (5.17 has no ``mm_encoder_outputs``; mmfast runs the vision tower itself and uses
+  neither).
 - Model forwards no longer take ``cache_position``; positions derive from the cache length.
 - A 4-D ``attention_mask`` is passed through the mask factory unchanged (``masking_utils``), which is
   how mmfast feeds per-layer masks after pruning and tree masks for speculative verification.
@@ -17,7 +24,6 @@ that changed inside 5.x:
 - An attention implementation name missing from ``AttentionMaskInterface`` gets no mask at all, so the
   probe registers its mask function next to its attention function.
 """
-
 from __future__ import annotations
 
 import logging
@@ -33,11 +39,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 logger = logging.getLogger(__name__)
 
-TRANSFORMERS_MIN = "5.22"
-TRANSFORMERS_MAX_EXCLUSIVE = "5.24"
-TESTED_VERSIONS = ("5.22.2", "5.23.0")
+TRANSFORMERS_MIN = "5.17"
+TRANSFORMERS_MAX_EXCLUSIVE = "5.25"
+#: Versions the tests ran on, oldest first: the first is the floor (``make test-compat-floor``), the
+#: last the default (``make setup``; tests/test_install_range.py ties the Makefile to both).
+TESTED_VERSIONS = ("5.17.0", "5.23.0", "5.24.0")
 #: Python range of ``pyproject.toml``'s ``requires-python``. The floor is transformers': every release
-#: from 5.21 on declares ``Requires-Python >=3.11``, so no Python 3.10 can install the pinned range.
+#: from 5.21 on declares ``Requires-Python >=3.11``, so no Python 3.10 can install the default (5.24);
+#: it could only reach 5.17-5.20, which are tested on 3.11 alone.
 #: CI and ``make`` run 3.11 (its CPU torch wheel is what installs offline here); the others are checked
 #: by installing the wheel into fresh venvs and running ``mmfast eval world_eval --limit 5``
 #: (docs/install.md).
