@@ -1,18 +1,29 @@
 """All knowledge about transformers versions lives here.
 
-mmfast pins ``transformers>=5.22,<5.24`` (tested: 5.22.2 and 5.23.0) and Python 3.11-3.12. Behaviour that hooks rely on and
-that changed inside 5.x:
+mmfast pins ``transformers>=5.17,<5.25`` and Python 3.11-3.12. ``make setup`` installs the top,
+5.24.0 (a new user gets the current release), and CI runs the whole suite on it; ``make
+test-compat-floor`` runs a smoke subset on the floor, 5.17.0, in its own venv. 5.23.0 was the
+previous default. The test files that exercise the hooks (generation, session, probe, each family,
+speculative decoding) were run on all three. Behaviour that hooks rely on and that
+changed inside 5.x:
 
-- ``DynamicCache.crop(n)``: 5.0 took a target length; 5.22+ take ``-tokens_to_remove`` only.
+- The KV cache keyword of model forwards (and attribute of their outputs): ``past_key_values`` up to
+  5.23, ``cache`` from 5.24 (the old name still works there, with a ``FutureWarning`` on every call,
+  until 5.40): :data:`CACHE_KWARG`, :func:`cache_kwargs`, :func:`output_cache`.
+- ``DynamicCache.crop(n)``: a negative ``n`` removes ``-n`` slots on every release of the range (5.17
+  also took a positive target length, with a deprecation warning; 5.22+ take ``-tokens_to_remove``
+  only); mmfast only passes negative values.
 - ``forward(..., mm_encoder_outputs=...)`` and ``get_image_features(...).pooler_output`` as a list of
-  per-image tensors (5.x; 4.x returned one tensor).
+  per-image tensors (5.17 has no ``mm_encoder_outputs``; mmfast runs the vision tower itself and uses
+  neither).
 - Model forwards no longer take ``cache_position``; positions derive from the cache length.
 - A 4-D ``attention_mask`` is passed through the mask factory unchanged (``masking_utils``), which is
   how mmfast feeds per-layer masks after pruning and tree masks for speculative verification.
+- ``AutoImageProcessor`` needs torchvision on 5.17 (a placeholder that raises ``ImportError``); 5.23+
+  resolve a saved ``Qwen2VLImageProcessor`` to its PIL twin without it: :func:`load_image_processor`.
 - An attention implementation name missing from ``AttentionMaskInterface`` gets no mask at all, so the
   probe registers its mask function next to its attention function.
 """
-
 from __future__ import annotations
 
 import logging
@@ -30,11 +41,14 @@ from .errors import InputError
 
 logger = logging.getLogger(__name__)
 
-TRANSFORMERS_MIN = "5.22"
-TRANSFORMERS_MAX_EXCLUSIVE = "5.24"
-TESTED_VERSIONS = ("5.22.2", "5.23.0")
+TRANSFORMERS_MIN = "5.17"
+TRANSFORMERS_MAX_EXCLUSIVE = "5.25"
+#: Versions the tests ran on, oldest first: the first is the floor (``make test-compat-floor``), the
+#: last the default (``make setup``; tests/test_install_range.py ties the Makefile to both).
+TESTED_VERSIONS = ("5.17.0", "5.23.0", "5.24.0")
 #: Python range of ``pyproject.toml``'s ``requires-python``. The floor is transformers': every release
-#: from 5.21 on declares ``Requires-Python >=3.11``, so no Python 3.10 can install the pinned range.
+#: from 5.21 on declares ``Requires-Python >=3.11``, so no Python 3.10 can install the default (5.24);
+#: it could only reach 5.17-5.20, which are tested on 3.11 alone.
 #: CI and ``make`` run 3.11 (its CPU torch wheel is what installs offline here); the others are checked
 #: by installing the wheel into fresh venvs and running ``mmfast eval world_eval --limit 5``
 #: (docs/install.md).
@@ -43,6 +57,8 @@ PYTHON_MAX_EXCLUSIVE = "3.13"
 PYTHON_TESTED = ("3.11.7", "3.12.1")
 
 _version = Version(transformers.__version__)
+#: (major, minor) of the installed transformers; a pre-release (5.24.0.dev0) counts as its release.
+_MINOR = _version.release[:2]
 if not (Version(TRANSFORMERS_MIN) <= _version < Version(TRANSFORMERS_MAX_EXCLUSIVE)):
     logger.warning(
         "mmfast is tested with transformers %s..%s (exclusive); found %s. Hooks may break: "
@@ -71,6 +87,32 @@ def versions() -> dict[str, str]:
 # --------------------------------------------------------------------------- modules
 
 
+def load_image_processor(path: str, **kwargs):
+    """The image processor saved at ``path`` (``AutoImageProcessor.from_pretrained``).
+
+    Where ``AutoImageProcessor`` itself is unavailable without torchvision (5.17), the class the saved
+    config names is loaded on its PIL backend (``Qwen2VLImageProcessor`` -> ``Qwen2VLImageProcessorPil``),
+    which is what later releases resolve to when torchvision is missing.
+    """
+    from transformers import AutoImageProcessor
+    from transformers.image_processing_base import ImageProcessingMixin
+    from transformers.utils.import_utils import DummyObject
+
+    if not isinstance(AutoImageProcessor, DummyObject):
+        return AutoImageProcessor.from_pretrained(path, **kwargs)
+    config, _ = ImageProcessingMixin.get_image_processor_dict(path, **kwargs)
+    saved = str(config.get("image_processor_type") or "")
+    name = saved.removesuffix("Fast").removesuffix("Pil") + "Pil"
+    cls = getattr(transformers, name, None)
+    if not saved or cls is None or isinstance(cls, DummyObject):
+        raise ImportError(
+            f"{path}: image processor {saved or '(unnamed)'!r} needs torchvision with transformers "
+            f"{transformers.__version__} (no PIL class {name!r}); install torchvision or transformers>=5.23"
+        )
+    return cls.from_pretrained(path, **kwargs)
+
+
+
 def vision_encoder(tower):
     """The encoder (with ``.layers``) of a CLIP/SigLIP vision tower.
 
@@ -82,6 +124,22 @@ def vision_encoder(tower):
 
 
 # --------------------------------------------------------------------------- cache
+
+#: The keyword under which model forwards take the KV cache, and the attribute of their outputs that
+#: holds it: 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works there, with a
+#: ``FutureWarning`` per call, until 5.40).
+CACHE_KWARG = "cache" if _MINOR >= (5, 24) else "past_key_values"
+
+
+def cache_kwargs(cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
+    """``{CACHE_KWARG: cache}``: pass the KV cache to a model forward (``model(..., **cache_kwargs(c))``)."""
+    return {CACHE_KWARG: cache}
+
+
+def output_cache(out) -> DynamicCache | None:
+    """The KV cache a model forward returned (``out.cache`` from 5.24, ``out.past_key_values`` before)."""
+    return getattr(out, CACHE_KWARG)
+
 
 
 def new_cache(config) -> DynamicCache:

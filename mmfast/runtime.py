@@ -418,7 +418,7 @@ class LMRunner:
                 inputs_embeds=inputs.embeds,
                 attention_mask=inputs.attention_mask,
                 position_ids=self.adapter.lm_position_ids(inputs.position_ids),
-                past_key_values=state.cache,
+                **compat.cache_kwargs(state.cache),
                 use_cache=True,
             )
         last = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
@@ -488,7 +488,7 @@ class LMRunner:
                     inputs_embeds=embeds,
                     attention_mask=grp0.fwd_mask if custom else grp0.key_mask.long(),
                     position_ids=self.adapter.lm_position_ids(grp0.positions[:, -q:]),
-                    past_key_values=state.cache,
+                    **compat.cache_kwargs(state.cache),
                     use_cache=True,
                 ).last_hidden_state
         for hook in self.step_hooks:
@@ -523,7 +523,7 @@ class LMRunner:
             inputs_embeds=embeds,
             attention_mask=mask,
             position_ids=self.adapter.lm_position_ids(pos),
-            past_key_values=state.cache,
+            **compat.cache_kwargs(state.cache),
             use_cache=True,
         ).last_hidden_state
 

@@ -162,6 +162,33 @@ def test_store_keeps_records_around_several_damaged_lines(tmp_path):
     assert RecordStore(path).quarantined == []  # clean now
 
 
+def test_compressed_records_refused_on_resume_and_resumed_once_decompressed(reference, tiny_dir, tiny_mm, world, tmp_path):
+    """A finished run whose records were gzipped (as under benchmarks/) is read by the finished-run
+    reader, but resuming into it is refused before anything runs (it would otherwise start afresh
+    beside the .gz); once decompressed, it resumes with every record reused."""
+    import gzip
+
+    from mmfast.eval.intervals import read_records
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    plain = out / "samples.jsonl"
+    packed = out / "samples.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    plain.unlink()
+    assert len(read_records(out)) == 160
+    recipe = _recipe(tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]})
+    before = packed.read_bytes()
+    with pytest.raises(InputError, match=r"samples\.jsonl\.gz: this run's records are compressed.*gunzip"):
+        run_eval(recipe, limit=80, mm=tiny_mm)
+    assert not plain.exists() and packed.read_bytes() == before
+    plain.write_bytes(gzip.decompress(before))
+    packed.unlink()
+    s = run_eval(recipe, limit=80, mm=tiny_mm)
+    assert plain.read_bytes() == gzip.decompress(before)  # every record reused: nothing appended
+    assert s["counts"]["finished"] == 160
+
+
 def _replace_questions(path: Path) -> list[dict]:
     """Other questions under the same ids (labels flipped, text changed), as a same-path replacement."""
     qs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

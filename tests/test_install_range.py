@@ -1,5 +1,7 @@
-"""The declared install range: pyproject's Python range is compat's, and every source file parses and
-compiles for each Python of that range (the oldest grammar; other interpreters when present)."""
+"""The declared install range: pyproject's Python and transformers ranges are compat's, the Makefile
+installs the top of the transformers range by default and the floor for the compat smoke run, and every
+source file parses and compiles for each Python of the range (the oldest grammar; other interpreters
+when present)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,37 @@ def test_requires_python_is_compat_range():
         lo = tuple(int(x) for x in compat.PYTHON_MIN.split("."))
         hi = tuple(int(x) for x in compat.PYTHON_MAX_EXCLUSIVE.split("."))
         assert lo <= major_minor < hi
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_transformers_range_is_compat_range():
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(r'^    "transformers(.+)",$', text, re.M)
+    assert m is not None
+    assert m.group(1) == f">={compat.TRANSFORMERS_MIN},<{compat.TRANSFORMERS_MAX_EXCLUSIVE}"
+    tested = sorted(compat.TESTED_VERSIONS, key=_minor)
+    assert _minor(tested[0]) == _minor(compat.TRANSFORMERS_MIN)  # the floor was tested
+    assert _minor(tested[-1]) < _minor(compat.TRANSFORMERS_MAX_EXCLUSIVE)
+    assert _minor(tested[-1])[1] + 1 == _minor(compat.TRANSFORMERS_MAX_EXCLUSIVE)[1]  # so was the top minor
+    docs = (ROOT / "docs" / "install.md").read_text()
+    assert f"`transformers>={compat.TRANSFORMERS_MIN},<{compat.TRANSFORMERS_MAX_EXCLUSIVE}`" in docs
+
+
+def test_makefile_installs_the_top_and_tests_the_floor():
+    """``make setup`` pins the newest tested transformers (a new user gets the current release, and CI
+    tests what it installs); ``make test-compat-floor`` pins the tested floor."""
+    text = (ROOT / "Makefile").read_text()
+    top = re.search(r"^TRANSFORMERS_SPEC\s+\?= transformers==(\S+)$", text, re.M)
+    floor = re.search(r"^FLOOR_TRANSFORMERS_SPEC \?= transformers==(\S+)$", text, re.M)
+    assert top is not None and floor is not None
+    tested = sorted(compat.TESTED_VERSIONS, key=_minor)
+    assert top.group(1) == tested[-1] and floor.group(1) == tested[0]
+    assert '"$(TRANSFORMERS_SPEC)"' in text and '"$(FLOOR_TRANSFORMERS_SPEC)"' in text
+    assert "make test-compat-floor" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_sources_parse_with_the_oldest_grammar():

@@ -138,7 +138,7 @@ def test_prefill_logits_equal_model_forward(ov_mm, ov_images, prompts):
             step = s.runner.step(state, out.logits[:, -1].argmax(-1)[:, None])
             with torch.no_grad():
                 nxt = ov_mm.model(
-                    input_ids=out.logits[:, -1].argmax(-1)[:, None], past_key_values=want.past_key_values,
+                    input_ids=out.logits[:, -1].argmax(-1)[:, None], **compat.cache_kwargs(compat.output_cache(want)),
                     attention_mask=torch.ones(1, hf["input_ids"].shape[1] + 1, dtype=torch.long),
                 ).logits
             torch.testing.assert_close(step.logits, nxt, atol=1e-5, rtol=1e-5)  # a decode step on the cache

@@ -10,6 +10,11 @@ the sample's inputs, :mod:`mmfast.eval.fingerprint`) equals the planned sample's
 inputs changed is recomputed, never reused. Field names follow lmms-eval (``doc_id``, ``target``,
 ``resps``, ``filtered_resps``) plus mmfast's own (``task``, ``image``, ``prompt``, ``fingerprint``,
 accounting).
+
+Finished runs may be stored compressed (``samples.jsonl.gz``, as under ``benchmarks/``); the readers
+of finished runs (:func:`mmfast.eval.intervals.read_records`: ``mmfast report``, ``mmfast rerender``)
+read either. A run is never resumed from a compressed file: a store whose file exists only as
+``.gz`` is refused (:class:`~mmfast.errors.InputError`) rather than silently started afresh beside it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
+
+from ..errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +89,13 @@ class RecordStore:
         self.records: dict[str, dict[str, Any]] = {}
         self.quarantined: list[DamagedLine] = []
         self.n_lines = 0  # valid lines in the file (superseded records included)
+        packed = self.path.with_name(self.path.name + ".gz")
+        if not self.path.exists() and packed.exists():
+            raise InputError(
+                f"{packed}: this run's records are compressed, and a run does not resume from a compressed "
+                f"file; to resume it, decompress them first (gunzip {packed}); to start over, remove it or "
+                "use another --output"
+            )
         if self.path.exists():
             self._load()
 

@@ -60,10 +60,12 @@ class QwenVLImageProcessor:
 
 def load_qwen_processor(path: str, **kwargs: Any) -> QwenVLImageProcessor:
     """The tokenizer, image processor and chat template saved at ``path`` (no video processor)."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from .. import compat
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    image_processor = AutoImageProcessor.from_pretrained(path, **kwargs)
+    image_processor = compat.load_image_processor(path, **kwargs)
     template = None
     for name in ("chat_template.json", "chat_template.jinja"):
         f = Path(path) / name
