@@ -490,3 +490,75 @@ def test_records_module_keeps_fsync(tmp_path, monkeypatch):
     store.append([{"doc_id": "a"}, {"doc_id": "b"}])
     store.append([{"doc_id": "c"}])
     assert len(calls) == 2 and [r["doc_id"] for r in _lines(tmp_path / "s.jsonl")] == ["a", "b", "c"]
+
+
+# -- run identity (issue 29) ---------------------------------------------------------------------------
+
+
+def test_weights_changed_past_the_first_values_is_another_run(tiny_dir, world, tmp_path):
+    """Two lm_head rows swapped (e.g. "Yes" and "No"), every value past the first ones: the weights
+    fingerprint changes, so a rerun into the same folder is refused instead of reusing the answers."""
+    import torch
+
+    import mmfast
+    from mmfast.eval.runner import weights_fingerprint
+
+    mm = mmfast.load(tiny_dir, device="cpu", dtype="float32")
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    run_eval(recipe, limit=2, mm=mm)
+    before = weights_fingerprint(mm.model)
+    w = mm.model.get_output_embeddings().weight
+    assert w.shape[1] * 5 >= 64, "rows 5 and 7 must lie past the first 64 values"
+    with torch.no_grad():
+        w[[5, 7]] = w[[7, 5]].clone()
+    assert weights_fingerprint(mm.model) != before
+    with pytest.raises(InputError, match="results of other model weights"):
+        run_eval(recipe, limit=2, mm=mm)
+
+
+def test_resume_with_looser_max_failures_and_another_batch_size(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
+    """A run stopped by eval.max_failures resumes with a looser max_failures and another batch_size:
+    neither changes an answer, so neither is another recipe; only the failed sample is retried."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    strict = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=1, max_failures=0.0)
+    qs = _lines(w / "pope" / "world_pope_random.json")[:12]
+    img = w / "images" / "val" / qs[8]["image"]
+    good = img.read_bytes()
+    img.write_bytes(b"not an image")
+    with pytest.raises(RunAbortedError):
+        run_eval(strict, limit=12, mm=tiny_mm)
+    img.write_bytes(good)
+    kept = {r["doc_id"]: r for r in _lines(out / "samples.jsonl") if "error" not in r}
+    assert kept
+    redone: list[str] = []
+    real_append = RecordStore.append
+    monkeypatch.setattr(RecordStore, "append", lambda self, recs: (redone.extend(r["doc_id"] for r in recs), real_append(self, recs)))
+    loose = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=4, max_failures=0.5)
+    summary = run_eval(loose, limit=12, mm=tiny_mm)
+    assert not set(redone) & set(kept), "finished samples were recomputed"
+    assert summary["counts"]["finished"] == 12
+    recs = {r["doc_id"]: r for r in _assert_complete(out / "samples.jsonl", 12)}
+    assert all(recs[d]["fingerprint"] == r["fingerprint"] and recs[d]["resps"] == r["resps"] for d, r in kept.items())
+
+
+def test_calibrated_budget_resumed_with_another_limit(tiny_dir, tiny_mm, world, tmp_path):
+    """MustDrop's thresholds are calibrated on a spread of the planned samples, so another --limit is
+    another calibration: a resumed run recomputes every sample, and equals a fresh run at that limit."""
+    stage = {"method": "mustdrop", "params": {"window": 2, "layer_mapping": "proportional"}, "budget": {"tokens": 8}}
+    out = tmp_path / "run"
+    base = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    recipe = load_recipe({**base.to_dict(), "pruning": [stage]})
+    run_eval(recipe, limit=6, mm=tiny_mm)
+    first = {r["doc_id"]: r["fingerprint"] for r in _lines(out / "samples.jsonl")}
+    resumed = run_eval(recipe, limit=3, mm=tiny_mm)
+    fresh_recipe = recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh")))
+    fresh = run_eval(fresh_recipe, limit=3, mm=tiny_mm)
+    recs = {r["doc_id"]: r for r in _lines(out / "samples.jsonl")}
+    fresh_recs = {r["doc_id"]: r for r in _lines(tmp_path / "fresh" / "samples.jsonl")}
+    assert all(recs[d]["fingerprint"] != first[d] for d in fresh_recs), "records of the limit-6 calibration reused"
+    assert {d: recs[d]["resps"] for d in fresh_recs} == {d: r["resps"] for d, r in fresh_recs.items()}
+    assert resumed["metrics"] == fresh["metrics"] and resumed["accounting"] == fresh["accounting"]
+    assert resumed["counts"]["finished"] == 3
