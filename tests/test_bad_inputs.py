@@ -6,6 +6,7 @@ with); the model-loading cases use the tiny random model of ``conftest.tiny_dir`
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -406,3 +407,34 @@ def test_method_params_checked_against_the_config_before_loading(stage, path, ti
     assert code == 2 and path in err
     code, err = _cli(capsys, "run", str(f), "--image", "x.png", "--prompt", "hi")
     assert code == 2 and path in err  # refused before the (patched-out) load
+
+
+# --------------------------------------------------------------------------- issue 29
+
+
+def test_bench_refuses_a_folder_of_user_files(tmp_path, capsys):
+    """``mmfast bench`` into a folder holding someone's results.md / summary.json: exit 2 before any
+    model loads, the files untouched (``eval`` refuses such a folder too)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "results.md").write_text("my notes\n")
+    (out / "summary.json").write_text('{"mine": 1}\n')
+    recipe = _write(tmp_path, "b.yaml", "model: {name: /nonexistent/model}\nbench: {kind: pruning}\n")
+    rc, err = _cli(capsys, "bench", str(recipe), "--output", str(out))
+    assert rc == 2 and "not an mmfast bench directory" in err and "Traceback" not in err
+    assert (out / "results.md").read_text() == "my notes\n" and (out / "summary.json").read_text() == '{"mine": 1}\n'
+    assert sorted(p.name for p in out.iterdir()) == ["results.md", "summary.json"]
+
+
+def test_bench_directory_of_mmfast_is_reused(tmp_path):
+    from mmfast.bench.common import BENCH_MARKER, claim_bench_dir
+
+    fresh = tmp_path / "new"
+    claim_bench_dir(fresh, "pruning", "r")
+    (fresh / "results.md").write_text("x")
+    claim_bench_dir(fresh, "pruning", "r")  # a rerun into its own directory
+    assert (fresh / BENCH_MARKER).is_file()
+    legacy = tmp_path / "legacy"  # written before the marker: a bench summary
+    legacy.mkdir()
+    (legacy / "summary.json").write_text(json.dumps({"model": {"name": "m", "weights_fingerprint": "ab"}, "results": {}}))
+    claim_bench_dir(legacy, "pruning", "r")
