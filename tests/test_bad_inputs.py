@@ -438,3 +438,51 @@ def test_bench_directory_of_mmfast_is_reused(tmp_path):
     legacy.mkdir()
     (legacy / "summary.json").write_text(json.dumps({"model": {"name": "m", "weights_fingerprint": "ab"}, "results": {}}))
     claim_bench_dir(legacy, "pruning", "r")
+
+
+@pytest.mark.parametrize("size", [(40000, 1), (1, 100000), (2010, 10)])
+def test_very_thin_image_refused_before_processing(tmp_path, tiny_mm, size):
+    """A 199-byte 40000x1 PNG took a minute and 15 GB in the image processor (100000x1: MemoryError)."""
+    from PIL import Image
+
+    path = tmp_path / "thin.png"
+    Image.new("L", size).save(path)
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=r"aspect ratio over 200:1.*crop or pad"):
+        tiny_mm.prepare([path], ["hi"])
+    with pytest.raises(InputError, match="aspect ratio over 200:1"):
+        tiny_mm.prepare([Image.new("RGB", size)], ["hi"])
+    assert time.perf_counter() - t0 < 5
+
+
+def test_huge_pixel_count_refused(tmp_path, tiny_mm, monkeypatch):
+    from PIL import Image
+
+    path = tmp_path / "big.png"
+    Image.new("L", (40, 40)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 1600 px: over the limit, under Pillow's 2x bomb error
+    with pytest.raises(InputError, match="1600 pixels, over the 1000-pixel limit"):
+        tiny_mm.prepare([path], ["hi"])
+
+
+def test_exif_rotated_jpeg_is_turned_upright(tmp_path, caplog, monkeypatch):
+    import logging
+
+    from PIL import Image
+
+    import mmfast.model as model_mod
+
+    monkeypatch.setattr(model_mod, "_EXIF_ROTATION_LOGGED", False)
+    im = Image.new("RGB", (40, 20), (255, 0, 0))
+    im.paste((0, 0, 255), (0, 0, 10, 20))  # blue left edge
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored turned: show rotated 90 degrees clockwise
+    paths = [tmp_path / f"{i}.jpg" for i in range(2)]
+    for p in paths:
+        im.save(p, exif=exif, quality=95)
+    with caplog.at_level(logging.INFO, logger="mmfast.model"):
+        out = [model_mod.open_image(p) for p in paths]
+    assert all(o.size == (20, 40) for o in out)  # upright: the viewer's orientation
+    r, g, b = out[0].getpixel((10, 2))  # the blue edge is now on top
+    assert b > 200 and r < 60
+    assert sum("EXIF orientation" in r.getMessage() for r in caplog.records) == 1
