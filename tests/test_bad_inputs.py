@@ -486,3 +486,34 @@ def test_exif_rotated_jpeg_is_turned_upright(tmp_path, caplog, monkeypatch):
     r, g, b = out[0].getpixel((10, 2))  # the blue edge is now on top
     assert b > 200 and r < 60
     assert sum("EXIF orientation" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("{{question}}", "has no {question} field ({{question}} is the literal text '{question}'"),
+    ("{question} {foo}", "has the field(s) {foo}; the only field is {question}"),
+    ("Q: {}", "has the field(s) {}"),
+    ("{question", "is not a valid template"),
+    ("{question!r}", "without a format spec or conversion"),
+])
+def test_pope_prompt_template_checked(tmp_path, capsys, prompt, expected):
+    recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({
+        "model": {"name": "/nonexistent/model"},
+        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)}, "pope": {"prompt": prompt}}}))
+    rc, err = _cli(capsys, "eval", str(recipe), "--output", str(tmp_path / "out"))
+    assert rc == 2 and "eval.pope.prompt" in err and expected in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_pope_split_key_typo_refused(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({
+        "model": {"name": "/nonexistent/model"},
+        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)},
+                 "pope": {"files": {"randm": str(tmp_path / "q.json")}}}}))
+    rc, err = _cli(capsys, "eval", str(recipe))
+    assert rc == 2 and "eval.pope.files.randm: unknown POPE split 'randm'; did you mean 'random'?" in err
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name": "/nonexistent/model"},
+        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)},
+                 "pope": {"splits": ["random"], "files": {"popular": str(tmp_path / "q.json")}}}}))
+    rc, err = _cli(capsys, "eval", str(recipe))
+    assert rc == 2 and "eval.pope.files.popular: split 'popular' is not in eval.pope.splits (random)" in err
