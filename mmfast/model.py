@@ -444,6 +444,13 @@ def load(
         ) from None
     except OSError as exc:
         raise ModelLoadError(f"cannot load {path!r}: {exc}") from None
+    except RuntimeError as exc:
+        if "mismatched_sizes" not in str(exc) and "size mismatch" not in str(exc):
+            raise
+        raise ModelLoadError(
+            f"the weights of {path!r} do not fit its config.json (tensor shapes differ: the config was edited, or the "
+            "weights belong to another model size); use the config.json saved with these weights"
+        ) from None
     if device_map is None:
         model = model.to(device)
     logger.info("loaded %s (%s, %s, attention=%s)", name_or_path, model.device, torch_dtype, attn_implementation)

@@ -517,3 +517,86 @@ def test_pope_split_key_typo_refused(tmp_path, capsys):
                  "pope": {"splits": ["random"], "files": {"popular": str(tmp_path / "q.json")}}}}))
     rc, err = _cli(capsys, "eval", str(recipe))
     assert rc == 2 and "eval.pope.files.popular: split 'popular' is not in eval.pope.splits (random)" in err
+
+
+@pytest.mark.parametrize("text", [
+    "bench: {kind: speculative, params: {workloads: " + "[" * 450 + "]" * 450 + "}}\n",
+    "bench: {compare: [{name: a, eval: " + "{a: " * 450 + "1" + "}" * 450 + "}]}\n",
+    "name: " + "[" * 20000 + "]" * 20000 + "\n",
+])
+def test_deeply_nested_yaml_refused(tmp_path, capsys, text):
+    """Hundreds of levels were a RecursionError traceback when the resolved recipe was printed."""
+    recipe = _write(tmp_path, "r.yaml", text)
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "nested more than 64 levels deep" in err and "Traceback" not in err
+    assert load_recipe(parse_yaml("bench: {kind: speculative, params: {workloads: " + "[" * 20 + "]" * 20 + "}}")).bench.kind == "speculative"
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("runs/{nme}", "output.dir: 'runs/{nme}' uses {nme}; the only field is {name}"),
+    ("runs/{name", "output.dir: 'runs/{name' is not a valid path template"),
+    ("runs/{0}", "uses {0}"),
+])
+def test_output_dir_unknown_field(tmp_path, capsys, value, expected):
+    recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({"output": {"dir": value}}))
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and expected in err and "Traceback" not in err
+    assert load_recipe({"output": {"dir": "runs/{{lit}}/{name}"}}).output.dir == "runs/{{lit}}/{name}"
+
+
+def test_device_map_banana(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", "model: {device_map: banana}\n")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "model.device_map: 'banana' is neither a placement strategy" in err
+    for ok in ("auto", "balanced_low_0", "cpu", "cuda:1"):
+        assert load_recipe({"model": {"device_map": ok}}).model.device_map == ok
+
+
+def test_weights_shapes_not_matching_the_config(tmp_path, tiny_dir):
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    d = _copy_model(tiny_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["intermediate_size"] += 8
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="do not fit its config.json .*use the config.json saved with these weights"):
+        mmfast.load(d, device="cpu")
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "does not exist"),
+    ("12\nabc\n", "line 2: 'abc' is not an image id"),
+    ("12\n\n12\n", "line 3: image id 12 is listed twice (first at line 1)"),
+    ("\n\n", "lists no image ids"),
+    (b"\xff\xfe1", "cannot be read"),
+])
+def test_chair_image_ids_file_checked(tmp_path, content, expected):
+    from mmfast.eval.tasks.chair import read_image_ids
+
+    path = tmp_path / "ids.txt"
+    if content is not None:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(InputError, match=r"eval\.chair\.image_ids_file .*" + expected.replace("(", r"\(").replace(")", r"\)")):
+        read_image_ids(path)
+    (tmp_path / "good.txt").write_text("5\n 7 \n\n9\n")
+    assert read_image_ids(tmp_path / "good.txt") == [5, 7, 9]
+
+
+def test_output_path_too_long(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", "eval: {tasks: [pope]}\nmodel: {name: /nonexistent/model}\n")
+    rc, err = _cli(capsys, "eval", str(recipe), "--output", str(tmp_path / ("a" * 300) / "run"))
+    assert rc == 2 and "File name too long (the path is longer than the file system allows" in err
+
+
+def test_file_too_large_is_exit_2(capsys, monkeypatch):
+    import errno
+
+    from mmfast import cli
+
+    def too_large(args):
+        raise OSError(errno.EFBIG, "File too large", "runs/x/samples.jsonl")
+
+    monkeypatch.setitem(cli.COMMANDS, "list", too_large)
+    rc, err = _cli(capsys, "list")
+    assert rc == 2 and "runs/x/samples.jsonl: File too large (the file system's largest file size" in err

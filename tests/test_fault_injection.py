@@ -562,3 +562,113 @@ def test_calibrated_budget_resumed_with_another_limit(tiny_dir, tiny_mm, world, 
     assert {d: recs[d]["resps"] for d in fresh_recs} == {d: r["resps"] for d, r in fresh_recs.items()}
     assert resumed["metrics"] == fresh["metrics"] and resumed["accounting"] == fresh["accounting"]
     assert resumed["counts"]["finished"] == 3
+
+
+@pytest.mark.parametrize("name, kind", [("samples.jsonl", "dir"), ("samples.jsonl", "fifo"), ("summary.json", "dir"),
+                                        ("samples.quarantine.jsonl", "fifo")])
+def test_own_file_that_is_not_a_file(name, kind, tiny_dir, tiny_mm, world, tmp_path):
+    """A directory or a FIFO under one of the run's own names: exit-2 error naming it (a FIFO named
+    samples.jsonl hung the run; a directory was a traceback), before anything is written."""
+    import threading
+
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    run_eval(recipe, limit=2, mm=tiny_mm)
+    (out / name).unlink(missing_ok=True)
+    os.mkdir(out / name) if kind == "dir" else os.mkfifo(out / name)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(_catch(lambda: run_eval(recipe, limit=2, mm=tiny_mm))), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the run hangs on the FIFO"
+    exc = result[0]
+    what = "a directory" if kind == "dir" else "a FIFO (named pipe)"
+    assert isinstance(exc, InputError) and f"{out / name} is {what}, not mmfast's file" in str(exc), exc
+
+
+def _catch(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 -- handed to the test thread's assertion
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("drop", ["task", "fingerprint", "resps", "meta", "target"])
+def test_record_missing_a_field_is_quarantined_and_recomputed(drop, tiny_dir, tiny_mm, world, tmp_path, caplog):
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    first = run_eval(recipe, limit=4, mm=tiny_mm)
+    path = out / "samples.jsonl"
+    recs = _lines(path)
+    del recs[1][drop]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with caplog.at_level(logging.WARNING):
+        again = run_eval(recipe, limit=4, mm=tiny_mm)
+    assert any("line 2: a record without " + drop in r.getMessage() for r in caplog.records)
+    assert again["metrics"] == first["metrics"] and again["counts"]["finished"] == 4
+    _assert_complete(path, 4)
+
+
+def test_label_is_part_of_the_input_fingerprint(tiny_dir, tiny_mm, world, tmp_path):
+    """Only the labels of a question file change (same ids, same text, same images): every sample is
+    recomputed and scored against its new label."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    first = run_eval(recipe, limit=6, mm=tiny_mm)
+    qfile = w / "pope" / "world_pope_random.json"
+    qs = _lines(qfile)
+    for q in qs:
+        q["label"] = "no" if q["label"] == "yes" else "yes"
+    qfile.write_text("".join(json.dumps(q) + "\n" for q in qs))
+    again = run_eval(recipe, limit=6, mm=tiny_mm)
+    by_id = {q["question_id"]: q["label"] for q in qs}
+    recs = _assert_complete(out / "samples.jsonl", 6)
+    assert all(r["target"] == by_id[r["meta"]["question_id"]] for r in recs)
+    assert again["metrics"]["pope"]["random"]["accuracy"] == pytest.approx(1 - first["metrics"]["pope"]["random"]["accuracy"])
+
+
+class _SummaryWriteWatch:
+    """Fails the test when ``summary.json`` itself is opened for writing (an atomic write writes a
+    temporary file and renames it over ``summary.json``; a reader never sees half a summary)."""
+
+    active = False
+    hits: list[str] = []
+
+    @classmethod
+    def hook(cls, event, args):
+        if not cls.active or event != "open" or not args or not str(args[0]).endswith("summary.json"):
+            return
+        mode, flags = args[1], args[2]
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR))
+        if writes:
+            cls.hits.append(str(args[0]))
+
+
+sys.addaudithook(_SummaryWriteWatch.hook)
+
+
+def test_summary_json_is_written_atomically(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
+    """Single process and the data-parallel merge (its rank-0 step, run in-process on two shards)."""
+    from mmfast.eval import distributed
+    from mmfast.eval.data import cache_root, resolve_data
+    from mmfast.eval.tasks import build_tasks
+
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    monkeypatch.setattr(_SummaryWriteWatch, "hits", [])
+    monkeypatch.setattr(_SummaryWriteWatch, "active", True)
+    single = run_eval(recipe, limit=4, mm=tiny_mm)
+    recs = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    for r in range(2):
+        (out / f"samples.rank{r}.jsonl").write_text("".join(recs[r::2]))
+    monkeypatch.setattr(distributed, "shard_info", lambda: (0, 2))
+    monkeypatch.setattr(distributed, "barrier", lambda: None)
+    plan = [(t, t.samples(4)) for t in build_tasks(recipe.eval, resolve_data(recipe.eval, recipe.eval.tasks), cache_dir=cache_root())]
+    merged = distributed.gather_and_finish(recipe, out, plan, tiny_mm, 0.0)
+    monkeypatch.setattr(_SummaryWriteWatch, "active", False)
+    assert _SummaryWriteWatch.hits == [], "summary.json was written in place, not replaced atomically"
+    assert merged["metrics"] == single["metrics"] and merged["protocol"]["processes"] == 2

@@ -224,13 +224,13 @@ def _free_port() -> int:
 
 def gather_and_finish(recipe, out: Path, plan, mm, elapsed: float) -> dict[str, Any]:
     """Barrier, then the main process merges the shards in plan order and writes the summary."""
-    from .records import RecordStore
-    from .runner import finish
+    from .records import RecordStore, write_atomic
+    from .runner import finish, record_problem
 
     rank, world = shard_info()
     barrier()
     if rank == 0:
-        shards = [RecordStore(out / f"samples.rank{r}.jsonl") for r in range(world)]
+        shards = [RecordStore(out / f"samples.rank{r}.jsonl", check=record_problem) for r in range(world)]
         merged: dict[str, dict] = {}
         for shard in shards:
             merged.update(shard.records)
@@ -242,8 +242,8 @@ def gather_and_finish(recipe, out: Path, plan, mm, elapsed: float) -> dict[str, 
                 if doc_id in merged:
                     fh.write(json.dumps(merged[doc_id], ensure_ascii=False) + "\n")
         tmp.replace(target)
-        summary = finish(recipe, out, plan, RecordStore(target), mm, elapsed)
+        summary = finish(recipe, out, plan, RecordStore(target, check=record_problem), mm, elapsed)
         summary["protocol"]["processes"] = world
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(out / "summary.json", json.dumps(summary, indent=2).encode("utf-8"))
     barrier()
     return json.loads((out / "summary.json").read_text())

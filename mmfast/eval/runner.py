@@ -200,6 +200,7 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
             old = None
         else:
             files = list(dict.fromkeys(rundir.listed_files(old, out) + files))
+    rundir.check_own_files(out, files)
     rundir.write_run_json(out, {"recipe_hash": recipe.hash(), "run_identity": run_identity(recipe), "weights_fingerprint": fingerprint,
                                 "recipe": recipe.to_dict(), "files": files})
 
@@ -253,6 +254,23 @@ def side_files(tasks: list[Task]) -> dict[str, str]:
                 raise InputError(f"evaluation tasks {owner[fname]!r} and {task.name!r} both write side file {fname!r}")
             files[fname] = text
     return files
+
+
+def record_problem(rec: dict[str, Any]) -> str | None:
+    """Why a parsed line of ``samples.jsonl`` is not a usable record (a missing or mistyped field; e.g.
+    edited by hand), or None. Such lines are quarantined and their samples recomputed."""
+    missing = [k for k in ("task", "target", "fingerprint", "meta") if k not in rec]
+    if "error" not in rec:
+        missing += [k for k in ("resps", "filtered_resps") if k not in rec]
+    if missing:
+        return f"a record without {', '.join(missing)}"
+    if "error" not in rec:
+        resps = rec["resps"]
+        if not (isinstance(resps, list) and resps and isinstance(resps[0], list) and resps[0] and isinstance(resps[0][0], str)):
+            return "a record whose resps is not [[answer text]]"
+    if not isinstance(rec["meta"], dict) or not isinstance(rec["task"], str):
+        return "a record whose meta is not a mapping or whose task is not a string"
+    return None
 
 
 def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str], fingerprint: str) -> dict[str, Any]:
@@ -372,7 +390,7 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
         barrier()  # no shard writes before the main process has checked and claimed the directory
     n_total = sum(len(s) for _, s in plan)
     budget = failure_budget(cfg.max_failures, n_total)
-    store = RecordStore(out / (rundir.SAMPLES if world == 1 else rundir.shard_name(rank)))
+    store = RecordStore(out / (rundir.SAMPLES if world == 1 else rundir.shard_name(rank)), check=record_problem)
     fps = planned_fingerprints(recipe, plan, fingerprint)
     from ..pipeline import apply
 
