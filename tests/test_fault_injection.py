@@ -672,3 +672,46 @@ def test_summary_json_is_written_atomically(tiny_dir, tiny_mm, world, tmp_path, 
     monkeypatch.setattr(_SummaryWriteWatch, "active", False)
     assert _SummaryWriteWatch.hits == [], "summary.json was written in place, not replaced atomically"
     assert merged["metrics"] == single["metrics"] and merged["protocol"]["processes"] == 2
+
+
+# -- data-parallel workers die with their launcher (fast: stand-in processes, no model) --------------------
+
+_LAUNCHER = """
+import os, subprocess, sys, time
+from mmfast.eval.distributed import PARENT_ENV, spawn_worker
+env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+child = [sys.executable, "-c", sys.argv[2]]
+p = spawn_worker(child, env) if sys.argv[1] == "spawn_worker" else subprocess.Popen(child, env=env)
+print(p.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _orphan_after_launcher_killed(how: str, child_code: str) -> list[int]:
+    """Start a stand-in launcher that starts one worker (``how``), SIGKILL the launcher, and return the
+    worker's pid if it is still running 8 s later."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, how, child_code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(launcher.stdout.readline())
+        time.sleep(1.5)  # the worker is up (its watchdog started)
+        assert _wait_gone([worker], 0) == [worker], "the worker did not start"
+    finally:
+        launcher.kill()
+        launcher.wait()
+    alive = _wait_gone([worker], 8)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+def test_worker_started_by_the_launcher_dies_with_it():
+    """PR_SET_PDEATHSIG set by spawn_worker: a worker that never checks its parent still dies."""
+    assert _orphan_after_launcher_killed("spawn_worker", "import time; time.sleep(120)") == [], "worker orphaned"
+
+
+def test_worker_watchdog_stops_an_orphaned_worker():
+    """The worker's own guard (mmfast.cli.main -> watch_parent): started without PR_SET_PDEATHSIG, an
+    mmfast command in a worker stops once its launcher is gone."""
+    code = "import time, mmfast.cli as c; c.COMMANDS['list'] = lambda a: time.sleep(120); c.main(['-q', 'list'])"
+    assert _orphan_after_launcher_killed("popen", code) == [], "worker orphaned"

@@ -138,10 +138,9 @@ def launch_data_parallel(recipe, *, limit: int | None, output: str | None, num_p
         procs: list[subprocess.Popen] = []
         try:
             with _signals_raise():
-                prctl = _libc_prctl()
                 for rank in range(num_processes):
                     env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
-                    procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent(prctl)))
+                    procs.append(spawn_worker(cmd, env))
                 codes, first_failed = _wait(procs)
         finally:
             _stop(procs)
@@ -154,6 +153,12 @@ def launch_data_parallel(recipe, *, limit: int | None, output: str | None, num_p
         raise WorkerError(f"data-parallel evaluation failed: process {rank} exited with {code}; {where}",
                           exit_code=2 if code == 2 else 1)
     return json.loads((out / rundir.SUMMARY_JSON).read_text())
+
+
+def spawn_worker(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start one worker in the launcher's process group, set to get SIGTERM when the launcher dies
+    (``PR_SET_PDEATHSIG``; the worker's own watchdog, :func:`watch_parent`, is the second guard)."""
+    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent(_libc_prctl()))
 
 
 def _die_with_parent(prctl):
