@@ -715,3 +715,18 @@ def test_worker_watchdog_stops_an_orphaned_worker():
     mmfast command in a worker stops once its launcher is gone."""
     code = "import time, mmfast.cli as c; c.COMMANDS['list'] = lambda a: time.sleep(120); c.main(['-q', 'list'])"
     assert _orphan_after_launcher_killed("popen", code) == [], "worker orphaned"
+
+
+def test_run_of_an_older_mmfast_is_not_resumed(tiny_dir, tiny_mm, world, tmp_path):
+    """A run.json without run_identity was fingerprinted from the first values of each tensor only: its
+    records cannot be matched to these weights, so the directory is refused with the fix (overwrite)."""
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    run_eval(recipe, limit=2, mm=tiny_mm)
+    run = json.loads((out / "run.json").read_text())
+    del run["run_identity"]
+    (out / "run.json").write_text(json.dumps(run))
+    with pytest.raises(InputError, match="results of an older mmfast.*set output.overwrite: true to start over"):
+        run_eval(recipe, limit=2, mm=tiny_mm)
+    again = run_eval(_recipe(tiny_dir, world, out, overwrite=True, pope={"max_new_tokens": 1, "splits": ["random"]}), limit=2, mm=tiny_mm)
+    assert again["counts"]["finished"] == 2

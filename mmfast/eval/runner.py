@@ -186,10 +186,11 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
     else:
         problem = None
         identity = run_identity(recipe)
-        if "run_identity" in old and old["run_identity"] != identity:
+        if "run_identity" not in old:
+            problem = ("results of an older mmfast, whose weights fingerprint read only the first values of each tensor "
+                       "(none of its records can be matched to these weights)")
+        elif old["run_identity"] != identity:
             problem = f"results of another recipe (identity {old['run_identity']} != {identity})"
-        elif "run_identity" not in old and old.get("recipe_hash") != recipe.hash():  # a run.json of an older mmfast
-            problem = f"results of another recipe (hash {old.get('recipe_hash')} != {recipe.hash()})"
         elif old.get("weights_fingerprint", fingerprint) != fingerprint:
             problem = f"results of other model weights (fingerprint {old.get('weights_fingerprint')} != {fingerprint})"
         if problem:
