@@ -2,7 +2,9 @@
 
 Per-sample records are appended to ``samples.jsonl`` as each batch finishes (see
 :mod:`mmfast.eval.records`); rerunning the same command skips finished samples whose inputs are
-unchanged (each record carries a fingerprint of its inputs, :mod:`mmfast.eval.fingerprint`),
+unchanged (each record carries a fingerprint of its inputs, :mod:`mmfast.eval.fingerprint`: the
+sample, the run identity and every byte of the weights; ``eval.batch_size`` and ``eval.max_failures``
+change no answer and are not part of it, a calibrated budget's calibration set is),
 recomputes those whose inputs changed, and retries failed ones. The output directory is locked for
 the run and only mmfast's own files in it are ever removed (:mod:`mmfast.eval.rundir`).
 
