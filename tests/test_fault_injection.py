@@ -545,9 +545,9 @@ def test_resume_with_looser_max_failures_and_another_batch_size(tiny_dir, tiny_m
 
 
 def test_calibrated_budget_resumed_with_another_limit(tiny_dir, tiny_mm, world, tmp_path):
-    """MustDrop's thresholds are calibrated on a spread of the planned samples, so another --limit is
-    another calibration: a resumed run recomputes every sample, and equals a fresh run at that limit."""
-    stage = {"method": "mustdrop", "params": {"window": 2, "layer_mapping": "proportional"}, "budget": {"tokens": 8}}
+    """ZipVL's tau (as MustDrop's thresholds) is calibrated on a spread of the planned samples, so another
+    --limit is another calibration: a resumed run recomputes every sample, and equals a fresh run at that limit."""
+    stage = {"method": "zipvl", "budget": {"tokens": 6}}
     out = tmp_path / "run"
     base = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
     recipe = load_recipe({**base.to_dict(), "pruning": [stage]})
