@@ -730,3 +730,24 @@ def test_run_of_an_older_mmfast_is_not_resumed(tiny_dir, tiny_mm, world, tmp_pat
         run_eval(recipe, limit=2, mm=tiny_mm)
     again = run_eval(_recipe(tiny_dir, world, out, overwrite=True, pope={"max_new_tokens": 1, "splits": ["random"]}), limit=2, mm=tiny_mm)
     assert again["counts"]["finished"] == 2
+
+
+def test_pruning_bench_counts_tokens_over_the_scored_samples_only(tiny_dir, tiny_mm, world, tmp_path):
+    """A bench variant resumed at a smaller --limit: the token counts are means over the samples its
+    metrics score, not over every record an earlier, larger run left in the folder."""
+    from mmfast.bench.pruning import _accounting
+
+    out = tmp_path / "run"
+    recipe = load_recipe({**_recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]}).to_dict(),
+                          "pruning": [{"method": "fastv", "params": {"k": 2, "ratio": 0.5}}]})
+    run_eval(recipe, limit=8, mm=tiny_mm)
+    small = run_eval(recipe, limit=2, mm=tiny_mm)
+    assert len(_lines(out / "samples.jsonl")) == 8
+    fresh_out = tmp_path / "fresh"
+    fresh = run_eval(recipe.replace(output=dataclasses.replace(recipe.output, dir=str(fresh_out))), limit=2, mm=tiny_mm)
+    scored = _lines(fresh_out / "samples.jsonl")
+    everything = _lines(out / "samples.jsonl")
+    assert small["counts"]["finished"] == 2 and _accounting(small) == _accounting(fresh)
+    for key in ("flops_prefill", "n_vision_tokens", "kv_bytes_prefill"):
+        assert _accounting(small)[key] == pytest.approx(sum(r[key] for r in scored) / 2, rel=1e-6)
+    assert sum(r["flops_prefill"] for r in everything) / 8 != pytest.approx(_accounting(small)["flops_prefill"])
