@@ -455,6 +455,7 @@ def test_very_thin_image_refused_before_processing(tmp_path, tiny_mm, size):
     assert time.perf_counter() - t0 < 5
 
 
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 def test_huge_pixel_count_refused(tmp_path, tiny_mm, monkeypatch):
     from PIL import Image
 
