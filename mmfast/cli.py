@@ -268,6 +268,8 @@ _ENVIRONMENT_ERRNOS: dict[int, str] = {
     errno.EROFS: "the file system is read-only; choose another path",
     errno.ENOSPC: "the disk is full; free space or choose another --output",
     errno.EDQUOT: "the disk quota is exceeded; free space or choose another --output",
+    errno.EFBIG: "the file system's largest file size is reached; choose another --output on another file system",
+    errno.ENAMETOOLONG: "the path is longer than the file system allows; choose a shorter --output",
 }
 
 COMMANDS = {

@@ -314,6 +314,21 @@ class ModelConfig:
         "back to it with a logged reason",
     )
 
+    def __post_init__(self) -> None:
+        if self.device_map is None or self.device_map in DEVICE_MAP_STRATEGIES:
+            return
+        import torch
+
+        try:
+            torch.device(self.device_map)
+        except (RuntimeError, ValueError):
+            raise ConfigError("model.device_map", f"{self.device_map!r} is neither a placement strategy "
+                              f"({', '.join(DEVICE_MAP_STRATEGIES)}) nor a device (cpu, cuda, cuda:N)") from None
+
+
+#: the placement strategies ``from_pretrained(device_map=...)`` takes by name
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
 
 @dataclass(frozen=True)
 class DecodingConfig:
@@ -502,6 +517,18 @@ class OutputConfig:
     dir: str = opt("runs/{name}", doc="output directory; {name} is the recipe name")
     overwrite: bool = False
 
+    def __post_init__(self) -> None:
+        import string
+
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(self.dir) if f is not None}
+        except ValueError as exc:
+            raise ConfigError("output.dir", f"{self.dir!r} is not a valid path template ({exc}); "
+                              "write a literal brace as {{ or }}") from None
+        if fields - {"name"}:
+            raise ConfigError("output.dir", f"{self.dir!r} uses {', '.join(sorted('{' + f + '}' for f in fields - {'name'}))}; "
+                              "the only field is {name} (the recipe name); write a literal brace as {{ or }}")
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -597,6 +624,9 @@ def check_compatible(recipe: Recipe) -> None:
 MAX_RECIPE_BYTES = 1 << 20
 #: YAML nodes a recipe may expand to, aliases counted at every use (bounds "billion laughs" recipes)
 MAX_YAML_NODES = 100_000
+#: how deeply a recipe's values may nest (a recipe needs a handful of levels; hundreds exhaust Python's
+#: recursion limit when the resolved recipe is printed or hashed)
+MAX_YAML_DEPTH = 64
 
 
 class RecipeYAMLError(yaml.YAMLError):
@@ -624,6 +654,18 @@ class _StrictLoader(yaml.SafeLoader):
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        depth = getattr(self, "_mmfast_depth", 0)
+        if depth >= MAX_YAML_DEPTH:
+            mark = self.peek_event().start_mark
+            raise RecipeYAMLError(f"line {mark.line + 1}: values nested more than {MAX_YAML_DEPTH} levels deep; "
+                                  "a recipe needs a few levels: flatten it")
+        self._mmfast_depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._mmfast_depth = depth
 
     def get_single_node(self) -> yaml.Node | None:
         node = super().get_single_node()

@@ -54,16 +54,56 @@ class PreparedBatch:
         return len(self.prompts)
 
 
+MAX_ASPECT_RATIO = 200
+"""Longest over shortest side an image may have: image processors resize the shortest side to the
+tower's size, so a 40000x1 strip becomes a 13-million-pixel-wide image (minutes and GBs; Qwen2-VL's
+processor refuses past 200 too)."""
+
+_EXIF_ROTATION_LOGGED = False
+
+
+def _check_image_size(im: Image.Image, what: str) -> None:
+    """Refuse an extreme aspect ratio or pixel count before any processing (from the header only)."""
+    w, h = im.size
+    if min(w, h) < 1 or max(w, h) > MAX_ASPECT_RATIO * min(w, h):
+        raise InputError(
+            f"{what} is {w}x{h} pixels, an aspect ratio over {MAX_ASPECT_RATIO}:1 that the image processor would "
+            f"blow up to millions of pixels; crop or pad it to at most {MAX_ASPECT_RATIO}:1 first"
+        )
+    if Image.MAX_IMAGE_PIXELS and w * h > Image.MAX_IMAGE_PIXELS:
+        raise InputError(f"{what} is {w}x{h} = {w * h} pixels, over the {Image.MAX_IMAGE_PIXELS}-pixel limit; "
+                         "downscale it first")
+
+
+def _upright(im: Image.Image, what: str) -> Image.Image:
+    """``im`` turned as its EXIF orientation says (as cameras save photos and viewers show them); the
+    first turned image is logged once per process."""
+    global _EXIF_ROTATION_LOGGED
+    from PIL import ImageOps
+
+    orientation = im.getexif().get(0x0112, 1)  # Orientation tag; 1 = upright
+    if orientation in (None, 1):
+        return im
+    if not _EXIF_ROTATION_LOGGED:
+        logger.info("%s has EXIF orientation %s: turned upright before processing (as viewers show it); "
+                    "further such images are turned without a message", what, orientation)
+        _EXIF_ROTATION_LOGGED = True
+    return ImageOps.exif_transpose(im)
+
+
 def open_image(image: Any) -> Image.Image:
-    """A PIL RGB image from a PIL image or a path; clear error for a missing or corrupt file."""
+    """A PIL RGB image from a PIL image or a path, turned upright by its EXIF orientation; clear error
+    for a missing or corrupt file, an extreme aspect ratio or too many pixels."""
     if isinstance(image, Image.Image):
-        return image.convert("RGB")
+        _check_image_size(image, "an image")
+        return _upright(image, "an image").convert("RGB")
     path = Path(image)
     if not path.is_file():
         raise InputError(f"image {str(path)!r} not found (check the path or the data root)")
     try:
         with Image.open(path) as im:
-            return im.convert("RGB")
+            _check_image_size(im, f"image {str(path)!r}")
+            return _upright(im, f"image {str(path)!r}").convert("RGB")
     except Image.DecompressionBombError as exc:
         raise InputError(
             f"image {str(path)!r} is too large to decode safely ({exc}); downscale it below "
@@ -407,6 +447,13 @@ def load(
         ) from None
     except OSError as exc:
         raise ModelLoadError(f"cannot load {path!r}: {exc}") from None
+    except RuntimeError as exc:
+        if "mismatched_sizes" not in str(exc) and "size mismatch" not in str(exc):
+            raise
+        raise ModelLoadError(
+            f"the weights of {path!r} do not fit its config.json (tensor shapes differ: the config was edited, or the "
+            "weights belong to another model size); use the config.json saved with these weights"
+        ) from None
     if device_map is None:
         model = model.to(device)
     logger.info("loaded %s (%s, %s, attention=%s)", name_or_path, model.device, torch_dtype, attn_implementation)

@@ -6,6 +6,7 @@ with); the model-loading cases use the tiny random model of ``conftest.tiny_dir`
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -406,3 +407,197 @@ def test_method_params_checked_against_the_config_before_loading(stage, path, ti
     assert code == 2 and path in err
     code, err = _cli(capsys, "run", str(f), "--image", "x.png", "--prompt", "hi")
     assert code == 2 and path in err  # refused before the (patched-out) load
+
+
+# --------------------------------------------------------------------------- issue 29
+
+
+def test_bench_refuses_a_folder_of_user_files(tmp_path, capsys):
+    """``mmfast bench`` into a folder holding someone's results.md / summary.json: exit 2 before any
+    model loads, the files untouched (``eval`` refuses such a folder too)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "results.md").write_text("my notes\n")
+    (out / "summary.json").write_text('{"mine": 1}\n')
+    recipe = _write(tmp_path, "b.yaml", "model: {name: /nonexistent/model}\nbench: {kind: pruning}\n")
+    rc, err = _cli(capsys, "bench", str(recipe), "--output", str(out))
+    assert rc == 2 and "not an mmfast bench directory" in err and "Traceback" not in err
+    assert (out / "results.md").read_text() == "my notes\n" and (out / "summary.json").read_text() == '{"mine": 1}\n'
+    assert sorted(p.name for p in out.iterdir()) == ["results.md", "summary.json"]
+
+
+def test_bench_directory_of_mmfast_is_reused(tmp_path):
+    from mmfast.bench.common import BENCH_MARKER, claim_bench_dir
+
+    fresh = tmp_path / "new"
+    claim_bench_dir(fresh, "pruning", "r")
+    (fresh / "results.md").write_text("x")
+    claim_bench_dir(fresh, "pruning", "r")  # a rerun into its own directory
+    assert (fresh / BENCH_MARKER).is_file()
+    legacy = tmp_path / "legacy"  # written before the marker: a bench summary
+    legacy.mkdir()
+    (legacy / "summary.json").write_text(json.dumps({"model": {"name": "m", "weights_fingerprint": "ab"}, "results": {}}))
+    claim_bench_dir(legacy, "pruning", "r")
+
+
+@pytest.mark.parametrize("size", [(40000, 1), (1, 100000), (2010, 10)])
+def test_very_thin_image_refused_before_processing(tmp_path, tiny_mm, size):
+    """A 199-byte 40000x1 PNG took a minute and 15 GB in the image processor (100000x1: MemoryError)."""
+    from PIL import Image
+
+    path = tmp_path / "thin.png"
+    Image.new("L", size).save(path)
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=r"aspect ratio over 200:1.*crop or pad"):
+        tiny_mm.prepare([path], ["hi"])
+    with pytest.raises(InputError, match="aspect ratio over 200:1"):
+        tiny_mm.prepare([Image.new("RGB", size)], ["hi"])
+    assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_huge_pixel_count_refused(tmp_path, tiny_mm, monkeypatch):
+    from PIL import Image
+
+    path = tmp_path / "big.png"
+    Image.new("L", (40, 40)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 1600 px: over the limit, under Pillow's 2x bomb error
+    with pytest.raises(InputError, match="1600 pixels, over the 1000-pixel limit"):
+        tiny_mm.prepare([path], ["hi"])
+
+
+def test_exif_rotated_jpeg_is_turned_upright(tmp_path, caplog, monkeypatch):
+    import logging
+
+    from PIL import Image
+
+    import mmfast.model as model_mod
+
+    monkeypatch.setattr(model_mod, "_EXIF_ROTATION_LOGGED", False)
+    im = Image.new("RGB", (40, 20), (255, 0, 0))
+    im.paste((0, 0, 255), (0, 0, 10, 20))  # blue left edge
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored turned: show rotated 90 degrees clockwise
+    paths = [tmp_path / f"{i}.jpg" for i in range(2)]
+    for p in paths:
+        im.save(p, exif=exif, quality=95)
+    with caplog.at_level(logging.INFO, logger="mmfast.model"):
+        out = [model_mod.open_image(p) for p in paths]
+    assert all(o.size == (20, 40) for o in out)  # upright: the viewer's orientation
+    r, g, b = out[0].getpixel((10, 2))  # the blue edge is now on top
+    assert b > 200 and r < 60
+    assert sum("EXIF orientation" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("{{question}}", "has no {question} field ({{question}} is the literal text '{question}'"),
+    ("{question} {foo}", "has the field(s) {foo}; the only field is {question}"),
+    ("Q: {}", "has the field(s) {}"),
+    ("{question", "is not a valid template"),
+    ("{question!r}", "without a format spec or conversion"),
+])
+def test_pope_prompt_template_checked(tmp_path, capsys, prompt, expected):
+    recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({
+        "model": {"name": "/nonexistent/model"},
+        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)}, "pope": {"prompt": prompt}}}))
+    rc, err = _cli(capsys, "eval", str(recipe), "--output", str(tmp_path / "out"))
+    assert rc == 2 and "eval.pope.prompt" in err and expected in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_pope_split_key_typo_refused(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({
+        "model": {"name": "/nonexistent/model"},
+        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)},
+                 "pope": {"files": {"randm": str(tmp_path / "q.json")}}}}))
+    rc, err = _cli(capsys, "eval", str(recipe))
+    assert rc == 2 and "eval.pope.files.randm: unknown POPE split 'randm'; did you mean 'random'?" in err
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name": "/nonexistent/model"},
+        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)},
+                 "pope": {"splits": ["random"], "files": {"popular": str(tmp_path / "q.json")}}}}))
+    rc, err = _cli(capsys, "eval", str(recipe))
+    assert rc == 2 and "eval.pope.files.popular: split 'popular' is not in eval.pope.splits (random)" in err
+
+
+@pytest.mark.parametrize("text", [
+    "bench: {kind: speculative, params: {workloads: " + "[" * 450 + "]" * 450 + "}}\n",
+    "bench: {compare: [{name: a, eval: " + "{a: " * 450 + "1" + "}" * 450 + "}]}\n",
+    "name: " + "[" * 20000 + "]" * 20000 + "\n",
+])
+def test_deeply_nested_yaml_refused(tmp_path, capsys, text):
+    """Hundreds of levels were a RecursionError traceback when the resolved recipe was printed."""
+    recipe = _write(tmp_path, "r.yaml", text)
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "nested more than 64 levels deep" in err and "Traceback" not in err
+    assert load_recipe(parse_yaml("bench: {kind: speculative, params: {workloads: " + "[" * 20 + "]" * 20 + "}}")).bench.kind == "speculative"
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("runs/{nme}", "output.dir: 'runs/{nme}' uses {nme}; the only field is {name}"),
+    ("runs/{name", "output.dir: 'runs/{name' is not a valid path template"),
+    ("runs/{0}", "uses {0}"),
+])
+def test_output_dir_unknown_field(tmp_path, capsys, value, expected):
+    recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({"output": {"dir": value}}))
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and expected in err and "Traceback" not in err
+    assert load_recipe({"output": {"dir": "runs/{{lit}}/{name}"}}).output.dir == "runs/{{lit}}/{name}"
+
+
+def test_device_map_banana(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", "model: {device_map: banana}\n")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "model.device_map: 'banana' is neither a placement strategy" in err
+    for ok in ("auto", "balanced_low_0", "cpu", "cuda:1"):
+        assert load_recipe({"model": {"device_map": ok}}).model.device_map == ok
+
+
+def test_weights_shapes_not_matching_the_config(tmp_path, tiny_dir):
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    d = _copy_model(tiny_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["intermediate_size"] += 8
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="do not fit its config.json .*use the config.json saved with these weights"):
+        mmfast.load(d, device="cpu")
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "does not exist"),
+    ("12\nabc\n", "line 2: 'abc' is not an image id"),
+    ("12\n\n12\n", "line 3: image id 12 is listed twice (first at line 1)"),
+    ("\n\n", "lists no image ids"),
+    (b"\xff\xfe1", "cannot be read"),
+])
+def test_chair_image_ids_file_checked(tmp_path, content, expected):
+    from mmfast.eval.tasks.chair import read_image_ids
+
+    path = tmp_path / "ids.txt"
+    if content is not None:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(InputError, match=r"eval\.chair\.image_ids_file .*" + expected.replace("(", r"\(").replace(")", r"\)")):
+        read_image_ids(path)
+    (tmp_path / "good.txt").write_text("5\n 7 \n\n9\n")
+    assert read_image_ids(tmp_path / "good.txt") == [5, 7, 9]
+
+
+def test_output_path_too_long(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", "eval: {tasks: [pope]}\nmodel: {name: /nonexistent/model}\n")
+    rc, err = _cli(capsys, "eval", str(recipe), "--output", str(tmp_path / ("a" * 300) / "run"))
+    assert rc == 2 and "File name too long (the path is longer than the file system allows" in err
+
+
+def test_file_too_large_is_exit_2(capsys, monkeypatch):
+    import errno
+
+    from mmfast import cli
+
+    def too_large(args):
+        raise OSError(errno.EFBIG, "File too large", "runs/x/samples.jsonl")
+
+    monkeypatch.setitem(cli.COMMANDS, "list", too_large)
+    rc, err = _cli(capsys, "list")
+    assert rc == 2 and "runs/x/samples.jsonl: File too large (the file system's largest file size" in err

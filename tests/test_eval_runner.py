@@ -99,7 +99,9 @@ def test_other_recipe_refused(tiny_dir, tiny_mm, small_world, tmp_path):
     out = tmp_path / "run"
     run_eval(_recipe(tiny_dir, small_world, out), limit=1, mm=tiny_mm)
     with pytest.raises(InputError, match="another recipe"):
-        run_eval(_recipe(tiny_dir, small_world, out, batch_size=3), limit=1, mm=tiny_mm)
+        run_eval(_recipe(tiny_dir, small_world, out, chair={"n_images": 5, "max_new_tokens": 7}), limit=1, mm=tiny_mm)
+    # batch_size and max_failures change no answer: the same run, resumed (issue 29)
+    run_eval(_recipe(tiny_dir, small_world, out, batch_size=3, max_failures=0.5), limit=1, mm=tiny_mm)
 
 
 def test_other_weights_refused(tiny_dir, tiny_mm, small_world, tmp_path):

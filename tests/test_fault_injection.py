@@ -517,3 +517,264 @@ def test_records_module_keeps_fsync(tmp_path, monkeypatch):
     store.append([{"doc_id": "a"}, {"doc_id": "b"}])
     store.append([{"doc_id": "c"}])
     assert len(calls) == 2 and [r["doc_id"] for r in _lines(tmp_path / "s.jsonl")] == ["a", "b", "c"]
+
+
+# -- run identity (issue 29) ---------------------------------------------------------------------------
+
+
+def test_weights_changed_past_the_first_values_is_another_run(tiny_dir, world, tmp_path):
+    """Two lm_head rows swapped (e.g. "Yes" and "No"), every value past the first ones: the weights
+    fingerprint changes, so a rerun into the same folder is refused instead of reusing the answers."""
+    import torch
+
+    import mmfast
+    from mmfast.eval.runner import weights_fingerprint
+
+    mm = mmfast.load(tiny_dir, device="cpu", dtype="float32")
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    run_eval(recipe, limit=2, mm=mm)
+    before = weights_fingerprint(mm.model)
+    w = mm.model.get_output_embeddings().weight
+    assert w.shape[1] * 5 >= 64, "rows 5 and 7 must lie past the first 64 values"
+    with torch.no_grad():
+        w[[5, 7]] = w[[7, 5]].clone()
+    assert weights_fingerprint(mm.model) != before
+    with pytest.raises(InputError, match="results of other model weights"):
+        run_eval(recipe, limit=2, mm=mm)
+
+
+def test_resume_with_looser_max_failures_and_another_batch_size(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
+    """A run stopped by eval.max_failures resumes with a looser max_failures and another batch_size:
+    neither changes an answer, so neither is another recipe; only the failed sample is retried."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    strict = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=1, max_failures=0.0)
+    qs = _lines(w / "pope" / "world_pope_random.json")[:12]
+    img = w / "images" / "val" / qs[8]["image"]
+    good = img.read_bytes()
+    img.write_bytes(b"not an image")
+    with pytest.raises(RunAbortedError):
+        run_eval(strict, limit=12, mm=tiny_mm)
+    img.write_bytes(good)
+    kept = {r["doc_id"]: r for r in _lines(out / "samples.jsonl") if "error" not in r}
+    assert kept
+    redone: list[str] = []
+    real_append = RecordStore.append
+    monkeypatch.setattr(RecordStore, "append", lambda self, recs: (redone.extend(r["doc_id"] for r in recs), real_append(self, recs)))
+    loose = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=4, max_failures=0.5)
+    summary = run_eval(loose, limit=12, mm=tiny_mm)
+    assert not set(redone) & set(kept), "finished samples were recomputed"
+    assert summary["counts"]["finished"] == 12
+    recs = {r["doc_id"]: r for r in _assert_complete(out / "samples.jsonl", 12)}
+    assert all(recs[d]["fingerprint"] == r["fingerprint"] and recs[d]["resps"] == r["resps"] for d, r in kept.items())
+
+
+def test_calibrated_budget_resumed_with_another_limit(tiny_dir, tiny_mm, world, tmp_path):
+    """ZipVL's tau (as MustDrop's thresholds) is calibrated on a spread of the planned samples, so another
+    --limit is another calibration: a resumed run recomputes every sample, and equals a fresh run at that limit."""
+    stage = {"method": "zipvl", "budget": {"tokens": 6}}
+    out = tmp_path / "run"
+    base = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    recipe = load_recipe({**base.to_dict(), "pruning": [stage]})
+    run_eval(recipe, limit=6, mm=tiny_mm)
+    first = {r["doc_id"]: r["fingerprint"] for r in _lines(out / "samples.jsonl")}
+    resumed = run_eval(recipe, limit=3, mm=tiny_mm)
+    fresh_recipe = recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh")))
+    fresh = run_eval(fresh_recipe, limit=3, mm=tiny_mm)
+    recs = {r["doc_id"]: r for r in _lines(out / "samples.jsonl")}
+    fresh_recs = {r["doc_id"]: r for r in _lines(tmp_path / "fresh" / "samples.jsonl")}
+    assert all(recs[d]["fingerprint"] != first[d] for d in fresh_recs), "records of the limit-6 calibration reused"
+    assert {d: recs[d]["resps"] for d in fresh_recs} == {d: r["resps"] for d, r in fresh_recs.items()}
+    assert resumed["metrics"] == fresh["metrics"] and resumed["accounting"] == fresh["accounting"]
+    assert resumed["counts"]["finished"] == 3 and resumed["accounting"]["mean_flops_prefill"] > 0  # what the pruning bench reports
+
+
+@pytest.mark.parametrize("name, kind", [("samples.jsonl", "dir"), ("samples.jsonl", "fifo"), ("summary.json", "dir"),
+                                        ("samples.quarantine.jsonl", "fifo")])
+def test_own_file_that_is_not_a_file(name, kind, tiny_dir, tiny_mm, world, tmp_path):
+    """A directory or a FIFO under one of the run's own names: exit-2 error naming it (a FIFO named
+    samples.jsonl hung the run; a directory was a traceback), before anything is written."""
+    import threading
+
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    run_eval(recipe, limit=2, mm=tiny_mm)
+    (out / name).unlink(missing_ok=True)
+    os.mkdir(out / name) if kind == "dir" else os.mkfifo(out / name)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(_catch(lambda: run_eval(recipe, limit=2, mm=tiny_mm))), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the run hangs on the FIFO"
+    exc = result[0]
+    what = "a directory" if kind == "dir" else "a FIFO (named pipe)"
+    assert isinstance(exc, InputError) and f"{out / name} is {what}, not mmfast's file" in str(exc), exc
+
+
+def _catch(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 -- handed to the test thread's assertion
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("drop", ["task", "fingerprint", "resps", "meta", "target"])
+def test_record_missing_a_field_is_quarantined_and_recomputed(drop, tiny_dir, tiny_mm, world, tmp_path, caplog):
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    first = run_eval(recipe, limit=4, mm=tiny_mm)
+    path = out / "samples.jsonl"
+    recs = _lines(path)
+    del recs[1][drop]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with caplog.at_level(logging.WARNING):
+        again = run_eval(recipe, limit=4, mm=tiny_mm)
+    assert any("line 2: a record without " + drop in r.getMessage() for r in caplog.records)
+    assert again["metrics"] == first["metrics"] and again["counts"]["finished"] == 4
+    _assert_complete(path, 4)
+
+
+def test_label_is_part_of_the_input_fingerprint(tiny_dir, tiny_mm, world, tmp_path):
+    """Only the labels of a question file change (same ids, same text, same images): every sample is
+    recomputed and scored against its new label."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    first = run_eval(recipe, limit=6, mm=tiny_mm)
+    qfile = w / "pope" / "world_pope_random.json"
+    qs = _lines(qfile)
+    for q in qs:
+        q["label"] = "no" if q["label"] == "yes" else "yes"
+    qfile.write_text("".join(json.dumps(q) + "\n" for q in qs))
+    again = run_eval(recipe, limit=6, mm=tiny_mm)
+    by_id = {q["question_id"]: q["label"] for q in qs}
+    recs = _assert_complete(out / "samples.jsonl", 6)
+    assert all(r["target"] == by_id[r["meta"]["question_id"]] for r in recs)
+    assert again["metrics"]["pope"]["random"]["accuracy"] == pytest.approx(1 - first["metrics"]["pope"]["random"]["accuracy"])
+
+
+class _SummaryWriteWatch:
+    """Fails the test when ``summary.json`` itself is opened for writing (an atomic write writes a
+    temporary file and renames it over ``summary.json``; a reader never sees half a summary)."""
+
+    active = False
+    hits: list[str] = []
+
+    @classmethod
+    def hook(cls, event, args):
+        if not cls.active or event != "open" or not args or not str(args[0]).endswith("summary.json"):
+            return
+        mode, flags = args[1], args[2]
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR))
+        if writes:
+            cls.hits.append(str(args[0]))
+
+
+sys.addaudithook(_SummaryWriteWatch.hook)
+
+
+def test_summary_json_is_written_atomically(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
+    """Single process and the data-parallel merge (its rank-0 step, run in-process on two shards)."""
+    from mmfast.eval import distributed
+    from mmfast.eval.data import cache_root, resolve_data
+    from mmfast.eval.tasks import build_tasks
+
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    monkeypatch.setattr(_SummaryWriteWatch, "hits", [])
+    monkeypatch.setattr(_SummaryWriteWatch, "active", True)
+    single = run_eval(recipe, limit=4, mm=tiny_mm)
+    recs = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    for r in range(2):
+        (out / f"samples.rank{r}.jsonl").write_text("".join(recs[r::2]))
+    monkeypatch.setattr(distributed, "shard_info", lambda: (0, 2))
+    monkeypatch.setattr(distributed, "barrier", lambda: None)
+    plan = [(t, t.samples(4)) for t in build_tasks(recipe.eval, resolve_data(recipe.eval, recipe.eval.tasks), cache_dir=cache_root())]
+    merged = distributed.gather_and_finish(recipe, out, plan, tiny_mm, 0.0)
+    monkeypatch.setattr(_SummaryWriteWatch, "active", False)
+    assert _SummaryWriteWatch.hits == [], "summary.json was written in place, not replaced atomically"
+    assert merged["metrics"] == single["metrics"] and merged["protocol"]["processes"] == 2
+
+
+# -- data-parallel workers die with their launcher (fast: stand-in processes, no model) --------------------
+
+_LAUNCHER = """
+import os, subprocess, sys, time
+from mmfast.eval.distributed import PARENT_ENV, spawn_worker
+env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+child = [sys.executable, "-c", sys.argv[2]]
+p = spawn_worker(child, env) if sys.argv[1] == "spawn_worker" else subprocess.Popen(child, env=env)
+print(p.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _orphan_after_launcher_killed(how: str, child_code: str) -> list[int]:
+    """Start a stand-in launcher that starts one worker (``how``), SIGKILL the launcher, and return the
+    worker's pid if it is still running 8 s later."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, how, child_code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(launcher.stdout.readline())
+        time.sleep(1.5)  # the worker is up (its watchdog started)
+        assert _wait_gone([worker], 0) == [worker], "the worker did not start"
+    finally:
+        launcher.kill()
+        launcher.wait()
+    alive = _wait_gone([worker], 8)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+def test_worker_started_by_the_launcher_dies_with_it():
+    """PR_SET_PDEATHSIG set by spawn_worker: a worker that never checks its parent still dies."""
+    assert _orphan_after_launcher_killed("spawn_worker", "import time; time.sleep(120)") == [], "worker orphaned"
+
+
+def test_worker_watchdog_stops_an_orphaned_worker():
+    """The worker's own guard (mmfast.cli.main -> watch_parent): started without PR_SET_PDEATHSIG, an
+    mmfast command in a worker stops once its launcher is gone."""
+    code = "import time, mmfast.cli as c; c.COMMANDS['list'] = lambda a: time.sleep(120); c.main(['-q', 'list'])"
+    assert _orphan_after_launcher_killed("popen", code) == [], "worker orphaned"
+
+
+def test_run_of_an_older_mmfast_is_not_resumed(tiny_dir, tiny_mm, world, tmp_path):
+    """A run.json without run_identity was fingerprinted from the first values of each tensor only: its
+    records cannot be matched to these weights, so the directory is refused with the fix (overwrite)."""
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    run_eval(recipe, limit=2, mm=tiny_mm)
+    run = json.loads((out / "run.json").read_text())
+    del run["run_identity"]
+    (out / "run.json").write_text(json.dumps(run))
+    with pytest.raises(InputError, match="results of an older mmfast.*set output.overwrite: true to start over"):
+        run_eval(recipe, limit=2, mm=tiny_mm)
+    again = run_eval(_recipe(tiny_dir, world, out, overwrite=True, pope={"max_new_tokens": 1, "splits": ["random"]}), limit=2, mm=tiny_mm)
+    assert again["counts"]["finished"] == 2
+
+
+def test_pruning_bench_counts_tokens_over_the_scored_samples_only(tiny_dir, tiny_mm, world, tmp_path):
+    """A bench variant resumed at a smaller --limit: the token counts are means over the samples its
+    metrics score, not over every record an earlier, larger run left in the folder."""
+    from mmfast.bench.pruning import _accounting
+
+    out = tmp_path / "run"
+    recipe = load_recipe({**_recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]}).to_dict(),
+                          "pruning": [{"method": "fastv", "params": {"k": 2, "ratio": 0.5}}]})
+    run_eval(recipe, limit=8, mm=tiny_mm)
+    small = run_eval(recipe, limit=2, mm=tiny_mm)
+    assert len(_lines(out / "samples.jsonl")) == 8
+    fresh_out = tmp_path / "fresh"
+    fresh = run_eval(recipe.replace(output=dataclasses.replace(recipe.output, dir=str(fresh_out))), limit=2, mm=tiny_mm)
+    scored = _lines(fresh_out / "samples.jsonl")
+    everything = _lines(out / "samples.jsonl")
+    assert small["counts"]["finished"] == 2 and _accounting(small) == _accounting(fresh)
+    for key in ("flops_prefill", "n_vision_tokens", "kv_bytes_prefill"):
+        assert _accounting(small)[key] == pytest.approx(sum(r[key] for r in scored) / 2, rel=1e-6)
+    assert sum(r["flops_prefill"] for r in everything) / 8 != pytest.approx(_accounting(small)["flops_prefill"])

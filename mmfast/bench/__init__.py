@@ -36,7 +36,6 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     if kind == "none":
         raise InputError("the recipe has no benchmark (set bench.kind: pruning | decoding | speculative | gpu_speed)")
     out = Path(output or recipe.output.dir.format(name=recipe.name))
-    out.mkdir(parents=True, exist_ok=True)
     command = "mmfast " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv and "mmfast" in sys.argv[0] else f"mmfast bench {recipe.name}"
     if kind == "gpu_speed":  # its own random-weight models per shape (and the embedded model for tau)
         from .gpu_speed import run_gpu_speed
@@ -54,6 +53,9 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
             check_model_config(v.recipe)
         except MMFastError as exc:
             raise InputError(f"bench variant {v.name!r} cannot run on this model: {exc}") from exc
+    from .common import claim_bench_dir
+
+    claim_bench_dir(out, kind, recipe.name)  # before the model loads; never over a user's own files
     mm = load_model(recipe.model)
     _preflight(mm, vs)
     from ..eval.runner import weights_fingerprint

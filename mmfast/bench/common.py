@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import Recipe, load_recipe
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -185,3 +185,40 @@ def write_markdown(path: Path, title: str, command: str, header: list[str], rows
 
 def dump(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, default=str))
+
+
+BENCH_MARKER = "bench.json"
+"""Written first into a bench's output directory: marks it as mmfast's, so a rerun may write into it."""
+
+
+def _is_legacy_bench_dir(out: Path) -> bool:
+    """A bench directory written before :data:`BENCH_MARKER`: its ``summary.json`` is a bench summary
+    (``model`` with a weights fingerprint, ``results``), or it holds only evaluation runs in ``variants/``."""
+    try:
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+        if isinstance(summary, dict) and "results" in summary and "weights_fingerprint" in (summary.get("model") or {}):
+            return True
+    except (OSError, ValueError):
+        pass
+    names = {p.name for p in out.iterdir()}
+    variants_dir = out / "variants"
+    return names == {"variants"} and variants_dir.is_dir() and all((v / "run.json").is_file() for v in variants_dir.iterdir())
+
+
+def claim_bench_dir(out: Path, kind: str, recipe_name: str) -> None:
+    """Create ``out`` for a bench, or accept it when it is empty or mmfast's bench directory; refuse a
+    folder of someone else's files (a bench writes ``results.md``, ``summary.json``, plots there and
+    would overwrite them), as ``mmfast eval`` does. Then write :data:`BENCH_MARKER`."""
+    if out.is_dir() and any(out.iterdir()) and not (out / BENCH_MARKER).is_file() and not _is_legacy_bench_dir(out):
+        foreign = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise InputError(
+            f"output directory {out} is not empty ({shown}) and is not an mmfast bench directory (no {BENCH_MARKER}); "
+            "a bench writes results.md, summary.json and plots there and would overwrite files of the same names: "
+            "use another --output (or an empty directory)"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / BENCH_MARKER).write_text(json.dumps({"kind": kind, "recipe": recipe_name}) + "\n")
+    except OSError as exc:
+        raise InputError(f"cannot write the bench directory {out}: {exc.strerror or exc}; choose another --output") from None

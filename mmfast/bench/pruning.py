@@ -65,7 +65,7 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
         logger.info("bench variant %d/%d %s: timing (%d samples x %d repeats)", i, len(vs), v.name, len(timing_samples), cfg.repeats)
         calibration = evaluation_calibration(v.recipe, limit) if any(st.budget for st in v.recipe.pruning) else None
         timing = time_variant(mm, v, timing_samples, cfg.warmup, cfg.repeats, new_tokens, calibration)
-        results[v.name] = {"metrics": summary["metrics"], "accounting": _accounting(out / "variants" / v.name), "timing": timing,
+        results[v.name] = {"metrics": summary["metrics"], "accounting": _accounting(summary), "timing": timing,
                            "pruning": [st._to_recipe() for st in v.recipe.pruning]}
     base = results["baseline"]
     for name, r in results.items():
@@ -105,14 +105,12 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
             "timing_protocol": {"warmup": cfg.warmup, "repeats": cfg.repeats, "samples": len(timing_samples)}}
 
 
-def _accounting(run_dir: Path) -> dict[str, float]:
-    """Means over the variant's finished samples (from samples.jsonl)."""
-    import json
-
-    recs = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
-    recs = [r for r in recs if "error" not in r]
+def _accounting(summary: dict[str, Any]) -> dict[str, float]:
+    """Means over the samples the variant's evaluation scored (its summary's ``accounting``: the
+    planned samples of this run only, never records a run with another ``--limit`` left in the folder)."""
     keys = ("n_vision_tokens", "vision_tokens_layer_avg", "kv_bytes_prefill", "kv_bytes_end", "flops_prefill", "flops_prefill_7b")
-    return {k: sum(r[k] for r in recs) / len(recs) for k in keys}
+    acc = summary["accounting"]
+    return {k: acc[f"mean_{k}"] for k in keys}
 
 
 @torch.inference_mode()

@@ -138,10 +138,9 @@ def launch_data_parallel(recipe, *, limit: int | None, output: str | None, num_p
         procs: list[subprocess.Popen] = []
         try:
             with _signals_raise():
-                prctl = _libc_prctl()
                 for rank in range(num_processes):
                     env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
-                    procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent(prctl)))
+                    procs.append(spawn_worker(cmd, env))
                 codes, first_failed = _wait(procs)
         finally:
             _stop(procs)
@@ -154,6 +153,12 @@ def launch_data_parallel(recipe, *, limit: int | None, output: str | None, num_p
         raise WorkerError(f"data-parallel evaluation failed: process {rank} exited with {code}; {where}",
                           exit_code=2 if code == 2 else 1)
     return json.loads((out / rundir.SUMMARY_JSON).read_text())
+
+
+def spawn_worker(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start one worker in the launcher's process group, set to get SIGTERM when the launcher dies
+    (``PR_SET_PDEATHSIG``; the worker's own watchdog, :func:`watch_parent`, is the second guard)."""
+    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent(_libc_prctl()))
 
 
 def _die_with_parent(prctl):
@@ -224,13 +229,13 @@ def _free_port() -> int:
 
 def gather_and_finish(recipe, out: Path, plan, mm, elapsed: float) -> dict[str, Any]:
     """Barrier, then the main process merges the shards in plan order and writes the summary."""
-    from .records import RecordStore
-    from .runner import finish
+    from .records import RecordStore, write_atomic
+    from .runner import finish, record_problem
 
     rank, world = shard_info()
     barrier()
     if rank == 0:
-        shards = [RecordStore(out / f"samples.rank{r}.jsonl") for r in range(world)]
+        shards = [RecordStore(out / f"samples.rank{r}.jsonl", check=record_problem) for r in range(world)]
         merged: dict[str, dict] = {}
         for shard in shards:
             merged.update(shard.records)
@@ -242,8 +247,8 @@ def gather_and_finish(recipe, out: Path, plan, mm, elapsed: float) -> dict[str, 
                 if doc_id in merged:
                     fh.write(json.dumps(merged[doc_id], ensure_ascii=False) + "\n")
         tmp.replace(target)
-        summary = finish(recipe, out, plan, RecordStore(target), mm, elapsed)
+        summary = finish(recipe, out, plan, RecordStore(target, check=record_problem), mm, elapsed)
         summary["protocol"]["processes"] = world
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(out / "summary.json", json.dumps(summary, indent=2).encode("utf-8"))
     barrier()
     return json.loads((out / "summary.json").read_text())

@@ -2,7 +2,8 @@
 
 A sample's fingerprint is the sha256 of its task (record group), ``doc_id``, prompt, target, meta
 (e.g. POPE's question text), ``max_new_tokens``, image path and the sha256 of the image's bytes, the
-recipe hash and the weights fingerprint. Resume reuses a record only while its fingerprint equals the
+run identity (:func:`mmfast.eval.runner.run_identity`: the recipe less the settings that change no
+answer, plus the calibration set of a calibrated budget) and the weights fingerprint (every byte). Resume reuses a record only while its fingerprint equals the
 planned sample's, so a question file or an image replaced under the same path is recomputed. Image
 digests are cached per (path, mtime, size) so the POPE splits, which share images, hash each once.
 """

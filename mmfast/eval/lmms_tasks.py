@@ -56,12 +56,11 @@ def write_lmms_task(recipe: Any, output: str | Path | None = None, name: str | N
     """Write the lmms-eval task directory for ``recipe``'s POPE section (see the module docstring)."""
     from .data import resolve_data
     from .pope import load_pope_questions
-    from .tasks.pope import PopeTask
+    from .tasks.pope import PopeTask, check_prompt
 
     cfg = recipe.eval
     pope = cfg.pope
-    if "{question}" not in pope.prompt:
-        raise InputError("eval.pope.prompt must contain '{question}' (where the POPE question goes)")
+    check_prompt(pope.prompt)
     data = resolve_data(cfg, ["pope"])
     name = name or f"mmfast_{data.dataset}_pope"
     if not name.replace("_", "").isalnum():

@@ -22,9 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
+
+from ..errors import InputError
 
 from ..errors import InputError
 
@@ -62,6 +65,21 @@ def _parse_line(line: bytes) -> dict[str, Any] | str:
     return rec
 
 
+def check_regular_file(path: Path) -> None:
+    """Refuse a path of a run's own file that is a directory, FIFO, socket or device (reading a FIFO
+    would hang the run; writing over a directory fails half-way): name it and the fix."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:  # a dangling symlink: written through, as a missing file is
+        return
+    except OSError as exc:
+        raise InputError(f"{path}: {exc.strerror or exc}; remove it or use another --output") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise InputError(f"{path} is {kind}, not mmfast's file of that name; move it away or use another --output")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -84,19 +102,23 @@ def write_atomic(path: Path, data: bytes) -> None:
 class RecordStore:
     """Append-only JSONL store keyed by ``doc_id``; damaged lines are quarantined, never dropped."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, check: Callable[[dict[str, Any]], str | None] | None = None) -> None:
+        """``check(record)``: why a parsed record is not usable (e.g. a missing field), or None; such
+        lines are quarantined as damaged ones are."""
         self.path = Path(path)
         self.records: dict[str, dict[str, Any]] = {}
         self.quarantined: list[DamagedLine] = []
         self.n_lines = 0  # valid lines in the file (superseded records included)
+        self._check = check
         packed = self.path.with_name(self.path.name + ".gz")
-        if not self.path.exists() and packed.exists():
+        if not os.path.lexists(self.path) and packed.exists():
             raise InputError(
                 f"{packed}: this run's records are compressed, and a run does not resume from a compressed "
                 f"file; to resume it, decompress them first (gunzip {packed}); to start over, remove it or "
                 "use another --output"
             )
-        if self.path.exists():
+        if os.path.lexists(self.path):
+            check_regular_file(self.path)
             self._load()
 
     @property
@@ -112,6 +134,8 @@ class RecordStore:
         damaged: list[DamagedLine] = []
         for no, line in enumerate(lines, start=1):
             parsed = _parse_line(line)
+            if not isinstance(parsed, str) and self._check is not None:
+                parsed = self._check(parsed) or parsed
             if isinstance(parsed, str):
                 torn = no == len(lines) and not raw.endswith(b"\n")
                 damaged.append(DamagedLine(no, line, parsed + (" (cut short: the last write did not finish)" if torn else "")))

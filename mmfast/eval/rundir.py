@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import InputError
-from .records import quarantine_path, write_atomic
+from .records import check_regular_file, quarantine_path, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +179,7 @@ def claim(out: Path) -> OutputLock:
     """Make ``out`` this run's: create it (or fail naming the fix), refuse it when it is not an mmfast
     run directory, and take its lock (held until :meth:`OutputLock.release`)."""
     prepare_dir(out)
+    check_own_files(out, own_files(1, []))
     if read_run_json(out) is None:
         check_recognised(out)
     lock = OutputLock(out)
@@ -231,6 +232,13 @@ def check_recognised(out: Path) -> None:
             "directory; mmfast neither writes into nor deletes from such a directory: use another --output "
             "(or an empty directory)"
         )
+
+
+def check_own_files(out: Path, names: Iterable[str]) -> None:
+    """Each of the run's own files that exists in ``out`` is a regular file (not a directory or FIFO)."""
+    for name in names:
+        if os.path.lexists(out / name):
+            check_regular_file(out / name)
 
 
 def listed_files(run: dict[str, Any], out: Path) -> list[str]:

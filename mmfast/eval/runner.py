@@ -2,7 +2,9 @@
 
 Per-sample records are appended to ``samples.jsonl`` as each batch finishes (see
 :mod:`mmfast.eval.records`); rerunning the same command skips finished samples whose inputs are
-unchanged (each record carries a fingerprint of its inputs, :mod:`mmfast.eval.fingerprint`),
+unchanged (each record carries a fingerprint of its inputs, :mod:`mmfast.eval.fingerprint`: the
+sample, the run identity and every byte of the weights; ``eval.batch_size`` and ``eval.max_failures``
+change no answer and are not part of it, a calibrated budget's calibration set is),
 recomputes those whose inputs changed, and retries failed ones. The output directory is locked for
 the run and only mmfast's own files in it are ever removed (:mod:`mmfast.eval.rundir`).
 
@@ -102,21 +104,76 @@ def output_dir(recipe: Recipe, output: str | None) -> Path:
     return Path(output or recipe.output.dir.format(name=recipe.name))
 
 
+_FINGERPRINT_CHUNK = 1 << 26  # bytes hashed per slice: a GPU tensor is copied to the host a slice at a time
+_FINGERPRINTS: dict[int, tuple[tuple, str]] = {}  # id(model) -> (tensor versions, fingerprint)
+
+
 def weights_fingerprint(model) -> str:
-    """A cheap content fingerprint of a model's weights: every tensor's name, shape, dtype and first
-    values (tensors offloaded to ``meta`` count by name and shape only). Retrained or swapped weights
-    under the same path change it, so a resumed run never mixes answers of two models."""
+    """The content fingerprint of a model's weights: the sha256 of every tensor's name, shape, dtype
+    and every byte of its values (tensors offloaded to ``meta`` count by name and shape only).
+    Retrained or swapped weights under the same path change it (a swap of two rows anywhere does), so a
+    resumed run never mixes answers of two models. Cached per model while no tensor is replaced or
+    changed in place (torch's per-tensor version counter), so a run hashes its weights once."""
     import hashlib
 
     import torch
 
+    state = model.state_dict()
+    key = tuple((name, t.data_ptr(), t._version) for name, t in state.items())
+    cached = _FINGERPRINTS.get(id(model))
+    if cached is not None and cached[0] == key:
+        return cached[1]
     h = hashlib.sha256()
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for name, t in state.items():
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            if t.device.type != "meta" and t.numel():
-                h.update(t.detach().flatten()[:64].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+            if t.device.type == "meta" or not t.numel():
+                continue
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes, any dtype
+            for start in range(0, raw.numel(), _FINGERPRINT_CHUNK):
+                h.update(raw[start:start + _FINGERPRINT_CHUNK].cpu().numpy().tobytes())
+    digest = h.hexdigest()[:16]
+    _FINGERPRINTS[id(model)] = (key, digest)
+    return digest
+
+
+#: eval settings that change no answer (how many failures a run tolerates; how samples are batched,
+#: as mmfast's answers do not depend on batch composition): left out of the run's identity, so a run
+#: stopped by max_failures resumes with a looser one, or with another batch_size
+ANSWER_NEUTRAL_EVAL_KEYS = ("max_failures", "batch_size")
+
+
+def run_identity(recipe: Recipe) -> str:
+    """What a run directory's results are results of: :meth:`Recipe.hash` less the
+    :data:`ANSWER_NEUTRAL_EVAL_KEYS` (16 hex digits)."""
+    import hashlib
+
+    what = {k: v for k, v in recipe.to_dict().items() if k != "output"}
+    what["eval"] = {k: v for k, v in what["eval"].items() if k not in ANSWER_NEUTRAL_EVAL_KEYS}
+    blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def calibration_identity(recipe: Recipe, plan) -> str | None:
+    """The identity of the calibration set a calibrated budget (MustDrop, ZipVL) is fitted on, or None
+    when no stage of the recipe is calibrated. The set is a spread of the planned samples, so another
+    ``--limit`` calibrates other thresholds: the answers depend on it, and so does every fingerprint."""
+    from ..registry import PRUNERS
+
+    if not any(st.budget and getattr(PRUNERS.get(st.method).cls, "calibrated", False) for st in recipe.pruning):
+        return None
+    return calibration_set(plan).identity
+
+
+def planned_fingerprints(recipe: Recipe, plan, weights: str) -> dict[str, str]:
+    """doc_id -> :func:`~mmfast.eval.fingerprint.sample_fingerprint` of every planned sample."""
+    from .fingerprint import sample_fingerprint
+
+    identity = run_identity(recipe)
+    calibration = calibration_identity(recipe, plan)
+    if calibration is not None:
+        identity += f"/calibration:{calibration}"
+    return {s.doc_id: sample_fingerprint(s, identity, weights) for _, samples in plan for s in samples}
 
 
 def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> None:
@@ -130,8 +187,12 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
         rundir.check_recognised(out)
     else:
         problem = None
-        if old.get("recipe_hash") != recipe.hash():
-            problem = f"results of another recipe (hash {old.get('recipe_hash')} != {recipe.hash()})"
+        identity = run_identity(recipe)
+        if "run_identity" not in old:
+            problem = ("results of an older mmfast, whose weights fingerprint read only the first values of each tensor "
+                       "(none of its records can be matched to these weights)")
+        elif old["run_identity"] != identity:
+            problem = f"results of another recipe (identity {old['run_identity']} != {identity})"
         elif old.get("weights_fingerprint", fingerprint) != fingerprint:
             problem = f"results of other model weights (fingerprint {old.get('weights_fingerprint')} != {fingerprint})"
         if problem:
@@ -142,7 +203,8 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
             old = None
         else:
             files = list(dict.fromkeys(rundir.listed_files(old, out) + files))
-    rundir.write_run_json(out, {"recipe_hash": recipe.hash(), "weights_fingerprint": fingerprint,
+    rundir.check_own_files(out, files)
+    rundir.write_run_json(out, {"recipe_hash": recipe.hash(), "run_identity": run_identity(recipe), "weights_fingerprint": fingerprint,
                                 "recipe": recipe.to_dict(), "files": files})
 
 
@@ -195,6 +257,23 @@ def side_files(tasks: list[Task]) -> dict[str, str]:
                 raise InputError(f"evaluation tasks {owner[fname]!r} and {task.name!r} both write side file {fname!r}")
             files[fname] = text
     return files
+
+
+def record_problem(rec: dict[str, Any]) -> str | None:
+    """Why a parsed line of ``samples.jsonl`` is not a usable record (a missing or mistyped field; e.g.
+    edited by hand), or None. Such lines are quarantined and their samples recomputed."""
+    missing = [k for k in ("task", "target", "fingerprint", "meta") if k not in rec]
+    if "error" not in rec:
+        missing += [k for k in ("resps", "filtered_resps") if k not in rec]
+    if missing:
+        return f"a record without {', '.join(missing)}"
+    if "error" not in rec:
+        resps = rec["resps"]
+        if not (isinstance(resps, list) and resps and isinstance(resps[0], list) and resps[0] and isinstance(resps[0][0], str)):
+            return "a record whose resps is not [[answer text]]"
+    if not isinstance(rec["meta"], dict) or not isinstance(rec["task"], str):
+        return "a record whose meta is not a mapping or whose task is not a string"
+    return None
 
 
 def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str], fingerprint: str) -> dict[str, Any]:
@@ -299,7 +378,6 @@ def run_eval(
 
 def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm, rank: int, world: int, barrier) -> dict[str, Any]:
     from . import rundir
-    from .fingerprint import sample_fingerprint
 
     cfg = recipe.eval
     if mm is None:
@@ -315,10 +393,8 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
         barrier()  # no shard writes before the main process has checked and claimed the directory
     n_total = sum(len(s) for _, s in plan)
     budget = failure_budget(cfg.max_failures, n_total)
-    store = RecordStore(out / (rundir.SAMPLES if world == 1 else rundir.shard_name(rank)))
-    recipe_hash = recipe.hash()
-    fps = {s.doc_id: sample_fingerprint(s, recipe_hash, fingerprint)
-           for _, samples in plan for i, s in enumerate(samples) if i % world == rank}
+    store = RecordStore(out / (rundir.SAMPLES if world == 1 else rundir.shard_name(rank)), check=record_problem)
+    fps = planned_fingerprints(recipe, plan, fingerprint)
     from ..pipeline import apply
 
     t0 = time.perf_counter()
@@ -359,11 +435,9 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
 def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: float) -> dict[str, Any]:
     """Score the planned samples whose records match their inputs, and write ``summary.json``."""
     from . import rundir
-    from .fingerprint import digest_of, sample_fingerprint
+    from .fingerprint import digest_of
 
-    weights = weights_fingerprint(mm.model)
-    recipe_hash = recipe.hash()
-    planned = {s.doc_id: sample_fingerprint(s, recipe_hash, weights) for _, ss in plan for s in ss}
+    planned = planned_fingerprints(recipe, plan, weights_fingerprint(mm.model))
     current = {d: r for d, r in store.records.items() if d in planned and r.get("fingerprint") == planned[d]}
     ok = [current[d] for d in planned if d in current and "error" not in current[d]]
     failed = [current[d] for d in planned if d in current and "error" in current[d]]
@@ -405,7 +479,8 @@ def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: flo
 def _accounting(records: list[dict[str, Any]]) -> dict[str, float]:
     if not records:
         return {}
-    keys = ("n_vision_tokens", "vision_tokens_layer_avg", "kv_bytes_prefill", "kv_bytes_end", "n_new_tokens")
+    keys = ("n_vision_tokens", "vision_tokens_layer_avg", "kv_bytes_prefill", "kv_bytes_end", "n_new_tokens",
+            "flops_prefill", "flops_prefill_7b")
     out = {f"mean_{k}": sum(r[k] for r in records) / len(records) for k in keys if all(k in r for r in records)}
     return {k: round(v, 3) for k, v in out.items()}
 
@@ -419,6 +494,7 @@ def protocol(recipe: Recipe, mm, plan) -> dict[str, Any]:
         "attn_implementation": m.attn_implementation,
         "recipe_name": recipe.name,
         "recipe_hash": recipe.hash(),
+        "run_identity": run_identity(recipe),
         "recipe": recipe.to_dict(),
         "decoding": recipe.decoding._to_recipe(),
         "pruning": [s._to_recipe() for s in recipe.pruning],

@@ -29,7 +29,7 @@ class ChairTask(Task):
         files = sorted(p for p in data.image_dir.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
         names = {coco_image_id(p.name): p.name for p in files}
         if c.image_ids_file:
-            ids = [int(x) for x in Path(c.image_ids_file).read_text().split()]
+            ids = read_image_ids(Path(c.image_ids_file))
             unknown = [i for i in ids if i not in names]
             if unknown:
                 raise InputError(f"{c.image_ids_file}: {len(unknown)} image ids have no file in {data.image_dir} (e.g. {unknown[:3]})")
@@ -80,3 +80,31 @@ class ChairTask(Task):
 
     def side_files(self) -> dict[str, str]:
         return {"chair_image_ids.txt": "\n".join(str(i) for i in self.image_ids) + "\n"}
+
+
+def read_image_ids(path: Path) -> list[int]:
+    """``eval.chair.image_ids_file``: one COCO image id per line (blank lines skipped); a missing,
+    unreadable, empty or malformed file is an error naming the line and the fix."""
+    where = f"eval.chair.image_ids_file {str(path)!r}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{where} does not exist; give the path of a file with one image id per line") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{where} cannot be read ({exc}); give a text file with one image id per line") from None
+    ids: list[int] = []
+    seen: dict[int, int] = {}
+    for no, line in enumerate(text.splitlines(), start=1):
+        token = line.strip()
+        if not token:
+            continue
+        if not token.isdigit():
+            raise InputError(f"{where} line {no}: {token[:40]!r} is not an image id (a whole number, one per line)")
+        i = int(token)
+        if i in seen:
+            raise InputError(f"{where} line {no}: image id {i} is listed twice (first at line {seen[i]}); list each once")
+        seen[i] = no
+        ids.append(i)
+    if not ids:
+        raise InputError(f"{where} lists no image ids; put one per line, or leave the key out to sample eval.chair.n_images")
+    return ids

@@ -3,14 +3,53 @@ configured answer parser (:mod:`mmfast.eval.pope`)."""
 
 from __future__ import annotations
 
+import difflib
+import string
 from pathlib import Path
 from typing import Any
 
 from ...config import EvalConfig, PopeTaskConfig
-from ...errors import InputError
+from ...errors import ConfigError
 from ...registry import TASKS
 from ..data import EvalData
 from .base import Sample, Task
+
+
+POPE_SPLITS: tuple[str, ...] = ("random", "popular", "adversarial")  # eval.pope.splits' choices
+
+
+def check_prompt(prompt: str) -> None:
+    """``eval.pope.prompt`` is a ``str.format`` template whose only field is ``{question}`` (at least
+    once); ``{{`` / ``}}`` are literal braces. Refuses a template with no ``{question}`` field (e.g.
+    ``{{question}}``, which would send the literal text), other fields, or unbalanced braces."""
+    where = "eval.pope.prompt"
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(prompt) if name is not None]
+    except ValueError as exc:
+        raise ConfigError(where, f"{prompt!r} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+    others = sorted({f"{{{n}}}" for n, _, _ in fields if n != "question"})
+    if others:
+        raise ConfigError(where, f"{prompt!r} has the field(s) {', '.join(others)}; the only field is {{question}} "
+                                 "(write a literal brace as {{ or }})")
+    if any(spec or conv for _, spec, conv in fields):
+        raise ConfigError(where, f"{prompt!r}: write {{question}} without a format spec or conversion")
+    if not fields:
+        literal = " ({{question}} is the literal text '{question}', not the field)" if "{{question}}" in prompt else ""
+        raise ConfigError(where, f"{prompt!r} has no {{question}} field{literal}; put {{question}} where the POPE question goes")
+
+
+def check_files(cfg: EvalConfig) -> None:
+    """Every key of ``eval.pope.files`` is a split this run evaluates (a typo such as ``randm`` would
+    otherwise be ignored and the default file evaluated)."""
+    for key in cfg.pope.files:
+        if key in cfg.pope.splits:
+            continue
+        if key in POPE_SPLITS:
+            raise ConfigError(f"eval.pope.files.{key}", f"split {key!r} is not in eval.pope.splits "
+                                                        f"({', '.join(cfg.pope.splits)}); add it there or remove this file")
+        hint = difflib.get_close_matches(str(key), POPE_SPLITS, n=1)
+        raise ConfigError(f"eval.pope.files.{key}", f"unknown POPE split {key!r}"
+                          + (f"; did you mean {hint[0]!r}?" if hint else f"; the splits are {', '.join(POPE_SPLITS)}"))
 
 
 @TASKS.register("pope", description="POPE yes/no object probing per split (accuracy, precision, recall, F1)")
@@ -23,6 +62,8 @@ class PopeTask(Task):
 
     @classmethod
     def required_files(cls, cfg: EvalConfig, data: EvalData) -> dict[str, Path]:
+        check_prompt(cfg.pope.prompt)  # before any file is read or any model loads
+        check_files(cfg)
         if data.dataset == "coco":
             names = {s: f"coco_pope_{s}.json" for s in cfg.pope.splits}
         else:
@@ -48,8 +89,7 @@ class PopeTask(Task):
                     {"commit": info.known.commit, "split": info.known.split, "dataset": info.known.dataset} if info.known else None
                 ),
             }
-        if "{question}" not in cfg.pope.prompt:
-            raise InputError("eval.pope.prompt must contain '{question}' (where the POPE question goes)")
+        check_prompt(cfg.pope.prompt)
 
     def samples(self, limit: int | None) -> list[Sample]:
         out = []
