@@ -29,7 +29,6 @@ from typing import Any, Callable, Iterable
 
 from ..errors import InputError
 
-from ..errors import InputError
 
 logger = logging.getLogger(__name__)
 
