@@ -304,6 +304,9 @@ class ModelConfig:
     device: str = opt("auto", doc="auto | cpu | cuda | cuda:N (ignored with device_map)")
     device_map: str | None = opt(None, doc="passed to from_pretrained, e.g. 'auto' for multi-GPU placement")
     attn_implementation: Literal["sdpa", "eager"] = opt("sdpa", doc="attention kernels; scores come from the probe")
+    fused_vision_attention: bool = opt(
+        True, doc="Qwen-VL towers: one batched sdpa call per chunk length instead of one per window / image "
+                  "(equal within float tolerance; mmfast/models/qwen_tower.py); false runs transformers' loop")
     revision: str | None = opt(None, doc="hub revision")
     offload_folder: str | None = opt(None, doc="disk offload folder for device_map placement")
     max_memory: dict[int | str, str] | None = opt(None, doc="per-device memory caps for device_map, e.g. {0: 20GiB, cpu: 60GiB}")
