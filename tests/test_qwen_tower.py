@@ -137,6 +137,17 @@ def test_eager_and_probe_fall_back_to_transformers(qmm):
     assert all(torch.equal(a, b) for a, b in zip(ref.features, out.features))
 
 
+def test_wrapped_forward_is_left_alone(qmm, caplog):
+    """A forward someone else wrapped per instance (accelerate's offload hooks) is not replaced."""
+    attn = qmm.adapter.vision_layers[0].attn
+    with HookSession(qmm.model) as outer:
+        outer.set_attr(attn, "forward", attn.forward)
+        with HookSession(qmm.model) as hooks, caplog.at_level("WARNING"):
+            assert install_fused_tower(qmm.adapter, hooks) == 0
+        assert "already have a wrapped forward" in caplog.text
+    assert "forward" not in attn.__dict__
+
+
 def test_chunk_plan_buckets_and_views():
     plan = ChunkPlan.of(torch.tensor([0, 16, 24, 40, 48, 48, 60]))  # lengths 16, 8, 16, 8, (empty), 12
     assert sorted((b.length, b.n) for b in plan.buckets) == [(8, 2), (12, 1), (16, 2)]

@@ -35,7 +35,8 @@ that covers the whole sequence in order is a view, not a gather (one image, or e
 Hook point: the ``forward`` of every vision attention module (``compat.qwen_vision_attention``),
 replaced *per instance* through the :class:`~mmfast.hooks.HookSession` (restored on exit). The
 session installs it whenever a Qwen-VL model runs through mmfast (``model.fused_vision_attention``,
-default true, turns it off). It computes only while the tower's implementation is ``sdpa``: under
+default true, turns it off); not where something else already wraps those forwards (accelerate's
+offload hooks: a warning says so). It computes only while the tower's implementation is ``sdpa``: under
 ``eager`` (asked for explicitly), flash (already varlen) or the attention probe's wrapper (which must
 see every call to record scores) it calls transformers' own forward.
 
@@ -170,6 +171,12 @@ def install_fused_tower(adapter, hooks) -> int:
     if not mods or not all(compat.qwen_vision_attention_matches(m) for m in mods):
         logger.warning("fused vision attention: the %s tower's attention modules lack qkv / proj / num_heads / "
                        "scaling; the tower runs as transformers ships it", adapter.family)
+        return 0
+    wrapped = [m for m in mods if "forward" in m.__dict__]
+    if wrapped:  # e.g. accelerate's offload hooks: replacing them would skip their device moves
+        logger.warning("fused vision attention: %d of the %s tower's attention modules already have a wrapped "
+                       "forward (%s); the tower runs as transformers ships it", len(wrapped), adapter.family,
+                       getattr(wrapped[0].forward, "__qualname__", type(wrapped[0].forward).__name__))
         return 0
     plans = _PlanCache()
     for m in mods:
