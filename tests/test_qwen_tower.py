@@ -126,15 +126,28 @@ def test_greedy_token_identical_with_and_without_fused_tower(qmm):
     assert [r.token_ids for r in fused] == [r.token_ids for r in plain]
 
 
-def test_eager_and_probe_fall_back_to_transformers(qmm):
-    """Only sdpa is fused: under the probe's wrapper every per-chunk call must reach the probe."""
-    ref, hf_calls, _ = _tower(qmm, ONE)
+def test_probe_passes_through_unprobed_modules_and_sees_probed_ones(qmm):
+    """Under the probe's sdpa wrapper the fused path still runs on modules nobody probes; a probed
+    module runs transformers' per-chunk calls, so its recorder sees every chunk."""
+    from mmfast.hooks import attach
+
+    ref, hf_calls, grid = _tower(qmm, ONE)
+    _, want_fused = _calls(qmm, grid)
     with HookSession(qmm.model) as hooks:
         install_fused_tower(qmm.adapter, hooks)
         hooks.use_probe_attention()
         out, calls, _ = _tower(qmm, ONE)
-    assert calls == hf_calls
-    assert all(torch.equal(a, b) for a, b in zip(ref.features, out.features))
+        assert calls == want_fused
+        seen = []
+        probed = qmm.adapter.vision_layers[0].attn  # a windowed block on Qwen2.5-VL
+        attach(hooks, probed).recorders.append(lambda m, q, k, mask, scale: seen.append(q.shape[-2]))
+        out2, calls2, _ = _tower(qmm, ONE)
+    for a, b in zip(ref.features, out2.features):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert sum(seen) == int(grid.prod())  # every chunk of block 0 went through the probe
+    if qmm.adapter.family == "qwen2_5_vl":  # one call per window there, one per length when fused
+        assert len(seen) > 2 and calls2 > calls
+    assert not any("forward" in blk.attn.__dict__ or "_mmfast_attn" in blk.attn.__dict__ for blk in qmm.adapter.vision_layers)
 
 
 def test_wrapped_forward_is_left_alone(qmm, caplog):

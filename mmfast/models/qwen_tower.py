@@ -36,9 +36,10 @@ Hook point: the ``forward`` of every vision attention module (``compat.qwen_visi
 replaced *per instance* through the :class:`~mmfast.hooks.HookSession` (restored on exit). The
 session installs it whenever a Qwen-VL model runs through mmfast (``model.fused_vision_attention``,
 default true, turns it off); not where something else already wraps those forwards (accelerate's
-offload hooks: a warning says so). It computes only while the tower's implementation is ``sdpa``: under
-``eager`` (asked for explicitly), flash (already varlen) or the attention probe's wrapper (which must
-see every call to record scores) it calls transformers' own forward.
+offload hooks: a warning says so). It computes only while the tower's implementation is ``sdpa`` (or the probe's
+wrapper of sdpa, which passes unprobed modules through): under ``eager`` (asked for explicitly),
+flash (already varlen), or on a module the probe records or overrides (it must see every per-chunk
+call) it calls transformers' own forward.
 
 Exactness: the same projections, the same rotary function (the modeling module's own), the same
 softmax scale; only the batching of the attention kernel changes, so outputs equal transformers'
@@ -57,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import compat
+from ..hooks.attention import is_probed
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +144,8 @@ def fused_forward(module: nn.Module, rotary: Callable, plans: _PlanCache) -> Cal
     def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 max_seqlen: int | None = None, **kwargs: Any) -> torch.Tensor:
-        if compat.vision_attn_implementation(module) != "sdpa" or position_embeddings is None:
+        impl = compat.vision_attn_implementation(module).removeprefix(compat.PROBE_PREFIX)
+        if impl != "sdpa" or is_probed(module) or position_embeddings is None:
             return original(hidden_states, cu_seqlens, position_embeddings=position_embeddings,
                             max_seqlen=max_seqlen, **kwargs)
         seq = hidden_states.shape[0]
