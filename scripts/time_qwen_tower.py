@@ -86,7 +86,7 @@ def main() -> None:
                 grid.tolist()[0], pixels.shape[0], device, torch.get_num_threads(), args.dtype)
     adapter = SimpleNamespace(family=args.family, vision_tower=tower)
     hooks = HookSession(tower)
-    install_fused_tower(adapter, hooks)
+    logger.info("fused attention on %d of %d blocks", install_fused_tower(adapter, hooks), len(tower.blocks))
     variants = {"fused": None, "transformers": None}
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
 
