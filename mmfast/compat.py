@@ -524,3 +524,46 @@ def align_static(cache, layers: range, q: int) -> int:
         if lay.capacity < cap:
             lay._grow(cap)
     return lays[0].capacity
+
+
+# --------------------------------------------------------------------------- Qwen-VL vision attention
+# (section owned by mmfast/models/qwen_tower.py: the fused tower attention)
+
+#: transformers 5.22 / 5.23: the vision attention class of each Qwen-VL tower (modeling module, class).
+#: Each computes ``qkv`` -> [S, 3, heads, head_dim], rotates q / k with its module's
+#: ``apply_rotary_pos_emb_vision(q, k, cos, sin)``, attends within the chunks of ``cu_seqlens``
+#: (a Python loop of one call per chunk unless the implementation is flash) and applies ``proj``;
+#: ``forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)`` returns [S, D].
+_QWEN_VISION_ATTENTION = {
+    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "VisionAttention"),
+    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLVisionAttention"),
+    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionAttention"),
+}
+
+
+def qwen_vision_attention(family: str) -> tuple[type, Callable] | None:
+    """(vision attention class, its rotary function ``apply_rotary_pos_emb_vision``) of a Qwen-VL
+    family, or None when this transformers lays the tower out differently (then the tower runs as
+    transformers ships it)."""
+    import importlib
+
+    where = _QWEN_VISION_ATTENTION.get(family)
+    if where is None:
+        return None
+    module = importlib.import_module(where[0])
+    cls = getattr(module, where[1], None)
+    rotary = getattr(module, "apply_rotary_pos_emb_vision", None)
+    if cls is None or rotary is None:
+        return None
+    return cls, rotary
+
+
+def qwen_vision_attention_matches(module) -> bool:
+    """Whether a vision attention instance has the parts the fused forward reads."""
+    return all(hasattr(module, a) for a in ("qkv", "proj", "num_heads", "scaling", "config"))
+
+
+def vision_attn_implementation(module) -> str:
+    """The attention implementation a vision attention module runs now (read at every call: the
+    probe switches it inside a session)."""
+    return module.config._attn_implementation

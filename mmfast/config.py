@@ -304,6 +304,9 @@ class ModelConfig:
     device: str = opt("auto", doc="auto | cpu | cuda | cuda:N (ignored with device_map)")
     device_map: str | None = opt(None, doc="passed to from_pretrained, e.g. 'auto' for multi-GPU placement")
     attn_implementation: Literal["sdpa", "eager"] = opt("sdpa", doc="attention kernels; scores come from the probe")
+    fused_vision_attention: bool = opt(
+        True, doc="Qwen-VL towers: one batched sdpa call per chunk length instead of one per window / image "
+                  "(equal within float tolerance; mmfast/models/qwen_tower.py); false runs transformers' loop")
     revision: str | None = opt(None, doc="hub revision")
     offload_folder: str | None = opt(None, doc="disk offload folder for device_map placement")
     max_memory: dict[int | str, str] | None = opt(None, doc="per-device memory caps for device_map, e.g. {0: 20GiB, cpu: 60GiB}")
@@ -584,13 +587,20 @@ class Recipe:
         section says where results go and whether to replace them, not what they are: it is left out,
         so rerunning a command without ``output.overwrite`` resumes what a run with it started."""
         what = {k: v for k, v in self.to_dict().items() if k != "output"}
-        if what["model"].get("compile") == "off":  # the default path: hashes of recipes from before the key stay
-            del what["model"]["compile"]
+        for key, default in _MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT.items():
+            if what["model"].get(key) == default:  # hashes of recipes from before the key stay
+                del what["model"][key]
         blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def replace(self, **changes: Any) -> Recipe:
         return dataclasses.replace(self, **changes)
+
+
+#: ``model`` keys added after runs were committed, left out of :meth:`Recipe.hash` at their defaults so
+#: that those runs still resume: the static cache (off) and the fused Qwen tower attention (on: equal to
+#: transformers' per-window loop within float tolerance, and LLaVA-family models have no such tower).
+_MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT: dict[str, Any] = {"compile": "off", "fused_vision_attention": True}
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from .errors import ConfigError, IncompatibleRecipeError, InputError
 from .hooks import AttentionProbe, HookSession
 from .model import MMModel, PreparedBatch
 from .models.base import LMInputs, VisionBatch, build_lm_inputs
+from .models.qwen_tower import install_fused_tower
 from .registry import DECODERS, DRAFTERS, PRUNERS
 from .runtime import LMRunner
 
@@ -106,6 +107,8 @@ class Session:
             problem = check_model(recipe, self.adapter)
             if problem:
                 raise IncompatibleRecipeError(f"{problem} (model {mm.name})")
+            if recipe.model.fused_vision_attention:
+                install_fused_tower(self.adapter, self.hooks)
             self.pruners = [self._make_pruner(i, spec) for i, spec in enumerate(recipe.pruning)]
             self._tower_per_image = any(caps_of(type(p), p.config).tower_per_image for p in self.pruners)
             self.decoder = DECODERS.get(recipe.decoding.method).cls(recipe.decoding.params, self.ctx)

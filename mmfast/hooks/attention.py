@@ -26,6 +26,11 @@ from .. import compat
 _BASES = ("sdpa", "eager")
 
 
+def is_probed(module: nn.Module) -> bool:
+    """Whether the probe wrapper records or overrides ``module``'s attention (else it passes through)."""
+    return getattr(module, "_mmfast_attn", None) is not None
+
+
 def probe_name(base: str) -> str:
     if base.startswith(compat.PROBE_PREFIX):
         return base
