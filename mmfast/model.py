@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -269,20 +268,30 @@ def _check_local_files(path: Path) -> None:
         )
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+def _hub_error(timeout: float = 3.0) -> str | None:
+    """Why the hub (``HF_ENDPOINT``) does not answer an HTTP request, or None when it does.
+
+    Asked through huggingface_hub's own session, the one downloads use: it honours ``HTTPS_PROXY`` /
+    ``HTTP_PROXY`` / ``NO_PROXY`` and a client factory the user installed (``set_client_factory``), so a
+    cluster that reaches the hub through a proxy is not told that the hub is unreachable. Any HTTP answer,
+    even an error status, means the hub is reachable.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     url = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
     try:
-        port = url.port or (80 if url.scheme == "http" else 443)
+        url.port
     except ValueError:
         raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} has an invalid port; use e.g. http://host:8080") from None
     if not url.hostname:
         raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} names no host; use e.g. https://hf-mirror.example.org")
     try:
-        socket.create_connection((url.hostname, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+        get_session().head(url.geturl(), timeout=timeout)
+    except Exception as exc:  # the session's transport errors (connection, proxy, timeout, TLS), named to the user
+        return f"{url.geturl()}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def _pick_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
@@ -367,12 +376,14 @@ def load(
             if offline:
                 raise ModelLoadError(
                     f"{path!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it "
-                    "on a machine with network access (huggingface-cli download ...) or pass a local directory"
+                    f"on a machine with network access (hf download {path}{f' --revision {revision}' if revision else ''}) "
+                    "or pass a local directory"
                 ) from None
-            if not _hub_reachable():
+            why = _hub_error()
+            if why is not None:
                 raise ModelLoadError(
-                    f"cannot reach the Hugging Face hub to download {path!r}; check the network or "
-                    "HF_ENDPOINT, or pass a local directory written by save_pretrained"
+                    f"cannot reach the Hugging Face hub to download {path!r} ({why}); check the network, "
+                    "HTTPS_PROXY or HF_ENDPOINT, or pass a local directory written by save_pretrained"
                 ) from None
     try:
         config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
