@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -30,6 +31,8 @@ from typing import Any, Literal, Union
 import yaml
 
 from .errors import ConfigError, InputError, UnknownMethodError
+
+logger = logging.getLogger(__name__)
 
 _MISSING = dataclasses.MISSING
 
@@ -777,10 +780,20 @@ RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 def resolve_recipe_path(source: str | os.PathLike) -> Path:
     """A recipe file: a path, else a name (``world_eval``, ``bench/pruning``) under ``./configs`` or
-    among the recipes shipped in the package (``mmfast list recipes``)."""
+    among the recipes shipped in the package (``mmfast list recipes``).
+
+    A ``configs/...`` path that does not exist here (the README's commands, run from an installed wheel
+    rather than a checkout, where ``configs`` links to the package's recipes) is the shipped recipe of
+    that name."""
     path = Path(source)
     if path.is_file():
         return path
+    if not path.exists() and len(path.parts) > 1 and path.parts[0] == "configs":
+        name = Path(*path.parts[1:])
+        shipped = RECIPES_DIR / (name if name.suffix in (".yaml", ".yml") else name.with_name(f"{name.name}.yaml"))
+        if shipped.is_file():
+            logger.info("%s is not in %s; using the shipped recipe %s", source, Path.cwd(), shipped.relative_to(RECIPES_DIR).with_suffix(""))
+            return shipped
     for root in (Path.cwd() / "configs", RECIPES_DIR):
         for cand in (root / str(source), root / f"{source}.yaml"):
             if cand.is_file():

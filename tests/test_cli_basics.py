@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import mmfast
+from mmfast.errors import InputError
 
 
 def _run(code: str) -> str:
@@ -46,6 +49,21 @@ def test_shipped_recipes_resolve_by_name_from_anywhere(tmp_path):
     assert out.returncode == 0 and "recipe hash" in out.stdout
     out = subprocess.run([sys.executable, "-m", "mmfast", "list", "recipes"], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0 and "world_eval" in out.stdout and "pruning:" not in out.stdout
+
+
+def test_readme_configs_paths_work_outside_a_checkout(tmp_path, monkeypatch):
+    # the README's commands name configs/...; an installed wheel has no configs/ beside the user
+    from mmfast.config import RECIPES_DIR, load_recipe, resolve_recipe_path
+
+    out = subprocess.run([sys.executable, "-m", "mmfast", "validate", "configs/examples/fastv_64.yaml", "--set", "pruning[0].params.keep=32"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and "recipe hash" in out.stdout, out.stderr
+    assert "using the shipped recipe examples/fastv_64" in out.stderr
+    assert resolve_recipe_path("./configs/bench/pruning") == RECIPES_DIR / "bench" / "pruning.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("configs/world_eval.yaml").name == "world_eval"
+    with pytest.raises(InputError, match="recipe 'configs/no_such.yaml' not found"):
+        load_recipe("configs/no_such.yaml")
 
 
 def test_wheel_carries_recipes_and_the_embedded_model(tmp_path):
