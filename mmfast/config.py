@@ -703,14 +703,23 @@ def _override_keys(dotted: str) -> list[str | int]:
     return keys
 
 
-def _apply_override(data: dict, dotted: str, value: Any) -> None:
-    """Set ``dotted`` (``a.b``, ``a[i].b``) in ``data``: missing mappings are created, lists are
-    indexed within range, and a key below a scalar is refused (it would silently replace it)."""
+def _is_index(key: str | int) -> bool:
+    return isinstance(key, int) or re.fullmatch(r"-?\d+", key) is not None
+
+
+def _apply_override(data: dict, dotted: str, value: Any) -> str:
+    """Set ``dotted`` (``a.b``, ``a[i].b``, ``a.i.b``) in ``data``: missing mappings are created, lists
+    are indexed within range, and a key below a scalar is refused (it would silently replace it). A
+    number between dots indexes a list (``pruning.0.params.keep``, as lmms-eval's ``--model_args`` write
+    it) and is a key in a mapping. Returns the key's path as config errors spell it (``pruning[0].params.keep``)."""
     keys = _override_keys(dotted)
     node: Any = data
     where = ""
     for i, k in enumerate(keys):
         last = i == len(keys) - 1
+        if isinstance(node, list) and _is_index(k):
+            k = int(k)
+            k = k + len(node) if -len(node) <= k < 0 else k
         label = f"{where}[{k}]" if isinstance(k, int) else _join(where, k)
         if isinstance(k, int):
             if not isinstance(node, list):
@@ -724,7 +733,7 @@ def _apply_override(data: dict, dotted: str, value: Any) -> None:
             raise InputError(f"override {dotted!r}: {where} is {node!r}, not a mapping, so it has no key {k!r}")
         if last:
             node[k] = value
-            return
+            return label
         child = node[k] if isinstance(k, int) else node.get(k)
         if child is None and isinstance(keys[i + 1], int):
             raise InputError(
@@ -758,6 +767,7 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         if not isinstance(data, dict):
             raise InputError(f"{path}: a recipe must be a YAML mapping")
         data.setdefault("name", path.stem)
+    overridden: dict[str, str] = {}  # the path each override set -> the override as given
     for item in overrides or []:
         if "=" not in item:
             raise InputError(f"override {item!r} must look like key.path=value")
@@ -766,11 +776,18 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
             value = parse_yaml(raw)
         except yaml.YAMLError as exc:
             raise InputError(f"override {item!r}: the value is not valid YAML ({yaml_problem(exc)}); quote it or fix the syntax") from None
-        _apply_override(data, key.strip(), value)
+        overridden[_apply_override(data, key.strip(), value)] = item
     try:
         return from_dict(Recipe, data, "")
     except ConfigError as exc:
-        if exc.source is None and label != "<dict>":
+        if exc.source is not None:
+            raise
+        # an error at or below a key an override set names the override, not the recipe file
+        culprit = next((item for path, item in reversed(overridden.items())
+                        if exc.path == path or exc.path.startswith((f"{path}.", f"{path}["))), None)
+        if culprit is not None:
+            raise ConfigError(exc.path, exc.detail, source=f"override {culprit!r}") from None
+        if label != "<dict>":
             raise ConfigError(exc.path, exc.detail, source=label) from None
         raise
 
