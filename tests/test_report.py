@@ -8,7 +8,7 @@ import pytest
 
 from mmfast.cli import main
 from mmfast.errors import InputError
-from mmfast.report import write_report
+from mmfast.report import EVAL_HEADER, write_report
 
 
 def _eval_summary(tmp_path, name, tokens, f1, chair_i, decoding="greedy", fingerprint="aaaa"):
@@ -106,6 +106,38 @@ def test_report_tables_carry_n_and_intervals(tmp_path):
     assert value == pytest.approx(pope["mean_f1"], abs=5e-4) and lo <= value <= hi and hi - lo > 0.02
     assert row.split("|")[9].strip() == "120"
     assert "percentile bootstrap" in md
+
+
+def test_report_names_the_pope_files_counts_tokens_and_renders_markdown_in_html(tmp_path):
+    """The same model on two POPE file versions gives two rows that say which; token counts are counts;
+    the HTML renders the markdown (code spans, no raw backticks) and escapes raw HTML."""
+    old, _ = _pope_run(tmp_path, "on_v1", 0.9)
+    new, _ = _pope_run(tmp_path, "on_official", 0.8)
+    coco, _ = _pope_run(tmp_path, "on_coco", 0.8)
+    files = {"random": {"sha256": "16bd38e487d12aded", "known_version": None}}
+    for run, pope in ((old, {"files": files}), (new, {"files": files, "world_version": "official"}),
+                      (coco, {"files": files})):
+        s = json.loads((run / "summary.json").read_text())
+        s["protocol"]["tasks"]["pope"].update(pope)
+        s["protocol"]["recipe"] = {"eval": {"data": {"dataset": "coco" if run is coco else "world"}}}
+        s["accounting"]["mean_vision_tokens_layer_avg"] = 319.5
+        (run / "summary.json").write_text(json.dumps(s))
+    bench = _bench_dir(tmp_path, [("baseline", 0.9), ("vcd", 0.8)])
+    out = tmp_path / "rep"
+    md = write_report([str(old), str(new), str(coco), str(bench)], str(out)).read_text()
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]] for ln in md.splitlines() if ln.startswith("| on_")}
+    col = EVAL_HEADER.index("POPE files")
+    assert (rows["on_v1"][col], rows["on_official"][col], rows["on_coco"][col]) == ("world v1", "world official", "random 16bd38e4")
+    assert rows["on_v1"][2:4] == ["576", "319.5"]  # not 576.000
+    html = (out / "report.html").read_text()
+    assert "<p>Command: <code>x</code></p>" in html and "`" not in html  # projected_7b.md
+    assert "<td>576</td><td>319.5</td>" in html.replace("\n", "")
+
+
+def test_report_html_escapes_raw_html(tmp_path):
+    run, _ = _pope_run(tmp_path, "x<script>", 0.9)
+    html = (write_report([str(run)], str(tmp_path / "rep")).parent / "report.html").read_text()
+    assert "<script>" not in html and "x&lt;script&gt;" in html
 
 
 def _bench_dir(tmp_path, runs):
