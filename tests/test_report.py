@@ -252,3 +252,35 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     assert read_records(tmp_path / "variants" / "divprune-64")
     assert rows[0][header.index("margin over random [paired 95% CI]")] == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
     assert any("mustdrop-64 left out of budget 64" in n for n in notes)
+
+
+def test_sixteen_plot_series_all_look_different(tmp_path, monkeypatch):
+    """The pruning plot has 16 method families; matplotlib's 10 default colours drew DivPrune and VisionZip alike."""
+    import matplotlib.axes
+
+    from mmfast.bench.plots import labelled_points, scatter_lines
+
+    drawn = []
+    plot, errorbar = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.errorbar
+
+    def record(self, *args, **kwargs):
+        lines = plot(self, *args, **kwargs)
+        drawn.extend((ln.get_label(), ln.get_color(), ln.get_marker(), ln.get_linestyle()) for ln in lines)
+        return lines
+
+    def record_points(self, *args, **kwargs):
+        c = errorbar(self, *args, **kwargs)
+        drawn.append((kwargs["label"], c.lines[0].get_color(), c.lines[0].get_marker(), "points"))
+        return c
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
+    names = [f"method{i:02d}" for i in range(16)]
+    assert scatter_lines(tmp_path / "a.png", [(f"{n}-{k}", k, i + k / 1000) for i, n in enumerate(names) for k in (64, 128)],
+                         "tokens", "F1", "t")
+    lines = [d for d in drawn if d[0] in names]
+    assert len(lines) == 16 and len({d[1:] for d in lines}) == 16
+    drawn.clear()
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", record_points)
+    assert labelled_points(tmp_path / "b.png", [(n, i, i, None, None) for i, n in enumerate(names)], "x", "y", "t")
+    assert len(drawn) == 16 and len({d[1:3] for d in drawn}) == 16
