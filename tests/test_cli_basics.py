@@ -77,3 +77,25 @@ def test_wheel_carries_recipes_and_the_embedded_model(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "mmfast/recipes/world_eval.yaml" in names and "mmfast/recipes/bench/pruning.yaml" in names
     assert "mmfast/assets/tiny-world/config.json" in names
+
+
+def test_quiet_hides_transformers_loading_bar(tiny_dir, images, tmp_path, capfd, monkeypatch):
+    import transformers.utils.logging
+    from huggingface_hub.utils import enable_progress_bars
+
+    from mmfast.cli import main
+
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # restored afterwards, as are the bars below
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{name: {tiny_dir}, device: cpu}}\n")
+    images[0].save(tmp_path / "a.png")
+    cmd = ["run", str(recipe), "--image", str(tmp_path / "a.png"), "--prompt", "Describe.", "--max-new-tokens", "1"]
+    try:
+        transformers.utils.logging.enable_progress_bar()
+        assert main(cmd) == 0
+        assert "Loading weights" in capfd.readouterr().err  # the bar this test looks for
+        assert main(["-q", *cmd]) == 0
+        assert "Loading weights" not in capfd.readouterr().err
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+        enable_progress_bars()
