@@ -307,8 +307,8 @@ def _pick_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 
 def load(
     name_or_path: str | os.PathLike | Any = DEFAULT_MODEL,
-    *,
     processor: Any = None,
+    *,
     device: str | None = None,
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
@@ -327,7 +327,8 @@ def load(
         device: ``auto`` (the default: cuda if available), ``cpu``, ``cuda``, ``cuda:N``; ignored with
             ``device_map``. With a loaded model: moves it there; unset keeps it where it is.
         dtype: ``float32`` (the default), ``bfloat16``, ``float16`` or ``auto``. With a loaded model:
-            casts it; unset keeps its dtype.
+            casts it in place (``model.to``: the caller's model changes too, with a warning); unset keeps
+            its dtype.
         attn_implementation: ``sdpa`` (the default) or ``eager``; with a loaded model, set it when loading.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a 13B model over GPUs).
         revision: hub revision.
@@ -336,7 +337,7 @@ def load(
     Example::
 
         model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
-        mm = mmfast.load(model, processor=AutoProcessor.from_pretrained(path))
+        mm = mmfast.load(model, AutoProcessor.from_pretrained(path))
     """
     if isinstance(name_or_path, torch.nn.Module):
         given = {"attn_implementation": attn_implementation, "device_map": device_map, "revision": revision,
@@ -491,7 +492,14 @@ def _wrap_loaded(model: torch.nn.Module, processor: Any, *, device: str | None, 
         _check_device(device)
         model = model.to(device)
     if dtype is not None:
-        model = model.to(_pick_dtype(dtype, str(model.device)))
+        target = _pick_dtype(dtype, str(model.device))
+        if target != model.dtype:
+            logger.warning(
+                "dtype=%s casts your %s in place, from %s: the model you passed is now %s too (a copy would double "
+                "its memory); load it with from_pretrained(..., dtype=...) instead to keep the original",
+                dtype, type(model).__name__, model.dtype, target,
+            )
+            model = model.to(target)
     name = getattr(model, "name_or_path", "") or type(model).__name__
     logger.info("using loaded %s (%s, %s)", name, model.device, model.dtype)
     return MMModel(model, processor, str(name))
