@@ -317,7 +317,8 @@ class DecodingConfig:
     method: str = "greedy"
     params: Any = None
     max_new_tokens: int = opt(64, lo=1, hi=8192, doc="tokens generated per answer")
-    seed: int = opt(0, lo=0, doc="seed for sampling-based decoders and random transforms")
+    seed: int | None = opt(None, lo=0, doc="seed for sampling-based decoders and random transforms; unset: evaluations "
+                           "and benches use 0, generate() without seed= follows torch's global RNG")
 
     @classmethod
     def _from_recipe(cls, data: Any, path: str) -> DecodingConfig:
@@ -343,7 +344,7 @@ class DecodingConfig:
 @dataclass(frozen=True)
 class _DecodingScalars:
     max_new_tokens: int = opt(64, lo=1, hi=8192)
-    seed: int = opt(0, lo=0)
+    seed: int | None = opt(None, lo=0)
 
 
 @dataclass(frozen=True)
@@ -548,6 +549,8 @@ class Recipe:
         section says where results go and whether to replace them, not what they are: it is left out,
         so rerunning a command without ``output.overwrite`` resumes what a run with it started."""
         what = {k: v for k, v in self.to_dict().items() if k != "output"}
+        if what["decoding"]["seed"] is None:  # an unset seed evaluates as 0: the same results, the same hash
+            what["decoding"] = {**what["decoding"], "seed": 0}
         blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
