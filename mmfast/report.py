@@ -168,9 +168,11 @@ def metrics_table(metrics: dict[str, Any]) -> str:
 
 
 def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
-    """The model a benchmark measured: its own record, else the fingerprints of its variant runs."""
+    """The model a benchmark measured: its own record, else the fingerprints of its variant runs. A
+    checkpoint loaded from a local path is named by its weights only (the path was the machine's)."""
     if s.get("model"):
-        return f"`{s['model']['name']}` (weights `{s['model']['weights_fingerprint']}`)"
+        name = "a local checkpoint" if _local_model(s) else f"`{s['model']['name']}`"
+        return f"{name} (weights `{s['model']['weights_fingerprint']}`)"
     fps = set()
     for sub in sorted(run.glob("variants/*/summary.json")):
         fp = _read_json(sub).get("protocol", {}).get("weights_fingerprint")
@@ -182,6 +184,13 @@ def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
 def _is_count(column: str) -> bool:
     """A column of token counts ("vision tok", "layer-avg tok", "new tokens"): no three decimals."""
     return any(w in ("tok", "tokens") for w in column.lower().replace("@", " ").split())
+
+
+def _local_model(s: dict[str, Any]) -> str | None:
+    """The local path a bench loaded its model from (``./ckpt``, ``/data/m``), or None for a hub id or an
+    embedded name."""
+    name = str((s.get("model") or {}).get("name") or "")
+    return name if name.startswith((".", "/", "~")) else None
 
 
 def _fmt(v: Any, column: str = "") -> str:
@@ -278,7 +287,10 @@ def write_report(runs: list[str], output: str) -> Path:
             notes = [n for n in notes if not n.startswith("95% CI:") and not n.startswith("no interval for")] + interval_notes(intervals)
         if notes:
             md += [f"- {n}" for n in notes] + [""]
-        for name, lines in _side_tables(run):
+        local = _local_model(s)
+        for _, lines in _side_tables(run):
+            if local:  # its recorded command names the path
+                lines = [ln.replace(local, "<local checkpoint>") for ln in lines]
             md += [*_demote(lines), ""]
         speed = [(n, r["ratios"].get("prefill_speedup") or r["ratios"].get("speedup")) for n, r in s["results"].items() if r.get("ratios")]
         speed = [(n, v) for n, v in speed if v is not None]

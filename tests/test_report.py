@@ -66,6 +66,17 @@ def test_report_names_the_weights_of_every_run(tmp_path):
     assert "Model: weights `1111` (from its variant runs)" in md
 
 
+def test_report_names_a_local_checkpoint_by_its_weights_not_its_path(tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "summary.json").write_text(json.dumps({
+        "header": ["variant"], "rows": [["baseline"]], "results": {}, "model": {"name": ".dev/r12B", "weights_fingerprint": "2222"}}))
+    (bench / "projected_7b.md").write_text("# P\n\nCommand: `mmfast bench b.yaml --set model.name=.dev/r12B`\n")
+    md = write_report([str(bench)], str(tmp_path / "rep")).read_text()
+    assert ".dev/r12B" not in md and ".dev/r12B" not in (tmp_path / "rep" / "report.html").read_text()
+    assert "Model: a local checkpoint (weights `2222`)" in md and "--set model.name=<local checkpoint>`" in md
+
+
 def _pope_run(tmp_path, name, p_right, n=40, with_ci=False):
     """An eval run dir with POPE records (and a summary from the task's own scoring)."""
     import random
