@@ -42,8 +42,8 @@ lmms-setup: $(LMMS_VENV)/.installed
 $(LMMS_VENV)/.installed: pyproject.toml
 	test -x $(LMMS_PY) || $(PYTHON) -m venv $(LMMS_VENV)
 	$(LMMS_PY) -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-	$(LMMS_PY) -m pip install -q "lmms-eval==0.7.3"
-	$(LMMS_PY) -m pip install -q -e ".[test]"
+	$(LMMS_PY) -m pip install -q "lmms-eval==0.7.3" "filelock<4"
+	$(LMMS_PY) -m pip install -q -e ".[test,lmms]"
 	touch $@
 
 test-lmms: lmms-setup

@@ -170,7 +170,7 @@ def _cmd_run(args) -> int:
     mm = load_model(recipe.model)
     images = args.image if len(args.image) > 1 else args.image[0]
     with apply(mm, recipe) as session:
-        result = session.generate([images], [args.prompt], max_new_tokens=args.max_new_tokens)[0]
+        result = session.generate([images], [args.prompt], max_new_tokens=args.max_new_tokens, seed=recipe.decoding.seed or 0)[0]
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -284,6 +284,20 @@ COMMANDS = {
 }
 
 
+def _quiet_progress_bars() -> None:
+    """``-q``: no progress bars from transformers ("Loading weights") or huggingface_hub either. The
+    variable covers them when imported later (and in worker processes); already imported, they are told."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "transformers" in sys.modules:
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
+        import huggingface_hub.utils
+
+        huggingface_hub.utils.disable_progress_bars()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from .errors import MMFastError
 
@@ -295,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    if args.quiet:
+        _quiet_progress_bars()
     from .eval.distributed import Terminated, is_worker, watch_parent  # stdlib + yaml only: no torch
 
     watch_parent()

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -30,6 +31,8 @@ from typing import Any, Literal, Union
 import yaml
 
 from .errors import ConfigError, InputError, UnknownMethodError
+
+logger = logging.getLogger(__name__)
 
 _MISSING = dataclasses.MISSING
 
@@ -338,7 +341,8 @@ class DecodingConfig:
     method: str = "greedy"
     params: Any = None
     max_new_tokens: int = opt(64, lo=1, hi=8192, doc="tokens generated per answer")
-    seed: int = opt(0, lo=0, doc="seed for sampling-based decoders and random transforms")
+    seed: int | None = opt(None, lo=0, doc="seed for sampling-based decoders and random transforms; unset: evaluations "
+                           "and benches use 0, generate() without seed= follows torch's global RNG")
 
     @classmethod
     def _from_recipe(cls, data: Any, path: str) -> DecodingConfig:
@@ -364,7 +368,7 @@ class DecodingConfig:
 @dataclass(frozen=True)
 class _DecodingScalars:
     max_new_tokens: int = opt(64, lo=1, hi=8192)
-    seed: int = opt(0, lo=0)
+    seed: int | None = opt(None, lo=0)
 
 
 @dataclass(frozen=True)
@@ -590,6 +594,8 @@ class Recipe:
         for key, default in _MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT.items():
             if what["model"].get(key) == default:  # hashes of recipes from before the key stay
                 del what["model"][key]
+        if what["decoding"]["seed"] is None:  # an unset seed evaluates as 0: the same results, the same hash
+            what["decoding"] = {**what["decoding"], "seed": 0}
         blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -766,14 +772,23 @@ def _override_keys(dotted: str) -> list[str | int]:
     return keys
 
 
-def _apply_override(data: dict, dotted: str, value: Any) -> None:
-    """Set ``dotted`` (``a.b``, ``a[i].b``) in ``data``: missing mappings are created, lists are
-    indexed within range, and a key below a scalar is refused (it would silently replace it)."""
+def _is_index(key: str | int) -> bool:
+    return isinstance(key, int) or re.fullmatch(r"-?\d+", key) is not None
+
+
+def _apply_override(data: dict, dotted: str, value: Any) -> str:
+    """Set ``dotted`` (``a.b``, ``a[i].b``, ``a.i.b``) in ``data``: missing mappings are created, lists
+    are indexed within range, and a key below a scalar is refused (it would silently replace it). A
+    number between dots indexes a list (``pruning.0.params.keep``, as lmms-eval's ``--model_args`` write
+    it) and is a key in a mapping. Returns the key's path as config errors spell it (``pruning[0].params.keep``)."""
     keys = _override_keys(dotted)
     node: Any = data
     where = ""
     for i, k in enumerate(keys):
         last = i == len(keys) - 1
+        if isinstance(node, list) and _is_index(k):
+            k = int(k)
+            k = k + len(node) if -len(node) <= k < 0 else k
         label = f"{where}[{k}]" if isinstance(k, int) else _join(where, k)
         if isinstance(k, int):
             if not isinstance(node, list):
@@ -787,7 +802,7 @@ def _apply_override(data: dict, dotted: str, value: Any) -> None:
             raise InputError(f"override {dotted!r}: {where} is {node!r}, not a mapping, so it has no key {k!r}")
         if last:
             node[k] = value
-            return
+            return label
         child = node[k] if isinstance(k, int) else node.get(k)
         if child is None and isinstance(keys[i + 1], int):
             raise InputError(
@@ -821,6 +836,7 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         if not isinstance(data, dict):
             raise InputError(f"{path}: a recipe must be a YAML mapping")
         data.setdefault("name", path.stem)
+    overridden: dict[str, str] = {}  # the path each override set -> the override as given
     for item in overrides or []:
         if "=" not in item:
             raise InputError(f"override {item!r} must look like key.path=value")
@@ -829,11 +845,18 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
             value = parse_yaml(raw)
         except yaml.YAMLError as exc:
             raise InputError(f"override {item!r}: the value is not valid YAML ({yaml_problem(exc)}); quote it or fix the syntax") from None
-        _apply_override(data, key.strip(), value)
+        overridden[_apply_override(data, key.strip(), value)] = item
     try:
         return from_dict(Recipe, data, "")
     except ConfigError as exc:
-        if exc.source is None and label != "<dict>":
+        if exc.source is not None:
+            raise
+        # an error at or below a key an override set names the override, not the recipe file
+        culprit = next((item for path, item in reversed(overridden.items())
+                        if exc.path == path or exc.path.startswith((f"{path}.", f"{path}["))), None)
+        if culprit is not None:
+            raise ConfigError(exc.path, exc.detail, source=f"override {culprit!r}") from None
+        if label != "<dict>":
             raise ConfigError(exc.path, exc.detail, source=label) from None
         raise
 
@@ -843,10 +866,20 @@ RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 def resolve_recipe_path(source: str | os.PathLike) -> Path:
     """A recipe file: a path, else a name (``world_eval``, ``bench/pruning``) under ``./configs`` or
-    among the recipes shipped in the package (``mmfast list recipes``)."""
+    among the recipes shipped in the package (``mmfast list recipes``).
+
+    A ``configs/...`` path that does not exist here (the README's commands, run from an installed wheel
+    rather than a checkout, where ``configs`` links to the package's recipes) is the shipped recipe of
+    that name."""
     path = Path(source)
     if path.is_file():
         return path
+    if not path.exists() and len(path.parts) > 1 and path.parts[0] == "configs":
+        name = Path(*path.parts[1:])
+        shipped = RECIPES_DIR / (name if name.suffix in (".yaml", ".yml") else name.with_name(f"{name.name}.yaml"))
+        if shipped.is_file():
+            logger.info("%s is not in %s; using the shipped recipe %s", source, Path.cwd(), shipped.relative_to(RECIPES_DIR).with_suffix(""))
+            return shipped
     for root in (Path.cwd() / "configs", RECIPES_DIR):
         for cand in (root / str(source), root / f"{source}.yaml"):
             if cand.is_file():

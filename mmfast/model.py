@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -312,20 +311,30 @@ def _check_local_files(path: Path) -> None:
         )
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+def _hub_error(timeout: float = 3.0) -> str | None:
+    """Why the hub (``HF_ENDPOINT``) does not answer an HTTP request, or None when it does.
+
+    Asked through huggingface_hub's own session, the one downloads use: it honours ``HTTPS_PROXY`` /
+    ``HTTP_PROXY`` / ``NO_PROXY`` and a client factory the user installed (``set_client_factory``), so a
+    cluster that reaches the hub through a proxy is not told that the hub is unreachable. Any HTTP answer,
+    even an error status, means the hub is reachable.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     url = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
     try:
-        port = url.port or (80 if url.scheme == "http" else 443)
+        url.port
     except ValueError:
         raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} has an invalid port; use e.g. http://host:8080") from None
     if not url.hostname:
         raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} names no host; use e.g. https://hf-mirror.example.org")
     try:
-        socket.create_connection((url.hostname, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+        get_session().head(url.geturl(), timeout=timeout)
+    except Exception as exc:  # the session's transport errors (connection, proxy, timeout, TLS), named to the user
+        return f"{url.geturl()}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def _pick_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
@@ -341,8 +350,8 @@ def _pick_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 
 def load(
     name_or_path: str | os.PathLike | Any = DEFAULT_MODEL,
-    *,
     processor: Any = None,
+    *,
     device: str | None = None,
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
@@ -361,7 +370,8 @@ def load(
         device: ``auto`` (the default: cuda if available), ``cpu``, ``cuda``, ``cuda:N``; ignored with
             ``device_map``. With a loaded model: moves it there; unset keeps it where it is.
         dtype: ``float32`` (the default), ``bfloat16``, ``float16`` or ``auto``. With a loaded model:
-            casts it; unset keeps its dtype.
+            casts it in place (``model.to``: the caller's model changes too, with a warning); unset keeps
+            its dtype.
         attn_implementation: ``sdpa`` (the default) or ``eager``; with a loaded model, set it when loading.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a 13B model over GPUs).
         revision: hub revision.
@@ -370,7 +380,7 @@ def load(
     Example::
 
         model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
-        mm = mmfast.load(model, processor=AutoProcessor.from_pretrained(path))
+        mm = mmfast.load(model, AutoProcessor.from_pretrained(path))
     """
     if isinstance(name_or_path, torch.nn.Module):
         given = {"attn_implementation": attn_implementation, "device_map": device_map, "revision": revision,
@@ -410,12 +420,14 @@ def load(
             if offline:
                 raise ModelLoadError(
                     f"{path!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it "
-                    "on a machine with network access (huggingface-cli download ...) or pass a local directory"
+                    f"on a machine with network access (hf download {path}{f' --revision {revision}' if revision else ''}) "
+                    "or pass a local directory"
                 ) from None
-            if not _hub_reachable():
+            why = _hub_error()
+            if why is not None:
                 raise ModelLoadError(
-                    f"cannot reach the Hugging Face hub to download {path!r}; check the network or "
-                    "HF_ENDPOINT, or pass a local directory written by save_pretrained"
+                    f"cannot reach the Hugging Face hub to download {path!r} ({why}); check the network, "
+                    "HTTPS_PROXY or HF_ENDPOINT, or pass a local directory written by save_pretrained"
                 ) from None
     try:
         config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
@@ -530,7 +542,14 @@ def _wrap_loaded(model: torch.nn.Module, processor: Any, *, device: str | None, 
         _check_device(device)
         model = model.to(device)
     if dtype is not None:
-        model = model.to(_pick_dtype(dtype, str(model.device)))
+        target = _pick_dtype(dtype, str(model.device))
+        if target != model.dtype:
+            logger.warning(
+                "dtype=%s casts your %s in place, from %s: the model you passed is now %s too (a copy would double "
+                "its memory); load it with from_pretrained(..., dtype=...) instead to keep the original",
+                dtype, type(model).__name__, model.dtype, target,
+            )
+            model = model.to(target)
     name = getattr(model, "name_or_path", "") or type(model).__name__
     logger.info("using loaded %s (%s, %s)", name, model.device, model.dtype)
     return MMModel(model, processor, str(name))

@@ -276,7 +276,10 @@ class Session:
             images: one image (PIL image or path) per prompt, or a list of images per prompt.
             prompts: one string or a list (one per sample); the chat template is applied.
             max_new_tokens: tokens to generate (default: the recipe's ``decoding.max_new_tokens``).
-            seed: sampling seed (default: the recipe's ``decoding.seed``).
+            seed: sampling seed (default: the recipe's ``decoding.seed``); the same seed gives the same
+                answers. With neither, each call draws its seed from torch's global generator, as
+                transformers' ``generate`` samples from it: calls differ, and ``torch.manual_seed(n)``
+                before them repeats them. (Evaluations and benches use ``decoding.seed``, 0 when unset.)
             meta: per-sample dicts; ``meta[b]["doc_id"]`` fixes the sample's random stream.
             decoding: a decoder for this call instead of the recipe's: a name (``"beam"``) or
                 ``{"method": "vcd", "params": {...}}``. Decoders that install hooks (OPERA, VHR, DAMRO)
@@ -300,6 +303,8 @@ class Session:
         if max_new_tokens is None:
             max_new_tokens = args.max_new_tokens
         batch = self.mm.prepare(images, prompts, meta=meta)
+        if seed is None and self.recipe.decoding.seed is None:  # follow torch's global RNG (torch.manual_seed)
+            seed = int(torch.randint(0, 2**62, (1,)).item())
         return self.run(batch, max_new_tokens=max_new_tokens, seed=seed, decoder=decoder, streamer=streamer)
 
     def decoder_for(self, decoding: str | dict[str, Any] | None, keywords: dict[str, Any] | None = None) -> Decoder:
@@ -358,7 +363,8 @@ class Session:
         max_new = self.recipe.decoding.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
             raise InputError(f"max_new_tokens must be a positive integer, got {max_new!r}")
-        seed = self.recipe.decoding.seed if seed is None else seed
+        if seed is None:
+            seed = self.recipe.decoding.seed or 0
         device = self.mm.device
         self.scoring_s = self.runner.scoring_s = self.probe.time_s = self.runner.capture_s = 0.0
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs

@@ -13,7 +13,6 @@ their per-sample records (:func:`mmfast.eval.intervals.run_intervals`).
 
 from __future__ import annotations
 
-import html
 import json
 import logging
 import shutil
@@ -63,13 +62,17 @@ def _short(params: dict[str, Any]) -> str:
 
 
 EVAL_HEADER = ["run", "methods", "vision tok", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1 [95% CI]", "n POPE",
-               "POPE unparsed", "CHAIR_s [95% CI]", "CHAIR_i [95% CI]", "recall [95% CI]", "n CHAIR", "CHAIR degenerate", "weights"]
+               "POPE files", "POPE unparsed", "CHAIR_s [95% CI]", "CHAIR_i [95% CI]", "recall [95% CI]", "n CHAIR",
+               "CHAIR degenerate", "weights"]
 
 
 EVAL_INTERVAL_NOTE = (
     "[95% CI]: POPE mean F1 by a percentile bootstrap resampling images jointly across splits (10000 resamples, seed 0); "
     "CHAIR_s by the Wilson score interval, CHAIR_i and recall by a percentile bootstrap over captions; Wilson of the pooled "
     "counts where every replicate is equal; n POPE = questions over all splits, n CHAIR = captions (mmfast.eval.intervals). "
+    "POPE files: the question files a run answered (the same model scores differently on two versions): world "
+    "files by version (`eval.pope.world_version`; runs that predate it used `v1`), others by their known "
+    "release, else by the first 8 hex digits of each file's sha256. "
     "POPE unparsed / CHAIR degenerate: answers read as neither yes nor no by the official rule / empty, wordless or looping "
     "captions (mmfast.eval.unparsed); over 5% the cell says 'not ranked'."
 )
@@ -108,6 +111,7 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
         *(pope.get(k, {}).get("f1") for k in ("random", "popular", "adversarial")),
         _with_ci(pope.get("mean_f1"), iv.pope, "mean_f1"),
         (iv.pope or {}).get("n") or (sum(v.get("n", 0) for v in pope.values() if isinstance(v, dict)) or None),
+        _pope_files(proto),
         unparsed_cell(bad.pope),
         _with_ci(chair.get("chair_s"), iv.chair, "chair_s"),
         _with_ci(chair.get("chair_i"), iv.chair, "chair_i"),
@@ -117,6 +121,24 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
         proto.get("weights_fingerprint"),
     ]
     return EvalRow(run.name, acc.get("mean_vision_tokens_layer_avg"), pope.get("mean_f1"), chair.get("chair_i"), chair.get("recall"), iv, cells)
+
+
+def _pope_files(protocol: dict[str, Any]) -> str:
+    """Which POPE question files a run answered: ``world official`` / ``world v1``, a known release, or
+    each split's file by the first 8 hex digits of its sha256; empty for a run without POPE."""
+    pope = (protocol.get("tasks") or {}).get("pope")
+    if not pope:
+        return ""
+    if pope.get("world_version"):
+        return f"world {pope['world_version']}"
+    dataset = ((protocol.get("recipe") or {}).get("eval") or {}).get("data", {}).get("dataset")
+    if dataset == "world":  # written before world_version existed: the v1 files
+        return "world v1"
+    files = pope.get("files") or {}
+    known = [f.get("known_version") for f in files.values()]
+    if known and all(known):
+        return ", ".join(sorted({f"{k['dataset']}@{str(k['commit'])[:8]}" for k in known}))
+    return ", ".join(f"{split} {str(f.get('sha256', ''))[:8]}" for split, f in files.items())
 
 
 def metrics_table(metrics: dict[str, Any]) -> str:
@@ -154,9 +176,11 @@ def metrics_table(metrics: dict[str, Any]) -> str:
 
 
 def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
-    """The model a benchmark measured: its own record, else the fingerprints of its variant runs."""
+    """The model a benchmark measured: its own record, else the fingerprints of its variant runs. A
+    checkpoint loaded from a local path is named by its weights only (the path was the machine's)."""
     if s.get("model"):
-        return f"`{s['model']['name']}` (weights `{s['model']['weights_fingerprint']}`)"
+        name = "a local checkpoint" if _local_model(s) else f"`{s['model']['name']}`"
+        return f"{name} (weights `{s['model']['weights_fingerprint']}`)"
     fps = set()
     for sub in sorted(run.glob("variants/*/summary.json")):
         fp = _read_json(sub).get("protocol", {}).get("weights_fingerprint")
@@ -165,7 +189,21 @@ def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
     return "weights " + ", ".join(f"`{f}`" for f in sorted(fps)) + " (from its variant runs)" if fps else None
 
 
-def _fmt(v: Any) -> str:
+def _is_count(column: str) -> bool:
+    """A column of token counts ("vision tok", "layer-avg tok", "new tokens"): no three decimals."""
+    return any(w in ("tok", "tokens") for w in column.lower().replace("@", " ").split())
+
+
+def _local_model(s: dict[str, Any]) -> str | None:
+    """The local path a bench loaded its model from (``./ckpt``, ``/data/m``), or None for a hub id or an
+    embedded name."""
+    name = str((s.get("model") or {}).get("name") or "")
+    return name if name.startswith((".", "/", "~")) else None
+
+
+def _fmt(v: Any, column: str = "") -> str:
+    if isinstance(v, float) and _is_count(column):
+        return f"{v:.0f}" if v.is_integer() else f"{v:.1f}"  # 576, 319.5
     if isinstance(v, float):
         return f"{v:.3f}"
     return "" if v is None else str(v)
@@ -173,13 +211,7 @@ def _fmt(v: Any) -> str:
 
 def _md_table(header: list[str], rows: list[list[Any]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
-
-
-def _html_table(header: list[str], rows: list[list[Any]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return lines + ["| " + " | ".join(_fmt(v, h) for v, h in zip(r, header)) + " |" for r in rows]
 
 
 def _bench_notes(run: Path) -> list[str]:
@@ -197,35 +229,12 @@ def _side_tables(run: Path) -> list[tuple[str, list[str]]]:
     return [(p.name, p.read_text().splitlines()) for p in sorted(run.glob("*.md")) if p.name not in ("results.md", "README.md")]
 
 
-def _md_to_html(lines: list[str]) -> str:
-    """The markdown mmfast writes (headings, paragraphs, one table, bullet notes) as HTML."""
-    parts: list[str] = []
-    table: list[list[str]] = []
-    items: list[str] = []
+def _to_html(markdown: str) -> str:
+    """The report's markdown as HTML (CommonMark and tables, by markdown-it-py): code spans, emphasis and
+    links render as they do on a forge; raw HTML in the text is escaped, not passed through."""
+    from markdown_it import MarkdownIt
 
-    def flush() -> None:
-        if table:
-            parts.append(_html_table(table[0], table[2:]))
-            table.clear()
-        if items:
-            parts.append("<ul>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>")
-            items.clear()
-
-    for ln in lines:
-        if ln.startswith("|"):
-            table.append([c.strip() for c in ln.strip().strip("|").split("|")])
-            continue
-        if ln.startswith("- "):
-            items.append(ln[2:])
-            continue
-        flush()
-        if ln.startswith("#"):
-            level = min(6, len(ln) - len(ln.lstrip("#")))
-            parts.append(f"<h{level}>{html.escape(ln.lstrip('#').strip())}</h{level}>")
-        elif ln.strip():
-            parts.append(f"<p>{html.escape(ln)}</p>")
-    flush()
-    return "".join(parts)
+    return MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
 
 
 def _demote(lines: list[str]) -> list[str]:
@@ -248,15 +257,12 @@ def write_report(runs: list[str], output: str) -> Path:
         s = _load(run)
         (benches if "results" in s else evals).append((run, s))
     md = ["# mmfast report", ""]
-    parts_html = ["<h1>mmfast report</h1>"]
     images: list[Path] = []
     if evals:
         rows = [_eval_row(run, s) for run, s in evals]
         md += ["## Evaluation runs", "", *_md_table(EVAL_HEADER, [r.cells for r in rows]), ""]
-        parts_html += ["<h2>Evaluation runs</h2>", _html_table(EVAL_HEADER, [r.cells for r in rows])]
         notes = [EVAL_INTERVAL_NOTE] + [n for r in rows for n in r.intervals.notes]
         md += [f"- {n}" for n in notes] + [""]
-        parts_html.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
         pts = [(r.name, r.tokens_layer_avg, r.mean_f1) for r in rows if r.tokens_layer_avg is not None and r.mean_f1 is not None]
         if pts and (p := scatter_lines(out / "accuracy_vs_tokens.png", pts, "layer-averaged vision tokens", "POPE mean F1",
                                        "POPE mean F1 vs vision tokens (evaluation runs)")):
@@ -274,10 +280,8 @@ def write_report(runs: list[str], output: str) -> Path:
             images.append(p)
     for run, s in benches:
         md += [f"## Benchmark: {run.name}", ""]
-        parts_html.append(f"<h2>Benchmark: {html.escape(run.name)}</h2>")
         if model := _bench_model(run, s):
             md += [f"Model: {model}", ""]
-            parts_html.append(f"<p>Model: {html.escape(model)}</p>")
         try:
             kind: str | None = bench_kind(s)
         except InputError:
@@ -287,16 +291,16 @@ def write_report(runs: list[str], output: str) -> Path:
             header, rows = with_intervals(s["header"], s["rows"], intervals) if intervals else (s["header"], s["rows"])
             header, rows = with_unparsed(header, rows, variant_unparsed(run, s["results"])) if intervals else (header, rows)
             md += [*_md_table(header, rows), ""]
-            parts_html.append(_html_table(header, rows))
         notes = _bench_notes(run)
         if intervals:
             notes = [n for n in notes if not n.startswith("95% CI:") and not n.startswith(INTERVAL_NOTE_PREFIX)] + interval_notes(intervals)
         if notes:
             md += [f"- {n}" for n in notes] + [""]
-            parts_html.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
-        for name, lines in _side_tables(run):
+        local = _local_model(s)
+        for _, lines in _side_tables(run):
+            if local:  # its recorded command names the path
+                lines = [ln.replace(local, "<local checkpoint>") for ln in lines]
             md += [*_demote(lines), ""]
-            parts_html.append(_md_to_html(_demote(lines)))
         speed = [(n, r["ratios"].get("prefill_speedup") or r["ratios"].get("speedup")) for n, r in s["results"].items() if r.get("ratios")]
         speed = [(n, v) for n, v in speed if v is not None]
         if speed and (p := bars(out / f"speedup_{run.name}.png", [n for n, _ in speed], [v for _, v in speed], "speedup (x)",
@@ -312,10 +316,10 @@ def write_report(runs: list[str], output: str) -> Path:
     for img in images:
         alt = _title(img) or img.stem
         md += [f"![{alt}]({img.name})", ""]
-        parts_html.append(f'<p><img src="{html.escape(img.name)}" alt="{html.escape(alt)}"></p>')
     (out / "report.md").write_text("\n".join(md) + "\n")
     style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}"
-    (out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{''.join(parts_html)}</body></html>")
+    body = _to_html("\n".join(md))
+    (out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{body}</body></html>")
     logger.info("wrote %s", out / "report.md")
     return out / "report.md"
 

@@ -6,6 +6,7 @@ with); the model-loading cases use the tiny random model of ``conftest.tiny_dir`
 
 from __future__ import annotations
 
+import http.server
 import json
 import time
 from pathlib import Path
@@ -356,30 +357,92 @@ def test_pope_image_paths_stay_in_the_image_dir(tmp_path, name):
     assert load_pope_questions(path)[0].image == "sub/ok.jpg"
 
 
-@pytest.mark.parametrize(
-    ("endpoint", "address"),
-    [("http://mirror.local:8080", ("mirror.local", 8080)), ("https://hf-mirror.com/", ("hf-mirror.com", 443)),
-     ("http://mirror.local", ("mirror.local", 80)), ("https://[::1]:9000", ("::1", 9000))],
-)
-def test_hub_mirror_port(monkeypatch, endpoint, address):
-    import socket
+class _FakeHub(http.server.BaseHTTPRequestHandler):
+    """Answers every HEAD with 200 and records the request line (a hub, a mirror or an HTTP proxy)."""
 
-    from mmfast.model import _hub_reachable
+    def do_HEAD(self) -> None:
+        self.server.seen.append(self.path)
+        self.send_response(200)
+        self.end_headers()
 
-    seen = []
+    def log_message(self, *args) -> None:
+        pass
 
-    class _Conn:
-        def close(self) -> None:
-            pass
 
-    def connect(addr, timeout=None):
-        seen.append(addr)
-        return _Conn()
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """A loopback HTTP server; huggingface_hub online and its session rebuilt from this test's environment."""
+    import threading
+
+    import huggingface_hub.constants
+    from huggingface_hub.utils import close_session
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.lower(), raising=False)
+    close_session()  # the shared client reads the proxy variables when it is built
+    yield server
+    close_session()
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("suffix", ["", "/"])
+def test_hub_check_asks_the_mirror_in_hf_endpoint(fake_hub, monkeypatch, suffix):
+    from mmfast.model import _hub_error
+
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{fake_hub.server_port}{suffix}")
+    assert _hub_error() is None
+    assert fake_hub.seen == ["/"]
+
+
+def test_hub_check_goes_through_the_proxy(fake_hub, monkeypatch):
+    # the hub's host does not resolve here; only the proxy (the loopback server) can answer for it
+    from mmfast.model import _hub_error
+    from huggingface_hub.utils import close_session
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{fake_hub.server_port}")
+    close_session()
+    assert _hub_error() is None
+    assert fake_hub.seen == ["http://hub.invalid/"]  # the absolute URI a client sends to its proxy
+
+
+def test_unreachable_hub_names_the_endpoint_and_the_cause(fake_hub, monkeypatch):
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    closed = fake_hub.server_port
+    fake_hub.shutdown()
+    fake_hub.server_close()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
+    with pytest.raises(ModelLoadError, match=rf"cannot reach the Hugging Face hub to download 'no-org/no-model' "
+                                             rf"\(http://127.0.0.1:{closed}: \w*Error"):
+        mmfast.load("no-org/no-model", device="cpu")
+
+
+@pytest.mark.parametrize(("endpoint", "why"), [("http://mirror.local:80x", "invalid port"), ("http://:8080", "names no host")])
+def test_malformed_hf_endpoint(monkeypatch, endpoint, why):
+    from mmfast.errors import ModelLoadError
+    from mmfast.model import _hub_error
 
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    monkeypatch.setattr(socket, "create_connection", connect)
-    assert _hub_reachable()
-    assert seen == [address]
+    with pytest.raises(ModelLoadError, match=why):
+        _hub_error()
+
+
+def test_offline_cache_miss_names_the_hf_download_command(monkeypatch):
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match=r"\(hf download no-org/no-model --revision v2\)"):
+        mmfast.load("no-org/no-model", device="cpu", revision="v2")
 
 
 # -- method parameters against the model's config, before any weights load --------------------------

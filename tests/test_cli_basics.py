@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import mmfast
+from mmfast.errors import InputError
 
 
 def _run(code: str) -> str:
@@ -48,6 +51,21 @@ def test_shipped_recipes_resolve_by_name_from_anywhere(tmp_path):
     assert out.returncode == 0 and "world_eval" in out.stdout and "pruning:" not in out.stdout
 
 
+def test_readme_configs_paths_work_outside_a_checkout(tmp_path, monkeypatch):
+    # the README's commands name configs/...; an installed wheel has no configs/ beside the user
+    from mmfast.config import RECIPES_DIR, load_recipe, resolve_recipe_path
+
+    out = subprocess.run([sys.executable, "-m", "mmfast", "validate", "configs/examples/fastv_64.yaml", "--set", "pruning[0].params.keep=32"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and "recipe hash" in out.stdout, out.stderr
+    assert "using the shipped recipe examples/fastv_64" in out.stderr
+    assert resolve_recipe_path("./configs/bench/pruning") == RECIPES_DIR / "bench" / "pruning.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("configs/world_eval.yaml").name == "world_eval"
+    with pytest.raises(InputError, match="recipe 'configs/no_such.yaml' not found"):
+        load_recipe("configs/no_such.yaml")
+
+
 def test_wheel_carries_recipes_and_the_embedded_model(tmp_path):
     import zipfile
     from pathlib import Path
@@ -59,3 +77,25 @@ def test_wheel_carries_recipes_and_the_embedded_model(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "mmfast/recipes/world_eval.yaml" in names and "mmfast/recipes/bench/pruning.yaml" in names
     assert "mmfast/assets/tiny-world/config.json" in names
+
+
+def test_quiet_hides_transformers_loading_bar(tiny_dir, images, tmp_path, capfd, monkeypatch):
+    import transformers.utils.logging
+    from huggingface_hub.utils import enable_progress_bars
+
+    from mmfast.cli import main
+
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # restored afterwards, as are the bars below
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{name: {tiny_dir}, device: cpu}}\n")
+    images[0].save(tmp_path / "a.png")
+    cmd = ["run", str(recipe), "--image", str(tmp_path / "a.png"), "--prompt", "Describe.", "--max-new-tokens", "1"]
+    try:
+        transformers.utils.logging.enable_progress_bar()
+        assert main(cmd) == 0
+        assert "Loading weights" in capfd.readouterr().err  # the bar this test looks for
+        assert main(["-q", *cmd]) == 0
+        assert "Loading weights" not in capfd.readouterr().err
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+        enable_progress_bars()

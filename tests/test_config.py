@@ -77,6 +77,39 @@ def test_overrides():
     assert r.decoding.max_new_tokens == 7 and r.model.dtype == "bfloat16"
 
 
+def test_dotted_list_index_as_lmms_model_args_write_it(capsys):
+    # `--set pruning.0.params.keep=32` (the lmms plugin's spelling) is pruning[0].params.keep
+    r = load_recipe("examples/fastv_64", ["pruning.0.params.keep=32", "pruning.-1.params.k=1", "model.max_memory.0=1GiB"])
+    assert (r.pruning[0].params.keep, r.pruning[0].params.k) == (32, 1)
+    assert r.model.max_memory == {"0": "1GiB"}  # a number below a mapping is still a key
+    assert main(["-q", "validate", "examples/fastv_64", "--set", "pruning.0.params.keep=32"]) == 0
+    assert "keep: 32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("item, path", [
+    ("pruning.0.params.keep=abc", "pruning[0].params.keep"),
+    ("pruning[0].params.kep=3", "pruning[0].params.kep"),
+    ("pruning[0]={method: fastv, params: {keep: -1}}", "pruning[0].params.keep"),
+    ("model.dtype=float64", "model.dtype"),
+])
+def test_override_errors_name_the_override_not_the_recipe_file(item, path, capsys):
+    with pytest.raises(ConfigError) as info:
+        load_recipe("examples/fastv_64", ["decoding.max_new_tokens=3", item])
+    assert info.value.source == f"override {item!r}" and info.value.path == path
+    assert main(["-q", "validate", "examples/fastv_64", "--set", item]) == 2
+    err = capsys.readouterr().err
+    assert f"error: override {item!r}: {path}:" in err and "fastv_64.yaml" not in err
+
+
+
+def test_recipe_file_errors_still_name_the_file(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("pruning: [{method: fastv, params: {keep: x}}]\n")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(recipe), ["model.dtype=float32", "pruning[0].params.k=2"])
+    assert info.value.source == str(recipe) and info.value.path == "pruning[0].params.keep"
+
+
 def test_round_trip_dump():
     r = load_recipe({"decoding": {"method": "sample", "params": {"top_p": 0.9}, "seed": 4}})
     again = load_recipe(r.to_dict())

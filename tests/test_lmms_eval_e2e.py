@@ -55,6 +55,11 @@ def _lmms_eval(tmp: Path, recipe: Path, tiny_dir: Path, out: str, launcher: list
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # lmms-eval logs some failures (an import error, an unknown task) and still exits 0
+    if not list((tmp / out).rglob("*_results.json")) or not _samples(tmp / out):
+        pytest.fail(f"lmms-eval exited 0 but wrote no results or samples under {tmp / out} (an error it logged and "
+                    "swallowed; with filelock>=4 it cannot import filelock._api: pip install 'filelock<4'):\n"
+                    + proc.stdout[-3000:] + proc.stderr[-6000:])
     return proc
 
 

@@ -173,6 +173,16 @@ def test_entry_point_declared():
     assert project["project"]["entry-points"]["lmms_eval.models"] == {"mmfast": "mmfast.eval.lmms_plugin:manifest"}
 
 
+def test_lmms_installs_pin_filelock_below_4():
+    # filelock 4 has no filelock._api, which lmms-eval 0.7.3 imports: it then dies and exits 0
+    import tomllib
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "filelock<4" in project["project"]["optional-dependencies"]["lmms"]
+    setup = (root / "Makefile").read_text().split("$(LMMS_VENV)/.installed:", 1)[1].split("\n\n", 1)[0]
+    assert '"filelock<4"' in setup and ".[test,lmms]" in setup
+
+
 def test_plugin_runs_a_recipe(plugin, tiny_dir, task_dict, tiny_mm, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {{name: {tiny_dir}, device: cpu}}\npruning: [{{method: fastv, params: {{keep: 5}}}}]\n")

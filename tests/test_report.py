@@ -8,7 +8,7 @@ import pytest
 
 from mmfast.cli import main
 from mmfast.errors import InputError
-from mmfast.report import write_report
+from mmfast.report import EVAL_HEADER, write_report
 
 
 def _eval_summary(tmp_path, name, tokens, f1, chair_i, decoding="greedy", fingerprint="aaaa"):
@@ -66,6 +66,17 @@ def test_report_names_the_weights_of_every_run(tmp_path):
     assert "Model: weights `1111` (from its variant runs)" in md
 
 
+def test_report_names_a_local_checkpoint_by_its_weights_not_its_path(tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "summary.json").write_text(json.dumps({
+        "header": ["variant"], "rows": [["baseline"]], "results": {}, "model": {"name": ".dev/r12B", "weights_fingerprint": "2222"}}))
+    (bench / "projected_7b.md").write_text("# P\n\nCommand: `mmfast bench b.yaml --set model.name=.dev/r12B`\n")
+    md = write_report([str(bench)], str(tmp_path / "rep")).read_text()
+    assert ".dev/r12B" not in md and ".dev/r12B" not in (tmp_path / "rep" / "report.html").read_text()
+    assert "Model: a local checkpoint (weights `2222`)" in md and "--set model.name=<local checkpoint>`" in md
+
+
 def _pope_run(tmp_path, name, p_right, n=40, with_ci=False):
     """An eval run dir with POPE records (and a summary from the task's own scoring)."""
     import random
@@ -107,6 +118,38 @@ def test_report_tables_carry_n_and_intervals(tmp_path):
     assert row.split("|")[9].strip() == "120"
     assert "| n POPE | POPE unparsed |" in md and row.split("|")[10].strip() == "0/120"  # every answer a yes or a no
     assert "percentile bootstrap" in md
+
+
+def test_report_names_the_pope_files_counts_tokens_and_renders_markdown_in_html(tmp_path):
+    """The same model on two POPE file versions gives two rows that say which; token counts are counts;
+    the HTML renders the markdown (code spans, no raw backticks) and escapes raw HTML."""
+    old, _ = _pope_run(tmp_path, "on_v1", 0.9)
+    new, _ = _pope_run(tmp_path, "on_official", 0.8)
+    coco, _ = _pope_run(tmp_path, "on_coco", 0.8)
+    files = {"random": {"sha256": "16bd38e487d12aded", "known_version": None}}
+    for run, pope in ((old, {"files": files}), (new, {"files": files, "world_version": "official"}),
+                      (coco, {"files": files})):
+        s = json.loads((run / "summary.json").read_text())
+        s["protocol"]["tasks"]["pope"].update(pope)
+        s["protocol"]["recipe"] = {"eval": {"data": {"dataset": "coco" if run is coco else "world"}}}
+        s["accounting"]["mean_vision_tokens_layer_avg"] = 319.5
+        (run / "summary.json").write_text(json.dumps(s))
+    bench = _bench_dir(tmp_path, [("baseline", 0.9), ("vcd", 0.8)])
+    out = tmp_path / "rep"
+    md = write_report([str(old), str(new), str(coco), str(bench)], str(out)).read_text()
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]] for ln in md.splitlines() if ln.startswith("| on_")}
+    col = EVAL_HEADER.index("POPE files")
+    assert (rows["on_v1"][col], rows["on_official"][col], rows["on_coco"][col]) == ("world v1", "world official", "random 16bd38e4")
+    assert rows["on_v1"][2:4] == ["576", "319.5"]  # not 576.000
+    html = (out / "report.html").read_text()
+    assert "<p>Command: <code>x</code></p>" in html and "`" not in html  # projected_7b.md
+    assert "<td>576</td><td>319.5</td>" in html.replace("\n", "")
+
+
+def test_report_html_escapes_raw_html(tmp_path):
+    run, _ = _pope_run(tmp_path, "x<script>", 0.9)
+    html = (write_report([str(run)], str(tmp_path / "rep")).parent / "report.html").read_text()
+    assert "<script>" not in html and "x&lt;script&gt;" in html
 
 
 def _bench_dir(tmp_path, runs):
@@ -303,3 +346,35 @@ def test_eval_metrics_table_shows_unparsed_answers():
     })
     assert "unparsed 100" in next(line for line in table.splitlines() if line.startswith("pope random"))
     assert "degenerate 7" in next(line for line in table.splitlines() if line.startswith("chair"))
+
+
+def test_sixteen_plot_series_all_look_different(tmp_path, monkeypatch):
+    """The pruning plot has 16 method families; matplotlib's 10 default colours drew DivPrune and VisionZip alike."""
+    import matplotlib.axes
+
+    from mmfast.bench.plots import labelled_points, scatter_lines
+
+    drawn = []
+    plot, errorbar = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.errorbar
+
+    def record(self, *args, **kwargs):
+        lines = plot(self, *args, **kwargs)
+        drawn.extend((ln.get_label(), ln.get_color(), ln.get_marker(), ln.get_linestyle()) for ln in lines)
+        return lines
+
+    def record_points(self, *args, **kwargs):
+        c = errorbar(self, *args, **kwargs)
+        drawn.append((kwargs["label"], c.lines[0].get_color(), c.lines[0].get_marker(), "points"))
+        return c
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
+    names = [f"method{i:02d}" for i in range(16)]
+    assert scatter_lines(tmp_path / "a.png", [(f"{n}-{k}", k, i + k / 1000) for i, n in enumerate(names) for k in (64, 128)],
+                         "tokens", "F1", "t")
+    lines = [d for d in drawn if d[0] in names]
+    assert len(lines) == 16 and len({d[1:] for d in lines}) == 16
+    drawn.clear()
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", record_points)
+    assert labelled_points(tmp_path / "b.png", [(n, i, i, None, None) for i, n in enumerate(names)], "x", "y", "t")
+    assert len(drawn) == 16 and len({d[1:3] for d in drawn}) == 16

@@ -4,6 +4,8 @@ it is decoded in (batch size, composition, order: what sharding and data paralle
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mmfast.config import load_recipe
@@ -66,3 +68,28 @@ def test_doc_id_is_the_sample_identity(tiny_mm, images, prompts):
     assert _tokens(tiny_mm, data, same[:1], asked[:1], meta=meta[3:]) == together[3:]
     without = _tokens(tiny_mm, data, same[:2], asked[:2])
     assert without[0] == without[1]  # no id: identical inputs are one sample
+
+
+def test_unseeded_generate_follows_torchs_global_rng(tiny_mm, images, prompts):
+    import torch
+
+    with Session(tiny_mm, load_recipe({"decoding": DECODERS["sample"]})) as s:
+        def draw(**kw):
+            return [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=N_NEW, **kw)]
+
+        torch.manual_seed(3)
+        first, second = draw(), draw()
+        assert first != second  # each call samples anew, as transformers' generate does
+        torch.manual_seed(3)
+        assert draw() == first  # torch.manual_seed repeats them
+        torch.manual_seed(3)
+        seeded = draw(seed=7)
+        torch.manual_seed(4)
+        assert draw(seed=7) == seeded == _tokens(tiny_mm, {"decoding": DECODERS["sample"]}, images[:2], prompts[:2])  # seed= exact
+    # a recipe's decoding.seed is a seed too; an unset one evaluates (and hashes) as 0
+    seeded_recipe = load_recipe({"decoding": {**DECODERS["sample"], "seed": 7}})
+    with Session(tiny_mm, seeded_recipe) as s:
+        torch.manual_seed(5)
+        assert [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=N_NEW)] == seeded
+    unset = load_recipe({"decoding": DECODERS["sample"]})
+    assert unset.decoding.seed is None and unset.hash() == unset.replace(decoding=dataclasses.replace(unset.decoding, seed=0)).hash()

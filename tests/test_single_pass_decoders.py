@@ -19,7 +19,7 @@ def _tokens(mm, images, prompts, decoding, n=6, pruning=None):
     if pruning:
         data["pruning"] = pruning
     with Session(mm, load_recipe(data)) as s:
-        out = s.generate(images, prompts, max_new_tokens=n)
+        out = s.generate(images, prompts, max_new_tokens=n, seed=0)  # sampling decoders: one stream for every call
         return [r.token_ids for r in out], out
 
 

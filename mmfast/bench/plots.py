@@ -35,6 +35,21 @@ def family(name: str) -> str:
     return name.rsplit("-", 1)[0] if "-" in name and name.rsplit("-", 1)[1][:1].isdigit() else name
 
 
+#: matplotlib's ten default colours (tab10); a series past the tenth keeps its colour's hue but changes
+#: line style and marker, so no two of up to 10 x len(MARKERS) series look alike (16 pruning families did)
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+MARKERS = "osD^vP*Xh<>"
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def series_style(i: int) -> dict[str, str]:
+    """The colour, marker and line style of the ``i``-th series of a plot: distinct for every ``i`` below
+    ``len(COLOURS) * len(MARKERS)``."""
+    cycle, colour = divmod(i, len(COLOURS))
+    return {"color": COLOURS[colour], "marker": MARKERS[(colour + cycle * 3) % len(MARKERS)],
+            "linestyle": LINESTYLES[cycle % len(LINESTYLES)]}
+
+
 def scatter_lines(path: Path, points: Sequence[tuple[str, float, float]], xlabel: str, ylabel: str, title: str, baseline: float | None = None) -> Path | None:
     """One line per variant family through its (x, y) points."""
     plt = _plt()
@@ -46,9 +61,9 @@ def scatter_lines(path: Path, points: Sequence[tuple[str, float, float]], xlabel
         if x is None or y is None:
             continue
         fams.setdefault(family(name), []).append((x, y))
-    for fam, pts in sorted(fams.items()):
+    for i, (fam, pts) in enumerate(sorted(fams.items())):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=fam, **series_style(i))
     if baseline is not None:
         ax.axhline(baseline, color="gray", linestyle="--", linewidth=1, label="baseline")
     ax.set_xlabel(xlabel)
@@ -100,13 +115,13 @@ def labelled_points(path: Path, points: Sequence[tuple[str, float, float, tuple[
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=120)
-    markers = "osD^vP*Xh<>"
     for i, (label, x, y, xiv, yiv) in enumerate(points):
         if x is None or y is None:
             continue
         xerr = [[x - xiv[0]], [xiv[1] - x]] if xiv else None
         yerr = [[y - yiv[0]], [yiv[1] - y]] if yiv else None
-        ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt=markers[i % len(markers)], capsize=2, linewidth=0.8, label=label)
+        style = series_style(i)
+        ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt=style["marker"], color=style["color"], capsize=2, linewidth=0.8, label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
