@@ -62,7 +62,7 @@ def _short(params: dict[str, Any]) -> str:
 
 
 EVAL_HEADER = ["run", "methods", "vision tok", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1 [95% CI]", "n POPE",
-               "POPE files", "POPE unparsed", "CHAIR_s [95% CI]", "CHAIR_i [95% CI]", "recall [95% CI]", "n CHAIR",
+               "POPE unparsed", "POPE files", "CHAIR_s [95% CI]", "CHAIR_i [95% CI]", "recall [95% CI]", "n CHAIR",
                "CHAIR degenerate", "weights"]
 
 
@@ -111,8 +111,8 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
         *(pope.get(k, {}).get("f1") for k in ("random", "popular", "adversarial")),
         _with_ci(pope.get("mean_f1"), iv.pope, "mean_f1"),
         (iv.pope or {}).get("n") or (sum(v.get("n", 0) for v in pope.values() if isinstance(v, dict)) or None),
-        _pope_files(proto),
         unparsed_cell(bad.pope),
+        _pope_files(proto),
         _with_ci(chair.get("chair_s"), iv.chair, "chair_s"),
         _with_ci(chair.get("chair_i"), iv.chair, "chair_i"),
         _with_ci(chair.get("recall"), iv.chair, "recall"),
