@@ -261,6 +261,10 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     # the best F1 of all, but its "yes" is "inYes": the official rule's default, not a reading (about half its answers)
     variant("zipvl-64", "zipvl", 64, 64.0, 1.0, yes="inYes")
     assert results["zipvl-64"]["metrics"]["pope"]["mean_f1"] == 1.0
+    # every answer right, but every token still computed in prefill (FLOPs ratio 1): not at the same budget
+    variant("zipvl-tau", "zipvl", 64, 64.0, 1.0)
+    results["zipvl-tau"]["ratios"] = {"flops_ratio": 1.0}
+    results["divprune-64"]["ratios"] = {"flops_ratio": 0.13}
     header, rows, notes = budget_leaders(tmp_path, {"results": results})
     assert len(rows) == 1 and rows[0][0] == 64 and rows[0][1] == "divprune-64"
     assert rows[0][3].startswith("visionzip-64")
@@ -272,6 +276,7 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     assert any("mustdrop-64 left out of budget 64" in n for n in notes)
     assert any(n.startswith("zipvl-64 not ranked at budget 64: 120/240 (50.0%) POPE answers neither yes nor no") and "'inYes'" in n
                for n in notes), notes
+    assert any(n.startswith("zipvl-tau not ranked at budget 64: it computes every vision token in prefill") for n in notes), notes
 
 
 def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():

@@ -11,6 +11,7 @@ import torch
 from mmfast import compat
 from mmfast.config import load_recipe
 from mmfast.errors import ConfigError, IncompatibleRecipeError
+from mmfast.model import ASSETS
 from mmfast.pipeline import Session
 from mmfast.pruning._kv_quant import (
     MixedPrecisionKVLayer,
@@ -27,6 +28,7 @@ from mmfast.pruning.zipvl import (
     probe_rows,
     select_important,
     sparse_attention,
+    with_generating_row,
 )
 
 
@@ -157,6 +159,61 @@ def test_session_sparse_prefill_changes_logits_and_tau1_does_not(tiny_mm, images
     assert not torch.allclose(logits(_recipe(tau=0.8, quantize_kv=False)), base)
     # without sparse prefill, selection + quantisation leave the prefill logits untouched
     assert torch.equal(logits(_recipe(tau=0.8, sparse_prefill=False)), base)
+
+
+def test_generating_row_joins_the_important_set():
+    valid = torch.tensor([[True] * 5, [False, False, True, True, True], [False] * 5])
+    keep = torch.tensor([[True, False, True, False, False], [False, False, False, True, False], [False] * 5])
+    got = with_generating_row(keep, valid)
+    assert got.tolist() == [
+        [True, False, True, False, True],
+        [False, False, False, True, True],
+        [False] * 5,  # no real token, nothing added
+    ]
+    assert keep[0, 4].item() is False  # the input is not edited
+
+
+def test_session_generating_row_attends_at_a_tight_tau(tiny_mm, images, prompts):
+    """Issue 29: at a tight tau the last prompt token (whose output predicts the first answer token) fell
+    into U in every layer, so its attention output was 0 and the first token came from a residual stream
+    that had attended to nothing ("inNo" on the embedded model). It is important in every layer now."""
+    with Session(tiny_mm, _recipe(tau=0.05)) as s:
+        batch = s.mm.prepare(images[:2], prompts[:2])
+        state, _ = s.runner.prefill(s.build_inputs(batch, s.encode(batch)))
+        valid = state.groups[0].key_mask
+        assert not bool(valid[:, -1].logical_not().any())  # left padding: the last slot is the newest token
+        ratios = torch.tensor(state.stats["zipvl"]["per_sample_keep_ratio"])
+        assert bool((ratios < 0.5).all())  # tight: most tokens skip attention
+        for lay in state.cache.layers:
+            assert bool(lay.segments[0].important[:, -1].all())
+
+
+@pytest.mark.skipif(not (ASSETS / "tiny-world" / "config.json").is_file(), reason="embedded model not built")
+def test_embedded_model_answers_yes_no_at_the_64_token_tau():
+    """The pruning bench's zipvl-64 calibrated to tau 0.5895 (benchmarks/pruning/variants/zipvl-64, before
+    the fix): every answer started with "in". The answers are a plain Yes/No again and right about as often as
+    the unpruned model's on the same questions (measured after the fix: 8/8 right, as the unpruned model)."""
+    import mmfast
+    from mmfast.world import CATEGORIES, render_image
+    from mmfast.world.text import SHORT_ANSWER_SUFFIX, object_question
+
+    mm = mmfast.load("mmfast/tiny-world", device="cpu")
+    records = [render_image(0, "val", i) for i in range(1, 3)]
+    images, questions, labels = [], [], []
+    for r in records:
+        present = r.annotation.object_names()
+        absent = [c.name for c in CATEGORIES if c.name not in present]
+        for name, label in [(present[0], "Yes"), (present[1], "Yes"), (absent[0], "No"), (absent[7], "No")]:
+            images.append(r.image)
+            questions.append(f"{object_question(name)}\n{SHORT_ANSWER_SUFFIX}")
+            labels.append(label)
+    with Session(mm, _recipe(tau=0.5895)) as s:
+        out = s.generate(images, questions, max_new_tokens=3)
+        assert all(bool((torch.tensor(o.stats["zipvl"]["keep_ratio"]) < 0.3).all()) for o in out)  # tight indeed
+    base = mm.generate(images, questions, max_new_tokens=3)
+    assert [o.text for o in out if o.text not in ("Yes", "No")] == []
+    right = sum(o.text == lab for o, lab in zip(out, labels))
+    assert right >= sum(o.text == lab for o, lab in zip(base, labels)) - 1
 
 
 # --------------------------------------------------------------------------- quantisation

@@ -249,6 +249,10 @@ def _stage_budget(r: dict[str, Any]) -> tuple[str, int] | None:
 
 
 LEADER_REFERENCES = ("visionzip", "random")
+FULL_PREFILL_FLOPS = 0.99
+"""A variant at this prefill FLOPs ratio or above removed no token from the LLM's computation (ZipVL keeps
+every token and spends its budget on sparse attention and low-bit KV): it is not at the same budget as
+the methods that drop tokens, so the leaders table lists it in a note instead of ranking it."""
 
 
 def has_budgets(result: dict[str, Any], references: tuple[str, ...] = LEADER_REFERENCES) -> bool:
@@ -289,6 +293,14 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
         if why:  # its POPE F1 is the parser's default, not the model's answers
             notes.append(f"{name} not ranked at budget {b}: " + "; ".join(why))
             continue
+        flops = (r.get("ratios") or {}).get("flops_ratio")
+        if flops is not None and flops >= FULL_PREFILL_FLOPS:  # ZipVL: a budget of important tokens, not of tokens
+            notes.append(
+                f"{name} not ranked at budget {b}: it computes every vision token in prefill and caches them all "
+                f"(FLOPs ratio {flops:.2f}); its budget counts the tokens its sparse attention treats as important, "
+                f"not tokens removed (POPE mean F1 {r['metrics']['pope']['mean_f1']:.3f})"
+            )
+            continue
         avg = r["accounting"]["vision_tokens_layer_avg"]
         if abs(avg - b) > BUDGET_TOLERANCE * b:
             notes.append(f"{name} left out of budget {b}: {avg:.1f} layer-averaged tokens is more than 5% away")
@@ -322,6 +334,8 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
         "percentile bootstrap (10000 resamples, seed 0; images resampled jointly across splits, the same draw for both).",
         f"Not ranked: a variant with more than {UNPARSED_LIMIT:.0%} of its POPE answers read as neither yes nor no by the "
         "official rule (its F1 is then the rule's default 'yes', not the model's answers).",
+        f"Not ranked either: a variant at prefill FLOPs ratio {FULL_PREFILL_FLOPS} or more (it removes no token from "
+        "the LLM's computation, so its token budget is not comparable).",
     ] + notes
     return header, rows, notes
 

@@ -7,7 +7,8 @@ Algorithm (paper Alg. 1, every LLM layer, prefill):
 2. accumulated scores a_j = sum_i A'_ij; the layer's ratio p/n = the smallest p whose top-p mass reaches tau * total;
 3. normalised scores a~_j = a_j / #(probe queries that can attend to j) (removes the causal bias toward early
    tokens); important set T = top-p by a~, U = the rest;
-4. sparse prefill: attention among T only, O_T = Attn(Q[T], K[T], V[T]); U rows get attention output 0;
+4. sparse prefill: attention among T only, O_T = Attn(Q[T], K[T], V[T]); U rows get attention output 0
+   (the last prompt token, whose output predicts the first answer token, always joins T: deviations);
 5. KV cache: K/V[T] quantised to bits_high, K/V[U] to bits_low; while decoding, every ``requant_interval`` (100)
    generated tokens are re-scored with the current query (a = softmax(qK^T)[-100:]) and quantised the same way.
 
@@ -39,6 +40,12 @@ Assumptions / deviations (the ZipVL code was not public):
 - the normalisation counts the probe queries that can attend to j (exact for the probe rows); ZipCache's
   code divides by (n - j), the count for *all* queries;
 - U rows' attention output is 0 (Alg. 1 computes O only for T; the output of U is not stated);
+- the last valid prompt slot always joins T (:func:`with_generating_row`; not in Alg. 1). Its output row
+  predicts the first answer token: left in U it attends to nothing in that layer. Its normalised score is its
+  own self-attention weight (only the last probe sees it), so a tight tau drops it: on the embedded 4-layer
+  model the bench's 64-token tau (0.59, keep ratios 0.25/0.02/0.02/0.15) dropped it in every layer and
+  every POPE answer began with "in" ("inNo", issue 29; with ``quantize_kv: false`` the same, with
+  ``sparse_prefill: false`` well-formed). It is a text token, so the vision accounting is unchanged;
 - ``tau >= 1`` keeps every token (exact no-op) instead of possibly dropping zero-probability tokens;
 - decode re-scoring applies Eq. 6 to the last-100 scores with total = their sum, no normalisation
   (one query attends to each); only the newest block is quantised (Alg. 1), each block with its own
@@ -147,6 +154,19 @@ def select_important(
     a, norm = accumulate_scores(probs, rows, valid)
     p = mass_count(a, valid, tau)
     return topk_keep(norm, valid, p), p
+
+
+def with_generating_row(keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``keep`` [B, K] plus each sample's last valid slot: the row whose output predicts the first answer token.
+
+    Skipping its attention (U rows get output 0) would predict the first token from a residual stream that
+    attended to nothing in that layer (issue 29: "inNo" at tight tau on the embedded model).
+    """
+    k = valid.shape[1]
+    last = (valid.long() * torch.arange(1, k + 1, device=valid.device)).argmax(1)  # [B] last valid slot
+    out = keep.clone()
+    out[torch.arange(valid.shape[0], device=valid.device), last] |= valid.any(1)
+    return out
 
 
 def key_validity(attention_mask: torch.Tensor | None, bsz: int, k_len: int, device) -> torch.Tensor:
@@ -308,6 +328,7 @@ class ZipVL(Pruner):
         if q_len > 1 and q_len == k_len:  # prefill (every sequence starts with an empty cache)
             valid = key_validity(attention_mask, bsz, k_len, query.device)
             keep, p = self._select(layer, query, key, attention_mask, scaling, valid)
+            keep = with_generating_row(keep, valid)
             self._scratch().prefill[layer] = _LayerSelection(keep, valid, p)
             if self.config.sparse_prefill and not torch.equal(keep, valid):
                 return sparse_attention(module, query, key, value, keep, scaling, base, dropout=dropout, **kwargs)
