@@ -33,27 +33,13 @@ from ..progress import Progress
 
 from .. import compat
 from ..config import Recipe
-from ..errors import InputError, MMFastError
+from ..errors import EXIT_SAMPLES_FAILED, InputError, MMFastError, RunAbortedError, SamplesFailedError  # noqa: F401 (re-exported)
 from .data import cache_root, resolve_data
+from .distributed import barrier, gather_and_finish, launch_data_parallel, shard_info
 from .records import RecordStore
 from .tasks import Sample, Task, build_tasks
 
 logger = logging.getLogger(__name__)
-
-
-EXIT_SAMPLES_FAILED = 3
-"""``mmfast eval``'s exit status when samples failed: more than ``eval.max_failures`` allow (the run
-aborted), or any at all in a finished run (unless ``--allow-failures``)."""
-
-
-class SamplesFailedError(MMFastError):
-    """Samples of the evaluation failed; ``mmfast eval`` exits :data:`EXIT_SAMPLES_FAILED`."""
-
-    exit_code = EXIT_SAMPLES_FAILED
-
-
-class RunAbortedError(SamplesFailedError):
-    """More samples failed than ``eval.max_failures`` allows."""
 
 
 def failure_budget(max_failures: float, n_planned: int) -> int:
@@ -268,13 +254,10 @@ def run_eval(
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise InputError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
     if num_processes > 1:
-        from .distributed import launch_data_parallel
-
-        return launch_data_parallel(recipe, limit=limit, output=output, num_processes=num_processes)
+        return launch_data_parallel(recipe, limit=limit, out=output_dir(recipe, output), num_processes=num_processes)
     limit = limit or cfg.limit
     out = output_dir(recipe, output)
     from . import rundir
-    from .distributed import barrier, shard_info
 
     rank, world = shard_info()
     data = resolve_data(cfg, cfg.tasks)  # every input checked before anything is written
@@ -350,9 +333,7 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
     store.compact()
     elapsed = time.perf_counter() - t0
     if world > 1:
-        from .distributed import gather_and_finish
-
-        return gather_and_finish(recipe, out, plan, mm, elapsed)
+        return gather_and_finish(recipe, out, plan, mm, elapsed, finish)
     return finish(recipe, out, plan, store, mm, elapsed)
 
 
