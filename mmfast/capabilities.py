@@ -312,7 +312,7 @@ def _facts_of_model_name(name: str, revision: str | None) -> ModelFacts | None:
     from transformers import AutoConfig
 
     from .errors import ModelLoadError
-    from .model import _resolve
+    from .checkpoint import _resolve
 
     try:
         path, local = _resolve(name)

@@ -11,66 +11,24 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import torch
-from PIL import Image, UnidentifiedImageError
 from safetensors import SafetensorError
 
+from .checkpoint import ASSETS, DEFAULT_MODEL, EMBEDDED, _resolve  # noqa: F401 (re-exported)
+from .config import Recipe, load_recipe
 from .errors import InputError, ModelLoadError
+from .generation import decoding_config
+from .inputs import PreparedBatch, open_image  # noqa: F401 (re-exported)
 from .models import adapter_for
-
-if TYPE_CHECKING:
-    from .config import Recipe
-    from .pipeline import GenerationResult
+from .pipeline import GenerationResult, apply
 
 logger = logging.getLogger(__name__)
 
-ASSETS = Path(__file__).resolve().parent / "assets"
-EMBEDDED: dict[str, str] = {"mmfast/tiny-world": "tiny-world"}
-DEFAULT_MODEL = "mmfast/tiny-world"
-
 ImageLike = "Image.Image | str | os.PathLike"
-
-
-@dataclass
-class PreparedBatch:
-    """Prompts and images of one batch after the chat template and the image processor."""
-
-    images: list[list[Image.Image]]  # per sample
-    prompts: list[str]
-    texts: list[str]  # after the chat template
-    token_ids: list[list[int]]  # one image token per image (expanded later to the feature count)
-    pixel_values: torch.Tensor  # [n_images, 3, H, W] ([n_images, n_tiles, 3, H, W] anyres; [n_images, max P, D] Qwen-VL)
-    image_owner: list[int]  # sample index of each image
-    meta: list[dict[str, Any]] = field(default_factory=list)  # per-sample info from the caller
-    image_sizes: torch.Tensor | None = None  # [n_images, 2] original (H, W), anyres; [n_images, 3] grid_thw, Qwen-VL
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.prompts)
-
-
-def open_image(image: Any) -> Image.Image:
-    """A PIL RGB image from a PIL image or a path; clear error for a missing or corrupt file."""
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    path = Path(image)
-    if not path.is_file():
-        raise InputError(f"image {str(path)!r} not found (check the path or the data root)")
-    try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except Image.DecompressionBombError as exc:
-        raise InputError(
-            f"image {str(path)!r} is too large to decode safely ({exc}); downscale it below "
-            f"{Image.MAX_IMAGE_PIXELS} pixels first"
-        ) from None
-    except (UnidentifiedImageError, OSError) as exc:
-        raise InputError(f"image {str(path)!r} cannot be read ({exc}); is the file corrupt or not an image?") from None
 
 
 def _check_prompt_text(prompt: Any, b: int) -> None:
@@ -188,14 +146,8 @@ class MMModel:
         Returns:
             One :class:`~mmfast.pipeline.GenerationResult` per prompt.
         """
-        from .config import load_recipe
-        from .generation import decoding_config
-        from .pipeline import apply
-
         if decoding is not None:  # folded into the recipe, so decoders that install hooks work too
-            from .config import Recipe as _Recipe
-
-            resolved = recipe if isinstance(recipe, _Recipe) else load_recipe(recipe if recipe is not None else {})
+            resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe if recipe is not None else {})
             base = resolved.decoding
             recipe = resolved.replace(
                 decoding=decoding_config(decoding, max_new_tokens=base.max_new_tokens, seed=base.seed)
@@ -220,26 +172,6 @@ def load_model(cfg, *, device: str | None = None) -> MMModel:
         revision=cfg.revision,
         **extra,
     )
-
-
-def _resolve(name_or_path: str | os.PathLike) -> tuple[str, bool]:
-    name = str(name_or_path)
-    if name in EMBEDDED:
-        path = ASSETS / EMBEDDED[name]
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(
-                f"embedded model {name!r} is missing from the package ({path}); reinstall mmfast or run "
-                "scripts/train_embedded.py to rebuild it"
-            )
-        return str(path), True
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path} has no config.json; point at a directory written by save_pretrained")
-        return str(path), True
-    if path.exists() or name.startswith((".", "/", "~")):
-        raise ModelLoadError(f"model path {name!r} does not exist or is not a directory")
-    return name, False
 
 
 def _check_device(device: str) -> None:

@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -29,10 +29,13 @@ from .decoding.loop import Streamer, streaming
 from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .errors import ConfigError, IncompatibleRecipeError, InputError
 from .hooks import AttentionProbe, HookSession
-from .model import MMModel, PreparedBatch
+from .inputs import PreparedBatch
 from .models.base import LMInputs, VisionBatch, build_lm_inputs
 from .registry import DECODERS, DRAFTERS, PRUNERS
 from .runtime import LMRunner
+
+if TYPE_CHECKING:
+    from .model import MMModel
 
 logger = logging.getLogger(__name__)
 

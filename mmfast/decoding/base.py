@@ -19,7 +19,7 @@ import torch
 from ..capabilities import Capabilities
 
 if TYPE_CHECKING:
-    from ..model import PreparedBatch
+    from ..inputs import PreparedBatch
     from ..models.base import LMInputs, VisionBatch
     from ..context import MethodContext
     from ..runtime import LMState
