@@ -50,7 +50,7 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
             raise InputError(f"bench variant {v.name!r} cannot run on this model: {exc}") from exc
     mm = load_model(recipe.model)
     _preflight(mm, vs)
-    from ..eval.runner import weights_fingerprint
+    from ..eval.fingerprint import weights_fingerprint
 
     model = {"name": recipe.model.name, "weights_fingerprint": weights_fingerprint(mm.model)}
     if kind == "pruning":

@@ -22,6 +22,21 @@ if TYPE_CHECKING:
 _MISSING = "missing"
 
 
+def weights_fingerprint(model) -> str:
+    """A cheap content fingerprint of a model's weights: every tensor's name, shape, dtype and first
+    values (tensors offloaded to ``meta`` count by name and shape only). Retrained or swapped weights
+    under the same path change it, so a resumed run never mixes answers of two models."""
+    import torch  # here, so that reading records does not load torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            if t.device.type != "meta" and t.numel():
+                h.update(t.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class _FileKey:
     path: str

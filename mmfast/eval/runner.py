@@ -36,6 +36,7 @@ from ..config import Recipe
 from ..errors import EXIT_SAMPLES_FAILED, InputError, MMFastError, RunAbortedError, SamplesFailedError  # noqa: F401 (re-exported)
 from .data import cache_root, resolve_data
 from .distributed import barrier, gather_and_finish, launch_data_parallel, shard_info
+from .fingerprint import weights_fingerprint
 from .records import RecordStore
 from .tasks import Sample, Task, build_tasks
 
@@ -86,23 +87,6 @@ def calibration_set(plan):
 
 def output_dir(recipe: Recipe, output: str | None) -> Path:
     return Path(output or recipe.output.dir.format(name=recipe.name))
-
-
-def weights_fingerprint(model) -> str:
-    """A cheap content fingerprint of a model's weights: every tensor's name, shape, dtype and first
-    values (tensors offloaded to ``meta`` count by name and shape only). Retrained or swapped weights
-    under the same path change it, so a resumed run never mixes answers of two models."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            if t.device.type != "meta" and t.numel():
-                h.update(t.detach().flatten()[:64].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> None:
