@@ -29,7 +29,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from .errors import ConfigError, InputError, UnknownMethodError
+from .capabilities import check_recipe
+from .errors import ConfigError, IncompatibleRecipeError, InputError, UnknownMethodError
+from .registry import REGISTRIES, TASKS
 
 _MISSING = dataclasses.MISSING
 
@@ -248,8 +250,6 @@ class MethodSpec:
 
     @classmethod
     def build(cls, kind: str, data: Any, path: str) -> MethodSpec:
-        from .registry import REGISTRIES
-
         if isinstance(data, str):
             data = {"method": data}
         if not isinstance(data, dict):
@@ -289,8 +289,6 @@ class MethodSpec:
     def _to_recipe(self) -> dict:
         out = {"method": self.method, "params": to_dict(self.params) if self.params is not None else {}}
         if self.budget is not None:  # only when set: recipes without a budget keep their hashes
-            from .registry import REGISTRIES
-
             knobs = getattr(REGISTRIES[self.kind].get(self.method).cls, "budget_knobs", ())
             out["params"] = {k: v for k, v in out["params"].items() if k not in knobs}  # the budget sets them
             out["budget"] = self.budget._to_recipe()
@@ -407,15 +405,11 @@ class EvalConfig:
             return getattr(self, name)
         if name in self.task_options:
             return self.task_options[name]
-        from .registry import TASKS
-
         config_cls = TASKS.get(name).config_cls
         return config_cls() if config_cls is not None else None
 
     @classmethod
     def _from_recipe(cls, data: Any, path: str) -> EvalConfig:
-        from .registry import TASKS
-
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -576,9 +570,6 @@ class _RecipeScalars:
 
 def check_compatible(recipe: Recipe) -> None:
     """Refuse combinations that cannot run together, before any model is loaded (capabilities)."""
-    from .capabilities import check_recipe
-    from .errors import IncompatibleRecipeError
-
     problem = check_recipe(recipe)
     if problem:
         raise IncompatibleRecipeError(problem)
