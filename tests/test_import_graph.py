@@ -6,8 +6,10 @@ function (a lazy import is still a run-time edge). Imports under ``if TYPE_CHECK
 are not edges. Relative imports are resolved, and ``from pkg import name`` is an edge
 to ``pkg.name`` when ``name`` is a submodule (otherwise to ``pkg``). Importing a
 submodule also runs its parent packages' ``__init__``, so ``a -> pkg.sub`` adds
-``a -> pkg`` too. Any strongly connected component of more than one module fails
-the test with the files in it.
+``a -> pkg`` too (unless ``a`` lives inside ``pkg``, which is loaded by then). A method
+package whose ``__init__`` imports its submodules by name loads them all: an edge to
+each. Any strongly connected component of more than one module fails the test with
+the files in it.
 
 Function-local imports are counted and held under a ceiling so they cannot grow
 silently; lower the ceiling when the count drops.
