@@ -9,9 +9,14 @@ what to do instead. No method inspects another method's name or parameters.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from .checkpoint import _resolve
+from .errors import ConfigError, IncompatibleRecipeError, ModelLoadError
+from .registry import DECODERS, DRAFTERS, PRUNERS
 
 if TYPE_CHECKING:
     from .config import Recipe
@@ -122,8 +127,6 @@ class _Declared:
 
 
 def _declared(recipe: Recipe) -> tuple[list[_Declared], _Declared, _Declared | None]:
-    from .registry import DECODERS, DRAFTERS, PRUNERS
-
     stages = [
         _Declared(f"pruning[{i}] ({s.method})", s.method, caps_of(PRUNERS.get(s.method).cls, s.params))
         for i, s in enumerate(recipe.pruning)
@@ -248,8 +251,6 @@ class ModelFacts:
 
 def _methods(recipe: Recipe):
     """(recipe path of the params, method class, params) of every method in the recipe."""
-    from .registry import DECODERS, DRAFTERS, PRUNERS
-
     for i, st in enumerate(recipe.pruning):
         yield f"pruning[{i}].params", PRUNERS.get(st.method).cls, st.params
     yield "decoding.params", DECODERS.get(recipe.decoding.method).cls, recipe.decoding.params
@@ -261,9 +262,6 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     """A reason the recipe's methods cannot run on the model (a loaded adapter, or the facts of its
     config before loading), or None. Parameters that do not fit the model (a layer it does not have)
     raise :class:`~mmfast.errors.ConfigError` at their recipe path."""
-    from .errors import ConfigError
-    from .registry import DECODERS, DRAFTERS, PRUNERS
-
     facts = model if isinstance(model, ModelFacts) else ModelFacts.of_adapter(model)
     stages, decoder, drafter = _declared(recipe)
     kinds = [(st, PRUNERS) for st in stages] + [(decoder, DECODERS)] + ([(drafter, DRAFTERS)] if drafter else [])
@@ -295,10 +293,6 @@ def check_model_config(recipe: Recipe) -> None:
     """Check the recipe against its model's config before any weights load (``mmfast validate``,
     ``run``, ``eval``, ``bench``): families, CLS, layer indices and grids. Silent when the config
     cannot be read without a download (a hub id not in the local cache)."""
-    import logging
-
-    from .errors import IncompatibleRecipeError
-
     facts = _facts_of_model_name(recipe.model.name, recipe.model.revision)
     if facts is None:
         logging.getLogger(__name__).debug("no local config for %s: methods are checked once it loads", recipe.model.name)
@@ -310,9 +304,6 @@ def check_model_config(recipe: Recipe) -> None:
 
 def _facts_of_model_name(name: str, revision: str | None) -> ModelFacts | None:
     from transformers import AutoConfig
-
-    from .errors import ModelLoadError
-    from .model import _resolve
 
     try:
         path, local = _resolve(name)

@@ -254,7 +254,7 @@ def _cmd_lmms_task(args) -> int:
 
 
 def _cmd_rerender(args) -> int:
-    from .bench.render import rerender_bench
+    from .bench.rerender import rerender_bench
 
     for d in args.benches:
         print(rerender_bench(d))

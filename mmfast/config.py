@@ -30,7 +30,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from .errors import ConfigError, InputError, UnknownMethodError
+from .capabilities import check_recipe
+from .errors import ConfigError, IncompatibleRecipeError, InputError, UnknownMethodError
+from .registry import REGISTRIES, TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +253,6 @@ class MethodSpec:
 
     @classmethod
     def build(cls, kind: str, data: Any, path: str) -> MethodSpec:
-        from .registry import REGISTRIES
-
         if isinstance(data, str):
             data = {"method": data}
         if not isinstance(data, dict):
@@ -292,8 +292,6 @@ class MethodSpec:
     def _to_recipe(self) -> dict:
         out = {"method": self.method, "params": to_dict(self.params) if self.params is not None else {}}
         if self.budget is not None:  # only when set: recipes without a budget keep their hashes
-            from .registry import REGISTRIES
-
             knobs = getattr(REGISTRIES[self.kind].get(self.method).cls, "budget_knobs", ())
             out["params"] = {k: v for k, v in out["params"].items() if k not in knobs}  # the budget sets them
             out["budget"] = self.budget._to_recipe()
@@ -429,15 +427,11 @@ class EvalConfig:
             return getattr(self, name)
         if name in self.task_options:
             return self.task_options[name]
-        from .registry import TASKS
-
         config_cls = TASKS.get(name).config_cls
         return config_cls() if config_cls is not None else None
 
     @classmethod
     def _from_recipe(cls, data: Any, path: str) -> EvalConfig:
-        from .registry import TASKS
-
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -586,11 +580,13 @@ class Recipe:
             "output": to_dict(self.output),
         }
 
-    def hash(self) -> str:
-        """sha256 of the canonical resolved recipe (written into every output). The ``output``
+    def hash(self, leave_out_eval: tuple[str, ...] = ()) -> str:
+        """sha256 of the canonical resolved recipe (written into every output), less the ``eval`` keys in
+        ``leave_out_eval`` (settings that change no answer, for a run's identity). The ``output``
         section says where results go and whether to replace them, not what they are: it is left out,
         so rerunning a command without ``output.overwrite`` resumes what a run with it started."""
         what = {k: v for k, v in self.to_dict().items() if k != "output"}
+        what["eval"] = {k: v for k, v in what["eval"].items() if k not in leave_out_eval}
         for key, default in _MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT.items():
             if what["model"].get(key) == default:  # hashes of recipes from before the key stay
                 del what["model"][key]
@@ -625,9 +621,6 @@ class _RecipeScalars:
 
 def check_compatible(recipe: Recipe) -> None:
     """Refuse combinations that cannot run together, before any model is loaded (capabilities)."""
-    from .capabilities import check_recipe
-    from .errors import IncompatibleRecipeError
-
     problem = check_recipe(recipe)
     if problem:
         raise IncompatibleRecipeError(problem)

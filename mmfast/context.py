@@ -22,7 +22,8 @@ from .models.base import LMInputs, VisionBatch, build_lm_inputs
 
 if TYPE_CHECKING:
     from .hooks import AttentionProbe, HookSession
-    from .model import MMModel, PreparedBatch
+    from .inputs import PreparedBatch
+    from .model import MMModel
     from .models.base import VLMAdapter
     from .runtime import LMRunner
 

@@ -32,3 +32,18 @@ class InputError(MMFastError):
 
 class ModelLoadError(MMFastError):
     """A checkpoint cannot be found or loaded (offline hub, wrong path, unsupported family)."""
+
+
+EXIT_SAMPLES_FAILED = 3
+"""``mmfast eval``'s exit status when samples failed: more than ``eval.max_failures`` allow (the run
+aborted), or any at all in a finished run (unless ``--allow-failures``)."""
+
+
+class SamplesFailedError(MMFastError):
+    """Samples of the evaluation failed; ``mmfast eval`` exits :data:`EXIT_SAMPLES_FAILED`."""
+
+    exit_code = EXIT_SAMPLES_FAILED
+
+
+class RunAbortedError(SamplesFailedError):
+    """More samples failed than ``eval.max_failures`` allows."""

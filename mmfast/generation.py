@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .config import DecodingConfig
 from .errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
@@ -147,8 +148,6 @@ def parse_generation_args(
 
 def _validate(spec: dict[str, Any]) -> None:
     """Range and type checks of the decoder's own Config, reported with the generation keyword."""
-    from .config import DecodingConfig
-
     try:
         DecodingConfig._from_recipe(spec, "decoding")
     except ConfigError as exc:
@@ -160,8 +159,6 @@ def _validate(spec: dict[str, Any]) -> None:
 def decoding_config(decoding: str | Mapping[str, Any], *, max_new_tokens: int, seed: int):
     """A validated :class:`~mmfast.config.DecodingConfig` from ``decoding=`` (a decoder name or a
     ``{method, params}`` mapping), keeping the recipe's ``max_new_tokens`` and ``seed``."""
-    from .config import DecodingConfig
-
     if isinstance(decoding, str):
         data: dict[str, Any] = {"method": decoding}
     elif isinstance(decoding, Mapping):

@@ -17,23 +17,28 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
 from .capabilities import caps_of, check_model, check_recipe, static_cache_blocker
-from .config import Recipe, load_recipe
+from .config import Recipe, from_dict, load_recipe, to_dict
 from .context import MethodContext
 from .decoding.base import DecodeOutput, DecodeRequest, Decoder, now
 from .decoding.loop import Streamer, streaming
 from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .errors import ConfigError, IncompatibleRecipeError, InputError
 from .hooks import AttentionProbe, HookSession
-from .model import MMModel, PreparedBatch
+from .inputs import PreparedBatch
 from .models.base import LMInputs, VisionBatch, build_lm_inputs
 from .models.qwen_tower import install_fused_tower
 from .registry import DECODERS, DRAFTERS, PRUNERS
-from .runtime import LMRunner
+from .pruning._budget import budget_tokens, calibrate_once, calibration_key
+from .runtime import CudaGraph, LMRunner
+from .speculative.engine import speculative_decode
+
+if TYPE_CHECKING:
+    from .model import MMModel
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +123,6 @@ class Session:
             for i, pruner in enumerate(self.pruners):
                 with _recipe_path(f"pruning[{i}].params"):
                     pruner.install()
-            from .pruning._budget import calibrate_once, calibration_key
-
             stages = [st._to_recipe() for st in recipe.pruning]
             for i, pruner in enumerate(self.pruners):
                 if pruner.calibrated and pruner.budget_tokens is not None:
@@ -163,9 +166,6 @@ class Session:
 
     def _make_pruner(self, i: int, spec):
         """Instantiate stage ``i``, mapping its ``budget`` (if any) onto the method's own knobs."""
-        from .config import from_dict, to_dict
-        from .pruning._budget import budget_tokens
-
         cls = PRUNERS.get(spec.method).cls
         params, tokens = spec.params, None
         if spec.budget is not None:
@@ -427,16 +427,12 @@ class Session:
         reserve = self._static_reserve(req, decoder)
         with self.runner.static_cache(reserve, self._capture_factory() if reserve is not None else None):
             if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
-                from .speculative.engine import speculative_decode
-
                 return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
             return decoder.decode(req)
 
     def _capture_factory(self):
         """The step-graph factory of ``model.compile: auto`` on CUDA (None: eager static steps)."""
         if self.recipe.model.compile == "auto" and self.ctx.device.type == "cuda":
-            from .runtime import CudaGraph
-
             return CudaGraph
         return None
 

@@ -534,7 +534,7 @@ def test_exif_rotated_jpeg_is_turned_upright(tmp_path, caplog, monkeypatch):
 
     from PIL import Image
 
-    import mmfast.model as model_mod
+    import mmfast.inputs as model_mod
 
     monkeypatch.setattr(model_mod, "_EXIF_ROTATION_LOGGED", False)
     im = Image.new("RGB", (40, 20), (255, 0, 0))
@@ -544,7 +544,7 @@ def test_exif_rotated_jpeg_is_turned_upright(tmp_path, caplog, monkeypatch):
     paths = [tmp_path / f"{i}.jpg" for i in range(2)]
     for p in paths:
         im.save(p, exif=exif, quality=95)
-    with caplog.at_level(logging.INFO, logger="mmfast.model"):
+    with caplog.at_level(logging.INFO, logger="mmfast.inputs"):
         out = [model_mod.open_image(p) for p in paths]
     assert all(o.size == (20, 40) for o in out)  # upright: the viewer's orientation
     r, g, b = out[0].getpixel((10, 2))  # the blue edge is now on top

@@ -58,7 +58,7 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     claim_bench_dir(out, kind, recipe.name)  # before the model loads; never over a user's own files
     mm = load_model(recipe.model)
     _preflight(mm, vs)
-    from ..eval.runner import weights_fingerprint
+    from ..eval.fingerprint import weights_fingerprint
 
     model = {"name": recipe.model.name, "weights_fingerprint": weights_fingerprint(mm.model)}
     if kind == "pruning":

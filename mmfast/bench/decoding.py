@@ -18,6 +18,7 @@ from ..eval.runner import run_eval
 from ..model import MMModel
 from ..pipeline import apply
 from .common import Variant, dump, peak_rss_bytes, peak_rss_reset, timing_samples_of, variants
+from .render import decoding_plots, write_results
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,6 @@ def preset_notes(result: dict[str, Any]) -> str:
 
 
 def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> None:
-    from .render import decoding_plots, write_results
-
     base = result["results"]["baseline"]
     proto = base["protocol"]
     notes = [

@@ -26,6 +26,8 @@ from ..model import MMModel
 from ..pipeline import apply
 from ..pruning._budget import CalibrationSet
 from .common import Variant, dump, median_time, timing_samples_of, variants, warm_repeats, write_markdown
+from .render import (budget_leaders, has_budgets, pruning_plots, slice_label, timing_labels, timing_protocol_note, with_slice_speedup,
+                     write_results)
 
 logger = logging.getLogger(__name__)
 
@@ -229,9 +231,6 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
     if modes:
         notes.append("hicom global branch: " + modes + " (coarse: the paper's FiLM-modulated learned queries; "
                      "direct: the release's, queries = the projected instruction; see docs/methods.md).")
-    from .render import (budget_leaders, has_budgets, pruning_plots, slice_label, timing_labels, timing_protocol_note, with_slice_speedup,
-                         write_results)
-
     with_slice_speedup(result)
     speed = result.get("shaped_speed")
     model = (result.get("model") or {}).get("name", "the embedded model")

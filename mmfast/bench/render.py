@@ -1,16 +1,15 @@
 """Rendering a benchmark's results: n and 95% intervals beside its accuracy and CHAIR columns, its
-plots (each titled with the benchmark it belongs to, each with a legend), and :func:`rerender_bench`,
-which rewrites an existing bench directory's ``results.md``, side tables and plots from its
-``summary.json`` and per-variant records without running anything.
+plots (each titled with the benchmark it belongs to, each with a legend). The bench runners
+(:mod:`.pruning`, :mod:`.decoding`, :mod:`.speculative`) import this module, never the reverse;
+re-rendering a finished bench directory is :func:`mmfast.bench.rerender.rerender_bench`.
 
-Nothing here imports torch: the report and the re-rendering use it on any machine.
+Nothing here imports torch: the report uses it on any machine.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -414,41 +413,3 @@ def bench_plots(result: dict[str, Any], out: Path, label: str, intervals: dict[s
     if kind == "decoding":
         return decoding_plots(result, out, label, intervals, prefix)
     return speculative_plots(result, out, label, prefix)
-
-
-def recorded_command(bench_dir: Path) -> str:
-    """The command a bench directory's ``results.md`` records (its first ``Command:`` line)."""
-    md = Path(bench_dir) / "results.md"
-    if md.is_file():
-        m = re.search(r"^Command: `(.*)`$", md.read_text(), flags=re.M)
-        if m:
-            return m.group(1)
-    return f"mmfast bench ... --output {bench_dir}"
-
-
-def rerender_bench(bench_dir: str | Path) -> Path:
-    """Rewrite ``results.md`` (with n and 95% intervals), the side tables and the plots of an existing
-    bench directory from its ``summary.json`` and ``variants/*/samples.jsonl``; nothing is run. The
-    intervals and the unparsed-answer counts are added to ``summary.json`` (``results.<variant>.intervals``,
-    ``.unparsed``); nothing else changes."""
-    out = Path(bench_dir)
-    path = out / "summary.json"
-    if not path.is_file():
-        raise InputError(f"{out}: no summary.json (re-rendering needs a finished `mmfast bench` directory)")
-    result = json.loads(path.read_text())
-    kind = bench_kind(result)
-    command = recorded_command(out)
-    logger.info("re-rendering the %s bench in %s", kind, out)
-    if kind == "pruning":
-        from .pruning import write_pruning_report
-
-        write_pruning_report(result, out, command)
-    elif kind == "decoding":
-        from .decoding import write_decoding_report
-
-        write_decoding_report(result, out, command)
-    else:
-        from .speculative import write_speculative_report
-
-        write_speculative_report(result, out, command)
-    return out / "results.md"

@@ -28,6 +28,7 @@ from ..config import load_recipe
 from ..model import MMModel
 from ..pipeline import apply
 from .common import dump, median_time, timing_samples_of, variants, write_markdown
+from .render import speculative_plots
 
 logger = logging.getLogger(__name__)
 
@@ -227,8 +228,6 @@ def speculative_notes(result: dict[str, Any]) -> list[str]:
 
 
 def write_speculative_report(result: dict[str, Any], out: Path, command: str) -> None:
-    from .render import speculative_plots
-
     notes = speculative_notes(result)
     write_markdown(out / "results.md", "Speculative decoding on the embedded world", command, result["header"], result["rows"], notes, model=result.get("model"))
     shaped = result.get("shaped")

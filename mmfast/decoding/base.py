@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..capabilities import Capabilities
+from ..flops import LLAVA_7B, LMShape, prefill_flops, project_schedule
 
 if TYPE_CHECKING:
-    from ..model import PreparedBatch
+    from ..inputs import PreparedBatch
     from ..models.base import LMInputs, VisionBatch
     from ..context import MethodContext
     from ..runtime import LMState
@@ -150,8 +151,6 @@ class Accounting:
 
 def state_accounting(state: LMState) -> Accounting:
     """Logical KV bytes, layer-averaged vision tokens and prefill FLOPs of each sample."""
-    from ..flops import LLAVA_7B, LMShape, prefill_flops, project_schedule
-
     # per-layer counts of what prefill computed (before any KV policy trimmed the cache)
     acc = state.accounting
     vis = acc.vision_override if acc.vision_override is not None else acc.prefill_vision

@@ -19,7 +19,9 @@ with each branch's own inputs and states. The loop itself is the one decode driv
 
 from __future__ import annotations
 
+import hashlib
 import math
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -31,6 +33,8 @@ from .base import Decoder, DecodeOutput, DecodeRequest
 from .loop import drive, sample_from, warpers
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from ..context import MethodContext
 
 
@@ -105,6 +109,13 @@ def additive(clean: torch.Tensor, aux: torch.Tensor, alpha: float) -> torch.Tens
 def m3id(clean: torch.Tensor, unconditioned: torch.Tensor, t: int, lam: float) -> torch.Tensor:
     gamma = math.exp(-lam * t)
     return clean + (1 - gamma) / gamma * (clean - unconditioned)
+
+
+def query_rng(seed: int, prompt: str, image: Image.Image) -> random.Random:
+    """Per-query randomness that does not depend on batch composition (VCD's noise, RITUAL's
+    transform, LQCD's template): a function of (seed, prompt, image) only."""
+    h = hashlib.sha256(f"{seed}\0{prompt}\0".encode() + image.tobytes()).digest()
+    return random.Random(int.from_bytes(h[:8], "big"))
 
 
 @dataclass(frozen=True)

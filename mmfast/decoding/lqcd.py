@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import DECODERS
-from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
-from .ritual import query_rng
+from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive, query_rng
 
 #: Leading cues for yes/no questions ("{q}" = the question) ...
 YES_NO_TEMPLATES: tuple[str, ...] = (

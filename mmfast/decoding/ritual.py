@@ -18,7 +18,6 @@ transformed square view (CLIP crop size); the dynamic-resolution patch layout is
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import random
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from PIL import Image, ImageEnhance
 from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import DECODERS
-from .branches import Branch, BranchConfig, MultiBranchDecoder, additive
+from .branches import Branch, BranchConfig, MultiBranchDecoder, additive, query_rng
 from .vcd import noised_branch
 
 Transform = Literal["hflip", "vflip", "rotate", "color_jitter", "blur", "resized_crop"]
@@ -92,12 +91,6 @@ def transform(im: Image.Image, kind: Transform, rng: random.Random, size: int) -
             lambda x: _hue(x, hue),
         ][op](im)
     return im
-
-
-def query_rng(seed: int, prompt: str, image: Image.Image) -> random.Random:
-    """Per-query randomness that does not depend on batch composition."""
-    h = hashlib.sha256(f"{seed}\0{prompt}\0".encode() + image.tobytes()).digest()
-    return random.Random(int.from_bytes(h[:8], "big"))
 
 
 @DECODERS.register("ritual", description="RITUAL: add a randomly transformed view of the image (optionally + VCD)")

@@ -21,7 +21,7 @@ import torch
 from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import DECODERS
-from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
+from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive, query_rng
 
 if TYPE_CHECKING:
     from ..context import MethodContext
@@ -39,8 +39,6 @@ def ddpm_noise(pixel_values: torch.Tensor, step: int, generator: torch.Generator
 def noised_branch(ctx: MethodContext, req, step: int, seed: int, name: str = "noised") -> Branch:
     """The batch with every image noised; each image's noise depends only on (seed, image, prompt),
     never on the sampling RNG or on the batch it is in."""
-    from .ritual import query_rng
-
     noised = []
     for i, owner in enumerate(req.batch.image_owner):
         image = req.batch.images[owner][i - req.batch.image_owner.index(owner)]

@@ -30,11 +30,11 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import yaml
 
-from ..errors import MMFastError
+from ..errors import MMFastError, RunAbortedError
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +114,10 @@ def barrier() -> None:
     _state().wait_for_everyone()
 
 
-def launch_data_parallel(recipe, *, limit: int | None, output: str | None, num_processes: int) -> dict[str, Any]:
-    """Run this evaluation in ``num_processes`` worker processes; return the merged summary."""
+def launch_data_parallel(recipe, *, limit: int | None, out: Path, num_processes: int) -> dict[str, Any]:
+    """Run this evaluation in ``num_processes`` worker processes writing to ``out``; return the merged summary."""
     from . import rundir
-    from .runner import RunAbortedError, output_dir
 
-    out = output_dir(recipe, output)
     with rundir.claim(out):
         recipe_path = out / rundir.DP_RECIPE
         recipe_path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -227,10 +225,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def gather_and_finish(recipe, out: Path, plan, mm, elapsed: float) -> dict[str, Any]:
-    """Barrier, then the main process merges the shards in plan order and writes the summary."""
-    from .records import RecordStore, write_atomic
-    from .runner import finish, record_problem
+def gather_and_finish(recipe, out: Path, plan, mm, elapsed: float, finish: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """Barrier, then the main process merges the shards in plan order and writes the summary with
+    ``finish(recipe, out, plan, store, mm, elapsed)`` (the runner's: passed in, so this module
+    imports no runner)."""
+    from .records import RecordStore, record_problem, write_atomic
 
     rank, world = shard_info()
     barrier()

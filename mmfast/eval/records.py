@@ -198,3 +198,20 @@ class RecordStore:
 
     def successful(self, task: str | None = None) -> list[dict[str, Any]]:
         return [r for r in self.records.values() if "error" not in r and (task is None or r.get("task") == task)]
+
+
+def record_problem(rec: dict[str, Any]) -> str | None:
+    """Why a parsed line of ``samples.jsonl`` is not a usable record (a missing or mistyped field; e.g.
+    edited by hand), or None. Such lines are quarantined and their samples recomputed."""
+    missing = [k for k in ("task", "target", "fingerprint", "meta") if k not in rec]
+    if "error" not in rec:
+        missing += [k for k in ("resps", "filtered_resps") if k not in rec]
+    if missing:
+        return f"a record without {', '.join(missing)}"
+    if "error" not in rec:
+        resps = rec["resps"]
+        if not (isinstance(resps, list) and resps and isinstance(resps[0], list) and resps[0] and isinstance(resps[0][0], str)):
+            return "a record whose resps is not [[answer text]]"
+    if not isinstance(rec["meta"], dict) or not isinstance(rec["task"], str):
+        return "a record whose meta is not a mapping or whose task is not a string"
+    return None

@@ -35,27 +35,14 @@ from ..progress import Progress
 
 from .. import compat
 from ..config import Recipe
-from ..errors import InputError, MMFastError
+from ..errors import EXIT_SAMPLES_FAILED, InputError, MMFastError, RunAbortedError, SamplesFailedError  # noqa: F401 (re-exported)
 from .data import cache_root, resolve_data
-from .records import RecordStore
+from .distributed import barrier, gather_and_finish, launch_data_parallel, shard_info
+from .fingerprint import weights_fingerprint
+from .records import RecordStore, record_problem
 from .tasks import Sample, Task, build_tasks
 
 logger = logging.getLogger(__name__)
-
-
-EXIT_SAMPLES_FAILED = 3
-"""``mmfast eval``'s exit status when samples failed: more than ``eval.max_failures`` allow (the run
-aborted), or any at all in a finished run (unless ``--allow-failures``)."""
-
-
-class SamplesFailedError(MMFastError):
-    """Samples of the evaluation failed; ``mmfast eval`` exits :data:`EXIT_SAMPLES_FAILED`."""
-
-    exit_code = EXIT_SAMPLES_FAILED
-
-
-class RunAbortedError(SamplesFailedError):
-    """More samples failed than ``eval.max_failures`` allows."""
 
 
 def failure_budget(max_failures: float, n_planned: int) -> int:
@@ -104,39 +91,6 @@ def output_dir(recipe: Recipe, output: str | None) -> Path:
     return Path(output or recipe.output.dir.format(name=recipe.name))
 
 
-_FINGERPRINT_CHUNK = 1 << 26  # bytes hashed per slice: a GPU tensor is copied to the host a slice at a time
-_FINGERPRINTS: dict[int, tuple[tuple, str]] = {}  # id(model) -> (tensor versions, fingerprint)
-
-
-def weights_fingerprint(model) -> str:
-    """The content fingerprint of a model's weights: the sha256 of every tensor's name, shape, dtype
-    and every byte of its values (tensors offloaded to ``meta`` count by name and shape only).
-    Retrained or swapped weights under the same path change it (a swap of two rows anywhere does), so a
-    resumed run never mixes answers of two models. Cached per model while no tensor is replaced or
-    changed in place (torch's per-tensor version counter), so a run hashes its weights once."""
-    import hashlib
-
-    import torch
-
-    state = model.state_dict()
-    key = tuple((name, t.data_ptr(), t._version) for name, t in state.items())
-    cached = _FINGERPRINTS.get(id(model))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for name, t in state.items():
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            if t.device.type == "meta" or not t.numel():
-                continue
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes, any dtype
-            for start in range(0, raw.numel(), _FINGERPRINT_CHUNK):
-                h.update(raw[start:start + _FINGERPRINT_CHUNK].cpu().numpy().tobytes())
-    digest = h.hexdigest()[:16]
-    _FINGERPRINTS[id(model)] = (key, digest)
-    return digest
-
-
 #: eval settings that change no answer (how many failures a run tolerates; how samples are batched,
 #: as mmfast's answers do not depend on batch composition): left out of the run's identity, so a run
 #: stopped by max_failures resumes with a looser one, or with another batch_size
@@ -146,12 +100,7 @@ ANSWER_NEUTRAL_EVAL_KEYS = ("max_failures", "batch_size")
 def run_identity(recipe: Recipe) -> str:
     """What a run directory's results are results of: :meth:`Recipe.hash` less the
     :data:`ANSWER_NEUTRAL_EVAL_KEYS` (16 hex digits)."""
-    import hashlib
-
-    what = {k: v for k, v in recipe.to_dict().items() if k != "output"}
-    what["eval"] = {k: v for k, v in what["eval"].items() if k not in ANSWER_NEUTRAL_EVAL_KEYS}
-    blob = json.dumps(what, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return recipe.hash(leave_out_eval=ANSWER_NEUTRAL_EVAL_KEYS)
 
 
 def calibration_identity(recipe: Recipe, plan) -> str | None:
@@ -259,23 +208,6 @@ def side_files(tasks: list[Task]) -> dict[str, str]:
     return files
 
 
-def record_problem(rec: dict[str, Any]) -> str | None:
-    """Why a parsed line of ``samples.jsonl`` is not a usable record (a missing or mistyped field; e.g.
-    edited by hand), or None. Such lines are quarantined and their samples recomputed."""
-    missing = [k for k in ("task", "target", "fingerprint", "meta") if k not in rec]
-    if "error" not in rec:
-        missing += [k for k in ("resps", "filtered_resps") if k not in rec]
-    if missing:
-        return f"a record without {', '.join(missing)}"
-    if "error" not in rec:
-        resps = rec["resps"]
-        if not (isinstance(resps, list) and resps and isinstance(resps[0], list) and resps[0] and isinstance(resps[0][0], str)):
-            return "a record whose resps is not [[answer text]]"
-    if not isinstance(rec["meta"], dict) or not isinstance(rec["task"], str):
-        return "a record whose meta is not a mapping or whose task is not a string"
-    return None
-
-
 def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str], fingerprint: str) -> dict[str, Any]:
     return {
         "doc_id": sample.doc_id,
@@ -347,13 +279,10 @@ def run_eval(
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise InputError(f"num_processes must be a whole number >= 1, got {num_processes!r}")
     if num_processes > 1:
-        from .distributed import launch_data_parallel
-
-        return launch_data_parallel(recipe, limit=limit, output=output, num_processes=num_processes)
+        return launch_data_parallel(recipe, limit=limit, out=output_dir(recipe, output), num_processes=num_processes)
     limit = limit or cfg.limit
     out = output_dir(recipe, output)
     from . import rundir
-    from .distributed import barrier, shard_info
 
     rank, world = shard_info()
     data = resolve_data(cfg, cfg.tasks)  # every input checked before anything is written
@@ -426,9 +355,7 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
     store.compact()
     elapsed = time.perf_counter() - t0
     if world > 1:
-        from .distributed import gather_and_finish
-
-        return gather_and_finish(recipe, out, plan, mm, elapsed)
+        return gather_and_finish(recipe, out, plan, mm, elapsed, finish)
     return finish(recipe, out, plan, store, mm, elapsed)
 
 

@@ -26,12 +26,15 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..decoding.base import state_accounting
 from ..errors import ConfigError
+from ..flops import LMShape, tokens_for_flops_ratio
+from ..inputs import PreparedBatch, open_image
+from ._common import map_layers
 
 if TYPE_CHECKING:
     from ..config import Budget
     from ..context import MethodContext
-    from ..model import PreparedBatch
     from ..models.base import VLMAdapter
 
 logger = logging.getLogger(__name__)
@@ -64,8 +67,6 @@ def budget_fraction(adapter: VLMAdapter) -> bool:
 
 def budget_tokens(budget: Budget, adapter: VLMAdapter, path: str) -> int:
     """The budget in vision tokens per image for this model (``flops`` converted, see module doc)."""
-    from ..flops import LMShape, tokens_for_flops_ratio
-
     if budget.tokens is not None:
         return budget.tokens
     try:
@@ -77,8 +78,6 @@ def budget_tokens(budget: Budget, adapter: VLMAdapter, path: str) -> int:
 def in_llm_keep_at(tokens: int, adapter: VLMAdapter, k: float, layer_mapping: str, path: str) -> tuple[int, int]:
     """(keep, N_ref) for a method pruning at its layer ``k`` (mapped onto this LLM's depth): the vision
     tokens kept per reference-sized image after that layer so the layer average is ``tokens``."""
-    from ._common import map_layers
-
     n_layers = len(adapter.layers)
     (layer, _), = map_layers([k], n_layers, layer_mapping)
     n_ref = vision_tokens_per_image(adapter)
@@ -149,7 +148,6 @@ def calibration_batch(ctx: MethodContext, n: int = CALIBRATION_IMAGES) -> Prepar
     id) with :func:`calibration_prompt` prompts under the model's chat template. Adaptive methods'
     counts vary a lot between images and prompts, so a few samples do not predict an evaluation's
     mean: two dozen of both kinds do (measured in benchmarks/pruning)."""
-    from ..model import PreparedBatch, open_image
     from ..world import render_image
 
     given: CalibrationSet | None = ctx.calibration_set
@@ -171,8 +169,6 @@ def calibration_batch(ctx: MethodContext, n: int = CALIBRATION_IMAGES) -> Prepar
 def measure_layer_avg(ctx: MethodContext, batch: PreparedBatch) -> float:
     """Mean layer-averaged vision tokens per image of one prefill of ``batch`` (samples run one by one,
     so no decision depends on the batch)."""
-    from ..decoding.base import state_accounting
-
     values = []
     for b in range(batch.batch_size):
         one = _sample(batch, b)
@@ -183,8 +179,6 @@ def measure_layer_avg(ctx: MethodContext, batch: PreparedBatch) -> float:
 
 
 def _sample(batch: PreparedBatch, b: int) -> PreparedBatch:
-    from ..model import PreparedBatch
-
     idx = [i for i, o in enumerate(batch.image_owner) if o == b]
     sizes = None if batch.image_sizes is None else batch.image_sizes[idx]
     return PreparedBatch([batch.images[b]], [batch.prompts[b]], [batch.texts[b]], [batch.token_ids[b]],

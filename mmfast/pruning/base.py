@@ -24,7 +24,7 @@ from ..models.base import VisionBatch
 
 if TYPE_CHECKING:
     from ..context import MethodContext
-    from ..model import PreparedBatch
+    from ..inputs import PreparedBatch
     from ..models.base import VLMAdapter
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..eval.fingerprint import weights_fingerprint
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,8 +30,6 @@ def bind_work_dir(work: Path, model: torch.nn.Module) -> None:
 
     Caches are reused on rerun, which is what makes training resumable; reusing them after the model
     was retrained would silently train on stale data, so a fingerprint mismatch is refused."""
-    from ..eval.runner import weights_fingerprint
-
     fp = weights_fingerprint(model)
     stamp = work / "model_fingerprint.json"
     if stamp.exists():

@@ -227,7 +227,7 @@ def forward_loss(training: DynamicTraining, llava, feats, ids, labels, mask, ima
 
 
 def _resolve_model(model: str | Path) -> Path:
-    from ..model import _resolve
+    from ..checkpoint import _resolve
 
     path, local = _resolve(str(model))
     if not local:
