@@ -38,6 +38,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .errors import InputError
+import copy
+import importlib
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +176,6 @@ def set_layer_kv(cache: DynamicCache, layer_idx: int, keys: torch.Tensor, values
 
 def clone_cache(cache: DynamicCache) -> DynamicCache:
     """A deep copy whose tensors can be mutated independently (beam candidates, branches)."""
-    import copy
 
     return copy.deepcopy(cache)
 
@@ -545,7 +546,6 @@ def qwen_vision_attention(family: str) -> tuple[type, Callable] | None:
     """(vision attention class, its rotary function ``apply_rotary_pos_emb_vision``) of a Qwen-VL
     family, or None when this transformers lays the tower out differently (then the tower runs as
     transformers ships it)."""
-    import importlib
 
     where = _QWEN_VISION_ATTENTION.get(family)
     if where is None:

@@ -33,6 +33,7 @@ import yaml
 from .capabilities import check_recipe
 from .errors import ConfigError, IncompatibleRecipeError, InputError, UnknownMethodError
 from .registry import REGISTRIES, TASKS
+import string
 
 logger = logging.getLogger(__name__)
 
@@ -519,7 +520,6 @@ class OutputConfig:
     overwrite: bool = False
 
     def __post_init__(self) -> None:
-        import string
 
         try:
             fields = {f for _, f, _, _ in string.Formatter().parse(self.dir) if f is not None}

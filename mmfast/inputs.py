@@ -17,6 +17,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from .errors import InputError
+from PIL import ImageOps
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ def _upright(im: Image.Image, what: str) -> Image.Image:
     """``im`` turned as its EXIF orientation says (as cameras save photos and viewers show them); the
     first turned image is logged once per process."""
     global _EXIF_ROTATION_LOGGED
-    from PIL import ImageOps
 
     orientation = im.getexif().get(0x0112, 1)  # Orientation tag; 1 = upright
     if orientation in (None, 1):

@@ -26,6 +26,7 @@ from .bench.render import (INTERVAL_NOTE_PREFIX, bench_kind, bench_plots, fmt_ci
 from .errors import InputError
 from .eval.intervals import RunIntervals, read_records, run_intervals
 from .eval.unparsed import count_unparsed
+from markdown_it import MarkdownIt
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +233,6 @@ def _side_tables(run: Path) -> list[tuple[str, list[str]]]:
 def _to_html(markdown: str) -> str:
     """The report's markdown as HTML (CommonMark and tables, by markdown-it-py): code spans, emphasis and
     links render as they do on a forge; raw HTML in the text is escaped, not passed through."""
-    from markdown_it import MarkdownIt
 
     return MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
 

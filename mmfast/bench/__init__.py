@@ -10,6 +10,13 @@ from typing import Any
 
 from ..config import Recipe
 from ..errors import InputError, MMFastError
+from ..capabilities import check_model_config
+from ..errors import MMFastError
+from ..eval.fingerprint import weights_fingerprint
+from ..model import load_model
+from ..pipeline import apply
+from .common import claim_bench_dir
+from .common import variants
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +24,6 @@ logger = logging.getLogger(__name__)
 def _preflight(mm, vs) -> None:
     """Install and remove every variant's hooks once (trained weights found, layers compatible with
     this model) so that a bad variant fails before hours of work, not after."""
-    from ..errors import MMFastError
-    from ..pipeline import apply
 
     for v in vs:
         try:
@@ -30,7 +35,6 @@ def _preflight(mm, vs) -> None:
 
 def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = None) -> dict[str, Any]:
     """Run ``recipe.bench`` and write ``summary.json``, ``results.md`` and plots to the output dir."""
-    from ..model import load_model
 
     kind = recipe.bench.kind
     if kind == "none":
@@ -43,22 +47,18 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
         result = run_gpu_speed(recipe, out, command)
         result["table"] = (out / "results.md").read_text()
         return result
-    from .common import variants
 
     vs = variants(recipe)  # validate every compared variant before loading anything
-    from ..capabilities import check_model_config
 
     for v in vs:  # and against the model's config (layers, grids, families), still before any weights load
         try:
             check_model_config(v.recipe)
         except MMFastError as exc:
             raise InputError(f"bench variant {v.name!r} cannot run on this model: {exc}") from exc
-    from .common import claim_bench_dir
 
     claim_bench_dir(out, kind, recipe.name)  # before the model loads; never over a user's own files
     mm = load_model(recipe.model)
     _preflight(mm, vs)
-    from ..eval.fingerprint import weights_fingerprint
 
     model = {"name": recipe.model.name, "weights_fingerprint": weights_fingerprint(mm.model)}
     if kind == "pruning":

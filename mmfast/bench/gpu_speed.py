@@ -57,17 +57,29 @@ import json
 import logging
 import platform
 import statistics
+import difflib
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
+import transformers
+from PIL import Image
 
 from ..config import ModelConfig, Recipe, load_recipe
 from ..errors import InputError, MMFastError
+from ..eval.data import resolve_data
+from ..flops import LMShape, prefill_flops
+from ..model import MMModel, load_model
+from ..models.factory import BENCH_MODELS, build_bench_model
+from ..pipeline import apply
+from ..pruning._budget import CalibrationSet
+from ..speculative._eagle_model import write_random_draft
 from .common import Variant, variants
+from .pruning import _untrained
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +110,6 @@ class DeviceInfo:
 
     @classmethod
     def detect(cls, device: torch.device, params: dict[str, Any]) -> DeviceInfo:
-        import transformers
 
         bw = flops = None
         if device.type == "cuda":
@@ -173,13 +184,11 @@ class GpuBenchParams:
 
     @classmethod
     def of(cls, recipe: Recipe) -> GpuBenchParams:
-        from ..models.factory import BENCH_MODELS
 
         p = recipe.bench.params
         shapes = tuple(p.get("shapes", ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b")))
         for i, s in enumerate(shapes):
             if s not in BENCH_MODELS:
-                import difflib
 
                 close = difflib.get_close_matches(s, list(BENCH_MODELS), n=1)
                 raise InputError(f"bench.params.shapes[{i}]: unknown shape {s!r}" + (f"; did you mean {close[0]!r}?" if close else "")
@@ -284,12 +293,7 @@ class _Shape:
 
 
 def _build_shape(name: str, device: torch.device, dtype: torch.dtype, n_images: int) -> _Shape:
-    import numpy as np
-    from PIL import Image
 
-    from ..model import MMModel
-    from ..models.factory import BENCH_MODELS, build_bench_model
-    from ..pruning._budget import CalibrationSet
 
     t0 = time.perf_counter()
     model, processor = build_bench_model(name, device=device, dtype=dtype, init_std=0.02 if dtype != torch.float32 else 0.2)
@@ -335,8 +339,6 @@ def _hf_call(shape: _Shape, batch, static: bool) -> tuple[Callable[[int], Any], 
 
 def _variant_recipe(v: Variant, shape: _Shape, compiled: bool) -> Recipe:
     """The variant's recipe with trained parts swapped for random stand-ins (and random draft weights)."""
-    from ..speculative._eagle_model import write_random_draft
-    from .pruning import _untrained
 
     recipe = _untrained(v.recipe)
     data = recipe.to_dict()
@@ -351,7 +353,6 @@ def _variant_recipe(v: Variant, shape: _Shape, compiled: bool) -> Recipe:
 
 
 def _mmfast_row(shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, compiled: bool, m: Measurement) -> None:
-    from ..pipeline import apply
 
     batch = shape.batch(b, workload)
     recipe = _variant_recipe(v, shape, compiled)
@@ -381,7 +382,6 @@ def _mmfast_row(shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, c
 
 
 def _hf_row(shape: _Shape, b: int, workload: str, n: int, cfg, static: bool, m: Measurement) -> None:
-    from ..flops import LMShape, prefill_flops
 
     call, info = _hf_call(shape, shape.batch(b, workload), static)
     t = _measure(call, n, shape.mm.device, cfg.warmup, cfg.repeats)
@@ -450,7 +450,6 @@ def _spec_of(what: Any, compiled: bool) -> Any:
 
 def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
     """Run the bench into ``out`` (rows.jsonl as rows finish; results.md / summary.json after each)."""
-    from ..models.factory import BENCH_MODELS
 
     cfg = recipe.bench
     cp = GpuBenchParams.of(recipe)
@@ -531,9 +530,6 @@ def _embedded_plan(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: 
 
 def _run_embedded(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo, store: RowStore,
                   plan: dict[tuple, str], report: Callable[[], Any]) -> None:
-    from ..model import load_model
-    from ..eval.data import resolve_data
-    from ..pipeline import apply
 
     todo = [k for k in plan if store.done(k, plan[k]) is None]
     if not todo:

@@ -41,6 +41,16 @@ from .distributed import barrier, gather_and_finish, launch_data_parallel, shard
 from .fingerprint import weights_fingerprint
 from .records import RecordStore, record_problem
 from .tasks import Sample, Task, build_tasks
+from . import rundir
+from ..capabilities import check_model_config
+from ..model import load_model
+from ..pipeline import apply
+from ..pruning._budget import CalibrationSet
+from ..registry import PRUNERS
+from .fingerprint import digest_of
+from .fingerprint import sample_fingerprint
+from .records import write_atomic
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +92,6 @@ def evaluation_calibration(recipe: Recipe, limit: int | None = None):
 def calibration_set(plan):
     """The samples token budgets are calibrated on: a spread of the evaluation's own (every task in its
     share), so a calibrated method lands on its budget in this evaluation's mean."""
-    from ..pruning._budget import CalibrationSet
 
     return CalibrationSet.spread([s for _, samples in plan for s in samples])
 
@@ -107,7 +116,6 @@ def calibration_identity(recipe: Recipe, plan) -> str | None:
     """The identity of the calibration set a calibrated budget (MustDrop, ZipVL) is fitted on, or None
     when no stage of the recipe is calibrated. The set is a spread of the planned samples, so another
     ``--limit`` calibrates other thresholds: the answers depend on it, and so does every fingerprint."""
-    from ..registry import PRUNERS
 
     if not any(st.budget and getattr(PRUNERS.get(st.method).cls, "calibrated", False) for st in recipe.pruning):
         return None
@@ -116,7 +124,6 @@ def calibration_identity(recipe: Recipe, plan) -> str | None:
 
 def planned_fingerprints(recipe: Recipe, plan, weights: str) -> dict[str, str]:
     """doc_id -> :func:`~mmfast.eval.fingerprint.sample_fingerprint` of every planned sample."""
-    from .fingerprint import sample_fingerprint
 
     identity = run_identity(recipe)
     calibration = calibration_identity(recipe, plan)
@@ -129,7 +136,6 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
     """Refuse to mix results of different recipes, or of different weights, in one directory
     (unless output.overwrite, which removes the earlier run's own files and starts over); record in
     ``run.json`` every file this run writes."""
-    from . import rundir
 
     old = rundir.read_run_json(out)
     if old is None:
@@ -159,7 +165,6 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
 
 def _shard_device(device: str, rank: int, world: int) -> str:
     """In a data-parallel run each process takes its own GPU (``cuda`` -> ``cuda:<local rank>``)."""
-    import torch
 
     if world > 1 and torch.cuda.is_available() and device in ("auto", "cuda"):
         return f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
@@ -282,7 +287,6 @@ def run_eval(
         return launch_data_parallel(recipe, limit=limit, out=output_dir(recipe, output), num_processes=num_processes)
     limit = limit or cfg.limit
     out = output_dir(recipe, output)
-    from . import rundir
 
     rank, world = shard_info()
     data = resolve_data(cfg, cfg.tasks)  # every input checked before anything is written
@@ -291,7 +295,6 @@ def run_eval(
     check_plan(plan)
     _check_images(plan, cfg.max_failures, rank, world)  # before the model loads: no hour-long load for a typo
     if mm is None:
-        from ..capabilities import check_model_config
 
         check_model_config(recipe)  # the methods' layers and grids against the model's config
     extra_files = side_files(tasks)
@@ -306,11 +309,9 @@ def run_eval(
 
 
 def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm, rank: int, world: int, barrier) -> dict[str, Any]:
-    from . import rundir
 
     cfg = recipe.eval
     if mm is None:
-        from ..model import load_model
 
         mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
     fingerprint = weights_fingerprint(mm.model)
@@ -324,7 +325,6 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
     budget = failure_budget(cfg.max_failures, n_total)
     store = RecordStore(out / (rundir.SAMPLES if world == 1 else rundir.shard_name(rank)), check=record_problem)
     fps = planned_fingerprints(recipe, plan, fingerprint)
-    from ..pipeline import apply
 
     t0 = time.perf_counter()
     with apply(mm, recipe, calibration=calibration_set(plan)) as session:
@@ -361,8 +361,6 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
 
 def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: float) -> dict[str, Any]:
     """Score the planned samples whose records match their inputs, and write ``summary.json``."""
-    from . import rundir
-    from .fingerprint import digest_of
 
     planned = planned_fingerprints(recipe, plan, weights_fingerprint(mm.model))
     current = {d: r for d, r in store.records.items() if d in planned and r.get("fingerprint") == planned[d]}
@@ -389,7 +387,6 @@ def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: flo
         "elapsed_s": round(elapsed, 2),
         "failures": [{"doc_id": r["doc_id"], "error": r["error"]} for r in failed],
     }
-    from .records import write_atomic
 
     write_atomic(out / rundir.SUMMARY_JSON, json.dumps(summary, indent=2).encode("utf-8"))
     logger.info("wrote %s", out / rundir.SUMMARY_JSON)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from .. import compat
 
 
 class QwenVLImageProcessor:
@@ -62,7 +63,6 @@ def load_qwen_processor(path: str, **kwargs: Any) -> QwenVLImageProcessor:
     """The tokenizer, image processor and chat template saved at ``path`` (no video processor)."""
     from transformers import AutoTokenizer
 
-    from .. import compat
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     image_processor = compat.load_image_processor(path, **kwargs)
