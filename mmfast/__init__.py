@@ -33,7 +33,14 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from .config import Recipe, load_recipe
-    from .errors import ConfigError, IncompatibleRecipeError, InputError, MMFastError, ModelLoadError, UnknownMethodError
+    from .errors import (
+        ConfigError,
+        IncompatibleRecipeError,
+        InputError,
+        MMFastError,
+        ModelLoadError,
+        UnknownMethodError,
+    )
     from .model import MMModel, load
     from .pipeline import GenerationResult, Session, apply
     from .registry import DECODERS, DRAFTERS, PRUNERS, REGISTRIES, TASKS
@@ -70,6 +77,7 @@ __all__ = [
     "MMModel",
     "ModelLoadError",
     "PRUNERS",
+    "REGISTRIES",
     "Recipe",
     "Session",
     "TASKS",

@@ -24,8 +24,8 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 

@@ -26,8 +26,10 @@ changed inside 5.x:
 """
 from __future__ import annotations
 
+import copy
+import importlib
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -38,8 +40,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .errors import InputError
-import copy
-import importlib
 
 logger = logging.getLogger(__name__)
 

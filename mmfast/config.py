@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import re
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,7 +34,6 @@ import yaml
 from .capabilities import check_recipe
 from .errors import ConfigError, IncompatibleRecipeError, InputError, UnknownMethodError
 from .registry import REGISTRIES, TASKS
-import string
 
 logger = logging.getLogger(__name__)
 

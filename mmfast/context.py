@@ -13,8 +13,9 @@ This module imports nothing from ``pipeline`` or the method packages: the sessio
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 

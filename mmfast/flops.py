@@ -9,8 +9,8 @@ at hand and projected onto the real LLaVA-1.5-7B shape (32 layers, d=4096, m=110
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from .config import DecodingConfig
 from .errors import ConfigError, InputError

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import InputError
-from PIL import ImageOps
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -217,7 +218,7 @@ def _hub_error(timeout: float = 3.0) -> str | None:
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     url = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
     try:
-        url.port
+        _ = url.port  # parsing the port raises on a malformed one
     except ValueError:
         raise ModelLoadError(f"HF_ENDPOINT {endpoint!r} has an invalid port; use e.g. http://host:8080") from None
     if not url.hostname:
@@ -292,7 +293,7 @@ def load(
     device = device or "auto"
     dtype = dtype or "float32"
     attn_implementation = attn_implementation or "sdpa"
-    from transformers import AutoConfig, AutoProcessor
+    from transformers import AutoConfig
 
     path, local = _resolve(name_or_path)
     if device == "auto":
@@ -325,7 +326,7 @@ def load(
         config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the config of {path!r}: {exc}") from None
-    from .models import MODEL_CLASSES, _REJECTED
+    from .models import _REJECTED, MODEL_CLASSES
 
     if config.model_type not in MODEL_CLASSES:
         msg = _REJECTED.get(config.model_type, f"model_type {config.model_type!r} is not a supported LLaVA checkpoint")
@@ -403,7 +404,7 @@ def _wrap_loaded(model: torch.nn.Module, processor: Any, *, device: str | None, 
     """An :class:`MMModel` around a model the caller loaded with transformers."""
     from transformers import PreTrainedModel
 
-    from .models import MODEL_CLASSES, _REJECTED
+    from .models import _REJECTED, MODEL_CLASSES
 
     if not isinstance(model, PreTrainedModel):
         raise InputError(

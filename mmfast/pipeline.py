@@ -16,24 +16,25 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .capabilities import caps_of, check_model, check_recipe, static_cache_blocker
 from .config import Recipe, from_dict, load_recipe, to_dict
 from .context import MethodContext
-from .decoding.base import DecodeOutput, DecodeRequest, Decoder, now
+from .decoding.base import DecodeOutput, Decoder, DecodeRequest, now
 from .decoding.loop import Streamer, streaming
-from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .errors import ConfigError, IncompatibleRecipeError, InputError
+from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .hooks import AttentionProbe, HookSession
 from .inputs import PreparedBatch
-from .models.base import LMInputs, VisionBatch, build_lm_inputs
+from .models.base import LMInputs, VisionBatch
 from .models.qwen_tower import install_fused_tower
-from .registry import DECODERS, DRAFTERS, PRUNERS
 from .pruning._budget import budget_tokens, calibrate_once, calibration_key
+from .registry import DECODERS, DRAFTERS, PRUNERS
 from .runtime import CudaGraph, LMRunner
 from .speculative.engine import speculative_decode
 

@@ -18,8 +18,9 @@ import difflib
 import fnmatch
 import importlib.metadata
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generic, Iterator, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from .errors import UnknownMethodError
 
@@ -115,10 +116,10 @@ def load_plugins() -> None:
             obj()
 
 
-PRUNERS: Registry["Pruner"] = Registry("pruning")
-DRAFTERS: Registry["Drafter"] = Registry("speculative")
-DECODERS: Registry["Decoder"] = Registry("decoding")
+PRUNERS: Registry[Pruner] = Registry("pruning")
+DRAFTERS: Registry[Drafter] = Registry("speculative")
+DECODERS: Registry[Decoder] = Registry("decoding")
 REGISTRIES: dict[str, Registry] = {"pruning": PRUNERS, "speculative": DRAFTERS, "decoding": DECODERS}
 """The method registries (a recipe's ``method:`` keys pick from these)."""
-TASKS: Registry["Task"] = Registry("task", label="evaluation task")
+TASKS: Registry[Task] = Registry("task", label="evaluation task")
 """Evaluation tasks (``eval.tasks`` picks from this); not a method kind, so not in ``REGISTRIES``."""

@@ -20,13 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from markdown_it import MarkdownIt
+
 from .bench.plots import bars, labelled_points, plot_title, scatter_lines
-from .bench.render import (INTERVAL_NOTE_PREFIX, bench_kind, bench_plots, fmt_ci, interval_notes, unparsed_cell, variant_intervals,
-                           variant_unparsed, with_intervals, with_unparsed)
+from .bench.render import (
+    INTERVAL_NOTE_PREFIX,
+    bench_kind,
+    bench_plots,
+    fmt_ci,
+    interval_notes,
+    unparsed_cell,
+    variant_intervals,
+    variant_unparsed,
+    with_intervals,
+    with_unparsed,
+)
 from .errors import InputError
 from .eval.intervals import RunIntervals, read_records, run_intervals
 from .eval.unparsed import count_unparsed
-from markdown_it import MarkdownIt
 
 logger = logging.getLogger(__name__)
 

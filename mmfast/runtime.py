@@ -32,8 +32,9 @@ import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 

@@ -5,17 +5,29 @@ tokens sit among the real projected tokens, and what the trained global branch e
 
     python scripts/hicom_diagnostics.py [--recipe RECIPE] [--n 24]
 """
-import json, math, sys
-import torch, torch.nn.functional as F
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
 import mmfast
+from mmfast.bench.common import timing_samples_of
 from mmfast.config import load_recipe
 from mmfast.pipeline import Session
-from mmfast.bench.common import timing_samples_of
-from mmfast.pruning._hicom_modules import load_clip_guide, guide_text, local_compress, local_grid, load_global, GLOBAL_WEIGHTS, model_dir
 from mmfast.pruning._grid import group_index
+from mmfast.pruning._hicom_modules import (
+    GLOBAL_WEIGHTS,
+    guide_text,
+    load_clip_guide,
+    load_global,
+    local_compress,
+    local_grid,
+    model_dir,
+)
 
 torch.set_num_threads(1)
-import argparse
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--recipe", default="configs/world_eval.yaml")
 ap.add_argument("--n", type=int, default=24)
@@ -53,13 +65,16 @@ with Session(mm, load_recipe({})) as s, torch.no_grad():
             tok_o, w_o, _ = local_compress(v, ko, guides[i], g, 0.5, 20.0)
             # the release's local rule (direct guide, no clip scale): softmax(g . k / sqrt(P)) within each group
             _, w_r, _ = local_compress(v, keys_rel[i].reshape(1, rows, cols, -1), guides[i], g, 0.0, 0.0, rule="release")
-            eff_o.append((1 / (w_o ** 2).sum(-1)).mean().item()); eff_r.append((1 / (w_r ** 2).sum(-1)).mean().item())
-            maxw_o.append(w_o.max(-1).values.mean().item()); maxw_r.append(w_r.max(-1).values.mean().item())
+            eff_o.append((1 / (w_o ** 2).sum(-1)).mean().item())
+            eff_r.append((1 / (w_r ** 2).sum(-1)).mean().item())
+            maxw_o.append(w_o.max(-1).values.mean().item())
+            maxw_r.append(w_r.max(-1).values.mean().item())
             cos_w.append(F.cosine_similarity(w_o, w_r, -1).mean().item())
             top_agree.append((w_o.argmax(-1) == w_r.argmax(-1)).float().mean().item())
             p_o = ad.projector(tok_o.float())  # [G, d]
             real = proj_real[i]  # [N, d]
-            nrm_pool.append(p_o.norm(dim=-1).mean().item()); nrm_real.append(real.norm(dim=-1).mean().item())
+            nrm_pool.append(p_o.norm(dim=-1).mean().item())
+            nrm_real.append(real.norm(dim=-1).mean().item())
             nn_cos_pool.append(F.cosine_similarity(p_o[:, None], real[None], -1).max(-1).values.mean().item())
         stats[name] = {
             "groups": int(idx.shape[0]), "members_per_group": int(valid.sum(1).float().mean()),

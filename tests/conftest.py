@@ -50,8 +50,9 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gqa_dir(tmp_path_factory) -> Path:
     """A tiny LLaVA whose LM uses grouped-query attention (4 heads, 2 KV heads)."""
-    from mmfast.models.factory import SHAPES, random_llava, save_model
     import dataclasses
+
+    from mmfast.models.factory import SHAPES, random_llava, save_model
 
     shape = dataclasses.replace(SHAPES["tiny"], text_kv_heads=2)
     model, processor = random_llava(shape, init_std=0.2, seed=1)

@@ -402,8 +402,9 @@ def test_hub_check_asks_the_mirror_in_hf_endpoint(fake_hub, monkeypatch, suffix)
 
 def test_hub_check_goes_through_the_proxy(fake_hub, monkeypatch):
     # the hub's host does not resolve here; only the proxy (the loopback server) can answer for it
-    from mmfast.model import _hub_error
     from huggingface_hub.utils import close_session
+
+    from mmfast.model import _hub_error
 
     monkeypatch.setenv("HF_ENDPOINT", "http://hub.invalid")
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{fake_hub.server_port}")

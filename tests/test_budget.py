@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-import mmfast
 from mmfast.config import load_recipe
 from mmfast.errors import ConfigError
 from mmfast.pruning._budget import in_llm_keep
@@ -115,9 +114,8 @@ def test_flops_budget_converts_to_tokens(tiny_mm, images):
 
 @pytest.mark.parametrize("method, params, tokens", [("mustdrop", {"window": 2, "layer_mapping": "proportional"}, 8), ("zipvl", {}, 6)])
 def test_calibration_converges(tiny_mm, method, params, tokens):
-    from mmfast.world import render_image
-
     from mmfast.pruning._budget import CALIBRATION_IMAGES, calibration_prompt
+    from mmfast.world import render_image
 
     n = CALIBRATION_IMAGES  # the calibration set itself
     images = [render_image(0, "val", 20 * i).image.convert("RGB") for i in range(n)]

@@ -10,11 +10,12 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
+from mmfast.errors import InputError
 from mmfast.eval import chair as chair_mod
 from mmfast.eval.chair import (
     CaptionParser,
@@ -38,7 +39,6 @@ from mmfast.eval.chair_vocab import (
     PUNKT_ENGLISH_ABBREVIATIONS,
     SYNONYM_TO_NODE,
 )
-from mmfast.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chair"

@@ -28,9 +28,7 @@ DRAFTER = "prompt_lookup"  # needs no trained weights
 
 @pytest.fixture(scope="module")
 def families(tiny_mm, tmp_path_factory):
-    from mmfast.models.factory import random_llava_next, random_llava_onevision, save_model
-
-    from mmfast.models.factory import random_qwen_vl
+    from mmfast.models.factory import random_llava_next, random_llava_onevision, random_qwen_vl, save_model
 
     model, processor = random_llava_next("tiny")
     path = save_model(model, processor, tmp_path_factory.mktemp("next_matrix"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -118,7 +119,7 @@ def test_round_trip_dump():
 
 def test_frozen():
     r = Recipe()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.name = "x"  # type: ignore[misc]
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from types import SimpleNamespace
+
+import torch
 
 from mmfast.config import load_recipe
 from mmfast.decoding.lqcd import leading_query

@@ -334,7 +334,7 @@ def _train_batch(llava, n_answer=12):
 
 
 def test_training_masked_attention_with_full_keep_is_the_model(tiny_llava):
-    from mmfast.train.dynamic_llava import DynamicTraining, DynamicTrainConfig
+    from mmfast.train.dynamic_llava import DynamicTrainConfig, DynamicTraining
     from mmfast.train.embedded import llava_forward
 
     feats, ids, lab, mask = _train_batch(tiny_llava)
@@ -356,7 +356,7 @@ def test_training_masked_attention_with_full_keep_is_the_model(tiny_llava):
 
 
 def test_training_step_lowers_loss_and_moves_keep_ratio(tiny_llava):
-    from mmfast.train.dynamic_llava import DynamicTraining, DynamicTrainConfig, forward_loss
+    from mmfast.train.dynamic_llava import DynamicTrainConfig, DynamicTraining, forward_loss
 
     cfg = DynamicTrainConfig(output_text_len_for_training=8, output_text_keep_rate=0.1)
     feats, ids, lab, mask = _train_batch(tiny_llava)

@@ -3,7 +3,6 @@ method components (drafts, predictors, HICom's global branch) load and stay loss
 
 from __future__ import annotations
 
-
 import pytest
 
 import mmfast

@@ -6,8 +6,8 @@ are greedy exactly, batch with mixed image sizes equals per sample."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
+import torch
 from PIL import Image
 
 import mmfast
@@ -44,7 +44,8 @@ def _facts(family):
     ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
 ], ids=["cdpruner-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"])
 def test_config_refusal_quotes_the_reason(recipe, family, reason):
-    from mmfast.registry import DRAFTERS as D, PRUNERS as P
+    from mmfast.registry import DRAFTERS as D
+    from mmfast.registry import PRUNERS as P
 
     name = reason
     entry = P.get(name) if name in P.names() else D.get(name)

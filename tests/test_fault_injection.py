@@ -91,11 +91,11 @@ def test_crash_at_random_points_then_resume(tiny_dir, tiny_mm, world, tmp_path, 
     fresh = run_eval(recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh"))), limit=4, mm=tiny_mm)
     real_append = RecordStore.append
     torn = 0
-    for attempt in range(20):
+    for attempt in range(20):  # noqa: B007 - read after the loop
         budget = rng.randint(0, 3)
         tear = rng.random() < 0.5
 
-        def append(self, recs, _state={"n": 0}, _budget=budget, _tear=tear):
+        def append(self, recs, _state={"n": 0}, _budget=budget, _tear=tear):  # noqa: B006 - the dict is the call counter
             if _state["n"] >= _budget:
                 if _tear:
                     with open(self.path, "ab") as fh:

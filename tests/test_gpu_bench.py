@@ -37,7 +37,7 @@ def test_cpu_run_rows_columns_medians_and_hf_tokens(tmp_path, monkeypatch):
     rows = {(r["batch"], r["workload"], r["row"]): r for r in _rows(tmp_path)}
     names = [gs.HF_EAGER, gs.HF_STATIC, gs.UNPRUNED, gs.COMPILED, "divprune-8"]
     assert set(rows) == {(b, w, n) for b in (1, 2) for w in ("pope", "caption") for n in names}
-    for (b, w, n), r in rows.items():
+    for (_b, w, n), r in rows.items():
         if n == gs.COMPILED and not gs.compile_available():
             assert r["status"] == gs.NOT_AVAILABLE  # reported, not silently skipped
             continue

@@ -237,7 +237,7 @@ def test_graph_sees_lazy_relative_and_submodule_imports(tmp_path):
     imports = list(_walk_imports(a))
     known = {"mmfast", "mmfast.pkg", "mmfast.pkg.a", "mmfast.pkg.b"}
     targets = set()
-    for node, in_function in imports:
+    for node, _in_function in imports:
         targets |= _targets(node, "mmfast.pkg.a", False, known)
     assert targets == {"mmfast.pkg.b"}
     assert [in_function for _, in_function in imports] == [False, False, True]  # __future__, typing, lazy

@@ -16,7 +16,7 @@ import mmfast
 from mmfast import compat
 from mmfast.config import Recipe, load_recipe
 from mmfast.errors import IncompatibleRecipeError
-from mmfast.hooks import count_hooks, last_row
+from mmfast.hooks import count_hooks
 from mmfast.pipeline import Session
 from mmfast.registry import PRUNERS
 

@@ -84,11 +84,12 @@ def _free_port() -> int:
 
 
 def test_lmms_eval_one_and_two_processes(setup, tiny_dir):
+    from PIL import Image
+
     import mmfast
     from mmfast.config import load_recipe
-    from mmfast.model import load_model
     from mmfast.eval.pope import load_pope_questions, score_pope
-    from PIL import Image
+    from mmfast.model import load_model
 
     tmp, recipe = setup
     one = _lmms_eval(tmp, recipe, tiny_dir, "one", [sys.executable])

@@ -13,7 +13,6 @@ from mmfast.decoding._opera_penalty import OverTrustHistory, phi_from_log
 from mmfast.decoding.beam import BeamSearch
 from mmfast.pipeline import Session
 
-
 # --------------------------------------------------------------------------- fp16 over-trust score
 
 

@@ -209,7 +209,7 @@ def test_rerender_bench_dir_adds_intervals_without_running(tmp_path):
     assert "| mean F1 | mean F1 [95% CI] | n POPE |" in md and "95% CI: POPE mean F1 by a percentile bootstrap" in md
     after = json.loads((bench / "summary.json").read_text())
     assert after["kind"] == "decoding"
-    for name, r in after["results"].items():
+    for _name, r in after["results"].items():
         iv = r.pop("intervals")
         lo, hi = iv["pope"]["mean_f1_ci95"]
         assert lo <= r["metrics"]["pope"]["mean_f1"] <= hi
@@ -228,7 +228,13 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     import numpy as np
 
     from mmfast.bench.render import budget_leaders
-    from mmfast.eval.intervals import paired_mean_f1_difference, paired_pope_cells, pope_cells, pope_intervals, read_records
+    from mmfast.eval.intervals import (
+        paired_mean_f1_difference,
+        paired_pope_cells,
+        pope_cells,
+        pope_intervals,
+        read_records,
+    )
 
     rng = np.random.default_rng(0)
     labels = ["yes" if i % 2 == 0 else "no" for i in range(120)]

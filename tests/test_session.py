@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from mmfast import compat
+from mmfast.config import Recipe
 from mmfast.hooks import HookSession, count_hooks, last_row
 from mmfast.pipeline import Session
-from mmfast.config import Recipe
 
 
 def _logits(mm, images, prompts):

@@ -24,7 +24,6 @@ from mmfast.eval.tasks.chair import ChairTask
 from mmfast.eval.tasks.pope import PopeTask
 from mmfast.registry import TASKS
 
-
 # --------------------------------------------------------------------------- the third benchmark
 
 

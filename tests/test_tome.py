@@ -77,7 +77,7 @@ def test_merges_r_per_block_and_tracks_patches(tiny_mm, images, prompts):
             with Session(tiny_mm, _recipe(**params)) as s:
                 batch = s.mm.prepare(images[:2], prompts[:2])
                 vision = s.encode(batch)
-                tome = s.pruners[0]
+                s.pruners[0]
                 merge = vision.extras["tome.merge"]
                 final_ids, final_size = merge.ids, merge.size
         finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ from mmfast.pruning._kv_quant import (
     unpack,
 )
 from mmfast.pruning.zipvl import (
-    ZipVL,
     accumulate_scores,
     mass_count,
     probe_rows,
@@ -52,7 +50,7 @@ def test_keeps_smallest_set_reaching_tau():
 
     # random rows, left padding, many taus: always the minimal set
     gen = torch.Generator().manual_seed(0)
-    for trial in range(20):
+    for _trial in range(20):
         k = 12
         valid = torch.ones(2, k, dtype=torch.bool)
         valid[1, :3] = False
@@ -316,7 +314,7 @@ def test_cache_layer_decode_requant_and_batch_ops():
 def test_session_quantised_cache_prefill_bytes_and_requant(tiny_mm, images, prompts):
     interval = 3
     with Session(tiny_mm, _recipe(tau=0.9, requant_interval=interval)) as s:
-        zipvl = s.pruners[0]
+        s.pruners[0]
         batch = s.mm.prepare(images[:2], prompts[:2])
         inputs = s.build_inputs(batch, s.encode(batch))
         state, out = s.runner.prefill(inputs)

@@ -8,15 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..capabilities import check_model_config
 from ..config import Recipe
 from ..errors import InputError, MMFastError
-from ..capabilities import check_model_config
-from ..errors import MMFastError
 from ..eval.fingerprint import weights_fingerprint
 from ..model import load_model
 from ..pipeline import apply
-from .common import claim_bench_dir
-from .common import variants
+from .common import claim_bench_dir, variants
 
 logger = logging.getLogger(__name__)
 

@@ -50,6 +50,7 @@ Nothing here has run on a GPU yet: only the CPU path is tested (tests/test_gpu_b
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import gc
 import hashlib
@@ -57,12 +58,12 @@ import json
 import logging
 import platform
 import statistics
-import difflib
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -654,7 +655,7 @@ def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store
               "FLOPs ratio", "decode % BW limit", "prefill % peak FLOP/s", "first call s", "repeats", "tokens = hf eager",
               "tau (embedded)", "projected decode x"]
     table = []
-    for key, m in sorted(((k, m) for k, m in rows.items() if k[0] != EMBEDDED), key=lambda km: _order(km[0], vs)):
+    for _key, m in sorted(((k, m) for k, m in rows.items() if k[0] != EMBEDDED), key=lambda km: _order(km[0], vs)):
         base = rows.get((m.shape, m.batch, m.workload, UNPRUNED))
         hf = rows.get((m.shape, m.batch, m.workload, HF_EAGER))
         if not m.ok:
@@ -680,7 +681,7 @@ def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store
                       _fmt(m.first_call_s, ".2f"), m.repeats, "" if same is None else ("yes" if same else "no"), _fmt(tau, ".2f"), _fmt(proj, ".2f")])
     emb = []
     ebase = rows.get((EMBEDDED, 1, "caption", UNPRUNED))
-    for key, m in sorted(((k, m) for k, m in rows.items() if k[0] == EMBEDDED), key=lambda km: km[0][3] != UNPRUNED):
+    for _key, m in sorted(((k, m) for k, m in rows.items() if k[0] == EMBEDDED), key=lambda km: km[0][3] != UNPRUNED):
         if not m.ok:
             emb.append([m.row, m.status, "", "", "", "", ""])
             continue

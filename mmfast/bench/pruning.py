@@ -26,8 +26,16 @@ from ..model import MMModel
 from ..pipeline import apply
 from ..pruning._budget import CalibrationSet
 from .common import Variant, dump, median_time, timing_samples_of, variants, warm_repeats, write_markdown
-from .render import (budget_leaders, has_budgets, pruning_plots, slice_label, timing_labels, timing_protocol_note, with_slice_speedup,
-                     write_results)
+from .render import (
+    budget_leaders,
+    has_budgets,
+    pruning_plots,
+    slice_label,
+    timing_labels,
+    timing_protocol_note,
+    with_slice_speedup,
+    write_results,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +139,7 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
     from PIL import Image
 
     from ..model import MMModel
-    from ..models.factory import random_llava
-
-    from ..models.factory import QWEN_SHAPES, SHAPES, random_qwen_vl
+    from ..models.factory import QWEN_SHAPES, SHAPES, random_llava, random_qwen_vl
 
     cfg = recipe.bench
     logger.info("bench phase: prefill timing on the %s random-weight model (building it)", cfg.shape)

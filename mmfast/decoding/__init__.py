@@ -3,7 +3,7 @@
 import importlib
 import pkgutil
 
-from .base import Decoder, DecodeOutput
+from .base import DecodeOutput, Decoder
 
 for _m in pkgutil.iter_modules(__path__):
     if not _m.name.startswith("_") and _m.name not in ("base", "loop"):

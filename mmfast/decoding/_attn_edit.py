@@ -11,8 +11,8 @@ into the prompt), so pruning stages that drop or reorder slots compose.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

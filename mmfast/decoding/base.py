@@ -20,9 +20,9 @@ from ..capabilities import Capabilities
 from ..flops import LLAVA_7B, LMShape, prefill_flops, project_schedule
 
 if TYPE_CHECKING:
+    from ..context import MethodContext
     from ..inputs import PreparedBatch
     from ..models.base import LMInputs, VisionBatch
-    from ..context import MethodContext
     from ..runtime import LMState
 
 

@@ -30,7 +30,7 @@ import torch
 from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
+from .base import DecodeOutput, Decoder, DecodeRequest, now, state_accounting
 from .loop import finish
 
 

@@ -29,7 +29,7 @@ import torch
 
 from ..config import opt
 from ..models.base import LMInputs
-from .base import Decoder, DecodeOutput, DecodeRequest
+from .base import DecodeOutput, Decoder, DecodeRequest
 from .loop import drive, sample_from, warpers
 
 if TYPE_CHECKING:

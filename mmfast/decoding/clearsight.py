@@ -37,7 +37,7 @@ from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
 from ._attn_edit import ATTN_OVERRIDE_DYNAMIC, edit_rows, install_override, slot_classes
-from .base import Decoder, DecodeOutput, DecodeRequest
+from .base import DecodeOutput, Decoder, DecodeRequest
 from .loop import autoregressive, sample_from, warpers
 
 PAPER_LAYERS = tuple(range(9, 15))  # of the 32-layer LLaVA-1.5-7B LLM

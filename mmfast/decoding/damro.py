@@ -34,7 +34,6 @@ from ..hooks import attach
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
 
-
 SCORES = "damro.cls_scores"  # VisionBatch extras: per image [N] CLS -> patch attention of the feature layer
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..capabilities import ALL_FAMILIES, Capabilities
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput, DecodeRequest, Sampling
+from .base import DecodeOutput, Decoder, DecodeRequest, Sampling
 from .loop import autoregressive
 
 

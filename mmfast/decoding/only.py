@@ -48,7 +48,7 @@ from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
 from ._attn_edit import ATTN_OVERRIDE_DYNAMIC, attend, install_override, masked_scores, slot_classes
-from .base import Decoder, DecodeOutput, DecodeRequest
+from .base import DecodeOutput, Decoder, DecodeRequest
 from .branches import plausibility_mask
 from .loop import autoregressive, sample_from, warpers
 

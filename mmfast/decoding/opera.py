@@ -63,7 +63,6 @@ candidate-restricted beam search (the -999 fill renormalises each beam over its 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -74,9 +73,9 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput, DecodeRequest, now, state_accounting
-from .beam import BeamSearch, release_prompt_len
 from ._opera_penalty import OverTrustHistory, mode, phi_from_log
+from .base import DecodeOutput, Decoder, DecodeRequest, now, state_accounting
+from .beam import BeamSearch, release_prompt_len
 from .loop import finish
 
 BONUS_TOKENS = 10  # image-attention bonus while the response part (candidate included) has <= 10 tokens

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import opt
 from ..capabilities import ALL_FAMILIES, Capabilities
+from ..config import opt
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput, DecodeRequest, Sampling
+from .base import DecodeOutput, Decoder, DecodeRequest, Sampling
 from .loop import autoregressive, sample_from, warpers
 
 

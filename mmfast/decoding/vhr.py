@@ -20,12 +20,12 @@ from typing import Literal
 
 import torch
 
+from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..models.base import LMInputs
-from ..capabilities import ALL_FAMILIES, Capabilities
 from ..registry import DECODERS
-from .base import Decoder, DecodeOutput, DecodeRequest
+from .base import DecodeOutput, Decoder, DecodeRequest
 from .loop import autoregressive, sample_from, warpers
 
 

@@ -50,9 +50,10 @@ import os
 import random
 import re
 import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from ..errors import InputError
 from .chair_morphy import MorphyLemmatizer

@@ -23,8 +23,9 @@ lower-case (CHAIR lower-cases captions before tokenising).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 FORMAT = "mmfast.chair.wordnet_morphy"
 VERSION = 1

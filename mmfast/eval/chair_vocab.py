@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 #: One entry per MSCOCO class, in the reference order: the node word (the COCO category name) first,
 #: then every synonym exactly as the reference parses it (duplicates and inert entries included).

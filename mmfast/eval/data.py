@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from ..config import DataConfig, EvalConfig
 from ..errors import InputError

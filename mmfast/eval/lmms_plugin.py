@@ -58,13 +58,14 @@ import logging
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from ..progress import Progress
 
 from ..errors import InputError
+from ..progress import Progress
 from .lmms_logs import route_logs_to_lmms_eval
 
 try:  # optional dependency: importing this module without lmms-eval is allowed, using the class is not

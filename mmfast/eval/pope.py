@@ -22,9 +22,10 @@ import json
 import logging
 import math
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from ..errors import InputError
 

@@ -23,12 +23,12 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..errors import InputError
-
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import InputError
 from .records import check_regular_file, quarantine_path, write_atomic

@@ -28,29 +28,27 @@ import os
 import subprocess
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ..progress import Progress
+import torch
 
 from .. import compat
+from ..capabilities import check_model_config
 from ..config import Recipe
 from ..errors import EXIT_SAMPLES_FAILED, InputError, MMFastError, RunAbortedError, SamplesFailedError  # noqa: F401 (re-exported)
-from .data import cache_root, resolve_data
-from .distributed import barrier, gather_and_finish, launch_data_parallel, shard_info
-from .fingerprint import weights_fingerprint
-from .records import RecordStore, record_problem
-from .tasks import Sample, Task, build_tasks
-from . import rundir
-from ..capabilities import check_model_config
 from ..model import load_model
 from ..pipeline import apply
+from ..progress import Progress
 from ..pruning._budget import CalibrationSet
 from ..registry import PRUNERS
-from .fingerprint import digest_of
-from .fingerprint import sample_fingerprint
-from .records import write_atomic
-import torch
+from . import rundir
+from .data import cache_root, resolve_data
+from .distributed import barrier, gather_and_finish, launch_data_parallel, shard_info
+from .fingerprint import digest_of, sample_fingerprint, weights_fingerprint
+from .records import RecordStore, record_problem, write_atomic
+from .tasks import Sample, Task, build_tasks
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ not ranked (the pruning bench's ``leaders.md`` leaves it out and says why).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 UNPARSED_LIMIT = 0.05
 """Above this fraction of unparsed answers in a task, a run is marked and not ranked."""
@@ -95,7 +96,7 @@ class Unparsed:
         return {"pope": self.pope.as_dict() if self.pope else None, "chair": self.chair.as_dict() if self.chair else None}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Unparsed":
+    def from_dict(cls, d: Mapping[str, Any]) -> Unparsed:
         def task(x: Mapping[str, Any] | None) -> TaskUnparsed | None:
             return TaskUnparsed(int(x["k"]), int(x["n"]), tuple(x.get("examples", ()))) if x else None
 

@@ -15,8 +15,9 @@ HookSession), holding a :class:`ModuleAttentionHooks`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn

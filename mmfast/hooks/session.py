@@ -9,7 +9,8 @@ order, so after ``with HookSession(model): ...`` the model computes exactly what
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from .. import compat
 
 

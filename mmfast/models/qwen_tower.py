@@ -50,8 +50,9 @@ sizes; greedy generation token-identical; ``tests/test_qwen_tower.py``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -29,8 +29,8 @@ stored token + the full-precision buffer; ``stored_nbytes`` the bytes of the ten
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 from transformers.cache_utils import DynamicLayer

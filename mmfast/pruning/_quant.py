@@ -9,8 +9,8 @@ along the channel axis. Statistics are per sample and ignore invalid (padding) e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 

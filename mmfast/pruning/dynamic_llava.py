@@ -76,8 +76,8 @@ from .. import compat
 from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError, ModelLoadError
-from ..registry import PRUNERS
 from ..models.base import GENERATED
+from ..registry import PRUNERS
 from ..runtime import LayerGroup
 from ._common import LayerMapping, map_layers
 from ._dynamic_llava_modules import Predictors, gather_rows, keep_topk, load_predictors, random_predictors

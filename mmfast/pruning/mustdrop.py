@@ -150,7 +150,13 @@ class MustDrop(Pruner):
     def calibrate(self, tokens: int) -> None:
         """Land on ``tokens`` layer-averaged tokens (module docstring): bisect the threshold scale s;
         when even the largest s keeps too many tokens, keep it and bisect the merge threshold."""
-        from ._budget import CALIBRATION_TOLERANCE, calibrate_scalar, calibration_batch, check_reachable, measure_layer_avg
+        from ._budget import (
+            CALIBRATION_TOLERANCE,
+            calibrate_scalar,
+            calibration_batch,
+            check_reachable,
+            measure_layer_avg,
+        )
 
         batch = calibration_batch(self.ctx)
         base_g, base_i = self.CALIBRATION_BASE
@@ -278,7 +284,7 @@ class MustDrop(Pruner):
         if merges is None or len(merges) != vision.n_images:
             raise RuntimeError("MustDrop: the vision tower did not run with MustDrop's hooks")
         patch_ids, key_tags = [], []
-        for i, (feats, (r, ids, cls_attn)) in enumerate(zip(vision.features, merges)):
+        for i, (feats, (_r, ids, cls_attn)) in enumerate(zip(vision.features, merges)):
             n_post = ids.shape[0]
             offset = feats.shape[0] - n_post  # 1 when the select strategy keeps CLS
             if offset not in (0, 1) or vision.projected[i] is not None:

@@ -29,8 +29,8 @@ import torch
 from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import PRUNERS
-from ._grid import per_sample, select_rows
 from ._budget import budget_fraction, vision_tokens_per_image
+from ._grid import per_sample, select_rows
 from .base import Pruner
 
 

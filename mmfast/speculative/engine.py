@@ -19,17 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..decoding.base import DecodeOutput, DecodeRequest, now, state_accounting
-from ..decoding.base import sample_generator, sample_seed
+from ..decoding.base import DecodeOutput, DecodeRequest, now, sample_generator, sample_seed, state_accounting
 from ..decoding.loop import warpers
 from .tree import verify
 
 if TYPE_CHECKING:
-    from ..models.base import LMInputs
     from ..context import MethodContext
     from ..decoding.base import Sampling
-    from .base import Drafter
+    from ..models.base import LMInputs
     from ..runtime import LMState, StepOutput
+    from .base import Drafter
 
 logger = logging.getLogger(__name__)
 

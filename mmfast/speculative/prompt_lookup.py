@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import opt
 from ..capabilities import ALL_FAMILIES, Capabilities
+from ..config import opt
 from ..registry import DRAFTERS
 from .base import Drafter
 from .tree import DraftTree

@@ -215,7 +215,7 @@ def draw_vase(p: Pen, rng: random.Random, c: RGB, variant: str) -> None:
     top = 0.0
     if rng.random() < 0.5:
         top = 0.35
-        for k in range(rng.randint(3, 5)):
+        for _k in range(rng.randint(3, 5)):
             x = 0.5 + rng.uniform(-0.35, 0.35)
             y = rng.uniform(0.05, 0.25)
             p.line([(0.5, 0.45), (x, y)], (50, 130, 50), 0.04)

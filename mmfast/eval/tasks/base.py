@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import abc
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from ...config import EvalConfig
 from ...registry import TASKS

@@ -14,7 +14,6 @@ from ...registry import TASKS
 from ..data import EvalData
 from .base import Sample, Task
 
-
 POPE_SPLITS: tuple[str, ...] = ("random", "popular", "adversarial")  # eval.pope.splits' choices
 
 
