@@ -23,12 +23,24 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # Attributes are imported on first use (PEP 562), so `import mmfast` and `mmfast --help` do not pay
 # for torch and transformers until something needs them.
 _LAZY = {
-    "Recipe": "config", "load_recipe": "config",
-    "ConfigError": "errors", "IncompatibleRecipeError": "errors", "InputError": "errors", "MMFastError": "errors",
-    "ModelLoadError": "errors", "UnknownMethodError": "errors",
-    "MMModel": "model", "load": "model",
-    "GenerationResult": "pipeline", "Session": "pipeline", "apply": "pipeline",
-    "DECODERS": "registry", "DRAFTERS": "registry", "PRUNERS": "registry", "REGISTRIES": "registry", "TASKS": "registry",
+    "Recipe": "config",
+    "load_recipe": "config",
+    "ConfigError": "errors",
+    "IncompatibleRecipeError": "errors",
+    "InputError": "errors",
+    "MMFastError": "errors",
+    "ModelLoadError": "errors",
+    "UnknownMethodError": "errors",
+    "MMModel": "model",
+    "load": "model",
+    "GenerationResult": "pipeline",
+    "Session": "pipeline",
+    "apply": "pipeline",
+    "DECODERS": "registry",
+    "DRAFTERS": "registry",
+    "PRUNERS": "registry",
+    "REGISTRIES": "registry",
+    "TASKS": "registry",
 }
 
 if TYPE_CHECKING:

@@ -155,8 +155,10 @@ def check_recipe(recipe: Recipe) -> str | None:
             c = st.caps
             if c.kv_edit_decode or c.owns_kv_cache or c.decodes_without_cache:
                 what = (
-                    "owns the KV cache (quantised layers)" if c.owns_kv_cache
-                    else "decodes without a KV cache" if c.decodes_without_cache
+                    "owns the KV cache (quantised layers)"
+                    if c.owns_kv_cache
+                    else "decodes without a KV cache"
+                    if c.decodes_without_cache
                     else "edits the KV cache at every decode step"
                 )
                 fix = f"set {c.decode_free_setting}" if c.decode_free_setting else "remove the speculative section"
@@ -198,7 +200,14 @@ def check_recipe(recipe: Recipe) -> str | None:
     for i, st in enumerate(stages):
         c = st.caps
         if c.owns_kv_cache:
-            other = next((o for j, o in enumerate(stages) if j != i and (o.caps.kv_edit_prefill or o.caps.kv_edit_decode or o.caps.owns_kv_cache)), None)
+            other = next(
+                (
+                    o
+                    for j, o in enumerate(stages)
+                    if j != i and (o.caps.kv_edit_prefill or o.caps.kv_edit_decode or o.caps.owns_kv_cache)
+                ),
+                None,
+            )
             if other is not None:
                 return f"{st.where} owns the KV cache (mixed-precision layers) and cannot share it with {other.where}, which edits it"
         if c.needs_full_grid:
@@ -230,7 +239,9 @@ class ModelFacts:
 
     @classmethod
     def of_adapter(cls, adapter: VLMAdapter) -> ModelFacts:
-        return cls(adapter.family, len(adapter.layers), len(adapter.vision_layers), tuple(adapter.grid), adapter.has_cls)
+        return cls(
+            adapter.family, len(adapter.layers), len(adapter.vision_layers), tuple(adapter.grid), adapter.has_cls
+        )
 
     @classmethod
     def of_config(cls, config: Any) -> ModelFacts | None:
@@ -268,7 +279,9 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     for item, registry in kinds:
         c = item.caps
         if c.needs_cls and not facts.has_cls:  # the more specific reason first
-            return f"{item.where} needs a CLS token in the vision tower, which this model ({facts.family}) does not have"
+            return (
+                f"{item.where} needs a CLS token in the vision tower, which this model ({facts.family}) does not have"
+            )
         if facts.family not in c.families:
             ok = [e.name for e in registry.entries() if facts.family in caps_of(e.cls, None).families]
             why = c.unsupported.get(facts.family)
@@ -295,7 +308,9 @@ def check_model_config(recipe: Recipe) -> None:
     cannot be read without a download (a hub id not in the local cache)."""
     facts = _facts_of_model_name(recipe.model.name, recipe.model.revision)
     if facts is None:
-        logging.getLogger(__name__).debug("no local config for %s: methods are checked once it loads", recipe.model.name)
+        logging.getLogger(__name__).debug(
+            "no local config for %s: methods are checked once it loads", recipe.model.name
+        )
         return
     problem = check_model(recipe, facts)
     if problem:

@@ -53,7 +53,12 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("list", help="registered methods (grouped by kind), evaluation tasks, shipped recipes")
     s.add_argument("what", nargs="?", choices=["methods", "tasks", "recipes"], help="only this section")
-    s.add_argument("-v", "--verbose", action="store_true", help="also show each method's parameters and each task's options, with defaults")
+    s.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show each method's parameters and each task's options, with defaults",
+    )
 
     def recipe_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("recipe", help="YAML recipe path, or a shipped recipe's name (`mmfast list recipes`)")
@@ -74,27 +79,47 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=_positive_int, default=None, help="samples per task/split (>= 1)")
     s.add_argument("--output", default=None, help="output directory (default: the recipe's output.dir)")
     s.add_argument("--num-processes", type=_positive_int, default=1, help="data-parallel processes (>= 1)")
-    s.add_argument("--allow-failures", action="store_true",
-                   help="exit 0 even when samples failed (within eval.max_failures); they are still listed")
+    s.add_argument(
+        "--allow-failures",
+        action="store_true",
+        help="exit 0 even when samples failed (within eval.max_failures); they are still listed",
+    )
 
     s = sub.add_parser("bench", help="run the recipe's benchmark (baseline vs methods, same process)")
     recipe_args(s)
     s.add_argument("--output", default=None)
     s.add_argument("--limit", type=_positive_int, default=None, help="samples (overrides bench.n_samples)")
-    s.add_argument("--only", default=None, metavar="NAMES", help="comma-separated bench.compare variants to run (the baseline always runs)")
+    s.add_argument(
+        "--only",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated bench.compare variants to run (the baseline always runs)",
+    )
 
     s = sub.add_parser("report", help="markdown/HTML report with plots from run directories")
     s.add_argument("runs", nargs="+")
     s.add_argument("--output", default="report")
 
-    s = sub.add_parser("rerender", help="rewrite a finished bench directory's results.md and plots (n, 95%% intervals) without re-running")
+    s = sub.add_parser(
+        "rerender",
+        help="rewrite a finished bench directory's results.md and plots (n, 95%% intervals) without re-running",
+    )
     s.add_argument("benches", nargs="+", metavar="BENCH_DIR")
 
-    s = sub.add_parser("lmms-task", help="write the recipe's POPE questions and images as a local lmms-eval task (for --include_path)")
-    s.add_argument("recipe", nargs="?", default="world_eval", help="recipe whose eval.data / eval.pope define the task (default: world_eval)")
+    s = sub.add_parser(
+        "lmms-task", help="write the recipe's POPE questions and images as a local lmms-eval task (for --include_path)"
+    )
+    s.add_argument(
+        "recipe",
+        nargs="?",
+        default="world_eval",
+        help="recipe whose eval.data / eval.pope define the task (default: world_eval)",
+    )
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     s.add_argument("--output", default=None, help="task directory (default: ~/.cache/mmfast/lmms_tasks/<name>)")
-    s.add_argument("--name", default=None, help="lmms-eval group name (default: mmfast_<dataset>_pope); tasks are <name>_<split>")
+    s.add_argument(
+        "--name", default=None, help="lmms-eval group name (default: mmfast_<dataset>_pope); tasks are <name>_<split>"
+    )
     return p
 
 
@@ -105,7 +130,13 @@ def _cmd_list(args) -> int:
     if args.what in (None, "methods", "tasks"):
         from .registry import REGISTRIES, TASKS
 
-        sections = {**REGISTRIES, "tasks": TASKS} if args.what is None else REGISTRIES if args.what == "methods" else {"tasks": TASKS}
+        sections = (
+            {**REGISTRIES, "tasks": TASKS}
+            if args.what is None
+            else REGISTRIES
+            if args.what == "methods"
+            else {"tasks": TASKS}
+        )
     for kind, reg in sections.items():
         print(f"{kind}:")
         entries = list(reg.entries())
@@ -170,7 +201,9 @@ def _cmd_run(args) -> int:
     mm = load_model(recipe.model)
     images = args.image if len(args.image) > 1 else args.image[0]
     with apply(mm, recipe) as session:
-        result = session.generate([images], [args.prompt], max_new_tokens=args.max_new_tokens, seed=recipe.decoding.seed or 0)[0]
+        result = session.generate(
+            [images], [args.prompt], max_new_tokens=args.max_new_tokens, seed=recipe.decoding.seed or 0
+        )[0]
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -183,12 +216,16 @@ def check_output_dir(path: Path) -> None:
     from .errors import InputError
 
     if path.exists() and not path.is_dir():
-        raise InputError(f"output {str(path)!r} is a file, not a directory; give --output a directory (created if missing)")
+        raise InputError(
+            f"output {str(path)!r} is a file, not a directory; give --output a directory (created if missing)"
+        )
     existing = path
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise InputError(f"output {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another --output")
+        raise InputError(
+            f"output {str(path)!r} cannot be created: {str(existing)!r} is a file; choose another --output"
+        )
     try:  # a real write: os.access misses read-only mounts and says yes to root
         fd, probe = tempfile.mkstemp(prefix=".mmfast-write-check-", dir=existing)
         os.close(fd)
@@ -215,8 +252,12 @@ def _cmd_eval(args) -> int:
     print(f"(all figures: {output_dir(recipe, args.output) / 'summary.json'})")
     failed = summary["counts"]["failed"]
     if failed and not args.allow_failures:
-        logger.error("%d of %d samples failed (listed in summary.json); exiting %d (--allow-failures accepts them)",
-                     failed, summary["counts"]["planned"], EXIT_SAMPLES_FAILED)
+        logger.error(
+            "%d of %d samples failed (listed in summary.json); exiting %d (--allow-failures accepts them)",
+            failed,
+            summary["counts"]["planned"],
+            EXIT_SAMPLES_FAILED,
+        )
         return EXIT_SAMPLES_FAILED
     return 0
 
@@ -248,7 +289,9 @@ def _cmd_lmms_task(args) -> int:
     from .eval.lmms_tasks import write_lmms_task
 
     task = write_lmms_task(_load(args), args.output, args.name)
-    print(f"lmms-eval task {task.group} ({', '.join(f'{t}: {n}' for t, n in zip(task.tasks, task.n_questions.values()))} questions)")
+    print(
+        f"lmms-eval task {task.group} ({', '.join(f'{t}: {n}' for t, n in zip(task.tasks, task.n_questions.values()))} questions)"
+    )
     print(f"  --include_path {task.directory} --tasks {task.group}")
     return 0
 

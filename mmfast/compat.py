@@ -24,6 +24,7 @@ changed inside 5.x:
 - An attention implementation name missing from ``AttentionMaskInterface`` gets no mask at all, so the
   probe registers its mask function next to its attention function.
 """
+
 from __future__ import annotations
 
 import copy
@@ -114,7 +115,6 @@ def load_image_processor(path: str, **kwargs):
     return cls.from_pretrained(path, **kwargs)
 
 
-
 def vision_encoder(tower):
     """The encoder (with ``.layers``) of a CLIP/SigLIP vision tower.
 
@@ -141,7 +141,6 @@ def cache_kwargs(cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
 def output_cache(out) -> DynamicCache | None:
     """The KV cache a model forward returned (``out.cache`` from 5.24, ``out.past_key_values`` before)."""
     return getattr(out, CACHE_KWARG)
-
 
 
 def new_cache(config) -> DynamicCache:

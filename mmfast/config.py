@@ -157,7 +157,10 @@ def _from_fields(cls: type, data: Any, path: str, **fixed: Any) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls) if f.name not in fixed)}")
+        raise ConfigError(
+            path,
+            f"expected a mapping with keys {sorted(f.name for f in dataclasses.fields(cls) if f.name not in fixed)}",
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in fixed}
     for key in data:
@@ -203,7 +206,11 @@ def describe_fields(cls: type) -> list[tuple[str, Any, str]]:
     """(name, default, doc) for each field of a config dataclass: used by ``mmfast list -v``."""
     out = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not _MISSING else (f.default_factory() if f.default_factory is not _MISSING else None)  # type: ignore[misc]
+        default = (
+            f.default
+            if f.default is not _MISSING
+            else (f.default_factory() if f.default_factory is not _MISSING else None)
+        )  # type: ignore[misc]
         out.append((f.name, default, f.metadata.get("doc", "")))
     return out
 
@@ -279,7 +286,9 @@ class MethodSpec:
             budget = from_dict(Budget, data["budget"], _join(path, "budget"))
             knobs = tuple(getattr(entry.cls, "budget_knobs", ()))
             if not knobs:
-                raise ConfigError(_join(path, "budget"), f"method {name!r} does not take a budget; set its params instead")
+                raise ConfigError(
+                    _join(path, "budget"), f"method {name!r} does not take a budget; set its params instead"
+                )
             clash = [k for k in knobs if isinstance(raw_params, dict) and k in raw_params]
             if clash:
                 which = "tokens" if budget.tokens is not None else "flops"
@@ -307,11 +316,15 @@ class ModelConfig:
     device_map: str | None = opt(None, doc="passed to from_pretrained, e.g. 'auto' for multi-GPU placement")
     attn_implementation: Literal["sdpa", "eager"] = opt("sdpa", doc="attention kernels; scores come from the probe")
     fused_vision_attention: bool = opt(
-        True, doc="Qwen-VL towers: one batched sdpa call per chunk length instead of one per window / image "
-                  "(equal within float tolerance; mmfast/models/qwen_tower.py); false runs transformers' loop")
+        True,
+        doc="Qwen-VL towers: one batched sdpa call per chunk length instead of one per window / image "
+        "(equal within float tolerance; mmfast/models/qwen_tower.py); false runs transformers' loop",
+    )
     revision: str | None = opt(None, doc="hub revision")
     offload_folder: str | None = opt(None, doc="disk offload folder for device_map placement")
-    max_memory: dict[int | str, str] | None = opt(None, doc="per-device memory caps for device_map, e.g. {0: 20GiB, cpu: 60GiB}")
+    max_memory: dict[int | str, str] | None = opt(
+        None, doc="per-device memory caps for device_map, e.g. {0: 20GiB, cpu: 60GiB}"
+    )
     compile: Literal["off", "static", "auto"] = opt(
         "off",
         doc="decode on a static KV cache with fixed-shape steps: static (any device), auto (static on CUDA, "
@@ -327,8 +340,11 @@ class ModelConfig:
         try:
             torch.device(self.device_map)
         except (RuntimeError, ValueError):
-            raise ConfigError("model.device_map", f"{self.device_map!r} is neither a placement strategy "
-                              f"({', '.join(DEVICE_MAP_STRATEGIES)}) nor a device (cpu, cuda, cuda:N)") from None
+            raise ConfigError(
+                "model.device_map",
+                f"{self.device_map!r} is neither a placement strategy "
+                f"({', '.join(DEVICE_MAP_STRATEGIES)}) nor a device (cpu, cuda, cuda:N)",
+            ) from None
 
 
 #: the placement strategies ``from_pretrained(device_map=...)`` takes by name
@@ -340,15 +356,21 @@ class DecodingConfig:
     method: str = "greedy"
     params: Any = None
     max_new_tokens: int = opt(64, lo=1, hi=8192, doc="tokens generated per answer")
-    seed: int | None = opt(None, lo=0, doc="seed for sampling-based decoders and random transforms; unset: evaluations "
-                           "and benches use 0, generate() without seed= follows torch's global RNG")
+    seed: int | None = opt(
+        None,
+        lo=0,
+        doc="seed for sampling-based decoders and random transforms; unset: evaluations "
+        "and benches use 0, generate() without seed= follows torch's global RNG",
+    )
 
     @classmethod
     def _from_recipe(cls, data: Any, path: str) -> DecodingConfig:
         if isinstance(data, str):  # shorthand: ``decoding: beam``
             data = {"method": data}
         if data is not None and not isinstance(data, dict):
-            raise ConfigError(path, "expected a decoder name or a mapping like {method: NAME, params: {...}, max_new_tokens: N}")
+            raise ConfigError(
+                path, "expected a decoder name or a mapping like {method: NAME, params: {...}, max_new_tokens: N}"
+            )
         data = dict(data or {})
         extra = {k: data.pop(k) for k in ("max_new_tokens", "seed") if k in data}
         spec = MethodSpec.build("decoding", {"method": data.pop("method", "greedy"), **data}, path)
@@ -379,7 +401,8 @@ class PopeTaskConfig:
     max_new_tokens: int = opt(16, lo=1, hi=1024)
     strict_version: bool = opt(False, doc="refuse question files whose checksum is not a known release")
     world_version: Literal["official", "v1"] = opt(
-        "official", doc="world POPE files: 'official' rule (default) or 'v1' (area-ordered positives, before 2026-11)")
+        "official", doc="world POPE files: 'official' rule (default) or 'v1' (area-ordered positives, before 2026-11)"
+    )
 
 
 @dataclass(frozen=True)
@@ -418,7 +441,12 @@ class EvalConfig:
     chair: ChairTaskConfig = opt(factory=ChairTaskConfig)
     batch_size: int = opt(1, lo=1, hi=256)
     limit: int | None = opt(None, lo=1, doc="samples per task/split (smoke runs)")
-    max_failures: float = opt(0.05, lo=0.0, hi=1.0, doc="abort when more than this fraction of the planned samples fail (0: at the first failure)")
+    max_failures: float = opt(
+        0.05,
+        lo=0.0,
+        hi=1.0,
+        doc="abort when more than this fraction of the planned samples fail (0: at the first failure)",
+    )
     task_options: dict[str, Any] = opt(factory=dict, doc="sections eval.<task> of tasks outside the built-ins")
 
     def task_config(self, name: str) -> Any:
@@ -460,8 +488,11 @@ class EvalConfig:
             if name in cfg.tasks[:i]:
                 raise ConfigError(where, f"task {name!r} is listed twice; list each task once")
             if name in own and name not in _TASK_SECTIONS and entry.config_cls is not None:
-                raise ConfigError(where, f"task {name!r} has options but its name is the eval key {_join(path, name)}; "
-                                         "register the task under another name")
+                raise ConfigError(
+                    where,
+                    f"task {name!r} has options but its name is the eval key {_join(path, name)}; "
+                    "register the task under another name",
+                )
         return cfg
 
     def _to_recipe(self) -> dict:
@@ -474,8 +505,13 @@ class EvalConfig:
 class BenchConfig:
     kind: Literal["none", "pruning", "decoding", "speculative", "speed", "gpu_speed"] = "none"
     compare: tuple[Any, ...] = opt((), doc="method variants run against the baseline in the same process")
-    budgets: tuple[int, ...] = opt((), lo=1, doc="pruning budgets (vision tokens per image): each bench.methods entry runs at each")
-    methods: tuple[Any, ...] = opt((), doc="pruning methods run at every bench.budgets entry: NAME or {method, params} (params without the budget's knobs)")
+    budgets: tuple[int, ...] = opt(
+        (), lo=1, doc="pruning budgets (vision tokens per image): each bench.methods entry runs at each"
+    )
+    methods: tuple[Any, ...] = opt(
+        (),
+        doc="pruning methods run at every bench.budgets entry: NAME or {method, params} (params without the budget's knobs)",
+    )
     n_samples: int = opt(32, lo=1)
     warmup: int = opt(1, lo=0)
     repeats: int = opt(3, lo=1)
@@ -487,7 +523,11 @@ class BenchConfig:
         for key, value in self.params.items():
             if key not in allowed:
                 close = difflib.get_close_matches(str(key), list(allowed), n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"allowed for a {self.kind} bench: {', '.join(sorted(allowed)) or 'none'}"
+                hint = (
+                    f"did you mean {close[0]!r}?"
+                    if close
+                    else f"allowed for a {self.kind} bench: {', '.join(sorted(allowed)) or 'none'}"
+                )
                 raise ConfigError(f"bench.params.{key}", f"unknown key; {hint}")
             _convert(value, allowed[key], f"bench.params.{key}")
         if self.shape is not None:
@@ -507,10 +547,19 @@ BENCH_PARAMS: dict[str, dict[str, Any]] = {
     "speculative": {"workloads": Any, "temperatures": tuple[float, ...]},
     # mmfast/bench/gpu_speed.py: which shapes / batches / workloads / rows (fnmatch patterns) run, the
     # caption length, the random models' dtype, the embedded speculative part, device peak overrides
-    "gpu_speed": {"shapes": tuple[str, ...], "batches": tuple[int, ...], "workloads": tuple[Literal["pope", "caption"], ...],
-                  "caption_tokens": int, "rows": tuple[str, ...], "dtype": Literal["float16", "bfloat16", "float32"],
-                  "embedded_speculative": bool, "embedded_samples": int, "embedded_rows": tuple[str, ...],
-                  "peak_bandwidth_tbs": float, "peak_tflops": float},
+    "gpu_speed": {
+        "shapes": tuple[str, ...],
+        "batches": tuple[int, ...],
+        "workloads": tuple[Literal["pope", "caption"], ...],
+        "caption_tokens": int,
+        "rows": tuple[str, ...],
+        "dtype": Literal["float16", "bfloat16", "float32"],
+        "embedded_speculative": bool,
+        "embedded_samples": int,
+        "embedded_rows": tuple[str, ...],
+        "peak_bandwidth_tbs": float,
+        "peak_tflops": float,
+    },
 }
 
 
@@ -524,11 +573,16 @@ class OutputConfig:
         try:
             fields = {f for _, f, _, _ in string.Formatter().parse(self.dir) if f is not None}
         except ValueError as exc:
-            raise ConfigError("output.dir", f"{self.dir!r} is not a valid path template ({exc}); "
-                              "write a literal brace as {{ or }}") from None
+            raise ConfigError(
+                "output.dir",
+                f"{self.dir!r} is not a valid path template ({exc}); write a literal brace as {{{{ or }}}}",
+            ) from None
         if fields - {"name"}:
-            raise ConfigError("output.dir", f"{self.dir!r} uses {', '.join(sorted('{' + f + '}' for f in fields - {'name'}))}; "
-                              "the only field is {name} (the recipe name); write a literal brace as {{ or }}")
+            raise ConfigError(
+                "output.dir",
+                f"{self.dir!r} uses {', '.join(sorted('{' + f + '}' for f in fields - {'name'}))}; "
+                "the only field is {name} (the recipe name); write a literal brace as {{ or }}",
+            )
 
 
 @dataclass(frozen=True)
@@ -668,8 +722,10 @@ class _StrictLoader(yaml.SafeLoader):
         depth = getattr(self, "_mmfast_depth", 0)
         if depth >= MAX_YAML_DEPTH:
             mark = self.peek_event().start_mark
-            raise RecipeYAMLError(f"line {mark.line + 1}: values nested more than {MAX_YAML_DEPTH} levels deep; "
-                                  "a recipe needs a few levels: flatten it")
+            raise RecipeYAMLError(
+                f"line {mark.line + 1}: values nested more than {MAX_YAML_DEPTH} levels deep; "
+                "a recipe needs a few levels: flatten it"
+            )
         self._mmfast_depth = depth + 1
         try:
             return super().compose_node(parent, index)
@@ -693,7 +749,9 @@ def _expanded_size(root: yaml.Node) -> int:
         if key in sizes:
             return sizes[key]
         if key in active:
-            raise RecipeYAMLError(f"line {node.start_mark.line + 1}: a recursive alias (an anchor used inside itself); remove it")
+            raise RecipeYAMLError(
+                f"line {node.start_mark.line + 1}: a recursive alias (an anchor used inside itself); remove it"
+            )
         active.add(key)
         n = 1
         if isinstance(node, yaml.SequenceNode):
@@ -785,7 +843,9 @@ def _apply_override(data: dict, dotted: str, value: Any) -> str:
         label = f"{where}[{k}]" if isinstance(k, int) else _join(where, k)
         if isinstance(k, int):
             if not isinstance(node, list):
-                raise InputError(f"override {dotted!r}: {where or 'the recipe'} is not a list, so [{k}] cannot index it")
+                raise InputError(
+                    f"override {dotted!r}: {where or 'the recipe'} is not a list, so [{k}] cannot index it"
+                )
             if not -len(node) <= k < len(node):
                 raise InputError(
                     f"override {dotted!r}: {where} has {len(node)} entries, so [{k}] does not exist; "
@@ -837,7 +897,9 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         try:
             value = parse_yaml(raw)
         except yaml.YAMLError as exc:
-            raise InputError(f"override {item!r}: the value is not valid YAML ({yaml_problem(exc)}); quote it or fix the syntax") from None
+            raise InputError(
+                f"override {item!r}: the value is not valid YAML ({yaml_problem(exc)}); quote it or fix the syntax"
+            ) from None
         overridden[_apply_override(data, key.strip(), value)] = item
     try:
         return from_dict(Recipe, data, "")
@@ -845,8 +907,14 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         if exc.source is not None:
             raise
         # an error at or below a key an override set names the override, not the recipe file
-        culprit = next((item for path, item in reversed(overridden.items())
-                        if exc.path == path or exc.path.startswith((f"{path}.", f"{path}["))), None)
+        culprit = next(
+            (
+                item
+                for path, item in reversed(overridden.items())
+                if exc.path == path or exc.path.startswith((f"{path}.", f"{path}["))
+            ),
+            None,
+        )
         if culprit is not None:
             raise ConfigError(exc.path, exc.detail, source=f"override {culprit!r}") from None
         if label != "<dict>":
@@ -871,7 +939,12 @@ def resolve_recipe_path(source: str | os.PathLike) -> Path:
         name = Path(*path.parts[1:])
         shipped = RECIPES_DIR / (name if name.suffix in (".yaml", ".yml") else name.with_name(f"{name.name}.yaml"))
         if shipped.is_file():
-            logger.info("%s is not in %s; using the shipped recipe %s", source, Path.cwd(), shipped.relative_to(RECIPES_DIR).with_suffix(""))
+            logger.info(
+                "%s is not in %s; using the shipped recipe %s",
+                source,
+                Path.cwd(),
+                shipped.relative_to(RECIPES_DIR).with_suffix(""),
+            )
             return shipped
     for root in (Path.cwd() / "configs", RECIPES_DIR):
         for cand in (root / str(source), root / f"{source}.yaml"):

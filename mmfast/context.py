@@ -61,8 +61,14 @@ class MethodContext:
     calibration_set: Any = None
 
     @classmethod
-    def of(cls, mm: MMModel, runner: LMRunner, probe: AttentionProbe, hooks: HookSession,
-           encode: Callable[[PreparedBatch], VisionBatch]) -> MethodContext:
+    def of(
+        cls,
+        mm: MMModel,
+        runner: LMRunner,
+        probe: AttentionProbe,
+        hooks: HookSession,
+        encode: Callable[[PreparedBatch], VisionBatch],
+    ) -> MethodContext:
         return cls(
             adapter=mm.adapter,
             runner=runner,
@@ -91,7 +97,9 @@ class MethodContext:
 
     # -- inputs ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def build_inputs(self, batch: PreparedBatch, vision: VisionBatch, token_ids: list[list[int]] | None = None) -> LMInputs:
+    def build_inputs(
+        self, batch: PreparedBatch, vision: VisionBatch, token_ids: list[list[int]] | None = None
+    ) -> LMInputs:
         """Project the (pruned) features and splice them, with their tags, into the prompts."""
         projected = self.adapter.project(vision)
         per_sample: list[list[torch.Tensor]] = [[] for _ in range(batch.batch_size)]
@@ -107,8 +115,9 @@ class MethodContext:
         if per_grid is not None:
             for img, owner in enumerate(batch.image_owner):
                 per_grid[owner].append(grids[img])
-        return build_lm_inputs(self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.special.pad, per_tags,
-                               per_grid)
+        return build_lm_inputs(
+            self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.special.pad, per_tags, per_grid
+        )
 
     def encode_branch(self, batch: PreparedBatch) -> tuple[VisionBatch, LMInputs]:
         """Encode an auxiliary branch (a noised or transformed image): vision tower, feature stages

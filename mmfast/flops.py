@@ -74,7 +74,9 @@ def tokens_for_flops_ratio(ratio: float, shape: LMShape, n_vision: int, n_text: 
     full = layer_flops(n_text + n_vision, shape)
     floor = layer_flops(n_text, shape) / full
     if ratio < floor:
-        raise ValueError(f"a FLOPs ratio of {ratio} is below the text-only cost of a typical prompt; the smallest feasible is {floor:.4f}")
+        raise ValueError(
+            f"a FLOPs ratio of {ratio} is below the text-only cost of a typical prompt; the smallest feasible is {floor:.4f}"
+        )
     lo, hi = 0.0, float(n_vision)
     for _ in range(60):
         mid = (lo + hi) / 2

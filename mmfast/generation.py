@@ -30,7 +30,12 @@ SEARCH_KEYS: tuple[str, ...] = ("do_sample", "temperature", "top_k", "top_p", "n
 GENERATION_KEYS: tuple[str, ...] = (*SEARCH_KEYS, "max_new_tokens")
 #: transformers' global defaults for values neither the call nor the model's generation_config set
 HF_DEFAULTS: dict[str, Any] = {
-    "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_beams": 1, "length_penalty": 1.0,
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "num_beams": 1,
+    "length_penalty": 1.0,
 }
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _BOOKKEEPING_KEYS = ("transformers_version", "_from_model_config")

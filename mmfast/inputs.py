@@ -29,7 +29,9 @@ class PreparedBatch:
     prompts: list[str]
     texts: list[str]  # after the chat template
     token_ids: list[list[int]]  # one image token per image (expanded later to the feature count)
-    pixel_values: torch.Tensor  # [n_images, 3, H, W] ([n_images, n_tiles, 3, H, W] anyres; [n_images, max P, D] Qwen-VL)
+    pixel_values: (
+        torch.Tensor
+    )  # [n_images, 3, H, W] ([n_images, n_tiles, 3, H, W] anyres; [n_images, max P, D] Qwen-VL)
     image_owner: list[int]  # sample index of each image
     meta: list[dict[str, Any]] = field(default_factory=list)  # per-sample info from the caller
     image_sizes: torch.Tensor | None = None  # [n_images, 2] original (H, W), anyres; [n_images, 3] grid_thw, Qwen-VL
@@ -56,8 +58,9 @@ def _check_image_size(im: Image.Image, what: str) -> None:
             f"blow up to millions of pixels; crop or pad it to at most {MAX_ASPECT_RATIO}:1 first"
         )
     if Image.MAX_IMAGE_PIXELS and w * h > Image.MAX_IMAGE_PIXELS:
-        raise InputError(f"{what} is {w}x{h} = {w * h} pixels, over the {Image.MAX_IMAGE_PIXELS}-pixel limit; "
-                         "downscale it first")
+        raise InputError(
+            f"{what} is {w}x{h} = {w * h} pixels, over the {Image.MAX_IMAGE_PIXELS}-pixel limit; downscale it first"
+        )
 
 
 def _upright(im: Image.Image, what: str) -> Image.Image:
@@ -69,8 +72,12 @@ def _upright(im: Image.Image, what: str) -> Image.Image:
     if orientation in (None, 1):
         return im
     if not _EXIF_ROTATION_LOGGED:
-        logger.info("%s has EXIF orientation %s: turned upright before processing (as viewers show it); "
-                    "further such images are turned without a message", what, orientation)
+        logger.info(
+            "%s has EXIF orientation %s: turned upright before processing (as viewers show it); "
+            "further such images are turned without a message",
+            what,
+            orientation,
+        )
         _EXIF_ROTATION_LOGGED = True
     return ImageOps.exif_transpose(im)
 

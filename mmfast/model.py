@@ -93,11 +93,15 @@ class MMModel:
         if not isinstance(images, (list, tuple)):
             images = [images]
         if len(images) != len(prompts):
-            raise InputError(f"got {len(images)} images for {len(prompts)} prompts; pass one image (or list) per prompt")
+            raise InputError(
+                f"got {len(images)} images for {len(prompts)} prompts; pass one image (or list) per prompt"
+            )
         for b, prompt in enumerate(prompts):
             _check_prompt_text(prompt, b)
         per_sample = [[open_image(im) for im in (x if isinstance(x, (list, tuple)) else [x])] for x in images]
-        texts = list(texts) if texts is not None else [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
+        texts = (
+            list(texts) if texts is not None else [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
+        )
         token_ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
         image_id = self.adapter.image_token_id
         for b, (ids, ims) in enumerate(zip(token_ids, per_sample)):
@@ -113,7 +117,9 @@ class MMModel:
         owner = [b for b, ims in enumerate(per_sample) for _ in ims]
         processed = self.image_processor(images=flat, return_tensors="pt")
         pixel_values, image_sizes = self.adapter.pack_pixels(processed)
-        return PreparedBatch(per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []), image_sizes)
+        return PreparedBatch(
+            per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []), image_sizes
+        )
 
     # -- generation ----------------------------------------------------------------------------
     def generate(
@@ -276,8 +282,12 @@ def load(
         mm = mmfast.load(model, AutoProcessor.from_pretrained(path))
     """
     if isinstance(name_or_path, torch.nn.Module):
-        given = {"attn_implementation": attn_implementation, "device_map": device_map, "revision": revision,
-                 **from_pretrained_kwargs}
+        given = {
+            "attn_implementation": attn_implementation,
+            "device_map": device_map,
+            "revision": revision,
+            **from_pretrained_kwargs,
+        }
         unused = [k for k, v in given.items() if v is not None]
         if unused:
             raise InputError(
@@ -323,7 +333,9 @@ def load(
                     "HTTPS_PROXY or HF_ENDPOINT, or pass a local directory written by save_pretrained"
                 ) from None
     try:
-        config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")})
+        config = AutoConfig.from_pretrained(
+            path, **{k: v for k, v in kwargs.items() if k in ("revision", "local_files_only")}
+        )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the config of {path!r}: {exc}") from None
     from .models import _REJECTED, MODEL_CLASSES
@@ -336,7 +348,9 @@ def load(
     if processor is not None:
         _check_processor(processor)
     else:
-        processor = _load_processor(path, kwargs, config.model_type)  # before the weights: a missing tokenizer fails early
+        processor = _load_processor(
+            path, kwargs, config.model_type
+        )  # before the weights: a missing tokenizer fails early
     try:
         model = MODEL_CLASSES[config.model_type]().from_pretrained(
             path,
@@ -400,7 +414,9 @@ def _check_processor(processor: Any) -> None:
         )
 
 
-def _wrap_loaded(model: torch.nn.Module, processor: Any, *, device: str | None, dtype: str | torch.dtype | None) -> MMModel:
+def _wrap_loaded(
+    model: torch.nn.Module, processor: Any, *, device: str | None, dtype: str | torch.dtype | None
+) -> MMModel:
     """An :class:`MMModel` around a model the caller loaded with transformers."""
     from transformers import PreTrainedModel
 
@@ -431,7 +447,9 @@ def _wrap_loaded(model: torch.nn.Module, processor: Any, *, device: str | None, 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if getattr(model, "hf_device_map", None):
-            raise InputError("the model is spread over devices (device_map); load it without device= to keep that placement")
+            raise InputError(
+                "the model is spread over devices (device_map); load it without device= to keep that placement"
+            )
         _check_device(device)
         model = model.to(device)
     if dtype is not None:
@@ -440,7 +458,10 @@ def _wrap_loaded(model: torch.nn.Module, processor: Any, *, device: str | None, 
             logger.warning(
                 "dtype=%s casts your %s in place, from %s: the model you passed is now %s too (a copy would double "
                 "its memory); load it with from_pretrained(..., dtype=...) instead to keep the original",
-                dtype, type(model).__name__, model.dtype, target,
+                dtype,
+                type(model).__name__,
+                model.dtype,
+                target,
             )
             model = model.to(target)
     name = getattr(model, "name_or_path", "") or type(model).__name__

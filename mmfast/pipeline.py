@@ -159,7 +159,8 @@ class Session:
                 logger.warning(
                     "model.generate() inside an mmfast session runs the unmodified model: the recipe's methods (%s) "
                     "do not apply to transformers' own generate; call session.generate(images, prompts, ...) (or "
-                    "MMModel.generate) to run them", ", ".join(methods),
+                    "MMModel.generate) to run them",
+                    ", ".join(methods),
                 )
             return original(*args, **kwargs)
 
@@ -175,8 +176,14 @@ class Session:
             if not cls.calibrated:
                 mapped = cls.budget_params(tokens, self.adapter, params, path)
                 params = from_dict(cls.Config, {**to_dict(params), **mapped}, f"pruning[{i}].params")
-            logger.info("pruning[%d] %s: budget %s -> %d tokens per image%s", i, spec.method,
-                        spec.budget._to_recipe(), tokens, "" if cls.calibrated else f" -> {mapped}")
+            logger.info(
+                "pruning[%d] %s: budget %s -> %d tokens per image%s",
+                i,
+                spec.method,
+                spec.budget._to_recipe(),
+                tokens,
+                "" if cls.calibrated else f" -> {mapped}",
+            )
         pruner = cls(params, self.ctx)
         pruner.budget_tokens = tokens
         pruner.budget_path = f"pruning[{i}].budget"
@@ -190,14 +197,17 @@ class Session:
         self.probe.clear()
         if self._tower_per_image and batch.pixel_values.shape[0] > 1:
             sizes = batch.image_sizes
-            vision = VisionBatch.concat([
-                self._tower(batch.pixel_values[i : i + 1], None if sizes is None else sizes[i : i + 1])
-                for i in range(batch.pixel_values.shape[0])
-            ])
+            vision = VisionBatch.concat(
+                [
+                    self._tower(batch.pixel_values[i : i + 1], None if sizes is None else sizes[i : i + 1])
+                    for i in range(batch.pixel_values.shape[0])
+                ]
+            )
         else:
             vision = self._tower(batch.pixel_values, batch.image_sizes)
-        raw = dataclasses.replace(vision, features=list(vision.features), patch_ids=list(vision.patch_ids),
-                                  tags={}, stats={})
+        raw = dataclasses.replace(
+            vision, features=list(vision.features), patch_ids=list(vision.patch_ids), tags={}, stats={}
+        )
         for pruner in self.pruners:
             t0 = time.perf_counter()
             vision = pruner.prune_vision(vision, batch)
@@ -327,8 +337,11 @@ class Session:
                 f"choose among {', '.join(sorted(KEYWORD_DECODERS))}: set the decoder's parameters in the recipe "
                 f"(decoding.params), or pass decoding= to replace it for this call"
             )
-        cfg = decoding_config(decoding if decoding is not None else keywords, max_new_tokens=recipe_dec.max_new_tokens,
-                              seed=recipe_dec.seed)
+        cfg = decoding_config(
+            decoding if decoding is not None else keywords,
+            max_new_tokens=recipe_dec.max_new_tokens,
+            seed=recipe_dec.seed,
+        )
         if cfg == recipe_dec:
             return self.decoder
         key = repr((cfg.method, cfg.params))
@@ -413,7 +426,9 @@ class Session:
                     text=text,
                     token_ids=toks,
                     n_vision_tokens=int(n_vis[b]),
-                    vision_tokens_layer_avg=float(out.vision_tokens_layer_avg[b]) if out.vision_tokens_layer_avg else float(n_vis[b]),
+                    vision_tokens_layer_avg=float(out.vision_tokens_layer_avg[b])
+                    if out.vision_tokens_layer_avg
+                    else float(n_vis[b]),
                     kv_bytes_prefill=int(out.kv_bytes_prefill[b]) if out.kv_bytes_prefill else 0,
                     kv_bytes_end=int(out.kv_bytes_end[b]) if out.kv_bytes_end else 0,
                     timings=timings,
@@ -443,8 +458,10 @@ class Session:
         mode = self.recipe.model.compile
         if mode == "off" or (mode == "auto" and self.ctx.device.type != "cuda"):
             return None
-        methods = [(f"pruning[{i}] ({st.method})", caps_of(type(p), p.config))
-                   for i, (st, p) in enumerate(zip(self.recipe.pruning, self.pruners))]
+        methods = [
+            (f"pruning[{i}] ({st.method})", caps_of(type(p), p.config))
+            for i, (st, p) in enumerate(zip(self.recipe.pruning, self.pruners))
+        ]
         methods.append((f"decoding ({decoder.name})", caps_of(type(decoder), decoder.config)))
         if self.drafter is not None:
             methods.append((f"speculative ({self.drafter.name})", caps_of(type(self.drafter), self.drafter.config)))
@@ -517,8 +534,9 @@ def _sample_stats(stats: dict[str, Any], b: int) -> dict[str, Any]:
     return out
 
 
-def apply(mm: MMModel, recipe: Recipe | str | dict | None = None, *, calibration: Any = None,
-          compile: str | None = None) -> Session:
+def apply(
+    mm: MMModel, recipe: Recipe | str | dict | None = None, *, calibration: Any = None, compile: str | None = None
+) -> Session:
     """Install ``recipe`` on ``mm`` and return the session (a context manager that restores the model).
 
     ``calibration``: a ``pruning._budget.CalibrationSet`` that token budgets of threshold methods are

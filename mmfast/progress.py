@@ -57,8 +57,16 @@ class Progress:
         rate = self.done / max(now - self.t0, 1e-9)
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        logger.info("%s: %d/%d %s (%.0f%%), %.2f/s, ETA %s", self.what, self.done, self.total, self.unit, pct, rate,
-                    _fmt_eta(eta))
+        logger.info(
+            "%s: %d/%d %s (%.0f%%), %.2f/s, ETA %s",
+            self.what,
+            self.done,
+            self.total,
+            self.unit,
+            pct,
+            rate,
+            _fmt_eta(eta),
+        )
 
     def close(self) -> None:
         self.bar.close()

@@ -54,7 +54,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc}); rerun the evaluation or remove the directory from the report") from None
+        raise InputError(
+            f"{path}: not valid JSON ({exc}); rerun the evaluation or remove the directory from the report"
+        ) from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object, got {type(data).__name__}; is this an mmfast summary?")
     return data
@@ -73,9 +75,25 @@ def _short(params: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in list(params.items())[:3])
 
 
-EVAL_HEADER = ["run", "methods", "vision tok", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1 [95% CI]", "n POPE",
-               "POPE unparsed", "POPE files", "CHAIR_s [95% CI]", "CHAIR_i [95% CI]", "recall [95% CI]", "n CHAIR",
-               "CHAIR degenerate", "weights"]
+EVAL_HEADER = [
+    "run",
+    "methods",
+    "vision tok",
+    "layer-avg tok",
+    "POPE F1 rand",
+    "pop",
+    "adv",
+    "mean F1 [95% CI]",
+    "n POPE",
+    "POPE unparsed",
+    "POPE files",
+    "CHAIR_s [95% CI]",
+    "CHAIR_i [95% CI]",
+    "recall [95% CI]",
+    "n CHAIR",
+    "CHAIR degenerate",
+    "weights",
+]
 
 
 EVAL_INTERVAL_NOTE = (
@@ -132,7 +150,15 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
         unparsed_cell(bad.chair),
         proto.get("weights_fingerprint"),
     ]
-    return EvalRow(run.name, acc.get("mean_vision_tokens_layer_avg"), pope.get("mean_f1"), chair.get("chair_i"), chair.get("recall"), iv, cells)
+    return EvalRow(
+        run.name,
+        acc.get("mean_vision_tokens_layer_avg"),
+        pope.get("mean_f1"),
+        chair.get("chair_i"),
+        chair.get("recall"),
+        iv,
+        cells,
+    )
 
 
 def _pope_files(protocol: dict[str, Any]) -> str:
@@ -170,13 +196,31 @@ def metrics_table(metrics: dict[str, Any]) -> str:
             continue
         splits = {k: v for k, v in m.items() if isinstance(v, dict) and "f1" in v}
         for split, d in splits.items():
-            rows.append([f"{task} {split}", str(d.get("n", "")), "F1 " + cell(d, "f1"), "acc " + cell(d, "accuracy"),
-                         "yes " + cell(d, "yes_ratio"), f"unparsed {d['n_unknown']}" if "n_unknown" in d else ""])
+            rows.append(
+                [
+                    f"{task} {split}",
+                    str(d.get("n", "")),
+                    "F1 " + cell(d, "f1"),
+                    "acc " + cell(d, "accuracy"),
+                    "yes " + cell(d, "yes_ratio"),
+                    f"unparsed {d['n_unknown']}" if "n_unknown" in d else "",
+                ]
+            )
         if "mean_f1" in m:
-            rows.append([f"{task} mean", str(m.get("n", "")), "F1 " + cell(m, "mean_f1"), "acc " + cell(m, "mean_accuracy"), ""])
+            rows.append(
+                [f"{task} mean", str(m.get("n", "")), "F1 " + cell(m, "mean_f1"), "acc " + cell(m, "mean_accuracy"), ""]
+            )
         if "chair_i" in m:
-            rows.append([task, str(m.get("n", "")), "CHAIR_s " + cell(m, "chair_s"), "CHAIR_i " + cell(m, "chair_i"),
-                         "recall " + cell(m, "recall"), f"degenerate {m['n_degenerate']}" if "n_degenerate" in m else ""])
+            rows.append(
+                [
+                    task,
+                    str(m.get("n", "")),
+                    "CHAIR_s " + cell(m, "chair_s"),
+                    "CHAIR_i " + cell(m, "chair_i"),
+                    "recall " + cell(m, "recall"),
+                    f"degenerate {m['n_degenerate']}" if "n_degenerate" in m else "",
+                ]
+            )
         if not splits and "chair_i" not in m and "mean_f1" not in m:  # another task: its scalar metrics
             rows.append([task, str(m.get("n", "")), *(f"{k} {v:.3f}" for k, v in m.items() if isinstance(v, float))])
     if not rows:
@@ -233,12 +277,16 @@ def _bench_notes(run: Path) -> list[str]:
         return []
     lines = md.read_text().splitlines()
     last_table = max((i for i, ln in enumerate(lines) if ln.startswith("|")), default=-1)
-    return [ln[2:] for ln in lines[last_table + 1:] if ln.startswith("- ")]
+    return [ln[2:] for ln in lines[last_table + 1 :] if ln.startswith("- ")]
 
 
 def _side_tables(run: Path) -> list[tuple[str, list[str]]]:
     """A bench's other markdown files (``speed_shaped.md``, ``projected_7b.md``, ...): name and lines."""
-    return [(p.name, p.read_text().splitlines()) for p in sorted(run.glob("*.md")) if p.name not in ("results.md", "README.md")]
+    return [
+        (p.name, p.read_text().splitlines())
+        for p in sorted(run.glob("*.md"))
+        if p.name not in ("results.md", "README.md")
+    ]
 
 
 def _to_html(markdown: str) -> str:
@@ -274,20 +322,53 @@ def write_report(runs: list[str], output: str) -> Path:
         md += ["## Evaluation runs", "", *_md_table(EVAL_HEADER, [r.cells for r in rows]), ""]
         notes = [EVAL_INTERVAL_NOTE] + [n for r in rows for n in r.intervals.notes]
         md += [f"- {n}" for n in notes] + [""]
-        pts = [(r.name, r.tokens_layer_avg, r.mean_f1) for r in rows if r.tokens_layer_avg is not None and r.mean_f1 is not None]
-        if pts and (p := scatter_lines(out / "accuracy_vs_tokens.png", pts, "layer-averaged vision tokens", "POPE mean F1",
-                                       "POPE mean F1 vs vision tokens (evaluation runs)")):
+        pts = [
+            (r.name, r.tokens_layer_avg, r.mean_f1)
+            for r in rows
+            if r.tokens_layer_avg is not None and r.mean_f1 is not None
+        ]
+        if pts and (
+            p := scatter_lines(
+                out / "accuracy_vs_tokens.png",
+                pts,
+                "layer-averaged vision tokens",
+                "POPE mean F1",
+                "POPE mean F1 vs vision tokens (evaluation runs)",
+            )
+        ):
             images.append(p)
         chair = [r for r in rows if r.chair_i is not None]
-        if chair and (p := bars(out / "chair_by_run.png", [r.name for r in chair], [r.chair_i for r in chair], "CHAIR_i",
-                                "CHAIR_i by evaluation run", intervals=[_ci_of(r.intervals.chair, "chair_i") for r in chair],
-                                series="CHAIR_i (hallucinated mentions)")):
+        if chair and (
+            p := bars(
+                out / "chair_by_run.png",
+                [r.name for r in chair],
+                [r.chair_i for r in chair],
+                "CHAIR_i",
+                "CHAIR_i by evaluation run",
+                intervals=[_ci_of(r.intervals.chair, "chair_i") for r in chair],
+                series="CHAIR_i (hallucinated mentions)",
+            )
+        ):
             images.append(p)
         both = [r for r in chair if r.recall is not None]
-        if both and (p := labelled_points(out / "chair_i_vs_recall.png",
-                                          [(r.name, r.recall, r.chair_i, _ci_of(r.intervals.chair, "recall"), _ci_of(r.intervals.chair, "chair_i")) for r in both],
-                                          "CHAIR recall (ground-truth objects mentioned)", "CHAIR_i (hallucinated mentions)",
-                                          "CHAIR_i vs recall (evaluation runs)")):
+        if both and (
+            p := labelled_points(
+                out / "chair_i_vs_recall.png",
+                [
+                    (
+                        r.name,
+                        r.recall,
+                        r.chair_i,
+                        _ci_of(r.intervals.chair, "recall"),
+                        _ci_of(r.intervals.chair, "chair_i"),
+                    )
+                    for r in both
+                ],
+                "CHAIR recall (ground-truth objects mentioned)",
+                "CHAIR_i (hallucinated mentions)",
+                "CHAIR_i vs recall (evaluation runs)",
+            )
+        ):
             images.append(p)
     for run, s in benches:
         md += [f"## Benchmark: {run.name}", ""]
@@ -300,11 +381,15 @@ def write_report(runs: list[str], output: str) -> Path:
         intervals = variant_intervals(run, s["results"]) if kind in ("pruning", "decoding") else {}
         if "header" in s and "rows" in s:
             header, rows = with_intervals(s["header"], s["rows"], intervals) if intervals else (s["header"], s["rows"])
-            header, rows = with_unparsed(header, rows, variant_unparsed(run, s["results"])) if intervals else (header, rows)
+            header, rows = (
+                with_unparsed(header, rows, variant_unparsed(run, s["results"])) if intervals else (header, rows)
+            )
             md += [*_md_table(header, rows), ""]
         notes = _bench_notes(run)
         if intervals:
-            notes = [n for n in notes if not n.startswith("95% CI:") and not n.startswith(INTERVAL_NOTE_PREFIX)] + interval_notes(intervals)
+            notes = [
+                n for n in notes if not n.startswith("95% CI:") and not n.startswith(INTERVAL_NOTE_PREFIX)
+            ] + interval_notes(intervals)
         if notes:
             md += [f"- {n}" for n in notes] + [""]
         local = _local_model(s)
@@ -312,10 +397,23 @@ def write_report(runs: list[str], output: str) -> Path:
             if local:  # its recorded command names the path
                 lines = [ln.replace(local, "<local checkpoint>") for ln in lines]
             md += [*_demote(lines), ""]
-        speed = [(n, r["ratios"].get("prefill_speedup") or r["ratios"].get("speedup")) for n, r in s["results"].items() if r.get("ratios")]
+        speed = [
+            (n, r["ratios"].get("prefill_speedup") or r["ratios"].get("speedup"))
+            for n, r in s["results"].items()
+            if r.get("ratios")
+        ]
         speed = [(n, v) for n, v in speed if v is not None]
-        if speed and (p := bars(out / f"speedup_{run.name}.png", [n for n, _ in speed], [v for _, v in speed], "speedup (x)",
-                                f"Speedup per method ({run.name})", baseline=1.0, series="speedup vs the baseline")):
+        if speed and (
+            p := bars(
+                out / f"speedup_{run.name}.png",
+                [n for n, _ in speed],
+                [v for _, v in speed],
+                "speedup (x)",
+                f"Speedup per method ({run.name})",
+                baseline=1.0,
+                series="speedup vs the baseline",
+            )
+        ):
             images.append(p)
         if kind is not None:  # drawn again here, titled with this bench (two benches' plots never share a title)
             images += bench_plots(s, out, run.name, intervals, prefix=f"{run.name}_")
@@ -330,7 +428,9 @@ def write_report(runs: list[str], output: str) -> Path:
     (out / "report.md").write_text("\n".join(md) + "\n")
     style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}"
     body = _to_html("\n".join(md))
-    (out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{body}</body></html>")
+    (out / "report.html").write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{body}</body></html>"
+    )
     logger.info("wrote %s", out / "report.md")
     return out / "report.md"
 

@@ -412,7 +412,9 @@ class LMRunner:
         mask = inputs.attention_mask.bool()
         grp0 = LayerGroup(0, mask, inputs.position_ids, src.masked_fill(~mask, -1))
         cfg = self.adapter.text_config
-        cache = compat.new_cache(cfg) if self.static_reserve is None else compat.new_static_cache(cfg, self.static_reserve)
+        cache = (
+            compat.new_cache(cfg) if self.static_reserve is None else compat.new_static_cache(cfg, self.static_reserve)
+        )
         state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
             out = self.lm(

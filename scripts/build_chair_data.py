@@ -69,25 +69,30 @@ TAGGER_FILES = tuple(f"{TAGGER}.{part}.json" for part in ("weights", "tagdict", 
 MORPHY_FILE = "wordnet_morphy.json"
 
 
-def consultable_names(names: Iterable[str], exceptions: Mapping[str, Sequence[str]],
-                      rules: Sequence[tuple[str, str]]) -> list[str]:
+def consultable_names(
+    names: Iterable[str], exceptions: Mapping[str, Sequence[str]], rules: Sequence[tuple[str, str]]
+) -> list[str]:
     """The lemma names of one POS whose membership can change a ``_morphy`` result (module
     docstring), sorted."""
     in_exceptions = set(exceptions).union(*exceptions.values())
     news = {new for _, new in rules}
     lengthening = {old for old, new in rules if len(new) >= len(old)}
-    return sorted(n for n in names if n in in_exceptions or any(n.endswith(s) for s in news)
-                  or any(n.endswith(s) for s in lengthening))
+    return sorted(
+        n
+        for n in names
+        if n in in_exceptions or any(n.endswith(s) for s in news) or any(n.endswith(s) for s in lengthening)
+    )
 
 
 def morphy_doc(wordnet: Any, rules: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, Any]:
     """The ``wordnet_morphy.json`` document from NLTK's WordNet reader and its rules."""
     lemma_map = wordnet._lemma_pos_offset_map  # name -> {pos: offsets}, what _morphy filters with
     exceptions = {p: {form: list(bases) for form, bases in wordnet._exception_map[p].items()} for p in POS}
-    names = {p: consultable_names((n for n, by_pos in lemma_map.items() if p in by_pos), exceptions[p], rules[p])
-             for p in POS}
-    return {"rules": {p: [list(r) for r in rules[p]] for p in POS}, "exceptions": exceptions,
-            "lemma_names": names}
+    names = {
+        p: consultable_names((n for n, by_pos in lemma_map.items() if p in by_pos), exceptions[p], rules[p])
+        for p in POS
+    }
+    return {"rules": {p: [list(r) for r in rules[p]] for p in POS}, "exceptions": exceptions, "lemma_names": names}
 
 
 def _sha256_text(wordnet: Any, name: str) -> str:
@@ -108,21 +113,31 @@ def build(nltk_data: Path) -> dict[str, bytes]:
     from nltk.corpus import wordnet  # the reader WordNetLemmatizer uses (this folder only)
 
     doc = {
-        "format": MORPHY_FORMAT, "version": MORPHY_VERSION,
+        "format": MORPHY_FORMAT,
+        "version": MORPHY_VERSION,
         "about": "What nltk.stem.WordNetLemmatizer().lemmatize(form, pos) reads from WordNet for POS n v a r: "
-                 "NLTK's detachment rules, its parse of the exception lists, and the lemma names its _morphy can "
-                 "consult. Built by scripts/build_chair_data.py; used by mmfast.eval.chair_morphy. Derived from "
-                 "WordNet 3.0 (Princeton University; licence in LICENSE-WordNet-3.0.txt).",
-        "built_with": {"nltk": nltk.__version__, "wordnet": str(wordnet.get_version()),
-                       "wordnet_files_sha256": {name: _sha256_text(wordnet, name)
-                                                for name in (*INDEX_FILES.values(), *EXC_FILES.values())}},
+        "NLTK's detachment rules, its parse of the exception lists, and the lemma names its _morphy can "
+        "consult. Built by scripts/build_chair_data.py; used by mmfast.eval.chair_morphy. Derived from "
+        "WordNet 3.0 (Princeton University; licence in LICENSE-WordNet-3.0.txt).",
+        "built_with": {
+            "nltk": nltk.__version__,
+            "wordnet": str(wordnet.get_version()),
+            "wordnet_files_sha256": {
+                name: _sha256_text(wordnet, name) for name in (*INDEX_FILES.values(), *EXC_FILES.values())
+            },
+        },
         **morphy_doc(wordnet, WordNetCorpusReader.MORPHOLOGICAL_SUBSTITUTIONS),
     }
-    files[MORPHY_FILE] = (json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-                          + "\n").encode("utf-8")
-    logger.info("morphy tables: lemma names %s, exception forms %s (nltk %s, WordNet %s)",
-                {p: len(doc["lemma_names"][p]) for p in POS}, {p: len(doc["exceptions"][p]) for p in POS},
-                nltk.__version__, wordnet.get_version())
+    files[MORPHY_FILE] = (json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":")) + "\n").encode(
+        "utf-8"
+    )
+    logger.info(
+        "morphy tables: lemma names %s, exception forms %s (nltk %s, WordNet %s)",
+        {p: len(doc["lemma_names"][p]) for p in POS},
+        {p: len(doc["exceptions"][p]) for p in POS},
+        nltk.__version__,
+        wordnet.get_version(),
+    )
     return files
 
 
@@ -130,8 +145,7 @@ def write(out: Path, files: Mapping[str, bytes]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (out / f"{name}.gz").write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
-    logger.info("wrote %s", ", ".join(f"{name}.gz ({(out / f'{name}.gz').stat().st_size} bytes)"
-                                      for name in files))
+    logger.info("wrote %s", ", ".join(f"{name}.gz ({(out / f'{name}.gz').stat().st_size} bytes)" for name in files))
 
 
 def stale_files(out: Path, files: Mapping[str, bytes]) -> list[str]:
@@ -146,8 +160,12 @@ def stale_files(out: Path, files: Mapping[str, bytes]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nltk-data", required=True, type=Path,
-                   help="NLTK data folder with taggers/averaged_perceptron_tagger_eng and corpora/wordnet")
+    p.add_argument(
+        "--nltk-data",
+        required=True,
+        type=Path,
+        help="NLTK data folder with taggers/averaged_perceptron_tagger_eng and corpora/wordnet",
+    )
     p.add_argument("--out", type=Path, default=OUT, help=f"output folder (default {OUT.relative_to(REPO)})")
     p.add_argument("--check", action="store_true", help="compare with the files in --out; exit 1 if any differs")
     args = p.parse_args(argv)

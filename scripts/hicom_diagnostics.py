@@ -5,6 +5,7 @@ tokens sit among the real projected tokens, and what the trained global branch e
 
     python scripts/hicom_diagnostics.py [--recipe RECIPE] [--n 24]
 """
+
 import argparse
 import json
 
@@ -64,9 +65,11 @@ with Session(mm, load_recipe({})) as s, torch.no_grad():
             ko = keys_ours[i].reshape(1, rows, cols, -1)
             tok_o, w_o, _ = local_compress(v, ko, guides[i], g, 0.5, 20.0)
             # the release's local rule (direct guide, no clip scale): softmax(g . k / sqrt(P)) within each group
-            _, w_r, _ = local_compress(v, keys_rel[i].reshape(1, rows, cols, -1), guides[i], g, 0.0, 0.0, rule="release")
-            eff_o.append((1 / (w_o ** 2).sum(-1)).mean().item())
-            eff_r.append((1 / (w_r ** 2).sum(-1)).mean().item())
+            _, w_r, _ = local_compress(
+                v, keys_rel[i].reshape(1, rows, cols, -1), guides[i], g, 0.0, 0.0, rule="release"
+            )
+            eff_o.append((1 / (w_o**2).sum(-1)).mean().item())
+            eff_r.append((1 / (w_r**2).sum(-1)).mean().item())
             maxw_o.append(w_o.max(-1).values.mean().item())
             maxw_r.append(w_r.max(-1).values.mean().item())
             cos_w.append(F.cosine_similarity(w_o, w_r, -1).mean().item())
@@ -77,11 +80,16 @@ with Session(mm, load_recipe({})) as s, torch.no_grad():
             nrm_real.append(real.norm(dim=-1).mean().item())
             nn_cos_pool.append(F.cosine_similarity(p_o[:, None], real[None], -1).max(-1).values.mean().item())
         stats[name] = {
-            "groups": int(idx.shape[0]), "members_per_group": int(valid.sum(1).float().mean()),
-            "effective_members_ours": sum(eff_o) / len(eff_o), "effective_members_release": sum(eff_r) / len(eff_r),
-            "max_weight_ours": sum(maxw_o) / len(maxw_o), "max_weight_release": sum(maxw_r) / len(maxw_r),
-            "cos(weights ours, release)": sum(cos_w) / len(cos_w), "argmax agreement": sum(top_agree) / len(top_agree),
-            "projected norm pooled": sum(nrm_pool) / len(nrm_pool), "projected norm real": sum(nrm_real) / len(nrm_real),
+            "groups": int(idx.shape[0]),
+            "members_per_group": int(valid.sum(1).float().mean()),
+            "effective_members_ours": sum(eff_o) / len(eff_o),
+            "effective_members_release": sum(eff_r) / len(eff_r),
+            "max_weight_ours": sum(maxw_o) / len(maxw_o),
+            "max_weight_release": sum(maxw_r) / len(maxw_r),
+            "cos(weights ours, release)": sum(cos_w) / len(cos_w),
+            "argmax agreement": sum(top_agree) / len(top_agree),
+            "projected norm pooled": sum(nrm_pool) / len(nrm_pool),
+            "projected norm real": sum(nrm_real) / len(nrm_real),
             "max cos pooled->real projected token": sum(nn_cos_pool) / len(nn_cos_pool),
         }
     # global branch: how alike are its 32 tokens, and how do they compare with real tokens
@@ -89,17 +97,25 @@ with Session(mm, load_recipe({})) as s, torch.no_grad():
     glob, meta = load_global(d / GLOBAL_WEIGHTS, model_hint=str(d), expect={})  # the trained (coarse) branch
     pre, tok = glob(feats.reshape(len(samples), 1, rows, cols, -1).float(), guides)
     t = F.normalize(tok, dim=-1)
-    sim = (t @ t.transpose(1, 2))  # [n, 32, 32]
+    sim = t @ t.transpose(1, 2)  # [n, 32, 32]
     off = sim[:, ~torch.eye(sim.shape[1], dtype=torch.bool)]
     stats["global"] = {
-        "mode": meta.get("mode", "coarse"), "final_loss_ema": meta.get("final_loss_ema"), "train_steps": meta.get("train_config", {}).get("steps"),
+        "mode": meta.get("mode", "coarse"),
+        "final_loss_ema": meta.get("final_loss_ema"),
+        "train_steps": meta.get("train_config", {}).get("steps"),
         "mean pairwise cos between global tokens": off.mean().item(),
-        "global token norm": tok.norm(dim=-1).mean().item(), "real token norm": proj_real.norm(dim=-1).mean().item(),
-        "max cos global->real projected token": F.cosine_similarity(tok[:, :, None], proj_real[:, None], -1).max(-1).values.mean().item(),
+        "global token norm": tok.norm(dim=-1).mean().item(),
+        "real token norm": proj_real.norm(dim=-1).mean().item(),
+        "max cos global->real projected token": F.cosine_similarity(tok[:, :, None], proj_real[:, None], -1)
+        .max(-1)
+        .values.mean()
+        .item(),
         "guide-sensitivity (mean cos of a sample's tokens with another prompt's, same image)": None,
     }
     # same image, two different prompts: does the global branch change with the instruction?
     g2 = guides.roll(1, 0)
     _, tok2 = glob(feats.reshape(len(samples), 1, rows, cols, -1).float(), g2)
-    stats["global"]["guide-sensitivity (mean cos of a sample's tokens with another prompt's, same image)"] = F.cosine_similarity(tok, tok2, -1).mean().item()
+    stats["global"]["guide-sensitivity (mean cos of a sample's tokens with another prompt's, same image)"] = (
+        F.cosine_similarity(tok, tok2, -1).mean().item()
+    )
 print(json.dumps(stats, indent=1))

@@ -50,13 +50,20 @@ def main() -> None:
     probs = []
     with torch.inference_mode():
         for i in range(0, len(val), 50):
-            out = model.clip.vision_model(pixel_values=to_pixel_values(val.pixels[i : i + 50]), output_hidden_states=True)
+            out = model.clip.vision_model(
+                pixel_values=to_pixel_values(val.pixels[i : i + 50]), output_hidden_states=True
+            )
             probs.append(F.softmax(model.dense(out.hidden_states[-2][:, 1:]), -1).numpy())  # [b, P, labels]
     prob = np.concatenate(probs)
     hist = val.patch_hist.astype(np.float64)  # [N, P, labels] pixel counts
     target, pred = hist.argmax(-1), prob.argmax(-1)  # [N, P]
     fg = target > 0
-    logger.info("patch accuracy: all %.3f, foreground %.3f, background %.3f", (pred == target).mean(), (pred[fg] == target[fg]).mean(), (pred[~fg] == target[~fg]).mean())
+    logger.info(
+        "patch accuracy: all %.3f, foreground %.3f, background %.3f",
+        (pred == target).mean(),
+        (pred[fg] == target[fg]).mean(),
+        (pred[~fg] == target[~fg]).mean(),
+    )
     present = val.present.astype(int)  # [N, C]
     score = prob[:, :, 1 : 1 + N_CATS].max(1)  # [N, C] label = category index + 1
     aucs = [auc(present[:, c], score[:, c]) for c in range(N_CATS) if 0 < present[:, c].sum() < len(present)]
@@ -66,7 +73,13 @@ def main() -> None:
     logger.info("false-positive rate at 0.5: %.3f", (score > 0.5)[present == 0].mean())
     for lo, hi in [(0, 64), (64, 256), (256, 1024), (1024, 4096), (4096, None)]:
         sel = (area >= lo) & (area < (hi or np.inf))
-        logger.info("visible area %5d-%-5s px: n=%4d  recall@0.5 %.2f", lo, hi or "", sel.sum(), hit[sel].mean() if sel.any() else float("nan"))
+        logger.info(
+            "visible area %5d-%-5s px: n=%4d  recall@0.5 %.2f",
+            lo,
+            hi or "",
+            sel.sum(),
+            hit[sel].mean() if sel.any() else float("nan"),
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,13 @@ def main() -> None:
     del model
     mm = mmfast.load(path, device=args.device, dtype=args.dtype)
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (336, 336, 3), dtype=np.uint8))
-    out: dict = {"shape": args.shape, "device": str(mm.device), "dtype": args.dtype, "tokens": args.tokens,
-                 "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
+    out: dict = {
+        "shape": args.shape,
+        "device": str(mm.device),
+        "dtype": args.dtype,
+        "tokens": args.tokens,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+    }
 
     # a random model may say EOS early: the per-token times divide by the tokens each run made
     for mode in ("off", "static", "auto"):
@@ -57,8 +62,11 @@ def main() -> None:
             s.generate([image], [args.prompt], max_new_tokens=args.tokens)  # warm-up (and first capture)
             r = s.generate([image], [args.prompt], max_new_tokens=args.tokens)[0]
         n = max(1, len(r.token_ids) - 1)  # the first token comes from the prefill
-        out[mode] = {"token_ids": r.token_ids, "decode_ms_per_token": 1e3 * r.timings.decode_s / n,
-                     "capture_s": (r.stats or {}).get("capture_s", 0.0)}
+        out[mode] = {
+            "token_ids": r.token_ids,
+            "decode_ms_per_token": 1e3 * r.timings.decode_s / n,
+            "capture_s": (r.stats or {}).get("capture_s", 0.0),
+        }
 
     inputs = mm.processor(images=image, text=mm.chat_text(args.prompt), return_tensors="pt").to(mm.device)
     inputs["pixel_values"] = inputs["pixel_values"].to(mm.dtype)
@@ -66,11 +74,16 @@ def main() -> None:
     for run in ("first", "timed"):
         _sync(args.device)
         t0 = time.perf_counter()
-        ids = mm.model.generate(**inputs, do_sample=False, max_new_tokens=args.tokens, cache_implementation="static",
-                                pad_token_id=mm.pad_token_id)
+        ids = mm.model.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=args.tokens,
+            cache_implementation="static",
+            pad_token_id=mm.pad_token_id,
+        )
         _sync(args.device)
         hf[f"{run}_s"] = time.perf_counter() - t0
-    new = ids[0, inputs["input_ids"].shape[1]:].tolist()
+    new = ids[0, inputs["input_ids"].shape[1] :].tolist()
     hf["token_ids"] = new
     hf["ms_per_token_incl_prefill"] = 1e3 * hf["timed_s"] / max(1, len(new))
     out["hf_static"] = hf

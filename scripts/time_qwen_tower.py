@@ -81,9 +81,19 @@ def main() -> None:
     tower = tower.to(device)
     pixels, grid, resized = image_patches(shape, width, height, dtype)
     pixels, grid = pixels.to(device), grid.to(device)
-    logger.info("%s tower of %s: %d blocks, image %s -> %s, grid %s = %d patches, %s, %d threads, %s",
-                args.family, args.shape, len(tower.blocks), args.image, "x".join(map(str, resized)),
-                grid.tolist()[0], pixels.shape[0], device, torch.get_num_threads(), args.dtype)
+    logger.info(
+        "%s tower of %s: %d blocks, image %s -> %s, grid %s = %d patches, %s, %d threads, %s",
+        args.family,
+        args.shape,
+        len(tower.blocks),
+        args.image,
+        "x".join(map(str, resized)),
+        grid.tolist()[0],
+        pixels.shape[0],
+        device,
+        torch.get_num_threads(),
+        args.dtype,
+    )
     adapter = SimpleNamespace(family=args.family, vision_tower=tower)
     hooks = HookSession(tower)
     logger.info("fused attention on %d of %d blocks", install_fused_tower(adapter, hooks), len(tower.blocks))
@@ -117,8 +127,12 @@ def main() -> None:
     med = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in times.items()}
     for k, (wall, cpu) in med.items():
         logger.info("median %-12s wall %.3f s  cpu %.3f s", k, wall, cpu)
-    logger.info("ratio transformers / fused: wall %.3f, cpu %.3f; max |fused - transformers| = %.3g",
-                med["transformers"][0] / med["fused"][0], med["transformers"][1] / med["fused"][1], diff)
+    logger.info(
+        "ratio transformers / fused: wall %.3f, cpu %.3f; max |fused - transformers| = %.3g",
+        med["transformers"][0] / med["fused"][0],
+        med["transformers"][1] / med["fused"][1],
+        diff,
+    )
 
 
 if __name__ == "__main__":

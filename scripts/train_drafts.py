@@ -42,7 +42,11 @@ def main() -> None:
     logger.info(
         "plan: %d visual + %d text-only target answers (cached in %s, shared by msd and flash), then %d steps x %d "
         "sequences; the first shard and the first 10 steps print measured time estimates",
-        n_vis, n_txt, args.work, cfg.steps, cfg.batch,
+        n_vis,
+        n_txt,
+        args.work,
+        cfg.steps,
+        cfg.batch,
     )
     train_draft(args.model, args.draft, args.out, args.work, cfg)
 

@@ -30,7 +30,10 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = DynamicTrainConfig(
-        **{f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name)) for f in dataclasses.fields(DynamicTrainConfig)}
+        **{
+            f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
+            for f in dataclasses.fields(DynamicTrainConfig)
+        }
     )
     train_dynamic_llava(args.model, args.out, args.work, cfg, model_out=args.model_out)
 

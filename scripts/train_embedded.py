@@ -31,7 +31,12 @@ def main() -> None:
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = TrainConfig(**{f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name)) for f in dataclasses.fields(TrainConfig)})
+    cfg = TrainConfig(
+        **{
+            f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
+            for f in dataclasses.fields(TrainConfig)
+        }
+    )
     train_embedded(args.out, args.work, cfg, device=args.device)
 
 

@@ -21,15 +21,24 @@ from mmfast.train.hicom import HIComTrainConfig, train_hicom_global
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="mmfast/tiny-world", help="embedded name or model directory (needs clip/ or --clip-model)")
+    p.add_argument(
+        "--model", default="mmfast/tiny-world", help="embedded name or model directory (needs clip/ or --clip-model)"
+    )
     p.add_argument("--out", default=None, help="weights file (default <model dir>/hicom_global.safetensors)")
     p.add_argument("--work", default=".mmfast_cache/train-hicom")
     p.add_argument("--clip-model", default=None, help="guide CLIP (default <model dir>/clip)")
     for f in dataclasses.fields(HIComTrainConfig):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int, default=f.default)
+        p.add_argument(
+            "--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int, default=f.default
+        )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = HIComTrainConfig(**{f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name)) for f in dataclasses.fields(HIComTrainConfig)})
+    cfg = HIComTrainConfig(
+        **{
+            f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
+            for f in dataclasses.fields(HIComTrainConfig)
+        }
+    )
     train_hicom_global(args.model, args.out, args.work, cfg, clip_model=args.clip_model)
 
 

@@ -16,8 +16,12 @@ from PIL import Image  # noqa: E402
 torch.set_num_threads(1)  # tiny models: one thread is fastest, and the suite shares the machine
 
 # NLTK data the product could pick up from the machine (CHAIR ships its own; see mmfast/assets/chair).
-_MACHINE_NLTK_DATA = ("taggers/averaged_perceptron_tagger_eng", "taggers/averaged_perceptron_tagger_eng.zip",
-                      "corpora/wordnet", "corpora/wordnet.zip")
+_MACHINE_NLTK_DATA = (
+    "taggers/averaged_perceptron_tagger_eng",
+    "taggers/averaged_perceptron_tagger_eng.zip",
+    "corpora/wordnet",
+    "corpora/wordnet.zip",
+)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -30,12 +34,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import nltk
 
     problems = [f"NLTK_DATA is set ({os.environ['NLTK_DATA']})"] if os.environ.get("NLTK_DATA") else []
-    problems += [f"{os.path.join(root, rel)} exists" for root in nltk.data.path for rel in _MACHINE_NLTK_DATA
-                 if os.path.exists(os.path.join(root, rel))]
+    problems += [
+        f"{os.path.join(root, rel)} exists"
+        for root in nltk.data.path
+        for rel in _MACHINE_NLTK_DATA
+        if os.path.exists(os.path.join(root, rel))
+    ]
     if problems:
-        pytest.exit("MMFAST_BARE=1, but NLTK data outside the clone is visible: " + "; ".join(problems)
-                    + " (unset NLTK_DATA, use an empty HOME, remove the folders)",
-                    returncode=pytest.ExitCode.USAGE_ERROR)
+        pytest.exit(
+            "MMFAST_BARE=1, but NLTK data outside the clone is visible: "
+            + "; ".join(problems)
+            + " (unset NLTK_DATA, use an empty HOME, remove the folders)",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -227,7 +227,11 @@ def test_fastv_layer_beyond_the_model(tiny_mm):
 def test_fastv_k_999_cli_exit_2(tmp_path, capsys, tiny_dir, images):
     image = tmp_path / "i.png"
     images[0].save(image)
-    recipe = _write(tmp_path, "r.yaml", f"model: {{name: {tiny_dir}, device: cpu}}\npruning: [{{method: fastv, params: {{k: 999}}}}]\n")
+    recipe = _write(
+        tmp_path,
+        "r.yaml",
+        f"model: {{name: {tiny_dir}, device: cpu}}\npruning: [{{method: fastv, params: {{k: 999}}}}]\n",
+    )
     rc, err = _cli(capsys, "run", str(recipe), "--image", str(image), "--prompt", "hi")
     assert rc == 2 and "pruning[0].params.k" in err
 
@@ -258,7 +262,9 @@ def test_long_prompt_refused_before_compute(short_context_mm, images):
 
     calls = _count_llm_forwards(short_context_mm)
     with apply(short_context_mm) as s:
-        with pytest.raises(InputError, match=r"context of .* \(64 tokens\): sample 0: \d+ text \+ 0 vision tokens .* over"):
+        with pytest.raises(
+            InputError, match=r"context of .* \(64 tokens\): sample 0: \d+ text \+ 0 vision tokens .* over"
+        ):
             s.generate([images[0]], ["word " * 80], max_new_tokens=4)
         assert not calls
         assert s.generate([images[0]], ["hi"], max_new_tokens=2)  # a short one still runs
@@ -306,7 +312,9 @@ def test_unwritable_output_dir(tmp_path, monkeypatch):
         check_output_dir(tmp_path / "new" / "run")
 
 
-@pytest.mark.skipif(hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0, reason="root writes into read-only dirs")
+@pytest.mark.skipif(
+    hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0, reason="root writes into read-only dirs"
+)
 def test_read_only_output_dir(tmp_path, capsys):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -353,7 +361,9 @@ def test_pope_image_paths_stay_in_the_image_dir(tmp_path, name):
     path.write_text(json.dumps({"question_id": 1, "image": name, "text": "Is there a cat?", "label": "yes"}) + "\n")
     with pytest.raises(PopeFormatError, match=r"q.jsonl:1: image .* is not a file name inside the image directory"):
         load_pope_questions(path)
-    path.write_text(json.dumps({"question_id": 1, "image": "sub/ok.jpg", "text": "Is there a cat?", "label": "yes"}) + "\n")
+    path.write_text(
+        json.dumps({"question_id": 1, "image": "sub/ok.jpg", "text": "Is there a cat?", "label": "yes"}) + "\n"
+    )
     assert load_pope_questions(path)[0].image == "sub/ok.jpg"
 
 
@@ -422,12 +432,17 @@ def test_unreachable_hub_names_the_endpoint_and_the_cause(fake_hub, monkeypatch)
     fake_hub.server_close()
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
-    with pytest.raises(ModelLoadError, match=rf"cannot reach the Hugging Face hub to download 'no-org/no-model' "
-                                             rf"\(http://127.0.0.1:{closed}: \w*Error"):
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"cannot reach the Hugging Face hub to download 'no-org/no-model' "
+        rf"\(http://127.0.0.1:{closed}: \w*Error",
+    ):
         mmfast.load("no-org/no-model", device="cpu")
 
 
-@pytest.mark.parametrize(("endpoint", "why"), [("http://mirror.local:80x", "invalid port"), ("http://:8080", "names no host")])
+@pytest.mark.parametrize(
+    ("endpoint", "why"), [("http://mirror.local:80x", "invalid port"), ("http://:8080", "names no host")]
+)
 def test_malformed_hf_endpoint(monkeypatch, endpoint, why):
     from mmfast.errors import ModelLoadError
     from mmfast.model import _hub_error
@@ -449,11 +464,17 @@ def test_offline_cache_miss_names_the_hf_download_command(monkeypatch):
 # -- method parameters against the model's config, before any weights load --------------------------
 
 
-@pytest.mark.parametrize("stage, path", [
-    ({"method": "mustdrop", "params": {"window": 2}}, "pruning[0].params.layers"),  # the paper's layers 2..14, 4-layer LLM
-    ({"method": "fastv", "params": {"k": 999}}, "pruning[0].params.k"),
-    ({"method": "mustdrop", "params": {"window": 5, "layer_mapping": "proportional"}}, "pruning[0].params.window"),
-])
+@pytest.mark.parametrize(
+    "stage, path",
+    [
+        (
+            {"method": "mustdrop", "params": {"window": 2}},
+            "pruning[0].params.layers",
+        ),  # the paper's layers 2..14, 4-layer LLM
+        ({"method": "fastv", "params": {"k": 999}}, "pruning[0].params.k"),
+        ({"method": "mustdrop", "params": {"window": 5, "layer_mapping": "proportional"}}, "pruning[0].params.window"),
+    ],
+)
 def test_method_params_checked_against_the_config_before_loading(stage, path, tiny_dir, tmp_path, monkeypatch, capsys):
     import mmfast.model
     from mmfast.capabilities import check_model_config
@@ -500,7 +521,9 @@ def test_bench_directory_of_mmfast_is_reused(tmp_path):
     assert (fresh / BENCH_MARKER).is_file()
     legacy = tmp_path / "legacy"  # written before the marker: a bench summary
     legacy.mkdir()
-    (legacy / "summary.json").write_text(json.dumps({"model": {"name": "m", "weights_fingerprint": "ab"}, "results": {}}))
+    (legacy / "summary.json").write_text(
+        json.dumps({"model": {"name": "m", "weights_fingerprint": "ab"}, "results": {}})
+    )
     claim_bench_dir(legacy, "pruning", "r")
 
 
@@ -553,55 +576,98 @@ def test_exif_rotated_jpeg_is_turned_upright(tmp_path, caplog, monkeypatch):
     assert sum("EXIF orientation" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("prompt, expected", [
-    ("{{question}}", "has no {question} field ({{question}} is the literal text '{question}'"),
-    ("{question} {foo}", "has the field(s) {foo}; the only field is {question}"),
-    ("Q: {}", "has the field(s) {}"),
-    ("{question", "is not a valid template"),
-    ("{question!r}", "without a format spec or conversion"),
-])
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("{{question}}", "has no {question} field ({{question}} is the literal text '{question}'"),
+        ("{question} {foo}", "has the field(s) {foo}; the only field is {question}"),
+        ("Q: {}", "has the field(s) {}"),
+        ("{question", "is not a valid template"),
+        ("{question!r}", "without a format spec or conversion"),
+    ],
+)
 def test_pope_prompt_template_checked(tmp_path, capsys, prompt, expected):
-    recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({
-        "model": {"name": "/nonexistent/model"},
-        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)}, "pope": {"prompt": prompt}}}))
+    recipe = _write(
+        tmp_path,
+        "r.yaml",
+        yaml.safe_dump(
+            {
+                "model": {"name": "/nonexistent/model"},
+                "eval": {
+                    "tasks": ["pope"],
+                    "data": {"dataset": "coco", "root": str(tmp_path)},
+                    "pope": {"prompt": prompt},
+                },
+            }
+        ),
+    )
     rc, err = _cli(capsys, "eval", str(recipe), "--output", str(tmp_path / "out"))
     assert rc == 2 and "eval.pope.prompt" in err and expected in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
 
 def test_pope_split_key_typo_refused(tmp_path, capsys):
-    recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({
-        "model": {"name": "/nonexistent/model"},
-        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)},
-                 "pope": {"files": {"randm": str(tmp_path / "q.json")}}}}))
+    recipe = _write(
+        tmp_path,
+        "r.yaml",
+        yaml.safe_dump(
+            {
+                "model": {"name": "/nonexistent/model"},
+                "eval": {
+                    "tasks": ["pope"],
+                    "data": {"dataset": "coco", "root": str(tmp_path)},
+                    "pope": {"files": {"randm": str(tmp_path / "q.json")}},
+                },
+            }
+        ),
+    )
     rc, err = _cli(capsys, "eval", str(recipe))
     assert rc == 2 and "eval.pope.files.randm: unknown POPE split 'randm'; did you mean 'random'?" in err
-    recipe.write_text(yaml.safe_dump({
-        "model": {"name": "/nonexistent/model"},
-        "eval": {"tasks": ["pope"], "data": {"dataset": "coco", "root": str(tmp_path)},
-                 "pope": {"splits": ["random"], "files": {"popular": str(tmp_path / "q.json")}}}}))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": "/nonexistent/model"},
+                "eval": {
+                    "tasks": ["pope"],
+                    "data": {"dataset": "coco", "root": str(tmp_path)},
+                    "pope": {"splits": ["random"], "files": {"popular": str(tmp_path / "q.json")}},
+                },
+            }
+        )
+    )
     rc, err = _cli(capsys, "eval", str(recipe))
     assert rc == 2 and "eval.pope.files.popular: split 'popular' is not in eval.pope.splits (random)" in err
 
 
-@pytest.mark.parametrize("text", [
-    "bench: {kind: speculative, params: {workloads: " + "[" * 450 + "]" * 450 + "}}\n",
-    "bench: {compare: [{name: a, eval: " + "{a: " * 450 + "1" + "}" * 450 + "}]}\n",
-    "name: " + "[" * 20000 + "]" * 20000 + "\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "bench: {kind: speculative, params: {workloads: " + "[" * 450 + "]" * 450 + "}}\n",
+        "bench: {compare: [{name: a, eval: " + "{a: " * 450 + "1" + "}" * 450 + "}]}\n",
+        "name: " + "[" * 20000 + "]" * 20000 + "\n",
+    ],
+)
 def test_deeply_nested_yaml_refused(tmp_path, capsys, text):
     """Hundreds of levels were a RecursionError traceback when the resolved recipe was printed."""
     recipe = _write(tmp_path, "r.yaml", text)
     rc, err = _cli(capsys, "validate", str(recipe))
     assert rc == 2 and "nested more than 64 levels deep" in err and "Traceback" not in err
-    assert load_recipe(parse_yaml("bench: {kind: speculative, params: {workloads: " + "[" * 20 + "]" * 20 + "}}")).bench.kind == "speculative"
+    assert (
+        load_recipe(
+            parse_yaml("bench: {kind: speculative, params: {workloads: " + "[" * 20 + "]" * 20 + "}}")
+        ).bench.kind
+        == "speculative"
+    )
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("runs/{nme}", "output.dir: 'runs/{nme}' uses {nme}; the only field is {name}"),
-    ("runs/{name", "output.dir: 'runs/{name' is not a valid path template"),
-    ("runs/{0}", "uses {0}"),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("runs/{nme}", "output.dir: 'runs/{nme}' uses {nme}; the only field is {name}"),
+        ("runs/{name", "output.dir: 'runs/{name' is not a valid path template"),
+        ("runs/{0}", "uses {0}"),
+    ],
+)
 def test_output_dir_unknown_field(tmp_path, capsys, value, expected):
     recipe = _write(tmp_path, "r.yaml", yaml.safe_dump({"output": {"dir": value}}))
     rc, err = _cli(capsys, "validate", str(recipe))
@@ -625,24 +691,31 @@ def test_weights_shapes_not_matching_the_config(tmp_path, tiny_dir):
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"]["intermediate_size"] += 8
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="do not fit its config.json .*use the config.json saved with these weights"):
+    with pytest.raises(
+        ModelLoadError, match="do not fit its config.json .*use the config.json saved with these weights"
+    ):
         mmfast.load(d, device="cpu")
 
 
-@pytest.mark.parametrize("content, expected", [
-    (None, "does not exist"),
-    ("12\nabc\n", "line 2: 'abc' is not an image id"),
-    ("12\n\n12\n", "line 3: image id 12 is listed twice (first at line 1)"),
-    ("\n\n", "lists no image ids"),
-    (b"\xff\xfe1", "cannot be read"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "does not exist"),
+        ("12\nabc\n", "line 2: 'abc' is not an image id"),
+        ("12\n\n12\n", "line 3: image id 12 is listed twice (first at line 1)"),
+        ("\n\n", "lists no image ids"),
+        (b"\xff\xfe1", "cannot be read"),
+    ],
+)
 def test_chair_image_ids_file_checked(tmp_path, content, expected):
     from mmfast.eval.tasks.chair import read_image_ids
 
     path = tmp_path / "ids.txt"
     if content is not None:
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    with pytest.raises(InputError, match=r"eval\.chair\.image_ids_file .*" + expected.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        InputError, match=r"eval\.chair\.image_ids_file .*" + expected.replace("(", r"\(").replace(")", r"\)")
+    ):
         read_image_ids(path)
     (tmp_path / "good.txt").write_text("5\n 7 \n\n9\n")
     assert read_image_ids(tmp_path / "good.txt") == [5, 7, 9]

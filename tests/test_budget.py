@@ -28,8 +28,14 @@ def test_budget_parses_and_roundtrips():
 
 @pytest.mark.parametrize(
     "budget, path",
-    [({"tokens": 8, "flops": 0.5}, "pruning[0].budget"), ({}, "pruning[0].budget"), ({"tokns": 8}, "pruning[0].budget.tokns"),
-     ({"tokens": 0}, "pruning[0].budget.tokens"), ({"flops": 1.5}, "pruning[0].budget.flops"), ({"tokens": "64"}, "pruning[0].budget.tokens")],
+    [
+        ({"tokens": 8, "flops": 0.5}, "pruning[0].budget"),
+        ({}, "pruning[0].budget"),
+        ({"tokns": 8}, "pruning[0].budget.tokns"),
+        ({"tokens": 0}, "pruning[0].budget.tokens"),
+        ({"flops": 1.5}, "pruning[0].budget.flops"),
+        ({"tokens": "64"}, "pruning[0].budget.tokens"),
+    ],
 )
 def test_budget_strict_errors(budget, path):
     with pytest.raises(ConfigError) as exc:
@@ -43,8 +49,17 @@ def test_unknown_stage_key_suggests_budget():
     assert exc.value.path == "pruning[0].budgt"
 
 
-@pytest.mark.parametrize("method, knob, value", [("fastv", "keep", 5), ("fastv", "ratio", 0.5), ("random", "keep", 4),
-                                                 ("mustdrop", "preset", "64"), ("zipvl", "tau", 0.9), ("tome", "r", 2)])
+@pytest.mark.parametrize(
+    "method, knob, value",
+    [
+        ("fastv", "keep", 5),
+        ("fastv", "ratio", 0.5),
+        ("random", "keep", 4),
+        ("mustdrop", "preset", "64"),
+        ("zipvl", "tau", 0.9),
+        ("tome", "r", 2),
+    ],
+)
 def test_budget_and_knob_together_fail_naming_both(method, knob, value):
     with pytest.raises(ConfigError) as exc:
         load_recipe(_stage(method, 8, **{knob: value}))
@@ -63,7 +78,9 @@ EXTRA = {
 @pytest.mark.parametrize("method", ["random", "visionzip", "tome", "fastv", "dynamic_llava"])
 @pytest.mark.parametrize("tokens", [8, 4])
 def test_budget_lands_within_5_percent(tiny_mm, images, method, tokens):
-    out = tiny_mm.generate(images[:2], PROMPTS, recipe=_stage(method, tokens, **EXTRA.get(method, {})), max_new_tokens=2)
+    out = tiny_mm.generate(
+        images[:2], PROMPTS, recipe=_stage(method, tokens, **EXTRA.get(method, {})), max_new_tokens=2
+    )
     for r in out:
         assert abs(r.vision_tokens_layer_avg - tokens) <= 0.05 * tokens, (method, tokens, r.vision_tokens_layer_avg)
 
@@ -74,14 +91,20 @@ def test_grid_methods_follow_the_near_square_rule(tiny_mm, images, method, token
     from mmfast.pruning._grid import near_square_grid
 
     oh, ow = near_square_grid(tokens, 4, 4)
-    out = tiny_mm.generate(images[:2], PROMPTS, recipe=_stage(method, tokens, **EXTRA.get(method, {})), max_new_tokens=2)
+    out = tiny_mm.generate(
+        images[:2], PROMPTS, recipe=_stage(method, tokens, **EXTRA.get(method, {})), max_new_tokens=2
+    )
     assert [r.vision_tokens_layer_avg for r in out] == [oh * ow] * 2
 
 
 def test_fastv_closed_form(tiny_mm):
     from mmfast.pruning.fastv import FastV
 
-    cfg = load_recipe({"pruning": [{"method": "fastv", "params": {"k": 8, "layer_mapping": "proportional"}}]}).pruning[0].params
+    cfg = (
+        load_recipe({"pruning": [{"method": "fastv", "params": {"k": 8, "layer_mapping": "proportional"}}]})
+        .pruning[0]
+        .params
+    )
     # L = 4, K = round(8 * 4 / 32) = 1, N = 16: keep = round((4B - 16) / 3)
     for b, keep in [(16, 16), (10, 8), (8, 5), (4, 0)]:
         assert FastV.budget_params(b, tiny_mm.adapter, cfg, "b") == {"keep": keep}
@@ -105,14 +128,18 @@ def test_flops_budget_converts_to_tokens(tiny_mm, images):
     assert 0 < t < 16 and abs(layer_flops(64 + t, shape) / layer_flops(64 + 16, shape) - 0.9) < 0.01
     with pytest.raises(ValueError, match="smallest feasible"):
         tokens_for_flops_ratio(0.01, shape, 16)
-    out = tiny_mm.generate(images[:1], PROMPTS[:1], recipe={"pruning": [{"method": "random", "budget": {"flops": 0.9}}]}, max_new_tokens=1)
+    out = tiny_mm.generate(
+        images[:1], PROMPTS[:1], recipe={"pruning": [{"method": "random", "budget": {"flops": 0.9}}]}, max_new_tokens=1
+    )
     assert out[0].n_vision_tokens == t
 
 
 # -- calibration (MustDrop, ZipVL) on the calibration set itself --------------------------------------------
 
 
-@pytest.mark.parametrize("method, params, tokens", [("mustdrop", {"window": 2, "layer_mapping": "proportional"}, 8), ("zipvl", {}, 6)])
+@pytest.mark.parametrize(
+    "method, params, tokens", [("mustdrop", {"window": 2, "layer_mapping": "proportional"}, 8), ("zipvl", {}, 6)]
+)
 def test_calibration_converges(tiny_mm, method, params, tokens):
     from mmfast.pruning._budget import CALIBRATION_IMAGES, calibration_prompt
     from mmfast.world import render_image
@@ -141,7 +168,9 @@ def test_calibration_on_an_evaluation_set_of_any_size(tiny_mm, tmp_path):
         render_image(1, "val", i).image.convert("RGB").save(paths[-1])
     cal = CalibrationSet(tuple(paths), tuple(calibration_prompt(i) for i in range(n)))
     with apply(tiny_mm, _stage("zipvl", 6), calibration=cal) as session:
-        out = session.run(tiny_mm.prepare([render_image(1, "val", 0).image.convert("RGB")], ["Is there a dog?"]), max_new_tokens=1)
+        out = session.run(
+            tiny_mm.prepare([render_image(1, "val", 0).image.convert("RGB")], ["Is there a dog?"]), max_new_tokens=1
+        )
     cal_stats = out[0].stats["zipvl"]["calibration"]
     assert cal_stats["target"] == 6 and abs(cal_stats["tokens"] - 6) <= 0.02 * 6
 
@@ -162,7 +191,12 @@ def test_mustdrop_calibrates_the_merge_when_thresholds_cannot_reach(tiny_mm):
 
 def test_calibration_refuses_unreachable_budget(tiny_mm, images):
     with pytest.raises(ConfigError, match="out of reach") as exc:
-        tiny_mm.generate(images[:1], PROMPTS[:1], recipe=_stage("mustdrop", 1, window=2, layer_mapping="proportional"), max_new_tokens=1)
+        tiny_mm.generate(
+            images[:1],
+            PROMPTS[:1],
+            recipe=_stage("mustdrop", 1, window=2, layer_mapping="proportional"),
+            max_new_tokens=1,
+        )
     assert exc.value.path == "pruning[0].budget.tokens"
 
 
@@ -172,8 +206,16 @@ def test_calibration_refuses_unreachable_budget(tiny_mm, images):
 def test_bench_budgets_expand_to_variants():
     from mmfast.bench.common import only_variants, variants
 
-    r = load_recipe({"bench": {"kind": "pruning", "budgets": [192, 64], "methods": ["random", {"method": "mustdrop", "params": {"window": 2}}],
-                               "compare": [{"name": "fastv-paper", "pruning": [{"method": "fastv", "params": {"keep": 64}}]}]}})
+    r = load_recipe(
+        {
+            "bench": {
+                "kind": "pruning",
+                "budgets": [192, 64],
+                "methods": ["random", {"method": "mustdrop", "params": {"window": 2}}],
+                "compare": [{"name": "fastv-paper", "pruning": [{"method": "fastv", "params": {"keep": 64}}]}],
+            }
+        }
+    )
     vs = variants(r)
     assert [v.name for v in vs] == ["baseline", "fastv-paper", "random-192", "random-64", "mustdrop-192", "mustdrop-64"]
     md = vs[-1].recipe.pruning[0]
@@ -237,7 +279,11 @@ def test_stacked_bench_recipe_expands_and_every_row_is_one_the_composition_core_
     vs = {v.name: v.recipe for v in variants(load_recipe("bench/stacked"))}
     assert set(vs) == {"baseline", "divprune-64", "opera", "flash", "divprune-64+opera", "divprune-64+flash"}
     both = vs["divprune-64+opera"]
-    assert [st.method for st in both.pruning] == ["divprune"] and both.decoding.method == "opera" and both.speculative is None
+    assert (
+        [st.method for st in both.pruning] == ["divprune"]
+        and both.decoding.method == "opera"
+        and both.speculative is None
+    )
     assert vs["divprune-64+flash"].speculative.method == "flash" and vs["divprune-64+flash"].decoding.method == "greedy"
     assert load_recipe("bench/stacked").eval.tasks[0] == "chair"  # the timing passes time caption generation
 
@@ -271,7 +317,15 @@ def test_pruning_bench_times_every_method_on_a_random_shape():
     from mmfast.bench.common import variants
     from mmfast.bench.pruning import _shaped_speed
 
-    names = ["hicom-64", "mustdrop-64", "zipvl-64", "dynamic_llava-rate0.111", "fastv-192", "pyramiddrop-192", "sparsevlm-192"]
+    names = [
+        "hicom-64",
+        "mustdrop-64",
+        "zipvl-64",
+        "dynamic_llava-rate0.111",
+        "fastv-192",
+        "pyramiddrop-192",
+        "sparsevlm-192",
+    ]
     data = load_recipe("configs/bench/pruning.yaml").to_dict()
     data["bench"].update(shape="world", warmup=0, repeats=1)
     data["bench"]["params"]["shaped_variants"] = names

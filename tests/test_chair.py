@@ -69,9 +69,19 @@ def test_vocabulary_tables() -> None:
     assert COCO_CLASSES[0] == "person" and COCO_CLASSES[-1] == "toothbrush"
     assert len(SYNONYM_TO_NODE) == 403 and len(PHRASE_MAP) == 55
     assert set(SYNONYM_TO_NODE.values()) == set(COCO_CLASSES)
-    for word, node in {"puppy": "dog", "people": "person", "table": "dining table", "monitor": "tv",
-                       "bow": "tie", "seat": "chair", "motorbike": "motorcycle", "doughnut": "donut",
-                       "teddybear": "teddy bear", "hot dog": "hot dog", "laptop computer": "laptop"}.items():
+    for word, node in {
+        "puppy": "dog",
+        "people": "person",
+        "table": "dining table",
+        "monitor": "tv",
+        "bow": "tie",
+        "seat": "chair",
+        "motorbike": "motorcycle",
+        "doughnut": "donut",
+        "teddybear": "teddy bear",
+        "hot dog": "hot dog",
+        "laptop computer": "laptop",
+    }.items():
         assert SYNONYM_TO_NODE[word] == node
     # Reference quirks, reproduced: inert entries that never match a lower-cased token.
     assert SYNONYM_TO_NODE[" motor bike"] == "motorcycle" and "motor bike" not in SYNONYM_TO_NODE
@@ -93,15 +103,18 @@ def test_vocabulary_tables() -> None:
 # ellipsis, or a number/single letter followed by a lower-case word; Treebank splits a period only
 # at the end of its input, so the split decides whether "horse." stays one token.
 TOKEN_CASES = [
-    ("A man is riding a horse. The horse is brown.",
-     ["a", "man", "is", "riding", "a", "horse", ".", "the", "horse", "is", "brown", "."]),
-    ("There are two dogs on the couch.\n\nOne of them is sleeping.",
-     ["there", "are", "two", "dogs", "on", "the", "couch", ".", "one", "of", "them", "is", "sleeping", "."]),
+    (
+        "A man is riding a horse. The horse is brown.",
+        ["a", "man", "is", "riding", "a", "horse", ".", "the", "horse", "is", "brown", "."],
+    ),
+    (
+        "There are two dogs on the couch.\n\nOne of them is sleeping.",
+        ["there", "are", "two", "dogs", "on", "the", "couch", ".", "one", "of", "them", "is", "sleeping", "."],
+    ),
     ("A cat, a dog and a bird", ["a", "cat", ",", "a", "dog", "and", "a", "bird"]),
     ("Is that a dog? Yes, it is!", ["is", "that", "a", "dog", "?", "yes", ",", "it", "is", "!"]),
     ("Mr. Smith rides a bike.", ["mr.", "smith", "rides", "a", "bike", "."]),
-    ("The clock reads 10. The sky is blue.",
-     ["the", "clock", "reads", "10.", "the", "sky", "is", "blue", "."]),
+    ("The clock reads 10. The sky is blue.", ["the", "clock", "reads", "10.", "the", "sky", "is", "blue", "."]),
     ("A dog... A cat.", ["a", "dog", "...", "a", "cat", "."]),
     ("The man's hat isn't red.", ["the", "man", "'s", "hat", "is", "n't", "red", "."]),
     ("", []),
@@ -137,31 +150,40 @@ def test_tokens_equal_real_punkt_when_installed() -> None:
 
 PARSE_CASES = [
     # caption, merged words (lemmas), mentions (word, node)
-    ("Two puppies chase the dogs.", ["two", "puppy", "chase", "the", "dog", "."],
-     [("puppy", "dog"), ("dog", "dog")]),
-    ("A hot dog next to a teddy bear.", ["a", "hot dog", "next", "to", "a", "teddy bear", "."],
-     [("hot dog", "hot dog"), ("teddy bear", "teddy bear")]),
-    ("A baby elephant and a passenger train.", ["a", "elephant", "and", "a", "train", "."],
-     [("elephant", "elephant"), ("train", "train")]),
+    ("Two puppies chase the dogs.", ["two", "puppy", "chase", "the", "dog", "."], [("puppy", "dog"), ("dog", "dog")]),
+    (
+        "A hot dog next to a teddy bear.",
+        ["a", "hot dog", "next", "to", "a", "teddy bear", "."],
+        [("hot dog", "hot dog"), ("teddy bear", "teddy bear")],
+    ),
+    (
+        "A baby elephant and a passenger train.",
+        ["a", "elephant", "and", "a", "train", "."],
+        [("elephant", "elephant"), ("train", "train")],
+    ),
     ("A toilet seat.", ["a", "toilet", "."], [("toilet", "toilet")]),
     ("The seat of the toilet.", ["the", "seat", "of", "the", "toilet", "."], [("toilet", "toilet")]),
-    ("A chair with a seat.", ["a", "chair", "with", "a", "seat", "."],
-     [("chair", "chair"), ("seat", "chair")]),
+    ("A chair with a seat.", ["a", "chair", "with", "a", "seat", "."], [("chair", "chair"), ("seat", "chair")]),
     ("A bow tie.", ["a", "tie", "."], [("tie", "tie")]),
-    ("A cheesecake on the stove top oven.", ["a", "cheesecake", "on", "the", "stove", "top", "oven", "."],
-     [("stove", "oven"), ("oven", "oven")]),
+    (
+        "A cheesecake on the stove top oven.",
+        ["a", "cheesecake", "on", "the", "stove", "top", "oven", "."],
+        [("stove", "oven"), ("oven", "oven")],
+    ),
     ("Train tracks and a motor bike.", ["train track", "and", "a", "motor bike", "."], []),
     # Every token is lemmatised as NLTK's WordNetLemmatizer does, not only those CHAIR compares.
     ("The sky is blue.", ["the", "sky", "be", "blue", "."], []),
     ("The women were running.", ["the", "woman", "be", "run", "."], [("woman", "person")]),
-    ("Hair driers, toilet seats and mice.", ["hair drier", ",", "toilet", "and", "mouse", "."],
-     [("hair drier", "hair drier"), ("toilet", "toilet"), ("mouse", "mouse")]),
+    (
+        "Hair driers, toilet seats and mice.",
+        ["hair drier", ",", "toilet", "and", "mouse", "."],
+        [("hair drier", "hair drier"), ("toilet", "toilet"), ("mouse", "mouse")],
+    ),
 ]
 
 
 @pytest.mark.parametrize("caption,words,mentions", PARSE_CASES)
-def test_parse_rules(parser: CaptionParser, caption: str, words: list[str],
-                     mentions: list[tuple[str, str]]) -> None:
+def test_parse_rules(parser: CaptionParser, caption: str, words: list[str], mentions: list[tuple[str, str]]) -> None:
     got = parser.parse(caption)
     assert list(got.words) == words
     assert list(got.mentions) == mentions
@@ -173,8 +195,14 @@ def test_parse_rules(parser: CaptionParser, caption: str, words: list[str],
 #   101 instances dog, person, frisbee; caption "A man walks his dog..." -> {dog, frisbee, person}
 #   102 elephant; 103 toilet, sink; 104 train, person ("A passenger train" adds train only);
 #   105 teddy bear + caption "A teddy bear on a bed." -> {bed, teddy bear}; 106 nothing -> {}.
-EXPECTED_GT = {101: {"dog", "frisbee", "person"}, 102: {"elephant"}, 103: {"sink", "toilet"},
-               104: {"person", "train"}, 105: {"bed", "teddy bear"}, 106: set()}
+EXPECTED_GT = {
+    101: {"dog", "frisbee", "person"},
+    102: {"elephant"},
+    103: {"sink", "toilet"},
+    104: {"person", "train"},
+    105: {"bed", "teddy bear"},
+    106: set(),
+}
 
 # Generated captions (generated.jsonl), counted by hand:
 #   101 "A puppy and two dogs play with a man. The dogs chase a cat."  16 tokens;
@@ -210,8 +238,7 @@ def test_chair_metrics_hand_counted(evaluator: ChairEvaluator) -> None:
     assert (result.n_mentions, result.n_hallucinated, result.n_hallucinated_captions) == (17, 3, 3)
     assert (result.n_recalled, result.n_gt_objects, result.n_words) == (9, 10, 71)
     first = result.captions[0]
-    assert first.mentions == (("puppy", "dog"), ("dog", "dog"), ("man", "person"), ("dog", "dog"),
-                              ("cat", "cat"))
+    assert first.mentions == (("puppy", "dog"), ("dog", "dog"), ("man", "person"), ("dog", "dog"), ("cat", "cat"))
     assert first.hallucinated == (("cat", "cat"),) and first.hallucination_idxs == (14,)
     assert first.recalled == ("dog", "person") and first.len == 16
     assert math.isclose(first.chair_i, 1 / 5) and math.isclose(first.recall, 2 / 3)
@@ -262,8 +289,9 @@ def test_coco_image_id() -> None:
 # --- JSON cache ---------------------------------------------------------------------------------------
 
 
-def test_json_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                               caplog: pytest.LogCaptureFixture) -> None:
+def test_json_cache_round_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     first = ChairEvaluator.from_coco(INSTANCES, CAPTIONS, cache_dir=tmp_path)
     files = list(tmp_path.glob("chair_gt_*.json"))
     assert len(files) == 1
@@ -310,8 +338,7 @@ def test_cache_key_changes_with_the_language_data_route(tmp_path: Path, monkeypa
 # --- language data: shipped by default, NLTK data when asked for ------------------------------------------
 
 
-def test_shipped_data_is_the_default_and_needs_no_nltk_data(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shipped_data_is_the_default_and_needs_no_nltk_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import nltk
 
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nothing")])
@@ -379,12 +406,18 @@ def test_morphy_rules_on_a_toy_wordnet() -> None:
     the first shortest lemma wins; no lemma -> the form."""
     from mmfast.eval.chair_morphy import FORMAT, MorphyLemmatizer
 
-    doc = {"format": FORMAT, "version": 1,
-           "rules": {"n": [["s", ""], ["ses", "s"], ["men", "man"]], "v": [["ing", ""], ["ing", "e"]],
-                     "a": [], "r": []},
-           "exceptions": {"n": {"oxen": ["ox"], "dices": ["dix"], "lens": []}, "v": {}, "a": {}, "r": {}},
-           "lemma_names": {"n": ["ox", "dice", "bus", "buse", "len", "lens", "women", "woman", "cat"],
-                           "v": ["sing", "singe", "bake"], "a": [], "r": []}}
+    doc = {
+        "format": FORMAT,
+        "version": 1,
+        "rules": {"n": [["s", ""], ["ses", "s"], ["men", "man"]], "v": [["ing", ""], ["ing", "e"]], "a": [], "r": []},
+        "exceptions": {"n": {"oxen": ["ox"], "dices": ["dix"], "lens": []}, "v": {}, "a": {}, "r": {}},
+        "lemma_names": {
+            "n": ["ox", "dice", "bus", "buse", "len", "lens", "women", "woman", "cat"],
+            "v": ["sing", "singe", "bake"],
+            "a": [],
+            "r": [],
+        },
+    }
     lem = MorphyLemmatizer.from_doc(doc)
     assert lem.lemmatize("oxen", "n") == "ox"
     assert lem.morphy("dices", "n") == [] and lem.lemmatize("dices", "n") == "dices"  # no rule fallback
@@ -430,8 +463,7 @@ def test_product_names_no_data_outside_the_package() -> None:
             assert "MMFAST_REFERENCE_NLTK_DATA" not in text and "../shared" not in text, path
 
 
-def test_search_order_env_then_argument_then_defaults(monkeypatch: pytest.MonkeyPatch,
-                                                      tmp_path: Path) -> None:
+def test_search_order_env_then_argument_then_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import nltk
 
     monkeypatch.setenv("NLTK_DATA", os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")]))

@@ -35,8 +35,10 @@ from mmfast.eval.chair_vocab import PHRASE_MAP, SYNONYM_TO_NODE, relevant_words
 
 REF = os.environ.get("MMFAST_REFERENCE_NLTK_DATA", "")
 pytestmark = pytest.mark.skipif(
-    not REF, reason="MMFAST_REFERENCE_NLTK_DATA is not set: no NLTK data (tagger + WordNet) to compare the "
-                    "shipped CHAIR data with (.ci/run sets it to ../shared/nltk_data when that exists)")
+    not REF,
+    reason="MMFAST_REFERENCE_NLTK_DATA is not set: no NLTK data (tagger + WordNet) to compare the "
+    "shipped CHAIR data with (.ci/run sets it to ../shared/nltk_data when that exists)",
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chair"
@@ -97,8 +99,14 @@ def test_shipped_tagger_is_nltks(routes: tuple[ChairResources, ChairResources]) 
 
 def test_committed_data_is_what_the_script_builds() -> None:
     env = {k: v for k, v in os.environ.items() if k != "NLTK_DATA"}
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "build_chair_data.py"), "--nltk-data", REF,
-                           "--check"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "build_chair_data.py"), "--nltk-data", REF, "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -111,8 +119,10 @@ def _lemmatizer_probe_forms(wn: object) -> tuple[set[str], dict[str, set[str]]]:
     common = names | {form for pos in POS for form in exc[pos]}
     common |= {base for pos in POS for bases in exc[pos].values() for base in bases}
     common |= {"", "s", "men", "ies", "xyzzies", "Dogs", "MICE", "is_", "a b"}  # odd strings too
-    inflections = {pos: {name[:len(name) - len(new)] + old for name in names for old, new in rules[pos]
-                         if name.endswith(new)} for pos in POS}
+    inflections = {
+        pos: {name[: len(name) - len(new)] + old for name in names for old, new in rules[pos] if name.endswith(new)}
+        for pos in POS
+    }
     return common, inflections
 
 
@@ -144,8 +154,9 @@ def test_lemmatizer_is_nltks_on_all_of_wordnet(routes: tuple[ChairResources, Cha
 # --- captions ------------------------------------------------------------------------------------------
 
 
-def test_fixture_results_identical(routes: tuple[ChairResources, ChairResources],
-                                   parsers: tuple[CaptionParser, CaptionParser]) -> None:
+def test_fixture_results_identical(
+    routes: tuple[ChairResources, ChairResources], parsers: tuple[CaptionParser, CaptionParser]
+) -> None:
     instances = [FIXTURES / "instances_a.json", FIXTURES / "instances_b.json"]
     captions = FIXTURES / "captions.json"
     shipped = ChairEvaluator.from_coco(instances, captions, nltk_data=None)
@@ -187,7 +198,7 @@ def _forms_into(relevant: set[str], exceptions: dict[str, list[str]], rules: lis
     a base among them, and their one-rule inflections (morphy applies one rule, no recursion)."""
     forms = set(relevant)
     forms.update(form for form, bases in exceptions.items() if relevant.intersection(bases))
-    forms.update(r[:len(r) - len(new)] + old for r in relevant for old, new in rules if r.endswith(new))
+    forms.update(r[: len(r) - len(new)] + old for r in relevant for old, new in rules if r.endswith(new))
     return forms
 
 
@@ -208,12 +219,21 @@ def _sweep_sentences(wn: object, n_random: int = 3000) -> list[str]:
     names = sorted(n for n in wn.all_lemma_names() if "_" not in n)  # type: ignore[attr-defined]
     fillers = rng.sample(names, n_random)
     frames = [
-        "a {w} next to the {x}.", "the {w} is {x} near a {y}.", "two {w} and a {x} on the {y}.",
-        "they {w} the {x} while the {y} {z}.", "there are {w} {x} in the {y}.", "it {w} {x} quickly.",
-        "is that a {w}? yes, the {x} is {y}!", "a very {w} {x} with {y} {z}.", "{w} {x} {y}.",
-        "The {W} and the {X}, {y} and {z}.", "a man {w} a {x} beside the {y}; the {z} {w}.",
-        "this is the {w}er {x} of the {y}.", "we saw {w} {x}s, {y}es and {z}ing {w}.",
-        "{W}. {X}!", "the {w} {x} {y} {z} on the {w} of the {x}.",
+        "a {w} next to the {x}.",
+        "the {w} is {x} near a {y}.",
+        "two {w} and a {x} on the {y}.",
+        "they {w} the {x} while the {y} {z}.",
+        "there are {w} {x} in the {y}.",
+        "it {w} {x} quickly.",
+        "is that a {w}? yes, the {x} is {y}!",
+        "a very {w} {x} with {y} {z}.",
+        "{w} {x} {y}.",
+        "The {W} and the {X}, {y} and {z}.",
+        "a man {w} a {x} beside the {y}; the {z} {w}.",
+        "this is the {w}er {x} of the {y}.",
+        "we saw {w} {x}s, {y}es and {z}ing {w}.",
+        "{W}. {X}!",
+        "the {w} {x} {y} {z} on the {w} of the {x}.",
     ]
     pool = sorted(targets) + fillers
     sentences = []
@@ -233,8 +253,9 @@ def _sweep_sentences(wn: object, n_random: int = 3000) -> list[str]:
     return sentences
 
 
-def test_generated_sweep_identical(routes: tuple[ChairResources, ChairResources],
-                                   parsers: tuple[CaptionParser, CaptionParser]) -> None:
+def test_generated_sweep_identical(
+    routes: tuple[ChairResources, ChairResources], parsers: tuple[CaptionParser, CaptionParser]
+) -> None:
     shipped, full = routes
     sentences = _sweep_sentences(full.wordnet)
     assert len(sentences) > 18_000

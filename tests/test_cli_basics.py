@@ -17,7 +17,9 @@ def _run(code: str) -> str:
 
 def test_help_and_import_do_not_load_torch():
     # `mmfast --help` builds the parser; neither it nor `import mmfast` may pull in torch / transformers
-    out = _run("import sys, mmfast, mmfast.cli; mmfast.cli._parser(); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = _run(
+        "import sys, mmfast, mmfast.cli; mmfast.cli._parser(); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     assert out == "[]"
     # the public API still resolves on first use
     assert _run("import mmfast; print(mmfast.load_recipe.__module__, mmfast.PRUNERS.kind)") == "mmfast.config pruning"
@@ -29,7 +31,9 @@ def test_version():
 
 
 def test_closed_pipe_exits_quietly():
-    proc = subprocess.Popen([sys.executable, "-m", "mmfast", "list", "-v"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmfast", "list", "-v"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     proc.stdout.readline()
     proc.stdout.close()  # the reader goes away, as `| head -1` does
     err = proc.stderr.read().decode()
@@ -45,9 +49,13 @@ def test_shipped_recipes_resolve_by_name_from_anywhere(tmp_path):
     assert {"world_eval", "bench/pruning", "coco_pope"} <= set(names)
     for name in names:  # every shipped recipe validates
         load_recipe(name)
-    out = subprocess.run([sys.executable, "-m", "mmfast", "validate", "world_eval"], cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "mmfast", "validate", "world_eval"], cwd=tmp_path, capture_output=True, text=True
+    )
     assert out.returncode == 0 and "recipe hash" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "mmfast", "list", "recipes"], cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "mmfast", "list", "recipes"], cwd=tmp_path, capture_output=True, text=True
+    )
     assert out.returncode == 0 and "world_eval" in out.stdout and "pruning:" not in out.stdout
 
 
@@ -55,8 +63,20 @@ def test_readme_configs_paths_work_outside_a_checkout(tmp_path, monkeypatch):
     # the README's commands name configs/...; an installed wheel has no configs/ beside the user
     from mmfast.config import RECIPES_DIR, load_recipe, resolve_recipe_path
 
-    out = subprocess.run([sys.executable, "-m", "mmfast", "validate", "configs/examples/fastv_64.yaml", "--set", "pruning[0].params.keep=32"],
-                         cwd=tmp_path, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmfast",
+            "validate",
+            "configs/examples/fastv_64.yaml",
+            "--set",
+            "pruning[0].params.keep=32",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and "recipe hash" in out.stdout, out.stderr
     assert "using the shipped recipe examples/fastv_64" in out.stderr
     assert resolve_recipe_path("./configs/bench/pruning") == RECIPES_DIR / "bench" / "pruning.yaml"
@@ -71,8 +91,23 @@ def test_wheel_carries_recipes_and_the_embedded_model(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(root)],
-                   check=True, capture_output=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
     wheel = next(tmp_path.glob("mmfast-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "mmfast/recipes/world_eval.yaml" in names and "mmfast/recipes/bench/pruning.yaml" in names

@@ -34,7 +34,11 @@ def families(tiny_mm, tmp_path_factory):
     path = save_model(model, processor, tmp_path_factory.mktemp("next_matrix"))
     model, processor = random_llava_onevision("tiny")
     ov_path = save_model(model, processor, tmp_path_factory.mktemp("onevision_matrix"))
-    out = {"llava": tiny_mm, "llava_next": mmfast.load(path, device="cpu"), "llava_onevision": mmfast.load(ov_path, device="cpu")}
+    out = {
+        "llava": tiny_mm,
+        "llava_next": mmfast.load(path, device="cpu"),
+        "llava_onevision": mmfast.load(ov_path, device="cpu"),
+    }
     for family in QWEN:
         model, processor = random_qwen_vl(family)
         out[family] = mmfast.load(save_model(model, processor, tmp_path_factory.mktemp(family)), device="cpu")
@@ -86,7 +90,10 @@ def test_pruner_x_decoder_x_drafter(family, pruner, families, images, mixed_imag
     problems, ran = [], 0
     for decoder in DECODERS.names():
         for drafter in (None, DRAFTER):
-            data = {"pruning": [_stage(pruner, mm)], "decoding": {"method": decoder, "params": DECODER_PARAMS.get(decoder, {})}}
+            data = {
+                "pruning": [_stage(pruner, mm)],
+                "decoding": {"method": decoder, "params": DECODER_PARAMS.get(decoder, {})},
+            }
             if drafter:
                 data["speculative"] = {"method": drafter}
             try:
@@ -146,7 +153,9 @@ def test_single_pass_peers_x_stacked_pruners(family, decoder, families, images, 
             elif not _names_a_method(result, data):
                 problems.append(f"{stack} x {decoder}: refusal names no method: {result}")
             elif "zipvl" in stack and "attention" not in result:
-                problems.append(f"{stack} x {decoder}: refused for another reason than the attention override: {result}")
+                problems.append(
+                    f"{stack} x {decoder}: refused for another reason than the attention override: {result}"
+                )
         if pruner == "zipvl":
             with pytest.raises(IncompatibleRecipeError, match="attention"):
                 load_recipe({"pruning": [_stage("zipvl", mm)], "decoding": {"method": decoder}})

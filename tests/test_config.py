@@ -36,12 +36,15 @@ def test_hash_names_what_is_computed_not_where_it_goes():
 
 
 def test_unknown_key_has_dotted_path_and_suggestion(tmp_path):
-    path = _write(tmp_path, """
+    path = _write(
+        tmp_path,
+        """
         decoding:
           method: beam
           params:
             num_beam: 3
-        """)
+        """,
+    )
     with pytest.raises(ConfigError) as exc:
         load_recipe(path)
     msg = str(exc.value)
@@ -80,19 +83,24 @@ def test_overrides():
 
 def test_dotted_list_index_as_lmms_model_args_write_it(capsys):
     # `--set pruning.0.params.keep=32` (the lmms plugin's spelling) is pruning[0].params.keep
-    r = load_recipe("examples/fastv_64", ["pruning.0.params.keep=32", "pruning.-1.params.k=1", "model.max_memory.0=1GiB"])
+    r = load_recipe(
+        "examples/fastv_64", ["pruning.0.params.keep=32", "pruning.-1.params.k=1", "model.max_memory.0=1GiB"]
+    )
     assert (r.pruning[0].params.keep, r.pruning[0].params.k) == (32, 1)
     assert r.model.max_memory == {"0": "1GiB"}  # a number below a mapping is still a key
     assert main(["-q", "validate", "examples/fastv_64", "--set", "pruning.0.params.keep=32"]) == 0
     assert "keep: 32" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("item, path", [
-    ("pruning.0.params.keep=abc", "pruning[0].params.keep"),
-    ("pruning[0].params.kep=3", "pruning[0].params.kep"),
-    ("pruning[0]={method: fastv, params: {keep: -1}}", "pruning[0].params.keep"),
-    ("model.dtype=float64", "model.dtype"),
-])
+@pytest.mark.parametrize(
+    "item, path",
+    [
+        ("pruning.0.params.keep=abc", "pruning[0].params.keep"),
+        ("pruning[0].params.kep=3", "pruning[0].params.kep"),
+        ("pruning[0]={method: fastv, params: {keep: -1}}", "pruning[0].params.keep"),
+        ("model.dtype=float64", "model.dtype"),
+    ],
+)
 def test_override_errors_name_the_override_not_the_recipe_file(item, path, capsys):
     with pytest.raises(ConfigError) as info:
         load_recipe("examples/fastv_64", ["decoding.max_new_tokens=3", item])
@@ -100,7 +108,6 @@ def test_override_errors_name_the_override_not_the_recipe_file(item, path, capsy
     assert main(["-q", "validate", "examples/fastv_64", "--set", item]) == 2
     err = capsys.readouterr().err
     assert f"error: override {item!r}: {path}:" in err and "fastv_64.yaml" not in err
-
 
 
 def test_recipe_file_errors_still_name_the_file(tmp_path):
@@ -149,7 +156,12 @@ def test_cli_run(tiny_dir, images, tmp_path, capsys):
     img = tmp_path / "x.png"
     images[0].save(img)
     recipe = _write(tmp_path, f"model: {{name: {tiny_dir}, device: cpu}}\n")
-    assert main(["-q", "run", str(recipe), "--image", str(img), "--prompt", "Describe.", "--max-new-tokens", "3", "--json"]) == 0
+    assert (
+        main(
+            ["-q", "run", str(recipe), "--image", str(img), "--prompt", "Describe.", "--max-new-tokens", "3", "--json"]
+        )
+        == 0
+    )
     assert '"n_vision_tokens": 16' in capsys.readouterr().out
     assert main(["-q", "run", str(recipe), "--image", str(tmp_path / "nope.png"), "--prompt", "x"]) == 2
 
@@ -172,14 +184,22 @@ def test_bench_preflight_fails_before_any_work(tiny_dir, tmp_path):
     from mmfast.bench import run_bench
     from mmfast.errors import InputError
 
-    recipe = load_recipe({
-        "name": "b",
-        "model": {"name": str(tiny_dir), "device": "cpu"},
-        "bench": {"kind": "pruning", "compare": [
-            {"name": "ok", "pruning": [{"method": "random", "params": {"keep": 4}}]},
-            {"name": "bad", "pruning": [{"method": "dynamic_llava", "params": {"predictors": str(tmp_path / "none")}}]},
-        ]},
-    })
+    recipe = load_recipe(
+        {
+            "name": "b",
+            "model": {"name": str(tiny_dir), "device": "cpu"},
+            "bench": {
+                "kind": "pruning",
+                "compare": [
+                    {"name": "ok", "pruning": [{"method": "random", "params": {"keep": 4}}]},
+                    {
+                        "name": "bad",
+                        "pruning": [{"method": "dynamic_llava", "params": {"predictors": str(tmp_path / "none")}}],
+                    },
+                ],
+            },
+        }
+    )
     with pytest.raises(InputError, match="bench variant 'bad'"):
         run_bench(recipe, output=str(tmp_path / "out"))
     assert not (tmp_path / "out" / "variants").exists()
@@ -191,23 +211,39 @@ def test_shaped_speed_skips_a_variant_the_slice_cannot_hold():
     from mmfast.bench.common import variants
     from mmfast.bench.pruning import _shaped_speed
 
-    recipe = load_recipe({"name": "s", "bench": {
-        "kind": "pruning", "shape": "tiny", "repeats": 1, "warmup": 0, "params": {"shaped_samples": 1},
-        "compare": [
-            {"name": "random-4", "pruning": [{"method": "random", "params": {"keep": 4}}]},
-            {"name": "pdrop-deep", "pruning": [{"method": "pyramiddrop", "params": {"layers": [8, 16, 24]}}]},  # 2 layers
-        ]}})
+    recipe = load_recipe(
+        {
+            "name": "s",
+            "bench": {
+                "kind": "pruning",
+                "shape": "tiny",
+                "repeats": 1,
+                "warmup": 0,
+                "params": {"shaped_samples": 1},
+                "compare": [
+                    {"name": "random-4", "pruning": [{"method": "random", "params": {"keep": 4}}]},
+                    {
+                        "name": "pdrop-deep",
+                        "pruning": [{"method": "pyramiddrop", "params": {"layers": [8, 16, 24]}}],
+                    },  # 2 layers
+                ],
+            },
+        }
+    )
     out = _shaped_speed(recipe, variants(recipe), torch.device("cpu"))
     assert [r["variant"] for r in out["rows"]] == ["baseline", "random-4"]
     assert [s["variant"] for s in out["skipped"]] == ["pdrop-deep"] and "params.layers" in out["skipped"][0]["reason"]
 
 
-@pytest.mark.parametrize("override, path", [
-    ("bench.params.e2e_new_token=3", "bench.params.e2e_new_token"),  # a typo
-    ("bench.params.e2e_new_tokens=many", "bench.params.e2e_new_tokens"),  # a wrong type
-    ("bench.shape=llava-1.5-7b-slic", "bench.shape"),
-    ("bench.params.shaped_variants=[visionzip-6]", "bench.params.shaped_variants[0]"),
-])
+@pytest.mark.parametrize(
+    "override, path",
+    [
+        ("bench.params.e2e_new_token=3", "bench.params.e2e_new_token"),  # a typo
+        ("bench.params.e2e_new_tokens=many", "bench.params.e2e_new_tokens"),  # a wrong type
+        ("bench.shape=llava-1.5-7b-slic", "bench.shape"),
+        ("bench.params.shaped_variants=[visionzip-6]", "bench.params.shaped_variants[0]"),
+    ],
+)
 def test_bench_section_is_strict(override, path):
     """Typos in bench.params / bench.shape fail at validation, not after every variant ran."""
     from mmfast.bench.common import variants
@@ -234,9 +270,19 @@ def test_shaped_speed_warms_up_and_takes_the_median_of_its_repeats(monkeypatch):
         return out
 
     monkeypatch.setattr(pruning, "warm_repeats", recording)
-    recipe = load_recipe({"name": "s", "bench": {
-        "kind": "pruning", "shape": "tiny", "repeats": 5, "warmup": 1, "params": {"shaped_samples": 1},
-        "compare": [{"name": "random-4", "pruning": [{"method": "random", "params": {"keep": 4}}]}]}})
+    recipe = load_recipe(
+        {
+            "name": "s",
+            "bench": {
+                "kind": "pruning",
+                "shape": "tiny",
+                "repeats": 5,
+                "warmup": 1,
+                "params": {"shaped_samples": 1},
+                "compare": [{"name": "random-4", "pruning": [{"method": "random", "params": {"keep": 4}}]}],
+            },
+        }
+    )
     out = pruning._shaped_speed(recipe, variants(recipe), torch.device("cpu"))
     assert (out["warmup"], out["repeats"]) == (1, 5)
     assert [s[:3] for s in seen] == [(1, 5, 6), (1, 5, 6)]  # baseline, random-4: 1 + 5 runs each

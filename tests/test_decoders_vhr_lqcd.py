@@ -14,7 +14,9 @@ from mmfast.pipeline import Session
 
 def _tokens(mm, images, prompts, decoding, n=8):
     with Session(mm, load_recipe({"decoding": decoding})) as s:
-        return [r.token_ids for r in s.generate(images, prompts, max_new_tokens=n, seed=0)], s  # one stream for every call
+        return [
+            r.token_ids for r in s.generate(images, prompts, max_new_tokens=n, seed=0)
+        ], s  # one stream for every call
 
 
 def test_vhr_paper_layers():
@@ -73,12 +75,17 @@ def test_lqcd_leading_templates():
     q = "Is there a dog in the image?\nAnswer the question using a single word or phrase."
     lead = leading_query(q, random.Random(0), ("{q} Surely yes.",), ("{q} Mention all.",))
     assert lead == "Is there a dog in the image? Surely yes.\nAnswer the question using a single word or phrase."
-    assert leading_query("Describe it.", random.Random(0), ("{q} yes",), ("{q} Mention all.",)) == "Describe it. Mention all."
+    assert (
+        leading_query("Describe it.", random.Random(0), ("{q} yes",), ("{q} Mention all.",))
+        == "Describe it. Mention all."
+    )
 
 
 def test_lqcd_noop_and_active(tiny_mm, images, prompts):
     base, _ = _tokens(tiny_mm, images[:2], prompts[:2], {"method": "greedy"})
-    got, _ = _tokens(tiny_mm, images[:2], prompts[:2], {"method": "lqcd", "params": {"alpha": 0.0, "beta": 0.0, "sample": False}})
+    got, _ = _tokens(
+        tiny_mm, images[:2], prompts[:2], {"method": "lqcd", "params": {"alpha": 0.0, "beta": 0.0, "sample": False}}
+    )
     assert got == base
     recipe = load_recipe({"decoding": {"method": "lqcd", "params": {"alpha": 3.0, "beta": 0.0, "sample": False}}})
     with Session(tiny_mm, recipe) as s:

@@ -20,19 +20,21 @@ def world(tmp_path_factory):
 
 
 def _recipe(tiny_dir, world, out, methods=None):
-    return load_recipe({
-        "name": "dp",
-        **(methods or {}),
-        "model": {"name": str(tiny_dir), "device": "cpu"},
-        "eval": {
-            "tasks": ["pope", "chair"],
-            "data": {"dataset": "world", "root": str(world)},
-            "pope": {"max_new_tokens": 4, "splits": ["random", "adversarial"]},
-            "chair": {"n_images": 5, "max_new_tokens": 8},
-            "batch_size": 3,
-        },
-        "output": {"dir": str(out)},
-    })
+    return load_recipe(
+        {
+            "name": "dp",
+            **(methods or {}),
+            "model": {"name": str(tiny_dir), "device": "cpu"},
+            "eval": {
+                "tasks": ["pope", "chair"],
+                "data": {"dataset": "world", "root": str(world)},
+                "pope": {"max_new_tokens": 4, "splits": ["random", "adversarial"]},
+                "chair": {"n_images": 5, "max_new_tokens": 8},
+                "batch_size": 3,
+            },
+            "output": {"dir": str(out)},
+        }
+    )
 
 
 def _answers(path):
@@ -56,9 +58,21 @@ def test_two_processes_equal_one(tiny_dir, tiny_mm, world, tmp_path):
 # every kind of method: a pruner with per-image decisions and a branch decoder that re-encodes, a
 # sampling decoder with a trained-style draft, and the transformed-image branch decoder
 STACKS = {
-    "mustdrop+vcd": {"pruning": [{"method": "mustdrop", "params": {"window": 2, "layer_mapping": "proportional",
-                                                                   "sim_threshold": -1.0, "lambda_g": 0.2, "lambda_i": 1.0}}],
-                     "decoding": {"method": "vcd"}},
+    "mustdrop+vcd": {
+        "pruning": [
+            {
+                "method": "mustdrop",
+                "params": {
+                    "window": 2,
+                    "layer_mapping": "proportional",
+                    "sim_threshold": -1.0,
+                    "lambda_g": 0.2,
+                    "lambda_i": 1.0,
+                },
+            }
+        ],
+        "decoding": {"method": "vcd"},
+    },
     "sample+msd": {"decoding": {"method": "sample"}, "speculative": {"method": "msd"}},
     "ritual": {"decoding": {"method": "ritual"}},
 }

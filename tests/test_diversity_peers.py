@@ -109,7 +109,9 @@ def _dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot, order="s
     valid = [t for t in image if t not in img_piv]
     kept = set(img_piv)
     for p in sorted(img_piv + txt_piv) if order == "sequence" else list(set(img_piv + txt_piv)):
-        sims = {t: float(torch.nn.functional.cosine_similarity(feats[p].double(), feats[t].double(), dim=0)) for t in valid}
+        sims = {
+            t: float(torch.nn.functional.cosine_similarity(feats[p].double(), feats[t].double(), dim=0)) for t in valid
+        }
         picked = sorted(valid, key=lambda t: sims[t])[:per_pivot]  # least similar to the pivot
         kept.update(picked)
         valid = [t for t in valid if t not in picked]
@@ -153,7 +155,11 @@ def test_dart_release_pivot_order_preset(tiny_mm, images, prompts):
             assert got[preset] == _dart_reference(tiny_mm, inputs, layer, pi, pt, 1, order=preset), (b, preset)
         differs += got["sequence"] != got["release"]
     assert differs > 0, "the samples must tell the release's pivot order from the ascending one"
-    rec = {"pruning": [{"method": "dart", "params": {"pivot_image": pi, "pivot_text": pt, "truncation": m, "preset": "release"}}]}
+    rec = {
+        "pruning": [
+            {"method": "dart", "params": {"pivot_image": pi, "pivot_text": pt, "truncation": m, "preset": "release"}}
+        ]
+    }
     batched = tiny_mm.generate(images[:3], asks[:3], recipe=rec, max_new_tokens=2)  # padded: sequence index, not slot
     single = [tiny_mm.generate([im], [p], recipe=rec, max_new_tokens=2)[0] for im, p in zip(images[:3], asks[:3])]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
@@ -166,10 +172,16 @@ def test_dart_release_counts_and_budget(tiny_mm, images, prompts):
     with _session(tiny_mm, "dart", pivot_image=1, pivot_text=1, truncation=7) as s:
         res = s.generate(images[:2], prompts[:2], max_new_tokens=1)
     assert [r.stats["dart"]["kept"] for r in res] == [1 + 2 * 3] * 2
-    cfg = load_recipe({"pruning": [{"method": "dart", "params": {"k": 8, "layer_mapping": "proportional"}}]}).pruning[0].params
+    cfg = (
+        load_recipe({"pruning": [{"method": "dart", "params": {"k": 8, "layer_mapping": "proportional"}}]})
+        .pruning[0]
+        .params
+    )
     # 4-layer LLM: K = 1, N = 16; budget 12 -> keep = round((4 * 12 - 16) / 3) = 11 -> t = round((11 - 4) / 8) = 1
     assert DART.budget_params(12, tiny_mm.adapter, cfg, "budget") == {"truncation": 8}
-    rec = load_recipe({"pruning": [{"method": "dart", "budget": {"tokens": 12}, "params": {"k": 8, "layer_mapping": "proportional"}}]})
+    rec = load_recipe(
+        {"pruning": [{"method": "dart", "budget": {"tokens": 12}, "params": {"k": 8, "layer_mapping": "proportional"}}]}
+    )
     with Session(tiny_mm, rec) as s:
         res = s.generate(images[:1], prompts[:1], max_new_tokens=1)
     assert res[0].stats["dart"]["kept"] == 12
@@ -191,7 +203,11 @@ def _cdpruner_reference(x: torch.Tensor, text: torch.Tensor, k: int, theta=None,
     kernel = rel[:, None] * (xs @ xs.T) * rel[None, :]
     chosen: list[int] = []
     for _ in range(k):
-        dets = {j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]])) for j in range(x.shape[0]) if j not in chosen}
+        dets = {
+            j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]]))
+            for j in range(x.shape[0])
+            if j not in chosen
+        }
         chosen.append(max(dets, key=dets.get))
     return sorted(chosen)
 
@@ -248,7 +264,11 @@ def test_cdpruner_next_keeps_t_per_tile_and_every_row_separator(next_mm, images,
                 kern = rel[t][:, None] * (xs @ xs.T) * rel[t][None, :]
                 chosen: list[int] = []
                 for _ in range(k):
-                    dets = {j: float(torch.linalg.det(kern[chosen + [j]][:, chosen + [j]])) for j in range(16) if j not in chosen}
+                    dets = {
+                        j: float(torch.linalg.det(kern[chosen + [j]][:, chosen + [j]]))
+                        for j in range(16)
+                        if j not in chosen
+                    }
                     chosen.append(max(dets, key=dets.get))
                 picked |= {t * 16 + j for j in chosen}
             want = []
@@ -271,10 +291,24 @@ def tiny_clip_dir(tiny_mm, tmp_path_factory):
     tok = train_bpe_tokenizer(_TEST_CORPUS * 4, 300)
     vis = tiny_mm.adapter.vision_config
     cfg = CLIPConfig(
-        text_config={"vocab_size": len(tok), "hidden_size": 24, "intermediate_size": 48, "num_hidden_layers": 1,
-                     "num_attention_heads": 2, "max_position_embeddings": 77, "eos_token_id": 2, "pad_token_id": 0},
-        vision_config={"hidden_size": vis.hidden_size, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-                       "image_size": vis.image_size, "patch_size": vis.patch_size},
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": 24,
+            "intermediate_size": 48,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 77,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+        },
+        vision_config={
+            "hidden_size": vis.hidden_size,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": vis.image_size,
+            "patch_size": vis.patch_size,
+        },
         projection_dim=12,
     )
     torch.manual_seed(0)
@@ -320,7 +354,11 @@ def _cdpruner_reference_split(tokens, image, text, k):
     kernel = rel[:, None] * (xs @ xs.T) * rel[None, :]
     chosen: list[int] = []
     for _ in range(k):
-        dets = {j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]])) for j in range(tokens.shape[0]) if j not in chosen}
+        dets = {
+            j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]]))
+            for j in range(tokens.shape[0])
+            if j not in chosen
+        }
         chosen.append(max(dets, key=dets.get))
     return sorted(chosen)
 
@@ -369,7 +407,9 @@ def test_cdpruner_clip_without_its_tokenizer_is_refused(tiny_mm, tiny_clip_dir, 
     cfg = CLIPModel.config_class.from_pretrained(tiny_clip_dir).to_dict()
     cfg["text_config"]["vocab_size"] = 64  # not the tiny model's 300
     bare = tmp_path / "bare"
-    CLIPModel(CLIPConfig(**{k: cfg[k] for k in ("text_config", "vision_config", "projection_dim")})).save_pretrained(bare)
+    CLIPModel(CLIPConfig(**{k: cfg[k] for k in ("text_config", "vision_config", "projection_dim")})).save_pretrained(
+        bare
+    )
     assert len(tiny_mm.tokenizer) != 64
     with pytest.raises(ConfigError, match="clip_model.*no tokenizer"):
         _session(tiny_mm, "cdpruner", keep=4, clip_model=str(bare))
@@ -380,8 +420,13 @@ def test_cdpruner_clip_without_its_tokenizer_is_refused(tiny_mm, tiny_clip_dir, 
         _session(tiny_mm, "cdpruner", keep=4, clip_model=str(bare))
 
 
-@pytest.mark.parametrize("suffix", ["\nAnswer the question using a single word or phrase.",
-                                    "\nAnswer with the option's letter from the given choices directly."])
+@pytest.mark.parametrize(
+    "suffix",
+    [
+        "\nAnswer the question using a single word or phrase.",
+        "\nAnswer with the option's letter from the given choices directly.",
+    ],
+)
 def test_cdpruner_relevance_text_drops_the_answer_suffix(suffix, tiny_mm, tiny_clip_dir, images):
     """As the release's eval scripts, the answer-format suffix is not part of the relevance text:
     a prompt with it selects exactly what the bare question selects (LLM-embedding and CLIP relevance)."""
@@ -401,11 +446,14 @@ def test_cdpruner_relevance_text_drops_the_answer_suffix(suffix, tiny_mm, tiny_c
 # -- all three: several images per prompt, LLaVA-NeXT batches ------------------------------------
 
 
-@pytest.mark.parametrize("method, params, per_image", [
-    ("divprune", {"keep": 4}, 4),
-    ("cdpruner", {"keep": 4}, 4),
-    ("dart", {"pivot_image": 1, "pivot_text": 1, "truncation": 4}, 1 + 2 * 2),
-])
+@pytest.mark.parametrize(
+    "method, params, per_image",
+    [
+        ("divprune", {"keep": 4}, 4),
+        ("cdpruner", {"keep": 4}, 4),
+        ("dart", {"pivot_image": 1, "pivot_text": 1, "truncation": 4}, 1 + 2 * 2),
+    ],
+)
 def test_each_image_of_a_prompt_is_reduced_on_its_own(method, params, per_image, tiny_mm, images):
     prompts = ["Compare the two images.", "Describe the image."]
     rec = {"pruning": [{"method": method, "params": params}]}
@@ -413,8 +461,14 @@ def test_each_image_of_a_prompt_is_reduced_on_its_own(method, params, per_image,
     assert out[0].stats[method]["kept"] == 2 * per_image and out[1].stats[method]["kept"] == per_image
 
 
-@pytest.mark.parametrize("method, params", [("divprune", {"keep": 7}), ("cdpruner", {"keep": 3}),
-                                            ("dart", {"pivot_image": 2, "pivot_text": 2, "truncation": 8})])
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("divprune", {"keep": 7}),
+        ("cdpruner", {"keep": 3}),
+        ("dart", {"pivot_image": 2, "pivot_text": 2, "truncation": 8}),
+    ],
+)
 def test_next_batch_equals_single(method, params, next_mm, images, prompts):
     rec = {"pruning": [{"method": method, "params": params}]}
     batched = next_mm.generate(images[:3], prompts[:3], recipe=rec, max_new_tokens=4)

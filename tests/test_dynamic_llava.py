@@ -89,7 +89,10 @@ def test_prefill_keeps_topk_image_tokens_with_original_positions(tiny_mm, images
         pred = s.pruners[0].predictors
     with torch.no_grad():
         hs = tiny_mm.adapter.language_model(
-            inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids, output_hidden_states=True
+            inputs_embeds=inputs.embeds,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            output_hidden_states=True,
         ).hidden_states[K]
     assert [g.start for g in state.groups] == [0, K]
     grp = state.groups[1]
@@ -212,11 +215,21 @@ def _released_state_dict(spec: PredictorSpec, gen: torch.Generator) -> dict[str,
     shapes = {"down_mlp.0.weight": (d,), "down_mlp.0.bias": (d,), "down_mlp.1.weight": (c, d), "down_mlp.1.bias": (c,)}
     for i in range(spec.num_layers):
         t = f"transformer.{i}."
-        shapes.update({
-            t + "norm1.weight": (c,), t + "norm1.bias": (c,), t + "attn.qkv.weight": (3 * c, c),
-            t + "attn.proj.weight": (c, c), t + "attn.proj.bias": (c,), t + "norm2.weight": (c,), t + "norm2.bias": (c,),
-            t + "mlp.fc1.weight": (ff, c), t + "mlp.fc1.bias": (ff,), t + "mlp.fc2.weight": (c, ff), t + "mlp.fc2.bias": (c,),
-        })
+        shapes.update(
+            {
+                t + "norm1.weight": (c,),
+                t + "norm1.bias": (c,),
+                t + "attn.qkv.weight": (3 * c, c),
+                t + "attn.proj.weight": (c, c),
+                t + "attn.proj.bias": (c,),
+                t + "norm2.weight": (c,),
+                t + "norm2.bias": (c,),
+                t + "mlp.fc1.weight": (ff, c),
+                t + "mlp.fc1.bias": (ff,),
+                t + "mlp.fc2.weight": (c, ff),
+                t + "mlp.fc2.bias": (c,),
+            }
+        )
     for j, (o, i) in zip((0, 2, 4), ((c // 2, c), (c // 4, c // 2), (2, c // 4))):
         shapes[f"output_mlp.{j}.weight"], shapes[f"output_mlp.{j}.bias"] = (o, i), (o,)
     text = {"output_mlp.0.weight": (d,), "output_mlp.0.bias": (d,)}
@@ -230,7 +243,13 @@ def _released_state_dict(spec: PredictorSpec, gen: torch.Generator) -> dict[str,
 def _released_image_forward(sd, x, nhead, num_layers):
     """The released VisionPredictor computation, written from the paper/code description."""
     g = lambda k: sd["model.image_score_predictor." + k]  # noqa: E731
-    h = F.gelu(F.linear(F.layer_norm(x, x.shape[-1:], g("down_mlp.0.weight"), g("down_mlp.0.bias")), g("down_mlp.1.weight"), g("down_mlp.1.bias")))
+    h = F.gelu(
+        F.linear(
+            F.layer_norm(x, x.shape[-1:], g("down_mlp.0.weight"), g("down_mlp.0.bias")),
+            g("down_mlp.1.weight"),
+            g("down_mlp.1.bias"),
+        )
+    )
     b, n, c = h.shape
     for i in range(num_layers):
         t = f"transformer.{i}."
@@ -239,7 +258,11 @@ def _released_image_forward(sd, x, nhead, num_layers):
         a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(c // nhead), -1) @ v
         h = h + F.linear(a.transpose(1, 2).reshape(b, n, c), g(t + "attn.proj.weight"), g(t + "attn.proj.bias"))
         y = F.layer_norm(h, (c,), g(t + "norm2.weight"), g(t + "norm2.bias"))
-        h = h + F.linear(F.gelu(F.linear(y, g(t + "mlp.fc1.weight"), g(t + "mlp.fc1.bias"))), g(t + "mlp.fc2.weight"), g(t + "mlp.fc2.bias"))
+        h = h + F.linear(
+            F.gelu(F.linear(y, g(t + "mlp.fc1.weight"), g(t + "mlp.fc1.bias"))),
+            g(t + "mlp.fc2.weight"),
+            g(t + "mlp.fc2.bias"),
+        )
     h = torch.cat([h[..., : c // 2], h[..., c // 2 :].mean(1, keepdim=True).expand(b, n, c // 2)], -1)
     for j in (0, 2):
         h = F.gelu(F.linear(h, g(f"output_mlp.{j}.weight"), g(f"output_mlp.{j}.bias")))
@@ -255,14 +278,36 @@ def test_released_checkpoint_key_mapping(tmp_path, tiny_mm, images, prompts):
     ckpt = tmp_path / "Dynamic-LLaVA-tiny"
     ckpt.mkdir()
     keys = sorted(sd)
-    shards = {"model-00001-of-00002.safetensors": {**llm, **{k: sd[k] for k in keys[:10]}}, "model-00002-of-00002.safetensors": {k: sd[k] for k in keys[10:]}}
+    shards = {
+        "model-00001-of-00002.safetensors": {**llm, **{k: sd[k] for k in keys[:10]}},
+        "model-00002-of-00002.safetensors": {k: sd[k] for k in keys[10:]},
+    }
     for name, tensors in shards.items():
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(ckpt / name))
     index = {"weight_map": {k: name for name, tensors in shards.items() for k in tensors}}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    sparse = {"d_model": 32, "nhead": 2, "dim_feedforward": 64, "num_layers": 2, "sparse_layer": K, "use_vision_predictor": True,
-              "use_text_predictor": True, "use_output_text_predictor": True, "use_instruct_predictor": False, "vision_keep_rate": 0.2}
-    (ckpt / "config.json").write_text(json.dumps({"architectures": ["DynamicLlavaLlamaForCausalLM"], "model_type": "llava_llama", "hidden_size": 64, "sparse_config": sparse}))
+    sparse = {
+        "d_model": 32,
+        "nhead": 2,
+        "dim_feedforward": 64,
+        "num_layers": 2,
+        "sparse_layer": K,
+        "use_vision_predictor": True,
+        "use_text_predictor": True,
+        "use_output_text_predictor": True,
+        "use_instruct_predictor": False,
+        "vision_keep_rate": 0.2,
+    }
+    (ckpt / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DynamicLlavaLlamaForCausalLM"],
+                "model_type": "llava_llama",
+                "hidden_size": 64,
+                "sparse_config": sparse,
+            }
+        )
+    )
 
     assert released_to_ours("model.image_score_predictor.transformer.1.attn.qkv.weight") == "image.blocks.1.qkv.weight"
     assert released_to_ours("model.output_text_score_predictor.output_mlp.7.bias") == "text.fc4.bias"
@@ -275,7 +320,13 @@ def test_released_checkpoint_key_mapping(tmp_path, tiny_mm, images, prompts):
         assert torch.equal(ours[released_to_ours(k)], v)
     x = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(pred.image(x), _released_image_forward(sd, x, 2, 2), atol=1e-5, rtol=1e-4)
-    t = lambda j: (sd[f"model.output_text_score_predictor.output_mlp.{j}.weight"], sd[f"model.output_text_score_predictor.output_mlp.{j}.bias"])  # noqa: E731
+
+    def t(j):
+        return (
+            sd[f"model.output_text_score_predictor.output_mlp.{j}.weight"],
+            sd[f"model.output_text_score_predictor.output_mlp.{j}.bias"],
+        )
+
     h = F.layer_norm(x, (64,), *t(0))
     for j in (1, 3, 5):
         h = F.gelu(F.linear(h, *t(j)))

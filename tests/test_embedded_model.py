@@ -61,11 +61,14 @@ def test_answers_object_questions(world_mm):
     assert own >= shifted + 0.3, (own, shifted)  # another image's answers are worse: it looks
 
 
-@pytest.mark.parametrize("spec", [
-    {"method": "msd", "params": {"depth": 6, "top_k": 4, "total_tokens": 8}},
-    {"method": "flash", "params": {"top_k": 4, "total_tokens": 12}},
-    {"method": "prompt_lookup"},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "msd", "params": {"depth": 6, "top_k": 4, "total_tokens": 8}},
+        {"method": "flash", "params": {"top_k": 4, "total_tokens": 12}},
+        {"method": "prompt_lookup"},
+    ],
+)
 def test_trained_drafts_are_lossless(world_mm, val_images, spec):
     prompt = "Please describe this image in detail."
     images = [r.image for r in val_images[:2]]
@@ -80,7 +83,9 @@ def test_trained_drafts_are_lossless(world_mm, val_images, spec):
 def test_trained_pruners_load_and_run(world_mm, val_images):
     images = [r.image for r in val_images[:2]]
     prompts = ["Is there a dog in the image?"] * 2
-    for stage in ({"method": "dynamic_llava"},  # at layer 2, where its predictors were trained
-                  {"method": "hicom", "params": {"local_tokens": 96, "global_queries": 32}}):
+    for stage in (
+        {"method": "dynamic_llava"},  # at layer 2, where its predictors were trained
+        {"method": "hicom", "params": {"local_tokens": 96, "global_queries": 32}},
+    ):
         out = world_mm.generate(images, prompts, recipe={"pruning": [stage]}, max_new_tokens=3)
         assert all(o.vision_tokens_layer_avg < 576 for o in out)

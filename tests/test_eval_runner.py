@@ -37,7 +37,9 @@ def _recipe(tiny_dir, world, out, **eval_over):
         "batch_size": 2,
     }
     ev.update(eval_over)
-    return load_recipe({"name": "t", "model": {"name": str(tiny_dir), "device": "cpu"}, "eval": ev, "output": {"dir": str(out)}})
+    return load_recipe(
+        {"name": "t", "model": {"name": str(tiny_dir), "device": "cpu"}, "eval": ev, "output": {"dir": str(out)}}
+    )
 
 
 def _lines(path: Path) -> list[dict]:
@@ -55,8 +57,20 @@ def test_summary_layout_and_records(tiny_dir, tiny_mm, small_world, tmp_path):
         assert lo <= pope[split]["f1"] <= hi
     assert "mean_f1" in pope and pope["n"] == 8
     assert pope["mean_f1_ci95"][0] <= pope["mean_f1"] <= pope["mean_f1_ci95"][1]
-    assert set(s["metrics"]["chair"]) == {"chair_s", "chair_i", "recall", "len", "n", "chair_s_ci95", "chair_i_ci95",
-                                          "recall_ci95", "n_mentions", "n_gt_objects", "n_degenerate", "ci_method"}
+    assert set(s["metrics"]["chair"]) == {
+        "chair_s",
+        "chair_i",
+        "recall",
+        "len",
+        "n",
+        "chair_s_ci95",
+        "chair_i_ci95",
+        "recall_ci95",
+        "n_mentions",
+        "n_gt_objects",
+        "n_degenerate",
+        "ci_method",
+    }
     assert s["metrics"]["chair"]["n"] == 4 and 0 <= s["metrics"]["chair"]["n_degenerate"] <= 4
     assert pope["n_units"] <= 8 and pope["ci_method"] == s["metrics"]["chair"]["ci_method"]  # POPE resampled by image
     assert s["protocol"]["tasks"]["chair"]["intervals"]["resamples"] == 10_000
@@ -161,13 +175,22 @@ def test_killed_run_resumes(tiny_dir, small_world, tmp_path):
     """SIGKILL a real `mmfast eval` process mid-run; rerunning completes without loss or duplicates."""
     out = tmp_path / "run"
     cfg = tmp_path / "r.yaml"
-    cfg.write_text(json.dumps({
-        "name": "kill", "model": {"name": str(tiny_dir), "device": "cpu"},
-        "eval": {"tasks": ["pope"], "data": {"dataset": "world", "root": str(small_world)},
-                 "pope": {"max_new_tokens": 24}, "batch_size": 1},
-        "decoding": {"max_new_tokens": 24},
-        "output": {"dir": str(out)},
-    }))
+    cfg.write_text(
+        json.dumps(
+            {
+                "name": "kill",
+                "model": {"name": str(tiny_dir), "device": "cpu"},
+                "eval": {
+                    "tasks": ["pope"],
+                    "data": {"dataset": "world", "root": str(small_world)},
+                    "pope": {"max_new_tokens": 24},
+                    "batch_size": 1,
+                },
+                "decoding": {"max_new_tokens": 24},
+                "output": {"dir": str(out)},
+            }
+        )
+    )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "mmfast", "-q", "eval", str(cfg)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

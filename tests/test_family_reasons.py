@@ -37,12 +37,16 @@ def _facts(family):
     return ModelFacts(family, 4, 4, (24, 24), family in ("llava", "llava_next"))
 
 
-@pytest.mark.parametrize("recipe, family, reason", [
-    ({"pruning": [{"method": "cdpruner"}]}, "qwen2_5_vl", "cdpruner"),
-    ({"pruning": [{"method": "tome"}]}, "llava_onevision", "tome"),
-    ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, "qwen3_vl", "dynamic_llava"),
-    ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
-], ids=["cdpruner-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"])
+@pytest.mark.parametrize(
+    "recipe, family, reason",
+    [
+        ({"pruning": [{"method": "cdpruner"}]}, "qwen2_5_vl", "cdpruner"),
+        ({"pruning": [{"method": "tome"}]}, "llava_onevision", "tome"),
+        ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, "qwen3_vl", "dynamic_llava"),
+        ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
+    ],
+    ids=["cdpruner-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"],
+)
 def test_config_refusal_quotes_the_reason(recipe, family, reason):
     from mmfast.registry import DRAFTERS as D
     from mmfast.registry import PRUNERS as P
@@ -179,7 +183,9 @@ def _qwen_dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot):
     valid = [t for t in image if t not in img_piv]
     kept = set(img_piv)
     for p in sorted(img_piv + txt_piv):
-        sims = {t: float(torch.nn.functional.cosine_similarity(feats[p].double(), feats[t].double(), dim=0)) for t in valid}
+        sims = {
+            t: float(torch.nn.functional.cosine_similarity(feats[p].double(), feats[t].double(), dim=0)) for t in valid
+        }
         picked = sorted(valid, key=lambda t: sims[t])[:per_pivot]  # least similar to the pivot
         kept.update(picked)
         valid = [t for t in valid if t not in picked]
@@ -283,8 +289,11 @@ def test_pyramiddrop_first_stage_ranks_by_the_eager_last_token_attention_on_qwen
             state, _ = s.runner.prefill(inputs)
         layer = state.groups[1].start
         with torch.no_grad():
-            att = eager.adapter.language_model(inputs_embeds=inputs.embeds, output_attentions=True,
-                                               position_ids=qmm.adapter.lm_position_ids(inputs.position_ids)).attentions
+            att = eager.adapter.language_model(
+                inputs_embeds=inputs.embeds,
+                output_attentions=True,
+                position_ids=qmm.adapter.lm_position_ids(inputs.position_ids),
+            ).attentions
         score = att[layer][0, :, -1].mean(0)  # [T] last token, head mean
         image = inputs.image_mask[0].nonzero().squeeze(1)
         k = int(image.numel() * params["ratio"])

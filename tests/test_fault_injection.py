@@ -47,8 +47,14 @@ def _recipe(tiny_dir, world, out, *, overwrite=False, **eval_over):
         "batch_size": 4,
     }
     ev.update(eval_over)
-    return load_recipe({"name": "fi", "model": {"name": str(tiny_dir), "device": "cpu"}, "eval": ev,
-                        "output": {"dir": str(out), "overwrite": overwrite}})
+    return load_recipe(
+        {
+            "name": "fi",
+            "model": {"name": str(tiny_dir), "device": "cpu"},
+            "eval": ev,
+            "output": {"dir": str(out), "overwrite": overwrite},
+        }
+    )
 
 
 def _lines(path: Path) -> list[dict]:
@@ -72,8 +78,11 @@ def _assert_complete(path: Path, n: int) -> list[dict]:
 def reference(tiny_dir, tiny_mm, world, tmp_path_factory) -> Path:
     """An uninterrupted run: POPE random + adversarial, 80 questions each (160 records)."""
     out = tmp_path_factory.mktemp("fi") / "ref"
-    run_eval(_recipe(tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]}),
-             limit=80, mm=tiny_mm)
+    run_eval(
+        _recipe(tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]}),
+        limit=80,
+        mm=tiny_mm,
+    )
     _assert_complete(out / "samples.jsonl", 160)
     return out
 
@@ -88,7 +97,9 @@ def test_crash_at_random_points_then_resume(tiny_dir, tiny_mm, world, tmp_path, 
     the torn lines."""
     rng = random.Random(1234)
     recipe = _recipe(tiny_dir, world, tmp_path / "crashy", tasks=["pope", "chair"], batch_size=2)
-    fresh = run_eval(recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh"))), limit=4, mm=tiny_mm)
+    fresh = run_eval(
+        recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh"))), limit=4, mm=tiny_mm
+    )
     real_append = RecordStore.append
     torn = 0
     for attempt in range(20):  # noqa: B007 - read after the loop
@@ -115,6 +126,7 @@ def test_crash_at_random_points_then_resume(tiny_dir, tiny_mm, world, tmp_path, 
         pytest.fail("the run never finished")
     monkeypatch.setattr(RecordStore, "append", real_append)
     assert attempt > 0, "no crash was injected"
+
     def counts(c):
         return {k: v for k, v in c.items() if k != "quarantined_lines"}
 
@@ -126,7 +138,9 @@ def test_crash_at_random_points_then_resume(tiny_dir, tiny_mm, world, tmp_path, 
     assert (len(q.read_bytes().splitlines()) if q.exists() else 0) == torn
 
 
-@pytest.mark.parametrize("damage", [b'{"doc_id": "pope_random/3", "ta', b"", b'{"doc_id": "\xff\xfe broken"}', b"[1, 2]"])
+@pytest.mark.parametrize(
+    "damage", [b'{"doc_id": "pope_random/3", "ta', b"", b'{"doc_id": "\xff\xfe broken"}', b"[1, 2]"]
+)
 def test_damaged_middle_line_quarantined(damage, reference, tiny_dir, tiny_mm, world, tmp_path, caplog):
     """One damaged line in the middle of a 160-record file: 159 kept byte for byte, 1 recomputed,
     the damaged bytes in samples.quarantine.jsonl, a warning naming the line."""
@@ -136,7 +150,9 @@ def test_damaged_middle_line_quarantined(damage, reference, tiny_dir, tiny_mm, w
     lines = path.read_bytes().splitlines()
     victim = json.loads(lines[79])["doc_id"]
     path.write_bytes(b"\n".join(lines[:79] + [damage] + lines[80:]) + b"\n")
-    recipe = _recipe(tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]})
+    recipe = _recipe(
+        tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]}
+    )
     with caplog.at_level(logging.WARNING):
         s = run_eval(recipe, limit=80, mm=tiny_mm)
     assert any("line 80" in r.getMessage() and "quarantine" in r.getMessage() for r in caplog.records)
@@ -153,7 +169,10 @@ def test_damaged_middle_line_quarantined(damage, reference, tiny_dir, tiny_mm, w
 def test_store_keeps_records_around_several_damaged_lines(tmp_path):
     path = tmp_path / "samples.jsonl"
     good = [json.dumps({"doc_id": f"d{i}", "resps": [["x"]]}).encode() for i in range(6)]
-    path.write_bytes(b"\n".join([good[0], b"\xc3\x28", good[1], b"   ", good[2], b"{", good[3], good[4], b"null", good[5]]) + b"\n{\"doc")
+    path.write_bytes(
+        b"\n".join([good[0], b"\xc3\x28", good[1], b"   ", good[2], b"{", good[3], good[4], b"null", good[5]])
+        + b'\n{"doc'
+    )
     store = RecordStore(path)
     assert sorted(store.records) == [f"d{i}" for i in range(6)]
     assert [d.line_no for d in store.quarantined] == [2, 4, 6, 9, 11]
@@ -162,7 +181,9 @@ def test_store_keeps_records_around_several_damaged_lines(tmp_path):
     assert RecordStore(path).quarantined == []  # clean now
 
 
-def test_compressed_records_refused_on_resume_and_resumed_once_decompressed(reference, tiny_dir, tiny_mm, world, tmp_path):
+def test_compressed_records_refused_on_resume_and_resumed_once_decompressed(
+    reference, tiny_dir, tiny_mm, world, tmp_path
+):
     """A finished run whose records were gzipped (as under benchmarks/) is read by the finished-run
     reader, but resuming into it is refused before anything runs (it would otherwise start afresh
     beside the .gz); once decompressed, it resumes with every record reused."""
@@ -177,7 +198,9 @@ def test_compressed_records_refused_on_resume_and_resumed_once_decompressed(refe
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     plain.unlink()
     assert len(read_records(out)) == 160
-    recipe = _recipe(tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]})
+    recipe = _recipe(
+        tiny_dir, world, out, batch_size=16, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]}
+    )
     before = packed.read_bytes()
     with pytest.raises(InputError, match=r"samples\.jsonl\.gz: this run's records are compressed.*gunzip"):
         run_eval(recipe, limit=80, mm=tiny_mm)
@@ -212,7 +235,9 @@ def test_changed_question_file_recomputed(tiny_dir, tiny_mm, world, tmp_path, ca
     with caplog.at_level(logging.WARNING):
         rerun = run_eval(recipe, limit=12, mm=tiny_mm)
     assert any("12 finished sample(s) were computed from other inputs" in r.getMessage() for r in caplog.records)
-    fresh = run_eval(recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh"))), limit=12, mm=tiny_mm)
+    fresh = run_eval(
+        recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh"))), limit=12, mm=tiny_mm
+    )
     assert rerun["metrics"] == fresh["metrics"]
     recs = _assert_complete(out / "samples.jsonl", 12)
     by_id = {q["question_id"]: q for q in new}
@@ -220,8 +245,15 @@ def test_changed_question_file_recomputed(tiny_dir, tiny_mm, world, tmp_path, ca
     assert all(r["meta"]["question"] == by_id[r["meta"]["question_id"]]["text"] for r in recs)
     import hashlib
 
-    assert rerun["protocol"]["tasks"]["pope"]["files"]["random"]["sha256"] == hashlib.sha256(qfile.read_bytes()).hexdigest()
-    assert rerun["protocol"]["samples_digest"] == fresh["protocol"]["samples_digest"] != first["protocol"]["samples_digest"]
+    assert (
+        rerun["protocol"]["tasks"]["pope"]["files"]["random"]["sha256"]
+        == hashlib.sha256(qfile.read_bytes()).hexdigest()
+    )
+    assert (
+        rerun["protocol"]["samples_digest"]
+        == fresh["protocol"]["samples_digest"]
+        != first["protocol"]["samples_digest"]
+    )
 
 
 def test_changed_image_recomputed(tiny_dir, tiny_mm, world, tmp_path):
@@ -264,7 +296,9 @@ def test_stale_lock_of_dead_process_taken_over(tiny_dir, tiny_mm, world, tmp_pat
     out.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (out / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": "earlier", "command": "x"}))
+    (out / LOCK_NAME).write_text(
+        json.dumps({"pid": dead.pid, "host": os.uname().nodename, "started": "earlier", "command": "x"})
+    )
     with caplog.at_level(logging.WARNING):
         run_eval(_recipe(tiny_dir, world, out), limit=2, mm=tiny_mm)
     assert any("stale lock" in r.getMessage() and f"pid {dead.pid}" in r.getMessage() for r in caplog.records)
@@ -352,13 +386,19 @@ def test_missing_image_is_loud(tiny_dir, tiny_mm, world, tmp_path, caplog):
     first_bad = next(i for i, q in enumerate(qs) if q["image"] == gone)
     n_bad = sum(1 for q in qs if q["image"] == gone)
     (w / "images" / "val" / gone).unlink()
-    with pytest.raises(InputError, match=f"1 image\\(s\\) of this evaluation are missing .*{gone}.*{n_bad} of 12 samples would fail"):
+    with pytest.raises(
+        InputError, match=f"1 image\\(s\\) of this evaluation are missing .*{gone}.*{n_bad} of 12 samples would fail"
+    ):
         run_eval(recipe, limit=12, mm=tiny_mm)
     assert not (out / "samples.jsonl").exists()  # refused before anything ran
     assert first_bad < 12
-    tolerant = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=1, max_failures=0.5)
+    tolerant = _recipe(
+        tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=1, max_failures=0.5
+    )
     with caplog.at_level(logging.WARNING):
-        s = run_eval(tolerant.replace(output=dataclasses.replace(tolerant.output, overwrite=True)), limit=12, mm=tiny_mm)
+        s = run_eval(
+            tolerant.replace(output=dataclasses.replace(tolerant.output, overwrite=True)), limit=12, mm=tiny_mm
+        )
     assert s["counts"]["failed"] == n_bad and s["counts"]["finished"] == 12 - n_bad
     assert {f["doc_id"] for f in s["failures"]} == {r["doc_id"] for r in _lines(out / "samples.jsonl") if "error" in r}
     assert any("samples FAILED" in r.getMessage() for r in caplog.records)
@@ -418,13 +458,24 @@ def test_doc_id_reaches_the_session(tiny_dir, tiny_mm, world, tmp_path, monkeypa
 
 def _dp_cmd(tiny_dir, world, tmp_path, out) -> tuple[list[str], dict]:
     cfg = tmp_path / "dp.yaml"
-    cfg.write_text(json.dumps({
-        "name": "dpfi", "model": {"name": str(tiny_dir), "device": "cpu"},
-        "eval": {"tasks": ["pope"], "data": {"dataset": "world", "root": str(world)},
-                 "pope": {"max_new_tokens": 8, "splits": ["random"]}, "batch_size": 1},
-        "output": {"dir": str(out)},
-    }))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+    cfg.write_text(
+        json.dumps(
+            {
+                "name": "dpfi",
+                "model": {"name": str(tiny_dir), "device": "cpu"},
+                "eval": {
+                    "tasks": ["pope"],
+                    "data": {"dataset": "world", "root": str(world)},
+                    "pope": {"max_new_tokens": 8, "splits": ["random"]},
+                    "batch_size": 1,
+                },
+                "output": {"dir": str(out)},
+            }
+        )
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1"
+    )
     return [sys.executable, "-m", "mmfast", "-q", "eval", str(cfg), "--num-processes", "2", "--limit", "24"], env
 
 
@@ -473,7 +524,9 @@ def test_data_parallel_killed_launcher_stops_workers_and_resumes(tiny_dir, tiny_
     assert _wait_gone(workers, 15) == [], "workers outlived the launcher"
     sizes = [(out / f"samples.rank{r}.jsonl").stat().st_size for r in range(2)]
     time.sleep(1.0)
-    assert sizes == [(out / f"samples.rank{r}.jsonl").stat().st_size for r in range(2)], "a shard is still being written"
+    assert sizes == [(out / f"samples.rank{r}.jsonl").stat().st_size for r in range(2)], (
+        "a shard is still being written"
+    )
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "stale lock" in done.stderr
@@ -481,7 +534,9 @@ def test_data_parallel_killed_launcher_stops_workers_and_resumes(tiny_dir, tiny_
     recs = _assert_complete(out / "samples.jsonl", 24)
     spec = json.loads((tmp_path / "dp.yaml").read_text())
     single = run_eval(load_recipe({**spec, "output": {"dir": str(tmp_path / "one")}}), limit=24, mm=tiny_mm)
-    assert {r["doc_id"]: r["resps"] for r in recs} == {r["doc_id"]: r["resps"] for r in _lines(tmp_path / "one" / "samples.jsonl")}
+    assert {r["doc_id"]: r["resps"] for r in recs} == {
+        r["doc_id"]: r["resps"] for r in _lines(tmp_path / "one" / "samples.jsonl")
+    }
     assert json.loads((out / "summary.json").read_text())["metrics"] == single["metrics"]
 
 
@@ -494,8 +549,14 @@ def test_data_parallel_interrupt_is_clean(sig, code, tiny_dir, world, tmp_path):
     cmd, env = _dp_cmd(tiny_dir, world, tmp_path, out)
     # the launcher starts as from a terminal: a suite run as a background job (`make test &`, a CI step)
     # passes SIGINT on as ignored, and a process started that way rightly keeps ignoring Ctrl-C
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     _wait_shards(out, proc)
     workers = _workers_of(proc.pid)
     assert proc.poll() is None, "the run ended before the signal: nothing was interrupted"
@@ -562,7 +623,9 @@ def test_resume_with_looser_max_failures_and_another_batch_size(tiny_dir, tiny_m
     assert kept
     redone: list[str] = []
     real_append = RecordStore.append
-    monkeypatch.setattr(RecordStore, "append", lambda self, recs: (redone.extend(r["doc_id"] for r in recs), real_append(self, recs)))
+    monkeypatch.setattr(
+        RecordStore, "append", lambda self, recs: (redone.extend(r["doc_id"] for r in recs), real_append(self, recs))
+    )
     loose = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 2, "splits": ["random"]}, batch_size=4, max_failures=0.5)
     summary = run_eval(loose, limit=12, mm=tiny_mm)
     assert not set(redone) & set(kept), "finished samples were recomputed"
@@ -588,11 +651,20 @@ def test_calibrated_budget_resumed_with_another_limit(tiny_dir, tiny_mm, world, 
     assert all(recs[d]["fingerprint"] != first[d] for d in fresh_recs), "records of the limit-6 calibration reused"
     assert {d: recs[d]["resps"] for d in fresh_recs} == {d: r["resps"] for d, r in fresh_recs.items()}
     assert resumed["metrics"] == fresh["metrics"] and resumed["accounting"] == fresh["accounting"]
-    assert resumed["counts"]["finished"] == 3 and resumed["accounting"]["mean_flops_prefill"] > 0  # what the pruning bench reports
+    assert (
+        resumed["counts"]["finished"] == 3 and resumed["accounting"]["mean_flops_prefill"] > 0
+    )  # what the pruning bench reports
 
 
-@pytest.mark.parametrize("name, kind", [("samples.jsonl", "dir"), ("samples.jsonl", "fifo"), ("summary.json", "dir"),
-                                        ("samples.quarantine.jsonl", "fifo")])
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("samples.jsonl", "dir"),
+        ("samples.jsonl", "fifo"),
+        ("summary.json", "dir"),
+        ("samples.quarantine.jsonl", "fifo"),
+    ],
+)
 def test_own_file_that_is_not_a_file(name, kind, tiny_dir, tiny_mm, world, tmp_path):
     """A directory or a FIFO under one of the run's own names: exit-2 error naming it (a FIFO named
     samples.jsonl hung the run; a directory was a traceback), before anything is written."""
@@ -604,7 +676,9 @@ def test_own_file_that_is_not_a_file(name, kind, tiny_dir, tiny_mm, world, tmp_p
     (out / name).unlink(missing_ok=True)
     os.mkdir(out / name) if kind == "dir" else os.mkfifo(out / name)
     result: list = []
-    t = threading.Thread(target=lambda: result.append(_catch(lambda: run_eval(recipe, limit=2, mm=tiny_mm))), daemon=True)
+    t = threading.Thread(
+        target=lambda: result.append(_catch(lambda: run_eval(recipe, limit=2, mm=tiny_mm))), daemon=True
+    )
     t.start()
     t.join(30)
     assert not t.is_alive(), "the run hangs on the FIFO"
@@ -654,7 +728,9 @@ def test_label_is_part_of_the_input_fingerprint(tiny_dir, tiny_mm, world, tmp_pa
     by_id = {q["question_id"]: q["label"] for q in qs}
     recs = _assert_complete(out / "samples.jsonl", 6)
     assert all(r["target"] == by_id[r["meta"]["question_id"]] for r in recs)
-    assert again["metrics"]["pope"]["random"]["accuracy"] == pytest.approx(1 - first["metrics"]["pope"]["random"]["accuracy"])
+    assert again["metrics"]["pope"]["random"]["accuracy"] == pytest.approx(
+        1 - first["metrics"]["pope"]["random"]["accuracy"]
+    )
 
 
 class _SummaryWriteWatch:
@@ -670,7 +746,8 @@ class _SummaryWriteWatch:
             return
         mode, flags = args[1], args[2]
         writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR))
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR)
+        )
         if writes:
             cls.hits.append(str(args[0]))
 
@@ -694,7 +771,10 @@ def test_summary_json_is_written_atomically(tiny_dir, tiny_mm, world, tmp_path, 
         (out / f"samples.rank{r}.jsonl").write_text("".join(recs[r::2]))
     monkeypatch.setattr(distributed, "shard_info", lambda: (0, 2))
     monkeypatch.setattr(distributed, "barrier", lambda: None)
-    plan = [(t, t.samples(4)) for t in build_tasks(recipe.eval, resolve_data(recipe.eval, recipe.eval.tasks), cache_dir=cache_root())]
+    plan = [
+        (t, t.samples(4))
+        for t in build_tasks(recipe.eval, resolve_data(recipe.eval, recipe.eval.tasks), cache_dir=cache_root())
+    ]
     merged = distributed.gather_and_finish(recipe, out, plan, tiny_mm, 0.0)
     monkeypatch.setattr(_SummaryWriteWatch, "active", False)
     assert _SummaryWriteWatch.hits == [], "summary.json was written in place, not replaced atomically"
@@ -718,7 +798,9 @@ def _orphan_after_launcher_killed(how: str, child_code: str) -> list[int]:
     """Start a stand-in launcher that starts one worker (``how``), SIGKILL the launcher, and return the
     worker's pid if it is still running 8 s later."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, how, child_code], env=env, stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, how, child_code], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         worker = int(launcher.stdout.readline())
         time.sleep(1.5)  # the worker is up (its watchdog started)
@@ -755,7 +837,11 @@ def test_run_of_an_older_mmfast_is_not_resumed(tiny_dir, tiny_mm, world, tmp_pat
     (out / "run.json").write_text(json.dumps(run))
     with pytest.raises(InputError, match="results of an older mmfast.*set output.overwrite: true to start over"):
         run_eval(recipe, limit=2, mm=tiny_mm)
-    again = run_eval(_recipe(tiny_dir, world, out, overwrite=True, pope={"max_new_tokens": 1, "splits": ["random"]}), limit=2, mm=tiny_mm)
+    again = run_eval(
+        _recipe(tiny_dir, world, out, overwrite=True, pope={"max_new_tokens": 1, "splits": ["random"]}),
+        limit=2,
+        mm=tiny_mm,
+    )
     assert again["counts"]["finished"] == 2
 
 
@@ -765,8 +851,12 @@ def test_pruning_bench_counts_tokens_over_the_scored_samples_only(tiny_dir, tiny
     from mmfast.bench.pruning import _accounting
 
     out = tmp_path / "run"
-    recipe = load_recipe({**_recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]}).to_dict(),
-                          "pruning": [{"method": "fastv", "params": {"k": 2, "ratio": 0.5}}]})
+    recipe = load_recipe(
+        {
+            **_recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]}).to_dict(),
+            "pruning": [{"method": "fastv", "params": {"k": 2, "ratio": 0.5}}],
+        }
+    )
     run_eval(recipe, limit=8, mm=tiny_mm)
     small = run_eval(recipe, limit=2, mm=tiny_mm)
     assert len(_lines(out / "samples.jsonl")) == 8

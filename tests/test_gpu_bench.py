@@ -15,12 +15,24 @@ from mmfast.errors import ConfigError, InputError
 RECIPE = "configs/bench/gpu_speed.yaml"
 
 
-def _recipe(*extra: str, rows=("hf *", "mmfast *", "divprune-8"), batches=(1, 2), workloads=("pope", "caption"), repeats=2):
+def _recipe(
+    *extra: str, rows=("hf *", "mmfast *", "divprune-8"), batches=(1, 2), workloads=("pope", "caption"), repeats=2
+):
     sets = [
-        "model.device=cpu", "bench.params.shapes=[tiny]", f"bench.params.batches={list(batches)}",
-        f"bench.params.workloads={list(workloads)}", "bench.params.caption_tokens=4", "bench.params.dtype=float32",
-        "bench.params.embedded_speculative=false", f"bench.repeats={repeats}", "bench.warmup=1", "bench.budgets=[8]",
-        "bench.methods=[divprune]", "bench.compare=[]", f"bench.params.rows={json.dumps(list(rows))}", *extra,
+        "model.device=cpu",
+        "bench.params.shapes=[tiny]",
+        f"bench.params.batches={list(batches)}",
+        f"bench.params.workloads={list(workloads)}",
+        "bench.params.caption_tokens=4",
+        "bench.params.dtype=float32",
+        "bench.params.embedded_speculative=false",
+        f"bench.repeats={repeats}",
+        "bench.warmup=1",
+        "bench.budgets=[8]",
+        "bench.methods=[divprune]",
+        "bench.compare=[]",
+        f"bench.params.rows={json.dumps(list(rows))}",
+        *extra,
     ]
     return load_recipe(RECIPE, overrides=sets)
 
@@ -49,22 +61,40 @@ def test_cpu_run_rows_columns_medians_and_hf_tokens(tmp_path, monkeypatch):
         for w in ("pope", "caption"):  # greedy in fp32 on a CPU: HF's generate and mmfast agree token for token
             same = (gs.HF_EAGER, gs.HF_STATIC, gs.UNPRUNED) + ((gs.COMPILED,) if gs.compile_available() else ())
             assert len({rows[(b, w, n)]["tokens_sha"] for n in same}) == 1
-            assert rows[(b, w, "divprune-8")]["n_vision_tokens"] == 8 < rows[(b, w, gs.UNPRUNED)]["n_vision_tokens"] == 16
+            assert (
+                rows[(b, w, "divprune-8")]["n_vision_tokens"] == 8 < rows[(b, w, gs.UNPRUNED)]["n_vision_tokens"] == 16
+            )
             assert rows[(b, w, gs.HF_EAGER)]["n_vision_tokens"] == 16
     # per timed row: the first call, then 2 repeats of (TTFT [+ end to end]); warm-ups are untimed
     n_ok = 4 + (1 if gs.compile_available() else 0)
     assert len(calls) == 2 * n_ok * ((1 + 2 * 2) + (1 + 2))
     md = (tmp_path / "results.md").read_text()
-    for col in ("TTFT ms", "decode ms/token", "tokens/s", "peak mem GiB", "FLOPs ratio", "decode % BW limit",
-                "prefill % peak FLOP/s", "first call s", "tokens = hf eager", "## Targets"):
+    for col in (
+        "TTFT ms",
+        "decode ms/token",
+        "tokens/s",
+        "peak mem GiB",
+        "FLOPs ratio",
+        "decode % BW limit",
+        "prefill % peak FLOP/s",
+        "first call s",
+        "tokens = hf eager",
+        "## Targets",
+    ):
         assert col in md
     import torch
     import transformers
 
-    assert f"torch {torch.__version__}" in md and f"transformers {transformers.__version__}" in md and "Device: **cpu" in md
+    assert (
+        f"torch {torch.__version__}" in md
+        and f"transformers {transformers.__version__}" in md
+        and "Device: **cpu" in md
+    )
     line = next(x for x in md.splitlines() if x.startswith("| tiny | 2 | caption | mmfast unpruned |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[9] == "n/a" and cells[11] == "n/a" and cells[12] == "n/a"  # peak memory, BW and FLOP/s fractions on a CPU
+    assert (
+        cells[9] == "n/a" and cells[11] == "n/a" and cells[12] == "n/a"
+    )  # peak memory, BW and FLOP/s fractions on a CPU
     assert cells[15] == "yes" and float(cells[10]) == 1.0
     assert result["device"]["peak_bandwidth"] is None and result["table"] == md
 
@@ -93,7 +123,10 @@ def test_interrupted_run_resumes_without_redoing_or_duplicating(tmp_path, monkey
     keys = [(r["batch"], r["workload"], r["row"]) for r in _rows(tmp_path)]
     assert len(keys) == len(set(keys)) == 4
     ran.clear()  # other settings (repeats): the stored rows are stale and every row re-runs
-    run_bench(_recipe(batches=(1,), workloads=("pope",), rows=("hf *", "mmfast unpruned", "divprune-8"), repeats=1), output=str(tmp_path))
+    run_bench(
+        _recipe(batches=(1,), workloads=("pope",), rows=("hf *", "mmfast unpruned", "divprune-8"), repeats=1),
+        output=str(tmp_path),
+    )
     assert sorted(ran) == sorted([gs.HF_EAGER, gs.HF_STATIC, gs.UNPRUNED, "divprune-8"])
     assert {r["repeats"] for r in _rows(tmp_path)} == {1} and len(_rows(tmp_path)) == 4
 
@@ -119,9 +152,42 @@ def test_targets_pass_fail_and_not_measured():
         _m("llava-1.5-7b", 8, "caption", gs.UNPRUNED, new_tokens=128, ttft_s=0.1, e2e_s=0.1 + 127 * 0.013),
         _m("llava-1.5-7b", 32, "caption", gs.UNPRUNED, new_tokens=128, ttft_s=1.0, e2e_s=6.0),
         _m("llava-1.5-7b", 32, "caption", "divprune-64", new_tokens=128, ttft_s=0.3, e2e_s=4.0),
-        _m("llava-1.5-7b", 8, "pope", gs.UNPRUNED, new_tokens=1, ttft_s=0.2, e2e_s=0.2, prefill_s=0.1, n_vision_tokens=576, flops_prefill=10.0),
-        _m("llava-1.5-7b", 8, "pope", "divprune-64", new_tokens=1, ttft_s=0.1, e2e_s=0.1, prefill_s=0.02, n_vision_tokens=64, flops_prefill=1.8),
-        _m("llava-1.5-7b", 8, "pope", "fastv-64", new_tokens=1, ttft_s=0.1, e2e_s=0.1, prefill_s=0.05, n_vision_tokens=576, flops_prefill=2.0),
+        _m(
+            "llava-1.5-7b",
+            8,
+            "pope",
+            gs.UNPRUNED,
+            new_tokens=1,
+            ttft_s=0.2,
+            e2e_s=0.2,
+            prefill_s=0.1,
+            n_vision_tokens=576,
+            flops_prefill=10.0,
+        ),
+        _m(
+            "llava-1.5-7b",
+            8,
+            "pope",
+            "divprune-64",
+            new_tokens=1,
+            ttft_s=0.1,
+            e2e_s=0.1,
+            prefill_s=0.02,
+            n_vision_tokens=64,
+            flops_prefill=1.8,
+        ),
+        _m(
+            "llava-1.5-7b",
+            8,
+            "pope",
+            "fastv-64",
+            new_tokens=1,
+            ttft_s=0.1,
+            e2e_s=0.1,
+            prefill_s=0.05,
+            n_vision_tokens=576,
+            flops_prefill=2.0,
+        ),
     ]
     recipe = load_recipe(RECIPE)
     from mmfast.bench.common import variants
@@ -139,10 +205,16 @@ def test_targets_pass_fail_and_not_measured():
 
 
 def test_embedded_flash_row_has_real_tau_and_is_lossless(tmp_path):
-    recipe = _recipe("bench.params.embedded_speculative=true", "bench.params.embedded_samples=1",
-                     'bench.compare=[{name: flash, speculative: {method: flash, params: {top_k: 4, total_tokens: 12}}}, '
-                     '{name: prompt_lookup, speculative: {method: prompt_lookup}}]',
-                     "bench.params.shapes=[tiny]", "bench.params.embedded_rows=[flash]", rows=(), repeats=1)  # prompt_lookup: not selected
+    recipe = _recipe(
+        "bench.params.embedded_speculative=true",
+        "bench.params.embedded_samples=1",
+        "bench.compare=[{name: flash, speculative: {method: flash, params: {top_k: 4, total_tokens: 12}}}, "
+        "{name: prompt_lookup, speculative: {method: prompt_lookup}}]",
+        "bench.params.shapes=[tiny]",
+        "bench.params.embedded_rows=[flash]",
+        rows=(),
+        repeats=1,
+    )  # prompt_lookup: not selected
     result = run_bench(recipe, output=str(tmp_path))
     rows = {r["row"]: r for r in result["rows"]}
     assert set(rows) == {gs.UNPRUNED, "flash"} and {r["shape"] for r in rows.values()} == {gs.EMBEDDED}
@@ -153,7 +225,13 @@ def test_embedded_flash_row_has_real_tau_and_is_lossless(tmp_path):
 
 @pytest.mark.parametrize("shape", ["tiny-next", "tiny-qwen"])
 def test_anyres_and_qwen_shapes_hf_rows_equal_mmfast(tmp_path, shape):
-    recipe = _recipe(f"bench.params.shapes=[{shape}]", rows=("hf *", "mmfast unpruned"), batches=(2,), workloads=("caption",), repeats=1)
+    recipe = _recipe(
+        f"bench.params.shapes=[{shape}]",
+        rows=("hf *", "mmfast unpruned"),
+        batches=(2,),
+        workloads=("caption",),
+        repeats=1,
+    )
     rows = {r["row"]: r for r in run_bench(recipe, output=str(tmp_path))["rows"]}
     assert {r["status"] for r in rows.values()} == {"ok"}
     assert rows[gs.HF_EAGER]["tokens_sha"] == rows[gs.HF_STATIC]["tokens_sha"] == rows[gs.UNPRUNED]["tokens_sha"]
@@ -172,9 +250,13 @@ def test_full_depth_shapes_build_without_weights(name, tokens, layers):
     model, processor = build_bench_model(name, device="meta", dtype=torch.float16)
     mm = MMModel(model, processor, name)
     image = Image.fromarray(np.zeros((*BENCH_MODELS[name].image, 3), dtype=np.uint8))
-    ids = processor(images=[image], text=mm.prepare([image], ["Is there a dog?"]).texts, return_tensors="pt")["input_ids"]
+    ids = processor(images=[image], text=mm.prepare([image], ["Is there a dog?"]).texts, return_tensors="pt")[
+        "input_ids"
+    ]
     assert int((ids == mm.adapter.image_token_id).sum()) == tokens and len(mm.adapter.layers) == layers
-    assert mm.dtype == torch.float16 and mm.eos_token_ids == [model.config.get_text_config().vocab_size]  # never generated
+    assert mm.dtype == torch.float16 and mm.eos_token_ids == [
+        model.config.get_text_config().vocab_size
+    ]  # never generated
 
 
 def test_a_failing_row_is_recorded_loudly_and_re_runs(tmp_path, monkeypatch):

@@ -98,8 +98,16 @@ def test_video_frames_grouped_in_fours(tiny_mm, images, prompts):
 
 
 def test_guide_text():
-    assert guide_text("Is there a dog in the image?\nAnswer the question using a single word or phrase.") == "Is there a dog in the image?"
-    assert guide_text("<image>\nWhich one?\nA. cat\nB. dog\nAnswer with the option's letter from the given choices directly.") == "Which one?"
+    assert (
+        guide_text("Is there a dog in the image?\nAnswer the question using a single word or phrase.")
+        == "Is there a dog in the image?"
+    )
+    assert (
+        guide_text(
+            "<image>\nWhich one?\nA. cat\nB. dog\nAnswer with the option's letter from the given choices directly."
+        )
+        == "Which one?"
+    )
 
 
 def test_global_branch_shapes_and_weight_files(tiny_mm, images, prompts, tmp_path):
@@ -110,7 +118,9 @@ def test_global_branch_shapes_and_weight_files(tiny_mm, images, prompts, tmp_pat
     with pytest.raises(ModelLoadError, match="train_hicom.py"):
         _session(tiny_mm, global_queries=5, global_weights=str(tmp_path / "missing.safetensors"))
     vc, tc = tiny_mm.adapter.vision_config, tiny_mm.adapter.text_config
-    path = save_global(GlobalCompressor(vc.hidden_size, tc.hidden_size, 16, n_queries=5), tmp_path / "g.safetensors", {})
+    path = save_global(
+        GlobalCompressor(vc.hidden_size, tc.hidden_size, 16, n_queries=5), tmp_path / "g.safetensors", {}
+    )
     with _session(tiny_mm, global_queries=5, global_weights=str(path)) as s:
         batch = tiny_mm.prepare(images[:2], prompts[:2])
         v = s.encode(batch)
@@ -140,10 +150,15 @@ def test_global_modes_direct_and_coarse_against_direct_computation(tiny_mm, imag
                 q = g.expand(n, d)
             else:
                 scale, shift = glob.coarse_proj(g).chunk(2)
-                q = F.layer_norm(glob.query * (1 + scale) + shift, (d,), glob.coarse_norm.weight, glob.coarse_norm.bias, 1e-6)
+                q = F.layer_norm(
+                    glob.query * (1 + scale) + shift, (d,), glob.coarse_norm.weight, glob.coarse_norm.bias, 1e-6
+                )
             kv = (frames[0] + sincos_3d(2, 4, 4, d)).reshape(-1, d)
             h = glob.heads
-            qh, kh, vh = (x.view(x.shape[0], h, d // h).transpose(0, 1) for x in (glob.q_proj(q), glob.k_proj(kv), glob.v_proj(kv)))
+            qh, kh, vh = (
+                x.view(x.shape[0], h, d // h).transpose(0, 1)
+                for x in (glob.q_proj(q), glob.k_proj(kv), glob.v_proj(kv))
+            )
             att = torch.softmax(qh @ kh.transpose(1, 2) / (d // h) ** 0.5, -1) @ vh  # [h, n, d/h]
             expect = q + glob.out_proj(att.transpose(0, 1).reshape(n, d))
         torch.testing.assert_close(pre[0], expect, rtol=1e-4, atol=1e-5)
@@ -152,7 +167,9 @@ def test_global_modes_direct_and_coarse_against_direct_computation(tiny_mm, imag
         assert identical == (mode == "direct")
     assert not hasattr(GlobalCompressor(d, llm, p, n, mode="direct"), "coarse_proj")
     vc, tc = tiny_mm.adapter.vision_config, tiny_mm.adapter.text_config
-    path = save_global(GlobalCompressor(vc.hidden_size, tc.hidden_size, 16, n_queries=5, mode="direct"), tmp_path / "d.safetensors", {})
+    path = save_global(
+        GlobalCompressor(vc.hidden_size, tc.hidden_size, 16, n_queries=5, mode="direct"), tmp_path / "d.safetensors", {}
+    )
     with pytest.raises(Exception, match="global_mode"):
         _session(tiny_mm, global_queries=5, global_weights=str(path))  # default coarse vs a direct file
     with _session(tiny_mm, global_queries=5, global_weights=str(path), global_mode="direct") as s:

@@ -101,9 +101,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
     # Loading pkg.sub runs pkg/__init__ first -- unless pkg is a package the importer
     # lives in, which is already loaded (or loading) by then.
     own_packages = {module.rsplit(".", i)[0] for i in range(module.count(".") + 1)}
-    implicit = {
-        ".".join(target.split(".")[:i]) for target in out for i in range(1, target.count(".") + 1)
-    }
+    implicit = {".".join(target.split(".")[:i]) for target in out for i in range(1, target.count(".") + 1)}
     return {t for t in out | (implicit - own_packages) if t in known and t != module}
 
 
@@ -142,16 +140,27 @@ def _dynamic_targets(tree: ast.Module, module: str, known: set[str]) -> set[str]
     }
     out: set[str] = set()
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
-                and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "import_module" and node.args):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Attribute, ast.Name))
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "import_module"
+            and node.args
+        ):
             continue
         arg = node.args[0]
         if isinstance(arg, ast.JoinedStr) and any(
-            isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name) and v.value.id == "__name__" for v in arg.values
+            isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name) and v.value.id == "__name__"
+            for v in arg.values
         ):
             prefix = module + "."
-            out.update(m for m in known if m.startswith(prefix) and "." not in m[len(prefix):]
-                       and not m[len(prefix):].startswith("_") and m[len(prefix):] not in skipped)
+            out.update(
+                m
+                for m in known
+                if m.startswith(prefix)
+                and "." not in m[len(prefix) :]
+                and not m[len(prefix) :].startswith("_")
+                and m[len(prefix) :] not in skipped
+            )
     return {m for m in out if m in known and m != module}
 
 
@@ -231,9 +240,11 @@ def test_function_local_imports_stay_under_ceiling():
 
 def test_graph_sees_lazy_relative_and_submodule_imports(tmp_path):
     """The checker itself: a lazy relative import closes a cycle, TYPE_CHECKING does not."""
-    a = ast.parse("from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
-                  "if TYPE_CHECKING:\n    from .b import X\n"
-                  "def f():\n    from . import b\n    return b\n")
+    a = ast.parse(
+        "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .b import X\n"
+        "def f():\n    from . import b\n    return b\n"
+    )
     imports = list(_walk_imports(a))
     known = {"mmfast", "mmfast.pkg", "mmfast.pkg.a", "mmfast.pkg.b"}
     targets = set()
@@ -248,9 +259,11 @@ def test_graph_sees_lazy_relative_and_submodule_imports(tmp_path):
 def test_graph_sees_method_discovery_and_known_edges():
     """A package that imports its submodules by ``f"{__name__}.{name}"`` loads them all (but the
     excluded ones); the real graph has the edges the layering relies on."""
-    tree = ast.parse("import importlib, pkgutil\nfor _m in pkgutil.iter_modules(__path__):\n"
-                     "    if not _m.name.startswith('_') and _m.name not in ('base', 'loop'):\n"
-                     "        importlib.import_module(f'{__name__}.{_m.name}')\n")
+    tree = ast.parse(
+        "import importlib, pkgutil\nfor _m in pkgutil.iter_modules(__path__):\n"
+        "    if not _m.name.startswith('_') and _m.name not in ('base', 'loop'):\n"
+        "        importlib.import_module(f'{__name__}.{_m.name}')\n"
+    )
     known = {"mmfast.d", "mmfast.d.base", "mmfast.d.loop", "mmfast.d.vcd", "mmfast.d._attn", "mmfast.d.vcd.x"}
     assert _dynamic_targets(tree, "mmfast.d", known) == {"mmfast.d.vcd"}
     graph = build_graph()

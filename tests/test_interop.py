@@ -60,14 +60,18 @@ def test_load_loaded_model_dtype_and_unsupported(tiny_dir, caplog):
 
     model = LlavaForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
     with caplog.at_level("WARNING", logger="mmfast.model"):
-        mm = mmfast.load(model, AutoProcessor.from_pretrained(tiny_dir), dtype="bfloat16", device="cpu")  # processor positional
+        mm = mmfast.load(
+            model, AutoProcessor.from_pretrained(tiny_dir), dtype="bfloat16", device="cpu"
+        )  # processor positional
     assert mm.dtype == torch.bfloat16 and mm.device.type == "cpu"
     # the cast is the caller's model's too, and says so
     assert model.dtype == torch.bfloat16 and mm.model is model
     assert "dtype=bfloat16 casts your LlavaForConditionalGeneration in place, from torch.float32" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="mmfast.model"):
-        mmfast.load(model, AutoProcessor.from_pretrained(tiny_dir), dtype="bfloat16")  # already bfloat16: nothing to say
+        mmfast.load(
+            model, AutoProcessor.from_pretrained(tiny_dir), dtype="bfloat16"
+        )  # already bfloat16: nothing to say
     assert "in place" not in caplog.text
     model.config.model_type = "qwen2_vl"  # a supported family, but not this model's class
     with pytest.raises(mmfast.InputError, match="Qwen2VLForConditionalGeneration"):
@@ -199,8 +203,9 @@ def test_streamer_refusals(tiny_mm, images, prompts):
     with pytest.raises(IncompatibleRecipeError, match="'beam'.*cannot stream"):
         tiny_mm.generate(images[:1], prompts[:1], max_new_tokens=2, num_beams=2, streamer=_Collect())
     with pytest.raises(IncompatibleRecipeError, match="speculative decoding.*does not stream"):
-        tiny_mm.generate(images[:1], prompts[:1], {"speculative": {"method": "prompt_lookup"}}, max_new_tokens=2,
-                         streamer=_Collect())
+        tiny_mm.generate(
+            images[:1], prompts[:1], {"speculative": {"method": "prompt_lookup"}}, max_new_tokens=2, streamer=_Collect()
+        )
     with pytest.raises(InputError, match="without put"):
         tiny_mm.generate(images[:1], prompts[:1], max_new_tokens=2, streamer=object())
 

@@ -55,8 +55,12 @@ def _pope_records(rng, n, p_correct, answer_yes="Yes", answer_no="No"):
 def test_pope_point_estimates_are_the_task_metrics(mode):
     rng = np.random.default_rng(1)
     splits = {s: _pope_records(rng, 150, p) for s, p in [("random", 0.9), ("popular", 0.8), ("adversarial", 0.7)]}
-    scored = summarize_pope({s: score_pope([PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in rs], mode)
-                             for s, rs in splits.items()})
+    scored = summarize_pope(
+        {
+            s: score_pope([PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in rs], mode)
+            for s, rs in splits.items()
+        }
+    )
     iv = pope_intervals({s: pope_cells(rs, mode) for s, rs in splits.items()})
     assert iv.mean_f1.estimate == pytest.approx(scored["mean_f1"], abs=1e-12)
     assert iv.mean_accuracy.estimate == pytest.approx(scored["mean_accuracy"], abs=1e-12)
@@ -95,8 +99,10 @@ def test_bootstrap_is_deterministic_given_the_seed_and_shrinks_with_n():
 def test_degenerate_bootstraps_fall_back_to_wilson():
     """6 of 6 right: every replicate is 1.0, and the percentile bootstrap's [1, 1] claims certainty.
     The fallback is Wilson of the pooled counts (F1 through the Jaccard index J = tp/(tp+fp+fn))."""
-    six = pope_intervals({s: ["tp", "tn"] for s in ("random", "popular", "adversarial")},
-                         {s: ["a.png", "a.png"] for s in ("random", "popular", "adversarial")})
+    six = pope_intervals(
+        {s: ["tp", "tn"] for s in ("random", "popular", "adversarial")},
+        {s: ["a.png", "a.png"] for s in ("random", "popular", "adversarial")},
+    )
     w = wilson(6, 6)
     assert six.mean_accuracy.estimate == 1.0 and six.mean_accuracy.method == "wilson"
     assert six.mean_accuracy.as_list() == pytest.approx(w.as_list()) and six.mean_accuracy.lo < 0.7
@@ -146,7 +152,11 @@ def test_chair_task_metrics_carry_n_and_intervals(tmp_path):
 
     task = ChairTask.__new__(ChairTask)
     task.evaluator = ChairEvaluator({1: ["dog", "person"], 2: ["car"], 3: ["cat"]})
-    captions = {1: "A man walks a dog past a car.", 2: "A red car next to a bus and a tree.", 3: "A cat sleeps on a bed."}
+    captions = {
+        1: "A man walks a dog past a car.",
+        2: "A red car next to a bus and a tree.",
+        3: "A cat sleeps on a bed.",
+    }
     recs = {"chair": [{"target": i, "resps": [[c]]} for i, c in captions.items()]}
     got = task.metrics(recs)
     plain = task.evaluator.evaluate([{"image_id": i, "caption": c} for i, c in captions.items()]).as_dict()
@@ -209,7 +219,9 @@ def test_paired_mean_f1_difference_against_direct_computation():
                 flipped += 1
         b[s] = cells
     d = paired_mean_f1_difference(a, b)
-    assert math.isclose(d.estimate, pope_intervals(a).mean_f1.estimate - pope_intervals(b).mean_f1.estimate, abs_tol=1e-12)
+    assert math.isclose(
+        d.estimate, pope_intervals(a).mean_f1.estimate - pope_intervals(b).mean_f1.estimate, abs_tol=1e-12
+    )
     assert 0 < d.lo <= d.estimate <= d.hi
     sep_a, sep_b = pope_intervals(a).mean_f1, pope_intervals(b).mean_f1
     assert sep_b.hi > sep_a.lo  # unpaired: the intervals overlap; paired: the difference is clear
@@ -224,7 +236,10 @@ def test_paired_mean_f1_difference_against_direct_computation():
     idx = np.concatenate([gen.integers(0, len(ca), size=(1000, len(ca))) for _ in range(10)])
     f = []
     for c in (ca, cb):
-        per = [_f1_from_counts(*(((c[idx] == k) & (split_of[idx] == j)).sum(axis=1) for k in (0, 1, 3))) for j in range(len(names))]
+        per = [
+            _f1_from_counts(*(((c[idx] == k) & (split_of[idx] == j)).sum(axis=1) for k in (0, 1, 3)))
+            for j in range(len(names))
+        ]
         f.append(np.mean(per, axis=0))
     lo, hi = np.percentile(f[0] - f[1], [2.5, 97.5])
     assert math.isclose(d.lo, lo, abs_tol=1e-12) and math.isclose(d.hi, hi, abs_tol=1e-12)
@@ -236,7 +251,10 @@ def _shared_image_splits(n_images=40, seed=5):
     """Three POPE splits over the same images, 3 positive + 3 negative questions per image and split;
     the positive questions (and so their answers) are the same in every split, as in POPE."""
     rng = np.random.default_rng(seed)
-    cells, units = {s: [] for s in ("random", "popular", "adversarial")}, {s: [] for s in ("random", "popular", "adversarial")}
+    cells, units = (
+        {s: [] for s in ("random", "popular", "adversarial")},
+        {s: [] for s in ("random", "popular", "adversarial")},
+    )
     for i in range(n_images):
         hard = rng.random() < 0.3  # an image the model gets wrong more often, in every split
         pos = ["tp" if rng.random() < (0.5 if hard else 0.9) else "fn" for _ in range(3)]
@@ -267,8 +285,14 @@ def test_pope_mean_f1_interval_matches_scipy_bootstrap_over_images():
         return float(np.mean(_f1_from_counts(c[:, 0], c[:, 1], c[:, 3])))
 
     assert iv.mean_f1.estimate == pytest.approx(mean_f1(np.arange(40)), abs=1e-12)
-    ref = stats.bootstrap((np.arange(40),), mean_f1, vectorized=False, n_resamples=10_000, method="percentile",
-                          rng=np.random.default_rng(123)).confidence_interval
+    ref = stats.bootstrap(
+        (np.arange(40),),
+        mean_f1,
+        vectorized=False,
+        n_resamples=10_000,
+        method="percentile",
+        rng=np.random.default_rng(123),
+    ).confidence_interval
     assert iv.mean_f1.method == "bootstrap" and iv.n_units == 40 and iv.n == 720
     assert iv.mean_f1.lo == pytest.approx(ref.low, abs=0.006) and iv.mean_f1.hi == pytest.approx(ref.high, abs=0.006)
     by_question = pope_intervals(cells)  # every question its own unit, splits independent
@@ -299,8 +323,9 @@ def test_paired_difference_resamples_images_jointly():
         return float(f1[0] - f1[1])
 
     assert d.estimate == pytest.approx(diff(np.arange(40)), abs=1e-12)
-    ref = stats.bootstrap((np.arange(40),), diff, vectorized=False, n_resamples=10_000, method="percentile",
-                          rng=np.random.default_rng(7)).confidence_interval
+    ref = stats.bootstrap(
+        (np.arange(40),), diff, vectorized=False, n_resamples=10_000, method="percentile", rng=np.random.default_rng(7)
+    ).confidence_interval
     assert d.lo == pytest.approx(ref.low, abs=0.006) and d.hi == pytest.approx(ref.high, abs=0.006)
     loose = paired_mean_f1_difference(a, b)
     assert (loose.hi - loose.lo) < 0.85 * (d.hi - d.lo)
@@ -314,13 +339,20 @@ def test_unparsed_answers_are_counted_by_the_official_rule_and_degenerate_captio
     for good in ("Yes", "No", "yes, there is a dog.", "No, there is not.", "There is no dog"):
         assert not pope_unparsed(good), good
     assert degenerate_caption("") == "empty" and degenerate_caption("  ... !") == "no words"
-    assert degenerate_caption("This is a bedroom. You can You can You can see a bed.").startswith("repetition loop ('you can'")
+    assert degenerate_caption("This is a bedroom. You can You can You can see a bed.").startswith(
+        "repetition loop ('you can'"
+    )
     assert degenerate_caption("a red red red vase") is not None
-    real = ("This is a photo of a dining room. You can see a woman dressed in green on the left and a white keyboard "
-            "in the bottom left corner. There is also a white cup in the bottom left corner and a small knife")
+    real = (
+        "This is a photo of a dining room. You can see a woman dressed in green on the left and a white keyboard "
+        "in the bottom left corner. There is also a white cup in the bottom left corner and a small knife"
+    )
     assert degenerate_caption(real) is None
-    recs = ([{"task": "pope_random", "resps": [["inNo"]]}] * 6 + [{"task": "pope_random", "resps": [["Yes"]]}] * 94
-            + [{"task": "chair", "resps": [["A dog. A dog. A dog."]]}, {"task": "chair", "resps": [[real]]}])
+    recs = (
+        [{"task": "pope_random", "resps": [["inNo"]]}] * 6
+        + [{"task": "pope_random", "resps": [["Yes"]]}] * 94
+        + [{"task": "chair", "resps": [["A dog. A dog. A dog."]]}, {"task": "chair", "resps": [[real]]}]
+    )
     u = count_unparsed(recs)
     assert (u.pope.k, u.pope.n, u.pope.examples) == (6, 100, ("inNo",)) and u.pope.over_limit
     assert (u.chair.k, u.chair.n) == (1, 2) and u.chair.over_limit

@@ -26,7 +26,7 @@ def test_next_matches_transformers_and_batches(next_mm, images, prompts):
     assert ours[0].n_vision_tokens > 16  # base view + unpadded tiles + newlines
     batch = next_mm.prepare([images[0]], [prompts[0]])
     inputs = next_mm.processor(images=images[0], text=batch.texts[0], return_tensors="pt")
-    hf = next_mm.model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    hf = next_mm.model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1] :].tolist()
     hf = hf[: hf.index(2)] if 2 in hf else hf
     assert ours[0].token_ids == hf
     single = [next_mm.generate([im], [p], max_new_tokens=8)[0].token_ids for im, p in zip(images[:2], prompts[:2])]
@@ -34,17 +34,22 @@ def test_next_matches_transformers_and_batches(next_mm, images, prompts):
 
 
 def test_next_llm_stage_pruning_and_decoders(next_mm, images, prompts):
-    out = next_mm.generate(images[:2], prompts[:2], recipe={"pruning": [{"method": "fastv", "params": {"keep": 8}}]}, max_new_tokens=4)
+    out = next_mm.generate(
+        images[:2], prompts[:2], recipe={"pruning": [{"method": "fastv", "params": {"keep": 8}}]}, max_new_tokens=4
+    )
     assert out[0].vision_tokens_layer_avg < out[0].n_vision_tokens
     for method in ("vcd", "m3id", "vhr"):
         next_mm.generate(images[:1], prompts[:1], recipe={"decoding": {"method": method}}, max_new_tokens=3)
 
 
-@pytest.mark.parametrize("recipe, match", [
-    ({"pruning": [{"method": "visionzip", "params": {"tokens": 8}}]}, "llava_next family"),
-    ({"pruning": [{"method": "tome", "params": {"budget": 8}}]}, "llava_next family"),
-    ({"decoding": {"method": "damro"}}, "llava_next family"),
-])
+@pytest.mark.parametrize(
+    "recipe, match",
+    [
+        ({"pruning": [{"method": "visionzip", "params": {"tokens": 8}}]}, "llava_next family"),
+        ({"pruning": [{"method": "tome", "params": {"budget": 8}}]}, "llava_next family"),
+        ({"decoding": {"method": "damro"}}, "llava_next family"),
+    ],
+)
 def test_next_rejects_grid_methods(next_mm, recipe, match):
     with pytest.raises(IncompatibleRecipeError, match=match):
         Session(next_mm, load_recipe(recipe))
@@ -73,7 +78,9 @@ def test_next_row_separators_are_droppable_vision_tokens(next_mm, images, prompt
 
     monkeypatch.setattr(FastV, "select", spy)
     keep_n = 8
-    next_mm.generate(images[:2], prompts[:2], recipe={"pruning": [{"method": "fastv", "params": {"keep": keep_n}}]}, max_new_tokens=2)
+    next_mm.generate(
+        images[:2], prompts[:2], recipe={"pruning": [{"method": "fastv", "params": {"keep": keep_n}}]}, max_new_tokens=2
+    )
     inputs, vision, scores, keep = seen[0]
     newline = _newline_slots(next_mm, inputs)
     assert newline.sum(1).min() > 0 and bool((vision | ~newline).all())  # every separator is a vision slot

@@ -52,7 +52,7 @@ def _hf_inputs(mm, image, prompt):
 
 def _hf_greedy(mm, image, prompt, n):
     inputs = _hf_inputs(mm, image, prompt)
-    out = mm.model.generate(**inputs, max_new_tokens=n, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    out = mm.model.generate(**inputs, max_new_tokens=n, do_sample=False)[0, inputs["input_ids"].shape[1] :].tolist()
     return out[: out.index(2)] if 2 in out else out
 
 
@@ -100,11 +100,16 @@ def test_loads_a_checkpoint_that_ships_a_video_processor(ov_dir, tmp_path, ov_im
     shutil.copytree(ov_dir, hub)
     cfg = json.loads((hub / "processor_config.json").read_text())
     assert cfg["processor_class"] == "LlavaOnevisionProcessor"
-    cfg["video_processor"] = {"video_processor_type": "LlavaOnevisionVideoProcessor", "size": {"height": 32, "width": 32}}
+    cfg["video_processor"] = {
+        "video_processor_type": "LlavaOnevisionVideoProcessor",
+        "size": {"height": 32, "width": 32},
+    }
     (hub / "processor_config.json").write_text(json.dumps(cfg))
     mm = mmfast.load(hub, device="cpu")
     assert mm.processor.image_token == "<image>" and not hasattr(mm.processor, "video_processor")
-    assert mm.generate(ov_images[:1], prompts[:1], max_new_tokens=4)[0].token_ids == _hf_greedy(mm, ov_images[0], prompts[0], 4)
+    assert mm.generate(ov_images[:1], prompts[:1], max_new_tokens=4)[0].token_ids == _hf_greedy(
+        mm, ov_images[0], prompts[0], 4
+    )
 
 
 def test_token_counts_follow_the_anyres_max_rule(ov_mm, ov_images, prompts):
@@ -134,11 +139,14 @@ def test_prefill_logits_equal_model_forward(ov_mm, ov_images, prompts):
             # the full-sequence projection differs from the last-row one by fp32 rounding of a matmul over
             # more rows (~1e-6); token identity is checked against model.generate below
             torch.testing.assert_close(out.logits, want.logits[:, -1:], atol=1e-5, rtol=1e-5)  # last position
-            torch.testing.assert_close(ov_mm.adapter.lm_head(out.hidden), want.logits, atol=1e-5, rtol=1e-5)  # every one
+            torch.testing.assert_close(
+                ov_mm.adapter.lm_head(out.hidden), want.logits, atol=1e-5, rtol=1e-5
+            )  # every one
             step = s.runner.step(state, out.logits[:, -1].argmax(-1)[:, None])
             with torch.no_grad():
                 nxt = ov_mm.model(
-                    input_ids=out.logits[:, -1].argmax(-1)[:, None], **compat.cache_kwargs(compat.output_cache(want)),
+                    input_ids=out.logits[:, -1].argmax(-1)[:, None],
+                    **compat.cache_kwargs(compat.output_cache(want)),
                     attention_mask=torch.ones(1, hf["input_ids"].shape[1] + 1, dtype=torch.long),
                 ).logits
             torch.testing.assert_close(step.logits, nxt, atol=1e-5, rtol=1e-5)  # a decode step on the cache
@@ -179,7 +187,9 @@ def test_llm_probe_equals_eager(ov_mm, ov_dir, ov_images, prompts):
         rows = torch.tensor([inputs.length - 1, inputs.length - 20, 7])
         for layer in (0, 3):
             s.probe.watch(f"llm.{layer}", ov_mm.adapter.layers[layer].self_attn, rows=lambda q, k: rows)
-        kwargs = dict(inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids)
+        kwargs = dict(
+            inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids
+        )
         with torch.no_grad():
             ov_mm.adapter.language_model(**kwargs)
             want = eager.adapter.language_model(**kwargs, output_attentions=True).attentions
@@ -219,7 +229,9 @@ def test_noop_pruning_equals_baseline(name, ov_mm, ov_images, prompts):
     except NotImplementedError:
         pytest.skip(f"{name} defines no no-op setting")
     base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=6)
-    noop = ov_mm.generate(ov_images, prompts[:3], recipe={"pruning": [{"method": name, "params": params}]}, max_new_tokens=6)
+    noop = ov_mm.generate(
+        ov_images, prompts[:3], recipe={"pruning": [{"method": name, "params": params}]}, max_new_tokens=6
+    )
     assert [r.token_ids for r in noop] == [r.token_ids for r in base]
     assert [r.n_vision_tokens for r in noop] == [r.n_vision_tokens for r in base]
 
@@ -244,10 +256,16 @@ def test_fastv_decisions_equal_a_direct_computation(ov_mm, ov_dir, ov_images, pr
         inputs = s.build_inputs(batch, s.encode(batch))
         state, _ = s.runner.prefill(inputs)
     with torch.no_grad():
-        att = eager.adapter.language_model(
-            inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
-            output_attentions=True,
-        ).attentions[k - 1][:, :, -1].mean(1)  # [B, L] last token, head mean
+        att = (
+            eager.adapter.language_model(
+                inputs_embeds=inputs.embeds,
+                attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids,
+                output_attentions=True,
+            )
+            .attentions[k - 1][:, :, -1]
+            .mean(1)
+        )  # [B, L] last token, head mean
     grp = next(g for g in state.groups if g.start == k)
     for b in range(3):
         img = inputs.image_mask[b].nonzero().squeeze(1)
@@ -275,12 +293,15 @@ def test_budget_scales_with_each_images_token_count(ov_mm, ov_images, prompts):
         assert abs(r.vision_tokens_layer_avg - budget * n / n0) <= (n_layers - k) / n_layers * 0.5 * (1 + n / n0) + 1e-6
 
 
-@pytest.mark.parametrize("drafter, params", [
-    ("prompt_lookup", {}),
-    ("layer_skip", {"skip": [2], "gamma": 3, "threshold": 0.0}),
-    ("msd", {"depth": 3, "top_k": 4, "total_tokens": 16}),
-    ("flash", {"top_k": 4, "total_tokens": 12, "rounds": 2}),
-])
+@pytest.mark.parametrize(
+    "drafter, params",
+    [
+        ("prompt_lookup", {}),
+        ("layer_skip", {"skip": [2], "gamma": 3, "threshold": 0.0}),
+        ("msd", {"depth": 3, "top_k": 4, "total_tokens": 16}),
+        ("flash", {"top_k": 4, "total_tokens": 12, "rounds": 2}),
+    ],
+)
 def test_drafts_are_token_identical_to_greedy(drafter, params, ov_mm, ov_images, prompts):
     from mmfast.speculative._eagle_model import _model_dir, write_random_draft
 
@@ -290,21 +311,26 @@ def test_drafts_are_token_identical_to_greedy(drafter, params, ov_mm, ov_images,
     if drafter == "flash" and not (d / "flash").exists():
         write_random_draft(ov_mm, "flash", d / "flash", sar_k=3, n_latents=4)
     base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=16)
-    spec = ov_mm.generate(ov_images, prompts[:3], recipe={"speculative": {"method": drafter, "params": params}}, max_new_tokens=16)
+    spec = ov_mm.generate(
+        ov_images, prompts[:3], recipe={"speculative": {"method": drafter, "params": params}}, max_new_tokens=16
+    )
     assert [r.token_ids for r in spec] == [r.token_ids for r in base]
     assert spec[0].stats["speculative"]["cycles"] >= 1
 
 
-@pytest.mark.parametrize("recipe, why", [
-    ({"pruning": [{"method": "visionzip", "params": {"tokens": 8}}]}, "needs a CLS token"),
-    ({"pruning": [{"method": "mustdrop"}]}, "needs a CLS token"),
-    ({"pruning": [{"method": "tome", "params": {"budget": 8}}]}, "does not support the llava_onevision family"),
-    ({"pruning": [{"method": "avgpool", "params": {"keep": 4}}]}, "does not support the llava_onevision family"),
-    ({"pruning": [{"method": "random", "params": {"keep": 4}}]}, "does not support the llava_onevision family"),
-    ({"pruning": [{"method": "hicom"}]}, "does not support the llava_onevision family"),
-    ({"decoding": {"method": "damro"}}, "needs a CLS token"),
-    ({"decoding": {"method": "ritual"}}, "does not support the llava_onevision family"),
-])
+@pytest.mark.parametrize(
+    "recipe, why",
+    [
+        ({"pruning": [{"method": "visionzip", "params": {"tokens": 8}}]}, "needs a CLS token"),
+        ({"pruning": [{"method": "mustdrop"}]}, "needs a CLS token"),
+        ({"pruning": [{"method": "tome", "params": {"budget": 8}}]}, "does not support the llava_onevision family"),
+        ({"pruning": [{"method": "avgpool", "params": {"keep": 4}}]}, "does not support the llava_onevision family"),
+        ({"pruning": [{"method": "random", "params": {"keep": 4}}]}, "does not support the llava_onevision family"),
+        ({"pruning": [{"method": "hicom"}]}, "does not support the llava_onevision family"),
+        ({"decoding": {"method": "damro"}}, "needs a CLS token"),
+        ({"decoding": {"method": "ritual"}}, "does not support the llava_onevision family"),
+    ],
+)
 def test_refused_before_compute(recipe, why, ov_mm, ov_dir):
     from mmfast.capabilities import check_model_config
 
@@ -344,7 +370,12 @@ DRAFT = {"method": "layer_skip", "params": {"skip": [2], "gamma": 3, "threshold"
 def _recipe_file(ov_dir, tmp_path, name, **sections) -> str:
     import yaml
 
-    data = {"name": name, "model": {"name": str(ov_dir), "device": "cpu", "dtype": "float32"}, "pruning": PRUNE, **sections}
+    data = {
+        "name": name,
+        "model": {"name": str(ov_dir), "device": "cpu", "dtype": "float32"},
+        "pruning": PRUNE,
+        **sections,
+    }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
@@ -366,10 +397,14 @@ def test_cli_run_with_pruning_and_drafter(ov_mm, ov_dir, ov_images, tmp_path, ca
     assert out["stats"]["speculative"]["cycles"] >= 1
 
 
-@pytest.mark.parametrize("sections", [
-    {"decoding": {"method": "greedy", "max_new_tokens": 6}, "speculative": DRAFT},  # pruning + drafter
-    {"decoding": {"method": "vcd", "max_new_tokens": 6}},  # pruning + a contrastive decoder
-], ids=["fastv+greedy+layer_skip", "fastv+vcd"])
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"decoding": {"method": "greedy", "max_new_tokens": 6}, "speculative": DRAFT},  # pruning + drafter
+        {"decoding": {"method": "vcd", "max_new_tokens": 6}},  # pruning + a contrastive decoder
+    ],
+    ids=["fastv+greedy+layer_skip", "fastv+vcd"],
+)
 def test_cli_eval_limit_2_stacked(sections, ov_dir, tmp_path):
     import json
 
@@ -397,7 +432,9 @@ def test_list_verbose_names_each_methods_families(capsys):
 
     assert main(["list", "methods", "-v"]) == 0
     out = capsys.readouterr().out.splitlines()
-    families = {line.split()[0]: out[i + 1] for i, line in enumerate(out[:-1]) if out[i + 1].strip().startswith("families:")}
+    families = {
+        line.split()[0]: out[i + 1] for i, line in enumerate(out[:-1]) if out[i + 1].strip().startswith("families:")
+    }
     assert FAMILY in families["fastv"] and FAMILY in families["greedy"] and FAMILY in families["prompt_lookup"]
     assert FAMILY not in families["visionzip"] and FAMILY not in families["damro"]
 
@@ -416,7 +453,11 @@ def test_real_geometry_token_count(tmp_path):
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (768, 1024, 3), dtype=np.uint8))
     ours = mm.generate([image], ["Describe the image."], max_new_tokens=2)[0]
     hf = _hf_inputs(mm, image, "Describe the image.")
-    assert ours.n_vision_tokens == int((hf["input_ids"] == mm.adapter.image_token_id).sum()) == _expected_tokens(mm, (768, 1024))[0]
+    assert (
+        ours.n_vision_tokens
+        == int((hf["input_ids"] == mm.adapter.image_token_id).sum())
+        == _expected_tokens(mm, (768, 1024))[0]
+    )
     assert ours.n_vision_tokens == 4725  # 729 base view + 2 x 3 tiles unpadded to 54 x 73 patches + 54 newlines
     assert ours.token_ids == _hf_greedy(mm, image, "Describe the image.", 2)
 
@@ -434,7 +475,9 @@ def test_pyramiddrop_keeps_a_fraction_of_each_image_and_batch_equals_single(ov_m
     for r, b, image, prompt in zip(batched, base, ov_images, prompts):
         assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
         n = b.n_vision_tokens
-        assert r.stats["pyramiddrop"]["kept"] == [int(n * lam ** (s + 1)) for s in range(len(r.stats["pyramiddrop"]["kept"]))]
+        assert r.stats["pyramiddrop"]["kept"] == [
+            int(n * lam ** (s + 1)) for s in range(len(r.stats["pyramiddrop"]["kept"]))
+        ]
     assert len({b.n_vision_tokens for b in base}) > 1  # the images really differ in token count
 
 

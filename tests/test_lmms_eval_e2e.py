@@ -38,28 +38,50 @@ def setup(tmp_path_factory, tiny_dir):
         "model: {name: no/such-model, device: cpu}\n"
         "pruning: [{method: fastv, params: {keep: 12}}]\n"
         f"eval: {{tasks: [pope], data: {{dataset: world, root: {tmp / 'world'}}},\n"
-        f"       pope: {{splits: [{', '.join(SPLITS)}], max_new_tokens: 4, prompt: \"{{question}} Answer yes or no.\"}}}}\n"
+        f'       pope: {{splits: [{", ".join(SPLITS)}], max_new_tokens: 4, prompt: "{{question}} Answer yes or no."}}}}\n'
     )
     assert main(["-q", "lmms-task", str(recipe), "--output", str(tmp / "task"), "--name", "tw_pope"]) == 0
     return tmp, recipe
 
 
 def _lmms_eval(tmp: Path, recipe: Path, tiny_dir: Path, out: str, launcher: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(tmp / "hf"),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     cmd = launcher + [
-        "-m", "lmms_eval", "--model", "mmfast",
-        "--model_args", f"pretrained={tiny_dir},recipe={recipe},pruning.0.params.keep=5",
-        "--include_path", str(tmp / "task"), "--tasks", "tw_pope", "--limit", str(LIMIT), "--batch_size", "2",
-        "--log_samples", "--output_path", str(tmp / out),
+        "-m",
+        "lmms_eval",
+        "--model",
+        "mmfast",
+        "--model_args",
+        f"pretrained={tiny_dir},recipe={recipe},pruning.0.params.keep=5",
+        "--include_path",
+        str(tmp / "task"),
+        "--tasks",
+        "tw_pope",
+        "--limit",
+        str(LIMIT),
+        "--batch_size",
+        "2",
+        "--log_samples",
+        "--output_path",
+        str(tmp / out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     # lmms-eval logs some failures (an import error, an unknown task) and still exits 0
     if not list((tmp / out).rglob("*_results.json")) or not _samples(tmp / out):
-        pytest.fail(f"lmms-eval exited 0 but wrote no results or samples under {tmp / out} (an error it logged and "
-                    "swallowed; with filelock>=4 it cannot import filelock._api: pip install 'filelock<4'):\n"
-                    + proc.stdout[-3000:] + proc.stderr[-6000:])
+        pytest.fail(
+            f"lmms-eval exited 0 but wrote no results or samples under {tmp / out} (an error it logged and "
+            "swallowed; with filelock>=4 it cannot import filelock._api: pip install 'filelock<4'):\n"
+            + proc.stdout[-3000:]
+            + proc.stderr[-6000:]
+        )
     return proc
 
 
@@ -94,8 +116,13 @@ def test_lmms_eval_one_and_two_processes(setup, tiny_dir):
     tmp, recipe = setup
     one = _lmms_eval(tmp, recipe, tiny_dir, "one", [sys.executable])
     # torchrun: on a machine without CUDA `accelerate launch --num_processes 2 --cpu` starts one process
-    two = _lmms_eval(tmp, recipe, tiny_dir, "two", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                                    "--master_port", str(_free_port())])
+    two = _lmms_eval(
+        tmp,
+        recipe,
+        tiny_dir,
+        "two",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())],
+    )
     # mmfast's own log lines reach lmms-eval's (loguru) output: rank announcements and token summaries
     logs_one, logs_two = one.stdout + one.stderr, two.stdout + two.stderr
     assert "mmfast rank 1 of 2 on cpu (data parallel)" in logs_two and "rank 0 of" not in logs_one
@@ -123,8 +150,12 @@ def test_lmms_eval_one_and_two_processes(setup, tiny_dir):
     for out in ("one", "two"):
         res = _results(tmp / out)
         for split in SPLITS:
-            recs = [{"label": row["target"], "answer": row["filtered_resps"]} for (sp, _), row in a.items() if sp == split]
+            recs = [
+                {"label": row["target"], "answer": row["filtered_resps"]} for (sp, _), row in a.items() if sp == split
+            ]
             want = score_pope(recs, "pope")
             got = res[f"tw_pope_{split}"]
-            assert got["pope_f1,none"] == pytest.approx(want.f1) and got["pope_accuracy,none"] == pytest.approx(want.accuracy)
+            assert got["pope_f1,none"] == pytest.approx(want.f1) and got["pope_accuracy,none"] == pytest.approx(
+                want.accuracy
+            )
             assert got["pope_yes_ratio,none"] == pytest.approx(want.yes_ratio)

@@ -105,8 +105,13 @@ def _visual(doc):
     return [doc["image"]]
 
 
-QUESTIONS = ["Is there a cat in the image?", "Describe the image.", "What color is the car? Tell me now please.",
-             "How many dogs are there?", "Is there a dog?"]
+QUESTIONS = [
+    "Is there a cat in the image?",
+    "Describe the image.",
+    "What color is the car? Tell me now please.",
+    "How many dogs are there?",
+    "Is there a dog?",
+]
 
 
 def _requests(gen_kwargs: dict, doc_ids=range(5)) -> list[_Req]:
@@ -169,6 +174,7 @@ def _images(images):
 
 def test_entry_point_declared():
     import tomllib
+
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert project["project"]["entry-points"]["lmms_eval.models"] == {"mmfast": "mmfast.eval.lmms_plugin:manifest"}
 
@@ -176,6 +182,7 @@ def test_entry_point_declared():
 def test_lmms_installs_pin_filelock_below_4():
     # filelock 4 has no filelock._api, which lmms-eval 0.7.3 imports: it then dies and exits 0
     import tomllib
+
     root = Path(__file__).resolve().parents[1]
     project = tomllib.loads((root / "pyproject.toml").read_text())
     assert "filelock<4" in project["project"]["optional-dependencies"]["lmms"]
@@ -195,7 +202,7 @@ def test_plugin_runs_a_recipe(plugin, tiny_dir, task_dict, tiny_mm, tmp_path):
     assert [c[0] for c in model.cache_hook.calls] == ["generate_until"] * 2
     assert model.token_counts.requests == 2 and 0 < model.token_counts.new_tokens <= 8
     assert model.token_counts.vision_tokens == 2 * 16 and model.token_counts.per_task[TASK]["requests"] == 2
-    (lp, greedy), = model.loglikelihood([_Req(("Is there a cat?", " Yes", _visual, 0, TASK, SPLIT))])
+    ((lp, greedy),) = model.loglikelihood([_Req(("Is there a cat?", " Yes", _visual, 0, TASK, SPLIT))])
     assert lp < 0 and isinstance(greedy, bool)
 
 
@@ -245,7 +252,9 @@ def test_gen_kwargs_honoured(plugin, tiny_dir, task_dict, tiny_mm):
     greedy = _generate(model, _requests(pope, [0, 1]))
     assert greedy == _expected(tiny_mm, None, [0, 1], 6)
     sampled = _generate(model, _requests({"max_new_tokens": 6, "do_sample": True, "temperature": 0.7}, [0, 1]))
-    want = _expected(tiny_mm, None, [0, 1], 6, keywords={"method": "sample", "params": {"temperature": 0.7, "top_k": 50}})
+    want = _expected(
+        tiny_mm, None, [0, 1], 6, keywords={"method": "sample", "params": {"temperature": 0.7, "top_k": 50}}
+    )
     assert sampled == want and sampled != greedy
     beams = _generate(model, _requests({"max_new_tokens": 6, "num_beams": 2}, [0]))
     assert beams == _expected(tiny_mm, None, [0], 6, keywords={"method": "beam", "params": {"num_beams": 2}})
@@ -305,7 +314,9 @@ def test_data_parallel_state_outside_a_launch(plugin, monkeypatch):
 
 def test_recipe_overrides_translation(plugin):
     assert plugin.recipe_overrides({"pruning.0.params.keep": 32, "decoding.method": "vcd", "model.x.1": True}) == [
-        "pruning[0].params.keep=32", "decoding.method=vcd", "model.x[1]=true",
+        "pruning[0].params.keep=32",
+        "decoding.method=vcd",
+        "model.x[1]=true",
     ]
 
 

@@ -33,9 +33,14 @@ def world(tmp_path_factory):
 
 
 def _recipe(world, **pope):
-    return {"model": {"name": "unused"}, "eval": {"tasks": ["pope"], "data": {"dataset": "world", "root": str(world)},
-                                                  "pope": {"prompt": "Q: {question}\nA (yes/no):", "max_new_tokens": 3,
-                                                           "parser": "lmms", **pope}}}
+    return {
+        "model": {"name": "unused"},
+        "eval": {
+            "tasks": ["pope"],
+            "data": {"dataset": "world", "root": str(world)},
+            "pope": {"prompt": "Q: {question}\nA (yes/no):", "max_new_tokens": 3, "parser": "lmms", **pope},
+        },
+    }
 
 
 def test_written_task_mirrors_the_recipe(world, tmp_path, capsys):
@@ -60,11 +65,17 @@ def test_written_task_mirrors_the_recipe(world, tmp_path, capsys):
         kw = cfg["lmms_eval_specific_kwargs"]["default"]
         assert (kw["pre_prompt"], kw["post_prompt"]) == ("Q: ", "\nA (yes/no):")
         assert [m["metric"] for m in cfg["metric_list"]] == [
-            "pope_accuracy", "pope_precision", "pope_recall", "pope_f1", "pope_yes_ratio"]
+            "pope_accuracy",
+            "pope_precision",
+            "pope_recall",
+            "pope_f1",
+            "pope_yes_ratio",
+        ]
         rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
         questions = load_pope_questions(world / "pope" / f"world_pope_{split}.json")
         assert [(r["question_id"], r["question"], r["answer"]) for r in rows] == [
-            (q.question_id, q.text, q.label) for q in questions]
+            (q.question_id, q.text, q.label) for q in questions
+        ]
         assert all(r["image"] == str((world / "images" / "val" / q.image).resolve()) for r, q in zip(rows, questions))
         assert {r["split"] for r in rows} == {split} and {r["parser"] for r in rows} == {"lmms"}
     assert not (task_dir / "data" / "adversarial.jsonl").exists()
@@ -79,8 +90,10 @@ def test_task_functions_score_like_mmfast(world, tmp_path):
     utils = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(utils)  # the file lmms-eval loads for `!function utils.*`
     docs = [json.loads(line) for line in (task.directory / "data" / "adversarial.jsonl").read_text().splitlines()]
-    assert utils.doc_to_text(docs[0], {"pre_prompt": "Q: ", "post_prompt": "\nA (yes/no):"}) == \
-        f"Q: {docs[0]['question']}\nA (yes/no):"
+    assert (
+        utils.doc_to_text(docs[0], {"pre_prompt": "Q: ", "post_prompt": "\nA (yes/no):"})
+        == f"Q: {docs[0]['question']}\nA (yes/no):"
+    )
     (im,) = utils.doc_to_visual(docs[0])
     assert im.mode == "RGB" and im.size == (192, 192)
     answers = ["Yes.", "no", "maybe", "No, there is not.", "yes"] * (len(docs) // 5 + 1)

@@ -49,7 +49,14 @@ def test_random_draft_lossless_and_sampling(name, drafts, tiny_mm, images, promp
     assert [r.token_ids for r in spec] == [r.token_ids for r in base]
     st = spec[0].stats["speculative"]
     assert st["cycles"] >= 1 and st["draft_tokens"] > 0
-    out = _run(tiny_mm, images[:2], prompts[:2], {"method": name, "params": PARAMS[name]}, n=10, decoding={"method": "sample", "seed": 3})
+    out = _run(
+        tiny_mm,
+        images[:2],
+        prompts[:2],
+        {"method": name, "params": PARAMS[name]},
+        n=10,
+        decoding={"method": "sample", "seed": 3},
+    )
     assert all(len(r.token_ids) > 0 for r in out)
 
 
@@ -114,8 +121,17 @@ def test_inference_path_matches_training_path(name, drafts, tiny_mm, images, pro
     (next_emb, hid, row_image, vis_src), _, _ = seen[0]
     r = next_emb.shape[0]
     with torch.no_grad():
-        pred, ok = d.model.train_forward([{"next_emb": next_emb, "hid": hid, "row_image": row_image, "vis_src": vis_src,
-                                           "query": torch.tensor([r - 1])}])
+        pred, ok = d.model.train_forward(
+            [
+                {
+                    "next_emb": next_emb,
+                    "hid": hid,
+                    "row_image": row_image,
+                    "vis_src": vis_src,
+                    "query": torch.tensor([r - 1]),
+                }
+            ]
+        )
     assert bool(ok.all())
     torch.testing.assert_close(pred[0, 0], d.root_slots, rtol=1e-4, atol=1e-4)
 
@@ -164,8 +180,13 @@ def distilled(tiny_mm, images, prompts):
         assert torch.equal(top1[t0 : t0 + n - 1], ids[plen:])
         t0 += n
     return [
-        Sample(shard["ids"][off[b] : off[b + 1]].long(), shard["hid"][off[b] : off[b + 1]], shard["vis"][voff[b] : voff[b + 1]],
-               int(shard["plen"][b]), bool(shard["eos"][b]))
+        Sample(
+            shard["ids"][off[b] : off[b + 1]].long(),
+            shard["hid"][off[b] : off[b + 1]],
+            shard["vis"][voff[b] : voff[b + 1]],
+            int(shard["plen"][b]),
+            bool(shard["eos"][b]),
+        )
         for b in range(len(off) - 1)
     ]
 
@@ -175,7 +196,9 @@ def test_training_fits_the_target_and_gets_accepted(name, tiny_mm, distilled, im
     from mmfast.speculative._eagle_model import build_draft
     from mmfast.train.drafts import DraftTrainConfig, draft_loss
 
-    cfg = dataclasses.replace(DraftTrainConfig(), noise=0.0, sar_k=FLASH_ARCH["sar_k"], n_latents=FLASH_ARCH["n_latents"])
+    cfg = dataclasses.replace(
+        DraftTrainConfig(), noise=0.0, sar_k=FLASH_ARCH["sar_k"], n_latents=FLASH_ARCH["n_latents"]
+    )
     torch.manual_seed(0)
     model = build_draft(tiny_mm, name, **(FLASH_ARCH if name == "flash" else {}))
     model.train()

@@ -81,9 +81,7 @@ def test_merge_count_is_the_batch_minimum():
 # -- stage 2: dual-attention filter ---------------------------------------------------------------
 def test_dual_filter_drops_exactly_below_both_thresholds():
     # slots: 0 text, 1-4 vision (4 is a key token), 5 text; two text rows (a third, all-zero row is padding)
-    attn = torch.tensor(
-        [[[0.10, 0.30, 0.01, 0.000, 0.0, 0.590], [0.20, 0.20, 0.05, 0.002, 0.0, 0.548], [0.0] * 6]]
-    )
+    attn = torch.tensor([[[0.10, 0.30, 0.01, 0.000, 0.0, 0.590], [0.20, 0.20, 0.05, 0.002, 0.0, 0.548], [0.0] * 6]])
     vision = torch.tensor([[False, True, True, True, True, False]])
     key = torch.tensor([[False, False, False, False, True, False]])
     # g = [.5, .06, .002, 0] over the vision slots, sum .562 -> global threshold .281; individual .04
@@ -121,12 +119,21 @@ def test_key_set_is_cls_top_k_and_never_dropped(tiny_dir, tiny_mm, images, promp
     # the key set: top ceil(0.25 * 16) patches by head-mean CLS attention of the last CLIP layer (eager reference)
     eager = mmfast.load(tiny_dir, device="cpu", attn_implementation="eager")
     with torch.no_grad():
-        att = eager.adapter.vision_tower(s.mm.prepare(images[:3], prompts[:3]).pixel_values, output_attentions=True).attentions[-1]
+        att = eager.adapter.vision_tower(
+            s.mm.prepare(images[:3], prompts[:3]).pixel_values, output_attentions=True
+        ).attentions[-1]
     want = att[:, :, 0, 1:].mean(1).topk(math.ceil(0.25 * 16), dim=1).indices.sort(1).values
     keys = [t.nonzero().squeeze(1) for t in vision.tags["mustdrop.key"]]  # the key set travels as a tag
     assert [k.tolist() for k in keys] == want.tolist()
-    assert torch.equal(inputs.tags["mustdrop.key"].nonzero(), torch.cat(
-        [torch.stack([torch.full_like(k, b), inputs.image_mask[b].nonzero().squeeze(1)[k]], 1) for b, k in enumerate(keys)]))
+    assert torch.equal(
+        inputs.tags["mustdrop.key"].nonzero(),
+        torch.cat(
+            [
+                torch.stack([torch.full_like(k, b), inputs.image_mask[b].nonzero().squeeze(1)[k]], 1)
+                for b, k in enumerate(keys)
+            ]
+        ),
+    )
     text_after = inputs.text_after_image()
     for b in range(3):
         pos = inputs.image_mask[b].nonzero().squeeze(1)
@@ -147,7 +154,9 @@ def test_key_set_survives_merge_and_filter(tiny_mm, images, prompts):
     final = state.groups[-1]
     for b in range(2):
         pos = inputs.image_mask[b].nonzero().squeeze(1)
-        assert set(final.source[b][state.vision_slots(len(state.groups) - 1)[b]].tolist()) == set(pos[vision.tags["mustdrop.key"][b]].tolist())
+        assert set(final.source[b][state.vision_slots(len(state.groups) - 1)[b]].tolist()) == set(
+            pos[vision.tags["mustdrop.key"][b]].tolist()
+        )
 
 
 def test_kv_policy_keeps_only_final_survivors(tiny_mm, images, prompts):
@@ -196,9 +205,17 @@ def test_key_set_travels_into_every_branch(tiny_mm, images, prompts, decoder):
     """Filters that drop every non-key token leave exactly the key set, whatever the decoder builds
     around the clean batch (noised / transformed branches re-encode, VHR stacks a text stream, beams
     repeat rows): the key set travels with the tokens as a tag."""
-    recipe = load_recipe({"pruning": [{"method": "mustdrop", "params": {**BASE, "sim_threshold": 1.5, "key_ratio": 0.25,
-                                                                       "lambda_g": 100.0, "lambda_i": 2.0}}],
-                          "decoding": {"method": decoder, **({"params": {"num_beams": 2}} if decoder == "beam" else {})}})
+    recipe = load_recipe(
+        {
+            "pruning": [
+                {
+                    "method": "mustdrop",
+                    "params": {**BASE, "sim_threshold": 1.5, "key_ratio": 0.25, "lambda_g": 100.0, "lambda_i": 2.0},
+                }
+            ],
+            "decoding": {"method": decoder, **({"params": {"num_beams": 2}} if decoder == "beam" else {})},
+        }
+    )
     with Session(tiny_mm, recipe) as s:
         out = s.generate(images[:2], prompts[:2], max_new_tokens=2)
     for r in out:

@@ -66,16 +66,22 @@ def test_column_product_log_space():
     cands = cands / cands.sum(-1, keepdim=True)
     for c in range(n):
         dense = torch.cat([rows[:, :t], cands[:, c : c + 1]], 1)  # [K, t+1, t+1]
-        torch.testing.assert_close(hist.candidate_log_scores(cands)[:, c], column_log_scores(dense, sigma), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(
+            hist.candidate_log_scores(cands)[:, c], column_log_scores(dense, sigma), rtol=1e-5, atol=1e-4
+        )
     # a long map: the direct product underflows even in float64, the log-space score stays finite
     long = torch.full((600, 600), 1e-3).tril()
     assert (1e-7 * (sigma * long[:, 0].double()).prod()).item() == 0.0
     logs = column_log_scores(long, sigma)
-    assert torch.isfinite(logs).all() and logs[0].item() == pytest.approx(LOG_PHI_OFFSET + 600 * math.log(0.05), rel=1e-5)
+    assert torch.isfinite(logs).all() and logs[0].item() == pytest.approx(
+        LOG_PHI_OFFSET + 600 * math.log(0.05), rel=1e-5
+    )
     # large products saturate to the fp32 range (no inf/NaN with a zero weight) unless fp16 emulation is on
     big = torch.tensor([[10.0, 300.0, 5.0]])
     assert torch.isfinite(phi_from_log(big)[0]).all() and phi_from_log(big)[1].item() == 1
-    phi16, loc16 = phi_from_log(torch.tensor([[LOG_PHI_OFFSET + 12.0, LOG_PHI_OFFSET + 30.0, -40.0]]), fp16_saturation=True)
+    phi16, loc16 = phi_from_log(
+        torch.tensor([[LOG_PHI_OFFSET + 12.0, LOG_PHI_OFFSET + 30.0, -40.0]]), fp16_saturation=True
+    )
     assert phi16.item() == math.inf and loc16.item() == 0  # both products > 65504: the first column, as released
     assert mode(torch.tensor([[3, 1, 3, 1, 2]])).item() == 1  # ties: the smallest, as torch.mode
 
@@ -95,7 +101,9 @@ def test_rollback_forced_location(tiny_mm, images, prompts, monkeypatch):
     """Every candidate's over-trust location is 10: the trigger must fire once 11 tokens exist."""
     _force_location(monkeypatch)
     k, n_can = 3, 2
-    _, res, trace = _run(tiny_mm, images[:1], prompts[:1], {"num_beams": k, "num_attn_candidates": n_can, "threshold": 2}, 16)
+    _, res, trace = _run(
+        tiny_mm, images[:1], prompts[:1], {"num_beams": k, "num_attn_candidates": n_can, "threshold": 2}, 16
+    )
     events = trace[0]
     # loc + 1 = 11 twice (N_can times), then loc = 10 twice, then both exhausted: no more rollbacks
     assert [e["position"] for e in events] == [11, 11, 10, 10]
@@ -108,7 +116,9 @@ def test_rollback_forced_location(tiny_mm, images, prompts, monkeypatch):
     assert res[0].stats["rollbacks"] == 4 and res[0].stats["rollback_positions"] == [11, 11, 10, 10]
     assert len(res[0].token_ids) > 0
     # with a per-step KV policy installed: clone look-ahead, and the rollback rebuild replays the prefix token by token
-    recipe = load_recipe({"decoding": {"method": "opera", "params": {"num_beams": k, "num_attn_candidates": n_can, "threshold": 2}}})
+    recipe = load_recipe(
+        {"decoding": {"method": "opera", "params": {"num_beams": k, "num_attn_candidates": n_can, "threshold": 2}}}
+    )
     with Session(tiny_mm, recipe) as s:
         s.runner.step_hooks.append(lambda state: None)
         replayed = s.generate(images[:1], prompts[:1], max_new_tokens=16)[0]
@@ -116,7 +126,9 @@ def test_rollback_forced_location(tiny_mm, images, prompts, monkeypatch):
 
 
 def test_rollback_fires_naturally(tiny_mm, images, prompts):
-    _, res, trace = _run(tiny_mm, images[:1], prompts[:1], {"num_beams": 3, "num_attn_candidates": 4, "threshold": 1}, 30)
+    _, res, trace = _run(
+        tiny_mm, images[:1], prompts[:1], {"num_beams": 3, "num_attn_candidates": 4, "threshold": 1}, 30
+    )
     events = trace[0]
     assert events and res[0].stats["rollbacks"] == len(events)
     for e in events:
@@ -182,7 +194,9 @@ def _dense_reference(mm_eager, session, image, prompt, k, n_can, r, alpha, sigma
                     phi[b, c], locs[b, c] = cols.max(0)
                 img_attn[b, c] = square[-1, img_start : img_end + 1].sum()
         width = len(seqs[0]) + 1
-        cand_scores = (cand_scores.double() - alpha * (-img_attn if width <= 10 else phi)).clamp(min=torch.finfo(torch.float32).min)
+        cand_scores = (cand_scores.double() - alpha * (-img_attn if width <= 10 else phi)).clamp(
+            min=torch.finfo(torch.float32).min
+        )
         hist_locs.append(torch.mode(locs, -1).values)
         loc = int(torch.mode(torch.mode(locs, -1).values).values)
         states.append(current)
@@ -218,7 +232,9 @@ def _dense_reference(mm_eager, session, image, prompt, k, n_can, r, alpha, sigma
             return (tokens[: tokens.index(2)] if 2 in tokens else tokens), events
 
 
-@pytest.mark.parametrize("case", [(0, 3, 4, 34, "tree", "exact"), (3, 2, 2, 24, "clone", "exact"), (0, 3, 4, 34, "tree", "release")])
+@pytest.mark.parametrize(
+    "case", [(0, 3, 4, 34, "tree", "exact"), (3, 2, 2, 24, "clone", "exact"), (0, 3, 4, 34, "tree", "release")]
+)
 def test_matches_dense_reference(tiny_dir, tiny_mm, images, prompts, case):
     """The incremental decoder (sdpa probe rows, log-space column sums, snapshots, cache rebuilds)
     equals a literal dense implementation of the released algorithm, rollbacks included."""
@@ -227,7 +243,9 @@ def test_matches_dense_reference(tiny_dir, tiny_mm, images, prompts, case):
     i, k, n_can, n, lookahead, preset = case
     eager = mmfast.load(tiny_dir, device="cpu", attn_implementation="eager")
     with Session(eager, load_recipe({})) as s:
-        ref, ref_events = _dense_reference(eager, s, images[i], prompts[i], k, n_can, 1, 1.0, 50.0, n, release=preset == "release")
+        ref, ref_events = _dense_reference(
+            eager, s, images[i], prompts[i], k, n_can, 1, 1.0, 50.0, n, release=preset == "release"
+        )
     params = {"num_beams": k, "num_attn_candidates": n_can, "threshold": 1, "lookahead": lookahead, "preset": preset}
     got, _, trace = _run(tiny_mm, [images[i]], [prompts[i]], params, n)
     assert ref_events, "the case must roll back"
@@ -274,6 +292,11 @@ def test_refuses_speculative_and_decode_kv_policies():
     with pytest.raises(IncompatibleRecipeError, match="beam search"):  # ZipVL refuses beam search
         load_recipe({"decoding": {"method": "opera"}, "pruning": [{"method": "zipvl"}]})
     with pytest.raises(IncompatibleRecipeError, match="text_keep"):
-        load_recipe({"decoding": {"method": "opera"}, "pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]})
+        load_recipe(
+            {
+                "decoding": {"method": "opera"},
+                "pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}],
+            }
+        )
     always = {"predictors": "random", "text_keep": "always"}
     load_recipe({"decoding": {"method": "opera"}, "pruning": [{"method": "dynamic_llava", "params": always}]})

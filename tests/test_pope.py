@@ -119,8 +119,7 @@ def test_metrics_hand_counted(mode: str) -> None:
     tp, fp, tn, fn, n_unknown, n_unscored, acc, prec, rec, f1, yes_ratio = EXPECTED[mode]
     assert m.counts == PopeCounts(tp, fp, tn, fn, n_unknown, n_unscored)
     assert m.n == 10
-    for got, want in ((m.accuracy, acc), (m.precision, prec), (m.recall, rec), (m.f1, f1),
-                      (m.yes_ratio, yes_ratio)):
+    for got, want in ((m.accuracy, acc), (m.precision, prec), (m.recall, rec), (m.f1, f1), (m.yes_ratio, yes_ratio)):
         assert math.isclose(got, want), (mode, got, want)
     assert len(m.unknown_ids) == n_unknown
 
@@ -149,8 +148,10 @@ def test_score_accepts_mappings_and_rejects_bad_labels() -> None:
 
 
 def test_summarize_pope_layout_and_means() -> None:
-    per_split = {"random": score_pope_files(QUESTIONS, ANSWERS),
-                 "popular": score_pope([PopeRecord(1, "yes", "Yes"), PopeRecord(2, "no", "No")])}
+    per_split = {
+        "random": score_pope_files(QUESTIONS, ANSWERS),
+        "popular": score_pope([PopeRecord(1, "yes", "Yes"), PopeRecord(2, "no", "No")]),
+    }
     out = summarize_pope(per_split)
     assert set(out) == {"random", "popular", "mean_f1", "mean_accuracy"}
     assert {"accuracy", "precision", "recall", "f1", "yes_ratio", "n"} <= set(out["random"])
@@ -181,15 +182,16 @@ def test_answers_join_by_question_id() -> None:
         join_answers(qs, {1: "yes"})
 
 
-@pytest.mark.parametrize("line,message", [
-    ('{"question_id": 1, "image": "a.jpg", "label": "yes"}', r"bad\.jsonl:2: missing key\(s\) \['text'\]"),
-    ('{"question_id": 1, "image": "a.jpg", "text": "q", "label": "maybe"}',
-     r"bad\.jsonl:2: bad label 'maybe'"),
-    ('{"question_id": 0, "image": "a.jpg", "text": "q", "label": "no"}',
-     r"bad\.jsonl:2: duplicate question_id 0"),
-    ('{"question_id": 1, "image": "a.jpg", "text": "q", "label": "yes"', r"bad\.jsonl:2: invalid JSON"),
-    ('[1, 2]', r"bad\.jsonl:2: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"question_id": 1, "image": "a.jpg", "label": "yes"}', r"bad\.jsonl:2: missing key\(s\) \['text'\]"),
+        ('{"question_id": 1, "image": "a.jpg", "text": "q", "label": "maybe"}', r"bad\.jsonl:2: bad label 'maybe'"),
+        ('{"question_id": 0, "image": "a.jpg", "text": "q", "label": "no"}', r"bad\.jsonl:2: duplicate question_id 0"),
+        ('{"question_id": 1, "image": "a.jpg", "text": "q", "label": "yes"', r"bad\.jsonl:2: invalid JSON"),
+        ("[1, 2]", r"bad\.jsonl:2: expected a JSON object"),
+    ],
+)
 def test_malformed_files_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     good = '{"question_id": 0, "image": "a.jpg", "text": "q", "label": "no"}'
     path = tmp_path / "bad.jsonl"
@@ -200,8 +202,15 @@ def test_malformed_files_name_file_and_line(tmp_path: Path, line: str, message: 
 
 def test_malformed_json_array_names_item(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps([{"question_id": 1, "image": "a.jpg", "text": "q", "label": "yes"},
-                                {"question_id": 2, "image": "a.jpg", "text": "q"}], indent=4))
+    path.write_text(
+        json.dumps(
+            [
+                {"question_id": 1, "image": "a.jpg", "text": "q", "label": "yes"},
+                {"question_id": 2, "image": "a.jpg", "text": "q"},
+            ],
+            indent=4,
+        )
+    )
     with pytest.raises(PopeFormatError, match=r"bad\.json: item 1: missing key"):
         load_pope_questions(path)
 

@@ -30,8 +30,13 @@ def test_progress_is_quiet_between_intervals(caplog, monkeypatch):
 
 def test_metrics_table_is_readable_with_intervals():
     metrics = {
-        "pope": {"random": {"f1": 0.9, "f1_ci95": [0.85, 0.94], "accuracy": 0.91, "yes_ratio": 0.5, "n": 100},
-                 "mean_f1": 0.9, "mean_f1_ci95": [0.86, 0.93], "mean_accuracy": 0.91, "n": 100},
+        "pope": {
+            "random": {"f1": 0.9, "f1_ci95": [0.85, 0.94], "accuracy": 0.91, "yes_ratio": 0.5, "n": 100},
+            "mean_f1": 0.9,
+            "mean_f1_ci95": [0.86, 0.93],
+            "mean_accuracy": 0.91,
+            "n": 100,
+        },
         "chair": {"chair_s": 0.6, "chair_i": 0.21, "chair_i_ci95": [0.18, 0.24], "recall": 0.55, "n": 50},
     }
     table = metrics_table(metrics).splitlines()

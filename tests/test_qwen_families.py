@@ -39,8 +39,12 @@ def qimages() -> list[Image.Image]:
     return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
 
 
-QPROMPTS = ["Describe the image.", "Is there a cat in the image?", "What color is the car? Tell me now please.",
-            "How many dogs are there?"]
+QPROMPTS = [
+    "Describe the image.",
+    "Is there a cat in the image?",
+    "What color is the car? Tell me now please.",
+    "How many dogs are there?",
+]
 
 
 def _hf_inputs(mm, image, prompt):
@@ -51,7 +55,7 @@ def _hf_inputs(mm, image, prompt):
 def _hf_generate(mm, image, prompt, **kw):
     inputs = _hf_inputs(mm, image, prompt)
     out = mm.model.generate(**inputs, do_sample=False, **kw)
-    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    ids = out[0, inputs["input_ids"].shape[1] :].tolist()
     return ids[: ids.index(2)] if 2 in ids else ids
 
 
@@ -68,8 +72,12 @@ def test_positions_and_prefill_logits_equal_transformers(qmm, qimages):
         inputs, _, out = _prefill(qmm, [image], [QPROMPTS[0]])
         hf_in = _hf_inputs(qmm, image, QPROMPTS[0])
         assert torch.equal(inputs.input_ids, hf_in["input_ids"])
-        pos, _ = qmm.model.model.get_rope_index(hf_in["input_ids"], hf_in["mm_token_type_ids"],
-                                                image_grid_thw=hf_in["image_grid_thw"], attention_mask=hf_in["attention_mask"])
+        pos, _ = qmm.model.model.get_rope_index(
+            hf_in["input_ids"],
+            hf_in["mm_token_type_ids"],
+            image_grid_thw=hf_in["image_grid_thw"],
+            attention_mask=hf_in["attention_mask"],
+        )
         assert torch.equal(inputs.position_ids.permute(2, 0, 1), pos)  # HF's get_rope_index, axis by axis
         with torch.no_grad():
             want = qmm.model(**hf_in, logits_to_keep=1).logits[:, -1].float()  # same lm_head GEMM shape
@@ -126,8 +134,12 @@ def test_noop_pruning_equals_baseline(qmm, qimages, pruner):
     cls = PRUNERS.get(pruner).cls
     assert qmm.adapter.family in caps_of(cls, None).families
     base = qmm.generate(qimages[:2], QPROMPTS[:2], max_new_tokens=8)
-    noop = qmm.generate(qimages[:2], QPROMPTS[:2], recipe={"pruning": [{"method": pruner, "params": cls.noop_params(qmm.adapter)}]},
-                        max_new_tokens=8)
+    noop = qmm.generate(
+        qimages[:2],
+        QPROMPTS[:2],
+        recipe={"pruning": [{"method": pruner, "params": cls.noop_params(qmm.adapter)}]},
+        max_new_tokens=8,
+    )
     assert [r.token_ids for r in noop] == [r.token_ids for r in base]
 
 
@@ -155,8 +167,11 @@ def test_llm_probe_equals_eager(family_dir, qmm, qimages):
         inputs = s.build_inputs(batch, s.encode(batch))
         rows = torch.tensor([inputs.length - 1, inputs.length - 5])
         s.probe.watch("llm.1", qmm.adapter.layers[1].self_attn, rows=lambda q, k: rows)
-        kw = dict(inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask,
-                  position_ids=qmm.adapter.lm_position_ids(inputs.position_ids))
+        kw = dict(
+            inputs_embeds=inputs.embeds,
+            attention_mask=inputs.attention_mask,
+            position_ids=qmm.adapter.lm_position_ids(inputs.position_ids),
+        )
         with torch.no_grad():
             qmm.adapter.language_model(**kw)
             want = eager.adapter.language_model(**kw, output_attentions=True).attentions[1][:, :, rows]
@@ -168,7 +183,9 @@ def test_pre_llm_pruning_keeps_grid_positions(qmm, qimages):
     """Random drop before the LLM: each kept token has its grid cell's unpruned (t, h, w) ids and the
     text after the image keeps its unpruned position."""
     base, _, _ = _prefill(qmm, qimages[:2], QPROMPTS[:2])
-    pruned, _, _ = _prefill(qmm, qimages[:2], QPROMPTS[:2], load_recipe({"pruning": [{"method": "random", "params": {"fraction": 0.4}}]}))
+    pruned, _, _ = _prefill(
+        qmm, qimages[:2], QPROMPTS[:2], load_recipe({"pruning": [{"method": "random", "params": {"fraction": 0.4}}]})
+    )
     for b in range(2):
         vb, vp = base.image_mask[b], pruned.image_mask[b]
         assert int(vp.sum()) == round(0.4 * int(vb.sum()))
@@ -242,16 +259,27 @@ def test_qwen3_deepstack_follows_pruned_tokens(family_dir, qmm, qimages):
     torch.testing.assert_close(out.logits, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("recipe", [
-    {"decoding": {"method": "vcd"}},
-    {"pruning": [{"method": "random", "params": {"fraction": 0.5}}]},
-    {"pruning": [{"method": "fastv", "params": {"k": 1, "ratio": 0.5}}], "speculative": {"method": "prompt_lookup"}},
-], ids=["vcd", "random", "fastv+prompt_lookup"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"decoding": {"method": "vcd"}},
+        {"pruning": [{"method": "random", "params": {"fraction": 0.5}}]},
+        {
+            "pruning": [{"method": "fastv", "params": {"k": 1, "ratio": 0.5}}],
+            "speculative": {"method": "prompt_lookup"},
+        },
+    ],
+    ids=["vcd", "random", "fastv+prompt_lookup"],
+)
 def test_methods_batch_equals_single_with_mixed_sizes(qmm, qimages, recipe):
     """Per-image decisions (noise, random subsets, top-k) do not depend on the batch an image is in,
     although batch pixels are padded to the largest image's patches."""
-    batched = qmm.generate(qimages[:3], QPROMPTS[:3], recipe=recipe, max_new_tokens=6, seed=0)  # VCD samples: one stream
-    single = [qmm.generate([im], [p], recipe=recipe, max_new_tokens=6, seed=0)[0] for im, p in zip(qimages[:3], QPROMPTS[:3])]
+    batched = qmm.generate(
+        qimages[:3], QPROMPTS[:3], recipe=recipe, max_new_tokens=6, seed=0
+    )  # VCD samples: one stream
+    single = [
+        qmm.generate([im], [p], recipe=recipe, max_new_tokens=6, seed=0)[0] for im, p in zip(qimages[:3], QPROMPTS[:3])
+    ]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
 
 
@@ -274,4 +302,7 @@ def test_compact_group_under_mrope(qmm, qimages):
         assert torch.equal(g1.positions[g1.key_mask], want[g1.key_mask])
         assert int(g1.key_mask.sum()) < int(state.groups[0].key_mask.sum())
         s.runner.step(state, torch.tensor([[7], [7]]))
-        assert torch.equal(g1.positions[:, -1], (want.masked_fill(~g1.key_mask[:, :-1, None], -1).amax((1, 2)) + 1)[:, None].expand(-1, 3))
+        assert torch.equal(
+            g1.positions[:, -1],
+            (want.masked_fill(~g1.key_mask[:, :-1, None], -1).amax((1, 2)) + 1)[:, None].expand(-1, 3),
+        )

@@ -13,8 +13,11 @@ import pytest
 from mmfast.cli import main
 from mmfast.config import load_recipe
 
-FAMILIES = {"qwen2_vl": "Qwen/Qwen2-VL-7B-Instruct", "qwen2_5_vl": "Qwen/Qwen2.5-VL-7B-Instruct",
-            "qwen3_vl": "Qwen/Qwen3-VL-8B-Instruct"}
+FAMILIES = {
+    "qwen2_vl": "Qwen/Qwen2-VL-7B-Instruct",
+    "qwen2_5_vl": "Qwen/Qwen2.5-VL-7B-Instruct",
+    "qwen3_vl": "Qwen/Qwen3-VL-8B-Instruct",
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,10 @@ def test_recipe_run_and_eval_on_tiny_stand_in(family, world, images, tmp_path, c
     img = tmp_path / "x.png"
     images[0].save(img)
     capsys.readouterr()
-    assert main(["-q", "run", str(cfg), "--image", str(img), "--prompt", "Describe.", "--max-new-tokens", "4", "--json"]) == 0
+    assert (
+        main(["-q", "run", str(cfg), "--image", str(img), "--prompt", "Describe.", "--max-new-tokens", "4", "--json"])
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     rec = out[0] if isinstance(out, list) else out
     assert rec["vision_tokens_layer_avg"] < rec["n_vision_tokens"]
@@ -120,7 +126,10 @@ def test_lmms_plugin_runs_a_qwen_recipe(images, tmp_path, monkeypatch):
             self.args = args
 
     qs = ["Is there a cat in the image?", "Describe the image.", "How many dogs are there?"]
-    reqs = [Req((f"<image>\n{qs[d]}", {"max_new_tokens": 4}, lambda doc: [doc["image"]], d, "pope", "test")) for d in range(3)]
+    reqs = [
+        Req((f"<image>\n{qs[d]}", {"max_new_tokens": 4}, lambda doc: [doc["image"]], d, "pope", "test"))
+        for d in range(3)
+    ]
     got = [getattr(g, "text", g) for g in lm.generate_until(reqs)]  # lmms-eval >= 0.7: GenerationResult
     mm = mmfast.load(path, device="cpu")
     want = [r.text for r in mm.generate([docs[d]["image"] for d in range(3)], qs, recipe=str(recipe), max_new_tokens=4)]

@@ -72,8 +72,13 @@ def _calls(mm, grid_thw) -> tuple[int, int]:
     full = (len(tower.blocks), len(sizes), len(set(sizes.tolist())))
     if mm.adapter.family != "qwen2_5_vl":
         return full[0] * full[1], full[0] * full[2]
-    _, cu_win = get_vision_window_index(grid_thw, spatial_merge_size=tower.spatial_merge_size,
-                                        window_size=tower.window_size, patch_size=tower.patch_size, kwargs={})
+    _, cu_win = get_vision_window_index(
+        grid_thw,
+        spatial_merge_size=tower.spatial_merge_size,
+        window_size=tower.window_size,
+        patch_size=tower.patch_size,
+        kwargs={},
+    )
     lengths = torch.as_tensor(cu_win).diff()
     lengths = lengths[lengths > 0].tolist()
     n_full = len(tower.fullatt_block_indexes)
@@ -147,7 +152,9 @@ def test_probe_passes_through_unprobed_modules_and_sees_probed_ones(qmm):
     assert sum(seen) == int(grid.prod())  # every chunk of block 0 went through the probe
     if qmm.adapter.family == "qwen2_5_vl":  # one call per window there, one per length when fused
         assert len(seen) > 2 and calls2 > calls
-    assert not any("forward" in blk.attn.__dict__ or "_mmfast_attn" in blk.attn.__dict__ for blk in qmm.adapter.vision_layers)
+    assert not any(
+        "forward" in blk.attn.__dict__ or "_mmfast_attn" in blk.attn.__dict__ for blk in qmm.adapter.vision_layers
+    )
 
 
 def test_wrapped_forward_is_left_alone(qmm, caplog):
@@ -167,8 +174,12 @@ def test_chunk_plan_buckets_and_views():
     assert ChunkPlan.of(torch.tensor([0, 10, 20])).buckets[0].index is None  # equal sizes in order: a view
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 60, 2, 4).unbind(0)  # [S, H, Dh]
-    want = torch.cat([F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)), scale=0.5).transpose(0, 1)
-                      for s, e in [(0, 16), (16, 24), (24, 40), (40, 48), (48, 60)]])
+    want = torch.cat(
+        [
+            F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)), scale=0.5).transpose(0, 1)
+            for s, e in [(0, 16), (16, 24), (24, 40), (40, 48), (48, 60)]
+        ]
+    )
     torch.testing.assert_close(chunked_attention(q, k, v, plan, 0.5), want, rtol=1e-6, atol=1e-6)
 
 

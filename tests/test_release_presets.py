@@ -34,7 +34,9 @@ def test_fp16_score_matches_literal_release_loop():
     g = torch.Generator().manual_seed(3)
     k, n, t, sigma = 3, 4, 14, 50.0
     logits = torch.randn(k, t + 1, t + 1, generator=g) * 3
-    logits[:, :, 2] += torch.tensor([4.5, 1.0, 0.0])[:, None]  # an attention sink in column 2: beam 0's product overflows fp16
+    logits[:, :, 2] += torch.tensor([4.5, 1.0, 0.0])[
+        :, None
+    ]  # an attention sink in column 2: beam 0's product overflows fp16
     hist_rows = torch.softmax(logits.masked_fill(~torch.ones(t + 1, t + 1, dtype=torch.bool).tril(), -math.inf), -1)
     cands = torch.softmax(torch.randn(k, n, t + 1, generator=g) * 3, -1)  # [K, N, t+1]
     hist = OverTrustHistory(k, sigma, torch.device("cpu"), fp16_factors=True)
@@ -130,7 +132,9 @@ def _literal_4292(logp, prompt_len: int, k: int, max_new: int, lp: float, eos: i
 
 
 def _ours(logp, prompt_len, k, max_new, lp, eos, release: bool) -> list[int]:
-    search = BeamSearch(1, k, max_new, lp, torch.device("cpu"), prompt_len=torch.tensor([prompt_len]) if release else None)
+    search = BeamSearch(
+        1, k, max_new, lp, torch.device("cpu"), prompt_len=torch.tensor([prompt_len]) if release else None
+    )
     while True:
         lps = torch.stack([logp(row) for row in search.running_tokens[0].tolist()]).float()  # [K, V]
         search.step(lps, torch.tensor([eos]))
@@ -185,7 +189,10 @@ def test_beam_release_preset_uses_prompt_length(tiny_mm, images, prompts, monkey
     batch = tiny_mm.prepare(images[:2], prompts[:2])
     out = _gen(tiny_mm, images[:2], prompts[:2], "beam", {"num_beams": 3, "preset": "release"}, 6)
     assert seen == [[len(ids) for ids in batch.token_ids]]  # one placeholder per image, BOS included
-    single = [_gen(tiny_mm, [im], [p], "beam", {"num_beams": 3, "preset": "release"}, 6)[0] for im, p in zip(images[:2], prompts[:2])]
+    single = [
+        _gen(tiny_mm, [im], [p], "beam", {"num_beams": 3, "preset": "release"}, 6)[0]
+        for im, p in zip(images[:2], prompts[:2])
+    ]
     assert out == single
 
 

@@ -15,12 +15,22 @@ def _eval_summary(tmp_path, name, tokens, f1, chair_i, decoding="greedy", finger
     d = tmp_path / name
     d.mkdir()
     pope = {s: {"f1": f1, "accuracy": f1} for s in ("random", "popular", "adversarial")}
-    (d / "summary.json").write_text(json.dumps({
-        "metrics": {"pope": {**pope, "mean_f1": f1}, "chair": {"chair_s": 0.3, "chair_i": chair_i, "recall": 0.6, "len": 40, "n": 5}},
-        "accounting": {"mean_n_vision_tokens": tokens, "mean_vision_tokens_layer_avg": tokens},
-        "protocol": {"pruning": [{"method": "fastv", "params": {"keep": tokens}}], "decoding": {"method": decoding, "params": {}},
-                     "weights_fingerprint": fingerprint},
-    }))
+    (d / "summary.json").write_text(
+        json.dumps(
+            {
+                "metrics": {
+                    "pope": {**pope, "mean_f1": f1},
+                    "chair": {"chair_s": 0.3, "chair_i": chair_i, "recall": 0.6, "len": 40, "n": 5},
+                },
+                "accounting": {"mean_n_vision_tokens": tokens, "mean_vision_tokens_layer_avg": tokens},
+                "protocol": {
+                    "pruning": [{"method": "fastv", "params": {"keep": tokens}}],
+                    "decoding": {"method": decoding, "params": {}},
+                    "weights_fingerprint": fingerprint,
+                },
+            }
+        )
+    )
     return d
 
 
@@ -29,10 +39,18 @@ def test_report_from_eval_and_bench_dirs(tmp_path, capsys):
     b = _eval_summary(tmp_path, "fastv-192", 192, 0.86, 0.10, decoding="vcd")
     bench = tmp_path / "bench"
     bench.mkdir()
-    (bench / "summary.json").write_text(json.dumps({
-        "header": ["variant", "x"], "rows": [["baseline", 1.0], ["fastv-64", 2.5]],
-        "results": {"baseline": {"ratios": {"prefill_speedup": 1.0}}, "fastv-64": {"ratios": {"prefill_speedup": 2.5}}},
-    }))
+    (bench / "summary.json").write_text(
+        json.dumps(
+            {
+                "header": ["variant", "x"],
+                "rows": [["baseline", 1.0], ["fastv-64", 2.5]],
+                "results": {
+                    "baseline": {"ratios": {"prefill_speedup": 1.0}},
+                    "fastv-64": {"ratios": {"prefill_speedup": 2.5}},
+                },
+            }
+        )
+    )
     assert main(["-q", "report", str(a), str(b), str(bench), "--output", str(tmp_path / "rep")]) == 0
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "fastv-64" in md and "vcd" in md and "| baseline | 1.000 |" in md
@@ -53,13 +71,22 @@ def test_report_names_the_weights_of_every_run(tmp_path):
     b = _eval_summary(tmp_path, "new", 576, 0.8, 0.3, fingerprint="2222")
     recorded = tmp_path / "bench_new"
     recorded.mkdir()
-    (recorded / "summary.json").write_text(json.dumps({
-        "header": ["variant"], "rows": [["baseline"]], "results": {},
-        "model": {"name": "mmfast/tiny-world", "weights_fingerprint": "2222"}}))
+    (recorded / "summary.json").write_text(
+        json.dumps(
+            {
+                "header": ["variant"],
+                "rows": [["baseline"]],
+                "results": {},
+                "model": {"name": "mmfast/tiny-world", "weights_fingerprint": "2222"},
+            }
+        )
+    )
     legacy = tmp_path / "bench_old"  # written before benches recorded their model: read the variants
     (legacy / "variants" / "baseline").mkdir(parents=True)
     (legacy / "summary.json").write_text(json.dumps({"header": ["variant"], "rows": [["baseline"]], "results": {}}))
-    (legacy / "variants" / "baseline" / "summary.json").write_text(json.dumps({"protocol": {"weights_fingerprint": "1111"}}))
+    (legacy / "variants" / "baseline" / "summary.json").write_text(
+        json.dumps({"protocol": {"weights_fingerprint": "1111"}})
+    )
     md = write_report([str(a), str(b), str(recorded), str(legacy)], str(tmp_path / "rep")).read_text()
     assert "| 1111 |" in md and "| 2222 |" in md
     assert "Model: `mmfast/tiny-world` (weights `2222`)" in md
@@ -69,8 +96,16 @@ def test_report_names_the_weights_of_every_run(tmp_path):
 def test_report_names_a_local_checkpoint_by_its_weights_not_its_path(tmp_path):
     bench = tmp_path / "bench"
     bench.mkdir()
-    (bench / "summary.json").write_text(json.dumps({
-        "header": ["variant"], "rows": [["baseline"]], "results": {}, "model": {"name": ".dev/r12B", "weights_fingerprint": "2222"}}))
+    (bench / "summary.json").write_text(
+        json.dumps(
+            {
+                "header": ["variant"],
+                "rows": [["baseline"]],
+                "results": {},
+                "model": {"name": ".dev/r12B", "weights_fingerprint": "2222"},
+            }
+        )
+    )
     (bench / "projected_7b.md").write_text("# P\n\nCommand: `mmfast bench b.yaml --set model.name=.dev/r12B`\n")
     md = write_report([str(bench)], str(tmp_path / "rep")).read_text()
     assert ".dev/r12B" not in md and ".dev/r12B" not in (tmp_path / "rep" / "report.html").read_text()
@@ -93,15 +128,29 @@ def _pope_run(tmp_path, name, p_right, n=40, with_ci=False):
             label = "yes" if i % 2 else "no"
             right = rnd.random() < p_right
             ans = label if right else ("no" if label == "yes" else "yes")
-            rs.append({"doc_id": f"pope_{split}/{i}", "task": f"pope_{split}", "target": label, "resps": [[ans.capitalize()]],
-                       "meta": {"question_id": i}})
+            rs.append(
+                {
+                    "doc_id": f"pope_{split}/{i}",
+                    "task": f"pope_{split}",
+                    "target": label,
+                    "resps": [[ans.capitalize()]],
+                    "meta": {"question_id": i},
+                }
+            )
         per_split[split] = score_pope([PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in rs])
         recs += rs
     (d / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     pope = summarize_pope(per_split)
-    summary = {"metrics": {"pope": pope}, "accounting": {"mean_n_vision_tokens": 576, "mean_vision_tokens_layer_avg": 576},
-               "protocol": {"pruning": [], "decoding": {"method": "greedy", "params": {}}, "weights_fingerprint": "aaaa",
-                            "tasks": {"pope": {"parser": "pope"}}}}
+    summary = {
+        "metrics": {"pope": pope},
+        "accounting": {"mean_n_vision_tokens": 576, "mean_vision_tokens_layer_avg": 576},
+        "protocol": {
+            "pruning": [],
+            "decoding": {"method": "greedy", "params": {}},
+            "weights_fingerprint": "aaaa",
+            "tasks": {"pope": {"parser": "pope"}},
+        },
+    }
     (d / "summary.json").write_text(json.dumps(summary))
     return d, pope
 
@@ -127,8 +176,11 @@ def test_report_names_the_pope_files_counts_tokens_and_renders_markdown_in_html(
     new, _ = _pope_run(tmp_path, "on_official", 0.8)
     coco, _ = _pope_run(tmp_path, "on_coco", 0.8)
     files = {"random": {"sha256": "16bd38e487d12aded", "known_version": None}}
-    for run, pope in ((old, {"files": files}), (new, {"files": files, "world_version": "official"}),
-                      (coco, {"files": files})):
+    for run, pope in (
+        (old, {"files": files}),
+        (new, {"files": files, "world_version": "official"}),
+        (coco, {"files": files}),
+    ):
         s = json.loads((run / "summary.json").read_text())
         s["protocol"]["tasks"]["pope"].update(pope)
         s["protocol"]["recipe"] = {"eval": {"data": {"dataset": "coco" if run is coco else "world"}}}
@@ -137,9 +189,17 @@ def test_report_names_the_pope_files_counts_tokens_and_renders_markdown_in_html(
     bench = _bench_dir(tmp_path, [("baseline", 0.9), ("vcd", 0.8)])
     out = tmp_path / "rep"
     md = write_report([str(old), str(new), str(coco), str(bench)], str(out)).read_text()
-    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]] for ln in md.splitlines() if ln.startswith("| on_")}
+    rows = {
+        ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
+        for ln in md.splitlines()
+        if ln.startswith("| on_")
+    }
     col = EVAL_HEADER.index("POPE files")
-    assert (rows["on_v1"][col], rows["on_official"][col], rows["on_coco"][col]) == ("world v1", "world official", "random 16bd38e4")
+    assert (rows["on_v1"][col], rows["on_official"][col], rows["on_coco"][col]) == (
+        "world v1",
+        "world official",
+        "random 16bd38e4",
+    )
     assert rows["on_v1"][2:4] == ["576", "319.5"]  # not 576.000
     html = (out / "report.html").read_text()
     assert "<p>Command: <code>x</code></p>" in html and "`" not in html  # projected_7b.md
@@ -160,16 +220,52 @@ def _bench_dir(tmp_path, runs):
     for name, p in runs:
         run, pope = _pope_run(bench / "variants", name, p)
         chair = {"chair_s": 0.5, "chair_i": 0.2 + p / 10, "recall": p / 2, "len": 50, "n": 10}
-        results[name] = {"decoding": {"method": name}, "metrics": {"pope": pope, "chair": chair},
-                         "cost": {"decode_s_per_token": 0.01}, "ratios": {"cost_per_token": 1.0 + p}, "protocol": {}}
-        rows.append([name, name, pope["random"]["f1"], pope["popular"]["f1"], pope["adversarial"]["f1"], pope["mean_f1"],
-                     chair["chair_s"], chair["chair_i"], chair["recall"], 50, 1.0 + p, 100.0])
-    header = ["variant", "decoder", "POPE F1 rand", "pop", "adv", "mean F1", "CHAIR_s", "CHAIR_i", "recall", "len", "cost/token x", "peak RSS MiB"]
+        results[name] = {
+            "decoding": {"method": name},
+            "metrics": {"pope": pope, "chair": chair},
+            "cost": {"decode_s_per_token": 0.01},
+            "ratios": {"cost_per_token": 1.0 + p},
+            "protocol": {},
+        }
+        rows.append(
+            [
+                name,
+                name,
+                pope["random"]["f1"],
+                pope["popular"]["f1"],
+                pope["adversarial"]["f1"],
+                pope["mean_f1"],
+                chair["chair_s"],
+                chair["chair_i"],
+                chair["recall"],
+                50,
+                1.0 + p,
+                100.0,
+            ]
+        )
+    header = [
+        "variant",
+        "decoder",
+        "POPE F1 rand",
+        "pop",
+        "adv",
+        "mean F1",
+        "CHAIR_s",
+        "CHAIR_i",
+        "recall",
+        "len",
+        "cost/token x",
+        "peak RSS MiB",
+    ]
     (bench / "summary.json").write_text(json.dumps({"header": header, "rows": rows, "results": results}))
-    (bench / "results.md").write_text("# Decoders\n\nCommand: `mmfast bench decoding.yaml --output bench_dec`\n\n| variant |\n|---|\n| baseline |\n\n"
-                                      "- All decoders ran in one process on the same samples.\n- peak RSS: the process's peak.\n")
-    (bench / "projected_7b.md").write_text("# Projected 7B speedup\n\nCommand: `x`\n\n| drafter | projected 7B speedup |\n|---|---|\n"
-                                           "| msd | 2.590 |\n\n- projected speedup = tau / (1 + c + v).\n")
+    (bench / "results.md").write_text(
+        "# Decoders\n\nCommand: `mmfast bench decoding.yaml --output bench_dec`\n\n| variant |\n|---|\n| baseline |\n\n"
+        "- All decoders ran in one process on the same samples.\n- peak RSS: the process's peak.\n"
+    )
+    (bench / "projected_7b.md").write_text(
+        "# Projected 7B speedup\n\nCommand: `x`\n\n| drafter | projected 7B speedup |\n|---|---|\n"
+        "| msd | 2.590 |\n\n- projected speedup = tau / (1 + c + v).\n"
+    )
     return bench
 
 
@@ -179,8 +275,16 @@ def test_report_keeps_bench_notes_side_tables_and_titles_every_plot(tmp_path):
     bench = _bench_dir(tmp_path, [("baseline", 0.9), ("vcd", 0.8)])
     ev, _ = _pope_run(tmp_path, "eval_run", 0.9)
     s = json.loads((ev / "summary.json").read_text())
-    s["metrics"]["chair"] = {"chair_s": 0.5, "chair_i": 0.25, "recall": 0.5, "len": 50, "n": 10,
-                             "chair_s_ci95": [0.24, 0.76], "chair_i_ci95": [0.2, 0.3], "recall_ci95": [0.4, 0.6]}
+    s["metrics"]["chair"] = {
+        "chair_s": 0.5,
+        "chair_i": 0.25,
+        "recall": 0.5,
+        "len": 50,
+        "n": 10,
+        "chair_s_ci95": [0.24, 0.76],
+        "chair_i_ci95": [0.2, 0.3],
+        "recall_ci95": [0.4, 0.6],
+    }
     (ev / "summary.json").write_text(json.dumps(s))
     out = tmp_path / "rep"
     md = write_report([str(ev), str(bench)], str(out)).read_text()
@@ -253,10 +357,12 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
         for s in ("random", "popular"):
             cells[s] = pope_cells([r for r in recs if r["task"] == f"pope_{s}"], "pope")
         iv = pope_intervals(cells)
-        results[name] = {"metrics": {"pope": {"mean_f1": iv.mean_f1.estimate}},
-                         "intervals": {"pope": {"mean_f1_ci95": iv.mean_f1.as_list()}},
-                         "accounting": {"vision_tokens_layer_avg": avg},
-                         "pruning": [{"method": method, "params": {}, "budget": {"tokens": budget}}] if method else []}
+        results[name] = {
+            "metrics": {"pope": {"mean_f1": iv.mean_f1.estimate}},
+            "intervals": {"pope": {"mean_f1_ci95": iv.mean_f1.as_list()}},
+            "accounting": {"vision_tokens_layer_avg": avg},
+            "pruning": [{"method": method, "params": {}, "budget": {"tokens": budget}}] if method else [],
+        }
         return recs
 
     variant("baseline", None, None, 576.0, 0.95)
@@ -275,14 +381,25 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     assert len(rows) == 1 and rows[0][0] == 64 and rows[0][1] == "divprune-64"
     assert rows[0][3].startswith("visionzip-64")
     want = paired_mean_f1_difference(*paired_pope_cells(c_div, c_vz, "pope"))
-    assert rows[0][header.index("margin over visionzip [paired 95% CI]")] == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
+    assert (
+        rows[0][header.index("margin over visionzip [paired 95% CI]")]
+        == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
+    )
     want = paired_mean_f1_difference(*paired_pope_cells(c_div, c_rnd, "pope"))
     assert read_records(tmp_path / "variants" / "divprune-64")
-    assert rows[0][header.index("margin over random [paired 95% CI]")] == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
+    assert (
+        rows[0][header.index("margin over random [paired 95% CI]")]
+        == f"{want.estimate:+.3f} [{want.lo:+.3f}, {want.hi:+.3f}]"
+    )
     assert any("mustdrop-64 left out of budget 64" in n for n in notes)
-    assert any(n.startswith("zipvl-64 not ranked at budget 64: 120/240 (50.0%) POPE answers neither yes nor no") and "'inYes'" in n
-               for n in notes), notes
-    assert any(n.startswith("zipvl-tau not ranked at budget 64: it computes every vision token in prefill") for n in notes), notes
+    assert any(
+        n.startswith("zipvl-64 not ranked at budget 64: 120/240 (50.0%) POPE answers neither yes nor no")
+        and "'inYes'" in n
+        for n in notes
+    ), notes
+    assert any(
+        n.startswith("zipvl-tau not ranked at budget 64: it computes every vision token in prefill") for n in notes
+    ), notes
 
 
 def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():
@@ -291,13 +408,19 @@ def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():
 
     header = ["variant", "mean F1", "n POPE", "CHAIR_i", "n CHAIR"]
     rows = [["a", 0.8, 900, 0.2, 100], ["zipvl-64", 0.667, 900, 0.3, 100]]
-    u = {"a": Unparsed(TaskUnparsed(0, 900), TaskUnparsed(2, 100)), "zipvl-64": Unparsed(TaskUnparsed(900, 900, ("inNo",)), TaskUnparsed(0, 100))}
+    u = {
+        "a": Unparsed(TaskUnparsed(0, 900), TaskUnparsed(2, 100)),
+        "zipvl-64": Unparsed(TaskUnparsed(900, 900, ("inNo",)), TaskUnparsed(0, 100)),
+    }
     h, r = with_unparsed(header, rows, u)
     assert h == ["variant", "mean F1", "n POPE", "POPE unparsed", "CHAIR_i", "n CHAIR", "CHAIR degenerate"]
     assert r[0][3] == "0/900" and r[0][6] == "2/100 (2.0%)"
     assert r[1][3] == "900/900 (100.0%) not ranked" and r[1][6] == "0/100"
     assert with_unparsed(h, r, u) == (h, r)  # idempotent
-    assert any(n.startswith("zipvl-64: 900/900 (100.0%) POPE answers neither yes nor no") and "'inNo'" in n for n in unparsed_notes(u))
+    assert any(
+        n.startswith("zipvl-64: 900/900 (100.0%) POPE answers neither yes nor no") and "'inNo'" in n
+        for n in unparsed_notes(u)
+    )
 
 
 def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_runs(tmp_path):
@@ -307,18 +430,50 @@ def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_ru
     from mmfast.bench.pruning import write_pruning_report
 
     def variant(name, tokens, prefill, slice_speedup):
-        return {"metrics": {"pope": {"mean_f1": 0.8}}, "accounting": {"vision_tokens_layer_avg": tokens},
-                "ratios": {"prefill_speedup": prefill}, "pruning": []}
+        return {
+            "metrics": {"pope": {"mean_f1": 0.8}},
+            "accounting": {"vision_tokens_layer_avg": tokens},
+            "ratios": {"prefill_speedup": prefill},
+            "pruning": [],
+        }
 
     result = {
         "header": ["variant", "layer-avg tok", "mean F1", "prefill x", "e2e x", "scoring ovh"],
         "rows": [["baseline", 576.0, 0.8, 1.0, 1.0, 0.0], ["random-64", 64.0, 0.7, 1.49, 1.2, 0.01]],
-        "results": {"baseline": variant("baseline", 576.0, 1.0, 1.0), "random-64": variant("random-64", 64.0, 1.49, 3.47)},
-        "shaped_speed": {"shape": "qwen2.5-vl-7b-slice", "skipped": [], "warmup": 0, "repeats": 1, "rows": [
-            {"variant": "baseline", "vision_tokens": 999, "layer_avg_tokens": 999, "prefill_s": 15.3, "vision_s": 49.0,
-             "speedup": 1.0, "e2e_speedup": 1.0, "flops_ratio": 1.0, "flops": 1.0},
-            {"variant": "random-64", "vision_tokens": 111, "layer_avg_tokens": 111, "prefill_s": 4.41, "vision_s": 58.6,
-             "speedup": 3.469, "e2e_speedup": 1.02, "flops_ratio": 0.162, "flops": 0.162}]},
+        "results": {
+            "baseline": variant("baseline", 576.0, 1.0, 1.0),
+            "random-64": variant("random-64", 64.0, 1.49, 3.47),
+        },
+        "shaped_speed": {
+            "shape": "qwen2.5-vl-7b-slice",
+            "skipped": [],
+            "warmup": 0,
+            "repeats": 1,
+            "rows": [
+                {
+                    "variant": "baseline",
+                    "vision_tokens": 999,
+                    "layer_avg_tokens": 999,
+                    "prefill_s": 15.3,
+                    "vision_s": 49.0,
+                    "speedup": 1.0,
+                    "e2e_speedup": 1.0,
+                    "flops_ratio": 1.0,
+                    "flops": 1.0,
+                },
+                {
+                    "variant": "random-64",
+                    "vision_tokens": 111,
+                    "layer_avg_tokens": 111,
+                    "prefill_s": 4.41,
+                    "vision_s": 58.6,
+                    "speedup": 3.469,
+                    "e2e_speedup": 1.02,
+                    "flops_ratio": 0.162,
+                    "flops": 0.162,
+                },
+            ],
+        },
         "timing_protocol": {"warmup": 1, "repeats": 5, "samples": 8},
         "model": {"name": "mmfast/tiny-world", "weights_fingerprint": "f"},
     }
@@ -331,7 +486,11 @@ def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_ru
     assert "qwen2.5-vl-7b-slice timings: median of 1 repeat(s) after 0 warmup run(s); NOT a reliable speed" in md
     assert "Timings on the embedded model ([embedded]): median of 5 repeat(s) after 1 warmup run(s)." in md
     shaped = (tmp_path / "speed_shaped.md").read_text()
-    assert "| prefill+vision speedup |" in shaped and "| prefill x [qwen2.5-vl-7b-slice] |" in shaped and "| 3.469 |" in shaped
+    assert (
+        "| prefill+vision speedup |" in shaped
+        and "| prefill x [qwen2.5-vl-7b-slice] |" in shaped
+        and "| 3.469 |" in shaped
+    )
     assert "NOT a reliable speed" in shaped
     # a bench recorded before warmup/repeats were: its command line says what ran
     import copy
@@ -351,10 +510,16 @@ def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_ru
 def test_eval_metrics_table_shows_unparsed_answers():
     from mmfast.report import metrics_table
 
-    table = metrics_table({
-        "pope": {"random": {"f1": 0.667, "accuracy": 0.5, "yes_ratio": 1.0, "n": 100, "n_unknown": 100}, "mean_f1": 0.667, "n": 100},
-        "chair": {"chair_s": 0.6, "chair_i": 0.21, "recall": 0.55, "n": 50, "n_degenerate": 7},
-    })
+    table = metrics_table(
+        {
+            "pope": {
+                "random": {"f1": 0.667, "accuracy": 0.5, "yes_ratio": 1.0, "n": 100, "n_unknown": 100},
+                "mean_f1": 0.667,
+                "n": 100,
+            },
+            "chair": {"chair_s": 0.6, "chair_i": 0.21, "recall": 0.55, "n": 50, "n_degenerate": 7},
+        }
+    )
     assert "unparsed 100" in next(line for line in table.splitlines() if line.startswith("pope random"))
     assert "degenerate 7" in next(line for line in table.splitlines() if line.startswith("chair"))
 
@@ -380,8 +545,13 @@ def test_sixteen_plot_series_all_look_different(tmp_path, monkeypatch):
 
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", record)
     names = [f"method{i:02d}" for i in range(16)]
-    assert scatter_lines(tmp_path / "a.png", [(f"{n}-{k}", k, i + k / 1000) for i, n in enumerate(names) for k in (64, 128)],
-                         "tokens", "F1", "t")
+    assert scatter_lines(
+        tmp_path / "a.png",
+        [(f"{n}-{k}", k, i + k / 1000) for i, n in enumerate(names) for k in (64, 128)],
+        "tokens",
+        "F1",
+        "t",
+    )
     lines = [d for d in drawn if d[0] in names]
     assert len(lines) == 16 and len({d[1:] for d in lines}) == 16
     drawn.clear()

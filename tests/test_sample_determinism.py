@@ -74,6 +74,7 @@ def test_unseeded_generate_follows_torchs_global_rng(tiny_mm, images, prompts):
     import torch
 
     with Session(tiny_mm, load_recipe({"decoding": DECODERS["sample"]})) as s:
+
         def draw(**kw):
             return [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=N_NEW, **kw)]
 
@@ -85,11 +86,16 @@ def test_unseeded_generate_follows_torchs_global_rng(tiny_mm, images, prompts):
         torch.manual_seed(3)
         seeded = draw(seed=7)
         torch.manual_seed(4)
-        assert draw(seed=7) == seeded == _tokens(tiny_mm, {"decoding": DECODERS["sample"]}, images[:2], prompts[:2])  # seed= exact
+        assert (
+            draw(seed=7) == seeded == _tokens(tiny_mm, {"decoding": DECODERS["sample"]}, images[:2], prompts[:2])
+        )  # seed= exact
     # a recipe's decoding.seed is a seed too; an unset one evaluates (and hashes) as 0
     seeded_recipe = load_recipe({"decoding": {**DECODERS["sample"], "seed": 7}})
     with Session(tiny_mm, seeded_recipe) as s:
         torch.manual_seed(5)
         assert [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=N_NEW)] == seeded
     unset = load_recipe({"decoding": DECODERS["sample"]})
-    assert unset.decoding.seed is None and unset.hash() == unset.replace(decoding=dataclasses.replace(unset.decoding, seed=0)).hash()
+    assert (
+        unset.decoding.seed is None
+        and unset.hash() == unset.replace(decoding=dataclasses.replace(unset.decoding, seed=0)).hash()
+    )

@@ -141,9 +141,11 @@ def _only_rule(p: torch.Tensor, text: list[int], img: list[int]) -> torch.Tensor
     for cols in (text, img):
         x = p[:, cols]
         p[:, cols] = torch.where(x > x.mean(-1, keepdim=True) + x.std(-1, keepdim=True), torch.zeros_like(x), x)
+
     def ent(cols, nan):
         q = p[:, cols] / p[:, cols].sum(-1, keepdim=True)
         return torch.nan_to_num(-(q * torch.log(q + 1e-6)).sum(-1), nan=nan)
+
     ratio = ent(text, 0.0) / ent(img, float("inf"))
     p[ratio < ratio.mean()] = 0.0
     return p
@@ -165,8 +167,12 @@ def test_only_perturbed_logits_match_direct_computation(tiny_mm, images, prompts
         got = s.decoder.perturbed_logits(state.extras["only"])
         first = [r.token_ids[0] for r in s.generate(images[:2], prompts[:2], max_new_tokens=1)]
     with torch.no_grad():
-        out = lm(inputs_embeds=inputs.embeds, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
-                 output_hidden_states=True)
+        out = lm(
+            inputs_embeds=inputs.embeds,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            output_hidden_states=True,
+        )
         x_last = out.hidden_states[cfg.num_hidden_layers - 1][:, -1]  # input of the last layer
         x_final = out.last_hidden_state[:, -1]
         layer0 = ad.layers[0].self_attn
@@ -220,7 +226,9 @@ def test_clearsight_paper_layers():
 
 def test_clearsight_noop_is_greedy(tiny_mm, images, prompts):
     base, _ = _tokens(tiny_mm, images[:3], prompts[:3], {"method": "greedy"})
-    got, _ = _tokens(tiny_mm, images[:3], prompts[:3], {"method": "clearsight", "params": {"enhance": 1.0, "suppress": 1.0}})
+    got, _ = _tokens(
+        tiny_mm, images[:3], prompts[:3], {"method": "clearsight", "params": {"enhance": 1.0, "suppress": 1.0}}
+    )
     assert got == base
 
 
@@ -228,7 +236,9 @@ def test_clearsight_scales_logits_of_rows_after_the_image(tiny_mm, images, promp
     """The override equals eager attention where every row after the image has its pre-mask logits
     multiplied by enhance on image keys and by suppress on the keys before the image."""
     enh, sup = 1.6, 0.7
-    recipe = load_recipe({"decoding": {"method": "clearsight", "params": {"enhance": enh, "suppress": sup, "layers": [1]}}})
+    recipe = load_recipe(
+        {"decoding": {"method": "clearsight", "params": {"enhance": enh, "suppress": sup, "layers": [1]}}}
+    )
     with Session(tiny_mm, recipe) as s:
         state = _state(s, tiny_mm, images[:2], prompts[:2])
         valid, image = state.groups[0].key_mask, state.inputs.image_mask  # [B, T]

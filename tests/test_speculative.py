@@ -51,7 +51,12 @@ def test_layer_skip_calibration_and_restore(tiny_mm, images, prompts):
 
     layer = tiny_mm.adapter.layers[1]
     fwd = layer.forward
-    with Session(tiny_mm, load_recipe({"speculative": {"method": "layer_skip", "params": {"skip_fraction": 0.5, "calibration_tokens": 6}}})) as s:
+    with Session(
+        tiny_mm,
+        load_recipe(
+            {"speculative": {"method": "layer_skip", "params": {"skip_fraction": 0.5, "calibration_tokens": 6}}}
+        ),
+    ) as s:
         out = s.generate(images[:1], prompts[:1], max_new_tokens=10)
         assert len(s.drafter.skip) == 2 and 0 not in s.drafter.skip
     base = _run(tiny_mm, images[:1], prompts[:1], n=10)
@@ -84,14 +89,18 @@ def test_prompt_lookup_equals_transformers_candidate_generator(tiny_mm):
     with Session(tiny_mm, Recipe()) as s:
         d = PromptLookup(PromptLookup.Config(num_tokens=4, max_ngram=2), s.ctx)
         d.install()
-    ref = PromptLookupCandidateGenerator(torch.tensor(eos), num_output_tokens=4, max_matching_ngram_size=2, max_length=10**6)
+    ref = PromptLookupCandidateGenerator(
+        torch.tensor(eos), num_output_tokens=4, max_matching_ngram_size=2, max_length=10**6
+    )
     g = torch.Generator().manual_seed(0)
     alphabet = torch.tensor([eos[0], 5, 6, 7, 8])
     cut_cases = empty_cases = 0
     for _ in range(400):
-        seq = alphabet[torch.randint(0, len(alphabet), (int(torch.randint(3, 14, (1,), generator=g)),), generator=g)].tolist()
+        seq = alphabet[
+            torch.randint(0, len(alphabet), (int(torch.randint(3, 14, (1,), generator=g)),), generator=g)
+        ].tolist()
         cand, _ = ref.get_candidates(torch.tensor([seq]))
-        expect = cand[0, len(seq):].tolist()
+        expect = cand[0, len(seq) :].tolist()
         got = d._lookup(seq)
         assert (got or []) == expect, seq
         assert eos[0] not in (got or [])
@@ -169,7 +178,9 @@ def test_without_replacement_siblings_verified_as_iid_are_lossy_and_undeclared_a
     tree = DraftTree(torch.tensor([1, 1]), torch.tensor([0, 0]), [q, q], sibling_sampling="without_replacement")
     with pytest.raises(ValueError, match="repeat"):
         verify(tree, probs, probs.log(), torch.Generator().manual_seed(0))
-    verify(DraftTree.chain([1], [q]), probs[:2], probs[:2].log(), torch.Generator().manual_seed(0))  # chains need no declaration
+    verify(
+        DraftTree.chain([1], [q]), probs[:2], probs[:2].log(), torch.Generator().manual_seed(0)
+    )  # chains need no declaration
 
 
 def test_greedy_rule():
@@ -190,8 +201,14 @@ def test_beam_with_drafter_refused():
 
 
 def test_sampling_with_drafter_runs(tiny_mm, images, prompts):
-    out = _run(tiny_mm, images[:2], prompts[:2], {"method": "layer_skip", "params": {"skip": [1, 2]}}, n=12,
-               decoding={"method": "sample", "seed": 3})
+    out = _run(
+        tiny_mm,
+        images[:2],
+        prompts[:2],
+        {"method": "layer_skip", "params": {"skip": [1, 2]}},
+        n=12,
+        decoding={"method": "sample", "seed": 3},
+    )
     assert all(len(r.token_ids) > 0 for r in out)
 
 

@@ -46,8 +46,9 @@ def _layer_attention(mm, layer_idx, h, pos):
     """Eager attention probabilities [H, T, T] of layer ``layer_idx`` on hidden ``h`` ([1, T, d])."""
     layer = mm.adapter.layers[layer_idx]
     cos_sin = mm.adapter.language_model.rotary_emb(h, position_ids=pos[None])
-    _, w = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=cos_sin,
-                           attention_mask=_causal(h.shape[1]))
+    _, w = layer.self_attn(
+        hidden_states=layer.input_layernorm(h), position_embeddings=cos_sin, attention_mask=_causal(h.shape[1])
+    )
     return w[0]
 
 
@@ -122,7 +123,9 @@ def test_pdrop_noop_is_baseline(tiny_mm, images, prompts):
 def test_pdrop_budget_lands_within_5_percent(tiny_mm, images, prompts, tokens):
     from mmfast.pruning.pyramiddrop import PyramidDrop, layer_average
 
-    out = tiny_mm.generate(images[:2], prompts[:2], recipe=_recipe("pyramiddrop", PD, {"tokens": tokens}), max_new_tokens=2)
+    out = tiny_mm.generate(
+        images[:2], prompts[:2], recipe=_recipe("pyramiddrop", PD, {"tokens": tokens}), max_new_tokens=2
+    )
     for r in out:
         assert abs(r.vision_tokens_layer_avg - tokens) <= 0.05 * tokens
     cfg = _recipe("pyramiddrop", PD).pruning[0].params
@@ -229,7 +232,9 @@ def _sparsevlm_reference(mm, inputs, filters, keeps, ratio, divisor):
         return layouts, _logits(mm, h)
 
 
-@pytest.mark.parametrize("params", [{"keep": (10, 6, 2)}, {"keep": (4, 3, 1), "recycle_ratio": 1.0, "cluster_divisor": 2}])
+@pytest.mark.parametrize(
+    "params", [{"keep": (10, 6, 2)}, {"keep": (4, 3, 1), "recycle_ratio": 1.0, "cluster_divisor": 2}]
+)
 def test_sparsevlm_selects_and_recycles_as_the_paper(tiny_mm, eager, images, prompts, params):
     p = {**SV, **params}
     with Session(tiny_mm, _recipe("sparsevlm", p)) as s:
@@ -238,8 +243,9 @@ def test_sparsevlm_selects_and_recycles_as_the_paper(tiny_mm, eager, images, pro
         stats = state.stats["sparsevlm"]
     pad = (~inputs.attention_mask.bool()).sum(1)
     for b, one in enumerate(singles):
-        want, want_logits = _sparsevlm_reference(eager, one, [0, 1, 2], list(p["keep"]), p.get("recycle_ratio", 0.3),
-                                                 p.get("cluster_divisor", 10))
+        want, want_logits = _sparsevlm_reference(
+            eager, one, [0, 1, 2], list(p["keep"]), p.get("recycle_ratio", 0.3), p.get("cluster_divisor", 10)
+        )
         got = [[i - int(pad[b]) for i in g] for g in _kept_sources(state, b)]
         assert got == want  # kept tokens in order, then the merged tokens (at their centres' provenance)
         torch.testing.assert_close(out.logits[b, 0], want_logits[0], atol=1e-4, rtol=1e-4)
@@ -272,7 +278,9 @@ def test_sparsevlm_noop_and_no_recycle(tiny_mm, images, prompts):
 def test_sparsevlm_budget_lands_within_5_percent(tiny_mm, images, prompts, tokens):
     from mmfast.pruning.sparsevlm import SparseVLM, simulate
 
-    out = tiny_mm.generate(images[:2], prompts[:2], recipe=_recipe("sparsevlm", SV, {"tokens": tokens}), max_new_tokens=2)
+    out = tiny_mm.generate(
+        images[:2], prompts[:2], recipe=_recipe("sparsevlm", SV, {"tokens": tokens}), max_new_tokens=2
+    )
     for r in out:
         assert abs(r.vision_tokens_layer_avg - tokens) <= 0.05 * tokens
     # the release's "192" on LLaVA-1.5: nominal 191, real (input counts) ~204 without and more with recycling
@@ -299,10 +307,14 @@ def next_mm(tmp_path_factory):
     from mmfast.models.factory import random_llava_next, save_model
 
     model, processor = random_llava_next("tiny")
-    return mmfast.load(save_model(model, processor, tmp_path_factory.mktemp("next_staged")), device="cpu", dtype="float32")
+    return mmfast.load(
+        save_model(model, processor, tmp_path_factory.mktemp("next_staged")), device="cpu", dtype="float32"
+    )
 
 
-@pytest.mark.parametrize("method, params", [("pyramiddrop", {**PD, "ratio": 0.5}), ("sparsevlm", {**SV, "keep": (40, 20, 10)})])
+@pytest.mark.parametrize(
+    "method, params", [("pyramiddrop", {**PD, "ratio": 0.5}), ("sparsevlm", {**SV, "keep": (40, 20, 10)})]
+)
 def test_llava_next_counts_the_whole_packed_span(next_mm, images, prompts, method, params):
     with Session(next_mm, _recipe(method, params)) as s:
         inputs, state, _ = _prefill(s, images[:2], prompts[:2])
@@ -316,8 +328,9 @@ def test_llava_next_counts_the_whole_packed_span(next_mm, images, prompts, metho
     else:
         assert state.stats["sparsevlm"]["per_sample_kept"][0][0] == int(first[0])
     for b, (_, st1, _) in enumerate(single):  # the batch decides each sample as alone
-        assert [int(st1.vision_slots(g).sum()) for g in range(len(st1.groups))] == \
-            [int(state.vision_slots(g)[b].sum()) for g in range(len(state.groups))]
+        assert [int(st1.vision_slots(g).sum()) for g in range(len(st1.groups))] == [
+            int(state.vision_slots(g)[b].sum()) for g in range(len(state.groups))
+        ]
 
 
 def test_pdrop_grouped_query_attention_matches_eager(tiny_gqa_dir, images, prompts):

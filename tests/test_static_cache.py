@@ -88,9 +88,14 @@ def test_static_trained_drafters_match_dynamic(name, tiny_mm, images, prompts, p
     arch = {"sar_k": 3, "n_latents": 4} if name == "flash" else {}
     if not (d / name).exists():
         write_random_draft(tiny_mm, name, d / name, **arch)
-    params = {"msd": {"depth": 3, "top_k": 4, "total_tokens": 16}, "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2}}
+    params = {
+        "msd": {"depth": 3, "top_k": 4, "total_tokens": 16},
+        "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2},
+    }
     recipe = {"speculative": {"method": name, "params": params[name]}, "pruning": [_stage("fastv", tiny_mm)]}
-    assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
+    assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == _tokens(
+        tiny_mm, recipe, images, prompts, "off", n=12
+    )
     assert padded_steps[0] > 0
 
 
@@ -150,13 +155,18 @@ def test_in_llm_pruning_gives_later_layers_smaller_buffers(tiny_mm, images, prom
 
         def prefill(inputs, **kw):
             state, out = original(inputs, **kw)
-            caps.append(([compat.static_capacity(state.cache, i) for i in range(state.n_layers)],
-                         [g.length for g in state.groups], [g.start for g in state.groups]))
+            caps.append(
+                (
+                    [compat.static_capacity(state.cache, i) for i in range(state.n_layers)],
+                    [g.length for g in state.groups],
+                    [g.start for g in state.groups],
+                )
+            )
             return state, out
 
         runner.prefill = prefill
         s.generate(images[:1], prompts[:1], max_new_tokens=5)
-    (capacity, lengths, starts), = caps
+    ((capacity, lengths, starts),) = caps
     assert len(lengths) == 2, "fastv made no second layer group"
     for layer, c in enumerate(capacity):
         g = 1 if layer >= starts[1] else 0
@@ -164,10 +174,13 @@ def test_in_llm_pruning_gives_later_layers_smaller_buffers(tiny_mm, images, prom
     assert capacity[-1] < capacity[0]
 
 
-@pytest.mark.parametrize("decoding", [
-    {"method": "opera", "params": {"num_beams": 2, "num_attn_candidates": 2}},
-    {"method": "pai"},
-])
+@pytest.mark.parametrize(
+    "decoding",
+    [
+        {"method": "opera", "params": {"num_beams": 2, "num_attn_candidates": 2}},
+        {"method": "pai"},
+    ],
+)
 def test_dynamic_only_methods_fall_back_with_one_log_line(decoding, tiny_mm, images, prompts, padded_steps, caplog):
     recipe = {"decoding": decoding}
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off", n=5)
@@ -316,7 +329,9 @@ def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatc
     from mmfast.pipeline import Session
 
     pdrop = {"pruning": [_stage("pyramiddrop", tiny_mm)]}
-    recipe = {"pyramiddrop": pdrop, "pyramiddrop+prompt_lookup": {**pdrop, **SERVED["prompt_lookup"]}}.get(name) or SERVED[name]
+    recipe = {"pyramiddrop": pdrop, "pyramiddrop+prompt_lookup": {**pdrop, **SERVED["prompt_lookup"]}}.get(
+        name
+    ) or SERVED[name]
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
     ReplayGraph.made = []
     monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
@@ -324,13 +339,16 @@ def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatc
     assert ReplayGraph.made and sum(g.replays for g in ReplayGraph.made) >= 5
 
 
-@pytest.mark.parametrize("recipe,blocker", [
-    ({}, None),
-    ({"pruning": [{"method": "pyramiddrop"}]}, None),
-    ({"pruning": [{"method": "fastv"}]}, "attention probes"),
-    ({"pruning": [{"method": "dart"}]}, "attention probes"),
-    ({"decoding": {"method": "vhr"}}, "hooks on the language model"),
-])
+@pytest.mark.parametrize(
+    "recipe,blocker",
+    [
+        ({}, None),
+        ({"pruning": [{"method": "pyramiddrop"}]}, None),
+        ({"pruning": [{"method": "fastv"}]}, "attention probes"),
+        ({"pruning": [{"method": "dart"}]}, "attention probes"),
+        ({"decoding": {"method": "vhr"}}, "hooks on the language model"),
+    ],
+)
 def test_capture_blockers(recipe, blocker, tiny_mm):
     if "pruning" in recipe:
         recipe = {"pruning": [_stage(recipe["pruning"][0]["method"], tiny_mm)]}

@@ -57,8 +57,10 @@ class EchoTask(Task):
     def samples(self, limit: int | None) -> list[Sample]:
         o = self.options
         images = self.images[:limit] if limit else self.images
-        return [Sample(f"echo/{name}", "echo", self.data.image_dir / name, o.prompt, o.target, o.max_new_tokens, {"n": i})
-                for i, name in enumerate(images)]
+        return [
+            Sample(f"echo/{name}", "echo", self.data.image_dir / name, o.prompt, o.target, o.max_new_tokens, {"n": i})
+            for i, name in enumerate(images)
+        ]
 
     def filter_response(self, text: str, sample: Sample) -> str:
         return text.strip().lower().rstrip(".")
@@ -101,7 +103,9 @@ def _recipe(tiny_dir, world, out, **eval_over):
         "batch_size": 2,
     }
     ev.update(eval_over)
-    return load_recipe({"name": "t", "model": {"name": str(tiny_dir), "device": "cpu"}, "eval": ev, "output": {"dir": str(out)}})
+    return load_recipe(
+        {"name": "t", "model": {"name": str(tiny_dir), "device": "cpu"}, "eval": ev, "output": {"dir": str(out)}}
+    )
 
 
 # --------------------------------------------------------------------------- tests
@@ -115,7 +119,9 @@ def test_builtin_tasks_are_registered():
 
 
 def test_unknown_task_names_the_entry_and_suggests():
-    with pytest.raises(ConfigError, match=r"^eval\.tasks\[1\]: unknown evaluation task 'chiar'; did you mean 'chair'\?"):
+    with pytest.raises(
+        ConfigError, match=r"^eval\.tasks\[1\]: unknown evaluation task 'chiar'; did you mean 'chair'\?"
+    ):
         load_recipe({"eval": {"tasks": ["pope", "chiar"]}})
     with pytest.raises(ConfigError, match=r"^eval\.tasks\[1\]: task 'pope' is listed twice"):
         load_recipe({"eval": {"tasks": ["pope", "pope"]}})
@@ -134,10 +140,23 @@ def test_task_section_validated_by_its_config(echo):
     with pytest.raises(ConfigError, match=r"^eval\.ecko: unknown key; did you mean 'echo'"):
         load_recipe({"eval": {"ecko": {}}})
     again = load_recipe(r.to_dict())  # written back as eval.echo
-    assert r.to_dict()["eval"]["echo"] == {"target": "no", "prompt": EchoConfig.prompt, "n_images": 3, "max_new_tokens": 2}
+    assert r.to_dict()["eval"]["echo"] == {
+        "target": "no",
+        "prompt": EchoConfig.prompt,
+        "n_images": 3,
+        "max_new_tokens": 2,
+    }
     assert again.eval == r.eval and again.hash() == r.hash()
     # a recipe without a plugin section dumps (and hashes) exactly as before the registry
-    assert list(load_recipe({}).to_dict()["eval"]) == ["tasks", "data", "pope", "chair", "batch_size", "limit", "max_failures"]
+    assert list(load_recipe({}).to_dict()["eval"]) == [
+        "tasks",
+        "data",
+        "pope",
+        "chair",
+        "batch_size",
+        "limit",
+        "max_failures",
+    ]
 
 
 def test_third_task_runs_end_to_end(echo, tiny_dir, tiny_mm, small_world, tmp_path):
@@ -151,7 +170,10 @@ def test_third_task_runs_end_to_end(echo, tiny_dir, tiny_mm, small_world, tmp_pa
     recs = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     echo_recs = [r for r in recs if r["task"] == "echo"]
     assert [r["doc_id"] for r in echo_recs] == [f"echo/{n}" for n in proto["images"][:3]]
-    assert all(r["target"] == "yes" and r["filtered_resps"][0] == r["resps"][0][0].strip().lower().rstrip(".") for r in echo_recs)
+    assert all(
+        r["target"] == "yes" and r["filtered_resps"][0] == r["resps"][0][0].strip().lower().rstrip(".")
+        for r in echo_recs
+    )
     assert (out / "echo_images.txt").read_text().split() == proto["images"]
     assert not (out / "chair_image_ids.txt").exists()  # only the tasks that ran write side files
     # resuming with more samples runs only the new ones
@@ -173,8 +195,15 @@ def test_task_files_checked_before_the_model(echo, tmp_path):
 
 
 def test_colliding_plans_refused(echo, small_world):
-    cfg = load_recipe({"eval": {"tasks": ["pope", "echo"], "data": {"dataset": "world", "root": str(small_world)},
-                                "pope": {"splits": ["random"]}}}).eval
+    cfg = load_recipe(
+        {
+            "eval": {
+                "tasks": ["pope", "echo"],
+                "data": {"dataset": "world", "root": str(small_world)},
+                "pope": {"splits": ["random"]},
+            }
+        }
+    ).eval
     from mmfast.eval.data import resolve_data
 
     pope, echo_task = build_tasks(cfg, resolve_data(cfg, cfg.tasks))
@@ -189,6 +218,7 @@ def test_colliding_plans_refused(echo, small_world):
 
 def test_task_needs_only_shared_inputs():
     with pytest.raises(TypeError, match="shared inputs"):
+
         class Bad(Task):  # noqa: F841
             needs = frozenset({"images", "questions"})
 
@@ -196,5 +226,5 @@ def test_task_needs_only_shared_inputs():
 def test_cli_lists_tasks(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    tasks = out[out.index("tasks:"):]
+    tasks = out[out.index("tasks:") :]
     assert "pope " in tasks and "chair " in tasks

@@ -18,9 +18,9 @@ def _recipe(**params):
 def _hand_built():
     """7 tokens (CLS + 6): A = {0, 2, 4, 6}, B = {1, 3, 5}. CLS's metric equals token 1's exactly."""
     x = torch.arange(7 * 2, dtype=torch.float32).reshape(1, 7, 2)
-    metric = torch.tensor(
-        [[1.0, 0.0], [1.0, 0.0], [0.99, 0.141], [0.0, 1.0], [0.6, 0.8], [0.8, 0.6], [-1.0, 0.1]]
-    )[None]
+    metric = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.99, 0.141], [0.0, 1.0], [0.6, 0.8], [0.8, 0.6], [-1.0, 0.1]])[
+        None
+    ]
     size = torch.tensor([1.0, 2.0, 3.0, 1.0, 1.0, 1.0, 1.0]).reshape(1, 7, 1)
     ids = torch.tensor([[-1, 10, 11, 12, 13, 14, 15]])
     return x, metric, size, ids
@@ -72,7 +72,9 @@ def test_merges_r_per_block_and_tracks_patches(tiny_mm, images, prompts):
     assert tiny_mm.adapter.vision_feature_layer_index() == 1
     for params, want_r in (({"budget": 8}, [4, 4]), ({"r": 3}, [3, 3])):
         lengths = []
-        handles = [lay.register_forward_hook(lambda m, a, o: lengths.append((a[0].shape[1], o.shape[1]))) for lay in layers]
+        handles = [
+            lay.register_forward_hook(lambda m, a, o: lengths.append((a[0].shape[1], o.shape[1]))) for lay in layers
+        ]
         try:
             with Session(tiny_mm, _recipe(**params)) as s:
                 batch = s.mm.prepare(images[:2], prompts[:2])
@@ -105,7 +107,10 @@ def test_proportional_attention_end_to_end(tiny_mm, images, prompts):
         def after0(m, a, o):
             seen.update(x=o.clone(), size=tome._size.clone(), ids=tome._ids.clone())
 
-        handles = [layers[0].register_forward_hook(after0), layers[1].register_forward_hook(lambda m, a, o: seen.update(out=o.clone()))]
+        handles = [
+            layers[0].register_forward_hook(after0),
+            layers[1].register_forward_hook(lambda m, a, o: seen.update(out=o.clone())),
+        ]
         try:
             s.encode(s.mm.prepare(images[:2], prompts[:2]))
         finally:

@@ -89,9 +89,37 @@ clock
 vase
 teddy bear, teddybear"""
 _INVERSE = {s.strip(): line.split(",")[0] for line in _SYNONYMS.splitlines() for s in line.split(",")}
-_ALL_COCO_WORDS = {"sheep", "cow", "elephant", "bear", "zebra", "giraffe", "train", "boat", "airplane", "plane", "tie",
-                   "suitcase", "skis", "snowboard", "surfboard", "toilet", "oven", "stove", "toaster", "scissors",
-                   "toothbrush", "sandwich", "broccoli", "carrot", "cake", "handbag", "racket", "glove", "bat"}
+_ALL_COCO_WORDS = {
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "train",
+    "boat",
+    "airplane",
+    "plane",
+    "tie",
+    "suitcase",
+    "skis",
+    "snowboard",
+    "surfboard",
+    "toilet",
+    "oven",
+    "stove",
+    "toaster",
+    "scissors",
+    "toothbrush",
+    "sandwich",
+    "broccoli",
+    "carrot",
+    "cake",
+    "handbag",
+    "racket",
+    "glove",
+    "bat",
+}
 
 
 def _singular(w: str) -> str:
@@ -112,7 +140,7 @@ def chair_objects(text: str) -> list[str]:
     out: list[str] = []
     i = 0
     while i < len(words):
-        two = " ".join(words[i: i + 2])
+        two = " ".join(words[i : i + 2])
         if two in _INVERSE and " " in two:
             out.append(_INVERSE[two])
             i += 2
@@ -155,7 +183,8 @@ def test_write_world_is_byte_identical(world: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     write_world(other, seed=4, n_train=0, n_val=12, pope_images=5, progress=False)
     assert (other / "images/val/WORLD_val_000000000001.png").read_bytes() != first[
-        "images/val/WORLD_val_000000000001.png"]
+        "images/val/WORLD_val_000000000001.png"
+    ]
 
 
 def test_workers_give_the_same_bytes(tmp_path: Path) -> None:
@@ -165,8 +194,9 @@ def test_workers_give_the_same_bytes(tmp_path: Path) -> None:
 
 
 def test_coco_instances_roundtrip(world: Path) -> None:
-    cat_ids = {c["id"]: c["name"] for c in json.loads((world / "annotations/instances_val.json").read_text())[
-        "categories"]}
+    cat_ids = {
+        c["id"]: c["name"] for c in json.loads((world / "annotations/instances_val.json").read_text())["categories"]
+    }
     assert cat_ids[1] == "person" and cat_ids[72] == "tv" and cat_ids[73] == "laptop" and cat_ids[18] == "dog"
     assert len(cat_ids) >= 28
     for split, n in (("train", 8), ("val", N_VAL)):
@@ -187,7 +217,9 @@ def test_coco_instances_roundtrip(world: Path) -> None:
     assert info["seed"] == 3 and info["label_names"] == list(LABEL_NAMES)
     assert set(info["pope"]["sha256"]) == set(POPE_SPLITS) and info["pope"]["default_version"] == "official"
     assert {v: set(r["sha256"]) for v, r in info["pope"]["versions"].items()} == {
-        "official": set(POPE_SPLITS), "v1": set(POPE_SPLITS)}
+        "official": set(POPE_SPLITS),
+        "v1": set(POPE_SPLITS),
+    }
 
 
 def test_captions_file_and_synonyms(world: Path) -> None:
@@ -227,7 +259,7 @@ def test_pope_v1_rule(world: Path) -> None:
         pool = [anns[f] for f in order]
         _, by_freq, co = pool_statistics(pool)
         for k, a in enumerate(pool):
-            block = qs[6 * k: 6 * k + 6]
+            block = qs[6 * k : 6 * k + 6]
             assert [q["label"] for q in block] == ["yes", "no"] * 3
             assert all(q["image"] == a.file_name and q["image_id"] == a.image_id for q in block)
             objs = [re.fullmatch(r"Is there an? (.+) in the image\?", q["text"]).group(1) for q in block]
@@ -239,8 +271,9 @@ def test_pope_v1_rule(world: Path) -> None:
             used: list[str] = []
             for p, n in zip(pos, neg):
                 used.append(p)
-                valid = [o for o in (by_freq if split == "popular" else co.get(p, [])) if o not in present
-                         and o not in used]
+                valid = [
+                    o for o in (by_freq if split == "popular" else co.get(p, [])) if o not in present and o not in used
+                ]
                 if split == "popular":
                     assert n == valid[0]
                 elif split == "adversarial" and valid:
@@ -315,8 +348,9 @@ def test_text_generators() -> None:
 
 
 def test_cli_writes_a_world(tmp_path: Path) -> None:
-    rc = generate_main(["--out", str(tmp_path), "--seed", "2", "--n-train", "2", "--n-val", "8", "--pope-images",
-                        "4", "--no-progress"])
+    rc = generate_main(
+        ["--out", str(tmp_path), "--seed", "2", "--n-train", "2", "--n-val", "8", "--pope-images", "4", "--no-progress"]
+    )
     assert rc == 0
     assert len(read_pope(tmp_path / "pope/world_pope_adversarial.json")) == 24
     assert (tmp_path / "labels/train/WORLD_train_000000000001.png").is_file()

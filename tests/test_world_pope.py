@@ -133,8 +133,11 @@ def test_ties_follow_first_appearance_not_id_or_name() -> None:
     in 1: popular lists them in first-appearance order dog, cat, car (not cat/car/dog
     alphabetically, nor car(3)/cat(17)/dog(18) by COCO id). For dog, cat and car co-occur twice
     each (tie) and bird once: cat (seen first, in A) before car (in B)."""
-    pool = [GroundTruthObjects("A", 1, ("dog", "cat", "bird")), GroundTruthObjects("B", 2, ("car", "dog", "cat")),
-            GroundTruthObjects("C", 3, ("car", "dog", "x"))]
+    pool = [
+        GroundTruthObjects("A", 1, ("dog", "cat", "bird")),
+        GroundTruthObjects("B", 2, ("car", "dog", "cat")),
+        GroundTruthObjects("C", 3, ("car", "dog", "x")),
+    ]
     objects, by_freq, co = object_statistics(pool)
     assert objects == ["dog", "cat", "bird", "car", "x"]
     assert by_freq == ["dog", "cat", "car", "bird", "x"]
@@ -173,8 +176,11 @@ def test_annotation_order_is_the_sampling_order() -> None:
     anns = [render_image(0, "val", i).annotation for i in range(1, 61)]
     official = build_pope(anns, version="official", n_images=60, seed=0)["random"]
     by_file = {a.file_name: a for a in anns}
-    ranks = [by_file[q.image].object_names().index(re.fullmatch(r"Is there an? (.+) in the image\?", q.text).group(1))
-             for q in official if q.label == "yes"]
+    ranks = [
+        by_file[q.image].object_names().index(re.fullmatch(r"Is there an? (.+) in the image\?", q.text).group(1))
+        for q in official
+        if q.label == "yes"
+    ]
     assert max(ranks) >= 3  # some positive is not among the three largest objects (v1's always are)
 
 

@@ -231,7 +231,9 @@ def test_quantize_roundtrip_error_and_packed_bytes(bits):
         assert q.codes.shape == (2, n_pad, 64 * bits // 8)  # exactly bits/8 bytes per value
         assert q.codes.numel() == 2 * n_pad * 64 * bits // 8
         y = q.dequantize()
-        step = q.scale.float()[:, :, None, :, None].expand(2, n_pad // q.tok_group, q.tok_group, 64 // q.ch_group, q.ch_group)
+        step = q.scale.float()[:, :, None, :, None].expand(
+            2, n_pad // q.tok_group, q.tok_group, 64 // q.ch_group, q.ch_group
+        )
         step = step.reshape(2, n_pad, 64)[:, :37]
         err = (y - x).abs()
         assert bool((err[valid] <= step[valid] / 2 + 1e-5).all())
@@ -258,7 +260,10 @@ def _segment_bytes(n_hi, n_lo, n_stored, c, spec, pbytes=4):
     total = 0
     for n, bits in ((n_hi, spec.bits_high), (n_lo, spec.bits_low)):
         total += 2 * n * c * bits // 8
-        total += quant_param_count(n, c, spec.k_group_size, 1) * pbytes + quant_param_count(n, c, 1, spec.v_group_size) * pbytes
+        total += (
+            quant_param_count(n, c, spec.k_group_size, 1) * pbytes
+            + quant_param_count(n, c, 1, spec.v_group_size) * pbytes
+        )
     return total + (c * pbytes + math.ceil(n_stored / 8) if n_stored else 0)
 
 

@@ -38,7 +38,11 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     if kind == "none":
         raise InputError("the recipe has no benchmark (set bench.kind: pruning | decoding | speculative | gpu_speed)")
     out = Path(output or recipe.output.dir.format(name=recipe.name))
-    command = "mmfast " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv and "mmfast" in sys.argv[0] else f"mmfast bench {recipe.name}"
+    command = (
+        "mmfast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        if sys.argv and "mmfast" in sys.argv[0]
+        else f"mmfast bench {recipe.name}"
+    )
     if kind == "gpu_speed":  # its own random-weight models per shape (and the embedded model for tau)
         from .gpu_speed import run_gpu_speed
 

@@ -65,7 +65,9 @@ def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
             raise ConfigError(f"bench.compare[{i}]", "expected a mapping with a name and the sections to replace")
         unknown = set(item) - {"name", "pruning", "decoding", "speculative", "eval"}
         if unknown:
-            raise ConfigError(f"{where}.{sorted(unknown)[0]}", "unknown key; allowed: name, pruning, decoding, speculative, eval")
+            raise ConfigError(
+                f"{where}.{sorted(unknown)[0]}", "unknown key; allowed: name, pruning, decoding, speculative, eval"
+            )
         if item["name"] in names:
             raise ConfigError(f"{where}.name", f"duplicate variant name {item['name']!r}")
         names.add(item["name"])
@@ -84,8 +86,11 @@ def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
     for j, name in enumerate(shaped or ()):
         if name not in names:
             hint = difflib.get_close_matches(name, sorted(names), n=1)
-            raise ConfigError(f"bench.params.shaped_variants[{j}]", f"no variant named {name!r}"
-                              + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(sorted(names))}"))
+            raise ConfigError(
+                f"bench.params.shaped_variants[{j}]",
+                f"no variant named {name!r}"
+                + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(sorted(names))}"),
+            )
     return out
 
 
@@ -96,9 +101,15 @@ def only_variants(recipe: Recipe, names: list[str]) -> Recipe:
     for n in names:
         if n not in known:
             hint = difflib.get_close_matches(n, known, n=1)
-            raise ConfigError("bench.compare", f"no variant named {n!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(known)}"))
+            raise ConfigError(
+                "bench.compare",
+                f"no variant named {n!r}"
+                + (f"; did you mean {hint[0]!r}?" if hint else f"; known: {', '.join(known)}"),
+            )
     data = recipe.to_dict()
-    keep = [item for item in [*recipe.bench.compare, *generated] if isinstance(item, dict) and item.get("name") in names]
+    keep = [
+        item for item in [*recipe.bench.compare, *generated] if isinstance(item, dict) and item.get("name") in names
+    ]
     for item in keep:
         item.pop("_origin", None)
     params = dict(data["bench"].get("params") or {})
@@ -167,7 +178,15 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
-def write_markdown(path: Path, title: str, command: str, header: list[str], rows: list[list[Any]], notes: list[str], model: dict | None = None) -> None:
+def write_markdown(
+    path: Path,
+    title: str,
+    command: str,
+    header: list[str],
+    rows: list[list[Any]],
+    notes: list[str],
+    model: dict | None = None,
+) -> None:
     def fmt(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:.3f}" if abs(v) < 1000 else f"{v:.3g}"
@@ -203,7 +222,11 @@ def _is_legacy_bench_dir(out: Path) -> bool:
         pass
     names = {p.name for p in out.iterdir()}
     variants_dir = out / "variants"
-    return names == {"variants"} and variants_dir.is_dir() and all((v / "run.json").is_file() for v in variants_dir.iterdir())
+    return (
+        names == {"variants"}
+        and variants_dir.is_dir()
+        and all((v / "run.json").is_file() for v in variants_dir.iterdir())
+    )
 
 
 def claim_bench_dir(out: Path, kind: str, recipe_name: str) -> None:
@@ -222,4 +245,6 @@ def claim_bench_dir(out: Path, kind: str, recipe_name: str) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / BENCH_MARKER).write_text(json.dumps({"kind": kind, "recipe": recipe_name}) + "\n")
     except OSError as exc:
-        raise InputError(f"cannot write the bench directory {out}: {exc.strerror or exc}; choose another --output") from None
+        raise InputError(
+            f"cannot write the bench directory {out}: {exc.strerror or exc}; choose another --output"
+        ) from None

@@ -67,22 +67,41 @@ def run_decoding_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dic
         pope, chair, cost = r["metrics"].get("pope", {}), r["metrics"].get("chair", {}), r["cost"]
         r["ratios"] = {
             "cost_per_token": cost["decode_s_per_token"] / base["cost"]["decode_s_per_token"],
-            "pope_mean_f1_delta": (pope.get("mean_f1", 0) - base["metrics"].get("pope", {}).get("mean_f1", 0)) if pope else None,
-            "chair_i_delta": (chair.get("chair_i", 0) - base["metrics"].get("chair", {}).get("chair_i", 0)) if chair else None,
+            "pope_mean_f1_delta": (pope.get("mean_f1", 0) - base["metrics"].get("pope", {}).get("mean_f1", 0))
+            if pope
+            else None,
+            "chair_i_delta": (chair.get("chair_i", 0) - base["metrics"].get("chair", {}).get("chair_i", 0))
+            if chair
+            else None,
         }
-        rows.append([
-            name,
-            r["decoding"]["method"],
-            *(pope.get(s, {}).get("f1") for s in ("random", "popular", "adversarial")),
-            pope.get("mean_f1"),
-            chair.get("chair_s"),
-            chair.get("chair_i"),
-            chair.get("recall"),
-            chair.get("len"),
-            r["ratios"]["cost_per_token"],
-            (cost["peak_rss_bytes"] or 0) / 2**20,
-        ])
-    header = ["variant", "decoder", "POPE F1 rand", "pop", "adv", "mean F1", "CHAIR_s", "CHAIR_i", "recall", "len", "cost/token x", "peak RSS MiB"]
+        rows.append(
+            [
+                name,
+                r["decoding"]["method"],
+                *(pope.get(s, {}).get("f1") for s in ("random", "popular", "adversarial")),
+                pope.get("mean_f1"),
+                chair.get("chair_s"),
+                chair.get("chair_i"),
+                chair.get("recall"),
+                chair.get("len"),
+                r["ratios"]["cost_per_token"],
+                (cost["peak_rss_bytes"] or 0) / 2**20,
+            ]
+        )
+    header = [
+        "variant",
+        "decoder",
+        "POPE F1 rand",
+        "pop",
+        "adv",
+        "mean F1",
+        "CHAIR_s",
+        "CHAIR_i",
+        "recall",
+        "len",
+        "cost/token x",
+        "peak RSS MiB",
+    ]
     return {"header": header, "rows": rows, "results": results}
 
 
@@ -110,8 +129,12 @@ def write_decoding_report(result: dict[str, Any], out: Path, command: str) -> No
     ]
     presets = preset_notes(result)
     if presets:
-        notes.append("Beam-search presets (exact: fp32 log-space penalty and transformers 5's scorer; release: the OPERA "
-                     "release's fp16 score and transformers 4.29.2's scorer, prompt + generated length): " + presets + ".")
-    intervals = write_results(result, out, "decoding", "Anti-hallucination decoders on the embedded world", command, notes)
+        notes.append(
+            "Beam-search presets (exact: fp32 log-space penalty and transformers 5's scorer; release: the OPERA "
+            "release's fp16 score and transformers 4.29.2's scorer, prompt + generated length): " + presets + "."
+        )
+    intervals = write_results(
+        result, out, "decoding", "Anti-hallucination decoders on the embedded world", command, notes
+    )
     decoding_plots(result, out, out.name, intervals)
     dump(out / "summary.json", result)

@@ -190,21 +190,33 @@ class GpuBenchParams:
         shapes = tuple(p.get("shapes", ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b")))
         for i, s in enumerate(shapes):
             if s not in BENCH_MODELS:
-
                 close = difflib.get_close_matches(s, list(BENCH_MODELS), n=1)
-                raise InputError(f"bench.params.shapes[{i}]: unknown shape {s!r}" + (f"; did you mean {close[0]!r}?" if close else "")
-                                 + f" (known: {', '.join(BENCH_MODELS)})")
+                raise InputError(
+                    f"bench.params.shapes[{i}]: unknown shape {s!r}"
+                    + (f"; did you mean {close[0]!r}?" if close else "")
+                    + f" (known: {', '.join(BENCH_MODELS)})"
+                )
         workloads = tuple(p.get("workloads", ("pope", "caption")))
         for i, w in enumerate(workloads):
             if w not in WORKLOAD_PROMPTS:
-                raise InputError(f"bench.params.workloads[{i}]: unknown workload {w!r} (known: {', '.join(WORKLOAD_PROMPTS)})")
+                raise InputError(
+                    f"bench.params.workloads[{i}]: unknown workload {w!r} (known: {', '.join(WORKLOAD_PROMPTS)})"
+                )
         batches = tuple(int(b) for b in p.get("batches", (1, 8, 32)))
         if any(b < 1 for b in batches):
             raise InputError("bench.params.batches: batch sizes must be >= 1")
         rows = tuple(p.get("rows", ("*",)))
-        return cls(shapes, batches, workloads, int(p.get("caption_tokens", 128)), rows,
-                   getattr(torch, p.get("dtype", "float16")), bool(p.get("embedded_speculative", True)),
-                   int(p.get("embedded_samples", 4)), tuple(p.get("embedded_rows", rows)))
+        return cls(
+            shapes,
+            batches,
+            workloads,
+            int(p.get("caption_tokens", 128)),
+            rows,
+            getattr(torch, p.get("dtype", "float16")),
+            bool(p.get("embedded_speculative", True)),
+            int(p.get("embedded_samples", 4)),
+            tuple(p.get("embedded_rows", rows)),
+        )
 
     def tokens(self, workload: str) -> int:
         return 1 if workload == "pope" else self.caption_tokens
@@ -289,15 +301,18 @@ class _Shape:
     def batch(self, b: int, workload: str):
         if (b, workload) not in self.batches:
             prompt = WORKLOAD_PROMPTS[workload]
-            self.batches[(b, workload)] = self.mm.prepare([self.images[i % len(self.images)] for i in range(b)], [prompt] * b)
+            self.batches[(b, workload)] = self.mm.prepare(
+                [self.images[i % len(self.images)] for i in range(b)], [prompt] * b
+            )
         return self.batches[(b, workload)]
 
 
 def _build_shape(name: str, device: torch.device, dtype: torch.dtype, n_images: int) -> _Shape:
 
-
     t0 = time.perf_counter()
-    model, processor = build_bench_model(name, device=device, dtype=dtype, init_std=0.02 if dtype != torch.float32 else 0.2)
+    model, processor = build_bench_model(
+        name, device=device, dtype=dtype, init_std=0.02 if dtype != torch.float32 else 0.2
+    )
     mm = MMModel(model, processor, name)
     logger.info("gpu bench: built %s on %s in %.1f s", name, device, time.perf_counter() - t0)
     h, w = BENCH_MODELS[name].image
@@ -322,8 +337,10 @@ def _hf_call(shape: _Shape, batch, static: bool) -> tuple[Callable[[int], Any], 
     flat = [im for ims in batch.images for im in ims]
     processed = mm.processor(images=flat, text=batch.texts, return_tensors="pt", padding=True)
     # [B, L] ids and mask, the pixels (and image sizes / grids) on the model's device, float pixels in its dtype
-    inputs = {k: (v.to(mm.device, mm.dtype) if v.is_floating_point() else v.to(mm.device)) if torch.is_tensor(v) else v
-              for k, v in dict(processed).items()}
+    inputs = {
+        k: (v.to(mm.device, mm.dtype) if v.is_floating_point() else v.to(mm.device)) if torch.is_tensor(v) else v
+        for k, v in dict(processed).items()
+    }
     kw: dict[str, Any] = {"do_sample": False, "pad_token_id": mm.pad_token_id}
     if static:
         kw["cache_implementation"] = "static"
@@ -346,8 +363,13 @@ def _variant_recipe(v: Variant, shape: _Shape, compiled: bool) -> Recipe:
     spec = recipe.speculative
     if spec is not None and spec.method in ("msd", "flash"):
         if spec.method not in shape.drafts:
-            shape.drafts[spec.method] = str(write_random_draft(shape.mm, spec.method, Path(shape.draft_dir.name) / spec.method))
-        data["speculative"] = dict(data["speculative"], params={**(data["speculative"].get("params") or {}), "weights": shape.drafts[spec.method]})
+            shape.drafts[spec.method] = str(
+                write_random_draft(shape.mm, spec.method, Path(shape.draft_dir.name) / spec.method)
+            )
+        data["speculative"] = dict(
+            data["speculative"],
+            params={**(data["speculative"].get("params") or {}), "weights": shape.drafts[spec.method]},
+        )
     if compiled:
         data["model"] = dict(data["model"], compile="auto")
     return load_recipe(data)
@@ -368,8 +390,14 @@ def _mmfast_row(shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, c
     with apply(shape.mm, recipe, calibration=shape.calibration) as session:
         t = _measure(call, n, shape.mm.device, cfg.warmup, cfg.repeats)
     res = t.last
-    m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = t.first_call_s, t.ttft_s, t.e2e_s, t.repeats, t.peak_mem_bytes
-    m.prefill_s = statistics.median(prefills[-cfg.repeats:])  # the timed TTFT calls are the last ones
+    m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = (
+        t.first_call_s,
+        t.ttft_s,
+        t.e2e_s,
+        t.repeats,
+        t.peak_mem_bytes,
+    )
+    m.prefill_s = statistics.median(prefills[-cfg.repeats :])  # the timed TTFT calls are the last ones
     m.n_vision_tokens = sum(r.n_vision_tokens for r in res) / len(res)
     m.flops_prefill = sum(r.flops_prefill for r in res)
     kv = [(r.kv_bytes_prefill + r.kv_bytes_end) / 2 for r in res]
@@ -386,7 +414,13 @@ def _hf_row(shape: _Shape, b: int, workload: str, n: int, cfg, static: bool, m: 
 
     call, info = _hf_call(shape, shape.batch(b, workload), static)
     t = _measure(call, n, shape.mm.device, cfg.warmup, cfg.repeats)
-    m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = t.first_call_s, t.ttft_s, t.e2e_s, t.repeats, t.peak_mem_bytes
+    m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = (
+        t.first_call_s,
+        t.ttft_s,
+        t.e2e_s,
+        t.repeats,
+        t.peak_mem_bytes,
+    )
     lm = LMShape.of(shape.mm.model.config.get_text_config())
     m.flops_prefill = sum(prefill_flops([L] * lm.n_layers, lm) for L in info["lengths"])
     m.n_vision_tokens = info["n_vision"]
@@ -396,8 +430,20 @@ def _hf_row(shape: _Shape, b: int, workload: str, n: int, cfg, static: bool, m: 
 
 
 def _settings(device: DeviceInfo, dtype: torch.dtype, cfg, n: int, row_spec: Any) -> str:
-    blob = json.dumps({"device": device.name, "torch": device.torch, "transformers": device.transformers, "dtype": str(dtype),
-                       "warmup": cfg.warmup, "repeats": cfg.repeats, "new_tokens": n, "row": row_spec}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "device": device.name,
+            "torch": device.torch,
+            "transformers": device.transformers,
+            "dtype": str(dtype),
+            "warmup": cfg.warmup,
+            "repeats": cfg.repeats,
+            "new_tokens": n,
+            "row": row_spec,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -428,7 +474,10 @@ class RowStore:
         for k in stale:
             del self.rows[k]
         if stale:
-            logger.warning("gpu bench: %d stored rows have other settings (device, dtype, repeats, tokens or recipe) and re-run", len(stale))
+            logger.warning(
+                "gpu bench: %d stored rows have other settings (device, dtype, repeats, tokens or recipe) and re-run",
+                len(stale),
+            )
         self.path.write_text("".join(json.dumps(dataclasses.asdict(m)) + "\n" for m in self.rows.values()))
 
     def add(self, m: Measurement) -> None:
@@ -440,7 +489,12 @@ class RowStore:
 
 def _row_specs(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams) -> list[tuple[str, Any]]:
     """(row name, what the row runs) in table order, filtered by ``bench.params.rows``."""
-    rows: list[tuple[str, Any]] = [(HF_EAGER, "hf-dynamic"), (HF_STATIC, "hf-static"), (UNPRUNED, vs[0]), (COMPILED, vs[0])]
+    rows: list[tuple[str, Any]] = [
+        (HF_EAGER, "hf-dynamic"),
+        (HF_STATIC, "hf-static"),
+        (UNPRUNED, vs[0]),
+        (COMPILED, vs[0]),
+    ]
     rows += [(v.name, v) for v in vs[1:]]
     return [(name, what) for name, what in rows if cp.wants(name)]
 
@@ -465,8 +519,13 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
         for w in cp.workloads:
             for b in cp.batches:
                 for name, what in specs:
-                    plan[(shape, b, w, name)] = _settings(info, cp.dtype, cfg, cp.tokens(w),
-                                                          {"row": _spec_of(what, name == COMPILED), "shape": repr(BENCH_MODELS[shape])})
+                    plan[(shape, b, w, name)] = _settings(
+                        info,
+                        cp.dtype,
+                        cfg,
+                        cp.tokens(w),
+                        {"row": _spec_of(what, name == COMPILED), "shape": repr(BENCH_MODELS[shape])},
+                    )
     emb_plan = _embedded_plan(recipe, vs, cp, info) if cp.embedded else {}
     store.prune({**plan, **emb_plan})
     report = lambda: write_gpu_report(recipe, cp, info, store, out, command, vs)  # noqa: E731
@@ -501,7 +560,9 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                     torch.cuda.empty_cache()
                 except Exception as exc:  # noqa: BLE001  one broken row must not cost the device time of the rest
                     m.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                    logger.exception("gpu bench: %s batch %d %s: %s failed (the row re-runs on resume)", shape_name, b, w, name)
+                    logger.exception(
+                        "gpu bench: %s batch %d %s: %s failed (the row re-runs on resume)", shape_name, b, w, name
+                    )
                 store.add(m)
                 report()
         finally:
@@ -512,25 +573,49 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                 torch.cuda.empty_cache()
     failed = [m for m in store.rows.values() if m.status.startswith("failed")]
     if failed:
-        logger.error("gpu bench: %d rows failed (see their status in results.md; they re-run on resume): %s", len(failed),
-                     "; ".join(f"{m.shape} b{m.batch} {m.workload} {m.row}" for m in failed))
+        logger.error(
+            "gpu bench: %d rows failed (see their status in results.md; they re-run on resume): %s",
+            len(failed),
+            "; ".join(f"{m.shape} b{m.batch} {m.workload} {m.row}" for m in failed),
+        )
     return report()
 
 
 # -- the embedded model: real tau ------------------------------------------------------------------
 def _embedded_rows(vs: list[Variant], cp: GpuBenchParams | None = None) -> list[Variant]:
     """The drafters without pruning (selected by ``bench.params.embedded_rows`` when ``cp`` is given)."""
-    return [v for v in vs[1:] if v.recipe.speculative is not None and not v.recipe.pruning and (cp is None or cp.wants(v.name, embedded=True))]
+    return [
+        v
+        for v in vs[1:]
+        if v.recipe.speculative is not None and not v.recipe.pruning and (cp is None or cp.wants(v.name, embedded=True))
+    ]
 
 
 def _embedded_plan(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo) -> dict[tuple, str]:
     names = [UNPRUNED] + [v.name for v in _embedded_rows(vs, cp)]
-    spec = {"model": recipe.model.name, "samples": cp.embedded_samples, "compiled": compile_available(), "data": recipe.eval.data}
-    return {(EMBEDDED, 1, "caption", n): _settings(info, recipe.model.dtype, recipe.bench, cp.caption_tokens, {**spec, "row": n}) for n in names}
+    spec = {
+        "model": recipe.model.name,
+        "samples": cp.embedded_samples,
+        "compiled": compile_available(),
+        "data": recipe.eval.data,
+    }
+    return {
+        (EMBEDDED, 1, "caption", n): _settings(
+            info, recipe.model.dtype, recipe.bench, cp.caption_tokens, {**spec, "row": n}
+        )
+        for n in names
+    }
 
 
-def _run_embedded(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: DeviceInfo, store: RowStore,
-                  plan: dict[tuple, str], report: Callable[[], Any]) -> None:
+def _run_embedded(
+    recipe: Recipe,
+    vs: list[Variant],
+    cp: GpuBenchParams,
+    info: DeviceInfo,
+    store: RowStore,
+    plan: dict[tuple, str],
+    report: Callable[[], Any],
+) -> None:
 
     todo = [k for k in plan if store.done(k, plan[k]) is None]
     if not todo:
@@ -539,9 +624,13 @@ def _run_embedded(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: D
     # the first images of the evaluation data (the world's val split by default), in file order; only the
     # images are needed, so no task (CHAIR's parser alone takes tens of CPU seconds to build) is set up
     image_dir = resolve_data(recipe.eval, ()).image_dir
-    images = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))[:cp.embedded_samples]
+    images = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))[
+        : cp.embedded_samples
+    ]
     if len(images) < cp.embedded_samples:
-        raise InputError(f"bench.params.embedded_samples is {cp.embedded_samples} but {image_dir} holds {len(images)} images")
+        raise InputError(
+            f"bench.params.embedded_samples is {cp.embedded_samples} but {image_dir} holds {len(images)} images"
+        )
     batches = [mm.prepare([im], [WORKLOAD_PROMPTS["caption"]]) for im in images]
     rows = {UNPRUNED: vs[0], **{v.name: v for v in _embedded_rows(vs, cp)}}
     for key in todo:
@@ -553,6 +642,7 @@ def _run_embedded(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: D
         logger.info("gpu bench: embedded model: %s", key[3])
         try:
             with apply(mm, load_recipe(data)) as session:
+
                 def run_all():
                     return [session.run(b, max_new_tokens=cp.caption_tokens)[0] for b in batches]
 
@@ -611,6 +701,7 @@ def _drafter_tau(rows: dict[tuple, Measurement], vs: list[Variant], v: Variant) 
 
 def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetCheck]:
     """The issue's targets, each pass / fail / not measured."""
+
     def get(shape, b, w, name):
         m = rows.get((shape, b, w, name))
         return m if m is not None and m.ok else None
@@ -620,40 +711,104 @@ def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetChe
         for b in (1, 8):
             hf = get(shape, b, "caption", HF_STATIC)
             ours = get(shape, b, "caption", COMPILED) or get(shape, b, "caption", UNPRUNED)
-            which = (ours.row if ours else UNPRUNED)
-            ratio = (hf.decode_step_s / ours.decode_step_s) if hf and ours and hf.decode_step_s and ours.decode_step_s else None
-            out.append(TargetCheck(f"{shape} b{b}: {which} decode ms/token <= 1.1 x hf static", ratio, 1 / 1.1,
-                                   "value = hf static step / mmfast step (>= 0.909 passes)"))
+            which = ours.row if ours else UNPRUNED
+            ratio = (
+                (hf.decode_step_s / ours.decode_step_s)
+                if hf and ours and hf.decode_step_s and ours.decode_step_s
+                else None
+            )
+            out.append(
+                TargetCheck(
+                    f"{shape} b{b}: {which} decode ms/token <= 1.1 x hf static",
+                    ratio,
+                    1 / 1.1,
+                    "value = hf static step / mmfast step (>= 0.909 passes)",
+                )
+            )
     for shape, thr in (("llava-1.5-7b", 1.4), ("llava-next-7b", 2.5)):
         base, dp = get(shape, 32, "caption", UNPRUNED), get(shape, 32, "caption", "divprune-64")
-        out.append(TargetCheck(f"{shape} b32: divprune-64 end-to-end throughput >= {thr} x unpruned",
-                               dp.tokens_per_s / base.tokens_per_s if base and dp else None, thr, "tokens/s ratio, caption workload"))
+        out.append(
+            TargetCheck(
+                f"{shape} b32: divprune-64 end-to-end throughput >= {thr} x unpruned",
+                dp.tokens_per_s / base.tokens_per_s if base and dp else None,
+                thr,
+                "tokens/s ratio, caption workload",
+            )
+        )
     base, dp = get("llava-next-7b", 1, "pope", UNPRUNED), get("llava-next-7b", 1, "pope", "divprune-64")
-    out.append(TargetCheck("llava-next-7b b1: divprune-64 TTFT >= 2 x faster than unpruned",
-                           base.ttft_s / dp.ttft_s if base and dp else None, 2.0, "unpruned TTFT / divprune-64 TTFT, pope workload"))
+    out.append(
+        TargetCheck(
+            "llava-next-7b b1: divprune-64 TTFT >= 2 x faster than unpruned",
+            base.ttft_s / dp.ttft_s if base and dp else None,
+            2.0,
+            "unpruned TTFT / divprune-64 TTFT, pope workload",
+        )
+    )
     for (shape, b, w, name), m in sorted(rows.items()):
         base = get(shape, b, w, UNPRUNED)
-        if shape == EMBEDDED or b != 8 or w != "pope" or not m.ok or name in (UNPRUNED, COMPILED, HF_EAGER, HF_STATIC) or base is None:
+        if (
+            shape == EMBEDDED
+            or b != 8
+            or w != "pope"
+            or not m.ok
+            or name in (UNPRUNED, COMPILED, HF_EAGER, HF_STATIC)
+            or base is None
+        ):
             continue
         v = next((v for v in vs if v.name == name), None)
-        pre_llm = v is not None and v.recipe.speculative is None and m.n_vision_tokens is not None and m.n_vision_tokens < base.n_vision_tokens
+        pre_llm = (
+            v is not None
+            and v.recipe.speculative is None
+            and m.n_vision_tokens is not None
+            and m.n_vision_tokens < base.n_vision_tokens
+        )
         if pre_llm and m.prefill_s and m.flops_prefill and base.flops_prefill:
-            out.append(TargetCheck(f"{shape} b8: {name} prefill >= 0.85 of the FLOPs ideal", base.prefill_s / m.prefill_s * m.flops_prefill / base.flops_prefill,
-                                   0.85, "LLM prefill speedup x FLOPs ratio"))
+            out.append(
+                TargetCheck(
+                    f"{shape} b8: {name} prefill >= 0.85 of the FLOPs ideal",
+                    base.prefill_s / m.prefill_s * m.flops_prefill / base.flops_prefill,
+                    0.85,
+                    "LLM prefill speedup x FLOPs ratio",
+                )
+            )
     base = get(EMBEDDED, 1, "caption", UNPRUNED)
     flash = [m for (s, _, _, n), m in rows.items() if s == EMBEDDED and m.ok and "flash" in n]
     for m in flash or [None]:
-        out.append(TargetCheck(f"embedded: {m.row if m else 'flash'} >= 3 x end to end over the {'captured ' if compile_available() else ''}greedy step",
-                               (m.tokens_per_s / base.tokens_per_s) if m and base else None, 3.0, "tokens/s ratio, caption prompts, batch 1"))
+        out.append(
+            TargetCheck(
+                f"embedded: {m.row if m else 'flash'} >= 3 x end to end over the {'captured ' if compile_available() else ''}greedy step",
+                (m.tokens_per_s / base.tokens_per_s) if m and base else None,
+                3.0,
+                "tokens/s ratio, caption prompts, batch 1",
+            )
+        )
     return out
 
 
-def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store: RowStore, out: Path, command: str,
-                     vs: list[Variant]) -> dict[str, Any]:
+def write_gpu_report(
+    recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store: RowStore, out: Path, command: str, vs: list[Variant]
+) -> dict[str, Any]:
     rows = store.rows
-    header = ["shape", "batch", "workload", "row", "status", "vision tok", "TTFT ms", "decode ms/token", "tokens/s", "peak mem GiB",
-              "FLOPs ratio", "decode % BW limit", "prefill % peak FLOP/s", "first call s", "repeats", "tokens = hf eager",
-              "tau (embedded)", "projected decode x"]
+    header = [
+        "shape",
+        "batch",
+        "workload",
+        "row",
+        "status",
+        "vision tok",
+        "TTFT ms",
+        "decode ms/token",
+        "tokens/s",
+        "peak mem GiB",
+        "FLOPs ratio",
+        "decode % BW limit",
+        "prefill % peak FLOP/s",
+        "first call s",
+        "repeats",
+        "tokens = hf eager",
+        "tau (embedded)",
+        "projected decode x",
+    ]
     table = []
     for _key, m in sorted(((k, m) for k, m in rows.items() if k[0] != EMBEDDED), key=lambda km: _order(km[0], vs)):
         base = rows.get((m.shape, m.batch, m.workload, UNPRUNED))
@@ -665,20 +820,49 @@ def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store
         bw = info.peak_bandwidth
         frac_bw = (m.weight_bytes + (m.kv_bytes_mean or 0)) / (step * bw) if bw and step and m.weight_bytes else None
         prefill_t = m.prefill_s if m.prefill_s else m.ttft_s
-        frac_fl = m.flops_prefill / (prefill_t * info.peak_flops) if info.peak_flops and m.flops_prefill and prefill_t else None
-        flops_ratio = m.flops_prefill / base.flops_prefill if base is not None and base.ok and base.flops_prefill and m.flops_prefill else None
+        frac_fl = (
+            m.flops_prefill / (prefill_t * info.peak_flops)
+            if info.peak_flops and m.flops_prefill and prefill_t
+            else None
+        )
+        flops_ratio = (
+            m.flops_prefill / base.flops_prefill
+            if base is not None and base.ok and base.flops_prefill and m.flops_prefill
+            else None
+        )
         v = next((v for v in vs if v.name == m.row), None)
         tau = _drafter_tau(rows, vs, v) if v is not None else None
         proj = None
         if tau and m.cycles and base is not None and base.ok and base.decode_step_s and step is not None:
             t_cycle = (m.e2e_s - m.ttft_s) / m.cycles  # one draft + verification of one sample
             proj = tau * base.decode_step_s / (m.batch * t_cycle)
-        same = (m.tokens_sha == hf.tokens_sha) if hf is not None and hf.ok and m.row in (HF_STATIC, UNPRUNED, COMPILED) else None
-        table.append([m.shape, m.batch, m.workload, m.row, "ok", _fmt(m.n_vision_tokens, ".0f"), _fmt(m.ttft_s * 1000, ".1f"),
-                      _fmt(step * 1000 if step is not None else None, ".2f"), _fmt(m.tokens_per_s, ".1f"),
-                      _fmt(m.peak_mem_bytes / 2**30 if m.peak_mem_bytes else None, ".1f"), _fmt(flops_ratio, ".3f"),
-                      _fmt(frac_bw * 100 if frac_bw is not None else None, ".1f"), _fmt(frac_fl * 100 if frac_fl is not None else None, ".1f"),
-                      _fmt(m.first_call_s, ".2f"), m.repeats, "" if same is None else ("yes" if same else "no"), _fmt(tau, ".2f"), _fmt(proj, ".2f")])
+        same = (
+            (m.tokens_sha == hf.tokens_sha)
+            if hf is not None and hf.ok and m.row in (HF_STATIC, UNPRUNED, COMPILED)
+            else None
+        )
+        table.append(
+            [
+                m.shape,
+                m.batch,
+                m.workload,
+                m.row,
+                "ok",
+                _fmt(m.n_vision_tokens, ".0f"),
+                _fmt(m.ttft_s * 1000, ".1f"),
+                _fmt(step * 1000 if step is not None else None, ".2f"),
+                _fmt(m.tokens_per_s, ".1f"),
+                _fmt(m.peak_mem_bytes / 2**30 if m.peak_mem_bytes else None, ".1f"),
+                _fmt(flops_ratio, ".3f"),
+                _fmt(frac_bw * 100 if frac_bw is not None else None, ".1f"),
+                _fmt(frac_fl * 100 if frac_fl is not None else None, ".1f"),
+                _fmt(m.first_call_s, ".2f"),
+                m.repeats,
+                "" if same is None else ("yes" if same else "no"),
+                _fmt(tau, ".2f"),
+                _fmt(proj, ".2f"),
+            ]
+        )
     emb = []
     ebase = rows.get((EMBEDDED, 1, "caption", UNPRUNED))
     for _key, m in sorted(((k, m) for k, m in rows.items() if k[0] == EMBEDDED), key=lambda km: km[0][3] != UNPRUNED):
@@ -687,31 +871,60 @@ def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store
             continue
         sp = m.tokens_per_s / ebase.tokens_per_s if ebase is not None and ebase.ok and m.tokens_per_s else None
         same = (m.tokens_sha == ebase.tokens_sha) if ebase is not None and ebase.ok else None
-        emb.append([("greedy" if m.row == UNPRUNED else m.row), "ok", _fmt(m.tau, ".2f"), m.new_tokens, _fmt(m.e2e_s, ".3f"), _fmt(sp, ".2f"),
-                    "" if same is None else ("yes" if same else "no")])
+        emb.append(
+            [
+                ("greedy" if m.row == UNPRUNED else m.row),
+                "ok",
+                _fmt(m.tau, ".2f"),
+                m.new_tokens,
+                _fmt(m.e2e_s, ".3f"),
+                _fmt(sp, ".2f"),
+                "" if same is None else ("yes" if same else "no"),
+            ]
+        )
     checks = targets(rows, vs)
     failed = [m for m in rows.values() if m.status.startswith("failed")]
     lines = [
-        "# GPU speed bench: full-depth random-weight models, HF generate and mmfast", "",
-        f"Command: `{command}`", "",
+        "# GPU speed bench: full-depth random-weight models, HF generate and mmfast",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Device: **{info.name}**; torch {info.torch}; CUDA {info.cuda or 'n/a'}; transformers {info.transformers}; "
         f"dtype {str(cp.dtype).replace('torch.', '')}; warm-up {recipe.bench.warmup}, median of {recipe.bench.repeats} repeats; "
         f"peaks: {_fmt(info.peak_bandwidth and info.peak_bandwidth / 1e12)} TB/s, {_fmt(info.peak_flops and info.peak_flops / 1e12, '.0f')} TFLOP/s; "
-        f"model.compile in this build: {'yes' if compile_available() else 'no'}", "",
-        *([f"**{len(failed)} rows failed** (status column; they re-run when the same command is run again).", ""] if failed else []),
-        "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-        *("| " + " | ".join(str(c) for c in r) + " |" for r in table), "",
-        "## Targets", "", "| target | value | threshold | status | how |", "|---|---|---|---|---|",
-        *(f"| {c.target} | {_fmt(c.value, '.3f')} | {c.threshold:.3f} | {c.status} | {c.detail} |" for c in checks), "",
+        f"model.compile in this build: {'yes' if compile_available() else 'no'}",
+        "",
+        *(
+            [f"**{len(failed)} rows failed** (status column; they re-run when the same command is run again).", ""]
+            if failed
+            else []
+        ),
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(str(c) for c in r) + " |" for r in table),
+        "",
+        "## Targets",
+        "",
+        "| target | value | threshold | status | how |",
+        "|---|---|---|---|---|",
+        *(f"| {c.target} | {_fmt(c.value, '.3f')} | {c.threshold:.3f} | {c.status} | {c.detail} |" for c in checks),
+        "",
     ]
     if emb:
-        lines += ["## Speculative decoding on the embedded model (real tau)", "",
-                  f"Model `{recipe.model.name}`, {cp.embedded_samples} caption prompts at batch 1, up to {cp.caption_tokens} new tokens; "
-                  f"baseline: greedy{' with model.compile: auto (the captured step)' if compile_available() else ' (uncompiled: no model.compile in this build)'}.", "",
-                  "| row | status | tau | new tokens | wall s | e2e x | identical to greedy |", "|---|---|---|---|---|---|---|",
-                  *("| " + " | ".join(str(c) for c in r) + " |" for r in emb), ""]
+        lines += [
+            "## Speculative decoding on the embedded model (real tau)",
+            "",
+            f"Model `{recipe.model.name}`, {cp.embedded_samples} caption prompts at batch 1, up to {cp.caption_tokens} new tokens; "
+            f"baseline: greedy{' with model.compile: auto (the captured step)' if compile_available() else ' (uncompiled: no model.compile in this build)'}.",
+            "",
+            "| row | status | tau | new tokens | wall s | e2e x | identical to greedy |",
+            "|---|---|---|---|---|---|---|",
+            *("| " + " | ".join(str(c) for c in r) + " |" for r in emb),
+            "",
+        ]
     lines += [
-        "Notes:", "",
+        "Notes:",
+        "",
         "- TTFT: one-token call (vision tower + prefill); decode ms/token: (end to end - TTFT) / (tokens - 1), per step of the whole batch; "
         "tokens/s: batch x tokens / end to end. EOS is outside the random models' vocabulary: every row generates exactly the workload's tokens.",
         "- first call s: the first (untimed) call, compile / capture included; never part of the medians.",
@@ -722,9 +935,17 @@ def write_gpu_report(recipe: Recipe, cp: GpuBenchParams, info: DeviceInfo, store
         "- tokens = hf eager: the row's greedy tokens hash-equal HF eager generate's (fp16 kernels may differ in the last bit; fp32 on a CPU is exact).",
     ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    summary = {"kind": "gpu_speed", "device": dataclasses.asdict(info), "dtype": str(cp.dtype), "compile_available": compile_available(),
-               "rows": [dict(dataclasses.asdict(m), decode_step_s=m.decode_step_s, tokens_per_s=m.tokens_per_s) for m in rows.values()],
-               "targets": [dict(dataclasses.asdict(c), status=c.status) for c in checks]}
+    summary = {
+        "kind": "gpu_speed",
+        "device": dataclasses.asdict(info),
+        "dtype": str(cp.dtype),
+        "compile_available": compile_available(),
+        "rows": [
+            dict(dataclasses.asdict(m), decode_step_s=m.decode_step_s, tokens_per_s=m.tokens_per_s)
+            for m in rows.values()
+        ],
+        "targets": [dict(dataclasses.asdict(c), status=c.status) for c in checks],
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 

@@ -46,11 +46,21 @@ def series_style(i: int) -> dict[str, str]:
     """The colour, marker and line style of the ``i``-th series of a plot: distinct for every ``i`` below
     ``len(COLOURS) * len(MARKERS)``."""
     cycle, colour = divmod(i, len(COLOURS))
-    return {"color": COLOURS[colour], "marker": MARKERS[(colour + cycle * 3) % len(MARKERS)],
-            "linestyle": LINESTYLES[cycle % len(LINESTYLES)]}
+    return {
+        "color": COLOURS[colour],
+        "marker": MARKERS[(colour + cycle * 3) % len(MARKERS)],
+        "linestyle": LINESTYLES[cycle % len(LINESTYLES)],
+    }
 
 
-def scatter_lines(path: Path, points: Sequence[tuple[str, float, float]], xlabel: str, ylabel: str, title: str, baseline: float | None = None) -> Path | None:
+def scatter_lines(
+    path: Path,
+    points: Sequence[tuple[str, float, float]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    baseline: float | None = None,
+) -> Path | None:
     """One line per variant family through its (x, y) points."""
     plt = _plt()
     if plt is None:
@@ -77,9 +87,16 @@ def scatter_lines(path: Path, points: Sequence[tuple[str, float, float]], xlabel
     return path
 
 
-def bars(path: Path, labels: Sequence[str], values: Sequence[float], ylabel: str, title: str,
-         intervals: Sequence[tuple[float, float] | None] | None = None, baseline: float | None = None,
-         series: str | None = None) -> Path | None:
+def bars(
+    path: Path,
+    labels: Sequence[str],
+    values: Sequence[float],
+    ylabel: str,
+    title: str,
+    intervals: Sequence[tuple[float, float] | None] | None = None,
+    baseline: float | None = None,
+    series: str | None = None,
+) -> Path | None:
     """One bar per label, with 95% intervals as error bars where given; the legend names the series
     (``series``, else ``ylabel``), the intervals and the baseline line."""
     plt = _plt()
@@ -90,9 +107,16 @@ def bars(path: Path, labels: Sequence[str], values: Sequence[float], ylabel: str
     ax.bar(xs, values, color="#4C72B0", label=series or ylabel)
     if intervals and any(iv is not None for iv in intervals):
         pts = [(x, v, iv) for x, v, iv in zip(xs, values, intervals) if iv is not None]
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
-                    yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]],
-                    fmt="none", ecolor="black", capsize=3, linewidth=1, label="95% interval")
+        ax.errorbar(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]],
+            fmt="none",
+            ecolor="black",
+            capsize=3,
+            linewidth=1,
+            label="95% interval",
+        )
     if baseline is not None:
         ax.axhline(baseline, color="gray", linestyle="--", linewidth=1, label="baseline")
     ax.set_xticks(list(xs))
@@ -107,8 +131,13 @@ def bars(path: Path, labels: Sequence[str], values: Sequence[float], ylabel: str
     return path
 
 
-def labelled_points(path: Path, points: Sequence[tuple[str, float, float, tuple[float, float] | None, tuple[float, float] | None]],
-                    xlabel: str, ylabel: str, title: str) -> Path | None:
+def labelled_points(
+    path: Path,
+    points: Sequence[tuple[str, float, float, tuple[float, float] | None, tuple[float, float] | None]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> Path | None:
     """One marker per labelled point ``(label, x, y, x_interval, y_interval)``, with 95% intervals as
     error bars where given; every point in the legend (e.g. CHAIR_i against recall per decoder)."""
     plt = _plt()
@@ -121,7 +150,17 @@ def labelled_points(path: Path, points: Sequence[tuple[str, float, float, tuple[
         xerr = [[x - xiv[0]], [xiv[1] - x]] if xiv else None
         yerr = [[y - yiv[0]], [yiv[1] - y]] if yiv else None
         style = series_style(i)
-        ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt=style["marker"], color=style["color"], capsize=2, linewidth=0.8, label=label)
+        ax.errorbar(
+            [x],
+            [y],
+            xerr=xerr,
+            yerr=yerr,
+            fmt=style["marker"],
+            color=style["color"],
+            capsize=2,
+            linewidth=0.8,
+            label=label,
+        )
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -40,8 +40,9 @@ from .render import (
 logger = logging.getLogger(__name__)
 
 
-def time_variant(mm: MMModel, v: Variant, samples, warmup: int, repeats: int, new_tokens: int,
-                 calibration=None) -> dict[str, float]:
+def time_variant(
+    mm: MMModel, v: Variant, samples, warmup: int, repeats: int, new_tokens: int, calibration=None
+) -> dict[str, float]:
     """Median prefill (1 new token) and end-to-end (``new_tokens``) latency summed over ``samples``
     (token budgets calibrated on ``calibration``, the evaluation's own set)."""
     with apply(mm, v.recipe, calibration=calibration) as session:
@@ -72,11 +73,22 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
     for i, v in enumerate(vs, 1):
         logger.info("bench variant %d/%d %s: evaluation", i, len(vs), v.name)
         summary = run_eval(v.recipe, limit=limit, output=str(out / "variants" / v.name), mm=mm)
-        logger.info("bench variant %d/%d %s: timing (%d samples x %d repeats)", i, len(vs), v.name, len(timing_samples), cfg.repeats)
+        logger.info(
+            "bench variant %d/%d %s: timing (%d samples x %d repeats)",
+            i,
+            len(vs),
+            v.name,
+            len(timing_samples),
+            cfg.repeats,
+        )
         calibration = evaluation_calibration(v.recipe, limit) if any(st.budget for st in v.recipe.pruning) else None
         timing = time_variant(mm, v, timing_samples, cfg.warmup, cfg.repeats, new_tokens, calibration)
-        results[v.name] = {"metrics": summary["metrics"], "accounting": _accounting(summary), "timing": timing,
-                           "pruning": [st._to_recipe() for st in v.recipe.pruning]}
+        results[v.name] = {
+            "metrics": summary["metrics"],
+            "accounting": _accounting(summary),
+            "timing": timing,
+            "pruning": [st._to_recipe() for st in v.recipe.pruning],
+        }
     base = results["baseline"]
     for name, r in results.items():
         acc, t, m = r["accounting"], r["timing"], r["metrics"]
@@ -89,36 +101,65 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
             "flops_ratio_7b": acc["flops_prefill_7b"] / base["accounting"]["flops_prefill_7b"],
             "kv_ratio_prefill": acc["kv_bytes_prefill"] / base["accounting"]["kv_bytes_prefill"],
             "scoring_overhead": t["scoring_s"] / base["timing"]["prefill_s"],
-            "pope_f1_retained": (pope.get("mean_f1", 0) / base["metrics"]["pope"]["mean_f1"]) if pope and base["metrics"].get("pope") else None,
+            "pope_f1_retained": (pope.get("mean_f1", 0) / base["metrics"]["pope"]["mean_f1"])
+            if pope and base["metrics"].get("pope")
+            else None,
         }
-        rows.append([
-            name,
-            round(acc["n_vision_tokens"], 1),
-            round(acc["vision_tokens_layer_avg"], 1),
-            *(pope.get(s, {}).get("f1") for s in ("random", "popular", "adversarial")),
-            pope.get("mean_f1"),
-            chair.get("chair_s"),
-            chair.get("chair_i"),
-            r["ratios"]["prefill_speedup"],
-            r["ratios"]["e2e_speedup"],
-            r["ratios"]["flops_ratio"],
-            r["ratios"]["flops_ratio_7b"],
-            r["ratios"]["kv_ratio_prefill"],
-            r["ratios"]["scoring_overhead"],
-        ])
+        rows.append(
+            [
+                name,
+                round(acc["n_vision_tokens"], 1),
+                round(acc["vision_tokens_layer_avg"], 1),
+                *(pope.get(s, {}).get("f1") for s in ("random", "popular", "adversarial")),
+                pope.get("mean_f1"),
+                chair.get("chair_s"),
+                chair.get("chair_i"),
+                r["ratios"]["prefill_speedup"],
+                r["ratios"]["e2e_speedup"],
+                r["ratios"]["flops_ratio"],
+                r["ratios"]["flops_ratio_7b"],
+                r["ratios"]["kv_ratio_prefill"],
+                r["ratios"]["scoring_overhead"],
+            ]
+        )
     header = [
-        "variant", "vision tok @LLM", "layer-avg tok", "POPE F1 rand", "pop", "adv", "mean F1",
-        "CHAIR_s", "CHAIR_i", "prefill x", "e2e x", "FLOPs ratio", "FLOPs ratio 7B", "KV ratio", "scoring ovh",
+        "variant",
+        "vision tok @LLM",
+        "layer-avg tok",
+        "POPE F1 rand",
+        "pop",
+        "adv",
+        "mean F1",
+        "CHAIR_s",
+        "CHAIR_i",
+        "prefill x",
+        "e2e x",
+        "FLOPs ratio",
+        "FLOPs ratio 7B",
+        "KV ratio",
+        "scoring ovh",
     ]
     speed = _shaped_speed(recipe, vs, mm.device) if cfg.shape else None
-    return {"header": header, "rows": rows, "results": results, "shaped_speed": speed,
-            "timing_protocol": {"warmup": cfg.warmup, "repeats": cfg.repeats, "samples": len(timing_samples)}}
+    return {
+        "header": header,
+        "rows": rows,
+        "results": results,
+        "shaped_speed": speed,
+        "timing_protocol": {"warmup": cfg.warmup, "repeats": cfg.repeats, "samples": len(timing_samples)},
+    }
 
 
 def _accounting(summary: dict[str, Any]) -> dict[str, float]:
     """Means over the samples the variant's evaluation scored (its summary's ``accounting``: the
     planned samples of this run only, never records a run with another ``--limit`` left in the folder)."""
-    keys = ("n_vision_tokens", "vision_tokens_layer_avg", "kv_bytes_prefill", "kv_bytes_end", "flops_prefill", "flops_prefill_7b")
+    keys = (
+        "n_vision_tokens",
+        "vision_tokens_layer_avg",
+        "kv_bytes_prefill",
+        "kv_bytes_end",
+        "flops_prefill",
+        "flops_prefill_7b",
+    )
     acc = summary["accounting"]
     return {k: acc[f"mean_{k}"] for k in keys}
 
@@ -162,7 +203,14 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
         im.save(paths[-1])
     calibration = CalibrationSet(tuple(paths), (prompt,) * n)
     wanted = set(cfg.params.get("shaped_variants", [v.name for v in vs]))
-    out: dict[str, Any] = {"shape": cfg.shape, "rows": [], "skipped": [], "warmup": cfg.warmup, "repeats": cfg.repeats, "samples": n}
+    out: dict[str, Any] = {
+        "shape": cfg.shape,
+        "rows": [],
+        "skipped": [],
+        "warmup": cfg.warmup,
+        "repeats": cfg.repeats,
+        "samples": n,
+    }
     base = None
     for v in vs:
         if v.name != "baseline" and v.name not in wanted:
@@ -175,13 +223,23 @@ def _shaped_speed(recipe, vs: list[Variant], device: torch.device) -> dict[str, 
             out["skipped"].append({"variant": v.name, "reason": str(exc)})
             continue
         with session_cm as session:  # warmup and repeats as the embedded model's timing (common.warm_repeats)
-            runs = [rs for _, rs in warm_repeats(lambda: [session.run(b, max_new_tokens=1)[0] for b in batches], cfg.warmup, cfg.repeats)]
+            runs = [
+                rs
+                for _, rs in warm_repeats(
+                    lambda: [session.run(b, max_new_tokens=1)[0] for b in batches], cfg.warmup, cfg.repeats
+                )
+            ]
         prefill = float(np.median([sum(r.timings.prefill_s for r in rs) for rs in runs]))
         vision = float(np.median([sum(r.timings.vision_s for r in rs) for rs in runs]))
         flops = sum(r.flops_prefill for r in runs[0])
-        row = {"variant": v.name, "vision_tokens": sum(r.n_vision_tokens for r in runs[0]) / n,
-               "layer_avg_tokens": sum(r.vision_tokens_layer_avg for r in runs[0]) / n,
-               "prefill_s": prefill, "vision_s": vision, "flops": flops}
+        row = {
+            "variant": v.name,
+            "vision_tokens": sum(r.n_vision_tokens for r in runs[0]) / n,
+            "layer_avg_tokens": sum(r.vision_tokens_layer_avg for r in runs[0]) / n,
+            "prefill_s": prefill,
+            "vision_s": vision,
+            "flops": flops,
+        }
         if base is None:
             base = row
         row["speedup"] = base["prefill_s"] / prefill
@@ -235,8 +293,10 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
     ]
     modes = hicom_modes(result)
     if modes:
-        notes.append("hicom global branch: " + modes + " (coarse: the paper's FiLM-modulated learned queries; "
-                     "direct: the release's, queries = the projected instruction; see docs/methods.md).")
+        notes.append(
+            "hicom global branch: " + modes + " (coarse: the paper's FiLM-modulated learned queries; "
+            "direct: the release's, queries = the projected instruction; see docs/methods.md)."
+        )
     with_slice_speedup(result)
     speed = result.get("shaped_speed")
     model = (result.get("model") or {}).get("name", "the embedded model")
@@ -247,31 +307,65 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
             speed.setdefault("warmup", overrides["warmup"])
             speed.setdefault("repeats", overrides["repeats"])
     if speed:
-        notes.append(f"Which model each column comes from: the accuracy columns (POPE, CHAIR), token counts, FLOPs, KV and the "
-                     f"[embedded] timings come from the embedded model ({model}, LLaVA architecture); {slice_label(speed['shape'])} "
-                     f"is the LLM prefill speedup on the {speed['shape']} (random weights, the same schedule; the same figure as "
-                     "speed_shaped.md), empty where the slice skipped the variant.")
+        notes.append(
+            f"Which model each column comes from: the accuracy columns (POPE, CHAIR), token counts, FLOPs, KV and the "
+            f"[embedded] timings come from the embedded model ({model}, LLaVA architecture); {slice_label(speed['shape'])} "
+            f"is the LLM prefill speedup on the {speed['shape']} (random weights, the same schedule; the same figure as "
+            "speed_shaped.md), empty where the slice skipped the variant."
+        )
         notes.append(timing_protocol_note(f"{speed['shape']} timings", speed.get("warmup"), speed.get("repeats")))
     tp = result.get("timing_protocol") or {}
-    notes.append(timing_protocol_note("Timings on the embedded model" + (" ([embedded])" if speed else ""), tp.get("warmup"), tp.get("repeats")))
+    notes.append(
+        timing_protocol_note(
+            "Timings on the embedded model" + (" ([embedded])" if speed else ""), tp.get("warmup"), tp.get("repeats")
+        )
+    )
     if has_budgets(result):
         notes.append("Per budget, the best variant and its margins over VisionZip and random drop: leaders.md.")
-    intervals = write_results(result, out, "pruning", "Vision-token pruning on the embedded world", command, notes, timing_labels(result))
+    intervals = write_results(
+        result, out, "pruning", "Vision-token pruning on the embedded world", command, notes, timing_labels(result)
+    )
     if has_budgets(result):
-        write_markdown(out / "leaders.md", "Best pruning method per token budget", command, *budget_leaders(out, result), model=result.get("model"))
+        write_markdown(
+            out / "leaders.md",
+            "Best pruning method per token budget",
+            command,
+            *budget_leaders(out, result),
+            model=result.get("model"),
+        )
     speed = result.get("shaped_speed")
     if speed:
         rows = [
-            [r["variant"], r["vision_tokens"], r["layer_avg_tokens"], r["prefill_s"], r["vision_s"], r["speedup"], r["e2e_speedup"],
-             r["flops_ratio"], 1 / r["flops_ratio"], r["speedup"] * r["flops_ratio"]]
+            [
+                r["variant"],
+                r["vision_tokens"],
+                r["layer_avg_tokens"],
+                r["prefill_s"],
+                r["vision_s"],
+                r["speedup"],
+                r["e2e_speedup"],
+                r["flops_ratio"],
+                1 / r["flops_ratio"],
+                r["speedup"] * r["flops_ratio"],
+            ]
             for r in speed["rows"]
         ]
         write_markdown(
             out / "speed_shaped.md",
             f"Prefill speed on a random-weight model of real shape ({speed['shape']})",
             command,
-            ["variant", "vision tok @LLM", "layer-avg tok", "LLM prefill s", "vision s", slice_label(speed["shape"]), "prefill+vision speedup",
-             "FLOPs ratio", "ideal speedup", "measured / ideal"],
+            [
+                "variant",
+                "vision tok @LLM",
+                "layer-avg tok",
+                "LLM prefill s",
+                "vision s",
+                slice_label(speed["shape"]),
+                "prefill+vision speedup",
+                "FLOPs ratio",
+                "ideal speedup",
+                "measured / ideal",
+            ],
             rows,
             [
                 timing_protocol_note("Timings", speed.get("warmup"), speed.get("repeats")),
@@ -284,7 +378,8 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
                 "text tower in place of CLIP-L's; Dynamic-LLaVA's predictors). Token budgets of threshold methods (MustDrop, "
                 "ZipVL) are calibrated on the timed sample, so their layer average is the budget here too; fixed "
                 "thresholds (a preset, a tau) keep another count on random weights than on the embedded model.",
-            ] + [f"skipped {r['variant']}: {r['reason']}" for r in speed.get("skipped", [])],
+            ]
+            + [f"skipped {r['variant']}: {r['reason']}" for r in speed.get("skipped", [])],
         )
     pruning_plots(result, out, out.name, intervals)
     dump(out / "summary.json", result)

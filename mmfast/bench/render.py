@@ -60,8 +60,11 @@ def variant_intervals(bench_dir: Path, results: dict[str, Any]) -> dict[str, Run
         if not isinstance(metrics, dict):
             continue
         stored = r.get("intervals")
-        if (isinstance(stored, dict) and (current_intervals(stored.get("pope")) or not metrics.get("pope"))
-                and (current_intervals(stored.get("chair")) or not metrics.get("chair"))):
+        if (
+            isinstance(stored, dict)
+            and (current_intervals(stored.get("pope")) or not metrics.get("pope"))
+            and (current_intervals(stored.get("chair")) or not metrics.get("chair"))
+        ):
             out[name] = RunIntervals(stored.get("pope"), stored.get("chair"), tuple(stored.get("notes", ())))
             continue
         run = Path(bench_dir) / "variants" / name
@@ -92,8 +95,12 @@ PRUNING_DECODING_COLUMNS = (
 )
 
 
-def with_intervals(header: list[str], rows: list[list[Any]], intervals: dict[str, RunIntervals],
-                   columns: tuple[IntervalColumns, ...] = PRUNING_DECODING_COLUMNS) -> tuple[list[str], list[list[Any]]]:
+def with_intervals(
+    header: list[str],
+    rows: list[list[Any]],
+    intervals: dict[str, RunIntervals],
+    columns: tuple[IntervalColumns, ...] = PRUNING_DECODING_COLUMNS,
+) -> tuple[list[str], list[list[Any]]]:
     """The table with a ``[95% CI]`` and an ``n`` column after each of ``columns`` (rows keyed by
     their first cell, the variant name); a table that already has them is returned unchanged."""
     header, rows = list(header), [list(r) for r in rows]
@@ -134,7 +141,9 @@ def unparsed_cell(t: TaskUnparsed | None) -> str:
     return "" if t is None else t.cell() + (f" {NOT_RANKED}" if t.over_limit else "")
 
 
-def with_unparsed(header: list[str], rows: list[list[Any]], unparsed: dict[str, Unparsed]) -> tuple[list[str], list[list[Any]]]:
+def with_unparsed(
+    header: list[str], rows: list[list[Any]], unparsed: dict[str, Unparsed]
+) -> tuple[list[str], list[list[Any]]]:
     """The table with a ``POPE unparsed`` / ``CHAIR degenerate`` column (``k/n``) after each task's n
     column; a task over :data:`UNPARSED_LIMIT` is marked "not ranked" in its cell. Idempotent."""
     header, rows = list(header), [list(r) for r in rows]
@@ -149,10 +158,14 @@ def with_unparsed(header: list[str], rows: list[list[Any]], unparsed: dict[str, 
 
 
 def unparsed_notes(unparsed: dict[str, Unparsed]) -> list[str]:
-    notes = [f"POPE unparsed: answers the official POPE rule reads as neither yes nor no (it scores them 'yes' by default); "
-             f"CHAIR degenerate: empty captions, captions without words or caught in a repetition loop (mmfast.eval.unparsed). "
-             f"Over {UNPARSED_LIMIT:.0%} in a task: that task's figures are marked and not ranked."]
-    return notes + [f"{name}: {why}; those figures are not ranked" for name, u in unparsed.items() for why in u.reasons()]
+    notes = [
+        f"POPE unparsed: answers the official POPE rule reads as neither yes nor no (it scores them 'yes' by default); "
+        f"CHAIR degenerate: empty captions, captions without words or caught in a repetition loop (mmfast.eval.unparsed). "
+        f"Over {UNPARSED_LIMIT:.0%} in a task: that task's figures are marked and not ranked."
+    ]
+    return notes + [
+        f"{name}: {why}; those figures are not ranked" for name, u in unparsed.items() for why in u.reasons()
+    ]
 
 
 def store_unparsed(results: dict[str, Any], unparsed: dict[str, Unparsed]) -> None:
@@ -172,8 +185,15 @@ def interval_notes(intervals: dict[str, RunIntervals]) -> list[str]:
     return [INTERVAL_NOTE] + [f"{INTERVAL_NOTE_PREFIX}{m}" for m in missing]
 
 
-def write_results(result: dict[str, Any], out: Path, kind: str, title: str, command: str, notes: list[str],
-                  labels: dict[str, str] | None = None) -> dict[str, RunIntervals]:
+def write_results(
+    result: dict[str, Any],
+    out: Path,
+    kind: str,
+    title: str,
+    command: str,
+    notes: list[str],
+    labels: dict[str, str] | None = None,
+) -> dict[str, RunIntervals]:
     """A bench's ``results.md`` with n and 95% intervals from its variant records (also stored in
     ``result``), its columns shown under ``labels`` (e.g. which model a timing comes from; the stored
     header keeps its names); returns the intervals for the plots."""
@@ -186,8 +206,15 @@ def write_results(result: dict[str, Any], out: Path, kind: str, title: str, comm
     store_unparsed(result["results"], unparsed)
     header, rows = with_unparsed(*with_intervals(result["header"], result["rows"], intervals), unparsed)
     header = [(labels or {}).get(h, h) for h in header]
-    write_markdown(out / "results.md", title, command, header, rows, notes + interval_notes(intervals) + unparsed_notes(unparsed),
-                   model=result.get("model"))
+    write_markdown(
+        out / "results.md",
+        title,
+        command,
+        header,
+        rows,
+        notes + interval_notes(intervals) + unparsed_notes(unparsed),
+        model=result.get("model"),
+    )
     return intervals
 
 
@@ -202,8 +229,12 @@ def timing_labels(result: dict[str, Any]) -> dict[str, str]:
     speed = result.get("shaped_speed")
     if not speed:
         return {}
-    return {"prefill x": "prefill x [embedded]", "e2e x": "e2e x [embedded]", "scoring ovh": "scoring ovh [embedded]",
-            SLICE_COLUMN: slice_label(speed["shape"])}
+    return {
+        "prefill x": "prefill x [embedded]",
+        "e2e x": "e2e x [embedded]",
+        "scoring ovh": "scoring ovh [embedded]",
+        SLICE_COLUMN: slice_label(speed["shape"]),
+    }
 
 
 def slice_label(shape: str) -> str:
@@ -216,7 +247,10 @@ def timing_protocol_note(what: str, warmup: int | None, repeats: int | None) -> 
         return f"{what}: warmup and repeats not recorded (see the command); not known to be the median of {RELIABLE_REPEATS} warm repeats."
     text = f"{what}: median of {repeats} repeat(s) after {warmup} warmup run(s)"
     if repeats < RELIABLE_REPEATS or warmup < 1:
-        return text + f"; NOT a reliable speed (fewer than {RELIABLE_REPEATS} warm repeats: a cold run can be off by 2x); re-run before quoting it."
+        return (
+            text
+            + f"; NOT a reliable speed (fewer than {RELIABLE_REPEATS} warm repeats: a cold run can be off by 2x); re-run before quoting it."
+        )
     return text + "."
 
 
@@ -260,7 +294,9 @@ def has_budgets(result: dict[str, Any], references: tuple[str, ...] = LEADER_REF
     return any((sb := _stage_budget(r)) is not None and sb[0] in references for r in result["results"].values())
 
 
-def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...] = LEADER_REFERENCES) -> tuple[list[str], list[list[Any]], list[str]]:
+def budget_leaders(
+    out: Path, result: dict[str, Any], references: tuple[str, ...] = LEADER_REFERENCES
+) -> tuple[list[str], list[list[Any]], list[str]]:
     """Per token budget: the variant with the best POPE mean F1 among those at that budget (declared
     ``budget.tokens`` B, layer-averaged tokens within 5% of B), and its margin over each reference
     method at the same budget as a paired-bootstrap 95% interval on the same questions
@@ -313,7 +349,9 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
         d = paired_mean_f1_difference(paired.a, paired.b, paired.units)
         return f"{d.estimate:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}]"
 
-    header = ["budget", "best (POPE mean F1)", "mean F1 [95% CI]", "runner-up"] + [f"margin over {m} [paired 95% CI]" for m in references]
+    header = ["budget", "best (POPE mean F1)", "mean F1 [95% CI]", "runner-up"] + [
+        f"margin over {m} [paired 95% CI]" for m in references
+    ]
     rows = []
     for b in sorted(at, reverse=True):
         ranked = sorted(at[b], key=lambda nm: -res[nm[0]]["metrics"]["pope"]["mean_f1"])
@@ -324,7 +362,9 @@ def budget_leaders(out: Path, result: dict[str, Any], references: tuple[str, ...
         row = [b, best, f"{pope['mean_f1']:.3f} {fmt_ci(ci)}".strip(), runner]
         for ref in references:
             ref_names = [n for n, m in at[b] if m == ref]
-            row.append("" if not ref_names else ("(is the best)" if ref_names[0] == best else margin(best, ref_names[0])))
+            row.append(
+                "" if not ref_names else ("(is the best)" if ref_names[0] == best else margin(best, ref_names[0]))
+            )
         rows.append(row)
     notes = [
         "Compared at each budget: variants whose budgeted stage declares budget.tokens = B and whose "
@@ -345,7 +385,9 @@ def _ci(iv: RunIntervals | None, task: str, key: str) -> tuple[float, float] | N
     return (ci[0], ci[1]) if ci else None
 
 
-def chair_recall_plot(path: Path, results: dict[str, Any], intervals: dict[str, RunIntervals], title: str) -> Path | None:
+def chair_recall_plot(
+    path: Path, results: dict[str, Any], intervals: dict[str, RunIntervals], title: str
+) -> Path | None:
     """CHAIR_i against CHAIR recall per variant: fewer hallucinations at the same recall is a better
     decoder; lower CHAIR_i with lower recall may only be shorter captions."""
     pts = []
@@ -353,43 +395,99 @@ def chair_recall_plot(path: Path, results: dict[str, Any], intervals: dict[str, 
         chair = (r.get("metrics") or {}).get("chair") or {}
         if "chair_i" in chair and "recall" in chair:
             iv = intervals.get(name)
-            pts.append((name, chair["recall"], chair["chair_i"], _ci(iv, "chair", "recall"), _ci(iv, "chair", "chair_i")))
+            pts.append(
+                (name, chair["recall"], chair["chair_i"], _ci(iv, "chair", "recall"), _ci(iv, "chair", "chair_i"))
+            )
     if not pts:
         return None
-    return labelled_points(path, pts, "CHAIR recall (ground-truth objects mentioned)", "CHAIR_i (hallucinated mentions)", title)
+    return labelled_points(
+        path, pts, "CHAIR recall (ground-truth objects mentioned)", "CHAIR_i (hallucinated mentions)", title
+    )
 
 
-def pruning_plots(result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = "") -> list[Path]:
+def pruning_plots(
+    result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = ""
+) -> list[Path]:
     """The pruning bench's plots, titled with ``label`` (the bench they belong to)."""
     res = result["results"]
     base = res.get("baseline", {})
     made: list[Path | None] = []
-    pts = [(n, r["accounting"]["vision_tokens_layer_avg"], r["metrics"].get("pope", {}).get("mean_f1")) for n, r in res.items() if n != "baseline"]
-    made.append(scatter_lines(out / f"{prefix}accuracy_vs_tokens.png", pts, "layer-averaged vision tokens", "POPE mean F1",
-                              f"POPE mean F1 vs vision tokens ({label})", base.get("metrics", {}).get("pope", {}).get("mean_f1")))
-    pts = [(n, r["accounting"]["vision_tokens_layer_avg"], r["ratios"]["prefill_speedup"]) for n, r in res.items() if n != "baseline" and r.get("ratios")]
-    made.append(scatter_lines(out / f"{prefix}speedup_vs_tokens.png", pts, "layer-averaged vision tokens", "prefill speedup (x)",
-                              f"Prefill speedup vs vision tokens ({label})", 1.0))
+    pts = [
+        (n, r["accounting"]["vision_tokens_layer_avg"], r["metrics"].get("pope", {}).get("mean_f1"))
+        for n, r in res.items()
+        if n != "baseline"
+    ]
+    made.append(
+        scatter_lines(
+            out / f"{prefix}accuracy_vs_tokens.png",
+            pts,
+            "layer-averaged vision tokens",
+            "POPE mean F1",
+            f"POPE mean F1 vs vision tokens ({label})",
+            base.get("metrics", {}).get("pope", {}).get("mean_f1"),
+        )
+    )
+    pts = [
+        (n, r["accounting"]["vision_tokens_layer_avg"], r["ratios"]["prefill_speedup"])
+        for n, r in res.items()
+        if n != "baseline" and r.get("ratios")
+    ]
+    made.append(
+        scatter_lines(
+            out / f"{prefix}speedup_vs_tokens.png",
+            pts,
+            "layer-averaged vision tokens",
+            "prefill speedup (x)",
+            f"Prefill speedup vs vision tokens ({label})",
+            1.0,
+        )
+    )
     speed = result.get("shaped_speed")
     if speed:
         pts = [(r["variant"], r["vision_tokens"], r["speedup"]) for r in speed["rows"] if r["variant"] != "baseline"]
-        made.append(scatter_lines(out / f"{prefix}speedup_vs_tokens_shaped.png", pts, "vision tokens at the LLM input", "prefill speedup (x)",
-                                  f"Prefill speedup on {speed['shape']} ({label})", 1.0))
-    made.append(chair_recall_plot(out / f"{prefix}chair_i_vs_recall.png", res, intervals, f"CHAIR_i vs recall ({label})"))
+        made.append(
+            scatter_lines(
+                out / f"{prefix}speedup_vs_tokens_shaped.png",
+                pts,
+                "vision tokens at the LLM input",
+                "prefill speedup (x)",
+                f"Prefill speedup on {speed['shape']} ({label})",
+                1.0,
+            )
+        )
+    made.append(
+        chair_recall_plot(out / f"{prefix}chair_i_vs_recall.png", res, intervals, f"CHAIR_i vs recall ({label})")
+    )
     return [p for p in made if p is not None]
 
 
-def decoding_plots(result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = "") -> list[Path]:
+def decoding_plots(
+    result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = ""
+) -> list[Path]:
     """The decoding bench's plots, titled with ``label``."""
     res = result["results"]
     names = list(res)
     base_chair = res.get("baseline", {}).get("metrics", {}).get("chair", {}).get("chair_i")
     made = [
-        bars(out / f"{prefix}chair_i.png", names, [res[n]["metrics"].get("chair", {}).get("chair_i", 0) for n in names], "CHAIR_i",
-             f"CHAIR_i by decoder ({label})", intervals=[_ci(intervals.get(n), "chair", "chair_i") for n in names],
-             baseline=base_chair, series="CHAIR_i (hallucinated mentions)"),
-        bars(out / f"{prefix}cost_per_token.png", names, [res[n]["ratios"]["cost_per_token"] for n in names], "x baseline",
-             f"Cost per generated token ({label})", baseline=1.0, series="decode time per token / baseline's"),
+        bars(
+            out / f"{prefix}chair_i.png",
+            names,
+            [res[n]["metrics"].get("chair", {}).get("chair_i", 0) for n in names],
+            "CHAIR_i",
+            f"CHAIR_i by decoder ({label})",
+            intervals=[_ci(intervals.get(n), "chair", "chair_i") for n in names],
+            baseline=base_chair,
+            series="CHAIR_i (hallucinated mentions)",
+        ),
+        bars(
+            out / f"{prefix}cost_per_token.png",
+            names,
+            [res[n]["ratios"]["cost_per_token"] for n in names],
+            "x baseline",
+            f"Cost per generated token ({label})",
+            baseline=1.0,
+            series="decode time per token / baseline's",
+        ),
         chair_recall_plot(out / f"{prefix}chair_i_vs_recall.png", res, intervals, f"CHAIR_i vs recall ({label})"),
     ]
     return [p for p in made if p is not None]
@@ -401,12 +499,23 @@ def speculative_plots(result: dict[str, Any], out: Path, label: str, prefix: str
     for key, by in result["results"].items():
         names = [n for n in by if n != "baseline"]
         if names:
-            made.append(bars(out / f"{prefix}speedup_{key.replace('@', '_').replace('.', '')}.png", names, [by[n]["speedup"] for n in names],
-                             "speedup (x)", f"Wall-clock speedup, {key} ({label})", baseline=1.0, series="tokens/s vs plain decoding"))
+            made.append(
+                bars(
+                    out / f"{prefix}speedup_{key.replace('@', '_').replace('.', '')}.png",
+                    names,
+                    [by[n]["speedup"] for n in names],
+                    "speedup (x)",
+                    f"Wall-clock speedup, {key} ({label})",
+                    baseline=1.0,
+                    series="tokens/s vs plain decoding",
+                )
+            )
     return [p for p in made if p is not None]
 
 
-def bench_plots(result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = "") -> list[Path]:
+def bench_plots(
+    result: dict[str, Any], out: Path, label: str, intervals: dict[str, RunIntervals], prefix: str = ""
+) -> list[Path]:
     kind = bench_kind(result)
     if kind == "pruning":
         return pruning_plots(result, out, label, intervals, prefix)

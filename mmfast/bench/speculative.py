@@ -34,13 +34,21 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WORKLOADS = [
     {"name": "caption", "prompt": "Please describe this image in detail.", "max_new_tokens": 256},
-    {"name": "short", "prompt": "What kind of place is this?\nAnswer the question using a single word or phrase.", "max_new_tokens": 16},
+    {
+        "name": "short",
+        "prompt": "What kind of place is this?\nAnswer the question using a single word or phrase.",
+        "max_new_tokens": 16,
+    },
 ]
 
 
 def _with_decoding(v, temperature: float, seed: int):
     data = v.recipe.to_dict()
-    data["decoding"] = {"method": "greedy"} if temperature == 0 else {"method": "sample", "params": {"temperature": temperature}, "seed": seed}
+    data["decoding"] = (
+        {"method": "greedy"}
+        if temperature == 0
+        else {"method": "sample", "params": {"temperature": temperature}, "seed": seed}
+    )
     data["decoding"]["max_new_tokens"] = v.recipe.decoding.max_new_tokens
     return load_recipe(data)
 
@@ -110,9 +118,30 @@ def run_speculative_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> 
                 r["decode_speedup"] = (r["n_new_tokens"] / r["decode_s"]) / (base["n_new_tokens"] / base["decode_s"])
                 r["lossless"] = (r["tokens"] == base["tokens"]) if temp == 0 else None
                 results.setdefault(key, {})[v.name] = {k: val for k, val in r.items() if k != "tokens"}
-                rows.append([key, v.name, r.get("tau"), r.get("draft_forwards_per_cycle"), r["n_new_tokens"], r["wall_s"], r["speedup"],
-                             r["decode_speedup"], r["lossless"]])
-    header = ["workload", "variant", "tau", "draft fwd/cycle", "new tokens", "wall s", "speedup", "decode speedup", "identical to greedy"]
+                rows.append(
+                    [
+                        key,
+                        v.name,
+                        r.get("tau"),
+                        r.get("draft_forwards_per_cycle"),
+                        r["n_new_tokens"],
+                        r["wall_s"],
+                        r["speedup"],
+                        r["decode_speedup"],
+                        r["lossless"],
+                    ]
+                )
+    header = [
+        "workload",
+        "variant",
+        "tau",
+        "draft fwd/cycle",
+        "new tokens",
+        "wall s",
+        "speedup",
+        "decode speedup",
+        "identical to greedy",
+    ]
     # the slice runs where the benchmarked model runs, so a GPU run measures GPU costs
     shaped = _shaped_costs(recipe, vs, results, mm.device) if cfg.shape else None
     return {"header": header, "rows": rows, "results": results, "shaped": shaped}
@@ -153,7 +182,15 @@ def _shaped_costs(recipe, vs, results, device: torch.device) -> dict[str, Any]:
         t_head = median_time(lambda: mm.adapter.lm_head(h), 0, 5)
         t_layer = max(1e-9, (t_step - t_head) / n_layers)
         t_step_7b = t_step + (32 - n_layers) * t_layer
-        out.update({"t_step_s": t_step, "t_layer_s": t_layer, "t_head_s": t_head, "t_step_7b_est_s": t_step_7b, "n_layers": n_layers})
+        out.update(
+            {
+                "t_step_s": t_step,
+                "t_layer_s": t_layer,
+                "t_head_s": t_head,
+                "t_step_7b_est_s": t_step_7b,
+                "n_layers": n_layers,
+            }
+        )
         verify_cache: dict[int, float] = {}
 
         def verify_7b(n: int) -> float:
@@ -175,8 +212,12 @@ def _shaped_costs(recipe, vs, results, device: torch.device) -> dict[str, Any]:
             vr = load_recipe({"speculative": {"method": spec.method, "params": params}})
             with apply(mm, vr) as dsession:
                 dinputs = dsession.build_inputs(batch, dsession.encode(batch))
-                dstate, pre = dsession.runner.prefill(dinputs, all_hidden=getattr(dsession.drafter, "needs_hidden", False))
-                ctx = SpecContext(dsession, dstate, dinputs, [5], 0.0, 0, 1.0, torch.Generator().manual_seed(0), prefill=pre)
+                dstate, pre = dsession.runner.prefill(
+                    dinputs, all_hidden=getattr(dsession.drafter, "needs_hidden", False)
+                )
+                ctx = SpecContext(
+                    dsession, dstate, dinputs, [5], 0.0, 0, 1.0, torch.Generator().manual_seed(0), prefill=pre
+                )
                 dsession.drafter.begin(ctx)
                 trees = []
 
@@ -187,7 +228,11 @@ def _shaped_costs(recipe, vs, results, device: torch.device) -> dict[str, Any]:
                 n_nodes = max(1, trees[-1].n)
         # a layer-skip draft runs the target itself: scale its forwards to 32 layers
         if spec.method == "layer_skip":
-            frac = 1 - float(params.get("skip_fraction", 0.5)) if not params.get("skip") else 1 - len(params["skip"]) / n_layers
+            frac = (
+                1 - float(params.get("skip_fraction", 0.5))
+                if not params.get("skip")
+                else 1 - len(params["skip"]) / n_layers
+            )
             gamma = caption_t0.get(v.name, {}).get("draft_forwards_per_cycle", 1.0) or 1.0
             t_prop = gamma * (t_head + frac * 32 * t_layer)
         c = t_prop / t_step_7b
@@ -229,15 +274,42 @@ def speculative_notes(result: dict[str, Any]) -> list[str]:
 
 def write_speculative_report(result: dict[str, Any], out: Path, command: str) -> None:
     notes = speculative_notes(result)
-    write_markdown(out / "results.md", "Speculative decoding on the embedded world", command, result["header"], result["rows"], notes, model=result.get("model"))
+    write_markdown(
+        out / "results.md",
+        "Speculative decoding on the embedded world",
+        command,
+        result["header"],
+        result["rows"],
+        notes,
+        model=result.get("model"),
+    )
     shaped = result.get("shaped")
     if shaped:
-        rows = [[n, d["tree_tokens"], d["propose_s"] * 1000, d["c"], d["v"], d["tau_embedded_caption_T0"], d["projected_speedup_7b"]] for n, d in shaped["drafters"].items()]
+        rows = [
+            [
+                n,
+                d["tree_tokens"],
+                d["propose_s"] * 1000,
+                d["c"],
+                d["v"],
+                d["tau_embedded_caption_T0"],
+                d["projected_speedup_7b"],
+            ]
+            for n, d in shaped["drafters"].items()
+        ]
         write_markdown(
             out / "projected_7b.md",
             f"Per-forward costs on {shaped['shape']} and projected LLaVA-1.5-7B speedup",
             command,
-            ["drafter", "tree tokens", "propose ms", "c (draft / 7B step)", "v (verify overhead)", "tau (embedded, captions, T=0)", "projected 7B speedup"],
+            [
+                "drafter",
+                "tree tokens",
+                "propose ms",
+                "c (draft / 7B step)",
+                "v (verify overhead)",
+                "tau (embedded, captions, T=0)",
+                "projected 7B speedup",
+            ],
             rows,
             [
                 f"Measured on the slice ({shaped['n_layers']} decoder layers at the 7B width): decode step {shaped['t_step_s'] * 1000:.1f} ms, "
@@ -250,4 +322,3 @@ def write_speculative_report(result: dict[str, Any], out: Path, command: str) ->
     result["kind"] = "speculative"
     speculative_plots(result, out, out.name)
     dump(out / "summary.json", {k: v for k, v in result.items()})
-

@@ -17,8 +17,6 @@ LOG_PHI_OFFSET = math.log(PHI_OFFSET)
 _F32_MAX = torch.finfo(torch.float32).max
 
 
-
-
 # --------------------------------------------------------------------------- over-trust scores
 
 

@@ -146,7 +146,9 @@ class Accounting:
 
     def rows(self, n: int, start: int = 0) -> Accounting:
         """The accounting of rows ``start .. start + n - 1`` (the clean branch of a branch batch)."""
-        return Accounting(*(v[start : start + n] for v in (self.kv_bytes, self.vision_layer_avg, self.flops, self.flops_7b)))
+        return Accounting(
+            *(v[start : start + n] for v in (self.kv_bytes, self.vision_layer_avg, self.flops, self.flops_7b))
+        )
 
 
 def state_accounting(state: LMState) -> Accounting:
@@ -158,7 +160,9 @@ def state_accounting(state: LMState) -> Accounting:
     tok = acc.prefill_tokens
     tok = (tok if tok is not None else state.tokens_per_layer()).float()  # [B, n_layers] text + vision
     shape = LMShape.of(state.text_config) if state.text_config is not None else None
-    starts = [g.ref_start if g.ref_start is not None else g.start * LLAVA_7B.n_layers / state.n_layers for g in state.groups]
+    starts = [
+        g.ref_start if g.ref_start is not None else g.start * LLAVA_7B.n_layers / state.n_layers for g in state.groups
+    ]
     starts[0] = 0
     flops, flops_7b = [], []
     for b in range(state.batch_size):

@@ -44,12 +44,19 @@ class BeamSearch:
     """Vectorised beam bookkeeping for ``batch`` samples x ``num_beams`` beams."""
 
     def __init__(
-        self, batch: int, num_beams: int, max_new: int, length_penalty: float, device: torch.device,
+        self,
+        batch: int,
+        num_beams: int,
+        max_new: int,
+        length_penalty: float,
+        device: torch.device,
         prompt_len: torch.Tensor | None = None,
     ) -> None:
         """``prompt_len`` ([batch] prompt ids per sample) selects the ``release`` scorer (4.29.2)."""
         self.b, self.k, self.max_new, self.lp = batch, num_beams, max_new, length_penalty
-        self.prompt_len = None if prompt_len is None else prompt_len.to(device=device, dtype=torch.float32)[:, None]  # [B, 1]
+        self.prompt_len = (
+            None if prompt_len is None else prompt_len.to(device=device, dtype=torch.float32)[:, None]
+        )  # [B, 1]
         self.running_scores = torch.zeros(batch, num_beams, device=device)
         self.running_scores[:, 1:] = -1e9  # all beams start identical: expand the first only
         self.running_tokens = torch.zeros(batch, num_beams, 0, dtype=torch.long, device=device)
@@ -74,7 +81,9 @@ class BeamSearch:
         keep = max(2, 1 + int(stop_ids.numel())) * k
         top_scores, top_idx = scores.topk(keep, dim=1)  # [B, 2K]
         src_beam, tok = top_idx // vocab, top_idx % vocab
-        seqs = torch.cat([self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2)
+        seqs = torch.cat(
+            [self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2
+        )
         gen_len = self.cur_len + 1
         hits = torch.isin(tok, stop_ids) | (gen_len >= self.max_new)  # [B, 2K]
         # running beams: the best K continuations that did not stop
@@ -101,7 +110,9 @@ class BeamSearch:
         self.is_finished = merged_fin.gather(1, best)
         # early-stop heuristic (transformers' early_stopping=False)
         best_running = self.running_scores[:, :1] / (gen_len**self.lp)
-        worst_fin = torch.where(self.is_finished, self.finished_scores.min(1, keepdim=True).values, torch.full_like(best_running, -1e9))
+        worst_fin = torch.where(
+            self.is_finished, self.finished_scores.min(1, keepdim=True).values, torch.full_like(best_running, -1e9)
+        )
         self.improvable = self.improvable & (best_running > worst_fin).any(-1, keepdim=True)
         self.done = (not bool(self.improvable.any())) or bool(hits.all()) or gen_len >= self.max_new
         flat_src = (beam_src + torch.arange(b, device=tok.device)[:, None] * k).view(-1)
@@ -131,7 +142,9 @@ class BeamSearch:
         keep = max(2, 1 + int(stop_ids.numel())) * k
         top_scores, top_idx = scores.topk(keep, dim=1)  # [B, 2K]
         src_beam, tok = top_idx // vocab, top_idx % vocab
-        seqs = torch.cat([self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2)
+        seqs = torch.cat(
+            [self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2
+        )
         gen_len = self.cur_len + 1
         eos = torch.isin(tok, stop_ids)  # [B, 2K]
         # running beams: the best K continuations that do not end in EOS
@@ -142,7 +155,9 @@ class BeamSearch:
         beam_src = src_beam.gather(1, nxt)
         # EOS among the top K ranks: stored without the EOS, so len(input_ids) = prompt + gen_len - 1
         just = eos & (torch.arange(keep, device=tok.device)[None, :] < k) & self.improvable
-        fin_scores = torch.where(just, top_scores / (self.prompt_len + gen_len - 1) ** self.lp, torch.full_like(top_scores, -1e9))
+        fin_scores = torch.where(
+            just, top_scores / (self.prompt_len + gen_len - 1) ** self.lp, torch.full_like(top_scores, -1e9)
+        )
         self._merge(fin_scores, seqs, torch.full_like(tok, gen_len), just)
         # is_done(best of the step's 2K scores, cur_len = input_ids.shape[-1] + 1 = prompt + gen_len)
         n_fin = self.is_finished.sum(1, keepdim=True)
@@ -152,8 +167,11 @@ class BeamSearch:
         last = gen_len >= self.max_new
         if last:  # finalize: every running beam of an unfinished sample, length prompt + gen_len
             fin = self.improvable.expand(-1, k) & (self.running_scores > -1e8)
-            fin_run = torch.where(fin, self.running_scores / (self.prompt_len + gen_len) ** self.lp,
-                                  torch.full_like(self.running_scores, -1e9))
+            fin_run = torch.where(
+                fin,
+                self.running_scores / (self.prompt_len + gen_len) ** self.lp,
+                torch.full_like(self.running_scores, -1e9),
+            )
             self._merge(fin_run, self.running_tokens, torch.full_like(nxt, gen_len), fin)
         self.done = (not bool(self.improvable.any())) or bool(eos.all()) or last
         flat_src = (beam_src + torch.arange(b, device=tok.device)[:, None] * k).view(-1)
@@ -179,8 +197,9 @@ class Beam(Decoder):
         num_beams: int = opt(5, lo=1, hi=64, doc="beams per sample")
         length_penalty: float = opt(1.0, lo=-10.0, hi=10.0, doc="exponent on the generated length")
         preset: Literal["exact", "release"] = opt(
-            "exact", doc="exact: transformers 5's scorer; release: transformers 4.29.2's (OPERA's baseline), "
-            "finished beams normalised by prompt + generated length"
+            "exact",
+            doc="exact: transformers 5's scorer; release: transformers 4.29.2's (OPERA's baseline), "
+            "finished beams normalised by prompt + generated length",
         )
 
     def decode(self, req: DecodeRequest) -> DecodeOutput:
@@ -195,8 +214,14 @@ class Beam(Decoder):
         acc = state_accounting(state)
         state.repeat_interleave(k)
         logits = out.logits[:, -1].repeat_interleave(k, 0)  # [B*K, V]
-        search = BeamSearch(inputs.batch_size, k, max_new_tokens, self.config.length_penalty, device,
-                            prompt_len=release_prompt_len(req) if self.config.preset == "release" else None)
+        search = BeamSearch(
+            inputs.batch_size,
+            k,
+            max_new_tokens,
+            self.config.length_penalty,
+            device,
+            prompt_len=release_prompt_len(req) if self.config.preset == "release" else None,
+        )
         n_forwards = 0
         while True:
             beam_idx, tokens = search.step(torch.log_softmax(logits, -1), stop)
@@ -208,7 +233,11 @@ class Beam(Decoder):
         t2 = now(device)
         kv_end = state.kv_bytes_per_sample()
         return finish(
-            self.ctx, search.best(), times=(t0, t1, t2), acc=acc, n_forwards=n_forwards,
+            self.ctx,
+            search.best(),
+            times=(t0, t1, t2),
+            acc=acc,
+            n_forwards=n_forwards,
             method_stats=state.stats_rows(inputs.batch_size),
             kv_end=[sum(kv_end[i * k : (i + 1) * k]) for i in range(inputs.batch_size)],
         )

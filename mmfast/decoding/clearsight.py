@@ -48,8 +48,9 @@ def paper_layers(n_layers: int) -> list[int]:
     return sorted({min(n_layers - 1, round(layer * n_layers / 32)) for layer in PAPER_LAYERS})
 
 
-def vaf_logits(logits: torch.Tensor, rows: torch.Tensor, image: torch.Tensor, system: torch.Tensor,
-               enhance: float, suppress: float) -> torch.Tensor:
+def vaf_logits(
+    logits: torch.Tensor, rows: torch.Tensor, image: torch.Tensor, system: torch.Tensor, enhance: float, suppress: float
+) -> torch.Tensor:
     """VAF's edit of attention logits ([B, H, R, K], before the mask).
 
     rows: [B, R] query rows to edit; image / system: [B, K] key classes.
@@ -58,7 +59,9 @@ def vaf_logits(logits: torch.Tensor, rows: torch.Tensor, image: torch.Tensor, sy
     return torch.where(rows[:, None, :, None], logits * scale[:, None, None, :], logits)
 
 
-@DECODERS.register("clearsight", description="ClearSight VAF: amplify visual / damp system-prompt attention in middle layers")
+@DECODERS.register(
+    "clearsight", description="ClearSight VAF: amplify visual / damp system-prompt attention in middle layers"
+)
 class ClearSight(Decoder):
     """Visual Amplification Fusion."""
 
@@ -79,8 +82,11 @@ class ClearSight(Decoder):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
-        return Capabilities(families=ALL_FAMILIES, overrides_llm_attention=cls.active(cfg),
-                            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "")
+        return Capabilities(
+            families=ALL_FAMILIES,
+            overrides_llm_attention=cls.active(cfg),
+            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "",
+        )
 
     @classmethod
     def check_facts(cls, config, facts) -> list[int]:
@@ -110,7 +116,9 @@ class ClearSight(Decoder):
             q_len, k_len = query.shape[2], key.shape[2]
             cls = slot_classes(state, layer)
             if cls.valid.shape[1] != k_len:
-                raise RuntimeError(f"ClearSight: layer {layer} holds {k_len} keys but its layout {cls.valid.shape[1]} (mmfast bug)")
+                raise RuntimeError(
+                    f"ClearSight: layer {layer} holds {k_len} keys but its layout {cls.valid.shape[1]} (mmfast bug)"
+                )
             has_image = cls.image.any(1, keepdim=True)  # [B, 1]
             rows = cls.after_image[:, k_len - q_len :] & has_image  # [B, Q]
 

@@ -43,13 +43,21 @@ class Damro(MultiBranchDecoder):
 
     use_warpers = False
     # the outlier branch indexes one patch grid per image and reads the tower's unmerged tokens
-    caps = Capabilities(families=frozenset({"llava"}), needs_cls=True, search="branches", needs_unmerged_tower=True,
-                        unsupported=why_not(
-        ("llava_next", "its outlier branch indexes one square patch grid per image; LLaVA-NeXT packs tiles into an "
-         "unpadded, newline-separated mosaic"),
-        ("llava_onevision", "contrasts against the tower's CLS-attention outliers; SigLIP has no CLS"),
-        (QWEN_FAMILIES, "contrasts against the tower's CLS-attention outliers; Qwen-VL towers have no CLS"),
-    ))
+    caps = Capabilities(
+        families=frozenset({"llava"}),
+        needs_cls=True,
+        search="branches",
+        needs_unmerged_tower=True,
+        unsupported=why_not(
+            (
+                "llava_next",
+                "its outlier branch indexes one square patch grid per image; LLaVA-NeXT packs tiles into an "
+                "unpadded, newline-separated mosaic",
+            ),
+            ("llava_onevision", "contrasts against the tower's CLS-attention outliers; SigLIP has no CLS"),
+            (QWEN_FAMILIES, "contrasts against the tower's CLS-attention outliers; Qwen-VL towers have no CLS"),
+        ),
+    )
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

@@ -14,7 +14,9 @@ from .base import DecodeOutput, Decoder, DecodeRequest, Sampling
 from .loop import autoregressive
 
 
-@DECODERS.register("greedy", description="argmax decoding (baseline); lossless speculative drafting when a drafter is set")
+@DECODERS.register(
+    "greedy", description="argmax decoding (baseline); lossless speculative drafting when a drafter is set"
+)
 class Greedy(Decoder):
     """Greedy decoding."""
 

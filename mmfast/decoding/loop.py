@@ -154,8 +154,15 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
     ids = torch.stack(generated, 1).tolist() if generated else [[] for _ in range(batch_size)]
     end = policy.end_state()  # stats of decode-time policies are complete only now
     kv_end = end.kv_bytes_per_sample()[:batch_size]
-    return finish(ctx, ids, times=(t0, t1, t2), acc=acc, kv_end=kv_end, n_forwards=policy.n_forwards,
-                  method_stats=end.stats_rows(batch_size))
+    return finish(
+        ctx,
+        ids,
+        times=(t0, t1, t2),
+        acc=acc,
+        kv_end=kv_end,
+        n_forwards=policy.n_forwards,
+        method_stats=end.stats_rows(batch_size),
+    )
 
 
 class SingleBranch:

@@ -55,7 +55,9 @@ class LQCD(MultiBranchDecoder):
     @dataclass(frozen=True)
     class Config(BranchConfig):
         alpha: float = opt(1.0, lo=0.0, hi=20.0, doc="contrast weight (unverified default)")
-        yes_no_templates: tuple[str, ...] = opt(YES_NO_TEMPLATES, doc="leading cues for yes/no questions; {q} = question")
+        yes_no_templates: tuple[str, ...] = opt(
+            YES_NO_TEMPLATES, doc="leading cues for yes/no questions; {q} = question"
+        )
         open_templates: tuple[str, ...] = opt(OPEN_TEMPLATES, doc="leading cues for open requests; {q} = request")
 
     def branches(self, req):

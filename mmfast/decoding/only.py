@@ -108,7 +108,9 @@ class ONLY(Decoder):
     @dataclass(frozen=True)
     class Config:
         layer: int = opt(0, lo=0, doc="intervention layer (enhance_layer_index, 0-based)")
-        gamma: float = opt(0.2, lo=0.0, hi=2.0, doc="TVD threshold between additive and contrastive fusion (CHAIR: 0.25)")
+        gamma: float = opt(
+            0.2, lo=0.0, hi=2.0, doc="TVD threshold between additive and contrastive fusion (CHAIR: 0.25)"
+        )
         alpha_pos: float = opt(3.0, lo=0.0, hi=20.0, doc="weight of l' when the two agree (TVD < gamma)")
         alpha_neg: float = opt(1.0, lo=0.0, hi=20.0, doc="contrast weight when they disagree")
         beta: float = opt(0.1, lo=0.0, hi=1.0, doc="adaptive plausibility cutoff on l (0 = off)")
@@ -122,8 +124,11 @@ class ONLY(Decoder):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
-        return Capabilities(families=ALL_FAMILIES, overrides_llm_attention=cls.active(cfg),
-                            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "")
+        return Capabilities(
+            families=ALL_FAMILIES,
+            overrides_llm_attention=cls.active(cfg),
+            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "",
+        )
 
     @staticmethod
     def active(cfg) -> bool:
@@ -132,7 +137,9 @@ class ONLY(Decoder):
     @classmethod
     def check_facts(cls, config, facts) -> int:
         if not 0 <= config.layer < facts.llm_layers - 1:
-            raise ConfigError("layer", f"{config.layer} is not a layer before the last of this {facts.llm_layers}-layer LLM")
+            raise ConfigError(
+                "layer", f"{config.layer} is not a layer before the last of this {facts.llm_layers}-layer LLM"
+            )
         return config.layer
 
     def install(self) -> None:
@@ -197,10 +204,19 @@ class ONLY(Decoder):
             fused = logits
             if on:
                 scratch = state.extras[self.name]
-                fused, agree = only_fuse(logits, self.perturbed_logits(scratch), cfg.gamma, cfg.alpha_pos, cfg.alpha_neg)
-                st = state.stats.setdefault(self.name, {"per_sample_additive_steps": [0] * len(agree),
-                                                        "per_sample_removed_heads_first": scratch.removed.sum(-1).tolist()})
-                st["per_sample_additive_steps"] = [a + int(g) for a, g in zip(st["per_sample_additive_steps"], agree.tolist())]
+                fused, agree = only_fuse(
+                    logits, self.perturbed_logits(scratch), cfg.gamma, cfg.alpha_pos, cfg.alpha_neg
+                )
+                st = state.stats.setdefault(
+                    self.name,
+                    {
+                        "per_sample_additive_steps": [0] * len(agree),
+                        "per_sample_removed_heads_first": scratch.removed.sum(-1).tolist(),
+                    },
+                )
+                st["per_sample_additive_steps"] = [
+                    a + int(g) for a, g in zip(st["per_sample_additive_steps"], agree.tolist())
+                ]
             fused = fused.masked_fill(~plausibility_mask(logits, cfg.beta), float("-inf"))
             return sample_from(procs(None, fused), gens) if cfg.sample else fused.argmax(-1)
 

@@ -102,12 +102,16 @@ class _SampleResult:
     history_bytes_peak: int = 0
 
 
-@DECODERS.register("opera", description="OPERA: beam search with an over-trust attention penalty and retrospection rollback")
+@DECODERS.register(
+    "opera", description="OPERA: beam search with an over-trust attention penalty and retrospection rollback"
+)
 class Opera(Decoder):
     """OPERA (over-trust penalty + retrospection-allocation beam search)."""
 
     caps = Capabilities(
-        families=ALL_FAMILIES, search="beam", needs_full_decode_cache=True,
+        families=ALL_FAMILIES,
+        search="beam",
+        needs_full_decode_cache=True,
         dynamic_decode="its over-trust map reads the last layer's attention rows over exactly the held keys, "
         "and its look-ahead and rollback clone and crop the cache",
     )
@@ -119,17 +123,23 @@ class Opera(Decoder):
         scale_factor: float = opt(50.0, lo=1e-6, hi=1e6, doc="sigma: attention scale inside the column product")
         threshold: int = opt(15, lo=0, doc="r: rollback when every beam's location history has > r hits")
         num_attn_candidates: int = opt(5, lo=1, doc="N_can: candidates per beam (also the rollback limit per position)")
-        penalty_weights: float = opt(1.0, lo=0.0, hi=1000.0, doc="alpha: weight of the over-trust penalty / image bonus")
+        penalty_weights: float = opt(
+            1.0, lo=0.0, hi=1000.0, doc="alpha: weight of the over-trust penalty / image bonus"
+        )
         window_size: int = opt(512, lo=1, doc="steps kept for rollback")
         length_penalty: float = opt(1.0, lo=-10.0, hi=10.0, doc="beam length penalty exponent (transformers)")
         lookahead: Literal["tree", "clone"] = opt(
-            "tree", doc="clone: K*N_can rows on a cloned, repeated cache; tree: N_can sibling tokens per beam, no cache copy"
+            "tree",
+            doc="clone: K*N_can rows on a cloned, repeated cache; tree: N_can sibling tokens per beam, no cache copy",
         )
-        candidate_chunk: int = opt(0, lo=0, doc="clone look-ahead: candidate sets per forward (0: all N_can in one forward)")
+        candidate_chunk: int = opt(
+            0, lo=0, doc="clone look-ahead: candidate sets per forward (0: all N_can in one forward)"
+        )
         fp16_saturation: bool = opt(False, doc="reproduce the released code's fp16 score buffer (inf above 65504)")
         preset: Literal["exact", "release"] = opt(
-            "exact", doc="exact: fp32 log-space penalty, transformers 5's beam scorer; release: the released "
-            "arithmetic (fp16 factors and score buffer, transformers 4.29.2's scorer: prompt + generated length)"
+            "exact",
+            doc="exact: fp32 log-space penalty, transformers 5's beam scorer; release: the released "
+            "arithmetic (fp16 factors and score buffer, transformers 4.29.2's scorer: prompt + generated length)",
         )
 
     def install(self) -> None:
@@ -176,8 +186,11 @@ class Opera(Decoder):
         self._tree = True
         try:
             self.ctx.runner.step(
-                state, cand, depth=torch.zeros(n, dtype=torch.long, device=dev),
-                block_mask=torch.eye(n, dtype=torch.bool, device=dev), all_logits=False,
+                state,
+                cand,
+                depth=torch.zeros(n, dtype=torch.long, device=dev),
+                block_mask=torch.eye(n, dtype=torch.bool, device=dev),
+                all_logits=False,
             )
             rec = probe.get(self.probe_key)
         finally:
@@ -251,7 +264,9 @@ class Opera(Decoder):
                 base = state.clone() if b < bsz - 1 else state
                 base.reorder(torch.tensor([b], device=device))
             plen = release_prompt_len(req)[b : b + 1] if self.config.preset == "release" else None
-            results.append(self._decode_sample(base, out.logits[b, -1], resp_start, vision[b], req.max_new_tokens, stop, plen))
+            results.append(
+                self._decode_sample(base, out.logits[b, -1], resp_start, vision[b], req.max_new_tokens, stop, plen)
+            )
         t2 = now(device)
         stats = {
             "per_sample_rollbacks": [len(r.rollbacks) for r in results],
@@ -263,11 +278,19 @@ class Opera(Decoder):
             "per_sample_attn_history_bytes_peak": [r.history_bytes_peak for r in results],
         }
         return finish(
-            self.ctx, [r.tokens for r in results], times=(t0, t1, t2), acc=acc, method_stats=method_stats,
-            kv_end=[r.kv_bytes_end for r in results], n_forwards=sum(r.n_forwards for r in results), stats=stats,
+            self.ctx,
+            [r.tokens for r in results],
+            times=(t0, t1, t2),
+            acc=acc,
+            method_stats=method_stats,
+            kv_end=[r.kv_bytes_end for r in results],
+            n_forwards=sum(r.n_forwards for r in results),
+            stats=stats,
         )
 
-    def _rollback_target(self, locs: list[torch.Tensor], loc: int, step: int, counts: dict[int, int], oldest: int) -> int | None:
+    def _rollback_target(
+        self, locs: list[torch.Tensor], loc: int, step: int, counts: dict[int, int], oldest: int
+    ) -> int | None:
         """The response position to roll back to, or None (trigger not fired, or positions exhausted)."""
         cfg = self.config
         hits = (torch.stack(locs, 1) == loc).sum(1)  # [K] per beam slot, as released (not reordered)
@@ -284,8 +307,16 @@ class Opera(Decoder):
         counts[pos] = counts.get(pos, 0) + 1
         return pos
 
-    def _decode_sample(self, base, first_logits, resp_start: int, vision: torch.Tensor, max_new: int, stop,
-                       prompt_len: torch.Tensor | None = None) -> _SampleResult:
+    def _decode_sample(
+        self,
+        base,
+        first_logits,
+        resp_start: int,
+        vision: torch.Tensor,
+        max_new: int,
+        stop,
+        prompt_len: torch.Tensor | None = None,
+    ) -> _SampleResult:
         cfg = self.config
         release = cfg.preset == "release"
         fp16 = cfg.fp16_saturation or release

@@ -87,7 +87,9 @@ class PAI(MultiBranchDecoder):
         alpha: float = opt(0.2, lo=0.0, hi=10.0, doc="attention amplification w + alpha|w| on image keys (0 = off)")
         gamma: float = opt(1.1, lo=0.0, hi=20.0, doc="CFG weight against the image-free prompt (1 = off)")
         beta: float = opt(0.1, lo=0.0, hi=1.0, doc="adaptive plausibility cutoff of the CFG step (0 = off)")
-        start_layer: int = opt(2, lo=0, doc="first amplified LLM layer (0-based; absolute on any depth, see the docstring)")
+        start_layer: int = opt(
+            2, lo=0, doc="first amplified LLM layer (0-based; absolute on any depth, see the docstring)"
+        )
         end_layer: int | None = opt(None, doc="one past the last amplified layer (default: the LLM's depth, 32)")
         amplify_first_token: bool = opt(True, doc="amplify at prefill too (false: the official code's CFG quirk)")
         sample: bool = opt(False, doc="sample instead of greedy")
@@ -110,7 +112,9 @@ class PAI(MultiBranchDecoder):
         n = facts.llm_layers
         end = n if config.end_layer is None else config.end_layer
         if not 0 <= config.start_layer < end <= n:
-            raise ConfigError("start_layer", f"layers {config.start_layer}..{end - 1} are not a range of this {n}-layer LLM")
+            raise ConfigError(
+                "start_layer", f"layers {config.start_layer}..{end - 1} are not a range of this {n}-layer LLM"
+            )
         return list(range(config.start_layer, end))
 
     def install(self) -> None:
@@ -135,7 +139,9 @@ class PAI(MultiBranchDecoder):
                 return out
             cls = slot_classes(state, layer)
             if cls.valid.shape[1] != k_len:
-                raise RuntimeError(f"PAI: layer {layer} holds {k_len} keys but its layout {cls.valid.shape[1]} (mmfast bug)")
+                raise RuntimeError(
+                    f"PAI: layer {layer} holds {k_len} keys but its layout {cls.valid.shape[1]} (mmfast bug)"
+                )
             if not bool(cls.image.any()):
                 return out  # the image-free CFG branch: nothing to amplify
             rows = cls.generated[:, k_len - q_len :].clone()  # [B, Q]

@@ -98,12 +98,22 @@ class Ritual(MultiBranchDecoder):
     """RITUAL."""
 
     # transforms change the image size: another anyres token layout
-    caps = Capabilities(families=frozenset({"llava"}), search="branches", unsupported=why_not(
-        (("llava_next", "llava_onevision"), "its transforms change the image size, hence the anyres token layout, so "
-         "its branch is not aligned with the clean one"),
-        (QWEN_FAMILIES, "re-runs the image processor on a transformed square view (CLIP crop size); the "
-         "dynamic-resolution patch layout is not wired"),
-    ))
+    caps = Capabilities(
+        families=frozenset({"llava"}),
+        search="branches",
+        unsupported=why_not(
+            (
+                ("llava_next", "llava_onevision"),
+                "its transforms change the image size, hence the anyres token layout, so "
+                "its branch is not aligned with the clean one",
+            ),
+            (
+                QWEN_FAMILIES,
+                "re-runs the image processor on a transformed square view (CLIP crop size); the "
+                "dynamic-resolution patch layout is not wired",
+            ),
+        ),
+    )
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

@@ -37,6 +37,7 @@ def paper_layers(n_layers: int) -> list[int]:
 
 def select_heads(vhd: torch.Tensor, text_energy: torch.Tensor) -> torch.Tensor:
     """Heads to reinforce ([B, H] bool) from VHD and text-only energy ([B, H]), per VHR's Alg. 1."""
+
     def outlier(x: torch.Tensor) -> torch.Tensor:
         return x > x.mean(-1, keepdim=True) + x.std(-1, keepdim=True)
 
@@ -119,8 +120,12 @@ class VHR(Decoder):
         text = self.ctx.text_only_inputs(req.batch)
         joint = _left_pad_cat(req.inputs, text, self.ctx.special.pad, self.ctx.adapter)
         # the text stream's rows are marked on the inputs: the hooks find them on the running state
-        joint.tags[TEXT_STREAM] = torch.arange(joint.batch_size, device=joint.input_ids.device)[:, None].expand_as(joint.input_ids) >= bsz
-        out = autoregressive(self.ctx, joint, choose, req.max_new_tokens, on_prefill=self._after_prefill, batch_size=bsz)
+        joint.tags[TEXT_STREAM] = (
+            torch.arange(joint.batch_size, device=joint.input_ids.device)[:, None].expand_as(joint.input_ids) >= bsz
+        )
+        out = autoregressive(
+            self.ctx, joint, choose, req.max_new_tokens, on_prefill=self._after_prefill, batch_size=bsz
+        )
         out.tokens = out.tokens[:bsz]
         return out
 

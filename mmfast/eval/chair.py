@@ -159,26 +159,38 @@ def load_shipped_resources() -> ChairResources:
         raw = gzip.decompress((SHIPPED_DATA / _MORPHY_FILE).read_bytes())
         doc = json.loads(raw)
     except (OSError, EOFError, ValueError) as exc:  # missing file, bad gzip, bad JSON
-        raise ShippedDataError(f"the CHAIR data shipped in {SHIPPED_DATA} cannot be read ({exc}); "
-                               "reinstall mmfast, or pass NLTK data (nltk_data= or NLTK_DATA)") from exc
+        raise ShippedDataError(
+            f"the CHAIR data shipped in {SHIPPED_DATA} cannot be read ({exc}); "
+            "reinstall mmfast, or pass NLTK data (nltk_data= or NLTK_DATA)"
+        ) from exc
     try:
         lemmatizer = MorphyLemmatizer.from_doc(doc)
         built = doc["built_with"]
         wordnet_version, built_nltk = str(built["wordnet"]), str(built["nltk"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ShippedDataError(f"{SHIPPED_DATA / _MORPHY_FILE}: {exc}; rebuild it with "
-                               "scripts/build_chair_data.py --nltk-data <folder>") from exc
+        raise ShippedDataError(
+            f"{SHIPPED_DATA / _MORPHY_FILE}: {exc}; rebuild it with scripts/build_chair_data.py --nltk-data <folder>"
+        ) from exc
     # NLTK's own constructor from (weights, tagdict, classes), as load_from_json reads them (nltk >= 3.9)
     tagger = PerceptronTagger.decode_json_obj(tuple(params))
     provenance = {
-        "route": "shipped", "nltk_version": nltk.__version__, "wordnet_version": wordnet_version,
-        "tagger": _TAGGER_NAME, "tagger_sha256": tagger_sha,
-        "lemmas": {"table_sha256": _sha256(raw), "built_with_nltk": built_nltk,
-                   "lemma_names": {p: len(n) for p, n in lemmatizer.names.items()}},
+        "route": "shipped",
+        "nltk_version": nltk.__version__,
+        "wordnet_version": wordnet_version,
+        "tagger": _TAGGER_NAME,
+        "tagger_sha256": tagger_sha,
+        "lemmas": {
+            "table_sha256": _sha256(raw),
+            "built_with_nltk": built_nltk,
+            "lemma_names": {p: len(n) for p, n in lemmatizer.names.items()},
+        },
         "shipped_dir": str(SHIPPED_DATA),
     }
-    logger.info("CHAIR: tagger and WordNet tables shipped with mmfast (WordNet %s, built with nltk %s)",
-                wordnet_version, built_nltk)
+    logger.info(
+        "CHAIR: tagger and WordNet tables shipped with mmfast (WordNet %s, built with nltk %s)",
+        wordnet_version,
+        built_nltk,
+    )
     return ChairResources(tagger, lemmatizer.lemmatize, "shipped", provenance)
 
 
@@ -233,15 +245,15 @@ def load_nltk_resources(nltk_data: str | Path | None = None) -> ChairResources:
     tagger_root = _locate(roots, _TAGGER_FILES)
     wordnet_root = _locate(roots, _WORDNET_FILES)
     if tagger_root is None or wordnet_root is None:
-        missing = [name for name, root in ((_TAGGER_NAME, tagger_root), ("wordnet", wordnet_root))
-                   if root is None]
+        missing = [name for name, root in ((_TAGGER_NAME, tagger_root), ("wordnet", wordnet_root)) if root is None]
         raise NltkDataMissingError(
             f"NLTK data {missing} was asked for but is not installed in any of {roots}. "
             "Point nltk_data (or NLTK_DATA) at a folder that holds taggers/averaged_perceptron_tagger_eng "
             "and corpora/wordnet, or install them once with "
             "`python -m nltk.downloader averaged_perceptron_tagger_eng wordnet`; or pass no NLTK data "
             "at all to use the data shipped with mmfast (same CHAIR results). "
-            "mmfast never downloads data at run time.")
+            "mmfast never downloads data at run time."
+        )
     return _load_resources(tagger_root, wordnet_root)
 
 
@@ -261,12 +273,22 @@ def _load_resources(tagger_root: str, wordnet_root: str) -> ChairResources:
         # Without the multilingual OMW data the reader warns; CHAIR only uses English lemmas.
         warnings.filterwarnings("ignore", message="The multilingual functions are not available")
         wordnet = WordNetCorpusReader(_pointer(wordnet_root, _WORDNET), None)
-    logger.info("CHAIR: NLTK data, tagger from %s, WordNet %s from %s (nltk %s)", tagger_root,
-                wordnet.get_version(), wordnet_root, nltk.__version__)
+    logger.info(
+        "CHAIR: NLTK data, tagger from %s, WordNet %s from %s (nltk %s)",
+        tagger_root,
+        wordnet.get_version(),
+        wordnet_root,
+        nltk.__version__,
+    )
     provenance = {
-        "route": "nltk", "nltk_version": nltk.__version__, "wordnet_version": str(wordnet.get_version()),
-        "tagger": _TAGGER_NAME, "tagger_sha256": tagger_sha, "lemmas": "WordNetLemmatizer (all of WordNet)",
-        "tagger_root": tagger_root, "wordnet_root": wordnet_root,
+        "route": "nltk",
+        "nltk_version": nltk.__version__,
+        "wordnet_version": str(wordnet.get_version()),
+        "tagger": _TAGGER_NAME,
+        "tagger_sha256": tagger_sha,
+        "lemmas": "WordNetLemmatizer (all of WordNet)",
+        "tagger_root": tagger_root,
+        "wordnet_root": wordnet_root,
     }
     return ChairResources(tagger, _wordnet_lemmatizer(wordnet), "nltk", provenance, wordnet=wordnet)
 
@@ -290,8 +312,9 @@ def load_chair_resources(nltk_data: str | Path | None = None) -> ChairResources:
         tagger_root, wordnet_root = _locate(env, _TAGGER_FILES), _locate(env, _WORDNET_FILES)
         if tagger_root is not None and wordnet_root is not None:
             return _load_resources(tagger_root, wordnet_root)
-        logger.info("CHAIR: NLTK_DATA=%s lacks the tagger or WordNet; using the data shipped with mmfast",
-                    os.pathsep.join(env))
+        logger.info(
+            "CHAIR: NLTK_DATA=%s lacks the tagger or WordNet; using the data shipped with mmfast", os.pathsep.join(env)
+        )
     return load_shipped_resources()
 
 
@@ -319,8 +342,7 @@ def tokenize_caption(caption: str) -> list[str]:
     """Lower-case and tokenise like the reference's ``nltk.word_tokenize(caption.lower())``."""
     import nltk
 
-    return [tok for sent in split_sentences(caption.lower())
-            for tok in nltk.word_tokenize(sent, preserve_line=True)]
+    return [tok for sent in split_sentences(caption.lower()) for tok in nltk.word_tokenize(sent, preserve_line=True)]
 
 
 def _wordnet_pos(tag: str) -> str:
@@ -358,8 +380,12 @@ class CaptionParser:
     ``resources`` defaults to ``load_chair_resources()``.
     """
 
-    def __init__(self, resources: ChairResources | None = None, synonyms: Mapping[str, str] = SYNONYM_TO_NODE,
-                 phrases: Mapping[str, str] = PHRASE_MAP) -> None:
+    def __init__(
+        self,
+        resources: ChairResources | None = None,
+        synonyms: Mapping[str, str] = SYNONYM_TO_NODE,
+        phrases: Mapping[str, str] = PHRASE_MAP,
+    ) -> None:
         self.resources = load_chair_resources() if resources is None else resources
         self.synonyms = synonyms
         self.phrases = phrases
@@ -385,7 +411,7 @@ class CaptionParser:
         i = 0
         while i < len(lemmas):  # greedy left-to-right merge of known two-word phrases
             starts.append(i)
-            pair = " ".join(lemmas[i:i + 2])
+            pair = " ".join(lemmas[i : i + 2])
             if pair in self.phrases:
                 merged.append(self.phrases[pair])
                 i += 2
@@ -444,8 +470,9 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
     return out
 
 
-def load_captions(path: str | Path, *, image_id_key: str = "image_id",
-                  caption_key: str = "caption") -> list[dict[str, Any]]:
+def load_captions(
+    path: str | Path, *, image_id_key: str = "image_id", caption_key: str = "caption"
+) -> list[dict[str, Any]]:
     """Read generated captions from a JSON array or JSON Lines file of objects.
 
     Returns ``[{"image_id": int, "caption": str}, ...]`` in file order; keys are configurable as in
@@ -468,8 +495,7 @@ def load_captions(path: str | Path, *, image_id_key: str = "image_id",
     return out
 
 
-def sample_image_ids(image_dir_or_ids: str | os.PathLike[str] | Iterable[Any], n: int,
-                     seed: int) -> list[int]:
+def sample_image_ids(image_dir_or_ids: str | os.PathLike[str] | Iterable[Any], n: int, seed: int) -> list[int]:
     """Draw ``n`` COCO image ids reproducibly on any machine.
 
     Sorts the ids (a directory's image files are listed and sorted by name), then shuffles them
@@ -537,13 +563,14 @@ class ChairCaptionResult:
 
     def to_reference_dict(self) -> dict[str, Any]:
         return {
-            "image_id": self.image_id, "caption": self.caption,
+            "image_id": self.image_id,
+            "caption": self.caption,
             "mscoco_hallucinated_words": [list(p) for p in self.hallucinated],
             "mscoco_gt_words": list(self.gt_objects),
             "mscoco_generated_words": [node for _, node in self.mentions],
-            "hallucination_idxs": list(self.hallucination_idxs), "words": list(self.words),
-            "metrics": {"CHAIRs": self.chair_s, "CHAIRi": self.chair_i, "Recall": self.recall,
-                        "Len": self.len},
+            "hallucination_idxs": list(self.hallucination_idxs),
+            "words": list(self.words),
+            "metrics": {"CHAIRs": self.chair_s, "CHAIRi": self.chair_i, "Recall": self.recall, "Len": self.len},
         }
 
 
@@ -567,15 +594,19 @@ class ChairResult:
 
     def as_dict(self) -> dict[str, float | int]:
         """``{"chair_s", "chair_i", "recall", "len", "n"}``."""
-        return {"chair_s": self.chair_s, "chair_i": self.chair_i, "recall": self.recall,
-                "len": self.len, "n": self.n}
+        return {"chair_s": self.chair_s, "chair_i": self.chair_i, "recall": self.recall, "len": self.len, "n": self.n}
 
     def to_reference_dict(self) -> dict[str, Any]:
         """The reference's output layout (``Len`` stored as 0.01 x mean, as it does)."""
-        return {"sentences": [c.to_reference_dict() for c in self.captions],
-                "overall_metrics": {"CHAIRs": self.chair_s, "CHAIRi": self.chair_i,
-                                    "Recall": self.recall,
-                                    "Len": 0.01 * self.n_words / self.n if self.n else 0.0}}
+        return {
+            "sentences": [c.to_reference_dict() for c in self.captions],
+            "overall_metrics": {
+                "CHAIRs": self.chair_s,
+                "CHAIRi": self.chair_i,
+                "Recall": self.recall,
+                "Len": 0.01 * self.n_words / self.n if self.n else 0.0,
+            },
+        }
 
 
 def _div(num: float, den: float, name: str, why: str, notes: list[str]) -> float:
@@ -617,8 +648,14 @@ class ChairEvaluator:
     captions are first parsed.
     """
 
-    def __init__(self, ground_truth: Mapping[int, Iterable[str]], *, nltk_data: str | Path | None = None,
-                 provenance: Mapping[str, Any] | None = None, resources: ChairResources | None = None) -> None:
+    def __init__(
+        self,
+        ground_truth: Mapping[int, Iterable[str]],
+        *,
+        nltk_data: str | Path | None = None,
+        provenance: Mapping[str, Any] | None = None,
+        resources: ChairResources | None = None,
+    ) -> None:
         self.ground_truth: dict[int, frozenset[str]] = {int(k): frozenset(v) for k, v in ground_truth.items()}
         unknown = {w for objs in self.ground_truth.values() for w in objs} - set(SYNONYM_TO_NODE.values())
         if unknown:
@@ -638,18 +675,27 @@ class ChairEvaluator:
         """The protocol facts to store next to a CHAIR number (loads the tagger and lemmatizer);
         ``language_data`` says which route they came from (shipped or NLTK data) with digests."""
         res = self.parser.resources
-        return {"pipeline_version": PIPELINE_VERSION, "vocabulary": vocabulary_digest(),
-                "nltk_version": res.nltk_version, "wordnet_version": res.wordnet_version,
-                "language_data": dict(res.provenance),
-                "tokenizer": "punkt-algorithm(english abbreviations)+treebank",
-                "n_images_with_ground_truth": len(self.ground_truth),
-                "ground_truth": {k: v for k, v in self.provenance.items() if k != "key"}}
+        return {
+            "pipeline_version": PIPELINE_VERSION,
+            "vocabulary": vocabulary_digest(),
+            "nltk_version": res.nltk_version,
+            "wordnet_version": res.wordnet_version,
+            "language_data": dict(res.provenance),
+            "tokenizer": "punkt-algorithm(english abbreviations)+treebank",
+            "n_images_with_ground_truth": len(self.ground_truth),
+            "ground_truth": {k: v for k, v in self.provenance.items() if k != "key"},
+        }
 
     # -- building ------------------------------------------------------------------------------
     @classmethod
-    def from_coco(cls, instances_paths: str | Path | Sequence[str | Path],
-                  captions_paths: str | Path | Sequence[str | Path], *, cache_dir: str | Path | None = None,
-                  nltk_data: str | Path | None = None) -> ChairEvaluator:
+    def from_coco(
+        cls,
+        instances_paths: str | Path | Sequence[str | Path],
+        captions_paths: str | Path | Sequence[str | Path],
+        *,
+        cache_dir: str | Path | None = None,
+        nltk_data: str | Path | None = None,
+    ) -> ChairEvaluator:
         """Build the ground truth from COCO ``instances_*.json`` and ``captions_*.json`` files.
 
         The reference uses train2014 + val2014 of both (for val2014 images the val files alone give
@@ -670,15 +716,20 @@ class ChairEvaluator:
 
             resources = load_chair_resources(nltk_data)
             provenance = {
-                "instances": sorted(({"file": p.name, "sha256": file_sha256(p)} for p in inst),
-                                    key=lambda d: d["sha256"]),
-                "captions": sorted(({"file": p.name, "sha256": file_sha256(p)} for p in caps),
-                                   key=lambda d: d["sha256"]),
-                "vocabulary": vocabulary_digest(), "pipeline_version": PIPELINE_VERSION,
-                "nltk_version": nltk.__version__, "language_data": resources.cache_key(),
+                "instances": sorted(
+                    ({"file": p.name, "sha256": file_sha256(p)} for p in inst), key=lambda d: d["sha256"]
+                ),
+                "captions": sorted(
+                    ({"file": p.name, "sha256": file_sha256(p)} for p in caps), key=lambda d: d["sha256"]
+                ),
+                "vocabulary": vocabulary_digest(),
+                "pipeline_version": PIPELINE_VERSION,
+                "nltk_version": nltk.__version__,
+                "language_data": resources.cache_key(),
             }
-            key_src = {k: ([d["sha256"] for d in v] if k in ("instances", "captions") else v)
-                       for k, v in provenance.items()}
+            key_src = {
+                k: ([d["sha256"] for d in v] if k in ("instances", "captions") else v) for k, v in provenance.items()
+            }
             key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
             provenance["key"] = key
             cache_file = Path(cache_dir) / f"chair_gt_{key[:16]}.json"
@@ -708,8 +759,7 @@ class ChairEvaluator:
                     name = names[ann["category_id"]]
                     node = SYNONYM_TO_NODE.get(name)
                     if node is None:
-                        raise InputError(f"{path}: category {name!r} is not a COCO class of the CHAIR "
-                                         "vocabulary")
+                        raise InputError(f"{path}: category {name!r} is not a COCO class of the CHAIR vocabulary")
                     gt.setdefault(int(ann["image_id"]), set()).add(node)
             except (KeyError, TypeError) as exc:
                 raise InputError(f"{path}: not a COCO instances file ({exc!r})") from exc
@@ -735,33 +785,51 @@ class ChairEvaluator:
         """Write the ground truth as JSON (atomically)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"format": _CACHE_FORMAT, "version": 1, "provenance": self.provenance,
-                   "images": {str(k): sorted(v) for k, v in sorted(self.ground_truth.items())}}
+        payload = {
+            "format": _CACHE_FORMAT,
+            "version": 1,
+            "provenance": self.provenance,
+            "images": {str(k): sorted(v) for k, v in sorted(self.ground_truth.items())},
+        }
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(payload, separators=(",", ":")), encoding="utf-8")
         os.replace(tmp, path)
 
     @classmethod
-    def load_json(cls, path: str | Path, *, nltk_data: str | Path | None = None,
-                  resources: ChairResources | None = None) -> ChairEvaluator:
+    def load_json(
+        cls, path: str | Path, *, nltk_data: str | Path | None = None, resources: ChairResources | None = None
+    ) -> ChairEvaluator:
         """Read ground truth written by ``save_json``."""
         data = _load_json(Path(path))
         if not isinstance(data, dict) or data.get("format") != _CACHE_FORMAT or data.get("version") != 1:
-            raise InputError(f"{path}: not an mmfast CHAIR ground-truth file "
-                             f"(format {_CACHE_FORMAT}, version 1)")
+            raise InputError(f"{path}: not an mmfast CHAIR ground-truth file (format {_CACHE_FORMAT}, version 1)")
         provenance = data.get("provenance", {})
         import nltk
 
         built_with = provenance.get("nltk_version")
         if built_with and built_with != nltk.__version__:
-            logger.warning("%s was built with nltk %s but nltk %s is installed; lemmas may differ",
-                           path, built_with, nltk.__version__)
-        return cls({int(k): v for k, v in data["images"].items()}, nltk_data=nltk_data, provenance=provenance,
-                   resources=resources)
+            logger.warning(
+                "%s was built with nltk %s but nltk %s is installed; lemmas may differ",
+                path,
+                built_with,
+                nltk.__version__,
+            )
+        return cls(
+            {int(k): v for k, v in data["images"].items()},
+            nltk_data=nltk_data,
+            provenance=provenance,
+            resources=resources,
+        )
 
     # -- evaluation ----------------------------------------------------------------------------
-    def evaluate(self, captions: Iterable[Mapping[str, Any]], *, image_id_key: str = "image_id",
-                 caption_key: str = "caption", missing: Literal["error", "empty"] = "error") -> ChairResult:
+    def evaluate(
+        self,
+        captions: Iterable[Mapping[str, Any]],
+        *,
+        image_id_key: str = "image_id",
+        caption_key: str = "caption",
+        missing: Literal["error", "empty"] = "error",
+    ) -> ChairResult:
         """Compute CHAIR for ``[{image_id, caption}, ...]`` (keys configurable).
 
         ``missing="error"`` refuses image ids without ground truth; ``"empty"`` treats them as
@@ -782,8 +850,10 @@ class ChairEvaluator:
                 raise InputError(f"caption {i}: {exc}") from exc
         absent = sorted({image_id for image_id, _ in items if image_id not in self.ground_truth})
         if absent and missing == "error":
-            raise InputError(f"{len(absent)} image id(s) have no CHAIR ground truth, e.g. {absent[:10]}; "
-                             "check the annotation files (train+val 2014) or pass missing='empty'")
+            raise InputError(
+                f"{len(absent)} image id(s) have no CHAIR ground truth, e.g. {absent[:10]}; "
+                "check the annotation files (train+val 2014) or pass missing='empty'"
+            )
         results = []
         for image_id, caption in items:
             parsed = self.parser.parse(caption)
@@ -791,12 +861,21 @@ class ChairEvaluator:
             hallucinated = tuple(m for m in parsed.mentions if m[1] not in gt)
             idxs = tuple(idx for m, idx in zip(parsed.mentions, parsed.mention_idxs) if m[1] not in gt)
             recalled = tuple(sorted({node for _, node in parsed.mentions if node in gt}))
-            results.append(ChairCaptionResult(image_id, caption, parsed.words, parsed.mentions, hallucinated,
-                                              idxs, tuple(sorted(gt)), recalled))
+            results.append(
+                ChairCaptionResult(
+                    image_id, caption, parsed.words, parsed.mentions, hallucinated, idxs, tuple(sorted(gt)), recalled
+                )
+            )
         return summarize_chair(results)
 
-    def evaluate_file(self, path: str | Path, *, image_id_key: str = "image_id", caption_key: str = "caption",
-                      missing: Literal["error", "empty"] = "error") -> ChairResult:
+    def evaluate_file(
+        self,
+        path: str | Path,
+        *,
+        image_id_key: str = "image_id",
+        caption_key: str = "caption",
+        missing: Literal["error", "empty"] = "error",
+    ) -> ChairResult:
         """``evaluate`` on a JSON / JSON Lines caption file (see ``load_captions``)."""
         caps = load_captions(path, image_id_key=image_id_key, caption_key=caption_key)
         return self.evaluate(caps, missing=missing)
@@ -817,7 +896,13 @@ def summarize_chair(captions: Sequence[ChairCaptionResult]) -> ChairResult:
         chair_i=_div(n_hall, n_mentions, "chair_i", "no object mentions", notes),
         recall=_div(n_rec, n_gt, "recall", "no ground-truth objects", notes),
         len=_div(n_words, n, "len", "no captions", notes),
-        n=n, n_mentions=n_mentions, n_hallucinated=n_hall, n_hallucinated_captions=n_hall_caps,
-        n_gt_objects=n_gt, n_recalled=n_rec, n_words=n_words, captions=tuple(captions),
+        n=n,
+        n_mentions=n_mentions,
+        n_hallucinated=n_hall,
+        n_hallucinated_captions=n_hall_caps,
+        n_gt_objects=n_gt,
+        n_recalled=n_rec,
+        n_words=n_words,
+        captions=tuple(captions),
         notes=tuple(dict.fromkeys(notes)),
     )

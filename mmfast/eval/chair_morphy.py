@@ -50,8 +50,10 @@ class MorphyLemmatizer:
             raise ValueError(f"not an mmfast WordNet morphy table ({FORMAT}, version {VERSION})")
         try:
             rules = {p: tuple((str(old), str(new)) for old, new in doc["rules"][p]) for p in POS}
-            exceptions = {p: {str(form): tuple(str(b) for b in bases)
-                              for form, bases in doc["exceptions"][p].items()} for p in POS}
+            exceptions = {
+                p: {str(form): tuple(str(b) for b in bases) for form, bases in doc["exceptions"][p].items()}
+                for p in POS
+            }
             names = {p: frozenset(str(n) for n in doc["lemma_names"][p]) for p in POS}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed WordNet morphy table ({exc!r})") from exc
@@ -65,7 +67,7 @@ class MorphyLemmatizer:
             raise ValueError(f"WordNet POS must be one of {POS}, got {pos!r}")
         bases: Sequence[str] | None = self.exceptions[pos].get(form)
         if bases is None:
-            bases = [form[:-len(old)] + new for old, new in self.rules[pos] if form.endswith(old)]
+            bases = [form[: -len(old)] + new for old, new in self.rules[pos] if form.endswith(old)]
         names = self.names[pos]
         return list(dict.fromkeys(f for f in (form, *bases) if f in names))  # first occurrences, in order
 

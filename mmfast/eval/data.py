@@ -75,8 +75,11 @@ def ensure_world(root: Path, seed: int) -> Path:
         logger.info("generating the evaluation world (seed %d) in %s", seed, root)
         write_world(root, seed=seed, n_train=0, progress=sys.stderr.isatty())
     elif not pope_versions_present(root):
-        logger.warning("the world in %s predates the official POPE files (its world_pope_*.json are version v1); "
-                       "writing every POPE version (images and annotations kept)", root)
+        logger.warning(
+            "the world in %s predates the official POPE files (its world_pope_*.json are version v1); "
+            "writing every POPE version (images and annotations kept)",
+            root,
+        )
         try:
             upgrade_pope(root)
         except ValueError as exc:
@@ -114,7 +117,9 @@ def resolve_data(cfg: EvalConfig, tasks: Sequence[str]) -> EvalData:
     if "images" in needs:
         needed.append((image_dir, _COCO_HELP["images"] if data.dataset == "coco" else world_help))
     if "annotations" in needs:
-        needed += [(p, _COCO_HELP["annotations"] if data.dataset == "coco" else world_help) for p in instances + captions]
+        needed += [
+            (p, _COCO_HELP["annotations"] if data.dataset == "coco" else world_help) for p in instances + captions
+        ]
     task_files: dict[str, dict[str, Path]] = {}
     for name, cls in classes.items():
         task_files[name] = {k: Path(p) for k, p in cls.required_files(cfg, shared).items()}

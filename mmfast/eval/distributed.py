@@ -129,8 +129,10 @@ def launch_data_parallel(recipe, *, limit: int | None, out: Path, num_processes:
         base = dict(
             os.environ,
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-            WORLD_SIZE=str(num_processes), LOCAL_WORLD_SIZE=str(num_processes),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            WORLD_SIZE=str(num_processes),
+            LOCAL_WORLD_SIZE=str(num_processes),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
             **{PARENT_ENV: str(os.getpid()), rundir.LOCK_OWNER_ENV: str(os.getpid())},
         )
         logger.info("launching %d processes: %s", num_processes, " ".join(cmd))
@@ -148,9 +150,13 @@ def launch_data_parallel(recipe, *, limit: int | None, out: Path, num_processes:
         rank, code = first_failed, codes[first_failed]
         where = f"finished samples are kept per shard in {out}; fix the cause (the worker's message is above) and rerun to resume"
         if code == 3:
-            raise RunAbortedError(f"data-parallel evaluation stopped: too many samples failed in process {rank}; {where}")
-        raise WorkerError(f"data-parallel evaluation failed: process {rank} exited with {code}; {where}",
-                          exit_code=2 if code == 2 else 1)
+            raise RunAbortedError(
+                f"data-parallel evaluation stopped: too many samples failed in process {rank}; {where}"
+            )
+        raise WorkerError(
+            f"data-parallel evaluation failed: process {rank} exited with {code}; {where}",
+            exit_code=2 if code == 2 else 1,
+        )
     return json.loads((out / rundir.SUMMARY_JSON).read_text())
 
 
@@ -226,7 +232,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def gather_and_finish(recipe, out: Path, plan, mm, elapsed: float, finish: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+def gather_and_finish(
+    recipe, out: Path, plan, mm, elapsed: float, finish: Callable[..., dict[str, Any]]
+) -> dict[str, Any]:
     """Barrier, then the main process merges the shards in plan order and writes the summary with
     ``finish(recipe, out, plan, store, mm, elapsed)`` (the runner's: passed in, so this module
     imports no runner)."""

@@ -49,7 +49,7 @@ def weights_fingerprint(model) -> str:
                 continue
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes, any dtype
             for start in range(0, raw.numel(), _FINGERPRINT_CHUNK):
-                h.update(raw[start:start + _FINGERPRINT_CHUNK].cpu().numpy().tobytes())
+                h.update(raw[start : start + _FINGERPRINT_CHUNK].cpu().numpy().tobytes())
     digest = h.hexdigest()[:16]
     _FINGERPRINTS[id(model)] = (key, digest)
     return digest

@@ -52,7 +52,7 @@ _CHUNK = 1000  # replicates drawn per block (bounds the [block, units] weight ma
 METHODS = {
     "wilson": "Wilson score interval (binomial proportion), z = 1.96; also the fallback where every bootstrap replicate is equal",
     "bootstrap": f"percentile bootstrap, {RESAMPLES} resamples, numpy default_rng(seed {SEED}); "
-                 "POPE resamples images jointly across splits, CHAIR resamples captions",
+    "POPE resamples images jointly across splits, CHAIR resamples captions",
 }
 """How each interval is computed, as a summary's protocol records it."""
 
@@ -95,7 +95,9 @@ def _percentile(stats: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def _bootstrap_or(estimate: float, reps: np.ndarray, n: int, fallback: Callable[[], tuple[float, float]] | None) -> Interval:
+def _bootstrap_or(
+    estimate: float, reps: np.ndarray, n: int, fallback: Callable[[], tuple[float, float]] | None
+) -> Interval:
     """The percentile interval of ``reps`` [R]; where every replicate is equal (no spread: 6 of 6
     right gives [1, 1]) and a ``fallback`` exists, its Wilson interval instead."""
     if fallback is not None and np.ptp(reps) == 0:
@@ -158,7 +160,9 @@ def _counts(codes: np.ndarray) -> np.ndarray:
     return np.bincount(codes, minlength=len(POPE_CELLS))
 
 
-def _unit_keys(splits: Sequence[str], sizes: Mapping[str, int], units_by_split: Mapping[str, Sequence[Any] | None] | None) -> tuple[dict[str, np.ndarray], int]:
+def _unit_keys(
+    splits: Sequence[str], sizes: Mapping[str, int], units_by_split: Mapping[str, Sequence[Any] | None] | None
+) -> tuple[dict[str, np.ndarray], int]:
     """Each question's unit index, by split, and the number of units: its image where the split
     has image names (shared across splits), else the question itself."""
     index: dict[Any, int] = {}
@@ -212,13 +216,23 @@ class PopeIntervals:
     def as_dict(self) -> dict[str, Any]:
         """``{"<split>": {...}, "mean_f1_ci95", "mean_accuracy_ci95", "n", "n_units"}`` (merged into the summary)."""
         out: dict[str, Any] = {name: s.as_dict() for name, s in self.splits.items()}
-        out.update(mean_f1_ci95=self.mean_f1.as_list(), mean_accuracy_ci95=self.mean_accuracy.as_list(), n=self.n,
-                   n_units=self.n_units, ci_method=CI_METHOD)
+        out.update(
+            mean_f1_ci95=self.mean_f1.as_list(),
+            mean_accuracy_ci95=self.mean_accuracy.as_list(),
+            n=self.n,
+            n_units=self.n_units,
+            ci_method=CI_METHOD,
+        )
         return out
 
 
-def pope_intervals(cells_by_split: Mapping[str, Sequence[str]], units_by_split: Mapping[str, Sequence[Any] | None] | None = None, *,
-                   resamples: int = RESAMPLES, seed: int = SEED) -> PopeIntervals:
+def pope_intervals(
+    cells_by_split: Mapping[str, Sequence[str]],
+    units_by_split: Mapping[str, Sequence[Any] | None] | None = None,
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+) -> PopeIntervals:
     """Intervals from every question's confusion cell (``tp fp tn fn unscored``), by split.
 
     ``units_by_split[s][j]`` names question ``j``'s image (the resampled unit, shared across
@@ -253,15 +267,23 @@ def pope_intervals(cells_by_split: Mapping[str, Sequence[str]], units_by_split: 
     total = sum(s.n for s in splits.values())
     pooled = sum((_counts(c) for c in codes.values()), np.zeros(len(POPE_CELLS), dtype=np.int64))
     tp, fp, tn, fn, _ = (int(x) for x in pooled)
-    mean_f1 = _bootstrap_or(math.fsum(f1_points) / len(f1_points), f1_reps.mean(axis=1), total, lambda: _f1_wilson(tp, fp, fn))
-    mean_acc = _bootstrap_or(math.fsum(acc_points) / len(acc_points), acc_reps.mean(axis=1), total,
-                             lambda: wilson(tp + tn, total).as_list())
+    mean_f1 = _bootstrap_or(
+        math.fsum(f1_points) / len(f1_points), f1_reps.mean(axis=1), total, lambda: _f1_wilson(tp, fp, fn)
+    )
+    mean_acc = _bootstrap_or(
+        math.fsum(acc_points) / len(acc_points), acc_reps.mean(axis=1), total, lambda: wilson(tp + tn, total).as_list()
+    )
     return PopeIntervals(splits, mean_f1, mean_acc, n_units)
 
 
-def paired_mean_f1_difference(a_by_split: Mapping[str, Sequence[str]], b_by_split: Mapping[str, Sequence[str]],
-                              units_by_split: Mapping[str, Sequence[Any] | None] | None = None, *,
-                              resamples: int = RESAMPLES, seed: int = SEED) -> Interval:
+def paired_mean_f1_difference(
+    a_by_split: Mapping[str, Sequence[str]],
+    b_by_split: Mapping[str, Sequence[str]],
+    units_by_split: Mapping[str, Sequence[Any] | None] | None = None,
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+) -> Interval:
     """POPE mean F1 of ``a`` minus that of ``b`` on the same questions, with a paired bootstrap interval.
 
     ``a_by_split[s][j]`` and ``b_by_split[s][j]`` are the confusion cells of the same question ``j``
@@ -277,13 +299,17 @@ def paired_mean_f1_difference(a_by_split: Mapping[str, Sequence[str]], b_by_spli
     b = {s: _cell_codes(b_by_split[s]) for s in names}
     for s in names:
         if len(a[s]) != len(b[s]) or len(a[s]) == 0:
-            raise ValueError(f"POPE split {s!r}: {len(a[s])} and {len(b[s])} questions; a paired difference needs the same non-empty set")
+            raise ValueError(
+                f"POPE split {s!r}: {len(a[s])} and {len(b[s])} questions; a paired difference needs the same non-empty set"
+            )
     units, n_units = _unit_keys(names, {s: len(a[s]) for s in names}, units_by_split)
-    both = np.stack([_unit_cell_counts(a, units, n_units), _unit_cell_counts(b, units, n_units)], axis=1)  # [U, 2, S, 5]
+    both = np.stack(
+        [_unit_cell_counts(a, units, n_units), _unit_cell_counts(b, units, n_units)], axis=1
+    )  # [U, 2, S, 5]
     reps = _resample_sums(both, _rng(seed), resamples)  # [R, 2, S, 5]
     f1 = _f1_from_counts(reps[..., 0], reps[..., 1], reps[..., 3]).mean(axis=-1)  # [R, 2]
     points = [_f1_from_counts(*(np.array(_counts(x[s])[k]) for k in (0, 1, 3))) for x in (a, b) for s in names]
-    estimate = (math.fsum(map(float, points[:len(names)])) - math.fsum(map(float, points[len(names):]))) / len(names)
+    estimate = (math.fsum(map(float, points[: len(names)])) - math.fsum(map(float, points[len(names) :]))) / len(names)
     return Interval(estimate, *_percentile(f1[:, 0] - f1[:, 1]), sum(len(a[s]) for s in names), "bootstrap")
 
 
@@ -305,7 +331,7 @@ def paired_pope_cells(a: Iterable[Mapping[str, Any]], b: Iterable[Mapping[str, A
     out = PairedPope({}, {}, {})
     recs: dict[str, list[Mapping[str, Any]]] = {}
     for doc in common:
-        split = by_a[doc]["task"][len("pope_"):]
+        split = by_a[doc]["task"][len("pope_") :]
         out.a.setdefault(split, []).extend(pope_cells([by_a[doc]], mode))
         out.b.setdefault(split, []).extend(pope_cells([by_b[doc]], mode))
         recs.setdefault(split, []).append(by_a[doc])
@@ -344,12 +370,19 @@ class ChairIntervals:
 
     def as_dict(self) -> dict[str, Any]:
         """The keys added next to CHAIR's metrics."""
-        return {"chair_s_ci95": self.chair_s.as_list(), "chair_i_ci95": self.chair_i.as_list(),
-                "recall_ci95": self.recall.as_list(), "n_mentions": self.n_mentions, "n_gt_objects": self.n_gt_objects,
-                "ci_method": CI_METHOD}
+        return {
+            "chair_s_ci95": self.chair_s.as_list(),
+            "chair_i_ci95": self.chair_i.as_list(),
+            "recall_ci95": self.recall.as_list(),
+            "n_mentions": self.n_mentions,
+            "n_gt_objects": self.n_gt_objects,
+            "ci_method": CI_METHOD,
+        }
 
 
-def chair_intervals(captions: Sequence[CaptionCounts], *, resamples: int = RESAMPLES, seed: int = SEED) -> ChairIntervals:
+def chair_intervals(
+    captions: Sequence[CaptionCounts], *, resamples: int = RESAMPLES, seed: int = SEED
+) -> ChairIntervals:
     """Intervals from every caption's counts; CHAIR_i and recall from the same resampled captions."""
     n = len(captions)
     if n == 0:
@@ -361,18 +394,24 @@ def chair_intervals(captions: Sequence[CaptionCounts], *, resamples: int = RESAM
     sums = _resample_sums(np.stack([hall, mentions, rec, gt], axis=1), _rng(seed), resamples)  # [R, 4]
     n_h, n_m, n_r, n_gt = int(hall.sum()), int(mentions.sum()), int(rec.sum()), int(gt.sum())
     return ChairIntervals(
-        n=n, n_mentions=n_m, n_gt_objects=n_gt,
+        n=n,
+        n_mentions=n_m,
+        n_gt_objects=n_gt,
         chair_s=wilson(int((hall > 0).sum()), n),
-        chair_i=_bootstrap_or(n_h / n_m if n_m else 0.0, _safe_ratio(sums[:, 0], sums[:, 1]), n,
-                              lambda: wilson(n_h, n_m).as_list()),
-        recall=_bootstrap_or(n_r / n_gt if n_gt else 0.0, _safe_ratio(sums[:, 2], sums[:, 3]), n,
-                             lambda: wilson(n_r, n_gt).as_list()),
+        chair_i=_bootstrap_or(
+            n_h / n_m if n_m else 0.0, _safe_ratio(sums[:, 0], sums[:, 1]), n, lambda: wilson(n_h, n_m).as_list()
+        ),
+        recall=_bootstrap_or(
+            n_r / n_gt if n_gt else 0.0, _safe_ratio(sums[:, 2], sums[:, 3]), n, lambda: wilson(n_r, n_gt).as_list()
+        ),
     )
 
 
 def caption_counts(result: Any) -> list[CaptionCounts]:
     """Per-caption counts of a :class:`mmfast.eval.chair.ChairResult` (its ``captions``)."""
-    return [CaptionCounts(len(c.mentions), len(c.hallucinated), len(c.gt_objects), len(c.recalled)) for c in result.captions]
+    return [
+        CaptionCounts(len(c.mentions), len(c.hallucinated), len(c.gt_objects), len(c.recalled)) for c in result.captions
+    ]
 
 
 def pope_cells(records: Iterable[Mapping[str, Any]], mode: str) -> list[str]:
@@ -446,12 +485,24 @@ def run_intervals(run: Path, summary: Mapping[str, Any] | None = None, *, chair_
         summary = json.loads((run / "summary.json").read_text())
     metrics = summary.get("metrics", {})
     pope_m, chair_m = metrics.get("pope") or {}, metrics.get("chair") or {}
-    pope = {k: v for k, v in pope_m.items() if k.endswith("_ci95") or k in ("n", "n_units", "ci_method")} if _has_pope_ci(pope_m) else None
+    pope = (
+        {k: v for k, v in pope_m.items() if k.endswith("_ci95") or k in ("n", "n_units", "ci_method")}
+        if _has_pope_ci(pope_m)
+        else None
+    )
     if pope is not None:
         for split, v in pope_m.items():
             if isinstance(v, dict):
                 pope[split] = {k: x for k, x in v.items() if k.endswith("_ci95")}
-    chair = {k: v for k, v in chair_m.items() if k.endswith("_ci95") or k in ("n", "n_mentions", "n_gt_objects", "ci_method")} if _has_chair_ci(chair_m) else None
+    chair = (
+        {
+            k: v
+            for k, v in chair_m.items()
+            if k.endswith("_ci95") or k in ("n", "n_mentions", "n_gt_objects", "ci_method")
+        }
+        if _has_chair_ci(chair_m)
+        else None
+    )
     notes: list[str] = []
     need_pope, need_chair = pope_m and pope is None, chair_m and chair is None
     if not (need_pope or need_chair):
@@ -474,20 +525,28 @@ def run_intervals(run: Path, summary: Mapping[str, Any] | None = None, *, chair_
     return RunIntervals(pope, chair, tuple(notes))
 
 
-def _pope_from_records(records: list[dict[str, Any]], recorded: Mapping[str, Any], proto: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+def _pope_from_records(
+    records: list[dict[str, Any]], recorded: Mapping[str, Any], proto: Mapping[str, Any]
+) -> tuple[dict[str, Any] | None, str | None]:
     mode = proto.get("parser", "pope")
     splits = [s for s in recorded if isinstance(recorded[s], dict)]
     by_split = {s: [r for r in records if r.get("task") == f"pope_{s}"] for s in splits}
     if not splits or any(not v for v in by_split.values()):
         return None, "POPE records missing for some split; no POPE intervals"
-    iv = pope_intervals({s: pope_cells(rs, mode) for s, rs in by_split.items()}, {s: pope_units(rs) for s, rs in by_split.items()})
+    iv = pope_intervals(
+        {s: pope_cells(rs, mode) for s, rs in by_split.items()}, {s: pope_units(rs) for s, rs in by_split.items()}
+    )
     if not math.isclose(iv.mean_f1.estimate, recorded.get("mean_f1", float("nan")), abs_tol=1e-9):
-        return None, (f"POPE mean F1 from the records ({iv.mean_f1.estimate:.6f}) differs from the summary's "
-                      f"({recorded.get('mean_f1')}); no POPE intervals")
+        return None, (
+            f"POPE mean F1 from the records ({iv.mean_f1.estimate:.6f}) differs from the summary's "
+            f"({recorded.get('mean_f1')}); no POPE intervals"
+        )
     return iv.as_dict(), None
 
 
-def _chair_from_records(records: list[dict[str, Any]], recorded: Mapping[str, Any], summary: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+def _chair_from_records(
+    records: list[dict[str, Any]], recorded: Mapping[str, Any], summary: Mapping[str, Any]
+) -> tuple[dict[str, Any] | None, str | None]:
     caps = [{"image_id": r["target"], "caption": r["resps"][0][0]} for r in records if r.get("task") == "chair"]
     if not caps:
         return None, "no CHAIR records; no CHAIR intervals"
@@ -497,9 +556,13 @@ def _chair_from_records(records: list[dict[str, Any]], recorded: Mapping[str, An
     except Exception as exc:  # noqa: BLE001 - data moved, NLTK missing, ...: the table says why
         return None, f"CHAIR not re-scored ({type(exc).__name__}: {exc}); no CHAIR intervals"
     iv = chair_intervals(caption_counts(result))
-    if not math.isclose(iv.chair_i.estimate, recorded.get("chair_i", float("nan")), abs_tol=1e-9) or iv.n != recorded.get("n"):
-        return None, (f"CHAIR re-scored from the records (CHAIR_i {iv.chair_i.estimate:.6f}, n {iv.n}) differs from the summary's "
-                      f"(CHAIR_i {recorded.get('chair_i')}, n {recorded.get('n')}); no CHAIR intervals")
+    if not math.isclose(
+        iv.chair_i.estimate, recorded.get("chair_i", float("nan")), abs_tol=1e-9
+    ) or iv.n != recorded.get("n"):
+        return None, (
+            f"CHAIR re-scored from the records (CHAIR_i {iv.chair_i.estimate:.6f}, n {iv.n}) differs from the summary's "
+            f"(CHAIR_i {recorded.get('chair_i')}, n {recorded.get('n')}); no CHAIR intervals"
+        )
     return {"n": iv.n, **iv.as_dict()}, None
 
 
@@ -519,5 +582,7 @@ def _chair_evaluator(summary: Mapping[str, Any]) -> Any:
     key = json.dumps(recipe_dict.get("eval", {}).get("data", {}), sort_keys=True)
     if key not in _EVALUATORS:
         data = resolve_data(cfg, ["chair"])
-        _EVALUATORS[key] = ChairEvaluator.from_coco(list(data.instances), list(data.captions), cache_dir=cache_root() / "chair")
+        _EVALUATORS[key] = ChairEvaluator.from_coco(
+            list(data.instances), list(data.captions), cache_dir=cache_root() / "chair"
+        )
     return _EVALUATORS[key]

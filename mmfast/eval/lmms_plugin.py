@@ -187,8 +187,12 @@ class MMFast(_LMMBase):
 
         self.batch_size_per_gpu = _batch_size(batch_size)
         if max_batch_size is not None:
-            logger.warning("max_batch_size=%s is ignored: it applies to batch_size=auto, which mmfast does not "
-                           "implement; batch_size=%d is used", max_batch_size, self.batch_size_per_gpu)
+            logger.warning(
+                "max_batch_size=%s is ignored: it applies to batch_size=auto, which mmfast does not "
+                "implement; batch_size=%d is used",
+                max_batch_size,
+                self.batch_size_per_gpu,
+            )
         edits = recipe_overrides(overrides)
         if pretrained is not None:
             edits.append(f"model.name={json.dumps(str(pretrained))}")
@@ -243,7 +247,9 @@ class MMFast(_LMMBase):
         try:
             return self.task_dict[task][split][doc_id]
         except (KeyError, IndexError, TypeError):
-            raise InputError(f"request for doc {doc_id!r} of {task}/{split}, which lmms-eval's task_dict does not hold") from None
+            raise InputError(
+                f"request for doc {doc_id!r} of {task}/{split}, which lmms-eval's task_dict does not hold"
+            ) from None
 
     def _visuals(self, request) -> list:
         _, _, doc_to_visual, doc_id, task, split = request.args[:6]
@@ -266,10 +272,17 @@ class MMFast(_LMMBase):
             raise InputError(f"task {task}: gen_kwargs until={until!r} must be a string or a list of strings")
         ignored = sorted(k for k in gk if k not in GENERATION_KEYS)
         if ignored:
-            self._warn_once(f"ignored:{task}:{ignored}", "task %s: generation settings %s are not implemented by mmfast "
-                            "and are ignored", task, ", ".join(f"{k}={gk[k]!r}" for k in ignored))
-        args = parse_generation_args({k: v for k, v in gk.items() if k in GENERATION_KEYS}, strict=False,
-                                     model_generation_config=self.mm.model.generation_config)
+            self._warn_once(
+                f"ignored:{task}:{ignored}",
+                "task %s: generation settings %s are not implemented by mmfast and are ignored",
+                task,
+                ", ".join(f"{k}={gk[k]!r}" for k in ignored),
+            )
+        args = parse_generation_args(
+            {k: v for k, v in gk.items() if k in GENERATION_KEYS},
+            strict=False,
+            model_generation_config=self.mm.model.generation_config,
+        )
         recipe_dec = self.recipe.decoding
         max_new = args.max_new_tokens or recipe_dec.max_new_tokens
         if args.decoding is None or recipe_dec.method == "greedy":
@@ -281,7 +294,9 @@ class MMFast(_LMMBase):
                     f"decoder:{task}:{asked.method}:{asked.params!r}",
                     "task %s asks for %s decoding (%s); the recipe's decoder %r is kept (it defines its own token "
                     "rule); use a recipe with the default greedy decoder to follow the task",
-                    task, asked.method, ", ".join(f"{k}={v!r}" for k, v in gk.items() if k != "max_new_tokens"),
+                    task,
+                    asked.method,
+                    ", ".join(f"{k}={v!r}" for k, v in gk.items() if k != "max_new_tokens"),
                     recipe_dec.method,
                 )
             decoder = self.session.decoder
@@ -320,8 +335,16 @@ class MMFast(_LMMBase):
         if n:
             new = self.token_counts.new_tokens - counts_before[1]
             vis = self.token_counts.vision_tokens - counts_before[2]
-            logger.info("rank %d generate_until: %d requests, %d new tokens (%.1f per answer), %.1f vision tokens per "
-                        "request at the LLM input, %.1fs", self.rank, n, new, new / n, vis / n, time.perf_counter() - t0)
+            logger.info(
+                "rank %d generate_until: %d requests, %d new tokens (%.1f per answer), %.1f vision tokens per "
+                "request at the LLM input, %.1fs",
+                self.rank,
+                n,
+                new,
+                new / n,
+                vis / n,
+                time.perf_counter() - t0,
+            )
         return out
 
     def _answer(self, chunk: Sequence[Any], plan: _Plan) -> list[tuple[str, int]]:
@@ -384,4 +407,3 @@ def _batch_size(value: int | str) -> int:
             "do not depend on it, so pick what fits the GPU"
         )
     return int(text)
-

@@ -65,7 +65,9 @@ def write_lmms_task(recipe: Any, output: str | Path | None = None, name: str | N
     data = resolve_data(cfg, ["pope"])
     name = name or f"mmfast_{data.dataset}_pope"
     if not name.replace("_", "").isalnum():
-        raise InputError(f"task name {name!r}: use letters, digits and underscores (it becomes lmms-eval's --tasks name)")
+        raise InputError(
+            f"task name {name!r}: use letters, digits and underscores (it becomes lmms-eval's --tasks name)"
+        )
     out = Path(output).expanduser() if output is not None else default_output(name)
     (out / "data").mkdir(parents=True, exist_ok=True)
     pre, post = pope.prompt.split("{question}", 1)
@@ -74,8 +76,16 @@ def write_lmms_task(recipe: Any, output: str | Path | None = None, name: str | N
     for split, path in PopeTask.required_files(cfg, data).items():
         questions = load_pope_questions(path, strict=pope.strict_version)
         lines = [
-            json.dumps({"question_id": q.question_id, "image": str((data.image_dir / q.image).resolve()),
-                        "question": q.text, "answer": q.label, "split": split, "parser": pope.parser})
+            json.dumps(
+                {
+                    "question_id": q.question_id,
+                    "image": str((data.image_dir / q.image).resolve()),
+                    "question": q.text,
+                    "answer": q.label,
+                    "split": split,
+                    "parser": pope.parser,
+                }
+            )
             for q in questions
         ]
         jsonl = (out / "data" / f"{split}.jsonl").resolve()
@@ -128,8 +138,7 @@ def _group_yaml(group: str, tasks: Sequence[str]) -> str:
     return (
         "# written by `mmfast lmms-task`: the POPE splits, with the unweighted mean over splits\n"
         f"group: {group}\n"
-        "task:\n" + "".join(f"  - {t}\n" for t in tasks) +
-        "aggregate_metric_list:\n"
+        "task:\n" + "".join(f"  - {t}\n" for t in tasks) + "aggregate_metric_list:\n"
         "  - metric: pope_f1\n    aggregation: mean\n    weight_by_size: false\n"
         "  - metric: pope_accuracy\n    aggregation: mean\n    weight_by_size: false\n"
         "metadata:\n"

@@ -90,118 +90,323 @@ _C_109 = "109985c74a00a88ba5341f9b0c1d4900f2a1f789"  # 2023-11-16 "Fix spelling 
 _C_9B5 = "9b5410653a70098c433574841a1804b89f573575"  # 2023-10-26 SEEM-based A-OKVQA and GQA
 _C_VCD_COCO = "039af55ecd68005ea767b8579a5766f038a780ad"  # 2023-11-28
 _C_VCD_SEEM = "1bb047819da691320474cc0d2d3dd1c3e247ec4a"  # 2023-11-28
-_OLD_USERS = ("LLaVA-1.5 official eval (commit cited in LLaVA#626)",
-              "OPERA (byte-identical copy in shikiw/OPERA pope_coco/)")
-_VCD_USERS = ("VCD (byte-identical copy)", "DAMRO (byte-identical copy in coder-gx/DAMRO)",
-              "RITUAL (scripts point at VCD's copy)")
-_E3E_NOTE = ("identical to the initial commit 28f884a; random has 2910 questions (1500 yes/1410 no) "
-             "and the 'imange' typo")
+_OLD_USERS = (
+    "LLaVA-1.5 official eval (commit cited in LLaVA#626)",
+    "OPERA (byte-identical copy in shikiw/OPERA pope_coco/)",
+)
+_VCD_USERS = (
+    "VCD (byte-identical copy)",
+    "DAMRO (byte-identical copy in coder-gx/DAMRO)",
+    "RITUAL (scripts point at VCD's copy)",
+)
+_E3E_NOTE = (
+    "identical to the initial commit 28f884a; random has 2910 questions (1500 yes/1410 no) and the 'imange' typo"
+)
 
 
-def _coco(split: str, md5: str, sha256: str, md5_lf: str, commit: str, n_no: int, typos: int,
-          users: tuple[str, ...], note: str, *, repo: str = _POPE, endings: str = "crlf",
-          path: str | None = None) -> KnownPopeFile:
+def _coco(
+    split: str,
+    md5: str,
+    sha256: str,
+    md5_lf: str,
+    commit: str,
+    n_no: int,
+    typos: int,
+    users: tuple[str, ...],
+    note: str,
+    *,
+    repo: str = _POPE,
+    endings: str = "crlf",
+    path: str | None = None,
+) -> KnownPopeFile:
     return KnownPopeFile(
-        md5=md5, sha256=sha256, md5_lf=md5_lf, dataset="coco", split=split, repo=repo,
-        commit=commit, path=path or f"output/coco/coco_pope_{split}.json", n_lines=1500 + n_no,
-        n_yes=1500, n_no=n_no, n_typos=typos, line_endings=endings,  # type: ignore[arg-type]
-        users=users, note=note)
+        md5=md5,
+        sha256=sha256,
+        md5_lf=md5_lf,
+        dataset="coco",
+        split=split,
+        repo=repo,
+        commit=commit,
+        path=path or f"output/coco/coco_pope_{split}.json",
+        n_lines=1500 + n_no,
+        n_yes=1500,
+        n_no=n_no,
+        n_typos=typos,
+        line_endings=endings,  # type: ignore[arg-type]
+        users=users,
+        note=note,
+    )
 
 
 def _seem(dataset: str, split: str, md5: str, sha256: str, *, vcd: bool) -> KnownPopeFile:
     if vcd:
         return KnownPopeFile(
-            md5=md5, sha256=sha256, md5_lf=md5, dataset=dataset, split=split, repo=_VCD,
-            commit=_C_VCD_SEEM, path=f"experiments/data/POPE/{dataset}/{dataset}_pope_{split}.json",
-            n_lines=3000, n_yes=1500, n_no=1500, n_typos=0, line_endings="lf", users=_VCD_USERS,
-            note=f"JSON Lines copy of the same records as RUCAIBox/POPE@{_C_9B5[:7]}")
+            md5=md5,
+            sha256=sha256,
+            md5_lf=md5,
+            dataset=dataset,
+            split=split,
+            repo=_VCD,
+            commit=_C_VCD_SEEM,
+            path=f"experiments/data/POPE/{dataset}/{dataset}_pope_{split}.json",
+            n_lines=3000,
+            n_yes=1500,
+            n_no=1500,
+            n_typos=0,
+            line_endings="lf",
+            users=_VCD_USERS,
+            note=f"JSON Lines copy of the same records as RUCAIBox/POPE@{_C_9B5[:7]}",
+        )
     return KnownPopeFile(
-        md5=md5, sha256=sha256, md5_lf=md5, dataset=dataset, split=split, repo=_POPE, commit=_C_9B5,
-        path=f"output/seem/{dataset}/{dataset}_pope_seem_{split}.json", n_lines=18001, n_yes=1500,
-        n_no=1500, n_typos=0, line_endings="lf", users=(),
-        note="pretty-printed JSON array (SEEM-based objects)")
+        md5=md5,
+        sha256=sha256,
+        md5_lf=md5,
+        dataset=dataset,
+        split=split,
+        repo=_POPE,
+        commit=_C_9B5,
+        path=f"output/seem/{dataset}/{dataset}_pope_seem_{split}.json",
+        n_lines=18001,
+        n_yes=1500,
+        n_no=1500,
+        n_typos=0,
+        line_endings="lf",
+        users=(),
+        note="pretty-printed JSON array (SEEM-based objects)",
+    )
 
 
 #: Every known POPE question file. Computed from the git history of RUCAIBox/POPE and the copies in
 #: DAMO-NLP-SG/VCD, coder-gx/DAMRO and shikiw/OPERA (see docs of ``KnownPopeFile``).
 KNOWN_POPE_FILES: tuple[KnownPopeFile, ...] = (
     # --- RUCAIBox/POPE e3e3926 (== initial 28f884a): LLaVA-1.5 and OPERA --------------------
-    _coco("random", "b635b20061b1262cba65ed5bef7660a2",
-          "c16b65d2df6d70bb0814c8a4375833d39cdb09928fd936d3fc546491efa37f35",
-          "3ff600ad39bace65e90909c89d3602f0", _C_E3E, 1410, 144, _OLD_USERS, _E3E_NOTE),
-    _coco("popular", "8233e15e9bb7587b03a624b38a1cee74",
-          "5b16653023bf4f64d57eb0d168259de6627f5cde7538b85ebed3cc33034aa6cc",
-          "94918b930ef97a756e43b35570e528bf", _C_E3E, 1500, 44, _OLD_USERS, _E3E_NOTE),
-    _coco("adversarial", "b3f9df71709d436462611d7e88ce1447",
-          "1d8f0906a9b50c05640f6f23abfac97523be2a1bed28f7eadc63b811699b2d26",
-          "8901ed64eabb1bb582cd543eb98b6e84", _C_E3E, 1500, 58, _OLD_USERS, _E3E_NOTE),
+    _coco(
+        "random",
+        "b635b20061b1262cba65ed5bef7660a2",
+        "c16b65d2df6d70bb0814c8a4375833d39cdb09928fd936d3fc546491efa37f35",
+        "3ff600ad39bace65e90909c89d3602f0",
+        _C_E3E,
+        1410,
+        144,
+        _OLD_USERS,
+        _E3E_NOTE,
+    ),
+    _coco(
+        "popular",
+        "8233e15e9bb7587b03a624b38a1cee74",
+        "5b16653023bf4f64d57eb0d168259de6627f5cde7538b85ebed3cc33034aa6cc",
+        "94918b930ef97a756e43b35570e528bf",
+        _C_E3E,
+        1500,
+        44,
+        _OLD_USERS,
+        _E3E_NOTE,
+    ),
+    _coco(
+        "adversarial",
+        "b3f9df71709d436462611d7e88ce1447",
+        "1d8f0906a9b50c05640f6f23abfac97523be2a1bed28f7eadc63b811699b2d26",
+        "8901ed64eabb1bb582cd543eb98b6e84",
+        _C_E3E,
+        1500,
+        58,
+        _OLD_USERS,
+        _E3E_NOTE,
+    ),
     # --- RUCAIBox/POPE 7ef3026: short-lived version with image_id, replaced 6 days later ------
-    _coco("random", "d6611531e83a0f13ff2437ae8a0f697c",
-          "cb8dec967727fbee4b9cfadf9ba1ea9968515b12063efd313d0cf8b2b4230c86",
-          "7b40f5f716ee18ef5d23628b2186f9f3", _C_7EF, 1500, 0, (),
-          "has image_id; other images than e3e3926; reverted by e3e3926"),
-    _coco("popular", "294855d4cbd5215a80e7653db6cf71f5",
-          "eafca6ceff32c7bbb5b2845a00c6828ec8cbaf5e04f890d6902dc46b92f96076",
-          "04224876ad174055afce20b6280d8a53", _C_7EF, 1500, 0, (),
-          "has image_id; other images than e3e3926; reverted by e3e3926"),
-    _coco("adversarial", "a44d2b8249f92d287335469afe9bdda3",
-          "412efc6fe25eb2604f2386d536bcf713dc88327cb20c36489b1f689f89617d04",
-          "e2230daecf59910a35346acde1fcd4e7", _C_7EF, 1500, 0, (),
-          "has image_id; other images than e3e3926; reverted by e3e3926"),
+    _coco(
+        "random",
+        "d6611531e83a0f13ff2437ae8a0f697c",
+        "cb8dec967727fbee4b9cfadf9ba1ea9968515b12063efd313d0cf8b2b4230c86",
+        "7b40f5f716ee18ef5d23628b2186f9f3",
+        _C_7EF,
+        1500,
+        0,
+        (),
+        "has image_id; other images than e3e3926; reverted by e3e3926",
+    ),
+    _coco(
+        "popular",
+        "294855d4cbd5215a80e7653db6cf71f5",
+        "eafca6ceff32c7bbb5b2845a00c6828ec8cbaf5e04f890d6902dc46b92f96076",
+        "04224876ad174055afce20b6280d8a53",
+        _C_7EF,
+        1500,
+        0,
+        (),
+        "has image_id; other images than e3e3926; reverted by e3e3926",
+    ),
+    _coco(
+        "adversarial",
+        "a44d2b8249f92d287335469afe9bdda3",
+        "412efc6fe25eb2604f2386d536bcf713dc88327cb20c36489b1f689f89617d04",
+        "e2230daecf59910a35346acde1fcd4e7",
+        _C_7EF,
+        1500,
+        0,
+        (),
+        "has image_id; other images than e3e3926; reverted by e3e3926",
+    ),
     # --- RUCAIBox/POPE edebdda (random/popular unchanged at 109985c = HEAD) -------------------
-    _coco("random", "dc9b6c41ad832c48da758cfa85b37d2c",
-          "ac25245170b975a5bdf9080b23fd431dfe6be458bc038259c1f4f09a6bef7994",
-          "dc9b6c41ad832c48da758cfa85b37d2c", _C_EDE, 1500, 0, _VCD_USERS,
-          "unchanged through 109985c (HEAD); VCD and DAMRO ship byte-identical copies",
-          endings="lf"),
-    _coco("popular", "64902313fb995e09fa478de9741910d7",
-          "72c1a8ad45d0c13514f5f22598261df41d3b533854d29682e924db50ed8aa753",
-          "196378cf4eed618c51a814dba75ba410", _C_EDE, 1500, 0, (),
-          "unchanged through 109985c (HEAD); VCD/DAMRO ship this content with LF endings"),
-    _coco("adversarial", "d7e0cec9b2ea24bed9614eec4b28a50f",
-          "207273ac3b7fdd04df206c6809b77a4e7f60360a730ade6b7e32804e8dd5602f",
-          "18fb002e51fc2fb8bff4ccd4469661b2", _C_EDE, 1500, 57, (),
-          "57 'imange' typos left; VCD/DAMRO ship this content with LF endings"),
-    _coco("adversarial", "3b1a278f8d61acd21b27020d0af817cb",
-          "420b3407db1fa9f1187a805dca41cb7b97fd91504e6c2179706188c107fb8ef8",
-          "c8578669d91c5e1216c483a55f019f24", _C_109, 1500, 0, (),
-          "all typos fixed (HEAD)"),
+    _coco(
+        "random",
+        "dc9b6c41ad832c48da758cfa85b37d2c",
+        "ac25245170b975a5bdf9080b23fd431dfe6be458bc038259c1f4f09a6bef7994",
+        "dc9b6c41ad832c48da758cfa85b37d2c",
+        _C_EDE,
+        1500,
+        0,
+        _VCD_USERS,
+        "unchanged through 109985c (HEAD); VCD and DAMRO ship byte-identical copies",
+        endings="lf",
+    ),
+    _coco(
+        "popular",
+        "64902313fb995e09fa478de9741910d7",
+        "72c1a8ad45d0c13514f5f22598261df41d3b533854d29682e924db50ed8aa753",
+        "196378cf4eed618c51a814dba75ba410",
+        _C_EDE,
+        1500,
+        0,
+        (),
+        "unchanged through 109985c (HEAD); VCD/DAMRO ship this content with LF endings",
+    ),
+    _coco(
+        "adversarial",
+        "d7e0cec9b2ea24bed9614eec4b28a50f",
+        "207273ac3b7fdd04df206c6809b77a4e7f60360a730ade6b7e32804e8dd5602f",
+        "18fb002e51fc2fb8bff4ccd4469661b2",
+        _C_EDE,
+        1500,
+        57,
+        (),
+        "57 'imange' typos left; VCD/DAMRO ship this content with LF endings",
+    ),
+    _coco(
+        "adversarial",
+        "3b1a278f8d61acd21b27020d0af817cb",
+        "420b3407db1fa9f1187a805dca41cb7b97fd91504e6c2179706188c107fb8ef8",
+        "c8578669d91c5e1216c483a55f019f24",
+        _C_109,
+        1500,
+        0,
+        (),
+        "all typos fixed (HEAD)",
+    ),
     # --- DAMO-NLP-SG/VCD LF copies of edebdda popular/adversarial (also in coder-gx/DAMRO) ---
-    _coco("popular", "196378cf4eed618c51a814dba75ba410",
-          "fa3a986eb3d586ceb527371112ad7170f398835cbe0a3f08a7e888771dbd8bd6",
-          "196378cf4eed618c51a814dba75ba410", _C_VCD_COCO, 1500, 0, _VCD_USERS,
-          f"LF copy of RUCAIBox/POPE@{_C_EDE[:7]}", repo=_VCD, endings="lf",
-          path="experiments/data/POPE/coco/coco_pope_popular.json"),
-    _coco("adversarial", "18fb002e51fc2fb8bff4ccd4469661b2",
-          "185d7eb49958c882f15d46c51d5c0456fbd5efbf24c57ff8b7adc6648870c6ac",
-          "18fb002e51fc2fb8bff4ccd4469661b2", _C_VCD_COCO, 1500, 57, _VCD_USERS,
-          f"LF copy of RUCAIBox/POPE@{_C_EDE[:7]} (57 typos)", repo=_VCD, endings="lf",
-          path="experiments/data/POPE/coco/coco_pope_adversarial.json"),
+    _coco(
+        "popular",
+        "196378cf4eed618c51a814dba75ba410",
+        "fa3a986eb3d586ceb527371112ad7170f398835cbe0a3f08a7e888771dbd8bd6",
+        "196378cf4eed618c51a814dba75ba410",
+        _C_VCD_COCO,
+        1500,
+        0,
+        _VCD_USERS,
+        f"LF copy of RUCAIBox/POPE@{_C_EDE[:7]}",
+        repo=_VCD,
+        endings="lf",
+        path="experiments/data/POPE/coco/coco_pope_popular.json",
+    ),
+    _coco(
+        "adversarial",
+        "18fb002e51fc2fb8bff4ccd4469661b2",
+        "185d7eb49958c882f15d46c51d5c0456fbd5efbf24c57ff8b7adc6648870c6ac",
+        "18fb002e51fc2fb8bff4ccd4469661b2",
+        _C_VCD_COCO,
+        1500,
+        57,
+        _VCD_USERS,
+        f"LF copy of RUCAIBox/POPE@{_C_EDE[:7]} (57 typos)",
+        repo=_VCD,
+        endings="lf",
+        path="experiments/data/POPE/coco/coco_pope_adversarial.json",
+    ),
     # --- SEEM-based A-OKVQA and GQA: RUCAIBox JSON arrays and VCD JSONL copies --------------
-    _seem("aokvqa", "random", "fefaa62a6a849aa5d219c0dfc8fbbdac",
-          "f06eecde6d6ef4a00b95a7bbb510490708a09a6a67d952b59b8bdd33ac2c7200", vcd=False),
-    _seem("aokvqa", "popular", "a2ead7d2a8e19ad7b570f3bcfd1d279a",
-          "2ae5bedee3450cda52f9b033942c7b04a3917a86a110e859a66c1e41934c6ffd", vcd=False),
-    _seem("aokvqa", "adversarial", "93a94c763f52c9108678616e92ce47ac",
-          "2ddd3bdfa0df7a77a2cb1765ed06ac5ed190b5a093aa405b96986e862e8cdac1", vcd=False),
-    _seem("gqa", "random", "fb7febb7630ea7c16870ed744e81815d",
-          "6ce488eade3770185034939fabfe742fa32ed369011c8d9c3ac77bc0c85abd94", vcd=False),
-    _seem("gqa", "popular", "d70bdec01a590524073e371819566c7d",
-          "dd03f06a458dd216e83233160fbf6628af9c63c84b11e99599f4fc0304b3361d", vcd=False),
-    _seem("gqa", "adversarial", "c92e5e77da5ecec97e3f626580d7e8ad",
-          "74e01b41d8308e2392e3b8d961167496ff3901c01100265d931a7a392f138a7a", vcd=False),
-    _seem("aokvqa", "random", "f3096df532efd2d9b6d472a07a67c1f8",
-          "900c244605e8d43626b9579a110e3631e534cddc2aff27fe91e3f080e15d4446", vcd=True),
-    _seem("aokvqa", "popular", "d8ea7a741e0b043cd365c97b4b586a8e",
-          "792d586a875c197362256b25e9252cc97df6fa1dca5aca72a53eba560414d6b7", vcd=True),
-    _seem("aokvqa", "adversarial", "b110000c34a3b768995cfdfb77ae6d98",
-          "87f9acb460fcb690f9120c6d69eb05cfedadab5af5eb385b5201fd48bfc6670c", vcd=True),
-    _seem("gqa", "random", "2d41cf60dde63a52d6d93ba088eb6a93",
-          "1c1117ce33df2eae0d7b04827896caff1f79dac7b99b9e1b0c87a415066cff98", vcd=True),
-    _seem("gqa", "popular", "68eeb1b64295b5900dd970bd9544f113",
-          "e48e138bd61dd3bc4ec35cc8d4357b4dbfc68f0e704283a92217325585a17653", vcd=True),
-    _seem("gqa", "adversarial", "6b7860069bcc85069e91424c72fd8255",
-          "64a3bdeb8d24c02d175eafa5e1b24bc7fd611efa95bb87a031c880e548aef094", vcd=True),
+    _seem(
+        "aokvqa",
+        "random",
+        "fefaa62a6a849aa5d219c0dfc8fbbdac",
+        "f06eecde6d6ef4a00b95a7bbb510490708a09a6a67d952b59b8bdd33ac2c7200",
+        vcd=False,
+    ),
+    _seem(
+        "aokvqa",
+        "popular",
+        "a2ead7d2a8e19ad7b570f3bcfd1d279a",
+        "2ae5bedee3450cda52f9b033942c7b04a3917a86a110e859a66c1e41934c6ffd",
+        vcd=False,
+    ),
+    _seem(
+        "aokvqa",
+        "adversarial",
+        "93a94c763f52c9108678616e92ce47ac",
+        "2ddd3bdfa0df7a77a2cb1765ed06ac5ed190b5a093aa405b96986e862e8cdac1",
+        vcd=False,
+    ),
+    _seem(
+        "gqa",
+        "random",
+        "fb7febb7630ea7c16870ed744e81815d",
+        "6ce488eade3770185034939fabfe742fa32ed369011c8d9c3ac77bc0c85abd94",
+        vcd=False,
+    ),
+    _seem(
+        "gqa",
+        "popular",
+        "d70bdec01a590524073e371819566c7d",
+        "dd03f06a458dd216e83233160fbf6628af9c63c84b11e99599f4fc0304b3361d",
+        vcd=False,
+    ),
+    _seem(
+        "gqa",
+        "adversarial",
+        "c92e5e77da5ecec97e3f626580d7e8ad",
+        "74e01b41d8308e2392e3b8d961167496ff3901c01100265d931a7a392f138a7a",
+        vcd=False,
+    ),
+    _seem(
+        "aokvqa",
+        "random",
+        "f3096df532efd2d9b6d472a07a67c1f8",
+        "900c244605e8d43626b9579a110e3631e534cddc2aff27fe91e3f080e15d4446",
+        vcd=True,
+    ),
+    _seem(
+        "aokvqa",
+        "popular",
+        "d8ea7a741e0b043cd365c97b4b586a8e",
+        "792d586a875c197362256b25e9252cc97df6fa1dca5aca72a53eba560414d6b7",
+        vcd=True,
+    ),
+    _seem(
+        "aokvqa",
+        "adversarial",
+        "b110000c34a3b768995cfdfb77ae6d98",
+        "87f9acb460fcb690f9120c6d69eb05cfedadab5af5eb385b5201fd48bfc6670c",
+        vcd=True,
+    ),
+    _seem(
+        "gqa",
+        "random",
+        "2d41cf60dde63a52d6d93ba088eb6a93",
+        "1c1117ce33df2eae0d7b04827896caff1f79dac7b99b9e1b0c87a415066cff98",
+        vcd=True,
+    ),
+    _seem(
+        "gqa",
+        "popular",
+        "68eeb1b64295b5900dd970bd9544f113",
+        "e48e138bd61dd3bc4ec35cc8d4357b4dbfc68f0e704283a92217325585a17653",
+        vcd=True,
+    ),
+    _seem(
+        "gqa",
+        "adversarial",
+        "6b7860069bcc85069e91424c72fd8255",
+        "64a3bdeb8d24c02d175eafa5e1b24bc7fd611efa95bb87a031c880e548aef094",
+        vcd=True,
+    ),
 )
 
 _BY_MD5: dict[str, KnownPopeFile] = {f.md5: f for f in KNOWN_POPE_FILES}
@@ -240,8 +445,13 @@ def _file_info(path: str | Path, data: bytes) -> PopeFileInfo:
     if known is None:
         known = _BY_MD5_LF.get(hashlib.md5(data.replace(b"\r\n", b"\n")).hexdigest())
         if known is not None:
-            logger.info("%s matches %s/%s@%s only after CRLF->LF normalisation", path,
-                        known.dataset, known.split, known.commit[:7])
+            logger.info(
+                "%s matches %s/%s@%s only after CRLF->LF normalisation",
+                path,
+                known.dataset,
+                known.split,
+                known.commit[:7],
+            )
     return PopeFileInfo(str(path), md5, sha256, known, byte_exact)
 
 
@@ -328,7 +538,7 @@ def _check_label(value: Any, where: str) -> Label:
 
 
 def generated_by_world(path: Path, sha256: str) -> str | None:
-    """"POPE split S of the mmfast world vV, seed N, POPE version P (generated)" when ``path`` is a
+    """ "POPE split S of the mmfast world vV, seed N, POPE version P (generated)" when ``path`` is a
     question file that ``mmfast.world`` wrote (its ``world.json`` two folders up records this very
     checksum), else None."""
     meta = path.parent.parent / "world.json"
@@ -344,8 +554,10 @@ def generated_by_world(path: Path, sha256: str) -> str | None:
     for version, rec in versions.items():
         for split, digest in (rec.get("sha256") or {}).items():
             if digest == sha256:
-                return (f"POPE {split} split of the mmfast world v{world.get('version')}, seed {world.get('seed')}, "
-                        f"POPE version {version} (generated)")
+                return (
+                    f"POPE {split} split of the mmfast world v{world.get('version')}, seed {world.get('seed')}, "
+                    f"POPE version {version} (generated)"
+                )
     return None
 
 
@@ -364,7 +576,8 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
         if strict:
             raise UnknownPopeFileError(
                 f"{p}: md5 {info.md5} is not a known POPE question file; pass strict=False to use "
-                "it anyway (e.g. a locally generated file) and report its sha256")
+                "it anyway (e.g. a locally generated file) and report its sha256"
+            )
         if generated:
             logger.debug("%s: %s", p, generated)
         else:
@@ -379,8 +592,7 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
         where = _where(p, pos, is_array)
         missing = [k for k in _REQUIRED_KEYS if k not in rec]
         if missing:
-            raise PopeFormatError(f"{where}: missing key(s) {missing}; a POPE question needs "
-                                  f"{list(_REQUIRED_KEYS)}")
+            raise PopeFormatError(f"{where}: missing key(s) {missing}; a POPE question needs {list(_REQUIRED_KEYS)}")
         qid = rec["question_id"]
         if isinstance(qid, bool) or not isinstance(qid, (int, str)):
             raise PopeFormatError(f"{where}: question_id must be an int or a string, got {qid!r}")
@@ -394,8 +606,7 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
         image_id = rec.get("image_id")
         if image_id is not None and (isinstance(image_id, bool) or not isinstance(image_id, int)):
             raise PopeFormatError(f"{where}: image_id must be an int, got {image_id!r}")
-        questions.append(PopeQuestion(qid, rec["image"], rec["text"], _check_label(rec["label"], where),
-                                      image_id))
+        questions.append(PopeQuestion(qid, rec["image"], rec["text"], _check_label(rec["label"], where), image_id))
     return questions
 
 
@@ -561,9 +772,20 @@ class PopeMetrics:
         """The split's entry in ``summarize_pope``: accuracy, precision, recall, f1, yes_ratio, n,
         tp, fp, tn, fn, n_unknown, n_unscored."""
         c = self.counts
-        return {"accuracy": self.accuracy, "precision": self.precision, "recall": self.recall,
-                "f1": self.f1, "yes_ratio": self.yes_ratio, "n": self.n, "tp": c.tp, "fp": c.fp,
-                "tn": c.tn, "fn": c.fn, "n_unknown": c.n_unknown, "n_unscored": c.n_unscored}
+        return {
+            "accuracy": self.accuracy,
+            "precision": self.precision,
+            "recall": self.recall,
+            "f1": self.f1,
+            "yes_ratio": self.yes_ratio,
+            "n": self.n,
+            "tp": c.tp,
+            "fp": c.fp,
+            "tn": c.tn,
+            "fn": c.fn,
+            "n_unknown": c.n_unknown,
+            "n_unscored": c.n_unscored,
+        }
 
 
 def _ratio(num: int, den: int, name: str, why: str, notes: list[str]) -> float:
@@ -573,8 +795,7 @@ def _ratio(num: int, den: int, name: str, why: str, notes: list[str]) -> float:
     return num / den
 
 
-def metrics_from_counts(counts: PopeCounts, mode: str = "pope",
-                        unknown_ids: Sequence[int | str] = ()) -> PopeMetrics:
+def metrics_from_counts(counts: PopeCounts, mode: str = "pope", unknown_ids: Sequence[int | str] = ()) -> PopeMetrics:
     """Compute accuracy, precision, recall, F1 and yes-ratio from confusion counts."""
     notes: list[str] = []
     n = counts.n
@@ -588,8 +809,10 @@ def metrics_from_counts(counts: PopeCounts, mode: str = "pope",
         f1 = 2 * prec * rec / (prec + rec)
     yes_ratio = _ratio(counts.n_pred_yes, n, "yes_ratio", "no records", notes)
     if counts.n_unknown:
-        notes.append(f"{counts.n_unknown} of {n} answers had no yes/no word ({mode} rule default used"
-                     + (", left unscored)" if mode == "lmms" else ")"))
+        notes.append(
+            f"{counts.n_unknown} of {n} answers had no yes/no word ({mode} rule default used"
+            + (", left unscored)" if mode == "lmms" else ")")
+        )
     return PopeMetrics(mode, n, acc, prec, rec, f1, yes_ratio, counts, tuple(unknown_ids), tuple(notes))
 
 
@@ -671,8 +894,9 @@ def summarize_pope(per_split: Mapping[str, PopeMetrics]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_pope_answers(path: str | Path, *, answer_key: str = "text",
-                      question_id_key: str = "question_id") -> dict[int | str, str]:
+def load_pope_answers(
+    path: str | Path, *, answer_key: str = "text", question_id_key: str = "question_id"
+) -> dict[int | str, str]:
     """Read model answers (JSON Lines or JSON array) as ``{question_id: answer}``.
 
     Defaults match LLaVA's answer files (``{"question_id", "text", ...}``).
@@ -701,13 +925,20 @@ def join_answers(questions: Sequence[PopeQuestion], answers: Mapping[int | str, 
         raise PopeFormatError(f"{len(missing)} question(s) have no answer, e.g. {missing[:5]}")
     extra = set(answers) - {q.question_id for q in questions}
     if extra:
-        logger.warning("%d answer(s) match no question and are ignored, e.g. %s", len(extra),
-                       sorted(map(str, extra))[:5])
+        logger.warning(
+            "%d answer(s) match no question and are ignored, e.g. %s", len(extra), sorted(map(str, extra))[:5]
+        )
     return [PopeRecord(q.question_id, q.label, answers[q.question_id]) for q in questions]
 
 
-def score_pope_files(questions_path: str | Path, answers_path: str | Path, mode: ParserMode = "pope", *,
-                     answer_key: str = "text", strict: bool = False) -> PopeMetrics:
+def score_pope_files(
+    questions_path: str | Path,
+    answers_path: str | Path,
+    mode: ParserMode = "pope",
+    *,
+    answer_key: str = "text",
+    strict: bool = False,
+) -> PopeMetrics:
     """Load a question file and an answer file, join them by question id and score them."""
     questions = load_pope_questions(questions_path, strict=strict)
     answers = load_pope_answers(answers_path, answer_key=answer_key)

@@ -74,8 +74,17 @@ def check_regular_file(path: Path) -> None:
     except OSError as exc:
         raise InputError(f"{path}: {exc.strerror or exc}; remove it or use another --output") from None
     if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a FIFO (named pipe)"
+            if stat.S_ISFIFO(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file"
+        )
         raise InputError(f"{path} is {kind}, not mmfast's file of that name; move it away or use another --output")
 
 
@@ -137,7 +146,9 @@ class RecordStore:
                 parsed = self._check(parsed) or parsed
             if isinstance(parsed, str):
                 torn = no == len(lines) and not raw.endswith(b"\n")
-                damaged.append(DamagedLine(no, line, parsed + (" (cut short: the last write did not finish)" if torn else "")))
+                damaged.append(
+                    DamagedLine(no, line, parsed + (" (cut short: the last write did not finish)" if torn else ""))
+                )
                 continue
             self.records[parsed["doc_id"]] = parsed
             kept.append(line)
@@ -156,7 +167,9 @@ class RecordStore:
             os.fsync(fh.fileno())
         write_atomic(self.path, b"".join(line + b"\n" for line in kept))
         for d in damaged:
-            logger.warning("%s line %d: %s; moved to %s (the sample will be recomputed)", self.path, d.line_no, d.reason, q)
+            logger.warning(
+                "%s line %d: %s; moved to %s (the sample will be recomputed)", self.path, d.line_no, d.reason, q
+            )
         self.quarantined.extend(damaged)
 
     def done(self, doc_id: str, fingerprint: str | None = None) -> bool:
@@ -192,7 +205,10 @@ class RecordStore:
         extra = self.n_lines - len(self.records)
         if extra <= 0:
             return 0
-        write_atomic(self.path, b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in self.records.values()))
+        write_atomic(
+            self.path,
+            b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in self.records.values()),
+        )
         self.n_lines = len(self.records)
         return extra
 
@@ -210,7 +226,13 @@ def record_problem(rec: dict[str, Any]) -> str | None:
         return f"a record without {', '.join(missing)}"
     if "error" not in rec:
         resps = rec["resps"]
-        if not (isinstance(resps, list) and resps and isinstance(resps[0], list) and resps[0] and isinstance(resps[0][0], str)):
+        if not (
+            isinstance(resps, list)
+            and resps
+            and isinstance(resps[0], list)
+            and resps[0]
+            and isinstance(resps[0][0], str)
+        ):
             return "a record whose resps is not [[answer text]]"
     if not isinstance(rec["meta"], dict) or not isinstance(rec["task"], str):
         return "a record whose meta is not a mapping or whose task is not a string"

@@ -87,7 +87,9 @@ def prepare_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise InputError(f"cannot create output directory {out}: {exc.strerror or exc}; choose another --output") from None
+        raise InputError(
+            f"cannot create output directory {out}: {exc.strerror or exc}; choose another --output"
+        ) from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise InputError(f"output directory {out} is not writable; choose another --output or fix its permissions")
 
@@ -116,7 +118,9 @@ class OutputLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
-                raise InputError(f"cannot create the lock file {self.path}: {exc.strerror or exc}; choose another --output") from None
+                raise InputError(
+                    f"cannot create the lock file {self.path}: {exc.strerror or exc}; choose another --output"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -151,7 +155,11 @@ class OutputLock:
             if info is None:
                 logger.warning("%s: taking over an unreadable lock file left by an earlier run", self.path)
             else:
-                state = "no longer running" if info.host != socket.gethostname() or not _pid_alive(info.pid) else "no longer holding it"
+                state = (
+                    "no longer running"
+                    if info.host != socket.gethostname() or not _pid_alive(info.pid)
+                    else "no longer holding it"
+                )
                 logger.warning("%s: taking over a stale lock of %s (%s)", self.path, info.describe(), state)
         me = LockInfo(os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%dT%H:%M:%S%z"), " ".join(sys.argv))
         os.ftruncate(fd, 0)
@@ -210,14 +218,18 @@ def read_run_json(out: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read {path}: {exc}; delete it (and the results next to it) or use another --output") from None
+        raise InputError(
+            f"cannot read {path}: {exc}; delete it (and the results next to it) or use another --output"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         data = exc
     if not isinstance(data, dict) or not isinstance(data.get("recipe_hash"), str):
-        raise InputError(f"{path} is damaged (not mmfast's run description); "
-                         "delete it (and the results next to it) or use another --output")
+        raise InputError(
+            f"{path} is damaged (not mmfast's run description); "
+            "delete it (and the results next to it) or use another --output"
+        )
     return data
 
 
@@ -261,8 +273,12 @@ def remove_own(out: Path, run: dict[str, Any]) -> None:
             removed.append(name)
     others = sorted(p.name for p in out.iterdir() if p.name not in _IGNORED and p.name != RUN_JSON)
     (out / RUN_JSON).unlink(missing_ok=True)
-    logger.warning("output.overwrite: removed %d file(s) of the earlier run from %s%s", len(removed), out,
-                   f"; kept {len(others)} file(s) mmfast did not write: {', '.join(others[:5])}" if others else "")
+    logger.warning(
+        "output.overwrite: removed %d file(s) of the earlier run from %s%s",
+        len(removed),
+        out,
+        f"; kept {len(others)} file(s) mmfast did not write: {', '.join(others[:5])}" if others else "",
+    )
 
 
 def write_run_json(out: Path, run: dict[str, Any]) -> None:

@@ -74,8 +74,14 @@ def _check_images(plan, max_failures: float, rank: int, world: int) -> None:
             f"fail, more than eval.max_failures={max_failures} allows; fix the data root or the question files"
         )
     if rank == 0:
-        logger.warning("%d image(s) missing (%s): %d of %d samples will fail (within eval.max_failures=%s)",
-                       len(missing), shown, n_bad, n_total, max_failures)
+        logger.warning(
+            "%d image(s) missing (%s): %d of %d samples will fail (within eval.max_failures=%s)",
+            len(missing),
+            shown,
+            n_bad,
+            n_total,
+            max_failures,
+        )
 
 
 def evaluation_calibration(recipe: Recipe, limit: int | None = None):
@@ -142,23 +148,35 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
         problem = None
         identity = run_identity(recipe)
         if "run_identity" not in old:
-            problem = ("results of an older mmfast, whose weights fingerprint read only the first values of each tensor "
-                       "(none of its records can be matched to these weights)")
+            problem = (
+                "results of an older mmfast, whose weights fingerprint read only the first values of each tensor "
+                "(none of its records can be matched to these weights)"
+            )
         elif old["run_identity"] != identity:
             problem = f"results of another recipe (identity {old['run_identity']} != {identity})"
         elif old.get("weights_fingerprint", fingerprint) != fingerprint:
             problem = f"results of other model weights (fingerprint {old.get('weights_fingerprint')} != {fingerprint})"
         if problem:
             if not recipe.output.overwrite:
-                raise InputError(f"{out} holds {problem}; use another --output, or set output.overwrite: true to start over")
+                raise InputError(
+                    f"{out} holds {problem}; use another --output, or set output.overwrite: true to start over"
+                )
             logger.warning("%s holds %s; output.overwrite is set: starting over", out, problem)
             rundir.remove_own(out, old)
             old = None
         else:
             files = list(dict.fromkeys(rundir.listed_files(old, out) + files))
     rundir.check_own_files(out, files)
-    rundir.write_run_json(out, {"recipe_hash": recipe.hash(), "run_identity": run_identity(recipe), "weights_fingerprint": fingerprint,
-                                "recipe": recipe.to_dict(), "files": files})
+    rundir.write_run_json(
+        out,
+        {
+            "recipe_hash": recipe.hash(),
+            "run_identity": run_identity(recipe),
+            "weights_fingerprint": fingerprint,
+            "recipe": recipe.to_dict(),
+            "files": files,
+        },
+    )
 
 
 def _shard_device(device: str, rank: int, world: int) -> str:
@@ -172,7 +190,12 @@ def _shard_device(device: str, rank: int, world: int) -> str:
 def git_sha() -> str | None:
     try:
         here = Path(__file__).resolve().parent
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -204,7 +227,9 @@ def side_files(tasks: list[Task]) -> dict[str, str]:
     for task in tasks:
         for fname, text in task.side_files().items():
             if Path(fname).name != fname or fname in ("run.json", "summary.json") or fname.startswith("samples."):
-                raise InputError(f"evaluation task {task.name!r}: side file {fname!r} must be a plain file name, not one of the run's own files")
+                raise InputError(
+                    f"evaluation task {task.name!r}: side file {fname!r} must be a plain file name, not one of the run's own files"
+                )
             if owner.setdefault(fname, task.name) != task.name:
                 raise InputError(f"evaluation tasks {owner[fname]!r} and {task.name!r} both write side file {fname!r}")
             files[fname] = text
@@ -263,7 +288,9 @@ def _run_batch(session, samples: list[Sample], text_filter, fps: dict[str, str])
 
 def _check_limit(limit: int | None) -> None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise InputError(f"limit must be a whole number >= 1 (samples per task/split), got {limit!r}; leave it out to run every sample")
+        raise InputError(
+            f"limit must be a whole number >= 1 (samples per task/split), got {limit!r}; leave it out to run every sample"
+        )
 
 
 def run_eval(
@@ -293,7 +320,6 @@ def run_eval(
     check_plan(plan)
     _check_images(plan, cfg.max_failures, rank, world)  # before the model loads: no hour-long load for a typo
     if mm is None:
-
         check_model_config(recipe)  # the methods' layers and grids against the model's config
     extra_files = side_files(tasks)
     lock = None
@@ -306,11 +332,12 @@ def run_eval(
             lock.release()
 
 
-def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm, rank: int, world: int, barrier) -> dict[str, Any]:
+def _run_locked(
+    recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm, rank: int, world: int, barrier
+) -> dict[str, Any]:
 
     cfg = recipe.eval
     if mm is None:
-
         mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
     fingerprint = weights_fingerprint(mm.model)
     if rank == 0:
@@ -331,8 +358,12 @@ def _run_locked(recipe: Recipe, out: Path, plan, extra_files: dict[str, str], mm
             todo = [s for s in mine if not store.done(s.doc_id, fps[s.doc_id])]
             stale = [s for s in todo if store.done(s.doc_id) and store.stale(s.doc_id, fps[s.doc_id])]
             if stale:
-                logger.warning("%s: %d finished sample(s) were computed from other inputs (question, prompt, label or "
-                               "image changed under the same path); recomputing them", task.name, len(stale))
+                logger.warning(
+                    "%s: %d finished sample(s) were computed from other inputs (question, prompt, label or "
+                    "image changed under the same path); recomputing them",
+                    task.name,
+                    len(stale),
+                )
             if len(todo) < len(mine):
                 logger.info("%s: %d of %d samples already done (resuming)", task.name, len(mine) - len(todo), len(mine))
             where = f"{task.name} [rank {rank}]" if world > 1 else task.name
@@ -378,8 +409,13 @@ def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: flo
     proto["samples_digest"] = digest_of(r["fingerprint"] for r in ok)
     summary = {
         "metrics": metrics,
-        "counts": {"planned": len(planned), "finished": len(ok), "failed": len(failed), "not_run": len(missing),
-                   "quarantined_lines": len(store.quarantined)},
+        "counts": {
+            "planned": len(planned),
+            "finished": len(ok),
+            "failed": len(failed),
+            "not_run": len(missing),
+            "quarantined_lines": len(store.quarantined),
+        },
         "accounting": _accounting(ok),
         "protocol": proto,
         "elapsed_s": round(elapsed, 2),
@@ -391,18 +427,33 @@ def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: flo
     if failed:
         shown = "\n".join(f"  {r['doc_id']}: {r['error']}" for r in failed[:20])
         more = f"\n  ... and {len(failed) - 20} more (all listed in summary.json)" if len(failed) > 20 else ""
-        logger.warning("%d of %d samples FAILED; the metrics cover the other %d:\n%s%s", len(failed), len(planned),
-                       len(ok), shown, more)
+        logger.warning(
+            "%d of %d samples FAILED; the metrics cover the other %d:\n%s%s",
+            len(failed),
+            len(planned),
+            len(ok),
+            shown,
+            more,
+        )
     if missing:
-        logger.warning("%d of %d planned samples have no current record (e.g. %s)", len(missing), len(planned), missing[0])
+        logger.warning(
+            "%d of %d planned samples have no current record (e.g. %s)", len(missing), len(planned), missing[0]
+        )
     return summary
 
 
 def _accounting(records: list[dict[str, Any]]) -> dict[str, float]:
     if not records:
         return {}
-    keys = ("n_vision_tokens", "vision_tokens_layer_avg", "kv_bytes_prefill", "kv_bytes_end", "n_new_tokens",
-            "flops_prefill", "flops_prefill_7b")
+    keys = (
+        "n_vision_tokens",
+        "vision_tokens_layer_avg",
+        "kv_bytes_prefill",
+        "kv_bytes_end",
+        "n_new_tokens",
+        "flops_prefill",
+        "flops_prefill_7b",
+    )
     out = {f"mean_{k}": sum(r[k] for r in records) / len(records) for k in keys if all(k in r for r in records)}
     return {k: round(v, 3) for k, v in out.items()}
 

@@ -37,8 +37,8 @@ def degenerate_caption(text: str) -> str | None:
         return "no words"
     for n in range(1, LOOP_MAX_NGRAM + 1):
         for i in range(len(words) - n * LOOP_REPEATS + 1):
-            gram = words[i:i + n]
-            if all(words[i + k * n:i + (k + 1) * n] == gram for k in range(1, LOOP_REPEATS)):
+            gram = words[i : i + n]
+            if all(words[i + k * n : i + (k + 1) * n] == gram for k in range(1, LOOP_REPEATS)):
                 return f"repetition loop ({' '.join(gram)!r} x{LOOP_REPEATS})"
     return None
 
@@ -85,15 +85,22 @@ class Unparsed:
         """Why the run is not ranked (empty when it is): each task over :data:`UNPARSED_LIMIT`."""
         out = []
         if self.pope and self.pope.over_limit:
-            out.append(f"{self.pope.cell()} POPE answers neither yes nor no by the official rule"
-                       + (f" (e.g. {', '.join(repr(e) for e in self.pope.examples)})" if self.pope.examples else ""))
+            out.append(
+                f"{self.pope.cell()} POPE answers neither yes nor no by the official rule"
+                + (f" (e.g. {', '.join(repr(e) for e in self.pope.examples)})" if self.pope.examples else "")
+            )
         if self.chair and self.chair.over_limit:
-            out.append(f"{self.chair.cell()} CHAIR captions degenerate"
-                       + (f" (e.g. {', '.join(repr(e[:40]) for e in self.chair.examples)})" if self.chair.examples else ""))
+            out.append(
+                f"{self.chair.cell()} CHAIR captions degenerate"
+                + (f" (e.g. {', '.join(repr(e[:40]) for e in self.chair.examples)})" if self.chair.examples else "")
+            )
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {"pope": self.pope.as_dict() if self.pope else None, "chair": self.chair.as_dict() if self.chair else None}
+        return {
+            "pope": self.pope.as_dict() if self.pope else None,
+            "chair": self.chair.as_dict() if self.chair else None,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Unparsed:

@@ -49,8 +49,11 @@ def _class(name: str):
 
 
 #: model_type -> (lazy) processor class, for families whose HF processor mmfast cannot build as it is
-PROCESSOR_CLASSES = {"llava_onevision": lambda: __import__(
-    "mmfast.models.llava_onevision", fromlist=["image_processor_class"]).image_processor_class()}
+PROCESSOR_CLASSES = {
+    "llava_onevision": lambda: __import__(
+        "mmfast.models.llava_onevision", fromlist=["image_processor_class"]
+    ).image_processor_class()
+}
 
 #: model_type -> (lazy) model class
 MODEL_CLASSES = {
@@ -72,9 +75,7 @@ def adapter_for(model: nn.Module) -> VLMAdapter:
         return ADAPTERS[model_type](model)
     if model_type in _REJECTED:
         raise ModelLoadError(_REJECTED[model_type])
-    raise ModelLoadError(
-        f"model_type {model_type!r} has no mmfast adapter (supported: {', '.join(sorted(ADAPTERS))})"
-    )
+    raise ModelLoadError(f"model_type {model_type!r} has no mmfast adapter (supported: {', '.join(sorted(ADAPTERS))})")
 
 
 __all__ = [

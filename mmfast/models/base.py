@@ -126,7 +126,9 @@ class LMInputs:
         if self.position_ids.dim() == 3:  # M-RoPE: next = max over valid positions and axes + 1
             valid = self.attention_mask.bool()[:, :, None]
             last = self.position_ids.masked_fill(~valid, -1).amax((1, 2))[:, None]  # [B, 1]
-            new_pos = (last + torch.arange(1, q + 1, device=dev))[:, :, None].expand(-1, -1, self.position_ids.shape[-1])
+            new_pos = (last + torch.arange(1, q + 1, device=dev))[:, :, None].expand(
+                -1, -1, self.position_ids.shape[-1]
+            )
         else:
             new_pos = self.position_ids[:, -1:] + torch.arange(1, q + 1, device=dev)
         tags = {k: torch.cat([t, t.new_zeros(bsz, q, *t.shape[2:])], 1) for k, t in self.tags.items() if k != GENERATED}
@@ -152,7 +154,9 @@ class LMInputs:
         tags = {}
         for k in names:  # a branch without the tag (no such tokens) contributes zeros
             like = next(p.tags[k] for p in parts if k in p.tags)
-            tags[k] = torch.cat([p.tags[k] if k in p.tags else like.new_zeros(*p.input_ids.shape, *like.shape[2:]) for p in parts], 0)
+            tags[k] = torch.cat(
+                [p.tags[k] if k in p.tags else like.new_zeros(*p.input_ids.shape, *like.shape[2:]) for p in parts], 0
+            )
         return LMInputs(*(torch.cat([getattr(p, f) for p in parts], 0) for f in _LMINPUT_FIELDS), tags)
 
     def pad_left(self, n: int, pad_id: int, pad_embed: torch.Tensor) -> LMInputs:
@@ -167,7 +171,15 @@ class LMInputs:
             torch.cat([pad_embed.to(self.embeds.dtype).expand(bsz, n, -1), self.embeds], 1),
             torch.cat([torch.full((bsz, n), pad_id, dtype=torch.long, device=dev), self.input_ids], 1),
             torch.cat([zeros, self.attention_mask], 1),
-            torch.cat([torch.ones_like(zeros).view(bsz, n, *[1] * (self.position_ids.dim() - 2)).expand(bsz, n, *self.position_ids.shape[2:]), self.position_ids], 1),
+            torch.cat(
+                [
+                    torch.ones_like(zeros)
+                    .view(bsz, n, *[1] * (self.position_ids.dim() - 2))
+                    .expand(bsz, n, *self.position_ids.shape[2:]),
+                    self.position_ids,
+                ],
+                1,
+            ),
             torch.cat([torch.zeros(bsz, n, dtype=torch.bool, device=dev), self.image_mask], 1),
             torch.cat([neg, self.patch_ids], 1),
             torch.cat([neg, self.image_index], 1),
@@ -178,11 +190,15 @@ class LMInputs:
         """The inputs without their first ``n`` slots (padding of a single-row batch)."""
         if n == 0:
             return self
-        return LMInputs(*(getattr(self, f)[:, n:] for f in _LMINPUT_FIELDS), {k: t[:, n:] for k, t in self.tags.items()})
+        return LMInputs(
+            *(getattr(self, f)[:, n:] for f in _LMINPUT_FIELDS), {k: t[:, n:] for k, t in self.tags.items()}
+        )
 
     def select(self, index: torch.Tensor) -> LMInputs:
         """Rows ``index`` of the batch (used to split or repeat branches)."""
-        return LMInputs(*(getattr(self, f)[index] for f in _LMINPUT_FIELDS), {k: t[index] for k, t in self.tags.items()})
+        return LMInputs(
+            *(getattr(self, f)[index] for f in _LMINPUT_FIELDS), {k: t[index] for k, t in self.tags.items()}
+        )
 
 
 GENERATED = "generated"  # LMInputs tag: tokens appended by decoding (bool)
@@ -284,7 +300,9 @@ def build_lm_inputs(
     for b, ids in enumerate(token_ids):
         n_slots = sum(1 for t in ids if t == image_id)
         if n_slots != len(image_tokens[b]):
-            raise ValueError(f"sample {b}: prompt has {n_slots} image slots but {len(image_tokens[b])} images were given")
+            raise ValueError(
+                f"sample {b}: prompt has {n_slots} image slots but {len(image_tokens[b])} images were given"
+            )
         pieces, ids_out, img_mask, pids, img_idx = [], [], [], [], []
         layout: list = []  # ("text", n) or ("image", patch ids, grid) per piece, for M-RoPE positions
         tag_pieces: dict[str, list[torch.Tensor]] = {k: [] for k in image_tags}

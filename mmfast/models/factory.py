@@ -69,7 +69,16 @@ SHAPES: dict[str, LlavaShape] = {
 }
 
 
-def llava_config(shape: LlavaShape, *, vocab_size: int | None = None, init_std: float = 0.02, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2, image_id: int = 4):
+def llava_config(
+    shape: LlavaShape,
+    *,
+    vocab_size: int | None = None,
+    init_std: float = 0.02,
+    pad_id: int = 0,
+    bos_id: int = 1,
+    eos_id: int = 2,
+    image_id: int = 4,
+):
     """A ``LlavaConfig`` with a CLIP vision tower and a Llama text model of ``shape``'s sizes."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
@@ -110,7 +119,9 @@ def llava_config(shape: LlavaShape, *, vocab_size: int | None = None, init_std: 
     )
 
 
-def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int, extra_tokens: list[str] | None = None, *, qwen: bool = False):
+def train_bpe_tokenizer(
+    corpus: Iterable[str], vocab_size: int, extra_tokens: list[str] | None = None, *, qwen: bool = False
+):
     """A byte-level BPE ``PreTrainedTokenizerFast`` with mmfast's special tokens at ids 0..4
     (``extra_tokens``, e.g. a video token, follow at 5...).
 
@@ -133,14 +144,19 @@ def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int, extra_tokens: li
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        extra_special_tokens={"image_token": IMAGE_TOKEN, **({"video_token": VIDEO_TOKEN} if VIDEO_TOKEN in special else {})},
+        extra_special_tokens={
+            "image_token": IMAGE_TOKEN,
+            **({"video_token": VIDEO_TOKEN} if VIDEO_TOKEN in special else {}),
+        },
         padding_side="left",
     )
     for i, t in enumerate(special):
@@ -212,8 +228,9 @@ def save_model(model, processor, path: str | Path) -> Path:
     return path
 
 
-def random_llava_next(shape: str | LlavaShape = "tiny", *, seed: int = 0, init_std: float = 0.2,
-                      pinpoints: list[list[int]] | None = None):
+def random_llava_next(
+    shape: str | LlavaShape = "tiny", *, seed: int = 0, init_std: float = 0.2, pinpoints: list[list[int]] | None = None
+):
     """A randomly initialised LLaVA-NeXT (anyres) model and processor for tests. Returns (model, processor).
 
     ``pinpoints``: the anyres resolutions (default: 1 x 1, 1 x 2, 2 x 1 and 2 x 2 tiles of the tower's input)."""
@@ -351,8 +368,15 @@ def random_llava_onevision(
 
 # -- Qwen-VL families -------------------------------------------------------------------------------
 #: Qwen-VL's special tokens (pad, im_start, im_end = EOS, vision_start, vision_end, image, video) at ids 0..6
-QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                       "<|image_pad|>", "<|video_pad|>"]
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 
 #: Qwen2-VL / Qwen2.5-VL / Qwen3-VL chat template (system-less): each image is
 #: "<|vision_start|><|image_pad|><|vision_end|>" before the text, as the official template places it.
@@ -371,11 +395,18 @@ def _qwen_tokenizer(corpus: Iterable[str], vocab_size: int):
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=QWEN_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=QWEN_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
         extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
     )
     for i, t in enumerate(QWEN_SPECIAL_TOKENS):
@@ -412,10 +443,25 @@ class QwenShape:
 #: full attention in 7/15/23/31, out 3584) and the LLM at width 3584 (28 layers, 28 heads, 4 KV heads,
 #: MLP 18944, mrope_section 16/24/24), processor min/max pixels 56*56 .. 28*28*16384.
 _QWEN25_7B = QwenShape(
-    patch_size=14, vision_hidden=1280, vision_layers=32, vision_heads=16, text_hidden=3584, text_layers=28,
-    text_heads=28, text_kv_heads=4, text_intermediate=18944, vocab_size=32064, window_size=112,
-    mrope_section=(16, 24, 24), min_pixels=56 * 56, max_pixels=28 * 28 * 16384, max_positions=32768,
-    vision_intermediate=3420, fullatt_blocks=(7, 15, 23, 31), bench_image=(768, 1024), rope_theta=1000000.0,
+    patch_size=14,
+    vision_hidden=1280,
+    vision_layers=32,
+    vision_heads=16,
+    text_hidden=3584,
+    text_layers=28,
+    text_heads=28,
+    text_kv_heads=4,
+    text_intermediate=18944,
+    vocab_size=32064,
+    window_size=112,
+    mrope_section=(16, 24, 24),
+    min_pixels=56 * 56,
+    max_pixels=28 * 28 * 16384,
+    max_positions=32768,
+    vision_intermediate=3420,
+    fullatt_blocks=(7, 15, 23, 31),
+    bench_image=(768, 1024),
+    rope_theta=1000000.0,
 )
 
 QWEN_SHAPES: dict[str, QwenShape] = {
@@ -438,39 +484,76 @@ def qwen_config(family: str, shape: QwenShape, *, vocab_size: int, init_std: flo
 
     head_dim = shape.text_hidden // shape.text_heads
     rope = {"rope_type": "default", "rope_theta": shape.rope_theta, "mrope_section": list(shape.mrope_section)}
-    text = dict(vocab_size=vocab_size, hidden_size=shape.text_hidden, intermediate_size=shape.text_intermediate,
-                num_hidden_layers=shape.text_layers, num_attention_heads=shape.text_heads,
-                num_key_value_heads=shape.text_kv_heads, max_position_embeddings=shape.max_positions,
-                initializer_range=init_std, pad_token_id=0, bos_token_id=None, eos_token_id=2, rope_parameters=rope)
-    ids = dict(image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4, tie_word_embeddings=False)
-    common_vision = dict(depth=shape.vision_layers, num_heads=shape.vision_heads, patch_size=shape.patch_size,
-                         spatial_merge_size=2, temporal_patch_size=2, initializer_range=init_std)
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=shape.text_hidden,
+        intermediate_size=shape.text_intermediate,
+        num_hidden_layers=shape.text_layers,
+        num_attention_heads=shape.text_heads,
+        num_key_value_heads=shape.text_kv_heads,
+        max_position_embeddings=shape.max_positions,
+        initializer_range=init_std,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=2,
+        rope_parameters=rope,
+    )
+    ids = dict(
+        image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4, tie_word_embeddings=False
+    )
+    common_vision = dict(
+        depth=shape.vision_layers,
+        num_heads=shape.vision_heads,
+        patch_size=shape.patch_size,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=init_std,
+    )
     if family == "qwen2_vl":
         vision = dict(common_vision, embed_dim=shape.vision_hidden, hidden_size=shape.text_hidden, mlp_ratio=2)
         return tf.Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     if family == "qwen2_5_vl":
-        vision = dict(common_vision, hidden_size=shape.vision_hidden,
-                      intermediate_size=shape.vision_intermediate or 2 * shape.vision_hidden,
-                      out_hidden_size=shape.text_hidden, window_size=shape.window_size,
-                      fullatt_block_indexes=list(shape.fullatt_blocks or [shape.vision_layers - 1]), tokens_per_second=2)
+        vision = dict(
+            common_vision,
+            hidden_size=shape.vision_hidden,
+            intermediate_size=shape.vision_intermediate or 2 * shape.vision_hidden,
+            out_hidden_size=shape.text_hidden,
+            window_size=shape.window_size,
+            fullatt_block_indexes=list(shape.fullatt_blocks or [shape.vision_layers - 1]),
+            tokens_per_second=2,
+        )
         return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     if family == "qwen3_vl":
         rope = dict(rope, mrope_interleaved=True)
         text = dict(text, head_dim=head_dim, rope_parameters=rope)
-        vision = dict(common_vision, hidden_size=shape.vision_hidden, intermediate_size=2 * shape.vision_hidden,
-                      out_hidden_size=shape.text_hidden, num_position_embeddings=64,
-                      deepstack_visual_indexes=list(range(min(2, shape.vision_layers - 1))))
+        vision = dict(
+            common_vision,
+            hidden_size=shape.vision_hidden,
+            intermediate_size=2 * shape.vision_hidden,
+            out_hidden_size=shape.text_hidden,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=list(range(min(2, shape.vision_layers - 1))),
+        )
         return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     raise ValueError(f"unknown Qwen-VL family {family!r} (qwen2_vl, qwen2_5_vl, qwen3_vl)")
 
 
-QWEN_MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                      "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+QWEN_MODEL_CLASSES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
 _QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
 
 
-def random_qwen_vl(family: str = "qwen2_5_vl", shape: str | QwenShape = "tiny", *, seed: int = 0, init_std: float = 0.2,
-                   dtype: torch.dtype = torch.float32):
+def random_qwen_vl(
+    family: str = "qwen2_5_vl",
+    shape: str | QwenShape = "tiny",
+    *,
+    seed: int = 0,
+    init_std: float = 0.2,
+    dtype: torch.dtype = torch.float32,
+):
     """A randomly initialised Qwen2-VL / Qwen2.5-VL / Qwen3-VL model and processor (no downloads): the
     real model class, the real (PIL) Qwen2-VL image processor with dynamic resolution, a BPE tokenizer
     with Qwen's special tokens and the Qwen chat layout. Returns (model, processor)."""
@@ -487,13 +570,16 @@ def random_qwen_vl(family: str = "qwen2_5_vl", shape: str | QwenShape = "tiny", 
     model.generation_config.bos_token_id = None
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": shp.min_pixels, "longest_edge": shp.max_pixels},
-        patch_size=shp.patch_size, temporal_patch_size=2, merge_size=2,
+        patch_size=shp.patch_size,
+        temporal_patch_size=2,
+        merge_size=2,
     )
     from .qwen_processor import QwenVLImageProcessor
 
     try:
-        processor = getattr(tf, _QWEN_PROCESSORS[family])(image_processor=image_processor, tokenizer=tokenizer,
-                                                          chat_template=QWEN_CHAT_TEMPLATE)
+        processor = getattr(tf, _QWEN_PROCESSORS[family])(
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE
+        )
     except (AttributeError, ImportError, TypeError):  # its video processor needs torchvision
         processor = QwenVLImageProcessor(image_processor, tokenizer, QWEN_CHAT_TEMPLATE)
     return model, processor
@@ -530,8 +616,14 @@ BENCH_MODELS: dict[str, BenchModel] = {
 }
 
 
-def build_bench_model(name: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float16,
-                      seed: int = 0, init_std: float = 0.02):
+def build_bench_model(
+    name: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float16,
+    seed: int = 0,
+    init_std: float = 0.02,
+):
     """A :data:`BENCH_MODELS` model with random weights, built directly on ``device`` (a 7B model's
     random init takes seconds on a GPU, minutes on a CPU) and cast to ``dtype``. Returns (model, processor).
 
@@ -541,8 +633,9 @@ def build_bench_model(name: str, *, device: str | torch.device = "cpu", dtype: t
         if spec.family == "llava":
             model, processor = random_llava(spec.shape, seed=seed, init_std=init_std)
         elif spec.family == "llava_next":
-            model, processor = random_llava_next(spec.shape, seed=seed, init_std=init_std,
-                                                 pinpoints=[list(p) for p in spec.pinpoints] or None)
+            model, processor = random_llava_next(
+                spec.shape, seed=seed, init_std=init_std, pinpoints=[list(p) for p in spec.pinpoints] or None
+            )
         elif spec.family == "qwen2_5_vl":
             model, processor = random_qwen_vl("qwen2_5_vl", spec.shape, seed=seed, init_std=init_std)
         else:

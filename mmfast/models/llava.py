@@ -121,4 +121,3 @@ class LlavaAdapter(VLMAdapter):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(ids)
-

@@ -40,7 +40,9 @@ class LlavaNextAdapter(LlavaAdapter):
         base, cfg = self.base, self.model.config
         tower = self.vision_tower
         n_tiles = [
-            image_size_to_num_patches(image_size=s, grid_pinpoints=cfg.image_grid_pinpoints, patch_size=cfg.vision_config.image_size)
+            image_size_to_num_patches(
+                image_size=s, grid_pinpoints=cfg.image_grid_pinpoints, patch_size=cfg.vision_config.image_size
+            )
             for s in image_sizes
         ]
         pv = pixel_values
@@ -52,7 +54,9 @@ class LlavaNextAdapter(LlavaAdapter):
         cls = selected[:, 0]
         patches = selected[:, 1:] if self.select_strategy == "default" else selected
         projected = torch.split(self.projector(patches), n_tiles, dim=0)  # per image [tiles_i, N, d]
-        packed, _ = base.pack_image_features(list(projected), image_sizes, self.select_strategy, image_newline=base.image_newline)
+        packed, _ = base.pack_image_features(
+            list(projected), image_sizes, self.select_strategy, image_newline=base.image_newline
+        )
         feats = [f.reshape(-1, f.shape[-1]) for f in torch.split(patches, n_tiles, dim=0)]
         n_base = patches.shape[1]
         ids = []

@@ -61,7 +61,9 @@ class LlavaOnevisionAdapter(LlavaAdapter):
 
         cfg = self.model.config
         return [
-            image_size_to_num_patches(image_size=s, grid_pinpoints=cfg.image_grid_pinpoints, patch_size=cfg.vision_config.image_size)
+            image_size_to_num_patches(
+                image_size=s, grid_pinpoints=cfg.image_grid_pinpoints, patch_size=cfg.vision_config.image_size
+            )
             for s in image_sizes
         ]
 

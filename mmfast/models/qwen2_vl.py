@@ -160,8 +160,12 @@ class Qwen2VLAdapter(VLMAdapter):
 
     def project(self, vision: VisionBatch) -> list[torch.Tensor]:
         """The merger on every image a stage has not projected: [N_i, 4 * Dv] -> [N_i, d]."""
-        dv = self.vision_config.embed_dim if hasattr(self.vision_config, "embed_dim") else self.vision_config.hidden_size
-        return [p if p is not None else self.projector(f.reshape(-1, dv)) for f, p in zip(vision.features, vision.projected)]
+        dv = (
+            self.vision_config.embed_dim if hasattr(self.vision_config, "embed_dim") else self.vision_config.hidden_size
+        )
+        return [
+            p if p is not None else self.projector(f.reshape(-1, dv)) for f, p in zip(vision.features, vision.projected)
+        ]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(ids)
@@ -177,8 +181,13 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
 
         tower = self.vision_tower
         out = tower(pixels, grid_thw=grid_thw, return_dict=True)
-        window_index, _ = get_vision_window_index(grid_thw, spatial_merge_size=tower.spatial_merge_size,
-                                                  window_size=tower.window_size, patch_size=tower.patch_size, kwargs={})
+        window_index, _ = get_vision_window_index(
+            grid_thw,
+            spatial_merge_size=tower.spatial_merge_size,
+            window_size=tower.window_size,
+            patch_size=tower.patch_size,
+            kwargs={},
+        )
         hidden = out.last_hidden_state  # [P, Dv], units in window order
         unit = tower.spatial_merge_unit
         units = hidden.reshape(-1, unit, hidden.shape[-1])[torch.argsort(window_index)]

@@ -29,18 +29,27 @@ class QwenVLImageProcessor:
         self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
 
-    def apply_chat_template(self, conversation: list[dict], *, add_generation_prompt: bool = False, tokenize: bool = False, **kw: Any):
-        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
-                                                  add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kw)
+    def apply_chat_template(
+        self, conversation: list[dict], *, add_generation_prompt: bool = False, tokenize: bool = False, **kw: Any
+    ):
+        return self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize,
+            **kw,
+        )
 
-    def __call__(self, images: Any = None, text: str | list[str] | None = None, return_tensors: str = "pt", **kw: Any) -> dict:
+    def __call__(
+        self, images: Any = None, text: str | list[str] | None = None, return_tensors: str = "pt", **kw: Any
+    ) -> dict:
         """Pixel patches, ``image_grid_thw`` and token ids with each placeholder expanded to
         ``t * h * w / merge_size**2`` tokens, plus ``mm_token_type_ids`` (1 at image tokens)."""
         out: dict[str, Any] = {}
         texts = [text] if isinstance(text, str) else list(text or [])
         if images is not None:
             out.update(self.image_processor(images=images, return_tensors="pt"))
-            merge = self.image_processor.merge_size ** 2
+            merge = self.image_processor.merge_size**2
             counts = iter((out["image_grid_thw"].prod(-1) // merge).tolist())
             expanded = []
             for t in texts:
@@ -63,7 +72,6 @@ class QwenVLImageProcessor:
 def load_qwen_processor(path: str, **kwargs: Any) -> QwenVLImageProcessor:
     """The tokenizer, image processor and chat template saved at ``path`` (no video processor)."""
     from transformers import AutoTokenizer
-
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     image_processor = compat.load_image_processor(path, **kwargs)

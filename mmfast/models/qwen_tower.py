@@ -142,13 +142,18 @@ def fused_forward(module: nn.Module, rotary: Callable, plans: _PlanCache) -> Cal
     """The replacement ``forward`` of one vision attention instance (module docstring)."""
     original = module.forward  # the class's bound forward
 
-    def forward(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                max_seqlen: int | None = None, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        max_seqlen: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         impl = compat.vision_attn_implementation(module).removeprefix(compat.PROBE_PREFIX)
         if impl != "sdpa" or is_probed(module) or position_embeddings is None:
-            return original(hidden_states, cu_seqlens, position_embeddings=position_embeddings,
-                            max_seqlen=max_seqlen, **kwargs)
+            return original(
+                hidden_states, cu_seqlens, position_embeddings=position_embeddings, max_seqlen=max_seqlen, **kwargs
+            )
         seq = hidden_states.shape[0]
         q, k, v = module.qkv(hidden_states).reshape(seq, 3, module.num_heads, -1).unbind(1)  # [S, H, Dh] each
         cos, sin = position_embeddings
@@ -167,20 +172,31 @@ def install_fused_tower(adapter, hooks) -> int:
         return 0
     found = compat.qwen_vision_attention(adapter.family)
     if found is None:
-        logger.warning("fused vision attention: transformers %s has no known %s vision attention; the tower "
-                       "runs as transformers ships it", compat.transformers.__version__, adapter.family)
+        logger.warning(
+            "fused vision attention: transformers %s has no known %s vision attention; the tower "
+            "runs as transformers ships it",
+            compat.transformers.__version__,
+            adapter.family,
+        )
         return 0
     cls, rotary = found
     mods = [m for m in adapter.vision_tower.modules() if isinstance(m, cls)]
     if not mods or not all(compat.qwen_vision_attention_matches(m) for m in mods):
-        logger.warning("fused vision attention: the %s tower's attention modules lack qkv / proj / num_heads / "
-                       "scaling; the tower runs as transformers ships it", adapter.family)
+        logger.warning(
+            "fused vision attention: the %s tower's attention modules lack qkv / proj / num_heads / "
+            "scaling; the tower runs as transformers ships it",
+            adapter.family,
+        )
         return 0
     wrapped = [m for m in mods if "forward" in m.__dict__]
     if wrapped:  # e.g. accelerate's offload hooks: replacing them would skip their device moves
-        logger.warning("fused vision attention: %d of the %s tower's attention modules already have a wrapped "
-                       "forward (%s); the tower runs as transformers ships it", len(wrapped), adapter.family,
-                       getattr(wrapped[0].forward, "__qualname__", type(wrapped[0].forward).__name__))
+        logger.warning(
+            "fused vision attention: %d of the %s tower's attention modules already have a wrapped "
+            "forward (%s); the tower runs as transformers ships it",
+            len(wrapped),
+            adapter.family,
+            getattr(wrapped[0].forward, "__qualname__", type(wrapped[0].forward).__name__),
+        )
         return 0
     plans = _PlanCache()
     for m in mods:

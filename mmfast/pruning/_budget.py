@@ -80,7 +80,7 @@ def in_llm_keep_at(tokens: int, adapter: VLMAdapter, k: float, layer_mapping: st
     """(keep, N_ref) for a method pruning at its layer ``k`` (mapped onto this LLM's depth): the vision
     tokens kept per reference-sized image after that layer so the layer average is ``tokens``."""
     n_layers = len(adapter.layers)
-    (layer, _), = map_layers([k], n_layers, layer_mapping)
+    ((layer, _),) = map_layers([k], n_layers, layer_mapping)
     n_ref = vision_tokens_per_image(adapter)
     return in_llm_keep(tokens, n_ref, layer, n_layers, path), n_ref
 
@@ -135,7 +135,7 @@ class CalibrationSet:
         step = max(1, len(samples) // n)
         picked, seen = [], set()
         for start in range(0, len(samples), step):
-            stretch = samples[start:start + step]
+            stretch = samples[start : start + step]
             fresh = next((s for s in stretch if str(s.image) not in seen), stretch[0])
             picked.append(fresh)
             seen.add(str(fresh.image))
@@ -163,7 +163,9 @@ def calibration_batch(ctx: MethodContext, n: int = CALIBRATION_IMAGES) -> Prepar
     ids = [ctx.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     processed = ctx.image_processor(images=images, return_tensors="pt")
     pixels, sizes = ctx.adapter.pack_pixels(processed)
-    return PreparedBatch([[im] for im in images], prompts, texts, ids, pixels.to(ctx.device, ctx.dtype), list(range(n)), [], sizes)
+    return PreparedBatch(
+        [[im] for im in images], prompts, texts, ids, pixels.to(ctx.device, ctx.dtype), list(range(n)), [], sizes
+    )
 
 
 @torch.inference_mode()
@@ -182,8 +184,16 @@ def measure_layer_avg(ctx: MethodContext, batch: PreparedBatch) -> float:
 def _sample(batch: PreparedBatch, b: int) -> PreparedBatch:
     idx = [i for i, o in enumerate(batch.image_owner) if o == b]
     sizes = None if batch.image_sizes is None else batch.image_sizes[idx]
-    return PreparedBatch([batch.images[b]], [batch.prompts[b]], [batch.texts[b]], [batch.token_ids[b]],
-                         batch.pixel_values[idx], [0] * len(idx), [], sizes)
+    return PreparedBatch(
+        [batch.images[b]],
+        [batch.prompts[b]],
+        [batch.texts[b]],
+        [batch.token_ids[b]],
+        batch.pixel_values[idx],
+        [0] * len(idx),
+        [],
+        sizes,
+    )
 
 
 #: calibrated settings already found in this process: (model identity, the recipe's stages, stage index)
@@ -199,7 +209,13 @@ def calibration_key(model, stages: list[dict], index: int, calibration: Calibrat
 
     # inference tensors (a model built under inference mode) cannot change in place: no counter to read
     versions = sum(0 if p.is_inference() else p._version for p in model.parameters())
-    return (id(model), versions, json.dumps(stages, sort_keys=True), index, calibration.identity if calibration else None)
+    return (
+        id(model),
+        versions,
+        json.dumps(stages, sort_keys=True),
+        index,
+        calibration.identity if calibration else None,
+    )
 
 
 def calibrate_once(pruner, tokens: int, key: tuple) -> None:
@@ -256,12 +272,21 @@ def calibrate_scalar(
             b = x
     assert best is not None
     level = logging.INFO if abs(best.tokens - target) <= tolerance * target else logging.WARNING
-    logger.log(level, "%s: calibrated to %.6g -> %.2f layer-averaged vision tokens (budget %d, %d steps)",
-               name, best.value, best.tokens, target, best.steps)
+    logger.log(
+        level,
+        "%s: calibrated to %.6g -> %.2f layer-averaged vision tokens (budget %d, %d steps)",
+        name,
+        best.value,
+        best.tokens,
+        target,
+        best.steps,
+    )
     return best
 
 
-def check_reachable(path: str, measure: Callable[[float], float], target: int, lo: float, hi: float, *, increasing: bool) -> None:
+def check_reachable(
+    path: str, measure: Callable[[float], float], target: int, lo: float, hi: float, *, increasing: bool
+) -> None:
     """Refuse a budget outside what the scalar's range [lo, hi] can reach on the calibration set
     (with ``CALIBRATION_TOLERANCE`` slack), naming the reachable range."""
     a, b = measure(lo), measure(hi)

@@ -15,7 +15,9 @@ REFERENCE_LAYERS = 32
 LayerMapping = Literal["absolute", "proportional"]
 
 
-def map_layers(paper_layers: Sequence[int], n_layers: int, mode: LayerMapping, *, param: str = "layers") -> list[tuple[int, int]]:
+def map_layers(
+    paper_layers: Sequence[int], n_layers: int, mode: LayerMapping, *, param: str = "layers"
+) -> list[tuple[int, int]]:
     """Map layer indices given for a 32-layer LLM onto a model with ``n_layers`` layers.
 
     ``absolute`` keeps the indices (they must exist); ``proportional`` scales them by

@@ -66,7 +66,9 @@ class PredictorSpec:
     text_predictor: bool = True
 
     @classmethod
-    def scaled(cls, hidden_size: int, *, d_model: int = 0, nhead: int = 0, dim_feedforward: int = 0, num_layers: int = 2) -> PredictorSpec:
+    def scaled(
+        cls, hidden_size: int, *, d_model: int = 0, nhead: int = 0, dim_feedforward: int = 0, num_layers: int = 2
+    ) -> PredictorSpec:
         """mmfast's size rule (0 = derive): c = max(32, d/8), heads = max(1, c/64), MLP = 4c."""
         c = d_model or max(32, hidden_size // 8)
         heads = nhead or max(1, c // 64)
@@ -224,7 +226,9 @@ def released_to_ours(key: str) -> str | None:
 # ------------------------------------------------------------------------------------ io
 
 
-def save_predictors(predictors: Predictors, out_dir: str | Path, sparse: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+def save_predictors(
+    predictors: Predictors, out_dir: str | Path, sparse: dict[str, Any], extra: dict[str, Any] | None = None
+) -> Path:
     """Write ``predictors.safetensors`` + ``config.json`` (``sparse``: sparse_layer, keep rates, ...)."""
     from safetensors.torch import save_file
 
@@ -249,12 +253,17 @@ def _released_tensors(path: Path) -> dict[str, torch.Tensor]:
 
     wanted = tuple(RELEASED_PREFIXES)
     out: dict[str, torch.Tensor] = {}
-    index = next((path / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if (path / n).is_file()), None)
+    index = next(
+        (path / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if (path / n).is_file()),
+        None,
+    )
     if index is not None:
         weight_map = json.loads(index.read_text())["weight_map"]
         files = sorted({f for k, f in weight_map.items() if k.startswith(wanted)})
     else:
-        files = [p.name for p in sorted(path.glob("*.safetensors"))] or [p.name for p in sorted(path.glob("pytorch_model*.bin"))]
+        files = [p.name for p in sorted(path.glob("*.safetensors"))] or [
+            p.name for p in sorted(path.glob("pytorch_model*.bin"))
+        ]
     for name in files:
         f = path / name
         if not f.is_file():
@@ -293,7 +302,9 @@ def random_predictors(hidden_size: int, seed: int = 0) -> Predictors:
     return predictors
 
 
-def load_predictors(path: str | Path, hidden_size: int, model_dir: str | Path | None = None) -> tuple[Predictors, dict[str, Any]]:
+def load_predictors(
+    path: str | Path, hidden_size: int, model_dir: str | Path | None = None
+) -> tuple[Predictors, dict[str, Any]]:
     """(predictors, sparse_config) from one of our directories or a released checkpoint directory.
 
     ``model_dir`` (the model the predictors are for) only completes the missing-weights message.
@@ -306,7 +317,9 @@ def load_predictors(path: str | Path, hidden_size: int, model_dir: str | Path | 
     cfg = json.loads(cfg_file.read_text())
     sparse = cfg.get("sparse_config")
     if not isinstance(sparse, dict):
-        raise ModelLoadError(f"{cfg_file} has no sparse_config: not Dynamic-LLaVA predictors nor a released Dynamic-LLaVA checkpoint")
+        raise ModelLoadError(
+            f"{cfg_file} has no sparse_config: not Dynamic-LLaVA predictors nor a released Dynamic-LLaVA checkpoint"
+        )
     d = int(cfg.get("hidden_size") or cfg.get("text_config", {}).get("hidden_size") or 0)
     if d != hidden_size:
         raise ModelLoadError(
@@ -314,7 +327,14 @@ def load_predictors(path: str | Path, hidden_size: int, model_dir: str | Path | 
             "use predictors trained for this model"
         )
     has_text = bool(sparse.get("use_text_predictor", True)) and bool(sparse.get("use_output_text_predictor", True))
-    spec = PredictorSpec(d, int(sparse["d_model"]), int(sparse["nhead"]), int(sparse["dim_feedforward"]), int(sparse.get("num_layers", 2)), has_text)
+    spec = PredictorSpec(
+        d,
+        int(sparse["d_model"]),
+        int(sparse["nhead"]),
+        int(sparse["dim_feedforward"]),
+        int(sparse.get("num_layers", 2)),
+        has_text,
+    )
     if cfg.get("format") == FORMAT:
         if not ours.is_file():
             raise _missing(path, model_dir)

@@ -138,13 +138,23 @@ def random_clip(model, tokenizer, seed: int = 0):
 
     vc = model.config.vision_config
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id or 0,
     )
     vision = dict(
-        hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size, num_hidden_layers=1,
-        num_attention_heads=vc.num_attention_heads, image_size=vc.image_size, patch_size=vc.patch_size,
+        hidden_size=vc.hidden_size,
+        intermediate_size=vc.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=vc.num_attention_heads,
+        image_size=vc.image_size,
+        patch_size=vc.patch_size,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -171,7 +181,9 @@ def load_clip_guide(spec: str | None, model, llava_tokenizer) -> ClipGuide:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the HICom guide CLIP {path!r} (config clip_model): {exc}") from None
     local = Path(path)
-    has_tok = not local.is_dir() or any((local / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+    has_tok = not local.is_dir() or any(
+        (local / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+    )
     if has_tok:
         guide = ClipGuide(clip, AutoTokenizer.from_pretrained(path), embedded=False)
     else:  # the embedded model's CLIP is trained on the LLaVA tokenizer
@@ -278,13 +290,20 @@ class GlobalCompressor(nn.Module):
       parameters are unused and the n queries, their attention and their n output tokens are identical.
     """
 
-    def __init__(self, vision_hidden: int, llm_hidden: int, text_dim: int, n_queries: int = 32, mode: str = "coarse") -> None:
+    def __init__(
+        self, vision_hidden: int, llm_hidden: int, text_dim: int, n_queries: int = 32, mode: str = "coarse"
+    ) -> None:
         super().__init__()
         if mode not in GLOBAL_MODES:
             raise ValueError(f"global mode {mode!r}: one of {GLOBAL_MODES}")
         d = vision_hidden
         self.mode = mode
-        self.dims = {"vision_hidden": vision_hidden, "llm_hidden": llm_hidden, "text_dim": text_dim, "n_queries": n_queries}
+        self.dims = {
+            "vision_hidden": vision_hidden,
+            "llm_hidden": llm_hidden,
+            "text_dim": text_dim,
+            "n_queries": n_queries,
+        }
         self.heads = max(1, d // 128)  # HICom: embed_dim // 128 heads
         if d % self.heads:
             self.heads = 1
@@ -343,7 +362,9 @@ def save_global(module: GlobalCompressor, path: str | Path, meta: dict[str, Any]
     return path
 
 
-def load_global(path: str | Path, *, model_hint: str, expect: dict[str, int]) -> tuple[GlobalCompressor, dict[str, Any]]:
+def load_global(
+    path: str | Path, *, model_hint: str, expect: dict[str, int]
+) -> tuple[GlobalCompressor, dict[str, Any]]:
     """Load trained global-branch weights; clear errors for a missing file or mismatched sizes.
 
     ``path == "random"``: a seeded, untrained branch of the expected sizes (timings on random-weight
@@ -351,8 +372,10 @@ def load_global(path: str | Path, *, model_hint: str, expect: dict[str, int]) ->
     from safetensors.torch import load_file
 
     if str(path) == "random":
-        logger.warning("hicom: an untrained random global branch (global_weights: random) decides nothing meaningful: "
-                       "for tests and timings on random-weight shapes only")
+        logger.warning(
+            "hicom: an untrained random global branch (global_weights: random) decides nothing meaningful: "
+            "for tests and timings on random-weight shapes only"
+        )
         dims = {k: int(expect[k]) for k in ("vision_hidden", "llm_hidden", "text_dim", "n_queries")}
         meta = {**dims, "mode": expect.get("mode", "coarse"), "trained": False}
         with torch.random.fork_rng(devices=[]):
@@ -372,16 +395,20 @@ def load_global(path: str | Path, *, model_hint: str, expect: dict[str, int]) ->
     want_mode = expect.get("mode")
     if want_mode is not None and meta["mode"] != want_mode:
         raise ConfigError(
-            "global_mode", f"{path} holds a {meta['mode']!r} global branch but global_mode is {want_mode!r}; "
-            f"train one with `{TRAIN_COMMAND.format(model=model_hint)} --global-mode {want_mode}` or set global_mode: {meta['mode']}"
+            "global_mode",
+            f"{path} holds a {meta['mode']!r} global branch but global_mode is {want_mode!r}; "
+            f"train one with `{TRAIN_COMMAND.format(model=model_hint)} --global-mode {want_mode}` or set global_mode: {meta['mode']}",
         )
     for k, v in expect.items():
         if k == "mode":
             continue
         if int(meta.get(k, -1)) != int(v):
             raise ConfigError(
-                "global_weights", f"{path} was trained with {k}={meta.get(k)} but this model/recipe needs {k}={v}; retrain it"
+                "global_weights",
+                f"{path} was trained with {k}={meta.get(k)} but this model/recipe needs {k}={v}; retrain it",
             )
-    module = GlobalCompressor(meta["vision_hidden"], meta["llm_hidden"], meta["text_dim"], meta["n_queries"], meta["mode"])
+    module = GlobalCompressor(
+        meta["vision_hidden"], meta["llm_hidden"], meta["text_dim"], meta["n_queries"], meta["mode"]
+    )
     module.load_state_dict(load_file(str(path)))
     return module.eval().requires_grad_(False), meta

@@ -129,7 +129,9 @@ class Segment:
         for data in self.classes.values():
             if data.index.shape[1] == 0:
                 continue
-            dest = data.index.masked_fill(~data.valid, self.length)[:, :, None].expand(-1, -1, c)  # invalid -> dump slot
+            dest = data.index.masked_fill(~data.valid, self.length)[:, :, None].expand(
+                -1, -1, c
+            )  # invalid -> dump slot
             k.scatter_(1, dest, data.k.dequantize(self.dtype))
             v.scatter_(1, dest, data.v.dequantize(self.dtype) * self.v_channel_scale)
         return _unflat(k[:, : self.length], self.heads), _unflat(v[:, : self.length], self.heads)
@@ -338,7 +340,11 @@ class MixedPrecisionKVLayer(DynamicLayer):
         """[B] logical stored bytes: quantised segments + the valid slots of the full-precision buffer."""
         n = self.buffer_length
         slot = 2 * self.buf_k.shape[1] * self.buf_k.shape[-1] * self.buf_k.element_size()
-        buf = valid[:, valid.shape[1] - n :].sum(1).double().cpu() * slot if n else torch.zeros(valid.shape[0], dtype=torch.float64)
+        buf = (
+            valid[:, valid.shape[1] - n :].sum(1).double().cpu() * slot
+            if n
+            else torch.zeros(valid.shape[0], dtype=torch.float64)
+        )
         return self._seg_bytes + buf
 
     def stored_nbytes(self) -> int:

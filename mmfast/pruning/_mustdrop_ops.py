@@ -92,7 +92,14 @@ def apply_kv_policy(state: LMState, first: int, last_start: int, ref_start: floa
     if head.start < first:
         state.groups.insert(
             g1 + 1,
-            LayerGroup(first, head.key_mask.clone(), head.positions.clone(), head.source.clone(), compact=True, ref_start=ref_start),
+            LayerGroup(
+                first,
+                head.key_mask.clone(),
+                head.positions.clone(),
+                head.source.clone(),
+                compact=True,
+                ref_start=ref_start,
+            ),
         )
         g1, final_g = g1 + 1, final_g + 1
     length = int(state.inputs.input_ids.shape[1])

@@ -35,20 +35,32 @@ from ._grid import grid_features, near_square_grid, per_sample
 from .base import Pruner
 
 
-@PRUNERS.register("avgpool", description="Average pooling: adaptive 2-D pooling of the patch grid to about `keep` tokens (baseline)")
+@PRUNERS.register(
+    "avgpool", description="Average pooling: adaptive 2-D pooling of the patch grid to about `keep` tokens (baseline)"
+)
 class AvgPool(Pruner):
     """2-D adaptive average pooling (baseline)."""
 
     hook_points = frozenset({"vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}), edits_features=True, needs_full_grid=True, unsupported=why_not(
-        (("llava_next", "llava_onevision"), "pools one square patch grid per image; these families pack tiles into an "
-         "unpadded, newline-separated mosaic after the projector"),
-        (QWEN_FAMILIES, "pools one square patch grid shared by all images; per-image dynamic grids are not wired"),
-    ))
+    caps = Capabilities(
+        families=frozenset({"llava"}),
+        edits_features=True,
+        needs_full_grid=True,
+        unsupported=why_not(
+            (
+                ("llava_next", "llava_onevision"),
+                "pools one square patch grid per image; these families pack tiles into an "
+                "unpadded, newline-separated mosaic after the projector",
+            ),
+            (QWEN_FAMILIES, "pools one square patch grid shared by all images; per-image dynamic grids are not wired"),
+        ),
+    )
 
     @dataclass(frozen=True)
     class Config:
-        keep: int = opt(64, lo=1, doc="about this many pooled tokens per image (near-square grid; see stats for the count)")
+        keep: int = opt(
+            64, lo=1, doc="about this many pooled tokens per image (near-square grid; see stats for the count)"
+        )
 
     budget_knobs = ("keep",)
 
@@ -72,7 +84,9 @@ class AvgPool(Pruner):
     def prune_vision(self, vision, batch):
         rows, cols = vision.grid
         if self.config.keep >= rows * cols:
-            vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+            vision.stats[self.name] = {
+                "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)
+            }
             return vision
         oh, ow = self.out_grid((rows, cols))
         for i in range(vision.n_images):

@@ -83,7 +83,9 @@ from .base import Pruner
 from .divprune import select_image_rows
 
 
-def relevance(image: torch.Tensor, text: torch.Tensor, *, negate: bool = False, theta: float | None = None) -> torch.Tensor:
+def relevance(
+    image: torch.Tensor, text: torch.Tensor, *, negate: bool = False, theta: float | None = None
+) -> torch.Tensor:
     """[N] fp32: mean cosine of each image embedding [N, D] with the instruction embeddings [M, D]
     (negated if ``negate``), min-max normalised, then exp(alpha r) when ``theta`` is set."""
     v = image.float() / image.float().norm(dim=-1, keepdim=True)
@@ -196,45 +198,72 @@ def load_clip_text(path: str, device, dtype, llava_tokenizer) -> ClipText:
     try:
         model = CLIPModel.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
     except (OSError, ValueError) as exc:
-        raise ConfigError("clip_model", f"cannot load a CLIP model (text tower, projections, tokenizer) from {path!r}: {exc}") from None
+        raise ConfigError(
+            "clip_model", f"cannot load a CLIP model (text tower, projections, tokenizer) from {path!r}: {exc}"
+        ) from None
     vocab = int(model.config.text_config.vocab_size)
     local = Path(path)
     if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
         if len(llava_tokenizer) != vocab:
-            raise ConfigError("clip_model", f"{path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}) and its text tower's "
-                              f"vocabulary ({vocab}) is not the model's tokenizer's ({len(llava_tokenizer)}); point "
-                              f"clip_model at a CLIP directory that includes its tokenizer")
+            raise ConfigError(
+                "clip_model",
+                f"{path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}) and its text tower's "
+                f"vocabulary ({vocab}) is not the model's tokenizer's ({len(llava_tokenizer)}); point "
+                f"clip_model at a CLIP directory that includes its tokenizer",
+            )
         return ClipText(model, llava_tokenizer, embedded=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError("clip_model", f"cannot load the CLIP tokenizer from {path!r}: {exc}") from None
     if len(tokenizer) != vocab:
-        raise ConfigError("clip_model", f"the tokenizer in {path!r} has {len(tokenizer)} tokens but the text tower's "
-                          f"vocabulary has {vocab}; the CLIP directory needs its own complete tokenizer")
+        raise ConfigError(
+            "clip_model",
+            f"the tokenizer in {path!r} has {len(tokenizer)} tokens but the text tower's "
+            f"vocabulary has {vocab}; the CLIP directory needs its own complete tokenizer",
+        )
     return ClipText(model, tokenizer)
 
 
-@PRUNERS.register("cdpruner", description="CDPruner: conditional DPP (instruction relevance x token similarity), greedy MAP")
+@PRUNERS.register(
+    "cdpruner", description="CDPruner: conditional DPP (instruction relevance x token similarity), greedy MAP"
+)
 class CDPruner(Pruner):
     """CDPruner."""
 
     hook_points = frozenset({"vision_features"})
     # NeXT: the per-tile selection needs every tile whole, so it runs as the first vision-token edit
-    caps = Capabilities(families=frozenset({"llava", "llava_next"}), edits_features=True, needs_full_grid=True, unsupported=why_not(
-        ("llava_onevision", "its per-tile DPP follows LLaVA-NeXT's tiles; OneVision's anyres-max mosaic is "
-         "downscaled across tiles, a layout the release does not cover, and its budget has no per-image fraction rule"),
-        (QWEN_FAMILIES, "the release reports Qwen2.5-VL results but the code readable here (Theia-4869/CDPruner) is "
-         "LLaVA's only; its CLIP-text relevance has no counterpart in Qwen-VL towers and its budget no per-image "
-         "fraction rule under dynamic resolution"),
-    ))
+    caps = Capabilities(
+        families=frozenset({"llava", "llava_next"}),
+        edits_features=True,
+        needs_full_grid=True,
+        unsupported=why_not(
+            (
+                "llava_onevision",
+                "its per-tile DPP follows LLaVA-NeXT's tiles; OneVision's anyres-max mosaic is "
+                "downscaled across tiles, a layout the release does not cover, and its budget has no per-image fraction rule",
+            ),
+            (
+                QWEN_FAMILIES,
+                "the release reports Qwen2.5-VL results but the code readable here (Theia-4869/CDPruner) is "
+                "LLaVA's only; its CLIP-text relevance has no counterpart in Qwen-VL towers and its budget no per-image "
+                "fraction rule under dynamic resolution",
+            ),
+        ),
+    )
 
     @dataclass(frozen=True)
     class Config:
         keep: int = opt(64, lo=0, doc="T: tokens kept per image (release visual_token_num)")
-        theta: float | None = opt(None, lo=0.0, hi=0.99, doc="relevance weight: r = exp(theta / (2 (1 - theta)) r); None: off (release)")
-        negate: bool | None = opt(None, doc="relevance = -cos (None: the release's sign with clip_model, none with LLM embeddings)")
-        clip_model: str | None = opt(None, doc="local path of the tower's paired CLIP model (text tower, projections, tokenizer)")
+        theta: float | None = opt(
+            None, lo=0.0, hi=0.99, doc="relevance weight: r = exp(theta / (2 (1 - theta)) r); None: off (release)"
+        )
+        negate: bool | None = opt(
+            None, doc="relevance = -cos (None: the release's sign with clip_model, none with LLM embeddings)"
+        )
+        clip_model: str | None = opt(
+            None, doc="local path of the tower's paired CLIP model (text tower, projections, tokenizer)"
+        )
 
     budget_knobs = ("keep",)
 
@@ -300,7 +329,12 @@ class CDPruner(Pruner):
             if cfg.keep >= n:
                 continue
             vision.projected[i] = projected[i]
-            rel = relevance(self.image_embeddings(vision, i, projected[i]), t.to(projected[i].device), negate=self.negate(), theta=cfg.theta)
+            rel = relevance(
+                self.image_embeddings(vision, i, projected[i]),
+                t.to(projected[i].device),
+                negate=self.negate(),
+                theta=cfg.theta,
+            )
             select_image_rows(vision, i, greedy_map(dpp_kernel(projected[i], rel), cfg.keep).sort().values)
         vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
         return vision
@@ -314,11 +348,14 @@ class CDPruner(Pruner):
         n, n_t = rows * cols, vision.extras["n_tiles"][i]
         feats = vision.features[i]  # [n_t * n, Dv]
         index = torch.arange(1, n_t * n + 1, dtype=torch.float32, device=feats.device).reshape(n_t, n, 1)
-        packed, _ = self.adapter.base.pack_image_features([index], image_size[None], self.adapter.select_strategy,
-                                                           image_newline=index.new_zeros(1))
+        packed, _ = self.adapter.base.pack_image_features(
+            [index], image_size[None], self.adapter.select_strategy, image_newline=index.new_zeros(1)
+        )
         slot = packed[0][:, 0].round().long()  # [L] tile token (1-based) behind each packed row, 0 = row separator
         if feats.shape[0] != n_t * n or vision.projected[i].shape[0] != slot.numel():
-            raise ValueError("cdpruner needs every image's full tiles on LLaVA-NeXT; put it first among the feature stages")
+            raise ValueError(
+                "cdpruner needs every image's full tiles on LLaVA-NeXT; put it first among the feature stages"
+            )
         tiles = self.adapter.projector(feats.reshape(n_t, n, -1))  # [n_t, n, d]
         emb = tiles.reshape(n_t * n, -1) if self.clip is None else self.image_embeddings(vision, i, None)
         rel = relevance(emb, text.to(feats.device), negate=self.negate(), theta=self.config.theta).reshape(n_t, n)

@@ -98,8 +98,14 @@ def release_pivot_order(pivots: torch.Tensor, seq_index: torch.Tensor) -> torch.
 
 
 def dart_select(
-    features: torch.Tensor, key_l1: torch.Tensor, image: torch.Tensor, text: torch.Tensor,
-    pivot_image: int, pivot_text: int, per_pivot: int, seq_index: torch.Tensor | None = None,
+    features: torch.Tensor,
+    key_l1: torch.Tensor,
+    image: torch.Tensor,
+    text: torch.Tensor,
+    pivot_image: int,
+    pivot_text: int,
+    per_pivot: int,
+    seq_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One image of one sample. ``features`` [T, d] (final-normed hidden states), ``key_l1`` [T],
     ``image`` / ``text`` [n] / [m] slot indices. Pivots are visited in slot order, or in the release's
@@ -138,11 +144,16 @@ class DART(Pruner):
         k: int = opt(2, lo=1, doc="prune at the input of layer K (index on a 32-layer LLM, see layer_mapping)")
         pivot_image: int = opt(4, lo=0, doc="image pivot tokens (largest key L1 norm), kept")
         pivot_text: int = opt(4, lo=0, doc="text pivot tokens after the image (largest key L1 norm)")
-        truncation: int | None = opt(None, lo=0, doc="M: tokens picked for all pivots together (None: release default per family, unless ratio)")
-        ratio: float | None = opt(None, lo=0.0, hi=1.0, doc="reduction ratio: M = N (1 - ratio) when truncation is not set; 0 = no pruning")
+        truncation: int | None = opt(
+            None, lo=0, doc="M: tokens picked for all pivots together (None: release default per family, unless ratio)"
+        )
+        ratio: float | None = opt(
+            None, lo=0.0, hi=1.0, doc="reduction ratio: M = N (1 - ratio) when truncation is not set; 0 = no pruning"
+        )
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
         preset: Literal["sequence", "release"] = opt(
-            "sequence", doc="pivot order: sequence (ascending); release: the release's set iteration order of their sequence indices"
+            "sequence",
+            doc="pivot order: sequence (ascending); release: the release's set iteration order of their sequence indices",
         )
 
     budget_knobs = ("truncation", "ratio")
@@ -176,7 +187,7 @@ class DART(Pruner):
         cfg = self.config
         if self.is_noop():
             return
-        (layer, paper), = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")
+        ((layer, paper),) = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")
         self.layer = layer
         attach(self.ctx.hooks, self.adapter.layers[layer - 1].self_attn).recorders.append(self._record_keys)
         self.ctx.runner.prune_at(layer, self.select, ref_layer=paper)
@@ -185,8 +196,12 @@ class DART(Pruner):
         state = self.ctx.runner.active
         if state is None or query.shape[2] != key.shape[2] or query.shape[2] < 2:
             return  # prefill only (no cache before it): decode and verify steps are not pruned
-        groups = query.shape[1] // key.shape[1]  # the release's keys are repeat_kv'd: each KV head counts `groups` times
-        state.extras.setdefault(self.name, {})[f"key_l1.{self.layer - 1}"] = key.float().abs().sum((1, 3)) * groups  # [B, T]
+        groups = (
+            query.shape[1] // key.shape[1]
+        )  # the release's keys are repeat_kv'd: each KV head counts `groups` times
+        state.extras.setdefault(self.name, {})[f"key_l1.{self.layer - 1}"] = (
+            key.float().abs().sum((1, 3)) * groups
+        )  # [B, T]
 
     def per_pivot(self, n: int) -> int:
         cfg = self.config
@@ -220,7 +235,18 @@ class DART(Pruner):
             for j in range(int(image[b].max()) + 1):
                 slots = (image[b] == j).nonzero().squeeze(1)
                 t = self.per_pivot(slots.numel())
-                kept[b, dart_select(feats[b], key_l1[b], slots, text, cfg.pivot_image, cfg.pivot_text, t,
-                                    None if seq_index is None else seq_index[b])] = True
+                kept[
+                    b,
+                    dart_select(
+                        feats[b],
+                        key_l1[b],
+                        slots,
+                        text,
+                        cfg.pivot_image,
+                        cfg.pivot_text,
+                        t,
+                        None if seq_index is None else seq_index[b],
+                    ),
+                ] = True
         view.state.stats[self.name] = {"per_sample_kept": kept.sum(1).tolist(), "layer": self.layer}
         return keep_only(view.vision, kept)

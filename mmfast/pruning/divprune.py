@@ -93,7 +93,9 @@ def select_image_rows(vision, i: int, rows: torch.Tensor) -> None:
         tags[i] = tags[i][rows.to(tags[i].device)]
 
 
-@PRUNERS.register("divprune", description="DivPrune: max-min diversity (farthest-point) selection of projected image tokens")
+@PRUNERS.register(
+    "divprune", description="DivPrune: max-min diversity (farthest-point) selection of projected image tokens"
+)
 class DivPrune(Pruner):
     """DivPrune."""
 

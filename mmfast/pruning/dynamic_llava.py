@@ -121,9 +121,12 @@ class DynamicLLaVA(Pruner):
         )
         sparse_layer: int = opt(2, lo=1, doc="K: predictors read the hidden states entering layer K (paper: 2)")
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
-        vision_keep_rate: float = opt(0.2, lo=0.0, hi=1.0, doc="fraction of image tokens kept at prefill, k = int(N * rate) (paper: 0.2)")
+        vision_keep_rate: float = opt(
+            0.2, lo=0.0, hi=1.0, doc="fraction of image tokens kept at prefill, k = int(N * rate) (paper: 0.2)"
+        )
         text_keep: Literal["predictor", "always"] = opt(
-            "predictor", doc="generated tokens: the output-text predictor decides, or always keep (no text sparsification)"
+            "predictor",
+            doc="generated tokens: the output-text predictor decides, or always keep (no text sparsification)",
         )
         use_cache: bool = opt(True, doc="false: decode without KV cache (recompute; drop generated tokens at layer K)")
 
@@ -139,7 +142,7 @@ class DynamicLLaVA(Pruner):
         from ._budget import in_llm_keep, vision_tokens_per_image
 
         n_layers, n = len(adapter.layers), vision_tokens_per_image(adapter)
-        (layer, _), = map_layers([config.sparse_layer], n_layers, config.layer_mapping)
+        ((layer, _),) = map_layers([config.sparse_layer], n_layers, config.layer_mapping)
         k = in_llm_keep(tokens, n, layer, n_layers, path)
         return {"vision_keep_rate": 1.0 if k >= n else (k + 0.5) / n}
 
@@ -159,7 +162,9 @@ class DynamicLLaVA(Pruner):
     # -- installation ------------------------------------------------------------------------------
     def install(self) -> None:
         cfg = self.config
-        (layer, paper), = map_layers([cfg.sparse_layer], len(self.adapter.layers), cfg.layer_mapping, param="sparse_layer")
+        ((layer, paper),) = map_layers(
+            [cfg.sparse_layer], len(self.adapter.layers), cfg.layer_mapping, param="sparse_layer"
+        )
         self.layer, self.paper_layer = layer, paper
         self.text_rule = cfg.text_keep == "predictor"
         needed = cfg.vision_keep_rate < 1.0 or self.text_rule
@@ -178,8 +183,10 @@ class DynamicLLaVA(Pruner):
         cfg = self.config
         hidden = self.adapter.text_config.hidden_size
         if cfg.predictors == "random":
-            logger.warning("dynamic_llava: untrained random predictors (predictors: random) decide nothing meaningful: "
-                           "for tests and timings on random-weight shapes only")
+            logger.warning(
+                "dynamic_llava: untrained random predictors (predictors: random) decide nothing meaningful: "
+                "for tests and timings on random-weight shapes only"
+            )
             predictors, sparse = random_predictors(hidden), {}
         else:
             path = self._predictor_dir()
@@ -238,7 +245,11 @@ class DynamicLLaVA(Pruner):
             keep &= ~self._drop_generated(view, stats)
         elif self.text_rule:  # decode steps fill these in (_apply)
             zeros = [0] * len(n_vis)
-            stats.update(per_sample_generated=zeros, per_sample_kv_skipped=zeros, per_sample_kv_skipped_fraction=[0.0] * len(n_vis))
+            stats.update(
+                per_sample_generated=zeros,
+                per_sample_kv_skipped=zeros,
+                per_sample_kv_skipped_fraction=[0.0] * len(n_vis),
+            )
         view.state.stats[self.name] = stats
         return keep
 
@@ -291,7 +302,9 @@ class DynamicLLaVA(Pruner):
             return
         bsz, q = keep.shape
         drop = ~keep
-        fed, skipped = state.extras.get(_COUNTS, (torch.zeros(bsz, dtype=torch.long), torch.zeros(bsz, dtype=torch.long)))
+        fed, skipped = state.extras.get(
+            _COUNTS, (torch.zeros(bsz, dtype=torch.long), torch.zeros(bsz, dtype=torch.long))
+        )
         fed, skipped = fed + q, skipped + drop.sum(1).cpu()
         state.extras[_COUNTS] = (fed, skipped)
         mine = state.stats.setdefault(self.name, {})
@@ -335,7 +348,12 @@ class DynamicLLaVA(Pruner):
         if src.start == self.layer:
             return
         grp = LayerGroup(
-            self.layer, src.key_mask.clone(), src.positions.clone(), src.source.clone(), src.compact, float(self.paper_layer)
+            self.layer,
+            src.key_mask.clone(),
+            src.positions.clone(),
+            src.source.clone(),
+            src.compact,
+            float(self.paper_layer),
         )
         state.groups.insert(g + 1, grp)
 

@@ -83,7 +83,7 @@ class FastV(Pruner):
 
     def install(self) -> None:
         cfg = self.config
-        (layer, paper), = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")
+        ((layer, paper),) = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")
         self.layer = layer
         self.probe_key = f"fastv.{layer - 1}"
         attn = self.adapter.layers[layer - 1].self_attn

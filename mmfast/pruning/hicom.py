@@ -82,36 +82,60 @@ from ._hicom_modules import (
 from .base import Pruner
 
 
-@PRUNERS.register("hicom", description="HICom: instruction-guided local group pooling + trained global queries before the LLM")
+@PRUNERS.register(
+    "hicom", description="HICom: instruction-guided local group pooling + trained global queries before the LLM"
+)
 class HICom(Pruner):
     """HICom."""
 
     hook_points = frozenset({"vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}), edits_features=True, needs_full_grid=True, unsupported=why_not(
-        (("llava_next", "llava_onevision"), "its global queries and CLIP guide are trained for LLaVA-1.5's one square "
-         "grid per image; these families pack tiles into an unpadded, newline-separated mosaic"),
-        (QWEN_FAMILIES, "its global queries and CLIP guide are trained for LLaVA-1.5 features; no Qwen-VL weights"),
-    ))
+    caps = Capabilities(
+        families=frozenset({"llava"}),
+        edits_features=True,
+        needs_full_grid=True,
+        unsupported=why_not(
+            (
+                ("llava_next", "llava_onevision"),
+                "its global queries and CLIP guide are trained for LLaVA-1.5's one square "
+                "grid per image; these families pack tiles into an unpadded, newline-separated mosaic",
+            ),
+            (QWEN_FAMILIES, "its global queries and CLIP guide are trained for LLaVA-1.5 features; no Qwen-VL weights"),
+        ),
+    )
 
     @dataclass(frozen=True)
     class Config:
-        spatial_kernel: int = opt(3, lo=1, doc="g: local groups of g x g patches (paper local43: 3; 24x24 -> 64, g=2 -> 144)")
+        spatial_kernel: int = opt(
+            3, lo=1, doc="g: local groups of g x g patches (paper local43: 3; 24x24 -> 64, g=2 -> 144)"
+        )
         temporal_kernel: int = opt(4, lo=1, doc="frames per local group when a prompt has several frames (paper: 4)")
-        local_tokens: int | None = opt(None, lo=1, doc="overrides spatial_kernel: near-square grid of about this many local tokens per frame group")
+        local_tokens: int | None = opt(
+            None, lo=1, doc="overrides spatial_kernel: near-square grid of about this many local tokens per frame group"
+        )
         local: bool = opt(True, doc="the local branch (false: global tokens only)")
-        alpha: float = opt(0.5, lo=0.0, hi=1.0, doc="w = alpha * softmax(s * cos) + (1 - alpha) / |G| (0: average pooling)")
+        alpha: float = opt(
+            0.5, lo=0.0, hi=1.0, doc="w = alpha * softmax(s * cos) + (1 - alpha) / |G| (0: average pooling)"
+        )
         scale: float = opt(20.0, lo=0.0, hi=200.0, doc="s: cosine scale of the local softmax (spec: 10-50; CLIP: 100)")
         local_rule: Literal["blend", "release"] = opt(
-            "release", doc="blend: alpha * softmax(s cos) + (1 - alpha) / |G| on post-layernorm keys; release: HICom's "
-            "released local attention softmax(g . k / sqrt(P)) on raw keys (alpha, scale unused)"
+            "release",
+            doc="blend: alpha * softmax(s cos) + (1 - alpha) / |G| on post-layernorm keys; release: HICom's "
+            "released local attention softmax(g . k / sqrt(P)) on raw keys (alpha, scale unused)",
         )
         global_queries: int = opt(32, lo=0, doc="learnable global queries (paper: 32; 0 = training-free local only)")
         global_mode: Literal["coarse", "direct"] = opt(
-            "coarse", doc="global-branch instruction injection: coarse (the paper: FiLM-modulated learned queries) or "
-            "direct (the release: the queries are the projected instruction); must match the trained weights"
+            "coarse",
+            doc="global-branch instruction injection: coarse (the paper: FiLM-modulated learned queries) or "
+            "direct (the release: the queries are the projected instruction); must match the trained weights",
         )
-        global_weights: str | None = opt(None, doc="trained global branch (default <model dir>/hicom_global.safetensors; 'random': untrained, for timings on random-weight shapes and tests)")
-        clip_model: str | None = opt(None, doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': timings on random-weight shapes and tests)")
+        global_weights: str | None = opt(
+            None,
+            doc="trained global branch (default <model dir>/hicom_global.safetensors; 'random': untrained, for timings on random-weight shapes and tests)",
+        )
+        clip_model: str | None = opt(
+            None,
+            doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': timings on random-weight shapes and tests)",
+        )
         frames: Literal["video", "images"] = opt("video", doc="video: a prompt's images are frames compressed jointly")
 
         def __post_init__(self) -> None:
@@ -129,7 +153,9 @@ class HICom(Pruner):
         """local_tokens = B - global_queries."""
         n_global = config.global_queries if config.local else 0
         if not config.local:
-            raise ConfigError(f"{path}.tokens", "local: false leaves only the global queries; set global_queries instead of a budget")
+            raise ConfigError(
+                f"{path}.tokens", "local: false leaves only the global queries; set global_queries instead of a budget"
+            )
         if tokens <= n_global:
             raise ConfigError(
                 f"{path}.tokens",
@@ -148,7 +174,13 @@ class HICom(Pruner):
 
     def is_noop(self) -> bool:
         c = self.config
-        return c.local and c.spatial_kernel == 1 and c.temporal_kernel == 1 and c.local_tokens is None and c.global_queries == 0
+        return (
+            c.local
+            and c.spatial_kernel == 1
+            and c.temporal_kernel == 1
+            and c.local_tokens is None
+            and c.global_queries == 0
+        )
 
     def install(self) -> None:
         self.clip = self.glob = None
@@ -164,7 +196,9 @@ class HICom(Pruner):
             d = model_dir(model)
             path = cfg.global_weights or (str(d / GLOBAL_WEIGHTS) if d is not None else None)
             if path is None:
-                raise ConfigError("global_weights", "this model has no local directory; set global_weights to the trained file")
+                raise ConfigError(
+                    "global_weights", "this model has no local directory; set global_weights to the trained file"
+                )
             expect = {
                 "vision_hidden": self.adapter.vision_config.hidden_size,
                 "llm_hidden": self.adapter.text_config.hidden_size,
@@ -193,7 +227,9 @@ class HICom(Pruner):
 
     def prune_vision(self, vision: VisionBatch, batch) -> VisionBatch:
         if self.is_noop():
-            vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+            vision.stats[self.name] = {
+                "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)
+            }
             return vision
         cfg = self.config
         rows, cols = vision.grid
@@ -212,7 +248,9 @@ class HICom(Pruner):
             guide = guides[b]
             pieces_f, pieces_p = [], []
             if cfg.local:
-                out_grid = local_grid(t, rows, cols, cfg.temporal_kernel if t > 1 else 1, cfg.spatial_kernel, cfg.local_tokens)
+                out_grid = local_grid(
+                    t, rows, cols, cfg.temporal_kernel if t > 1 else 1, cfg.spatial_kernel, cfg.local_tokens
+                )
                 k = keys[idx].reshape(t, rows, cols, -1) if keys is not None else None
                 local, _, _ = local_compress(values, k, guide, out_grid, cfg.alpha, cfg.scale, cfg.local_rule)
                 pieces_f.append(local.to(dtype))
@@ -221,7 +259,13 @@ class HICom(Pruner):
                 pre, tok = self.glob(values.float()[None].to(self.clip.device), guide[None])
                 pieces_f.append(pre[0].to(dev, dtype))
                 if cfg.local:
-                    tmp = VisionBatch([pieces_f[0]], [torch.full((pieces_f[0].shape[0],), -1, device=dev)], None, vision.grid, vision.pixel_values[:0])
+                    tmp = VisionBatch(
+                        [pieces_f[0]],
+                        [torch.full((pieces_f[0].shape[0],), -1, device=dev)],
+                        None,
+                        vision.grid,
+                        vision.pixel_values[:0],
+                    )
                     pieces_p.append(self.adapter.project(tmp)[0])
                 pieces_p.append(tok[0].to(dev))
             feats = torch.cat(pieces_f)

@@ -93,14 +93,22 @@ PRESETS: dict[str, tuple[float, float]] = {"192": (0.001, 0.001), "128": (0.0012
 
 
 UNSUPPORTED = why_not(
-    (("llava_next", "llava_onevision"), "its window merge needs one square patch grid per image in the tower; these "
-     "families unpad and re-pack tiles after the projector (OneVision's SigLIP has no CLS for its key set either)"),
-    (QWEN_FAMILIES, "its key set needs CLS attention and its window merge a fixed square grid in CLIP layer 0; "
-     "Qwen-VL towers have neither"),
+    (
+        ("llava_next", "llava_onevision"),
+        "its window merge needs one square patch grid per image in the tower; these "
+        "families unpad and re-pack tiles after the projector (OneVision's SigLIP has no CLS for its key set either)",
+    ),
+    (
+        QWEN_FAMILIES,
+        "its key set needs CLS attention and its window merge a fixed square grid in CLIP layer 0; "
+        "Qwen-VL towers have neither",
+    ),
 )
 
 
-@PRUNERS.register("mustdrop", description="MustDrop: window merge + key set in CLIP, dual-attention drop in prefill, KV policy")
+@PRUNERS.register(
+    "mustdrop", description="MustDrop: window merge + key set in CLIP, dual-attention drop in prefill, KV policy"
+)
 class MustDrop(Pruner):
     """MustDrop."""
 
@@ -109,9 +117,13 @@ class MustDrop(Pruner):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         return Capabilities(
-            families=frozenset({"llava"}), needs_cls=True, merges_in_tower=True, needs_full_grid=True,
+            families=frozenset({"llava"}),
+            needs_cls=True,
+            merges_in_tower=True,
+            needs_full_grid=True,
             unsupported=UNSUPPORTED,
-            kv_edit_prefill=params is None or params.kv_policy, tower_per_image=True,
+            kv_edit_prefill=params is None or params.kv_policy,
+            tower_per_image=True,
         )
 
     @dataclass(frozen=True)
@@ -119,10 +131,14 @@ class MustDrop(Pruner):
         preset: Literal["192", "128", "64"] = opt("64", doc="paper budget: (lambda_g, lambda_i) of the README")
         lambda_g: float | None = opt(None, lo=0.0, doc="global-attention threshold (overrides the preset)")
         lambda_i: float | None = opt(None, lo=0.0, doc="individual-attention threshold (overrides the preset)")
-        layers: tuple[int, ...] = opt((2, 6, 10, 14), lo=1, doc="filter at the output of these LLM layers (32-layer indices)")
+        layers: tuple[int, ...] = opt(
+            (2, 6, 10, 14), lo=1, doc="filter at the output of these LLM layers (32-layer indices)"
+        )
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
         window: int = opt(3, lo=2, doc="w: local merge window (w x w); must divide the patch grid")
-        sim_threshold: float = opt(0.8, lo=-1.0, hi=2.0, doc="merge a window whose mean pairwise cosine >= this (> 1: never)")
+        sim_threshold: float = opt(
+            0.8, lo=-1.0, hi=2.0, doc="merge a window whose mean pairwise cosine >= this (> 1: never)"
+        )
         key_ratio: float = opt(0.08, lo=0.0, hi=1.0, doc="key set = top ceil(ratio * N') patches by CLS attention")
         key_layer: int = opt(-1, doc="vision layer whose CLS attention picks the key set (-1: last)")
         kv_policy: bool = opt(True, doc="trim the caches of layers >= the first filter layer to the final survivors")
@@ -174,19 +190,33 @@ class MustDrop(Pruner):
             # the filters cannot drop enough (a shallow LLM's first filter sees every merged token):
             # thresholds at their largest scale, then merge more windows
             merge_lo = -1.0
-            check_reachable(self.budget_path, measure_merge, tokens, merge_lo, self.config.sim_threshold, increasing=True)
-            self.calibration = calibrate_scalar("mustdrop merge threshold", measure_merge, tokens, merge_lo,
-                                                self.config.sim_threshold, increasing=True)
+            check_reachable(
+                self.budget_path, measure_merge, tokens, merge_lo, self.config.sim_threshold, increasing=True
+            )
+            self.calibration = calibrate_scalar(
+                "mustdrop merge threshold", measure_merge, tokens, merge_lo, self.config.sim_threshold, increasing=True
+            )
             measure_merge(self.calibration.value)
         else:
             check_reachable(self.budget_path, measure, tokens, lo, hi, increasing=False)
-            self.calibration = calibrate_scalar("mustdrop threshold scale", measure, tokens, lo, hi, increasing=False, log_scale=True)
+            self.calibration = calibrate_scalar(
+                "mustdrop threshold scale", measure, tokens, lo, hi, increasing=False, log_scale=True
+            )
             measure(self.calibration.value)  # leave the chosen thresholds in place
-        logger.info("mustdrop: budget %d -> lambda_g %.6g, lambda_i %.6g, merge threshold %.4g", tokens,
-                    self.lambda_g, self.lambda_i, self.sim_threshold)
+        logger.info(
+            "mustdrop: budget %d -> lambda_g %.6g, lambda_i %.6g, merge threshold %.4g",
+            tokens,
+            self.lambda_g,
+            self.lambda_i,
+            self.sim_threshold,
+        )
 
     def calibrated_setting(self) -> dict:
-        return {"calibration": self.calibration, "lambda": (self.lambda_g, self.lambda_i), "sim_threshold": self.sim_threshold}
+        return {
+            "calibration": self.calibration,
+            "lambda": (self.lambda_g, self.lambda_i),
+            "sim_threshold": self.sim_threshold,
+        }
 
     def apply_calibrated(self, setting: dict) -> None:
         self.calibration = setting["calibration"]
@@ -215,8 +245,11 @@ class MustDrop(Pruner):
         n_layers = facts.llm_layers
         filters = map_layers(config.layers, n_layers, config.layer_mapping)
         if filters[-1][0] + 1 >= n_layers:
-            raise ConfigError("layers", f"a filter at the output of layer {filters[-1][0]} leaves no layer to prune in "
-                                        f"this {n_layers}-layer LLM; use layer_mapping: proportional or earlier layers")
+            raise ConfigError(
+                "layers",
+                f"a filter at the output of layer {filters[-1][0]} leaves no layer to prune in "
+                f"this {n_layers}-layer LLM; use layer_mapping: proportional or earlier layers",
+            )
         n_vis = facts.vision_layers
         if not -n_vis <= config.key_layer < n_vis:
             raise ConfigError("key_layer", f"{config.key_layer} is not a layer of this {n_vis}-layer vision tower")
@@ -226,7 +259,9 @@ class MustDrop(Pruner):
         cfg = self.config
         from ..capabilities import ModelFacts
 
-        self.filters, key_layer = self.check_facts(cfg, ModelFacts.of_adapter(self.adapter))  # [(probe layer, paper layer)]
+        self.filters, key_layer = self.check_facts(
+            cfg, ModelFacts.of_adapter(self.adapter)
+        )  # [(probe layer, paper layer)]
         self.lambda_g, self.lambda_i = self.thresholds()
         self.sim_threshold = cfg.sim_threshold  # a budget's calibration may lower it (module docstring)
         vis_layers = self.adapter.vision_layers
@@ -254,7 +289,9 @@ class MustDrop(Pruner):
         self.ctx.runner.prune_at(first, self._capture)  # before the first probe: text rows, key slots
         for layer, paper in self.filters:
             attn = self.adapter.layers[layer].self_attn
-            self.ctx.probe.watch(f"mustdrop.llm.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean")
+            self.ctx.probe.watch(
+                f"mustdrop.llm.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean"
+            )
             self.ctx.runner.prune_at(layer + 1, self._make_select(layer), compact=True, ref_layer=paper + 1)
 
         # stage 3: output-aware KV policy after prefill
@@ -302,8 +339,12 @@ class MustDrop(Pruner):
         vision.tags[KEY_TAG] = key_tags  # travels with the tokens into LMInputs.tags
         owner = batch.image_owner
         vision.stats[self.name] = {
-            "per_sample_merged_windows": [[m[0] for m, o in zip(merges, owner) if o == b] for b in range(batch.batch_size)],
-            "per_sample_key_set": [sum(int(t.sum()) for t, o in zip(key_tags, owner) if o == b) for b in range(batch.batch_size)],
+            "per_sample_merged_windows": [
+                [m[0] for m, o in zip(merges, owner) if o == b] for b in range(batch.batch_size)
+            ],
+            "per_sample_key_set": [
+                sum(int(t.sum()) for t, o in zip(key_tags, owner) if o == b) for b in range(batch.batch_size)
+            ],
         }
         return vision
 

@@ -80,7 +80,9 @@ def layer_average(n: int, starts: list[int], ratios: list[float], n_layers: int)
     return sum(c * (bounds[i + 1] - bounds[i]) for i, c in enumerate(counts)) / n_layers
 
 
-def last_token_attention(layer_module, rotary, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def last_token_attention(
+    layer_module, rotary, hidden: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
     """[B, T] head-mean attention of the last slot to every slot, as ``layer_module`` would compute it
     on ``hidden`` ([B, T, d]) with the LM's RoPE ``positions`` ([B, T]; M-RoPE: [3, B, T], the adapter's
     ``lm_position_ids``) and valid keys ``valid`` ([B, T] bool). Per-head q/k norms (Qwen3) are applied
@@ -105,7 +107,9 @@ def last_token_attention(layer_module, rotary, hidden: torch.Tensor, positions: 
     return probs.mean(1)[:, 0]  # [B, T]
 
 
-@PRUNERS.register("pyramiddrop", description="PyramidDrop: staged drops of image tokens ranked by the last instruction token")
+@PRUNERS.register(
+    "pyramiddrop", description="PyramidDrop: staged drops of image tokens ranked by the last instruction token"
+)
 class PyramidDrop(Pruner):
     """PyramidDrop."""
 
@@ -115,9 +119,15 @@ class PyramidDrop(Pruner):
 
     @dataclass(frozen=True)
     class Config:
-        layers: tuple[int, ...] = opt((8, 16, 24), lo=1, doc="stage ends: drop at the input of these layers (32-layer indices)")
-        ratio: float = opt(0.5, lo=0.0, hi=1.0, doc="lambda: each stage keeps this fraction of the previous stage's image tokens")
-        ratios: tuple[float, ...] | None = opt(None, lo=0.0, hi=1.0, doc="kept fraction of N after each stage (overrides ratio)")
+        layers: tuple[int, ...] = opt(
+            (8, 16, 24), lo=1, doc="stage ends: drop at the input of these layers (32-layer indices)"
+        )
+        ratio: float = opt(
+            0.5, lo=0.0, hi=1.0, doc="lambda: each stage keeps this fraction of the previous stage's image tokens"
+        )
+        ratios: tuple[float, ...] | None = opt(
+            None, lo=0.0, hi=1.0, doc="kept fraction of N after each stage (overrides ratio)"
+        )
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
 
     budget_knobs = ("ratio", "ratios")
@@ -138,13 +148,18 @@ class PyramidDrop(Pruner):
     def check_facts(cls, config, facts) -> list[tuple[int, int]]:
         """Stage layers exist, are distinct after mapping, and ``ratios`` has one entry per stage."""
         if config.ratios is not None and len(config.ratios) != len(config.layers):
-            raise ConfigError("ratios", f"{len(config.ratios)} ratios for {len(config.layers)} stage layers; give one per stage")
+            raise ConfigError(
+                "ratios", f"{len(config.ratios)} ratios for {len(config.layers)} stage layers; give one per stage"
+            )
         if list(config.layers) != sorted(set(config.layers)):
             raise ConfigError("layers", f"{list(config.layers)}: stage layers must be strictly increasing")
         stages = map_layers(config.layers, facts.llm_layers, config.layer_mapping)
         if len(stages) != len(config.layers):
-            raise ConfigError("layers", f"{list(config.layers)} map onto only {len(stages)} distinct layers of this "
-                                        f"{facts.llm_layers}-layer LLM; use fewer stages or absolute layers")
+            raise ConfigError(
+                "layers",
+                f"{list(config.layers)} map onto only {len(stages)} distinct layers of this "
+                f"{facts.llm_layers}-layer LLM; use fewer stages or absolute layers",
+            )
         return stages
 
     @classmethod
@@ -157,12 +172,21 @@ class PyramidDrop(Pruner):
         n, s_count = vision_tokens_per_image(adapter), len(starts)
         lo = layer_average(n, starts, [0.0] * s_count, n_layers)
         if tokens > n or tokens < lo - 1e-9:
-            raise ConfigError(f"{path}.tokens", f"{tokens} layer-averaged tokens is infeasible for PyramidDrop with stages at "
-                                                f"layers {starts} of {n_layers} and {n} vision tokens per image: the smallest "
-                                                f"feasible budget is {int(-(-lo // 1))}, the largest {n}")
+            raise ConfigError(
+                f"{path}.tokens",
+                f"{tokens} layer-averaged tokens is infeasible for PyramidDrop with stages at "
+                f"layers {starts} of {n_layers} and {n} vision tokens per image: the smallest "
+                f"feasible budget is {int(-(-lo // 1))}, the largest {n}",
+            )
         steps = sorted({0.0, 1.0, *((j / n) ** (1 / s) for s in range(1, s_count + 1) for j in range(n + 1))})
         cands = [1.0] + [(a + b) / 2 for a, b in zip(steps, steps[1:])]  # one lambda inside every step
-        best = min(cands, key=lambda lam: (abs(layer_average(n, starts, [lam ** (s + 1) for s in range(s_count)], n_layers) - tokens), lam))
+        best = min(
+            cands,
+            key=lambda lam: (
+                abs(layer_average(n, starts, [lam ** (s + 1) for s in range(s_count)], n_layers) - tokens),
+                lam,
+            ),
+        )
         return {"ratio": best}
 
     def install(self) -> None:
@@ -176,8 +200,13 @@ class PyramidDrop(Pruner):
     def _make_select(self, stage: int, layer: int):
         def select(view) -> torch.Tensor:
             state = view.state
-            scores = last_token_attention(self.adapter.layers[layer], self.adapter.language_model.rotary_emb, view.hidden,
-                                          self.adapter.lm_position_ids(view.group.positions), view.group.key_mask)  # [B, T]
+            scores = last_token_attention(
+                self.adapter.layers[layer],
+                self.adapter.language_model.rotary_emb,
+                view.hidden,
+                self.adapter.lm_position_ids(view.group.positions),
+                view.group.key_mask,
+            )  # [B, T]
             src = view.group.source
             image = state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
             image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere
@@ -188,7 +217,9 @@ class PyramidDrop(Pruner):
                 n_j = ((n_in == j) & state.inputs.image_mask).sum(1)  # [B] tokens image j entered the LLM with
                 keep = (n_j.double() * self.ratios[stage]).floor().long().clamp(max=cand.sum(1))  # int(N * r_s)
                 kept |= topk_keep(scores, cand, keep)
-            stats = state.stats.setdefault(self.name, {"stage_layers": [x for x, _ in self.stages], "ratios": self.ratios})
+            stats = state.stats.setdefault(
+                self.name, {"stage_layers": [x for x, _ in self.stages], "ratios": self.ratios}
+            )
             stats.setdefault("per_sample_kept", [[] for _ in range(kept.shape[0])])
             for b, c in enumerate(kept.sum(1).tolist()):
                 stats["per_sample_kept"][b].append(c)

@@ -46,17 +46,28 @@ class RandomDrop(Pruner):
     """Random token drop (baseline)."""
 
     hook_points = frozenset({"vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}) | QWEN_FAMILIES, edits_features=True, unsupported=why_not(
-        (("llava_next", "llava_onevision"), "edits pre-projector features, which these families re-pack (unpad / "
-         "downscale / newlines) after the projector: the edit would not reach the LLM"),
-    ))
+    caps = Capabilities(
+        families=frozenset({"llava"}) | QWEN_FAMILIES,
+        edits_features=True,
+        unsupported=why_not(
+            (
+                ("llava_next", "llava_onevision"),
+                "edits pre-projector features, which these families re-pack (unpad / "
+                "downscale / newlines) after the projector: the edit would not reach the LLM",
+            ),
+        ),
+    )
 
     @dataclass(frozen=True)
     class Config:
         keep: int = opt(64, lo=0, doc="image tokens kept per image (576 -> 192/128/64 in the papers' tables)")
-        fraction: float | None = opt(None, lo=0.0, hi=1.0, doc="keep round(fraction * N_i) of each image (overrides keep; dynamic resolution)")
+        fraction: float | None = opt(
+            None, lo=0.0, hi=1.0, doc="keep round(fraction * N_i) of each image (overrides keep; dynamic resolution)"
+        )
         seed: int = opt(0, doc="random seed")
-        mask: Literal["per_image", "shared"] = opt("per_image", doc="per_image: seed from the image's pixels too; shared: one subset for all")
+        mask: Literal["per_image", "shared"] = opt(
+            "per_image", doc="per_image: seed from the image's pixels too; shared: one subset for all"
+        )
 
     budget_knobs = ("keep",)
 
@@ -79,8 +90,12 @@ class RandomDrop(Pruner):
     def prune_vision(self, vision, batch):
         cfg = self.config
         counts = vision.counts()
-        keeps = [n if cfg.fraction is None and n <= cfg.keep else
-                 (cfg.keep if cfg.fraction is None else round(cfg.fraction * n)) for n in counts]
+        keeps = [
+            n
+            if cfg.fraction is None and n <= cfg.keep
+            else (cfg.keep if cfg.fraction is None else round(cfg.fraction * n))
+            for n in counts
+        ]
         if all(n <= k for n, k in zip(counts, keeps)):
             vision.stats[self.name] = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
             return vision

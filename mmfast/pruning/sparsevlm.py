@@ -74,7 +74,12 @@ from ._common import REFERENCE_LAYERS, LayerMapping
 from .base import Pruner
 
 #: the release's per-filter keep counts for 576 vision tokens (score.py, v1.x)
-PRESETS: dict[str, tuple[int, int, int]] = {"192": (300, 200, 110), "128": (303, 110, 36), "96": (238, 48, 26), "64": (66, 30, 17)}
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "192": (300, 200, 110),
+    "128": (303, 110, 36),
+    "96": (238, 48, 26),
+    "64": (66, 30, 17),
+}
 REFERENCE_TOKENS = 576
 
 
@@ -96,7 +101,9 @@ def dpc_knn_merge(x: torch.Tensor, n_clusters: int) -> tuple[torch.Tensor, torch
     knn = dist.topk(n_clusters, dim=-1, largest=False).values  # [n, k] (self included)
     density = (-(knn**2).mean(-1)).exp()  # [n]
     idx = torch.arange(n, device=x.device)
-    denser = (density[None, :] > density[:, None]) | ((density[None, :] == density[:, None]) & (idx[None, :] < idx[:, None]))
+    denser = (density[None, :] > density[:, None]) | (
+        (density[None, :] == density[:, None]) & (idx[None, :] < idx[:, None])
+    )
     indicator = torch.where(denser, dist, dist.max()).min(-1).values  # [n] distance to the nearest denser token
     centres = (indicator * density).topk(n_clusters).indices  # [c]
     assign = dist[:, centres].argmin(-1)  # [n] nearest centre
@@ -114,7 +121,9 @@ def recycled_count(n_deleted: int, ratio: float, divisor: int) -> tuple[int, int
     return top, int(top / divisor) + 1
 
 
-def simulate(n: int, keeps: list[int], starts: list[int], n_layers: int, recycle: tuple[float, int] | None) -> tuple[list[int], float]:
+def simulate(
+    n: int, keeps: list[int], starts: list[int], n_layers: int, recycle: tuple[float, int] | None
+) -> tuple[list[int], float]:
     """Vision tokens of one image of ``n`` tokens after each filter, and the layer average of the
     tokens entering each layer (filters start at ``starts``)."""
     counts, cur = [n], n
@@ -134,7 +143,9 @@ class _Prefill:
     recycled: list[list[int]]  # per sample: merged tokens inserted at each filter
 
 
-@PRUNERS.register("sparsevlm", description="SparseVLM: text-rater-guided drops at LLM layers [2,6,15] with token recycling")
+@PRUNERS.register(
+    "sparsevlm", description="SparseVLM: text-rater-guided drops at LLM layers [2,6,15] with token recycling"
+)
 class SparseVLM(Pruner):
     """SparseVLM."""
 
@@ -143,8 +154,12 @@ class SparseVLM(Pruner):
 
     @dataclass(frozen=True)
     class Config:
-        preset: Literal["192", "128", "96", "64"] = opt("192", doc="release keep counts per filter (for 576 tokens, scaled by N/576)")
-        keep: tuple[int, ...] | None = opt(None, lo=0, doc="vision tokens kept per image at each filter (overrides preset)")
+        preset: Literal["192", "128", "96", "64"] = opt(
+            "192", doc="release keep counts per filter (for 576 tokens, scaled by N/576)"
+        )
+        keep: tuple[int, ...] | None = opt(
+            None, lo=0, doc="vision tokens kept per image at each filter (overrides preset)"
+        )
         layers: tuple[int, ...] = opt((2, 6, 15), lo=0, doc="filter at the output of these layers (32-layer indices)")
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
         recycle: bool = opt(True, doc="merge the best deleted tokens (DPC-kNN) and insert them after the kept ones")
@@ -172,19 +187,27 @@ class SparseVLM(Pruner):
         """[(filter layer, paper filter layer)]: distinct, with a layer after the last; ``keep`` matches."""
         n = facts.llm_layers
         if config.keep is not None and len(config.keep) != len(config.layers):
-            raise ConfigError("keep", f"{len(config.keep)} counts for {len(config.layers)} filter layers; give one per filter")
+            raise ConfigError(
+                "keep", f"{len(config.keep)} counts for {len(config.layers)} filter layers; give one per filter"
+            )
         if config.keep is None and len(config.layers) != 3:
             raise ConfigError("layers", "the presets have three filters; give keep with one count per layer")
         out = []
         for p in config.layers:
             layer = p if config.layer_mapping == "absolute" else round(p * n / REFERENCE_LAYERS)
             if not 0 <= layer < n - 1:
-                raise ConfigError("layers", f"a filter at the output of layer {layer} (from {p}) leaves no layer to prune in this "
-                                            f"{n}-layer LLM; use smaller layer indices or layer_mapping: proportional")
+                raise ConfigError(
+                    "layers",
+                    f"a filter at the output of layer {layer} (from {p}) leaves no layer to prune in this "
+                    f"{n}-layer LLM; use smaller layer indices or layer_mapping: proportional",
+                )
             out.append((layer, p))
         if [x for x, _ in out] != sorted({x for x, _ in out}):
-            raise ConfigError("layers", f"{list(config.layers)} map onto layers {[x for x, _ in out]} of this {n}-layer LLM: "
-                                        "they must be strictly increasing; give absolute layers")
+            raise ConfigError(
+                "layers",
+                f"{list(config.layers)} map onto layers {[x for x, _ in out]} of this {n}-layer LLM: "
+                "they must be strictly increasing; give absolute layers",
+            )
         return out
 
     @classmethod
@@ -210,9 +233,12 @@ class SparseVLM(Pruner):
         shape = min(PRESETS.values(), key=lambda ks: abs(nominal([k * n / REFERENCE_TOKENS for k in ks]) - tokens))
         lo = simulate(n, [0] * len(starts), starts, n_layers, recycle)[1]
         if tokens > n or tokens < lo - 1e-9:
-            raise ConfigError(f"{path}.tokens", f"{tokens} layer-averaged tokens is infeasible for SparseVLM with filters before "
-                                                f"layers {starts} of {n_layers} and {n} vision tokens per image: the smallest "
-                                                f"feasible budget is {math.ceil(lo - 1e-9)}, the largest {n}")
+            raise ConfigError(
+                f"{path}.tokens",
+                f"{tokens} layer-averaged tokens is infeasible for SparseVLM with filters before "
+                f"layers {starts} of {n_layers} and {n} vision tokens per image: the smallest "
+                f"feasible budget is {math.ceil(lo - 1e-9)}, the largest {n}",
+            )
         best = None
         for i in range(4001):
             scale = i / 4000 * REFERENCE_TOKENS / min(shape)
@@ -232,7 +258,9 @@ class SparseVLM(Pruner):
         self.fraction = budget_fraction(self.adapter)  # counts scale with each image's own tokens
         for s, (layer, paper) in enumerate(self.filters):
             attn = self.adapter.layers[layer].self_attn
-            self.ctx.probe.watch(f"{self.key}.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean")
+            self.ctx.probe.watch(
+                f"{self.key}.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean"
+            )
             self.ctx.runner.prune_at(layer + 1, self._make_select(s, layer), compact=True, ref_layer=paper + 1)
 
     # -- raters ----------------------------------------------------------------------------------
@@ -303,7 +331,11 @@ class SparseVLM(Pruner):
                     ranked = cand[score[b, cand].float().argsort(descending=True, stable=True)]
                     kept, deleted = ranked[:k], ranked[k:]  # deleted: by descending score
                     keep[b, kept] = True
-                    top, n_clusters = recycled_count(deleted.numel(), cfg.recycle_ratio, cfg.cluster_divisor) if cfg.recycle else (0, 0)
+                    top, n_clusters = (
+                        recycled_count(deleted.numel(), cfg.recycle_ratio, cfg.cluster_divisor)
+                        if cfg.recycle
+                        else (0, 0)
+                    )
                     if n_clusters:
                         merged, centres = dpc_knn_merge(view.hidden[b, deleted[:top]], n_clusters)
                         hosts = deleted[:top][centres]  # [c] each merged token takes its centre's slot
@@ -311,7 +343,9 @@ class SparseVLM(Pruner):
                         replace[b, hosts] = True
                         new_hidden[b, hosts] = merged.to(new_hidden.dtype)
                         anchor = float(kept.max()) if k else float(cand.min()) - 1.0
-                        order[b, hosts] = anchor + (torch.arange(n_clusters, device=keep.device, dtype=torch.float64) + 1) / (n_clusters + 1)
+                        order[b, hosts] = anchor + (
+                            torch.arange(n_clusters, device=keep.device, dtype=torch.float64) + 1
+                        ) / (n_clusters + 1)
                     n_vis += k + n_clusters
                     n_rec += n_clusters
                 data.counts[b].append(n_vis)
@@ -342,6 +376,7 @@ class SparseVLM(Pruner):
             "per_sample_recycled": data.recycled,
             "per_sample_raters": (data.raters >= 0).sum(1).tolist(),
             # the release's "tokens" naming: layer l counted with its output, recycled tokens left out
-            "per_sample_layer_avg_nominal": [avg(b, filters, [c - r for c, r in zip(data.counts[b], data.recycled[b])])
-                                             for b in range(len(n0))],
+            "per_sample_layer_avg_nominal": [
+                avg(b, filters, [c - r for c, r in zip(data.counts[b], data.recycled[b])]) for b in range(len(n0))
+            ],
         }

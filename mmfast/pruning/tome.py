@@ -145,17 +145,30 @@ class _TowerMerge:
     r: list[int]  # tokens merged per block
 
 
-@PRUNERS.register("tome", description="ToMe: bipartite token merging inside the CLIP blocks, with proportional attention")
+@PRUNERS.register(
+    "tome", description="ToMe: bipartite token merging inside the CLIP blocks, with proportional attention"
+)
 class ToMe(Pruner):
     """ToMe."""
 
     hook_points = frozenset({"vision_tower"})
-    caps = Capabilities(families=frozenset({"llava"}), merges_in_tower=True, needs_full_grid=True, unsupported=why_not(
-        (("llava_next", "llava_onevision"), "merges inside the tower over one square patch grid per image; these "
-         "families unpad and re-pack each image's tiles after the projector"),
-        (QWEN_FAMILIES, "merges patches inside a CLIP tower; Qwen-VL towers attend per image / per window with 2-D "
-         "rotary patch positions and their PatchMerger needs every 2x2 unit intact"),
-    ))
+    caps = Capabilities(
+        families=frozenset({"llava"}),
+        merges_in_tower=True,
+        needs_full_grid=True,
+        unsupported=why_not(
+            (
+                ("llava_next", "llava_onevision"),
+                "merges inside the tower over one square patch grid per image; these "
+                "families unpad and re-pack each image's tiles after the projector",
+            ),
+            (
+                QWEN_FAMILIES,
+                "merges patches inside a CLIP tower; Qwen-VL towers attend per image / per window with 2-D "
+                "rotary patch positions and their PatchMerger needs every 2x2 unit intact",
+            ),
+        ),
+    )
 
     @dataclass(frozen=True)
     class Config:
@@ -202,7 +215,10 @@ class ToMe(Pruner):
         layers = self.adapter.vision_layers
         for part in ("layer_norm1", "self_attn", "layer_norm2", "mlp"):
             if not hasattr(layers[0], part):
-                raise ConfigError("", f"the vision encoder layer {type(layers[0]).__name__} has no {part!r}; ToMe supports CLIP-style layers")
+                raise ConfigError(
+                    "",
+                    f"the vision encoder layer {type(layers[0]).__name__} has no {part!r}; ToMe supports CLIP-style layers",
+                )
         hooks.pre_hook(layers[0], self._reset)
         first = next(i for i, r in enumerate(self.r_schedule) if r > 0)
         for i, layer in enumerate(layers):
@@ -280,7 +296,9 @@ class ToMe(Pruner):
         for i, feats in enumerate(vision.features):
             n = feats.shape[0]
             if n not in (t, t - 1) or vision.projected[i] is not None:
-                raise ValueError(f"ToMe expected {t - 1} patch tokens for image {i} but got {n}; put ToMe first among the feature stages")
+                raise ValueError(
+                    f"ToMe expected {t - 1} patch tokens for image {i} but got {n}; put ToMe first among the feature stages"
+                )
             patch_ids.append(ids[i, t - n :].to(vision.patch_ids[i].device))
             token_sizes.append(sizes[i, t - n :])
         vision.patch_ids = patch_ids

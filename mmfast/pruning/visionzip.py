@@ -75,24 +75,43 @@ def contextual_merge(hidden: torch.Tensor, metric: torch.Tensor, n_ctx: int) -> 
     return h[targets] + summed / counts
 
 
-@PRUNERS.register("visionzip", description="VisionZip: CLS-attention dominant tokens + merged contextual tokens before the projector")
+@PRUNERS.register(
+    "visionzip", description="VisionZip: CLS-attention dominant tokens + merged contextual tokens before the projector"
+)
 class VisionZip(Pruner):
     """VisionZip."""
 
     hook_points = frozenset({"attention_probe", "vision_features"})
-    caps = Capabilities(families=frozenset({"llava"}), needs_cls=True, edits_features=True, needs_full_grid=True, unsupported=why_not(
-        ("llava_next", "selects on one square patch grid per image before the projector; LLaVA-NeXT re-packs tiles "
-         "(unpad, newlines) after it"),
-        ("llava_onevision", "needs the tower's CLS attention (SigLIP has none), and a feature edit would have to be "
-         "re-packed through unpad / downscale / newlines"),
-        (QWEN_FAMILIES, "needs the tower's CLS attention, which Qwen-VL towers lack; the official Qwen2.5-VL variant is "
-         "not in the readable repository snapshot, so its CLS substitute is not implemented from memory"),
-    ))
+    caps = Capabilities(
+        families=frozenset({"llava"}),
+        needs_cls=True,
+        edits_features=True,
+        needs_full_grid=True,
+        unsupported=why_not(
+            (
+                "llava_next",
+                "selects on one square patch grid per image before the projector; LLaVA-NeXT re-packs tiles "
+                "(unpad, newlines) after it",
+            ),
+            (
+                "llava_onevision",
+                "needs the tower's CLS attention (SigLIP has none), and a feature edit would have to be "
+                "re-packed through unpad / downscale / newlines",
+            ),
+            (
+                QWEN_FAMILIES,
+                "needs the tower's CLS attention, which Qwen-VL towers lack; the official Qwen2.5-VL variant is "
+                "not in the readable repository snapshot, so its CLS substitute is not implemented from memory",
+            ),
+        ),
+    )
 
     @dataclass(frozen=True)
     class Config:
         tokens: int = opt(64, lo=1, doc="D + C per image; 64/128/192 use the paper's 54+10, 108+20, 162+30")
-        dominant: int | None = opt(None, lo=1, doc="D: dominant tokens including CLS (with contextual; overrides tokens)")
+        dominant: int | None = opt(
+            None, lo=1, doc="D: dominant tokens including CLS (with contextual; overrides tokens)"
+        )
         contextual: int | None = opt(None, lo=0, doc="C: contextual (merged) tokens (with dominant; overrides tokens)")
 
         def __post_init__(self) -> None:
@@ -144,7 +163,9 @@ class VisionZip(Pruner):
         rows, cols = vision.grid
         n = rows * cols
         if self.is_noop(n):
-            vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
+            vision.stats[self.name] = {
+                "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)
+            }
             return vision
         d, c = self.budget()
         cls_attn = self.ctx.probe[self.probe_key].probs[:, :, 0, 1:].sum(1)  # [n_img, N], sum over heads

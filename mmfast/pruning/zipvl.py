@@ -113,7 +113,9 @@ def probe_rows(valid: torch.Tensor, recent_ratio: float, random_ratio: float, se
     return out.to(valid.device)
 
 
-def accumulate_scores(probs: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulate_scores(
+    probs: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulated and causally normalised scores.
 
     Args:
@@ -230,32 +232,53 @@ class _Scratch:
     last_query: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)
 
 
-@PRUNERS.register("zipvl", description="ZipVL: attention-mass-adaptive important tokens, sparse prefill, 4/2-bit mixed-precision KV")
+@PRUNERS.register(
+    "zipvl", description="ZipVL: attention-mass-adaptive important tokens, sparse prefill, 4/2-bit mixed-precision KV"
+)
 class ZipVL(Pruner):
     """ZipVL."""
 
     hook_points = frozenset({"attention_probe", "kv_cache"})
-    caps = Capabilities(families=ALL_FAMILIES, owns_kv_cache=True, kv_edit_prefill=True, kv_edit_decode=True,
-                        overrides_llm_attention=True)
+    caps = Capabilities(
+        families=ALL_FAMILIES,
+        owns_kv_cache=True,
+        kv_edit_prefill=True,
+        kv_edit_decode=True,
+        overrides_llm_attention=True,
+    )
 
     @dataclass(frozen=True)
     class Config:
-        tau: float = opt(0.975, lo=0.0, hi=1.0, doc="attention-mass threshold (paper: 0.96 / 0.975); 1.0 keeps every token")
-        probe_recent: float = opt(0.05, lo=0.0, hi=1.0, doc="fraction of most recent tokens used as probe queries (>= 1; ZipCache: 5%)")
-        probe_random: float = opt(0.05, lo=0.0, hi=1.0, doc="fraction of random earlier tokens used as probe queries (ZipCache: 5%)")
+        tau: float = opt(
+            0.975, lo=0.0, hi=1.0, doc="attention-mass threshold (paper: 0.96 / 0.975); 1.0 keeps every token"
+        )
+        probe_recent: float = opt(
+            0.05, lo=0.0, hi=1.0, doc="fraction of most recent tokens used as probe queries (>= 1; ZipCache: 5%)"
+        )
+        probe_random: float = opt(
+            0.05, lo=0.0, hi=1.0, doc="fraction of random earlier tokens used as probe queries (ZipCache: 5%)"
+        )
         seed: int = opt(0, lo=0, doc="seed of the random probe draw (combined with the layer index)")
         sparse_prefill: bool = opt(True, doc="compute prefill attention among the important tokens only")
         quantize_kv: bool = opt(True, doc="store important tokens at bits_high, the rest at bits_low")
         bits_high: int = opt(4, lo=1, hi=8, doc="bits of important tokens' K/V (ZipCache: 4)")
         bits_low: int = opt(2, lo=1, hi=8, doc="bits of the other tokens' K/V (ZipCache: 2)")
-        k_group_size: int = opt(0, lo=0, doc="tokens per key group (channel-wise); 0 = all tokens of a class (ZipCache)")
-        v_group_size: int = opt(0, lo=0, doc="channels per value group (token-wise); 0 = all KV heads x head_dim (ZipCache)")
-        requant_interval: int = opt(100, lo=1, doc="generated tokens between re-scoring + quantisation of the decode buffer (paper: 100)")
+        k_group_size: int = opt(
+            0, lo=0, doc="tokens per key group (channel-wise); 0 = all tokens of a class (ZipCache)"
+        )
+        v_group_size: int = opt(
+            0, lo=0, doc="channels per value group (token-wise); 0 = all KV heads x head_dim (ZipCache)"
+        )
+        requant_interval: int = opt(
+            100, lo=1, doc="generated tokens between re-scoring + quantisation of the decode buffer (paper: 100)"
+        )
 
         def __post_init__(self) -> None:
             for name in ("bits_high", "bits_low"):
                 if getattr(self, name) not in SUPPORTED_BITS:
-                    raise ValueError(f"{name} must be one of {SUPPORTED_BITS} (packed into uint8), got {getattr(self, name)}")
+                    raise ValueError(
+                        f"{name} must be one of {SUPPORTED_BITS} (packed into uint8), got {getattr(self, name)}"
+                    )
             if self.bits_low > self.bits_high:
                 raise ValueError(f"bits_low ({self.bits_low}) must not exceed bits_high ({self.bits_high})")
 
@@ -279,7 +302,9 @@ class ZipVL(Pruner):
             return measure_layer_avg(self.ctx, batch)
 
         check_reachable(self.budget_path, measure, tokens, 1e-6, 1.0, increasing=False)
-        self.calibration = calibrate_scalar("zipvl 1 - tau", measure, tokens, 1e-6, 1.0, increasing=False, log_scale=True)
+        self.calibration = calibrate_scalar(
+            "zipvl 1 - tau", measure, tokens, 1e-6, 1.0, increasing=False, log_scale=True
+        )
         measure(self.calibration.value)
         logger.info("zipvl: budget %d -> tau %.6g", tokens, self.config.tau)
 
@@ -306,15 +331,21 @@ class ZipVL(Pruner):
         if cfg.quantize_kv:
             for bits in (cfg.bits_high, cfg.bits_low):
                 if channels % (8 // bits):
-                    raise IncompatibleRecipeError(f"ZipVL: {channels} KV channels cannot be packed {8 // bits} to a byte")
+                    raise IncompatibleRecipeError(
+                        f"ZipVL: {channels} KV channels cannot be packed {8 // bits} to a byte"
+                    )
             if cfg.v_group_size and channels % cfg.v_group_size:
-                raise IncompatibleRecipeError(f"ZipVL: v_group_size {cfg.v_group_size} does not divide {channels} KV channels")
+                raise IncompatibleRecipeError(
+                    f"ZipVL: v_group_size {cfg.v_group_size} does not divide {channels} KV channels"
+                )
         self.spec = QuantSpec(cfg.bits_high, cfg.bits_low, cfg.k_group_size, cfg.v_group_size, cfg.requant_interval)
         self._layer_of: dict[int, int] = {}
         for i, layer in enumerate(self.adapter.layers):
             hooks = attach(self.ctx.hooks, layer.self_attn)
             if hooks.override is not None:
-                raise IncompatibleRecipeError(f"ZipVL: LLM layer {i}'s attention is already overridden by another method")
+                raise IncompatibleRecipeError(
+                    f"ZipVL: LLM layer {i}'s attention is already overridden by another method"
+                )
             hooks.override = self._attention
             self._layer_of[id(layer.self_attn)] = i
         self.ctx.runner.prefill_hooks.append(self._after_prefill)
@@ -373,7 +404,9 @@ class ZipVL(Pruner):
             lay = state.cache.layers[layer]
             dense += dense_bytes_per_sample(valid, lay.keys.shape[1], lay.keys.shape[-1], lay.keys.element_size())
             if self.config.quantize_kv:
-                state.cache.layers[layer] = MixedPrecisionKVLayer.from_dense(lay.keys, lay.values, valid, keep, self.spec)
+                state.cache.layers[layer] = MixedPrecisionKVLayer.from_dense(
+                    lay.keys, lay.values, valid, keep, self.spec
+                )
         state.accounting.vision_override = vis_kept.to(state.groups[0].key_mask.device)
         kv = state.kv_bytes_per_sample()
         state.stats[self.name] = {

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 # ------------------------------------------------------------------------------------ inference cache
 
 
@@ -60,7 +59,10 @@ class Fused:
             return w, b
 
         self.w_qkv, self.b_qkv = cat(at.q_proj, at.k_proj, at.v_proj, bias=at.q_proj.bias is not None)
-        self.w_o, self.b_o = at.o_proj.weight.detach(), (at.o_proj.bias.detach() if at.o_proj.bias is not None else None)
+        self.w_o, self.b_o = (
+            at.o_proj.weight.detach(),
+            (at.o_proj.bias.detach() if at.o_proj.bias is not None else None),
+        )
         self.w_gu, self.b_gu = cat(mlp.gate_proj, mlp.up_proj, bias=mlp.gate_proj.bias is not None)
         self.w_down = mlp.down_proj.weight.detach()
         self.b_down = mlp.down_proj.bias.detach() if mlp.down_proj.bias is not None else None
@@ -171,8 +173,11 @@ class DraftCache:
             vq = vis if query is None else vis[query]
             mask = torch.cat([torch.ones(vq.shape[0], self.committed, dtype=torch.bool, device=x.device), vq], 1)
         out = F.scaled_dot_product_attention(
-            q[None], self.k[None, :, :end], self.v[None, :, :end],
-            attn_mask=None if mask is None else mask[None, None], enable_gqa=a.num_kv_heads != a.num_heads,
+            q[None],
+            self.k[None, :, :end],
+            self.v[None, :, :end],
+            attn_mask=None if mask is None else mask[None, None],
+            enable_gqa=a.num_kv_heads != a.num_heads,
         )
         h = xq + F.linear(out[0].transpose(0, 1).reshape(nq, f.nq), f.w_o, f.b_o)
         y = F.rms_norm(h, (h.shape[-1],), f.ln_w, f.eps)

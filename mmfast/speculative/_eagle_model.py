@@ -44,7 +44,9 @@ class DraftArch:
     hidden_act: str = "silu"
     sar_k: int = 1  # FLASH: future features predicted per row (1 = plain EAGLE head)
     n_latents: int = 0  # FLASH: latent queries per image (0 = no compression)
-    compress_source: str = "hidden"  # FLASH: pool the target's hidden states ("hidden") or the projected features ("embeds")
+    compress_source: str = (
+        "hidden"  # FLASH: pool the target's hidden states ("hidden") or the projected features ("embeds")
+    )
 
     @staticmethod
     def for_target(text_config, kind: str, **kw: Any) -> DraftArch:
@@ -170,7 +172,9 @@ class DraftModel(nn.Module):
             out_v = attn.v_proj(x).view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
         return out_q, out_k, out_v
 
-    def finish(self, x_q: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def finish(
+        self, x_q: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """Attention of queries q over k/v (bool mask [B|1, 1, Q, T], True = attend), o_proj, MLP."""
         a = self.arch
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.num_kv_heads != a.num_heads)
@@ -186,7 +190,9 @@ class DraftModel(nn.Module):
         return o.unsqueeze(-2) + self.sar(o).view(*o.shape[:-1], self.arch.sar_k, d)
 
     # -- rows ---------------------------------------------------------------------------------------
-    def rows(self, next_emb: torch.Tensor, hid: torch.Tensor, row_image: torch.Tensor, vis_src: torch.Tensor | None = None):
+    def rows(
+        self, next_emb: torch.Tensor, hid: torch.Tensor, row_image: torch.Tensor, vis_src: torch.Tensor | None = None
+    ):
         """Draft input rows of one sequence.
 
         Args:
@@ -273,7 +279,9 @@ class DraftModel(nn.Module):
         _, k, v = self.qkv(x_pad, pos, q=False)
         x_q = x_pad.gather(1, q_pad[:, :, None].expand(-1, -1, d))
         q, _, _ = self.qkv(x_q, q_pad, kv=False)
-        mask = kv_valid[:, None, None, :] & (torch.arange(t, device=dev)[None, None, None, :] <= q_pad[:, None, :, None])
+        mask = kv_valid[:, None, None, :] & (
+            torch.arange(t, device=dev)[None, None, None, :] <= q_pad[:, None, :, None]
+        )
         out = self.finish(x_q, q, k, v, mask)
         return self.slots(out), q_valid
 
@@ -342,9 +350,13 @@ def load_draft(path: str | Path, mm, kind: str) -> DraftModel:
     if arch.kind != kind:
         raise ModelLoadError(f"{path} holds a {arch.kind!r} draft, not {kind!r}")
     tc = mm.adapter.text_config
-    want = DraftArch.for_target(tc, kind, sar_k=arch.sar_k, n_latents=arch.n_latents, compress_source=arch.compress_source)
+    want = DraftArch.for_target(
+        tc, kind, sar_k=arch.sar_k, n_latents=arch.n_latents, compress_source=arch.compress_source
+    )
     if want != arch:
-        raise ModelLoadError(f"the {kind} draft in {path} was trained for another target ({arch} vs {want}); retrain with `{cmd}`")
+        raise ModelLoadError(
+            f"the {kind} draft in {path} was trained for another target ({arch} vs {want}); retrain with `{cmd}`"
+        )
     model = DraftModel(arch, getattr(tc, "rope_parameters", None), getattr(tc, "max_position_embeddings", 4096))
     model.load_state_dict(load_file(str(wfile)), strict=True)
     model.to(device=mm.device, dtype=mm.dtype).eval().requires_grad_(False)

@@ -113,7 +113,9 @@ class _OneResult:
 
 
 @torch.inference_mode()
-def _decode_one(method: MethodContext, drafter: Drafter, inputs: LMInputs, max_new: int, ctx_kw: dict, stats: SpecStats) -> _OneResult:
+def _decode_one(
+    method: MethodContext, drafter: Drafter, inputs: LMInputs, max_new: int, ctx_kw: dict, stats: SpecStats
+) -> _OneResult:
     runner, device = method.runner, method.device
     stop = set(method.special.eos)
     t0 = now(device)

@@ -61,16 +61,28 @@ from ._eagle import EagleDrafter, select_tree
 from .tree import DraftTree
 
 
-@DRAFTERS.register("flash", description="FLASH: latent-compressed visual span + semi-autoregressive K-token draft head (needs trained weights)")
+@DRAFTERS.register(
+    "flash",
+    description="FLASH: latent-compressed visual span + semi-autoregressive K-token draft head (needs trained weights)",
+)
 class Flash(EagleDrafter):
     """FLASH: semi-autoregressive drafts with latent visual compression."""
 
     kind = "flash"
-    caps = Capabilities(unsupported=why_not((QWEN_FAMILIES, "its draft head is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden states); no Qwen-VL draft weights")))
+    caps = Capabilities(
+        unsupported=why_not(
+            (
+                QWEN_FAMILIES,
+                "its draft head is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden states); no Qwen-VL draft weights",
+            )
+        )
+    )
 
     @dataclass(frozen=True)
     class Config:
-        weights: str | None = opt(None, doc="draft directory (model.safetensors + config.json); default <model dir>/flash")
+        weights: str | None = opt(
+            None, doc="draft directory (model.safetensors + config.json); default <model dir>/flash"
+        )
         top_k: int = opt(10, lo=1, hi=64, doc="tokens per slot expanded and paths continued per level")
         rounds: int = opt(1, lo=1, hi=4, doc="semi-AR blocks of K levels per tree (rounds - 1 extra draft forwards)")
         total_tokens: int = opt(26, lo=2, hi=1024, doc="tokens verified per cycle, root included; FlashSD's tree: 26")
@@ -124,7 +136,11 @@ class Flash(EagleDrafter):
             if r == rounds - 1:
                 break
             n_keep = max(1, total - 1)
-            if early_stop and n_cand >= n_keep and float(b_score[0]) <= float(torch.cat(scores).topk(n_keep).values[-1]):
+            if (
+                early_stop
+                and n_cand >= n_keep
+                and float(b_score[0]) <= float(torch.cat(scores).topk(n_keep).values[-1])
+            ):
                 break  # no deeper candidate could enter the kept set (see MSD's eagle2_tree)
             # feed the k best paths of this block (levels 1..K) in one forward; the frontier's slots seed the next block
             beam = b_ids.tolist()

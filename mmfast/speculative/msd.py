@@ -57,19 +57,32 @@ from ._eagle import EagleDrafter
 from .tree import DraftTree
 
 
-@DRAFTERS.register("msd", description="MSD: EAGLE-2 draft with decoupled visual positions (needs trained draft weights)")
+@DRAFTERS.register(
+    "msd", description="MSD: EAGLE-2 draft with decoupled visual positions (needs trained draft weights)"
+)
 class MSD(EagleDrafter):
     """MSD: EAGLE-2 dynamic-tree drafts with decoupled visual inputs."""
 
     kind = "msd"
-    caps = Capabilities(unsupported=why_not((QWEN_FAMILIES, "its draft is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden states); no Qwen-VL draft weights")))
+    caps = Capabilities(
+        unsupported=why_not(
+            (
+                QWEN_FAMILIES,
+                "its draft is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden states); no Qwen-VL draft weights",
+            )
+        )
+    )
 
     @dataclass(frozen=True)
     class Config:
-        weights: str | None = opt(None, doc="draft directory (model.safetensors + config.json); default <model dir>/msd")
+        weights: str | None = opt(
+            None, doc="draft directory (model.safetensors + config.json); default <model dir>/msd"
+        )
         depth: int = opt(5, lo=0, hi=16, doc="EAGLE-2 depth: draft forwards per tree (tree levels = depth + 1); MSD: 5")
         top_k: int = opt(10, lo=1, hi=64, doc="children expanded per node and nodes continued per level; MSD: 10")
-        total_tokens: int = opt(59, lo=2, hi=1024, doc="tokens verified per cycle, root included (EAGLE's total_token); MSD: 59")
+        total_tokens: int = opt(
+            59, lo=2, hi=1024, doc="tokens verified per cycle, root included (EAGLE's total_token); MSD: 59"
+        )
 
     def propose(self, ctx, root: int) -> DraftTree:
         cfg = self.config

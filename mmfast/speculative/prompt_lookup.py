@@ -91,7 +91,9 @@ class PromptLookup(Drafter):
             frontier = nxt
             if not frontier:
                 break
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(parents, dtype=torch.long, device=dev))
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(parents, dtype=torch.long, device=dev)
+        )
 
     def accept(self, ctx, tree, path, hidden, bonus) -> None:
         seq = (self.prompt + ctx.committed)[-(len(path) + 3) :]

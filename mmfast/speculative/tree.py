@@ -41,7 +41,9 @@ class DraftTree:
 
     tokens: torch.Tensor  # [N] long
     parents: torch.Tensor  # [N] long, parent of node i+1 in 0..N (0 = root), parents before children
-    q: list[torch.Tensor | None] = field(default_factory=list)  # per node: proposal distribution [V] or None (point mass)
+    q: list[torch.Tensor | None] = field(
+        default_factory=list
+    )  # per node: proposal distribution [V] or None (point mass)
     # how sampled siblings (>= 2 sampled children of one node) were drawn from their q; required then
     sibling_sampling: Literal["iid", "without_replacement"] | None = None
 
@@ -64,7 +66,9 @@ class DraftTree:
 
     @staticmethod
     def empty(device=None) -> DraftTree:
-        return DraftTree(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device))
+        return DraftTree(
+            torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
+        )
 
     def depth(self) -> torch.Tensor:
         """[N + 1] depth of every node, root included (root = 0)."""

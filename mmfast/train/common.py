@@ -89,14 +89,21 @@ def _unflatten_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Te
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save_checkpoint(path: str | os.PathLike, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer | None, meta: dict[str, Any]) -> None:
+def save_checkpoint(
+    path: str | os.PathLike,
+    modules: dict[str, torch.nn.Module],
+    opt: torch.optim.Optimizer | None,
+    meta: dict[str, Any],
+) -> None:
     """Atomically write modules' weights, the optimizer and ``meta`` to directory ``path``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    tensors = {f"{prefix}.{k}": v.detach().contiguous() for prefix, m in modules.items() for k, v in m.state_dict().items()}
+    tensors = {
+        f"{prefix}.{k}": v.detach().contiguous() for prefix, m in modules.items() for k, v in m.state_dict().items()
+    }
     full_meta = dict(meta)
     if opt is not None:
         otensors, ometa = _flatten_optimizer(opt)
@@ -109,7 +116,9 @@ def save_checkpoint(path: str | os.PathLike, modules: dict[str, torch.nn.Module]
     tmp.rename(path)
 
 
-def load_checkpoint(path: str | os.PathLike, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote; returns ``meta``."""
     path = Path(path)
     tensors = load_file(str(path / "tensors.safetensors"))

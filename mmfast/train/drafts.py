@@ -245,7 +245,9 @@ def _prepare(model: DraftModel, s: Sample, image_id: int, noise: float, gen: tor
     return row, hid, last
 
 
-def draft_loss(model: DraftModel, samples: list[Sample], image_id: int, cfg: DraftTrainConfig, gen: torch.Generator | None = None):
+def draft_loss(
+    model: DraftModel, samples: list[Sample], image_id: int, cfg: DraftTrainConfig, gen: torch.Generator | None = None
+):
     """(loss, stats) of one batch: SmoothL1 + ce_weight x soft CE over valid (row, slot) pairs."""
     rows, targets = [], []
     for s in samples:
@@ -277,8 +279,15 @@ def draft_loss(model: DraftModel, samples: list[Sample], image_id: int, cfg: Dra
     with torch.no_grad():
         hit = logp.argmax(-1) == tlogits.argmax(-1)
         slot_of = torch.arange(k, device=pred.device).expand(b, nq, k)[valid]
-        acc = [float(hit[slot_of == j].float().mean()) if bool((slot_of == j).any()) else float("nan") for j in range(k)]
-    return loss, {"vloss": float(vloss.detach().mean()), "ploss": float(ploss.detach().mean()), "acc": acc, "n": int(valid.sum())}
+        acc = [
+            float(hit[slot_of == j].float().mean()) if bool((slot_of == j).any()) else float("nan") for j in range(k)
+        ]
+    return loss, {
+        "vloss": float(vloss.detach().mean()),
+        "ploss": float(ploss.detach().mean()),
+        "acc": acc,
+        "n": int(valid.sum()),
+    }
 
 
 def visual_probability(step: int, steps: int, cfg: DraftTrainConfig, kind: str) -> float:
@@ -297,7 +306,9 @@ def visual_probability(step: int, steps: int, cfg: DraftTrainConfig, kind: str) 
 # ------------------------------------------------------------------------------------ driver
 
 
-def train_draft(model_name: str, kind: str, out: str | Path | None, work_dir: str | Path, cfg: DraftTrainConfig = DraftTrainConfig()) -> Path:
+def train_draft(
+    model_name: str, kind: str, out: str | Path | None, work_dir: str | Path, cfg: DraftTrainConfig = DraftTrainConfig()
+) -> Path:
     """Generate (or reuse) the self-distilled data and train a ``kind`` draft; returns the output directory."""
     import mmfast
 
@@ -329,7 +340,11 @@ def train_draft(model_name: str, kind: str, out: str | Path | None, work_dir: st
     logger.info("data: %d visual, %d text-only samples (%.0f s)", len(visual), len(text), t_data)
 
     seed_everything(cfg.seed + 1)
-    arch_kw = {"sar_k": cfg.sar_k, "n_latents": cfg.n_latents, "compress_source": cfg.compress_source} if kind == "flash" else {}
+    arch_kw = (
+        {"sar_k": cfg.sar_k, "n_latents": cfg.n_latents, "compress_source": cfg.compress_source}
+        if kind == "flash"
+        else {}
+    )
     model = build_draft(mm, kind, **arch_kw)
     if kind == "flash":
         torch.nn.init.zeros_(model.sar[-1].weight)  # slots start as the EAGLE next-feature guess
@@ -365,10 +380,18 @@ def train_draft(model_name: str, kind: str, out: str | Path | None, work_dir: st
             torch.nn.utils.clip_grad_norm_(params, cfg.clip)
             opt.step()
             ema = loss.item() if ema is None else 0.97 * ema + 0.03 * loss.item()
-        bar.set_postfix(loss=f"{ema if ema is not None else float('nan'):.3f}", acc=f"{st['acc'][0]:.2f}", p_vis=f"{pv:.2f}")
+        bar.set_postfix(
+            loss=f"{ema if ema is not None else float('nan'):.3f}", acc=f"{st['acc'][0]:.2f}", p_vis=f"{pv:.2f}"
+        )
         if step + 1 == first + 10:
             per = (time.time() - t0) / 10
-            logger.info("%s: %.2f s per step -> about %.1f min for the remaining %d steps", kind, per, per * (cfg.steps - step - 1) / 60, cfg.steps - step - 1)
+            logger.info(
+                "%s: %.2f s per step -> about %.1f min for the remaining %d steps",
+                kind,
+                per,
+                per * (cfg.steps - step - 1) / 60,
+                cfg.steps - step - 1,
+            )
         if (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, {"draft": model}, opt, {"step": step + 1, "config": asdict(cfg)})
     if first < cfg.steps:

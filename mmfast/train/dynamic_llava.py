@@ -138,14 +138,27 @@ class DynamicTraining:
         txt_keep = F.gumbel_softmax(F.log_softmax(txt_logits, -1), tau=tau, hard=True)[..., 0]
         bsz, length = b["image_mask"].shape
         idx = index.masked_fill(~valid, length)
-        img_full = torch.zeros(bsz, length + 1, dtype=hidden.dtype, device=hidden.device).scatter(1, idx, img_keep)[:, :length]
+        img_full = torch.zeros(bsz, length + 1, dtype=hidden.dtype, device=hidden.device).scatter(1, idx, img_keep)[
+            :, :length
+        ]
         ones = torch.ones_like(txt_keep)
         text_policy = torch.where(b["trainable"], txt_keep, ones)
         self.policy = torch.where(b["image_mask"], img_full, text_policy)  # [B, L], 1 = kept
         with torch.no_grad():  # the predicted keep probabilities (what the hard masks sample)
             p_img = (img_logits.softmax(-1)[..., 0] * valid).sum() / valid.sum().clamp(min=1)
-            p_txt = txt_logits.softmax(-1)[..., 0][b["trainable"]].mean() if bool(b["trainable"].any()) else torch.tensor(float("nan"))
-        self.out = {"image_keep": img_keep, "image_valid": valid, "text_keep": text_policy, "spans": b["spans"], "p_keep_v": float(p_img), "p_keep_t": float(p_txt)}
+            p_txt = (
+                txt_logits.softmax(-1)[..., 0][b["trainable"]].mean()
+                if bool(b["trainable"].any())
+                else torch.tensor(float("nan"))
+            )
+        self.out = {
+            "image_keep": img_keep,
+            "image_valid": valid,
+            "text_keep": text_policy,
+            "spans": b["spans"],
+            "p_keep_v": float(p_img),
+            "p_keep_t": float(p_txt),
+        }
         return None
 
     # -- layers >= K: masked softmax keeping the diagonal ------------------------------------------------
@@ -163,7 +176,9 @@ class DynamicTraining:
             allowed = _allowed(attention_mask, q_len, k_len, query.device)  # [B|1, 1, Q, K]
             pos = torch.arange(k_len, device=query.device)
             diag = pos[None, :] == pos[k_len - q_len :, None]  # [Q, K]: each query's own key
-            weight = torch.where(diag, torch.ones((), device=query.device), self.policy[:, None, None, :].float())  # [B, 1, Q, K]
+            weight = torch.where(
+                diag, torch.ones((), device=query.device), self.policy[:, None, None, :].float()
+            )  # [B, 1, Q, K]
             ok = allowed & (weight > 0)
             top = scores.masked_fill(~ok, float("-inf")).amax(-1, keepdim=True).detach()
             top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -178,12 +193,16 @@ def _allowed(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch
         return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
     if mask.dtype == torch.bool:
         return mask[..., :k_len]
-    return (mask[..., :k_len] > torch.finfo(mask.dtype).min / 2)
+    return mask[..., :k_len] > torch.finfo(mask.dtype).min / 2
 
 
-def dynamic_loss(logits: torch.Tensor, labels: torch.Tensor, out: dict[str, Any], cfg: DynamicTrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def dynamic_loss(
+    logits: torch.Tensor, labels: torch.Tensor, out: dict[str, Any], cfg: DynamicTrainConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
     """LM cross-entropy + mask_loss_weight * (image ratio loss + output-text ratio loss)."""
-    lm = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    lm = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
     valid = out["image_valid"].float()
     img_ratio = (out["image_keep"] * valid).sum(1) / valid.sum(1).clamp(min=1)
     loss_v = ((cfg.vision_keep_rate - img_ratio) ** 2).mean()
@@ -198,7 +217,9 @@ def dynamic_loss(logits: torch.Tensor, labels: torch.Tensor, out: dict[str, Any]
     else:
         loss_t = torch.zeros((), device=logits.device)
     total = lm + cfg.mask_loss_weight * (loss_v + loss_t)
-    long = [float(r.detach()) for r, (b, s, e) in zip(ratios, out["spans"]) if e - s >= cfg.output_text_len_for_training]
+    long = [
+        float(r.detach()) for r, (b, s, e) in zip(ratios, out["spans"]) if e - s >= cfg.output_text_len_for_training
+    ]
     parts = {
         "lm": float(lm.detach()),
         "ratio_v": float(loss_v.detach()),
@@ -235,7 +256,13 @@ def _resolve_model(model: str | Path) -> Path:
     return Path(path)
 
 
-def train_dynamic_llava(model: str | Path, out_dir: str | Path | None, work_dir: str | Path, cfg: DynamicTrainConfig = DynamicTrainConfig(), model_out: str | Path | None = None) -> Path:
+def train_dynamic_llava(
+    model: str | Path,
+    out_dir: str | Path | None,
+    work_dir: str | Path,
+    cfg: DynamicTrainConfig = DynamicTrainConfig(),
+    model_out: str | Path | None = None,
+) -> Path:
     """Train the predictors of ``model`` (a local LLaVA directory or ``mmfast/tiny-world``); resumable.
 
     Writes ``predictors.safetensors`` + ``config.json`` to ``out_dir`` (default ``<model>/dynamic_llava``).
@@ -273,7 +300,9 @@ def train_dynamic_llava(model: str | Path, out_dir: str | Path | None, work_dir:
     feats = cache_features(llava.model.vision_tower, images, work)
     n_patches = feats.shape[1]
 
-    spec = PredictorSpec.scaled(d, d_model=cfg.d_model, nhead=cfg.nhead, dim_feedforward=cfg.dim_feedforward, num_layers=cfg.num_layers)
+    spec = PredictorSpec.scaled(
+        d, d_model=cfg.d_model, nhead=cfg.nhead, dim_feedforward=cfg.dim_feedforward, num_layers=cfg.num_layers
+    )
     predictors = Predictors(spec).init_weights()
     groups = [{"params": list(predictors.parameters()), "lr": cfg.lr, "weight_decay": 0.0}]
     modules: dict[str, torch.nn.Module] = {"predictors": predictors}
@@ -301,7 +330,12 @@ def train_dynamic_llava(model: str | Path, out_dir: str | Path | None, work_dir:
             order = np.random.default_rng(cfg.seed + 7919 * epoch).permutation(n)
             idx = order[k * cfg.batch : (k + 1) * cfg.batch]
             convs = [
-                encode_conversation(tokenizer, conversation(images.annotations[i], conversation_rng(cfg.seed, epoch, images.annotations[i].image_id)))
+                encode_conversation(
+                    tokenizer,
+                    conversation(
+                        images.annotations[i], conversation_rng(cfg.seed, epoch, images.annotations[i].image_id)
+                    ),
+                )
                 for i in idx
             ]
             ids, labels, mask, *_ = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
@@ -317,9 +351,14 @@ def train_dynamic_llava(model: str | Path, out_dir: str | Path | None, work_dir:
             torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
             opt.step()
             bar.set_postfix(
-                lm=f"{parts['lm']:.3f}", keep_v=f"{parts['keep_v']:.2f}", keep_t=f"{parts['keep_t']:.2f}",
-                p_v=f"{parts['p_keep_v']:.2f}", p_t=f"{parts['p_keep_t']:.2f}",
-                rv=f"{parts['ratio_v']:.4f}", rt=f"{parts['ratio_t']:.4f}", tau=f"{tau:.2f}",
+                lm=f"{parts['lm']:.3f}",
+                keep_v=f"{parts['keep_v']:.2f}",
+                keep_t=f"{parts['keep_t']:.2f}",
+                p_v=f"{parts['p_keep_v']:.2f}",
+                p_t=f"{parts['p_keep_t']:.2f}",
+                rv=f"{parts['ratio_v']:.4f}",
+                rt=f"{parts['ratio_t']:.4f}",
+                tau=f"{tau:.2f}",
             )
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < steps:
                 save_checkpoint(ckpt, modules, opt, {"step": step + 1})
@@ -344,7 +383,13 @@ def train_dynamic_llava(model: str | Path, out_dir: str | Path | None, work_dir:
         "output_text_len_for_training": cfg.output_text_len_for_training,
         "mask_loss_weight": cfg.mask_loss_weight,
     }
-    meta = {"num_hidden_layers": n_layers, "model": str(model_out or model), "training": asdict(cfg), "train_seconds": round(time.time() - t0), "steps": steps}
+    meta = {
+        "num_hidden_layers": n_layers,
+        "model": str(model_out or model),
+        "training": asdict(cfg),
+        "train_seconds": round(time.time() - t0),
+        "steps": steps,
+    }
     save_predictors(predictors, out, sparse, meta)
     save_checkpoint(ckpt, modules, opt, {"step": steps})
     logger.info("wrote %s in %.0f s", out, time.time() - t0)

@@ -117,7 +117,10 @@ class TrainConfig:
 
     def phases(self) -> list[tuple[Phase, Phase]]:
         """Every (stage 0, stage 2) pair in training order: the first round, then the refine rounds."""
-        first = (Phase("stage0", self.stage0_epochs, fg_weight=self.stage0_fg_weight), Phase("stage2", self.stage2_epochs))
+        first = (
+            Phase("stage0", self.stage0_epochs, fg_weight=self.stage0_fg_weight),
+            Phase("stage2", self.stage2_epochs),
+        )
         return [first] + self.refine_rounds()
 
     def refine_rounds(self) -> list[tuple[Phase, Phase]]:
@@ -125,8 +128,12 @@ class TrainConfig:
         rounds = []
         for i, (e0, e2) in enumerate(zip(self.refine_stage0_epochs, self.refine_stage2_epochs), start=1):
             prefix = "refine" if i == 1 else f"refine{i}"
-            rounds.append((Phase(f"{prefix}_stage0", e0, round=i, fg_weight=self.refine_fg_weight),
-                           Phase(f"{prefix}_stage2", e2, round=i)))
+            rounds.append(
+                (
+                    Phase(f"{prefix}_stage0", e0, round=i, fg_weight=self.refine_fg_weight),
+                    Phase(f"{prefix}_stage2", e2, round=i),
+                )
+            )
         return rounds
 
 
@@ -206,7 +213,9 @@ def new_stage0(shape: LlavaShape, tokenizer, cfg: TrainConfig) -> Stage0:
     return Stage0(CLIPModel(clip_config(shape, tokenizer, cfg)), shape.vision_hidden)
 
 
-def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path, phase: Phase, device: str = "cpu") -> Stage0:
+def train_stage0(
+    model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path, phase: Phase, device: str = "cpu"
+) -> Stage0:
     """Train (or load, when ``<phase>_final`` exists) ``model`` in place (moved to ``device``) for one stage-0 phase."""
     done = work / f"{phase.name}_final"
     model.to(device)
@@ -263,14 +272,22 @@ def train_stage0(model: Stage0, images: WorldImages, tokenizer, cfg: TrainConfig
         with torch.no_grad():
             hit = dense_logits.argmax(-1) == target.argmax(-1)  # [B, P]
             acc, fg_acc = hit.float().mean().item(), hit[fg].float().mean().item()
-        bar.set_postfix(con=f"{l_con.item():.2f}", dense=f"{l_dense.item():.2f}", ml=f"{l_ml.item():.3f}", patch_acc=f"{acc:.3f}", fg_acc=f"{fg_acc:.3f}")
+        bar.set_postfix(
+            con=f"{l_con.item():.2f}",
+            dense=f"{l_dense.item():.2f}",
+            ml=f"{l_ml.item():.3f}",
+            patch_acc=f"{acc:.3f}",
+            fg_acc=f"{fg_acc:.3f}",
+        )
         if (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, {"m": model}, opt, {"step": step + 1})
     save_checkpoint(done, {"m": model}, None, {"step": steps, "device": describe_device(device)})
     return model
 
 
-def cache_features(clip_vision, images: WorldImages, work: Path, tag: str = "", batch: int = 64, device: str = "cpu") -> np.ndarray:
+def cache_features(
+    clip_vision, images: WorldImages, work: Path, tag: str = "", batch: int = 64, device: str = "cpu"
+) -> np.ndarray:
     """Feature-layer patch tokens ([N, P, Dv], fp16) of the frozen tower, cached on disk."""
     path = work / f"features{tag}_{len(images)}.npy"
     if path.exists():
@@ -301,8 +318,18 @@ def _collate(batch: list[EncodedConversation], n_patches: int, image_id: int, pa
         ids = enc.ids[:j] + [image_id] * n_patches + enc.ids[j + 1 :]
         labels = enc.labels[:j] + [-100] * n_patches + enc.labels[j + 1 :]
         shift = n_patches - 1
-        rows.append((ids, labels, [p + shift for p in enc.probe_pos], enc.probe_cat, enc.probe_yes, j,
-                     [p + shift for p in enc.mention_pos], enc.mention_cat))
+        rows.append(
+            (
+                ids,
+                labels,
+                [p + shift for p in enc.probe_pos],
+                enc.probe_cat,
+                enc.probe_yes,
+                j,
+                [p + shift for p in enc.mention_pos],
+                enc.mention_cat,
+            )
+        )
     length = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), -100, dtype=torch.long)
@@ -323,7 +350,17 @@ def _collate(batch: list[EncodedConversation], n_patches: int, image_id: int, pa
         ment_c += mc
     as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     mentions = (as_long(ment_b), as_long(ment_p), as_long(ment_c))
-    return ids, labels, mask, as_long(probe_b), as_long(probe_p), as_long(probe_c), torch.tensor(probe_y, dtype=torch.bool), image_start, mentions
+    return (
+        ids,
+        labels,
+        mask,
+        as_long(probe_b),
+        as_long(probe_p),
+        as_long(probe_c),
+        torch.tensor(probe_y, dtype=torch.bool),
+        image_start,
+        mentions,
+    )
 
 
 def _to(batch, device: str):
@@ -342,7 +379,15 @@ class Stage2Heads(nn.Module):
         self.present = nn.Linear(hidden, N_CATS)
 
 
-def llava_forward(llava, feats: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, image_id: int, probe_layer: int = 2, all_hidden: bool = False):
+def llava_forward(
+    llava,
+    feats: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    image_id: int,
+    probe_layer: int = 2,
+    all_hidden: bool = False,
+):
     """Projector + LM on cached features; returns (logits [B, L, V], hidden entering layer ``probe_layer``
     or, with ``all_hidden``, every layer's input hidden states)."""
     base = llava.model
@@ -354,7 +399,15 @@ def llava_forward(llava, feats: torch.Tensor, ids: torch.Tensor, mask: torch.Ten
     return llava.lm_head(out.last_hidden_state), (out.hidden_states if all_hidden else out.hidden_states[probe_layer])
 
 
-def grounding_loss(lm, hidden_states, rows_b: torch.Tensor, rows_p: torch.Tensor, image_start: torch.Tensor, target: torch.Tensor, layers) -> torch.Tensor:
+def grounding_loss(
+    lm,
+    hidden_states,
+    rows_b: torch.Tensor,
+    rows_p: torch.Tensor,
+    image_start: torch.Tensor,
+    target: torch.Tensor,
+    layers,
+) -> torch.Tensor:
     """-log(attention mass on the queried object's patches), head mean, averaged over ``layers``.
 
     ``hidden_states[l]`` is the input of layer ``l`` ([B, L, d]); ``rows_*`` pick the answer positions
@@ -390,10 +443,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImages, tokenizer, cfg: TrainConfig, work: Path, phase: Phase, device: str = "cpu") -> None:
+def train_stage2(
+    llava,
+    heads: Stage2Heads,
+    feats: np.ndarray,
+    images: WorldImages,
+    tokenizer,
+    cfg: TrainConfig,
+    work: Path,
+    phase: Phase,
+    device: str = "cpu",
+) -> None:
     """Train (or load, when ``<phase>_final`` exists) projector + LM in place (moved to ``device``) for one stage-2 phase."""
     done = work / f"{phase.name}_final"
-    modules = {"projector": llava.model.multi_modal_projector, "lm": llava.model.language_model, "head": llava.lm_head, "probes": heads}
+    modules = {
+        "projector": llava.model.multi_modal_projector,
+        "lm": llava.model.language_model,
+        "head": llava.lm_head,
+        "probes": heads,
+    }
     llava.to(device)
     heads.to(device)
     if done.exists():
@@ -420,7 +488,10 @@ def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImag
         order = np.random.default_rng(cfg.seed + 7919 * draw).permutation(n)
         idx = order[k * cfg.stage2_batch : (k + 1) * cfg.stage2_batch]
         convs = [
-            encode_conversation(tokenizer, conversation(images.annotations[i], conversation_rng(cfg.seed, draw, images.annotations[i].image_id)))
+            encode_conversation(
+                tokenizer,
+                conversation(images.annotations[i], conversation_rng(cfg.seed, draw, images.annotations[i].image_id)),
+            )
             for i in idx
         ]
         batch = _collate(convs, n_patches, image_id, tokenizer.pad_token_id)
@@ -444,11 +515,16 @@ def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImag
                 target = hist[gb].gather(2, (gc + 1)[:, None, None].expand(-1, n_patches, 1)).squeeze(2) > 0
                 ok = target.any(1)
                 if ok.any():
-                    ground = grounding_loss(llava.model.language_model, hs, gb[ok], gp[ok], img_start, target[ok], cfg.grounding_layers)
+                    ground = grounding_loss(
+                        llava.model.language_model, hs, gb[ok], gp[ok], img_start, target[ok], cfg.grounding_layers
+                    )
         # yes/no decisions are a few % of the answer tokens: weight them up so the decision is not
         # drowned by the long descriptions
         tok_loss = F.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            ignore_index=-100,
+            reduction="none",
         ).view(labels.shape[0], -1)  # [B, L-1]
         weight = (labels[:, 1:] != -100).float()
         weight[pb, pp] *= cfg.yes_no_weight  # pp predicts the "Yes"/"No" token
@@ -461,7 +537,9 @@ def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImag
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        bar.set_postfix(lm=f"{lm_loss.item():.3f}", probe=f"{probe_loss.item():.3f}", ground=f"{ground.item():.3f}", ep=epoch)
+        bar.set_postfix(
+            lm=f"{lm_loss.item():.3f}", probe=f"{probe_loss.item():.3f}", ground=f"{ground.item():.3f}", ep=epoch
+        )
         if (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(ckpt, modules, opt, {"step": step + 1})
     save_checkpoint(done, modules, None, {"step": steps, "device": describe_device(device)})
@@ -470,7 +548,9 @@ def train_stage2(llava, heads: Stage2Heads, feats: np.ndarray, images: WorldImag
 # ------------------------------------------------------------------------------------ driver
 
 
-def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig = TrainConfig(), device: str = "cpu") -> Path:
+def train_embedded(
+    out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig = TrainConfig(), device: str = "cpu"
+) -> Path:
     """Run every stage and write the model (``save_pretrained``) plus its CLIP towers to ``out_dir``.
 
     ``device`` only decides where the steps run (the recipe is the same; a GPU gives different
@@ -514,10 +594,18 @@ def train_embedded(out_dir: str | Path, work_dir: str | Path, cfg: TrainConfig =
     llava.eval()
     out = save_model(llava, build_processor(tokenizer, shape.image_size, shape.patch_size), out_dir)
     clip.save_pretrained(out / "clip", safe_serialization=True)  # text tower for instruction-guided methods
-    ran = {p.name: json.loads((work / f"{p.name}_final" / "meta.json").read_text())
-           for pair in phases for p in pair if (work / f"{p.name}_final" / "meta.json").exists()}
-    meta = {"train_config": asdict(cfg), "train_seconds": round(time.time() - t0), "phases": ran,
-            "categories": [c.name for c in CATEGORIES]}
+    ran = {
+        p.name: json.loads((work / f"{p.name}_final" / "meta.json").read_text())
+        for pair in phases
+        for p in pair
+        if (work / f"{p.name}_final" / "meta.json").exists()
+    }
+    meta = {
+        "train_config": asdict(cfg),
+        "train_seconds": round(time.time() - t0),
+        "phases": ran,
+        "categories": [c.name for c in CATEGORIES],
+    }
     (out / "training.json").write_text(json.dumps(meta, indent=1))
     logger.info("wrote %s in %.0f s", out, time.time() - t0)
     return out

@@ -65,7 +65,9 @@ class HIComTrainConfig:
 
 
 @torch.inference_mode()
-def cache_features(mm, clip: ClipGuide, pixels: np.ndarray, work: Path, batch: int = 32) -> tuple[np.ndarray, np.ndarray]:
+def cache_features(
+    mm, clip: ClipGuide, pixels: np.ndarray, work: Path, batch: int = 32
+) -> tuple[np.ndarray, np.ndarray]:
     """Feature-layer patch tokens [N, P, Dv] and CLIP-aligned last-layer patch embeddings [N, P, Pk]
     (fp16, cached in ``work``) of the frozen tower."""
     n = len(pixels)
@@ -103,7 +105,9 @@ def guided_sample(tokenizer, ann, rng: random.Random, conv_rng: random.Random):
 # ------------------------------------------------------------------------------------ step
 
 
-def local_tokens(feats: torch.Tensor, keys: torch.Tensor, guides: torch.Tensor, grid: tuple[int, int], cfg: HIComTrainConfig) -> torch.Tensor:
+def local_tokens(
+    feats: torch.Tensor, keys: torch.Tensor, guides: torch.Tensor, grid: tuple[int, int], cfg: HIComTrainConfig
+) -> torch.Tensor:
     """[B, G, Dv] training-free local tokens of single images (feats [B, P, Dv], keys [B, P, Pk])."""
     rows, cols = grid
     out = local_grid(1, rows, cols, 1, cfg.spatial_kernel, None)
@@ -114,7 +118,9 @@ def local_tokens(feats: torch.Tensor, keys: torch.Tensor, guides: torch.Tensor, 
     return torch.stack(toks)
 
 
-def hicom_loss(llava, glob: GlobalCompressor, feats, local, guides, ids, labels, mask, image_id: int, grid: tuple[int, int]) -> torch.Tensor:
+def hicom_loss(
+    llava, glob: GlobalCompressor, feats, local, guides, ids, labels, mask, image_id: int, grid: tuple[int, int]
+) -> torch.Tensor:
     """LM cross-entropy with [projector(local), global(feats, guide)] at the image slots.
 
     feats [B, P, Dv] (global input), local [B, G, Dv], guides [B, Pk]; ids/labels/mask [B, L] with
@@ -130,13 +136,21 @@ def hicom_loss(llava, glob: GlobalCompressor, feats, local, guides, ids, labels,
     emb = emb.masked_scatter((ids == image_id).unsqueeze(-1), img.to(emb.dtype))
     out = base.language_model(inputs_embeds=emb, attention_mask=mask)
     logits = llava.lm_head(out.last_hidden_state)
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
 
 
 # ------------------------------------------------------------------------------------ driver
 
 
-def train_hicom_global(model: str | Path, out: str | Path | None, work_dir: str | Path, cfg: HIComTrainConfig = HIComTrainConfig(), clip_model: str | None = None) -> Path:
+def train_hicom_global(
+    model: str | Path,
+    out: str | Path | None,
+    work_dir: str | Path,
+    cfg: HIComTrainConfig = HIComTrainConfig(),
+    clip_model: str | None = None,
+) -> Path:
     """Train the global branch for ``model`` and write ``out`` (default ``<model>/hicom_global.safetensors``)."""
     import mmfast
 
@@ -159,7 +173,13 @@ def train_hicom_global(model: str | Path, out: str | Path | None, work_dir: str 
     patch = mm.adapter.vision_config.patch_size
     images = render_split(cfg.seed, "train", cfg.n_train, patch, workers=cfg.workers)
     feats, keys = cache_features(mm, clip, images.pixels, work)
-    glob = GlobalCompressor(mm.adapter.vision_config.hidden_size, mm.adapter.text_config.hidden_size, clip.dim, cfg.n_queries, cfg.global_mode)
+    glob = GlobalCompressor(
+        mm.adapter.vision_config.hidden_size,
+        mm.adapter.text_config.hidden_size,
+        clip.dim,
+        cfg.n_queries,
+        cfg.global_mode,
+    )
     opt = torch.optim.AdamW(glob.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ckpt = work / "hicom_ckpt"
     step = 0
@@ -180,7 +200,12 @@ def train_hicom_global(model: str | Path, out: str | Path | None, work_dir: str 
         g = torch.Generator().manual_seed(cfg.seed * 100003 + step)
         idx = torch.randint(0, len(images), (cfg.batch,), generator=g).numpy()
         rng = random.Random(cfg.seed * 7919 + step)
-        samples = [guided_sample(tokenizer, images.annotations[i], rng, conversation_rng(cfg.seed, step, images.annotations[i].image_id)) for i in idx]
+        samples = [
+            guided_sample(
+                tokenizer, images.annotations[i], rng, conversation_rng(cfg.seed, step, images.annotations[i].image_id)
+            )
+            for i in idx
+        ]
         ids, labels, mask, *_ = _collate([s[0] for s in samples], n_tokens, image_id, tokenizer.pad_token_id)
         f = torch.from_numpy(np.asarray(feats[idx])).float()
         k = torch.from_numpy(np.asarray(keys[idx])).float()

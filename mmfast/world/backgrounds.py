@@ -149,8 +149,15 @@ def _dining(d: ImageDraw.ImageDraw, s: int, hz: int, rng: random.Random) -> None
     _planks(d, s, hz, jitter((92, 60, 40), rng, 10), rng, 5)
 
 
-_STYLES = {"kitchen": _kitchen, "street": _street, "office": _office, "living room": _living, "park": _park,
-           "bedroom": _bedroom, "dining room": _dining}
+_STYLES = {
+    "kitchen": _kitchen,
+    "street": _street,
+    "office": _office,
+    "living room": _living,
+    "park": _park,
+    "bedroom": _bedroom,
+    "dining room": _dining,
+}
 
 
 def _clutter(img: Image.Image, hz: int, rng: random.Random) -> None:
@@ -167,8 +174,9 @@ def _clutter(img: Image.Image, hz: int, rng: random.Random) -> None:
         if kind < 0.4:
             d.ellipse([x - r, y - r * rng.uniform(0.4, 1.0), x + r, y + r * rng.uniform(0.4, 1.0)], fill=col + (a,))
         elif kind < 0.7:
-            d.line([(x, y), (x + rng.uniform(-40, 40), y + rng.uniform(-20, 20))], fill=col + (a,),
-                   width=rng.randint(1, 2))
+            d.line(
+                [(x, y), (x + rng.uniform(-40, 40), y + rng.uniform(-20, 20))], fill=col + (a,), width=rng.randint(1, 2)
+            )
         elif y < hz:  # picture frame / shelf on the wall
             w, h = rng.uniform(10, 30), rng.uniform(8, 22)
             d.rectangle([x, y, x + w, y + h], fill=jitter(col, rng, 30) + (a,), outline=(60, 50, 40, 200))

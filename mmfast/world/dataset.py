@@ -43,12 +43,30 @@ def annotations_from_coco(coco: dict[str, Any], split: str) -> list[ImageAnnotat
     for a in coco["annotations"]:
         cat = CATEGORY_BY_ID[int(a["category_id"])]
         x, y, w, h = (int(round(v)) for v in a["bbox"])
-        per.setdefault(int(a["image_id"]), []).append(Instance(
-            cat.id, cat.name, (x, y, w, h), int(a["area"]), float(a.get("visible_fraction", 1.0)),
-            bool(a.get("is_small", False)), str(a.get("color", cat.colors[0])), str(a.get("variant", ""))))
-    return [ImageAnnotation(int(im["id"]), split, im["file_name"], int(im["width"]), int(im["height"]),
-                            str(im.get("scene", "")), tuple(per.get(int(im["id"]), ())))
-            for im in coco["images"]]
+        per.setdefault(int(a["image_id"]), []).append(
+            Instance(
+                cat.id,
+                cat.name,
+                (x, y, w, h),
+                int(a["area"]),
+                float(a.get("visible_fraction", 1.0)),
+                bool(a.get("is_small", False)),
+                str(a.get("color", cat.colors[0])),
+                str(a.get("variant", "")),
+            )
+        )
+    return [
+        ImageAnnotation(
+            int(im["id"]),
+            split,
+            im["file_name"],
+            int(im["width"]),
+            int(im["height"]),
+            str(im.get("scene", "")),
+            tuple(per.get(int(im["id"]), ())),
+        )
+        for im in coco["images"]
+    ]
 
 
 def load_annotations(root: str | Path, split: str) -> list[ImageAnnotation]:

@@ -111,8 +111,16 @@ class Pen:
         return outline
 
     # -- shapes -------------------------------------------------------------------------------
-    def rect(self, x0: float, y0: float, x1: float, y1: float, fill: RGB | None, outline: RGB | bool | None = True,
-             radius: float = 0.0) -> None:
+    def rect(
+        self,
+        x0: float,
+        y0: float,
+        x1: float,
+        y1: float,
+        fill: RGB | None,
+        outline: RGB | bool | None = True,
+        radius: float = 0.0,
+    ) -> None:
         """Axis-aligned (optionally rounded) rectangle; ``radius`` is a fraction of the short side."""
         ol = self._ol(fill, outline)
         box = self._box(x0, y0, x1, y1)
@@ -123,15 +131,24 @@ class Pen:
         else:
             self.d.rectangle(box, fill=fill, outline=ol, width=self.px if ol else 0)
 
-    def ellipse(self, x0: float, y0: float, x1: float, y1: float, fill: RGB | None,
-                outline: RGB | bool | None = True, width: float = 0.0) -> None:
+    def ellipse(
+        self,
+        x0: float,
+        y0: float,
+        x1: float,
+        y1: float,
+        fill: RGB | None,
+        outline: RGB | bool | None = True,
+        width: float = 0.0,
+    ) -> None:
         """Ellipse inscribed in a unit box."""
         ol = self._ol(fill, outline)
         w = self.lw(width) if width else self.px
         self.d.ellipse(self._box(x0, y0, x1, y1), fill=fill, outline=ol, width=w if ol else 0)
 
-    def circle(self, cx: float, cy: float, r: float, fill: RGB | None, outline: RGB | bool | None = True,
-               width: float = 0.0) -> None:
+    def circle(
+        self, cx: float, cy: float, r: float, fill: RGB | None, outline: RGB | bool | None = True, width: float = 0.0
+    ) -> None:
         """A true circle: centre in unit coordinates, radius a fraction of the shorter side."""
         ol = self._ol(fill, outline)
         x, y, rr = cx * self.w, cy * self.h, max(1.0, r * self.m)
@@ -141,32 +158,51 @@ class Pen:
     def poly(self, pts: Sequence[tuple[float, float]], fill: RGB | None, outline: RGB | bool | None = True) -> None:
         """Filled polygon from unit points."""
         ol = self._ol(fill, outline)
-        self.d.polygon([(u * self.w, v * self.h) for u, v in pts], fill=fill, outline=ol,
-                       width=self.px if ol else 0)
+        self.d.polygon([(u * self.w, v * self.h) for u, v in pts], fill=fill, outline=ol, width=self.px if ol else 0)
 
     def line(self, pts: Sequence[tuple[float, float]], fill: RGB, width: float = 0.04) -> None:
         """Poly-line; ``width`` is a fraction of the shorter side."""
         self.d.line([(u * self.w, v * self.h) for u, v in pts], fill=fill, width=self.lw(width), joint="curve")
 
-    def pieslice(self, x0: float, y0: float, x1: float, y1: float, start: float, end: float, fill: RGB,
-                 outline: RGB | bool | None = True) -> None:
+    def pieslice(
+        self,
+        x0: float,
+        y0: float,
+        x1: float,
+        y1: float,
+        start: float,
+        end: float,
+        fill: RGB,
+        outline: RGB | bool | None = True,
+    ) -> None:
         """Pie slice of the ellipse in a unit box, angles in degrees (0 = east, clockwise)."""
         ol = self._ol(fill, outline)
         self.d.pieslice(self._box(x0, y0, x1, y1), start, end, fill=fill, outline=ol, width=self.px if ol else 0)
 
-    def chord(self, x0: float, y0: float, x1: float, y1: float, start: float, end: float, fill: RGB,
-              outline: RGB | bool | None = True) -> None:
+    def chord(
+        self,
+        x0: float,
+        y0: float,
+        x1: float,
+        y1: float,
+        start: float,
+        end: float,
+        fill: RGB,
+        outline: RGB | bool | None = True,
+    ) -> None:
         """Chord (segment) of the ellipse in a unit box."""
         ol = self._ol(fill, outline)
         self.d.chord(self._box(x0, y0, x1, y1), start, end, fill=fill, outline=ol, width=self.px if ol else 0)
 
-    def arc(self, x0: float, y0: float, x1: float, y1: float, start: float, end: float, fill: RGB,
-            width: float = 0.04) -> None:
+    def arc(
+        self, x0: float, y0: float, x1: float, y1: float, start: float, end: float, fill: RGB, width: float = 0.04
+    ) -> None:
         """Arc of the ellipse in a unit box."""
         self.d.arc(self._box(x0, y0, x1, y1), start, end, fill=fill, width=self.lw(width))
 
-    def stripes(self, x0: float, y0: float, x1: float, y1: float, n: int, fill: RGB, vertical: bool = False,
-                width: float = 0.03) -> None:
+    def stripes(
+        self, x0: float, y0: float, x1: float, y1: float, n: int, fill: RGB, vertical: bool = False, width: float = 0.03
+    ) -> None:
         """``n`` parallel lines across a box (texture / pattern helper)."""
         for i in range(1, n + 1):
             t = i / (n + 1)
@@ -177,8 +213,9 @@ class Pen:
                 v = y0 + t * (y1 - y0)
                 self.line([(x0, v), (x1, v)], fill, width)
 
-    def spots(self, rng: random.Random, x0: float, y0: float, x1: float, y1: float, n: int, fill: RGB,
-              r: float = 0.06) -> None:
+    def spots(
+        self, rng: random.Random, x0: float, y0: float, x1: float, y1: float, n: int, fill: RGB, r: float = 0.06
+    ) -> None:
         """``n`` random round spots inside a box (texture helper)."""
         for _ in range(n):
             self.circle(rng.uniform(x0, x1), rng.uniform(y0, y1), r * rng.uniform(0.6, 1.3), fill, outline=False)

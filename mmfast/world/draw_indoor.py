@@ -165,8 +165,14 @@ def draw_cell_phone(p: Pen, rng: random.Random, c: RGB, variant: str) -> None:
     p.rect(0.08, 0.07, 0.92, bottom, mix(a, b, 0.5), outline=False)
     for r in range(4):
         for k in range(3):
-            p.rect(0.16 + k * 0.26, 0.14 + r * 0.15, 0.32 + k * 0.26, 0.22 + r * 0.15,
-                   jitter((235, 235, 235), rng, 40), outline=False)
+            p.rect(
+                0.16 + k * 0.26,
+                0.14 + r * 0.15,
+                0.32 + k * 0.26,
+                0.22 + r * 0.15,
+                jitter((235, 235, 235), rng, 40),
+                outline=False,
+            )
     if bottom < 0.9:
         p.circle(0.5, 0.93, 0.08, shade(c, 0.6))
 
@@ -175,8 +181,10 @@ def draw_book(p: Pen, rng: random.Random, c: RGB, variant: str) -> None:
     """Book: standing cover with a spine and title lines, or a small stack of books."""
     if variant == "stack":
         n = 3
-        cols = [c] + [jitter(rng.choice(((60, 90, 170), (170, 50, 50), (60, 130, 70), (220, 190, 60))), rng, 20)
-                      for _ in range(n - 1)]
+        cols = [c] + [
+            jitter(rng.choice(((60, 90, 170), (170, 50, 50), (60, 130, 70), (220, 190, 60))), rng, 20)
+            for _ in range(n - 1)
+        ]
         for i in range(n):
             y0 = 1.0 - (i + 1) / n
             sh = rng.uniform(-0.06, 0.06)

@@ -96,10 +96,14 @@ def draw_banana(p: Pen, rng: random.Random, c: RGB, variant: str) -> None:
     n = 2 if rng.random() < 0.35 else 1
     for k in range(n):
         dy = k * 0.22
-        outer = [(0.5 + 0.5 * math.cos(a), -0.2 + dy + 0.95 * math.sin(a))
-                 for a in (math.radians(t) for t in range(15, 166, 10))]
-        inner = [(0.5 + 0.4 * math.cos(a), -0.2 + dy + 0.62 * math.sin(a))
-                 for a in (math.radians(t) for t in range(165, 14, -10))]
+        outer = [
+            (0.5 + 0.5 * math.cos(a), -0.2 + dy + 0.95 * math.sin(a))
+            for a in (math.radians(t) for t in range(15, 166, 10))
+        ]
+        inner = [
+            (0.5 + 0.4 * math.cos(a), -0.2 + dy + 0.62 * math.sin(a))
+            for a in (math.radians(t) for t in range(165, 14, -10))
+        ]
         col = shade(c, 1.0 - 0.12 * k)
         p.poly(outer + inner, col, outline=shade(c, 0.6))
         p.circle(outer[0][0], outer[0][1] - 0.02, 0.06, (90, 60, 30), outline=False)
@@ -239,8 +243,11 @@ def draw_clock(p: Pen, rng: random.Random, c: RGB, variant: str) -> None:
     for k in range(12):
         a = math.radians(30 * k)
         r0 = 0.3 if k % 3 else 0.26
-        p.line([(0.5 + r0 * math.cos(a), 0.5 + r0 * math.sin(a)), (0.5 + 0.37 * math.cos(a), 0.5 + 0.37 * math.sin(a))],
-               (30, 30, 30), 0.03 if k % 3 else 0.05)
+        p.line(
+            [(0.5 + r0 * math.cos(a), 0.5 + r0 * math.sin(a)), (0.5 + 0.37 * math.cos(a), 0.5 + 0.37 * math.sin(a))],
+            (30, 30, 30),
+            0.03 if k % 3 else 0.05,
+        )
     h, m = math.radians(rng.uniform(0, 360)), math.radians(rng.uniform(0, 360))
     p.line([(0.5, 0.5), (0.5 + 0.2 * math.sin(h), 0.5 - 0.2 * math.cos(h))], (20, 20, 20), 0.06)
     p.line([(0.5, 0.5), (0.5 + 0.32 * math.sin(m), 0.5 - 0.32 * math.cos(m))], (20, 20, 20), 0.035)

@@ -223,8 +223,11 @@ def draw_kite(p: Pen, rng: random.Random, c: RGB, variant: str) -> None:
     pts = [(0.5 + 0.12 * math.sin(i * 1.3), 0.62 + i * 0.065) for i in range(6)]
     p.line(pts, (60, 60, 60), 0.02)
     for x, y in pts[1::2]:
-        p.poly([(x - 0.1, y - 0.025), (x + 0.1, y + 0.025), (x + 0.1, y - 0.025), (x - 0.1, y + 0.025)],
-               jitter(other, rng, 20), outline=False)
+        p.poly(
+            [(x - 0.1, y - 0.025), (x + 0.1, y + 0.025), (x + 0.1, y - 0.025), (x - 0.1, y + 0.025)],
+            jitter(other, rng, 20),
+            outline=False,
+        )
 
 
 def draw_skateboard(p: Pen, rng: random.Random, c: RGB, variant: str) -> None:

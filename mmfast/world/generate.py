@@ -78,13 +78,15 @@ def _render_one(task: tuple[int, str, int, WorldConfig, str, bool]) -> ImageAnno
     root = Path(out_dir)
     r.image.save(root / "images" / split / r.annotation.file_name, format="PNG", compress_level=6)
     if save_label:
-        Image.fromarray(r.label_map, "L").save(root / "labels" / split / r.annotation.file_name, format="PNG",
-                                               compress_level=6)
+        Image.fromarray(r.label_map, "L").save(
+            root / "labels" / split / r.annotation.file_name, format="PNG", compress_level=6
+        )
     return r.annotation
 
 
-def _render_split(seed: int, split: str, n: int, cfg: WorldConfig, out: Path, save_label: bool, workers: int,
-                  progress: bool) -> list[ImageAnnotation]:
+def _render_split(
+    seed: int, split: str, n: int, cfg: WorldConfig, out: Path, save_label: bool, workers: int, progress: bool
+) -> list[ImageAnnotation]:
     (out / "images" / split).mkdir(parents=True, exist_ok=True)
     if save_label:
         (out / "labels" / split).mkdir(parents=True, exist_ok=True)
@@ -106,8 +108,10 @@ def _render_split(seed: int, split: str, n: int, cfg: WorldConfig, out: Path, sa
 
 def coco_images(anns: Sequence[ImageAnnotation]) -> list[dict[str, object]]:
     """The ``images`` list of a COCO file."""
-    return [{"id": a.image_id, "file_name": a.file_name, "width": a.width, "height": a.height, "scene": a.scene}
-            for a in anns]
+    return [
+        {"id": a.image_id, "file_name": a.file_name, "width": a.width, "height": a.height, "scene": a.scene}
+        for a in anns
+    ]
 
 
 def coco_instances(anns: Sequence[ImageAnnotation], seed: int) -> dict[str, object]:
@@ -115,12 +119,28 @@ def coco_instances(anns: Sequence[ImageAnnotation], seed: int) -> dict[str, obje
     rows: list[dict[str, object]] = []
     for a in anns:
         for inst in a.instances:
-            rows.append({"id": len(rows) + 1, "image_id": a.image_id, "category_id": inst.category_id,
-                         "bbox": list(inst.bbox), "area": inst.area, "iscrowd": 0, "segmentation": [],
-                         "visible_fraction": inst.visible_fraction, "is_small": inst.is_small,
-                         "color": inst.color, "variant": inst.variant})
-    return {"info": {"description": "mmfast generated world (COCO format)", "version": WORLD_VERSION, "seed": seed},
-            "licenses": [], "images": coco_images(anns), "annotations": rows, "categories": coco_categories()}
+            rows.append(
+                {
+                    "id": len(rows) + 1,
+                    "image_id": a.image_id,
+                    "category_id": inst.category_id,
+                    "bbox": list(inst.bbox),
+                    "area": inst.area,
+                    "iscrowd": 0,
+                    "segmentation": [],
+                    "visible_fraction": inst.visible_fraction,
+                    "is_small": inst.is_small,
+                    "color": inst.color,
+                    "variant": inst.variant,
+                }
+            )
+    return {
+        "info": {"description": "mmfast generated world (COCO format)", "version": WORLD_VERSION, "seed": seed},
+        "licenses": [],
+        "images": coco_images(anns),
+        "annotations": rows,
+        "categories": coco_categories(),
+    }
 
 
 def coco_captions(anns: Sequence[ImageAnnotation], seed: int, per_image: int = 5) -> dict[str, object]:
@@ -129,18 +149,32 @@ def coco_captions(anns: Sequence[ImageAnnotation], seed: int, per_image: int = 5
     for a in anns:
         for cap in captions(a, text_rng(seed, a.split, a.image_id, "captions"), per_image):
             rows.append({"id": len(rows) + 1, "image_id": a.image_id, "caption": cap})
-    return {"info": {"description": "mmfast generated world captions", "version": WORLD_VERSION, "seed": seed},
-            "licenses": [], "images": coco_images(anns), "annotations": rows}
+    return {
+        "info": {"description": "mmfast generated world captions", "version": WORLD_VERSION, "seed": seed},
+        "licenses": [],
+        "images": coco_images(anns),
+        "annotations": rows,
+    }
 
 
 def _dump(obj: object, path: Path) -> None:
     path.write_text(json.dumps(obj, separators=(",", ":")) + "\n", encoding="utf-8")
 
 
-def write_world(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_val: int = 500, image_size: int = 192, *,
-                pope_images: int = 500, captions_per_image: int = 5, workers: int = 1,
-                label_map_splits: Sequence[str] = ("train",), config: WorldConfig | None = None,
-                progress: bool = True) -> WorldSummary:
+def write_world(
+    out_dir: str | Path,
+    seed: int = 0,
+    n_train: int = 8000,
+    n_val: int = 500,
+    image_size: int = 192,
+    *,
+    pope_images: int = 500,
+    captions_per_image: int = 5,
+    workers: int = 1,
+    label_map_splits: Sequence[str] = ("train",),
+    config: WorldConfig | None = None,
+    progress: bool = True,
+) -> WorldSummary:
     """Generate and write the whole world (see the module docstring for the layout).
 
     Args:
@@ -170,8 +204,10 @@ def write_world(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_val: 
         anns = _render_split(seed, split, n, cfg, out, split in label_map_splits, workers, progress)
         logger.info("rendered %d %s images in %.1fs", n, split, time.perf_counter() - t)
         split_anns[split] = anns
-        for kind, obj in (("instances", coco_instances(anns, seed)),
-                          ("captions", coco_captions(anns, seed, captions_per_image))):
+        for kind, obj in (
+            ("instances", coco_instances(anns, seed)),
+            ("captions", coco_captions(anns, seed, captions_per_image)),
+        ):
             path = out / "annotations" / f"{kind}_{split}.json"
             _dump(obj, path)
             files[f"annotations/{path.name}"] = _sha256(path)
@@ -185,14 +221,22 @@ def write_world(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_val: 
     for a in split_anns["val"]:
         val_hash.update((out / "images" / "val" / a.file_name).read_bytes())
     info = {
-        "generator": "mmfast.world", "version": WORLD_VERSION, "seed": seed,
+        "generator": "mmfast.world",
+        "version": WORLD_VERSION,
+        "seed": seed,
         "config": dataclasses.asdict(cfg),
-        "counts": {"train": n_train, "val": n_val, "pope_images": n_pope,
-                   "instances_train": sum(len(a.instances) for a in split_anns["train"]),
-                   "instances_val": sum(len(a.instances) for a in split_anns["val"]),
-                   "captions_per_image": captions_per_image},
-        "categories": [{"id": c.id, "name": c.name, "supercategory": c.supercategory, "label": i + 1}
-                       for i, c in enumerate(CATEGORIES)],
+        "counts": {
+            "train": n_train,
+            "val": n_val,
+            "pope_images": n_pope,
+            "instances_train": sum(len(a.instances) for a in split_anns["train"]),
+            "instances_val": sum(len(a.instances) for a in split_anns["val"]),
+            "captions_per_image": captions_per_image,
+        },
+        "categories": [
+            {"id": c.id, "name": c.name, "supercategory": c.supercategory, "label": i + 1}
+            for i, c in enumerate(CATEGORIES)
+        ],
         "label_names": list(LABEL_NAMES),
         "label_map_splits": [s for s in ("train", "val") if s in label_map_splits],
         "instance_order": "visible area, descending",
@@ -208,8 +252,9 @@ def write_world(out_dir: str | Path, seed: int = 0, n_train: int = 8000, n_val: 
     return WorldSummary(out, n_train, n_val, n_pope, secs)
 
 
-def _write_pope_versions(out: Path, val: list[ImageAnnotation], seed: int, pope_images: int,
-                         standard: bool) -> tuple[dict[str, object], int, dict[str, str]]:
+def _write_pope_versions(
+    out: Path, val: list[ImageAnnotation], seed: int, pope_images: int, standard: bool
+) -> tuple[dict[str, object], int, dict[str, str]]:
     """Write every POPE version and the official builder's input.
 
     Returns:
@@ -225,19 +270,33 @@ def _write_pope_versions(out: Path, val: list[ImageAnnotation], seed: int, pope_
         n_pope = len(splits["random"]) // 6
         verified = verify_pope(splits, version, seed) if standard else None
         if verified is False:
-            logger.warning("world POPE %s files differ from the published checksums of seed %d: results on them "
-                           "are not comparable with published ones (different Pillow/numpy rendering?)", version, seed)
-        versions[version] = {"rule": POPE_RULES[version], "files": {s: p.name for s, p in paths.items()},
-                             "sha256": {s: _sha256(p) for s, p in paths.items()}, "verified": verified}
+            logger.warning(
+                "world POPE %s files differ from the published checksums of seed %d: results on them "
+                "are not comparable with published ones (different Pillow/numpy rendering?)",
+                version,
+                seed,
+            )
+        versions[version] = {
+            "rule": POPE_RULES[version],
+            "files": {s: p.name for s, p in paths.items()},
+            "sha256": {s: _sha256(p) for s, p in paths.items()},
+            "verified": verified,
+        }
         sha.update({f"pope/{p.name}": _sha256(p) for p in paths.values()})
     if n_pope < pope_images:
-        logger.warning("only %d val images have >= 3 categories; POPE uses %d images instead of %d",
-                       n_pope, n_pope, pope_images)
+        logger.warning(
+            "only %d val images have >= 3 categories; POPE uses %d images instead of %d", n_pope, n_pope, pope_images
+        )
     logger.info("POPE: %d images, %d questions per split, versions %s", n_pope, 6 * n_pope, ", ".join(POPE_VERSIONS))
     default = versions[DEFAULT_POPE_VERSION]
-    info = {"default_version": DEFAULT_POPE_VERSION, "rule": default["rule"],  # type: ignore[index]
-            "files": default["files"], "sha256": default["sha256"],  # type: ignore[index]
-            "objects_file": OBJECTS_FILE, "versions": versions}
+    info = {
+        "default_version": DEFAULT_POPE_VERSION,
+        "rule": default["rule"],  # type: ignore[index]
+        "files": default["files"],
+        "sha256": default["sha256"],  # type: ignore[index]
+        "objects_file": OBJECTS_FILE,
+        "versions": versions,
+    }
     return info, n_pope, sha
 
 
@@ -247,8 +306,9 @@ def pope_versions_present(root: str | Path) -> bool:
     try:
         info = json.loads((Path(root) / "world.json").read_text(encoding="utf-8"))
         versions = info["pope"]["versions"]
-        return all((Path(root) / "pope" / name).is_file()
-                   for v in POPE_VERSIONS for name in versions[v]["files"].values())
+        return all(
+            (Path(root) / "pope" / name).is_file() for v in POPE_VERSIONS for name in versions[v]["files"].values()
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -297,11 +357,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     splits = ("train", "val") if args.val_label_maps else ("train",)
-    s = write_world(args.out, args.seed, args.n_train, args.n_val, args.image_size, pope_images=args.pope_images,
-                    workers=args.workers, label_map_splits=splits, progress=not args.no_progress)
+    s = write_world(
+        args.out,
+        args.seed,
+        args.n_train,
+        args.n_val,
+        args.image_size,
+        pope_images=args.pope_images,
+        workers=args.workers,
+        label_map_splits=splits,
+        progress=not args.no_progress,
+    )
     logger.info("done: %d train, %d val, %d POPE images, %.1fs", s.n_train, s.n_val, s.n_pope_images, s.seconds)
     return 0
 

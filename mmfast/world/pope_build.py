@@ -28,8 +28,19 @@ from .pope_v1 import build_pope_v1, pool_statistics, pope_pool
 from .render import ImageAnnotation
 
 __all__ = [
-    "DEFAULT_POPE_VERSION", "KNOWN_WORLD_POPE", "POPE_RULES", "POPE_SPLITS", "POPE_VERSIONS", "PopeQuestion",
-    "build_pope", "pool_statistics", "pope_bytes", "pope_file_name", "pope_pool", "read_pope", "verify_pope",
+    "DEFAULT_POPE_VERSION",
+    "KNOWN_WORLD_POPE",
+    "POPE_RULES",
+    "POPE_SPLITS",
+    "POPE_VERSIONS",
+    "PopeQuestion",
+    "build_pope",
+    "pool_statistics",
+    "pope_bytes",
+    "pope_file_name",
+    "pope_pool",
+    "read_pope",
+    "verify_pope",
     "write_pope",
 ]
 
@@ -39,7 +50,7 @@ DEFAULT_POPE_VERSION = "official"
 #: One line per version, recorded in ``world.json``.
 POPE_RULES: dict[str, str] = {
     "official": "official POPE (Li et al. 2023, RUCAIBox/POPE utils.py): first 3 objects in annotation order "
-                "as positives; ties in first-appearance order; images in drawn order; one random stream",
+    "as positives; ties in first-appearance order; images in drawn order; one random stream",
     "v1": "mmfast v1: first 3 objects by visible area as positives; ties by COCO id; images in id order",
 }
 
@@ -71,8 +82,14 @@ def _check_version(version: str) -> None:
         raise ValueError(f"unknown world POPE version {version!r}; choose from {POPE_VERSIONS}")
 
 
-def build_pope(annotations: Sequence[ImageAnnotation], *, version: str = DEFAULT_POPE_VERSION, n_images: int = 500,
-               seed: int = 0, n_pos: int = 3) -> dict[str, list[PopeQuestion]]:
+def build_pope(
+    annotations: Sequence[ImageAnnotation],
+    *,
+    version: str = DEFAULT_POPE_VERSION,
+    n_images: int = 500,
+    seed: int = 0,
+    n_pos: int = 3,
+) -> dict[str, list[PopeQuestion]]:
     """Build the three POPE splits of ``version`` from rendered val annotations.
 
     Args:
@@ -105,8 +122,9 @@ def verify_pope(splits: dict[str, list[PopeQuestion]], version: str, seed: int) 
     return {s: hashlib.sha256(pope_bytes(qs)).hexdigest() for s, qs in splits.items()} == known
 
 
-def write_pope(out_dir: str | Path, splits: dict[str, list[PopeQuestion]],
-               version: str = DEFAULT_POPE_VERSION) -> dict[str, Path]:
+def write_pope(
+    out_dir: str | Path, splits: dict[str, list[PopeQuestion]], version: str = DEFAULT_POPE_VERSION
+) -> dict[str, Path]:
     """Write one JSON Lines file per split into ``out_dir``; returns their paths."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)

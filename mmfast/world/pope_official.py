@@ -66,8 +66,10 @@ class GroundTruthObjects:
 
 def ground_truth_objects(annotations: Sequence[ImageAnnotation]) -> list[GroundTruthObjects]:
     """The official builder's input records of rendered annotations (image-id order)."""
-    return [GroundTruthObjects(a.file_name, a.image_id, tuple(a.annotated_names()))
-            for a in sorted(annotations, key=lambda a: a.image_id)]
+    return [
+        GroundTruthObjects(a.file_name, a.image_id, tuple(a.annotated_names()))
+        for a in sorted(annotations, key=lambda a: a.image_id)
+    ]
 
 
 def write_objects(path: str | Path, records: Sequence[GroundTruthObjects]) -> Path:
@@ -115,8 +117,9 @@ def object_statistics(pool: Sequence[GroundTruthObjects]) -> tuple[list[str], li
     return list(freq), by_freq, co_sorted
 
 
-def build_pope_official(records: Sequence[GroundTruthObjects], *, n_images: int = 500, seed: int = 0,
-                        n_pos: int = 3) -> dict[str, list[PopeQuestion]]:
+def build_pope_official(
+    records: Sequence[GroundTruthObjects], *, n_images: int = 500, seed: int = 0, n_pos: int = 3
+) -> dict[str, list[PopeQuestion]]:
     """Build the three POPE splits with the official rule (module docstring).
 
     Args:
@@ -160,7 +163,8 @@ def build_pope_official(records: Sequence[GroundTruthObjects], *, n_images: int 
                 neg = next((o for o in ranked if valid(o)), None) or draw()
                 asked.append(neg)
                 for name, label in ((pos, "yes"), (neg, "no")):
-                    questions.append(PopeQuestion(len(questions) + 1, rec.image, rec.image_id,
-                                                  object_question(name), label))
+                    questions.append(
+                        PopeQuestion(len(questions) + 1, rec.image, rec.image_id, object_question(name), label)
+                    )
         out[split] = questions
     return out

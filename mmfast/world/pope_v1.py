@@ -45,8 +45,9 @@ def _cid(name: str) -> int:
     return CATEGORY_BY_NAME[name].id
 
 
-def pope_pool(annotations: Sequence[ImageAnnotation], n_images: int = 500, seed: int = 0,
-              min_objects: int = 3) -> list[ImageAnnotation]:
+def pope_pool(
+    annotations: Sequence[ImageAnnotation], n_images: int = 500, seed: int = 0, min_objects: int = 3
+) -> list[ImageAnnotation]:
     """Draw the POPE images: ``n_images`` of those with ``>= min_objects`` distinct categories.
 
     Returns:
@@ -79,8 +80,9 @@ def pool_statistics(pool: Sequence[ImageAnnotation]) -> tuple[list[str], list[st
     return all_objects, by_freq, co_sorted
 
 
-def build_pope_v1(annotations: Sequence[ImageAnnotation], *, n_images: int = 500, seed: int = 0,
-               n_pos: int = 3) -> dict[str, list[PopeQuestion]]:
+def build_pope_v1(
+    annotations: Sequence[ImageAnnotation], *, n_images: int = 500, seed: int = 0, n_pos: int = 3
+) -> dict[str, list[PopeQuestion]]:
     """Build the three POPE splits of version ``v1`` from val annotations (module docstring).
 
     Args:
@@ -130,7 +132,8 @@ def build_pope_v1(annotations: Sequence[ImageAnnotation], *, n_images: int = 500
                     neg = next((n for n in co.get(gt, []) if ok(n)), None) or random_neg()
                 used.append(neg)
                 for name, label in ((gt, "yes"), (neg, "no")):
-                    questions.append(PopeQuestion(len(questions) + 1, a.file_name, a.image_id,
-                                                  object_question(name), label))
+                    questions.append(
+                        PopeQuestion(len(questions) + 1, a.file_name, a.image_id, object_question(name), label)
+                    )
         out[split] = questions
     return out

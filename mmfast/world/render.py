@@ -141,8 +141,10 @@ class ImageAnnotation:
                 (``pope/world_objects_val.json`` of a written world does).
         """
         if any(inst.sample_index < 0 for inst in self.instances):
-            raise ValueError(f"image {self.image_id}: annotation order not recorded (read from a COCO file?); "
-                             "use the world's pope/world_objects_val.json")
+            raise ValueError(
+                f"image {self.image_id}: annotation order not recorded (read from a COCO file?); "
+                "use the world's pope/world_objects_val.json"
+            )
         seen: list[str] = []
         for inst in sorted(self.instances, key=lambda i: i.sample_index):
             if inst.name not in seen:
@@ -296,8 +298,9 @@ def render_image(seed: int, split: str, image_id: int, config: WorldConfig | Non
     return _finalize(canvas, inst_map, full, placed, rng, cfg, scene.name, split, image_id)
 
 
-def _compose(canvas: Image.Image, hz: int, names: list[str], rng: random.Random,
-             cfg: WorldConfig) -> tuple[np.ndarray, list[int], list[_Plan]]:
+def _compose(
+    canvas: Image.Image, hz: int, names: list[str], rng: random.Random, cfg: WorldConfig
+) -> tuple[np.ndarray, list[int], list[_Plan]]:
     """Place and draw the objects onto ``canvas``; returns instance map, full sizes, plans."""
     s = cfg.image_size
     plans = sorted((_plan(n, rng, cfg, i) for i, n in enumerate(names)), key=lambda p: (p.cat.layer, p.depth))
@@ -341,8 +344,17 @@ def _compose(canvas: Image.Image, hz: int, names: list[str], rng: random.Random,
     return inst_map, full, placed
 
 
-def _finalize(canvas: Image.Image, inst_map: np.ndarray, full: list[int], placed: list[_Plan], rng: random.Random,
-              cfg: WorldConfig, scene: str, split: str, image_id: int) -> RenderedImage:
+def _finalize(
+    canvas: Image.Image,
+    inst_map: np.ndarray,
+    full: list[int],
+    placed: list[_Plan],
+    rng: random.Random,
+    cfg: WorldConfig,
+    scene: str,
+    split: str,
+    image_id: int,
+) -> RenderedImage:
     """Noise the image, measure instances, sort them by visible area and build the maps."""
     s = cfg.image_size
     image = finish(canvas, rng)
@@ -355,8 +367,9 @@ def _finalize(canvas: Image.Image, inst_map: np.ndarray, full: list[int], placed
         x0, y0 = int(xs.min()), int(ys.min())
         bbox = (x0, y0, int(xs.max()) - x0 + 1, int(ys.max()) - y0 + 1)
         area = int(len(xs))
-        inst = Instance(p.cat.id, p.cat.name, bbox, area, round(area / full[k], 4), area < small_area, p.color,
-                        p.variant, p.index)
+        inst = Instance(
+            p.cat.id, p.cat.name, bbox, area, round(area / full[k], 4), area < small_area, p.color, p.variant, p.index
+        )
         found.append((area, k, inst))
     found.sort(key=lambda t: (-t[0], t[1]))
     remap = np.zeros(256, dtype=np.uint8)
@@ -366,8 +379,7 @@ def _finalize(canvas: Image.Image, inst_map: np.ndarray, full: list[int], placed
     lut = np.zeros(256, dtype=np.uint8)
     for new, (_, _, inst) in enumerate(found, start=1):
         lut[new] = inst.label
-    ann = ImageAnnotation(image_id, split, file_name_for(split, image_id), s, s, scene,
-                          tuple(t[2] for t in found))
+    ann = ImageAnnotation(image_id, split, file_name_for(split, image_id), s, s, scene, tuple(t[2] for t in found))
     return RenderedImage(image, lut[inst_map], inst_map, ann)
 
 

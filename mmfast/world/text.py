@@ -41,24 +41,40 @@ CAPTION_PROMPTS: tuple[str, ...] = (
 )
 #: The exact prompt of the detailed-description task (also used by CHAIR-style evaluation).
 DETAIL_PROMPT = "Please describe this image in detail."
-DETAIL_PROMPTS: tuple[str, ...] = (DETAIL_PROMPT, "Describe this image in detail.",
-                                   "Give a detailed description of this image.")
+DETAIL_PROMPTS: tuple[str, ...] = (
+    DETAIL_PROMPT,
+    "Describe this image in detail.",
+    "Give a detailed description of this image.",
+)
 #: LLaVA-1.5 style suffix for short-answer questions (POPE prompts use it too).
 SHORT_ANSWER_SUFFIX = "Answer the question using a single word or phrase."
 OBJECT_QUESTION = "Is there {article} {obj} in the image?"
 
-NUMBER_WORDS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
-                                 "nine", "ten")
+NUMBER_WORDS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 POSITIONS: dict[tuple[int, int], str] = {
-    (0, 0): "in the top left corner", (1, 0): "at the top", (2, 0): "in the top right corner",
-    (0, 1): "on the left", (1, 1): "in the center", (2, 1): "on the right",
-    (0, 2): "in the bottom left corner", (1, 2): "at the bottom", (2, 2): "in the bottom right corner",
+    (0, 0): "in the top left corner",
+    (1, 0): "at the top",
+    (2, 0): "in the top right corner",
+    (0, 1): "on the left",
+    (1, 1): "in the center",
+    (2, 1): "on the right",
+    (0, 2): "in the bottom left corner",
+    (1, 2): "at the bottom",
+    (2, 2): "in the bottom right corner",
 }
 _VERBS: dict[str, tuple[str, ...]] = {
-    "person": ("standing", "walking"), "dog": ("standing", "sitting", "playing"), "cat": ("sitting", "resting"),
-    "horse": ("standing", "grazing"), "bird": ("sitting", "perched"), "car": ("parked", "driving"),
-    "bus": ("driving", "parked"), "truck": ("parked", "driving"), "motorcycle": ("parked",),
-    "bicycle": ("parked",), "kite": ("flying",), "frisbee": ("flying",),
+    "person": ("standing", "walking"),
+    "dog": ("standing", "sitting", "playing"),
+    "cat": ("sitting", "resting"),
+    "horse": ("standing", "grazing"),
+    "bird": ("sitting", "perched"),
+    "car": ("parked", "driving"),
+    "bus": ("driving", "parked"),
+    "truck": ("parked", "driving"),
+    "motorcycle": ("parked",),
+    "bicycle": ("parked",),
+    "kite": ("flying",),
+    "frisbee": ("flying",),
 }
 _STILL = ("sitting", "placed")
 
@@ -131,8 +147,9 @@ def _noun(g: _Group, rng: random.Random, canonical: bool = False) -> str:
     if name == "person":
         kinds = {i.variant for i in g.insts}
         if g.n == 1:
-            opts = {"man": ("man", "person", "guy"), "woman": ("woman", "person", "lady"),
-                    "child": ("child", "kid")}[g.insts[0].variant]
+            opts = {"man": ("man", "person", "guy"), "woman": ("woman", "person", "lady"), "child": ("child", "kid")}[
+                g.insts[0].variant
+            ]
             return opts[0] if canonical else rng.choice(opts)
         if kinds == {"child"}:
             return "children" if canonical else rng.choice(("children", "kids"))
@@ -143,8 +160,16 @@ def _noun(g: _Group, rng: random.Random, canonical: bool = False) -> str:
     return sg if g.n == 1 else pl
 
 
-def _np(g: _Group, rng: random.Random, size: int, *, color_p: float = 0.4, pos: bool = False,
-        size_word: bool = False, canonical: bool = False) -> str:
+def _np(
+    g: _Group,
+    rng: random.Random,
+    size: int,
+    *,
+    color_p: float = 0.4,
+    pos: bool = False,
+    size_word: bool = False,
+    canonical: bool = False,
+) -> str:
     """Noun phrase: "a red car", "two dogs", "a man dressed in blue on the left"."""
     noun = _noun(g, rng, canonical)
     if g.n == 1:
@@ -263,17 +288,21 @@ def detailed_description(ann: ImageAnnotation, rng: random.Random) -> str:
     """
     scene = SCENE_BY_NAME[ann.scene]
     s = ann.width
-    intro = rng.choice((f"this is a photo of {scene.with_article}", f"the image shows {scene.with_article}",
-                        f"this picture was taken in {scene.with_article}"))
+    intro = rng.choice(
+        (
+            f"this is a photo of {scene.with_article}",
+            f"the image shows {scene.with_article}",
+            f"this picture was taken in {scene.with_article}",
+        )
+    )
     sents = [sentence(intro)]
     groups = _groups(ann)
-    chunks = [groups[i: i + 2] for i in range(0, len(groups), 2)]
+    chunks = [groups[i : i + 2] for i in range(0, len(groups), 2)]
     if len(chunks) > 4:  # more than 8 categories: pack tighter
         k = -(-len(groups) // 4)
-        chunks = [groups[i: i + k] for i in range(0, len(groups), k)]
+        chunks = [groups[i : i + k] for i in range(0, len(groups), k)]
     for ci, chunk in enumerate(chunks):
-        phrases = [_np(g, rng, s, color_p=0.8, pos=True, size_word=True, canonical=rng.random() < 0.8)
-                   for g in chunk]
+        phrases = [_np(g, rng, s, color_p=0.8, pos=True, size_word=True, canonical=rng.random() < 0.8) for g in chunk]
         x = _join(phrases)
         be = "are" if len(chunk) > 1 or chunk[0].n > 1 else "is"
         if ci == 0:
@@ -362,8 +391,14 @@ def image_texts(ann: ImageAnnotation, rng: random.Random) -> list[str]:
     return out
 
 
-def world_corpus(annotations: Iterable[ImageAnnotation] | None = None, *, seed: int = 0, split: str = "train",
-                 n_images: int = 300, config: WorldConfig | None = None) -> Iterator[str]:
+def world_corpus(
+    annotations: Iterable[ImageAnnotation] | None = None,
+    *,
+    seed: int = 0,
+    split: str = "train",
+    n_images: int = 300,
+    config: WorldConfig | None = None,
+) -> Iterator[str]:
     """Yield every kind of text of the world, e.g. to train a tokenizer.
 
     Args:

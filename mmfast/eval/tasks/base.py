@@ -51,8 +51,10 @@ class Task(abc.ABC):
         super().__init_subclass__(**kwargs)
         unknown = set(cls.needs) - set(SHARED_INPUTS)
         if unknown:
-            raise TypeError(f"{cls.__name__}.needs lists {sorted(unknown)}; the shared inputs are {list(SHARED_INPUTS)} "
-                            "(declare other files in required_files)")
+            raise TypeError(
+                f"{cls.__name__}.needs lists {sorted(unknown)}; the shared inputs are {list(SHARED_INPUTS)} "
+                "(declare other files in required_files)"
+            )
 
     def __init__(self, cfg: EvalConfig, data: EvalData, cache_dir: Path | None = None) -> None:
         self.cfg, self.data, self.cache_dir = cfg, data, cache_dir
@@ -107,6 +109,8 @@ def build_tasks(cfg: EvalConfig, data: EvalData, cache_dir: Path | None = None) 
     for name in cfg.tasks:
         cls = TASKS.get(name).cls
         if not (isinstance(cls, type) and issubclass(cls, Task)):
-            raise TypeError(f"evaluation task {name!r} is registered as {cls!r}, which does not subclass mmfast.eval.tasks.Task")
+            raise TypeError(
+                f"evaluation task {name!r} is registered as {cls!r}, which does not subclass mmfast.eval.tasks.Task"
+            )
         tasks.append(cls(cfg, data, cache_dir / name if cache_dir is not None else None))
     return tasks

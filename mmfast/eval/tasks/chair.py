@@ -32,7 +32,9 @@ class ChairTask(Task):
             ids = read_image_ids(Path(c.image_ids_file))
             unknown = [i for i in ids if i not in names]
             if unknown:
-                raise InputError(f"{c.image_ids_file}: {len(unknown)} image ids have no file in {data.image_dir} (e.g. {unknown[:3]})")
+                raise InputError(
+                    f"{c.image_ids_file}: {len(unknown)} image ids have no file in {data.image_dir} (e.g. {unknown[:3]})"
+                )
         else:
             ids = sample_image_ids(sorted(names), min(c.n_images, len(names)), c.seed)
         self.image_ids = ids
@@ -42,7 +44,15 @@ class ChairTask(Task):
         c = self.cfg.chair
         ids = self.image_ids[:limit] if limit else self.image_ids
         return [
-            Sample(f"chair/{i}", "chair", self.data.image_dir / self.file_names[i], c.prompt, i, c.max_new_tokens, {"image_id": i})
+            Sample(
+                f"chair/{i}",
+                "chair",
+                self.data.image_dir / self.file_names[i],
+                c.prompt,
+                i,
+                c.max_new_tokens,
+                {"image_id": i},
+            )
             for i in ids
         ]
 
@@ -67,7 +77,9 @@ class ChairTask(Task):
             "prompt": c.prompt,
             "max_new_tokens": c.max_new_tokens,
             "n_images": len(self.image_ids),
-            "sampling": "ids from sorted file names, random.Random(seed).shuffle, first n" if not c.image_ids_file else c.image_ids_file,
+            "sampling": "ids from sorted file names, random.Random(seed).shuffle, first n"
+            if not c.image_ids_file
+            else c.image_ids_file,
             "seed": c.seed,
             "evaluator": self.evaluator.describe(),
             "intervals": {
@@ -102,9 +114,13 @@ def read_image_ids(path: Path) -> list[int]:
             raise InputError(f"{where} line {no}: {token[:40]!r} is not an image id (a whole number, one per line)")
         i = int(token)
         if i in seen:
-            raise InputError(f"{where} line {no}: image id {i} is listed twice (first at line {seen[i]}); list each once")
+            raise InputError(
+                f"{where} line {no}: image id {i} is listed twice (first at line {seen[i]}); list each once"
+            )
         seen[i] = no
         ids.append(i)
     if not ids:
-        raise InputError(f"{where} lists no image ids; put one per line, or leave the key out to sample eval.chair.n_images")
+        raise InputError(
+            f"{where} lists no image ids; put one per line, or leave the key out to sample eval.chair.n_images"
+        )
     return ids

@@ -25,16 +25,23 @@ def check_prompt(prompt: str) -> None:
     try:
         fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(prompt) if name is not None]
     except ValueError as exc:
-        raise ConfigError(where, f"{prompt!r} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}") from None
+        raise ConfigError(
+            where, f"{prompt!r} is not a valid template ({exc}); write a literal brace as {{{{ or }}}}"
+        ) from None
     others = sorted({f"{{{n}}}" for n, _, _ in fields if n != "question"})
     if others:
-        raise ConfigError(where, f"{prompt!r} has the field(s) {', '.join(others)}; the only field is {{question}} "
-                                 "(write a literal brace as {{ or }})")
+        raise ConfigError(
+            where,
+            f"{prompt!r} has the field(s) {', '.join(others)}; the only field is {{question}} "
+            "(write a literal brace as {{ or }})",
+        )
     if any(spec or conv for _, spec, conv in fields):
         raise ConfigError(where, f"{prompt!r}: write {{question}} without a format spec or conversion")
     if not fields:
         literal = " ({{question}} is the literal text '{question}', not the field)" if "{{question}}" in prompt else ""
-        raise ConfigError(where, f"{prompt!r} has no {{question}} field{literal}; put {{question}} where the POPE question goes")
+        raise ConfigError(
+            where, f"{prompt!r} has no {{question}} field{literal}; put {{question}} where the POPE question goes"
+        )
 
 
 def check_files(cfg: EvalConfig) -> None:
@@ -44,11 +51,17 @@ def check_files(cfg: EvalConfig) -> None:
         if key in cfg.pope.splits:
             continue
         if key in POPE_SPLITS:
-            raise ConfigError(f"eval.pope.files.{key}", f"split {key!r} is not in eval.pope.splits "
-                                                        f"({', '.join(cfg.pope.splits)}); add it there or remove this file")
+            raise ConfigError(
+                f"eval.pope.files.{key}",
+                f"split {key!r} is not in eval.pope.splits "
+                f"({', '.join(cfg.pope.splits)}); add it there or remove this file",
+            )
         hint = difflib.get_close_matches(str(key), POPE_SPLITS, n=1)
-        raise ConfigError(f"eval.pope.files.{key}", f"unknown POPE split {key!r}"
-                          + (f"; did you mean {hint[0]!r}?" if hint else f"; the splits are {', '.join(POPE_SPLITS)}"))
+        raise ConfigError(
+            f"eval.pope.files.{key}",
+            f"unknown POPE split {key!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else f"; the splits are {', '.join(POPE_SPLITS)}"),
+        )
 
 
 @TASKS.register("pope", description="POPE yes/no object probing per split (accuracy, precision, recall, F1)")
@@ -85,7 +98,9 @@ class PopeTask(Task):
                 "sha256": info.sha256,
                 "md5": info.md5,
                 "known_version": (
-                    {"commit": info.known.commit, "split": info.known.split, "dataset": info.known.dataset} if info.known else None
+                    {"commit": info.known.commit, "split": info.known.split, "dataset": info.known.dataset}
+                    if info.known
+                    else None
                 ),
             }
         check_prompt(cfg.pope.prompt)
@@ -137,8 +152,14 @@ class PopeTask(Task):
 
     def protocol(self) -> dict[str, Any]:
         p = self.cfg.pope
-        out = {"splits": list(p.splits), "prompt": p.prompt, "parser": p.parser, "max_new_tokens": p.max_new_tokens,
-               "files": self.file_info, "intervals": _intervals_protocol()}
+        out = {
+            "splits": list(p.splits),
+            "prompt": p.prompt,
+            "parser": p.parser,
+            "max_new_tokens": p.max_new_tokens,
+            "files": self.file_info,
+            "intervals": _intervals_protocol(),
+        }
         if self.data.dataset == "world":
             out["world_version"] = p.world_version
         return out
@@ -150,7 +171,7 @@ def _intervals_protocol() -> dict[str, Any]:
     return {
         "accuracy, precision, recall": "Wilson score interval, 95%",
         "f1, mean_f1, mean_accuracy": "percentile bootstrap resampling images jointly across splits (one draw per image for "
-                                      "all its questions of all splits), 95%; Wilson of the pooled counts where every replicate is equal",
+        "all its questions of all splits), 95%; Wilson of the pooled counts where every replicate is equal",
         "resamples": RESAMPLES,
         "seed": SEED,
     }
