@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 # CHAIR's tagger and lemma data ship in the package; NLTK_DATA is only read if you set it yourself.
 
-.PHONY: setup demo test clean lmms-setup test-lmms floor-setup test-compat-floor
+.PHONY: setup demo test lint clean lmms-setup test-lmms floor-setup test-compat-floor
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+# ruff: the linter and formatter configured in pyproject.toml (CI runs this)
+lint: setup
+	$(PY) -m ruff check mmfast tests scripts
+	$(PY) -m ruff format --check mmfast tests scripts
 
 # lmms-eval end to end (tests/test_lmms_eval_e2e.py): a second venv, since lmms-eval needs torchvision,
 # which imports only beside torch 2.14.1 here (a CUDA build, 5.6 GB, installed from this machine's disk)
