@@ -265,6 +265,17 @@ def format_mask(mask: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tens
     )
 
 
+def is_inert_output_hook(hook: Callable) -> bool:
+    """Whether a forward hook is transformers' own output-capturing hook (``output_hidden_states`` /
+    ``output_attentions`` install it on the decoder layers and attention modules the first time they are
+    asked for, and leave it there: 5.17 to 5.24, ``utils/output_capturing.py``). Outside a forward that
+    asks for those outputs it returns at once without touching a tensor, so a captured decode step may
+    run past it."""
+    return getattr(hook, "__name__", "") == "output_capturing_hook" and "output_capturing" in getattr(
+        hook, "__module__", ""
+    )
+
+
 # --------------------------------------------------------------------------- static KV cache
 # (issue 27 item 1; kept apart from the version-range code above)
 #

@@ -537,7 +537,10 @@ class LMRunner:
         if self._decode:
             return "decode hooks (on_decode)"
         own = 0 if self._hooked_from is None else self.n_layers - self._hooked_from
-        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.lm.modules())
+        hooks = sum(
+            sum(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()) + len(m._forward_pre_hooks)
+            for m in self.lm.modules()
+        )
         if hooks != own:
             return "hooks on the language model's modules"
         for layer in self.adapter.layers:

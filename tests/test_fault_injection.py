@@ -757,7 +757,7 @@ sys.addaudithook(_SummaryWriteWatch.hook)
 
 def test_summary_json_is_written_atomically(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
     """Single process and the data-parallel merge (its rank-0 step, run in-process on two shards)."""
-    from mmfast.eval import distributed
+    from mmfast.eval import distributed, runner
     from mmfast.eval.data import cache_root, resolve_data
     from mmfast.eval.tasks import build_tasks
 
@@ -775,7 +775,7 @@ def test_summary_json_is_written_atomically(tiny_dir, tiny_mm, world, tmp_path, 
         (t, t.samples(4))
         for t in build_tasks(recipe.eval, resolve_data(recipe.eval, recipe.eval.tasks), cache_dir=cache_root())
     ]
-    merged = distributed.gather_and_finish(recipe, out, plan, tiny_mm, 0.0)
+    merged = distributed.gather_and_finish(recipe, out, plan, tiny_mm, 0.0, runner.finish)
     monkeypatch.setattr(_SummaryWriteWatch, "active", False)
     assert _SummaryWriteWatch.hits == [], "summary.json was written in place, not replaced atomically"
     assert merged["metrics"] == single["metrics"] and merged["protocol"]["processes"] == 2
