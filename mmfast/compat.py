@@ -540,7 +540,7 @@ def align_static(cache, layers: range, q: int) -> int:
 # --------------------------------------------------------------------------- Qwen-VL vision attention
 # (section owned by mmfast/models/qwen_tower.py: the fused tower attention)
 
-#: transformers 5.22 / 5.23: the vision attention class of each Qwen-VL tower (modeling module, class).
+#: transformers 5.17 to 5.24 (tests/test_qwen_tower.py ran on 5.17.0 and 5.24.0): the vision attention class of each Qwen-VL tower (modeling module, class).
 #: Each computes ``qkv`` -> [S, 3, heads, head_dim], rotates q / k with its module's
 #: ``apply_rotary_pos_emb_vision(q, k, cos, sin)``, attends within the chunks of ``cu_seqlens``
 #: (a Python loop of one call per chunk unless the implementation is flash) and applies ``proj``;
