@@ -327,17 +327,24 @@ def test_read_only_output_dir(tmp_path, capsys):
     assert rc == 2 and "is not writable" in err
 
 
-def test_disk_full_is_exit_2(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "code,text,said",
+    [
+        ("ENOSPC", "No space left on device", "No space left on device (the disk is full"),
+        ("EFBIG", "File too large", "File too large (the file system's largest file size"),
+    ],
+)
+def test_full_disk_or_file_too_large_is_exit_2(code, text, said, capsys, monkeypatch):
     import errno
 
     from mmfast import cli
 
-    def full(args):
-        raise OSError(errno.ENOSPC, "No space left on device", "runs/x/samples.jsonl")
+    def fail(args):
+        raise OSError(getattr(errno, code), text, "runs/x/samples.jsonl")
 
-    monkeypatch.setitem(cli.COMMANDS, "list", full)
+    monkeypatch.setitem(cli.COMMANDS, "list", fail)
     rc, err = _cli(capsys, "list")
-    assert rc == 2 and "runs/x/samples.jsonl: No space left on device (the disk is full" in err
+    assert rc == 2 and f"runs/x/samples.jsonl: {said}" in err
 
 
 def test_corrupt_summary_in_report(tmp_path, capsys):
@@ -725,16 +732,3 @@ def test_output_path_too_long(tmp_path, capsys):
     recipe = _write(tmp_path, "r.yaml", "eval: {tasks: [pope]}\nmodel: {name: /nonexistent/model}\n")
     rc, err = _cli(capsys, "eval", str(recipe), "--output", str(tmp_path / ("a" * 300) / "run"))
     assert rc == 2 and "File name too long (the path is longer than the file system allows" in err
-
-
-def test_file_too_large_is_exit_2(capsys, monkeypatch):
-    import errno
-
-    from mmfast import cli
-
-    def too_large(args):
-        raise OSError(errno.EFBIG, "File too large", "runs/x/samples.jsonl")
-
-    monkeypatch.setitem(cli.COMMANDS, "list", too_large)
-    rc, err = _cli(capsys, "list")
-    assert rc == 2 and "runs/x/samples.jsonl: File too large (the file system's largest file size" in err
