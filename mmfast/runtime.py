@@ -571,7 +571,12 @@ class LMRunner:
                 # records the same kernels; a graph that runs them while capturing rewrites this step's
                 # slots with the same values from the same write index
                 compat.restore_write_indices(state.cache, before)
-                graph.capture(run)
+                try:
+                    graph.capture(run)
+                except Exception as exc:  # noqa: BLE001  a step that cannot be captured runs eagerly
+                    compat.restore_write_indices(state.cache, after)
+                    self._capture_failed(exc)
+                    return last
                 compat.restore_write_indices(state.cache, after)
             self._graphs[key] = _Captured(graph, static)
             self.capture_s += graph.capture_s
@@ -581,6 +586,13 @@ class LMRunner:
         self._point_groups(groups, step.static)
         with self._activate(state, "decode"):
             return step.graph.replay().clone()
+
+    def _capture_failed(self, exc: Exception) -> None:
+        """A capture that raised: this block's static steps run eagerly from here on, said once."""
+        reason = f"capturing the step failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        logger.warning("model.compile: auto: static decode steps run without a captured graph (%s)", reason)
+        self._capture_refusals.add(reason)
+        self.capture = None  # restored when the static_cache block ends
 
     @staticmethod
     def _point_groups(groups: list[LayerGroup], static: list[torch.Tensor]) -> None:

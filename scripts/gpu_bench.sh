@@ -7,54 +7,67 @@
 # transformers carried under .dev/pydeps (pip install --no-deps --target .dev/pydeps 'transformers>=5.22,<5.24'
 # on the development machine) is put first on PYTHONPATH when present.
 #
-# A subset that fits about 8 minutes (GPU_BENCH_TIMEOUT, default 480 s, for both phases together) of a
-# 15-minute device budget, llava-1.5-7b only:
-#   phase 1: the embedded model's speculative part (greedy vs FLASH, real tau), then one-token answers and
-#            128-token captions at batch 1 and 8: HF eager / static-cache generate, mmfast unpruned (and
-#            compiled where model.compile exists), DivPrune-64 (pre-LLM) and FastV-64 (in-LLM);
-#   phase 2, with the time left: FLASH and DivPrune-64 + FLASH at batch 1 (their per-cycle cost; speculative
-#            decoding verifies one sample at a time, so batch 8 would take minutes).
+# A subset that fits about 7 minutes (GPU_BENCH_TIMEOUT, default 420 s, all phases together) of a 15-minute
+# device budget; every phase appends to $OUT/bench.log:
+#   phase 1: qwen2.5-vl-7b at batch 1, one-token answers: HF eager, mmfast unpruned, DivPrune-64 (tower and
+#            prefill: TTFT - LLM prefill is the tower's share), and scripts/time_qwen_tower.py on the GPU
+#            (HF's per-window tower attention against mmfast's fused one) into $OUT/tower.txt;
+#   phase 2: llava-1.5-7b: the embedded model's speculative part (the captured greedy step vs FLASH, real
+#            tau), then one-token answers and 128-token captions at batch 1 and 8: HF eager / static-cache
+#            generate, mmfast unpruned and compiled (model.compile: auto), DivPrune-64 (pre-LLM);
+#   phase 3, with the time left: FastV-64 (in-LLM, reads attention), FLASH and DivPrune-64 + FLASH at batch 1.
 # Rows are written as they finish, so a phase stopped by its limit keeps every finished row; the same command
-# resumes. Other subsets: GPU_BENCH_SETS="--set bench.params.shapes=[llava-next-7b] --set bench.params.batches=[1,32]"
-# (added to both phases; GPU_BENCH_PHASE2=0 skips phase 2).
+# resumes (finished rows are kept). Seven files come back: environment.txt, bench.log, tower.txt and the
+# bench's rows.jsonl, results.md, summary.json, bench.json.
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
 PY=${PYTHON:-python3}
-LIMIT=${GPU_BENCH_TIMEOUT:-480}
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LIMIT=${GPU_BENCH_TIMEOUT:-420}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .dev/pydeps ] && export PYTHONPATH="$PWD/.dev/pydeps:$PYTHONPATH"
 mkdir -p "$OUT"
+LOG="$OUT/bench.log"
 start=$SECONDS
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || true
   "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "gpu", torch.cuda.is_available())'
 } | tee "$OUT/environment.txt"
-"$PY" -c 'import mmfast' || { echo "mmfast does not import on this machine (missing dependency above); nothing ran" >&2; exit 3; }
+"$PY" -c 'import mmfast' >>"$LOG" 2>&1 || { cat "$LOG"; echo "mmfast does not import on this machine; nothing ran" >&2; exit 3; }
 
-bench() {  # bench SECONDS LOG --set ...
-  local secs=$1 log=$2; shift 2
+left() { echo $((LIMIT - (SECONDS - start))); }
+bench() {  # bench SECONDS NAME --set ...
+  local secs=$1 name=$2; shift 2
+  echo "== $name: up to $secs s" >>"$LOG"
   # shellcheck disable=SC2086
-  timeout --signal=TERM "$secs" "$PY" -m mmfast bench configs/bench/gpu_speed.yaml --output "$OUT/gpu_speed" \
-    --set 'bench.params.shapes=[llava-1.5-7b]' "$@" > "$OUT/$log" 2>&1
+  timeout --signal=TERM "$secs" "$PY" -m mmfast bench configs/bench/gpu_speed.yaml --output "$OUT/gpu_speed" "$@" >>"$LOG" 2>&1
   local rc=$?
-  echo "$log: exit status $rc after $((SECONDS - start)) s (124: stopped by its limit; finished rows are kept)" | tee -a "$OUT/$log"
+  echo "== $name: exit status $rc after $((SECONDS - start)) s (124: stopped by its limit; finished rows are kept)" | tee -a "$LOG"
   return $rc
 }
 
 # shellcheck disable=SC2086
-bench $((LIMIT - (SECONDS - start))) phase1.log --set 'bench.params.batches=[1,8]' --set 'bench.params.workloads=[pope,caption]' \
-  --set "bench.params.rows=['hf *','mmfast *','divprune-64','fastv-64']" --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
+bench 90 phase1 --set 'bench.params.shapes=[qwen2.5-vl-7b]' --set 'bench.params.batches=[1]' \
+  --set 'bench.params.workloads=[pope]' --set "bench.params.rows=['hf eager','mmfast unpruned','divprune-64']" \
+  --set 'bench.params.embedded_speculative=false' ${GPU_BENCH_SETS:-}
 rc=$?
-left=$((LIMIT - (SECONDS - start)))
-if [ "${GPU_BENCH_PHASE2:-1}" = 1 ] && [ "$left" -ge 90 ]; then
+timeout 45 "$PY" scripts/time_qwen_tower.py --device cuda --dtype float16 --shape qwen2.5-vl-7b --repeats 5 >"$OUT/tower.txt" 2>&1
+echo "== tower: exit status $? after $((SECONDS - start)) s" | tee -a "$LOG"
+
+# shellcheck disable=SC2086
+bench "$(left)" phase2 --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1,8]' \
+  --set 'bench.params.workloads=[pope,caption]' --set "bench.params.rows=['hf *','mmfast *','divprune-64']" \
+  --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
+rc2=$?
+[ "$rc" = 0 ] && rc=$rc2
+if [ "$(left)" -ge 60 ]; then
   # shellcheck disable=SC2086
-  bench "$left" phase2.log --set 'bench.params.batches=[1]' --set 'bench.params.workloads=[pope,caption]' \
-    --set "bench.params.rows=['mmfast unpruned','divprune-64','flash','divprune-64+flash']" --set "bench.params.embedded_rows=[flash]" \
-    ${GPU_BENCH_SETS:-}
-  rc2=$?
-  [ "$rc" = 0 ] && rc=$rc2
+  bench "$(left)" phase3 --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1]' \
+    --set 'bench.params.workloads=[pope,caption]' \
+    --set "bench.params.rows=['mmfast unpruned','fastv-64','flash','divprune-64+flash']" \
+    --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
 else
-  echo "phase 2 skipped (${left} s left of ${LIMIT} s)" | tee "$OUT/phase2.log"
+  echo "== phase3 skipped ($(left) s left of $LIMIT s)" | tee -a "$LOG"
 fi
-tail -n 40 "$OUT"/phase*.log
+grep -E "ERROR|Traceback|Error:|captured graph|== " "$LOG" | tail -n 40
+cat "$OUT/tower.txt" | tail -n 15
 [ -f "$OUT/gpu_speed/results.md" ] && cat "$OUT/gpu_speed/results.md"
 exit "$rc"

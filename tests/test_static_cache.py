@@ -396,3 +396,25 @@ def test_auto_without_a_graph_says_why_once(tiny_mm, images, prompts, monkeypatc
 def test_generate_takes_compile(tiny_mm, images, prompts, padded_steps):
     out = tiny_mm.generate(images[:1], prompts[:1], compile="static", max_new_tokens=3)
     assert padded_steps[0] > 0 and len(out) == 1
+
+
+class FailingGraph(ReplayGraph):
+    """A capture that runs part of the step's Python and then raises (as a CUDA capture does when a
+    kernel in the step syncs with the host)."""
+
+    def capture(self, fn) -> None:
+        fn()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_falls_back_to_eager_with_one_warning(tiny_mm, images, prompts, monkeypatch, caplog):
+    from mmfast.pipeline import Session
+
+    dynamic = _tokens(tiny_mm, SERVED["greedy"], images, prompts, "off")
+    ReplayGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: FailingGraph)
+    with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
+        assert _tokens(tiny_mm, SERVED["greedy"], images, prompts, "static") == dynamic
+    lines = [r.getMessage() for r in caplog.records if "capturing the step failed" in r.getMessage()]
+    assert len(lines) == 1 and "stream is capturing" in lines[0]
+    assert len(ReplayGraph.made) == 1 and ReplayGraph.made[0].replays == 0  # one try per block, then eager

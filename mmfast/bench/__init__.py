@@ -46,6 +46,7 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
     if kind == "gpu_speed":  # its own random-weight models per shape (and the embedded model for tau)
         from .gpu_speed import run_gpu_speed
 
+        claim_bench_dir(out, kind, recipe.name)  # a new --output folder is created (a re-run resumes in it)
         result = run_gpu_speed(recipe, out, command)
         result["table"] = (out / "results.md").read_text()
         return result

@@ -9,10 +9,13 @@ the same prepared inputs:
 - ``hf eager``: the HF model's own ``generate`` (dynamic cache);
 - ``hf static``: ``generate(cache_implementation="static")`` (on CUDA transformers compiles the decode
   step itself; on a CPU it runs uncompiled, transformers' own rule);
-- ``mmfast unpruned``: the recipe's baseline through mmfast's generate path (``Session.run``);
-- ``mmfast unpruned (compiled)``: the same with ``model.compile: auto`` when this build's config schema has
-  that key (checked at run time), else a row that says "not available in this build";
-- every ``bench.compare`` / ``bench.methods`` x ``bench.budgets`` variant (pruners at 192 / 128 / 64,
+- ``mmfast unpruned``: the recipe's baseline through mmfast's generate path (``Session.run``) with
+  ``model.compile: off`` (the dynamic cache, eager steps);
+- ``mmfast unpruned (compiled)``: the same with ``model.compile: auto`` (a static cache; on CUDA each decode
+  step one captured graph);
+- every ``bench.compare`` / ``bench.methods`` x ``bench.budgets`` variant with the bench recipe's own
+  ``model.compile`` (``auto`` in configs/bench/gpu_speed.yaml; a method that cannot be captured runs its
+  eager step and says why in the log) (pruners at 192 / 128 / 64,
   drafters, DivPrune-64 + FLASH). Trained parts run on seeded random stand-ins of the same sizes (as the
   pruning bench's shaped phase), drafts on random draft weights: only their cost is measured here; a
   drafter's projected decode speedup uses the tau that the embedded model measures in the same run.
@@ -151,6 +154,7 @@ class Measurement:
     cycles: int | None = None  # speculative verification cycles (sum over the batch)
     tau: float | None = None  # measured tokens per verification (random drafts here; real on the embedded model)
     tokens_sha: str | None = None  # hash of the greedy tokens of every sample
+    capture_s: float | None = None  # graph capture inside the last end-to-end call (model.compile: auto)
 
     @property
     def key(self) -> tuple[str, int, str, str]:
@@ -355,7 +359,7 @@ def _hf_call(shape: _Shape, batch, static: bool) -> tuple[Callable[[int], Any], 
     return call, {"lengths": lengths, "n_vision": n_vision}
 
 
-def _variant_recipe(v: Variant, shape: _Shape, compiled: bool) -> Recipe:
+def _variant_recipe(v: Variant, shape: _Shape, compile_mode: str | None) -> Recipe:
     """The variant's recipe with trained parts swapped for random stand-ins (and random draft weights)."""
 
     recipe = _untrained(v.recipe)
@@ -370,15 +374,17 @@ def _variant_recipe(v: Variant, shape: _Shape, compiled: bool) -> Recipe:
             data["speculative"],
             params={**(data["speculative"].get("params") or {}), "weights": shape.drafts[spec.method]},
         )
-    if compiled:
-        data["model"] = dict(data["model"], compile="auto")
+    if compile_mode is not None:
+        data["model"] = dict(data["model"], compile=compile_mode)
     return load_recipe(data)
 
 
-def _mmfast_row(shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, compiled: bool, m: Measurement) -> None:
+def _mmfast_row(
+    shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, compile_mode: str | None, m: Measurement
+) -> None:
 
     batch = shape.batch(b, workload)
-    recipe = _variant_recipe(v, shape, compiled)
+    recipe = _variant_recipe(v, shape, compile_mode)
     prefills: list[float] = []  # the LLM prefill of every one-token call (the pipeline's own timing)
 
     def call(k: int):
@@ -404,6 +410,7 @@ def _mmfast_row(shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, c
     m.kv_bytes_mean = sum(kv) if all(kv) else None
     m.weight_bytes = shape.weight_bytes
     m.tokens_sha = _sha([r.token_ids for r in res])
+    m.capture_s = max((r.stats.get("capture_s", 0.0) for r in res), default=0.0) or None
     spec = [r.stats.get("speculative") for r in res if r.stats.get("speculative")]
     if spec:
         m.cycles = sum(s["cycles"] for s in spec)
@@ -499,8 +506,14 @@ def _row_specs(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams) -> list[tu
     return [(name, what) for name, what in rows if cp.wants(name)]
 
 
-def _spec_of(what: Any, compiled: bool) -> Any:
-    return what if isinstance(what, str) else {"recipe": what.recipe.to_dict(), "compiled": compiled}
+def _compile_mode(name: str) -> str | None:
+    """``model.compile`` of a row: off for ``mmfast unpruned``, auto for its compiled twin, the recipe's own
+    (``model.compile`` of the bench recipe, e.g. ``--set model.compile=auto``) for every method row."""
+    return {UNPRUNED: "off", COMPILED: "auto"}.get(name)
+
+
+def _spec_of(what: Any, compile_mode: str | None) -> Any:
+    return what if isinstance(what, str) else {"recipe": what.recipe.to_dict(), "compile": compile_mode}
 
 
 def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
@@ -524,7 +537,7 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                         cp.dtype,
                         cfg,
                         cp.tokens(w),
-                        {"row": _spec_of(what, name == COMPILED), "shape": repr(BENCH_MODELS[shape])},
+                        {"row": _spec_of(what, _compile_mode(name)), "shape": repr(BENCH_MODELS[shape])},
                     )
     emb_plan = _embedded_plan(recipe, vs, cp, info) if cp.embedded else {}
     store.prune({**plan, **emb_plan})
@@ -550,7 +563,7 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                     elif isinstance(what, str):
                         _hf_row(shape, b, w, n, cfg, what == "hf-static", m)
                     else:
-                        _mmfast_row(shape, what, b, w, n, cfg, name == COMPILED, m)
+                        _mmfast_row(shape, what, b, w, n, cfg, _compile_mode(name), m)
                 except MMFastError as exc:  # a variant this shape cannot run: said so in its row
                     m.status = f"refused: {exc}"
                     logger.warning("gpu bench: %s batch %d %s: %s refused: %s", shape_name, b, w, name, exc)
@@ -804,6 +817,7 @@ def write_gpu_report(
         "decode % BW limit",
         "prefill % peak FLOP/s",
         "first call s",
+        "capture ms/call",
         "repeats",
         "tokens = hf eager",
         "tau (embedded)",
@@ -857,6 +871,7 @@ def write_gpu_report(
                 _fmt(frac_bw * 100 if frac_bw is not None else None, ".1f"),
                 _fmt(frac_fl * 100 if frac_fl is not None else None, ".1f"),
                 _fmt(m.first_call_s, ".2f"),
+                _fmt(m.capture_s * 1000 if m.capture_s else None, ".1f"),
                 m.repeats,
                 "" if same is None else ("yes" if same else "no"),
                 _fmt(tau, ".2f"),
@@ -927,7 +942,8 @@ def write_gpu_report(
         "",
         "- TTFT: one-token call (vision tower + prefill); decode ms/token: (end to end - TTFT) / (tokens - 1), per step of the whole batch; "
         "tokens/s: batch x tokens / end to end. EOS is outside the random models' vocabulary: every row generates exactly the workload's tokens.",
-        "- first call s: the first (untimed) call, compile / capture included; never part of the medians.",
+        "- first call s: the first (untimed) call, compile / capture included; never part of the medians. capture ms/call: "
+        "graph capture inside each mmfast call with model.compile: auto (a call captures its step once; inside its end to end).",
         "- FLOPs ratio: prefill FLOPs (4nd^2 + 2n^2d + 3ndm per layer) / the unpruned row's. decode % BW limit: (LLM weight bytes + mean KV bytes) / "
         "(step time x peak bandwidth); prefill % peak FLOP/s: prefill FLOPs / (LLM prefill time x peak) for mmfast rows, / TTFT for HF rows. n/a on a CPU.",
         "- Random weights: trained parts (HICom, Dynamic-LLaVA) run on seeded stand-ins and drafts on random weights, so only costs are measured; "
