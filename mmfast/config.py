@@ -326,10 +326,11 @@ class ModelConfig:
         None, doc="per-device memory caps for device_map, e.g. {0: 20GiB, cpu: 60GiB}"
     )
     compile: Literal["off", "static", "auto"] = opt(
-        "off",
-        doc="decode on a static KV cache with fixed-shape steps: static (any device), auto (static on CUDA, "
-        "off elsewhere), off (the dynamic cache); methods whose decode hooks need the dynamic cache fall "
-        "back to it with a logged reason",
+        "auto",
+        doc="decode on a static KV cache with fixed-shape steps: auto (on CUDA each step one captured CUDA "
+        "graph; the dynamic cache where a method's step cannot be captured, and on other devices), static "
+        "(eager static steps on any device), off (the dynamic cache); methods whose decode hooks need the "
+        "dynamic cache fall back to it with a logged reason",
     )
 
     def __post_init__(self) -> None:
@@ -641,8 +642,8 @@ class Recipe:
         so rerunning a command without ``output.overwrite`` resumes what a run with it started."""
         what = {k: v for k, v in self.to_dict().items() if k != "output"}
         what["eval"] = {k: v for k, v in what["eval"].items() if k not in leave_out_eval}
-        for key, default in _MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT.items():
-            if what["model"].get(key) == default:  # hashes of recipes from before the key stay
+        for key, values in _MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT.items():
+            if key in what["model"] and what["model"][key] in values:  # hashes of recipes from before the key stay
                 del what["model"][key]
         if what["decoding"]["seed"] is None:  # an unset seed evaluates as 0: the same results, the same hash
             what["decoding"] = {**what["decoding"], "seed": 0}
@@ -653,10 +654,15 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
-#: ``model`` keys added after runs were committed, left out of :meth:`Recipe.hash` at their defaults so
-#: that those runs still resume: the static cache (off) and the fused Qwen tower attention (on: equal to
-#: transformers' per-window loop within float tolerance, and LLaVA-family models have no such tower).
-_MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT: dict[str, Any] = {"compile": "off", "fused_vision_attention": True}
+#: ``model`` keys added after runs were committed, left out of :meth:`Recipe.hash` at these values so
+#: that those runs still resume: the decode path (off, or auto: the same tokens as off except for the
+#: last bit of GPU float kernels, as a batch size or a GPU model changes them, which the hash leaves out
+#: too) and the fused Qwen tower attention (on: equal to transformers' per-window loop within float
+#: tolerance, and LLaVA-family models have no such tower).
+_MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "compile": ("off", "auto"),
+    "fused_vision_attention": (True,),
+}
 
 
 @dataclass(frozen=True)

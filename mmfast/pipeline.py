@@ -446,17 +446,19 @@ class Session:
                 return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
             return decoder.decode(req)
 
+    def _captures(self) -> bool:
+        """``model.compile: auto`` on CUDA: static steps are captured graphs."""
+        return self.recipe.model.compile == "auto" and self.ctx.device.type == "cuda"
+
     def _capture_factory(self):
         """The step-graph factory of ``model.compile: auto`` on CUDA (None: eager static steps)."""
-        if self.recipe.model.compile == "auto" and self.ctx.device.type == "cuda":
-            return CudaGraph
-        return None
+        return CudaGraph if self._captures() else None
 
     def _static_reserve(self, req: DecodeRequest, decoder: Decoder) -> int | None:
         """Free slots per layer of a static KV cache for this call (``model.compile``), or None for the
         dynamic cache; a method that needs the dynamic step makes it fall back, logged once per reason."""
         mode = self.recipe.model.compile
-        if mode == "off" or (mode == "auto" and self.ctx.device.type != "cuda"):
+        if mode == "off" or (mode == "auto" and not self._captures()):
             return None
         methods = [
             (f"pruning[{i}] ({st.method})", caps_of(type(p), p.config))
@@ -466,6 +468,9 @@ class Session:
         if self.drafter is not None:
             methods.append((f"speculative ({self.drafter.name})", caps_of(type(self.drafter), self.drafter.config)))
         reason = static_cache_blocker(methods)
+        if reason is None and mode == "auto":  # eager static steps gain nothing over the dynamic cache
+            blocker = self.runner.capture_blocker()
+            reason = None if blocker is None else f"no captured graph: {blocker}"
         if reason is not None:
             if reason not in self._static_refusals:
                 self._static_refusals.add(reason)

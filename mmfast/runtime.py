@@ -334,6 +334,7 @@ class LMRunner:
         self.capture_s = 0.0
         self._graphs: dict[tuple, _Captured] = {}
         self._capture_refusals: set[str] = set()  # reasons already logged
+        self._block_blocker: str | None | object = _UNCHECKED  # this static block's capture blocker
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
@@ -383,11 +384,13 @@ class LMRunner:
         ``capture`` (a graph factory) each step shape is captured once and replayed."""
         before = self.static_reserve, self.capture
         self.static_reserve, self.capture = reserve, capture if reserve is not None else None
+        self._block_blocker = _UNCHECKED
         try:
             yield
         finally:
             self.static_reserve, self.capture = before
             self._graphs.clear()
+            self._block_blocker = _UNCHECKED
 
     # -- forward passes ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -505,7 +508,12 @@ class LMRunner:
         position already in the groups' ``fwd_*``. Captured and replayed when :meth:`_capture_blocker`
         finds nothing against it; the host's slot counts advance after the forward either way."""
         grp0 = state.groups[0]
-        blocker = self._capture_blocker(state, q) if self.capture is not None else "not asked for"
+        if self.capture is None:
+            blocker = "not asked for"
+        elif self._block_blocker is _UNCHECKED:  # hooks are set up before decoding: checked once per block
+            blocker = self._block_blocker = self.capture_blocker()
+        else:
+            blocker = self._block_blocker
         if self.capture is not None and blocker is not None and blocker not in self._capture_refusals:
             self._capture_refusals.add(blocker)
             logger.info("model.compile: auto: static decode steps run without a captured graph (%s)", blocker)
@@ -530,7 +538,7 @@ class LMRunner:
             use_cache=True,
         ).last_hidden_state
 
-    def _capture_blocker(self, state: LMState, q: int) -> str | None:
+    def capture_blocker(self) -> str | None:
         """Why this static step cannot be one captured graph (None: it can). Python that must run at
         every step cannot live in a graph: decode hooks, hooks on LM modules other than the runner's
         layer pre-hooks, attention probes or overrides on LM layers."""
@@ -707,6 +715,9 @@ class LMRunner:
         state.groups.append(grp)
         state.groups.sort(key=lambda g: g.start)
         return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
+
+
+_UNCHECKED = object()  # a static block whose capture blocker is not computed yet
 
 
 class StepGraph:

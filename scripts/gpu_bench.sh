@@ -7,18 +7,22 @@
 # transformers carried under .dev/pydeps (pip install --no-deps --target .dev/pydeps 'transformers>=5.22,<5.24'
 # on the development machine) is put first on PYTHONPATH when present.
 #
-# A subset that fits about 7 minutes (GPU_BENCH_TIMEOUT, default 420 s, all phases together) of a 15-minute
-# device budget; every phase appends to $OUT/bench.log:
-#   phase 1: qwen2.5-vl-7b at batch 1, one-token answers: HF eager, mmfast unpruned, DivPrune-64 (tower and
-#            prefill: TTFT - LLM prefill is the tower's share), and scripts/time_qwen_tower.py on the GPU
-#            (HF's per-window tower attention against mmfast's fused one) into $OUT/tower.txt;
-#   phase 2: llava-1.5-7b: the embedded model's speculative part (the captured greedy step vs FLASH, real
-#            tau), then one-token answers and 128-token captions at batch 1 and 8: HF eager / static-cache
-#            generate, mmfast unpruned and compiled (model.compile: auto), DivPrune-64 (pre-LLM);
-#   phase 3, with the time left: FastV-64 (in-LLM, reads attention), FLASH and DivPrune-64 + FLASH at batch 1.
+# Phases (GPU_BENCH_PHASES, default "qwen llava extra"), within GPU_BENCH_TIMEOUT seconds (default 420) of a
+# 15-minute device budget; every phase appends to $OUT/bench.log:
+#   check: scripts/static_cache_gpu_check.py on the embedded model in fp16 (model.compile static = auto
+#          tokens for decoders, drafters and pruners: the captured step replays exactly) into $OUT/check.txt;
+#   qwen:  qwen2.5-vl-7b at batch 1, one-token answers: HF eager, mmfast unpruned, DivPrune-64 (TTFT and LLM
+#          prefill), and scripts/time_qwen_tower.py on the GPU (HF's per-window tower attention against
+#          mmfast's fused one) into $OUT/tower.txt;
+#   llava: llava-1.5-7b: the embedded model's speculative part (the captured greedy step vs FLASH, real tau),
+#          then one-token answers and 128-token captions at batch 1 and 8: HF eager / static-cache generate,
+#          mmfast unpruned and compiled (model.compile: auto), DivPrune-64 (pre-LLM) (GPU_BENCH_LLAVA_ROWS);
+#   b32:   llava-1.5-7b captions at batch 32: mmfast compiled and DivPrune-64 (the same decode path);
+#   extra: with the time left: FastV-64 (in-LLM, reads attention), FLASH and DivPrune-64 + FLASH at batch 1.
 # Rows are written as they finish, so a phase stopped by its limit keeps every finished row; the same command
-# resumes (finished rows are kept). Seven files come back: environment.txt, bench.log, tower.txt and the
-# bench's rows.jsonl, results.md, summary.json, bench.json.
+# resumes (finished rows are kept: seed $OUT/gpu_speed with a committed rows.jsonl to run only what it lacks).
+# At most eight files come back: environment.txt, bench.log, tower.txt, check.txt and the bench's rows.jsonl,
+# results.md, summary.json, bench.json.
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
 PY=${PYTHON:-python3}
@@ -44,30 +48,45 @@ bench() {  # bench SECONDS NAME --set ...
   return $rc
 }
 
-# shellcheck disable=SC2086
-bench 90 phase1 --set 'bench.params.shapes=[qwen2.5-vl-7b]' --set 'bench.params.batches=[1]' \
-  --set 'bench.params.workloads=[pope]' --set "bench.params.rows=['hf eager','mmfast unpruned','divprune-64']" \
-  --set 'bench.params.embedded_speculative=false' ${GPU_BENCH_SETS:-}
-rc=$?
-timeout 45 "$PY" scripts/time_qwen_tower.py --device cuda --dtype float16 --shape qwen2.5-vl-7b --repeats 5 >"$OUT/tower.txt" 2>&1
-echo "== tower: exit status $? after $((SECONDS - start)) s" | tee -a "$LOG"
-
-# shellcheck disable=SC2086
-bench "$(left)" phase2 --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1,8]' \
-  --set 'bench.params.workloads=[pope,caption]' --set "bench.params.rows=['hf *','mmfast *','divprune-64']" \
-  --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
-rc2=$?
-[ "$rc" = 0 ] && rc=$rc2
-if [ "$(left)" -ge 60 ]; then
+PHASES=" ${GPU_BENCH_PHASES:-qwen llava extra} "
+rc=0
+run_phase() { "$@" || rc=$?; }
+if [[ $PHASES == *" check "* ]]; then  # static / captured steps give identical tokens on this GPU
+  timeout 120 "$PY" scripts/static_cache_gpu_check.py >"$OUT/check.txt" 2>&1
+  r=$?; [ $r = 0 ] || rc=$r
+  echo "== check: exit status $r after $((SECONDS - start)) s" | tee -a "$LOG"
+fi
+if [[ $PHASES == *" qwen "* ]]; then
   # shellcheck disable=SC2086
-  bench "$(left)" phase3 --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1]' \
+  run_phase bench 90 qwen --set 'bench.params.shapes=[qwen2.5-vl-7b]' --set 'bench.params.batches=[1]' \
+    --set 'bench.params.workloads=[pope]' --set "bench.params.rows=['hf eager','mmfast unpruned','divprune-64']" \
+    --set 'bench.params.embedded_speculative=false' ${GPU_BENCH_SETS:-}
+  timeout 45 "$PY" scripts/time_qwen_tower.py --device cuda --dtype float16 --shape qwen2.5-vl-7b --repeats 5 >"$OUT/tower.txt" 2>&1
+  echo "== tower: exit status $? after $((SECONDS - start)) s" | tee -a "$LOG"
+fi
+if [[ $PHASES == *" llava "* ]]; then
+  # shellcheck disable=SC2086
+  run_phase bench "$(left)" llava --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1,8]' \
+    --set 'bench.params.workloads=[pope,caption]' --set "bench.params.rows=${GPU_BENCH_LLAVA_ROWS:-['hf *','mmfast *','divprune-64']}" \
+    --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
+fi
+if [[ $PHASES == *" b32 "* ]] && [ "$(left)" -ge 60 ]; then  # pruning's throughput at batch 32, same decode path
+  # shellcheck disable=SC2086
+  run_phase bench "$(left)" b32 --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[32]' \
+    --set 'bench.params.workloads=[caption]' --set "bench.params.rows=['mmfast unpruned (compiled)','divprune-64']" \
+    --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
+fi
+if [[ $PHASES == *" extra "* ]] && [ "$(left)" -ge 60 ]; then
+  # shellcheck disable=SC2086
+  run_phase bench "$(left)" extra --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1]' \
     --set 'bench.params.workloads=[pope,caption]' \
     --set "bench.params.rows=['mmfast unpruned','fastv-64','flash','divprune-64+flash']" \
     --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
 else
-  echo "== phase3 skipped ($(left) s left of $LIMIT s)" | tee -a "$LOG"
+  echo "== later phases: $(left) s left of $LIMIT s" | tee -a "$LOG"
 fi
 grep -E "ERROR|Traceback|Error:|captured graph|== " "$LOG" | tail -n 40
-cat "$OUT/tower.txt" | tail -n 15
+[ -f "$OUT/tower.txt" ] && tail -n 3 "$OUT/tower.txt"
+[ -f "$OUT/check.txt" ] && grep -v "^ \|^{\|^}" "$OUT/check.txt" | tail -n 20
 [ -f "$OUT/gpu_speed/results.md" ] && cat "$OUT/gpu_speed/results.md"
 exit "$rc"
