@@ -40,12 +40,12 @@ def _facts(family):
 @pytest.mark.parametrize(
     "recipe, family, reason",
     [
-        ({"pruning": [{"method": "cdpruner"}]}, "qwen2_5_vl", "cdpruner"),
+        ({"pruning": [{"method": "hicom"}]}, "qwen2_5_vl", "hicom"),
         ({"pruning": [{"method": "tome"}]}, "llava_onevision", "tome"),
         ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, "qwen3_vl", "dynamic_llava"),
         ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
     ],
-    ids=["cdpruner-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"],
+    ids=["hicom-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"],
 )
 def test_config_refusal_quotes_the_reason(recipe, family, reason):
     from mmfast.registry import DRAFTERS as D
@@ -83,9 +83,9 @@ PROMPTS = ["Describe the image.", "Is there a cat in the image?", "What color is
 
 
 def test_loaded_refusal_quotes_the_reason(qmm):
-    why = caps_of(PRUNERS.get("cdpruner").cls, None).unsupported[qmm.adapter.family]
-    with pytest.raises(IncompatibleRecipeError, match="cdpruner") as exc:
-        Session(qmm, load_recipe({"pruning": [{"method": "cdpruner"}]}))
+    why = caps_of(PRUNERS.get("hicom").cls, None).unsupported[qmm.adapter.family]
+    with pytest.raises(IncompatibleRecipeError, match="hicom") as exc:
+        Session(qmm, load_recipe({"pruning": [{"method": "hicom"}]}))
     assert f"does not support the {qmm.adapter.family} family: {why}; " in str(exc.value)
 
 
