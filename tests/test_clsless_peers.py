@@ -167,6 +167,14 @@ def test_visionzip_on_qwen_batch_noop_positions_and_budget(qmm, qimages):
     assert torch.equal(inputs.position_ids[0][-1], full.position_ids[0][-1])  # the text keeps its place
 
 
+def test_cdpruner_clip_model_is_refused_on_qwen():
+    from mmfast.errors import ConfigError
+
+    rec = load_recipe({"pruning": [{"method": "cdpruner", "params": {"clip_model": "/some/clip"}}]})
+    with pytest.raises(ConfigError, match="clip_model"):
+        check_model(rec, ModelFacts("qwen2_5_vl", 4, 4, (24, 24), False))
+
+
 def test_visionzip_family_decisions():
     facts = lambda fam, cls: ModelFacts(fam, 4, 4, (24, 24), cls)  # noqa: E731
     rec = load_recipe({"pruning": [{"method": "visionzip"}]})

@@ -16,7 +16,8 @@ same 27:5 split, ``D = round(tokens * 27 / 32)``), or explicit ``dominant`` and 
 Hook points: attention probe on vision layer L (CLS row only) and a key recorder on the same module
 (``hooks.attach``); ``vision_features`` edit. Positions: the 1 + (D-1) + C tokens are spliced
 contiguously (dominant in original order, then contextual), as the official code.
-Limits: needs a CLS token and the full patch grid (put it first among the feature stages);
+Limits: needs a CLS token (LLaVA families; Qwen-VL: the substitute below) and the full patch grid
+(put it first among the feature stages);
 ``D - 1 + C`` must not exceed the patch count (official issue #30). Deviations: none in the
 algorithm; the merge is computed in fp32 (the official code runs it in the model dtype).
 No-op: ``tokens`` >= the patch count (without explicit counts) returns the vision batch untouched.
@@ -49,8 +50,10 @@ int() rounding). Deviations from LightCompress: every image of every sample is r
 its own (the release: the whole batch as one sequence, first to last image token of sample 0);
 scores and the merge in fp32 (release: the tower's dtype); Qwen2-VL and Qwen3-VL get the same rule
 (the release: Qwen2.5-VL; their towers have no windows); Qwen3-VL's deepstack rows of a contextual
-token are merged like its embedding (no release code has deepstack). The attention comes from the
-probe wrapper's recorder (the model keeps sdpa; the release patches the block to eager math).
+token are merged like its embedding (no release code has deepstack). Hook points: a recorder on the last block's
+attention through the probe wrapper (``hooks.attach``; the model keeps sdpa, that one block runs
+transformers' per-chunk loop instead of mmfast's fused tower attention; the release patches the block
+to eager math), ``observe_tower`` (per-unit scores into ``VisionBatch.extras``), ``vision_features``.
 The pre-merger ``features`` rows follow the kept units (a target's row is its own, unmerged).
 """
 
