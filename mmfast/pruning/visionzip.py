@@ -25,6 +25,12 @@ No-op: ``tokens`` >= the patch count (without explicit counts) returns the visio
 Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input; sets ``tokens``, so
 ``dominant``/``contextual`` must not be given): tokens = B, i.e. CLS + (D - 1) + C = B exactly.
 
+LLaVA-OneVision (SigLIP, no CLS): refused. HoliTom (cokeshao/HoliTom @e9b2972, ``visionzip/llava_arch.py``,
+``LLaVA-NeXT/llava/model/multimodal_encoder/siglip_encoder.py``) adapts VisionZip to OneVision by the
+attention each patch receives in the last SigLIP layer (head mean, query mean), 2x2-pooled with the
+frame features, but for *video* frames only (images pass through unpruned); mmfast's OneVision input
+is images, whose anyres-max packing no release covers.
+
 Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): towers without a CLS token. The official
 repository has no Qwen code (dvlab-research/VisionZip @3151f6d, branches main and demo-chat: LLaVA
 only); the published substitute is LightCompress's Qwen2.5-VL VisionZip (ModelTC/LightCompress
@@ -125,9 +131,10 @@ class VisionZip(Pruner):
             ),
             (
                 "llava_onevision",
-                "needs the tower's CLS attention (SigLIP has none; the received-attention substitute is published "
-                "for Qwen2.5-VL only, by LightCompress), and a per-tile selection would have to be re-packed "
-                "through OneVision's unpad / bilinear downscale across tiles / newlines, which no release covers",
+                "needs the tower's CLS attention (SigLIP has none); the published received-attention substitutes "
+                "cover Qwen2.5-VL (LightCompress) and OneVision *video* frames (HoliTom, which passes images through "
+                "unpruned), and a per-tile image selection would have to be re-packed through OneVision's unpad / "
+                "bilinear downscale across tiles / newlines, which no release covers",
             ),
         ),
     )
