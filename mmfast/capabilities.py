@@ -53,6 +53,9 @@ class Capabilities:
     unsupported: Mapping[str, str] = field(default_factory=dict, hash=False)
     #: needs a CLS token in the vision tower
     needs_cls: bool = False
+    #: families whose CLS-less towers the method serves with a published substitute (VisionZip's
+    #: received-attention ranking on the Qwen-VL towers); ``needs_cls`` holds everywhere else
+    cls_substitute: frozenset[str] = frozenset()
 
     # -- pruning stages ---------------------------------------------------------------------------
     #: changes the token set inside the vision tower (ToMe, MustDrop's window merge)
@@ -278,7 +281,7 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     kinds = [(st, PRUNERS) for st in stages] + [(decoder, DECODERS)] + ([(drafter, DRAFTERS)] if drafter else [])
     for item, registry in kinds:
         c = item.caps
-        if c.needs_cls and not facts.has_cls:  # the more specific reason first
+        if c.needs_cls and not facts.has_cls and facts.family not in c.cls_substitute:  # the more specific reason first
             return (
                 f"{item.where} needs a CLS token in the vision tower, which this model ({facts.family}) does not have"
             )

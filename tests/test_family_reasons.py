@@ -40,12 +40,12 @@ def _facts(family):
 @pytest.mark.parametrize(
     "recipe, family, reason",
     [
-        ({"pruning": [{"method": "cdpruner"}]}, "qwen2_5_vl", "cdpruner"),
+        ({"pruning": [{"method": "hicom"}]}, "qwen2_5_vl", "hicom"),
         ({"pruning": [{"method": "tome"}]}, "llava_onevision", "tome"),
         ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, "qwen3_vl", "dynamic_llava"),
         ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
     ],
-    ids=["cdpruner-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"],
+    ids=["hicom-qwen2_5_vl", "tome-onevision", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"],
 )
 def test_config_refusal_quotes_the_reason(recipe, family, reason):
     from mmfast.registry import DRAFTERS as D
@@ -83,9 +83,9 @@ PROMPTS = ["Describe the image.", "Is there a cat in the image?", "What color is
 
 
 def test_loaded_refusal_quotes_the_reason(qmm):
-    why = caps_of(PRUNERS.get("cdpruner").cls, None).unsupported[qmm.adapter.family]
-    with pytest.raises(IncompatibleRecipeError, match="cdpruner") as exc:
-        Session(qmm, load_recipe({"pruning": [{"method": "cdpruner"}]}))
+    why = caps_of(PRUNERS.get("hicom").cls, None).unsupported[qmm.adapter.family]
+    with pytest.raises(IncompatibleRecipeError, match="hicom") as exc:
+        Session(qmm, load_recipe({"pruning": [{"method": "hicom"}]}))
     assert f"does not support the {qmm.adapter.family} family: {why}; " in str(exc.value)
 
 
@@ -251,7 +251,7 @@ def test_divprune_on_qwen_noop_batch_and_budget(qmm, qimages):
     assert [r.n_vision_tokens for r in batched] == [round(b.n_vision_tokens * 192 / 576) for b in base]
 
 
-# -- PyramidDrop on the Qwen-VL families (M-RoPE scoring, compact renumbering) ------------------------
+# -- PyramidDrop on the Qwen-VL families (M-RoPE scoring, original ids kept) ---------------------------
 def _noop_and_batch(qmm, qimages, method):
     """``method``'s no-op setting reproduces the baseline and its test setting decides a batch as its
     samples alone; returns (params, batched results, baseline results)."""
@@ -301,10 +301,32 @@ def test_pyramiddrop_first_stage_ranks_by_the_eager_last_token_attention_on_qwen
         grp = state.groups[1]
         src = grp.source[0][grp.key_mask[0]]
         assert src[inputs.image_mask[0][src]].tolist() == want
-        assert grp.compact
+        assert not grp.compact  # M-RoPE: original ids (LightCompress's Qwen2.5-VL rule)
 
 
-# -- SparseVLM on the Qwen-VL families (counts scaled per image, compact renumbering) -----------------
+@pytest.mark.parametrize("method", ["pyramiddrop", "sparsevlm"])
+def test_in_llm_drops_keep_the_original_mrope_ids_on_qwen(method, qmm, qimages):
+    """After every drop (and SparseVLM's recycling) each slot keeps the (t, h, w) ids of its prefill
+    token (a merged token: its cluster centre's), as LightCompress's Qwen2.5-VL SparseVLM; the text
+    after the image keeps its place, and decode continues at the largest prompt id + 1."""
+    params = PRUNERS.get(method).cls.test_params(qmm.adapter)
+    batch = qmm.prepare(qimages[:2], PROMPTS[:2])
+    with Session(qmm, load_recipe({"pruning": [{"method": method, "params": params}]})) as s:
+        inputs = s.build_inputs(batch, s.encode(batch))
+        state, _ = s.runner.prefill(inputs)
+    assert len(state.groups) > 1
+    for grp in state.groups[1:]:
+        assert not grp.compact
+        for b in range(2):
+            valid = grp.key_mask[b]
+            src = grp.source[b][valid]
+            assert bool(inputs.image_mask[b][src].sum() < inputs.image_mask[b].sum())  # something dropped
+            assert torch.equal(grp.positions[b][valid], inputs.position_ids[b][src])
+        full_next = inputs.position_ids.amax(-1).masked_fill(~inputs.attention_mask.bool(), -1).max(1).values + 1
+        assert torch.equal(grp.next_positions(), full_next)
+
+
+# -- SparseVLM on the Qwen-VL families (counts scaled per image, original ids kept) ------------------
 def test_sparsevlm_on_qwen_noop_counts_and_batch(qmm, qimages):
     params, batched, base = _noop_and_batch(qmm, qimages, "sparsevlm")
     for r, b in zip(batched, base):  # first filter: round(k_1 N_i / 576) kept, plus the recycled clusters

@@ -13,14 +13,15 @@ mmfast's rules, for every layout a pruner can leave (docs/methods.md, "Positions
   then each kept vision token takes the ids of its grid cell (from its patch id). With nothing
   pruned this is exactly ``get_rope_index``; with tokens dropped before the LLM, every surviving
   token has the ids it would have had in the unpruned run (as in-LLM pruning keeps them), and the
-  text after the image starts where it did. Issue 20 states that the official FastV / VisionZip
-  Qwen code keeps the kept tokens' ``position_ids`` rows; not checked against that code here (the
-  VisionZip snapshot readable here holds the LLaVA code only).
+  text after the image starts where it did. LightCompress's Qwen2.5-VL VisionZip and SparseVLM
+  (ModelTC/LightCompress @9701d03) keep the kept tokens' ``position_ids`` rows / position
+  embeddings likewise (a VisionZip contextual token: its target's row).
 * **Merged or synthetic tokens** (patch id -1: VisionZip's contextual tokens, ToMe's merges reported
   as -1) take the ids of the nearest real token before them in the same image (in sequence order),
   or the image's first cell (s, s, s) when none precedes them.
 * **Compact** renumbering (methods whose paper renumbers survivors 0..L'-1) is
-  :func:`compact_positions`.
+  :func:`compact_positions` (no pruner uses it on the Qwen families: PyramidDrop and SparseVLM keep
+  the original ids there).
 """
 
 from __future__ import annotations

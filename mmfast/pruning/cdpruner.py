@@ -64,8 +64,30 @@ release's ``visual_token_num``). LLaVA-NeXT: ``keep`` counts per tile (the relea
 160"), so a budget sets keep = round(B / the most tiles an image can have, 5 for LLaVA-1.6's pinpoints);
 an image with fewer tiles keeps fewer, picks in the unpadded-away margin are dropped and the kept
 row separators come on top (approximate).
-Families: llava, llava_next. Refused on llava_onevision and the Qwen-VL families, with the reason in
-``caps.unsupported`` (per-tile DPP and CLIP-text relevance are LLaVA's; the readable release code is LLaVA's).
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): the release reports Qwen2.5-VL results but ships
+LLaVA code only; the published Qwen port is OpenVINO GenAI's (openvinotoolkit/openvino.genai @da1db86,
+``src/cpp/src/visual_language/cdpruner/`` and ``vision_token_pruning_processor.cpp``; Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL). What it does, and mmfast with it: the candidates are an image's merged tokens
+(the PatchMerger's output, the LLM-input embeddings: the adapter's ``project``), one DPP per image
+(``enable_frame_chunking``); relevance = mean cosine of each token with the *mean LLM input embedding*
+of the prompt's text tokens (``extract_text_features``), not negated (``use_negative_relevance`` is
+for CLIP models only), min-max normalised; kernel diag(r) S diag(r) with S the tokens' cosine
+similarity, greedy MAP: this is mmfast's LLM-embedding default above, so no CLIP tower is needed.
+Deviations from that port: (a) the text is the instruction (the user prompt, answer-format suffix
+removed, as the release) where the port averages every token outside the vision spans, chat template
+and system prompt included; (b) the DPP runs on the whole image, the release's rule, where the port
+by default (``CDPRUNER_SPLIT_THRESHOLD`` = 1) splits the tokens into two halves and picks half of T
+in each (its documentation: "not semantically equivalent"; ``CDPRUNER_SPLIT_THRESHOLD=0`` gives the
+whole-kernel rule); (c) ``theta`` defaults to off (the release) where the port's ``relevance_weight``
+defaults to 0.5 (set ``theta: 0.5`` for its exp(0.5 r) weighting); (d) min-max with the release's
++1e-6 in the numerator (the port: none, and a range below 1e-6 counts as 1); (e) positions: kept
+tokens keep their grid cells' (t, h, w) ids and the text after the image keeps its unpruned ids
+(mmfast's pre-LLM rule, docs/methods.md), where the port starts the text after the image at the
+largest kept id + 1. Qwen3-VL's deepstack rows follow the kept tokens. Budget under dynamic
+resolution: ``ratio`` (the port's ``pruning_ratio`` is the fraction pruned, T = round(N (1 - p)));
+``budget: {tokens: B}`` sets ``ratio`` = B / 576, so every image keeps round(N_i B / 576).
+Families: llava, llava_next and the Qwen-VL families. Refused on llava_onevision, with the reason in
+``caps.unsupported``.
 """
 
 from __future__ import annotations
@@ -77,7 +99,10 @@ import torch
 
 from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
+from ..errors import ConfigError
 from ..registry import PRUNERS
+from ._budget import budget_fraction, vision_tokens_per_image
+from ._clip_text import load_clip_text
 from ._grid import per_sample
 from .base import Pruner
 from .divprune import select_image_rows
@@ -129,10 +154,6 @@ def max_tiles(adapter) -> int:
     return 1 + max((h // size) * (w // size) for h, w in cfg.image_grid_pinpoints)
 
 
-#: Files that make a directory's tokenizer loadable by ``AutoTokenizer`` (without one, transformers
-#: builds an empty CLIP tokenizer of 2 tokens that maps every prompt to the same ids).
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
-
 #: The answer-format suffixes the release removes from the relevance text (``model_vqa_loader.py``:
 #: POPE, GQA, TextVQA, VQAv2, VizWiz, MME; ``model_vqa_science.py``: ScienceQA), exactly as written
 #: there, leading newline included.
@@ -149,82 +170,6 @@ def instruction_text(prompt: str) -> str:
     return prompt
 
 
-class ClipText:
-    """The parts of a CLIP checkpoint the release's relevance needs: text tower with projection,
-    visual projection, tokenizer (loaded from a local path only).
-
-    ``embedded``: the CLIP that ``mmfast/tiny-world`` ships in ``clip/``, trained on the LLaVA
-    tokenizer (ids end with the appended ``</s>``, pooled at that last real token, as
-    ``mmfast.train.embedded.clip_text_ids`` / ``text_features``); otherwise a CLIP with its own
-    tokenizer, embedded as the release does."""
-
-    def __init__(self, model, tokenizer, embedded: bool = False) -> None:
-        self.text_model = model.text_model
-        self.text_projection = model.text_projection
-        self.visual_projection = model.visual_projection
-        self.tokenizer = tokenizer
-        self.embedded = embedded
-        self.width = int(model.config.text_config.max_position_embeddings)
-
-    @torch.inference_mode()
-    def embed_text(self, text: str) -> torch.Tensor:
-        """[M, D] pooled, projected embeddings of the text's zero-padded 77-token segments (as the
-        release; ``embedded``: [1, D], the text truncated to the tower's width)."""
-        dev = self.text_projection.weight.device
-        if self.embedded:
-            from ..train.embedded import clip_text_ids, text_features
-
-            ids, mask = clip_text_ids(self.tokenizer, [text], max_len=self.width)
-            return text_features(self, ids.to(dev), mask.to(dev))
-        enc = self.tokenizer(text=text, return_tensors="pt")
-        ids, mask = enc["input_ids"], enc["attention_mask"]
-        pad = -ids.shape[1] % self.width
-        ids = torch.cat([ids, ids.new_zeros(1, pad)], 1).reshape(-1, self.width)
-        mask = torch.cat([mask, mask.new_zeros(1, pad)], 1).reshape(-1, self.width)
-        pooled = self.text_model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).pooler_output  # [M, H]
-        return self.text_projection(pooled)
-
-
-def load_clip_text(path: str, device, dtype, llava_tokenizer) -> ClipText:
-    """The CLIP at ``path`` with a tokenizer that covers its text tower's vocabulary: the directory's
-    own, or (a directory without tokenizer files, as the embedded model's ``clip/``) the LLaVA
-    tokenizer when its vocabulary is the text tower's. Anything else is refused (ConfigError)."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer, CLIPModel
-
-    from ..errors import ConfigError
-
-    try:
-        model = CLIPModel.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            "clip_model", f"cannot load a CLIP model (text tower, projections, tokenizer) from {path!r}: {exc}"
-        ) from None
-    vocab = int(model.config.text_config.vocab_size)
-    local = Path(path)
-    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES):
-        if len(llava_tokenizer) != vocab:
-            raise ConfigError(
-                "clip_model",
-                f"{path!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}) and its text tower's "
-                f"vocabulary ({vocab}) is not the model's tokenizer's ({len(llava_tokenizer)}); point "
-                f"clip_model at a CLIP directory that includes its tokenizer",
-            )
-        return ClipText(model, llava_tokenizer, embedded=True)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("clip_model", f"cannot load the CLIP tokenizer from {path!r}: {exc}") from None
-    if len(tokenizer) != vocab:
-        raise ConfigError(
-            "clip_model",
-            f"the tokenizer in {path!r} has {len(tokenizer)} tokens but the text tower's "
-            f"vocabulary has {vocab}; the CLIP directory needs its own complete tokenizer",
-        )
-    return ClipText(model, tokenizer)
-
-
 @PRUNERS.register(
     "cdpruner", description="CDPruner: conditional DPP (instruction relevance x token similarity), greedy MAP"
 )
@@ -234,20 +179,14 @@ class CDPruner(Pruner):
     hook_points = frozenset({"vision_features"})
     # NeXT: the per-tile selection needs every tile whole, so it runs as the first vision-token edit
     caps = Capabilities(
-        families=frozenset({"llava", "llava_next"}),
+        families=frozenset({"llava", "llava_next"}) | QWEN_FAMILIES,
         edits_features=True,
         needs_full_grid=True,
         unsupported=why_not(
             (
                 "llava_onevision",
-                "its per-tile DPP follows LLaVA-NeXT's tiles; OneVision's anyres-max mosaic is "
-                "downscaled across tiles, a layout the release does not cover, and its budget has no per-image fraction rule",
-            ),
-            (
-                QWEN_FAMILIES,
-                "the release reports Qwen2.5-VL results but the code readable here (Theia-4869/CDPruner) is "
-                "LLaVA's only; its CLIP-text relevance has no counterpart in Qwen-VL towers and its budget no per-image "
-                "fraction rule under dynamic resolution",
+                "its per-tile DPP follows LLaVA-NeXT's tiles; OneVision's anyres-max mosaic is downscaled across "
+                "tiles, a layout neither the release (LLaVA) nor OpenVINO GenAI's port (Qwen-VL only) covers",
             ),
         ),
     )
@@ -255,6 +194,9 @@ class CDPruner(Pruner):
     @dataclass(frozen=True)
     class Config:
         keep: int = opt(64, lo=0, doc="T: tokens kept per image (release visual_token_num)")
+        ratio: float | None = opt(
+            None, lo=0.0, hi=1.0, doc="T = round(ratio N_i) per image (overrides keep; not on LLaVA-NeXT's tiles)"
+        )
         theta: float | None = opt(
             None, lo=0.0, hi=0.99, doc="relevance weight: r = exp(theta / (2 (1 - theta)) r); None: off (release)"
         )
@@ -265,19 +207,42 @@ class CDPruner(Pruner):
             None, doc="local path of the tower's paired CLIP model (text tower, projections, tokenizer)"
         )
 
-    budget_knobs = ("keep",)
+    budget_knobs = ("keep", "ratio")
 
     @classmethod
     def noop_params(cls, adapter):
+        if budget_fraction(adapter):
+            return {"ratio": 1.0}
         rows, cols = adapter.grid
         return {"keep": rows * cols}
 
     @classmethod
     def budget_params(cls, tokens, adapter, config, path):
-        """keep = B (LLaVA-NeXT: per tile, B / the most tiles an image can have; module docstring)."""
+        """keep = B (LLaVA-NeXT: per tile, B / the most tiles an image can have; dynamic resolution:
+        ratio = B / 576; module docstring)."""
+        if budget_fraction(adapter):
+            return {"ratio": min(1.0, tokens / vision_tokens_per_image(adapter))}
         if adapter.family != "llava_next":
             return {"keep": tokens}
         return {"keep": max(1, round(tokens / max_tiles(adapter)))}
+
+    @classmethod
+    def check_facts(cls, config, facts) -> None:
+        """``ratio`` needs whole images as candidates (LLaVA-NeXT picks T per tile: ``keep``);
+        ``clip_model`` needs a CLIP vision tower (not Qwen-VL)."""
+        if config.ratio is not None and facts.family == "llava_next":
+            raise ConfigError("ratio", "LLaVA-NeXT keeps T tokens per tile, as the release; give keep instead")
+        if config.clip_model is not None and facts.family in QWEN_FAMILIES:
+            raise ConfigError(
+                "clip_model",
+                "a CLIP text tower pairs with LLaVA's CLIP vision tower; Qwen-VL towers have none: leave clip_model "
+                "unset (relevance in the LLM's embedding space, as OpenVINO GenAI's Qwen port)",
+            )
+
+    def n_keep(self, n: int) -> int:
+        """T for an image of ``n`` tokens: ``keep``, or round(ratio n)."""
+        cfg = self.config
+        return min(n, cfg.keep if cfg.ratio is None else int(round(cfg.ratio * n)))
 
     @classmethod
     def test_params(cls, adapter):
@@ -316,7 +281,7 @@ class CDPruner(Pruner):
         tiled = "n_tiles" in vision.extras  # LLaVA-NeXT: T picks per tile, as the release
         rows, cols = vision.grid
         counts = vision.counts()
-        if all(cfg.keep >= (rows * cols if tiled else n) for n in counts):
+        if all((cfg.keep >= rows * cols) if tiled else self.n_keep(n) >= n for n in counts):
             vision.stats[self.name] = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
             return vision
         projected = None if tiled else self.adapter.project(vision)
@@ -326,7 +291,8 @@ class CDPruner(Pruner):
             if tiled:
                 self._prune_tiles(vision, i, batch.image_sizes[i], t)
                 continue
-            if cfg.keep >= n:
+            k = self.n_keep(n)
+            if k >= n:
                 continue
             vision.projected[i] = projected[i]
             rel = relevance(
@@ -335,7 +301,7 @@ class CDPruner(Pruner):
                 negate=self.negate(),
                 theta=cfg.theta,
             )
-            select_image_rows(vision, i, greedy_map(dpp_kernel(projected[i], rel), cfg.keep).sort().values)
+            select_image_rows(vision, i, greedy_map(dpp_kernel(projected[i], rel), k).sort().values)
         vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
         return vision
 

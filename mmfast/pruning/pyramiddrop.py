@@ -10,8 +10,8 @@ token) to every image token in layer l_s, recomputed from the hidden states ente
 layer's ``input_layernorm``, ``q_proj`` / ``k_proj`` and RoPE (softmax over all valid keys with the
 causal mask, mean over heads); the top-k are kept in their original order. Text is never dropped.
 
-Positions (as the release): after each drop the survivors are renumbered 0..L'-1 (``compact``); in
-decode the positions of layers >= l_s continue from their own (shorter) length, which is the
+Positions (as the release, 1-D RoPE families): after each drop the survivors are renumbered 0..L'-1
+(``compact``); in decode the positions of layers >= l_s continue from their own (shorter) length, which is the
 release's "shift the decode position down by the tokens dropped" rule. Nothing is pruned in decode.
 
 Budget (``budget: {tokens: B}``, layer-averaged vision tokens per image, sets ``ratio`` (lambda);
@@ -25,7 +25,7 @@ lambda = 0.254 (146 / 37 / 9 kept), and 128 and 64 are below the floor of 144 of
 they need earlier stage layers (``layers``). ``ref_layer`` = the 32-layer stage index,
 so FLOPs project onto the paper's depth (as FastV).
 
-Hook points: ``runner.prune_at(l_s, compact=True)``; the scoring reads the layer's own modules (no
+Hook points: ``runner.prune_at(l_s, compact=True)`` (Qwen-VL: ``compact=False``, below); the scoring reads the layer's own modules (no
 eager attention, no probe hook: the attention row is computed before the layer runs, on the tokens
 the layer would have seen, then the layer runs on the survivors).
 Capabilities: all six families. On LLaVA-NeXT every token of an image's packed span is ranked,
@@ -42,12 +42,17 @@ image's packed span (base view, mosaic, newlines) is ranked, as on LLaVA-NeXT, a
 int(N_i r_s) of its own N_i tokens, so lambda is already a fraction of each image: a budget B is
 fitted at the base view's N0 (``vision_tokens_per_image``) and the same lambda applies to every image
 (the anyres-max rule of docs/methods.md, up to the int() rounding). Not in the release (LLaVA only).
-Qwen-VL families (not in the release, which is LLaVA-only): the ranking recomputes the stage layer's
-attention row with the layer's own RoPE on the group's 3-D ids (``lm_position_ids``; Qwen3-VL: its
-q/k norms first); the survivors are renumbered with ``compact`` under M-RoPE
-(``mrope.compact_positions``: text consecutive, each image's kept tokens keep their offsets from the
-kept minimum of each axis); lambda is a fraction of every image (each keeps int(N_i r_s)), a budget is
-fitted at N_ref = 576.
+Qwen-VL families (not in the release, which is LLaVA-only; LightCompress, ModelTC/LightCompress @9701d03,
+``llmc/compression/token_reduction/pyramiddrop.py``, has LLaVA code only too): the ranking recomputes
+the stage layer's attention row with the layer's own RoPE on the group's 3-D ids (``lm_position_ids``;
+Qwen3-VL: its q/k norms first); the survivors keep their original (t, h, w) M-RoPE ids (no
+``compact``), the rule of the only published in-LLM Qwen code for a staged drop, LightCompress's
+Qwen2.5-VL SparseVLM (``sparsevlm.py``: it index-selects the layer's ``position_embeddings`` by the
+kept slots), and decode continues from the largest kept id + 1, which is the last prompt token's, as
+HF's ``rope_deltas`` numbers it. Compact renumbering would move every text token after the image
+(``max(h, w)`` ids per image are reserved by HF's numbering) and mix up the 2-D offsets of M-RoPE,
+for which the release gives no rule. lambda is a fraction of every image (each keeps int(N_i r_s)), a
+budget is fitted at N_ref = 576.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import ALL_FAMILIES, QWEN_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks.attention import row_attention
@@ -114,7 +119,8 @@ class PyramidDrop(Pruner):
     """PyramidDrop."""
 
     hook_points = frozenset({"llm_layer"})
-    # acts on the spliced sequence; the scoring recomputes the layer's RoPE (M-RoPE: the adapter's 3-D ids)
+    # acts on the spliced sequence; the scoring recomputes the layer's RoPE (M-RoPE: the adapter's 3-D ids,
+    # kept as they are by the drops)
     caps = Capabilities(families=ALL_FAMILIES)
 
     @dataclass(frozen=True)
@@ -194,8 +200,9 @@ class PyramidDrop(Pruner):
 
         self.stages = self.check_facts(self.config, ModelFacts.of_adapter(self.adapter))  # [(layer, paper layer)]
         self.ratios = stage_ratios(self.config)
+        compact = self.adapter.family not in QWEN_FAMILIES  # M-RoPE: original ids (module docstring)
         for s, (layer, paper) in enumerate(self.stages):
-            self.ctx.runner.prune_at(layer, self._make_select(s, layer), compact=True, ref_layer=paper)
+            self.ctx.runner.prune_at(layer, self._make_select(s, layer), compact=compact, ref_layer=paper)
 
     def _make_select(self, stage: int, layer: int):
         def select(view) -> torch.Tensor:

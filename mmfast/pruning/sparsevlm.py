@@ -17,12 +17,12 @@ Algorithm (prefill only, per sample):
    token to its nearest centre), each cluster averaged (sum / (size + 1e-6), the release's weights)
    and the merged tokens inserted right after the kept vision tokens (cluster order). They are vision
    tokens for the next filters.
-Text is never dropped. Positions: renumbered 0..L'-1 after each filter (``compact``), as v1.x
-truncates its position ids; in decode each layer continues from its own cache length (the release's
+Text is never dropped. Positions (1-D RoPE families): renumbered 0..L'-1 after each filter
+(``compact``), as v1.x truncates its position ids; in decode each layer continues from its own cache length (the release's
 ``get_usable_length`` rule). Nothing is pruned in decode.
 
 Hook points: attention probe on each filter layer l (rows = the raters, prefill only, head mean);
-``runner.prune_at(l + 1, compact=True)`` returning a ``SlotEdit``: each merged token takes the slot of
+``runner.prune_at(l + 1, compact=True)`` (Qwen-VL: ``compact=False``) returning a ``SlotEdit``: each merged token takes the slot of
 its cluster centre (so its provenance is the centre's token, and it counts as a vision token of that
 image), and the edit's layout key puts it after the kept vision tokens.
 
@@ -52,8 +52,12 @@ min(k_s, n - 1) would still drop the lowest token and re-insert it as its own on
 Families: all six (the release: LLaVA-1.5 and, on its video branch, Video-LLaVA). LLaVA-OneVision and
 the Qwen-VL families (``budget_fraction``): the counts k_s (preset, given or from a budget, all for a
 reference image of N_ref tokens: OneVision's base view N0, 576 on Qwen) become round(k_s N_i / N_ref)
-for an image of N_i tokens, so every image keeps the same fraction. Under M-RoPE the survivors are
-renumbered with ``compact`` (``mrope.compact_positions``); a merged token takes its centre's 3-D ids.
+for an image of N_i tokens, so every image keeps the same fraction. Under M-RoPE the survivors keep
+their original (t, h, w) ids and a merged token takes its centre's ids, as LightCompress's Qwen2.5-VL
+SparseVLM does (ModelTC/LightCompress @9701d03, ``llmc/compression/token_reduction/sparsevlm.py``:
+after each filter it index-selects the layer's ``position_embeddings`` by the kept slots, the
+cluster centres' slots for the merged tokens); decode continues from the largest kept id + 1 (the last
+prompt token's, as HF's ``rope_deltas``). The release has no Qwen code.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import ALL_FAMILIES, QWEN_FAMILIES, Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
@@ -150,7 +154,7 @@ class SparseVLM(Pruner):
     """SparseVLM."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=ALL_FAMILIES)  # acts on the spliced sequence; M-RoPE: compact 3-D renumbering
+    caps = Capabilities(families=ALL_FAMILIES)  # acts on the spliced sequence; M-RoPE: original 3-D ids kept
 
     @dataclass(frozen=True)
     class Config:
@@ -256,12 +260,13 @@ class SparseVLM(Pruner):
         self.n_ref = vision_tokens_per_image(self.adapter)
         self.keep_counts = self.keeps(self.config, self.n_ref)
         self.fraction = budget_fraction(self.adapter)  # counts scale with each image's own tokens
+        compact = self.adapter.family not in QWEN_FAMILIES  # M-RoPE: original ids (module docstring)
         for s, (layer, paper) in enumerate(self.filters):
             attn = self.adapter.layers[layer].self_attn
             self.ctx.probe.watch(
                 f"{self.key}.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean"
             )
-            self.ctx.runner.prune_at(layer + 1, self._make_select(s, layer), compact=True, ref_layer=paper + 1)
+            self.ctx.runner.prune_at(layer + 1, self._make_select(s, layer), compact=compact, ref_layer=paper + 1)
 
     # -- raters ----------------------------------------------------------------------------------
     def _prefill_data(self, state) -> _Prefill:

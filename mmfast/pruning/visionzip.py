@@ -16,7 +16,8 @@ same 27:5 split, ``D = round(tokens * 27 / 32)``), or explicit ``dominant`` and 
 Hook points: attention probe on vision layer L (CLS row only) and a key recorder on the same module
 (``hooks.attach``); ``vision_features`` edit. Positions: the 1 + (D-1) + C tokens are spliced
 contiguously (dominant in original order, then contextual), as the official code.
-Limits: needs a CLS token and the full patch grid (put it first among the feature stages);
+Limits: needs a CLS token (LLaVA families; Qwen-VL: the substitute below) and the full patch grid
+(put it first among the feature stages);
 ``D - 1 + C`` must not exceed the patch count (official issue #30). Deviations: none in the
 algorithm; the merge is computed in fp32 (the official code runs it in the model dtype).
 No-op: ``tokens`` >= the patch count (without explicit counts) returns the vision batch untouched.
@@ -24,10 +25,42 @@ No-op: ``tokens`` >= the patch count (without explicit counts) returns the visio
 Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input; sets ``tokens``, so
 ``dominant``/``contextual`` must not be given): tokens = B, i.e. CLS + (D - 1) + C = B exactly.
 
-Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: needs the tower's CLS attention,
-which Qwen-VL towers lack; the official repository's Qwen2.5-VL variant is not in the snapshot
-readable here (dvlab-research/VisionZip @3151f6d holds the LLaVA code only), so its CLS substitute
-is not implemented from memory.
+LLaVA-OneVision (SigLIP, no CLS): refused. HoliTom (cokeshao/HoliTom @e9b2972, ``visionzip/llava_arch.py``,
+``LLaVA-NeXT/llava/model/multimodal_encoder/siglip_encoder.py``) adapts VisionZip to OneVision by the
+attention each patch receives in the last SigLIP layer (head mean, query mean), 2x2-pooled with the
+frame features, but for *video* frames only (images pass through unpruned); mmfast's OneVision input
+is images, whose anyres-max packing no release covers.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): towers without a CLS token. The official
+repository has no Qwen code (dvlab-research/VisionZip @3151f6d, branches main and demo-chat: LLaVA
+only); the published substitute is LightCompress's Qwen2.5-VL VisionZip (ModelTC/LightCompress
+@9701d03, ``llmc/compression/token_reduction/visionzip.py``), implemented here as it does it
+(``_received.py``):
+1. Rank: in the tower's last block (the one feeding the merger), the attention each patch receives:
+   softmax rows averaged over heads, summed over every query row of the block's attention span;
+   the mean over each 2x2 merge unit's 4 patches is the unit's score (window order put back to
+   raster order on Qwen2.5-VL). Keys: that block's keys after the vision RoPE, averaged over heads
+   and over the unit's 4 patches.
+2. Dominant: the top int(d N) units of an image of N merged tokens by that score.
+3. Contextual: of the other units (raster order), max(int(c N), 1) targets by stride and the
+   cosine argmax assignment of steps 3-4 above, on the unit keys; the merge is done on the *LLM
+   input embeddings* (the merger's output: target + mean of its assigned tokens), as the release
+   merges ``inputs_embeds``, not the tower features.
+4. Layout: the kept units (dominant and targets) stay in raster order, each contextual token in its
+   target's slot with the target's (t, h, w) M-RoPE ids (the release keeps those rows of
+   ``position_ids``); the text after the image keeps its unpruned ids (mmfast's pre-LLM rule).
+d and c are the release's fractions: D / 576 and C / 576 of the counts above (``tokens`` split
+27:5 or the paper's presets, or ``dominant`` / ``contextual``), 576 the budget reference image, so a
+budget B keeps about B / 576 of every image: int(N D / 576) + max(int(N C / 576), 1) (the release's
+int() rounding). Deviations from LightCompress: every image of every sample is ranked and merged on
+its own (the release: the whole batch as one sequence, first to last image token of sample 0);
+scores and the merge in fp32 (release: the tower's dtype); Qwen2-VL and Qwen3-VL get the same rule
+(the release: Qwen2.5-VL; their towers have no windows); Qwen3-VL's deepstack rows of a contextual
+token are merged like its embedding (no release code has deepstack). Hook points: a recorder on the last block's
+attention through the probe wrapper (``hooks.attach``; the model keeps sdpa, that one block runs
+transformers' per-chunk loop instead of mmfast's fused tower attention; the release patches the block
+to eager math), ``observe_tower`` (per-unit scores into ``VisionBatch.extras``), ``vision_features``.
+The pre-merger ``features`` rows follow the kept units (a target's row is its own, unmerged).
 """
 
 from __future__ import annotations
@@ -41,6 +74,8 @@ from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach, cls_row
 from ..registry import PRUNERS
+from . import _received
+from ._budget import vision_tokens_per_image
 from ._grid import grid_features, per_sample
 from .base import Pruner
 
@@ -83,8 +118,9 @@ class VisionZip(Pruner):
 
     hook_points = frozenset({"attention_probe", "vision_features"})
     caps = Capabilities(
-        families=frozenset({"llava"}),
+        families=frozenset({"llava"}) | QWEN_FAMILIES,
         needs_cls=True,
+        cls_substitute=QWEN_FAMILIES,  # LightCompress's received-attention rule (module docstring)
         edits_features=True,
         needs_full_grid=True,
         unsupported=why_not(
@@ -95,13 +131,10 @@ class VisionZip(Pruner):
             ),
             (
                 "llava_onevision",
-                "needs the tower's CLS attention (SigLIP has none), and a feature edit would have to be "
-                "re-packed through unpad / downscale / newlines",
-            ),
-            (
-                QWEN_FAMILIES,
-                "needs the tower's CLS attention, which Qwen-VL towers lack; the official Qwen2.5-VL variant is "
-                "not in the readable repository snapshot, so its CLS substitute is not implemented from memory",
+                "needs the tower's CLS attention (SigLIP has none); the published received-attention substitutes "
+                "cover Qwen2.5-VL (LightCompress) and OneVision *video* frames (HoliTom, which passes images through "
+                "unpruned), and a per-tile image selection would have to be re-packed through OneVision's unpad / "
+                "bilinear downscale across tiles / newlines, which no release covers",
             ),
         ),
     )
@@ -132,6 +165,8 @@ class VisionZip(Pruner):
 
     @classmethod
     def test_params(cls, adapter):
+        if adapter.family in QWEN_FAMILIES:  # fractions of 576: about half of each tiny image
+            return {"tokens": 288}
         return {"dominant": 4, "contextual": 3}
 
     def budget(self) -> tuple[int, int]:
@@ -141,15 +176,26 @@ class VisionZip(Pruner):
     def is_noop(self, n_patches: int) -> bool:
         return self.config.dominant is None and self.config.tokens >= n_patches
 
+    def fractions(self) -> tuple[float, float]:
+        """Qwen-VL: the release's (dominant, contextual) fractions of each image, D / 576 and C / 576."""
+        d, c = self.budget()
+        n_ref = vision_tokens_per_image(self.adapter)
+        return d / n_ref, c / n_ref
+
     def install(self) -> None:
         rows, cols = self.adapter.grid
         n = rows * cols
         if self.is_noop(n):
             return
+        self.layer = self.adapter.vision_feature_layer_index()
+        if self.adapter.family in QWEN_FAMILIES:
+            block = self.adapter.vision_layers[self.layer]
+            self._received = _received.ReceivedAttention()
+            attach(self.ctx.hooks, block.attn).recorders.append(self._received)
+            return
         d, c = self.budget()
         if d - 1 + c > n:
             raise ConfigError("", f"dominant - 1 + contextual = {d - 1 + c} exceeds the {n} patches of this model")
-        self.layer = self.adapter.vision_feature_layer_index()
         attn = self.adapter.vision_layers[self.layer].self_attn
         self.probe_key = f"visionzip.cls.{self.layer}"
         self.ctx.probe.watch(self.probe_key, attn, rows=cls_row, reduce=None)
@@ -159,9 +205,24 @@ class VisionZip(Pruner):
     def _record_keys(self, module, query, key, attention_mask, scaling) -> None:
         self._keys = key.mean(1)  # [n_img, 1 + N, head_dim]: the official "metric"
 
+    def observe_tower(self, vision) -> None:
+        """Qwen-VL: the last block's received attention and keys, per merge unit in raster order, per image."""
+        if getattr(self, "_received", None) is None:
+            return
+        received, keys = self._received.take()
+        unit = self.adapter.merge**2
+        order = _received.window_order(self.adapter.vision_tower, vision.extras["grid_thw"], self.adapter.merge)
+        counts = vision.counts()
+        if received.numel() != unit * sum(counts):
+            raise RuntimeError(f"visionzip: vision block {self.layer} did not run on every patch of the images")
+        vision.extras["visionzip.received"] = _received.per_unit(received, unit, order, counts)
+        vision.extras["visionzip.keys"] = _received.per_unit(keys, unit, order, counts)
+
     def prune_vision(self, vision, batch):
         rows, cols = vision.grid
         n = rows * cols
+        if self.adapter.family in QWEN_FAMILIES and not self.is_noop(n):
+            return self._prune_units(vision, batch)
         if self.is_noop(n):
             vision.stats[self.name] = {
                 "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)
@@ -188,5 +249,39 @@ class VisionZip(Pruner):
             "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
             "dominant": d,
             "contextual": c,
+        }
+        return vision
+
+    def _prune_units(self, vision, batch):
+        """Qwen-VL: LightCompress's rule on each image's merged tokens (module docstring)."""
+        frac_d, frac_c = self.fractions()
+        projected = self.adapter.project(vision)  # [N_i, d] each: the LLM input embeddings the release merges
+        received, keys = vision.extras.pop("visionzip.received"), vision.extras.pop("visionzip.keys")
+        for i, n in enumerate(vision.counts()):
+            if received[i].numel() != n or not torch.equal(vision.patch_ids[i].cpu(), torch.arange(n)):
+                raise ValueError(
+                    "visionzip needs every image's full merged grid; put it first among the feature stages"
+                )
+            d, c = int(frac_d * n), max(int(frac_c * n), 1)
+            if d + c >= n:
+                continue  # every token kept (targets would cover the rest): the image untouched
+            kept, rows_t, rest, assign = _received.select(received[i], keys[i], d, c)
+            kept_dev = kept.to(projected[i].device)
+            vision.projected[i] = _received.merge_rows(
+                projected[i], kept_dev, rows_t.to(kept_dev.device), rest.to(kept_dev.device), assign.to(kept_dev.device)
+            )
+            vision.features[i] = vision.features[i][kept_dev]
+            vision.patch_ids[i] = vision.patch_ids[i][kept.to(vision.patch_ids[i].device)]
+            for tags in vision.tags.values():
+                t = tags[i]
+                k = kept.to(t.device)
+                if t.is_floating_point():  # Qwen3-VL's deepstack rows merge like the embeddings
+                    tags[i] = _received.merge_rows(t, k, rows_t.to(t.device), rest.to(t.device), assign.to(t.device))
+                else:
+                    tags[i] = t[k]
+        vision.stats[self.name] = {
+            "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
+            "dominant_fraction": frac_d,
+            "contextual_fraction": frac_c,
         }
         return vision
