@@ -59,6 +59,9 @@ def _stage(name: str, mm) -> dict:
     return {"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}
 
 
+_LAST: list = []  # the results of the last combination that ran
+
+
 def _outcome(mm, recipe_data: dict, images, prompts) -> str:
     """'ran', or 'refused: <reason>'; anything else raised propagates (a failure)."""
     try:
@@ -72,7 +75,26 @@ def _outcome(mm, recipe_data: dict, images, prompts) -> str:
     with session:
         out = session.generate(images[:2], prompts[:2], max_new_tokens=3)
     assert len(out) == 2
+    _LAST[:] = out
     return "ran"
+
+
+def _footprint(results) -> list[tuple]:
+    """What a pruner can change, per sample: the LLM's input, its cache, its compute, the answer."""
+    return [
+        (r.n_vision_tokens, r.kv_bytes_prefill, r.kv_bytes_end, round(r.flops_prefill), tuple(r.token_ids))
+        for r in results
+    ]
+
+
+_BASELINES: dict[str, list[tuple]] = {}
+
+
+def _baseline(family: str, mm, images, prompts) -> list[tuple]:
+    if family not in _BASELINES:
+        assert _outcome(mm, {"decoding": {"method": "greedy"}}, images, prompts) == "ran"
+        _BASELINES[family] = _footprint(_LAST)
+    return _BASELINES[family]
 
 
 def _names_a_method(reason: str, recipe_data: dict) -> bool:
@@ -103,6 +125,11 @@ def test_pruner_x_decoder_x_drafter(family, pruner, families, images, mixed_imag
                 continue
             if result == "ran":
                 ran += 1
+                if decoder == "greedy" and drafter is None:  # a pruner that "ran" must have changed something
+                    changed = _footprint(_LAST)
+                    assert changed != _baseline(family, mm, images, prompts), (
+                        f"{pruner} ran on {family} but changed nothing"
+                    )
             elif not _names_a_method(result, data):
                 problems.append(f"{pruner} x {decoder} x {drafter}: refusal names no method: {result}")
     assert not problems, "\n".join(problems)
@@ -127,6 +154,38 @@ def test_stacked_pruners(family, first, families, images, mixed_images, prompts)
         if result != "ran" and not _names_a_method(result, data):
             problems.append(f"{first} + {second}: refusal names no method: {result}")
     assert not problems, "\n".join(problems)
+
+
+DRAFT_ARCH = {"flash": {"sar_k": 3, "n_latents": 4}}
+DRAFT_PARAMS = {
+    "msd": {"depth": 3, "top_k": 4, "total_tokens": 16},
+    "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_drafter_on_every_family(family, families, images, mixed_images, prompts, tmp_path):
+    """All four drafters (trained ones on random draft weights) on every family: each runs losslessly
+    (greedy's tokens exactly) or is refused naming itself."""
+    from mmfast.speculative._eagle_model import write_random_draft
+
+    mm, images = families[family], mixed_images if family in QWEN else images
+    assert _outcome(mm, {"decoding": {"method": "greedy"}}, images, prompts) == "ran"
+    greedy = [r.token_ids for r in _LAST]
+    ran = []
+    for drafter in DRAFTERS.names():
+        params = dict(DRAFT_PARAMS.get(drafter, {}))
+        if drafter in ("msd", "flash"):
+            params["weights"] = str(write_random_draft(mm, drafter, tmp_path / drafter, **DRAFT_ARCH.get(drafter, {})))
+        data = {"decoding": {"method": "greedy"}, "speculative": {"method": drafter, "params": params}}
+        result = _outcome(mm, data, images, prompts)
+        if result == "ran":
+            assert [r.token_ids for r in _LAST] == greedy, f"{drafter} on {family} is not lossless"
+            ran.append(drafter)
+        else:
+            assert drafter in result, result
+    assert "prompt_lookup" in ran  # training-free: runs on every family
+    assert family != "llava" or sorted(ran) == sorted(DRAFTERS.names())  # all four on the anchor family
 
 
 SINGLE_PASS_PEERS = ("pai", "only", "clearsight")  # attention-editing decoders (one attention override each)
