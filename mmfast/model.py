@@ -8,6 +8,7 @@ error that says what to do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -22,9 +23,12 @@ from .checkpoint import ASSETS, DEFAULT_MODEL, EMBEDDED, _resolve  # noqa: F401 
 from .config import Recipe, load_recipe
 from .errors import InputError, ModelLoadError
 from .generation import decoding_config
-from .inputs import PreparedBatch, open_image  # noqa: F401 (re-exported)
+from .inputs import PreparedBatch, VideoClip, VisionItem, open_image  # noqa: F401 (re-exported)
 from .models import adapter_for
+from .models._video import VideoSettings, video_settings
+from .models.base import VideoItems, VLMAdapter
 from .pipeline import GenerationResult, apply
+from .video import VideoSampling, open_video
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class MMModel:
         self.image_processor = processor.image_processor
         self.adapter = adapter_for(model)
         self.name = name
+        self._video_settings: VideoSettings | None = None
         gen = model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids: list[int] = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
@@ -69,27 +74,44 @@ class MMModel:
         return self.adapter.lm_head.weight.dtype
 
     # -- inputs --------------------------------------------------------------------------------
-    def chat_text(self, prompt: str, n_images: int = 1) -> str:
-        """The chat-templated text for one user turn with ``n_images`` images first."""
-        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
-        conv = [{"role": "user", "content": content}]
+    def chat_text(self, prompt: str, n_images: int = 1, n_videos: int = 0) -> str:
+        """The chat-templated text for one user turn with ``n_videos`` videos and ``n_images`` images first."""
+        content = [{"type": "video"} for _ in range(n_videos)] + [{"type": "image"} for _ in range(n_images)]
+        conv = [{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]
         return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+
+    @property
+    def video_settings(self) -> VideoSettings:
+        """How this checkpoint's video processor treats frames (:func:`mmfast.models._video.video_settings`)."""
+        if self._video_settings is None:
+            self._video_settings = video_settings(self.processor, self.name)
+            logger.info("video frames: settings from the %s", self._video_settings.source)
+        return self._video_settings
 
     def prepare(
         self,
-        images: Sequence[Any],
+        images: Sequence[Any] | Any,
         prompts: Sequence[str] | str,
         *,
         texts: Sequence[str] | None = None,
         meta: Sequence[dict] | None = None,
+        videos: Sequence[Any] | Any = None,
+        num_frames: int | None = None,
+        fps: float | None = None,
+        video_fps: float | None = None,
     ) -> PreparedBatch:
-        """Open images, apply the chat template, tokenise, and run the image processor.
+        """Open images (and videos), apply the chat template, tokenise, and run the image processor.
 
-        ``images[b]`` is one image or a list of images (several frames) for prompt ``b``.
-        ``texts`` bypasses the chat template (already templated strings with image tokens).
+        ``images[b]`` is one image or a list of images (several frames) for prompt ``b`` (None: no
+        image). ``videos[b]`` is prompt ``b``'s video or None (see :meth:`Session.generate
+        <mmfast.pipeline.Session.generate>`); ``num_frames`` / ``fps`` / ``video_fps`` sample it.
+        ``texts`` bypasses the chat template (already templated strings with image tokens; images only).
         """
-        if isinstance(prompts, str):
+        single = isinstance(prompts, str)
+        if single:
             prompts = [prompts]
+        if images is None:
+            images = [None] * len(prompts)
         if not isinstance(images, (list, tuple)):
             images = [images]
         if len(images) != len(prompts):
@@ -98,12 +120,35 @@ class MMModel:
             )
         for b, prompt in enumerate(prompts):
             _check_prompt_text(prompt, b)
-        per_sample = [[open_image(im) for im in (x if isinstance(x, (list, tuple)) else [x])] for x in images]
-        texts = (
-            list(texts) if texts is not None else [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
-        )
+        per_sample = [
+            [open_image(im) for im in (x if isinstance(x, (list, tuple)) else [x])] if x is not None else []
+            for x in images
+        ]
+        clips = self._open_videos(videos, len(prompts), single, VideoSampling(num_frames, fps, video_fps))
+        if clips is not None and texts is not None:
+            raise InputError("texts= (pre-templated prompts) is for images only; pass videos with plain prompts")
+        if clips is None and any(not ims for ims in per_sample):
+            b = next(b for b, ims in enumerate(per_sample) if not ims)
+            raise InputError(f"prompt {b} has no image; pass an image (or a video, videos=) per prompt")
+        vids = [None if c is None else self.adapter.video_items(c, 0, self.video_settings) for c in (clips or [])]
+        if texts is not None:
+            texts = list(texts)
+        else:
+            texts = [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)] if clips is None else []
+            for b, (p, ims, v) in enumerate(zip(prompts, per_sample, vids)) if clips is not None else ():
+                text = self.chat_text(p, len(ims), 0 if v is None else 1)
+                if v is not None:
+                    placeholder = self.adapter.video_token
+                    if text.count(placeholder) != 1:
+                        raise InputError(
+                            f"the chat template of {self.name} renders no {placeholder!r} for a video (prompt {b}); "
+                            "use the checkpoint's own processor, whose template has video content"
+                        )
+                    text = text.replace(placeholder, v.text)
+                texts.append(text)
         token_ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
         image_id = self.adapter.image_token_id
+        video_id = getattr(self.adapter, "video_token_id", None) if clips is not None else None
         for b, (ids, ims) in enumerate(zip(token_ids, per_sample)):
             n_slots = sum(1 for t in ids if t == image_id)
             if n_slots != len(ims):
@@ -113,13 +158,67 @@ class MMModel:
                     f"must not contain {token!r} (images are passed separately and placed by the chat template); "
                     "remove it from the prompt"
                 )
+            n_video = 0 if clips is None or vids[b] is None else len(vids[b].items)
+            if video_id is not None and sum(1 for t in ids if t == video_id) != n_video:
+                token = self.tokenizer.convert_ids_to_tokens(video_id)
+                raise InputError(
+                    f"prompt {b} contains the video placeholder {token!r}; remove it (videos are passed with videos=)"
+                )
         flat = [im for ims in per_sample for im in ims]
-        owner = [b for b, ims in enumerate(per_sample) for _ in ims]
-        processed = self.image_processor(images=flat, return_tensors="pt")
-        pixel_values, image_sizes = self.adapter.pack_pixels(processed)
-        return PreparedBatch(
-            per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []), image_sizes
+        pixel_values, image_sizes = (None, None)
+        if flat:
+            processed = self.image_processor(images=flat, return_tensors="pt")
+            pixel_values, image_sizes = self.adapter.pack_pixels(processed)
+        if clips is None:
+            owner = [b for b, ims in enumerate(per_sample) for _ in ims]
+            return PreparedBatch(
+                per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []), image_sizes
+            )
+        self._check_video_context(token_ids, vids)
+        return _with_videos(
+            PreparedBatch(per_sample, list(prompts), texts, token_ids, pixel_values, [], list(meta or []), image_sizes),
+            clips,
+            vids,
+            self.adapter,
         )
+
+    def _open_videos(
+        self, videos: Any, n_prompts: int, single: bool, sampling: VideoSampling
+    ) -> list[VideoClip | None] | None:
+        """Per-sample clips, or None without videos; refuses video on a family without it."""
+        if videos is None:
+            if any(v is not None for v in (sampling.num_frames, sampling.fps, sampling.video_fps)):
+                raise InputError("num_frames / fps / video_fps sample videos; pass videos= too (or drop them)")
+            return None
+        adapter = self.adapter
+        if not adapter.supports_video:
+            raise InputError(
+                f"{self.name} is a {adapter.family} model, which has no video input; {adapter.video_alternative}"
+            )
+        per = [videos] if single else videos
+        if not isinstance(per, (list, tuple)) or len(per) != n_prompts:
+            raise InputError(
+                f"videos= needs one video (or None) per prompt: {n_prompts} prompt(s), got "
+                f"{len(per) if isinstance(per, (list, tuple)) else type(per).__name__}"
+            )
+        rule = adapter.frame_rule(self.video_settings)
+        return [None if v is None else open_video(v, sampling, rule, f"video {b}") for b, v in enumerate(per)]
+
+    def _check_video_context(self, token_ids: list[list[int]], vids: list[VideoItems | None]) -> None:
+        """Refuse a video whose tokens (the processor's count) with the prompt exceed the LLM's context."""
+        limit = getattr(self.adapter.text_config, "max_position_embeddings", None)
+        if not limit:
+            return
+        for b, (ids, v) in enumerate(zip(token_ids, vids)):
+            if v is None:
+                continue
+            total = len(ids) - len(v.items) + v.tokens
+            if total > limit:
+                raise InputError(
+                    f"video {b}: {v.n_frames} frames make {v.tokens} vision tokens; with the prompt that is "
+                    f"{total} tokens, over the context of {self.name} ({limit}); sample fewer frames (num_frames=) "
+                    "or pass smaller frames"
+                )
 
     # -- generation ----------------------------------------------------------------------------
     def generate(
@@ -160,6 +259,49 @@ class MMModel:
             )
         with apply(self, recipe, compile=compile) as session:
             return session.generate(images, prompts, **generation_kwargs)
+
+
+def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-item pixel rows ([1, n_i, ...]) zero-padded on dim 1 to the longest and stacked: [n, max n_i, ...]."""
+    longest = max(r.shape[1] for r in rows)
+    out = rows[0].new_zeros(len(rows), longest, *rows[0].shape[2:])
+    for i, r in enumerate(rows):
+        out[i, : r.shape[1]] = r[0]
+    return out
+
+
+def _with_videos(
+    batch: PreparedBatch, clips: list[VideoClip | None], vids: list[VideoItems | None], adapter: VLMAdapter
+) -> PreparedBatch:
+    """``batch`` (images only) with the videos' items put in: every sample's items in its slot order."""
+    image_id, video_id = adapter.image_token_id, adapter.video_token_id
+    rows, sizes, items, owner = [], [], [], []
+    k = 0  # next image row
+    for b, ids in enumerate(batch.token_ids):
+        j = 0  # next item of the sample's video
+        for t in ids:
+            if t == image_id:
+                rows.append(batch.pixel_values[k : k + 1])
+                sizes.append(batch.image_sizes[k : k + 1])
+                items.append(VisionItem())
+                k += 1
+            elif t == video_id:
+                v = vids[b]
+                rows.append(v.pixels[j])
+                sizes.append(v.sizes[j].to(batch.image_sizes.dtype if batch.image_sizes is not None else torch.long))
+                items.append(v.items[j])
+                j += 1
+            else:
+                continue
+            owner.append(b)
+    return dataclasses.replace(
+        batch,
+        pixel_values=_pad_rows(rows),
+        image_sizes=torch.cat(sizes),
+        image_owner=owner,
+        items=items,
+        videos=list(clips),
+    )
 
 
 def load_model(cfg, *, device: str | None = None) -> MMModel:
