@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .capabilities import caps_of, check_model, check_recipe, static_cache_blocker
+from .capabilities import Capabilities, caps_of, check_model, check_recipe, static_cache_blocker
 from .config import Recipe, from_dict, load_recipe, to_dict
 from .context import MethodContext
 from .decoding.base import DecodeOutput, Decoder, DecodeRequest, now
@@ -404,6 +404,13 @@ class Session:
             seed = self.recipe.decoding.seed or 0
         device = self.mm.device
         self.scoring_s = self.runner.scoring_s = self.probe.time_s = self.runner.capture_s = 0.0
+        if batch.has_video:
+            for where, caps in self._method_caps(decoder):
+                if caps.images_only:
+                    raise IncompatibleRecipeError(
+                        f"{where} takes images only ({caps.images_only}); pass the video without it, or its frames "
+                        "as images"
+                    )
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         self._decoder = decoder  # observes the tower (DAMRO) for this batch
@@ -475,12 +482,8 @@ class Session:
             return CudaGraph
         return None
 
-    def _static_reserve(self, req: DecodeRequest, decoder: Decoder) -> int | None:
-        """Free slots per layer of a static KV cache for this call (``model.compile``), or None for the
-        dynamic cache; a method that needs the dynamic step makes it fall back, logged once per reason."""
-        mode = self.recipe.model.compile
-        if mode == "off" or (mode == "auto" and self.ctx.device.type != "cuda"):
-            return None
+    def _method_caps(self, decoder: Decoder) -> list[tuple[str, Capabilities]]:
+        """(where, capabilities) of the recipe's stages, ``decoder`` and the drafter."""
         methods = [
             (f"pruning[{i}] ({st.method})", caps_of(type(p), p.config))
             for i, (st, p) in enumerate(zip(self.recipe.pruning, self.pruners))
@@ -488,7 +491,15 @@ class Session:
         methods.append((f"decoding ({decoder.name})", caps_of(type(decoder), decoder.config)))
         if self.drafter is not None:
             methods.append((f"speculative ({self.drafter.name})", caps_of(type(self.drafter), self.drafter.config)))
-        reason = static_cache_blocker(methods)
+        return methods
+
+    def _static_reserve(self, req: DecodeRequest, decoder: Decoder) -> int | None:
+        """Free slots per layer of a static KV cache for this call (``model.compile``), or None for the
+        dynamic cache; a method that needs the dynamic step makes it fall back, logged once per reason."""
+        mode = self.recipe.model.compile
+        if mode == "off" or (mode == "auto" and self.ctx.device.type != "cuda"):
+            return None
+        reason = static_cache_blocker(self._method_caps(decoder))
         if reason is not None:
             if reason not in self._static_refusals:
                 self._static_refusals.add(reason)

@@ -280,3 +280,21 @@ def test_video_longer_than_the_context_is_refused(monkeypatch):
     monkeypatch.setattr(mm.adapter.text_config, "max_position_embeddings", 40)
     with pytest.raises(InputError, match=r"video 0: 6 frames make 48 vision tokens; .* over the context .*num_frames="):
         mm.prepare(None, "Describe the video.", videos=_video(6))
+
+
+@pytest.mark.parametrize("decoding", ["vcd", "beam"])
+def test_decoders_run_on_a_video(decoding):
+    """Contrastive and beam decoders take a video + image batch (VCD noises every item's pixels)."""
+    mm = _mm("qwen2_5_vl")
+    out = mm.generate(
+        [_image(), None], ["What?", "Go."], videos=[_video(2), _video(4)], decoding=decoding, max_new_tokens=3
+    )
+    assert len(out) == 2 and all(r.token_ids for r in out)
+
+
+def test_a_method_that_reprompts_images_refuses_a_video():
+    from mmfast.errors import IncompatibleRecipeError
+
+    mm = _mm("qwen2_5_vl")
+    with pytest.raises(IncompatibleRecipeError, match=r"decoding \(lqcd\) takes images only \(its branch re-prompts"):
+        mm.generate(None, "Go.", videos=_video(2), recipe={"decoding": {"method": "lqcd"}}, max_new_tokens=2)
