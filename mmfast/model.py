@@ -530,7 +530,12 @@ def _load_processor(path: str, kwargs: dict[str, Any], model_type: str | None = 
     cls = PROCESSOR_CLASSES[model_type]() if model_type in PROCESSOR_CLASSES else AutoProcessor
     try:
         return cls.from_pretrained(path, **kw)
-    except (AttributeError, ImportError, TypeError) as exc:  # Qwen-VL processors' video half needs torchvision
+    except (AttributeError, ImportError, TypeError, ValueError) as exc:
+        # Qwen-VL processors' video half needs torchvision; a checkpoint with a
+        # video_preprocessor_config.json (the hub's Qwen-VL ones) raises a ValueError "requires
+        # `torchvision`"; other ValueErrors are a broken processor
+        if isinstance(exc, ValueError) and "torchvision" not in str(exc):
+            raise ModelLoadError(_processor_problem(path, exc)) from None
         from .models.qwen_processor import load_qwen_processor
 
         logger.info("AutoProcessor unavailable for %s (%s); using its tokenizer and image processor", path, exc)
@@ -538,12 +543,16 @@ def _load_processor(path: str, kwargs: dict[str, Any], model_type: str | None = 
             return load_qwen_processor(path, **kw)
         except (OSError, ValueError) as exc2:
             raise ModelLoadError(f"cannot load the processor of {path!r}: {exc2}") from None
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(
-            f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "
-            "the directory needs the files save_pretrained writes for the processor (tokenizer.json, "
-            "tokenizer_config.json, processor_config.json or preprocessor_config.json)"
-        ) from None
+    except OSError as exc:
+        raise ModelLoadError(_processor_problem(path, exc)) from None
+
+
+def _processor_problem(path: str, exc: Exception) -> str:
+    return (
+        f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "
+        "the directory needs the files save_pretrained writes for the processor (tokenizer.json, "
+        "tokenizer_config.json, processor_config.json or preprocessor_config.json)"
+    )
 
 
 def _check_processor(processor: Any) -> None:

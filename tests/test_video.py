@@ -298,3 +298,26 @@ def test_a_method_that_reprompts_images_refuses_a_video():
     mm = _mm("qwen2_5_vl")
     with pytest.raises(IncompatibleRecipeError, match=r"decoding \(lqcd\) takes images only \(its branch re-prompts"):
         mm.generate(None, "Go.", videos=_video(2), recipe={"decoding": {"method": "lqcd"}}, max_new_tokens=2)
+
+
+def test_video_settings_come_from_the_checkpoints_video_processor(tmp_path):
+    """A checkpoint's ``video_preprocessor_config.json`` (or the ``video_processor`` entry of its
+    ``processor_config.json``) sets the frame size, not the image processor's."""
+    import json
+
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    path = save_model(*random_qwen_vl("qwen2_vl", seed=1), tmp_path / "q")
+    default = mmfast.load(path, device="cpu").prepare(None, "Go.", videos=_video(2))
+    assert default.image_sizes[0].tolist() == [1, 8, 8]  # the image processor's pixel range: 28 -> 32 px
+    small = {"size": {"shortest_edge": 8 * 8, "longest_edge": 16 * 16}, "temporal_patch_size": 2}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(small))
+    mm = mmfast.load(path, device="cpu")
+    assert mm.video_settings.source.endswith("video_preprocessor_config.json")
+    assert mm.prepare(None, "Go.", videos=_video(2)).image_sizes[0].tolist() == [1, 4, 4]  # 28 -> 16 px
+    (path / "video_preprocessor_config.json").unlink()
+    proc = (
+        json.loads((path / "processor_config.json").read_text()) if (path / "processor_config.json").is_file() else {}
+    )
+    (path / "processor_config.json").write_text(json.dumps({**proc, "video_processor": small}))
+    assert mmfast.load(path, device="cpu").prepare(None, "Go.", videos=_video(2)).image_sizes[0].tolist() == [1, 4, 4]

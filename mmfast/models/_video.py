@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from huggingface_hub import try_to_load_from_cache
 from PIL import Image
 
 from .. import compat
@@ -64,6 +65,32 @@ def _attrs(obj: Any) -> dict[str, Any]:
     return {k: getattr(obj, k) for k in _KEYS if getattr(obj, k, None) is not None}
 
 
+def _checkpoint_file(checkpoint: str, name: str) -> Path | None:
+    """``name`` of a local checkpoint directory, or of a hub checkpoint in the local cache (no download)."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        return path / name if (path / name).is_file() else None
+    try:
+        found = try_to_load_from_cache(repo_id=checkpoint, filename=name)
+    except ValueError:  # not a hub id (an in-memory model's class name)
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _checkpoint_video_config(checkpoint: str) -> tuple[dict[str, Any], str] | None:
+    """The video processor's saved settings: ``video_preprocessor_config.json``, or the
+    ``video_processor`` entry of ``processor_config.json`` (as transformers 5 saves processors)."""
+    for name in ("video_preprocessor_config.json", "processor_config.json"):
+        f = _checkpoint_file(checkpoint, name)
+        if f is None:
+            continue
+        data = json.loads(f.read_text())
+        data = data.get("video_processor") if name == "processor_config.json" else data
+        if isinstance(data, dict) and data:
+            return data, str(f)
+    return None
+
+
 def video_settings(processor: Any, checkpoint: str | None = None) -> VideoSettings:
     """The frame settings of ``processor`` (see the module docstring for the order they are read in)."""
     conf: dict[str, Any] = {}
@@ -71,9 +98,9 @@ def video_settings(processor: Any, checkpoint: str | None = None) -> VideoSettin
     if getattr(processor, "video_processor", None) is not None:
         conf, source = _attrs(processor.video_processor), "video processor"
     elif checkpoint is not None:
-        f = Path(checkpoint) / "video_preprocessor_config.json"
-        if f.is_file():
-            conf, source = {k: v for k, v in json.loads(f.read_text()).items() if k in _KEYS}, str(f)
+        found = _checkpoint_video_config(checkpoint)
+        if found is not None:
+            conf, source = {k: v for k, v in found[0].items() if k in _KEYS}, found[1]
     base = _attrs(processor.image_processor)
     conf = {**base, **conf}
     size = dict(conf.get("size") or {})
