@@ -321,3 +321,22 @@ def test_video_settings_come_from_the_checkpoints_video_processor(tmp_path):
     )
     (path / "processor_config.json").write_text(json.dumps({**proc, "video_processor": small}))
     assert mmfast.load(path, device="cpu").prepare(None, "Go.", videos=_video(2)).image_sizes[0].tolist() == [1, 4, 4]
+
+
+def test_cli_run_with_a_video_directory(tmp_path, tiny_dir, capsys):
+    """``mmfast run --video DIR``: answers on a video family; exit 2 with the family's reason on LLaVA."""
+    from mmfast.cli import main
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for i, f in enumerate(_video(4, 13)):
+        Image.fromarray(f).save(frames / f"{i:03d}.png")
+    qwen = save_model(*random_qwen_vl("qwen2_5_vl", seed=1), tmp_path / "q")
+    args = ["--video", str(frames), "--prompt", "Describe.", "--max-new-tokens", "2", "--json"]
+    for name, model in (("q.yaml", qwen), ("l.yaml", tiny_dir)):
+        (tmp_path / name).write_text(f"model: {{name: {model}, device: cpu}}\n")
+    assert main(["run", str(tmp_path / "q.yaml"), *args, "--num-frames", "2", "--video-fps", "4"]) == 0
+    assert '"n_vision_tokens": 16' in capsys.readouterr().out  # 2 frames = 1 group of 4 x 4 units
+    assert main(["run", str(tmp_path / "l.yaml"), *args]) == 2
+    assert "llava model, which has no video input" in capsys.readouterr().err
