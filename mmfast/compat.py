@@ -581,8 +581,9 @@ def vision_attn_implementation(module) -> str:
     return module.config._attn_implementation
 
 
-# --------------------------------------------------------------------------- Qwen2.5-VL video time axis
-# (section owned by mmfast/models/qwen2_vl.py: video M-RoPE positions)
+# --------------------------------------------------------------------------- Qwen-VL video
+# (section owned by mmfast/models/qwen2_vl.py and mmfast/models/_video.py: video M-RoPE positions and
+# frame sizes; transformers 5.17 to 5.24, tests/test_video.py ran on 5.17.0 and 5.24.0)
 
 
 @functools.cache
@@ -592,7 +593,12 @@ def _qwen25_truncates_seconds() -> bool:
     float and truncates the product). Read from the installed source, so any release in the range
     gets its own rule."""
     module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
-    return "int(next(second_per_grid_ts))" in inspect.getsource(module.Qwen2_5_VLModel.get_rope_index)
+    try:
+        source = inspect.getsource(module.Qwen2_5_VLModel.get_rope_index)
+    except (OSError, TypeError):  # no source shipped: the rule of the newest tested release (5.24)
+        logger.warning("Qwen2.5-VL video positions: transformers' source is not readable; using the 5.24 rule")
+        return False
+    return "int(next(second_per_grid_ts))" in source
 
 
 def qwen25_time_interval(tokens_per_second: float, second_per_grid_t: float) -> float:

@@ -268,13 +268,14 @@ class Session:
             total = text + vision + max_new
             if total > limit:
                 problems.append(
-                    f"sample {b}: {text} text + {vision} vision tokens ({n_images} image(s)) + {max_new} new tokens = "
+                    f"sample {b}: {text} text + {vision} vision tokens ({_what(batch, b)}) + {max_new} new tokens = "
                     f"{total}, {total - limit} over"
                 )
         if problems:
             raise InputError(
                 f"input longer than the context of {self.mm.name} ({limit} tokens): {'; '.join(problems)}; "
-                "shorten the prompt, pass fewer images, lower max_new_tokens, or prune vision tokens"
+                "shorten the prompt, pass fewer images (or frames: num_frames=), lower max_new_tokens, or prune "
+                "vision tokens"
             )
 
     # -- generation ------------------------------------------------------------------------------
@@ -581,3 +582,10 @@ def apply(
     elif not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     return Session(mm, recipe, calibration=calibration, compile=compile)
+
+
+def _what(batch: PreparedBatch, b: int) -> str:
+    """``"2 image(s)"``, or ``"1 image(s), a video of 8 frames"`` for a sample with a video."""
+    clip = batch.videos[b] if b < len(batch.videos) else None
+    n = len(batch.images[b])
+    return f"{n} image(s)" if clip is None else f"{n} image(s), a video of {len(clip.frames)} frames"

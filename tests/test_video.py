@@ -340,3 +340,12 @@ def test_cli_run_with_a_video_directory(tmp_path, tiny_dir, capsys):
     assert '"n_vision_tokens": 16' in capsys.readouterr().out  # 2 frames = 1 group of 4 x 4 units
     assert main(["run", str(tmp_path / "l.yaml"), *args]) == 2
     assert "llava model, which has no video input" in capsys.readouterr().err
+
+
+def test_context_check_after_the_tower_names_the_video(monkeypatch):
+    """With the prompt within the context but no room for max_new_tokens, the session's check names
+    the sample's video and its frames."""
+    mm = _mm("qwen2_5_vl")
+    monkeypatch.setattr(mm.adapter.text_config, "max_position_embeddings", 60)
+    with pytest.raises(InputError, match=r"32 vision tokens \(0 image\(s\), a video of 4 frames\) \+ 20 new tokens"):
+        mm.generate(None, "Go.", videos=_video(4), max_new_tokens=20)
