@@ -130,25 +130,18 @@ class MMModel:
         if clips is None and any(not ims for ims in per_sample):
             b = next(b for b, ims in enumerate(per_sample) if not ims)
             raise InputError(f"prompt {b} has no image; pass an image (or a video, videos=) per prompt")
-        vids = [None if c is None else self.adapter.video_items(c, 0, self.video_settings) for c in (clips or [])]
+        vids = [None if c is None else self.adapter.video_items(c, 0, self.video_settings) for c in clips or []]
         if texts is not None:
             texts = list(texts)
+        elif clips is None:
+            texts = [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
         else:
-            texts = [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)] if clips is None else []
-            for b, (p, ims, v) in enumerate(zip(prompts, per_sample, vids)) if clips is not None else ():
-                text = self.chat_text(p, len(ims), 0 if v is None else 1)
-                if v is not None:
-                    placeholder = self.adapter.video_token
-                    if text.count(placeholder) != 1:
-                        raise InputError(
-                            f"the chat template of {self.name} renders no {placeholder!r} for a video (prompt {b}); "
-                            "use the checkpoint's own processor, whose template has video content"
-                        )
-                    text = text.replace(placeholder, v.text)
-                texts.append(text)
+            texts = [
+                self._video_text(b, p, len(ims), v) for b, (p, ims, v) in enumerate(zip(prompts, per_sample, vids))
+            ]
         token_ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
         image_id = self.adapter.image_token_id
-        video_id = getattr(self.adapter, "video_token_id", None) if clips is not None else None
+        video_id = self.adapter.video_token_id if self.adapter.supports_video else None
         for b, (ids, ims) in enumerate(zip(token_ids, per_sample)):
             n_slots = sum(1 for t in ids if t == image_id)
             if n_slots != len(ims):
@@ -181,6 +174,19 @@ class MMModel:
             vids,
             self.adapter,
         )
+
+    def _video_text(self, b: int, prompt: str, n_images: int, video: VideoItems | None) -> str:
+        """Sample ``b``'s templated text, its video placeholder replaced by the family's video text."""
+        text = self.chat_text(prompt, n_images, 0 if video is None else 1)
+        if video is None:
+            return text
+        placeholder = self.adapter.video_token
+        if text.count(placeholder) != 1:
+            raise InputError(
+                f"the chat template of {self.name} renders no {placeholder!r} for a video (prompt {b}); use the "
+                "checkpoint's own processor, whose template has video content"
+            )
+        return text.replace(placeholder, video.text)
 
     def _open_videos(
         self, videos: Any, n_prompts: int, single: bool, sampling: VideoSampling

@@ -153,6 +153,16 @@ def open_video(
     opened = []
     for i in keep:
         f = frames[i]
+        if isinstance(f, np.ndarray) and (f.ndim != 3 or f.shape[-1] != 3 or f.dtype != np.uint8):
+            raise InputError(
+                f"{what}, frame {i} is a {f.dtype} array of shape {tuple(f.shape)}, not a uint8 [H, W, 3] frame "
+                "(with a single prompt string, videos= is that prompt's one video; pass a list of prompts for "
+                "one video per prompt)"
+            )
+        if not isinstance(f, (Image.Image, np.ndarray, str, os.PathLike)):
+            raise InputError(
+                f"{what}, frame {i} is a {type(f).__name__}; frames are PIL images, image paths or uint8 arrays"
+            )
         try:
             im = Image.fromarray(f) if isinstance(f, np.ndarray) else f
             opened.append(open_image(im))

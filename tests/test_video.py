@@ -258,6 +258,8 @@ def test_family_without_video_refuses_videos(family):
         (_video(4), {"num_frames": 2, "fps": 1.0}, "num_frames and fps both given"),
         (_video(4), {"fps": 1.0}, "needs the source's frame rate; pass video_fps="),
         ([Image.new("RGB", (28, 28)), Image.new("RGB", (30, 28))], {}, "frames of different sizes"),
+        ([_video(2)], {}, r"frame 0 is a uint8 array of shape \(2, 28, 28, 3\), not a uint8 \[H, W, 3\] frame"),
+        ([Image.new("RGB", (28, 28)), 3], {}, "frame 1 is a int; frames are PIL images"),
     ],
 )
 def test_bad_videos_are_refused_before_compute(video, kw, match):
@@ -349,3 +351,9 @@ def test_context_check_after_the_tower_names_the_video(monkeypatch):
     monkeypatch.setattr(mm.adapter.text_config, "max_position_embeddings", 60)
     with pytest.raises(InputError, match=r"32 vision tokens \(0 image\(s\), a video of 4 frames\) \+ 20 new tokens"):
         mm.generate(None, "Go.", videos=_video(4), max_new_tokens=20)
+
+
+def test_a_video_placeholder_in_the_prompt_text_is_refused():
+    mm = _mm("qwen2_vl")
+    with pytest.raises(InputError, match=r"prompt 0 contains the video placeholder '<\|video_pad\|>'"):
+        mm.prepare([_image()], ["What is <|video_pad|> here?"])
