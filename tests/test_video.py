@@ -357,3 +357,43 @@ def test_a_video_placeholder_in_the_prompt_text_is_refused():
     mm = _mm("qwen2_vl")
     with pytest.raises(InputError, match=r"prompt 0 contains the video placeholder '<\|video_pad\|>'"):
         mm.prepare([_image()], ["What is <|video_pad|> here?"])
+
+
+def test_divprune_on_a_onevision_video():
+    """DivPrune keeps a fraction of the video's pooled tokens (and newline) on OneVision; the kept
+    tokens keep their frame tags."""
+    mm = _mm("llava_onevision")
+    stage = {"method": "divprune", "params": {"ratio": 0.5}}
+    with Session(mm, load_recipe({"pruning": [stage]})) as s:
+        batch = mm.prepare(None, ["Go."], videos=[_video(4)])
+        pruned = s.build_inputs(batch, s.encode(batch))
+    kept = pruned.image_mask[0]
+    assert int(kept.sum()) == round(0.5 * (4 * 4 + 1))
+    assert bool((pruned.tags[VIDEO][0][kept] == 1).all())
+    assert set(pruned.tags[FRAME][0][kept].tolist()) <= {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
+def test_prompt_lookup_drafts_equal_greedy_on_a_video(family):
+    mm = _mm(family)
+    args = (None, ["Describe.", "What happens?"])
+    kw = dict(videos=[_video(2, 4), _video(4, 5)], max_new_tokens=10)
+    greedy = mm.generate(*args, **kw)
+    spec = mm.generate(*args, recipe={"speculative": {"method": "prompt_lookup"}}, **kw)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in greedy]
+
+
+def test_per_item_tower_calls_equal_one_call():
+    """A stage that needs the tower one item at a time (``tower_per_image``) gets the same tokens,
+    tags and positions for a video + image batch."""
+    mm = _mm("qwen2_5_vl")
+    got = []
+    for per_item in (False, True):
+        with Session(mm, load_recipe({})) as s:
+            s._tower_per_image = per_item
+            batch = mm.prepare([_image(), None], ["What?", "Go."], videos=[_video(2), _video(4)], video_fps=3.0)
+            got.append(s.build_inputs(batch, s.encode(batch)))
+    a, b = got
+    torch.testing.assert_close(a.embeds, b.embeds, atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.position_ids, b.position_ids) and a.tags.keys() == b.tags.keys()
+    assert all(torch.equal(a.tags[k], b.tags[k]) for k in (VIDEO, FRAME))

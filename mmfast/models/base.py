@@ -226,13 +226,12 @@ class VideoItems:
 
 
 def tag_video_tokens(vision: VisionBatch, items: list[VisionItem], tokens_per_frame: list[int]) -> None:
-    """Set the ``VIDEO`` / ``FRAME`` tags of a batch that has a video (no-op otherwise).
+    """Set the ``VIDEO`` / ``FRAME`` tags of the items of a batch that has a video (all zero at the
+    images; set on every part of such a batch, so per-image tower calls concatenate).
 
     A video token's frame is ``first_frame + patch_id // tokens_per_frame[i]``; a merged or synthetic
     token (patch id -1, e.g. OneVision's closing newline) takes the frame of the last real token
     before it."""
-    if not any(it.is_video for it in items):
-        return
     vids, frames = [], []
     for pid, it, per in zip(vision.patch_ids, items, tokens_per_frame):
         pid = pid.long()

@@ -117,7 +117,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     ) -> VisionBatch:
         """Images and videos (``items``; None = all images): videos through :meth:`encode_video`, the
         images through :meth:`_encode_images`, in item order."""
-        if not items or not any(it.is_video for it in items):
+        if not items:
             return self._encode_images(pixel_values, image_sizes)
         images = [i for i, it in enumerate(items) if not it.is_video]
         parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}

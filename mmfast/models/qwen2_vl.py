@@ -204,7 +204,7 @@ class Qwen2VLAdapter(VLMAdapter):
         if deep is not None:
             stacked = torch.stack(deep, dim=1)  # [sum N_i, n_levels, d]
             vision.tags[DEEPSTACK] = list(torch.split(stacked, n_tok))
-        if items and any(it.is_video for it in items):
+        if items:  # a batch with a video
             vision.extras["time_interval"] = [it.time_interval for it in items]
             tag_video_tokens(vision, items, [h * w for _, h, w in merged])
         return vision
