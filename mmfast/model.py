@@ -8,7 +8,6 @@ error that says what to do.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -23,12 +22,12 @@ from .checkpoint import ASSETS, DEFAULT_MODEL, EMBEDDED, _resolve  # noqa: F401 
 from .config import Recipe, load_recipe
 from .errors import InputError, ModelLoadError
 from .generation import decoding_config
-from .inputs import PreparedBatch, VideoClip, VisionItem, open_image  # noqa: F401 (re-exported)
+from .inputs import PreparedBatch, VideoClip, open_image  # noqa: F401 (re-exported)
 from .models import adapter_for
 from .models._video import VideoSettings, video_settings
-from .models.base import VideoItems, VLMAdapter
+from .models.base import VideoItems
 from .pipeline import GenerationResult, apply
-from .video import VideoSampling, open_video
+from .video import VideoSampling, open_video, with_videos
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +167,7 @@ class MMModel:
                 per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []), image_sizes
             )
         self._check_video_context(token_ids, vids)
-        return _with_videos(
+        return with_videos(
             PreparedBatch(per_sample, list(prompts), texts, token_ids, pixel_values, [], list(meta or []), image_sizes),
             clips,
             vids,
@@ -250,7 +249,9 @@ class MMModel:
                 that install hooks.
             compile: ``off`` | ``static`` | ``auto``, replacing the recipe's ``model.compile`` for this
                 call (the static KV cache and captured decode steps; docs/methods.md).
-            **generation_kwargs: ``max_new_tokens``, ``seed``, ``meta``, ``streamer``,
+            **generation_kwargs: ``videos`` (one video per prompt: frames, a uint8 array or a directory;
+                Qwen-VL families and LLaVA-OneVision) with ``num_frames`` / ``fps`` / ``video_fps``,
+                ``max_new_tokens``, ``seed``, ``meta``, ``streamer``,
                 ``generation_config`` and transformers' ``do_sample`` / ``temperature`` / ``top_k`` /
                 ``top_p`` / ``num_beams`` / ``length_penalty``; see :meth:`mmfast.pipeline.Session.generate`.
 
@@ -265,49 +266,6 @@ class MMModel:
             )
         with apply(self, recipe, compile=compile) as session:
             return session.generate(images, prompts, **generation_kwargs)
-
-
-def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Per-item pixel rows ([1, n_i, ...]) zero-padded on dim 1 to the longest and stacked: [n, max n_i, ...]."""
-    longest = max(r.shape[1] for r in rows)
-    out = rows[0].new_zeros(len(rows), longest, *rows[0].shape[2:])
-    for i, r in enumerate(rows):
-        out[i, : r.shape[1]] = r[0]
-    return out
-
-
-def _with_videos(
-    batch: PreparedBatch, clips: list[VideoClip | None], vids: list[VideoItems | None], adapter: VLMAdapter
-) -> PreparedBatch:
-    """``batch`` (images only) with the videos' items put in: every sample's items in its slot order."""
-    image_id, video_id = adapter.image_token_id, adapter.video_token_id
-    rows, sizes, items, owner = [], [], [], []
-    k = 0  # next image row
-    for b, ids in enumerate(batch.token_ids):
-        j = 0  # next item of the sample's video
-        for t in ids:
-            if t == image_id:
-                rows.append(batch.pixel_values[k : k + 1])
-                sizes.append(batch.image_sizes[k : k + 1])
-                items.append(VisionItem())
-                k += 1
-            elif t == video_id:
-                v = vids[b]
-                rows.append(v.pixels[j])
-                sizes.append(v.sizes[j].to(batch.image_sizes.dtype if batch.image_sizes is not None else torch.long))
-                items.append(v.items[j])
-                j += 1
-            else:
-                continue
-            owner.append(b)
-    return dataclasses.replace(
-        batch,
-        pixel_values=_pad_rows(rows),
-        image_sizes=torch.cat(sizes),
-        image_owner=owner,
-        items=items,
-        videos=list(clips),
-    )
 
 
 def load_model(cfg, *, device: str | None = None) -> MMModel:

@@ -17,22 +17,28 @@ Sampling follows transformers' video processors (``sample_frames``; they sample 
 ``video_fps`` is also what the models' time axis reads (Qwen2.5-VL's temporal position spacing,
 Qwen3-VL's frame timestamps); without it the processors assume 24 frames per second, as
 transformers does for frames without metadata.
+
+:func:`with_videos` puts the videos' vision items (``VLMAdapter.video_items``) into a prepared batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from PIL import Image
 
 from .errors import InputError
-from .inputs import VideoClip, open_image
+from .inputs import PreparedBatch, VideoClip, VisionItem, open_image
+
+if TYPE_CHECKING:
+    from .models.base import VideoItems, VLMAdapter
 
 #: file suffixes read as frames from a directory
 FRAME_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"})
@@ -175,3 +181,47 @@ def open_video(
             "a video's frames must share one size: resize them first"
         )
     return VideoClip(opened, keep, len(frames), None if sampling.video_fps is None else float(sampling.video_fps))
+
+
+def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-item pixel rows ([1, n_i, ...]) zero-padded on dim 1 to the longest and stacked: [n, max n_i, ...]."""
+    longest = max(r.shape[1] for r in rows)
+    out = rows[0].new_zeros(len(rows), longest, *rows[0].shape[2:])
+    for i, r in enumerate(rows):
+        out[i, : r.shape[1]] = r[0]
+    return out
+
+
+def with_videos(
+    batch: PreparedBatch, clips: list[VideoClip | None], vids: list[VideoItems | None], adapter: VLMAdapter
+) -> PreparedBatch:
+    """``batch`` (images only) with the videos' items (``vids[b]``, from ``VLMAdapter.video_items``) put
+    in: every sample's items in its slot order, pixel rows padded to one tensor."""
+    image_id, video_id = adapter.image_token_id, adapter.video_token_id
+    rows, sizes, items, owner = [], [], [], []
+    k = 0  # next image row
+    for b, ids in enumerate(batch.token_ids):
+        j = 0  # next item of the sample's video
+        for t in ids:
+            if t == image_id:
+                rows.append(batch.pixel_values[k : k + 1])
+                sizes.append(batch.image_sizes[k : k + 1])
+                items.append(VisionItem())
+                k += 1
+            elif t == video_id:
+                v = vids[b]
+                rows.append(v.pixels[j])
+                sizes.append(v.sizes[j].to(batch.image_sizes.dtype if batch.image_sizes is not None else torch.long))
+                items.append(v.items[j])
+                j += 1
+            else:
+                continue
+            owner.append(b)
+    return dataclasses.replace(
+        batch,
+        pixel_values=_pad_rows(rows),
+        image_sizes=torch.cat(sizes),
+        image_owner=owner,
+        items=items,
+        videos=list(clips),
+    )
