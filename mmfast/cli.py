@@ -29,6 +29,8 @@ from pathlib import Path
 
 import yaml
 
+from .errors import InputError
+
 logger = logging.getLogger("mmfast")
 
 
@@ -67,9 +69,15 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("validate", help="check a recipe and print the resolved config")
     recipe_args(s)
 
-    s = sub.add_parser("run", help="answer one prompt about one image")
+    s = sub.add_parser("run", help="answer one prompt about one image (or a video)")
     recipe_args(s)
-    s.add_argument("--image", required=True, action="append", help="image path (repeat for several images)")
+    s.add_argument("--image", action="append", default=[], help="image path (repeat for several images)")
+    s.add_argument(
+        "--video", default=None, help="a directory of frame images (sorted by name): Qwen-VL and OneVision families"
+    )
+    s.add_argument("--num-frames", type=_positive_int, default=None, help="sample this many frames of --video")
+    s.add_argument("--fps", type=float, default=None, help="sample this many frames per second of --video")
+    s.add_argument("--video-fps", type=float, default=None, help="frames per second of --video's frames")
     s.add_argument("--prompt", required=True)
     s.add_argument("--max-new-tokens", type=_positive_int, default=None)
     s.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -196,13 +204,22 @@ def _cmd_run(args) -> int:
     from .model import load_model
     from .pipeline import apply
 
+    if not args.image and args.video is None:
+        raise InputError("mmfast run needs --image (repeatable) or --video (a directory of frames)")
     recipe = _load(args)
     check_model_config(recipe)
     mm = load_model(recipe.model)
-    images = args.image if len(args.image) > 1 else args.image[0]
+    images = None if not args.image else args.image if len(args.image) > 1 else args.image[0]
+    video = {} if args.video is None else {"videos": args.video}
+    sampling = {"num_frames": args.num_frames, "fps": args.fps, "video_fps": args.video_fps}
     with apply(mm, recipe) as session:
         result = session.generate(
-            [images], [args.prompt], max_new_tokens=args.max_new_tokens, seed=recipe.decoding.seed or 0
+            [images] if images is not None else None,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            seed=recipe.decoding.seed or 0,
+            **video,
+            **{k: v for k, v in sampling.items() if v is not None},
         )[0]
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -28,7 +28,9 @@ changed inside 5.x:
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -577,3 +579,39 @@ def vision_attn_implementation(module) -> str:
     """The attention implementation a vision attention module runs now (read at every call: the
     probe switches it inside a session)."""
     return module.config._attn_implementation
+
+
+# --------------------------------------------------------------------------- Qwen-VL video
+# (section owned by mmfast/models/qwen2_vl.py and mmfast/models/_video.py: video M-RoPE positions and
+# frame sizes; transformers 5.17 to 5.24, tests/test_video.py ran on 5.17.0 and 5.24.0)
+
+
+@functools.cache
+def _qwen25_truncates_seconds() -> bool:
+    """Whether this transformers' ``Qwen2_5_VLModel.get_rope_index`` truncates ``second_per_grid_t``
+    to an int before scaling (5.17: ``tokens_per_second * int(second_per_grid_t)``; 5.24 scales by the
+    float and truncates the product). Read from the installed source, so any release in the range
+    gets its own rule."""
+    module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+    try:
+        source = inspect.getsource(module.Qwen2_5_VLModel.get_rope_index)
+    except (OSError, TypeError):  # no source shipped: the rule of the newest tested release (5.24)
+        logger.warning("Qwen2.5-VL video positions: transformers' source is not readable; using the 5.24 rule")
+        return False
+    return "int(next(second_per_grid_ts))" in source
+
+
+def qwen25_time_interval(tokens_per_second: float, second_per_grid_t: float) -> float:
+    """The temporal M-RoPE spacing of a Qwen2.5-VL video's frame groups: frame group ``i`` sits at
+    ``int(i * interval)`` after the video's start, as this transformers' ``get_rope_index`` numbers it
+    (5.17..5.24; see :func:`_qwen25_truncates_seconds`)."""
+    if _qwen25_truncates_seconds():
+        return float(tokens_per_second * int(second_per_grid_t))
+    return float(tokens_per_second * second_per_grid_t)
+
+
+def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen-VL ``smart_resize`` (the PIL image processor's module, the same rule as the
+    video processor's; 5.17..5.24)."""
+    module = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    return module.smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .errors import InputError
 from .models.base import LMInputs, VisionBatch, build_lm_inputs
 
 if TYPE_CHECKING:
@@ -113,8 +114,9 @@ class MethodContext:
         grids = vision.extras.get("grid_thw")  # per image (t, h, w): M-RoPE families
         per_grid: list[list] | None = None if grids is None else [[] for _ in range(batch.batch_size)]
         if per_grid is not None:
+            intervals = vision.extras.get("time_interval")  # per item: a video's temporal M-RoPE spacing
             for img, owner in enumerate(batch.image_owner):
-                per_grid[owner].append(grids[img])
+                per_grid[owner].append(grids[img] if intervals is None else (*grids[img], intervals[img]))
         return build_lm_inputs(
             self.adapter, token_ids or batch.token_ids, per_sample, per_ids, self.special.pad, per_tags, per_grid
         )
@@ -143,6 +145,10 @@ class MethodContext:
 
     def reprompt(self, batch: PreparedBatch, prompts: list[str]) -> PreparedBatch:
         """``batch`` with other prompts about the same images (pixels reused, no re-encoding needed)."""
+        if batch.has_video:
+            raise InputError(
+                "this method re-prompts the batch, which mmfast does for images only; run it without videos"
+            )
         texts = [self.chat_text(p, len(ims)) for p, ims in zip(prompts, batch.images)]
         ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
         return dataclasses.replace(batch, prompts=list(prompts), texts=texts, token_ids=ids)

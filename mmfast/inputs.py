@@ -1,5 +1,5 @@
-"""A batch's inputs after the chat template and the image processor (:class:`PreparedBatch`), and
-:func:`open_image`.
+"""A batch's inputs after the chat template and the image processor (:class:`PreparedBatch`), the
+video types (:class:`VideoClip`, :class:`VisionItem`), and :func:`open_image`.
 
 Shared by the model (which builds batches), the session, and the pruners and decoders (which read
 them); it imports no method package and nothing above :mod:`mmfast.errors`, so any module may import
@@ -22,8 +22,45 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class VideoClip:
+    """One video's sampled frames (``mmfast.video.open_video``)."""
+
+    frames: list[Image.Image]  # the sampled frames, RGB, all of one size
+    indices: list[int]  # each sampled frame's index in the source frames
+    total_frames: int  # frames of the source before sampling
+    fps: float | None = None  # the source's frames per second (None: unknown; the processors then assume 24)
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames per second of the sampled frames, as transformers' ``VideoMetadata.sampled_fps``."""
+        if self.fps is None:
+            return 24.0
+        return len(self.indices) / self.total_frames * self.fps
+
+
+@dataclass(frozen=True)
+class VisionItem:
+    """What one row of ``PreparedBatch.pixel_values`` is: an image, or (part of) a video."""
+
+    video: int = -1  # which video of its sample (0, 1, ...); -1: an image
+    first_frame: int = 0  # temporal index (merged frame group) of the item's first frame within its video
+    time_interval: float = 1.0  # M-RoPE temporal spacing of the item's frame groups (Qwen2.5-VL)
+    n_frames: int = 0  # frames in the item's pixel row, for families that stack frames (OneVision)
+
+    @property
+    def is_video(self) -> bool:
+        return self.video >= 0
+
+
+@dataclass
 class PreparedBatch:
-    """Prompts and images of one batch after the chat template and the image processor."""
+    """Prompts, images and videos of one batch after the chat template and the image / video processing.
+
+    A *vision item* is one row of ``pixel_values``: an image, a video (Qwen2-VL, Qwen2.5-VL, OneVision)
+    or one frame group of a video (Qwen3-VL, whose prompt gives every frame group its own timestamped
+    span). ``image_owner`` gives each item's sample and ``items`` says what it is (empty when the batch
+    has no video: every item is an image). Items are in prompt order within each sample.
+    """
 
     images: list[list[Image.Image]]  # per sample
     prompts: list[str]
@@ -32,14 +69,26 @@ class PreparedBatch:
     pixel_values: (
         torch.Tensor
     )  # [n_images, 3, H, W] ([n_images, n_tiles, 3, H, W] anyres; [n_images, max P, D] Qwen-VL)
-    image_owner: list[int]  # sample index of each image
+    image_owner: list[int]  # sample index of each vision item (image or video part)
     meta: list[dict[str, Any]] = field(default_factory=list)  # per-sample info from the caller
     image_sizes: torch.Tensor | None = None  # [n_images, 2] original (H, W), anyres; [n_images, 3] grid_thw, Qwen-VL
+    videos: list[VideoClip | None] = field(default_factory=list)  # per sample (empty: no video in the batch)
+    items: list[VisionItem] = field(default_factory=list)  # per vision item (empty: all images)
+
+    def item(self, i: int) -> VisionItem:
+        """What vision item ``i`` is (an image when the batch has no video)."""
+        return self.items[i] if self.items else _IMAGE
+
+    @property
+    def has_video(self) -> bool:
+        return any(it.is_video for it in self.items)
 
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
 
+
+_IMAGE = VisionItem()
 
 MAX_ASPECT_RATIO = 200
 """Longest over shortest side an image may have: image processors resize the shortest side to the

@@ -22,9 +22,12 @@ from .checkpoint import ASSETS, DEFAULT_MODEL, EMBEDDED, _resolve  # noqa: F401 
 from .config import Recipe, load_recipe
 from .errors import InputError, ModelLoadError
 from .generation import decoding_config
-from .inputs import PreparedBatch, open_image  # noqa: F401 (re-exported)
+from .inputs import PreparedBatch, VideoClip, open_image  # noqa: F401 (re-exported)
 from .models import adapter_for
+from .models._video import VideoSettings, video_settings
+from .models.base import VideoItems
 from .pipeline import GenerationResult, apply
+from .video import VideoSampling, open_video, with_videos
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class MMModel:
         self.image_processor = processor.image_processor
         self.adapter = adapter_for(model)
         self.name = name
+        self._video_settings: VideoSettings | None = None
         gen = model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_token_ids: list[int] = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
@@ -69,27 +73,44 @@ class MMModel:
         return self.adapter.lm_head.weight.dtype
 
     # -- inputs --------------------------------------------------------------------------------
-    def chat_text(self, prompt: str, n_images: int = 1) -> str:
-        """The chat-templated text for one user turn with ``n_images`` images first."""
-        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
-        conv = [{"role": "user", "content": content}]
+    def chat_text(self, prompt: str, n_images: int = 1, n_videos: int = 0) -> str:
+        """The chat-templated text for one user turn with ``n_videos`` videos and ``n_images`` images first."""
+        content = [{"type": "video"} for _ in range(n_videos)] + [{"type": "image"} for _ in range(n_images)]
+        conv = [{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]
         return self.processor.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+
+    @property
+    def video_settings(self) -> VideoSettings:
+        """How this checkpoint's video processor treats frames (:func:`mmfast.models._video.video_settings`)."""
+        if self._video_settings is None:
+            self._video_settings = video_settings(self.processor, self.name)
+            logger.info("video frames: settings from the %s", self._video_settings.source)
+        return self._video_settings
 
     def prepare(
         self,
-        images: Sequence[Any],
+        images: Sequence[Any] | Any,
         prompts: Sequence[str] | str,
         *,
         texts: Sequence[str] | None = None,
         meta: Sequence[dict] | None = None,
+        videos: Sequence[Any] | Any = None,
+        num_frames: int | None = None,
+        fps: float | None = None,
+        video_fps: float | None = None,
     ) -> PreparedBatch:
-        """Open images, apply the chat template, tokenise, and run the image processor.
+        """Open images (and videos), apply the chat template, tokenise, and run the image processor.
 
-        ``images[b]`` is one image or a list of images (several frames) for prompt ``b``.
-        ``texts`` bypasses the chat template (already templated strings with image tokens).
+        ``images[b]`` is one image or a list of images (several frames) for prompt ``b`` (None: no
+        image). ``videos[b]`` is prompt ``b``'s video or None (see :meth:`Session.generate
+        <mmfast.pipeline.Session.generate>`); ``num_frames`` / ``fps`` / ``video_fps`` sample it.
+        ``texts`` bypasses the chat template (already templated strings with image tokens; images only).
         """
-        if isinstance(prompts, str):
+        single = isinstance(prompts, str)
+        if single:
             prompts = [prompts]
+        if images is None:
+            images = [None] * len(prompts)
         if not isinstance(images, (list, tuple)):
             images = [images]
         if len(images) != len(prompts):
@@ -98,12 +119,28 @@ class MMModel:
             )
         for b, prompt in enumerate(prompts):
             _check_prompt_text(prompt, b)
-        per_sample = [[open_image(im) for im in (x if isinstance(x, (list, tuple)) else [x])] for x in images]
-        texts = (
-            list(texts) if texts is not None else [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
-        )
+        per_sample = [
+            [open_image(im) for im in (x if isinstance(x, (list, tuple)) else [x])] if x is not None else []
+            for x in images
+        ]
+        clips = self._open_videos(videos, len(prompts), single, VideoSampling(num_frames, fps, video_fps))
+        if clips is not None and texts is not None:
+            raise InputError("texts= (pre-templated prompts) is for images only; pass videos with plain prompts")
+        if clips is None and any(not ims for ims in per_sample):
+            b = next(b for b, ims in enumerate(per_sample) if not ims)
+            raise InputError(f"prompt {b} has no image; pass an image (or a video, videos=) per prompt")
+        vids = [None if c is None else self.adapter.video_items(c, 0, self.video_settings) for c in clips or []]
+        if texts is not None:
+            texts = list(texts)
+        elif clips is None:
+            texts = [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
+        else:
+            texts = [
+                self._video_text(b, p, len(ims), v) for b, (p, ims, v) in enumerate(zip(prompts, per_sample, vids))
+            ]
         token_ids = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
         image_id = self.adapter.image_token_id
+        video_id = self.adapter.video_token_id if self.adapter.supports_video else None
         for b, (ids, ims) in enumerate(zip(token_ids, per_sample)):
             n_slots = sum(1 for t in ids if t == image_id)
             if n_slots != len(ims):
@@ -113,13 +150,80 @@ class MMModel:
                     f"must not contain {token!r} (images are passed separately and placed by the chat template); "
                     "remove it from the prompt"
                 )
+            n_video = 0 if clips is None or vids[b] is None else len(vids[b].items)
+            if video_id is not None and sum(1 for t in ids if t == video_id) != n_video:
+                token = self.tokenizer.convert_ids_to_tokens(video_id)
+                raise InputError(
+                    f"prompt {b} contains the video placeholder {token!r}; remove it (videos are passed with videos=)"
+                )
         flat = [im for ims in per_sample for im in ims]
-        owner = [b for b, ims in enumerate(per_sample) for _ in ims]
-        processed = self.image_processor(images=flat, return_tensors="pt")
-        pixel_values, image_sizes = self.adapter.pack_pixels(processed)
-        return PreparedBatch(
-            per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []), image_sizes
+        pixel_values, image_sizes = (None, None)
+        if flat:
+            processed = self.image_processor(images=flat, return_tensors="pt")
+            pixel_values, image_sizes = self.adapter.pack_pixels(processed)
+        if clips is None:
+            owner = [b for b, ims in enumerate(per_sample) for _ in ims]
+            return PreparedBatch(
+                per_sample, list(prompts), texts, token_ids, pixel_values, owner, list(meta or []), image_sizes
+            )
+        self._check_video_context(token_ids, vids)
+        return with_videos(
+            PreparedBatch(per_sample, list(prompts), texts, token_ids, pixel_values, [], list(meta or []), image_sizes),
+            clips,
+            vids,
+            self.adapter,
         )
+
+    def _video_text(self, b: int, prompt: str, n_images: int, video: VideoItems | None) -> str:
+        """Sample ``b``'s templated text, its video placeholder replaced by the family's video text."""
+        text = self.chat_text(prompt, n_images, 0 if video is None else 1)
+        if video is None:
+            return text
+        placeholder = self.adapter.video_token
+        if text.count(placeholder) != 1:
+            raise InputError(
+                f"the chat template of {self.name} renders no {placeholder!r} for a video (prompt {b}); use the "
+                "checkpoint's own processor, whose template has video content"
+            )
+        return text.replace(placeholder, video.text)
+
+    def _open_videos(
+        self, videos: Any, n_prompts: int, single: bool, sampling: VideoSampling
+    ) -> list[VideoClip | None] | None:
+        """Per-sample clips, or None without videos; refuses video on a family without it."""
+        if videos is None:
+            if any(v is not None for v in (sampling.num_frames, sampling.fps, sampling.video_fps)):
+                raise InputError("num_frames / fps / video_fps sample videos; pass videos= too (or drop them)")
+            return None
+        adapter = self.adapter
+        if not adapter.supports_video:
+            raise InputError(
+                f"{self.name} is a {adapter.family} model, which has no video input; {adapter.video_alternative}"
+            )
+        per = [videos] if single else videos
+        if not isinstance(per, (list, tuple)) or len(per) != n_prompts:
+            raise InputError(
+                f"videos= needs one video (or None) per prompt: {n_prompts} prompt(s), got "
+                f"{len(per) if isinstance(per, (list, tuple)) else type(per).__name__}"
+            )
+        rule = adapter.frame_rule(self.video_settings)
+        return [None if v is None else open_video(v, sampling, rule, f"video {b}") for b, v in enumerate(per)]
+
+    def _check_video_context(self, token_ids: list[list[int]], vids: list[VideoItems | None]) -> None:
+        """Refuse a video whose tokens (the processor's count) with the prompt exceed the LLM's context."""
+        limit = getattr(self.adapter.text_config, "max_position_embeddings", None)
+        if not limit:
+            return
+        for b, (ids, v) in enumerate(zip(token_ids, vids)):
+            if v is None:
+                continue
+            total = len(ids) - len(v.items) + v.tokens
+            if total > limit:
+                raise InputError(
+                    f"video {b}: {v.n_frames} frames make {v.tokens} vision tokens; with the prompt that is "
+                    f"{total} tokens, over the context of {self.name} ({limit}); sample fewer frames (num_frames=) "
+                    "or pass smaller frames"
+                )
 
     # -- generation ----------------------------------------------------------------------------
     def generate(
@@ -145,7 +249,9 @@ class MMModel:
                 that install hooks.
             compile: ``off`` | ``static`` | ``auto``, replacing the recipe's ``model.compile`` for this
                 call (the static KV cache and captured decode steps; docs/methods.md).
-            **generation_kwargs: ``max_new_tokens``, ``seed``, ``meta``, ``streamer``,
+            **generation_kwargs: ``videos`` (one video per prompt: frames, a uint8 array or a directory;
+                Qwen-VL families and LLaVA-OneVision) with ``num_frames`` / ``fps`` / ``video_fps``,
+                ``max_new_tokens``, ``seed``, ``meta``, ``streamer``,
                 ``generation_config`` and transformers' ``do_sample`` / ``temperature`` / ``top_k`` /
                 ``top_p`` / ``num_beams`` / ``length_penalty``; see :meth:`mmfast.pipeline.Session.generate`.
 
@@ -388,7 +494,12 @@ def _load_processor(path: str, kwargs: dict[str, Any], model_type: str | None = 
     cls = PROCESSOR_CLASSES[model_type]() if model_type in PROCESSOR_CLASSES else AutoProcessor
     try:
         return cls.from_pretrained(path, **kw)
-    except (AttributeError, ImportError, TypeError) as exc:  # Qwen-VL processors' video half needs torchvision
+    except (AttributeError, ImportError, TypeError, ValueError) as exc:
+        # Qwen-VL processors' video half needs torchvision; a checkpoint with a
+        # video_preprocessor_config.json (the hub's Qwen-VL ones) raises a ValueError "requires
+        # `torchvision`"; other ValueErrors are a broken processor
+        if isinstance(exc, ValueError) and "torchvision" not in str(exc):
+            raise ModelLoadError(_processor_problem(path, exc)) from None
         from .models.qwen_processor import load_qwen_processor
 
         logger.info("AutoProcessor unavailable for %s (%s); using its tokenizer and image processor", path, exc)
@@ -396,12 +507,16 @@ def _load_processor(path: str, kwargs: dict[str, Any], model_type: str | None = 
             return load_qwen_processor(path, **kw)
         except (OSError, ValueError) as exc2:
             raise ModelLoadError(f"cannot load the processor of {path!r}: {exc2}") from None
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(
-            f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "
-            "the directory needs the files save_pretrained writes for the processor (tokenizer.json, "
-            "tokenizer_config.json, processor_config.json or preprocessor_config.json)"
-        ) from None
+    except OSError as exc:
+        raise ModelLoadError(_processor_problem(path, exc)) from None
+
+
+def _processor_problem(path: str, exc: Exception) -> str:
+    return (
+        f"cannot load the processor (tokenizer, image processor) of {path!r}: {' '.join(str(exc).split())[:300]}; "
+        "the directory needs the files save_pretrained writes for the processor (tokenizer.json, "
+        "tokenizer_config.json, processor_config.json or preprocessor_config.json)"
+    )
 
 
 def _check_processor(processor: Any) -> None:

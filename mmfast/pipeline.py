@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .capabilities import caps_of, check_model, check_recipe, static_cache_blocker
+from .capabilities import Capabilities, caps_of, check_model, check_recipe, static_cache_blocker
 from .config import Recipe, from_dict, load_recipe, to_dict
 from .context import MethodContext
 from .decoding.base import DecodeOutput, Decoder, DecodeRequest, now
@@ -30,7 +30,7 @@ from .decoding.loop import Streamer, streaming
 from .errors import ConfigError, IncompatibleRecipeError, InputError
 from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .hooks import AttentionProbe, HookSession
-from .inputs import PreparedBatch
+from .inputs import PreparedBatch, VisionItem
 from .models.base import LMInputs, VisionBatch
 from .models.qwen_tower import install_fused_tower
 from .pruning._budget import budget_tokens, calibrate_once, calibration_key
@@ -195,16 +195,21 @@ class Session:
         """Vision tower + feature-stage pruners (pre-projection). The tower's untouched output is kept
         in ``vision.raw`` (DAMRO's outlier branch reads it)."""
         self.probe.clear()
+        items = batch.items or None
         if self._tower_per_image and batch.pixel_values.shape[0] > 1:
             sizes = batch.image_sizes
             vision = VisionBatch.concat(
                 [
-                    self._tower(batch.pixel_values[i : i + 1], None if sizes is None else sizes[i : i + 1])
+                    self._tower(
+                        batch.pixel_values[i : i + 1],
+                        None if sizes is None else sizes[i : i + 1],
+                        None if items is None else items[i : i + 1],
+                    )
                     for i in range(batch.pixel_values.shape[0])
                 ]
             )
         else:
-            vision = self._tower(batch.pixel_values, batch.image_sizes)
+            vision = self._tower(batch.pixel_values, batch.image_sizes, items)
         raw = dataclasses.replace(
             vision, features=list(vision.features), patch_ids=list(vision.patch_ids), tags={}, stats={}
         )
@@ -215,8 +220,13 @@ class Session:
         vision.raw = raw
         return vision
 
-    def _tower(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None) -> VisionBatch:
-        vision = self.adapter.encode_images(pixel_values, image_sizes=image_sizes)
+    def _tower(
+        self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None, items: list[VisionItem] | None = None
+    ) -> VisionBatch:
+        if items:  # a batch with a video: the adapter's video path
+            vision = self.adapter.encode_images(pixel_values, image_sizes=image_sizes, items=items)
+        else:
+            vision = self.adapter.encode_images(pixel_values, image_sizes=image_sizes)
         for method in (*self.pruners, self._decoder or self.decoder):
             method.observe_tower(vision)
         return vision
@@ -258,13 +268,14 @@ class Session:
             total = text + vision + max_new
             if total > limit:
                 problems.append(
-                    f"sample {b}: {text} text + {vision} vision tokens ({n_images} image(s)) + {max_new} new tokens = "
+                    f"sample {b}: {text} text + {vision} vision tokens ({_what(batch, b)}) + {max_new} new tokens = "
                     f"{total}, {total - limit} over"
                 )
         if problems:
             raise InputError(
                 f"input longer than the context of {self.mm.name} ({limit} tokens): {'; '.join(problems)}; "
-                "shorten the prompt, pass fewer images, lower max_new_tokens, or prune vision tokens"
+                "shorten the prompt, pass fewer images (or frames: num_frames=), lower max_new_tokens, or prune "
+                "vision tokens"
             )
 
     # -- generation ------------------------------------------------------------------------------
@@ -279,12 +290,17 @@ class Session:
         decoding: str | dict[str, Any] | None = None,
         generation_config: Any = None,
         streamer: Streamer | None = None,
+        videos: Sequence[Any] | Any = None,
+        num_frames: int | None = None,
+        fps: float | None = None,
+        video_fps: float | None = None,
         **generation_kwargs: Any,
     ) -> list[GenerationResult]:
-        """Answer ``prompts`` about ``images`` with the recipe's methods.
+        """Answer ``prompts`` about ``images`` (and ``videos``) with the recipe's methods.
 
         Args:
-            images: one image (PIL image or path) per prompt, or a list of images per prompt.
+            images: one image (PIL image or path) per prompt, or a list of images per prompt (None:
+                no image, with ``videos``).
             prompts: one string or a list (one per sample); the chat template is applied.
             max_new_tokens: tokens to generate (default: the recipe's ``decoding.max_new_tokens``).
             seed: sampling seed (default: the recipe's ``decoding.seed``); the same seed gives the same
@@ -299,6 +315,12 @@ class Session:
             streamer: an object with ``put`` / ``end`` (e.g. ``transformers.TextStreamer(tokenizer,
                 skip_prompt=True)``): gets the prompt ids ``[B, L]`` first, then each step's tokens ``[B]``,
                 then ``end()``, as in transformers. Not with beam searches or a drafter.
+            videos: one video per prompt (None for none): a list of frames (PIL images or paths), a uint8
+                array [T, H, W, 3] or a directory of frames; with a single prompt string, that prompt's
+                video. Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision only (:mod:`mmfast.video`).
+            num_frames, fps: sample that many frames, or that many per second of ``video_fps``, as
+                transformers' video processors do (default: every frame).
+            video_fps: frames per second of the given frames (the processors assume 24 without it).
             **generation_kwargs: transformers' ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
                 ``num_beams``, ``length_penalty``: they choose greedy, sample or beam with transformers'
                 semantics (:mod:`mmfast.generation`); refused when the recipe's decoder has its own token
@@ -313,7 +335,9 @@ class Session:
         decoder = self.decoder_for(decoding, args.decoding)
         if max_new_tokens is None:
             max_new_tokens = args.max_new_tokens
-        batch = self.mm.prepare(images, prompts, meta=meta)
+        batch = self.mm.prepare(
+            images, prompts, meta=meta, videos=videos, num_frames=num_frames, fps=fps, video_fps=video_fps
+        )
         if seed is None and self.recipe.decoding.seed is None:  # follow torch's global RNG (torch.manual_seed)
             seed = int(torch.randint(0, 2**62, (1,)).item())
         return self.run(batch, max_new_tokens=max_new_tokens, seed=seed, decoder=decoder, streamer=streamer)
@@ -381,6 +405,13 @@ class Session:
             seed = self.recipe.decoding.seed or 0
         device = self.mm.device
         self.scoring_s = self.runner.scoring_s = self.probe.time_s = self.runner.capture_s = 0.0
+        if batch.has_video:
+            for where, caps in self._method_caps(decoder):
+                if caps.images_only:
+                    raise IncompatibleRecipeError(
+                        f"{where} takes images only ({caps.images_only}); pass the video without it, or its frames "
+                        "as images"
+                    )
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         self._decoder = decoder  # observes the tower (DAMRO) for this batch
@@ -454,12 +485,8 @@ class Session:
         """The step-graph factory of ``model.compile: auto`` on CUDA (None: eager static steps)."""
         return CudaGraph if self._captures() else None
 
-    def _static_reserve(self, req: DecodeRequest, decoder: Decoder) -> int | None:
-        """Free slots per layer of a static KV cache for this call (``model.compile``), or None for the
-        dynamic cache; a method that needs the dynamic step makes it fall back, logged once per reason."""
-        mode = self.recipe.model.compile
-        if mode == "off" or (mode == "auto" and not self._captures()):
-            return None
+    def _method_caps(self, decoder: Decoder) -> list[tuple[str, Capabilities]]:
+        """(where, capabilities) of the recipe's stages, ``decoder`` and the drafter."""
         methods = [
             (f"pruning[{i}] ({st.method})", caps_of(type(p), p.config))
             for i, (st, p) in enumerate(zip(self.recipe.pruning, self.pruners))
@@ -467,7 +494,15 @@ class Session:
         methods.append((f"decoding ({decoder.name})", caps_of(type(decoder), decoder.config)))
         if self.drafter is not None:
             methods.append((f"speculative ({self.drafter.name})", caps_of(type(self.drafter), self.drafter.config)))
-        reason = static_cache_blocker(methods)
+        return methods
+
+    def _static_reserve(self, req: DecodeRequest, decoder: Decoder) -> int | None:
+        """Free slots per layer of a static KV cache for this call (``model.compile``), or None for the
+        dynamic cache; a method that needs the dynamic step makes it fall back, logged once per reason."""
+        mode = self.recipe.model.compile
+        if mode == "off" or (mode == "auto" and not self._captures()):
+            return None
+        reason = static_cache_blocker(self._method_caps(decoder))
         if reason is None and mode == "auto":  # eager static steps gain nothing over the dynamic cache
             blocker = self.runner.capture_blocker()
             reason = None if blocker is None else f"no captured graph: {blocker}"
@@ -552,3 +587,10 @@ def apply(
     elif not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     return Session(mm, recipe, calibration=calibration, compile=compile)
+
+
+def _what(batch: PreparedBatch, b: int) -> str:
+    """``"2 image(s)"``, or ``"1 image(s), a video of 8 frames"`` for a sample with a video."""
+    clip = batch.videos[b] if b < len(batch.videos) else None
+    n = len(batch.images[b])
+    return f"{n} image(s)" if clip is None else f"{n} image(s), a video of {len(clip.frames)} frames"

@@ -46,7 +46,7 @@ class DecodeRequest:
 def sample_seed(seed: int, batch: PreparedBatch, b: int) -> int:
     """A 63-bit seed for sample ``b`` of ``batch`` from the run's ``seed`` and the sample's identity:
     its ``doc_id`` (``batch.meta[b]["doc_id"]``) when the caller gave one, else its prompt and the
-    bytes of its images. Never depends on the sample's position in the batch."""
+    bytes of its images and video frames. Never depends on the sample's position in the batch."""
     meta = batch.meta[b] if b < len(batch.meta) else {}
     doc_id = meta.get("doc_id") if isinstance(meta, dict) else None
     h = hashlib.sha256(f"mmfast-sample\0{seed}\0".encode())
@@ -54,7 +54,8 @@ def sample_seed(seed: int, batch: PreparedBatch, b: int) -> int:
         h.update(f"doc\0{doc_id}".encode())
     else:
         h.update(f"prompt\0{batch.prompts[b]}\0".encode())
-        for im in batch.images[b]:
+        clip = batch.videos[b] if b < len(batch.videos) else None
+        for im in [*batch.images[b], *(clip.frames if clip is not None else [])]:
             h.update(f"{im.mode}\0{im.size[0]}x{im.size[1]}\0".encode())
             h.update(im.tobytes())
     return int.from_bytes(h.digest()[:8], "big") >> 1

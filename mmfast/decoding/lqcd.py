@@ -50,7 +50,9 @@ def leading_query(question: str, rng, yes_no: tuple[str, ...], open_ended: tuple
 class LQCD(MultiBranchDecoder):
     """Leading Query Contrastive Decoding."""
 
-    caps = Capabilities(families=ALL_FAMILIES, search="branches")
+    caps = Capabilities(
+        families=ALL_FAMILIES, search="branches", images_only="its branch re-prompts the images with a leading query"
+    )
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

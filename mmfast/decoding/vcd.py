@@ -40,9 +40,16 @@ def noised_branch(ctx: MethodContext, req, step: int, seed: int, name: str = "no
     """The batch with every image noised; each image's noise depends only on (seed, image, prompt),
     never on the sampling RNG or on the batch it is in."""
     noised = []
-    for i, owner in enumerate(req.batch.image_owner):
-        image = req.batch.images[owner][i - req.batch.image_owner.index(owner)]
-        rng = query_rng(seed, req.batch.prompts[owner], image)
+    batch = req.batch
+    for i, owner in enumerate(batch.image_owner):
+        item = batch.item(i)
+        if item.is_video:  # the item's first frame names it (a video's items are its frame groups)
+            frames = batch.videos[owner].frames
+            image = frames[min(item.first_frame, len(frames) - 1)]
+        else:
+            k = sum(1 for j in range(i) if batch.image_owner[j] == owner and not batch.item(j).is_video)
+            image = batch.images[owner][k]
+        rng = query_rng(seed, batch.prompts[owner], image)
         gen = torch.Generator(device="cpu").manual_seed(rng.getrandbits(63))
         row = req.batch.pixel_values[i : i + 1].clone()
         sizes = None if req.batch.image_sizes is None else req.batch.image_sizes[i : i + 1]

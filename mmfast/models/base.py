@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..inputs import VideoClip, VisionItem
+from ..video import FrameRule
+
 
 @dataclass
 class VisionBatch:
@@ -202,7 +205,48 @@ class LMInputs:
 
 
 GENERATED = "generated"  # LMInputs tag: tokens appended by decoding (bool)
+#: VisionBatch / LMInputs tags of batches with a video (absent otherwise): ``VIDEO`` is 1 + the video's
+#: number in its sample at a video's tokens (0 at images and text); ``FRAME`` is the token's temporal
+#: index (merged frame group) within its video (0 at images and text)
+VIDEO = "video"
+FRAME = "frame"
 _LMINPUT_FIELDS = ("embeds", "input_ids", "attention_mask", "position_ids", "image_mask", "patch_ids", "image_index")
+
+
+@dataclass
+class VideoItems:
+    """A video as vision items (``VLMAdapter.video_items``)."""
+
+    pixels: list[torch.Tensor]  # per item [1, ...] (the family's pixel row layout)
+    sizes: list[torch.Tensor]  # per item [1, k] (the family's ``image_sizes`` row)
+    items: list[VisionItem]
+    text: str  # replaces the video placeholder in the templated prompt
+    n_frames: int  # frames the video was given with (after sampling)
+    tokens: int  # vision tokens the video makes (the processor's count)
+
+
+def tag_video_tokens(vision: VisionBatch, items: list[VisionItem], tokens_per_frame: list[int]) -> None:
+    """Set the ``VIDEO`` / ``FRAME`` tags of the items of a batch that has a video (all zero at the
+    images; set on every part of such a batch, so per-image tower calls concatenate).
+
+    A video token's frame is ``first_frame + patch_id // tokens_per_frame[i]``; a merged or synthetic
+    token (patch id -1, e.g. OneVision's closing newline) takes the frame of the last real token
+    before it."""
+    vids, frames = [], []
+    for pid, it, per in zip(vision.patch_ids, items, tokens_per_frame):
+        pid = pid.long()
+        if not it.is_video:
+            vids.append(torch.zeros_like(pid))
+            frames.append(torch.zeros_like(pid))
+            continue
+        real = pid >= 0
+        idx = torch.where(real, torch.arange(pid.shape[0], device=pid.device), torch.full_like(pid, -1))
+        last = idx.cummax(0).values.clamp(min=0)  # [N] last real token at or before each token
+        frame = torch.where(real, pid, pid[last].clamp(min=0)) // max(per, 1)
+        vids.append(torch.full_like(pid, it.video + 1))
+        frames.append(frame + it.first_frame)
+    vision.tags[VIDEO] = vids
+    vision.tags[FRAME] = frames
 
 
 class VLMAdapter:
@@ -213,6 +257,27 @@ class VLMAdapter:
     model: nn.Module
     #: RoPE axes per token: 1, or 3 for multimodal RoPE (temporal, height, width; Qwen-VL)
     rope_axes: int = 1
+    #: takes ``videos=`` (the family's video path: ``video_items`` / ``encode_images(items=)``)
+    supports_video: bool = False
+    #: what a family without video says to use instead (the refusal quotes it)
+    video_alternative: str = (
+        "pass the frames as images (a list of images per prompt; no time axis), or use a Qwen2-VL, Qwen2.5-VL, "
+        "Qwen3-VL or LLaVA-OneVision checkpoint"
+    )
+
+    @property
+    def vision_slot_ids(self) -> frozenset[int]:
+        """Token ids that stand for one vision item in ``PreparedBatch.token_ids`` (image, and video)."""
+        return frozenset({self.image_token_id})
+
+    def frame_rule(self, settings: Any) -> FrameRule:
+        """How the family's video processor rounds a sampled frame count."""
+        return FrameRule()
+
+    def video_items(self, clip: VideoClip, video: int, settings: Any) -> VideoItems:
+        """One video's vision items: pixel rows, size rows, :class:`VisionItem` s and the text that
+        replaces the chat template's video placeholder (one slot token per item)."""
+        raise NotImplementedError(f"{self.family} has no video path")
 
     def lm_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """mmfast positions ([B, L] or [B, L, 3]) -> the ``position_ids`` the HF language model takes."""
@@ -265,7 +330,14 @@ class VLMAdapter:
         ...
 
     # -- compute ---------------------------------------------------------------------------------
-    def encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch: ...
+    def encode_images(
+        self,
+        pixel_values: torch.Tensor,
+        image_sizes: torch.Tensor | None = None,
+        items: list[VisionItem] | None = None,
+    ) -> VisionBatch:
+        """The tower on a batch of vision items (``items``: what each row is; None = all images)."""
+        ...
 
     def project(self, vision: VisionBatch) -> list[torch.Tensor]: ...
 
@@ -283,22 +355,23 @@ def build_lm_inputs(
 ) -> LMInputs:
     """Splice projected image tokens into tokenised prompts and left-pad the batch.
 
-    ``token_ids[b]`` holds one ``image_token_id`` per image of sample ``b``; each is replaced by the
-    ``image_tokens[b][j]`` rows ([N_j, d]) of that image, so pruned images of any length fit, and the
+    ``token_ids[b]`` holds one slot token (``adapter.vision_slot_ids``: the image token, or the video
+    token of a video item) per vision item of sample ``b``; each is replaced by the
+    ``image_tokens[b][j]`` rows ([N_j, d]) of that item (``input_ids`` keep the slot's token there), so pruned images of any length fit, and the
     placeholder run always equals the feature count. ``image_tags[name][b][j]`` ([N_j]) are spliced
-    into ``LMInputs.tags[name]`` at the same slots (0 elsewhere). ``image_grids[b][j]`` is image j's
-    merged-token grid (t, h, w) for M-RoPE families (``adapter.rope_axes == 3``), whose [B, L, 3]
+    into ``LMInputs.tags[name]`` at the same slots (0 elsewhere). ``image_grids[b][j]`` is item j's
+    merged-token grid (t, h, w), or (t, h, w, time_interval) for a video, for M-RoPE families (``adapter.rope_axes == 3``), whose [B, L, 3]
     positions ``adapter.mrope_positions`` derives from the pieces (text runs and images' patch ids).
     """
     image_tags = image_tags or {}
-    image_id = adapter.image_token_id
+    slot_ids = adapter.vision_slot_ids  # image (and video) placeholders: one per vision item
     embed_layer = adapter.language_model.embed_tokens
     device = embed_layer.weight.device
     rows = []
     tag_rows: dict[str, list[torch.Tensor]] = {}
     pos_rows: list[torch.Tensor] = []
     for b, ids in enumerate(token_ids):
-        n_slots = sum(1 for t in ids if t == image_id)
+        n_slots = sum(1 for t in ids if t in slot_ids)
         if n_slots != len(image_tokens[b]):
             raise ValueError(
                 f"sample {b}: prompt has {n_slots} image slots but {len(image_tokens[b])} images were given"
@@ -324,14 +397,14 @@ def build_lm_inputs(
                 text_run.clear()
 
         for t in ids:
-            if t != image_id:
+            if t not in slot_ids:
                 text_run.append(t)
                 continue
             flush()
             feats = image_tokens[b][j].to(device=device, dtype=embed_layer.weight.dtype)  # [N_j, d]
             n = feats.shape[0]
             pieces.append(feats)
-            ids_out.append(torch.full((n,), image_id, device=device))
+            ids_out.append(torch.full((n,), t, device=device))
             img_mask.append(torch.ones(n, dtype=torch.bool, device=device))
             pids.append(image_patch_ids[b][j].to(device))
             layout.append(("image", image_patch_ids[b][j], None if image_grids is None else image_grids[b][j]))

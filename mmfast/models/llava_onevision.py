@@ -19,7 +19,14 @@ Multi-image prompts: mmfast processes a batch's images as one flat list, as HF's
 flat list, so every image is tiled. (HF's processor given a *nested* per-sample list uses only the base
 view of images in multi-image samples; mmfast does not reproduce that mode.)
 
-Video (``pixel_values_videos``, 2x2-pooled frames) is not wired: mmfast's inputs are images.
+Video (``videos=``): a video is one vision item, its frames resized to the tower's input size
+(:mod:`mmfast.models._video`; the ``pixel_values_videos`` of ``LlavaOnevisionVideoProcessor``) and
+spliced at the ``<video>`` slot. As the model's ``get_video_features``: every frame goes through the
+tower, the feature layer and the projector, then the model's own ``apply_pooling`` (bilinear, to
+ceil(rows / 2) x ceil(cols / 2)) per frame; the frames' pooled tokens follow each other and one learned
+``image_newline`` closes the video (F * ceil(rows/2) * ceil(cols/2) + 1 tokens, the processor's count).
+``patch_ids`` number the pooled (frame, row, col) grid in raster order; the newline gets -1. The
+tokens carry the ``VIDEO`` / ``FRAME`` tags (:mod:`mmfast.models.base`).
 
 What runs on it: the methods that act inside the LLM on the spliced sequence, every decoder that does
 not read the tower's CLS, and every drafter (see ``docs/methods.md``, "Model families: LLaVA-OneVision").
@@ -29,10 +36,13 @@ Stages that need one square patch grid (or a CLS token) per image are refused fo
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
-from .base import VisionBatch
+from ..inputs import VideoClip, VisionItem
+from ._video import VideoSettings, frames_tensor
+from .base import VideoItems, VisionBatch, tag_video_tokens
 from .llava import LlavaAdapter
 
 
@@ -42,6 +52,8 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     #: a pruning budget of B tokens is for an image of the base view's N0 = rows * cols tokens; an
     #: image of N_i tokens gets B * N_i / N0 (see the stages' ``budget_params``)
     budget_scales_with_tokens = True
+    supports_video = True
+    video_token = "<video>"
 
     @property
     def has_cls(self) -> bool:
@@ -55,6 +67,36 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     def video_token_id(self) -> int:
         return int(self.model.config.video_token_id)
 
+    @property
+    def vision_slot_ids(self) -> frozenset[int]:
+        return frozenset({self.image_token_id, self.video_token_id})
+
+    def video_items(self, clip: VideoClip, video: int, settings: VideoSettings) -> VideoItems:
+        """One item: the frames at the tower's input size ([1, F, 3, S, S]); its size row is (S, S)."""
+        side = int(self.vision_config.image_size)
+        height, width = settings.size.get("height", side), settings.size.get("width", side)
+        frames = frames_tensor(clip.frames, height, width, settings)  # [F, 3, S, S]
+        item = VisionItem(video=video, n_frames=len(clip.frames))
+        tokens = len(clip.frames) * math.prod(self._pooled_side()) + 1  # + the closing newline
+        return VideoItems(
+            [frames[None]], [torch.tensor([[height, width]])], [item], self.video_token, len(clip.frames), tokens
+        )
+
+    def _pooled_side(self) -> tuple[int, int]:
+        rows, cols = self.grid
+        return math.ceil(rows / 2), math.ceil(cols / 2)
+
+    def encode_video(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features [F * N, Dv] before the projector, tokens [F * n + 1, d]) of one video's frames
+        ([F, 3, S, S]), as the model's ``get_video_features`` and its closing newline."""
+        base, tower = self.base, self.vision_tower
+        out = tower(frames.to(device=tower.device, dtype=tower.dtype), output_hidden_states=True, return_dict=True)
+        selected = torch.cat([out.hidden_states[k] for k in self._feature_layers], dim=-1)  # [F, N', Dv]
+        patches = selected[:, 1:] if self.select_strategy == "default" else selected  # [F, N, Dv]
+        pooled = base.apply_pooling(self.projector(patches))  # [F, n, d]
+        tokens = torch.cat([pooled.reshape(-1, pooled.shape[-1]), base.image_newline[None].to(pooled)])
+        return patches.reshape(-1, patches.shape[-1]), tokens
+
     def tiles_per_image(self, image_sizes: torch.Tensor) -> list[int]:
         """Tower inputs per image (base view + tiles of the best pinpoint resolution), as HF counts them."""
         from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
@@ -67,7 +109,43 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             for s in image_sizes
         ]
 
-    def encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
+    def encode_images(
+        self,
+        pixel_values: torch.Tensor,
+        image_sizes: torch.Tensor | None = None,
+        items: list[VisionItem] | None = None,
+    ) -> VisionBatch:
+        """Images and videos (``items``; None = all images): videos through :meth:`encode_video`, the
+        images through :meth:`_encode_images`, in item order."""
+        if not items:
+            return self._encode_images(pixel_values, image_sizes)
+        images = [i for i, it in enumerate(items) if not it.is_video]
+        parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        if images:
+            sub = self._encode_images(pixel_values[images], None if image_sizes is None else image_sizes[images])
+            for k, i in enumerate(images):
+                parts[i] = (sub.features[k], sub.projected[k], sub.patch_ids[k], sub.extras["n_tiles"][k])
+        n_pooled = math.prod(self._pooled_side())
+        for i, it in enumerate(items):
+            if it.is_video:
+                feats, tokens = self.encode_video(pixel_values[i, : it.n_frames])
+                pid = torch.arange(tokens.shape[0], device=tokens.device)
+                pid[-1] = -1  # the closing newline
+                parts[i] = (feats, tokens, pid, it.n_frames)
+        order = [parts[i] for i in range(len(items))]
+        vision = VisionBatch(
+            features=[p[0] for p in order],
+            patch_ids=[p[2] for p in order],
+            cls=None,
+            grid=self.grid,
+            pixel_values=pixel_values,
+            projected=[p[1] for p in order],
+            extras={"n_tiles": [p[3] for p in order]},
+        )
+        tag_video_tokens(vision, items, [n_pooled] * len(items))
+        return vision
+
+    def _encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
         """SigLIP on every tile, feature selection, projection and the model's own anyres-max packing.
 
         The packed, projected tokens go to ``VisionBatch.projected``; ``features`` keep each image's

@@ -31,16 +31,21 @@ from typing import Any
 import torch
 
 
-def grid_offsets(patch_ids: torch.Tensor, grid: Any, time_interval: int = 1) -> torch.Tensor:
+def grid_offsets(patch_ids: torch.Tensor, grid: Any, time_interval: float = 1.0) -> torch.Tensor:
     """[N, 3] (t, h, w) offsets of tokens with raster ids ``patch_ids`` ([N]) in grid (t, h, w).
 
+    The temporal offset of frame group ``i`` is ``int(i * time_interval)`` (HF's
+    ``(arange(t) * time_interval).long()``; Qwen2.5-VL's videos space groups by
+    ``tokens_per_second * second_per_grid_t``, :func:`mmfast.compat.qwen25_time_interval`).
     Tokens with id -1 copy the offsets of the nearest real token before them (or 0 if none).
     """
-    t, h, w = (int(x) for x in grid)
+    t, h, w = (int(x) for x in grid[:3])
     pid = patch_ids.long()
     real = pid >= 0
     p = pid.clamp(min=0)
-    offs = torch.stack([(p // (h * w)) * time_interval, (p // w) % h, p % w], dim=-1)  # [N, 3]
+    frame = p // (h * w)
+    tpos = frame if time_interval == 1 else (frame * time_interval).long()
+    offs = torch.stack([tpos, (p // w) % h, p % w], dim=-1)  # [N, 3]
     if bool(real.all()):
         return offs
     n = pid.shape[0]
@@ -50,8 +55,10 @@ def grid_offsets(patch_ids: torch.Tensor, grid: Any, time_interval: int = 1) -> 
 
 
 def sample_positions(layout: list, device: torch.device) -> torch.Tensor:
-    """[L, 3] positions of one sample. ``layout``: ("text", n) and ("image", patch_ids [N], (t, h, w))
-    pieces in sequence order (``build_lm_inputs``)."""
+    """[L, 3] positions of one sample. ``layout``: ("text", n) and ("image", patch_ids [N], (t, h, w)
+    or (t, h, w, time_interval) for a video) pieces in sequence order (``build_lm_inputs``). As HF's
+    ``get_rope_index``, the text after a video starts at s + max(h, w) too (its temporal ids may
+    reach further; decoding continues after the maximum)."""
     parts, cur = [], 0
     for piece in layout:
         if piece[0] == "text":
@@ -62,7 +69,8 @@ def sample_positions(layout: list, device: torch.device) -> torch.Tensor:
         _, pids, grid = piece
         if grid is None:
             raise ValueError("M-RoPE positions need each image's grid (VisionBatch.extras['grid_thw'])")
-        parts.append(cur + grid_offsets(pids.to(device), grid))
+        interval = float(grid[3]) if len(grid) > 3 else 1.0
+        parts.append(cur + grid_offsets(pids.to(device), grid, interval))
         cur += max(int(grid[1]), int(grid[2]))  # HF: the text after an image starts at s + max(h, w)
     if not parts:
         return torch.zeros(0, 3, dtype=torch.long, device=device)

@@ -24,10 +24,22 @@ Layout: ``model.model.visual`` (the ViT: ``patch_embed``, ``blocks``, ``merger``
   remain (``LMRunner``'s deepstack hooks).
 * no CLS token; positions are multimodal RoPE ([B, L, 3], :mod:`mmfast.models.mrope`).
 
+Video (``videos=``): frames become the processor's ``pixel_values_videos`` rows and
+``video_grid_thw`` (:mod:`mmfast.models._video`), and the tower runs on them as on an image whose
+temporal grid ``t`` is the number of frame groups (``temporal_patch_size`` frames each; the model's
+own ``get_video_features`` is the same tower call). A video is one vision item on Qwen2-VL and
+Qwen2.5-VL, spliced at the ``<|video_pad|>`` slot; its tokens' M-RoPE temporal ids are the frame
+group index (Qwen2-VL) or ``int(i * tokens_per_second * second_per_grid_t)`` with
+``second_per_grid_t = temporal_patch_size / sampled fps`` (Qwen2.5-VL,
+:func:`mmfast.compat.qwen25_time_interval`). Qwen3-VL's processor writes every frame group as its
+own span ``<{t:.1f} seconds><|vision_start|><|video_pad|>...<|vision_end|>`` (timestamps as
+``Qwen3VLProcessor`` computes them), and its ``get_rope_index`` numbers each group as a one-frame
+grid, so there each frame group is one vision item (the tower attends within a frame either way).
+Video tokens carry the ``VIDEO`` / ``FRAME`` tags (:mod:`mmfast.models.base`) for pruners.
+
 ``grid`` is the *budget reference grid* (24 x 24 = 576 tokens, the LLaVA-1.5 count budgets are
 stated for), not a geometry: under dynamic resolution a budget of B tokens keeps the fraction
 B / 576 of each image's own token count (docs/methods.md, "Budgets under dynamic resolution").
-Video input is not wired yet (images only).
 """
 
 from __future__ import annotations
@@ -35,7 +47,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import VisionBatch, VLMAdapter
+from .. import compat
+from ..inputs import VideoClip, VisionItem
+from ..video import FrameRule
+from ._video import VideoSettings, qwen3_timestamps, qwen_video_patches
+from .base import VideoItems, VisionBatch, VLMAdapter, tag_video_tokens
 from .mrope import sample_positions
 from .qwen_processor import pad_patches
 
@@ -48,6 +64,8 @@ class Qwen2VLAdapter(VLMAdapter):
     rope_axes = 3
     #: token count varies per image: budgets are fractions of each image's count (``_budget.py``)
     dynamic_resolution = True
+    supports_video = True
+    video_token = "<|video_pad|>"
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -95,6 +113,14 @@ class Qwen2VLAdapter(VLMAdapter):
         return int(self.model.config.image_token_id)
 
     @property
+    def video_token_id(self) -> int:
+        return int(self.model.config.video_token_id)
+
+    @property
+    def vision_slot_ids(self) -> frozenset[int]:
+        return frozenset({self.image_token_id, self.video_token_id})
+
+    @property
     def grid(self) -> tuple[int, int]:
         return BUDGET_REFERENCE_GRID
 
@@ -124,15 +150,37 @@ class Qwen2VLAdapter(VLMAdapter):
         grid = processed["image_grid_thw"]
         return pad_patches(processed["pixel_values"], grid), grid
 
+    # -- video ---------------------------------------------------------------------------------
+    def _time_interval(self, clip: VideoClip, settings: VideoSettings) -> float:
+        return 1.0  # Qwen2-VL: the frame group index
+
+    def video_items(self, clip: VideoClip, video: int, settings: VideoSettings) -> VideoItems:
+        """One item: the video's patches ([1, t * h * w, D]) and ``video_grid_thw`` ([1, 3])."""
+        patches, thw = qwen_video_patches(clip.frames, settings)
+        item = VisionItem(video=video, time_interval=self._time_interval(clip, settings))
+        tokens = patches.shape[0] // self.merge**2
+        return VideoItems([patches[None]], [torch.tensor([thw])], [item], self.video_token, len(clip.frames), tokens)
+
+    def frame_rule(self, settings: VideoSettings) -> FrameRule:
+        """``Qwen2VLVideoProcessor.sample_frames``: counts in multiples of the temporal patch size."""
+        return FrameRule(settings.temporal_patch_size, settings.min_frames, settings.max_frames)
+
     # -- compute ---------------------------------------------------------------------------------
     def _run_tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor):
         """Tower output: (hidden [P, Dv] in merge-unit raster order, deepstack list or None)."""
         out = self.vision_tower(pixels, grid_thw=grid_thw, return_dict=True)
         return out.last_hidden_state, None
 
-    def encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
-        """Tower on the images' patches (``pixel_values`` [n, max P_i, D] padded, ``image_sizes`` =
-        ``image_grid_thw`` [n, 3]); features per merge unit, pre-merger (module docstring)."""
+    def encode_images(
+        self,
+        pixel_values: torch.Tensor,
+        image_sizes: torch.Tensor | None = None,
+        items: list[VisionItem] | None = None,
+    ) -> VisionBatch:
+        """Tower on the items' patches (``pixel_values`` [n, max P_i, D] padded, ``image_sizes`` =
+        ``image_grid_thw`` / ``video_grid_thw`` rows [n, 3]); features per merge unit, pre-merger
+        (module docstring). ``items`` (None: all images) marks videos: their time spacing goes to
+        ``extras["time_interval"]`` and their tokens get the ``VIDEO`` / ``FRAME`` tags."""
         if image_sizes is None:
             raise ValueError(f"{self.family} needs image_grid_thw (passed as image_sizes) from its image processor")
         tower = self.vision_tower
@@ -156,6 +204,9 @@ class Qwen2VLAdapter(VLMAdapter):
         if deep is not None:
             stacked = torch.stack(deep, dim=1)  # [sum N_i, n_levels, d]
             vision.tags[DEEPSTACK] = list(torch.split(stacked, n_tok))
+        if items:  # a batch with a video
+            vision.extras["time_interval"] = [it.time_interval for it in items]
+            tag_video_tokens(vision, items, [h * w for _, h, w in merged])
         return vision
 
     def project(self, vision: VisionBatch) -> list[torch.Tensor]:
@@ -173,6 +224,12 @@ class Qwen2VLAdapter(VLMAdapter):
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     family = "qwen2_5_vl"
+
+    def _time_interval(self, clip: VideoClip, settings: VideoSettings) -> float:
+        """``tokens_per_second * second_per_grid_t``, ``second_per_grid_t = temporal_patch_size /
+        sampled fps`` (``Qwen2_5_VLProcessor``)."""
+        tps = float(self.vision_config.tokens_per_second)
+        return compat.qwen25_time_interval(tps, settings.temporal_patch_size / clip.sampled_fps)
 
     def _run_tower(self, pixels, grid_thw):
         """The tower's blocks run on window-ordered units; return them to raster order (as the model
@@ -196,6 +253,16 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
     family = "qwen3_vl"
+
+    def video_items(self, clip: VideoClip, video: int, settings: VideoSettings) -> VideoItems:
+        """One item per frame group ([1, h * w, D], grid (1, h, w)), each in its own timestamped span."""
+        patches, (t, h, w) = qwen_video_patches(clip.frames, settings)
+        stamps = qwen3_timestamps(clip.indices, clip.fps, settings.temporal_patch_size)
+        text = "".join(f"<{s:.1f} seconds><|vision_start|>{self.video_token}<|vision_end|>" for s in stamps[:t])
+        rows = [p[None] for p in patches.split(h * w)]
+        items = [VisionItem(video=video, first_frame=i) for i in range(t)]
+        sizes = [torch.tensor([[1, h, w]]) for _ in range(t)]
+        return VideoItems(rows, sizes, items, text, len(clip.frames), patches.shape[0] // self.merge**2)
 
     @property
     def deepstack_levels(self) -> int:

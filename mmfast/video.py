@@ -1,0 +1,227 @@
+"""Video input: :func:`open_video` turns what a caller passes as one video into a :class:`VideoClip`
+of sampled RGB frames, with clear errors before any compute.
+
+A video is a list of frames (PIL images or image paths), a numpy array ``[T, H, W, 3]`` (uint8), or a
+directory of frame images (read in sorted file-name order). mmfast decodes no video files: decode
+one to frames first (e.g. ``ffmpeg -i clip.mp4 frames/%05d.png``).
+
+Sampling follows transformers' video processors (``sample_frames``; they sample only when asked):
+
+* without ``num_frames`` or ``fps`` every frame is kept;
+* ``num_frames=n``: ``n`` frames uniformly, indices ``arange(0, T, T / n).int()``; the Qwen-VL
+  processors first round ``n`` to a multiple of the temporal patch size (2);
+* ``fps=f``: ``f`` frames per second of the source, which needs the source's rate ``video_fps``
+  (a frame list carries none): ``int(T / video_fps * f)`` frames; the Qwen-VL processors clamp that
+  to [min_frames, max_frames] and floor it to a multiple of the temporal patch size.
+
+``video_fps`` is also what the models' time axis reads (Qwen2.5-VL's temporal position spacing,
+Qwen3-VL's frame timestamps); without it the processors assume 24 frames per second, as
+transformers does for frames without metadata.
+
+:func:`with_videos` puts the videos' vision items (``VLMAdapter.video_items``) into a prepared batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .errors import InputError
+from .inputs import PreparedBatch, VideoClip, VisionItem, open_image
+
+if TYPE_CHECKING:
+    from .models.base import VideoItems, VLMAdapter
+
+#: file suffixes read as frames from a directory
+FRAME_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"})
+#: video containers mmfast does not decode (named in the error)
+VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg"})
+
+
+@dataclass(frozen=True)
+class FrameRule:
+    """How a family's processor rounds a sampled frame count (Qwen-VL: to its temporal patch size)."""
+
+    multiple: int = 1  # sampled counts are multiples of this
+    min_frames: int = 1  # fps sampling: at least this many
+    max_frames: int | None = None  # fps sampling: at most this many
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    """A call's sampling request (``generate(..., num_frames=, fps=, video_fps=)``)."""
+
+    num_frames: int | None = None
+    fps: float | None = None
+    video_fps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_frames is not None and self.fps is not None:
+            raise InputError("num_frames and fps both given; pass one of them (they are two ways to sample frames)")
+        for name in ("num_frames", "fps", "video_fps"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise InputError(f"{name} must be a positive number, got {v!r}")
+        if self.num_frames is not None and int(self.num_frames) != self.num_frames:
+            raise InputError(f"num_frames must be a whole number, got {self.num_frames!r}")
+
+
+def sample_indices(
+    total: int, sampling: VideoSampling, rule: FrameRule = FrameRule(), what: str = "video"
+) -> list[int]:
+    """Indices of the frames to keep out of ``total``, as transformers' ``sample_frames`` picks them."""
+    n: int | None = None
+    if sampling.num_frames is not None:
+        n = round(int(sampling.num_frames) / rule.multiple) * rule.multiple
+    elif sampling.fps is not None:
+        if sampling.video_fps is None:
+            raise InputError(
+                f"{what}: fps={sampling.fps} sampling needs the source's frame rate; pass video_fps= (frames per "
+                "second of the frames given) or sample with num_frames="
+            )
+        limit = min(rule.max_frames or total, total)
+        top = math.floor(limit / rule.multiple) * rule.multiple
+        want = total / sampling.video_fps * sampling.fps
+        if rule.multiple > 1 or rule.max_frames is not None:  # the Qwen-VL rule
+            n = math.floor(min(max(want, rule.min_frames), top, total) / rule.multiple) * rule.multiple
+        else:
+            n = int(want)
+    if n is None:
+        return list(range(total))
+    if n < 1:
+        raise InputError(
+            f"{what}: sampling leaves no frame ({total} frame(s), {sampling}); ask for more frames "
+            f"(the count is rounded to a multiple of {rule.multiple})"
+        )
+    if n > total:
+        raise InputError(
+            f"{what}: asked for {n} frames but the video has {total}; lower num_frames / fps or pass no sampling "
+            "(all frames are used)"
+        )
+    return torch.arange(0, total, total / n).int().tolist()
+
+
+def _frames_of(video: Any, what: str) -> list[Any]:
+    """The frames (PIL images, paths or arrays) a video input holds, in order."""
+    if isinstance(video, np.ndarray):
+        if video.ndim != 4 or video.shape[-1] != 3:
+            raise InputError(
+                f"{what} is an array of shape {tuple(video.shape)}; a video array is [T, H, W, 3] (RGB frames)"
+            )
+        if video.dtype != np.uint8:
+            raise InputError(f"{what} is a {video.dtype} array; pass uint8 RGB frames (0..255)")
+        return list(video)
+    if isinstance(video, (str, os.PathLike)):
+        path = Path(video)
+        if path.is_dir():
+            files = sorted(
+                p for p in path.iterdir() if p.suffix.lower() in FRAME_SUFFIXES and not p.name.startswith(".")
+            )
+            if not files:
+                raise InputError(
+                    f"{what} {str(path)!r} is a directory without frame images ({', '.join(sorted(FRAME_SUFFIXES))})"
+                )
+            return files
+        if path.suffix.lower() in VIDEO_SUFFIXES:
+            raise InputError(
+                f"{what} {str(path)!r} is a video file; mmfast decodes no video containers: extract its frames "
+                f"first (ffmpeg -i {path.name} frames/%05d.png) and pass the directory or the frame list"
+            )
+        raise InputError(
+            f"{what} {str(path)!r} is not a directory of frames (pass a directory, a frame list or an array)"
+        )
+    if isinstance(video, (list, tuple)):
+        return list(video)
+    raise InputError(
+        f"{what} is a {type(video).__name__}; pass a list of frames (PIL images or paths), a uint8 array "
+        "[T, H, W, 3] or a directory of frame images"
+    )
+
+
+def open_video(
+    video: Any, sampling: VideoSampling = VideoSampling(), rule: FrameRule = FrameRule(), what: str = "video"
+) -> VideoClip:
+    """The sampled frames of one video (see the module docstring for the accepted forms)."""
+    if isinstance(video, VideoClip):
+        return video
+    frames = _frames_of(video, what)
+    if not frames:
+        raise InputError(f"{what} has no frames; pass at least one frame")
+    keep = sample_indices(len(frames), sampling, rule, what)
+    opened = []
+    for i in keep:
+        f = frames[i]
+        if isinstance(f, np.ndarray) and (f.ndim != 3 or f.shape[-1] != 3 or f.dtype != np.uint8):
+            raise InputError(
+                f"{what}, frame {i} is a {f.dtype} array of shape {tuple(f.shape)}, not a uint8 [H, W, 3] frame "
+                "(with a single prompt string, videos= is that prompt's one video; pass a list of prompts for "
+                "one video per prompt)"
+            )
+        if not isinstance(f, (Image.Image, np.ndarray, str, os.PathLike)):
+            raise InputError(
+                f"{what}, frame {i} is a {type(f).__name__}; frames are PIL images, image paths or uint8 arrays"
+            )
+        try:
+            im = Image.fromarray(f) if isinstance(f, np.ndarray) else f
+            opened.append(open_image(im))
+        except InputError as exc:
+            raise InputError(f"{what}, frame {i}: {exc}") from None
+    sizes = {im.size for im in opened}
+    if len(sizes) > 1:
+        raise InputError(
+            f"{what} has frames of different sizes ({', '.join(f'{w}x{h}' for w, h in sorted(sizes))}); "
+            "a video's frames must share one size: resize them first"
+        )
+    return VideoClip(opened, keep, len(frames), None if sampling.video_fps is None else float(sampling.video_fps))
+
+
+def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-item pixel rows ([1, n_i, ...]) zero-padded on dim 1 to the longest and stacked: [n, max n_i, ...]."""
+    longest = max(r.shape[1] for r in rows)
+    out = rows[0].new_zeros(len(rows), longest, *rows[0].shape[2:])
+    for i, r in enumerate(rows):
+        out[i, : r.shape[1]] = r[0]
+    return out
+
+
+def with_videos(
+    batch: PreparedBatch, clips: list[VideoClip | None], vids: list[VideoItems | None], adapter: VLMAdapter
+) -> PreparedBatch:
+    """``batch`` (images only) with the videos' items (``vids[b]``, from ``VLMAdapter.video_items``) put
+    in: every sample's items in its slot order, pixel rows padded to one tensor."""
+    image_id, video_id = adapter.image_token_id, adapter.video_token_id
+    rows, sizes, items, owner = [], [], [], []
+    k = 0  # next image row
+    for b, ids in enumerate(batch.token_ids):
+        j = 0  # next item of the sample's video
+        for t in ids:
+            if t == image_id:
+                rows.append(batch.pixel_values[k : k + 1])
+                sizes.append(batch.image_sizes[k : k + 1])
+                items.append(VisionItem())
+                k += 1
+            elif t == video_id:
+                v = vids[b]
+                rows.append(v.pixels[j])
+                sizes.append(v.sizes[j].to(batch.image_sizes.dtype if batch.image_sizes is not None else torch.long))
+                items.append(v.items[j])
+                j += 1
+            else:
+                continue
+            owner.append(b)
+    return dataclasses.replace(
+        batch,
+        pixel_values=_pad_rows(rows),
+        image_sizes=torch.cat(sizes),
+        image_owner=owner,
+        items=items,
+        videos=list(clips),
+    )
