@@ -60,6 +60,7 @@ def test_embedded_trainer_resumes_finished_phases_without_recomputing(tmp_path, 
 
     cfg = TrainConfig(
         n_train=16,
+        shape="world-tiny",  # the same phases on a small architecture: the resume logic, in seconds
         stage0_epochs=2.0,
         stage0_batch=8,
         stage2_epochs=1.0,

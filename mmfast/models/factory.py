@@ -58,6 +58,8 @@ SHAPES: dict[str, LlavaShape] = {
     "tiny": LlavaShape(),
     # the embedded world model: LLaVA-1.5 token geometry (24 x 24 = 576 patches + CLS)
     "world": LlavaShape(192, 8, 128, 5, 4, 256, 4, 4, 4, 768, 1024, 2048),
+    # the world's 192 x 192 images on a 6 x 6 grid and small widths: the trainer's tests, in seconds
+    "world-tiny": LlavaShape(192, 32, 32, 2, 4, 64, 4, 4, 4, 128, 1024, 2048),
     # LLaVA-1.5 geometry with small widths: the speed benchmarks of docs/ use these
     "llava-1.5-shaped-small": LlavaShape(336, 14, 384, 6, 6, 512, 8, 8, 8, 1376, 32064, 4096),
     "llava-1.5-shaped-medium": LlavaShape(336, 14, 512, 8, 8, 1024, 12, 16, 16, 2752, 32064, 4096),
