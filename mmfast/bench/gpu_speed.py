@@ -47,7 +47,7 @@ Limits and deviations: HF rows time inputs already on the device, mmfast rows mo
 serial; HF static-cache KV bytes are counted for live tokens, not the whole buffer; a variant a shape cannot
 run is a "refused" row with the reason (PyramidDrop's default stages at layers 8/16/24 cannot average 64
 tokens on 32 layers); an unexpected error is a "failed" row (logged with its traceback, re-run on resume).
-Nothing here has run on a GPU yet: only the CPU path is tested (tests/test_gpu_bench.py).
+Measured on an H100: benchmarks/gpu_speed/ (scripts/gpu_bench.sh); the CPU path is tested in tests/test_gpu_bench.py.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ import torch
 import transformers
 from PIL import Image
 
-from ..config import ModelConfig, Recipe, load_recipe
+from ..config import Recipe, load_recipe
 from ..errors import InputError, MMFastError
 from ..eval.data import resolve_data
 from ..flops import LMShape, prefill_flops
@@ -95,7 +95,6 @@ DEVICE_PEAKS: tuple[tuple[str, float, float], ...] = (
 )
 HF_EAGER, HF_STATIC = "hf eager", "hf static"
 UNPRUNED, COMPILED = "mmfast unpruned", "mmfast unpruned (compiled)"
-NOT_AVAILABLE = "not available in this build (no model.compile key in the config schema)"
 WORKLOAD_PROMPTS = {
     "pope": "Is there a dog in the image?\nAnswer the question using a single word or phrase.",
     "caption": "Please describe this image in detail.",
@@ -227,11 +226,6 @@ class GpuBenchParams:
 
     def wants(self, row: str, embedded: bool = False) -> bool:
         return any(fnmatch.fnmatchcase(row, pat) for pat in (self.embedded_rows if embedded else self.rows))
-
-
-def compile_available() -> bool:
-    """Whether this build's recipe schema has ``model.compile`` (added by another branch)."""
-    return "compile" in {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -558,9 +552,7 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                 m = Measurement(shape_name, b, w, name, plan[key], new_tokens=n)
                 logger.info("gpu bench: %s batch %d %s: %s", shape_name, b, w, name)
                 try:
-                    if name == COMPILED and not compile_available():
-                        m.status = NOT_AVAILABLE
-                    elif isinstance(what, str):
+                    if isinstance(what, str):
                         _hf_row(shape, b, w, n, cfg, what == "hf-static", m)
                     else:
                         _mmfast_row(shape, what, b, w, n, cfg, _compile_mode(name), m)
@@ -609,7 +601,7 @@ def _embedded_plan(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams, info: 
     spec = {
         "model": recipe.model.name,
         "samples": cp.embedded_samples,
-        "compiled": compile_available(),
+        "compiled": True,  # the captured greedy step (a key of the committed rows' settings)
         "data": recipe.eval.data,
     }
     return {
@@ -649,8 +641,7 @@ def _run_embedded(
     for key in todo:
         v = rows[key[3]]
         data = v.recipe.to_dict()
-        if compile_available():  # the captured greedy step (and the drafters' target) where this build has it
-            data["model"] = dict(data["model"], compile="auto")
+        data["model"] = dict(data["model"], compile="auto")  # the captured greedy step, and the drafters' target
         m = Measurement(*key, settings=plan[key], new_tokens=cp.caption_tokens)
         logger.info("gpu bench: embedded model: %s", key[3])
         try:
@@ -793,7 +784,7 @@ def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetChe
     for m in flash or [None]:
         out.append(
             TargetCheck(
-                f"embedded: {m.row if m else 'flash'} >= 3 x end to end over the {'captured ' if compile_available() else ''}greedy step",
+                f"embedded: {m.row if m else 'flash'} >= 3 x end to end over the captured greedy step",
                 (m.tokens_per_s / base.tokens_per_s) if m and base else None,
                 3.0,
                 "tokens/s ratio, caption prompts, batch 1",
@@ -917,7 +908,7 @@ def write_gpu_report(
         f"Device: **{info.name}**; torch {info.torch}; CUDA {info.cuda or 'n/a'}; transformers {info.transformers}; "
         f"dtype {str(cp.dtype).replace('torch.', '')}; warm-up {recipe.bench.warmup}, median of {recipe.bench.repeats} repeats; "
         f"peaks: {_fmt(info.peak_bandwidth and info.peak_bandwidth / 1e12)} TB/s, {_fmt(info.peak_flops and info.peak_flops / 1e12, '.0f')} TFLOP/s; "
-        f"model.compile in this build: {'yes' if compile_available() else 'no'}",
+        "method rows: model.compile as the bench recipe says (auto: captured steps on CUDA)",
         "",
         *(
             [f"**{len(failed)} rows failed** (status column; they re-run when the same command is run again).", ""]
@@ -940,7 +931,7 @@ def write_gpu_report(
             "## Speculative decoding on the embedded model (real tau)",
             "",
             f"Model `{recipe.model.name}`, {cp.embedded_samples} caption prompts at batch 1, up to {cp.caption_tokens} new tokens; "
-            f"baseline: greedy{' with model.compile: auto (the captured step)' if compile_available() else ' (uncompiled: no model.compile in this build)'}.",
+            "baseline: greedy with model.compile: auto (the captured step).",
             "",
             "| row | status | tau | new tokens | wall s | e2e x | identical to greedy |",
             "|---|---|---|---|---|---|---|",
@@ -965,7 +956,6 @@ def write_gpu_report(
         "kind": "gpu_speed",
         "device": dataclasses.asdict(info),
         "dtype": str(cp.dtype),
-        "compile_available": compile_available(),
         "rows": [
             dict(dataclasses.asdict(m), decode_step_s=m.decode_step_s, tokens_per_s=m.tokens_per_s)
             for m in rows.values()
