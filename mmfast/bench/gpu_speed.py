@@ -1,7 +1,8 @@
 """``mmfast bench`` kind ``gpu_speed``: full-depth random-weight models, HF ``generate`` and mmfast, one process.
 
 What it measures (issue 27, item 4). For every shape of ``bench.params.shapes`` (full-depth random-weight
-LLaVA-1.5-7B, LLaVA-NeXT-7B anyres, Qwen2.5-VL-7B: :data:`mmfast.models.factory.BENCH_MODELS`, built on
+LLaVA-1.5-7B, LLaVA-NeXT-7B anyres, Qwen2.5-VL-7B, LLaVA-OneVision-7B anyres-max:
+:data:`mmfast.models.factory.BENCH_MODELS`, built on
 the device in ``bench.params.dtype``), every batch size of ``bench.params.batches`` and every workload
 (``pope``: a one-token answer; ``caption``: ``bench.params.caption_tokens`` new tokens), these rows run on
 the same prepared inputs:
@@ -187,7 +188,7 @@ class GpuBenchParams:
     def of(cls, recipe: Recipe) -> GpuBenchParams:
 
         p = recipe.bench.params
-        shapes = tuple(p.get("shapes", ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b")))
+        shapes = tuple(p.get("shapes", ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b", "llava-onevision-7b")))
         for i, s in enumerate(shapes):
             if s not in BENCH_MODELS:
                 close = difflib.get_close_matches(s, list(BENCH_MODELS), n=1)
