@@ -53,7 +53,7 @@ def test_unknown_stage_key_suggests_budget():
     "method, knob, value",
     [
         ("fastv", "keep", 5),
-        ("fastv", "ratio", 0.5),
+        ("fastv", "drop_ratio", 0.5),
         ("random", "keep", 4),
         ("mustdrop", "preset", "64"),
         ("zipvl", "tau", 0.9),
@@ -107,10 +107,10 @@ def test_fastv_closed_form(tiny_mm):
     )
     # L = 4, K = round(8 * 4 / 32) = 1, N = 16: keep = round((4B - 16) / 3)
     for b, keep in [(16, 16), (10, 8), (8, 5), (4, 0)]:
-        assert FastV.budget_params(b, tiny_mm.adapter, cfg, "b") == {"keep": keep}
+        assert FastV.budget_params(b, 16, tiny_mm.adapter, cfg, "b") == {"keep": keep}
     assert in_llm_keep(200, 576, 2, 32, "b") == round((32 * 200 - 2 * 576) / 30)
     with pytest.raises(ConfigError, match="smallest feasible budget is 4") as exc:
-        FastV.budget_params(3, tiny_mm.adapter, cfg, "pruning[0].budget")
+        FastV.budget_params(3, 16, tiny_mm.adapter, cfg, "pruning[0].budget")
     assert exc.value.path == "pruning[0].budget.tokens"
 
 

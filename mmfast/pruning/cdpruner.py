@@ -266,6 +266,7 @@ class CDPruner(Pruner):
         )
 
     budget_knobs = ("keep",)
+    budget_per_image = False  # LLaVA-NeXT: a per-tile count from a tokens budget, the same for every image
 
     @classmethod
     def noop_params(cls, adapter):
@@ -273,7 +274,7 @@ class CDPruner(Pruner):
         return {"keep": rows * cols}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
+    def budget_params(cls, tokens, n, adapter, config, path):
         """keep = B (LLaVA-NeXT: per tile, B / the most tiles an image can have; module docstring)."""
         if adapter.family != "llava_next":
             return {"keep": tokens}

@@ -126,7 +126,7 @@ class VisionZip(Pruner):
         return {"tokens": rows * cols}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
+    def budget_params(cls, tokens, n, adapter, config, path):
         """tokens = B."""
         return {"tokens": tokens}
 
