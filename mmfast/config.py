@@ -87,6 +87,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             if type(None) in args:
                 return None
             raise ConfigError(path, f"must not be null (expected {_type_name(tp)})")
+        mappings = [a for a in args if dataclasses.is_dataclass(a) or typing.get_origin(a) is dict]
+        if isinstance(value, dict) and len(mappings) == 1:  # a mapping can only be that arm: its own error
+            return _convert(value, mappings[0], path)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -81,6 +81,7 @@ from ..pipeline import apply
 from ..pruning._budget import CalibrationSet
 from ..speculative._eagle_model import write_random_draft
 from .common import Variant, variants
+from .render import budget_text
 from .pruning import _untrained
 
 logger = logging.getLogger(__name__)
@@ -796,6 +797,7 @@ def write_gpu_report(
         "workload",
         "row",
         "status",
+        "budget",
         "vision tok",
         "TTFT ms",
         "decode ms/token",
@@ -814,8 +816,10 @@ def write_gpu_report(
     for _key, m in sorted(((k, m) for k, m in rows.items() if k[0] != EMBEDDED), key=lambda km: _order(km[0], vs)):
         base = rows.get((m.shape, m.batch, m.workload, UNPRUNED))
         hf = rows.get((m.shape, m.batch, m.workload, HF_EAGER))
+        v = next((v for v in vs if v.name == m.row), None)
+        asked = budget_text([st._to_recipe() for st in v.recipe.pruning]) if v is not None else ""
         if not m.ok:
-            table.append([m.shape, m.batch, m.workload, m.row, m.status] + [""] * (len(header) - 5))
+            table.append([m.shape, m.batch, m.workload, m.row, m.status, asked] + [""] * (len(header) - 6))
             continue
         step = m.decode_step_s
         bw = info.peak_bandwidth
@@ -831,7 +835,6 @@ def write_gpu_report(
             if base is not None and base.ok and base.flops_prefill and m.flops_prefill
             else None
         )
-        v = next((v for v in vs if v.name == m.row), None)
         tau = _drafter_tau(rows, vs, v) if v is not None else None
         proj = None
         if tau and m.cycles and base is not None and base.ok and base.decode_step_s and step is not None:
@@ -849,6 +852,7 @@ def write_gpu_report(
                 m.workload,
                 m.row,
                 "ok",
+                asked,
                 _fmt(m.n_vision_tokens, ".0f"),
                 _fmt(m.ttft_s * 1000, ".1f"),
                 _fmt(step * 1000 if step is not None else None, ".2f"),

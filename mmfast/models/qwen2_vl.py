@@ -24,9 +24,9 @@ Layout: ``model.model.visual`` (the ViT: ``patch_embed``, ``blocks``, ``merger``
   remain (``LMRunner``'s deepstack hooks).
 * no CLS token; positions are multimodal RoPE ([B, L, 3], :mod:`mmfast.models.mrope`).
 
-``grid`` is the *budget reference grid* (24 x 24 = 576 tokens, the LLaVA-1.5 count budgets are
-stated for), not a geometry: under dynamic resolution a budget of B tokens keeps the fraction
-B / 576 of each image's own token count (docs/methods.md, "Budgets under dynamic resolution").
+``grid`` is a nominal 24 x 24 grid (what the model facts and the methods' test settings read), not a
+geometry: every image has its own token count, and a budget applies to that count (``tokens: N``
+keeps N, ``ratio: r`` round(r N_i); docs/methods.md, "One budget vocabulary").
 Video input is not wired yet (images only).
 """
 
@@ -46,7 +46,7 @@ BUDGET_REFERENCE_GRID = (24, 24)
 class Qwen2VLAdapter(VLMAdapter):
     family = "qwen2_vl"
     rope_axes = 3
-    #: token count varies per image: budgets are fractions of each image's count (``_budget.py``)
+    #: token count varies per image: budgets are mapped per image count (``_budget.py``)
     dynamic_resolution = True
 
     def __init__(self, model: nn.Module) -> None:
