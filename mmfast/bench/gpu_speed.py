@@ -81,8 +81,8 @@ from ..pipeline import apply
 from ..pruning._budget import CalibrationSet
 from ..speculative._eagle_model import write_random_draft
 from .common import Variant, variants
-from .render import budget_text
 from .pruning import _untrained
+from .render import budget_text
 
 logger = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from .render import (
     budget_leaders,
     budget_text,
     has_budgets,
-    with_budget_column,
     pruning_plots,
     slice_label,
     timing_labels,
     timing_protocol_note,
+    with_budget_column,
     with_slice_speedup,
     write_results,
 )
