@@ -497,3 +497,11 @@ def test_results_tables_show_the_budget_asked_for_beside_the_tokens_kept():
     assert [row[1] for row in result["rows"]] == ["", "ratio 0.3333", "tokens 192"]
     assert budget_text([{"method": "x", "budget": {"flops": 0.2}}]) == "flops 0.2"
     assert _stage_budget(results["random-r0.3333"], 576.0) == ("random", 192)  # leaders: ratio at the model's count
+
+
+def test_eval_report_methods_column_shows_the_budget_asked_for():
+    from mmfast.report import _method_label
+
+    protocol = {"pruning": [{"method": "fastv", "params": {"k": 2}, "budget": {"tokens": 192}}], "decoding": {}}
+    assert _method_label(protocol) == "fastv(k=2)[tokens 192] + greedy()"
+    assert _method_label({"pruning": [{"method": "fastv", "params": {"k": 2}}]}) == "fastv(k=2) + greedy()"

@@ -92,10 +92,13 @@ def test_cpu_run_rows_columns_medians_and_hf_tokens(tmp_path, monkeypatch):
     )
     line = next(x for x in md.splitlines() if x.startswith("| tiny | 2 | caption | mmfast unpruned |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[5] == ""  # no budget asked for
     assert (
-        cells[9] == "n/a" and cells[11] == "n/a" and cells[12] == "n/a"
+        cells[10] == "n/a" and cells[12] == "n/a" and cells[13] == "n/a"
     )  # peak memory, BW and FLOP/s fractions on a CPU
-    assert cells[15] == "yes" and float(cells[10]) == 1.0
+    assert cells[16] == "yes" and float(cells[11]) == 1.0
+    pruned = next(x for x in md.splitlines() if x.startswith("| tiny | 2 | caption | divprune-8 |"))
+    assert [c.strip() for c in pruned.strip("|").split("|")][5:7] == ["tokens 8", "8"]  # asked for, kept
     assert result["device"]["peak_bandwidth"] is None and result["table"] == md
 
 
