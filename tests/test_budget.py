@@ -505,3 +505,46 @@ def test_eval_report_methods_column_shows_the_budget_asked_for():
     protocol = {"pruning": [{"method": "fastv", "params": {"k": 2}, "budget": {"tokens": 192}}], "decoding": {}}
     assert _method_label(protocol) == "fastv(k=2)[tokens 192] + greedy()"
     assert _method_label({"pruning": [{"method": "fastv", "params": {"k": 2}}]}) == "fastv(k=2) + greedy()"
+
+
+def test_qwen_bench_recipe_keeps_what_its_committed_run_kept():
+    """benchmarks/pruning_qwen2_5_vl ran when a token budget B meant B / 576 of a Qwen image: its recipe now
+    asks for ratios (and PyramidDrop's lambda) that keep the same counts on both of its models, the
+    embedded LLaVA (576 tokens, the accuracy columns) and the 4-layer Qwen slice (999, the speed columns)."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from mmfast.bench.common import variants
+    from mmfast.pruning._budget import ImageBudget
+    from mmfast.pruning._common import map_layers
+    from mmfast.pruning.fastv import FastV
+    from mmfast.pruning.pyramiddrop import layer_average, stage_ratios
+
+    summary = Path(__file__).resolve().parents[1] / "benchmarks/pruning_qwen2_5_vl/summary.json"
+    if not summary.exists():
+        pytest.skip("no committed benchmarks/pruning_qwen2_5_vl in this checkout")
+    done = json.loads(summary.read_text())
+    embedded = {k: v["accounting"] for k, v in done["results"].items()}
+    sliced = {r["variant"]: r for r in done["shaped_speed"]["rows"]}
+    vs = {v.name: v.recipe.pruning[0] for v in variants(load_recipe("bench/pruning_qwen2_5_vl")) if v.recipe.pruning}
+    four = SimpleNamespace(layers=[None] * 4)  # both models have 4 LLM layers
+    for method in ("random", "divprune"):
+        for old, new in ((192, "r0.3333"), (128, "r0.2222"), (64, "r0.1111")):
+            rule = ImageBudget(vs[f"{method}-{new}"].budget, None, "b")
+            assert rule.target(576) == embedded[f"{method}-{old}"]["n_vision_tokens"]
+            assert rule.target(999) == sliced[f"{method}-{old}"]["vision_tokens"]
+    st = vs["fastv-192"]
+    for n, want in (
+        (576, embedded["fastv-192"]["vision_tokens_layer_avg"]),
+        (999, sliced["fastv-192"]["layer_avg_tokens"]),
+    ):
+        keep = FastV.budget_params(ImageBudget(st.budget, None, "b").target(n), n, four, st.params, "b")["keep"]
+        assert (n + 3 * keep) / 4 == want  # K = 1 of 4
+    st = vs["pyramiddrop-192"]
+    starts = [layer for layer, _ in map_layers(st.params.layers, 4, st.params.layer_mapping)]
+    for n, want in (
+        (576, embedded["pyramiddrop-192"]["vision_tokens_layer_avg"]),
+        (999, sliced["pyramiddrop-192"]["layer_avg_tokens"]),
+    ):
+        assert layer_average(n, starts, stage_ratios(st.params), 4) == want
