@@ -82,7 +82,7 @@ def test_overrides():
 
 
 def test_dotted_list_index_as_lmms_model_args_write_it(capsys):
-    # `--set pruning.0.budget.tokens=160` (the lmms plugin's spelling) is pruning[0].params.keep
+    # `--set pruning.0.budget.tokens=160` (the lmms plugin's spelling) is pruning[0].budget.tokens
     r = load_recipe(
         "examples/fastv_192", ["pruning.0.budget.tokens=160", "pruning.-1.params.k=1", "model.max_memory.0=1GiB"]
     )
