@@ -183,7 +183,7 @@ class Session:
                 what = f"{spec.method} on {self.adapter.family}"
                 tokens = rule.target(n) if n is not None else rule.same_for_every_image(what)
                 if not cls.calibrated:
-                    mapped = cls.budget_params(tokens, n, self.adapter, params, path)
+                    mapped = rule.knobs(cls, tokens, n, self.adapter, params)
                     params = from_dict(cls.Config, {**to_dict(params), **mapped}, f"pruning[{i}].params")
             logger.info(
                 "pruning[%d] %s: budget %s -> %s%s",

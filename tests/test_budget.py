@@ -548,3 +548,16 @@ def test_qwen_bench_recipe_keeps_what_its_committed_run_kept():
         (999, sliced["pyramiddrop-192"]["layer_avg_tokens"]),
     ):
         assert layer_average(n, starts, stage_ratios(st.params), 4) == want
+
+
+def test_an_infeasible_ratio_budget_names_its_key_and_the_target(tiny_mm):
+    """FastV at K = 1 of 4 cannot average fewer than 4 of 16 tokens: ratio 0.1 (target 2) is refused at
+    ``budget.ratio``, naming the target and the image's count."""
+    from mmfast.pipeline import Session
+
+    stage = {"method": "fastv", "params": {"layer_mapping": "proportional"}, "budget": {"ratio": 0.1}}
+    with pytest.raises(
+        ConfigError, match="ratio: 0.1 is 2 tokens for an image of 16 vision tokens; .*smallest feasible budget is 4"
+    ) as exc:
+        Session(tiny_mm, load_recipe({"pruning": [stage]}))
+    assert exc.value.path == "pruning[0].budget.ratio"

@@ -105,6 +105,20 @@ class ImageBudget:
         except ValueError as exc:
             raise ConfigError(f"{self.path}.flops", f"{exc} (an image of {n} vision tokens)") from None
 
+    def knobs(self, cls: type, tokens: int, n: int | None, adapter: VLMAdapter, config) -> dict:
+        """``cls.budget_params`` for the target ``tokens`` of an image of ``n`` vision tokens; a refusal of
+        a ``ratio`` / ``flops`` budget names that key and the target it gave for the image."""
+        try:
+            return cls.budget_params(tokens, n, adapter, config, self.path)
+        except ConfigError as exc:
+            key = self.budget.key
+            if key == "tokens" or exc.path != f"{self.path}.tokens":
+                raise
+            raise ConfigError(
+                f"{self.path}.{key}",
+                f"{key}: {getattr(self.budget, key)} is {tokens} tokens for an image of {n} vision tokens; {exc.detail}",
+            ) from None
+
     def same_for_every_image(self, what: str) -> int:
         """``tokens`` where a stage maps its budget once for images of different counts; other keys are
         refused (their target depends on each image's count), naming ``what`` cannot follow them."""

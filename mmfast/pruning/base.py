@@ -105,9 +105,8 @@ class Pruner:
             return self.config
         cfg = self._configs.get(n)
         if cfg is None:
-            mapped = type(self).budget_params(
-                self.budget_rule.target(n), n, self.adapter, self.config, self.budget_rule.path
-            )
+            rule = self.budget_rule
+            mapped = rule.knobs(type(self), rule.target(n), n, self.adapter, self.config)
             cfg = from_dict(type(self.config), {**to_dict(self.config), **mapped}, self.budget_path)
             self._configs[n] = cfg
         return cfg
