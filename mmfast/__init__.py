@@ -4,7 +4,7 @@ Public API::
 
     import mmfast
     mm = mmfast.load("mmfast/tiny-world")              # or a local dir / hub id
-    recipe = mmfast.load_recipe("configs/examples/fastv_64.yaml")
+    recipe = mmfast.load_recipe("configs/examples/fastv_192.yaml")
     results = mm.generate(image, "Describe the image.", recipe=recipe)
     with mmfast.apply(mm, recipe) as session:          # hooks installed; restored on exit
         session.generate([...], [...])

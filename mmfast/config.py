@@ -87,6 +87,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             if type(None) in args:
                 return None
             raise ConfigError(path, f"must not be null (expected {_type_name(tp)})")
+        mappings = [a for a in args if dataclasses.is_dataclass(a) or typing.get_origin(a) is dict]
+        if isinstance(value, dict) and len(mappings) == 1:  # a mapping can only be that arm: its own error
+            return _convert(value, mappings[0], path)
         errors = []
         for arg in args:
             if arg is type(None):
@@ -163,8 +166,11 @@ def _from_fields(cls: type, data: Any, path: str, **fixed: Any) -> Any:
         )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in fixed}
+    renamed = dict(getattr(cls, "_renamed", ()))  # old key -> what to write now (a method's renamed knob)
     for key in data:
         if key not in fields:
+            if key in renamed:
+                raise ConfigError(_join(path, str(key)), f"renamed; {renamed[key]}")
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(sorted(fields))}"
             raise ConfigError(_join(path, str(key)), f"unknown key; {hint}")
@@ -220,26 +226,62 @@ def describe_fields(cls: type) -> list[tuple[str, Any, str]]:
 
 @dataclass(frozen=True)
 class Budget:
-    """One budget vocabulary for every pruning stage: exactly one of ``tokens`` or ``flops``.
+    """One budget vocabulary for every pruning stage: exactly one of ``tokens``, ``ratio`` or ``flops``,
+    each a rule *per visual input* (an image, or a whole video), applied to that input's own vision-token
+    count N_i on every model family (LLaVA-1.5's fixed 576, LLaVA-NeXT / OneVision anyres, Qwen-VL
+    dynamic resolution): never scaled from a reference count.
 
-    ``tokens``: vision tokens per image at the LLM input for feature/tower-stage methods, or the
-    layer-averaged equivalent vision tokens per image for in-LLM methods (each method's docstring
-    says which and how it maps the budget to its own knobs, in ``budget_params`` or ``calibrate``).
+    ``tokens``: vision tokens kept per image at the LLM input for feature/tower-stage methods, or the
+    layer-averaged equivalent vision tokens per image for in-LLM methods (each method's docstring says
+    which and how it maps the budget to its own knobs, in ``budget_params`` or ``calibrate``); an image
+    with fewer than ``tokens`` vision tokens is refused before the LLM runs, naming both counts.
+    ``ratio``: the fraction of each image's vision tokens kept (0 < ratio <= 1): round(ratio * N_i) tokens
+    (layer-averaged for in-LLM methods), at least 1.
     ``flops``: prefill FLOPs of the LLM as a fraction of the unpruned model on the loaded model's
-    shape; converted to ``tokens`` by :func:`mmfast.flops.tokens_for_flops_ratio` (rule documented there).
+    shape; converted to tokens per image by :func:`mmfast.flops.tokens_for_flops_ratio` at the image's
+    own count N_i (rule documented there).
     """
 
-    tokens: int | None = opt(None, lo=1, doc="vision tokens per image (layer-averaged for in-LLM methods)")
+    tokens: int | None = opt(None, lo=1, doc="vision tokens kept per image (layer-averaged for in-LLM methods)")
+    ratio: float | None = opt(None, lo=0.0, hi=1.0, doc="fraction of each image's vision tokens kept (0 < ratio <= 1)")
     flops: float | None = opt(None, lo=0.0, hi=1.0, doc="prefill FLOPs ratio vs the unpruned model (0 < flops <= 1)")
 
+    @classmethod
+    def _from_recipe(cls, data: Any, path: str) -> Budget:
+        if isinstance(data, dict):
+            for key in ("ratio", "flops"):
+                v = data.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
+                    raise ConfigError(_join(path, key), f"{v!r} is out of range; allowed (0, 1] (a fraction above 0)")
+        return _from_fields(cls, data, path)
+
     def __post_init__(self) -> None:
-        if (self.tokens is None) == (self.flops is None):
-            raise ValueError("set exactly one of tokens or flops, e.g. budget: {tokens: 64} or budget: {flops: 0.2}")
-        if self.flops is not None and self.flops <= 0.0:
-            raise ValueError(f"flops must be > 0, got {self.flops}")
+        given = [k for k in ("tokens", "ratio", "flops") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "set exactly one of tokens, ratio or flops, e.g. budget: {tokens: 64} (vision tokens kept per image), "
+                "budget: {ratio: 0.11} (fraction of each image's vision tokens kept) or budget: {flops: 0.2}"
+                + (f"; got {' and '.join(given)}" if given else "")
+            )
+        for k in ("ratio", "flops"):
+            v = getattr(self, k)
+            if v is not None and v <= 0.0:
+                raise ValueError(f"{k} must be > 0, got {v}")
+
+    @property
+    def key(self) -> str:
+        """The one key that is set (``tokens``, ``ratio`` or ``flops``)."""
+        return "tokens" if self.tokens is not None else ("ratio" if self.ratio is not None else "flops")
+
+    @property
+    def label(self) -> str:
+        """Short text of the budget for names and tables: ``192``, ``r0.3333``, ``f0.2``."""
+        if self.tokens is not None:
+            return str(self.tokens)
+        return f"r{self.ratio:g}" if self.ratio is not None else f"f{self.flops:g}"
 
     def _to_recipe(self) -> dict:
-        return {"tokens": self.tokens} if self.tokens is not None else {"flops": self.flops}
+        return {self.key: getattr(self, self.key)}
 
 
 _STAGE_KEYS = ("method", "params", "budget")
@@ -291,7 +333,7 @@ class MethodSpec:
                 )
             clash = [k for k in knobs if isinstance(raw_params, dict) and k in raw_params]
             if clash:
-                which = "tokens" if budget.tokens is not None else "flops"
+                which = budget.key
                 raise ConfigError(
                     _join(path, f"params.{clash[0]}"),
                     f"sets the same knob as {_join(path, 'budget.' + which)}; remove one of them "
@@ -506,8 +548,11 @@ class EvalConfig:
 class BenchConfig:
     kind: Literal["none", "pruning", "decoding", "speculative", "speed", "gpu_speed"] = "none"
     compare: tuple[Any, ...] = opt((), doc="method variants run against the baseline in the same process")
-    budgets: tuple[int, ...] = opt(
-        (), lo=1, doc="pruning budgets (vision tokens per image): each bench.methods entry runs at each"
+    budgets: tuple[int | Budget, ...] = opt(
+        (),
+        lo=1,
+        doc="pruning budgets: N (vision tokens kept per image) or a budget mapping such as {ratio: 0.3333}; "
+        "each bench.methods entry runs at each",
     )
     methods: tuple[Any, ...] = opt(
         (),

@@ -28,12 +28,13 @@ from .context import MethodContext
 from .decoding.base import DecodeOutput, Decoder, DecodeRequest, now
 from .decoding.loop import Streamer, streaming
 from .errors import ConfigError, IncompatibleRecipeError, InputError
+from .flops import LMShape
 from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .hooks import AttentionProbe, HookSession
 from .inputs import PreparedBatch, VisionItem
 from .models.base import LMInputs, VisionBatch
 from .models.qwen_tower import install_fused_tower
-from .pruning._budget import budget_tokens, calibrate_once, calibration_key
+from .pruning._budget import ImageBudget, calibrate_once, calibration_key, fixed_vision_tokens
 from .registry import DECODERS, DRAFTERS, PRUNERS
 from .runtime import CudaGraph, LMRunner
 from .speculative.engine import speculative_decode
@@ -167,27 +168,52 @@ class Session:
         self.hooks.set_attr(model, "generate", generate)
 
     def _make_pruner(self, i: int, spec):
-        """Instantiate stage ``i``, mapping its ``budget`` (if any) onto the method's own knobs."""
+        """Instantiate stage ``i`` with its ``budget`` (if any) as a rule per image (``pruning._budget``):
+        mapped onto the method's knobs here where every image of the model has the same vision-token
+        count (an infeasible budget is refused now), else per image count as the images arrive."""
         cls = PRUNERS.get(spec.method).cls
-        params, tokens = spec.params, None
+        params, tokens, rule, per_image = spec.params, None, None, False
         if spec.budget is not None:
             path = f"pruning[{i}].budget"
-            tokens = budget_tokens(spec.budget, self.adapter, path)
-            if not cls.calibrated:
-                mapped = cls.budget_params(tokens, self.adapter, params, path)
-                params = from_dict(cls.Config, {**to_dict(params), **mapped}, f"pruning[{i}].params")
+            rule = ImageBudget(spec.budget, LMShape.of(self.adapter.text_config), path)
+            n = fixed_vision_tokens(self.adapter)
+            per_image = n is None and cls.budget_per_image and not cls.calibrated
+            mapped = None
+            if not per_image:
+                what = f"{spec.method} on {self.adapter.family}"
+                tokens = rule.target(n) if n is not None else rule.same_for_every_image(what)
+                if not cls.calibrated:
+                    mapped = rule.knobs(cls, tokens, n, self.adapter, params)
+                    params = from_dict(cls.Config, {**to_dict(params), **mapped}, f"pruning[{i}].params")
             logger.info(
-                "pruning[%d] %s: budget %s -> %d tokens per image%s",
+                "pruning[%d] %s: budget %s -> %s%s",
                 i,
                 spec.method,
                 spec.budget._to_recipe(),
-                tokens,
-                "" if cls.calibrated else f" -> {mapped}",
+                f"{tokens} tokens per image" if tokens is not None else "mapped per image on its own vision tokens",
+                f" -> {mapped}" if mapped else "",
             )
         pruner = cls(params, self.ctx)
         pruner.budget_tokens = tokens
+        pruner.budget_rule = rule
+        pruner.maps_per_image = per_image
         pruner.budget_path = f"pruning[{i}].budget"
         return pruner
+
+    def check_budgets(self, counts: list[int]) -> None:
+        """Refuse, before any pruning or LLM compute, a budget that an image of the batch cannot meet:
+        every budgeted stage's target against each image's vision tokens (``counts``, out of the tower),
+        and the first stage's per-image mapping (later stages see the tokens earlier ones left, and are
+        checked when they run). Models whose images all have one count were checked at installation."""
+        if fixed_vision_tokens(self.adapter) is not None:
+            return
+        for i, pruner in enumerate(self.pruners):
+            if pruner.budget_rule is None:
+                continue
+            for n in sorted(set(counts)):
+                pruner.budget_rule.target(n)
+                if i == 0:
+                    pruner.config_for(n)
 
     # -- pipeline stages -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -210,6 +236,7 @@ class Session:
             )
         else:
             vision = self._tower(batch.pixel_values, batch.image_sizes, items)
+        self.check_budgets(vision.counts())
         raw = dataclasses.replace(
             vision, features=list(vision.features), patch_ids=list(vision.patch_ids), tags={}, stats={}
         )

@@ -27,6 +27,7 @@ from .bench.render import (
     INTERVAL_NOTE_PREFIX,
     bench_kind,
     bench_plots,
+    budget_text,
     fmt_ci,
     interval_notes,
     unparsed_cell,
@@ -63,7 +64,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _method_label(protocol: dict[str, Any]) -> str:
-    parts = [f"{p['method']}({_short(p.get('params', {}))})" for p in protocol.get("pruning", [])]
+    parts = [  # a budgeted stage shows what it asked for beside its params (the row's token columns: what it kept)
+        f"{p['method']}({_short(p.get('params', {}))})" + (f"[{budget_text([p])}]" if p.get("budget") else "")
+        for p in protocol.get("pruning", [])
+    ]
     dec = protocol.get("decoding", {})
     parts.append(f"{dec.get('method', 'greedy')}({_short(dec.get('params', {}))})")
     if protocol.get("speculative"):

@@ -53,7 +53,7 @@ def test_unknown_stage_key_suggests_budget():
     "method, knob, value",
     [
         ("fastv", "keep", 5),
-        ("fastv", "ratio", 0.5),
+        ("fastv", "drop_ratio", 0.5),
         ("random", "keep", 4),
         ("mustdrop", "preset", "64"),
         ("zipvl", "tau", 0.9),
@@ -107,10 +107,10 @@ def test_fastv_closed_form(tiny_mm):
     )
     # L = 4, K = round(8 * 4 / 32) = 1, N = 16: keep = round((4B - 16) / 3)
     for b, keep in [(16, 16), (10, 8), (8, 5), (4, 0)]:
-        assert FastV.budget_params(b, tiny_mm.adapter, cfg, "b") == {"keep": keep}
+        assert FastV.budget_params(b, 16, tiny_mm.adapter, cfg, "b") == {"keep": keep}
     assert in_llm_keep(200, 576, 2, 32, "b") == round((32 * 200 - 2 * 576) / 30)
     with pytest.raises(ConfigError, match="smallest feasible budget is 4") as exc:
-        FastV.budget_params(3, tiny_mm.adapter, cfg, "pruning[0].budget")
+        FastV.budget_params(3, 16, tiny_mm.adapter, cfg, "pruning[0].budget")
     assert exc.value.path == "pruning[0].budget.tokens"
 
 
@@ -340,3 +340,224 @@ def test_pruning_bench_times_every_method_on_a_random_shape():
     for name in ("fastv-192", "pyramiddrop-192", "sparsevlm-192"):
         assert abs(rows[name]["layer_avg_tokens"] - 192) <= 0.05 * 192, rows[name]
     assert rows["dynamic_llava-rate0.111"]["layer_avg_tokens"] < 576
+
+
+# -- the rule per image (issue 28): tokens keep N of every image, ratio keeps round(r N_i) -------------------
+
+
+@pytest.mark.parametrize(
+    "budget, path, match",
+    [
+        ({"ratio": 0}, "pruning[0].budget.ratio", "allowed \\(0, 1\\]"),
+        ({"ratio": 1.5}, "pruning[0].budget.ratio", "out of range"),
+        ({"ratio": -0.1}, "pruning[0].budget.ratio", "allowed \\(0, 1\\]"),
+        ({"tokens": 8, "ratio": 0.5}, "pruning[0].budget", "exactly one of tokens, ratio or flops"),
+        ({"ratoi": 0.5}, "pruning[0].budget.ratoi", "did you mean 'ratio'"),
+        ({"keep": 64}, "pruning[0].budget.keep", "allowed keys: flops, ratio, tokens"),
+    ],
+)
+def test_ratio_budget_strict_errors(budget, path, match):
+    with pytest.raises(ConfigError, match=match) as exc:
+        load_recipe({"pruning": [{"method": "random", "budget": budget}]})
+    assert exc.value.path == path
+
+
+def test_ratio_budget_parses_and_roundtrips():
+    r = load_recipe({"pruning": [{"method": "divprune", "budget": {"ratio": 0.25}}]})
+    assert r.pruning[0].budget.ratio == 0.25 and r.pruning[0].budget.label == "r0.25"
+    assert load_recipe(r.to_dict()).hash() == r.hash() and r.to_dict()["pruning"][0]["budget"] == {"ratio": 0.25}
+
+
+@pytest.mark.parametrize("method", ["random", "divprune"])
+def test_tokens_keep_exactly_n_and_ratio_round_r_n_on_llava(tiny_mm, images, method):
+    for budget, want in (({"tokens": 7}, 7), ({"ratio": 0.3}, round(0.3 * 16)), ({"ratio": 1.0}, 16)):
+        out = tiny_mm.generate(
+            images[:2], PROMPTS, recipe={"pruning": [{"method": method, "budget": budget}]}, max_new_tokens=1
+        )
+        assert [r.n_vision_tokens for r in out] == [want, want], (method, budget)
+
+
+def test_in_llm_ratio_budget_is_layer_averaged_on_llava(tiny_mm, images):
+    """FastV with ratio r: the layer average is round(r N) (within the closed form's rounding)."""
+    stage = {"method": "fastv", "params": {"layer_mapping": "proportional"}, "budget": {"ratio": 0.5}}
+    out = tiny_mm.generate(images[:2], PROMPTS, recipe={"pruning": [stage]}, max_new_tokens=1)
+    for r in out:  # L = 4, K = 1, N = 16: target 8, keep = round((32 - 16) / 3) = 5
+        assert r.stats["fastv"]["kept"] == 5 and abs(r.vision_tokens_layer_avg - 8) <= 3 / 8
+
+
+def test_tokens_larger_than_the_input_is_refused_before_compute_on_llava(tiny_mm):
+    """LLaVA-1.5's images all have N tokens: the refusal comes when the session opens, naming both counts."""
+    from mmfast.pipeline import Session
+
+    with pytest.raises(ConfigError, match="17 vision tokens per image is more than this image has \\(16 ") as exc:
+        Session(tiny_mm, load_recipe({"pruning": [{"method": "random", "budget": {"tokens": 17}}]}))
+    assert exc.value.path == "pruning[0].budget.tokens"
+
+
+@pytest.fixture(scope="module")
+def qwen_mm(tmp_path_factory):
+    import mmfast
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    model, processor = random_qwen_vl("qwen2_5_vl")
+    return mmfast.load(save_model(model, processor, tmp_path_factory.mktemp("qwen_budget")), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen_images():
+    """Two sizes: dynamic resolution gives each its own vision-token count (none of them 576)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in [(56, 84), (40, 48)]]
+
+
+def test_tokens_keep_exactly_n_of_every_image_and_ratio_round_r_n_on_qwen(qwen_mm, qwen_images):
+    """On Qwen-VL ``tokens: N`` keeps N of every image (not N / 576 of it), ``ratio: r`` round(r N_i);
+    in-LLM FastV averages N over the layers on each image's own count."""
+    base = qwen_mm.generate(qwen_images, PROMPTS, max_new_tokens=1)
+    n = [b.n_vision_tokens for b in base]
+    assert len(set(n)) == 2 and 576 not in n
+    for method in ("random", "divprune"):
+        for budget, want in (({"tokens": 5}, [5, 5]), ({"ratio": 0.4}, [round(0.4 * x) for x in n])):
+            recipe = {"pruning": [{"method": method, "budget": budget}]}
+            out = qwen_mm.generate(qwen_images, PROMPTS, recipe=recipe, max_new_tokens=1)
+            assert [r.n_vision_tokens for r in out] == want, (method, budget)
+    L = len(qwen_mm.adapter.layers)
+    tokens = (3 * min(n)) // 4  # feasible at K = 1 on every image (>= N_i / L) and <= N_i
+    stage = {"method": "fastv", "params": {"k": 8, "layer_mapping": "proportional"}, "budget": {"tokens": tokens}}
+    out = qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [stage]}, max_new_tokens=1)
+    for r, ni in zip(out, n):
+        assert r.stats["fastv"]["kept"] == round((L * tokens - ni) / (L - 1))
+        assert abs(r.vision_tokens_layer_avg - tokens) <= (L - 1) / (2 * L) + 1e-9
+
+
+def test_tokens_larger_than_an_image_is_refused_before_the_llm_on_qwen(qwen_mm, qwen_images):
+    """Images of their own counts: the check runs after the tower, before any pruning or LLM layer."""
+    n = qwen_mm.generate(qwen_images[1:], PROMPTS[:1], max_new_tokens=1)[0].n_vision_tokens
+    calls = []
+    handle = qwen_mm.adapter.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ConfigError, match=f"{n + 1} vision tokens per image is more than this image has \\({n} "):
+            qwen_mm.generate(
+                qwen_images[1:],
+                PROMPTS[:1],
+                recipe={"pruning": [{"method": "divprune", "budget": {"tokens": n + 1}}]},
+                max_new_tokens=1,
+            )
+    finally:
+        handle.remove()
+    assert calls == []  # no LLM layer ran
+
+
+@pytest.mark.parametrize(
+    "method, old, new",
+    [("fastv", {"ratio": 0.5}, {"drop_ratio": 0.5}), ("dart", {"ratio": 0.5}, {"drop_ratio": 0.5})],
+)
+def test_drop_ratios_are_spelled_drop_ratio_and_the_old_name_is_refused(tiny_mm, images, method, old, new):
+    with pytest.raises(ConfigError, match="renamed; .*'ratio' .*DROPPED.*drop_ratio") as exc:
+        load_recipe({"pruning": [{"method": method, "params": old}]})
+    assert exc.value.path == "pruning[0].params.ratio"
+    params = {**new, "layer_mapping": "proportional"} if method == "fastv" else {**new, "k": 1}
+    out = tiny_mm.generate(
+        images[:1], PROMPTS[:1], recipe={"pruning": [{"method": method, "params": params}]}, max_new_tokens=1
+    )
+    kept = out[0].stats[method]["kept"]
+    assert kept == 8 if method == "fastv" else kept < 16  # FastV: round(16 x (1 - 0.5)) kept after layer K
+
+
+def test_bench_budget_entries_may_be_ratios():
+    from mmfast.bench.common import variants
+
+    r = load_recipe({"bench": {"kind": "pruning", "budgets": [8, {"ratio": 0.5}], "methods": ["random"]}})
+    vs = {v.name: v.recipe.pruning[0].budget for v in variants(r) if v.recipe.pruning}
+    assert vs == {"random-8": load_recipe(_stage("random", 8)).pruning[0].budget, "random-r0.5": vs["random-r0.5"]}
+    assert vs["random-r0.5"].ratio == 0.5 and vs["random-r0.5"].tokens is None
+    with pytest.raises(ConfigError) as exc:
+        load_recipe({"bench": {"budgets": [{"ratio": 2}]}})
+    assert exc.value.path == "bench.budgets[0].ratio"
+
+
+def test_results_tables_show_the_budget_asked_for_beside_the_tokens_kept():
+    from mmfast.bench.render import _stage_budget, budget_text, with_budget_column
+
+    results = {
+        "baseline": {"accounting": {"n_vision_tokens": 576.0}},
+        "random-r0.3333": {"pruning": [{"method": "random", "budget": {"ratio": 0.3333}}]},
+        "fastv-192": {"pruning": [{"method": "fastv", "budget": {"tokens": 192}}]},
+    }
+    result = {
+        "header": ["variant", "vision tok @LLM"],
+        "rows": [["baseline", 576], ["random-r0.3333", 192], ["fastv-192", 576]],
+        "results": results,
+    }
+    with_budget_column(result)
+    assert result["header"] == ["variant", "budget", "vision tok @LLM"]
+    assert [row[1] for row in result["rows"]] == ["", "ratio 0.3333", "tokens 192"]
+    assert budget_text([{"method": "x", "budget": {"flops": 0.2}}]) == "flops 0.2"
+    assert _stage_budget(results["random-r0.3333"], 576.0) == ("random", 192)  # leaders: ratio at the model's count
+
+
+def test_eval_report_methods_column_shows_the_budget_asked_for():
+    from mmfast.report import _method_label
+
+    protocol = {"pruning": [{"method": "fastv", "params": {"k": 2}, "budget": {"tokens": 192}}], "decoding": {}}
+    assert _method_label(protocol) == "fastv(k=2)[tokens 192] + greedy()"
+    assert _method_label({"pruning": [{"method": "fastv", "params": {"k": 2}}]}) == "fastv(k=2) + greedy()"
+
+
+def test_qwen_bench_recipe_keeps_what_its_committed_run_kept():
+    """benchmarks/pruning_qwen2_5_vl ran when a token budget B meant B / 576 of a Qwen image: its recipe now
+    asks for ratios (and PyramidDrop's lambda) that keep the same counts on both of its models, the
+    embedded LLaVA (576 tokens, the accuracy columns) and the 4-layer Qwen slice (999, the speed columns)."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from mmfast.bench.common import variants
+    from mmfast.pruning._budget import ImageBudget
+    from mmfast.pruning._common import map_layers
+    from mmfast.pruning.fastv import FastV
+    from mmfast.pruning.pyramiddrop import layer_average, stage_ratios
+
+    summary = Path(__file__).resolve().parents[1] / "benchmarks/pruning_qwen2_5_vl/summary.json"
+    if not summary.exists():
+        pytest.skip("no committed benchmarks/pruning_qwen2_5_vl in this checkout")
+    done = json.loads(summary.read_text())
+    embedded = {k: v["accounting"] for k, v in done["results"].items()}
+    sliced = {r["variant"]: r for r in done["shaped_speed"]["rows"]}
+    vs = {v.name: v.recipe.pruning[0] for v in variants(load_recipe("bench/pruning_qwen2_5_vl")) if v.recipe.pruning}
+    four = SimpleNamespace(layers=[None] * 4)  # both models have 4 LLM layers
+    for method in ("random", "divprune"):
+        for old, new in ((192, "r0.3333"), (128, "r0.2222"), (64, "r0.1111")):
+            rule = ImageBudget(vs[f"{method}-{new}"].budget, None, "b")
+            assert rule.target(576) == embedded[f"{method}-{old}"]["n_vision_tokens"]
+            assert rule.target(999) == sliced[f"{method}-{old}"]["vision_tokens"]
+    st = vs["fastv-192"]
+    for n, want in (
+        (576, embedded["fastv-192"]["vision_tokens_layer_avg"]),
+        (999, sliced["fastv-192"]["layer_avg_tokens"]),
+    ):
+        keep = FastV.budget_params(ImageBudget(st.budget, None, "b").target(n), n, four, st.params, "b")["keep"]
+        assert (n + 3 * keep) / 4 == want  # K = 1 of 4
+    st = vs["pyramiddrop-192"]
+    starts = [layer for layer, _ in map_layers(st.params.layers, 4, st.params.layer_mapping)]
+    for n, want in (
+        (576, embedded["pyramiddrop-192"]["vision_tokens_layer_avg"]),
+        (999, sliced["pyramiddrop-192"]["layer_avg_tokens"]),
+    ):
+        assert layer_average(n, starts, stage_ratios(st.params), 4) == want
+
+
+def test_an_infeasible_ratio_budget_names_its_key_and_the_target(tiny_mm):
+    """FastV at K = 1 of 4 cannot average fewer than 4 of 16 tokens: ratio 0.1 (target 2) is refused at
+    ``budget.ratio``, naming the target and the image's count."""
+    from mmfast.pipeline import Session
+
+    stage = {"method": "fastv", "params": {"layer_mapping": "proportional"}, "budget": {"ratio": 0.1}}
+    with pytest.raises(
+        ConfigError, match="ratio: 0.1 is 2 tokens for an image of 16 vision tokens; .*smallest feasible budget is 4"
+    ) as exc:
+        Session(tiny_mm, load_recipe({"pruning": [stage]}))
+    assert exc.value.path == "pruning[0].budget.ratio"

@@ -69,16 +69,16 @@ def test_readme_configs_paths_work_outside_a_checkout(tmp_path, monkeypatch):
             "-m",
             "mmfast",
             "validate",
-            "configs/examples/fastv_64.yaml",
+            "configs/examples/fastv_192.yaml",
             "--set",
-            "pruning[0].params.keep=32",
+            "pruning[0].budget.tokens=160",
         ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
     )
     assert out.returncode == 0 and "recipe hash" in out.stdout, out.stderr
-    assert "using the shipped recipe examples/fastv_64" in out.stderr
+    assert "using the shipped recipe examples/fastv_192" in out.stderr
     assert resolve_recipe_path("./configs/bench/pruning") == RECIPES_DIR / "bench" / "pruning.yaml"
     monkeypatch.chdir(tmp_path)
     assert load_recipe("configs/world_eval.yaml").name == "world_eval"

@@ -147,14 +147,18 @@ def test_visionzip_on_qwen_batch_noop_positions_and_budget(qmm, qimages):
     base = qmm.generate(qimages, PROMPTS, max_new_tokens=5)
     noop = _gen(qmm, qimages, PROMPTS, [{"method": "visionzip", "params": cls.noop_params(qmm.adapter)}])
     assert [r.token_ids for r in noop] == [r.token_ids for r in base]
-    stage = [{"method": "visionzip", "budget": {"tokens": 192}}]
+    stage = [{"method": "visionzip", "params": {"tokens": 192}}]
     batched = _gen(qmm, qimages, PROMPTS, stage)
     single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
-    # 192 = 162 + 30 for 576 tokens: int(162 N / 576) dominant + max(int(30 N / 576), 1) contextual
+    # params: the release's fractions, 192 = 162 + 30 of 576: int(162 N / 576) + max(int(30 N / 576), 1)
     assert [r.n_vision_tokens for r in batched] == [
         int(b.n_vision_tokens * 162 / 576) + max(int(b.n_vision_tokens * 30 / 576), 1) for b in base
     ]
+    # a budget keeps its target of every image: tokens B = B, ratio r = round(r N_i)
+    for budget, want in (({"tokens": 20}, lambda n: 20), ({"ratio": 0.5}, lambda n: round(0.5 * n))):
+        got = _gen(qmm, qimages, PROMPTS, [{"method": "visionzip", "budget": budget}])
+        assert [r.n_vision_tokens for r in got] == [want(b.n_vision_tokens) for b in base]
     batch = qmm.prepare(qimages[:1], PROMPTS[:1])
     with _session(qmm, "visionzip", tokens=288) as s, torch.inference_mode():
         vision = s.encode(batch)
@@ -227,9 +231,11 @@ def test_cdpruner_on_qwen_noop_batch_and_budget(qmm, qimages):
     base = qmm.generate(qimages, PROMPTS, max_new_tokens=5)
     noop = _gen(qmm, qimages, PROMPTS, [{"method": "cdpruner", "params": cls.noop_params(qmm.adapter)}])
     assert [r.token_ids for r in noop] == [r.token_ids for r in base]
-    assert cls.budget_params(192, qmm.adapter, cls.Config(), "budget") == {"ratio": 192 / 576}
-    stage = [{"method": "cdpruner", "budget": {"tokens": 192}}]
+    assert cls.budget_params(20, None, qmm.adapter, cls.Config(), "budget") == {"keep": 20}
+    stage = [{"method": "cdpruner", "params": {"ratio": 192 / 576}}]
     batched = _gen(qmm, qimages, PROMPTS, stage)
     single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
     assert [r.n_vision_tokens for r in batched] == [round(b.n_vision_tokens * 192 / 576) for b in base]
+    got = _gen(qmm, qimages, PROMPTS, [{"method": "cdpruner", "budget": {"tokens": 20}}])
+    assert [r.n_vision_tokens for r in got] == [20] * len(base)  # a budget: B of every image

@@ -82,14 +82,14 @@ def test_overrides():
 
 
 def test_dotted_list_index_as_lmms_model_args_write_it(capsys):
-    # `--set pruning.0.params.keep=32` (the lmms plugin's spelling) is pruning[0].params.keep
+    # `--set pruning.0.budget.tokens=160` (the lmms plugin's spelling) is pruning[0].budget.tokens
     r = load_recipe(
-        "examples/fastv_64", ["pruning.0.params.keep=32", "pruning.-1.params.k=1", "model.max_memory.0=1GiB"]
+        "examples/fastv_192", ["pruning.0.budget.tokens=160", "pruning.-1.params.k=1", "model.max_memory.0=1GiB"]
     )
-    assert (r.pruning[0].params.keep, r.pruning[0].params.k) == (32, 1)
+    assert (r.pruning[0].budget.tokens, r.pruning[0].params.k) == (160, 1)
     assert r.model.max_memory == {"0": "1GiB"}  # a number below a mapping is still a key
-    assert main(["-q", "validate", "examples/fastv_64", "--set", "pruning.0.params.keep=32"]) == 0
-    assert "keep: 32" in capsys.readouterr().out
+    assert main(["-q", "validate", "examples/fastv_192", "--set", "pruning.0.budget.tokens=160"]) == 0
+    assert "tokens: 160" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -103,11 +103,11 @@ def test_dotted_list_index_as_lmms_model_args_write_it(capsys):
 )
 def test_override_errors_name_the_override_not_the_recipe_file(item, path, capsys):
     with pytest.raises(ConfigError) as info:
-        load_recipe("examples/fastv_64", ["decoding.max_new_tokens=3", item])
+        load_recipe("examples/fastv_192", ["decoding.max_new_tokens=3", item])
     assert info.value.source == f"override {item!r}" and info.value.path == path
-    assert main(["-q", "validate", "examples/fastv_64", "--set", item]) == 2
+    assert main(["-q", "validate", "examples/fastv_192", "--set", item]) == 2
     err = capsys.readouterr().err
-    assert f"error: override {item!r}: {path}:" in err and "fastv_64.yaml" not in err
+    assert f"error: override {item!r}: {path}:" in err and "fastv_192.yaml" not in err
 
 
 def test_recipe_file_errors_still_name_the_file(tmp_path):

@@ -178,7 +178,7 @@ def test_dart_release_counts_and_budget(tiny_mm, images, prompts):
         .params
     )
     # 4-layer LLM: K = 1, N = 16; budget 12 -> keep = round((4 * 12 - 16) / 3) = 11 -> t = round((11 - 4) / 8) = 1
-    assert DART.budget_params(12, tiny_mm.adapter, cfg, "budget") == {"truncation": 8}
+    assert DART.budget_params(12, 16, tiny_mm.adapter, cfg, "budget") == {"truncation": 8}
     rec = load_recipe(
         {"pruning": [{"method": "dart", "budget": {"tokens": 12}, "params": {"k": 8, "layer_mapping": "proportional"}}]}
     )

@@ -145,14 +145,17 @@ def test_dart_batch_equals_single_on_qwen(qmm, qimages):
         assert r.stats["dart"]["kept"] == 2 + min(4, n - 2) // 4 * 4
 
 
-def test_dart_budget_is_a_fraction_on_qwen(qmm):
+def test_dart_budget_is_mapped_on_each_images_own_count_on_qwen(qmm):
+    """A budget B is B layer-averaged tokens of every image, whatever its count (not B / 576 of it)."""
     from mmfast.pruning._budget import in_llm_keep
 
     cls = PRUNERS.get("dart").cls
     cfg = cls.Config(k=1)
-    params = cls.budget_params(192, qmm.adapter, cfg, "budget")
-    keep = in_llm_keep(192, 576, 1, len(qmm.adapter.layers), "budget")
-    assert params == {"truncation": None, "ratio": 1.0 - (keep - cfg.pivot_image) / 576}
+    for n in (40, 90):
+        keep = in_llm_keep(30, n, 1, len(qmm.adapter.layers), "budget")
+        pivots = cfg.pivot_image + cfg.pivot_text
+        want = max(0, round((keep - cfg.pivot_image) / pivots)) * pivots
+        assert cls.budget_params(30, n, qmm.adapter, cfg, "budget") == {"truncation": want}
 
 
 def _qwen_dart_reference(mm, inputs, layer, n_img_piv, n_txt_piv, per_pivot):
@@ -239,16 +242,22 @@ def test_divprune_on_qwen_selects_the_max_min_subset_of_each_image(qmm, qimages)
 
 
 def test_divprune_on_qwen_noop_batch_and_budget(qmm, qimages):
+    """``tokens: N`` keeps exactly N of every image (mixed sizes), ``ratio: r`` round(r N_i) of each."""
     cls = PRUNERS.get("divprune").cls
     base = qmm.generate(qimages, PROMPTS, max_new_tokens=6)
     noop = _gen(qmm, qimages, PROMPTS, [{"method": "divprune", "params": cls.noop_params(qmm.adapter)}])
     assert [r.token_ids for r in noop] == [r.token_ids for r in base]
-    stage = [{"method": "divprune", "budget": {"tokens": 192}}]
-    assert cls.budget_params(192, qmm.adapter, cls.Config(), "budget") == {"keep": None, "ratio": 192 / 576}
-    batched = _gen(qmm, qimages, PROMPTS, stage)
-    single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
-    assert [r.token_ids for r in batched] == [r.token_ids for r in single]
-    assert [r.n_vision_tokens for r in batched] == [round(b.n_vision_tokens * 192 / 576) for b in base]
+    n = [b.n_vision_tokens for b in base]
+    assert len(set(n)) > 1 and cls.budget_params(7, 999, qmm.adapter, cls.Config(), "budget") == {"keep": 7}
+    for budget, want in (
+        ({"tokens": min(n) - 1}, [min(n) - 1] * len(n)),
+        ({"ratio": 0.4}, [round(0.4 * x) for x in n]),
+    ):
+        stage = [{"method": "divprune", "budget": budget}]
+        batched = _gen(qmm, qimages, PROMPTS, stage)
+        single = [_gen(qmm, [im], [p], stage)[0] for im, p in zip(qimages, PROMPTS)]
+        assert [r.token_ids for r in batched] == [r.token_ids for r in single]
+        assert [r.n_vision_tokens for r in batched] == want
 
 
 # -- PyramidDrop on the Qwen-VL families (M-RoPE scoring, original ids kept) ---------------------------
@@ -326,9 +335,9 @@ def test_in_llm_drops_keep_the_original_mrope_ids_on_qwen(method, qmm, qimages):
         assert torch.equal(grp.next_positions(), full_next)
 
 
-# -- SparseVLM on the Qwen-VL families (counts scaled per image, original ids kept) ------------------
+# -- SparseVLM on the Qwen-VL families (given counts per image, original ids kept) ----------------------
 def test_sparsevlm_on_qwen_noop_counts_and_batch(qmm, qimages):
     params, batched, base = _noop_and_batch(qmm, qimages, "sparsevlm")
-    for r, b in zip(batched, base):  # first filter: round(k_1 N_i / 576) kept, plus the recycled clusters
+    for r, b in zip(batched, base):  # first filter: the given k_1 kept (capped at N_i), plus the recycled clusters
         st, n = r.stats["sparsevlm"], b.n_vision_tokens
-        assert st["kept"][0] - st["recycled"][0] == min(n, round(params["keep"][0] * n / 576))
+        assert st["kept"][0] - st["recycled"][0] == min(n, params["keep"][0])

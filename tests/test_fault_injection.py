@@ -854,7 +854,7 @@ def test_pruning_bench_counts_tokens_over_the_scored_samples_only(tiny_dir, tiny
     recipe = load_recipe(
         {
             **_recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random"]}).to_dict(),
-            "pruning": [{"method": "fastv", "params": {"k": 2, "ratio": 0.5}}],
+            "pruning": [{"method": "fastv", "params": {"k": 2, "drop_ratio": 0.5}}],
         }
     )
     run_eval(recipe, limit=8, mm=tiny_mm)

@@ -90,10 +90,15 @@ def test_cpu_run_rows_columns_medians_and_hf_tokens(tmp_path, monkeypatch):
     )
     line = next(x for x in md.splitlines() if x.startswith("| tiny | 2 | caption | mmfast unpruned |"))
     header = next(x for x in md.splitlines() if x.startswith("| shape |"))
-    col = dict(zip((c.strip() for c in header.strip("|").split("|")), (c.strip() for c in line.strip("|").split("|"))))
+    names = [c.strip() for c in header.strip("|").split("|")]
+    col = dict(zip(names, (c.strip() for c in line.strip("|").split("|"))))
+    assert col["budget"] == ""  # no budget asked for
     for name in ("peak mem GiB", "decode % BW limit", "prefill % peak FLOP/s", "capture ms/call"):
         assert col[name] == "n/a", name  # a CPU has none of these (no graph is captured on a CPU)
     assert col["tokens = hf eager"] == "yes" and float(col["FLOPs ratio"]) == 1.0
+    pruned = next(x for x in md.splitlines() if x.startswith("| tiny | 2 | caption | divprune-8 |"))
+    pcol = dict(zip(names, (c.strip() for c in pruned.strip("|").split("|"))))
+    assert (pcol["budget"], pcol["vision tok"]) == ("tokens 8", "8")  # asked for, kept
     assert result["device"]["peak_bandwidth"] is None and result["table"] == md
 
 
@@ -221,7 +226,7 @@ def test_embedded_flash_row_has_real_tau_and_is_lossless(tmp_path):
     assert any(t["target"].startswith("embedded: flash") and t["status"] in ("pass", "fail") for t in result["targets"])
 
 
-@pytest.mark.parametrize("shape", ["tiny-next", "tiny-qwen"])
+@pytest.mark.parametrize("shape", ["tiny-next", "tiny-qwen", "tiny-onevision"])
 def test_anyres_and_qwen_shapes_hf_rows_equal_mmfast(tmp_path, shape):
     recipe = _recipe(
         f"bench.params.shapes=[{shape}]",
@@ -235,7 +240,9 @@ def test_anyres_and_qwen_shapes_hf_rows_equal_mmfast(tmp_path, shape):
     assert rows[gs.HF_EAGER]["tokens_sha"] == rows[gs.HF_STATIC]["tokens_sha"] == rows[gs.UNPRUNED]["tokens_sha"]
 
 
-@pytest.mark.parametrize("name,tokens,layers", [("llava-next-7b", 2928, 32), ("qwen2.5-vl-7b", 999, 28)])
+@pytest.mark.parametrize(
+    "name,tokens,layers", [("llava-next-7b", 2928, 32), ("qwen2.5-vl-7b", 999, 28), ("llava-onevision-7b", 4725, 28)]
+)
 def test_full_depth_shapes_build_without_weights(name, tokens, layers):
     """The 7B shapes build (on the meta device here: no memory, no init) with their real token geometry."""
     import numpy as np
@@ -255,6 +262,31 @@ def test_full_depth_shapes_build_without_weights(name, tokens, layers):
     assert mm.dtype == torch.float16 and mm.eos_token_ids == [
         model.config.get_text_config().vocab_size
     ]  # never generated
+
+
+def test_onevision_7b_shape_has_the_released_sizes():
+    """The OneVision-7B shape's config (built without weights) has llava-onevision-qwen2-7b-ov-hf's sizes:
+    SigLIP-so400m/14 at 384 (26 layers, 729 tokens per view, no CLS), anyres_max_9 over 6 x 6 tiles of
+    384 px, Qwen2-7B."""
+    import torch
+
+    from mmfast.models.factory import build_bench_model
+
+    model, _ = build_bench_model("llava-onevision-7b", device="meta", dtype=torch.float16)
+    c = model.config
+    v, t = c.vision_config, c.text_config
+    assert (v.model_type, v.hidden_size, v.intermediate_size, v.num_hidden_layers, v.num_attention_heads) == (
+        "siglip_vision_model",
+        1152,
+        4304,
+        26,
+        16,
+    )
+    assert (v.image_size // v.patch_size) ** 2 == 729 and not v.vision_use_head
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads) == (3584, 28, 28, 4)
+    assert (t.intermediate_size, t.vocab_size, t.max_position_embeddings) == (18944, 152064, 32768)
+    assert c.vision_aspect_ratio == "anyres_max_9" and c.vision_feature_select_strategy == "full"
+    assert sorted(map(tuple, c.image_grid_pinpoints)) == [(384 * r, 384 * k) for r in range(1, 7) for k in range(1, 7)]
 
 
 def test_a_failing_row_is_recorded_loudly_and_re_runs(tmp_path, monkeypatch):

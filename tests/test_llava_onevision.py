@@ -277,20 +277,37 @@ def test_fastv_decisions_equal_a_direct_computation(ov_mm, ov_dir, ov_images, pr
         assert torch.equal(grp.positions[b][grp.key_mask[b]], inputs.position_ids[b, src])
 
 
-def test_budget_scales_with_each_images_token_count(ov_mm, ov_images, prompts):
-    """``budget: {tokens: B}`` is the budget of a base-view-sized image (N0 = 16 tokens here): an image
-    of N_i tokens keeps round(N_i * keep0 / N0), keep0 = (L * B - K * N0) / (L - K)."""
-    n0 = ov_mm.adapter.grid[0] * ov_mm.adapter.grid[1]
-    budget, k, n_layers = 10, 2, len(ov_mm.adapter.layers)
-    keep0 = round((n_layers * budget - k * n0) / (n_layers - k))
-    recipe = {"pruning": [{"method": "fastv", "params": {"k": k}, "budget": {"tokens": budget}}]}
+def test_budget_is_mapped_on_each_images_own_token_count(ov_mm, ov_images, prompts):
+    """``budget: {ratio: r}`` on FastV: an image of N_i tokens averages round(r N_i) tokens over the
+    layers (keep_i = round((L t_i - K N_i) / (L - K)) after layer K), never a count scaled from N0."""
+    r_kept, k, n_layers = 0.6, 2, len(ov_mm.adapter.layers)
+    recipe = {"pruning": [{"method": "fastv", "params": {"k": k}, "budget": {"ratio": r_kept}}]}
     out = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=2)
     counts = [r.n_vision_tokens for r in out]
     assert len(set(counts)) == 3  # three different token counts
     for r, n in zip(out, counts):
-        assert r.stats["fastv"]["kept"] == round(n * keep0 / n0)
-        # rounding keep0 (<= 0.5, scaled by N_i / N0) and the image's keep (<= 0.5), over L - K layers
-        assert abs(r.vision_tokens_layer_avg - budget * n / n0) <= (n_layers - k) / n_layers * 0.5 * (1 + n / n0) + 1e-6
+        t = round(r_kept * n)
+        assert r.stats["fastv"]["kept"] == round((n_layers * t - k * n) / (n_layers - k))
+        assert abs(r.vision_tokens_layer_avg - t) <= (n_layers - k) / n_layers * 0.5 + 1e-6
+
+
+def test_tokens_budget_infeasible_for_an_image_is_refused_before_the_llm(ov_mm, ov_images, prompts):
+    """``tokens: N`` larger than an image's vision tokens, or below what an in-LLM stage can average on
+    it, is refused naming the counts, before the LLM runs (the session's check after the tower)."""
+    from mmfast.errors import ConfigError
+
+    n = ov_mm.generate(ov_images[:1], prompts[:1], max_new_tokens=1)[0].n_vision_tokens
+    with pytest.raises(ConfigError, match=f"{n + 1} vision tokens per image is more than this image has \\({n} ") as e:
+        ov_mm.generate(
+            ov_images[:1], prompts[:1], recipe={"pruning": [{"method": "divprune", "budget": {"tokens": n + 1}}]}
+        )
+    assert e.value.path == "pruning[0].budget.tokens"
+    with pytest.raises(ConfigError, match=f"with {n} vision tokens in this image: the smallest feasible budget"):
+        ov_mm.generate(
+            ov_images[:1],
+            prompts[:1],
+            recipe={"pruning": [{"method": "fastv", "params": {"k": 2}, "budget": {"tokens": 2}}]},
+        )
 
 
 @pytest.mark.parametrize(
@@ -363,7 +380,7 @@ def test_shipped_recipe_validates_on_a_tiny_stand_in(ov_dir, capsys):
     assert "fastv" in capsys.readouterr().out
 
 
-PRUNE = [{"method": "fastv", "params": {"k": 2}, "budget": {"tokens": 10}}]
+PRUNE = [{"method": "fastv", "params": {"k": 2}, "budget": {"ratio": 0.6}}]
 DRAFT = {"method": "layer_skip", "params": {"skip": [2], "gamma": 3, "threshold": 0.0}}
 
 
@@ -481,18 +498,17 @@ def test_pyramiddrop_keeps_a_fraction_of_each_image_and_batch_equals_single(ov_m
     assert len({b.n_vision_tokens for b in base}) > 1  # the images really differ in token count
 
 
-def test_divprune_keeps_a_fraction_of_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
-    """DivPrune on the packed anyres-max tokens: a budget is B / N0 of every image's own N_i tokens."""
-    from mmfast.pruning._budget import vision_tokens_per_image
-
-    n0 = vision_tokens_per_image(ov_mm.adapter)
-    budget = n0 // 3
-    recipe = {"pruning": [{"method": "divprune", "budget": {"tokens": budget}}]}
+def test_divprune_keeps_the_budget_of_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """DivPrune on the packed anyres-max tokens: ``tokens: N`` keeps exactly N of every image,
+    ``ratio: r`` round(r N_i) of each image's own N_i tokens; a mixed-size batch equals batch 1."""
     base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
-    batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
-    for r, b, image, prompt in zip(batched, base, ov_images, prompts):
-        assert r.n_vision_tokens == round(b.n_vision_tokens * budget / n0)
-        assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
+    n = [b.n_vision_tokens for b in base]
+    for budget, want in (({"tokens": min(n) // 2}, [min(n) // 2] * 3), ({"ratio": 0.3}, [round(0.3 * x) for x in n])):
+        recipe = {"pruning": [{"method": "divprune", "budget": budget}]}
+        batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
+        assert [r.n_vision_tokens for r in batched] == want
+        for r, image, prompt in zip(batched, ov_images, prompts):
+            assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
 
 
 def test_dart_default_truncation_is_a_fraction_and_batch_equals_single(ov_mm, ov_images, prompts):
@@ -508,17 +524,15 @@ def test_dart_default_truncation_is_a_fraction_and_batch_equals_single(ov_mm, ov
         assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids
 
 
-def test_sparsevlm_counts_scale_with_each_image_and_batch_equals_single(ov_mm, ov_images, prompts):
-    """SparseVLM's counts are for a base-view-sized image: an image of N_i tokens keeps round(k N_i / N0)."""
-    from mmfast.pruning._budget import vision_tokens_per_image
+def test_sparsevlm_counts_are_per_image_and_batch_equals_single(ov_mm, ov_images, prompts):
+    """SparseVLM's given counts ``keep`` are kept by every image as given (capped at its N_i)."""
     from mmfast.pruning.sparsevlm import SparseVLM
 
-    n0 = vision_tokens_per_image(ov_mm.adapter)
     params = SparseVLM.test_params(ov_mm.adapter)
     recipe = {"pruning": [{"method": "sparsevlm", "params": params}]}
     base = ov_mm.generate(ov_images, prompts[:3], max_new_tokens=1)
     batched = ov_mm.generate(ov_images, prompts[:3], recipe=recipe, max_new_tokens=6)
     for r, b, image, prompt in zip(batched, base, ov_images, prompts):
         st, n = r.stats["sparsevlm"], b.n_vision_tokens
-        assert st["kept"][0] - st["recycled"][0] == min(n, round(params["keep"][0] * n / n0))
+        assert st["kept"][0] - st["recycled"][0] == min(n, params["keep"][0])
         assert r.token_ids == ov_mm.generate([image], [prompt], recipe=recipe, max_new_tokens=6)[0].token_ids

@@ -117,7 +117,7 @@ def test_session_restores_model(qmm, qimages):
     with torch.no_grad():
         before = qmm.model(**hf_in).logits
     hooks = count_hooks(qmm.model)
-    s = Session(qmm, load_recipe({"pruning": [{"method": "fastv", "params": {"k": 1, "ratio": 0.5}}]}))
+    s = Session(qmm, load_recipe({"pruning": [{"method": "fastv", "params": {"k": 1, "drop_ratio": 0.5}}]}))
     s.probe.watch("llm.1", qmm.adapter.layers[1].self_attn, rows=last_row)
     s.generate(qimages[:2], QPROMPTS[:2], max_new_tokens=3)
     s.close()
@@ -146,7 +146,7 @@ def test_noop_pruning_equals_baseline(qmm, qimages, pruner):
 def test_in_llm_pruning_keeps_original_3d_positions(qmm, qimages):
     """FastV under M-RoPE: the kept slots carry their prefill (t, h, w) ids; decoding continues at
     max + 1 over the kept layout's valid positions (replicated on the 3 axes)."""
-    recipe = load_recipe({"pruning": [{"method": "fastv", "params": {"k": 2, "ratio": 0.5}}]})
+    recipe = load_recipe({"pruning": [{"method": "fastv", "params": {"k": 2, "drop_ratio": 0.5}}]})
     inputs, state, _ = _prefill(qmm, qimages[:2], QPROMPTS[:2], recipe)
     assert len(state.groups) == 2
     g0, g1 = state.groups
@@ -195,15 +195,16 @@ def test_pre_llm_pruning_keeps_grid_positions(qmm, qimages):
         assert torch.equal(pruned.position_ids[b, -n_after:], base.position_ids[b, -n_after:])
 
 
-def test_budget_is_a_fraction_under_dynamic_resolution(qmm):
+def test_budget_is_mapped_on_each_images_own_count_under_dynamic_resolution(qmm):
+    """Under dynamic resolution a budget is a count per image, mapped on the image's own N (not on 576)."""
     from mmfast.pruning.fastv import FastV
     from mmfast.pruning.random_drop import RandomDrop
 
     cfg = FastV.Config(k=1)
-    got = FastV.budget_params(192, qmm.adapter, cfg, "b")
-    n, k, L = 576, 1, len(qmm.adapter.layers)
-    assert got["keep"] is None and got["ratio"] == pytest.approx(1 - round((L * 192 - k * n) / (L - k)) / n)
-    assert RandomDrop.budget_params(128, qmm.adapter, RandomDrop.Config(), "b") == {"fraction": 128 / 576}
+    L = len(qmm.adapter.layers)
+    for n in (300, 999):
+        assert FastV.budget_params(300, n, qmm.adapter, cfg, "b") == {"keep": round((L * 300 - n) / (L - 1))}
+    assert RandomDrop.budget_params(128, 999, qmm.adapter, RandomDrop.Config(), "b") == {"keep": 128}
 
 
 def test_mrope_rules():
@@ -265,7 +266,7 @@ def test_qwen3_deepstack_follows_pruned_tokens(family_dir, qmm, qimages):
         {"decoding": {"method": "vcd"}},
         {"pruning": [{"method": "random", "params": {"fraction": 0.5}}]},
         {
-            "pruning": [{"method": "fastv", "params": {"k": 1, "ratio": 0.5}}],
+            "pruning": [{"method": "fastv", "params": {"k": 1, "drop_ratio": 0.5}}],
             "speculative": {"method": "prompt_lookup"},
         },
     ],

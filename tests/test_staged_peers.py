@@ -129,12 +129,12 @@ def test_pdrop_budget_lands_within_5_percent(tiny_mm, images, prompts, tokens):
     for r in out:
         assert abs(r.vision_tokens_layer_avg - tokens) <= 0.05 * tokens
     cfg = _recipe("pyramiddrop", PD).pruning[0].params
-    lam = PyramidDrop.budget_params(tokens, tiny_mm.adapter, cfg, "b")["ratio"]
+    lam = PyramidDrop.budget_params(tokens, 16, tiny_mm.adapter, cfg, "b")["ratio"]
     assert out[0].vision_tokens_layer_avg == pytest.approx(layer_average(16, [1, 2, 3], [lam, lam**2, lam**3], 4))
     # the paper's shape: lambda for 192 / 128 / 64 on LLaVA-1.5 (N = 576, 32 layers)
     assert abs(layer_average(576, [8, 16, 24], [0.5, 0.25, 0.125], 32) - 270) < 1e-9
     with pytest.raises(ConfigError, match="smallest feasible budget is 4"):
-        PyramidDrop.budget_params(3, tiny_mm.adapter, cfg, "pruning[0].budget")
+        PyramidDrop.budget_params(3, 16, tiny_mm.adapter, cfg, "pruning[0].budget")
 
 
 def test_pdrop_refuses_bad_schedules(tiny_mm):
@@ -289,7 +289,7 @@ def test_sparsevlm_budget_lands_within_5_percent(tiny_mm, images, prompts, token
     assert simulate(576, [300, 200, 110], [3, 7, 16], 32, (0.3, 10))[1] > real
     cfg = load_recipe({"pruning": [{"method": "sparsevlm", "params": SV}]}).pruning[0].params
     with pytest.raises(ConfigError, match="smallest feasible budget is 5"):
-        SparseVLM.budget_params(4, tiny_mm.adapter, cfg, "pruning[0].budget")
+        SparseVLM.budget_params(4, 16, tiny_mm.adapter, cfg, "pruning[0].budget")
 
 
 def test_sparsevlm_refuses_bad_layers(tiny_mm):

@@ -231,7 +231,7 @@ def test_pre_llm_pruners_keep_video_tokens_positions(family, stage):
 
 def test_fastv_prunes_video_tokens_inside_the_llm():
     mm = _mm("qwen2_5_vl")
-    recipe = {"pruning": [{"method": "fastv", "params": {"k": 1, "ratio": 0.5}}]}
+    recipe = {"pruning": [{"method": "fastv", "params": {"k": 1, "drop_ratio": 0.5}}]}
     out = mm.generate(None, ["Describe."], videos=[_video(4)], recipe=recipe, max_new_tokens=3)
     assert out[0].vision_tokens_layer_avg < out[0].n_vision_tokens
 

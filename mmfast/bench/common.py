@@ -34,8 +34,9 @@ class Variant:
 
 
 def budget_items(recipe: Recipe) -> list[dict]:
-    """``bench.methods`` x ``bench.budgets`` as compare items ``{method}-{B}`` with ``budget: {tokens: B}``
-    (in method order, then budget order)."""
+    """``bench.methods`` x ``bench.budgets`` as compare items ``{method}-{label}`` (in method order, then
+    budget order): an entry N is ``budget: {tokens: N}`` (label ``N``), a mapping is that budget (label
+    ``Budget.label``, e.g. ``r0.3333`` for ``{ratio: 0.3333}``)."""
     if bool(recipe.bench.methods) != bool(recipe.bench.budgets):
         missing = "bench.budgets" if recipe.bench.methods else "bench.methods"
         raise ConfigError(missing, "bench.methods and bench.budgets go together; set both (or neither)")
@@ -46,8 +47,9 @@ def budget_items(recipe: Recipe) -> list[dict]:
         if not isinstance(entry, dict) or "method" not in entry or set(entry) - {"method", "params"}:
             raise ConfigError(f"bench.methods[{j}]", "expected a method name or {method: NAME, params: {...}}")
         for b in recipe.bench.budgets:
-            stage = {"method": entry["method"], "params": dict(entry.get("params") or {}), "budget": {"tokens": b}}
-            items.append({"name": f"{entry['method']}-{b}", "pruning": [stage], "_origin": f"bench.methods[{j}]"})
+            budget, label = ({"tokens": b}, str(b)) if isinstance(b, int) else (b._to_recipe(), b.label)
+            stage = {"method": entry["method"], "params": dict(entry.get("params") or {}), "budget": budget}
+            items.append({"name": f"{entry['method']}-{label}", "pruning": [stage], "_origin": f"bench.methods[{j}]"})
     return items
 
 

@@ -1,7 +1,8 @@
 """``mmfast bench`` kind ``gpu_speed``: full-depth random-weight models, HF ``generate`` and mmfast, one process.
 
 What it measures (issue 27, item 4). For every shape of ``bench.params.shapes`` (full-depth random-weight
-LLaVA-1.5-7B, LLaVA-NeXT-7B anyres, Qwen2.5-VL-7B: :data:`mmfast.models.factory.BENCH_MODELS`, built on
+LLaVA-1.5-7B, LLaVA-NeXT-7B anyres, Qwen2.5-VL-7B, LLaVA-OneVision-7B anyres-max:
+:data:`mmfast.models.factory.BENCH_MODELS`, built on
 the device in ``bench.params.dtype``), every batch size of ``bench.params.batches`` and every workload
 (``pope``: a one-token answer; ``caption``: ``bench.params.caption_tokens`` new tokens), these rows run on
 the same prepared inputs:
@@ -84,6 +85,7 @@ from ..pruning._budget import CalibrationSet
 from ..speculative._eagle_model import write_random_draft
 from .common import Variant, variants
 from .pruning import _untrained
+from .render import budget_text
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +192,7 @@ class GpuBenchParams:
     def of(cls, recipe: Recipe) -> GpuBenchParams:
 
         p = recipe.bench.params
-        shapes = tuple(p.get("shapes", ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b")))
+        shapes = tuple(p.get("shapes", ("llava-1.5-7b", "llava-next-7b", "qwen2.5-vl-7b", "llava-onevision-7b")))
         for i, s in enumerate(shapes):
             if s not in BENCH_MODELS:
                 close = difflib.get_close_matches(s, list(BENCH_MODELS), n=1)
@@ -803,6 +805,7 @@ def write_gpu_report(
         "workload",
         "row",
         "status",
+        "budget",
         "vision tok",
         "TTFT ms",
         "decode ms/token",
@@ -823,8 +826,10 @@ def write_gpu_report(
     for _key, m in sorted(((k, m) for k, m in rows.items() if k[0] != EMBEDDED), key=lambda km: _order(km[0], vs)):
         base = rows.get((m.shape, m.batch, m.workload, UNPRUNED))
         hf = rows.get((m.shape, m.batch, m.workload, HF_EAGER))
+        v = next((v for v in vs if v.name == m.row), None)
+        asked = budget_text([st._to_recipe() for st in v.recipe.pruning]) if v is not None else ""
         if not m.ok:
-            table.append([m.shape, m.batch, m.workload, m.row, m.status] + [""] * (len(header) - 5))
+            table.append([m.shape, m.batch, m.workload, m.row, m.status, asked] + [""] * (len(header) - 6))
             continue
         step = m.decode_step_s
         bw = info.peak_bandwidth
@@ -840,7 +845,6 @@ def write_gpu_report(
             if base is not None and base.ok and base.flops_prefill and m.flops_prefill
             else None
         )
-        v = next((v for v in vs if v.name == m.row), None)
         tau = _drafter_tau(rows, vs, v) if v is not None else None
         proj = None
         if tau and m.cycles and base is not None and base.ok and base.decode_step_s and step is not None:
@@ -862,6 +866,7 @@ def write_gpu_report(
                 m.workload,
                 m.row,
                 "ok",
+                asked,
                 _fmt(m.n_vision_tokens, ".0f"),
                 _fmt(m.ttft_s * 1000, ".1f"),
                 _fmt(step * 1000 if step is not None else None, ".2f"),

@@ -28,11 +28,13 @@ from ..pruning._budget import CalibrationSet
 from .common import Variant, dump, median_time, timing_samples_of, variants, warm_repeats, write_markdown
 from .render import (
     budget_leaders,
+    budget_text,
     has_budgets,
     pruning_plots,
     slice_label,
     timing_labels,
     timing_protocol_note,
+    with_budget_column,
     with_slice_speedup,
     write_results,
 )
@@ -322,6 +324,11 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
     )
     if has_budgets(result):
         notes.append("Per budget, the best variant and its margins over VisionZip and random drop: leaders.md.")
+    with_budget_column(result)
+    notes.append(
+        "budget: what the variant's recipe asked for, per image (tokens N: N kept; ratio r: round(r N_i) of an image's "
+        "N_i); vision tok @LLM / layer-avg tok: what it kept (layer-averaged for in-LLM methods)."
+    )
     intervals = write_results(
         result, out, "pruning", "Vision-token pruning on the embedded world", command, notes, timing_labels(result)
     )
@@ -335,9 +342,11 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
         )
     speed = result.get("shaped_speed")
     if speed:
+        res = result["results"]
         rows = [
             [
                 r["variant"],
+                budget_text((res.get(r["variant"]) or {}).get("pruning")),
                 r["vision_tokens"],
                 r["layer_avg_tokens"],
                 r["prefill_s"],
@@ -356,6 +365,7 @@ def write_pruning_report(result: dict[str, Any], out: Path, command: str) -> Non
             command,
             [
                 "variant",
+                "budget",
                 "vision tok @LLM",
                 "layer-avg tok",
                 "LLM prefill s",

@@ -272,13 +272,46 @@ BUDGET_TOLERANCE = 0.05
 """A variant is compared at budget B when its layer-averaged vision tokens are within 5% of B."""
 
 
-def _stage_budget(r: dict[str, Any]) -> tuple[str, int] | None:
-    """(method, budget tokens) of a variant's budgeted pruning stage, from its recorded stages."""
+def _stage_budget(r: dict[str, Any], n_vision: float | None = None) -> tuple[str, int] | None:
+    """(method, budget tokens) of a variant's budgeted pruning stage, from its recorded stages: its
+    ``tokens``, or for ``ratio: r`` round(r x ``n_vision``) (the unpruned model's mean vision tokens per
+    sample; the accuracy model's images all have one count, so this is what each image kept)."""
     for st in r.get("pruning") or []:
-        tokens = (st.get("budget") or {}).get("tokens")
-        if tokens is not None:
-            return str(st["method"]), int(tokens)
+        budget = st.get("budget") or {}
+        if budget.get("tokens") is not None:
+            return str(st["method"]), int(budget["tokens"])
+        if budget.get("ratio") is not None and n_vision:
+            return str(st["method"]), max(1, round(float(budget["ratio"]) * n_vision))
     return None
+
+
+def with_budget_column(result: dict[str, Any]) -> None:
+    """Insert a "budget" column after "variant" (in place): the budget each variant's recipe asked for
+    (:func:`budget_text` of its recorded stages), beside the vision tokens it kept; results recorded
+    before the column get it on re-rendering."""
+    header = result["header"]
+    if "budget" in header or "variant" not in header:
+        return
+    at = header.index("variant") + 1
+    header.insert(at, "budget")
+    for row in result["rows"]:
+        row.insert(at, budget_text((result["results"].get(row[0]) or {}).get("pruning")))
+
+
+def _unpruned_vision_tokens(result: dict[str, Any]) -> float | None:
+    """The baseline variant's mean vision tokens at the LLM input (None without a baseline)."""
+    base = result["results"].get("baseline") or {}
+    return (base.get("accounting") or {}).get("n_vision_tokens")
+
+
+def budget_text(stages: list[dict[str, Any]] | None) -> str:
+    """The budget a variant's recipe asked for, as written (``tokens 192``, ``ratio 0.3333``, ``flops
+    0.2``; stages joined by ``+``), or "" without one: the tables' "budget" column beside the kept tokens."""
+    parts = []
+    for st in stages or []:
+        for key, value in (st.get("budget") or {}).items():
+            parts.append(f"{key} {value:g}" if isinstance(value, float) else f"{key} {value}")
+    return " + ".join(parts)
 
 
 LEADER_REFERENCES = ("visionzip", "random")
@@ -291,7 +324,10 @@ the methods that drop tokens, so the leaders table lists it in a note instead of
 def has_budgets(result: dict[str, Any], references: tuple[str, ...] = LEADER_REFERENCES) -> bool:
     """Whether a reference method ran at some budget (budgeted stages are recorded in
     ``results.<variant>.pruning``): the condition for a leaders table."""
-    return any((sb := _stage_budget(r)) is not None and sb[0] in references for r in result["results"].values())
+    n_vision = _unpruned_vision_tokens(result)
+    return any(
+        (sb := _stage_budget(r, n_vision)) is not None and sb[0] in references for r in result["results"].values()
+    )
 
 
 def budget_leaders(
@@ -319,8 +355,9 @@ def budget_leaders(
         stored = res[name].get("unparsed")
         return Unparsed(Unparsed.from_dict(stored).pope, None) if isinstance(stored, dict) else Unparsed(None, None)
 
+    n_vision = _unpruned_vision_tokens(result)
     for name, r in res.items():
-        sb = _stage_budget(r)
+        sb = _stage_budget(r, n_vision)
         if sb is None or not (r.get("metrics") or {}).get("pope"):
             continue
         method, b = sb
@@ -367,8 +404,8 @@ def budget_leaders(
             )
         rows.append(row)
     notes = [
-        "Compared at each budget: variants whose budgeted stage declares budget.tokens = B and whose "
-        "layer-averaged vision tokens are within 5% of B.",
+        "Compared at each budget: variants whose budgeted stage declares budget.tokens = B (or budget.ratio = r, "
+        "B = round(r x the unpruned model's vision tokens)) and whose layer-averaged vision tokens are within 5% of B.",
         "margin: the best variant's POPE mean F1 minus the reference's on the same questions; 95% CI by a paired "
         "percentile bootstrap (10000 resamples, seed 0; images resampled jointly across splits, the same draw for both).",
         f"Not ranked: a variant with more than {UNPARSED_LIMIT:.0%} of its POPE answers read as neither yes nor no by the "

@@ -1,9 +1,9 @@
 """lmms-eval plugin: run any mmfast recipe on lmms-eval tasks.
 
     pip install lmms-eval          # optional; mmfast registers itself through its entry point
-    python -m lmms_eval --model mmfast --model_args recipe=examples/fastv_64 --tasks pope --batch_size 4
+    python -m lmms_eval --model mmfast --model_args recipe=examples/fastv_192 --tasks pope --batch_size 4
     python -m lmms_eval --model mmfast \\
-        --model_args pretrained=llava-hf/llava-1.5-7b-hf,recipe=examples/fastv_64,pruning.0.params.keep=32 ...
+        --model_args pretrained=llava-hf/llava-1.5-7b-hf,recipe=examples/fastv_192,pruning.0.budget.tokens=160 ...
     accelerate launch --num_processes 8 -m lmms_eval --model mmfast --model_args recipe=... --tasks pope   # 8 GPUs
     torchrun --nproc_per_node 2 -m lmms_eval --model mmfast --model_args recipe=... --tasks pope         # 2 CPU processes
 
@@ -18,7 +18,7 @@ Model arguments (``--model_args``, comma separated):
 - ``recipe``: a recipe file or a shipped recipe name (``mmfast list recipes``); default: no methods.
 - ``pretrained``: the checkpoint (lmms-eval's convention); sets the recipe's ``model.name``.
 - any dotted recipe key: an override applied before validation, exactly like ``mmfast eval --set``
-  (``pruning.0.params.keep=32`` or ``pruning[0].params.keep=32``, ``model.dtype=bfloat16``,
+  (``pruning.0.budget.tokens=160`` or ``pruning[0].budget.tokens=160``, ``model.dtype=bfloat16``,
   ``decoding.method=vcd``); an unknown key fails with the recipe validator's did-you-mean.
 - ``batch_size`` (``--batch_size``): requests answered per forward batch; ``device`` (``--device``).
 
@@ -126,7 +126,7 @@ def recipe_overrides(args: dict[str, Any]) -> list[str]:
         if "." not in key and "[" not in key:
             raise InputError(
                 f"--model_args {key}={value!r}: unknown argument; mmfast takes recipe=, pretrained=, batch_size=, "
-                "device= and dotted recipe keys (model.dtype=bfloat16, pruning.0.params.keep=32, decoding.method=vcd)"
+                "device= and dotted recipe keys (model.dtype=bfloat16, pruning.0.budget.tokens=160, decoding.method=vcd)"
             )
         text = value if isinstance(value, str) else json.dumps(value)
         path = _NUMBERED.sub(lambda m: f"[{m.group(1)}]", key)

@@ -51,6 +51,7 @@ class LlavaShape:
     text_intermediate: int = 128
     vocab_size: int = 300
     max_positions: int = 2048
+    vision_intermediate: int | None = None  # the tower's MLP width (None: 4 x vision_hidden)
 
 
 SHAPES: dict[str, LlavaShape] = {
@@ -69,6 +70,11 @@ SHAPES: dict[str, LlavaShape] = {
     "llava-1.5-7b-slice": LlavaShape(336, 14, 1024, 24, 16, 4096, 4, 32, 32, 11008, 32064, 4096),
     # the real LLaVA-1.5-7B sizes (for FLOPs accounting; too big to instantiate on CPU here)
     "llava-1.5-7b": LlavaShape(336, 14, 1024, 24, 16, 4096, 32, 32, 32, 11008, 32064, 4096),
+    # LLaVA-OneVision-7B (llava-hf/llava-onevision-qwen2-7b-ov-hf; transformers' LlavaOnevisionConfig
+    # defaults): SigLIP-so400m/14 at 384 cut to 26 layers (1152 wide, MLP 4304, 16 heads; 27 x 27 = 729
+    # tokens per view, no CLS) and Qwen2-7B (28 layers at 3584, 28 heads, 4 KV heads, MLP 18944,
+    # vocabulary 152064, context 32768)
+    "llava-onevision-7b": LlavaShape(384, 14, 1152, 26, 16, 3584, 28, 28, 4, 18944, 152064, 32768, 4304),
 }
 
 
@@ -317,7 +323,7 @@ def random_llava_onevision(
     s = shp.image_size
     vision = SiglipVisionConfig(
         hidden_size=shp.vision_hidden,
-        intermediate_size=shp.vision_hidden * 4,
+        intermediate_size=shp.vision_intermediate or shp.vision_hidden * 4,
         num_hidden_layers=shp.vision_layers,
         num_attention_heads=shp.vision_heads,
         image_size=s,
@@ -594,13 +600,15 @@ def random_qwen_vl(
 @dataclass(frozen=True)
 class BenchModel:
     """A random-weight model of a real architecture for speed benchmarks: the family's builder, the
-    sizes (a ``SHAPES`` / ``QWEN_SHAPES`` key), the (H, W) of the images it is timed on, and the
-    anyres pinpoints (LLaVA-NeXT)."""
+    sizes (a ``SHAPES`` / ``QWEN_SHAPES`` key), the (H, W) of the images it is timed on, the
+    anyres pinpoints (LLaVA-NeXT), and the tiles per side of the anyres-max pinpoints (LLaVA-OneVision:
+    every r x c tiling with r, c <= ``max_tiles``)."""
 
-    family: str  # llava | llava_next | qwen2_5_vl
+    family: str  # llava | llava_next | llava_onevision | qwen2_5_vl
     shape: str
     image: tuple[int, int]
     pinpoints: tuple[tuple[int, int], ...] = ()
+    max_tiles: int = 4
 
 
 #: LLaVA-NeXT-7B's anyres grid (llava-hf/llava-v1.6-vicuna-7b-hf): up to 2 x 2 tiles of 336 px
@@ -614,10 +622,15 @@ BENCH_MODELS: dict[str, BenchModel] = {
     "llava-next-7b": BenchModel("llava_next", "llava-1.5-7b", (672, 672), _NEXT_PINPOINTS),
     # Qwen2.5-VL-7B: a 1024 x 768 image -> 37 x 27 = 999 merged vision tokens
     "qwen2.5-vl-7b": BenchModel("qwen2_5_vl", "qwen2.5-vl-7b", (768, 1024)),
+    # LLaVA-OneVision-7B: anyres_max_9 over 1..6 x 1..6 tiles of 384 px (the checkpoint's 36 pinpoints);
+    # a 1024 x 768 image -> 4,725 vision tokens (the base view's 729, then the unpadded tile mosaic
+    # with its row newlines)
+    "llava-onevision-7b": BenchModel("llava_onevision", "llava-onevision-7b", (768, 1024), max_tiles=6),
     # tests: the tiny shapes through the same code paths
     "tiny": BenchModel("llava", "tiny", (32, 32)),
     "tiny-next": BenchModel("llava_next", "tiny", (64, 64), ((32, 32), (32, 64), (64, 32), (64, 64))),
     "tiny-qwen": BenchModel("qwen2_5_vl", "qwen2.5-vl-tiny-slice", (48, 64)),
+    "tiny-onevision": BenchModel("llava_onevision", "tiny", (48, 64), max_tiles=2),
 }
 
 
@@ -640,6 +653,10 @@ def build_bench_model(
         elif spec.family == "llava_next":
             model, processor = random_llava_next(
                 spec.shape, seed=seed, init_std=init_std, pinpoints=[list(p) for p in spec.pinpoints] or None
+            )
+        elif spec.family == "llava_onevision":
+            model, processor = random_llava_onevision(
+                spec.shape, seed=seed, init_std=init_std, max_tiles=spec.max_tiles
             )
         elif spec.family == "qwen2_5_vl":
             model, processor = random_qwen_vl("qwen2_5_vl", spec.shape, seed=seed, init_std=init_std)

@@ -49,9 +49,6 @@ from .llava import LlavaAdapter
 class LlavaOnevisionAdapter(LlavaAdapter):
     family = "llava_onevision"
 
-    #: a pruning budget of B tokens is for an image of the base view's N0 = rows * cols tokens; an
-    #: image of N_i tokens gets B * N_i / N0 (see the stages' ``budget_params``)
-    budget_scales_with_tokens = True
     supports_video = True
     video_token = "<video>"
 

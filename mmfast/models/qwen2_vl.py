@@ -37,9 +37,9 @@ own span ``<{t:.1f} seconds><|vision_start|><|video_pad|>...<|vision_end|>`` (ti
 grid, so there each frame group is one vision item (the tower attends within a frame either way).
 Video tokens carry the ``VIDEO`` / ``FRAME`` tags (:mod:`mmfast.models.base`) for pruners.
 
-``grid`` is the *budget reference grid* (24 x 24 = 576 tokens, the LLaVA-1.5 count budgets are
-stated for), not a geometry: under dynamic resolution a budget of B tokens keeps the fraction
-B / 576 of each image's own token count (docs/methods.md, "Budgets under dynamic resolution").
+``grid`` is a nominal 24 x 24 grid (what the model facts and the methods' test settings read), not a
+geometry: every image has its own token count, and a budget applies to that count (``tokens: N``
+keeps N, ``ratio: r`` round(r N_i); docs/methods.md, "One budget vocabulary").
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ BUDGET_REFERENCE_GRID = (24, 24)
 class Qwen2VLAdapter(VLMAdapter):
     family = "qwen2_vl"
     rope_axes = 3
-    #: token count varies per image: budgets are fractions of each image's count (``_budget.py``)
+    #: token count varies per image: budgets are mapped per image count (``_budget.py``)
     dynamic_resolution = True
     supports_video = True
     video_token = "<|video_pad|>"

@@ -1,20 +1,26 @@
-"""The shared budget vocabulary of pruning stages (``budget: {tokens: B}`` / ``budget: {flops: r}``).
+"""The shared budget vocabulary of pruning stages (``budget: {tokens: N}`` / ``{ratio: r}`` / ``{flops: f}``).
 
-A stage's :class:`~mmfast.config.Budget` is resolved when the session installs it:
+A budget is a rule per visual input (an image, or a whole video), applied to that input's own vision-token
+count N_i at the LLM input, on every model family: LLaVA-1.5 (576 for every image), LLaVA-NeXT and
+LLaVA-OneVision (anyres: each image its own count), Qwen-VL (dynamic resolution). :class:`ImageBudget`
+turns it into the target of one image (:meth:`ImageBudget.target`):
 
-1. ``flops`` becomes ``tokens`` with :func:`mmfast.flops.tokens_for_flops_ratio` on the loaded model's
-   LLM shape and its vision tokens per image (typical prompt of ``TYPICAL_TEXT_TOKENS`` text tokens);
-2. methods with count knobs map ``tokens`` to them in their ``budget_params`` classmethod (closed form,
-   documented in each method's docstring): feature/tower-stage methods count tokens per image at the
-   LLM input, in-LLM methods count the layer-averaged tokens per image (:func:`in_llm_keep`);
-   Under dynamic resolution (Qwen-VL: ``adapter.dynamic_resolution``) an image's token count is its
-   own, so a budget is a *fraction*: B tokens means B / N_ref of each image's tokens, N_ref =
-   ``vision_tokens_per_image(adapter)`` = 576 (the LLaVA-1.5 count the papers' 192/128/64 refer to;
-   the adapter's budget reference grid). Methods map it onto a per-image ratio (:func:`budget_fraction`).
-3. methods whose knobs are thresholds (MustDrop, ZipVL) are *calibrated* after installation: a bisection on
-   one scalar of their thresholds, measured on :func:`calibration_batch` (a fixed, offline set of
-   rendered world images with POPE-style questions), until the mean layer-averaged vision tokens are
-   within ``CALIBRATION_TOLERANCE`` of the budget (:func:`calibrate_scalar`).
+- ``tokens: N``: N (an image with fewer than N vision tokens is refused, naming both counts);
+- ``ratio: r``: round(r * N_i), at least 1 (the fraction of the image's tokens kept);
+- ``flops: f``: :func:`mmfast.flops.tokens_for_flops_ratio` at N_i on the loaded model's LLM shape
+  (typical prompt of ``TYPICAL_TEXT_TOKENS`` text tokens).
+
+Feature/tower-stage methods keep the target at the LLM input; in-LLM methods keep it as the
+layer-averaged vision tokens of the image (:func:`in_llm_keep`). Each method maps a target onto its own
+knobs in its ``budget_params(tokens, n, ...)`` classmethod (closed form, documented in its docstring),
+with n the image's real count: where every image of the model has the same count (LLaVA-1.5:
+:func:`fixed_vision_tokens`), once when the session installs the stage (an infeasible budget is refused
+there, before any compute); elsewhere per image count as the images arrive (``Pruner.config_for``),
+after the vision tower and before any pruning or LLM compute (``Session.encode`` checks every image).
+Methods whose knobs are thresholds (MustDrop, ZipVL) are *calibrated* after installation: a bisection on
+one scalar of their thresholds, measured on :func:`calibration_batch` (a fixed, offline set of rendered
+world images with POPE-style questions), until the mean layer-averaged vision tokens are within
+``CALIBRATION_TOLERANCE`` of the target (:func:`calibrate_scalar`).
 """
 
 from __future__ import annotations
@@ -55,34 +61,82 @@ _SUFFIX = "\nAnswer the question using a single word or phrase."
 
 
 def vision_tokens_per_image(adapter: VLMAdapter) -> int:
+    """Tokens of the adapter's base patch grid (LLaVA-1.5: 576; OneVision: a base view's N0; Qwen-VL:
+    the 24 x 24 grid the model facts report). The real count of every image only where
+    :func:`fixed_vision_tokens` says so; used for no-op and test settings, never to scale a budget."""
     rows, cols = adapter.grid
     return rows * cols
 
 
-def budget_fraction(adapter: VLMAdapter) -> bool:
-    """True when budgets are fractions of each image's own token count: dynamic resolution (Qwen-VL,
-    ``adapter.dynamic_resolution``) or anyres-max packing (LLaVA-OneVision, ``budget_scales_with_tokens``);
-    the reference count is ``vision_tokens_per_image(adapter)`` (576, or OneVision's base view N0)."""
-    return bool(getattr(adapter, "dynamic_resolution", False) or getattr(adapter, "budget_scales_with_tokens", False))
+def fixed_vision_tokens(adapter: VLMAdapter) -> int | None:
+    """The vision tokens every image has at the LLM input on this model (LLaVA-1.5: its grid, with the
+    CLS token under the ``full`` strategy), or None where each image has its own count (LLaVA-NeXT and
+    OneVision anyres tiling, Qwen-VL dynamic resolution)."""
+    if getattr(adapter, "dynamic_resolution", False):
+        return None
+    n = getattr(adapter, "n_image_tokens", None)  # anyres adapters raise AttributeError: None
+    return int(n) if n is not None else None
 
 
-def budget_tokens(budget: Budget, adapter: VLMAdapter, path: str) -> int:
-    """The budget in vision tokens per image for this model (``flops`` converted, see module doc)."""
-    if budget.tokens is not None:
-        return budget.tokens
-    try:
-        return tokens_for_flops_ratio(budget.flops, LMShape.of(adapter.text_config), vision_tokens_per_image(adapter))
-    except ValueError as exc:
-        raise ConfigError(f"{path}.flops", str(exc)) from None
+@dataclass(frozen=True)
+class ImageBudget:
+    """A stage's recipe budget as a rule per image (module docstring)."""
+
+    budget: Budget
+    shape: LMShape  # the loaded LLM's shape (``flops`` budgets)
+    path: str  # the recipe path of the budget, e.g. ``pruning[0].budget``
+
+    def target(self, n: int) -> int:
+        """The target of an image of ``n`` vision tokens (tokens kept, or layer-averaged tokens)."""
+        b = self.budget
+        if b.tokens is not None:
+            if b.tokens > n:
+                raise ConfigError(
+                    f"{self.path}.tokens",
+                    f"{b.tokens} vision tokens per image is more than this image has ({n} vision tokens at the LLM "
+                    f"input): a budget cannot keep more than the input; ask for at most {n}, or for a fraction of "
+                    "every image with budget: {ratio: r}",
+                )
+            return b.tokens
+        if b.ratio is not None:
+            return max(1, round(b.ratio * n))
+        try:
+            return tokens_for_flops_ratio(b.flops, self.shape, n)
+        except ValueError as exc:
+            raise ConfigError(f"{self.path}.flops", f"{exc} (an image of {n} vision tokens)") from None
+
+    def knobs(self, cls: type, tokens: int, n: int | None, adapter: VLMAdapter, config) -> dict:
+        """``cls.budget_params`` for the target ``tokens`` of an image of ``n`` vision tokens; a refusal of
+        a ``ratio`` / ``flops`` budget names that key and the target it gave for the image."""
+        try:
+            return cls.budget_params(tokens, n, adapter, config, self.path)
+        except ConfigError as exc:
+            key = self.budget.key
+            if key == "tokens" or exc.path != f"{self.path}.tokens":
+                raise
+            raise ConfigError(
+                f"{self.path}.{key}",
+                f"{key}: {getattr(self.budget, key)} is {tokens} tokens for an image of {n} vision tokens; {exc.detail}",
+            ) from None
+
+    def same_for_every_image(self, what: str) -> int:
+        """``tokens`` where a stage maps its budget once for images of different counts; other keys are
+        refused (their target depends on each image's count), naming ``what`` cannot follow them."""
+        if self.budget.tokens is None:
+            raise ConfigError(
+                f"{self.path}.{self.budget.key}",
+                f"{what} maps its budget once for all images, and this model's images have different vision-token "
+                "counts, so a fraction of each image cannot be followed; give budget: {tokens: N}",
+            )
+        return self.budget.tokens
 
 
-def in_llm_keep_at(tokens: int, adapter: VLMAdapter, k: float, layer_mapping: str, path: str) -> tuple[int, int]:
-    """(keep, N_ref) for a method pruning at its layer ``k`` (mapped onto this LLM's depth): the vision
-    tokens kept per reference-sized image after that layer so the layer average is ``tokens``."""
+def in_llm_keep_at(tokens: int, n: int, adapter: VLMAdapter, k: float, layer_mapping: str, path: str) -> int:
+    """The vision tokens kept after a method's pruning layer ``k`` (mapped onto this LLM's depth) by an
+    image of ``n`` vision tokens, so the layer average is ``tokens`` (:func:`in_llm_keep`)."""
     n_layers = len(adapter.layers)
     ((layer, _),) = map_layers([k], n_layers, layer_mapping)
-    n_ref = vision_tokens_per_image(adapter)
-    return in_llm_keep(tokens, n_ref, layer, n_layers, path), n_ref
+    return in_llm_keep(tokens, n, layer, n_layers, path)
 
 
 def in_llm_keep(tokens: int, n_vision: int, layer: int, n_layers: int, path: str) -> int:
@@ -97,8 +151,8 @@ def in_llm_keep(tokens: int, n_vision: int, layer: int, n_layers: int, path: str
     if tokens > n or tokens < lo:
         raise ConfigError(
             f"{path}.tokens",
-            f"{tokens} layer-averaged tokens is infeasible when pruning at layer {k} of {L} with {n} vision tokens per "
-            f"image: the smallest feasible budget is {lo} (keep 0 after layer {k}), the largest {n}; "
+            f"{tokens} layer-averaged tokens is infeasible when pruning at layer {k} of {L} with {n} vision tokens in "
+            f"this image: the smallest feasible budget is {lo} (keep 0 after layer {k}), the largest {n}; "
             "use a larger budget or an earlier pruning layer",
         )
     return max(0, min(n, round((L * tokens - k * n) / (L - k))))

@@ -70,7 +70,7 @@ class AvgPool(Pruner):
         return {"keep": rows * cols}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
+    def budget_params(cls, tokens, n, adapter, config, path):
         """keep = B (the pooled grid rounds it, see the module docstring)."""
         return {"keep": tokens}
 

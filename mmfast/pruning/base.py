@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..capabilities import Capabilities
+from ..config import from_dict, to_dict
 from ..models.base import VisionBatch
 
 if TYPE_CHECKING:
@@ -39,14 +40,22 @@ class Pruner:
     budget_knobs: ClassVar[tuple[str, ...]] = ()
     #: True: the budget is reached by :meth:`calibrate` after installation, not by :meth:`budget_params`.
     calibrated: ClassVar[bool] = False
+    #: True: on models whose images have different vision-token counts, the budget is mapped per image
+    #: count (:meth:`config_for`, read by the method's per-image code); False: once, for a ``tokens`` budget.
+    budget_per_image: ClassVar[bool] = True
 
     def __init__(self, config: Any, ctx: MethodContext) -> None:
         self.config = config
         self.ctx = ctx
         self.adapter = ctx.adapter
 
-        self.budget_tokens: int | None = None  # the stage's budget in tokens, when the recipe gave one
+        self.budget_tokens: int | None = None  # the stage's target when it is the same for every image
         self.budget_path = "budget"  # the recipe path of the budget, for errors (set by the session)
+        #: the recipe's budget as a rule per image (``_budget.ImageBudget``; set by the session), or None
+        self.budget_rule = None
+        #: True when the budget's knobs are mapped per image count (:meth:`config_for`; set by the session)
+        self.maps_per_image = False
+        self._configs: dict[int, Any] = {}
         self.calibration = None  # a ``_budget.Calibration`` after :meth:`calibrate`
 
     @property
@@ -82,9 +91,25 @@ class Pruner:
         return {}
 
     @classmethod
-    def budget_params(cls, tokens: int, adapter: VLMAdapter, config: Any, path: str) -> dict[str, Any]:
-        """Recipe params (over ``budget_knobs``) that realise ``tokens`` (see the method's docstring)."""
+    def budget_params(cls, tokens: int, n: int | None, adapter: VLMAdapter, config: Any, path: str) -> dict[str, Any]:
+        """Recipe params (over ``budget_knobs``) that realise ``tokens`` for an image of ``n`` vision
+        tokens (None: a method with ``budget_per_image`` False on a model without one count) (see the
+        method's docstring)."""
         raise NotImplementedError(f"{cls.__name__} takes no budget")
+
+    def config_for(self, n: int) -> Any:
+        """The stage's config for an image of ``n`` vision tokens: ``self.config``, or, when the budget is
+        mapped per image (``maps_per_image``), the budget's knobs set for ``n`` (cached per count).
+        Raises :class:`~mmfast.errors.ConfigError` when the budget is infeasible for that image."""
+        if not self.maps_per_image:
+            return self.config
+        cfg = self._configs.get(n)
+        if cfg is None:
+            rule = self.budget_rule
+            mapped = rule.knobs(type(self), rule.target(n), n, self.adapter, self.config)
+            cfg = from_dict(type(self.config), {**to_dict(self.config), **mapped}, self.budget_path)
+            self._configs[n] = cfg
+        return cfg
 
     def calibrate(self, tokens: int) -> None:
         """Threshold methods: set the thresholds so the layer-averaged vision tokens meet ``tokens``

@@ -85,7 +85,8 @@ tokens keep their grid cells' (t, h, w) ids and the text after the image keeps i
 (mmfast's pre-LLM rule, docs/methods.md), where the port starts the text after the image at the
 largest kept id + 1. Qwen3-VL's deepstack rows follow the kept tokens. Budget under dynamic
 resolution: ``ratio`` (the port's ``pruning_ratio`` is the fraction pruned, T = round(N (1 - p)));
-``budget: {tokens: B}`` sets ``ratio`` = B / 576, so every image keeps round(N_i B / 576).
+``budget: {tokens: B}`` sets ``keep`` = B, so every image keeps B of its own tokens (a ``ratio`` budget,
+whose target differs per image, is refused: give ``params.ratio``).
 Families: llava, llava_next and the Qwen-VL families. Refused on llava_onevision, with the reason in
 ``caps.unsupported``.
 """
@@ -101,7 +102,6 @@ from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
-from ._budget import budget_fraction, vision_tokens_per_image
 from ._clip_text import load_clip_text
 from ._grid import per_sample
 from .base import Pruner
@@ -207,21 +207,19 @@ class CDPruner(Pruner):
             None, doc="local path of the tower's paired CLIP model (text tower, projections, tokenizer)"
         )
 
-    budget_knobs = ("keep", "ratio")
+    budget_knobs = ("keep",)
+    budget_per_image = False  # LLaVA-NeXT: a per-tile count from a tokens budget, the same for every image
 
     @classmethod
     def noop_params(cls, adapter):
-        if budget_fraction(adapter):
+        if adapter.family != "llava_next":  # every image keeps all its tokens, whatever its count
             return {"ratio": 1.0}
         rows, cols = adapter.grid
         return {"keep": rows * cols}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
-        """keep = B (LLaVA-NeXT: per tile, B / the most tiles an image can have; dynamic resolution:
-        ratio = B / 576; module docstring)."""
-        if budget_fraction(adapter):
-            return {"ratio": min(1.0, tokens / vision_tokens_per_image(adapter))}
+    def budget_params(cls, tokens, n, adapter, config, path):
+        """keep = B per image (LLaVA-NeXT: per tile, B / the most tiles an image can have; module docstring)."""
         if adapter.family != "llava_next":
             return {"keep": tokens}
         return {"keep": max(1, round(tokens / max_tiles(adapter)))}

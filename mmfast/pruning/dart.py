@@ -17,8 +17,9 @@ Algorithm (at the input of LLM layer K, K = 2 in the release, per image):
    ``pivot_image + (pivot_image + pivot_text) * t`` tokens.
 
 M is ``truncation`` (the release's ``max_num_trunction``, 128 in its LLaVA-1.5 scripts; for LLaVA-NeXT
-its ``retain_token_num_for_llava_next``, 320, capped at N - pivot_image), or N (1 - ``ratio``) (the
-release's ``reduction_ratio``, used when no truncation is given).
+its ``retain_token_num_for_llava_next``, 320, capped at N - pivot_image), or N (1 - ``drop_ratio``) (the
+release's ``reduction_ratio``, a fraction *dropped*, used when no truncation is given; the old name
+``ratio`` is refused with the new spelling).
 
 LLaVA-NeXT: the release counts every image token between the prompt's text parts, the row-separator
 ``image_newline`` tokens included, as candidates (``image_token_length = len - text_length``); mmfast
@@ -53,19 +54,17 @@ slots (runtime). Not checked: whether the release's Qwen key norms are taken bef
 LLaVA-OneVision: supported (not in the release). Every slot of an image's packed span (base view,
 mosaic, newlines) is a candidate, as on LLaVA-NeXT. The release has no M for it; mmfast's default
 is LLaVA-1.5's 128 of 576 as a fraction of each image: M_i = N_i x 128 / 576 (capped at
-N_i - pivot_image); a budget follows the dynamic-resolution rule below with N_ref = the base view N0.
+N_i - pivot_image); a budget is mapped per image (below).
 
-No-op: ``ratio`` 0 with no ``truncation`` drops nothing (the release's run without ``--sparse``).
+No-op: ``drop_ratio`` 0 with no ``truncation`` drops nothing (the release's run without ``--sparse``).
 
-Budget (``budget: {tokens: B}``, layer-averaged vision tokens per image, as FastV): with K of an
-L-layer LLM and N vision tokens per image, keep = round((L B - K N) / (L - K)) (refused below
-ceil(K N / L)), then t = max(0, round((keep - pivot_image) / (pivot_image + pivot_text))) and
-``truncation`` = t (pivot_image + pivot_text): the kept count is within (pivot_image + pivot_text) / 2
-of keep (when keep >= pivot_image). Under dynamic resolution (Qwen-VL) and anyres-max (OneVision) (``budget_fraction``)
-B is the budget of a reference image of N_ref tokens (576 on Qwen, the base view N0 on OneVision): keep is computed at N_ref as above and
-``ratio`` = 1 - max(0, keep - pivot_image) / N_ref, so an image of N_i tokens gets
-M_i = N_i (keep - pivot_image) / N_ref and keeps pivot_image + M_i rounded down to a multiple of
-(pivot_image + pivot_text): the same fraction of its tokens up to the pivots' rounding.
+Budget (``budget: {tokens: B}`` or ``{ratio: r}``, layer-averaged vision tokens per image, as FastV):
+with K of an L-layer LLM and an image of N vision tokens (its own count, on every family),
+keep = round((L B - K N) / (L - K)) (refused below ceil(K N / L)), then
+t = max(0, round((keep - pivot_image) / (pivot_image + pivot_text))) and ``truncation`` =
+t (pivot_image + pivot_text): the kept count is within (pivot_image + pivot_text) / 2 of keep (when
+keep >= pivot_image). Where images have different counts (LLaVA-NeXT, OneVision, Qwen-VL) this is
+computed per image from its N (``_budget.py``).
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..hooks import attach
 from ..registry import PRUNERS
-from ._budget import budget_fraction, in_llm_keep_at
+from ._budget import in_llm_keep_at
 from ._common import LayerMapping, keep_only, map_layers
 from .base import Pruner
 
@@ -145,10 +144,15 @@ class DART(Pruner):
         pivot_image: int = opt(4, lo=0, doc="image pivot tokens (largest key L1 norm), kept")
         pivot_text: int = opt(4, lo=0, doc="text pivot tokens after the image (largest key L1 norm)")
         truncation: int | None = opt(
-            None, lo=0, doc="M: tokens picked for all pivots together (None: release default per family, unless ratio)"
+            None,
+            lo=0,
+            doc="M: tokens picked for all pivots together (None: release default per family, unless drop_ratio)",
         )
-        ratio: float | None = opt(
-            None, lo=0.0, hi=1.0, doc="reduction ratio: M = N (1 - ratio) when truncation is not set; 0 = no pruning"
+        drop_ratio: float | None = opt(
+            None,
+            lo=0.0,
+            hi=1.0,
+            doc="the release's reduction_ratio (fraction DROPPED): M = N (1 - drop_ratio) when truncation is not set",
         )
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
         preset: Literal["sequence", "release"] = opt(
@@ -156,19 +160,25 @@ class DART(Pruner):
             doc="pivot order: sequence (ascending); release: the release's set iteration order of their sequence indices",
         )
 
-    budget_knobs = ("truncation", "ratio")
+        _renamed = (
+            (
+                "ratio",
+                "DART's 'ratio' was the release's reduction_ratio, the fraction DROPPED; write drop_ratio: R, "
+                "truncation: M, or a budget: {ratio: r} for the fraction KEPT",
+            ),
+        )
+
+    budget_knobs = ("truncation", "drop_ratio")
 
     @classmethod
     def noop_params(cls, adapter):
-        return {"ratio": 0.0}
+        return {"drop_ratio": 0.0}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
-        """truncation = t (pivot_image + pivot_text), t from keep (module docstring)."""
-        keep, n_ref = in_llm_keep_at(tokens, adapter, config.k, config.layer_mapping, path)
+    def budget_params(cls, tokens, n, adapter, config, path):
+        """truncation = t (pivot_image + pivot_text), t from keep for an image of n tokens (module docstring)."""
+        keep = in_llm_keep_at(tokens, n, adapter, config.k, config.layer_mapping, path)
         pivots = config.pivot_image + config.pivot_text
-        if budget_fraction(adapter):  # dynamic resolution: the same fraction of every image (module docstring)
-            return {"truncation": None, "ratio": 1.0 - max(0, keep - config.pivot_image) / n_ref}
         per_pivot = max(0, round((keep - config.pivot_image) / pivots)) if pivots else 0
         return {"truncation": per_pivot * pivots}
 
@@ -181,7 +191,7 @@ class DART(Pruner):
         map_layers([config.k], facts.llm_layers, config.layer_mapping, param="k")
 
     def is_noop(self) -> bool:
-        return self.config.truncation is None and self.config.ratio == 0.0
+        return self.budget_rule is None and self.config.truncation is None and self.config.drop_ratio == 0.0
 
     def install(self) -> None:
         cfg = self.config
@@ -204,12 +214,12 @@ class DART(Pruner):
         )  # [B, T]
 
     def per_pivot(self, n: int) -> int:
-        cfg = self.config
+        cfg = self.config_for(n)  # a budget's truncation for this image's own count
         pivots = cfg.pivot_image + cfg.pivot_text
         if cfg.truncation is not None:
             m = cfg.truncation
-        elif cfg.ratio is not None:
-            m = n * (1 - cfg.ratio)
+        elif cfg.drop_ratio is not None:
+            m = n * (1 - cfg.drop_ratio)
         elif self.adapter.family in RELEASE_TRUNCATION:
             m = RELEASE_TRUNCATION[self.adapter.family]
         else:  # OneVision: no release value; LLaVA-1.5's 128 of 576 as a fraction of each image (docstring)

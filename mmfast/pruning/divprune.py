@@ -28,15 +28,13 @@ prunes sample 0's single image, at a hard-coded offset of 35 system-prompt token
 argmax go to the lowest index (torch's documented rule; the release uses the same call).
 No-op: ``ratio`` 1 (or ``keep`` >= the tokens of an image) leaves the vision batch untouched.
 
-Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): ``keep`` = B (exact) on
-LLaVA-1.5 / NeXT; a fraction of each image on OneVision and Qwen (below).
+Budget (``budget: {tokens: B}`` or ``{ratio: r}``, vision tokens per image at the LLM input):
+``keep`` = the image's target (B, or round(r N_i)), exact, on every family.
 Families: all six. LLaVA-OneVision: the candidates are an image's packed anyres-max tokens (base view,
 downscaled mosaic, newlines), as on LLaVA-NeXT. Qwen-VL families: the candidates are an image's merged
 tokens (the PatchMerger's output, the adapter's ``project``); kept tokens keep their grid cells' 3-D
 ids (pre-LLM rule of docs/methods.md), Qwen3-VL's deepstack rows follow them. The release has no code
-for either (LLaVA). Budget there: B is the budget of a reference image (N_ref = 576 on Qwen, the base
-view N0 on OneVision): ``ratio`` = B / N_ref, so every image keeps round(N_i B / N_ref) of its tokens
-(``budget_fraction``).
+for either (LLaVA).
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ import torch
 from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..registry import PRUNERS
-from ._budget import budget_fraction, vision_tokens_per_image
 from ._grid import per_sample
 from .base import Pruner
 
@@ -115,10 +112,8 @@ class DivPrune(Pruner):
         return {"ratio": 1.0}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
-        """keep = B; dynamic resolution / anyres-max: ratio = B / N_ref (module docstring)."""
-        if budget_fraction(adapter):
-            return {"keep": None, "ratio": min(1.0, tokens / vision_tokens_per_image(adapter))}
+    def budget_params(cls, tokens, n, adapter, config, path):
+        """keep = the image's target (module docstring)."""
         return {"keep": tokens}
 
     @classmethod
@@ -126,7 +121,7 @@ class DivPrune(Pruner):
         return {"keep": 5}
 
     def n_keep(self, n: int) -> int:
-        cfg = self.config
+        cfg = self.config_for(n)
         return min(n, cfg.keep) if cfg.keep is not None else min(n, int(round(cfg.ratio * n)))
 
     def prune_vision(self, vision, batch):

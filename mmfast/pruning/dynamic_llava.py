@@ -26,8 +26,10 @@ Positions: ``original``. Kept image tokens keep their position ids; a token gene
 dropped gets, in layers >= K, the same position as in layers < K (the full sequence length), as the
 released code does (RoPE position from layer K-1's cache length).
 
-Budget (``budget: {tokens: B}``, layer-averaged equivalent vision tokens per image at prefill; sets
-``vision_keep_rate``): with the mapped layer K of an L-layer LLM and N vision tokens per image,
+Budget (``budget: {tokens: B}`` or ``{ratio: r}``, layer-averaged equivalent vision tokens per image at
+prefill; sets ``vision_keep_rate``): with the mapped layer K of an L-layer LLM and an image of N vision
+tokens (its own count; where images differ, mapped per count, ``_budget.py``; the top-k is per sample,
+so a multi-image sample is mapped on its vision tokens together),
 k = round((L * B - K * N) / (L - K)) (as FastV) and vision_keep_rate = (k + 0.5) / N (capped at 1),
 so int(N * rate) = k; budgets below ceil(K * N / L) are refused, naming that smallest budget.
 
@@ -137,11 +139,11 @@ class DynamicLLaVA(Pruner):
         return {"vision_keep_rate": 1.0, "text_keep": "always", "predictors": "random"}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
+    def budget_params(cls, tokens, n, adapter, config, path):
         """vision_keep_rate = (k + 0.5) / N with k from the layer-average closed form."""
-        from ._budget import in_llm_keep, vision_tokens_per_image
+        from ._budget import in_llm_keep
 
-        n_layers, n = len(adapter.layers), vision_tokens_per_image(adapter)
+        n_layers = len(adapter.layers)
         ((layer, _),) = map_layers([config.sparse_layer], n_layers, config.layer_mapping)
         k = in_llm_keep(tokens, n, layer, n_layers, path)
         return {"vision_keep_rate": 1.0 if k >= n else (k + 0.5) / n}
@@ -230,7 +232,7 @@ class DynamicLLaVA(Pruner):
         vision = view.vision  # [B, T]
         keep = torch.ones_like(vision)
         n_vis = vision.sum(1).tolist()
-        k = [int(n * cfg.vision_keep_rate) for n in n_vis]
+        k = [int(n * self.config_for(n).vision_keep_rate) if n else 0 for n in n_vis]  # a budget: per count
         kept = list(n_vis)
         if any(kk < n for kk, n in zip(k, n_vis)):
             x, valid, index = gather_rows(view.hidden, vision)

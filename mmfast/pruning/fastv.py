@@ -3,21 +3,17 @@
 Algorithm: at the input of LLM layer K (default 2), rank every image token by the attention the
 *last* prompt token pays to it in layer K-1 (mean over heads; the released code uses the last token,
 not the average attention the paper's text describes, FastV issue #14), keep the top ``keep`` of each
-image (or ``(1-R) * N`` of each image, R = 50% by default) and drop the rest from the sequence for
-layers >= K. ``keep`` is per image (a multi-image prompt keeps ``keep`` tokens of every image, each
-image ranked on its own; with one image this is the released per-sample top-k).
+image (or ``(1 - R) * N`` of each image, R = ``drop_ratio`` = 50% by default: the paper's R is the
+fraction *dropped*, hence the name; the old name ``ratio`` is refused with the new spelling) and drop the
+rest from the sequence for layers >= K. ``keep`` is per image (a multi-image prompt keeps ``keep`` tokens
+of every image, each image ranked on its own; with one image this is the released per-sample top-k).
 
-Budget (``budget: {tokens: B}``, layer-averaged equivalent vision tokens per image; sets ``keep``,
-``ratio`` must not be given): with the mapped layer K of an L-layer LLM and N vision tokens per image,
-B = (K * N + (L - K) * keep) / L, so keep = round((L * B - K * N) / (L - K)); the average lands within
-(L - K) / (2 L) tokens of B. B < ceil(K * N / L) (keep < 0) is refused, naming that smallest budget.
-On families whose images have different token counts and whose adapter sets
-``budget_scales_with_tokens`` (LLaVA-OneVision), N is the base view's count N0 and the budget maps to
-``ratio = 1 - keep / N0`` instead, so an image of N_i tokens keeps round(N_i * keep / N0) and its
-layer-averaged budget is B * N_i / N0.
-
-Dynamic resolution (Qwen-VL): a budget B keeps ratio = 1 - keep_ref / 576 of each image, keep_ref
-the formula above at N = 576 (``_budget.py``); ``keep`` stays an absolute per-image count.
+Budget (``budget: {tokens: B}`` or ``{ratio: r}``, layer-averaged equivalent vision tokens per image;
+sets ``keep``, ``drop_ratio`` must not be given): with the mapped layer K of an L-layer LLM and an image
+of N vision tokens (its own count, on every family), B = (K * N + (L - K) * keep) / L, so
+keep = round((L * B - K * N) / (L - K)); the average lands within (L - K) / (2 L) tokens of B.
+B < ceil(K * N / L) (keep < 0) is refused, naming that smallest budget. Where images have different
+counts (LLaVA-NeXT, OneVision, Qwen-VL) keep is computed per image from its N (``_budget.py``).
 
 Positions: the in-place variant keeps each kept token's original position id (under M-RoPE its
 original (t, h, w) ids, the in-place rule applied per axis; no official Qwen-VL FastV code was
@@ -37,9 +33,14 @@ from ..capabilities import ALL_FAMILIES, Capabilities
 from ..config import opt
 from ..hooks import last_row
 from ..registry import PRUNERS
-from ._budget import budget_fraction, in_llm_keep_at
+from ._budget import in_llm_keep_at
 from ._common import LayerMapping, keep_only, map_layers, topk_keep
 from .base import Pruner
+
+RATIO_RENAMED = (
+    "FastV's 'ratio' was the fraction of image tokens DROPPED; write drop_ratio: R (e.g. drop_ratio: 0.5), "
+    "keep: N, or a budget: {ratio: r} for the fraction KEPT"
+)
 
 
 @PRUNERS.register("fastv", description="FastV: drop image tokens least attended by the last token after layer K")
@@ -52,25 +53,22 @@ class FastV(Pruner):
     @dataclass(frozen=True)
     class Config:
         k: int = opt(2, lo=1, doc="prune at the input of layer K (index on a 32-layer LLM, see layer_mapping)")
-        ratio: float = opt(0.5, lo=0.0, hi=1.0, doc="R: fraction of image tokens dropped (paper: 50%)")
-        keep: int | None = opt(None, lo=0, doc="vision tokens kept per image (overrides ratio)")
+        drop_ratio: float = opt(0.5, lo=0.0, hi=1.0, doc="R: fraction of each image's tokens DROPPED (paper: 50%)")
+        keep: int | None = opt(None, lo=0, doc="vision tokens kept per image (overrides drop_ratio)")
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
 
-    budget_knobs = ("keep", "ratio")
+        _renamed = (("ratio", RATIO_RENAMED),)
+
+    budget_knobs = ("keep", "drop_ratio")
 
     @classmethod
     def noop_params(cls, adapter):
-        return {"ratio": 0.0}
+        return {"drop_ratio": 0.0}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
-        """keep = round((L * B - K * N) / (L - K)) (module docstring)."""
-        keep, n_ref = in_llm_keep_at(tokens, adapter, config.k, config.layer_mapping, path)
-        if budget_fraction(adapter):
-            # dynamic resolution (Qwen-VL) or anyres-max (OneVision): B is the budget of a reference-sized
-            # image (576 tokens / OneVision's base view N0); every image keeps the same fraction
-            return {"keep": None, "ratio": 1.0 - keep / n_ref}
-        return {"keep": keep}
+    def budget_params(cls, tokens, n, adapter, config, path):
+        """keep = round((L * B - K * N) / (L - K)) for an image of N tokens (module docstring)."""
+        return {"keep": in_llm_keep_at(tokens, n, adapter, config.k, config.layer_mapping, path)}
 
     @classmethod
     def test_params(cls, adapter):
@@ -100,8 +98,11 @@ class FastV(Pruner):
         for j in range(int(image.max()) + 1):  # per image: keep tokens of every image of a sample
             cand = image == j
             n_vis = cand.sum(1)  # [B]
-            if self.config.keep is None:
-                keep = (n_vis.float() * (1 - self.config.ratio)).round().long()
+            if self.maps_per_image:  # the budget's keep for each image's own count
+                per = [self.config_for(int(c)).keep if c else 0 for c in n_vis.tolist()]
+                keep = torch.tensor(per, device=n_vis.device).clamp(max=n_vis)
+            elif self.config.keep is None:
+                keep = (n_vis.float() * (1 - self.config.drop_ratio)).round().long()
             else:
                 keep = n_vis.clamp(max=self.config.keep)
             kept |= topk_keep(scores, cand, keep)

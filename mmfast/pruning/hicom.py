@@ -149,7 +149,7 @@ class HICom(Pruner):
         return {"spatial_kernel": 1, "temporal_kernel": 1, "global_queries": 0}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
+    def budget_params(cls, tokens, n, adapter, config, path):
         """local_tokens = B - global_queries."""
         n_global = config.global_queries if config.local else 0
         if not config.local:

@@ -14,9 +14,10 @@ Positions (as the release, 1-D RoPE families): after each drop the survivors are
 (``compact``); in decode the positions of layers >= l_s continue from their own (shorter) length, which is the
 release's "shift the decode position down by the tokens dropped" rule. Nothing is pruned in decode.
 
-Budget (``budget: {tokens: B}``, layer-averaged vision tokens per image, sets ``ratio`` (lambda);
-``ratio`` / ``ratios`` must not be given): with the mapped stage layers l_1 < l_2 < l_3 of an L-layer
-LLM and N vision tokens per image, avg(lambda) = (l_1 N + sum_s (l_{s+1} - l_s) int(N lambda^s)) / L
+Budget (``budget: {tokens: B}`` or ``{ratio: r}``, layer-averaged vision tokens per image, sets
+``ratio`` (lambda, a fraction KEPT per stage); ``ratio`` / ``ratios`` must not be given): with the
+mapped stage layers l_1 < l_2 < l_3 of an L-layer LLM and an image of N vision tokens (its own count;
+where images have different counts, lambda is fitted per image count, ``_budget.py``), avg(lambda) = (l_1 N + sum_s (l_{s+1} - l_s) int(N lambda^s)) / L
 (l_4 = L), a step function of lambda; ``budget_params`` evaluates it between every pair of steps
 (lambda = (j / N)^(1/s)) and takes the lambda whose average is nearest B (it lands within the step
 size of B). A budget below the lambda = 0 average ceil(l_1 N / L) or above N is refused. On
@@ -39,9 +40,8 @@ the earlier token; (4) stage layers that map onto one layer of a shallow LLM are
 (``layers``), rather than silently merged.
 Families: llava, llava_next, llava_onevision. OneVision (Qwen2 LLM, 1-D RoPE): every slot of an
 image's packed span (base view, mosaic, newlines) is ranked, as on LLaVA-NeXT, and each image keeps
-int(N_i r_s) of its own N_i tokens, so lambda is already a fraction of each image: a budget B is
-fitted at the base view's N0 (``vision_tokens_per_image``) and the same lambda applies to every image
-(the anyres-max rule of docs/methods.md, up to the int() rounding). Not in the release (LLaVA only).
+int(N_i r_s) of its own N_i tokens; a budget's lambda is fitted at each image's N_i. Not in the
+release (LLaVA only).
 Qwen-VL families (not in the release, which is LLaVA-only; LightCompress, ModelTC/LightCompress @9701d03,
 ``llmc/compression/token_reduction/pyramiddrop.py``, has LLaVA code only too): the ranking recomputes
 the stage layer's attention row with the layer's own RoPE on the group's 3-D ids (``lm_position_ids``;
@@ -51,8 +51,7 @@ Qwen2.5-VL SparseVLM (``sparsevlm.py``: it index-selects the layer's ``position_
 kept slots), and decode continues from the largest kept id + 1, which is the last prompt token's, as
 HF's ``rope_deltas`` numbers it. Compact renumbering would move every text token after the image
 (``max(h, w)`` ids per image are reserved by HF's numbering) and mix up the 2-D offsets of M-RoPE,
-for which the release gives no rule. lambda is a fraction of every image (each keeps int(N_i r_s)), a
-budget is fitted at N_ref = 576.
+for which the release gives no rule. Each image keeps int(N_i r_s), a budget's lambda fitted at its N_i.
 """
 
 from __future__ import annotations
@@ -66,7 +65,6 @@ from ..config import opt
 from ..errors import ConfigError
 from ..hooks.attention import row_attention
 from ..registry import PRUNERS
-from ._budget import vision_tokens_per_image
 from ._common import LayerMapping, keep_only, map_layers, topk_keep
 from .base import Pruner
 
@@ -169,19 +167,19 @@ class PyramidDrop(Pruner):
         return stages
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
-        """lambda whose layer average is nearest ``tokens`` (module docstring)."""
+    def budget_params(cls, tokens, n, adapter, config, path):
+        """lambda whose layer average for an image of n tokens is nearest ``tokens`` (module docstring)."""
         from ..capabilities import ModelFacts
 
         n_layers = len(adapter.layers)
         starts = [layer for layer, _ in cls.check_facts(config, ModelFacts.of_adapter(adapter))]
-        n, s_count = vision_tokens_per_image(adapter), len(starts)
+        s_count = len(starts)
         lo = layer_average(n, starts, [0.0] * s_count, n_layers)
         if tokens > n or tokens < lo - 1e-9:
             raise ConfigError(
                 f"{path}.tokens",
                 f"{tokens} layer-averaged tokens is infeasible for PyramidDrop with stages at "
-                f"layers {starts} of {n_layers} and {n} vision tokens per image: the smallest "
+                f"layers {starts} of {n_layers} and {n} vision tokens in this image: the smallest "
                 f"feasible budget is {int(-(-lo // 1))}, the largest {n}",
             )
         steps = sorted({0.0, 1.0, *((j / n) ** (1 / s) for s in range(1, s_count + 1) for j in range(n + 1))})
@@ -222,7 +220,12 @@ class PyramidDrop(Pruner):
             for j in range(int(image.max()) + 1):
                 cand = image == j
                 n_j = ((n_in == j) & state.inputs.image_mask).sum(1)  # [B] tokens image j entered the LLM with
-                keep = (n_j.double() * self.ratios[stage]).floor().long().clamp(max=cand.sum(1))  # int(N * r_s)
+                if self.maps_per_image:  # a budget's lambda fitted at each image's own count
+                    r = [stage_ratios(self.config_for(int(c)))[stage] if c else 0.0 for c in n_j.tolist()]
+                    r_s = torch.tensor(r, dtype=torch.float64, device=n_j.device)
+                else:
+                    r_s = torch.full_like(n_j, self.ratios[stage], dtype=torch.float64)
+                keep = (n_j.double() * r_s).floor().long().clamp(max=cand.sum(1))  # int(N * r_s)
                 kept |= topk_keep(scores, cand, keep)
             stats = state.stats.setdefault(
                 self.name, {"stage_layers": [x for x, _ in self.stages], "ratios": self.ratios}

@@ -14,8 +14,8 @@ every feature-stage method); under M-RoPE (Qwen-VL) each kept token keeps its gr
 Limits: none (batch > 1, several images per prompt, any grid, dynamic resolution).
 No-op: ``keep`` >= the tokens of the image returns the vision batch untouched.
 
-Budget (``budget: {tokens: B}``, vision tokens per image at the LLM input): keep = B (exact); under
-dynamic resolution ``fraction`` = B / 576 of each image's own tokens (``_budget.py``).
+Budget (``budget: {tokens: B}`` or ``{ratio: r}``, vision tokens per image at the LLM input): keep =
+the image's target (B, or round(r N_i)), exact, on every family (``_budget.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch
 from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
 from ..config import opt
 from ..registry import PRUNERS
-from ._budget import budget_fraction, vision_tokens_per_image
 from ._grid import per_sample, select_rows
 from .base import Pruner
 
@@ -62,14 +61,14 @@ class RandomDrop(Pruner):
     class Config:
         keep: int = opt(64, lo=0, doc="image tokens kept per image (576 -> 192/128/64 in the papers' tables)")
         fraction: float | None = opt(
-            None, lo=0.0, hi=1.0, doc="keep round(fraction * N_i) of each image (overrides keep; dynamic resolution)"
+            None, lo=0.0, hi=1.0, doc="fraction KEPT: round(fraction * N_i) of each image (overrides keep)"
         )
         seed: int = opt(0, doc="random seed")
         mask: Literal["per_image", "shared"] = opt(
             "per_image", doc="per_image: seed from the image's pixels too; shared: one subset for all"
         )
 
-    budget_knobs = ("keep",)
+    budget_knobs = ("keep", "fraction")
 
     @classmethod
     def noop_params(cls, adapter):
@@ -77,25 +76,22 @@ class RandomDrop(Pruner):
         return {"keep": rows * cols}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
-        """keep = B; under dynamic resolution fraction = B / 576 of each image (``_budget.py``)."""
-        if budget_fraction(adapter):
-            return {"fraction": min(1.0, tokens / vision_tokens_per_image(adapter))}
+    def budget_params(cls, tokens, n, adapter, config, path):
+        """keep = the image's target (``_budget.py``)."""
         return {"keep": tokens}
 
     @classmethod
     def test_params(cls, adapter):
         return {"keep": 5}
 
+    def n_keep(self, n: int) -> int:
+        cfg = self.config_for(n)  # a budget's keep for this image's own count
+        return min(n, cfg.keep) if cfg.fraction is None else round(cfg.fraction * n)
+
     def prune_vision(self, vision, batch):
         cfg = self.config
         counts = vision.counts()
-        keeps = [
-            n
-            if cfg.fraction is None and n <= cfg.keep
-            else (cfg.keep if cfg.fraction is None else round(cfg.fraction * n))
-            for n in counts
-        ]
+        keeps = [self.n_keep(n) for n in counts]
         if all(n <= k for n, k in zip(counts, keeps)):
             vision.stats[self.name] = {"per_sample_kept": per_sample(counts, batch.image_owner, batch.batch_size)}
             return vision

@@ -10,7 +10,7 @@ Algorithm (prefill only, per sample):
    attention from the raters (head mean, softmax over all keys with the causal mask), averaged over
    the raters. Keep the top ``min(k_s, n - 1)`` of the n vision tokens present (k_s the release's
    fixed counts: "192" -> [300, 200, 110], "128" -> [303, 110, 36], "96" -> [238, 48, 26],
-   "64" -> [66, 30, 17]; given for 576 tokens and scaled by N / 576 on a model with N tokens per image).
+   "64" -> [66, 30, 17]; given for 576 tokens and scaled by N_i / 576 for an image of N_i tokens).
 3. Token recycling: of the m deleted tokens, the top int(0.3 m) + 1 by score are clustered by DPC-kNN
    (k = number of clusters = int(top / 10) + 1; density exp(-mean squared kNN distance), distance
    indicator = distance to the nearest denser token, centres = top score density x indicator, every
@@ -33,8 +33,9 @@ l + 1). The release's "192" is the nominal schedule average (2 x 576 + 4 x 300 +
 #10, #29, #33, #35); the real average of the "192" schedule on LLaVA-1.5 is 202.75 without and 206.5 with recycling
 (computed by ``simulate``). The stats
 report both (``per_sample_layer_avg_nominal``: the release's way). ``budget: {tokens: B}`` sets
-``keep``: the preset whose nominal average is nearest B gives the shape, scaled so the real layer
-average (simulated exactly: the counts do not depend on the image) is nearest B.
+``keep`` (``{ratio: r}``: B = round(r N_i)): the preset whose nominal average is nearest B gives the
+shape, scaled so the real layer average (simulated exactly: the counts do not depend on the image's
+content) is nearest B, for the image's own N_i (per image count where images differ, ``_budget.py``).
 
 Capabilities: all six families (on LLaVA-NeXT every token of an image's packed span, the
 ``image_newline`` tokens included, is a vision token, as the release's span arithmetic would treat
@@ -49,15 +50,14 @@ relevance (one text token), every text token is a rater (the release would avera
 (5) A count k_s >= n keeps every token (no drop, nothing recycled: the no-op setting); the release's
 min(k_s, n - 1) would still drop the lowest token and re-insert it as its own one-token cluster. (6) The filter layers must map onto distinct layers with a layer after the last (``layers``; on a
 4-layer LLM give e.g. ``layers: [0, 1, 2]`` with ``layer_mapping: absolute``).
-Families: all six (the release: LLaVA-1.5 and, on its video branch, Video-LLaVA). LLaVA-OneVision and
-the Qwen-VL families (``budget_fraction``): the counts k_s (preset, given or from a budget, all for a
-reference image of N_ref tokens: OneVision's base view N0, 576 on Qwen) become round(k_s N_i / N_ref)
-for an image of N_i tokens, so every image keeps the same fraction. Under M-RoPE the survivors keep
-their original (t, h, w) ids and a merged token takes its centre's ids, as LightCompress's Qwen2.5-VL
-SparseVLM does (ModelTC/LightCompress @9701d03, ``llmc/compression/token_reduction/sparsevlm.py``:
-after each filter it index-selects the layer's ``position_embeddings`` by the kept slots, the
-cluster centres' slots for the merged tokens); decode continues from the largest kept id + 1 (the last
-prompt token's, as HF's ``rope_deltas``). The release has no Qwen code.
+Families: all six (the release: LLaVA-1.5 and, on its video branch, Video-LLaVA). On every family a
+preset's counts are round(k_s N_i / 576) for an image of N_i tokens; counts given in ``keep`` (or set by
+a budget for the image's N_i) are kept as they are. Under M-RoPE the survivors keep their original
+(t, h, w) ids and a merged token takes its centre's ids, as LightCompress's Qwen2.5-VL SparseVLM does
+(ModelTC/LightCompress @9701d03, ``llmc/compression/token_reduction/sparsevlm.py``: after each filter
+it index-selects the layer's ``position_embeddings`` by the kept slots, the cluster centres' slots for
+the merged tokens); decode continues from the largest kept id + 1 (the last prompt token's, as HF's
+``rope_deltas``). The release has no Qwen code.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
 from ..runtime import SlotEdit
-from ._budget import budget_fraction, vision_tokens_per_image
+from ._budget import fixed_vision_tokens, vision_tokens_per_image
 from ._common import REFERENCE_LAYERS, LayerMapping
 from .base import Pruner
 
@@ -162,7 +162,7 @@ class SparseVLM(Pruner):
             "192", doc="release keep counts per filter (for 576 tokens, scaled by N/576)"
         )
         keep: tuple[int, ...] | None = opt(
-            None, lo=0, doc="vision tokens kept per image at each filter (overrides preset)"
+            None, lo=0, doc="vision tokens kept per image at each filter, as given (overrides preset)"
         )
         layers: tuple[int, ...] = opt((2, 6, 15), lo=0, doc="filter at the output of these layers (32-layer indices)")
         layer_mapping: LayerMapping = opt("absolute", doc="absolute, or proportional to the LLM depth")
@@ -183,7 +183,7 @@ class SparseVLM(Pruner):
 
     @classmethod
     def test_params(cls, adapter):
-        n = vision_tokens_per_image(adapter)
+        n = fixed_vision_tokens(adapter) or 24  # images of their own counts (the tiny test models': a few dozen)
         return {**cls._fit(adapter), "keep": (n * 5 // 8, n * 3 // 8, n // 8)}
 
     @classmethod
@@ -221,11 +221,12 @@ class SparseVLM(Pruner):
         return [round(k * n_vision / REFERENCE_TOKENS) for k in PRESETS[config.preset]]
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
-        """keep: the nearest preset's shape, scaled so the real layer average is nearest ``tokens``."""
+    def budget_params(cls, tokens, n, adapter, config, path):
+        """keep: the nearest preset's shape, scaled so the real layer average of an image of n tokens is
+        nearest ``tokens``."""
         from ..capabilities import ModelFacts
 
-        n, n_layers = vision_tokens_per_image(adapter), len(adapter.layers)
+        n_layers = len(adapter.layers)
         starts = [layer + 1 for layer, _ in cls.check_facts(config, ModelFacts.of_adapter(adapter))]
         recycle = (config.recycle_ratio, config.cluster_divisor) if config.recycle else None
 
@@ -240,7 +241,7 @@ class SparseVLM(Pruner):
             raise ConfigError(
                 f"{path}.tokens",
                 f"{tokens} layer-averaged tokens is infeasible for SparseVLM with filters before "
-                f"layers {starts} of {n_layers} and {n} vision tokens per image: the smallest "
+                f"layers {starts} of {n_layers} and {n} vision tokens in this image: the smallest "
                 f"feasible budget is {math.ceil(lo - 1e-9)}, the largest {n}",
             )
         best = None
@@ -257,9 +258,7 @@ class SparseVLM(Pruner):
 
         self.filters = self.check_facts(self.config, ModelFacts.of_adapter(self.adapter))
         self.key = f"{self.name}@{id(self):x}"  # per-instance extras / probe names (a recipe may stack two)
-        self.n_ref = vision_tokens_per_image(self.adapter)
-        self.keep_counts = self.keeps(self.config, self.n_ref)
-        self.fraction = budget_fraction(self.adapter)  # counts scale with each image's own tokens
+        self.keep_counts = self.keeps(self.config, vision_tokens_per_image(self.adapter))  # stats: the base grid's
         compact = self.adapter.family not in QWEN_FAMILIES  # M-RoPE: original ids (module docstring)
         for s, (layer, paper) in enumerate(self.filters):
             attn = self.adapter.layers[layer].self_attn
@@ -328,10 +327,8 @@ class SparseVLM(Pruner):
                     cand = (image[b] == j).nonzero().squeeze(1)  # [n] slots of image j
                     if cand.numel() == 0:
                         continue
-                    k = self.keep_counts[stage]
-                    if self.fraction:  # dynamic resolution / anyres-max: k_s x N_i / N_ref of image j
-                        n_j = int(((state.inputs.image_index[b] == j) & state.inputs.image_mask[b]).sum())
-                        k = round(k * n_j / self.n_ref)
+                    n_j = int(((state.inputs.image_index[b] == j) & state.inputs.image_mask[b]).sum())
+                    k = self.keeps(self.config_for(n_j), n_j)[stage]  # counts for this image's own N_i
                     k = min(k, cand.numel())  # < n: the release's min(k, n - 1)
                     ranked = cand[score[b, cand].float().argsort(descending=True, stable=True)]
                     kept, deleted = ranked[:k], ranked[k:]  # deleted: by descending score
@@ -376,7 +373,7 @@ class SparseVLM(Pruner):
 
         state.stats[self.name] = {
             "filter_layers": filters,
-            "keep": self.keep_counts,
+            "keep": "per image" if self.maps_per_image else self.keep_counts,
             "per_sample_kept": data.counts,
             "per_sample_recycled": data.recycled,
             "per_sample_raters": (data.raters >= 0).sum(1).tolist(),

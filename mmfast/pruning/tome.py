@@ -183,7 +183,7 @@ class ToMe(Pruner):
         return {"r": 0}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
+    def budget_params(cls, tokens, n, adapter, config, path):
         """budget = B."""
         return {"budget": tokens}
 

@@ -50,9 +50,10 @@ only); the published substitute is LightCompress's Qwen2.5-VL VisionZip (ModelTC
    target's slot with the target's (t, h, w) M-RoPE ids (the release keeps those rows of
    ``position_ids``); the text after the image keeps its unpruned ids (mmfast's pre-LLM rule).
 d and c are the release's fractions: D / 576 and C / 576 of the counts above (``tokens`` split
-27:5 or the paper's presets, or ``dominant`` / ``contextual``), 576 the budget reference image, so a
-budget B keeps about B / 576 of every image: int(N D / 576) + max(int(N C / 576), 1) (the release's
-int() rounding). Deviations from LightCompress: every image of every sample is ranked and merged on
+27:5 or the paper's presets, or ``dominant`` / ``contextual``), so params keep about (D + C) / 576 of
+every image: int(N D / 576) + max(int(N C / 576), 1) (the release's int() rounding). A ``budget``
+keeps its target of every image instead (``tokens: B``: B, split 27:5 into D and C; ``ratio: r``:
+round(r N_i)), as every pruner's budget does. Deviations from LightCompress: every image of every sample is ranked and merged on
 its own (the release: the whole batch as one sequence, first to last image token of sample 0);
 scores and the merge in fp32 (release: the tower's dtype); Qwen2-VL and Qwen3-VL get the same rule
 (the release: Qwen2.5-VL; their towers have no windows); Qwen3-VL's deepstack rows of a contextual
@@ -159,7 +160,7 @@ class VisionZip(Pruner):
         return {"tokens": rows * cols}
 
     @classmethod
-    def budget_params(cls, tokens, adapter, config, path):
+    def budget_params(cls, tokens, n, adapter, config, path):
         """tokens = B."""
         return {"tokens": tokens}
 
@@ -169,8 +170,8 @@ class VisionZip(Pruner):
             return {"tokens": 288}
         return {"dominant": 4, "contextual": 3}
 
-    def budget(self) -> tuple[int, int]:
-        cfg = self.config
+    def budget(self, cfg=None) -> tuple[int, int]:
+        cfg = self.config if cfg is None else cfg
         return (cfg.dominant, cfg.contextual) if cfg.dominant is not None else split_budget(cfg.tokens)
 
     def is_noop(self, n_patches: int) -> bool:
@@ -262,7 +263,10 @@ class VisionZip(Pruner):
                 raise ValueError(
                     "visionzip needs every image's full merged grid; put it first among the feature stages"
                 )
-            d, c = int(frac_d * n), max(int(frac_c * n), 1)
+            if self.maps_per_image:  # a budget: its target for this image's own count, split as the presets
+                d, c = self.budget(self.config_for(n))
+            else:  # the release's fractions of 576
+                d, c = int(frac_d * n), max(int(frac_c * n), 1)
             if d + c >= n:
                 continue  # every token kept (targets would cover the rest): the image untouched
             kept, rows_t, rest, assign = _received.select(received[i], keys[i], d, c)
