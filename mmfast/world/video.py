@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
 from tqdm import tqdm
 
 from .pope_official import write_objects
@@ -136,6 +137,23 @@ def load_clips(root: str | Path) -> list[ClipAnnotation]:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the video world at {r} is incomplete; write it again")
         out.append(clip_from_json(json.loads(path.read_text(encoding="utf-8"))))
+    return out
+
+
+def load_clip_frames(root: str | Path, clip: ClipAnnotation) -> list[Image.Image]:
+    """The RGB frames of a written clip, in order.
+
+    Raises:
+        FileNotFoundError: naming the missing frame.
+    """
+    d = Path(root) / "clips" / clip.name
+    out = []
+    for t in range(clip.num_frames):
+        path = d / frame_file_name(t)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: the video world at {root} is incomplete; write it again")
+        with Image.open(path) as im:
+            out.append(im.convert("RGB"))
     return out
 
 
