@@ -244,6 +244,9 @@ def render_clip(seed: int, clip_id: int, config: VideoConfig | None = None) -> R
         if len(ann.clip_objects()) >= min(cfg.min_distinct, len(set(names))):
             return RenderedClip(frames, maps, ann)
         logger.debug("clip %d attempt %d: too few visible categories; re-drawing", clip_id, attempt)
+    logger.warning(
+        "clip %d shows %d categories after 8 draws (fewer than POPE needs)", clip_id, len(ann.clip_objects())
+    )
     return RenderedClip(frames, maps, ann)
 
 
