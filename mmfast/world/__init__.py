@@ -21,6 +21,8 @@ Public API::
     load_annotations / load_captions / load_label_map / load_world_info  # read a written world
     captions / detailed_description / yes_no_questions / short_qa / world_corpus  # text
     build_pope(annotations, version="official") / read_pope               # POPE files
+    render_clip(seed, clip_id, VideoConfig(frames=16)) -> RenderedClip     # video world (mmfast.world.video)
+    write_video_world(out_dir, seed=0, n_clips=32, ...) / load_clips / load_clip_frames
     CATEGORIES, SCENES, LABEL_NAMES, NUM_LABELS, CAPTION_PROMPTS, DETAIL_PROMPT, ...
 """
 
@@ -57,6 +59,7 @@ from .text import (
     world_corpus,
     yes_no_questions,
 )
+from .video_render import ClipAnnotation, RenderedClip, VideoConfig, render_clip
 
 __all__ = [
     "CAPTION_PROMPTS",
@@ -64,6 +67,7 @@ __all__ = [
     "CATEGORY_BY_ID",
     "CATEGORY_BY_NAME",
     "Category",
+    "ClipAnnotation",
     "DEFAULT_POPE_VERSION",
     "DETAIL_PROMPT",
     "DETAIL_PROMPTS",
@@ -75,11 +79,14 @@ __all__ = [
     "POPE_VERSIONS",
     "PopeQuestion",
     "QAPair",
+    "RenderedClip",
     "RenderedImage",
     "SCENES",
     "SCENE_BY_NAME",
     "SHORT_ANSWER_SUFFIX",
     "SceneSpec",
+    "VideoConfig",
+    "VideoWorldSummary",
     "WORLD_VERSION",
     "WorldConfig",
     "WorldSummary",
@@ -93,25 +100,33 @@ __all__ = [
     "label_lut",
     "load_annotations",
     "load_captions",
+    "load_clip_frames",
+    "load_clips",
     "load_label_map",
     "load_world_info",
     "object_question",
     "read_pope",
+    "render_clip",
     "render_image",
     "short_qa",
     "static_texts",
     "text_rng",
     "world_config",
     "world_corpus",
+    "write_video_world",
     "write_world",
     "yes_no_questions",
 ]
 
 
 def __getattr__(name: str) -> object:
-    # Lazy so that ``python -m mmfast.world.generate`` does not import the module twice.
+    # Lazy so that ``python -m mmfast.world.generate`` (or ``.video``) does not import the module twice.
     if name in ("write_world", "WorldSummary"):
         from . import generate
 
         return getattr(generate, name)
+    if name in ("write_video_world", "VideoWorldSummary", "load_clips", "load_clip_frames"):
+        from . import video
+
+        return getattr(video, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,7 +118,12 @@ def object_statistics(pool: Sequence[GroundTruthObjects]) -> tuple[list[str], li
 
 
 def build_pope_official(
-    records: Sequence[GroundTruthObjects], *, n_images: int = 500, seed: int = 0, n_pos: int = 3
+    records: Sequence[GroundTruthObjects],
+    *,
+    n_images: int = 500,
+    seed: int = 0,
+    n_pos: int = 3,
+    question: Callable[[str], str] = object_question,
 ) -> dict[str, list[PopeQuestion]]:
     """Build the three POPE splits with the official rule (module docstring).
 
@@ -127,6 +132,8 @@ def build_pope_official(
         n_images: Number of images to draw (500 in POPE).
         seed: Seed of the one random stream.
         n_pos: Positives (and negatives) per image (3 in POPE).
+        question: Question text of an object name (POPE's image template by default; the video
+            world asks about the video).
 
     Returns:
         ``{"random": [...], "popular": [...], "adversarial": [...]}``.
@@ -163,8 +170,6 @@ def build_pope_official(
                 neg = next((o for o in ranked if valid(o)), None) or draw()
                 asked.append(neg)
                 for name, label in ((pos, "yes"), (neg, "no")):
-                    questions.append(
-                        PopeQuestion(len(questions) + 1, rec.image, rec.image_id, object_question(name), label)
-                    )
+                    questions.append(PopeQuestion(len(questions) + 1, rec.image, rec.image_id, question(name), label))
         out[split] = questions
     return out
