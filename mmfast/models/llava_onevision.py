@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import torch
 
@@ -52,12 +53,9 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     #: a pruning budget of B tokens is for an image of the base view's N0 = rows * cols tokens; an
     #: image of N_i tokens gets B * N_i / N0 (see the stages' ``budget_params``)
     budget_scales_with_tokens = True
-    supports_video = True
+    #: SigLIP prepends no CLS token (``features_of`` reads it from the tower type)
+    features = replace(LlavaAdapter.features, cls_token=False, tiles="anyres_max", video=True)
     video_token = "<video>"
-
-    @property
-    def has_cls(self) -> bool:
-        return False  # SigLIP prepends no CLS token
 
     @property
     def n_image_tokens(self) -> int:

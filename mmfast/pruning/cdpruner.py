@@ -86,8 +86,8 @@ tokens keep their grid cells' (t, h, w) ids and the text after the image keeps i
 largest kept id + 1. Qwen3-VL's deepstack rows follow the kept tokens. Budget under dynamic
 resolution: ``ratio`` (the port's ``pruning_ratio`` is the fraction pruned, T = round(N (1 - p)));
 ``budget: {tokens: B}`` sets ``ratio`` = B / 576, so every image keeps round(N_i B / 576).
-Families: llava, llava_next and the Qwen-VL families. Refused on llava_onevision, with the reason in
-``caps.unsupported``.
+Families: llava, llava_next and the Qwen-VL families. Refused where anyres tiles are downscaled across
+tiles (llava_onevision; ``caps.needs``).
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
+from ..models.features import Need
 from ..registry import PRUNERS
 from ._budget import budget_fraction, vision_tokens_per_image
 from ._clip_text import load_clip_text
@@ -179,16 +180,13 @@ class CDPruner(Pruner):
     hook_points = frozenset({"vision_features"})
     # NeXT: the per-tile selection needs every tile whole, so it runs as the first vision-token edit
     caps = Capabilities(
-        families=frozenset({"llava", "llava_next"}) | QWEN_FAMILIES,
+        needs=frozenset({Need.WHOLE_TILES}),
+        why={
+            Need.WHOLE_TILES: "its per-tile DPP follows LLaVA-NeXT's whole tiles; a mosaic downscaled across tiles "
+            "is a layout neither the release (LLaVA) nor OpenVINO GenAI's port (Qwen-VL only) covers"
+        },
         edits_features=True,
         needs_full_grid=True,
-        unsupported=why_not(
-            (
-                "llava_onevision",
-                "its per-tile DPP follows LLaVA-NeXT's tiles; OneVision's anyres-max mosaic is downscaled across "
-                "tiles, a layout neither the release (LLaVA) nor OpenVINO GenAI's port (Qwen-VL only) covers",
-            ),
-        ),
     )
 
     @dataclass(frozen=True)
@@ -222,7 +220,7 @@ class CDPruner(Pruner):
         ratio = B / 576; module docstring)."""
         if budget_fraction(adapter):
             return {"ratio": min(1.0, tokens / vision_tokens_per_image(adapter))}
-        if adapter.family != "llava_next":
+        if adapter.features.tiles != "anyres":
             return {"keep": tokens}
         return {"keep": max(1, round(tokens / max_tiles(adapter)))}
 
@@ -230,12 +228,14 @@ class CDPruner(Pruner):
     def check_facts(cls, config, facts) -> None:
         """``ratio`` needs whole images as candidates (LLaVA-NeXT picks T per tile: ``keep``);
         ``clip_model`` needs a CLIP vision tower (not Qwen-VL)."""
-        if config.ratio is not None and facts.family == "llava_next":
-            raise ConfigError("ratio", "LLaVA-NeXT keeps T tokens per tile, as the release; give keep instead")
-        if config.clip_model is not None and facts.family in QWEN_FAMILIES:
+        if config.ratio is not None and facts.features.tiles == "anyres":
+            raise ConfigError(
+                "ratio", f"{facts.family} keeps T tokens per anyres tile, as the release; give keep instead"
+            )
+        if config.clip_model is not None and not facts.features.paired_text_tower:
             raise ConfigError(
                 "clip_model",
-                "a CLIP text tower pairs with LLaVA's CLIP vision tower; Qwen-VL towers have none: leave clip_model "
+                f"a CLIP text tower pairs with a CLIP vision tower; {facts.family}'s tower has none: leave clip_model "
                 "unset (relevance in the LLM's embedding space, as OpenVINO GenAI's Qwen port)",
             )
 

@@ -26,8 +26,9 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities
 from ..config import opt
+from ..models.features import Need
 from ..registry import PRUNERS
 from ._budget import budget_fraction, vision_tokens_per_image
 from ._grid import per_sample, select_rows
@@ -47,15 +48,12 @@ class RandomDrop(Pruner):
 
     hook_points = frozenset({"vision_features"})
     caps = Capabilities(
-        families=frozenset({"llava"}) | QWEN_FAMILIES,
+        needs=frozenset({Need.UNTILED}),
+        why={
+            Need.UNTILED: "it edits pre-projector features, which the tile packing re-packs: the edit would not "
+            "reach the LLM"
+        },
         edits_features=True,
-        unsupported=why_not(
-            (
-                ("llava_next", "llava_onevision"),
-                "edits pre-projector features, which these families re-pack (unpad / "
-                "downscale / newlines) after the projector: the edit would not reach the LLM",
-            ),
-        ),
     )
 
     @dataclass(frozen=True)

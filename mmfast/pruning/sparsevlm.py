@@ -68,7 +68,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, QWEN_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
@@ -154,7 +154,7 @@ class SparseVLM(Pruner):
     """SparseVLM."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=ALL_FAMILIES)  # acts on the spliced sequence; M-RoPE: original 3-D ids kept
+    caps = Capabilities()  # acts on the spliced sequence; M-RoPE: original 3-D ids kept
 
     @dataclass(frozen=True)
     class Config:
@@ -260,7 +260,7 @@ class SparseVLM(Pruner):
         self.n_ref = vision_tokens_per_image(self.adapter)
         self.keep_counts = self.keeps(self.config, self.n_ref)
         self.fraction = budget_fraction(self.adapter)  # counts scale with each image's own tokens
-        compact = self.adapter.family not in QWEN_FAMILIES  # M-RoPE: original ids (module docstring)
+        compact = self.adapter.features.rope == "1d"  # M-RoPE: original ids (module docstring)
         for s, (layer, paper) in enumerate(self.filters):
             attn = self.adapter.layers[layer].self_attn
             self.ctx.probe.watch(
