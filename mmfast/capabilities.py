@@ -7,7 +7,7 @@ Every pruning stage, decoder and drafter declares a :class:`Capabilities` (a cla
 what to do instead. No method inspects another method's name or parameters, and no method names a
 model family: it declares what it needs of the model (:class:`~mmfast.models.features.Need`), every
 adapter declares what its family offers (:class:`~mmfast.models.features.ModelFeatures`), and
-:func:`refusal` derives support or a refusal from the two.
+:func:`refusal` derives support or a refusal from the two. ``Need`` is importable from here.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ class Capabilities:
     #: need -> what a published substitute needs instead, where the model lacks the need (VisionZip's
     #: received-attention ranking replaces CLS attention on dynamic-grid towers: {CLS: {DYNAMIC_GRID}})
     substitutes: Mapping[Need, frozenset[Need]] = field(default_factory=dict, hash=False)
-    #: what to use instead, quoted after the list of methods that run on the model ("" = that list)
-    instead: str = ""
 
     # -- pruning stages ---------------------------------------------------------------------------
     #: changes the token set inside the vision tower (ToMe, MustDrop's window merge)
@@ -290,7 +288,6 @@ def refusal(where: str, caps: Capabilities, facts: ModelFacts, registry: Registr
         + (f" ({have})" if have else "")
         + (f": {why}" if why else "")
         + f"; {registry.kind} methods that run there: {', '.join(ok) or 'none'}"
-        + (f"; {caps.instead}" if caps.instead else "")
     )
 
 

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..hooks import attach
-from ..models.features import Need
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive
 

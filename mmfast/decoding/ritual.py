@@ -26,9 +26,8 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
-from ..models.features import Need
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, additive, query_rng
 from .vcd import noised_branch

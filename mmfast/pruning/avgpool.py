@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
-from ..models.features import Need
 from ..registry import PRUNERS
 from ._grid import grid_features, near_square_grid, per_sample
 from .base import Pruner

@@ -97,10 +97,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
-from ..models.features import Need
 from ..registry import PRUNERS
 from ._budget import budget_fraction, vision_tokens_per_image
 from ._clip_text import load_clip_text

@@ -73,11 +73,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError, ModelLoadError
 from ..models.base import GENERATED
-from ..models.features import Need
 from ..registry import PRUNERS
 from ..runtime import LayerGroup
 from ._common import LayerMapping, map_layers

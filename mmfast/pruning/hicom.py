@@ -64,11 +64,10 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..models.base import VisionBatch
-from ..models.features import Need
 from ..registry import PRUNERS
 from ._grid import grid_features, per_sample
 from ._hicom_modules import (

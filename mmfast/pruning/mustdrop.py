@@ -64,11 +64,10 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import cls_row
-from ..models.features import Need
 from ..registry import PRUNERS
 from ..runtime import LMState
 from ._common import LayerMapping, map_layers

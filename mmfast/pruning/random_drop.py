@@ -26,9 +26,8 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
-from ..models.features import Need
 from ..registry import PRUNERS
 from ._budget import budget_fraction, vision_tokens_per_image
 from ._grid import per_sample, select_rows

@@ -40,11 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach
-from ..models.features import Need
 from ..registry import PRUNERS
 from .base import Pruner
 

@@ -69,11 +69,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach, cls_row
-from ..models.features import Need
 from ..registry import PRUNERS
 from . import _received
 from ._budget import vision_tokens_per_image

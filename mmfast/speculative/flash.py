@@ -54,9 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
-from ..models.features import Need
 from ..registry import DRAFTERS
 from ._eagle import EagleDrafter, select_tree
 from .tree import DraftTree

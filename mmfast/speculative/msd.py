@@ -50,9 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Need
 from ..config import opt
-from ..models.features import Need
 from ..registry import DRAFTERS
 from ._eagle import EagleDrafter
 from .tree import DraftTree
