@@ -225,3 +225,17 @@ def test_a_registered_adapter_runs_and_refuses_by_its_features(monkeypatch, tiny
     )
     assert [r.n_vision_tokens for r in out] == [7, 7]  # CLS, square grid, untiled: VisionZip runs
     assert "llava_windowed_test" in supported_families(caps_of(PRUNERS.get("fastv").cls, None))
+
+
+def test_a_config_refines_the_declared_features():
+    """A LLaVA checkpoint with a SigLIP tower has no CLS token: read from its config before any weights
+    load, so CLS-needing methods are refused there and the rest of LLaVA's decisions stand."""
+    from transformers import LlavaConfig
+
+    siglip = LlavaConfig(vision_config={"model_type": "siglip_vision_model"})
+    assert LlavaAdapter.features_of(LlavaConfig()) == LlavaAdapter.features
+    facts = ModelFacts.of_config(siglip)
+    assert facts.family == "llava" and facts.features == replace(LlavaAdapter.features, cls_token=False)
+    msg = check_model(load_recipe({"pruning": [{"method": "visionzip"}]}), facts)
+    assert "pruning[0] (visionzip) needs a CLS token in the vision tower, which this model (llava) does not have" in msg
+    assert check_model(load_recipe({"pruning": [{"method": "avgpool"}]}), facts) is None
