@@ -4,7 +4,10 @@ Every pruning stage, decoder and drafter declares a :class:`Capabilities` (a cla
 ``caps``, or a ``capabilities(params)`` classmethod when a parameter changes what the method does).
 :func:`check_recipe` compares the declarations of a recipe's methods before any model is loaded, and
 :func:`check_model` compares them with the loaded model before any compute; each refusal says why and
-what to do instead. No method inspects another method's name or parameters.
+what to do instead. No method inspects another method's name or parameters, and no method names a
+model family: it declares what it needs of the model (:class:`~mmfast.models.features.Need`), every
+adapter declares what its family offers (:class:`~mmfast.models.features.ModelFeatures`), and
+:func:`refusal` derives support or a refusal from the two. ``Need`` is importable from here.
 """
 
 from __future__ import annotations
@@ -16,46 +19,30 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .checkpoint import _resolve
 from .errors import ConfigError, IncompatibleRecipeError, ModelLoadError
-from .registry import DECODERS, DRAFTERS, PRUNERS
+from .models import ADAPTERS
+from .models.features import NEED_ORDER, ModelFeatures, Need, has, what_it_has
+from .registry import DECODERS, DRAFTERS, PRUNERS, Registry
 
 if TYPE_CHECKING:
     from .config import Recipe
     from .models.base import VLMAdapter
 
 Search = Literal["single", "beam", "branches"]
-#: the LLaVA-style families (1-D RoPE): LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision
-LLAVA_FAMILIES = frozenset({"llava", "llava_next", "llava_onevision"})
-#: multimodal-RoPE families (mmfast/models/qwen2_vl.py); a method runs there only if it declares them
-QWEN_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
-ALL_FAMILIES = LLAVA_FAMILIES | QWEN_FAMILIES
-#: vision-tower config types without a CLS token (OneVision's SigLIP)
-CLS_LESS_TOWERS = frozenset({"siglip_vision_model", "siglip2_vision_model"})
-
-
-def why_not(*pairs: tuple[Iterable[str] | str, str]) -> dict[str, str]:
-    """``Capabilities.unsupported`` from (families, reason) pairs: every family of a pair -> its reason.
-    ``why_not((QWEN_FAMILIES, "needs CLS attention"), ("llava_next", "one square grid"))``."""
-    out: dict[str, str] = {}
-    for families, reason in pairs:
-        for f in (families,) if isinstance(families, str) else families:
-            out[f] = reason
-    return out
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """A method's declaration. Defaults describe a method that does nothing special."""
+    """A method's declaration. Defaults describe a method that does nothing special and runs on
+    every model family."""
 
-    #: model families the method runs on (the LLaVA ones unless the method declares more)
-    families: frozenset[str] = LLAVA_FAMILIES
-    #: family -> why the method does not run there, quoted in the refusal (every family of
-    #: ALL_FAMILIES outside ``families`` should have one; tests/test_capabilities_families.py)
-    unsupported: Mapping[str, str] = field(default_factory=dict, hash=False)
-    #: needs a CLS token in the vision tower
-    needs_cls: bool = False
-    #: families whose CLS-less towers the method serves with a published substitute (VisionZip's
-    #: received-attention ranking on the Qwen-VL towers); ``needs_cls`` holds everywhere else
-    cls_substitute: frozenset[str] = frozenset()
+    #: what the method needs of the model; a model whose adapter's features lack one is refused
+    #: (:func:`refusal`; docs/architecture.md, "Adding a model family")
+    needs: frozenset[Need] = frozenset()
+    #: need -> why the method needs it, in its own words (quoted in the refusal)
+    why: Mapping[Need, str] = field(default_factory=dict, hash=False)
+    #: need -> what a published substitute needs instead, where the model lacks the need (VisionZip's
+    #: received-attention ranking replaces CLS attention on dynamic-grid towers: {CLS: {DYNAMIC_GRID}})
+    substitutes: Mapping[Need, frozenset[Need]] = field(default_factory=dict, hash=False)
 
     # -- pruning stages ---------------------------------------------------------------------------
     #: changes the token set inside the vision tower (ToMe, MustDrop's window merge)
@@ -234,36 +221,74 @@ def check_recipe(recipe: Recipe) -> str | None:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the methods' parameters are checked against: read from a loaded model's adapter, or from
-    the model's config alone (before any weights load)."""
+    """What the methods' needs and parameters are checked against: read from a loaded model's adapter,
+    or from the model's config alone (before any weights load)."""
 
     family: str
     llm_layers: int
     vision_layers: int
     grid: tuple[int, int]  # (rows, cols) of the base patch grid
-    has_cls: bool
+    features: ModelFeatures
+
+    @property
+    def has_cls(self) -> bool:
+        return self.features.cls_token
 
     @classmethod
     def of_adapter(cls, adapter: VLMAdapter) -> ModelFacts:
         return cls(
-            adapter.family, len(adapter.layers), len(adapter.vision_layers), tuple(adapter.grid), adapter.has_cls
+            adapter.family, len(adapter.layers), len(adapter.vision_layers), tuple(adapter.grid), adapter.features
         )
 
     @classmethod
     def of_config(cls, config: Any) -> ModelFacts | None:
         """From a transformers config of a supported family (None for any other)."""
-        family = getattr(config, "model_type", None)
-        if family not in ALL_FAMILIES:
+        adapter = ADAPTERS.get(getattr(config, "model_type", None))
+        if adapter is None:
             return None
-        text, vision = config.text_config, config.vision_config
-        if family in QWEN_FAMILIES:  # dynamic resolution, no CLS; grid = the budget reference grid
-            from .models.qwen2_vl import BUDGET_REFERENCE_GRID
+        llm_layers, vision_layers, grid = adapter.config_shape(config)
+        return cls(adapter.family, llm_layers, vision_layers, grid, adapter.features_of(config))
 
-            return cls(family, int(text.num_hidden_layers), int(vision.depth), BUDGET_REFERENCE_GRID, False)
-        side = int(vision.image_size) // int(vision.patch_size)
-        # LLaVA / LLaVA-NeXT: CLIP towers (a CLS token the "default" strategy drops); OneVision: SigLIP, none
-        has_cls = getattr(vision, "model_type", "") not in CLS_LESS_TOWERS
-        return cls(family, int(text.num_hidden_layers), int(vision.num_hidden_layers), (side, side), has_cls)
+
+def unmet_need(caps: Capabilities, features: ModelFeatures) -> Need | None:
+    """The first of the method's needs (``caps``) that a model with ``features`` lacks, with no
+    usable substitute; None when the method runs there."""
+    for need in NEED_ORDER:
+        if need not in caps.needs or has(features, need):
+            continue
+        substitute = caps.substitutes.get(need)
+        if substitute is not None and all(has(features, n) for n in substitute):
+            continue
+        return need
+    return None
+
+
+def runs_on(registry: Registry, features: ModelFeatures) -> list[str]:
+    """The methods of ``registry`` (at their defaults) that run on a model with ``features``."""
+    return [e.name for e in registry.entries() if unmet_need(caps_of(e.cls, None), features) is None]
+
+
+def supported_families(caps: Capabilities) -> list[str]:
+    """The registered model families (``mmfast.models.ADAPTERS``) a method declaring ``caps`` runs on."""
+    return [adapter.family for adapter in ADAPTERS.values() if unmet_need(caps, adapter.features) is None]
+
+
+def refusal(where: str, caps: Capabilities, facts: ModelFacts, registry: Registry) -> str | None:
+    """Why the method at ``where`` (declaring ``caps``, one of ``registry``) cannot run on the model
+    of ``facts``, or None: the need it lacks, the family, the method's own words on why, and what to
+    use instead. The one place that decides family support."""
+    need = unmet_need(caps, facts.features)
+    if need is None:
+        return None
+    have = what_it_has(facts.features, need)
+    why = caps.why.get(need, "")
+    ok = runs_on(registry, facts.features)
+    return (
+        f"{where} needs {need.value}, which this model ({facts.family}) does not have"
+        + (f" ({have})" if have else "")
+        + (f": {why}" if why else "")
+        + f"; {registry.kind} methods that run there: {', '.join(ok) or 'none'}"
+    )
 
 
 def _methods(recipe: Recipe):
@@ -283,20 +308,9 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     stages, decoder, drafter = _declared(recipe)
     kinds = [(st, PRUNERS) for st in stages] + [(decoder, DECODERS)] + ([(drafter, DRAFTERS)] if drafter else [])
     for item, registry in kinds:
-        c = item.caps
-        if c.needs_cls and not facts.has_cls and facts.family not in c.cls_substitute:  # the more specific reason first
-            return (
-                f"{item.where} needs a CLS token in the vision tower, which this model ({facts.family}) does not have"
-            )
-        if facts.family not in c.families:
-            ok = [e.name for e in registry.entries() if facts.family in caps_of(e.cls, None).families]
-            why = c.unsupported.get(facts.family)
-            return (
-                f"{item.where} does not support the {facts.family} family"
-                + (f": {why}" if why else "")
-                + f"; {registry.kind} methods that run there: "
-                f"{', '.join(ok) or 'none'}"
-            )
+        problem = refusal(item.where, item.caps, facts, registry)
+        if problem:
+            return problem
     for path, cls, params in _methods(recipe):
         check = getattr(cls, "check_facts", None)
         if check is None or params is None:
@@ -310,7 +324,7 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
 
 def check_model_config(recipe: Recipe) -> None:
     """Check the recipe against its model's config before any weights load (``mmfast validate``,
-    ``run``, ``eval``, ``bench``): families, CLS, layer indices and grids. Silent when the config
+    ``run``, ``eval``, ``bench``): the methods' needs, layer indices and grids. Silent when the config
     cannot be read without a download (a hub id not in the local cache)."""
     facts = _facts_of_model_name(recipe.model.name, recipe.model.revision)
     if facts is None:

@@ -5,6 +5,8 @@ on the same tensors; batches equal their samples; budgets keep their counts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from PIL import Image
 import mmfast
 from mmfast.capabilities import ModelFacts, check_model
 from mmfast.config import load_recipe
+from mmfast.models import ADAPTERS
 from mmfast.pipeline import Session
 from mmfast.registry import PRUNERS
 
@@ -176,11 +179,13 @@ def test_cdpruner_clip_model_is_refused_on_qwen():
 
     rec = load_recipe({"pruning": [{"method": "cdpruner", "params": {"clip_model": "/some/clip"}}]})
     with pytest.raises(ConfigError, match="clip_model"):
-        check_model(rec, ModelFacts("qwen2_5_vl", 4, 4, (24, 24), False))
+        check_model(rec, ModelFacts("qwen2_5_vl", 4, 4, (24, 24), ADAPTERS["qwen2_5_vl"].features))
 
 
 def test_visionzip_family_decisions():
-    facts = lambda fam, cls: ModelFacts(fam, 4, 4, (24, 24), cls)  # noqa: E731
+    def facts(fam, cls):
+        return ModelFacts(fam, 4, 4, (24, 24), replace(ADAPTERS[fam].features, cls_token=cls))
+
     rec = load_recipe({"pruning": [{"method": "visionzip"}]})
     for fam in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         assert check_model(rec, facts(fam, False)) is None

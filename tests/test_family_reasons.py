@@ -1,5 +1,5 @@
-"""Family decisions (issue 20, item 3): every method either declares a family or says why it is
-refused there, and the refusal quotes the reason (from the config alone and on a loaded model). The
+"""Family decisions (issue 20, item 3; issue 28, item 4): every need a method declares comes with its
+reason, and a refusal quotes the unmet need, the family and the reason (from the config alone and on a loaded model). The
 single-pass attention-editing decoders (PAI, ONLY, ClearSight) on the Qwen-VL families: no-op settings
 are greedy exactly, batch with mixed image sizes equals per sample."""
 
@@ -11,9 +11,10 @@ import torch
 from PIL import Image
 
 import mmfast
-from mmfast.capabilities import ALL_FAMILIES, ModelFacts, caps_of, check_model
+from mmfast.capabilities import ModelFacts, caps_of, check_model, unmet_need
 from mmfast.config import load_recipe
 from mmfast.errors import IncompatibleRecipeError
+from mmfast.models import ADAPTERS
 from mmfast.pipeline import Session
 from mmfast.registry import DECODERS, DRAFTERS, PRUNERS
 
@@ -21,20 +22,20 @@ QWEN = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"]
 
 
 @pytest.mark.parametrize("registry", [PRUNERS, DECODERS, DRAFTERS], ids=lambda r: r.kind)
-def test_every_refused_family_has_a_reason(registry):
+def test_every_need_has_a_reason(registry):
+    """Each need a method declares comes with its own sentence on why (quoted in every refusal)."""
     missing = []
     for e in registry.entries():
         caps = caps_of(e.cls, None)
-        for family in sorted(ALL_FAMILIES - caps.families):
-            why = caps.unsupported.get(family, "")
-            if len(why) < 20:  # a sentence, not a placeholder
-                missing.append(f"{e.name} on {family}")
-        assert not set(caps.unsupported) & caps.families, f"{e.name} gives a reason for a family it supports"
-    assert not missing, "refused without a reason: " + ", ".join(missing)
+        for need in sorted(caps.needs, key=lambda n: n.name):
+            if len(caps.why.get(need, "")) < 20:  # a sentence, not a placeholder
+                missing.append(f"{e.name}: {need.name}")
+        assert not set(caps.why) - caps.needs, f"{e.name} explains a need it does not declare"
+    assert not missing, "needs without a reason: " + ", ".join(missing)
 
 
 def _facts(family):
-    return ModelFacts(family, 4, 4, (24, 24), family in ("llava", "llava_next"))
+    return ModelFacts(family, 4, 4, (24, 24), ADAPTERS[family].features)
 
 
 @pytest.mark.parametrize(
@@ -53,9 +54,12 @@ def test_config_refusal_quotes_the_reason(recipe, family, reason):
 
     name = reason
     entry = P.get(name) if name in P.names() else D.get(name)
-    why = caps_of(entry.cls, None).unsupported[family]
+    caps = caps_of(entry.cls, None)
+    need = unmet_need(caps, ADAPTERS[family].features)
     msg = check_model(load_recipe(recipe), _facts(family))
-    assert msg is not None and f"does not support the {family} family: {why}; " in msg
+    assert need is not None and msg is not None
+    assert f"({name}) needs {need.value}, which this model ({family}) does not have" in msg
+    assert f": {caps.why[need]}; " in msg
     assert "methods that run there:" in msg
 
 
@@ -83,10 +87,12 @@ PROMPTS = ["Describe the image.", "Is there a cat in the image?", "What color is
 
 
 def test_loaded_refusal_quotes_the_reason(qmm):
-    why = caps_of(PRUNERS.get("hicom").cls, None).unsupported[qmm.adapter.family]
+    caps = caps_of(PRUNERS.get("hicom").cls, None)
+    need = unmet_need(caps, qmm.adapter.features)
     with pytest.raises(IncompatibleRecipeError, match="hicom") as exc:
         Session(qmm, load_recipe({"pruning": [{"method": "hicom"}]}))
-    assert f"does not support the {qmm.adapter.family} family: {why}; " in str(exc.value)
+    assert f"needs {need.value}, which this model ({qmm.adapter.family}) does not have" in str(exc.value)
+    assert f": {caps.why[need]}; " in str(exc.value)
 
 
 def _tokens(mm, images, prompts, decoding, n=6):
@@ -108,7 +114,7 @@ ACTIVE = {
 
 @pytest.mark.parametrize("name", sorted(NOOP))
 def test_attention_editors_on_qwen(name, qmm, qimages):
-    assert qmm.adapter.family in caps_of(DECODERS.get(name).cls, None).families
+    assert unmet_need(caps_of(DECODERS.get(name).cls, None), qmm.adapter.features) is None
     base = _tokens(qmm, qimages, PROMPTS, {"method": "greedy"})
     assert _tokens(qmm, qimages, PROMPTS, {"method": name, "params": NOOP[name]}) == base
     dec = {"method": name, "params": ACTIVE[name]}
@@ -125,7 +131,7 @@ def _gen(mm, images, prompts, pruning, n=6):
 
 
 def test_dart_noop_equals_baseline_on_qwen(qmm, qimages):
-    assert qmm.adapter.family in caps_of(PRUNERS.get("dart").cls, None).families
+    assert unmet_need(caps_of(PRUNERS.get("dart").cls, None), qmm.adapter.features) is None
     base = qmm.generate(qimages, PROMPTS, max_new_tokens=6)
     noop = _gen(qmm, qimages, PROMPTS, [{"method": "dart", "params": PRUNERS.get("dart").cls.noop_params(qmm.adapter)}])
     assert [r.token_ids for r in noop] == [r.token_ids for r in base]

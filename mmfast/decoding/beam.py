@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .base import DecodeOutput, Decoder, DecodeRequest, now, state_accounting
@@ -190,7 +190,7 @@ class BeamSearch:
 class Beam(Decoder):
     """Beam search."""
 
-    caps = Capabilities(families=ALL_FAMILIES, search="beam")
+    caps = Capabilities(search="beam")
 
     @dataclass(frozen=True)
     class Config:

@@ -20,7 +20,7 @@ rows and keys are classified per sample; the edited rows are computed in fp32 (o
 a sample without an image is left untouched. Not verified: a third-party summary of the paper mentions
 restricting the edit to "visual perception" heads; the released inference code edits every head of
 the chosen layers, which is what mmfast does.
-Families: all six (``ALL_FAMILIES``): the scaled logits are keyed on the running layout's vision slots,
+Families: all six (it needs nothing of the model): the scaled logits are keyed on the running layout's vision slots,
 position-agnostic, so it runs under M-RoPE (Qwen-VL) unchanged; no-op = greedy and batch (mixed image
 sizes) = per sample are tested on the Qwen families (``tests/test_family_reasons.py``). The release
 (ustc-hyin/ClearSight, ``visaug/``) has no Qwen-VL code; its layers are LLaVA-1.5's, mapped by depth.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
@@ -83,7 +83,6 @@ class ClearSight(Decoder):
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
         return Capabilities(
-            families=ALL_FAMILIES,
             overrides_llm_attention=cls.active(cfg),
             dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "",
         )

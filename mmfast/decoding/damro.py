@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..hooks import attach
@@ -44,19 +44,14 @@ class Damro(MultiBranchDecoder):
     use_warpers = False
     # the outlier branch indexes one patch grid per image and reads the tower's unmerged tokens
     caps = Capabilities(
-        families=frozenset({"llava"}),
-        needs_cls=True,
+        needs=frozenset({Need.CLS, Need.UNTILED, Need.SQUARE_GRID}),
+        why={
+            Need.CLS: "it contrasts against the tower's CLS-attention outliers",
+            Need.UNTILED: "its outlier branch indexes one square patch grid per image",
+            Need.SQUARE_GRID: "its outlier branch indexes one square patch grid per image",
+        },
         search="branches",
         needs_unmerged_tower=True,
-        unsupported=why_not(
-            (
-                "llava_next",
-                "its outlier branch indexes one square patch grid per image; LLaVA-NeXT packs tiles into an "
-                "unpadded, newline-separated mosaic",
-            ),
-            ("llava_onevision", "contrasts against the tower's CLS-attention outliers; SigLIP has no CLS"),
-            (QWEN_FAMILIES, "contrasts against the tower's CLS-attention outliers; Qwen-VL towers have no CLS"),
-        ),
     )
 
     @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..registry import DECODERS
 from .base import DecodeOutput, Decoder, DecodeRequest, Sampling
 from .loop import autoregressive
@@ -20,7 +20,7 @@ from .loop import autoregressive
 class Greedy(Decoder):
     """Greedy decoding."""
 
-    caps = Capabilities(families=ALL_FAMILIES, speculative=True)
+    caps = Capabilities(speculative=True)
 
     @dataclass(frozen=True)
     class Config:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive, query_rng
@@ -50,9 +50,7 @@ def leading_query(question: str, rng, yes_no: tuple[str, ...], open_ended: tuple
 class LQCD(MultiBranchDecoder):
     """Leading Query Contrastive Decoding."""
 
-    caps = Capabilities(
-        families=ALL_FAMILIES, search="branches", images_only="its branch re-prompts the images with a leading query"
-    )
+    caps = Capabilities(search="branches", images_only="its branch re-prompts the images with a leading query")
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

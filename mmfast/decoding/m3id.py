@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, MultiBranchDecoder, m3id
@@ -27,7 +27,7 @@ from .branches import Branch, MultiBranchDecoder, m3id
 class M3ID(MultiBranchDecoder):
     """M3ID."""
 
-    caps = Capabilities(families=ALL_FAMILIES, search="branches")
+    caps = Capabilities(search="branches")
 
     @dataclass(frozen=True)
     class Config:

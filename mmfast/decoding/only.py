@@ -30,7 +30,7 @@ Deviations from the official code:
 - the key classes come from the running layout (left padding, pruned or LLaVA-NeXT vision tokens; the
   official code hard-codes 35 system tokens and 576 image tokens) and padding is excluded; ``P`` is
   computed in fp32 (official: fp16 eager attention).
-Families: all six (``ALL_FAMILIES``): the key classes come from the running layout, not positions, so
+Families: all six (it needs nothing of the model): the key classes come from the running layout, not positions, so
 it runs under M-RoPE (Qwen-VL) unchanged; no-op = greedy and batch (mixed image sizes) = per sample are
 tested on the Qwen families (``tests/test_family_reasons.py``). The release (zifuwan/ONLY) evaluates
 LLaVA-1.5, InstructBLIP and first-generation Qwen-VL (``experiments/Qwen_VL``), not Qwen2-VL or later;
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
@@ -125,7 +125,6 @@ class ONLY(Decoder):
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
         return Capabilities(
-            families=ALL_FAMILIES,
             overrides_llm_attention=cls.active(cfg),
             dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "",
         )

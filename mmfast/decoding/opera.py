@@ -69,7 +69,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..registry import DECODERS
@@ -109,7 +109,6 @@ class Opera(Decoder):
     """OPERA (over-trust penalty + retrospection-allocation beam search)."""
 
     caps = Capabilities(
-        families=ALL_FAMILIES,
         search="beam",
         needs_full_decode_cache=True,
         dynamic_decode="its over-trust map reads the last layer's attention rows over exactly the held keys, "

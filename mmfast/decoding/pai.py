@@ -38,7 +38,7 @@ Deviations from the official code:
   are recomputed in fp32 (the official code works in fp16 eager attention);
 - under decode-without-cache (a stage that re-runs the whole sequence) the rows of the generated
   tokens are amplified as well, matching what the cached decode computes.
-Families: all six (``ALL_FAMILIES``). The edit is keyed on the running layout's vision slots, not on
+Families: all six (it needs nothing of the model). The edit is keyed on the running layout's vision slots, not on
 positions, so it runs under M-RoPE (Qwen-VL) and anyres packing unchanged; on the Qwen families no-op =
 greedy and batch (mixed image sizes) = per sample are tested (``tests/test_family_reasons.py``). The
 release (LALBJ/PAI) has LLaVA and MiniGPT-4 code, none for the Qwen2-VL families: nothing was checked
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
@@ -101,7 +101,6 @@ class PAI(MultiBranchDecoder):
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
         return Capabilities(
-            families=ALL_FAMILIES,
             search="single" if cfg.gamma == 1.0 else "branches",
             overrides_llm_attention=cfg.alpha != 0.0,
             dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cfg.alpha != 0.0 else "",

@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, additive, query_rng
@@ -99,20 +99,14 @@ class Ritual(MultiBranchDecoder):
 
     # transforms change the image size: another anyres token layout
     caps = Capabilities(
-        families=frozenset({"llava"}),
+        needs=frozenset({Need.UNTILED, Need.SQUARE_GRID}),
+        why={
+            Need.UNTILED: "its transforms change the image size, hence the tile layout, so its branch is not "
+            "aligned with the clean one",
+            Need.SQUARE_GRID: "it re-runs the image processor on a transformed square view (the tower's crop size); "
+            "the dynamic-resolution patch layout is not wired",
+        },
         search="branches",
-        unsupported=why_not(
-            (
-                ("llava_next", "llava_onevision"),
-                "its transforms change the image size, hence the anyres token layout, so "
-                "its branch is not aligned with the clean one",
-            ),
-            (
-                QWEN_FAMILIES,
-                "re-runs the image processor on a transformed square view (CLIP crop size); the "
-                "dynamic-resolution patch layout is not wired",
-            ),
-        ),
     )
 
     @dataclass(frozen=True)

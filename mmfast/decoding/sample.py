@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .base import DecodeOutput, Decoder, DecodeRequest, Sampling
@@ -19,7 +19,7 @@ from .loop import autoregressive, sample_from, warpers
 class Sample(Decoder):
     """Sampling."""
 
-    caps = Capabilities(families=ALL_FAMILIES, speculative=True)
+    caps = Capabilities(speculative=True)
 
     @dataclass(frozen=True)
     class Config:

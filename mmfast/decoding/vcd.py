@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
 from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive, query_rng
@@ -64,7 +64,7 @@ def noised_branch(ctx: MethodContext, req, step: int, seed: int, name: str = "no
 class VCD(MultiBranchDecoder):
     """Visual Contrastive Decoding."""
 
-    caps = Capabilities(families=ALL_FAMILIES, search="branches")
+    caps = Capabilities(search="branches")
 
     @dataclass(frozen=True)
     class Config(BranchConfig):

@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..models.base import LMInputs
@@ -47,7 +47,7 @@ def select_heads(vhd: torch.Tensor, text_energy: torch.Tensor) -> torch.Tensor:
 
 @DECODERS.register("vhr", description="VHR: reinforce vision-aware attention heads chosen at the first token")
 class VHR(Decoder):
-    caps = Capabilities(families=ALL_FAMILIES)
+    caps = Capabilities()
     """Vision-aware Head Reinforcement."""
 
     @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..inputs import VideoClip, VisionItem
 from ..video import FrameRule
+from .features import ModelFeatures
 
 
 @dataclass
@@ -255,15 +256,41 @@ class VLMAdapter:
 
     family: str = ""
     model: nn.Module
-    #: RoPE axes per token: 1, or 3 for multimodal RoPE (temporal, height, width; Qwen-VL)
-    rope_axes: int = 1
-    #: takes ``videos=`` (the family's video path: ``video_items`` / ``encode_images(items=)``)
-    supports_video: bool = False
+    #: what the family offers methods (CLS token, grid, tiles, RoPE, video, tower attention): declared
+    #: once per family; the methods' needs are checked against it (docs/architecture.md, "Adding a
+    #: model family"). A loaded adapter holds its model's (:meth:`features_of` its config).
+    features: ModelFeatures
+    #: what a family without video says to use instead (the refusal quotes it)
     #: what a family without video says to use instead (the refusal quotes it)
     video_alternative: str = (
         "pass the frames as images (a list of images per prompt; no time axis), or use a Qwen2-VL, Qwen2.5-VL, "
         "Qwen3-VL or LLaVA-OneVision checkpoint"
     )
+
+    @classmethod
+    def features_of(cls, config: Any) -> ModelFeatures:
+        """The features of a model of this family with transformers config ``config`` (the declared
+        ones, unless the config changes one, e.g. a LLaVA with a CLS-less tower)."""
+        return cls.features
+
+    @classmethod
+    def config_shape(cls, config: Any) -> tuple[int, int, tuple[int, int]]:
+        """(LLM layers, vision layers, base patch grid) from the config alone, before weights load."""
+        raise NotImplementedError(f"{cls.__name__} reads no shape from its config")
+
+    @property
+    def rope_axes(self) -> int:
+        """RoPE axes per token: 1, or 3 for multimodal RoPE (temporal, height, width)."""
+        return 3 if self.features.rope == "mrope" else 1
+
+    @property
+    def supports_video(self) -> bool:
+        """Takes ``videos=`` (the family's video path: ``video_items`` / ``encode_images(items=)``)."""
+        return self.features.video
+
+    @property
+    def has_cls(self) -> bool:
+        return self.features.cls_token
 
     @property
     def vision_slot_ids(self) -> frozenset[int]:
@@ -321,9 +348,6 @@ class VLMAdapter:
 
     @property
     def grid(self) -> tuple[int, int]: ...
-
-    @property
-    def has_cls(self) -> bool: ...
 
     def vision_feature_layer_index(self) -> int:
         """0-based index of the vision encoder layer whose output feeds the projector."""

@@ -8,18 +8,47 @@ come from the config, as do the image token id and the patch grid: no magic 576 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 from torch import nn
 
 from .. import compat
 from .base import VisionBatch, VLMAdapter
+from .features import ModelFeatures
+
+#: vision-tower config types without a CLS token (SigLIP)
+CLS_LESS_TOWERS = frozenset({"siglip_vision_model", "siglip2_vision_model"})
 
 
 class LlavaAdapter(VLMAdapter):
     family = "llava"
+    features = ModelFeatures(
+        cls_token=True,  # CLIP prepends CLS; the "default" strategy drops it before the projector
+        patch_grid="square",
+        tiles="none",
+        rope="1d",
+        video=False,
+        tower_attention="global",
+        paired_text_tower=True,
+    )
+
+    @classmethod
+    def features_of(cls, config: Any) -> ModelFeatures:
+        """The declared features; a SigLIP tower has no CLS token."""
+        tower = getattr(config.vision_config, "model_type", "")
+        return replace(cls.features, cls_token=tower not in CLS_LESS_TOWERS)
+
+    @classmethod
+    def config_shape(cls, config: Any) -> tuple[int, int, tuple[int, int]]:
+        vision = config.vision_config
+        side = int(vision.image_size) // int(vision.patch_size)
+        return int(config.text_config.num_hidden_layers), int(vision.num_hidden_layers), (side, side)
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.features = self.features_of(model.config)
         cfg = model.config
         if not isinstance(cfg.vision_feature_layer, int):
             # A list of layers is concatenated along channels; pruners need one layer's CLS/attention.
@@ -73,10 +102,6 @@ class LlavaAdapter(VLMAdapter):
     def grid(self) -> tuple[int, int]:
         side = self.vision_config.image_size // self.vision_config.patch_size
         return (side, side)
-
-    @property
-    def has_cls(self) -> bool:
-        return True  # CLIP prepends CLS; the "default" strategy drops it before the projector
 
     @property
     def n_image_tokens(self) -> int:

@@ -9,10 +9,12 @@ grid followed by a variable-size, newline-separated mosaic: not one square grid.
 What runs on it: every decoder and drafter, and the pruning stages that act inside the LLM on the
 spliced sequence (they see vision slots, not a grid). Stages that need one square patch grid per image
 (merging inside the tower, feature-stage selection and pooling) are rejected for this family with a
-message naming the ones that work; see ``Pruner.families``.
+message naming the ones that work (the adapter's ``features``: ``tiles="anyres"``).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -22,6 +24,7 @@ from .llava import LlavaAdapter
 
 class LlavaNextAdapter(LlavaAdapter):
     family = "llava_next"
+    features = replace(LlavaAdapter.features, tiles="anyres")
 
     @property
     def n_image_tokens(self) -> int:

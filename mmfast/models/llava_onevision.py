@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import torch
 
@@ -49,12 +50,9 @@ from .llava import LlavaAdapter
 class LlavaOnevisionAdapter(LlavaAdapter):
     family = "llava_onevision"
 
-    supports_video = True
+    #: SigLIP prepends no CLS token (``features_of`` reads it from the tower type)
+    features = replace(LlavaAdapter.features, cls_token=False, tiles="anyres_max", video=True)
     video_token = "<video>"
-
-    @property
-    def has_cls(self) -> bool:
-        return False  # SigLIP prepends no CLS token
 
     @property
     def n_image_tokens(self) -> int:

@@ -44,6 +44,9 @@ keeps N, ``ratio: r`` round(r N_i); docs/methods.md, "One budget vocabulary").
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -52,6 +55,7 @@ from ..inputs import VideoClip, VisionItem
 from ..video import FrameRule
 from ._video import VideoSettings, qwen3_timestamps, qwen_video_patches
 from .base import VideoItems, VisionBatch, VLMAdapter, tag_video_tokens
+from .features import ModelFeatures
 from .mrope import sample_positions
 from .qwen_processor import pad_patches
 
@@ -61,14 +65,27 @@ BUDGET_REFERENCE_GRID = (24, 24)
 
 class Qwen2VLAdapter(VLMAdapter):
     family = "qwen2_vl"
-    rope_axes = 3
+    features = ModelFeatures(
+        cls_token=False,
+        patch_grid="dynamic",
+        tiles="none",
+        rope="mrope",
+        video=True,
+        tower_attention="global",  # within each image
+        paired_text_tower=False,
+    )
     #: token count varies per image: budgets are mapped per image count (``_budget.py``)
     dynamic_resolution = True
-    supports_video = True
     video_token = "<|video_pad|>"
+
+    @classmethod
+    def config_shape(cls, config: Any) -> tuple[int, int, tuple[int, int]]:
+        """Dynamic resolution: the grid is the budget reference grid."""
+        return int(config.text_config.num_hidden_layers), int(config.vision_config.depth), BUDGET_REFERENCE_GRID
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.features = self.features_of(model.config)
         self.merge = int(model.config.vision_config.spatial_merge_size)
 
     # -- structure -------------------------------------------------------------------------------
@@ -123,10 +140,6 @@ class Qwen2VLAdapter(VLMAdapter):
     @property
     def grid(self) -> tuple[int, int]:
         return BUDGET_REFERENCE_GRID
-
-    @property
-    def has_cls(self) -> bool:
-        return False
 
     @property
     def deepstack_levels(self) -> int:
@@ -224,6 +237,7 @@ class Qwen2VLAdapter(VLMAdapter):
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     family = "qwen2_5_vl"
+    features = replace(Qwen2VLAdapter.features, tower_attention="windowed")  # full attention in a few blocks
 
     def _time_interval(self, clip: VideoClip, settings: VideoSettings) -> float:
         """``tokens_per_second * second_per_grid_t``, ``second_per_grid_t = temporal_patch_size /

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import grid_features, near_square_grid, per_sample
@@ -43,17 +43,14 @@ class AvgPool(Pruner):
 
     hook_points = frozenset({"vision_features"})
     caps = Capabilities(
-        families=frozenset({"llava"}),
+        needs=frozenset({Need.UNTILED, Need.SQUARE_GRID}),
+        why={
+            Need.UNTILED: "it pools one square patch grid per image",
+            Need.SQUARE_GRID: "it pools one square patch grid shared by all images; per-image dynamic grids are "
+            "not wired",
+        },
         edits_features=True,
         needs_full_grid=True,
-        unsupported=why_not(
-            (
-                ("llava_next", "llava_onevision"),
-                "pools one square patch grid per image; these families pack tiles into an "
-                "unpadded, newline-separated mosaic after the projector",
-            ),
-            (QWEN_FAMILIES, "pools one square patch grid shared by all images; per-image dynamic grids are not wired"),
-        ),
     )
 
     @dataclass(frozen=True)

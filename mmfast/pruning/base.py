@@ -34,7 +34,7 @@ class Pruner:
 
     Config: ClassVar[type]
     hook_points: ClassVar[frozenset[str]] = frozenset()
-    caps: ClassVar[Capabilities] = Capabilities(families=frozenset({"llava"}))
+    caps: ClassVar[Capabilities] = Capabilities()
     registered_name: ClassVar[str]
     #: Config keys a ``budget:`` sets (a recipe may not set them in ``params`` too); empty = no budget.
     budget_knobs: ClassVar[tuple[str, ...]] = ()

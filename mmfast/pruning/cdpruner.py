@@ -87,8 +87,8 @@ largest kept id + 1. Qwen3-VL's deepstack rows follow the kept tokens. Budget un
 resolution: ``ratio`` (the port's ``pruning_ratio`` is the fraction pruned, T = round(N (1 - p)));
 ``budget: {tokens: B}`` sets ``keep`` = B, so every image keeps B of its own tokens (a ``ratio`` budget,
 whose target differs per image, is refused: give ``params.ratio``).
-Families: llava, llava_next and the Qwen-VL families. Refused on llava_onevision, with the reason in
-``caps.unsupported``.
+Families: llava, llava_next and the Qwen-VL families. Refused where anyres tiles are downscaled across
+tiles (llava_onevision; ``caps.needs``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
@@ -179,16 +179,13 @@ class CDPruner(Pruner):
     hook_points = frozenset({"vision_features"})
     # NeXT: the per-tile selection needs every tile whole, so it runs as the first vision-token edit
     caps = Capabilities(
-        families=frozenset({"llava", "llava_next"}) | QWEN_FAMILIES,
+        needs=frozenset({Need.WHOLE_TILES}),
+        why={
+            Need.WHOLE_TILES: "its per-tile DPP follows LLaVA-NeXT's whole tiles; a mosaic downscaled across tiles "
+            "is a layout neither the release (LLaVA) nor OpenVINO GenAI's port (Qwen-VL only) covers"
+        },
         edits_features=True,
         needs_full_grid=True,
-        unsupported=why_not(
-            (
-                "llava_onevision",
-                "its per-tile DPP follows LLaVA-NeXT's tiles; OneVision's anyres-max mosaic is downscaled across "
-                "tiles, a layout neither the release (LLaVA) nor OpenVINO GenAI's port (Qwen-VL only) covers",
-            ),
-        ),
     )
 
     @dataclass(frozen=True)
@@ -212,7 +209,7 @@ class CDPruner(Pruner):
 
     @classmethod
     def noop_params(cls, adapter):
-        if adapter.family != "llava_next":  # every image keeps all its tokens, whatever its count
+        if adapter.features.tiles != "anyres":  # every image keeps all its tokens, whatever its count
             return {"ratio": 1.0}
         rows, cols = adapter.grid
         return {"keep": rows * cols}
@@ -220,7 +217,7 @@ class CDPruner(Pruner):
     @classmethod
     def budget_params(cls, tokens, n, adapter, config, path):
         """keep = B per image (LLaVA-NeXT: per tile, B / the most tiles an image can have; module docstring)."""
-        if adapter.family != "llava_next":
+        if adapter.features.tiles != "anyres":
             return {"keep": tokens}
         return {"keep": max(1, round(tokens / max_tiles(adapter)))}
 
@@ -228,12 +225,14 @@ class CDPruner(Pruner):
     def check_facts(cls, config, facts) -> None:
         """``ratio`` needs whole images as candidates (LLaVA-NeXT picks T per tile: ``keep``);
         ``clip_model`` needs a CLIP vision tower (not Qwen-VL)."""
-        if config.ratio is not None and facts.family == "llava_next":
-            raise ConfigError("ratio", "LLaVA-NeXT keeps T tokens per tile, as the release; give keep instead")
-        if config.clip_model is not None and facts.family in QWEN_FAMILIES:
+        if config.ratio is not None and facts.features.tiles == "anyres":
+            raise ConfigError(
+                "ratio", f"{facts.family} keeps T tokens per anyres tile, as the release; give keep instead"
+            )
+        if config.clip_model is not None and not facts.features.paired_text_tower:
             raise ConfigError(
                 "clip_model",
-                "a CLIP text tower pairs with LLaVA's CLIP vision tower; Qwen-VL towers have none: leave clip_model "
+                f"a CLIP text tower pairs with a CLIP vision tower; {facts.family}'s tower has none: leave clip_model "
                 "unset (relevance in the LLM's embedding space, as OpenVINO GenAI's Qwen port)",
             )
 

@@ -74,7 +74,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..hooks import attach
 from ..registry import PRUNERS
@@ -82,9 +82,10 @@ from ._budget import in_llm_keep_at
 from ._common import LayerMapping, keep_only, map_layers
 from .base import Pruner
 
-#: the release's M per family (max_num_trunction for LLaVA-1.5, retain_token_num_for_llava_next)
-#: (Qwen2-VL / Qwen2.5-VL: their eval scripts' max_num_trunction; Qwen3-VL: no release, the same value)
-RELEASE_TRUNCATION = {"llava": 128, "llava_next": 320, "qwen2_vl": 128, "qwen2_5_vl": 128, "qwen3_vl": 128}
+#: the release's M per tile packing (``ModelFeatures.tiles``): max_num_trunction for untiled images
+#: (LLaVA-1.5; Qwen2-VL / Qwen2.5-VL: their eval scripts' value; Qwen3-VL: no release, the same value),
+#: retain_token_num_for_llava_next for anyres tiles; anyres-max (OneVision): none (``per_pivot``)
+RELEASE_TRUNCATION = {"none": 128, "anyres": 320}
 
 
 def release_pivot_order(pivots: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
@@ -136,7 +137,7 @@ class DART(Pruner):
 
     hook_points = frozenset({"llm_layer"})
     # vision slots of the spliced sequence; M-RoPE: kept tokens keep their (t, h, w) ids
-    caps = Capabilities(families=ALL_FAMILIES)
+    caps = Capabilities()
 
     @dataclass(frozen=True)
     class Config:
@@ -220,10 +221,10 @@ class DART(Pruner):
             m = cfg.truncation
         elif cfg.drop_ratio is not None:
             m = n * (1 - cfg.drop_ratio)
-        elif self.adapter.family in RELEASE_TRUNCATION:
-            m = RELEASE_TRUNCATION[self.adapter.family]
+        elif self.adapter.features.tiles in RELEASE_TRUNCATION:
+            m = RELEASE_TRUNCATION[self.adapter.features.tiles]
         else:  # OneVision: no release value; LLaVA-1.5's 128 of 576 as a fraction of each image (docstring)
-            m = n * RELEASE_TRUNCATION["llava"] / 576
+            m = n * RELEASE_TRUNCATION["none"] / 576
         m = min(m, n - min(cfg.pivot_image, n))
         return int(m // pivots) if pivots else 0
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import per_sample
@@ -98,7 +98,7 @@ class DivPrune(Pruner):
 
     hook_points = frozenset({"vision_features"})
     # the candidate set is the image's LLM-input tokens, whatever their layout (NeXT: tiles + newlines)
-    caps = Capabilities(families=ALL_FAMILIES, edits_features=True)
+    caps = Capabilities(edits_features=True)
 
     @dataclass(frozen=True)
     class Config:

@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import compat
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError, ModelLoadError
 from ..models.base import GENERATED
@@ -107,8 +107,8 @@ class DynamicLLaVA(Pruner):
         # KV from layers >= K one step at a time (or recomputes without a cache)
         decode_rule = params is not None and params.text_keep == "predictor"
         return Capabilities(
-            families=frozenset({"llava", "llava_next", "llava_onevision"}),
-            unsupported=why_not((QWEN_FAMILIES, "its predictors are trained for a LLaVA LLM; no Qwen-VL weights")),
+            needs=frozenset({Need.ROPE_1D}),
+            why={Need.ROPE_1D: "its predictors are trained for a 1-D RoPE LLaVA LLM; no multimodal-RoPE weights"},
             kv_edit_decode=decode_rule and params.use_cache,
             decodes_without_cache=params is not None and not params.use_cache,
             decode_free_setting="text_keep: always and use_cache: true",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..hooks import last_row
 from ..registry import PRUNERS
@@ -48,7 +48,7 @@ class FastV(Pruner):
     """FastV."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=ALL_FAMILIES)  # acts on the spliced sequence, any vision layout; M-RoPE: kept ids
+    caps = Capabilities()  # acts on the spliced sequence, any vision layout; M-RoPE: kept ids
 
     @dataclass(frozen=True)
     class Config:

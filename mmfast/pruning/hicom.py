@@ -64,7 +64,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..models.base import VisionBatch
@@ -90,17 +90,13 @@ class HICom(Pruner):
 
     hook_points = frozenset({"vision_features"})
     caps = Capabilities(
-        families=frozenset({"llava"}),
+        needs=frozenset({Need.UNTILED, Need.SQUARE_GRID}),
+        why={
+            Need.UNTILED: "its global queries and CLIP guide are trained for LLaVA-1.5's one square grid per image",
+            Need.SQUARE_GRID: "its global queries and CLIP guide are trained for LLaVA-1.5's fixed 24 x 24 grid",
+        },
         edits_features=True,
         needs_full_grid=True,
-        unsupported=why_not(
-            (
-                ("llava_next", "llava_onevision"),
-                "its global queries and CLIP guide are trained for LLaVA-1.5's one square "
-                "grid per image; these families pack tiles into an unpadded, newline-separated mosaic",
-            ),
-            (QWEN_FAMILIES, "its global queries and CLIP guide are trained for LLaVA-1.5 features; no Qwen-VL weights"),
-        ),
     )
 
     @dataclass(frozen=True)

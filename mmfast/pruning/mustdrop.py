@@ -64,7 +64,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import cls_row
@@ -92,18 +92,13 @@ class _PrefillData:
 PRESETS: dict[str, tuple[float, float]] = {"192": (0.001, 0.001), "128": (0.0012, 0.001), "64": (0.011, 0.01)}
 
 
-UNSUPPORTED = why_not(
-    (
-        ("llava_next", "llava_onevision"),
-        "its window merge needs one square patch grid per image in the tower; these "
-        "families unpad and re-pack tiles after the projector (OneVision's SigLIP has no CLS for its key set either)",
-    ),
-    (
-        QWEN_FAMILIES,
-        "its key set needs CLS attention and its window merge a fixed square grid in CLIP layer 0; "
-        "Qwen-VL towers have neither",
-    ),
-)
+NEEDS = frozenset({Need.CLS, Need.UNTILED, Need.SQUARE_GRID, Need.GLOBAL_TOWER_ATTENTION})
+WHY = {
+    Need.CLS: "its key set is ranked by the tower's CLS attention",
+    Need.UNTILED: "its window merge needs one square patch grid per image in the tower",
+    Need.SQUARE_GRID: "its window merge needs a fixed square grid in the tower's layer 0",
+    Need.GLOBAL_TOWER_ATTENTION: "a merged window would straddle the tower's attention windows",
+}
 
 
 @PRUNERS.register(
@@ -117,11 +112,10 @@ class MustDrop(Pruner):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         return Capabilities(
-            families=frozenset({"llava"}),
-            needs_cls=True,
+            needs=NEEDS,
+            why=WHY,
             merges_in_tower=True,
             needs_full_grid=True,
-            unsupported=UNSUPPORTED,
             kv_edit_prefill=params is None or params.kv_policy,
             tower_per_image=True,
         )

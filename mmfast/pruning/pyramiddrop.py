@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, QWEN_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks.attention import row_attention
@@ -119,7 +119,7 @@ class PyramidDrop(Pruner):
     hook_points = frozenset({"llm_layer"})
     # acts on the spliced sequence; the scoring recomputes the layer's RoPE (M-RoPE: the adapter's 3-D ids,
     # kept as they are by the drops)
-    caps = Capabilities(families=ALL_FAMILIES)
+    caps = Capabilities()
 
     @dataclass(frozen=True)
     class Config:
@@ -198,7 +198,7 @@ class PyramidDrop(Pruner):
 
         self.stages = self.check_facts(self.config, ModelFacts.of_adapter(self.adapter))  # [(layer, paper layer)]
         self.ratios = stage_ratios(self.config)
-        compact = self.adapter.family not in QWEN_FAMILIES  # M-RoPE: original ids (module docstring)
+        compact = self.adapter.features.rope == "1d"  # M-RoPE: original ids (module docstring)
         for s, (layer, paper) in enumerate(self.stages):
             self.ctx.runner.prune_at(layer, self._make_select(s, layer), compact=compact, ref_layer=paper)
 

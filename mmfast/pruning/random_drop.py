@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import PRUNERS
 from ._grid import per_sample, select_rows
@@ -46,15 +46,12 @@ class RandomDrop(Pruner):
 
     hook_points = frozenset({"vision_features"})
     caps = Capabilities(
-        families=frozenset({"llava"}) | QWEN_FAMILIES,
+        needs=frozenset({Need.UNTILED}),
+        why={
+            Need.UNTILED: "it edits pre-projector features, which the tile packing re-packs: the edit would not "
+            "reach the LLM"
+        },
         edits_features=True,
-        unsupported=why_not(
-            (
-                ("llava_next", "llava_onevision"),
-                "edits pre-projector features, which these families re-pack (unpad / "
-                "downscale / newlines) after the projector: the edit would not reach the LLM",
-            ),
-        ),
     )
 
     @dataclass(frozen=True)

@@ -68,7 +68,7 @@ from typing import Literal
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, QWEN_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
@@ -154,7 +154,7 @@ class SparseVLM(Pruner):
     """SparseVLM."""
 
     hook_points = frozenset({"attention_probe", "llm_layer"})
-    caps = Capabilities(families=ALL_FAMILIES)  # acts on the spliced sequence; M-RoPE: original 3-D ids kept
+    caps = Capabilities()  # acts on the spliced sequence; M-RoPE: original 3-D ids kept
 
     @dataclass(frozen=True)
     class Config:
@@ -259,7 +259,7 @@ class SparseVLM(Pruner):
         self.filters = self.check_facts(self.config, ModelFacts.of_adapter(self.adapter))
         self.key = f"{self.name}@{id(self):x}"  # per-instance extras / probe names (a recipe may stack two)
         self.keep_counts = self.keeps(self.config, vision_tokens_per_image(self.adapter))  # stats: the base grid's
-        compact = self.adapter.family not in QWEN_FAMILIES  # M-RoPE: original ids (module docstring)
+        compact = self.adapter.features.rope == "1d"  # M-RoPE: original ids (module docstring)
         for s, (layer, paper) in enumerate(self.filters):
             attn = self.adapter.layers[layer].self_attn
             self.ctx.probe.watch(

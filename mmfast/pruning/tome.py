@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach
@@ -153,21 +153,15 @@ class ToMe(Pruner):
 
     hook_points = frozenset({"vision_tower"})
     caps = Capabilities(
-        families=frozenset({"llava"}),
+        needs=frozenset({Need.UNTILED, Need.SQUARE_GRID, Need.GLOBAL_TOWER_ATTENTION}),
+        why={
+            Need.UNTILED: "it merges inside the tower over one square patch grid per image",
+            Need.SQUARE_GRID: "it merges patches inside a CLIP-style tower; dynamic-resolution towers attend per "
+            "image / per window with 2-D rotary patch positions and their patch merger needs every 2x2 unit intact",
+            Need.GLOBAL_TOWER_ATTENTION: "a merged token would straddle the tower's attention windows",
+        },
         merges_in_tower=True,
         needs_full_grid=True,
-        unsupported=why_not(
-            (
-                ("llava_next", "llava_onevision"),
-                "merges inside the tower over one square patch grid per image; these "
-                "families unpad and re-pack each image's tiles after the projector",
-            ),
-            (
-                QWEN_FAMILIES,
-                "merges patches inside a CLIP tower; Qwen-VL towers attend per image / per window with 2-D "
-                "rotary patch positions and their PatchMerger needs every 2x2 unit intact",
-            ),
-        ),
     )
 
     @dataclass(frozen=True)

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach, cls_row
@@ -119,25 +119,19 @@ class VisionZip(Pruner):
 
     hook_points = frozenset({"attention_probe", "vision_features"})
     caps = Capabilities(
-        families=frozenset({"llava"}) | QWEN_FAMILIES,
-        needs_cls=True,
-        cls_substitute=QWEN_FAMILIES,  # LightCompress's received-attention rule (module docstring)
+        needs=frozenset({Need.CLS, Need.UNTILED}),
+        # LightCompress's received-attention rule on dynamic-grid towers without CLS (module docstring)
+        substitutes={Need.CLS: frozenset({Need.DYNAMIC_GRID})},
+        why={
+            Need.CLS: "it ranks patches by the tower's CLS attention; the published received-attention substitutes "
+            "cover dynamic-resolution towers (Qwen2.5-VL, LightCompress) and *video* frames of tiled towers "
+            "(HoliTom, which passes images through unpruned), and a per-tile image selection would have to be "
+            "re-packed through the tiles' unpad / downscale / newlines, which no release covers",
+            Need.UNTILED: "it selects on one patch grid per image before the projector, which the tile packing "
+            "re-orders after it",
+        },
         edits_features=True,
         needs_full_grid=True,
-        unsupported=why_not(
-            (
-                "llava_next",
-                "selects on one square patch grid per image before the projector; LLaVA-NeXT re-packs tiles "
-                "(unpad, newlines) after it",
-            ),
-            (
-                "llava_onevision",
-                "needs the tower's CLS attention (SigLIP has none); the published received-attention substitutes "
-                "cover Qwen2.5-VL (LightCompress) and OneVision *video* frames (HoliTom, which passes images through "
-                "unpruned), and a per-tile image selection would have to be re-packed through OneVision's unpad / "
-                "bilinear downscale across tiles / newlines, which no release covers",
-            ),
-        ),
     )
 
     @dataclass(frozen=True)
@@ -166,7 +160,7 @@ class VisionZip(Pruner):
 
     @classmethod
     def test_params(cls, adapter):
-        if adapter.family in QWEN_FAMILIES:  # fractions of 576: about half of each tiny image
+        if not adapter.features.cls_token:  # received attention, fractions of 576: about half of each tiny image
             return {"tokens": 288}
         return {"dominant": 4, "contextual": 3}
 
@@ -189,7 +183,7 @@ class VisionZip(Pruner):
         if self.is_noop(n):
             return
         self.layer = self.adapter.vision_feature_layer_index()
-        if self.adapter.family in QWEN_FAMILIES:
+        if not self.adapter.features.cls_token:  # the received-attention substitute (``caps.substitutes``)
             block = self.adapter.vision_layers[self.layer]
             self._received = _received.ReceivedAttention()
             attach(self.ctx.hooks, block.attn).recorders.append(self._received)
@@ -222,7 +216,7 @@ class VisionZip(Pruner):
     def prune_vision(self, vision, batch):
         rows, cols = vision.grid
         n = rows * cols
-        if self.adapter.family in QWEN_FAMILIES and not self.is_noop(n):
+        if not self.adapter.features.cls_token and not self.is_noop(n):
             return self._prune_units(vision, batch)
         if self.is_noop(n):
             vision.stats[self.name] = {

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import compat
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..hooks import attach
@@ -240,7 +240,6 @@ class ZipVL(Pruner):
 
     hook_points = frozenset({"attention_probe", "kv_cache"})
     caps = Capabilities(
-        families=ALL_FAMILIES,
         owns_kv_cache=True,
         kv_edit_prefill=True,
         kv_edit_decode=True,

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
 from ._eagle import EagleDrafter, select_tree
@@ -70,12 +70,11 @@ class Flash(EagleDrafter):
 
     kind = "flash"
     caps = Capabilities(
-        unsupported=why_not(
-            (
-                QWEN_FAMILIES,
-                "its draft head is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden states); no Qwen-VL draft weights",
-            )
-        )
+        needs=frozenset({Need.ROPE_1D}),
+        why={
+            Need.ROPE_1D: "its draft head is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden "
+            "states); no multimodal-RoPE draft weights"
+        },
     )
 
     @dataclass(frozen=True)

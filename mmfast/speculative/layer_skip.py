@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DRAFTERS
 from .base import Drafter
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 @DRAFTERS.register("layer_skip", description="self-speculative drafts from the target with layers skipped; no training")
 class LayerSkip(Drafter):
-    caps = Capabilities(families=ALL_FAMILIES)
+    caps = Capabilities()
     """Self-speculative layer skipping."""
 
     @dataclass(frozen=True)

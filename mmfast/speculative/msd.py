@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import QWEN_FAMILIES, Capabilities, why_not
+from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
 from ._eagle import EagleDrafter
@@ -65,12 +65,11 @@ class MSD(EagleDrafter):
 
     kind = "msd"
     caps = Capabilities(
-        unsupported=why_not(
-            (
-                QWEN_FAMILIES,
-                "its draft is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden states); no Qwen-VL draft weights",
-            )
-        )
+        needs=frozenset({Need.ROPE_1D}),
+        why={
+            Need.ROPE_1D: "its draft is trained for the embedded LLaVA model (1-D RoPE positions, LLaVA hidden "
+            "states); no multimodal-RoPE draft weights"
+        },
     )
 
     @dataclass(frozen=True)

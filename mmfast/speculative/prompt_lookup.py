@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import ALL_FAMILIES, Capabilities
+from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DRAFTERS
 from .base import Drafter
@@ -29,7 +29,7 @@ from .tree import DraftTree
 
 @DRAFTERS.register("prompt_lookup", description="prompt lookup (n-gram) drafts + adaptive trigram table; no training")
 class PromptLookup(Drafter):
-    caps = Capabilities(families=ALL_FAMILIES)
+    caps = Capabilities()
     """Prompt lookup + adaptive trigram drafts."""
 
     @dataclass(frozen=True)
