@@ -186,3 +186,43 @@ def test_images_only_and_qwen3_are_refused():
         Session(_mm("qwen3_vl"), load_recipe(_recipe()))
     with pytest.raises(IncompatibleRecipeError, match="dycoke"):  # DP's per-step edit vs draft verification
         load_recipe({**_recipe(), "speculative": {"method": "prompt_lookup"}})
+
+
+DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}
+#: refused on these families whatever the pruner (damro: CLS, ritual: family, lqcd: images only), and
+#: opera: it needs every generated token in the last layer's cache, which DP's per-step edit hides
+REFUSED = {"damro", "lqcd", "opera", "ritual", "dycoke"}
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
+def test_every_decoder_and_a_stacked_pruner_on_a_video(family):
+    """The compatibility matrix feeds images (refused here); on a video batch of 2, DyCoke with every
+    decoder, and stacked with FastV / after DivPrune, generates or is refused naming the method."""
+    from mmfast.registry import DECODERS
+
+    mm = _mm(family)
+    kw = dict(videos=[_video(8, 1), _video(6, 2)], max_new_tokens=3)
+    # m3id is left out: it fails on any video, without DyCoke too ("prompt has 1 image slots but 0 images")
+    recipes = {
+        d: {**_recipe(), "decoding": {"method": d, "params": DECODER_PARAMS.get(d, {})}}
+        for d in DECODERS.names()
+        if d != "m3id"
+    }
+    recipes["+fastv"] = {"pruning": [*_recipe()["pruning"], {"method": "fastv", "params": {"k": 3, "ratio": 0.5}}]}
+    # TTM compares grid cells across frames: an earlier token edit is refused (needs_full_grid)
+    recipes["dycoke"] = {"pruning": [{"method": "divprune", "params": {"ratio": 0.5}}, *_recipe()["pruning"]]}
+    refused, problems = set(), []
+    for name, recipe in recipes.items():
+        try:
+            out = mm.generate(None, ["Describe.", "What?"], recipe=recipe, **kw)
+        except IncompatibleRecipeError as exc:
+            refused.add(name)
+            if f"({name})" not in str(exc):
+                problems.append(f"{name}: refusal does not name it: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - report every combination that crashes
+            problems.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        assert len(out) == 2 and all(r.stats["dycoke"]["kept"] < r.stats["dycoke"]["before_ttm"] for r in out)
+    assert not problems, "\n".join(problems)
+    assert refused == REFUSED

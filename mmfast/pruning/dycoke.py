@@ -125,6 +125,7 @@ class DyCoke(Pruner):
             families=frozenset({"llava_onevision", "qwen2_vl", "qwen2_5_vl"}),
             unsupported=UNSUPPORTED,
             edits_features=True,
+            needs_full_grid=True,  # TTM compares the same grid cell across frames
             kv_edit_decode=dp,
             decode_free_setting="p: 0",
             dynamic_decode="DyCoke's DP chooses the attended video tokens at every step" if dp else "",
@@ -168,9 +169,11 @@ class DyCoke(Pruner):
         pid = vision.patch_ids[i].to(vision.projected[i].device)
         frame = vision.tags[FRAME][i].to(pid.device)
         real = (pid >= 0).nonzero().squeeze(1)  # [M] frame tokens, frame-major
-        n_tok = int((frame[real] == frame[real[0]]).sum())
-        n_frames = real.numel() // n_tok
-        feats = vision.projected[i][real[: n_frames * n_tok]].reshape(n_frames, n_tok, -1)  # [F, T, d]
+        _, per = frame[real].unique_consecutive(return_counts=True)  # tokens of each frame, in order
+        n_tok, n_frames = int(per[0]), per.numel()
+        if bool((per != n_tok).any()):  # needs_full_grid keeps earlier token edits out
+            raise RuntimeError(f"dycoke: the video's frames hold {per.tolist()} tokens; TTM needs whole frames")
+        feats = vision.projected[i][real].reshape(n_frames, n_tok, -1)  # [F, T, d]
         per_frame = ttm_keep(feats, self.config.k)
         rows = torch.cat([real[f * n_tok + idx] for f, idx in enumerate(per_frame)])
         return torch.cat([rows, (pid < 0).nonzero().squeeze(1)])  # the newline closes the video
