@@ -226,3 +226,20 @@ def test_every_decoder_and_a_stacked_pruner_on_a_video(family):
         assert len(out) == 2 and all(r.stats["dycoke"]["kept"] < r.stats["dycoke"]["before_ttm"] for r in out)
     assert not problems, "\n".join(problems)
     assert refused == REFUSED
+
+
+def test_static_cache_falls_back_naming_dycoke(caplog):
+    """model.compile: DP decides per step, so DyCoke's steps run on the dynamic cache (said once,
+    naming it) and give the tokens of compile off."""
+    import logging
+
+    mm = _mm("qwen2_5_vl")
+    kw = dict(videos=[_video(8, 1), _video(6, 2)], max_new_tokens=5)
+    tokens = {}
+    for mode in ("off", "static"):
+        with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
+            with mmfast.apply(mm, load_recipe(_recipe()), compile=mode) as s:
+                tokens[mode] = [r.token_ids for r in s.generate(None, ["Describe.", "What?"], **kw)]
+    assert tokens["static"] == tokens["off"]
+    lines = [r.getMessage() for r in caplog.records if "model.compile" in r.getMessage()]
+    assert len(lines) == 1 and "dycoke" in lines[0] and "every step" in lines[0]
