@@ -59,8 +59,9 @@ def _release_ttm(image_feature, num_tokens_per_frame, merging_ratio):
 
 
 class _ReleaseDP:
-    def __init__(self, start, img_len, p):
+    def __init__(self, start, img_len, p, threshold=0.9):  # the release's constant 0.9; lower in a test
         self.start, self.img_len, self.p, self.attention_score = start, img_len, p, None
+        self.threshold = threshold
 
     def step(self, attention_avg, seq_len):  # dycoke_pruning + update_cache; None = full cache
         image_attention = attention_avg[self.start : self.start + self.img_len]
@@ -69,7 +70,7 @@ class _ReleaseDP:
         else:
             similarity = 0
         self.attention_score = image_attention
-        if similarity < 0.9:
+        if similarity < self.threshold:
             top = torch.topk(image_attention, int(self.img_len * (1 - self.p)), sorted=False)[1] + self.start
             full = torch.arange(seq_len)
             return torch.cat([full[: self.start], top, full[self.start + self.img_len :]]).tolist()
@@ -109,6 +110,43 @@ def test_dp_selection_follows_the_release_step_by_step():
             rest = list(range(start)) + list(range(start + img_len, seq))
             assert sorted(expected) == sorted(rest + (start + got).tolist())
     assert any(outcomes) and not all(outcomes)  # both branches of the rule were exercised
+
+
+def test_dp_in_the_model_attends_what_the_release_keeps(monkeypatch):
+    """OneVision, batch 1: at every decode step the layers >= l attend exactly the cache slots the
+    release's ``PrunableDynamicCache`` keeps for the same layer l-1 attention row (video start = its
+    first slot, ``image_token_length`` = TTM output - 1), or all of them when it keeps the full cache
+    (threshold 0.5 instead of 0.9 in both, so that this random model has steps of both kinds)."""
+    from mmfast.pruning.dycoke import DyCoke
+
+    mm = _mm("llava_onevision")
+    steps = []
+    original = DyCoke._decode_step
+
+    def spy(self, layer, hidden, state):
+        original(self, layer, hidden, state)
+        if hidden.shape[1] == 1:
+            assert (self.layer, self.probe_name) == (2, "dycoke.1")  # l = 2: attention of layer l - 1
+            grp = state.groups[state.group_of(self.layer)]
+            attend = grp.fwd_mask[0, 0, 0]  # sdpa: bool [T]
+            steps.append((self.ctx.probe[self.probe_name].probs[0, 0].clone(), attend.clone(), state.inputs))
+
+    monkeypatch.setattr(DyCoke, "_decode_step", spy)
+    out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=_recipe(threshold=0.5), max_new_tokens=8)[0]
+    inputs = steps[0][2]
+    video = (inputs.tags["video"][0] > 0).nonzero().squeeze(1)
+    start, n_ttm = int(video[0]), video.numel() - 1  # the TTM output, without the closing newline
+    release = _ReleaseDP(start, n_ttm - 1, 0.8, threshold=0.5)  # this random model's steps straddle 0.5
+    full_steps = 0
+    for probs, attend, _ in steps:
+        kept = release.step(probs, probs.shape[0])
+        if kept is None:
+            full_steps += 1
+            assert bool(attend.all())
+        else:
+            assert sorted(kept) == attend.nonzero().squeeze(1).tolist()
+    assert len(steps) == 7 and out.stats["dycoke"]["pruned_steps"] == 7 - full_steps
+    assert 0 < full_steps < 7  # both branches of the rule ran
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])

@@ -230,6 +230,8 @@ class DyCoke(Pruner):
         new = torch.zeros(inputs.image_mask.shape, dtype=torch.float32, device=probs.device)  # [B, L]
         drop = torch.zeros_like(inputs.image_mask)  # [B, L] candidates not attended at this step
         pruned = state.stats.get(self.name, {}).get("per_sample_pruned_steps")
+        if pruned is not None and len(pruned) != probs.shape[0]:  # beams / branches: rows are not samples
+            pruned = None
         for b in range(probs.shape[0]):
             slots = src0[b][cand0[b]]  # [n] prompt slots, in order
             if slots.numel() == 0:
@@ -240,7 +242,7 @@ class DyCoke(Pruner):
             if keep is not None:
                 drop[b, slots] = True
                 drop[b, slots[keep]] = False
-                if pruned is not None and b < len(pruned):
+                if pruned is not None:
                     pruned[b] += 1
         state.inputs = dataclasses.replace(inputs, tags={**inputs.tags, ATTN_TAG: new})
         grp = state.groups[state.group_of(self.layer)]
