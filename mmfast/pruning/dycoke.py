@@ -51,7 +51,6 @@ Budget: none (the release's own ``k`` / ``p``).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +67,6 @@ from ._common import LayerMapping, map_layers
 from ._grid import per_sample
 from .base import Pruner
 from .divprune import select_image_rows
-
-logger = logging.getLogger(__name__)
 
 ATTN_TAG = "dycoke.attention"  # LMInputs tag: the previous decode step's attention on each candidate slot
 CANDIDATE_TAG = "dycoke.candidate"  # LMInputs tag: DP candidates (a video's tokens after TTM but its last)
@@ -107,7 +104,7 @@ def dp_select(attn: torch.Tensor, prev: torch.Tensor | None, p: float, threshold
     """The release's per-step rule on one sample's candidate attention ``attn`` [n] (``prev``: the previous
     step's, or None): the kept candidate indices [int(n (1 - p))], or None (this step attends everything)."""
     sim = F.cosine_similarity(attn, prev, dim=0) if prev is not None else 0.0
-    if sim >= threshold:
+    if not sim < threshold:  # the release updates its index list only when ``similarity < 0.9``
         return None
     return torch.topk(attn, int(attn.shape[0] * (1 - p)), sorted=False).indices
 
