@@ -85,6 +85,9 @@ class Capabilities:
     #: why the method cannot take a video (it transforms or re-prompts the images themselves); ""
     #: = a video's tokens are vision tokens to it. A batch with a video is refused before compute.
     images_only: str = ""
+    #: why the method needs a video (it compresses across frames); "" = images serve it. A batch
+    #: without a video is refused before compute.
+    videos_only: str = ""
     #: why the method's decode-time hooks need the dynamic cache's step, whose keys are exactly the
     #: held tokens (a static step attends over the whole preallocated buffer); "" = the static-cache
     #: step serves it. ``model.compile`` falls back to the dynamic cache with this reason.

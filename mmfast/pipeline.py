@@ -439,6 +439,13 @@ class Session:
                         f"{where} takes images only ({caps.images_only}); pass the video without it, or its frames "
                         "as images"
                     )
+        else:
+            for where, caps in self._method_caps(decoder):
+                if caps.videos_only:
+                    raise IncompatibleRecipeError(
+                        f"{where} needs a video ({caps.videos_only}); pass videos=..., or use an image pruner "
+                        "(e.g. divprune, fastv) for images"
+                    )
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         self._decoder = decoder  # observes the tower (DAMRO) for this batch

@@ -49,6 +49,8 @@ REFUSED = {
     "decoding:ritual": NOT_LLAVA,
     "speculative:msd": QWEN,
     "speculative:flash": QWEN,
+    # added after the features: video only, one vision item per video
+    "pruning:dycoke": {"llava", "llava_next", "qwen3_vl"},
 }
 
 
@@ -180,6 +182,7 @@ def test_a_new_familys_decisions_follow_from_its_features():
     assert _refused(WindowedLlava.features) == {
         "tome": Need.GLOBAL_TOWER_ATTENTION,
         "mustdrop": Need.GLOBAL_TOWER_ATTENTION,
+        "dycoke": Need.VIDEO,  # a LLaVA takes no video either way
     }
     refused = _refused(MropeLlava.features)
     assert {n for n, need in refused.items() if need is Need.ROPE_1D} == {"dynamic_llava", "msd", "flash"}
@@ -197,6 +200,7 @@ def test_a_new_familys_decisions_follow_from_its_features():
         "visionzip",
         "damro",
         "ritual",
+        "dycoke",
     }
     msg = check_model(load_recipe({"speculative": {"method": "msd"}}), _facts(MropeLlava.family, MropeLlava.features))
     assert "speculative (msd) needs 1-D RoPE positions, which this model (llava_mrope_test) does not have" in msg

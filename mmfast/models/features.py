@@ -26,6 +26,7 @@ Rope = Literal["1d", "mrope"]
 #: "global": every tower layer attends over the whole input; "windowed": some layers attend within
 #: fixed windows of the patch grid (Qwen2.5-VL)
 TowerAttention = Literal["global", "windowed"]
+VideoItemsLayout = Literal["one_item", "item_per_frame"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ModelFeatures:
     tower_attention: TowerAttention
     #: the tower was trained with a text tower whose embeddings score its patches (CLIP, SigLIP)
     paired_text_tower: bool
+    #: a video's frames: "one_item" = one vision item (one grid over time); "item_per_frame" = every frame
+    #: group its own item with its own timestamp span (Qwen3-VL)
+    video_items: VideoItemsLayout = "one_item"
 
 
 class Need(enum.Enum):
@@ -55,6 +59,8 @@ class Need(enum.Enum):
     GLOBAL_TOWER_ATTENTION = "a vision tower whose layers attend over the whole image (no windows)"
     DYNAMIC_GRID = "per-image dynamic-resolution grids (Qwen-VL's grid_thw merged units)"
     PAIRED_TEXT_TOWER = "a vision tower with a paired text tower (CLIP, SigLIP)"
+    VIDEO = "video input"
+    VIDEO_ONE_ITEM = "a video as one vision item (all its frames in one grid)"
 
 
 def has(features: ModelFeatures, need: Need) -> bool:
@@ -68,6 +74,8 @@ def has(features: ModelFeatures, need: Need) -> bool:
         Need.GLOBAL_TOWER_ATTENTION: features.tower_attention == "global",
         Need.DYNAMIC_GRID: features.patch_grid == "dynamic",
         Need.PAIRED_TEXT_TOWER: features.paired_text_tower,
+        Need.VIDEO: features.video,
+        Need.VIDEO_ONE_ITEM: features.video and features.video_items == "one_item",
     }[need]
 
 
@@ -90,6 +98,10 @@ def what_it_has(features: ModelFeatures, need: Need) -> str:
         return "its vision tower attends within windows"
     if need is Need.DYNAMIC_GRID:
         return "its images are fixed square grids"
+    if need is Need.VIDEO or (need is Need.VIDEO_ONE_ITEM and not features.video):
+        return "it takes no video input"
+    if need is Need.VIDEO_ONE_ITEM:
+        return "every frame group of a video is its own vision item with its own timestamp span"
     return "its vision tower has no paired text tower"
 
 

@@ -267,6 +267,7 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
     family = "qwen3_vl"
+    features = replace(Qwen2VLAdapter.features, video_items="item_per_frame")
 
     def video_items(self, clip: VideoClip, video: int, settings: VideoSettings) -> VideoItems:
         """One item per frame group ([1, h * w, D], grid (1, h, w)), each in its own timestamped span."""
