@@ -133,11 +133,11 @@ class MethodContext:
         """The same prompts with no image at all (M3ID's unconditioned branch, VHR's text stream).
 
         Default: the chat template rendered for zero images (``USER: {q} ASSISTANT:`` on LLaVA-1.5).
-        ``strip_image_tokens``: the image prompt's own ids with only the image placeholder removed,
+        ``strip_image_tokens``: the image prompt's own ids with only the vision placeholders removed,
         so the separator after it stays (``USER: \n{q} ASSISTANT:``), as RITUAL's M3ID does."""
-        if strip_image_tokens:
-            image_id = self.adapter.image_token_id
-            ids = [[t for t in row if t != image_id] for row in batch.token_ids]
+        if strip_image_tokens:  # every vision item's placeholder (image and video)
+            slots = self.adapter.vision_slot_ids
+            ids = [[t for t in row if t not in slots] for row in batch.token_ids]
         else:
             ids = [self.tokenizer(self.chat_text(p, 0), add_special_tokens=True)["input_ids"] for p in batch.prompts]
         empty: list[list[torch.Tensor]] = [[] for _ in ids]

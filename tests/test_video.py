@@ -284,9 +284,10 @@ def test_video_longer_than_the_context_is_refused(monkeypatch):
         mm.prepare(None, "Describe the video.", videos=_video(6))
 
 
-@pytest.mark.parametrize("decoding", ["vcd", "beam"])
+@pytest.mark.parametrize("decoding", ["vcd", "beam", "m3id"])
 def test_decoders_run_on_a_video(decoding):
-    """Contrastive and beam decoders take a video + image batch (VCD noises every item's pixels)."""
+    """Contrastive and beam decoders take a video + image batch (VCD noises every item's pixels; M3ID's
+    vision-free branch drops the video's placeholder as well as the image's)."""
     mm = _mm("qwen2_5_vl")
     out = mm.generate(
         [_image(), None], ["What?", "Go."], videos=[_video(2), _video(4)], decoding=decoding, max_new_tokens=3
