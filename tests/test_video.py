@@ -236,6 +236,31 @@ def test_fastv_prunes_video_tokens_inside_the_llm():
     assert out[0].vision_tokens_layer_avg < out[0].n_vision_tokens
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
+@pytest.mark.parametrize("method", ["dart", "pyramiddrop", "sparsevlm"])
+def test_in_llm_pruners_drop_video_tokens_keeping_their_positions(family, method):
+    """The in-LLM pruners act on a video's tokens as on an image's: fewer tokens in the later layers,
+    every kept slot with its prefill token's positions (M-RoPE (t, h, w) ids on Qwen)."""
+    from mmfast.config import load_recipe
+    from mmfast.pipeline import Session
+    from mmfast.registry import PRUNERS
+
+    mm = _mm(family)
+    stage = {"method": method, "params": PRUNERS.get(method).cls.test_params(mm.adapter)}
+    batch = mm.prepare(None, ["Describe."], videos=[_video(4)])
+    with Session(mm, load_recipe({"pruning": [stage]})) as s:
+        inputs = s.build_inputs(batch, s.encode(batch))
+        state, _ = s.runner.prefill(inputs)
+    assert len(state.groups) > 1
+    vision = inputs.image_mask[0]
+    for grp in state.groups[1:]:
+        valid = grp.key_mask[0]
+        src = grp.source[0][valid]
+        assert 0 < int(vision[src].sum()) < int(vision.sum())  # video tokens dropped, some kept
+        if not grp.compact:  # M-RoPE: the original ids (LLaVA-style families renumber compactly)
+            assert torch.equal(grp.positions[0][valid], inputs.position_ids[0][src])
+
+
 # -- bad input ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llava", "llava_next"])
 def test_family_without_video_refuses_videos(family):
