@@ -59,29 +59,25 @@ def _stage(name: str, mm) -> dict:
     return {"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}
 
 
-_LAST: list = []  # the results of the last combination that ran
-
-
-def _outcome(mm, recipe_data: dict, images, prompts) -> str:
-    """'ran', or 'refused: <reason>'; anything else raised propagates (a failure)."""
+def _outcome(mm, recipe_data: dict, images, prompts) -> tuple[str, list]:
+    """('ran', the results), or ('refused: <reason>', []); anything else raised propagates (a failure)."""
     try:
         recipe = load_recipe(recipe_data)
     except IncompatibleRecipeError as exc:
-        return f"refused: {exc}"
+        return f"refused: {exc}", []
     try:
         session = Session(mm, recipe)
     except IncompatibleRecipeError as exc:
-        return f"refused: {exc}"
+        return f"refused: {exc}", []
     with session:
         try:
             out = session.generate(images[:2], prompts[:2], max_new_tokens=3)
         except IncompatibleRecipeError as exc:  # a video-only method on images: refused before compute
             if "needs a video" not in str(exc):
                 raise
-            return f"refused: {exc}"
+            return f"refused: {exc}", []
     assert len(out) == 2
-    _LAST[:] = out
-    return "ran"
+    return "ran", out
 
 
 def _footprint(results) -> list[tuple]:
@@ -97,8 +93,9 @@ _BASELINES: dict[str, list[tuple]] = {}
 
 def _baseline(family: str, mm, images, prompts) -> list[tuple]:
     if family not in _BASELINES:
-        assert _outcome(mm, {"decoding": {"method": "greedy"}}, images, prompts) == "ran"
-        _BASELINES[family] = _footprint(_LAST)
+        result, out = _outcome(mm, {"decoding": {"method": "greedy"}}, images, prompts)
+        assert result == "ran"
+        _BASELINES[family] = _footprint(out)
     return _BASELINES[family]
 
 
@@ -124,14 +121,14 @@ def test_pruner_x_decoder_x_drafter(family, pruner, families, images, mixed_imag
             if drafter:
                 data["speculative"] = {"method": drafter}
             try:
-                result = _outcome(mm, data, images, prompts)
+                result, out = _outcome(mm, data, images, prompts)
             except Exception as exc:  # noqa: BLE001 - the point: report every combination that crashes
                 problems.append(f"{pruner} x {decoder} x {drafter}: {type(exc).__name__}: {exc}")
                 continue
             if result == "ran":
                 ran += 1
                 if decoder == "greedy" and drafter is None:  # a pruner that "ran" must have changed something
-                    changed = _footprint(_LAST)
+                    changed = _footprint(out)
                     assert changed != _baseline(family, mm, images, prompts), (
                         f"{pruner} ran on {family} but changed nothing"
                     )
@@ -153,7 +150,7 @@ def test_stacked_pruners(family, first, families, images, mixed_images, prompts)
     for second in PRUNERS.names():
         data = {"pruning": [_stage(first, mm), _stage(second, mm)], "decoding": {"method": "greedy"}}
         try:
-            result = _outcome(mm, data, images, prompts)
+            result, _ = _outcome(mm, data, images, prompts)
         except Exception as exc:  # noqa: BLE001
             problems.append(f"{first} + {second}: {type(exc).__name__}: {exc}")
             continue
@@ -176,17 +173,18 @@ def test_every_drafter_on_every_family(family, families, images, mixed_images, p
     from mmfast.speculative._eagle_model import write_random_draft
 
     mm, images = families[family], mixed_images if family in QWEN else images
-    assert _outcome(mm, {"decoding": {"method": "greedy"}}, images, prompts) == "ran"
-    greedy = [r.token_ids for r in _LAST]
+    result, out = _outcome(mm, {"decoding": {"method": "greedy"}}, images, prompts)
+    assert result == "ran"
+    greedy = [r.token_ids for r in out]
     ran = []
     for drafter in DRAFTERS.names():
         params = dict(DRAFT_PARAMS.get(drafter, {}))
         if drafter in ("msd", "flash"):
             params["weights"] = str(write_random_draft(mm, drafter, tmp_path / drafter, **DRAFT_ARCH.get(drafter, {})))
         data = {"decoding": {"method": "greedy"}, "speculative": {"method": drafter, "params": params}}
-        result = _outcome(mm, data, images, prompts)
+        result, out = _outcome(mm, data, images, prompts)
         if result == "ran":
-            assert [r.token_ids for r in _LAST] == greedy, f"{drafter} on {family} is not lossless"
+            assert [r.token_ids for r in out] == greedy, f"{drafter} on {family} is not lossless"
             ran.append(drafter)
         else:
             assert drafter in result, result
@@ -209,7 +207,7 @@ def test_single_pass_peers_x_stacked_pruners(family, decoder, families, images, 
         for stack in ([pruner], [pruner, "fastv"]):
             data = {"pruning": [_stage(p, mm) for p in stack], "decoding": {"method": decoder}}
             try:
-                result = _outcome(mm, data, images, prompts)
+                result, _ = _outcome(mm, data, images, prompts)
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"{stack} x {decoder}: {type(exc).__name__}: {exc}")
                 continue
@@ -244,5 +242,5 @@ DIVERSITY_PEERS = {"divprune": ("ran", "ran"), "dart": ("ran", "ran"), "cdpruner
 def test_diversity_peers_families(pruner, families, images, prompts):
     for family, want in zip(("llava", "llava_next"), DIVERSITY_PEERS[pruner]):
         mm = families[family]
-        got = _outcome(mm, {"pruning": [_stage(pruner, mm)], "decoding": {"method": "greedy"}}, images, prompts)
+        got, _ = _outcome(mm, {"pruning": [_stage(pruner, mm)], "decoding": {"method": "greedy"}}, images, prompts)
         assert got.split(":")[0] == want, f"{pruner} on {family}: {got}"
