@@ -74,8 +74,6 @@ class Qwen2VLAdapter(VLMAdapter):
         tower_attention="global",  # within each image
         paired_text_tower=False,
     )
-    #: token count varies per image: budgets are mapped per image count (``_budget.py``)
-    dynamic_resolution = True
     video_token = "<|video_pad|>"
 
     @classmethod

@@ -72,7 +72,7 @@ def fixed_vision_tokens(adapter: VLMAdapter) -> int | None:
     """The vision tokens every image has at the LLM input on this model (LLaVA-1.5: its grid, with the
     CLS token under the ``full`` strategy), or None where each image has its own count (LLaVA-NeXT and
     OneVision anyres tiling, Qwen-VL dynamic resolution)."""
-    if getattr(adapter, "dynamic_resolution", False):
+    if adapter.features.patch_grid == "dynamic":
         return None
     n = getattr(adapter, "n_image_tokens", None)  # anyres adapters raise AttributeError: None
     return int(n) if n is not None else None
