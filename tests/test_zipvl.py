@@ -20,7 +20,7 @@ from mmfast.pruning._kv_quant import (
     quantize,
     unpack,
 )
-from mmfast.pruning.zipvl import (
+from mmfast.pruning._zipvl_ops import (
     accumulate_scores,
     mass_count,
     probe_rows,

@@ -1,0 +1,133 @@
+"""ZipVL's selection and sparse-attention steps as pure functions (the method: :mod:`.zipvl`)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import compat
+from ._common import topk_keep
+
+
+def probe_rows(valid: torch.Tensor, recent_ratio: float, random_ratio: float, seed: int) -> torch.Tensor:
+    """[B, R] probe query slots (-1 = unused): the last ``max(1, int(recent_ratio n))`` valid slots plus
+    ``int(random_ratio n)`` random earlier ones (n = valid slots of the sample).
+
+    The draw depends only on the sample's own length and ``seed``, never on the rest of the batch.
+    """
+    rows = []
+    for b in range(valid.shape[0]):
+        pos = valid[b].nonzero().squeeze(1).cpu()
+        n = pos.numel()
+        n_rec = min(n, max(1, int(recent_ratio * n)))
+        n_rand = min(n - n_rec, int(random_ratio * n))
+        rand = pos[:0]
+        if n_rand > 0:
+            gen = torch.Generator().manual_seed(seed)
+            rand = pos[: n - n_rec][torch.randperm(n - n_rec, generator=gen)[:n_rand]].sort().values
+        rows.append(torch.cat([rand, pos[n - n_rec :]]))
+    r = max(x.numel() for x in rows)
+    out = torch.full((len(rows), r), -1, dtype=torch.long)
+    for b, x in enumerate(rows):
+        out[b, : x.numel()] = x
+    return out.to(valid.device)
+
+
+def accumulate_scores(
+    probs: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulated and causally normalised scores.
+
+    Args:
+        probs: [B, R, K] probe attention (head-averaged; unused rows all zero).
+        rows: [B, R] slot index of each probe query (-1 = unused).
+        valid: [B, K] key slots holding real tokens.
+
+    Returns:
+        a [B, K] = sum_i A'_ij, and a~ [B, K] = a_j / #(probe queries i with slot_i >= j).
+    """
+    k = probs.shape[-1]
+    a = probs.float().sum(1) * valid
+    j = torch.arange(k, device=probs.device)
+    sees = (rows[:, :, None] >= j[None, None, :]) & (rows[:, :, None] >= 0)  # [B, R, K]
+    count = sees.sum(1)
+    norm = torch.where(valid & (count > 0), a / count.clamp(min=1), torch.zeros_like(a))
+    return a, norm
+
+
+def mass_count(scores: torch.Tensor, valid: torch.Tensor, tau: float) -> torch.Tensor:
+    """[B] smallest p whose top-p scores reach ``tau`` x the total score of the valid slots (>= 1)."""
+    s = scores.float().masked_fill(~valid, 0.0).sort(dim=1, descending=True).values
+    cum = s.cumsum(1)
+    total = cum[:, -1:]
+    p = (cum < tau * total).sum(1) + 1
+    return torch.minimum(p, valid.sum(1)).clamp(min=1)
+
+
+def select_important(
+    probs: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, tau: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ZipVL's important set: p from the raw accumulated mass, T = top-p by the normalised score.
+
+    Returns (keep [B, K] bool, p [B]).
+    """
+    if tau >= 1.0:
+        return valid.clone(), valid.sum(1)
+    a, norm = accumulate_scores(probs, rows, valid)
+    p = mass_count(a, valid, tau)
+    return topk_keep(norm, valid, p), p
+
+
+def with_generating_row(keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``keep`` [B, K] plus each sample's last valid slot: the row whose output predicts the first answer token.
+
+    Skipping its attention (U rows get output 0) would predict the first token from a residual stream that
+    attended to nothing in that layer (issue 29: "inNo" at tight tau on the embedded model).
+    """
+    k = valid.shape[1]
+    last = (valid.long() * torch.arange(1, k + 1, device=valid.device)).argmax(1)  # [B] last valid slot
+    out = keep.clone()
+    out[torch.arange(valid.shape[0], device=valid.device), last] |= valid.any(1)
+    return out
+
+
+def key_validity(attention_mask: torch.Tensor | None, bsz: int, k_len: int, device) -> torch.Tensor:
+    """[B, K] key slots visible to the last query row (prefill: the real tokens)."""
+    if attention_mask is None:
+        return torch.ones(bsz, k_len, dtype=torch.bool, device=device)
+    m = attention_mask[:, 0, -1, :k_len]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    return m.expand(bsz, -1).clone() if m.shape[0] != bsz else m.clone()
+
+
+def sparse_attention(module, query, key, value, keep, scaling, base, dropout: float = 0.0, **kwargs) -> torch.Tensor:
+    """Attention among the ``keep`` slots only ([B, L] bool; query, key, value: [B, H(kv), L, D], q_len == k_len).
+
+    The kept slots of each sample are gathered (left-padded to the batch maximum), attend causally to
+    each other through the base implementation, and are scattered back; other rows are 0.
+    Returns [B, L, H, D], the layout attention functions return.
+    """
+    bsz, heads, length, dim = query.shape
+    counts = keep.sum(1)
+    p = max(int(counts.max()), 1)
+    dev = keep.device
+    # left-padded gather index: kept slot -> position (p - count + rank); others -> dump column p
+    rank = keep.long().cumsum(1) - 1 + (p - counts)[:, None]
+    target = rank.masked_fill(~keep, p)
+    idx = torch.zeros(bsz, p + 1, dtype=torch.long, device=dev)
+    idx.scatter_(1, target, torch.arange(length, device=dev).expand(bsz, -1))
+    idx = idx[:, :p]
+    valid = torch.arange(p, device=dev)[None, :] >= (p - counts)[:, None]  # [B, P]
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1]))
+
+    causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+    eye = torch.eye(p, dtype=torch.bool, device=dev)
+    mask = (causal[None] & valid[:, None, :]) | eye  # padded rows see themselves (no NaN)
+    mask = compat.format_mask(mask[:, None], module.config._attn_implementation, query.dtype)
+    out_g, _ = base(module, gather(query), gather(key), gather(value), mask, scaling=scaling, dropout=dropout, **kwargs)
+    out = out_g.new_zeros(bsz, length + 1, *out_g.shape[2:])
+    dest = idx.masked_fill(~valid, length)[:, :, None, None].expand(-1, -1, *out_g.shape[2:])
+    out.scatter_(1, dest, out_g)
+    return out[:, :length]
