@@ -43,6 +43,11 @@ class Capabilities:
     #: need -> what a published substitute needs instead, where the model lacks the need (VisionZip's
     #: received-attention ranking replaces CLS attention on dynamic-grid towers: {CLS: {DYNAMIC_GRID}})
     substitutes: Mapping[Need, frozenset[Need]] = field(default_factory=dict, hash=False)
+    #: why the substitutes serve videos only: on a model that meets one of ``needs`` only through its
+    #: substitute (:func:`videos_only_on`), the method takes no image, and a batch with an image is
+    #: refused before compute (ToMe: its image merge runs inside a CLIP-style tower, its video merge
+    #: across a video's frames); "" = the substitutes serve images too
+    substitutes_videos_only: str = ""
 
     # -- pruning stages ---------------------------------------------------------------------------
     #: changes the token set inside the vision tower (ToMe, MustDrop's window merge)
@@ -264,6 +269,15 @@ def unmet_need(caps: Capabilities, features: ModelFeatures) -> Need | None:
             continue
         return need
     return None
+
+
+def videos_only_on(caps: Capabilities, features: ModelFeatures) -> Need | None:
+    """The first of the method's needs that a model with ``features`` meets only through a substitute
+    that serves videos only (``caps.substitutes_videos_only``): the method takes no image there. None
+    where it takes images (or has no such substitute)."""
+    if not caps.substitutes_videos_only:
+        return None
+    return next((n for n in NEED_ORDER if n in caps.needs and not has(features, n)), None)
 
 
 def runs_on(registry: Registry, features: ModelFeatures) -> list[str]:

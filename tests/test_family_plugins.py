@@ -39,7 +39,8 @@ SIX = {"llava"} | NOT_LLAVA
 REFUSED = {
     "pruning:avgpool": NOT_LLAVA,
     "pruning:hicom": NOT_LLAVA,
-    "pruning:tome": NOT_LLAVA,
+    # images in the tower where it can; elsewhere videos only (a temporal merge), one vision item per video
+    "pruning:tome": {"llava_next", "qwen3_vl"},
     "pruning:mustdrop": NOT_LLAVA,
     "pruning:cdpruner": {"llava_onevision"},
     "pruning:dynamic_llava": QWEN,

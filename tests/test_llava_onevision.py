@@ -14,7 +14,7 @@ from PIL import Image
 
 import mmfast
 from mmfast import compat
-from mmfast.capabilities import caps_of
+from mmfast.capabilities import caps_of, videos_only_on
 from mmfast.config import Recipe, load_recipe
 from mmfast.errors import IncompatibleRecipeError
 from mmfast.hooks import count_hooks
@@ -227,6 +227,8 @@ def test_noop_pruning_equals_baseline(name, ov_mm, ov_images, prompts):
     cls = PRUNERS.get(name).cls
     if caps_of(cls, None).videos_only:
         pytest.skip("needs a video input: its no-op, batch and static-cache checks are in tests/test_dycoke.py")
+    if videos_only_on(caps_of(cls, None), ov_mm.adapter.features) is not None:
+        pytest.skip("takes videos only on this family: its no-op and batch checks are in tests/test_tome_video.py")
     try:
         params = cls.noop_params(ov_mm.adapter)
     except NotImplementedError:
@@ -343,10 +345,6 @@ def test_drafts_are_token_identical_to_greedy(drafter, params, ov_mm, ov_images,
     [
         ({"pruning": [{"method": "visionzip", "params": {"tokens": 8}}]}, "needs a CLS token"),
         ({"pruning": [{"method": "mustdrop"}]}, "needs a CLS token"),
-        (
-            {"pruning": [{"method": "tome", "params": {"budget": 8}}]},
-            r"needs one tower input per image .*this model \(llava_onevision\)",
-        ),
         (
             {"pruning": [{"method": "avgpool", "params": {"keep": 4}}]},
             r"needs one tower input per image .*this model \(llava_onevision\)",

@@ -1,5 +1,6 @@
 """ToMe (Bolya et al., "Token Merging: Your ViT But Faster", ICLR 2023, arXiv 2210.09461; code
-facebookresearch/ToMe), applied inside the CLIP vision tower of a VLM.
+facebookresearch/ToMe), applied inside the CLIP vision tower of a VLM to images, and across frames on a
+video's LLM-input tokens ("Video" below).
 
 Algorithm (every CLIP block up to the feature layer, between the attention and the MLP):
 1. Metric = the block's attention keys averaged over heads; alternate tokens into sets A (even) and
@@ -22,16 +23,54 @@ same block, where no module boundary exists, so neither a forward hook nor a pre
 the replacement computes exactly what transformers' ``CLIPEncoderLayer.forward`` computes, plus the
 merge); a recorder on each merging block's attention for the keys, and an attention override that
 adds log(size) as an additive mask (no eager attention); a pre-hook on vision layer 0 resets the
-per-forward state. ``prune_vision`` fixes ``patch_ids`` (-1 for merged tokens).
+per-forward state. ``prune_vision`` fixes ``patch_ids`` (-1 for merged tokens). Videos:
+``vision_features`` only (``prune_vision`` on the adapter's ``project`` output). Helpers:
+``_tome_ops.py`` (image merge step, bias, schedule), ``_tome_video.py`` (temporal merge).
 
 Positions: the T tokens (ToMe's order: unmerged then merged, not spatial) are spliced contiguously.
 Limits and deviations: no proportional attention or merging inside the LLM (ToMe issue #38: only in
 the ViT); blocks after the feature layer do not merge (their output is unused by LLaVA) but keep the
 proportional attention; the merge is computed in fp32; the vision tower must get no attention mask.
 
-Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: merges patches inside a CLIP
-tower; Qwen-VL towers attend per image / per window (cu_seqlens) with 2-D rotary patch positions and
-their PatchMerger needs every 2x2 unit intact.
+Images on Qwen-VL (qwen2_vl, qwen2_5_vl, qwen3_vl) and LLaVA-OneVision: refused (before compute):
+Qwen-VL towers attend per image / per window (cu_seqlens) with 2-D rotary patch positions and their
+PatchMerger needs every 2x2 unit intact; OneVision re-packs each image's tiles after the projector.
+
+Video (temporal merge; Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision: a video is one vision item).
+Sources: ToMe's ``tome/merge.py`` (``bipartite_soft_matching``, ``merge_wavg``; facebookresearch/ToMe
+@af95e4b), its paper's video experiments (ToMe on the spatiotemporal tokens of a video MAE ViT-L), and
+the temporal variants video LLM work uses (VidToMe, Li et al. 2023: each frame's tokens merge into
+their most similar tokens of another frame of the chunk by bipartite soft matching; TESTA, Ren et al.
+2023: temporal aggregation by bipartite matching of neighbouring frames; DyCoke's TTM pairs adjacent
+frames the same way). Where: on a video's LLM-input tokens (a feature stage), because neither tower
+lets a token span frames: Qwen's tower attends within each temporal patch group (cu_seqlens per
+frame group, 2-D rotary, then the 2x2 PatchMerger), and OneVision runs SigLIP on each frame and pools
+2x2 after the projector. Algorithm, per video (frames: Qwen's temporal patch groups, OneVision's frames;
+F frames of T tokens):
+1. Segments are frames. Each step pairs segments (0, 1), (2, 3), ...: the later segment is ToMe's set A
+   (sources), the earlier one set B (destinations); each source links to its most cosine-similar
+   destination; the pair's r_j best edges merge, size-weighted (``merge_wavg``: sizes start at 1 and
+   add up); the pair becomes one segment (an odd last segment waits). After ceil(log2 F) steps one
+   segment is left: merges reach ever further in time, as ToMe's later blocks merge merged tokens.
+   With A and B interleaved (A at even rows) and r_j, this is ``bipartite_soft_matching`` exactly
+   (``tests/test_tome_video.py`` checks it against a port of the official function, step by step).
+2. Metric: the tokens themselves (cosine of the merged, projected tokens; ToMe uses the attention
+   keys, which exist only inside the tower; its paper ablates the token features as metric too).
+3. r per step: ``budget`` B (tokens kept per video): F T - (B - non-frame tokens) merges spread evenly
+   over the steps (earlier steps one more; a step takes more where the rest could not finish), each
+   step's merges spread evenly over its pairs, capped at the source segment (ToMe's 50% cap); B may go
+   down to one frame's worth (T, + OneVision's newline), a lower B is refused (ConfigError, naming T).
+   ``r``: r merges per step (ToMe's constant schedule), capped likewise.
+4. Positions: a merged token keeps its representative's place: the destination's (the earliest of its
+   members; Qwen: that cell's (t, h, w) ids and ``frame`` tag; OneVision: contiguous 1-D positions).
+   Tokens stay in their representatives' frame-major order (ToMe's unmerged-then-merged order is
+   not temporal; the LLM is causal). OneVision's closing newline is no frame token: kept, counted in B.
+   Qwen's pre-merger features merge with the same weights (they stay row-aligned).
+Deviations: no proportional attention (the next blocks are the LLM's: ToMe issue #38); merges in fp32;
+the pair split (later frame into earlier one) replaces ToMe's alternate-token split, so a token merges
+only with a neighbouring segment. Refused: Qwen3-VL (every frame group is its own vision item, with
+its own timestamp text between items), and images where the tower merge cannot run (above).
+No-op: ``r: 0``, or B >= the video's tokens.
 """
 
 from __future__ import annotations
@@ -40,100 +79,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities, Need
+from ..capabilities import Capabilities, Need, videos_only_on
 from ..config import opt
-from ..errors import ConfigError
+from ..errors import ConfigError, IncompatibleRecipeError
 from ..hooks import attach
+from ..models.base import FRAME, VIDEO
 from ..registry import PRUNERS
+from ._grid import per_sample
+from ._tome_ops import bipartite_merge, merge_schedule, proportional_bias
+from ._tome_video import temporal_merge, video_schedule
 from .base import Pruner
 
-
-def bipartite_merge(
-    x: torch.Tensor,
-    metric: torch.Tensor,
-    size: torch.Tensor,
-    ids: torch.Tensor,
-    r: int,
-    protect_first: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """One ToMe bipartite soft matching step.
-
-    Args:
-        x: [B, T, D] tokens. metric: [B, T, C] similarity features (keys averaged over heads).
-        size: [B, T, 1] fp32 token sizes. ids: [B, T] long provenance carried along (any values).
-        r: tokens to remove; capped at half of the unprotected tokens.
-        protect_first: token 0 (CLS) never merges.
-
-    Returns (x [B, T-r, D] in x's dtype, size [B, T-r, 1], ids [B, T-r], r actually removed). Order:
-    unmerged A tokens (even positions, ascending), then every B token (odd positions).
-    """
-    t = x.shape[1]
-    r = min(r, (t - int(protect_first)) // 2)
-    if r <= 0:
-        return x, size, ids, 0
-    bsz, _, d = x.shape
-    m = metric.float()
-    m = m / m.norm(dim=-1, keepdim=True)
-    scores = m[:, ::2] @ m[:, 1::2].transpose(-1, -2)  # [B, Ta, Tb]
-    if protect_first:
-        scores[:, 0, :] = float("-inf")
-    best, dst_of = scores.max(dim=-1)  # [B, Ta] best match of each A token
-    order = best.argsort(dim=-1, descending=True, stable=True)
-    src = order[:, :r]  # [B, r] A tokens that merge
-    unm = order[:, r:].sort(dim=-1).values  # [B, Ta - r] A tokens that stay, in order
-    dst = dst_of.gather(1, src)  # [B, r] their B partners
-    weighted = x.float() * size
-    a, b = weighted[:, ::2], weighted[:, 1::2]
-    sa, sb = size[:, ::2], size[:, 1::2]
-    b = b.scatter_add(1, dst[..., None].expand(-1, -1, d), a.gather(1, src[..., None].expand(-1, -1, d)))
-    sb = sb.scatter_add(1, dst[..., None], sa.gather(1, src[..., None]))
-    out_w = torch.cat([a.gather(1, unm[..., None].expand(-1, -1, d)), b], dim=1)
-    out_s = torch.cat([sa.gather(1, unm[..., None]), sb], dim=1)
-    out_ids = torch.cat([ids[:, ::2].gather(1, unm), ids[:, 1::2]], dim=1)
-    return (out_w / out_s).to(x.dtype), out_s, out_ids, r
-
-
-def proportional_bias(size: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Additive attention mask [B, 1, Q|1, K] adding log(size) of each key to the logits (combined with ``attention_mask``)."""
-    bias = size[..., 0].log().to(dtype)[:, None, None, :]  # [B, 1, 1, K]
-    if attention_mask is None:
-        return bias
-    if attention_mask.dtype == torch.bool:
-        return torch.where(attention_mask, bias, torch.finfo(dtype).min)
-    return attention_mask + bias
-
-
-def merge_schedule(n_patches: int, n_blocks: int, budget: int, protected: int = 1) -> list[int]:
-    """Per-block r so that ``n_patches`` become ``budget`` after ``n_blocks`` blocks (ToMe's 50% cap per block).
-
-    The N - T merges are spread evenly, the first blocks taking one more; where the cap would then
-    leave too few tokens for the later blocks (shallow towers, small budgets), a block takes just
-    enough more for the rest to stay feasible. Raises ValueError when the budget is unreachable.
-    """
-
-    def capacity(tokens: int, blocks: int) -> int:  # most merges ``blocks`` blocks can make
-        total = 0
-        for _ in range(blocks):
-            r = (tokens - protected) // 2
-            total, tokens = total + r, tokens - r
-        return total
-
-    remaining, tokens, out = max(0, n_patches - budget), n_patches + protected, []
-    if remaining > capacity(tokens, n_blocks):
-        best = capacity(tokens, n_blocks)
-        raise ValueError(
-            f"{n_patches} patches cannot reach {budget} tokens in {n_blocks} blocks merging at most half of "
-            f"the tokens per block (at most {best} merges, i.e. {n_patches - best} tokens)"
-        )
-    for i in range(n_blocks):
-        cap = (tokens - protected) // 2
-        r = min(-(-remaining // (n_blocks - i)), cap)
-        while remaining - r > capacity(tokens - r, n_blocks - i - 1):
-            r += 1
-        out.append(r)
-        remaining -= r
-        tokens -= r
-    return out
+TOWER_NEEDS = (Need.UNTILED, Need.SQUARE_GRID, Need.GLOBAL_TOWER_ATTENTION)
 
 
 @dataclass
@@ -146,28 +103,36 @@ class _TowerMerge:
 
 
 @PRUNERS.register(
-    "tome", description="ToMe: bipartite token merging inside the CLIP blocks, with proportional attention"
+    "tome",
+    description="ToMe: bipartite token merging inside the CLIP blocks (proportional attention); videos across frames",
 )
 class ToMe(Pruner):
     """ToMe."""
 
-    hook_points = frozenset({"vision_tower"})
+    hook_points = frozenset({"vision_tower", "vision_features"})
     caps = Capabilities(
-        needs=frozenset({Need.UNTILED, Need.SQUARE_GRID, Need.GLOBAL_TOWER_ATTENTION}),
+        needs=frozenset(TOWER_NEEDS),
         why={
-            Need.UNTILED: "it merges inside the tower over one square patch grid per image",
-            Need.SQUARE_GRID: "it merges patches inside a CLIP-style tower; dynamic-resolution towers attend per "
-            "image / per window with 2-D rotary patch positions and their patch merger needs every 2x2 unit intact",
+            Need.UNTILED: "it merges an image inside the tower over one square patch grid per image",
+            Need.SQUARE_GRID: "it merges an image's patches inside a CLIP-style tower; dynamic-resolution towers "
+            "attend per image / per window with 2-D rotary patch positions and their patch merger needs every 2x2 "
+            "unit intact; its temporal merge of a video needs all of the video's frames in one vision item",
             Need.GLOBAL_TOWER_ATTENTION: "a merged token would straddle the tower's attention windows",
         },
+        substitutes={need: frozenset({Need.VIDEO_ONE_ITEM}) for need in TOWER_NEEDS},
+        substitutes_videos_only="where it merges a video's tokens across its frames and no image",
         merges_in_tower=True,
         needs_full_grid=True,
     )
 
     @dataclass(frozen=True)
     class Config:
-        budget: int = opt(64, lo=1, doc="T: patch tokens left at the feature layer (standard: 192, 128, 64)")
-        r: int | None = opt(None, lo=0, doc="tokens merged in every block up to the feature layer (overrides budget)")
+        budget: int = opt(
+            64, lo=1, doc="T: patch tokens left at the feature layer (standard: 192, 128, 64); a video: tokens kept"
+        )
+        r: int | None = opt(
+            None, lo=0, doc="tokens merged in every block up to the feature layer (a video: per step; overrides budget)"
+        )
         prop_attn: bool = opt(True, doc="proportional attention: add log(size) to the attention logits")
 
     budget_knobs = ("budget", "r")
@@ -198,7 +163,9 @@ class ToMe(Pruner):
             raise ConfigError("budget", str(exc)) from None
 
     def install(self) -> None:
-        self.r_schedule = self.schedule()
+        # where the image merge cannot run (the needs met through the video substitute), videos only
+        self.in_tower = videos_only_on(self.caps, self.adapter.features) is None
+        self.r_schedule = self.schedule() if self.in_tower else []
         self._size: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
         self._metric: torch.Tensor | None = None
@@ -278,6 +245,12 @@ class ToMe(Pruner):
         self._merged = []
 
     def prune_vision(self, vision, batch):
+        if VIDEO in vision.tags:
+            return self._merge_videos(vision, batch)
+        if not self.in_tower:
+            raise IncompatibleRecipeError(
+                f"{self.name} needs a video on this model, {self.caps.substitutes_videos_only}; pass videos=..."
+            )
         if not any(self.r_schedule):
             return vision
         merge: _TowerMerge | None = vision.extras.get("tome.merge")
@@ -301,4 +274,69 @@ class ToMe(Pruner):
         for i, owner in enumerate(batch.image_owner):
             per_sample[owner] += int(vision.features[i].shape[0])
         vision.stats[self.name] = {"r": merge.r, "per_sample_tokens": per_sample}
+        return vision
+
+    # -- video: temporal merge on the LLM-input tokens ---------------------------------------------
+    def video_plan(self, n_frames: int, per_frame: int, n_tokens: int, n_other: int) -> list[list[int]]:
+        """r of every frame pair at every step for a video item of ``n_tokens`` tokens (``n_other`` of
+        them no frame token), or a ConfigError naming the budget."""
+        cfg = self.config_for(n_tokens)
+        if cfg.r is not None:
+            return video_schedule(n_frames, per_frame, r=cfg.r)
+        try:
+            return video_schedule(n_frames, per_frame, keep=cfg.budget - n_other)
+        except ValueError as exc:
+            path = f"{self.budget_path}.{self.budget_rule.budget.key}" if self.budget_rule else "params.budget"
+            raise ConfigError(path, f"{exc}; ask for at least {per_frame + n_other} tokens") from None
+
+    def _merge_videos(self, vision, batch):
+        """Every video item's frame tokens merged across time (module docstring, "Video")."""
+        if self.in_tower:  # a family with both paths would have merged the frames in the tower already
+            raise IncompatibleRecipeError(f"{self.name}: this model's videos went through its tower merge")
+        projected = None
+        merged = [0] * batch.batch_size
+        for i, vid in enumerate(vision.tags[VIDEO]):
+            if not bool((vid > 0).any()):
+                raise IncompatibleRecipeError(
+                    f"{self.name} needs a video on this model, {self.caps.substitutes_videos_only}; item {i} is an "
+                    "image: pass videos=... without images"
+                )
+            pid = vision.patch_ids[i]
+            real = (pid >= 0).nonzero().squeeze(1)  # [F T] frame tokens, frame-major
+            other = (pid < 0).nonzero().squeeze(1)  # OneVision's closing newline
+            _, per = vision.tags[FRAME][i].to(pid.device)[real].unique_consecutive(return_counts=True)
+            t, f = int(per[0]), per.numel()
+            if bool((per != t).any()):  # needs_full_grid keeps earlier token edits out
+                raise RuntimeError(f"tome: the video's frames hold {per.tolist()} tokens; the merge needs whole frames")
+            n = int(pid.shape[0])
+            plan = self.video_plan(f, t, n, int(other.numel()))
+            if not any(r for rs in plan for r in rs):
+                continue
+            if projected is None:
+                projected = self.adapter.project(vision)
+            proj = projected[i]  # [n, d]
+            d = proj.shape[-1]
+            feats = vision.features[i]
+            aligned = "n_tiles" not in vision.extras and feats.shape[0] == n  # pre-merger features, row-aligned
+            values = proj[real].float()
+            if aligned:
+                values = torch.cat([values, feats[real.to(feats.device)].float().to(values.device)], -1)
+            seg, done = temporal_merge(values.reshape(f, t, -1), plan, d)  # [K, D], representative order
+            rows = torch.cat([real[seg.rep], other])  # [K + n_other] rows of the item
+            order = rows.argsort()
+            rows = rows[order]
+            vision.projected[i] = torch.cat([seg.x[:, :d].to(proj.dtype), proj[other]])[order]
+            if aligned:
+                kept = torch.cat([seg.x[:, d:].to(feats.device, feats.dtype), feats[other.to(feats.device)]])
+                vision.features[i] = kept[order.to(feats.device)]
+            sizes = torch.cat([seg.size, seg.size.new_ones(other.numel())])[order]
+            vision.patch_ids[i] = pid[rows.to(pid.device)]
+            for tags in vision.tags.values():
+                tags[i] = tags[i][rows.to(tags[i].device)]
+            vision.extras.setdefault("tome.size", [None] * vision.n_images)[i] = sizes
+            merged[batch.image_owner[i]] += sum(done)
+        vision.stats[self.name] = {
+            "per_sample_tokens": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
+            "per_sample_merged": merged,
+        }
         return vision
