@@ -262,6 +262,8 @@ def test_images_are_refused_where_the_tower_merge_cannot_run_and_qwen3_is_refuse
         _mm("qwen2_5_vl").generate(
             None, ["Go."], videos=[_video(8)], recipe={"pruning": [{"method": "tome", "budget": {"tokens": 10}}]}
         )
+    with pytest.raises(ConfigError, match=r"pruning\[0\]\.params\.budget: .*ask for at least 5 tokens"):
+        _mm("llava_onevision").generate(None, ["Go."], videos=[_video(8)], recipe=_recipe(budget=4))
 
 
 def test_a_video_stage_after_tome():
