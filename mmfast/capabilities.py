@@ -290,6 +290,17 @@ def supported_families(caps: Capabilities) -> list[str]:
     return [adapter.family for adapter in ADAPTERS.values() if unmet_need(caps, adapter.features) is None]
 
 
+def supported_families_marked(caps: Capabilities) -> list[str]:
+    """:func:`supported_families`, each marked " (videos only)" where the method takes no image there
+    (``videos_only``, or a video-only substitute: :func:`videos_only_on`)."""
+    out = []
+    for adapter in ADAPTERS.values():
+        if unmet_need(caps, adapter.features) is None:
+            videos = caps.videos_only or videos_only_on(caps, adapter.features) is not None
+            out.append(adapter.family + (" (videos only)" if videos else ""))
+    return out
+
+
 def refusal(where: str, caps: Capabilities, facts: ModelFacts, registry: Registry) -> str | None:
     """Why the method at ``where`` (declaring ``caps``, one of ``registry``) cannot run on the model
     of ``facts``, or None: the need it lacks, the family, the method's own words on why, and what to

@@ -277,3 +277,16 @@ def test_a_video_stage_after_tome():
     }
     vision, inputs = _encode(mm, recipe, [_video(8)])
     assert vision.counts() == [12] and bool((inputs.tags[VIDEO][0][inputs.image_mask[0]] == 1).all())
+
+
+def test_support_is_images_in_the_tower_else_videos_only():
+    from mmfast.capabilities import caps_of, supported_families_marked
+    from mmfast.registry import PRUNERS
+
+    marked = supported_families_marked(caps_of(PRUNERS.get("tome").cls, None))
+    assert sorted(marked) == [
+        "llava",
+        "llava_onevision (videos only)",
+        "qwen2_5_vl (videos only)",
+        "qwen2_vl (videos only)",
+    ]
