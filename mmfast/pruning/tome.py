@@ -67,6 +67,7 @@ F frames of T tokens):
    not temporal; the LLM is causal). OneVision's closing newline is no frame token: kept, counted in B.
    Qwen's pre-merger features merge with the same weights (they stay row-aligned).
 Deviations: no proportional attention (the next blocks are the LLM's: ToMe issue #38); merges in fp32;
+equal edge scores keep their order (a stable sort; the official ``argsort`` is unstable);
 the pair split (later frame into earlier one) replaces ToMe's alternate-token split, so a token merges
 only with a neighbouring segment. Refused: Qwen3-VL (every frame group is its own vision item, with
 its own timestamp text between items), and images where the tower merge cannot run (above).
