@@ -293,12 +293,10 @@ def supported_families(caps: Capabilities) -> list[str]:
 def supported_families_marked(caps: Capabilities) -> list[str]:
     """:func:`supported_families`, each marked " (videos only)" where the method takes no image there
     (``videos_only``, or a video-only substitute: :func:`videos_only_on`)."""
-    out = []
-    for adapter in ADAPTERS.values():
-        if unmet_need(caps, adapter.features) is None:
-            videos = caps.videos_only or videos_only_on(caps, adapter.features) is not None
-            out.append(adapter.family + (" (videos only)" if videos else ""))
-    return out
+    return [
+        family + (" (videos only)" if caps.videos_only or videos_only_on(caps, ADAPTERS[family].features) else "")
+        for family in supported_families(caps)
+    ]
 
 
 def refusal(where: str, caps: Capabilities, facts: ModelFacts, registry: Registry) -> str | None:
