@@ -52,8 +52,9 @@ F frames of T tokens):
    destination; the pair's r_j best edges merge, size-weighted (``merge_wavg``: sizes start at 1 and
    add up); the pair becomes one segment (an odd last segment waits). After ceil(log2 F) steps one
    segment is left: merges reach ever further in time, as ToMe's later blocks merge merged tokens.
-   With A and B interleaved (A at even rows) and r_j, this is ``bipartite_soft_matching`` exactly
-   (``tests/test_tome_video.py`` checks it against a port of the official function, step by step).
+   For two equal segments interleaved (A at the even rows) this is ``bipartite_soft_matching`` with
+   r = r_j exactly, up to the output order (here the representatives'; ``tests/test_tome_video.py``
+   checks it against a port of the official function, step by step).
 2. Metric: the tokens themselves (cosine of the merged, projected tokens; ToMe uses the attention
    keys, which exist only inside the tower; its paper ablates the token features as metric too).
 3. r per step: ``budget`` B (tokens kept per video): F T - (B - non-frame tokens) merges spread evenly
