@@ -88,6 +88,10 @@ class Capabilities:
     #: why the method needs a video (it compresses across frames); "" = images serve it. A batch
     #: without a video is refused before compute.
     videos_only: str = ""
+    #: what the method needs of the model for *images*, beyond ``needs``: a model that lacks one (and
+    #: meets ``needs`` through a video substitute) runs the method on videos only, and a batch with an
+    #: image is refused there before compute (:func:`image_refusal`)
+    image_needs: frozenset[Need] = frozenset()
     #: why the method's decode-time hooks need the dynamic cache's step, whose keys are exactly the
     #: held tokens (a static step attends over the whole preallocated buffer); "" = the static-cache
     #: step serves it. ``model.compile`` falls back to the dynamic cache with this reason.
@@ -264,6 +268,29 @@ def unmet_need(caps: Capabilities, features: ModelFeatures) -> Need | None:
             continue
         return need
     return None
+
+
+def image_refusal(where: str, caps: Capabilities, facts: ModelFacts) -> str | None:
+    """Why the method at ``where`` takes no image on the model of ``facts`` (it runs there on videos
+    only: an unmet ``image_needs``), or None."""
+    need = next((n for n in NEED_ORDER if n in caps.image_needs and not has(facts.features, n)), None)
+    if need is None:
+        return None
+    have = what_it_has(facts.features, need)
+    why = caps.why.get(need, "")
+    return (
+        f"{where} takes only videos on this model ({facts.family}): for images it needs {need.value}, which "
+        f"this model does not have"
+        + (f" ({have})" if have else "")
+        + (f": {why}" if why else "")
+        + "; pass videos=..., or use an image pruner (e.g. divprune, fastv) for images"
+    )
+
+
+def videos_only_on(caps: Capabilities, features: ModelFeatures) -> bool:
+    """Whether a method declaring ``caps`` needs a video on a model with ``features`` (its
+    ``videos_only``, or an ``image_needs`` the model lacks)."""
+    return bool(caps.videos_only) or any(not has(features, n) for n in caps.image_needs)
 
 
 def runs_on(registry: Registry, features: ModelFeatures) -> list[str]:

@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .capabilities import Capabilities, caps_of, check_model, check_recipe, static_cache_blocker
+from .capabilities import (
+    Capabilities,
+    ModelFacts,
+    caps_of,
+    check_model,
+    check_recipe,
+    image_refusal,
+    static_cache_blocker,
+)
 from .config import Recipe, from_dict, load_recipe, to_dict
 from .context import MethodContext
 from .decoding.base import DecodeOutput, Decoder, DecodeRequest, now
@@ -446,6 +454,12 @@ class Session:
                         f"{where} needs a video ({caps.videos_only}); pass videos=..., or use an image pruner "
                         "(e.g. divprune, fastv) for images"
                     )
+        if any(not batch.item(i).is_video for i in range(len(batch.image_owner))):
+            facts = ModelFacts.of_adapter(self.adapter)
+            for where, caps in self._method_caps(decoder):
+                problem = image_refusal(where, caps, facts)
+                if problem:
+                    raise IncompatibleRecipeError(problem)
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         self._decoder = decoder  # observes the tower (DAMRO) for this batch

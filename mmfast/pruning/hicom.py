@@ -67,7 +67,8 @@ import torch
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
-from ..models.base import VisionBatch
+from ..models.base import FRAME, VisionBatch
+from ..models.features import has
 from ..registry import PRUNERS
 from ._grid import grid_features, per_sample
 from ._hicom_modules import (
@@ -79,6 +80,7 @@ from ._hicom_modules import (
     local_grid,
     model_dir,
 )
+from ._hicom_video import load_siglip_guide, release_bins, video_bins, video_local
 from .base import Pruner
 
 
@@ -92,9 +94,14 @@ class HICom(Pruner):
     caps = Capabilities(
         needs=frozenset({Need.UNTILED, Need.SQUARE_GRID}),
         why={
-            Need.UNTILED: "its global queries and CLIP guide are trained for LLaVA-1.5's one square grid per image",
-            Need.SQUARE_GRID: "its global queries and CLIP guide are trained for LLaVA-1.5's fixed 24 x 24 grid",
+            Need.UNTILED: "its local groups need one square patch grid per image (its global queries and CLIP guide "
+            "are trained for LLaVA-1.5's); on a model whose images are tiled it compresses videos only, whose "
+            "frames are untiled",
+            Need.SQUARE_GRID: "its local groups and guide towers (CLIP for LLaVA-1.5, SigLIP for OneVision video) "
+            "are built for a fixed square patch grid",
         },
+        substitutes={Need.UNTILED: frozenset({Need.VIDEO_ONE_ITEM})},
+        image_needs=frozenset({Need.UNTILED}),
         edits_features=True,
         needs_full_grid=True,
     )
@@ -133,6 +140,15 @@ class HICom(Pruner):
             doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': timings on random-weight shapes and tests)",
         )
         frames: Literal["video", "images"] = opt("video", doc="video: a prompt's images are frames compressed jointly")
+        guide_model: str | None = opt(
+            None,
+            doc="video input: the SigLIP the tower was cut from (a SiglipModel directory; default <model dir>/siglip; "
+            "OneVision: google/siglip-so400m-patch14-384; 'random': timings on random-weight shapes and tests)",
+        )
+        clip_scale: bool = opt(
+            False,
+            doc="video input: local weights softmax(cos * exp(logit_scale) + logit_bias) (release use_clip_scale)",
+        )
 
         def __post_init__(self) -> None:
             if not self.local and self.global_queries == 0:
@@ -162,11 +178,11 @@ class HICom(Pruner):
 
     @classmethod
     def test_params(cls, adapter):
-        return {"spatial_kernel": 2, "global_queries": 0, "clip_model": "random"}
+        return {"spatial_kernel": 2, "global_queries": 0, "clip_model": "random", "guide_model": "random"}
 
     @classmethod
     def random_shape_params(cls):
-        return {"clip_model": "random", "global_weights": "random"}
+        return {"clip_model": "random", "guide_model": "random", "global_weights": "random"}
 
     def is_noop(self) -> bool:
         c = self.config
@@ -179,31 +195,44 @@ class HICom(Pruner):
         )
 
     def install(self) -> None:
-        self.clip = self.glob = None
+        self.clip = self.siglip = self.glob = None
         self._last_hidden: torch.Tensor | None = None
         if self.is_noop():
             return
         cfg = self.config
-        model = self.adapter.model
-        self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
-        if self._guided():
-            self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
+        model, features = self.adapter.model, self.adapter.features
+        d = model_dir(model)
+        if has(features, Need.UNTILED):  # images (LLaVA-1.5): the CLIP guide
+            self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
+            if self._guided():
+                self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
+        if features.video and cfg.local:  # video (OneVision): the SigLIP guide
+            vc = self.adapter.vision_config
+            self.siglip = load_siglip_guide(
+                cfg.guide_model, d, vc, len(self.adapter.vision_layers), self.ctx.tokenizer, self.ctx.device
+            )
+            if self.siglip.text_dim != self.siglip.dim:
+                raise ConfigError(
+                    "guide_model",
+                    f"the SigLIP guide's text embeddings are {self.siglip.text_dim} wide but its keys "
+                    f"{self.siglip.dim}: the release's training-free query needs them equal (so400m: 1152)",
+                )
         if cfg.global_queries > 0:
-            d = model_dir(model)
             path = cfg.global_weights or (str(d / GLOBAL_WEIGHTS) if d is not None else None)
             if path is None:
                 raise ConfigError(
                     "global_weights", "this model has no local directory; set global_weights to the trained file"
                 )
+            guide = self.clip or self.siglip
             expect = {
                 "vision_hidden": self.adapter.vision_config.hidden_size,
                 "llm_hidden": self.adapter.text_config.hidden_size,
-                "text_dim": self.clip.dim,
+                "text_dim": guide.dim if guide is not None else self.adapter.vision_config.hidden_size,
                 "n_queries": cfg.global_queries,
                 "mode": cfg.global_mode,
             }
             self.glob, self.glob_meta = load_global(path, model_hint=str(d or "<model dir>"), expect=expect)
-            self.glob.to(self.clip.device)
+            self.glob.to(self.ctx.device)
 
     def _guided(self) -> bool:
         cfg = self.config
@@ -213,21 +242,53 @@ class HICom(Pruner):
         self._last_hidden = output[0] if isinstance(output, tuple) else output  # [n_img, 1 + N, Dv]
 
     def _units(self, batch) -> list[tuple[int, list[int]]]:
-        """(sample, image indices) compressed together."""
+        """(sample, image indices) compressed together (videos are compressed on their own)."""
         per: dict[int, list[int]] = {}
         for i, b in enumerate(batch.image_owner):
-            per.setdefault(b, []).append(i)
+            if not batch.item(i).is_video:
+                per.setdefault(b, []).append(i)
         if self.config.frames == "images":
             return [(b, [i]) for b, idx in per.items() for i in idx]
         return list(per.items())
 
     def prune_vision(self, vision: VisionBatch, batch) -> VisionBatch:
+        n_before = vision.counts()
         if self.is_noop():
-            vision.stats[self.name] = {
-                "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)
-            }
+            vision.stats[self.name] = {"per_sample_kept": per_sample(n_before, batch.image_owner, batch.batch_size)}
             return vision
+        n_local, n_frames = [0] * batch.batch_size, [0] * batch.batch_size
+        out_grid = None
+        units = self._units(batch)
+        if units:
+            out_grid = self._images(vision, batch, units, n_local, n_frames)
+        videos = [i for i in range(vision.n_images) if batch.item(i).is_video]
+        if videos:
+            guides = self.siglip.text_embeds([guide_text(p) for p in batch.prompts]) if self.siglip else None  # [B, D]
+            for i in videos:
+                b = batch.image_owner[i]
+                out_grid = self._video(vision, batch, i, None if guides is None else guides[b], n_before[i])
+                n_local[b] += out_grid[0] * out_grid[1] * out_grid[2]
+                n_frames[b] += batch.item(i).n_frames
+        vision.stats[self.name] = {
+            "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
+            "per_sample_local": n_local,
+            "per_sample_frames": n_frames,
+            "global": self.config.global_queries if self.glob is not None else 0,
+            "global_mode": self.config.global_mode if self.glob is not None else None,
+            "local_grid": list(out_grid) if out_grid is not None else None,
+        }
+        return vision
+
+    def _project(self, vision: VisionBatch, local: torch.Tensor) -> torch.Tensor:
+        """The model's own projector on pre-projection tokens [n, Dv] -> [n, d]."""
+        pid = torch.full((local.shape[0],), -1, device=local.device)
+        return self.adapter.project(VisionBatch([local], [pid], None, vision.grid, vision.pixel_values[:0]))[0]
+
+    def _images(self, vision: VisionBatch, batch, units, n_local, n_frames) -> tuple[int, int, int] | None:
+        """Images (LLaVA-1.5): each prompt's images are the frames of one clip (module docstring)."""
         cfg = self.config
+        if self.clip is None:
+            raise RuntimeError("hicom: images reached a model whose images it does not take (refused before compute)")
         rows, cols = vision.grid
         guides = self.clip.text_embeds([guide_text(p) for p in batch.prompts])  # [B, P]
         keys = None
@@ -236,9 +297,8 @@ class HICom(Pruner):
             if last is None or last.shape[1] != 1 + rows * cols:
                 raise RuntimeError("hicom: the last vision layer did not run on the full patch grid")
             keys = self.clip.patch_embeds(last[:, 1:], post_layernorm=cfg.local_rule == "blend")  # [n_img, N, P]
-        n_local, n_frames = [0] * batch.batch_size, [0] * batch.batch_size
         out_grid = None
-        for b, idx in self._units(batch):
+        for b, idx in units:
             values = torch.stack([grid_features(vision, i, "hicom")[0] for i in idx])  # [T, H, W, Dv]
             t, dtype, dev = len(idx), values.dtype, values.device
             guide = guides[b]
@@ -252,17 +312,10 @@ class HICom(Pruner):
                 pieces_f.append(local.to(dtype))
                 n_local[b] += local.shape[0]
             if self.glob is not None:
-                pre, tok = self.glob(values.float()[None].to(self.clip.device), guide[None])
+                pre, tok = self.glob(values.float()[None].to(self.ctx.device), guide[None])
                 pieces_f.append(pre[0].to(dev, dtype))
                 if cfg.local:
-                    tmp = VisionBatch(
-                        [pieces_f[0]],
-                        [torch.full((pieces_f[0].shape[0],), -1, device=dev)],
-                        None,
-                        vision.grid,
-                        vision.pixel_values[:0],
-                    )
-                    pieces_p.append(self.adapter.project(tmp)[0])
+                    pieces_p.append(self._project(vision, pieces_f[0]))
                 pieces_p.append(tok[0].to(dev))
             feats = torch.cat(pieces_f)
             proj = torch.cat(pieces_p).to(pieces_p[0].dtype) if pieces_p else None
@@ -272,12 +325,60 @@ class HICom(Pruner):
                 vision.patch_ids[i] = torch.full((keep.shape[0],), -1, dtype=torch.long, device=dev)
                 vision.projected[i] = None if proj is None else (proj if j == 0 else proj[:0])
             n_frames[b] += t
-        vision.stats[self.name] = {
-            "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
-            "per_sample_local": n_local,
-            "per_sample_frames": n_frames,
-            "global": cfg.global_queries if self.glob is not None else 0,
-            "global_mode": cfg.global_mode if self.glob is not None else None,
-            "local_grid": list(out_grid) if out_grid is not None else None,
-        }
-        return vision
+        return out_grid
+
+    def _video(self, vision: VisionBatch, batch, i: int, guide, n_tokens: int) -> tuple[int, int, int]:
+        """Video item ``i`` (one item of all its frames, OneVision): its frames' feature-layer grids are
+        compressed instead of the model's own 2x2 pooling; its non-frame tokens (the closing newline) stay
+        last. Returns the local grid (groups along t, h, w)."""
+        cfg = self.config
+        rows, cols = vision.grid
+        t = batch.item(i).n_frames
+        feats, pid = vision.features[i], vision.patch_ids[i]
+        dtype, dev = feats.dtype, feats.device
+        if feats.shape[0] != t * rows * cols or vision.projected[i] is None:
+            raise ValueError(f"hicom needs the full {rows}x{cols} grid of each of the video's {t} frames; put it first")
+        values = feats.reshape(t, rows, cols, -1)  # [T, H, W, Dv] feature-layer values
+        extra = vision.projected[i][pid < 0]  # [e, d] the model's non-frame tokens (OneVision: the newline)
+        n_global = cfg.global_queries if self.glob is not None else 0
+        cells = cfg.local_tokens
+        if self.budget_rule is not None:  # N tokens for the whole video: groups of frames x cells + global + extra
+            target = self.budget_rule.target(n_tokens)
+            groups = len(release_bins(t, cfg.temporal_kernel))
+            cells = (target - n_global - extra.shape[0]) // groups
+            if cells < 1:
+                raise ConfigError(
+                    f"{self.budget_path}.tokens",
+                    f"{target} tokens for a video of {t} frames leave no local token per frame group ({groups} "
+                    f"groups of {cfg.temporal_kernel} frames, {n_global} global, {extra.shape[0]} closing); the "
+                    f"smallest feasible budget is {groups + n_global + extra.shape[0]}",
+                )
+        bins = video_bins(t, rows, cols, cfg.temporal_kernel, cfg.spatial_kernel, cells)
+        keys = None
+        if self.siglip is not None:
+            x = values.reshape(t, rows * cols, -1)
+            for layer in self.adapter.vision_layers[self.adapter.vision_feature_layer_index() + 1 :]:
+                x = layer(x, None)
+                x = x[0] if isinstance(x, tuple) else x
+            keys = self.siglip.keys(x).reshape(t, rows, cols, -1)  # [T, H, W, D]
+        scale = (self.siglip.logit_scale, self.siglip.logit_bias) if cfg.clip_scale and self.siglip else None
+        local, _, _ = video_local(values, keys, guide, bins, scale)  # [G, Dv]
+        pieces_f, pieces_p = [local.to(dtype)], [self._project(vision, local.to(dtype))]
+        if self.glob is not None:
+            pre, tok = self.glob(values.float()[None].to(self.ctx.device), guide[None])
+            pieces_f.append(pre[0].to(dev, dtype))
+            pieces_p.append(tok[0].to(dev))
+        proj = torch.cat([p.to(extra.dtype) for p in (*pieces_p, extra)])  # [G + n_global + e, d]
+        vision.features[i] = torch.cat(pieces_f)
+        vision.projected[i] = proj
+        vision.patch_ids[i] = torch.full((proj.shape[0],), -1, dtype=torch.long, device=pid.device)
+        grid = tuple(len(b) for b in bins)
+        frame = torch.arange(grid[0], device=pid.device).repeat_interleave(grid[1] * grid[2])  # [G] frame group
+        for name, tags in vision.tags.items():
+            old = tags[i]
+            if name == FRAME:
+                rest = frame.new_full((proj.shape[0] - frame.shape[0],), grid[0] - 1)
+                tags[i] = (torch.cat([frame, rest]) + old.min()).to(old)
+            else:  # VIDEO (the video's number) and any per-token flag: its first token's value
+                tags[i] = old[:1].expand(proj.shape[0], *old.shape[1:]).clone()
+        return grid
