@@ -17,7 +17,10 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
+from transformers import AutoTokenizer, SiglipConfig, SiglipModel, SiglipTextModel
+from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, SiglipMLP
 
 from ..errors import ConfigError, ModelLoadError
 from ._grid import adaptive_bins
@@ -153,7 +156,6 @@ def _siglip_parts(model, tokenizer, tower_layers: int) -> SiglipGuide:
 def random_siglip(vision_config, tokenizer, tower_layers: int, seed: int = 0):
     """A tiny randomly initialised ``SiglipModel`` for tests and timings: a 2-layer text tower on the
     model's tokenizer projecting to the tower's width, the vision tower's sizes with one more layer."""
-    from transformers import SiglipConfig, SiglipModel
 
     vc = vision_config
     text = dict(
@@ -209,9 +211,6 @@ def load_siglip_guide(spec: str | None, model_dir: Path | None, vision_config, t
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not (path / "config.json").is_file() or not files:
         raise _missing(f"guide_model {spec!r} is not a SiglipModel directory (config.json and *.safetensors)")
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer, SiglipConfig, SiglipTextModel
-    from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, SiglipMLP
 
     config = SiglipConfig.from_dict(json.loads((path / "config.json").read_text()))
     vc = config.vision_config
