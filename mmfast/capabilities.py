@@ -279,8 +279,8 @@ def image_refusal(where: str, caps: Capabilities, facts: ModelFacts) -> str | No
     have = what_it_has(facts.features, need)
     why = caps.why.get(need, "")
     return (
-        f"{where} takes only videos on this model ({facts.family}): for images it needs {need.value}, which "
-        f"this model does not have"
+        f"{where} needs a video on this model ({facts.family}) and takes no image: for images it needs "
+        f"{need.value}, which this model does not have"
         + (f" ({have})" if have else "")
         + (f": {why}" if why else "")
         + "; pass videos=..., or use an image pruner (e.g. divprune, fastv) for images"

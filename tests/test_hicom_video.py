@@ -260,10 +260,13 @@ def test_images_on_onevision_qwen_and_a_missing_guide_are_refused(siglip_dir):
     image = Image.fromarray(np.random.default_rng(5).integers(0, 255, (36, 44, 3), dtype=np.uint8))
     try:
         with pytest.raises(
-            IncompatibleRecipeError, match=r"\(hicom\) takes only videos on this model \(llava_onevision\).*videos="
+            IncompatibleRecipeError,
+            match=r"\(hicom\) needs a video on this model \(llava_onevision\) and takes no image.*videos=",
         ):
             mm.generate([image], ["What?"], recipe=_recipe(guide_model=str(siglip_dir)), max_new_tokens=2)
-        with pytest.raises(IncompatibleRecipeError, match=r"\(hicom\) takes only videos"):  # an image beside a video
+        with pytest.raises(
+            IncompatibleRecipeError, match=r"\(hicom\) needs a video on this model"
+        ):  # an image beside a video
             mm.generate([[image]], ["What?"], videos=[_video(4)], recipe=_recipe(guide_model=str(siglip_dir)))
     finally:
         handle.remove()
