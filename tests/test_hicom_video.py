@@ -248,6 +248,9 @@ def test_global_branch_on_a_video_needs_weights(siglip_dir, tmp_path):
     recipe = _recipe(spatial_kernel=2, global_queries=4, global_weights="random", guide_model=str(siglip_dir))
     out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=3)[0]
     assert out.n_vision_tokens == 2 * 4 + 4 + 1  # local, global, newline
+    recipe["pruning"][0]["params"]["local"] = False
+    out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=3)[0]
+    assert out.n_vision_tokens == 4 + 1  # global tokens only, newline
 
 
 # -- refusals --------------------------------------------------------------------------------------------

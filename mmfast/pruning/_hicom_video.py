@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, SiglipConfig, SiglipModel, SiglipTextMod
 from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, SiglipMLP
 
 from ..errors import ConfigError, ModelLoadError
+from ..models.base import FRAME, VisionBatch
 from ._grid import adaptive_bins
 
 SIGLIP_HUB = "google/siglip-so400m-patch14-384"
@@ -292,3 +293,34 @@ def video_local(
         weights = local_weights(keys.reshape(t * h * w, -1).float().to(values.device), guide, index, clip_scale)
     v = values.reshape(-1, dv).float()[index.clamp(min=0)]  # [G, S, Dv]
     return (weights.unsqueeze(-1) * v).sum(1), weights, index
+
+
+def budget_cells(target: int, t: int, temporal: int, fixed: int, path: str) -> int:
+    """Local cells per frame group for ``target`` tokens on a video of ``t`` frames: (target - fixed) //
+    frame groups, where ``fixed`` = global tokens + the model's non-frame tokens (the closing newline)."""
+    groups = len(release_bins(t, temporal))
+    cells = (target - fixed) // groups
+    if cells < 1:
+        raise ConfigError(
+            f"{path}.tokens",
+            f"{target} tokens for a video of {t} frames leave no local token per frame group ({groups} groups of "
+            f"{temporal} frames beside {fixed} global and closing tokens); the smallest feasible budget is "
+            f"{groups + fixed}",
+        )
+    return cells
+
+
+def splice_video(
+    vision: VisionBatch, i: int, features: torch.Tensor, projected: torch.Tensor, grid: tuple[int, int, int]
+) -> None:
+    """Item ``i`` becomes the compressed video: ``projected`` [n, d] (local groups in (t, h, w) raster order,
+    then the rest), ``features`` (pre-projection rows), patch ids -1 (merged tokens). Its ``FRAME`` tag is
+    each local token's frame group (the rest: the last group), other tags keep the item's first value."""
+    n, dev = projected.shape[0], vision.patch_ids[i].device
+    vision.features[i], vision.projected[i] = features, projected
+    vision.patch_ids[i] = torch.full((n,), -1, dtype=torch.long, device=dev)
+    frame = torch.arange(grid[0], device=dev).repeat_interleave(grid[1] * grid[2])  # [G]
+    frame = torch.cat([frame, frame.new_full((n - frame.shape[0],), max(grid[0] - 1, 0))])  # [n]
+    for name, tags in vision.tags.items():
+        old = tags[i]
+        tags[i] = (frame + old.min()).to(old) if name == FRAME else old[:1].expand(n, *old.shape[1:]).clone()

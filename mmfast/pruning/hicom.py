@@ -1,7 +1,7 @@
 """HICom (Liu et al., "Hybrid-Level Instruction Injection for Video Token Compression in Multi-modal
-Large Language Models", CVPR 2025, arXiv 2503.16036; code lntzm/HICom), as a projector-side stage
-for LLaVA: a training-free instruction-conditioned local compressor plus HICom's lightly trained
-global branch.
+Large Language Models", CVPR 2025, arXiv 2503.16036; code lntzm/HICom @df67ea1), as a feature stage:
+a training-free instruction-conditioned local compressor plus HICom's lightly trained global branch,
+on LLaVA-1.5 images (CLIP guide) and on LLaVA-OneVision videos (the release's SigLIP path, below).
 
 Algorithm (per prompt; its images are the frames of one clip unless ``frames: images``):
 1. Guide g = CLIP ``text_embeds`` of the user instruction (``batch.prompts``, answer-format suffixes
@@ -53,8 +53,30 @@ Budget (``budget: {tokens: B}``, vision tokens per image (frame group) at the LL
 B - global_queries (``global_queries`` stays the trained branch's size; B must exceed it), so the
 total is the near-square local grid (``_grid.near_square_grid``, the avgpool rule) + global_queries.
 
-Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: its global queries and CLIP
-guide are trained for LLaVA-1.5 features; no Qwen-VL weights.
+Video (LLaVA-OneVision, as the release runs video; helpers in ``_hicom_video.py``): a video item's
+frames (T x 27 x 27 on SigLIP-so400m-384) are compressed *instead of* OneVision's 2x2 pooling:
+values = the feature-layer patches (SigLIP's layer -2, OneVision's last of 26); keys = z +
+head.mlp(head.layernorm(z)), z = SigLIP's post-layernorm last hidden state (the tower's last hidden
+state through the SigLIP layers it lacks); guide = the SigLIP text tower's ``pooler_output`` of the
+instruction (padded to max_length). Groups: ``temporal_kernel`` x ``spatial_kernel``^2 (local43:
+4 x 3 x 3) cut as the release's ``divide_feature`` / ``balance_divide_feature``; weights
+softmax(g . k / sqrt(D)) (``clip_scale``: cos * exp(logit_scale) + logit_bias, ``use_clip_scale``);
+tokens through the model's projector, then the global tokens, then the video's closing newline;
+positions contiguous. ``local_tokens`` (or a budget) sets adaptive spatial bins instead.
+The SigLIP parts come from ``guide_model`` (a ``google/siglip-so400m-patch14-384`` directory, read
+offline with safetensors; default ``<model dir>/siglip``): OneVision checkpoints hold none of them.
+Video deviations: the stock SigLIP head and text tower (the released HICom model fine-tunes them);
+OneVision's fine-tuned tower layers completed by the stock 27th layer; the model's projector instead
+of HICom's trained readout; ``local_rule`` / ``alpha`` / ``scale`` are the CLIP image path's (unused);
+where the release's split has unequal groups (its ``torch.stack`` fails: 6 frames, kernel 4),
+adaptive bins of the same count. No global weights ship for OneVision: ``global_queries`` > 0 needs a
+file trained for it (refused otherwise, naming it); ``global_queries: 0`` runs the local branch.
+Budget on a video (``tokens: N``): N tokens per video = frame groups x the largest local grid with
+at most (N - global - 1) // groups cells + global + the newline. On OneVision images are refused
+before compute (``image_needs``: its images are tiled); the model needs video input.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused (no fixed square grid): its global
+queries and CLIP guide are trained for LLaVA-1.5 features; no Qwen-VL weights.
 """
 
 from __future__ import annotations
@@ -67,7 +89,7 @@ import torch
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
-from ..models.base import FRAME, VisionBatch
+from ..models.base import VisionBatch
 from ..models.features import has
 from ..registry import PRUNERS
 from ._grid import grid_features, per_sample
@@ -80,7 +102,7 @@ from ._hicom_modules import (
     local_grid,
     model_dir,
 )
-from ._hicom_video import load_siglip_guide, release_bins, video_bins, video_local
+from ._hicom_video import budget_cells, load_siglip_guide, splice_video, video_bins, video_local
 from .base import Pruner
 
 
@@ -206,7 +228,7 @@ class HICom(Pruner):
             self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
             if self._guided():
                 self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
-        if features.video and cfg.local:  # video (OneVision): the SigLIP guide
+        if features.video:  # video (OneVision): the SigLIP guide (local weights and the global queries)
             vc = self.adapter.vision_config
             self.siglip = load_siglip_guide(
                 cfg.guide_model, d, vc, len(self.adapter.vision_layers), self.ctx.tokenizer, self.ctx.device
@@ -342,43 +364,28 @@ class HICom(Pruner):
         extra = vision.projected[i][pid < 0]  # [e, d] the model's non-frame tokens (OneVision: the newline)
         n_global = cfg.global_queries if self.glob is not None else 0
         cells = cfg.local_tokens
-        if self.budget_rule is not None:  # N tokens for the whole video: groups of frames x cells + global + extra
+        if self.budget_rule is not None:  # N tokens for the whole video
             target = self.budget_rule.target(n_tokens)
-            groups = len(release_bins(t, cfg.temporal_kernel))
-            cells = (target - n_global - extra.shape[0]) // groups
-            if cells < 1:
-                raise ConfigError(
-                    f"{self.budget_path}.tokens",
-                    f"{target} tokens for a video of {t} frames leave no local token per frame group ({groups} "
-                    f"groups of {cfg.temporal_kernel} frames, {n_global} global, {extra.shape[0]} closing); the "
-                    f"smallest feasible budget is {groups + n_global + extra.shape[0]}",
-                )
-        bins = video_bins(t, rows, cols, cfg.temporal_kernel, cfg.spatial_kernel, cells)
-        keys = None
-        if self.siglip is not None:
-            x = values.reshape(t, rows * cols, -1)
+            cells = budget_cells(target, t, cfg.temporal_kernel, n_global + extra.shape[0], self.budget_path)
+        pieces_f, pieces_p, grid = [], [], (0, 0, 0)
+        if cfg.local:
+            bins = video_bins(t, rows, cols, cfg.temporal_kernel, cfg.spatial_kernel, cells)
+            x = values.reshape(t, rows * cols, -1)  # the tower's last layers after the feature layer (none here)
             for layer in self.adapter.vision_layers[self.adapter.vision_feature_layer_index() + 1 :]:
                 x = layer(x, None)
                 x = x[0] if isinstance(x, tuple) else x
             keys = self.siglip.keys(x).reshape(t, rows, cols, -1)  # [T, H, W, D]
-        scale = (self.siglip.logit_scale, self.siglip.logit_bias) if cfg.clip_scale and self.siglip else None
-        local, _, _ = video_local(values, keys, guide, bins, scale)  # [G, Dv]
-        pieces_f, pieces_p = [local.to(dtype)], [self._project(vision, local.to(dtype))]
+            scale = (self.siglip.logit_scale, self.siglip.logit_bias) if cfg.clip_scale else None
+            local, _, _ = video_local(values, keys, guide, bins, scale)  # [G, Dv]
+            pieces_f, pieces_p, grid = (
+                [local.to(dtype)],
+                [self._project(vision, local.to(dtype))],
+                tuple(map(len, bins)),
+            )
         if self.glob is not None:
             pre, tok = self.glob(values.float()[None].to(self.ctx.device), guide[None])
             pieces_f.append(pre[0].to(dev, dtype))
             pieces_p.append(tok[0].to(dev))
         proj = torch.cat([p.to(extra.dtype) for p in (*pieces_p, extra)])  # [G + n_global + e, d]
-        vision.features[i] = torch.cat(pieces_f)
-        vision.projected[i] = proj
-        vision.patch_ids[i] = torch.full((proj.shape[0],), -1, dtype=torch.long, device=pid.device)
-        grid = tuple(len(b) for b in bins)
-        frame = torch.arange(grid[0], device=pid.device).repeat_interleave(grid[1] * grid[2])  # [G] frame group
-        for name, tags in vision.tags.items():
-            old = tags[i]
-            if name == FRAME:
-                rest = frame.new_full((proj.shape[0] - frame.shape[0],), grid[0] - 1)
-                tags[i] = (torch.cat([frame, rest]) + old.min()).to(old)
-            else:  # VIDEO (the video's number) and any per-token flag: its first token's value
-                tags[i] = old[:1].expand(proj.shape[0], *old.shape[1:]).clone()
+        splice_video(vision, i, torch.cat(pieces_f), proj, grid)
         return grid
