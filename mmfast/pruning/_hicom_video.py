@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, SiglipConfig, SiglipModel, SiglipTextModel
 from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, SiglipMLP
@@ -222,9 +222,14 @@ def load_siglip_guide(spec: str | None, model_dir: Path | None, vision_config, t
             f"tower is {vision_config.hidden_size} wide with {tower_layers} layers; give the SigLIP the tower was "
             f"cut from ({SIGLIP_HUB})",
         )
+    wanted = ("text_model.", "vision_model.post_layernorm.", "vision_model.head.", "logit_")
+    wanted += tuple(f"vision_model.encoder.layers.{i}." for i in range(tower_layers, vc.num_hidden_layers))
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
+    for f in files:  # only the tensors the guide uses (the tower's own layers stay on disk)
+        with safe_open(str(f), framework="pt") as handle:
+            for k in handle.keys():
+                if k.removeprefix("model.").startswith(wanted):
+                    state[k.removeprefix("model.")] = handle.get_tensor(k)
     # only what the guide uses: the text tower, the layers after the model's tower, post-layernorm, head
     text = SiglipTextModel(config.text_config)
     rest = nn.ModuleList(SiglipEncoderLayer(vc) for _ in range(tower_layers, vc.num_hidden_layers))
