@@ -68,6 +68,7 @@ offline with safetensors; default ``<model dir>/siglip``): OneVision checkpoints
 Video deviations: the stock SigLIP head and text tower (the released HICom model fine-tunes them);
 OneVision's fine-tuned tower layers completed by the stock 27th layer; the model's projector instead
 of HICom's trained readout; ``local_rule`` / ``alpha`` / ``scale`` are the CLIP image path's (unused);
+the guide text is ``guide_text`` (``extract_guided_prompt``'s training-set category prompts not listed);
 where the release's split has unequal groups (its ``torch.stack`` fails: 6 frames, kernel 4),
 adaptive bins of the same count. No global weights ship for OneVision: ``global_queries`` > 0 needs a
 file trained for it (refused otherwise, naming it); ``global_queries: 0`` runs the local branch.
