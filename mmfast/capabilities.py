@@ -43,11 +43,6 @@ class Capabilities:
     #: need -> what a published substitute needs instead, where the model lacks the need (VisionZip's
     #: received-attention ranking replaces CLS attention on dynamic-grid towers: {CLS: {DYNAMIC_GRID}})
     substitutes: Mapping[Need, frozenset[Need]] = field(default_factory=dict, hash=False)
-    #: why the substitutes serve videos only: on a model that meets one of ``needs`` only through its
-    #: substitute (:func:`videos_only_on`), the method takes no image, and a batch with an image is
-    #: refused before compute (ToMe: its image merge runs inside a CLIP-style tower, its video merge
-    #: across a video's frames); "" = the substitutes serve images too
-    substitutes_videos_only: str = ""
 
     # -- pruning stages ---------------------------------------------------------------------------
     #: changes the token set inside the vision tower (ToMe, MustDrop's window merge)
@@ -93,6 +88,10 @@ class Capabilities:
     #: why the method needs a video (it compresses across frames); "" = images serve it. A batch
     #: without a video is refused before compute.
     videos_only: str = ""
+    #: what the method needs of the model for *images*, beyond ``needs``: a model that lacks one (and
+    #: meets ``needs`` through a video substitute) runs the method on videos only, and a batch with an
+    #: image is refused there before compute (:func:`image_refusal`)
+    image_needs: frozenset[Need] = frozenset()
     #: why the method's decode-time hooks need the dynamic cache's step, whose keys are exactly the
     #: held tokens (a static step attends over the whole preallocated buffer); "" = the static-cache
     #: step serves it. ``model.compile`` falls back to the dynamic cache with this reason.
@@ -271,13 +270,27 @@ def unmet_need(caps: Capabilities, features: ModelFeatures) -> Need | None:
     return None
 
 
-def videos_only_on(caps: Capabilities, features: ModelFeatures) -> Need | None:
-    """The first of the method's needs that a model with ``features`` meets only through a substitute
-    that serves videos only (``caps.substitutes_videos_only``): the method takes no image there. None
-    where it takes images (or has no such substitute)."""
-    if not caps.substitutes_videos_only:
+def image_refusal(where: str, caps: Capabilities, facts: ModelFacts) -> str | None:
+    """Why the method at ``where`` takes no image on the model of ``facts`` (it runs there on videos
+    only: an unmet ``image_needs``), or None."""
+    need = next((n for n in NEED_ORDER if n in caps.image_needs and not has(facts.features, n)), None)
+    if need is None:
         return None
-    return next((n for n in NEED_ORDER if n in caps.needs and not has(features, n)), None)
+    have = what_it_has(facts.features, need)
+    why = caps.why.get(need, "")
+    return (
+        f"{where} needs a video on this model ({facts.family}) and takes no image: for images it needs "
+        f"{need.value}, which this model does not have"
+        + (f" ({have})" if have else "")
+        + (f": {why}" if why else "")
+        + "; pass videos=..., or use an image pruner (e.g. divprune, fastv) for images"
+    )
+
+
+def videos_only_on(caps: Capabilities, features: ModelFeatures) -> bool:
+    """Whether a method declaring ``caps`` needs a video on a model with ``features`` (its
+    ``videos_only``, or an ``image_needs`` the model lacks)."""
+    return bool(caps.videos_only) or any(not has(features, n) for n in caps.image_needs)
 
 
 def runs_on(registry: Registry, features: ModelFeatures) -> list[str]:
@@ -292,9 +305,9 @@ def supported_families(caps: Capabilities) -> list[str]:
 
 def supported_families_marked(caps: Capabilities) -> list[str]:
     """:func:`supported_families`, each marked " (videos only)" where the method takes no image there
-    (``videos_only``, or a video-only substitute: :func:`videos_only_on`)."""
+    (:func:`videos_only_on`)."""
     return [
-        family + (" (videos only)" if caps.videos_only or videos_only_on(caps, ADAPTERS[family].features) else "")
+        family + (" (videos only)" if videos_only_on(caps, ADAPTERS[family].features) else "")
         for family in supported_families(caps)
     ]
 

@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .capabilities import Capabilities, caps_of, check_model, check_recipe, static_cache_blocker, videos_only_on
+from .capabilities import (
+    Capabilities,
+    ModelFacts,
+    caps_of,
+    check_model,
+    check_recipe,
+    image_refusal,
+    static_cache_blocker,
+)
 from .config import Recipe, from_dict, load_recipe, to_dict
 from .context import MethodContext
 from .decoding.base import DecodeOutput, Decoder, DecodeRequest, now
@@ -33,7 +41,6 @@ from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .hooks import AttentionProbe, HookSession
 from .inputs import PreparedBatch, VisionItem
 from .models.base import LMInputs, VisionBatch
-from .models.features import what_it_has
 from .models.qwen_tower import install_fused_tower
 from .pruning._budget import ImageBudget, calibrate_once, calibration_key, fixed_vision_tokens
 from .registry import DECODERS, DRAFTERS, PRUNERS
@@ -448,7 +455,11 @@ class Session:
                         "(e.g. divprune, fastv) for images"
                     )
         if any(not batch.item(i).is_video for i in range(len(batch.image_owner))):
-            self._refuse_images(decoder)
+            facts = ModelFacts.of_adapter(self.adapter)
+            for where, caps in self._method_caps(decoder):
+                problem = image_refusal(where, caps, facts)
+                if problem:
+                    raise IncompatibleRecipeError(problem)
         self.check_context(batch, max_new)  # the text alone, before the vision tower runs
         t0 = now(device)
         self._decoder = decoder  # observes the tower (DAMRO) for this batch
@@ -521,19 +532,6 @@ class Session:
     def _capture_factory(self):
         """The step-graph factory of ``model.compile: auto`` on CUDA (None: eager static steps)."""
         return CudaGraph if self._captures() else None
-
-    def _refuse_images(self, decoder: Decoder) -> None:
-        """Refuse a batch with an image when a method takes only videos on this model (it meets a need
-        only through a substitute that serves videos: ``capabilities.videos_only_on``)."""
-        features = self.adapter.features
-        for where, caps in self._method_caps(decoder):
-            need = videos_only_on(caps, features)
-            if need is not None:
-                raise IncompatibleRecipeError(
-                    f"{where} needs a video on this model ({self.adapter.family}), {caps.substitutes_videos_only}: "
-                    f"for images it needs {need.value} ({what_it_has(features, need)}; {caps.why.get(need, '')}). "
-                    "Pass videos=... without images, or use an image pruner (e.g. divprune, fastv) for images"
-                )
 
     def _method_caps(self, decoder: Decoder) -> list[tuple[str, Capabilities]]:
         """(where, capabilities) of the recipe's stages, ``decoder`` and the drafter."""

@@ -138,8 +138,8 @@ def test_pruner_x_decoder_x_drafter(family, pruner, families, images, mixed_imag
     from mmfast.capabilities import caps_of, supported_families, videos_only_on
 
     caps = caps_of(PRUNERS.get(pruner).cls, None)
-    takes_images = not caps.videos_only and videos_only_on(caps, mm.adapter.features) is None
-    if (family == "llava" or family in supported_families(caps)) and takes_images:  # the matrix feeds images
+    images_run = not videos_only_on(caps, mm.adapter.features)  # the matrix feeds images
+    if (family == "llava" or family in supported_families(caps)) and images_run:
         assert ran > 0  # every pruner runs with some decoder on the anchor family and on those it declares
 
 

@@ -38,7 +38,8 @@ SIX = {"llava"} | NOT_LLAVA
 #: the derived decisions must be exactly these
 REFUSED = {
     "pruning:avgpool": NOT_LLAVA,
-    "pruning:hicom": NOT_LLAVA,
+    # OneVision added for video input (its images are refused per batch: image_needs)
+    "pruning:hicom": {"llava_next"} | QWEN,
     # images in the tower where it can; elsewhere videos only (a temporal merge), one vision item per video
     "pruning:tome": {"llava_next", "qwen3_vl"},
     "pruning:mustdrop": NOT_LLAVA,

@@ -225,10 +225,11 @@ def _families(name):
 @pytest.mark.parametrize("name", sorted(n for n in PRUNERS.names() if FAMILY in _families(n)))
 def test_noop_pruning_equals_baseline(name, ov_mm, ov_images, prompts):
     cls = PRUNERS.get(name).cls
-    if caps_of(cls, None).videos_only:
-        pytest.skip("needs a video input: its no-op, batch and static-cache checks are in tests/test_dycoke.py")
-    if videos_only_on(caps_of(cls, None), ov_mm.adapter.features) is not None:
-        pytest.skip("takes videos only on this family: its no-op and batch checks are in tests/test_tome_video.py")
+    if videos_only_on(caps_of(cls, None), ov_mm.adapter.features):
+        pytest.skip(
+            "needs a video input here: its no-op and batch checks are in tests/test_dycoke.py, "
+            "test_hicom_video.py, test_tome_video.py"
+        )
     try:
         params = cls.noop_params(ov_mm.adapter)
     except NotImplementedError:
@@ -353,7 +354,6 @@ def test_drafts_are_token_identical_to_greedy(drafter, params, ov_mm, ov_images,
             {"pruning": [{"method": "random", "params": {"keep": 4}}]},
             r"needs one tower input per image .*this model \(llava_onevision\)",
         ),
-        ({"pruning": [{"method": "hicom"}]}, r"needs one tower input per image .*this model \(llava_onevision\)"),
         ({"decoding": {"method": "damro"}}, "needs a CLS token"),
         ({"decoding": {"method": "ritual"}}, r"needs one tower input per image .*this model \(llava_onevision\)"),
     ],

@@ -1,7 +1,7 @@
 """HICom (Liu et al., "Hybrid-Level Instruction Injection for Video Token Compression in Multi-modal
-Large Language Models", CVPR 2025, arXiv 2503.16036; code lntzm/HICom), as a projector-side stage
-for LLaVA: a training-free instruction-conditioned local compressor plus HICom's lightly trained
-global branch.
+Large Language Models", CVPR 2025, arXiv 2503.16036; code lntzm/HICom @df67ea1), as a feature stage:
+a training-free instruction-conditioned local compressor plus HICom's lightly trained global branch,
+on LLaVA-1.5 images (CLIP guide) and on LLaVA-OneVision videos (the release's SigLIP path, below).
 
 Algorithm (per prompt; its images are the frames of one clip unless ``frames: images``):
 1. Guide g = CLIP ``text_embeds`` of the user instruction (``batch.prompts``, answer-format suffixes
@@ -53,8 +53,31 @@ Budget (``budget: {tokens: B}``, vision tokens per image (frame group) at the LL
 B - global_queries (``global_queries`` stays the trained branch's size; B must exceed it), so the
 total is the near-square local grid (``_grid.near_square_grid``, the avgpool rule) + global_queries.
 
-Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: its global queries and CLIP
-guide are trained for LLaVA-1.5 features; no Qwen-VL weights.
+Video (LLaVA-OneVision, as the release runs video; helpers in ``_hicom_video.py``): a video item's
+frames (T x 27 x 27 on SigLIP-so400m-384) are compressed *instead of* OneVision's 2x2 pooling:
+values = the feature-layer patches (SigLIP's layer -2, OneVision's last of 26); keys = z +
+head.mlp(head.layernorm(z)), z = SigLIP's post-layernorm last hidden state (the tower's last hidden
+state through the SigLIP layers it lacks); guide = the SigLIP text tower's ``pooler_output`` of the
+instruction (padded to max_length). Groups: ``temporal_kernel`` x ``spatial_kernel``^2 (local43:
+4 x 3 x 3) cut as the release's ``divide_feature`` / ``balance_divide_feature``; weights
+softmax(g . k / sqrt(D)) (``clip_scale``: cos * exp(logit_scale) + logit_bias, ``use_clip_scale``);
+tokens through the model's projector, then the global tokens, then the video's closing newline;
+positions contiguous. ``local_tokens`` (or a budget) sets adaptive spatial bins instead.
+The SigLIP parts come from ``guide_model`` (a ``google/siglip-so400m-patch14-384`` directory, read
+offline with safetensors; default ``<model dir>/siglip``): OneVision checkpoints hold none of them.
+Video deviations: the stock SigLIP head and text tower (the released HICom model fine-tunes them);
+OneVision's fine-tuned tower layers completed by the stock 27th layer; the model's projector instead
+of HICom's trained readout; ``local_rule`` / ``alpha`` / ``scale`` are the CLIP image path's (unused);
+the guide text is ``guide_text`` (``extract_guided_prompt``'s training-set category prompts not listed);
+where the release's split has unequal groups (its ``torch.stack`` fails: 6 frames, kernel 4),
+adaptive bins of the same count. No global weights ship for OneVision: ``global_queries`` > 0 needs a
+file trained for it (refused otherwise, naming it); ``global_queries: 0`` runs the local branch.
+Budget on a video (``tokens: N``): N tokens per video = frame groups x the largest local grid with
+at most (N - global - 1) // groups cells + global + the newline. On OneVision images are refused
+before compute (``image_needs``: its images are tiled); the model needs video input.
+
+Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused (no fixed square grid): its global
+queries and CLIP guide are trained for LLaVA-1.5 features; no Qwen-VL weights.
 """
 
 from __future__ import annotations
@@ -68,6 +91,7 @@ from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..models.base import VisionBatch
+from ..models.features import has
 from ..registry import PRUNERS
 from ._grid import grid_features, per_sample
 from ._hicom_modules import (
@@ -79,6 +103,7 @@ from ._hicom_modules import (
     local_grid,
     model_dir,
 )
+from ._hicom_video import budget_cells, load_siglip_guide, splice_video, video_bins, video_local
 from .base import Pruner
 
 
@@ -92,9 +117,14 @@ class HICom(Pruner):
     caps = Capabilities(
         needs=frozenset({Need.UNTILED, Need.SQUARE_GRID}),
         why={
-            Need.UNTILED: "its global queries and CLIP guide are trained for LLaVA-1.5's one square grid per image",
-            Need.SQUARE_GRID: "its global queries and CLIP guide are trained for LLaVA-1.5's fixed 24 x 24 grid",
+            Need.UNTILED: "its local groups need one square patch grid per image (its global queries and CLIP guide "
+            "are trained for LLaVA-1.5's); on a model whose images are tiled it compresses videos only, whose "
+            "frames are untiled",
+            Need.SQUARE_GRID: "its local groups and guide towers (CLIP for LLaVA-1.5, SigLIP for OneVision video) "
+            "are built for a fixed square patch grid",
         },
+        substitutes={Need.UNTILED: frozenset({Need.VIDEO_ONE_ITEM})},
+        image_needs=frozenset({Need.UNTILED}),
         edits_features=True,
         needs_full_grid=True,
     )
@@ -133,6 +163,15 @@ class HICom(Pruner):
             doc="guide CLIP (default <model dir>/clip; LLaVA-1.5: openai/clip-vit-large-patch14-336; 'random': timings on random-weight shapes and tests)",
         )
         frames: Literal["video", "images"] = opt("video", doc="video: a prompt's images are frames compressed jointly")
+        guide_model: str | None = opt(
+            None,
+            doc="video input: the SigLIP the tower was cut from (a SiglipModel directory; default <model dir>/siglip; "
+            "OneVision: google/siglip-so400m-patch14-384; 'random': timings on random-weight shapes and tests)",
+        )
+        clip_scale: bool = opt(
+            False,
+            doc="video input: local weights softmax(cos * exp(logit_scale) + logit_bias) (release use_clip_scale)",
+        )
 
         def __post_init__(self) -> None:
             if not self.local and self.global_queries == 0:
@@ -162,11 +201,11 @@ class HICom(Pruner):
 
     @classmethod
     def test_params(cls, adapter):
-        return {"spatial_kernel": 2, "global_queries": 0, "clip_model": "random"}
+        return {"spatial_kernel": 2, "global_queries": 0, "clip_model": "random", "guide_model": "random"}
 
     @classmethod
     def random_shape_params(cls):
-        return {"clip_model": "random", "global_weights": "random"}
+        return {"clip_model": "random", "guide_model": "random", "global_weights": "random"}
 
     def is_noop(self) -> bool:
         c = self.config
@@ -179,31 +218,44 @@ class HICom(Pruner):
         )
 
     def install(self) -> None:
-        self.clip = self.glob = None
+        self.clip = self.siglip = self.glob = None
         self._last_hidden: torch.Tensor | None = None
         if self.is_noop():
             return
         cfg = self.config
-        model = self.adapter.model
-        self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
-        if self._guided():
-            self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
+        model, features = self.adapter.model, self.adapter.features
+        d = model_dir(model)
+        if has(features, Need.UNTILED):  # images (LLaVA-1.5): the CLIP guide
+            self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
+            if self._guided():
+                self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
+        if features.video:  # video (OneVision): the SigLIP guide (local weights and the global queries)
+            vc = self.adapter.vision_config
+            self.siglip = load_siglip_guide(
+                cfg.guide_model, d, vc, len(self.adapter.vision_layers), self.ctx.tokenizer, self.ctx.device
+            )
+            if self.siglip.text_dim != self.siglip.dim:
+                raise ConfigError(
+                    "guide_model",
+                    f"the SigLIP guide's text embeddings are {self.siglip.text_dim} wide but its keys "
+                    f"{self.siglip.dim}: the release's training-free query needs them equal (so400m: 1152)",
+                )
         if cfg.global_queries > 0:
-            d = model_dir(model)
             path = cfg.global_weights or (str(d / GLOBAL_WEIGHTS) if d is not None else None)
             if path is None:
                 raise ConfigError(
                     "global_weights", "this model has no local directory; set global_weights to the trained file"
                 )
+            guide = self.clip or self.siglip
             expect = {
                 "vision_hidden": self.adapter.vision_config.hidden_size,
                 "llm_hidden": self.adapter.text_config.hidden_size,
-                "text_dim": self.clip.dim,
+                "text_dim": guide.dim if guide is not None else self.adapter.vision_config.hidden_size,
                 "n_queries": cfg.global_queries,
                 "mode": cfg.global_mode,
             }
             self.glob, self.glob_meta = load_global(path, model_hint=str(d or "<model dir>"), expect=expect)
-            self.glob.to(self.clip.device)
+            self.glob.to(self.ctx.device)
 
     def _guided(self) -> bool:
         cfg = self.config
@@ -213,21 +265,53 @@ class HICom(Pruner):
         self._last_hidden = output[0] if isinstance(output, tuple) else output  # [n_img, 1 + N, Dv]
 
     def _units(self, batch) -> list[tuple[int, list[int]]]:
-        """(sample, image indices) compressed together."""
+        """(sample, image indices) compressed together (videos are compressed on their own)."""
         per: dict[int, list[int]] = {}
         for i, b in enumerate(batch.image_owner):
-            per.setdefault(b, []).append(i)
+            if not batch.item(i).is_video:
+                per.setdefault(b, []).append(i)
         if self.config.frames == "images":
             return [(b, [i]) for b, idx in per.items() for i in idx]
         return list(per.items())
 
     def prune_vision(self, vision: VisionBatch, batch) -> VisionBatch:
+        n_before = vision.counts()
         if self.is_noop():
-            vision.stats[self.name] = {
-                "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)
-            }
+            vision.stats[self.name] = {"per_sample_kept": per_sample(n_before, batch.image_owner, batch.batch_size)}
             return vision
+        n_local, n_frames = [0] * batch.batch_size, [0] * batch.batch_size
+        out_grid = None
+        units = self._units(batch)
+        if units:
+            out_grid = self._images(vision, batch, units, n_local, n_frames)
+        videos = [i for i in range(vision.n_images) if batch.item(i).is_video]
+        if videos:
+            guides = self.siglip.text_embeds([guide_text(p) for p in batch.prompts]) if self.siglip else None  # [B, D]
+            for i in videos:
+                b = batch.image_owner[i]
+                out_grid = self._video(vision, batch, i, None if guides is None else guides[b], n_before[i])
+                n_local[b] += out_grid[0] * out_grid[1] * out_grid[2]
+                n_frames[b] += batch.item(i).n_frames
+        vision.stats[self.name] = {
+            "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
+            "per_sample_local": n_local,
+            "per_sample_frames": n_frames,
+            "global": self.config.global_queries if self.glob is not None else 0,
+            "global_mode": self.config.global_mode if self.glob is not None else None,
+            "local_grid": list(out_grid) if out_grid is not None else None,
+        }
+        return vision
+
+    def _project(self, vision: VisionBatch, local: torch.Tensor) -> torch.Tensor:
+        """The model's own projector on pre-projection tokens [n, Dv] -> [n, d]."""
+        pid = torch.full((local.shape[0],), -1, device=local.device)
+        return self.adapter.project(VisionBatch([local], [pid], None, vision.grid, vision.pixel_values[:0]))[0]
+
+    def _images(self, vision: VisionBatch, batch, units, n_local, n_frames) -> tuple[int, int, int] | None:
+        """Images (LLaVA-1.5): each prompt's images are the frames of one clip (module docstring)."""
         cfg = self.config
+        if self.clip is None:
+            raise RuntimeError("hicom: images reached a model whose images it does not take (refused before compute)")
         rows, cols = vision.grid
         guides = self.clip.text_embeds([guide_text(p) for p in batch.prompts])  # [B, P]
         keys = None
@@ -236,9 +320,8 @@ class HICom(Pruner):
             if last is None or last.shape[1] != 1 + rows * cols:
                 raise RuntimeError("hicom: the last vision layer did not run on the full patch grid")
             keys = self.clip.patch_embeds(last[:, 1:], post_layernorm=cfg.local_rule == "blend")  # [n_img, N, P]
-        n_local, n_frames = [0] * batch.batch_size, [0] * batch.batch_size
         out_grid = None
-        for b, idx in self._units(batch):
+        for b, idx in units:
             values = torch.stack([grid_features(vision, i, "hicom")[0] for i in idx])  # [T, H, W, Dv]
             t, dtype, dev = len(idx), values.dtype, values.device
             guide = guides[b]
@@ -252,17 +335,10 @@ class HICom(Pruner):
                 pieces_f.append(local.to(dtype))
                 n_local[b] += local.shape[0]
             if self.glob is not None:
-                pre, tok = self.glob(values.float()[None].to(self.clip.device), guide[None])
+                pre, tok = self.glob(values.float()[None].to(self.ctx.device), guide[None])
                 pieces_f.append(pre[0].to(dev, dtype))
                 if cfg.local:
-                    tmp = VisionBatch(
-                        [pieces_f[0]],
-                        [torch.full((pieces_f[0].shape[0],), -1, device=dev)],
-                        None,
-                        vision.grid,
-                        vision.pixel_values[:0],
-                    )
-                    pieces_p.append(self.adapter.project(tmp)[0])
+                    pieces_p.append(self._project(vision, pieces_f[0]))
                 pieces_p.append(tok[0].to(dev))
             feats = torch.cat(pieces_f)
             proj = torch.cat(pieces_p).to(pieces_p[0].dtype) if pieces_p else None
@@ -272,12 +348,45 @@ class HICom(Pruner):
                 vision.patch_ids[i] = torch.full((keep.shape[0],), -1, dtype=torch.long, device=dev)
                 vision.projected[i] = None if proj is None else (proj if j == 0 else proj[:0])
             n_frames[b] += t
-        vision.stats[self.name] = {
-            "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
-            "per_sample_local": n_local,
-            "per_sample_frames": n_frames,
-            "global": cfg.global_queries if self.glob is not None else 0,
-            "global_mode": cfg.global_mode if self.glob is not None else None,
-            "local_grid": list(out_grid) if out_grid is not None else None,
-        }
-        return vision
+        return out_grid
+
+    def _video(self, vision: VisionBatch, batch, i: int, guide, n_tokens: int) -> tuple[int, int, int]:
+        """Video item ``i`` (one item of all its frames, OneVision): its frames' feature-layer grids are
+        compressed instead of the model's own 2x2 pooling; its non-frame tokens (the closing newline) stay
+        last. Returns the local grid (groups along t, h, w)."""
+        cfg = self.config
+        rows, cols = vision.grid
+        t = batch.item(i).n_frames
+        feats, pid = vision.features[i], vision.patch_ids[i]
+        dtype, dev = feats.dtype, feats.device
+        if feats.shape[0] != t * rows * cols or vision.projected[i] is None:
+            raise ValueError(f"hicom needs the full {rows}x{cols} grid of each of the video's {t} frames; put it first")
+        values = feats.reshape(t, rows, cols, -1)  # [T, H, W, Dv] feature-layer values
+        extra = vision.projected[i][pid < 0]  # [e, d] the model's non-frame tokens (OneVision: the newline)
+        n_global = cfg.global_queries if self.glob is not None else 0
+        cells = cfg.local_tokens
+        if self.budget_rule is not None:  # N tokens for the whole video
+            target = self.budget_rule.target(n_tokens)
+            cells = budget_cells(target, t, cfg.temporal_kernel, n_global + extra.shape[0], self.budget_path)
+        pieces_f, pieces_p, grid = [], [], (0, 0, 0)
+        if cfg.local:
+            bins = video_bins(t, rows, cols, cfg.temporal_kernel, cfg.spatial_kernel, cells)
+            x = values.reshape(t, rows * cols, -1)  # the tower's last layers after the feature layer (none here)
+            for layer in self.adapter.vision_layers[self.adapter.vision_feature_layer_index() + 1 :]:
+                x = layer(x, None)
+                x = x[0] if isinstance(x, tuple) else x
+            keys = self.siglip.keys(x).reshape(t, rows, cols, -1)  # [T, H, W, D]
+            scale = (self.siglip.logit_scale, self.siglip.logit_bias) if cfg.clip_scale else None
+            local, _, _ = video_local(values, keys, guide, bins, scale)  # [G, Dv]
+            pieces_f, pieces_p, grid = (
+                [local.to(dtype)],
+                [self._project(vision, local.to(dtype))],
+                tuple(map(len, bins)),
+            )
+        if self.glob is not None:
+            pre, tok = self.glob(values.float()[None].to(self.ctx.device), guide[None])
+            pieces_f.append(pre[0].to(dev, dtype))
+            pieces_p.append(tok[0].to(dev))
+        proj = torch.cat([p.to(extra.dtype) for p in (*pieces_p, extra)])  # [G + n_global + e, d]
+        splice_video(vision, i, torch.cat(pieces_f), proj, grid)
+        return grid

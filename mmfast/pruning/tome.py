@@ -122,7 +122,7 @@ class ToMe(Pruner):
             Need.GLOBAL_TOWER_ATTENTION: "a merged token would straddle the tower's attention windows",
         },
         substitutes={need: frozenset({Need.VIDEO_ONE_ITEM}) for need in TOWER_NEEDS},
-        substitutes_videos_only="where it merges a video's tokens across its frames and no image",
+        image_needs=frozenset(TOWER_NEEDS),  # off a CLIP-style tower it merges a video's frames, no image
         merges_in_tower=True,
         needs_full_grid=True,
     )
@@ -166,7 +166,7 @@ class ToMe(Pruner):
 
     def install(self) -> None:
         # where the image merge cannot run (the needs met through the video substitute), videos only
-        self.in_tower = videos_only_on(self.caps, self.adapter.features) is None
+        self.in_tower = not videos_only_on(self.caps, self.adapter.features)
         self.r_schedule = self.schedule() if self.in_tower else []
         self._size: torch.Tensor | None = None
         self._ids: torch.Tensor | None = None
@@ -251,7 +251,8 @@ class ToMe(Pruner):
             return self._merge_videos(vision, batch)
         if not self.in_tower:
             raise IncompatibleRecipeError(
-                f"{self.name} needs a video on this model, {self.caps.substitutes_videos_only}; pass videos=..."
+                f"{self.name} needs a video on this model (it merges a video's tokens across its frames and no image "
+                "off a CLIP-style tower); pass videos=..."
             )
         if not any(self.r_schedule):
             return vision
@@ -301,8 +302,8 @@ class ToMe(Pruner):
         for i, vid in enumerate(vision.tags[VIDEO]):
             if not bool((vid > 0).any()):
                 raise IncompatibleRecipeError(
-                    f"{self.name} needs a video on this model, {self.caps.substitutes_videos_only}; item {i} is an "
-                    "image: pass videos=... without images"
+                    f"{self.name} needs a video on this model (it merges a video's tokens across its frames); item {i} "
+                    "is an image: pass videos=... without images"
                 )
             pid = vision.patch_ids[i]
             real = (pid >= 0).nonzero().squeeze(1)  # [F T] frame tokens, frame-major
