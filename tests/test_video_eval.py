@@ -10,6 +10,7 @@ answer equals a direct ``generate(videos=...)`` of the sample's clip; a family w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -117,8 +118,10 @@ def test_cli_eval_writes_records_and_pope_metrics(qwen_dir, vworld, tmp_path, ca
     assert proto["num_frames"] == FRAMES and "no shipped model" in proto["accuracy"]
 
 
-def test_answers_equal_direct_generate(qwen_mm, qwen_dir, vworld, tmp_path):
+def test_answers_equal_direct_generate(qwen_mm, qwen_dir, vworld, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMFAST_CACHE", str(tmp_path / "cache"))
     run_eval(_recipe(qwen_dir, vworld, tmp_path / "run", splits=["popular"]), limit=4, mm=qwen_mm)
+    assert not list((tmp_path / "cache").glob("world-*"))  # a video-only evaluation generates no image world
     recs = _lines(tmp_path / "run" / "samples.jsonl")
     assert len(recs) == 4
     clips = [vworld / "clips" / r["video"] for r in recs]
@@ -188,14 +191,21 @@ def test_llava_model_object_is_refused(tiny_mm, tiny_dir, vworld, tmp_path):
         run_eval(_recipe(tiny_dir, vworld, tmp_path / "run"), mm=tiny_mm)
 
 
-def _edited_world(vworld: Path, tmp_path: Path) -> Path:
+def _copy(vworld: Path, tmp_path: Path) -> Path:
     import shutil
 
-    bad = tmp_path / "edited"
-    shutil.copytree(vworld, bad)
+    return Path(shutil.copytree(vworld, tmp_path / "copy"))
+
+
+def _edited_world(vworld: Path, tmp_path: Path) -> Path:
+    bad = _copy(vworld, tmp_path)
     path = bad / "pope" / "video_pope_random.json"
     path.write_text(path.read_text().replace('"label": "yes"', '"label": "no"', 1))
     return bad
+
+
+def _clip_of_first_question(world: Path) -> Path:
+    return world / "clips" / read_video_pope(world / "pope" / "video_pope_random.json")[0].video
 
 
 @pytest.mark.parametrize(
@@ -207,6 +217,7 @@ def _edited_world(vworld: Path, tmp_path: Path) -> Path:
         ("edited", "is not the question file its video world wrote"),
         ("too_many_frames", "eval.video_pope.num_frames: 9 frames asked, but the clips"),
         ("fps_without_rate", "eval.video_pope.fps: fps sampling needs the clips' frame rate"),
+        ("missing_clip", "1 video(s) of this evaluation are missing"),
     ],
 )
 def test_bad_video_world_or_settings_exit_2(case, message, qwen_dir, vworld, tmp_path, capsys):
@@ -220,6 +231,10 @@ def test_bad_video_world_or_settings_exit_2(case, message, qwen_dir, vworld, tmp
         world.mkdir()
     elif case == "edited":
         world = _edited_world(vworld, tmp_path)
+    elif case == "missing_clip":
+        world = _copy(vworld, tmp_path)
+        for frame in _clip_of_first_question(world).glob("*.png"):
+            frame.unlink()
     elif case == "too_many_frames":
         task["num_frames"] = 9
     else:
@@ -230,6 +245,20 @@ def test_bad_video_world_or_settings_exit_2(case, message, qwen_dir, vworld, tmp
     assert main(["-q", "eval", str(cfg)]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_corrupt_frame_is_recorded_as_a_failure_not_an_answer(qwen_mm, qwen_dir, vworld, tmp_path):
+    world = _copy(vworld, tmp_path)
+    clip = _clip_of_first_question(world)
+    (clip / "frame_002.png").write_bytes(b"not a png")
+    recipe = _recipe(qwen_dir, world, tmp_path / "run", splits=["random"], batch_size=4)
+    recipe = recipe.replace(eval=dataclasses.replace(recipe.eval, max_failures=0.9))
+    summary = run_eval(recipe, mm=qwen_mm)
+    recs = _lines(tmp_path / "run" / "samples.jsonl")
+    bad = [r for r in recs if r["video"] == clip.name]
+    assert len(bad) == 6 and all("error" in r and "resps" not in r for r in bad)  # 6 questions per clip
+    assert all("error" not in r for r in recs if r["video"] != clip.name)
+    assert summary["counts"]["failed"] == 6 and summary["counts"]["finished"] == 6
 
 
 def test_shipped_video_recipes_run_on_a_tiny_stand_in(qwen_dir, vworld, tmp_path):

@@ -80,22 +80,25 @@ def _input_missing(sample: Sample) -> bool:
 def _check_images(plan, max_failures: float, rank: int, world: int) -> None:
     """Every planned image (or video: a directory with frames) exists, or the missing ones fit the
     failure budget (then a warning); otherwise refuse before any model is loaded, naming them."""
-    missing = sorted({str(s.media) for _, samples in plan for s in samples if _input_missing(s)})
+    absent = [s for _, samples in plan for s in samples if _input_missing(s)]
+    missing = sorted({str(s.media) for s in absent})
     if not missing:
         return
-    n_bad = sum(1 for _, samples in plan for s in samples if str(s.media) in set(missing))
+    noun = " or ".join(sorted({"image(s)" if s.video is None else "video(s)" for s in absent}))
+    n_bad = len(absent)
     n_total = sum(len(samples) for _, samples in plan)
     shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
     if n_bad > failure_budget(max_failures, n_total):
         raise InputError(
-            f"{len(missing)} image(s) or video(s) of this evaluation are missing ({shown}): {n_bad} of {n_total} "
+            f"{len(missing)} {noun} of this evaluation are missing ({shown}): {n_bad} of {n_total} "
             f"samples would fail, more than eval.max_failures={max_failures} allows; fix the data root or the "
             "question files"
         )
     if rank == 0:
         logger.warning(
-            "%d image(s) or video(s) missing (%s): %d of %d samples will fail (within eval.max_failures=%s)",
+            "%d %s missing (%s): %d of %d samples will fail (within eval.max_failures=%s)",
             len(missing),
+            noun,
             shown,
             n_bad,
             n_total,
