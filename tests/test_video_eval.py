@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -285,3 +286,63 @@ def test_two_processes_equal_one(qwen_mm, qwen_dir, vworld, tmp_path):
     assert multi["metrics"] == single["metrics"] and multi["protocol"]["processes"] == 2
     one, two = _answers(tmp_path / "one" / "samples.jsonl"), _answers(tmp_path / "two" / "samples.jsonl")
     assert list(one) == list(two) and one == two
+
+
+def test_every_family_without_video_input_is_refused(vworld, tmp_path):
+    """The refusal reads the families' declared features (plug-ins): LLaVA-1.5 and LLaVA-NeXT here."""
+    from mmfast.capabilities import ModelFacts
+    from mmfast.errors import IncompatibleRecipeError
+    from mmfast.eval.data import resolve_data
+    from mmfast.eval.tasks import build_tasks
+    from mmfast.models import ADAPTERS
+
+    recipe = _recipe(Path("unused"), vworld, tmp_path / "run")
+    (task,) = build_tasks(recipe.eval, resolve_data(recipe.eval, recipe.eval.tasks))
+    plan = [(task, task.samples(2))]
+    without = {a.family: a for a in ADAPTERS.values() if not a.features.video}
+    assert {"llava", "llava_next"} <= set(without)
+    for family, adapter in without.items():
+        facts = ModelFacts(family, 4, 2, (4, 4), adapter.features)
+        with pytest.raises(IncompatibleRecipeError, match=f"is a {family} model, which takes no video input"):
+            runner.check_media(recipe, plan, facts)
+    with_video = next(a for a in ADAPTERS.values() if a.features.video)
+    runner.check_media(recipe, plan, ModelFacts(with_video.family, 4, 2, (4, 4), with_video.features))
+
+
+@pytest.mark.parametrize(
+    "methods, message",
+    [
+        ({"decoding": {"method": "lqcd"}}, "decoding (lqcd) takes images only"),
+        ({"pruning": [{"method": "mustdrop", "budget": {"tokens": 8}}]}, "calibrates its token budget on images"),
+    ],
+)
+def test_methods_that_cannot_take_the_clips_are_refused_before_compute(methods, message, qwen_mm, vworld, tmp_path):
+    from mmfast.errors import IncompatibleRecipeError
+
+    data = {**_data(Path("unused"), vworld, tmp_path / "run"), **methods}
+    with pytest.raises(IncompatibleRecipeError, match=re.escape(message)):
+        run_eval(load_recipe(data), mm=qwen_mm)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_video_only_method_on_images_is_refused_before_compute(tmp_path):
+    from mmfast.errors import IncompatibleRecipeError
+    from mmfast.eval.tasks import Sample
+
+    recipe = load_recipe({"pruning": [{"method": "dycoke"}]})
+    plan = [(None, [Sample("pope_random/1", "pope_random", tmp_path / "x.png", "p", "yes", 2)])]
+    with pytest.raises(IncompatibleRecipeError, match=r"pruning\[0\] \(dycoke\) needs a video"):
+        runner.check_media(recipe, plan, None)
+
+
+def test_a_sample_is_an_image_or_a_video(tmp_path):
+    from mmfast.eval.tasks import Sample
+    from mmfast.video import VideoSampling
+
+    with pytest.raises(ValueError, match="exactly one of image and video"):
+        Sample("v/1", "v", None, "p", "yes", 2)
+    with pytest.raises(ValueError, match="exactly one of image and video"):
+        Sample("v/1", "v", tmp_path / "x.png", "p", "yes", 2, video=tmp_path)
+    with pytest.raises(ValueError, match="video_sampling is for a video sample"):
+        Sample("v/1", "v", tmp_path / "x.png", "p", "yes", 2, video_sampling=VideoSampling(num_frames=2))
+    assert Sample("v/1", "v", None, "p", "yes", 2, video=tmp_path).media == tmp_path
