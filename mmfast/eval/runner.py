@@ -8,7 +8,9 @@ change no answer and are not part of it, a calibrated budget's calibration set i
 recomputes those whose inputs changed, and retries failed ones. The output directory is locked for
 the run and only mmfast's own files in it are ever removed (:mod:`mmfast.eval.rundir`).
 
-Failures are loud: a sample whose image is missing or corrupt (or whose generation raises) is
+Samples are images or videos (a directory of frames, through the model's video input; a video task
+on a family without video input is refused before the model loads). Failures are loud: a sample whose
+image or video frame is missing or corrupt (or whose generation raises) is
 recorded with its error, never as an empty answer; the run aborts as soon as more than
 ``floor(eval.max_failures * planned)`` samples failed (``max_failures: 0`` stops at the first
 failure), and a run that finishes with failed samples counts and lists them in ``summary.json``
