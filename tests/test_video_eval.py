@@ -133,6 +133,23 @@ def test_answers_equal_direct_generate(qwen_mm, qwen_dir, vworld, tmp_path, monk
         assert r["n_vision_tokens"] == g.n_vision_tokens == one.n_vision_tokens
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava_onevision"])
+def test_every_video_family_answers_as_direct_generate(family, vworld, tmp_path):
+    from mmfast.models.factory import random_llava_onevision, random_qwen_vl
+
+    model, processor = random_llava_onevision(seed=1) if family == "llava_onevision" else random_qwen_vl(family, seed=1)
+    mm = mmfast.load(model, processor)
+    recipe = _recipe(Path("unused"), vworld, tmp_path / "run", batch_size=3, splits=["adversarial"])
+    run_eval(recipe, limit=3, mm=mm)
+    recs = _lines(tmp_path / "run" / "samples.jsonl")
+    assert len(recs) == 3 and all("error" not in r for r in recs)
+    for r in recs:  # batched in the evaluation, one by one here
+        (one,) = mm.generate(
+            None, r["prompt"], videos=vworld / "clips" / r["video"], num_frames=FRAMES, max_new_tokens=N_NEW
+        )
+        assert r["resps"] == [[one.text]] and r["n_vision_tokens"] == one.n_vision_tokens
+
+
 def test_interrupted_run_resumes_to_the_uninterrupted_result(qwen_mm, qwen_dir, vworld, tmp_path, monkeypatch):
     whole = run_eval(_recipe(qwen_dir, vworld, tmp_path / "whole", batch_size=1), mm=qwen_mm)
     out = tmp_path / "cut"
