@@ -361,6 +361,30 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     return None
 
 
+def media_refusal(recipe: Recipe, *, images: bool, videos: bool) -> str | None:
+    """Why a method of the recipe cannot take a run's inputs (``images``: some samples are images;
+    ``videos``: some are videos), or None: a method that takes images only (``Capabilities.images_only``)
+    on videos, or one that needs a video (``videos_only``) on images. Needs no model."""
+    stages, decoder, drafter = _declared(recipe)
+    for item in [*stages, decoder, *([drafter] if drafter is not None else [])]:
+        if videos and item.caps.images_only:
+            return f"{item.where} takes images only ({item.caps.images_only})"
+        if images and item.caps.videos_only:
+            return f"{item.where} needs a video ({item.caps.videos_only})"
+    return None
+
+
+def video_families() -> list[str]:
+    """The registered model families with video input (``ModelFeatures.video``)."""
+    return list(dict.fromkeys(adapter.family for adapter in ADAPTERS.values() if adapter.features.video))
+
+
+def model_facts(recipe: Recipe) -> ModelFacts | None:
+    """The facts of the recipe's model from its config alone, or None when the config cannot be read
+    without a download (a hub id not in the local cache)."""
+    return _facts_of_model_name(recipe.model.name, recipe.model.revision)
+
+
 def check_model_config(recipe: Recipe) -> None:
     """Check the recipe against its model's config before any weights load (``mmfast validate``,
     ``run``, ``eval``, ``bench``): the methods' needs, layer indices and grids. Silent when the config

@@ -109,6 +109,12 @@ def sample_indices(
     return torch.arange(0, total, total / n).int().tolist()
 
 
+def frame_files(directory: Path) -> list[Path]:
+    """The frame images of a directory, in the order they are read as a video (sorted file names;
+    hidden files and files without a :data:`FRAME_SUFFIXES` suffix are left out)."""
+    return sorted(p for p in directory.iterdir() if p.suffix.lower() in FRAME_SUFFIXES and not p.name.startswith("."))
+
+
 def _frames_of(video: Any, what: str) -> list[Any]:
     """The frames (PIL images, paths or arrays) a video input holds, in order."""
     if isinstance(video, np.ndarray):
@@ -122,9 +128,7 @@ def _frames_of(video: Any, what: str) -> list[Any]:
     if isinstance(video, (str, os.PathLike)):
         path = Path(video)
         if path.is_dir():
-            files = sorted(
-                p for p in path.iterdir() if p.suffix.lower() in FRAME_SUFFIXES and not p.name.startswith(".")
-            )
+            files = frame_files(path)
             if not files:
                 raise InputError(
                     f"{what} {str(path)!r} is a directory without frame images ({', '.join(sorted(FRAME_SUFFIXES))})"

@@ -92,10 +92,12 @@ def resolve_data(cfg: EvalConfig, tasks: Sequence[str]) -> EvalData:
     from ..registry import TASKS
 
     classes = {name: TASKS.get(name).cls for name in tasks}
+    needs = {need for cls in classes.values() for need in cls.needs}
     data: DataConfig = cfg.data
     if data.dataset == "world":
         root = Path(data.root).expanduser() if data.root else world_cache_dir(data.world_seed)
-        ensure_world(root, data.world_seed)
+        if needs:  # tasks with inputs of their own only (the video world's video_pope) need no image world
+            ensure_world(root, data.world_seed)
         image_dir = Path(data.image_dir) if data.image_dir else root / "images" / "val"
         instances = tuple(Path(p) for p in data.instances) or (root / "annotations" / "instances_val.json",)
         captions = tuple(Path(p) for p in data.captions) or (root / "annotations" / "captions_val.json",)
@@ -112,7 +114,6 @@ def resolve_data(cfg: EvalConfig, tasks: Sequence[str]) -> EvalData:
         captions = tuple(Path(p) for p in data.captions) or (root / "annotations" / "captions_val2014.json",)
     shared = EvalData(data.dataset, root, image_dir, instances, captions)
     world_help = "regenerate the world"
-    needs = {need for cls in classes.values() for need in cls.needs}
     needed: list[tuple[Path, str]] = []  # (path, where to get it)
     if "images" in needs:
         needed.append((image_dir, _COCO_HELP["images"] if data.dataset == "coco" else world_help))

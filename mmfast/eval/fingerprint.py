@@ -1,7 +1,8 @@
 """Content fingerprints of evaluation samples: what a stored record was computed from.
 
 A sample's fingerprint is the sha256 of its task (record group), ``doc_id``, prompt, target, meta
-(e.g. POPE's question text), ``max_new_tokens``, image path and the sha256 of the image's bytes, the
+(e.g. POPE's question text), ``max_new_tokens``, image path and the sha256 of the image's bytes (for a
+video: its directory, the name and sha256 of every frame, and the frame sampling), the
 run identity (:func:`mmfast.eval.runner.run_identity`: the recipe less the settings that change no
 answer, plus the calibration set of a calibrated budget) and the weights fingerprint (every byte). Resume reuses a record only while its fingerprint equals the
 planned sample's, so a question file or an image replaced under the same path is recomputed. Image
@@ -10,6 +11,7 @@ digests are cached per (path, mtime, size) so the POPE splits, which share image
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..video import frame_files
 
 if TYPE_CHECKING:
     from .tasks import Sample
@@ -86,6 +90,19 @@ def file_sha256(path: Path) -> str:
     return digest
 
 
+def video_sha256(directory: Path) -> str:
+    """sha256 over a video directory's frames as they are read (:func:`mmfast.video.frame_files`): each
+    frame's file name and the sha256 of its bytes; ``"missing"`` when the directory cannot be listed."""
+    try:
+        files = frame_files(directory)
+    except OSError:
+        return _MISSING
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{file_sha256(f)}\n".encode())
+    return h.hexdigest()
+
+
 def sample_fingerprint(sample: Sample, recipe_hash: str, weights: str) -> str:
     """The digest of every input of ``sample`` (see the module docstring), 24 hex digits."""
     what = {
@@ -95,11 +112,19 @@ def sample_fingerprint(sample: Sample, recipe_hash: str, weights: str) -> str:
         "target": sample.target,
         "meta": sample.meta,
         "max_new_tokens": sample.max_new_tokens,
-        "image": str(sample.image),
-        "image_sha256": file_sha256(Path(sample.image)),
         "recipe_hash": recipe_hash,
         "weights": weights,
     }
+    if sample.video is None:
+        what.update({"image": str(sample.image), "image_sha256": file_sha256(Path(sample.image))})
+    else:
+        what.update(
+            {
+                "video": str(sample.video),
+                "frames_sha256": video_sha256(Path(sample.video)),
+                "video_sampling": dataclasses.asdict(sample.video_sampling),
+            }
+        )
     blob = json.dumps(what, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:24]
 

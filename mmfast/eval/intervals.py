@@ -340,10 +340,11 @@ def paired_pope_cells(a: Iterable[Mapping[str, Any]], b: Iterable[Mapping[str, A
     return out
 
 
-def pope_units(records: Sequence[Mapping[str, Any]]) -> list[Any] | None:
-    """Every POPE record's image (the resampled unit), or None when a record names none."""
-    images = [r.get("image") for r in records]
-    return None if any(i is None for i in images) else images
+def pope_units(records: Sequence[Mapping[str, Any]], key: str = "image") -> list[Any] | None:
+    """Every POPE record's image (the resampled unit; a video task's records: ``key="video"``, the
+    clip), or None when a record names none."""
+    units = [r.get(key) for r in records]
+    return None if any(u is None for u in units) else units
 
 
 @dataclass(frozen=True)

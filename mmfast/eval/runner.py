@@ -8,7 +8,9 @@ change no answer and are not part of it, a calibrated budget's calibration set i
 recomputes those whose inputs changed, and retries failed ones. The output directory is locked for
 the run and only mmfast's own files in it are ever removed (:mod:`mmfast.eval.rundir`).
 
-Failures are loud: a sample whose image is missing or corrupt (or whose generation raises) is
+Samples are images or videos (a directory of frames, through the model's video input; a video task
+on a family without video input is refused before the model loads). Failures are loud: a sample whose
+image or video frame is missing or corrupt (or whose generation raises) is
 recorded with its error, never as an empty answer; the run aborts as soon as more than
 ``floor(eval.max_failures * planned)`` samples failed (``max_failures: 0`` stops at the first
 failure), and a run that finishes with failed samples counts and lists them in ``summary.json``
@@ -30,25 +32,36 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import compat
-from ..capabilities import check_model_config
+from ..capabilities import ModelFacts, check_model_config, media_refusal, model_facts, video_families
 from ..config import Recipe
-from ..errors import EXIT_SAMPLES_FAILED, InputError, MMFastError, RunAbortedError, SamplesFailedError  # noqa: F401 (re-exported)
+from ..errors import (
+    EXIT_SAMPLES_FAILED,  # noqa: F401 (re-exported)
+    IncompatibleRecipeError,
+    InputError,
+    MMFastError,
+    RunAbortedError,
+    SamplesFailedError,  # noqa: F401 (re-exported)
+)
 from ..model import load_model
 from ..pipeline import apply
 from ..progress import Progress
 from ..pruning._budget import CalibrationSet
 from ..registry import PRUNERS
+from ..video import frame_files
 from . import rundir
 from .data import cache_root, resolve_data
 from .distributed import barrier, gather_and_finish, launch_data_parallel, shard_info
 from .fingerprint import digest_of, sample_fingerprint, weights_fingerprint
 from .records import RecordStore, record_problem, write_atomic
 from .tasks import Sample, Task, build_tasks
+
+if TYPE_CHECKING:
+    from ..models.base import VLMAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -59,29 +72,71 @@ def failure_budget(max_failures: float, n_planned: int) -> int:
     return int(max_failures * n_planned + 1e-9)
 
 
+def _input_missing(sample: Sample) -> bool:
+    """Whether a sample's input is absent: its image file, or its video's directory of frames."""
+    if sample.video is None:
+        return not Path(sample.image).is_file()
+    return not sample.video.is_dir() or not frame_files(sample.video)
+
+
 def _check_images(plan, max_failures: float, rank: int, world: int) -> None:
-    """Every planned image exists, or the missing ones fit the failure budget (then a warning);
-    otherwise refuse before any model is loaded, naming them."""
-    missing = sorted({str(s.image) for _, samples in plan for s in samples if not Path(s.image).is_file()})
+    """Every planned image (or video: a directory with frames) exists, or the missing ones fit the
+    failure budget (then a warning); otherwise refuse before any model is loaded, naming them."""
+    absent = [s for _, samples in plan for s in samples if _input_missing(s)]
+    missing = sorted({str(s.media) for s in absent})
     if not missing:
         return
-    n_bad = sum(1 for _, samples in plan for s in samples if str(s.image) in set(missing))
+    noun = " or ".join(sorted({"image(s)" if s.video is None else "video(s)" for s in absent}))
+    n_bad = len(absent)
     n_total = sum(len(samples) for _, samples in plan)
     shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
     if n_bad > failure_budget(max_failures, n_total):
         raise InputError(
-            f"{len(missing)} image(s) of this evaluation are missing ({shown}): {n_bad} of {n_total} samples would "
-            f"fail, more than eval.max_failures={max_failures} allows; fix the data root or the question files"
+            f"{len(missing)} {noun} of this evaluation are missing ({shown}): {n_bad} of {n_total} "
+            f"samples would fail, more than eval.max_failures={max_failures} allows; fix the data root or the "
+            "question files"
         )
     if rank == 0:
         logger.warning(
-            "%d image(s) missing (%s): %d of %d samples will fail (within eval.max_failures=%s)",
+            "%d %s missing (%s): %d of %d samples will fail (within eval.max_failures=%s)",
             len(missing),
+            noun,
             shown,
             n_bad,
             n_total,
             max_failures,
         )
+
+
+def check_media(recipe: Recipe, plan, model: VLMAdapter | ModelFacts | None) -> None:
+    """Refuse, before any compute, an evaluation whose samples the model or the recipe's methods
+    cannot take: videos on a family without video input (``model``: the loaded adapter, or the facts
+    of its config; None when neither is known yet), videos under an images-only method, images under a
+    method that needs a video."""
+    video_tasks = [task.name for task, samples in plan if any(s.video is not None for s in samples)]
+    has_images = any(s.image is not None for _, samples in plan for s in samples)
+    problem = media_refusal(recipe, images=has_images, videos=bool(video_tasks))
+    if problem:
+        what = "videos" if video_tasks else "images"
+        raise IncompatibleRecipeError(f"{problem}, and this evaluation gives the model {what}; change the recipe")
+    if video_tasks and model is not None and not model.features.video:
+        raise IncompatibleRecipeError(
+            f"evaluation task(s) {', '.join(video_tasks)} give the model videos, but {recipe.model.name} is a "
+            f"{model.family} model, which takes no video input; use a checkpoint of a family with video input "
+            f"({', '.join(video_families())}), or leave the task(s) out"
+        )
+    if video_tasks:
+        calibrated = [
+            f"pruning[{i}] ({st.method})"
+            for i, st in enumerate(recipe.pruning)
+            if st.budget and getattr(PRUNERS.get(st.method).cls, "calibrated", False)
+        ]
+        if calibrated:
+            raise IncompatibleRecipeError(
+                f"{calibrated[0]} calibrates its token budget on images, which says nothing of the videos of "
+                f"evaluation task(s) {', '.join(video_tasks)}; give the method its own thresholds in params instead "
+                "of a budget, or leave the video task(s) out"
+            )
 
 
 def evaluation_calibration(recipe: Recipe, limit: int | None = None):
@@ -97,7 +152,8 @@ def calibration_set(plan):
     """The samples token budgets are calibrated on: a spread of the evaluation's own (every task in its
     share), so a calibrated method lands on its budget in this evaluation's mean."""
 
-    return CalibrationSet.spread([s for _, samples in plan for s in samples])
+    images = [s for _, samples in plan for s in samples if s.image is not None]
+    return CalibrationSet.spread(images) if images else None
 
 
 def output_dir(recipe: Recipe, output: str | None) -> Path:
@@ -123,7 +179,8 @@ def calibration_identity(recipe: Recipe, plan) -> str | None:
 
     if not any(st.budget and getattr(PRUNERS.get(st.method).cls, "calibrated", False) for st in recipe.pruning):
         return None
-    return calibration_set(plan).identity
+    calibration = calibration_set(plan)
+    return None if calibration is None else calibration.identity
 
 
 def planned_fingerprints(recipe: Recipe, plan, weights: str) -> dict[str, str]:
@@ -236,6 +293,11 @@ def side_files(tasks: list[Task]) -> dict[str, str]:
     return files
 
 
+def _media(sample: Sample) -> dict[str, str]:
+    """A record's input: ``{"image": file name}``, or ``{"video": directory name}`` (the clip)."""
+    return {"image": sample.image.name} if sample.video is None else {"video": sample.video.name}
+
+
 def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str], fingerprint: str) -> dict[str, Any]:
     return {
         "doc_id": sample.doc_id,
@@ -243,7 +305,7 @@ def _record(sample: Sample, result, text_filter: Callable[[str, Sample], str], f
         "target": sample.target,
         "resps": [[result.text]],
         "filtered_resps": [text_filter(result.text, sample)],
-        "image": sample.image.name,
+        **_media(sample),
         "prompt": sample.prompt,
         "meta": sample.meta,
         "fingerprint": fingerprint,
@@ -256,7 +318,7 @@ def _error_record(sample: Sample, exc: BaseException, fingerprint: str) -> dict[
         "doc_id": sample.doc_id,
         "task": sample.task,
         "target": sample.target,
-        "image": sample.image.name,
+        **_media(sample),
         "prompt": sample.prompt,
         "meta": sample.meta,
         "fingerprint": fingerprint,
@@ -270,10 +332,26 @@ def batch_meta(samples: list[Sample]) -> list[dict[str, Any]]:
     return [{**s.meta, "doc_id": s.doc_id} for s in samples]
 
 
+def prepare_batch(mm, samples: list[Sample]):
+    """The prepared batch of ``samples``: their images, or their videos through the model's video input
+    (``MMModel.prepare(videos=...)``, sampled by the samples' one ``video_sampling``)."""
+    images, prompts, meta = [s.image for s in samples], [s.prompt for s in samples], batch_meta(samples)
+    if all(s.video is None for s in samples):
+        return mm.prepare(images, prompts, meta=meta)
+    sampling = {s.video_sampling for s in samples if s.video is not None}
+    if len(sampling) > 1:
+        raise ValueError(f"a batch samples its videos one way; got {sorted(map(str, sampling))}")
+    (how,) = sampling
+    videos = [s.video for s in samples]
+    return mm.prepare(
+        images, prompts, meta=meta, videos=videos, num_frames=how.num_frames, fps=how.fps, video_fps=how.video_fps
+    )
+
+
 def _run_batch(session, samples: list[Sample], text_filter, fps: dict[str, str]) -> list[dict[str, Any]]:
     """Generate for a batch; on failure, isolate the failing samples one by one."""
     try:
-        batch = session.mm.prepare([s.image for s in samples], [s.prompt for s in samples], meta=batch_meta(samples))
+        batch = prepare_batch(session.mm, samples)
         results = session.run(batch, max_new_tokens=samples[0].max_new_tokens)
         return [_record(s, r, text_filter, fps[s.doc_id]) for s, r in zip(samples, results)]
     except Exception as exc:
@@ -321,6 +399,7 @@ def run_eval(
     _check_images(plan, cfg.max_failures, rank, world)  # before the model loads: no hour-long load for a typo
     if mm is None:
         check_model_config(recipe)  # the methods' layers and grids against the model's config
+    check_media(recipe, plan, model_facts(recipe) if mm is None else mm.adapter)  # videos on a family with video input
     extra_files = side_files(tasks)
     lock = None
     if rank == 0 and not rundir.check_held_by_launcher(out):
@@ -339,6 +418,7 @@ def _run_locked(
     cfg = recipe.eval
     if mm is None:
         mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
+        check_media(recipe, plan, mm.adapter)  # a model whose config could not be read before it loaded
     fingerprint = weights_fingerprint(mm.model)
     if rank == 0:
         _guard(out, recipe, fingerprint, rundir.own_files(world, extra_files))

@@ -118,6 +118,13 @@ def _task(answers: list[str], bad: Any, n_examples: int = 3) -> TaskUnparsed | N
     return TaskUnparsed(len(flagged), len(answers), examples)
 
 
+def count_pope_unparsed(answers: Iterable[str]) -> TaskUnparsed:
+    """How many of a POPE task's raw answers the official rule reads as neither yes nor no (any POPE
+    task, e.g. ``video_pope``, whose records :func:`count_unparsed` does not group as ``pope_*``)."""
+    answers = list(answers)
+    return _task(answers, pope_unparsed) or TaskUnparsed(0, 0)
+
+
 def count_unparsed(records: Iterable[Mapping[str, Any]]) -> Unparsed:
     """Unparsed POPE answers and degenerate CHAIR captions among a run's records (``samples.jsonl``)."""
     pope, chair = [], []

@@ -1,6 +1,7 @@
-"""Evaluation tasks: the :class:`Task` interface and the built-ins, POPE (per split) and CHAIR, one module each.
+"""Evaluation tasks: the :class:`Task` interface and the built-ins, POPE (per split), CHAIR and POPE over
+the video world's clips (``video_pope``), one module each.
 
-A task turns the recipe and the data into :class:`Sample` items (one prompt about one image, with
+A task turns the recipe and the data into :class:`Sample` items (one prompt about one image or one video, with
 a stable ``doc_id``), and turns the finished per-sample records back into metrics. Tasks register in
 :data:`mmfast.registry.TASKS` (``eval.tasks`` names them); a new benchmark is one module::
 

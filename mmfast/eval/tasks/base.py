@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from ...config import EvalConfig
 from ...registry import TASKS
+from ...video import VideoSampling
 from ..data import SHARED_INPUTS, EvalData
 
 logger = logging.getLogger(__name__)
@@ -18,16 +19,32 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Sample:
-    """One prompt about one image. ``doc_id`` is unique in the run (prefix it with the task's name);
-    ``task`` is the record group the answer is scored in; ``target`` must be JSON-serialisable."""
+    """One prompt about one image, or about one video. ``doc_id`` is unique in the run (prefix it with
+    the task's name); ``task`` is the record group the answer is scored in; ``target`` must be
+    JSON-serialisable. Exactly one of ``image`` (an image file) and ``video`` (a directory of frame
+    images, read in sorted file-name order, :mod:`mmfast.video`) is set; ``video_sampling`` says which
+    frames of the video the model sees (the recipe's ``num_frames`` / ``fps`` / ``video_fps``)."""
 
     doc_id: str
     task: str  # record group: "pope_random", "chair", ...
-    image: Path
+    image: Path | None
     prompt: str
     target: Any
     max_new_tokens: int
     meta: dict[str, Any] = field(default_factory=dict)
+    video: Path | None = None
+    video_sampling: VideoSampling = VideoSampling()
+
+    def __post_init__(self) -> None:
+        if (self.image is None) == (self.video is None):
+            raise ValueError(f"sample {self.doc_id!r}: give exactly one of image and video")
+        if self.video is None and self.video_sampling != VideoSampling():
+            raise ValueError(f"sample {self.doc_id!r}: video_sampling is for a video sample")
+
+    @property
+    def media(self) -> Path:
+        """The sample's input: its image file or its video's frame directory."""
+        return self.image if self.image is not None else self.video  # type: ignore[return-value]
 
 
 class Task(abc.ABC):

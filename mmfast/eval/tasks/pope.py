@@ -17,11 +17,11 @@ from .base import Sample, Task
 POPE_SPLITS: tuple[str, ...] = ("random", "popular", "adversarial")  # eval.pope.splits' choices
 
 
-def check_prompt(prompt: str) -> None:
-    """``eval.pope.prompt`` is a ``str.format`` template whose only field is ``{question}`` (at least
-    once); ``{{`` / ``}}`` are literal braces. Refuses a template with no ``{question}`` field (e.g.
-    ``{{question}}``, which would send the literal text), other fields, or unbalanced braces."""
-    where = "eval.pope.prompt"
+def check_prompt(prompt: str, where: str = "eval.pope.prompt") -> None:
+    """``eval.pope.prompt`` (or the template at ``where``) is a ``str.format`` template whose only
+    field is ``{question}`` (at least once); ``{{`` / ``}}`` are literal braces. Refuses a template with
+    no ``{question}`` field (e.g. ``{{question}}``, which would send the literal text), other fields, or
+    unbalanced braces."""
     try:
         fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(prompt) if name is not None]
     except ValueError as exc:
@@ -128,27 +128,8 @@ class PopeTask(Task):
         return parse_answer(text, self.cfg.pope.parser, label=sample.target).pred
 
     def metrics(self, records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-        from ..intervals import pope_cells, pope_intervals, pope_units
-        from ..pope import PopeRecord, score_pope, summarize_pope
-
-        per_split, cells, units = {}, {}, {}
-        for split in self.questions:
-            recs = records.get(f"pope_{split}", [])
-            if not recs:
-                continue
-            items = [PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in recs]
-            per_split[split] = score_pope(items, self.cfg.pope.parser)
-            cells[split] = pope_cells(recs, self.cfg.pope.parser)
-            units[split] = pope_units(recs)
-        if not per_split:
-            return {}
-        out = summarize_pope(per_split)
-        # n and 95% intervals next to every figure (keys *_ci95; mmfast.eval.intervals)
-        intervals = pope_intervals(cells, units).as_dict()
-        for split in per_split:
-            out[split].update(intervals.pop(split))
-        out.update(intervals)
-        return out
+        by_split = {s: records[f"pope_{s}"] for s in self.questions if records.get(f"pope_{s}")}
+        return score_splits(by_split, self.cfg.pope.parser) if by_split else {}
 
     def protocol(self) -> dict[str, Any]:
         p = self.cfg.pope
@@ -158,19 +139,42 @@ class PopeTask(Task):
             "parser": p.parser,
             "max_new_tokens": p.max_new_tokens,
             "files": self.file_info,
-            "intervals": _intervals_protocol(),
+            "intervals": intervals_protocol(),
         }
         if self.data.dataset == "world":
             out["world_version"] = p.world_version
         return out
 
 
-def _intervals_protocol() -> dict[str, Any]:
+def score_splits(by_split: dict[str, list[dict[str, Any]]], parser: str, unit: str = "image") -> dict[str, Any]:
+    """POPE metrics of finished records by split (each split's records as in ``samples.jsonl``): the
+    official scoring by ``parser`` (:func:`mmfast.eval.pope.score_pope`, :func:`~mmfast.eval.pope.summarize_pope`)
+    and, next to every figure, n and its 95% interval (keys ``*_ci95``; :mod:`mmfast.eval.intervals`),
+    resampling the records' ``unit`` (``image``; a video task's ``video``) jointly across splits."""
+    from ..intervals import pope_cells, pope_intervals, pope_units
+    from ..pope import PopeRecord, score_pope, summarize_pope
+
+    per_split, cells, units = {}, {}, {}
+    for split, recs in by_split.items():
+        items = [PopeRecord(r["meta"]["question_id"], r["target"], r["resps"][0][0]) for r in recs]
+        per_split[split] = score_pope(items, parser)
+        cells[split] = pope_cells(recs, parser)
+        units[split] = pope_units(recs, unit)
+    out = summarize_pope(per_split)
+    intervals = pope_intervals(cells, units).as_dict()
+    for split in per_split:
+        out[split].update(intervals.pop(split))
+    out.update(intervals)
+    return out
+
+
+def intervals_protocol(unit: str = "image") -> dict[str, Any]:
+    """How :func:`score_splits` computes its intervals (``protocol.tasks.<task>.intervals``)."""
     from ..intervals import RESAMPLES, SEED
 
     return {
         "accuracy, precision, recall": "Wilson score interval, 95%",
-        "f1, mean_f1, mean_accuracy": "percentile bootstrap resampling images jointly across splits (one draw per image for "
+        "f1, mean_f1, mean_accuracy": f"percentile bootstrap resampling {unit}s jointly across splits (one draw per {unit} for "
         "all its questions of all splits), 95%; Wilson of the pooled counts where every replicate is equal",
         "resamples": RESAMPLES,
         "seed": SEED,
