@@ -361,16 +361,21 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     return None
 
 
-def media_refusal(recipe: Recipe, *, images: bool, videos: bool) -> str | None:
+def media_refusal(recipe: Recipe, *, images: bool, videos: bool, model: ModelFacts | None = None) -> str | None:
     """Why a method of the recipe cannot take a run's inputs (``images``: some samples are images;
     ``videos``: some are videos), or None: a method that takes images only (``Capabilities.images_only``)
-    on videos, or one that needs a video (``videos_only``) on images. Needs no model."""
+    on videos, one that needs a video (``videos_only``) on images, or, where ``model`` (its facts, or the
+    loaded adapter) is known, one that takes videos only on that model (an unmet ``image_needs``)."""
     stages, decoder, drafter = _declared(recipe)
     for item in [*stages, decoder, *([drafter] if drafter is not None else [])]:
         if videos and item.caps.images_only:
             return f"{item.where} takes images only ({item.caps.images_only})"
         if images and item.caps.videos_only:
             return f"{item.where} needs a video ({item.caps.videos_only})"
+        if images and model is not None:
+            problem = image_refusal(item.where, item.caps, model)
+            if problem:
+                return problem
     return None
 
 

@@ -352,6 +352,23 @@ def test_a_video_only_method_on_images_is_refused_before_compute(tmp_path):
         runner.check_media(recipe, plan, None)
 
 
+def test_a_method_that_takes_videos_only_on_the_model_is_refused_on_images(tmp_path):
+    """ToMe takes only videos on OneVision (its image merge needs a CLIP-style tower: ``image_needs``):
+    an image evaluation is refused before compute there, and runs on LLaVA."""
+    from mmfast.capabilities import ModelFacts
+    from mmfast.errors import IncompatibleRecipeError
+    from mmfast.eval.tasks import Sample
+    from mmfast.models import ADAPTERS
+
+    recipe = load_recipe({"pruning": [{"method": "tome"}]})
+    plan = [(None, [Sample("pope_random/1", "pope_random", tmp_path / "x.png", "p", "yes", 2)])]
+    by_family = {a.family: a for a in ADAPTERS.values()}
+    onevision = ModelFacts("llava_onevision", 4, 2, (27, 27), by_family["llava_onevision"].features)
+    with pytest.raises(IncompatibleRecipeError, match=r"pruning\[0\] \(tome\) needs a video on this model"):
+        runner.check_media(recipe, plan, onevision)
+    runner.check_media(recipe, plan, ModelFacts("llava", 4, 2, (24, 24), by_family["llava"].features))
+
+
 def test_a_sample_is_an_image_or_a_video(tmp_path):
     from mmfast.eval.tasks import Sample
     from mmfast.video import VideoSampling

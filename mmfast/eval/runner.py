@@ -115,7 +115,7 @@ def check_media(recipe: Recipe, plan, model: VLMAdapter | ModelFacts | None) -> 
     method that needs a video."""
     video_tasks = [task.name for task, samples in plan if any(s.video is not None for s in samples)]
     has_images = any(s.image is not None for _, samples in plan for s in samples)
-    problem = media_refusal(recipe, images=has_images, videos=bool(video_tasks))
+    problem = media_refusal(recipe, images=has_images, videos=bool(video_tasks), model=model)
     if problem:
         what = "videos" if video_tasks else "images"
         raise IncompatibleRecipeError(f"{problem}, and this evaluation gives the model {what}; change the recipe")
