@@ -1,0 +1,364 @@
+"""FastVID (mmfast/pruning/fastvid.py): the kept tokens, merged tokens and frame attention equal direct
+ports of the release's code (LunarShen/FastVID @a40a109, fastvid_qwen25vl) on the same tensors; the no-op
+setting is the baseline; batch equals per sample; kept tokens keep their (t, h, w) ids; budgets; an
+image-only batch, OneVision and Qwen3-VL are refused before compute."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mmfast
+from mmfast.config import load_recipe
+from mmfast.errors import IncompatibleRecipeError
+from mmfast.models.base import VIDEO
+from mmfast.pipeline import Session
+from mmfast.pruning._fastvid_ops import FastVIDParams, select_video
+
+_MODELS: dict[str, object] = {}
+RELEASE = dict(retention_ratio=0.27, c=8, tau=0.84, ignore=0.95, d=0.4, p=4, beta=0.6)
+
+
+def _mm(family: str):
+    if family not in _MODELS:
+        from mmfast.models.factory import random_llava_onevision, random_qwen_vl
+
+        model, proc = random_llava_onevision(seed=1) if family == "llava_onevision" else random_qwen_vl(family, seed=1)
+        _MODELS[family] = mmfast.load(model, proc)
+    return _MODELS[family]
+
+
+def _video(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, (n, 28, 28, 3), dtype=np.uint8)
+
+
+def _recipe(**params) -> dict:
+    return {"pruning": [{"method": "fastvid", "params": params}]}
+
+
+# -- the release's code, ported line by line (Qwen2_5_VLForConditionalGeneration.forward, seq_length > 1) ---
+def _release_prune(video_hidden_states, frame_attn_weights, frame_global_features, cfg):
+    """``video_hidden_states`` [F, n, d]; returns (keep_indexs relative to the video's first slot, vision_tokens)."""
+    frame_num, frm_len = frame_attn_weights.shape
+    device_type = video_hidden_states.device
+    keep_indexs = ()
+    frame_global_features = frame_global_features / frame_global_features.norm(dim=1, keepdim=True)
+    similarity_matrix = (frame_global_features[:-1] * frame_global_features[1:]).sum(dim=1)
+    cut_indices = torch.topk(similarity_matrix, cfg["c"] - 1, largest=False).indices
+    cos_indices = torch.nonzero(similarity_matrix < cfg["tau"]).squeeze(1)
+    cut_indices = torch.unique(torch.cat([cut_indices, cos_indices]))
+    cut_indices = cut_indices.sort().values
+    segment_sizes = [cut_indices[0].item() + 1]
+    for i in range(1, cut_indices.shape[0]):
+        segment_sizes.append(cut_indices[i].item() - cut_indices[i - 1].item())
+    segment_sizes.append(frame_num - cut_indices[-1].item() - 1)
+    segments_hidden_states = torch.split(video_hidden_states, segment_sizes)
+    segments_attn_weights = torch.split(frame_attn_weights, segment_sizes)
+    segments_global_features = torch.split(frame_global_features, segment_sizes)
+    vision_tokens = []
+    frame_retain_num = int(frm_len * cfg["retention_ratio"])
+    seg_index_start = 0
+    for seg_i in range(len(segment_sizes)):
+        cur_hidden_states = segments_hidden_states[seg_i]
+        cur_attn_weights = segments_attn_weights[seg_i]
+        cur_global_features = segments_global_features[seg_i]
+        cur_seg_len, frm_len = cur_attn_weights.shape
+        seg_retain_num = frame_retain_num * cur_seg_len
+        seg_context_num = max(int(seg_retain_num * cfg["d"]), 1)
+        seg_salient_num = seg_retain_num - seg_context_num
+        if cur_seg_len == 1:
+            frm_salient_num = [seg_salient_num]
+            frm_context_num = [seg_context_num]
+        else:
+            cur_global_similarity_matrix = (cur_global_features[:-1] * cur_global_features[1:]).sum(dim=1)
+            cur_cut_indices = torch.nonzero(cur_global_similarity_matrix < cfg["ignore"]).squeeze(1)
+            cur_cut_indices = cur_cut_indices.sort().values
+            if cur_cut_indices.shape[0] > 0:
+                cur_segment_sizes = [cur_cut_indices[0].item() + 1]
+                for i in range(1, cur_cut_indices.shape[0]):
+                    cur_segment_sizes.append(cur_cut_indices[i].item() - cur_cut_indices[i - 1].item())
+                cur_segment_sizes.append(cur_seg_len - cur_cut_indices[-1].item() - 1)
+            else:
+                cur_segment_sizes = [cur_seg_len]
+            valid_seg_len = len(cur_segment_sizes)
+            chunk_size = seg_salient_num // valid_seg_len
+            remainder = seg_salient_num % valid_seg_len
+            frm_salient_num = [chunk_size + (1 if i < remainder else 0) for i in range(valid_seg_len)]
+            temp_num = (valid_seg_len + cfg["p"] - 1) // cfg["p"]
+            chunk_size = seg_context_num // temp_num
+            remainder = seg_context_num % temp_num
+            temp_context_num = [chunk_size + (1 if i < remainder else 0) for i in range(temp_num)]
+            tmp_ctx_idx = 0
+            frm_context_num = []
+            for tmp_i in range(valid_seg_len):
+                if tmp_i % cfg["p"] == 0:
+                    frm_context_num.append(min(temp_context_num[tmp_ctx_idx], frm_len // 2))
+                    if temp_context_num[tmp_ctx_idx] + frm_context_num[-1] > frm_len:
+                        temp_context_num[tmp_ctx_idx] = frm_len - frm_context_num[-1]
+                    tmp_ctx_idx += 1
+                else:
+                    frm_context_num.append(0)
+            frm_context_num.reverse()
+            valid_frm_salient_num = []
+            valid_frm_context_num = []
+            for j in range(valid_seg_len):
+                valid_frm_salient_num.extend([0] * (cur_segment_sizes[j] - 1))
+                valid_frm_context_num.extend([0] * (cur_segment_sizes[j] - 1))
+                if frm_context_num[j] == 0:
+                    valid_frm_salient_num.append(min(frm_salient_num[j], frm_len))
+                    valid_frm_context_num.append(0)
+                elif frm_context_num[j] > 0:
+                    valid_frm_context_num.append(min(frm_context_num[j], frm_len // 2))
+                    valid_frm_salient_num.append(min(frm_salient_num[j], frm_len - valid_frm_context_num[-1]))
+                else:
+                    valid_frm_salient_num.append(frm_len - int(frm_len * cfg["d"]))
+                    valid_frm_context_num.append(int(frm_len * cfg["d"]))
+            frm_salient_num = valid_frm_salient_num
+            frm_context_num = valid_frm_context_num
+        cur_salient_indexs = []
+        cur_context_indexs = []
+        for frame_i in range(cur_seg_len):
+            if frm_salient_num[frame_i] > 0:
+                frm_top_indexes = torch.topk(cur_attn_weights[frame_i], frm_salient_num[frame_i]).indices
+            else:
+                frm_top_indexes = None
+            if frm_context_num[frame_i] > 0:
+                frm_all_indexs = torch.arange(frm_len, device=device_type)
+                if frm_top_indexes is not None:
+                    tmp_mask = torch.isin(frm_all_indexs, frm_top_indexes)
+                    remaining_indexs = frm_all_indexs[~tmp_mask]
+                else:
+                    remaining_indexs = frm_all_indexs
+                tmp_frm_hidden_states = cur_hidden_states[frame_i]
+                tmp_frm_hidden_states = tmp_frm_hidden_states[remaining_indexs].unsqueeze(0)
+                _, tmp_N, tmp_D = tmp_frm_hidden_states.shape
+                dist_matrix = torch.cdist(tmp_frm_hidden_states.float(), tmp_frm_hidden_states.float()) / (tmp_D**0.5)
+                dist_nearest, index_nearest = torch.topk(dist_matrix, k=4, dim=-1, largest=False)
+                density = (-(dist_nearest**2).mean(dim=-1)).exp()
+                density = density + torch.rand(density.shape, device=device_type, dtype=density.dtype) * 1e-6
+                mask = density[:, None, :] > density[:, :, None]
+                mask = mask.type(tmp_frm_hidden_states.dtype)
+                dist_max = dist_matrix.flatten(1).max(dim=-1)[0][:, None, None]
+                dist, index_parent = (dist_matrix * mask + dist_max * (1 - mask)).min(dim=-1)
+                score = dist * density
+                _, sampled_indexs = torch.topk(score, k=frm_context_num[frame_i], dim=-1)
+                sampled_indexs = sampled_indexs[0].sort().values
+                frm_context_indexes = remaining_indexs[sampled_indexs]
+            else:
+                frm_context_indexes = None
+            if frm_top_indexes is not None:
+                cur_salient_indexs.append(frm_top_indexes + frame_i * frm_len)
+            if frm_context_indexes is not None:
+                cur_context_indexs.append(frm_context_indexes + frame_i * frm_len)
+        cur_tome_hidden_states = cur_hidden_states.reshape(cur_seg_len * frm_len, -1)
+        cur_salient_indexs = torch.cat(cur_salient_indexs)
+        cur_salient_hidden_states = cur_tome_hidden_states[cur_salient_indexs]
+        cur_all_indexs = torch.arange(cur_seg_len * frm_len, device=device_type)
+        cur_tome_tokens = cur_tome_hidden_states / cur_tome_hidden_states.norm(dim=-1, keepdim=True)
+        cur_context_hidden_states = []
+        for tmp_context_indexs in cur_context_indexs:
+            tmp_retain_index = torch.cat([cur_salient_indexs, tmp_context_indexs])
+            tmp_mask = torch.isin(cur_all_indexs, tmp_retain_index)
+            tmp_merge_indexs = cur_all_indexs[~tmp_mask]
+            tmp_target_tokens = cur_tome_tokens[tmp_context_indexs]
+            tmp_to_merge_tokens = cur_tome_tokens[tmp_merge_indexs]
+            similarity = torch.mm(tmp_to_merge_tokens, tmp_target_tokens.T)
+            assign_one_hot = torch.zeros(
+                tmp_to_merge_tokens.shape[0], tmp_context_indexs.shape[0], dtype=cur_hidden_states.dtype
+            )
+            assign_one_hot.scatter_(1, similarity.argmax(dim=1).unsqueeze(-1), 1)
+            avg_weights = (1 / (assign_one_hot.sum(dim=0).unsqueeze(-1) + 1)).clamp(min=cfg["beta"])
+            counts = assign_one_hot.sum(dim=0).clamp(min=1).unsqueeze(-1)
+            hidden_to_merge = cur_tome_hidden_states[tmp_merge_indexs]
+            aggregated_hidden = torch.mm(assign_one_hot.T, hidden_to_merge) / counts
+            target_hidden = cur_tome_hidden_states[tmp_context_indexs]
+            target_hidden = avg_weights * target_hidden + (1 - avg_weights) * aggregated_hidden
+            cur_context_hidden_states.append(target_hidden)
+        cur_context_indexs = torch.cat(cur_context_indexs)
+        cur_context_hidden_states = torch.cat(cur_context_hidden_states, dim=0)
+        cur_index_combined = torch.cat([cur_salient_indexs, cur_context_indexs])
+        cur_hidden_combined = torch.cat([cur_salient_hidden_states, cur_context_hidden_states], dim=0)
+        sorted_indexs = torch.argsort(cur_index_combined)
+        vision_tokens.append(cur_hidden_combined[sorted_indexs])
+        keep_indexs += (cur_index_combined[sorted_indexs] + seg_index_start,)
+        seg_index_start = seg_index_start + cur_seg_len * frm_len
+    return torch.cat(keep_indexs), torch.cat(vision_tokens, dim=0)
+
+
+def _release_frame_attention(q, k, grid_t, grid_h, grid_w, num_heads):
+    """``Qwen2_5_VLVisionFlashAttention2.forward``'s weights: q / k [S, H, D] after the vision RoPE, tower order."""
+    q_attn, k_attn = q.transpose(0, 1), k.transpose(0, 1)
+    q_attn = q_attn.reshape(num_heads, grid_t, grid_h * grid_w, -1).mean(-2, keepdim=True)
+    k_attn = k_attn.reshape(num_heads, grid_t, grid_h * grid_w // 4, 4, -1).mean(-2)
+    attn_weights = torch.matmul(q_attn, k_attn.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q_attn.dtype)
+    return attn_weights.mean(2).mean(0)  # [T, hw / 4], tower (window) order of the units
+
+
+def _video_tensors(n_frames: int, n: int, dim: int, seed: int):
+    """Frames in runs of near-duplicates (so DySeg, the ignore rule and DTM's anchors all act)."""
+    g = torch.Generator().manual_seed(seed)
+    runs, frames = [3, 1, 5, 2, 4, 1, 6, 2], []
+    for r in runs:
+        base = torch.randn(n, dim, generator=g)
+        frames += [base + 0.05 * i * torch.randn(n, dim, generator=g) for i in range(r)]
+    video = torch.stack(frames[:n_frames])
+    attn = torch.rand(n_frames, n, generator=g).softmax(-1)
+    return video, attn, video.mean(1)
+
+
+@pytest.mark.parametrize(
+    ("n_frames", "n", "cfg"),
+    [
+        (16, 16, RELEASE),
+        (24, 36, RELEASE),
+        (24, 36, {**RELEASE, "c": 3, "tau": 0.3, "ignore": 0.999, "p": 2}),  # long segments, many anchors
+        (12, 64, {**RELEASE, "retention_ratio": 0.1, "d": 0.6, "ignore": 0.9, "p": 1}),
+    ],
+)
+def test_selection_and_merge_equal_the_release(n_frames, n, cfg):
+    video, attn, glob = _video_tensors(n_frames, n, 24, seed=n_frames + n)
+    torch.manual_seed(7)  # the release's noise comes from the global RNG
+    want_idx, want_tok = _release_prune(video, attn, glob, cfg)
+    got_idx, got_tok = select_video(video, attn, glob, FastVIDParams(**cfg), torch.Generator().manual_seed(7))
+    assert torch.equal(got_idx, want_idx)
+    torch.testing.assert_close(got_tok, want_tok, rtol=1e-5, atol=1e-6)
+    assert got_idx.numel() < n_frames * n
+    merged = ~torch.isclose(got_tok, video.reshape(-1, video.shape[-1])[got_idx]).all(1)
+    assert bool(merged.any())  # DTM really merged some context tokens
+
+
+def _spy(monkeypatch):
+    """Record, per call of FastVID.prune_vision, the inputs (embeddings, A) and what it kept."""
+    from mmfast.pruning.fastvid import ATTN_EXTRA, FastVID
+
+    calls = []
+    original = FastVID.prune_vision
+
+    def spy(self, vision, batch):
+        attn = list(vision.extras[ATTN_EXTRA])
+        emb = [p.clone() for p in self.adapter.project(vision)]
+        grids = list(vision.extras["grid_thw"])
+        out = original(self, vision, batch)
+        kept = [(p.clone(), ids.clone()) for p, ids in zip(out.projected, out.patch_ids)]
+        calls.append((attn, emb, grids, kept, self.config))
+        return out
+
+    monkeypatch.setattr(FastVID, "prune_vision", spy)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_in_the_model_the_release_rule_on_the_models_tensors(family, monkeypatch):
+    """On the model: A equals the release's weights from the last block's q / k (captured from the block's
+    own input, RoPE'd by transformers' function, window order put back), and the kept ids / tokens equal
+    the release's selection on the merger's output with that A."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qm
+
+    from mmfast.pruning import _received
+
+    mm = _mm(family)
+    block = mm.adapter.vision_layers[-1].attn
+    seen = []
+    handle = block.register_forward_pre_hook(lambda m, a, kw: seen.append((a, kw)), with_kwargs=True)
+    calls = _spy(monkeypatch)
+    cfg = {**RELEASE, "retention_ratio": 0.5, "c": 2, "tau": 0.0, "ignore": 2.0}  # 2 segments, one of 3 frames
+    try:
+        mm.generate(None, ["Describe."], videos=[_video(8)], recipe=_recipe(**cfg), max_new_tokens=2)
+    finally:
+        handle.remove()
+    (attn, emb, grids, kept, _), (args, kw) = calls[0], seen[0]
+    hidden = args[0] if args else kw["hidden_states"]
+    cos, sin = kw["position_embeddings"]
+    heads = block.num_heads
+    with torch.inference_mode():
+        q, k, _ = block.qkv(hidden).reshape(hidden.shape[0], 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = qm.apply_rotary_pos_emb_vision(q, k, cos, sin)
+    t, h, w = grids[0]
+    want = _release_frame_attention(q.double(), k.double(), t, h * 2, w * 2, heads)  # [T, n] tower order
+    order = _received.window_order(mm.adapter.vision_tower, grids, mm.adapter.merge)
+    if order is not None:  # Qwen2.5-VL: the release's reverse_indices over the flattened weights
+        want = want.reshape(-1)[torch.argsort(order)].reshape(t, -1)
+    torch.testing.assert_close(attn[0].double(), want, rtol=1e-4, atol=1e-6)
+    video = emb[0].reshape(t, h * w, -1)
+    torch.manual_seed(0)  # seed 0: the method's generator
+    want_idx, want_tok = _release_prune(video, attn[0], video.mean(1), cfg)
+    got_tok, got_ids = kept[0]
+    assert torch.equal(got_ids.cpu(), want_idx) and want_idx.numel() < t * h * w
+    assert not torch.allclose(want_tok, video.reshape(t * h * w, -1)[want_idx])  # DTM merged context tokens
+    torch.testing.assert_close(got_tok, want_tok.to(got_tok.dtype), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_noop_setting_reproduces_the_baseline(family):
+    mm = _mm(family)
+    kw = dict(videos=[_video(8)], max_new_tokens=6)
+    base = mm.generate(None, ["Describe."], **kw)[0]
+    noop = mm.generate(None, ["Describe."], recipe=_recipe(retention_ratio=1.0, tau=2.0), **kw)[0]
+    assert noop.token_ids == base.token_ids and noop.n_vision_tokens == base.n_vision_tokens
+    pruned = mm.generate(None, ["Describe."], recipe=_recipe(retention_ratio=0.5), **kw)[0]
+    assert pruned.n_vision_tokens < base.n_vision_tokens
+
+
+def test_batch_of_two_videos_equals_per_sample(monkeypatch):
+    mm = _mm("qwen2_5_vl")
+    prompts, videos = ["Describe.", "What happens here?"], [_video(8, 1), _video(6, 2)]
+    batch = mm.generate(None, prompts, videos=videos, recipe=_recipe(retention_ratio=0.4), max_new_tokens=5)
+    for i in range(2):
+        alone = mm.generate(
+            None, [prompts[i]], videos=[videos[i]], recipe=_recipe(retention_ratio=0.4), max_new_tokens=5
+        )
+        assert batch[i].token_ids == alone[0].token_ids
+        assert batch[i].n_vision_tokens == alone[0].n_vision_tokens < (64 if i == 0 else 48)
+
+
+def test_kept_tokens_keep_their_positions():
+    """A video + an image: the image is untouched, every kept video token keeps its unpruned (t, h, w)
+    ids, the text after keeps its positions."""
+    from PIL import Image
+
+    mm = _mm("qwen2_5_vl")
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 255, (36, 44, 3), dtype=np.uint8))
+    args, kw = ([image], ["What?"]), dict(videos=[_video(8)], video_fps=1.0)
+    built = []
+    for recipe in ({}, _recipe(retention_ratio=0.4)):
+        with Session(mm, load_recipe(recipe)) as s:
+            batch = mm.prepare(*args, **kw)
+            built.append(s.build_inputs(batch, s.encode(batch)))
+    base, pruned = built
+    vb, vp = base.image_mask[0], pruned.image_mask[0]
+    key = lambda x, m: list(zip(x.image_index[0][m].tolist(), x.patch_ids[0][m].tolist()))  # noqa: E731
+    where = dict(zip(key(base, vb), base.position_ids[0][vb].tolist()))
+    assert [where[k] for k in key(pruned, vp)] == pruned.position_ids[0][vp].tolist()
+    video_b, video_p = base.tags[VIDEO][0] > 0, pruned.tags[VIDEO][0] > 0
+    assert 0 < int(video_p.sum()) < int(video_b.sum())
+    assert int((vp & ~video_p).sum()) == int((vb & ~video_b).sum())  # the image keeps every token
+    n_after = int(base.text_after_image()[0].sum())
+    assert torch.equal(pruned.position_ids[0, -n_after:], base.position_ids[0, -n_after:])
+
+
+def test_budget_keeps_at_most_its_target_per_video():
+    mm = _mm("qwen2_5_vl")
+    kw = dict(videos=[_video(8)], max_new_tokens=2)  # 4 frame groups of 16 merged tokens
+    for budget, most in (({"tokens": 24}, 24), ({"ratio": 0.25}, 16)):
+        recipe = {"pruning": [{"method": "fastvid", "params": {"tau": 2.0}, "budget": budget}]}
+        out = mm.generate(None, ["Describe."], recipe=recipe, **kw)[0]
+        assert out.n_vision_tokens == 4 * (most // 4)  # one-frame segments: int(B / F) per frame
+    out = mm.generate(None, ["Describe."], recipe={"pruning": [{"method": "fastvid", "budget": {"tokens": 24}}]}, **kw)
+    assert 0 < out[0].n_vision_tokens <= 24
+
+
+def test_images_only_onevision_and_qwen3_are_refused():
+    from PIL import Image
+
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 255, (36, 44, 3), dtype=np.uint8))
+    with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*needs a video.*videos="):
+        _mm("qwen2_5_vl").generate([image], ["What?"], recipe=_recipe(), max_new_tokens=2)
+    with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*\(llava_onevision\).*attention-pooling head"):
+        Session(_mm("llava_onevision"), load_recipe(_recipe()))
+    with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*needs a video as one vision item.*\(qwen3_vl\)"):
+        Session(_mm("qwen3_vl"), load_recipe(_recipe()))
