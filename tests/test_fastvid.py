@@ -362,3 +362,51 @@ def test_images_only_onevision_and_qwen3_are_refused():
         Session(_mm("llava_onevision"), load_recipe(_recipe()))
     with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*needs a video as one vision item.*\(qwen3_vl\)"):
         Session(_mm("qwen3_vl"), load_recipe(_recipe()))
+
+
+DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}
+#: refused on Qwen2.5-VL whatever the pruner (damro: CLS, ritual: family, lqcd: images only)
+REFUSED = {"damro", "lqcd", "ritual", "divprune"}
+
+
+def test_every_decoder_and_a_stacked_pruner_on_a_video():
+    """The compatibility matrix feeds images (refused here); on a video batch of 2, FastVID with every
+    decoder, and stacked with FastV / after DivPrune (refused: it needs whole frames), generates or is
+    refused naming the method."""
+    from mmfast.registry import DECODERS
+
+    mm = _mm("qwen2_5_vl")
+    kw = dict(videos=[_video(8, 1), _video(6, 2)], max_new_tokens=3)
+    stage = _recipe(retention_ratio=0.5)["pruning"]
+    recipes = {
+        d: {"pruning": stage, "decoding": {"method": d, "params": DECODER_PARAMS.get(d, {})}}
+        for d in DECODERS.names()
+        if d != "m3id"  # it fails on any video, without FastVID too (see tests/test_dycoke.py)
+    }
+    recipes["+fastv"] = {"pruning": [*stage, {"method": "fastv", "params": {"k": 3, "drop_ratio": 0.5}}]}
+    recipes["divprune"] = {"pruning": [{"method": "divprune", "params": {"ratio": 0.5}}, *stage]}
+    refused, problems = set(), []
+    for name, recipe in recipes.items():
+        try:
+            out = mm.generate(None, ["Describe.", "What?"], recipe=recipe, **kw)
+        except IncompatibleRecipeError as exc:
+            refused.add(name)
+            if f"({name})" not in str(exc) and "(fastvid)" not in str(exc):
+                problems.append(f"{name}: refusal does not name a method: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - report every combination that crashes
+            problems.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        assert len(out) == 2 and all(r.n_vision_tokens < n for r, n in zip(out, (64, 48)))
+    assert not problems, "\n".join(problems)
+    assert refused == REFUSED
+
+
+def test_static_cache_gives_the_tokens_of_compile_off():
+    mm = _mm("qwen2_5_vl")
+    kw = dict(videos=[_video(8, 1), _video(6, 2)], max_new_tokens=5)
+    tokens = {}
+    for mode in ("off", "static"):
+        with mmfast.apply(mm, load_recipe(_recipe(retention_ratio=0.5)), compile=mode) as s:
+            tokens[mode] = [r.token_ids for r in s.generate(None, ["Describe.", "What?"], **kw)]
+    assert tokens["static"] == tokens["off"]

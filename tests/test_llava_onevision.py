@@ -226,7 +226,7 @@ def _families(name):
 def test_noop_pruning_equals_baseline(name, ov_mm, ov_images, prompts):
     cls = PRUNERS.get(name).cls
     if caps_of(cls, None).videos_only:
-        pytest.skip("needs a video input: its no-op, batch and static-cache checks are in tests/test_dycoke.py")
+        pytest.skip(f"needs a video input: its no-op, batch and static-cache checks are in tests/test_{name}.py")
     try:
         params = cls.noop_params(ov_mm.adapter)
     except NotImplementedError:
