@@ -51,7 +51,7 @@ REFUSED = {
     "speculative:flash": QWEN,
     # added after the features: video only, one vision item per video
     "pruning:dycoke": {"llava", "llava_next", "qwen3_vl"},
-    # video only, one item per video, Qwen's merge units (OneVision: the release needs SigLIP's pooling head)
+    # video only, one item per video, Qwen's merge units (OneVision: only with siglip_head, the pooling head)
     "pruning:fastvid": {"llava", "llava_next", "llava_onevision", "qwen3_vl"},
 }
 

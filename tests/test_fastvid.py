@@ -17,7 +17,7 @@ from mmfast.config import load_recipe
 from mmfast.errors import IncompatibleRecipeError
 from mmfast.models.base import VIDEO
 from mmfast.pipeline import Session
-from mmfast.pruning._fastvid_ops import FastVIDParams, select_video
+from mmfast.pruning._fastvid_ops import FastVIDParams, select_video, select_video_ov
 
 _MODELS: dict[str, object] = {}
 RELEASE = dict(retention_ratio=0.27, c=8, tau=0.84, ignore=0.95, d=0.4, p=4, beta=0.6)
@@ -25,11 +25,27 @@ RELEASE = dict(retention_ratio=0.27, c=8, tau=0.84, ignore=0.95, d=0.4, p=4, bet
 
 def _mm(family: str):
     if family not in _MODELS:
-        from mmfast.models.factory import random_llava_onevision, random_qwen_vl
+        from mmfast.models.factory import LlavaShape, random_llava_onevision, random_qwen_vl
 
-        model, proc = random_llava_onevision(seed=1) if family == "llava_onevision" else random_qwen_vl(family, seed=1)
+        if family == "llava_onevision":  # a 12 x 12 patch grid: 36 pooled tokens per frame
+            model, proc = random_llava_onevision(LlavaShape(image_size=48, patch_size=4), seed=1)
+        else:
+            model, proc = random_qwen_vl(family, seed=1)
         _MODELS[family] = mmfast.load(model, proc)
     return _MODELS[family]
+
+
+@pytest.fixture(scope="module")
+def siglip_head(tmp_path_factory) -> str:
+    """A SigLIP checkpoint of the OneVision tower's width with a (random) attention-pooling head."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    tower = _mm("llava_onevision").adapter.vision_config
+    cfg = SiglipVisionConfig(**{**tower.to_dict(), "vision_use_head": True})
+    torch.manual_seed(3)
+    path = tmp_path_factory.mktemp("siglip")
+    SiglipVisionModel(cfg).save_pretrained(path)
+    return str(path)
 
 
 def _video(n: int, seed: int = 0) -> np.ndarray:
@@ -298,7 +314,7 @@ def test_noop_setting_reproduces_the_baseline(family):
     mm = _mm(family)
     kw = dict(videos=[_video(8)], max_new_tokens=6)
     base = mm.generate(None, ["Describe."], **kw)[0]
-    noop = mm.generate(None, ["Describe."], recipe=_recipe(retention_ratio=1.0, tau=2.0), **kw)[0]
+    noop = mm.generate(None, ["Describe."], recipe=_recipe(retention_ratio=1.0, tau=2.0, beta=1.0), **kw)[0]
     assert noop.token_ids == base.token_ids and noop.n_vision_tokens == base.n_vision_tokens
     pruned = mm.generate(None, ["Describe."], recipe=_recipe(retention_ratio=0.5), **kw)[0]
     assert pruned.n_vision_tokens < base.n_vision_tokens
@@ -352,14 +368,214 @@ def test_budget_keeps_at_most_its_target_per_video():
     assert 0 < out[0].n_vision_tokens <= 24
 
 
+# -- the release's OneVision variant (fastvid_llavaonevision: modeling_qwen2.py Qwen2Model.forward, seq_length > 1) --
+def _release_prune_ov(video_hidden_states, frame_attn_weights, frame_global_features, cfg):
+    """``video_hidden_states`` [F, T, d]; returns (keep_indexs relative to the video's first slot, tokens)."""
+    frame_num, frame_token_len, hidden_states_dim = video_hidden_states.shape
+    device_type = video_hidden_states.device
+    batchframe_indices = torch.arange(frame_num).unsqueeze(1)
+    alltoken_indices = torch.arange(frame_num * frame_token_len).view(frame_num, frame_token_len)
+    frame_global_features = frame_global_features / frame_global_features.norm(dim=1, keepdim=True)
+    similarity_matrix = (frame_global_features[:-1] * frame_global_features[1:]).sum(dim=1)
+    cut_indices_topk = torch.topk(similarity_matrix, cfg["c"] - 1, largest=False).indices
+    cut_indices_cos = torch.nonzero(similarity_matrix < cfg["tau"], as_tuple=False).squeeze(1)
+    cut_indices = torch.unique(torch.cat([cut_indices_topk, cut_indices_cos])).sort().values
+    padded = F.pad(cut_indices, (1, 1), value=-1)
+    padded[-1] = frame_num - 1
+    segment_sizes = padded.diff().tolist()
+    keep_indexs, final_tokens = (), []
+    frame_retain_num = int(frame_token_len * cfg["retention_ratio"])
+    frame_salient_num = frame_retain_num - int(frame_retain_num * cfg["d"])
+    frm_context_num_list = torch.zeros(frame_num, dtype=torch.int)
+    frame_context_num = frame_retain_num - frame_salient_num
+    offset = 0
+    for seg_i_len in segment_sizes:
+        seg_context_num = frame_context_num * seg_i_len
+        temp_num = (seg_i_len + cfg["p"] - 1) // cfg["p"]
+        cur_frm_context_num = seg_context_num // temp_num
+        end = offset + seg_i_len
+        seg_indices = torch.arange(seg_i_len - 1, -1, -1)
+        mask = seg_indices % cfg["p"] == 0
+        frm_context_num_list[offset:end][mask] = cur_frm_context_num
+        offset = end
+    salient_indexes = torch.topk(frame_attn_weights, frame_salient_num, dim=1).indices
+    batch_indices = batchframe_indices.expand(-1, frame_salient_num)
+    salient_tokens = video_hidden_states[batch_indices, salient_indexes]
+    salient_global_indexes = alltoken_indices[batch_indices, salient_indexes]
+    final_tokens.append(salient_tokens.view(-1, hidden_states_dim))
+    keep_indexs += (salient_global_indexes.view(-1),)
+    all_indices = torch.arange(frame_token_len).unsqueeze(0).expand(frame_num, -1)
+    all_indices_mask = torch.ones_like(all_indices, dtype=torch.bool)
+    all_indices_mask.scatter_(1, salient_indexes, False)
+    filtered_indices = all_indices[all_indices_mask].view(frame_num, frame_token_len - frame_salient_num)
+    batch_indices = batchframe_indices.expand(-1, frame_token_len - frame_salient_num)
+    token_filtered = video_hidden_states[batch_indices, filtered_indices]
+    alltoken_filtered_indices = alltoken_indices[batch_indices, filtered_indices]
+    tmp_frm_hidden_states = token_filtered
+    dist_matrix = torch.cdist(tmp_frm_hidden_states.float(), tmp_frm_hidden_states.float()) / (hidden_states_dim**0.5)
+    dist_nearest, index_nearest = torch.topk(dist_matrix, k=4, dim=-1, largest=False)
+    density = (-(dist_nearest**2).mean(dim=-1)).exp()
+    density = density + torch.rand(density.shape, device=device_type, dtype=density.dtype) * 1e-6
+    density_mask = density[:, None, :] > density[:, :, None]
+    density_mask = density_mask.type(tmp_frm_hidden_states.dtype)
+    dist_max = dist_matrix.flatten(1).max(dim=-1)[0][:, None, None]
+    dist_0, index_parent = (dist_matrix * density_mask + dist_max * (1 - density_mask)).min(dim=-1)
+    density_score = dist_0 * density
+    sampled_indexs = torch.topk(density_score, k=frame_context_num, dim=-1).indices
+    batch_indices = batchframe_indices.expand(-1, frame_context_num)
+    frm_context_tokens = token_filtered[batch_indices, sampled_indexs]
+    frm_context_global_indexes = alltoken_filtered_indices[batch_indices, sampled_indexs]
+    to_be_merge_tokens = token_filtered / token_filtered.norm(dim=-1, keepdim=True)
+    merge_target_tokens = to_be_merge_tokens[batch_indices, sampled_indexs]
+    similarity = torch.bmm(to_be_merge_tokens, merge_target_tokens.transpose(1, 2))
+    assign_one_hot = torch.zeros(
+        frame_num, frame_token_len - frame_salient_num, frame_context_num, dtype=token_filtered.dtype
+    )
+    assign_one_hot.scatter_(2, similarity.argmax(dim=2).unsqueeze(-1), 1)
+    avg_weights = (1 / (assign_one_hot.sum(dim=1).unsqueeze(-1) + 1)).clamp(min=cfg["beta"])
+    counts = assign_one_hot.sum(dim=1).clamp(min=1).unsqueeze(-1)
+    aggregated_hidden = torch.bmm(assign_one_hot.transpose(1, 2), token_filtered) / counts
+    frm_context_tokens = avg_weights * frm_context_tokens + (1 - avg_weights) * aggregated_hidden
+    context_for_frame_mask = frm_context_num_list == frame_context_num
+    final_tokens.append(frm_context_tokens[context_for_frame_mask].view(-1, hidden_states_dim))
+    keep_indexs += (frm_context_global_indexes[context_for_frame_mask].view(-1),)
+    idx_seg_start = 0
+    for seg_i_len in segment_sizes:
+        if seg_i_len > 1:
+            cur_seg_context_num_list = frm_context_num_list[idx_seg_start : idx_seg_start + seg_i_len]
+            cur_seg_context_num = cur_seg_context_num_list[-1]
+            cur_seg_target_mask = cur_seg_context_num_list > frame_context_num
+            cur_seg_target_num = cur_seg_target_mask.sum()
+            cur_seg_density_score = density_score[idx_seg_start : idx_seg_start + seg_i_len][cur_seg_target_mask]
+            cur_seg_token_filtered = token_filtered[idx_seg_start : idx_seg_start + seg_i_len]
+            cur_seg_token_target = cur_seg_token_filtered[cur_seg_target_mask]
+            cur_seg_token_filtered = cur_seg_token_filtered.view(1, -1, hidden_states_dim).expand(
+                cur_seg_target_num, -1, -1
+            )
+            cur_seg_alltoken_indices = alltoken_filtered_indices[idx_seg_start : idx_seg_start + seg_i_len]
+            cur_seg_alltoken_indices = cur_seg_alltoken_indices[cur_seg_target_mask]
+            sampled_indexs = torch.topk(cur_seg_density_score, k=int(cur_seg_context_num), dim=-1).indices
+            batch_indices = batchframe_indices[:cur_seg_target_num].expand(-1, int(cur_seg_context_num))
+            cur_context_tokens = cur_seg_token_target[batch_indices, sampled_indexs]
+            cur_context_global_indexes = cur_seg_alltoken_indices[batch_indices, sampled_indexs]
+            to_be_merge_tokens = cur_seg_token_filtered / cur_seg_token_filtered.norm(dim=-1, keepdim=True)
+            merge_target_tokens = cur_context_tokens / cur_context_tokens.norm(dim=-1, keepdim=True)
+            similarity = torch.bmm(to_be_merge_tokens, merge_target_tokens.transpose(1, 2))
+            assign_one_hot = torch.zeros(
+                int(cur_seg_target_num),
+                to_be_merge_tokens.shape[1],
+                int(cur_seg_context_num),
+                dtype=token_filtered.dtype,
+            )
+            assign_one_hot.scatter_(2, similarity.argmax(dim=2).unsqueeze(-1), 1)
+            avg_weights = (1 / (assign_one_hot.sum(dim=1).unsqueeze(-1) + 1)).clamp(min=cfg["beta"])
+            counts = assign_one_hot.sum(dim=1).clamp(min=1).unsqueeze(-1)
+            aggregated_hidden = torch.bmm(assign_one_hot.transpose(1, 2), cur_seg_token_filtered) / counts
+            cur_context_tokens = avg_weights * cur_context_tokens + (1 - avg_weights) * aggregated_hidden
+            final_tokens.append(cur_context_tokens.view(-1, hidden_states_dim))
+            keep_indexs += (cur_context_global_indexes.view(-1),)
+        idx_seg_start += seg_i_len
+    hidden_states, keep_indexs = torch.cat(final_tokens, dim=0), torch.cat(keep_indexs, dim=0)
+    sorted_indexs = torch.argsort(keep_indexs)
+    return keep_indexs[sorted_indexs], hidden_states[sorted_indexs]
+
+
+OV_RELEASE = dict(retention_ratio=0.10, c=8, tau=0.9, ignore=0.95, d=0.4, p=4, beta=0.6)  # its eval.sh
+
+
+@pytest.mark.parametrize(
+    ("n_frames", "n", "cfg"),
+    [
+        (16, 196, OV_RELEASE),  # the release's 196 pooled tokens per frame
+        (24, 36, {**OV_RELEASE, "retention_ratio": 0.4}),
+        (24, 36, {**OV_RELEASE, "retention_ratio": 0.3, "c": 3, "tau": 0.3, "p": 2}),  # long segments
+    ],
+)
+def test_onevision_selection_and_merge_equal_the_release(n_frames, n, cfg):
+    video, attn, glob = _video_tensors(n_frames, n, 24, seed=n_frames + n)
+    torch.manual_seed(7)
+    want_idx, want_tok = _release_prune_ov(video, attn, glob, cfg)
+    got_idx, got_tok = select_video_ov(video, attn, glob, FastVIDParams(**cfg), torch.Generator().manual_seed(7))
+    assert torch.equal(got_idx, want_idx)
+    torch.testing.assert_close(got_tok, want_tok, rtol=1e-5, atol=1e-6)
+    assert got_idx.numel() < n_frames * n
+    assert not torch.allclose(got_tok, video.reshape(-1, video.shape[-1])[got_idx])  # DTM merged
+
+
+def test_onevision_in_the_model_the_release_rule(siglip_head, monkeypatch):
+    """OneVision with ``siglip_head``: the kept tokens equal the release's selection on the model's pooled
+    frame tokens, with G and A from the release's ``SigLipVisionAbstract`` (post_layernorm + pooling head
+    on the tower's features) and ``get_attn_2dPool``; the closing newline stays."""
+    from transformers import SiglipVisionModel
+
+    mm = _mm("llava_onevision")
+    calls = []
+    from mmfast.pruning.fastvid import FastVID
+
+    original = FastVID.prune_vision
+
+    def spy(self, vision, batch):
+        before = (vision.features[0].clone(), vision.projected[0].clone())
+        out = original(self, vision, batch)
+        calls.append((*before, out.projected[0].clone(), out.patch_ids[0].clone()))
+        return out
+
+    monkeypatch.setattr(FastVID, "prune_vision", spy)
+    cfg = {**OV_RELEASE, "retention_ratio": 0.4, "c": 3, "tau": -1.0}  # 3 segments: multi-frame ones too
+    out = mm.generate(
+        None, ["Describe."], videos=[_video(8)], recipe=_recipe(siglip_head=siglip_head, **cfg), max_new_tokens=2
+    )[0]
+    feats, tokens, got, ids = calls[0]
+    abstract = SiglipVisionModel.from_pretrained(siglip_head)  # the release's vision abstract
+    abstract = getattr(abstract, "vision_model", abstract)
+    rows, cols = mm.adapter.grid
+    with torch.inference_mode():
+        x = abstract.post_layernorm(feats.reshape(8, rows * cols, -1))
+        probe = abstract.head.probe.repeat(8, 1, 1)
+        pooled, weights = abstract.head.attention(probe, x, x)
+        pooled = pooled + abstract.head.mlp(abstract.head.layernorm(pooled))
+        attn = F.interpolate(
+            weights.view(8, 1, rows, cols), size=[math.ceil(rows / 2), math.ceil(cols / 2)], mode="bilinear"
+        )
+    n = math.ceil(rows / 2) * math.ceil(cols / 2)
+    torch.manual_seed(0)
+    want_idx, want_tok = _release_prune_ov(tokens[:-1].reshape(8, n, -1), attn.view(8, n), pooled[:, 0], cfg)
+    assert torch.equal(ids[:-1].cpu(), want_idx) and int(ids[-1]) == -1 and want_idx.numel() < 8 * n
+    torch.testing.assert_close(got[:-1], want_tok.to(got.dtype), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[-1], tokens[-1])  # the newline
+    assert out.n_vision_tokens == want_idx.numel() + 1
+
+
+def test_onevision_noop_and_batch(siglip_head):
+    mm = _mm("llava_onevision")
+    kw = dict(videos=[_video(8)], max_new_tokens=5)
+    base = mm.generate(None, ["Describe."], **kw)[0]
+    noop = _recipe(siglip_head=siglip_head, retention_ratio=1.0, tau=2.0, beta=1.0)
+    assert mm.generate(None, ["Describe."], recipe=noop, **kw)[0].token_ids == base.token_ids
+    prompts, videos = ["Describe.", "What happens here?"], [_video(8, 1), _video(6, 2)]
+    recipe = _recipe(siglip_head=siglip_head, retention_ratio=0.4)
+    batch = mm.generate(None, prompts, videos=videos, recipe=recipe, max_new_tokens=5)
+    for i in range(2):
+        alone = mm.generate(None, [prompts[i]], videos=[videos[i]], recipe=recipe, max_new_tokens=5)[0]
+        assert batch[i].token_ids == alone.token_ids
+        assert batch[i].n_vision_tokens == alone.n_vision_tokens < (8 if i == 0 else 6) * 36 + 1
+    budget = {"pruning": [{"method": "fastvid", "params": {"siglip_head": siglip_head}, "budget": {"tokens": 100}}]}
+    kept = mm.generate(None, ["Describe."], recipe=budget, **kw)[0].n_vision_tokens
+    assert 8 * int(36 * 100 / 289) + 1 >= kept > 50  # retention 100 / 289 (the newline counts), at most 100
+
+
 def test_images_only_onevision_and_qwen3_are_refused():
     from PIL import Image
 
     image = Image.fromarray(np.random.default_rng(5).integers(0, 255, (36, 44, 3), dtype=np.uint8))
     with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*needs a video.*videos="):
         _mm("qwen2_5_vl").generate([image], ["What?"], recipe=_recipe(), max_new_tokens=2)
-    with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*\(llava_onevision\).*attention-pooling head"):
+    with pytest.raises(
+        IncompatibleRecipeError, match=r"fastvid.*\(llava_onevision\).*attention-pooling head.*siglip_head"
+    ):
         Session(_mm("llava_onevision"), load_recipe(_recipe()))
+    with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*\(qwen2_5_vl\).*leave it unset on Qwen-VL"):
+        Session(_mm("qwen2_5_vl"), load_recipe(_recipe(siglip_head="/nonexistent")))
     with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*needs a video as one vision item.*\(qwen3_vl\)"):
         Session(_mm("qwen3_vl"), load_recipe(_recipe()))
 
@@ -410,3 +626,21 @@ def test_static_cache_gives_the_tokens_of_compile_off():
         with mmfast.apply(mm, load_recipe(_recipe(retention_ratio=0.5)), compile=mode) as s:
             tokens[mode] = [r.token_ids for r in s.generate(None, ["Describe.", "What?"], **kw)]
     assert tokens["static"] == tokens["off"]
+
+
+def test_a_siglip_head_path_without_a_head_or_of_another_width_is_refused(tmp_path):
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    from mmfast.errors import ConfigError
+
+    mm = _mm("llava_onevision")
+    tower = mm.adapter.vision_config.to_dict()
+    for name, cfg, why in (
+        ("nohead", {**tower, "vision_use_head": False}, "has no attention-pooling head"),
+        ("wide", {**tower, "vision_use_head": True, "hidden_size": 48}, "has width 48, the model's tower 32"),
+    ):
+        SiglipVisionModel(SiglipVisionConfig(**cfg)).save_pretrained(tmp_path / name)
+        with pytest.raises(ConfigError, match=why):
+            Session(mm, load_recipe(_recipe(siglip_head=str(tmp_path / name))))
+    with pytest.raises(ConfigError, match="cannot load a SigLIP vision model"):
+        Session(mm, load_recipe(_recipe(siglip_head=str(tmp_path / "missing"))))

@@ -1,14 +1,23 @@
-"""FastVID's pure functions (LunarShen/FastVID @a40a109, ``fastvid_qwen25vl/lmms-eval/lmms_eval/models/
-qwenvlutils/modeling_qwen2_5_vl.py``: ``Qwen2_5_VLVisionFlashAttention2.forward`` for the frame attention,
-``Qwen2_5_VLForConditionalGeneration.forward`` for DySeg / STPrune / DTM). The method is
-:mod:`mmfast.pruning.fastvid`; these functions take one video's tensors and know nothing of the model.
+"""FastVID's pure functions (LunarShen/FastVID @a40a109). The release has two variants, ported here:
+
+- Qwen2.5-VL (``fastvid_qwen25vl/lmms-eval/lmms_eval/models/qwenvlutils/modeling_qwen2_5_vl.py``):
+  :func:`frame_attention` (``Qwen2_5_VLVisionFlashAttention2.forward``) and :func:`select_video`
+  (``Qwen2_5_VLForConditionalGeneration.forward``: DySeg, sub-segments, STPrune, DTM per anchor);
+- LLaVA-OneVision (``fastvid_llavaonevision/LLaVA-NeXT/llava/model/``): :func:`pooled_attention`
+  (``llava_arch.get_attn_2dPool``) and :func:`select_video_ov` (``language_model/modeling_qwen2.py``,
+  ``Qwen2Model.forward``: DySeg, every frame's salient tokens, parallel density peaks, DTM).
+
+The method is :mod:`mmfast.pruning.fastvid`; these functions take one video's tensors and know nothing
+of the model.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -151,3 +160,83 @@ def select_video(
         rows.append(tok[order])
         start += seg_len
     return torch.cat(kept), torch.cat(rows)
+
+
+# -- the release's LLaVA-OneVision variant -------------------------------------------------------------
+def pooled_attention(weights: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``get_attn_2dPool``: the pooling head's attention [F, rows cols] -> bilinear to OneVision's pooled
+    grid, ceil(rows / 2) x ceil(cols / 2): [F, T]."""
+    grid = weights.reshape(weights.shape[0], 1, rows, cols)
+    return F.interpolate(grid, size=[math.ceil(rows / 2), math.ceil(cols / 2)], mode="bilinear").flatten(1)
+
+
+def _density_scores(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The release's parallel density-peak score of every row of ``x`` [F, R, d] (fp32): [F, R]."""
+    dist = torch.cdist(x, x) / x.shape[-1] ** 0.5  # [F, R, R]
+    nearest = torch.topk(dist, k=min(4, x.shape[1]), dim=-1, largest=False).values
+    density = (-(nearest**2).mean(dim=-1)).exp()  # [F, R]
+    density = density + torch.rand(density.shape, generator=generator, device=x.device, dtype=density.dtype) * 1e-6
+    mask = (density[:, None, :] > density[:, :, None]).float()
+    dist_max = dist.flatten(1).max(dim=-1)[0][:, None, None]
+    return (dist * mask + dist_max * (1 - mask)).min(dim=-1).values * density
+
+
+def _merge_into(pool: torch.Tensor, targets: torch.Tensor, beta: float) -> torch.Tensor:
+    """DTM, batched: every row of ``pool`` [B, M, d] to its most cosine-similar row of ``targets`` [B, C, d];
+    a target becomes w x + (1 - w) mean(assigned), w = max(1 / (count + 1), beta). [B, C, d]."""
+    normed, tn = pool / pool.norm(dim=-1, keepdim=True), targets / targets.norm(dim=-1, keepdim=True)
+    assign = torch.zeros(*pool.shape[:2], targets.shape[1], device=pool.device)  # [B, M, C]
+    assign.scatter_(2, torch.bmm(normed, tn.transpose(1, 2)).argmax(dim=2, keepdim=True), 1)
+    count = assign.sum(dim=1).unsqueeze(-1)  # [B, C, 1]
+    w = (1 / (count + 1)).clamp(min=beta)
+    return w * targets + (1 - w) * torch.bmm(assign.transpose(1, 2), pool) / count.clamp(min=1)
+
+
+def select_video_ov(
+    video: torch.Tensor, attn: torch.Tensor, glob: torch.Tensor, prm: FastVIDParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The OneVision variant on one video: ``video`` [F, T, d] pooled frame tokens, ``attn`` [F, T] pooled
+    head attention, ``glob`` [F, D] head outputs. Returns (kept [K] flat indices into F T, ascending; tokens
+    [K, d] fp32). ``ignore`` is not used (the Qwen variant's)."""
+    n_frames, n, dim = video.shape
+    x = video.float()
+    sizes = dyseg(glob.float() / glob.float().norm(dim=1, keepdim=True), prm.c, prm.tau)
+    retain = int(n * prm.retention_ratio)
+    n_sal = retain - int(retain * prm.d)
+    n_ctx = retain - n_sal
+    ctx_per_frame = torch.zeros(n_frames, dtype=torch.long)
+    offset = 0
+    for seg_len in sizes:  # anchors: every p-th frame from the segment's end
+        from_end = torch.arange(seg_len - 1, -1, -1)
+        ctx_per_frame[offset : offset + seg_len][from_end % prm.p == 0] = n_ctx * seg_len // -(-seg_len // prm.p)
+        offset += seg_len
+    flat = torch.arange(n_frames * n, device=x.device).view(n_frames, n)
+    sal = torch.topk(attn.float(), n_sal, dim=1).indices  # [F, S]
+    kept, rows = [flat.gather(1, sal).flatten()], [x.gather(1, sal[..., None].expand(-1, -1, dim)).flatten(0, 1)]
+    left = torch.ones(n_frames, n, dtype=torch.bool, device=x.device)
+    left.scatter_(1, sal, False)
+    rest = flat[left].view(n_frames, n - n_sal)  # [F, R] ascending per frame
+    pool = x.flatten(0, 1)[rest.flatten()].view(n_frames, n - n_sal, dim)  # [F, R, d]
+    if n_ctx > 0 and n - n_sal > 0:
+        score = _density_scores(pool, generator)  # [F, R]
+        pick = torch.topk(score, k=n_ctx, dim=-1).indices  # [F, C]
+        single = ctx_per_frame.to(x.device) == n_ctx  # frames of one-frame segments
+        targets = pool.gather(1, pick[..., None].expand(-1, -1, dim))
+        kept.append(rest.gather(1, pick)[single].flatten())
+        rows.append(_merge_into(pool, targets, prm.beta)[single].flatten(0, 1))
+        start = 0
+        for seg_len in sizes:
+            seg = slice(start, start + seg_len)
+            start += seg_len
+            if seg_len == 1:
+                continue
+            anchors = (ctx_per_frame[seg] > n_ctx).to(x.device)
+            k = min(int(ctx_per_frame[seg][-1]), n - n_sal)  # the release takes the segment's last frame's count
+            pick = torch.topk(score[seg][anchors], k=k, dim=-1).indices  # [A, k]
+            targets = pool[seg][anchors].gather(1, pick[..., None].expand(-1, -1, dim))
+            seg_pool = pool[seg].reshape(1, -1, dim).expand(targets.shape[0], -1, -1)  # [A, L R, d]
+            kept.append(rest[seg][anchors].gather(1, pick).flatten())
+            rows.append(_merge_into(seg_pool, targets, prm.beta).flatten(0, 1))
+    idx, tok = torch.cat(kept), torch.cat(rows)
+    order = torch.argsort(idx)
+    return idx[order], tok[order]
