@@ -129,9 +129,10 @@ class FastVID(Pruner):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         head = params is not None and params.siglip_head is not None  # the release's OneVision variant
+        needs = frozenset({Need.VIDEO, Need.VIDEO_ONE_ITEM, Need.PAIRED_TEXT_TOWER if head else Need.DYNAMIC_GRID})
         return Capabilities(
-            needs=frozenset({Need.VIDEO, Need.VIDEO_ONE_ITEM, Need.PAIRED_TEXT_TOWER if head else Need.DYNAMIC_GRID}),
-            why=WHY,
+            needs=needs,
+            why={n: WHY[n] for n in needs},
             edits_features=True,
             needs_full_grid=True,  # whole frames, each token at its grid cell
             videos_only="it segments a video's frames and prunes their tokens",
@@ -255,7 +256,8 @@ class _SiglipHead(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.post_layernorm(feats.to(self.post_layernorm.weight.dtype))  # [F, N, D]
+        w = self.post_layernorm.weight
+        x = self.post_layernorm(feats.to(device=w.device, dtype=w.dtype))  # [F, N, D]
         probe = self.head.probe.repeat(x.shape[0], 1, 1)
         out, weights = self.head.attention(probe, x, x)  # [F, 1, D], [F, 1, N] (head mean)
         out = out + self.head.mlp(self.head.layernorm(out))
