@@ -234,6 +234,8 @@ def _video_tensors(n_frames: int, n: int, dim: int, seed: int):
         (24, 36, RELEASE),
         (24, 36, {**RELEASE, "c": 3, "tau": 0.3, "ignore": 0.999, "p": 2}),  # long segments, many anchors
         (12, 64, {**RELEASE, "retention_ratio": 0.1, "d": 0.6, "ignore": 0.9, "p": 1}),
+        # every frame its own sub-segment, large context shares: the n // 2 and n caps bind
+        (16, 16, {**RELEASE, "retention_ratio": 0.9, "d": 0.9, "c": 2, "tau": -1.0, "ignore": 2.0}),
     ],
 )
 def test_selection_and_merge_equal_the_release(n_frames, n, cfg):
