@@ -53,6 +53,8 @@ REFUSED = {
     "speculative:flash": QWEN,
     # added after the features: video only, one vision item per video
     "pruning:dycoke": {"llava", "llava_next", "qwen3_vl"},
+    # video only, one item per video, Qwen's merge units (OneVision: only with siglip_head, the pooling head)
+    "pruning:fastvid": {"llava", "llava_next", "llava_onevision", "qwen3_vl"},
 }
 
 
@@ -185,6 +187,7 @@ def test_a_new_familys_decisions_follow_from_its_features():
         "tome": Need.GLOBAL_TOWER_ATTENTION,
         "mustdrop": Need.GLOBAL_TOWER_ATTENTION,
         "dycoke": Need.VIDEO,  # a LLaVA takes no video either way
+        "fastvid": Need.DYNAMIC_GRID,  # NEED_ORDER checks the grid before video input
     }
     refused = _refused(MropeLlava.features)
     assert {n for n, need in refused.items() if need is Need.ROPE_1D} == {"dynamic_llava", "msd", "flash"}
@@ -203,6 +206,7 @@ def test_a_new_familys_decisions_follow_from_its_features():
         "damro",
         "ritual",
         "dycoke",
+        "fastvid",
     }
     msg = check_model(load_recipe({"speculative": {"method": "msd"}}), _facts(MropeLlava.family, MropeLlava.features))
     assert "speculative (msd) needs 1-D RoPE positions, which this model (llava_mrope_test) does not have" in msg

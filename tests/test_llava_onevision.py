@@ -226,10 +226,7 @@ def _families(name):
 def test_noop_pruning_equals_baseline(name, ov_mm, ov_images, prompts):
     cls = PRUNERS.get(name).cls
     if videos_only_on(caps_of(cls, None), ov_mm.adapter.features):
-        pytest.skip(
-            "needs a video input here: its no-op and batch checks are in tests/test_dycoke.py, "
-            "test_hicom_video.py, test_tome_video.py"
-        )
+        pytest.skip(f"needs a video input here: its no-op and batch checks are in tests/test_{name}*.py")
     try:
         params = cls.noop_params(ov_mm.adapter)
     except NotImplementedError:

@@ -28,7 +28,7 @@ def _method_recipe(name: str, params: dict) -> Recipe:
 def test_noop_setting_reproduces_baseline(name, tiny_mm, images, prompts):
     cls = PRUNERS.get(name).cls
     if caps_of(cls, None).videos_only:
-        pytest.skip("needs a video input: its no-op, batch and static-cache checks are in tests/test_dycoke.py")
+        pytest.skip(f"needs a video input: its no-op, batch and static-cache checks are in tests/test_{name}.py")
     with Session(tiny_mm, Recipe()) as base:
         want = _prefill_logits(base, images[:2], prompts[:2])
         want_gen = base.generate(images[:2], prompts[:2], max_new_tokens=6)
@@ -44,7 +44,7 @@ def test_batch_equals_single_and_restores(name, tiny_mm, images, prompts):
     """Every stage decides per image: a batch of 4 gives each sample exactly its batch-1 output."""
     cls = PRUNERS.get(name).cls
     if caps_of(cls, None).videos_only:
-        pytest.skip("needs a video input: its no-op, batch and static-cache checks are in tests/test_dycoke.py")
+        pytest.skip(f"needs a video input: its no-op, batch and static-cache checks are in tests/test_{name}.py")
     before = count_hooks(tiny_mm.model)
     recipe = _method_recipe(name, cls.test_params(tiny_mm.adapter))
     with Session(tiny_mm, recipe) as s:

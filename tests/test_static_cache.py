@@ -120,7 +120,7 @@ def _served_or_named(mm, recipe: dict, where: str, images, prompts, padded_steps
 @pytest.mark.parametrize("pruner", [e.name for e in PRUNERS.entries()])
 def test_every_pruner_is_served_or_falls_back(pruner, tiny_mm, images, prompts, padded_steps, caplog):
     if caps_of(PRUNERS.get(pruner).cls, None).videos_only:
-        pytest.skip("needs a video input: its no-op, batch and static-cache checks are in tests/test_dycoke.py")
+        pytest.skip(f"needs a video input: its no-op, batch and static-cache checks are in tests/test_{pruner}.py")
     recipe = {"pruning": [_stage(pruner, tiny_mm)]}
     _served_or_named(tiny_mm, recipe, f"pruning[0] ({pruner})", images, prompts, padded_steps, caplog)
 
