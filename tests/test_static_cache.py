@@ -498,6 +498,7 @@ def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, tiny_mm, ima
         phases = _spy_prefill_recorders(s)
         batch = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)]
         one = [r.token_ids for r in s.generate(images[2:3], prompts[2:3], max_new_tokens=8, seed=0)]
+        assert s.runner.capture_blocker() is None  # and after prefills
     assert batch == dynamic and one == single
     assert phases and set(phases) == {"prefill"}  # the recorders ran, at prefill only
     assert len(ReplayGraph.made) == 2 and all(g.replays >= 5 for g in ReplayGraph.made)  # one graph per call
