@@ -96,6 +96,11 @@ class Capabilities:
     #: held tokens (a static step attends over the whole preallocated buffer); "" = the static-cache
     #: step serves it. ``model.compile`` falls back to the dynamic cache with this reason.
     dynamic_decode: str = ""
+    #: why the method's decode-time hooks must run as Python in every decode step, so that a static step
+    #: cannot be one captured CUDA graph (``model.compile: auto``); "" = it installs nothing that acts
+    #: in decode steps (hooks that act at prefill only are installed ``prefill_only``). The installed
+    #: hooks are what the runner checks (``LMRunner.capture_blocker``); this names the method and why.
+    eager_decode: str = ""
 
 
 def static_cache_blocker(methods: Iterable[tuple[str, Capabilities]]) -> str | None:

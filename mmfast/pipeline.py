@@ -550,10 +550,13 @@ class Session:
         mode = self.recipe.model.compile
         if mode == "off" or (mode == "auto" and not self._captures()):
             return None
-        reason = static_cache_blocker(self._method_caps(decoder))
+        methods = self._method_caps(decoder)
+        reason = static_cache_blocker(methods)
         if reason is None and mode == "auto":  # eager static steps gain nothing over the dynamic cache
             blocker = self.runner.capture_blocker()
-            reason = None if blocker is None else f"no captured graph: {blocker}"
+            if blocker is not None:  # the method that declared it, and why (Capabilities.eager_decode)
+                declared = next((f"; {where}: {c.eager_decode}" for where, c in methods if c.eager_decode), "")
+                reason = f"no captured graph: {blocker}{declared}"
         if reason is not None:
             if reason not in self._static_refusals:
                 self._static_refusals.add(reason)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import compat
+from .hooks.session import is_prefill_only
 from .models.base import LMInputs, VLMAdapter
 
 if TYPE_CHECKING:
@@ -344,7 +345,7 @@ class LMRunner:
         self.deepstack_levels = int(getattr(adapter, "deepstack_levels", 0))
         if self.deepstack_levels and session is not None:
             for i in range(self.deepstack_levels):
-                session.forward_hook(adapter.layers[i], self._make_deepstack_hook(i))
+                session.forward_hook(adapter.layers[i], self._make_deepstack_hook(i), prefill_only=True)
 
     # -- registration (by pruners, through the session) -------------------------------------------
     def prune_at(self, layer: int, fn: SelectFn, *, compact: bool = False, ref_layer: float | None = None) -> None:
@@ -396,10 +397,15 @@ class LMRunner:
     @contextlib.contextmanager
     def _activate(self, state: LMState, phase: str) -> Iterator[None]:
         self._active, self._phase = state, phase
+        decoding = self.session is not None and self.session.decoding
+        if self.session is not None:  # prefill-only hooks and attention recorders step aside
+            self.session.decoding = phase == "decode"
         try:
             yield
         finally:
             self._active, self._phase = None, "idle"
+            if self.session is not None:
+                self.session.decoding = decoding
             for grp in state.groups:
                 grp.fwd_mask = grp.fwd_pos_ids = grp.fwd_pos_emb = None
 
@@ -541,19 +547,21 @@ class LMRunner:
     def capture_blocker(self) -> str | None:
         """Why this static step cannot be one captured graph (None: it can). Python that must run at
         every step cannot live in a graph: decode hooks, hooks on LM modules other than the runner's
-        layer pre-hooks, attention probes or overrides on LM layers."""
+        layer pre-hooks, attention probes or overrides on LM layers. Hooks and attention recorders
+        installed ``prefill_only`` (``HookSession``) do not run in decode steps and do not count."""
         if self._decode:
             return "decode hooks (on_decode)"
         own = 0 if self._hooked_from is None else self.n_layers - self._hooked_from
         hooks = sum(
-            sum(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()) + len(m._forward_pre_hooks)
+            sum(not (compat.is_inert_output_hook(h) or is_prefill_only(h)) for h in m._forward_hooks.values())
+            + sum(not is_prefill_only(h) for h in m._forward_pre_hooks.values())
             for m in self.lm.modules()
         )
         if hooks != own:
             return "hooks on the language model's modules"
         for layer in self.adapter.layers:
             attn = getattr(layer.self_attn, "_mmfast_attn", None)
-            if attn is not None and (attn.recorders or attn.override is not None):
+            if attn is not None and attn.acts_at_decode():
                 return "attention probes or overrides on the language model"
         return None
 

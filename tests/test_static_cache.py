@@ -205,9 +205,10 @@ def test_auto_is_static_on_cuda_only(tiny_mm, images, prompts, padded_steps):
 
 
 def test_auto_captures_or_keeps_the_dynamic_cache(tiny_mm, images, prompts, padded_steps, monkeypatch, caplog):
-    """On CUDA (here: a stand-in graph), auto captures the steps it can; a session whose step cannot be
-    captured (FastV's probe) decodes on the dynamic cache, where eager static steps would only be slower
-    (measured on an H100: 8.4 vs 5.2 ms per token), and says why once."""
+    """On CUDA (here: a stand-in graph), auto captures the steps it can (FastV's probe records at prefill
+    only); a session whose step cannot be captured (VHR's head-scaling pre-hooks run every step) decodes
+    on the dynamic cache, where eager static steps would only be slower (measured on an H100, FastV
+    before its probe was prefill-only: 8.4 vs 5.2 ms per token), and says why once, naming the method."""
     from mmfast.pipeline import Session
 
     monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
@@ -218,11 +219,16 @@ def test_auto_captures_or_keeps_the_dynamic_cache(tiny_mm, images, prompts, padd
     assert padded_steps[0] > 0 and ReplayGraph.made
     fastv = {"pruning": [_stage("fastv", tiny_mm)]}
     steps, made = padded_steps[0], len(ReplayGraph.made)
+    assert _tokens(tiny_mm, fastv, images, prompts, "auto") == _tokens(tiny_mm, fastv, images, prompts, "off")
+    assert padded_steps[0] > steps and len(ReplayGraph.made) > made  # captured
+    vhr = SERVED["vhr"]
+    steps, made = padded_steps[0], len(ReplayGraph.made)
     with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
-        assert _tokens(tiny_mm, fastv, images, prompts, "auto") == _tokens(tiny_mm, fastv, images, prompts, "off")
+        assert _tokens(tiny_mm, vhr, images, prompts, "auto") == _tokens(tiny_mm, vhr, images, prompts, "off")
     assert padded_steps[0] == steps and len(ReplayGraph.made) == made  # the dynamic cache, no graph
     lines = [r.getMessage() for r in caplog.records if "dynamic KV cache" in r.getMessage()]
-    assert len(lines) == 1 and "no captured graph: attention probes" in lines[0]
+    assert len(lines) == 1 and "no captured graph: hooks on the language model" in lines[0]
+    assert "decoding (vhr): its o_proj pre-hooks" in lines[0]
 
 
 def test_recipe_key_and_api_value_are_checked():
@@ -373,9 +379,15 @@ def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatc
     [
         ({}, None),
         ({"pruning": [{"method": "pyramiddrop"}]}, None),
-        ({"pruning": [{"method": "fastv"}]}, "attention probes"),
-        ({"pruning": [{"method": "dart"}]}, "attention probes"),
+        ({"pruning": [{"method": "fastv"}]}, None),  # probes and recorders that act at prefill only
+        ({"pruning": [{"method": "dart"}]}, None),
+        ({"pruning": [{"method": "sparsevlm"}]}, None),
+        ({"pruning": [{"method": "mustdrop"}]}, None),
+        ({"pruning": [{"method": "dynamic_llava"}]}, "decode hooks"),
+        ({"pruning": [{"method": "zipvl"}]}, "attention probes or overrides"),
         ({"decoding": {"method": "vhr"}}, "hooks on the language model"),
+        ({"decoding": {"method": "pai"}}, "attention probes or overrides"),
+        ({"decoding": {"method": "opera", "params": DECODER_PARAMS["opera"]}}, "attention probes or overrides"),
     ],
 )
 def test_capture_blockers(recipe, blocker, tiny_mm):
@@ -411,11 +423,11 @@ def test_auto_without_a_graph_says_why_once(tiny_mm, images, prompts, monkeypatc
 
     ReplayGraph.made = []
     monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
-    recipe = {"pruning": [_stage("fastv", tiny_mm)]}
+    recipe = SERVED["vhr"]
     with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
         static = _tokens(tiny_mm, recipe, images, prompts, "static")
     lines = [r.getMessage() for r in caplog.records if "captured graph" in r.getMessage()]
-    assert len(lines) == 1 and "attention probes" in lines[0]
+    assert len(lines) == 1 and "hooks on the language model" in lines[0]
     assert not ReplayGraph.made
     assert static == _tokens(tiny_mm, recipe, images, prompts, "off")
 
@@ -445,3 +457,135 @@ def test_a_failed_capture_falls_back_to_eager_with_one_warning(tiny_mm, images, 
     lines = [r.getMessage() for r in caplog.records if "capturing the step failed" in r.getMessage()]
     assert len(lines) == 1 and "stream is capturing" in lines[0]
     assert len(ReplayGraph.made) == 1 and ReplayGraph.made[0].replays == 0  # one try per block, then eager
+
+
+# -- prefill-only probes and hooks: the decode step is captured -------------------------------------
+
+PREFILL_ONLY = ["fastv", "dart", "sparsevlm", "mustdrop"]  # read LLM attention to prune at prefill only
+
+
+def _spy_prefill_recorders(s) -> list[str]:
+    """Wraps every prefill-only attention recorder on the LLM layers; returns the runner phases they ran in."""
+    phases: list[str] = []
+
+    def spy(rec):
+        def run(*args):
+            phases.append(s.runner._phase)
+            return rec(*args)
+
+        return run
+
+    for layer in s.ctx.adapter.layers:
+        hooks = getattr(layer.self_attn, "_mmfast_attn", None)
+        if hooks is not None:
+            hooks.prefill_recorders[:] = [spy(r) for r in hooks.prefill_recorders]
+    return phases
+
+
+@pytest.mark.parametrize("pruner", PREFILL_ONLY)
+def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, tiny_mm, images, prompts, monkeypatch):
+    """Their probes record at prefill only: nothing of theirs runs in a decode step (nor while it is
+    captured), the step is one graph, and the tokens equal the dynamic cache's (greedy, batch 2 and 1)."""
+    from mmfast.pipeline import Session
+
+    recipe = {"pruning": [_stage(pruner, tiny_mm)]}
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
+    single = _tokens(tiny_mm, recipe, images[2:], prompts[2:], "off")[:1]
+    ReplayGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        assert s.runner.capture_blocker() is None
+        phases = _spy_prefill_recorders(s)
+        batch = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)]
+        one = [r.token_ids for r in s.generate(images[2:3], prompts[2:3], max_new_tokens=8, seed=0)]
+        assert s.runner.capture_blocker() is None  # and after prefills
+    assert batch == dynamic and one == single
+    assert phases and set(phases) == {"prefill"}  # the recorders ran, at prefill only
+    assert len(ReplayGraph.made) == 2 and all(g.replays >= 5 for g in ReplayGraph.made)  # one graph per call
+
+
+def test_prefill_only_probe_skips_verify_steps(tiny_mm, images, prompts, monkeypatch):
+    """A speculative verify step (Q > 1) is a decode step: FastV's probe (``when``: Q > 1) records there
+    no more, and the verify steps are captured per tree size with tokens equal to the dynamic cache's."""
+    from mmfast.pipeline import Session
+
+    recipe = {"pruning": [_stage("fastv", tiny_mm)], **SERVED["prompt_lookup"]}
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
+    ReplayGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        phases = _spy_prefill_recorders(s)
+        got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=12, seed=0)]
+    assert got == dynamic
+    assert phases and set(phases) == {"prefill"}
+    assert ReplayGraph.made
+
+
+def test_prefill_only_hooks_are_skipped_while_decoding(tiny_mm):
+    """``prefill_only`` module hooks and attention recorders do not run while ``HookSession.decoding``;
+    every-forward ones do, and only they block capture."""
+    from mmfast.hooks import HookSession
+    from mmfast.hooks.attention import AttentionProbe, last_row
+    from mmfast.runtime import LMRunner
+
+    lm = tiny_mm.adapter.language_model
+    ids = torch.tensor([[1, 2, 3]])
+    calls: list[str] = []
+    with HookSession(tiny_mm.model) as hooks:
+        runner = LMRunner(tiny_mm.adapter, hooks)
+        probe = AttentionProbe(hooks)
+        hooks.pre_hook(lm.layers[0], lambda m, a: calls.append("pre"), prefill_only=True)
+        hooks.forward_hook(lm.layers[0], lambda m, a, o: calls.append("fwd"), prefill_only=True)
+        probe.watch("p", lm.layers[1].self_attn, rows=last_row, prefill_only=True)
+        assert runner.capture_blocker() is None
+        for decoding in (False, True):
+            hooks.decoding = decoding
+            probe.clear()
+            with torch.inference_mode():
+                lm(input_ids=ids)
+            assert calls == ([] if decoding else ["pre", "fwd"]) and (probe.get("p") is None) == decoding
+            calls.clear()
+        probe.watch("q", lm.layers[1].self_attn, rows=last_row)  # every forward: decode steps included
+        with torch.inference_mode():
+            lm(input_ids=ids)
+        assert probe.get("q") is not None and probe.get("p") is None
+        assert "attention probes" in runner.capture_blocker()
+
+
+@pytest.mark.parametrize(
+    "kind,name",
+    [("pruning", e.name) for e in PRUNERS.entries()] + [("decoding", e.name) for e in DECODERS.entries()],
+)
+def test_methods_that_act_in_decode_steps_declare_it(kind, name, tiny_mm):
+    """A method's installed hooks keep the decode step from being captured exactly when it declares why
+    (``Capabilities.eager_decode``), or needs the dynamic step anyway (``static_cache_blocker``)."""
+    from mmfast.capabilities import static_cache_blocker
+
+    if kind == "pruning":
+        if caps_of(PRUNERS.get(name).cls, None).videos_only:
+            pytest.skip("needs a video model: DyCoke's DP declares dynamic_decode (tests/test_dycoke.py)")
+        recipe = {"pruning": [_stage(name, tiny_mm)]}
+    else:
+        recipe = {"decoding": {"method": name, "params": DECODER_PARAMS.get(name, {})}}
+    with mmfast.apply(tiny_mm, recipe) as s:
+        blocker = s.runner.capture_blocker()
+        methods = s._method_caps(s.decoder)
+    declared = [c.eager_decode for _, c in methods if c.eager_decode]
+    assert (blocker is not None) == bool(declared or static_cache_blocker(methods)), (blocker, declared)
+
+
+def test_qwen3_vl_deepstack_does_not_block_capture(tmp_path, images, prompts, monkeypatch):
+    """Qwen3-VL's deepstack adds vision features after the first LLM layers at prefill only: its forward
+    hooks are installed ``prefill_only`` and the decode step is captured, tokens equal to the dynamic cache's."""
+    from mmfast.models.factory import random_qwen_vl, save_model
+    from mmfast.pipeline import Session
+
+    model, processor = random_qwen_vl("qwen3_vl")
+    mm = mmfast.load(save_model(model, processor, tmp_path), device="cpu")
+    dynamic = _tokens(mm, {}, images, prompts, "off", n=6)
+    ReplayGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    with mmfast.apply(mm, {}) as s:
+        assert s.runner.deepstack_levels and s.runner.capture_blocker() is None
+    assert _tokens(mm, {}, images, prompts, "static", n=6) == dynamic
+    assert ReplayGraph.made and ReplayGraph.made[0].replays >= 4

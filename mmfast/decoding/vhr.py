@@ -47,8 +47,14 @@ def select_heads(vhd: torch.Tensor, text_energy: torch.Tensor) -> torch.Tensor:
 
 @DECODERS.register("vhr", description="VHR: reinforce vision-aware attention heads chosen at the first token")
 class VHR(Decoder):
-    caps = Capabilities()
     """Vision-aware Head Reinforcement."""
+
+    @classmethod
+    def capabilities(cls, params) -> Capabilities:
+        scales = params is None or params.alpha != 1.0  # alpha = 1 installs no hook
+        return Capabilities(
+            eager_decode="its o_proj pre-hooks scale each sample's chosen heads at every step" if scales else ""
+        )
 
     @dataclass(frozen=True)
     class Config:

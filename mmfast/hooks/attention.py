@@ -9,7 +9,10 @@ never the L x L matrix. The same wrapper lets a method override one module's att
 (ZipVL's sparse prefill) without touching any other module.
 
 A module is probed while it has a ``_mmfast_attn`` instance attribute (set and removed by the
-HookSession), holding a :class:`ModuleAttentionHooks`.
+HookSession), holding a :class:`ModuleAttentionHooks`. A recorder declares its phase: ``recorders`` run
+on every forward, ``prefill_recorders`` (the methods that read attention only to prune at prefill:
+FastV, DART, SparseVLM, MustDrop) are skipped while the runner runs an LLM decode step
+(``HookSession.decoding``), so they never run inside one and leave it capturable as one CUDA graph.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from .. import compat
+
+if TYPE_CHECKING:
+    from .session import HookSession
 
 _BASES = ("sdpa", "eager")
 
@@ -60,10 +66,19 @@ class Override(Protocol):
 
 @dataclass
 class ModuleAttentionHooks:
-    """What the wrapper does on one attention module: record rows, and/or replace the computation."""
+    """What the wrapper does on one attention module: record rows, and/or replace the computation.
+
+    ``recorders`` and ``override`` act on every forward, LLM decode steps included; ``prefill_recorders``
+    are not called while ``session.decoding`` (an LLM decode step runs)."""
 
     recorders: list[Recorder] = field(default_factory=list)
     override: Override | None = None
+    prefill_recorders: list[Recorder] = field(default_factory=list)
+    session: HookSession | None = field(default=None, repr=False)
+
+    def acts_at_decode(self) -> bool:
+        """Whether anything here runs in an LLM decode step (Python a captured step cannot replay)."""
+        return bool(self.recorders) or self.override is not None
 
 
 def _make_wrapper(base: str) -> Callable:
@@ -77,6 +92,9 @@ def _make_wrapper(base: str) -> Callable:
         if hooks is not None:
             for rec in hooks.recorders:
                 rec(module, query, key, attention_mask, scaling)
+            if hooks.session is None or not hooks.session.decoding:
+                for rec in hooks.prefill_recorders:
+                    rec(module, query, key, attention_mask, scaling)
         return out, None
 
     wrapper.__name__ = f"mmfast_probe_{base}"
@@ -186,11 +204,13 @@ class AttentionProbe:
         *,
         when: Callable[[int, int], bool] | None = None,
         reduce: str | None = None,
+        prefill_only: bool = False,
     ) -> None:
         """Record ``rows`` of ``attn_module``'s attention under ``name`` on each forward.
 
-        ``when(q_len, k_len)`` filters forwards (e.g. prefill only); ``reduce`` is None (keep heads),
-        "mean" or "max" over heads.
+        ``when(q_len, k_len)`` filters forwards; ``reduce`` is None (keep heads), "mean" or "max" over
+        heads; ``prefill_only``: the caller reads the record only at prefill, so the probe does not run
+        in LLM decode steps (which can then be captured graphs).
         """
         hooks = attach(self.session, attn_module)
         reduce = reduce if reduce is not None else self.reduce
@@ -213,7 +233,7 @@ class AttentionProbe:
             self.records[name] = ProbeRecord(probs, rr, q_len, k_len)
             self.time_s += time.perf_counter() - t0
 
-        hooks.recorders.append(record)
+        (hooks.prefill_recorders if prefill_only else hooks.recorders).append(record)
         self._enabled.add(name)
 
     def __getitem__(self, name: str) -> ProbeRecord:
@@ -238,7 +258,7 @@ def attach(session, attn_module: nn.Module) -> ModuleAttentionHooks:
     """The ModuleAttentionHooks of ``attn_module``, created (and scheduled for removal) if needed."""
     hooks = attn_module.__dict__.get("_mmfast_attn")
     if hooks is None:
-        hooks = ModuleAttentionHooks()
+        hooks = ModuleAttentionHooks(session=session)
         session.set_attr(attn_module, "_mmfast_attn", hooks)
         session.use_probe_attention()
     return hooks

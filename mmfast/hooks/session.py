@@ -4,6 +4,11 @@ It owns every forward hook and pre-hook handle, every instance attribute it sets
 implementation it switches to (the probe). ``close()`` removes and restores all of it in reverse
 order, so after ``with HookSession(model): ...`` the model computes exactly what it computed before
 (tested: identical logits, no leftover hooks, original attention implementation).
+
+Phases: a hook (or attention recorder, :mod:`.attention`) installed ``prefill_only`` declares that it acts
+only outside LLM decode steps; the session skips it while ``decoding`` is set (by the runner, for each
+decode step), so such a hook never runs inside a decode step and does not keep it from being one captured
+CUDA graph (``LMRunner.capture_blocker``).
 """
 
 from __future__ import annotations
@@ -31,13 +36,30 @@ class HookSession:
         self._attrs: list[tuple[Any, str, Any]] = []
         self._attn_before: dict[str, str] | None = None
         self.closed = False
+        #: True while the runner runs an LLM decode step: ``prefill_only`` hooks and recorders are skipped
+        self.decoding = False
 
     # -- installation --------------------------------------------------------------------------
-    def forward_hook(self, module: nn.Module, fn: Callable, *, with_kwargs: bool = False) -> None:
+    def forward_hook(
+        self, module: nn.Module, fn: Callable, *, with_kwargs: bool = False, prefill_only: bool = False
+    ) -> None:
+        """``prefill_only``: ``fn`` acts only outside LLM decode steps (skipped while ``decoding``)."""
+        fn = self._outside_decode(fn) if prefill_only else fn
         self._handles.append(module.register_forward_hook(fn, with_kwargs=with_kwargs))
 
-    def pre_hook(self, module: nn.Module, fn: Callable, *, with_kwargs: bool = False) -> None:
+    def pre_hook(
+        self, module: nn.Module, fn: Callable, *, with_kwargs: bool = False, prefill_only: bool = False
+    ) -> None:
+        """``prefill_only``: ``fn`` acts only outside LLM decode steps (skipped while ``decoding``)."""
+        fn = self._outside_decode(fn) if prefill_only else fn
         self._handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+
+    def _outside_decode(self, fn: Callable) -> Callable:
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            return None if self.decoding else fn(*args, **kwargs)
+
+        hook.mmfast_prefill_only = True  # type: ignore[attr-defined]
+        return hook
 
     def set_attr(self, obj: Any, name: str, value: Any) -> None:
         """Set an *instance* attribute, remembering the old value (or its absence) for close()."""
@@ -83,6 +105,11 @@ class HookSession:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def is_prefill_only(hook: Callable) -> bool:
+    """Whether ``hook`` was installed ``prefill_only`` (a no-op in every LLM decode step)."""
+    return bool(getattr(hook, "mmfast_prefill_only", False))
 
 
 def count_hooks(model: nn.Module) -> int:

@@ -27,7 +27,7 @@ does the same (every vision slot of the image is a candidate).
 
 Positions: kept tokens keep their original position ids (the release sets ``position_ids =
 keep_indexs``). KV cache: layers >= K cache only the kept tokens (static after prefill).
-Hook points: a key recorder on layer K-1's attention (``hooks.attach``, prefill only; the L1 norms
+Hook points: a key recorder on layer K-1's attention (``hooks.attach(...).prefill_recorders``: prefill only, so a static decode step can be captured; the L1 norms
 travel in the state's ``extras``); ``llm_layer`` (``runner.prune_at``).
 
 Pivot order (the order matters: each pivot removes its picks from the later pivots' candidates):
@@ -200,7 +200,7 @@ class DART(Pruner):
             return
         ((layer, paper),) = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")
         self.layer = layer
-        attach(self.ctx.hooks, self.adapter.layers[layer - 1].self_attn).recorders.append(self._record_keys)
+        attach(self.ctx.hooks, self.adapter.layers[layer - 1].self_attn).prefill_recorders.append(self._record_keys)
         self.ctx.runner.prune_at(layer, self.select, ref_layer=paper)
 
     def _record_keys(self, module, query, key, attention_mask, scaling) -> None:

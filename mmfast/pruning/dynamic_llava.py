@@ -112,6 +112,9 @@ class DynamicLLaVA(Pruner):
             kv_edit_decode=decode_rule and params.use_cache,
             decodes_without_cache=params is not None and not params.use_cache,
             decode_free_setting="text_keep: always and use_cache: true",
+            eager_decode="its text predictor decides at every step whether the new token's KV is kept"
+            if decode_rule and params.use_cache
+            else "",
         )
 
     @dataclass(frozen=True)

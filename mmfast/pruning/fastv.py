@@ -19,7 +19,8 @@ Positions: the in-place variant keeps each kept token's original position id (un
 original (t, h, w) ids, the in-place rule applied per axis; no official Qwen-VL FastV code was
 checked). KV cache: layers >= K cache only the kept tokens; pruning is static after prefill (as the
 released KV-cache variant).
-Hook points: attention probe on layer K-1 (last query row only, O(keys)); layer pre-hooks >= K.
+Hook points: attention probe on layer K-1 (last query row only, O(keys); ``prefill_only``, so a static
+decode step can be one captured graph); layer pre-hooks >= K.
 Limits: none on batch size (per-sample top-k with left padding); needs no eager attention.
 """
 
@@ -85,7 +86,9 @@ class FastV(Pruner):
         self.layer = layer
         self.probe_key = f"fastv.{layer - 1}"
         attn = self.adapter.layers[layer - 1].self_attn
-        self.ctx.probe.watch(self.probe_key, attn, rows=last_row, when=lambda q, k: q > 1, reduce="mean")
+        self.ctx.probe.watch(
+            self.probe_key, attn, rows=last_row, when=lambda q, k: q > 1, reduce="mean", prefill_only=True
+        )
         self.ctx.runner.prune_at(layer, self.select, ref_layer=paper)
 
     def select(self, view):

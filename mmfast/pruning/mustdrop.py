@@ -30,8 +30,8 @@ both can reach is refused with the reachable range.
 
 Tensor operations (merge, drop rule, KV policy) are in ``_mustdrop_ops.py``. Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
 tokens are what the tower's hidden-state recorder and every later layer see); attention probe on the
-last CLIP layer (CLS row) and on each LLM filter layer (rows = the text after the image, prefill
-only); ``runner.prune_at`` at layer l+1 for a filter at the output of layer l (the same thing: the
+last CLIP layer (CLS row) and on each LLM filter layer (rows = the text after the image,
+``prefill_only``: a static decode step can be captured); ``runner.prune_at`` at layer l+1 for a filter at the output of layer l (the same thing: the
 paper prunes the hidden states that leave layer l); ``runner.prefill_hooks`` for the KV policy.
 Positions: compacted (``compact=True``, the code truncates position ids to 0..L'-1 after each
 stage). In decode each layer's new position is its own cache length, as in the code: layers before
@@ -284,7 +284,12 @@ class MustDrop(Pruner):
         for layer, paper in self.filters:
             attn = self.adapter.layers[layer].self_attn
             self.ctx.probe.watch(
-                f"mustdrop.llm.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean"
+                f"mustdrop.llm.{layer}",
+                attn,
+                rows=self._rows,
+                when=lambda q, k: q == k and q > 1,
+                reduce="mean",
+                prefill_only=True,
             )
             self.ctx.runner.prune_at(layer + 1, self._make_select(layer), compact=True, ref_layer=paper + 1)
 

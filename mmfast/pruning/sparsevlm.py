@@ -21,7 +21,7 @@ Text is never dropped. Positions (1-D RoPE families): renumbered 0..L'-1 after e
 (``compact``), as v1.x truncates its position ids; in decode each layer continues from its own cache length (the release's
 ``get_usable_length`` rule). Nothing is pruned in decode.
 
-Hook points: attention probe on each filter layer l (rows = the raters, prefill only, head mean);
+Hook points: attention probe on each filter layer l (rows = the raters, ``prefill_only``: a static decode step can be captured; head mean);
 ``runner.prune_at(l + 1, compact=True)`` (Qwen-VL: ``compact=False``) returning a ``SlotEdit``: each merged token takes the slot of
 its cluster centre (so its provenance is the centre's token, and it counts as a vision token of that
 image), and the edit's layout key puts it after the kept vision tokens.
@@ -263,7 +263,12 @@ class SparseVLM(Pruner):
         for s, (layer, paper) in enumerate(self.filters):
             attn = self.adapter.layers[layer].self_attn
             self.ctx.probe.watch(
-                f"{self.key}.{layer}", attn, rows=self._rows, when=lambda q, k: q == k and q > 1, reduce="mean"
+                f"{self.key}.{layer}",
+                attn,
+                rows=self._rows,
+                when=lambda q, k: q == k and q > 1,
+                reduce="mean",
+                prefill_only=True,
             )
             self.ctx.runner.prune_at(layer + 1, self._make_select(s, layer), compact=compact, ref_layer=paper + 1)
 
