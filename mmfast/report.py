@@ -3,7 +3,8 @@ benchmark run directories (each holds a ``summary.json``).
 
 Evaluation runs become one row each (method settings, token accounting, POPE, CHAIR with n and 95%
 intervals, the weights fingerprint, so that results of two versions of a model are never read as one
-table) and feed three plots: POPE mean F1 against vision tokens, CHAIR_i per run, and CHAIR_i against
+table; a run of the ``video_pope`` task adds its rows to a table of its own: per split F1, accuracy,
+precision, recall with 95% intervals, yes ratio, n and unparsed answers) and feed three plots: POPE mean F1 against vision tokens, CHAIR_i per run, and CHAIR_i against
 recall (fewer hallucinations vs shorter captions). Benchmark directories contribute their result
 tables (n and intervals beside POPE mean F1 and CHAIR_i), their protocol notes, their side tables
 (``speed_shaped.md``, ``projected_7b.md``), their plots drawn again with titles naming the bench, and
@@ -25,6 +26,7 @@ from markdown_it import MarkdownIt
 from .bench.plots import bars, labelled_points, plot_title, scatter_lines
 from .bench.render import (
     INTERVAL_NOTE_PREFIX,
+    VIDEO_POPE_NOTE,
     bench_kind,
     bench_plots,
     budget_text,
@@ -38,7 +40,7 @@ from .bench.render import (
 )
 from .errors import InputError
 from .eval.intervals import RunIntervals, read_records, run_intervals
-from .eval.unparsed import count_unparsed
+from .eval.unparsed import TaskUnparsed, count_pope_unparsed, count_unparsed
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,26 @@ EVAL_INTERVAL_NOTE = (
 )
 
 
+VIDEO_POPE_HEADER = [
+    "run",
+    "split",
+    "n",
+    "F1 [95% CI]",
+    "accuracy [95% CI]",
+    "precision [95% CI]",
+    "recall [95% CI]",
+    "yes ratio",
+    "unparsed",
+]
+
+VIDEO_POPE_REPORT_NOTE = (
+    "Video POPE: the `video_pope` task (docs/video_world.md), scored by the official POPE rule; F1 and the means by a "
+    "percentile bootstrap resampling clips jointly across splits, accuracy, precision and recall by the Wilson score "
+    "interval; n = questions. unparsed: answers the official rule reads as neither yes nor no, per split, and on the "
+    "mean row for the whole task, where over 5% the cell says 'not ranked'. " + VIDEO_POPE_NOTE
+)
+
+
 @dataclass(frozen=True)
 class EvalRow:
     """One evaluation run: its figures (for the plots) and its table row (figures with 95% intervals)."""
@@ -123,6 +145,7 @@ class EvalRow:
     recall: float | None
     intervals: RunIntervals
     cells: list[Any]
+    video_pope: list[list[Any]]
 
 
 def _with_ci(value: Any, part: dict[str, Any] | None, key: str) -> str:
@@ -136,7 +159,8 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
     m, acc, proto = s.get("metrics", {}), s.get("accounting", {}), s.get("protocol", {})
     pope, chair = m.get("pope", {}), m.get("chair", {})
     iv = run_intervals(run, s)
-    bad = count_unparsed(read_records(run))
+    records = read_records(run)
+    bad = count_unparsed(records)
     cells = [
         run.name,
         _method_label(proto),
@@ -162,7 +186,36 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
         chair.get("recall"),
         iv,
         cells,
+        _video_pope_rows(run.name, m.get("video_pope"), records, bad.video_pope),
     )
+
+
+def _video_pope_rows(
+    name: str, m: dict[str, Any] | None, records: list[dict[str, Any]], total: TaskUnparsed | None
+) -> list[list[Any]]:
+    """A run's ``video_pope`` rows: one per split and a mean row; unparsed answers counted from the
+    records (else the count its summary recorded, on the mean row)."""
+    if not isinstance(m, dict):
+        return []
+    if total is None and isinstance(m.get("unparsed"), dict):
+        total = TaskUnparsed(int(m["unparsed"]["k"]), int(m["unparsed"]["n"]))
+    rows = []
+    for split, d in m.items():
+        if not isinstance(d, dict) or "f1" not in d:
+            continue
+        answers = [r["resps"][0][0] for r in records if r.get("task") == f"video_pope_{split}"]
+        rows.append(
+            [
+                name,
+                split,
+                d.get("n"),
+                *(_with_ci(d.get(k), d, k) for k in ("f1", "accuracy", "precision", "recall")),
+                d.get("yes_ratio"),
+                count_pope_unparsed(answers).cell() if answers else "",
+            ]
+        )
+    mean = [_with_ci(m.get("mean_f1"), m, "mean_f1"), _with_ci(m.get("mean_accuracy"), m, "mean_accuracy")]
+    return rows + [[name, "mean", m.get("n"), *mean, "", "", None, unparsed_cell(total)]]
 
 
 def _pope_files(protocol: dict[str, Any]) -> str:
@@ -185,7 +238,9 @@ def _pope_files(protocol: dict[str, Any]) -> str:
 
 def metrics_table(metrics: dict[str, Any]) -> str:
     """The metrics of an ``mmfast eval`` run as an aligned plain-text table (the end of ``mmfast eval``):
-    one row per POPE split and one for CHAIR, with n and 95% intervals where the run has them."""
+    one row per POPE split (image or video) and one for CHAIR, with n and 95% intervals where the run
+    has them; a task that counted its unparsed answers (``video_pope``) gets a row for them, and
+    ``video_pope`` a closing note that its figures are not a result."""
 
     def cell(d: dict[str, Any], key: str) -> str:
         v = d.get(key)
@@ -206,6 +261,8 @@ def metrics_table(metrics: dict[str, Any]) -> str:
                     str(d.get("n", "")),
                     "F1 " + cell(d, "f1"),
                     "acc " + cell(d, "accuracy"),
+                    "prec " + cell(d, "precision"),
+                    "rec " + cell(d, "recall"),
                     "yes " + cell(d, "yes_ratio"),
                     f"unparsed {d['n_unknown']}" if "n_unknown" in d else "",
                 ]
@@ -214,6 +271,8 @@ def metrics_table(metrics: dict[str, Any]) -> str:
             rows.append(
                 [f"{task} mean", str(m.get("n", "")), "F1 " + cell(m, "mean_f1"), "acc " + cell(m, "mean_accuracy"), ""]
             )
+        if isinstance(u := m.get("unparsed"), dict) and {"k", "n"} <= set(u):
+            rows.append([f"{task} unparsed", str(u["n"]), unparsed_cell(TaskUnparsed(int(u["k"]), int(u["n"])))])
         if "chair_i" in m:
             rows.append(
                 [
@@ -232,7 +291,8 @@ def metrics_table(metrics: dict[str, Any]) -> str:
     width = max(len(r) for r in rows)
     rows = [r + [""] * (width - len(r)) for r in [["task", "n", *[""] * (width - 2)], *rows]]
     cols = [max(len(r[i]) for r in rows) for i in range(width)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, cols)).rstrip() for r in rows)
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, cols)).rstrip() for r in rows)
+    return table + (f"\n{VIDEO_POPE_NOTE}" if "video_pope" in metrics else "")
 
 
 def _bench_model(run: Path, s: dict[str, Any]) -> str | None:
@@ -326,6 +386,9 @@ def write_report(runs: list[str], output: str) -> Path:
         md += ["## Evaluation runs", "", *_md_table(EVAL_HEADER, [r.cells for r in rows]), ""]
         notes = [EVAL_INTERVAL_NOTE] + [n for r in rows for n in r.intervals.notes]
         md += [f"- {n}" for n in notes] + [""]
+        if video := [v for r in rows for v in r.video_pope]:
+            md += ["## Video POPE (video_pope)", "", *_md_table(VIDEO_POPE_HEADER, video), ""]
+            md += [f"- {VIDEO_POPE_REPORT_NOTE}", ""]
         pts = [
             (r.name, r.tokens_layer_avg, r.mean_f1)
             for r in rows

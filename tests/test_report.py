@@ -559,3 +559,139 @@ def test_sixteen_plot_series_all_look_different(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", record_points)
     assert labelled_points(tmp_path / "b.png", [(n, i, i, None, None) for i, n in enumerate(names)], "x", "y", "t")
     assert len(drawn) == 16 and len({d[1:3] for d in drawn}) == 16
+
+
+# video_pope: 5 clips, one yes- and one no-question per clip and split; "inNo" is read by no rule
+# (the official one defaults it to "yes")
+_VIDEO_ANSWERS = {
+    "random": ["Yes", "No", "Yes", "Yes", "No", "No", "inNo", "No", "inNo", "inNo"],
+    "adversarial": ["Yes", "Yes", "No", "No", "Yes", "No", "Yes", "Yes", "No", "No"],
+}
+_VIDEO_LABELS = ["yes", "no"] * 5
+
+
+def _video_pope_records() -> list[dict]:
+    return [
+        {
+            "doc_id": f"video_pope_{split}/{i}",
+            "task": f"video_pope_{split}",
+            "video": f"clip_{i // 2}",
+            "target": _VIDEO_LABELS[i],
+            "resps": [[answer]],
+            "meta": {"question_id": i},
+        }
+        for split, answers in _VIDEO_ANSWERS.items()
+        for i, answer in enumerate(answers)
+    ]
+
+
+def _video_pope_run(tmp_path, name: str = "vpope"):
+    """A run directory of the video_pope task: its records and the summary the task writes from them."""
+    from types import SimpleNamespace
+
+    from mmfast.eval.tasks.video_pope import VideoPopeTask
+
+    records = _video_pope_records()
+    task = SimpleNamespace(questions=dict.fromkeys(_VIDEO_ANSWERS), options=SimpleNamespace(parser="pope"))
+    by_task = {t: [r for r in records if r["task"] == t] for t in {r["task"] for r in records}}
+    metrics = VideoPopeTask.metrics(task, by_task)
+    run = tmp_path / name
+    run.mkdir()
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {
+        "metrics": {"video_pope": metrics},
+        "accounting": {"mean_n_vision_tokens": 32.0, "mean_vision_tokens_layer_avg": 32.0},
+        "protocol": {"pruning": [], "decoding": {"method": "greedy", "params": {}}, "weights_fingerprint": "vvvv"},
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run, metrics
+
+
+def _wilson(k: int, n: int) -> str:
+    z = 1.959963984540054
+    p, d = k / n, 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / d
+    return f"[{max(0.0, c - h):.3f}, {min(1.0, c + h):.3f}]"
+
+
+def test_report_has_a_video_pope_table_with_intervals_and_unparsed_answers(tmp_path):
+    run, metrics = _video_pope_run(tmp_path)
+    write_report([str(run)], str(tmp_path / "rep"))
+    md = (tmp_path / "rep" / "report.md").read_text()
+    lines = md.splitlines()
+    at = lines.index("## Video POPE (video_pope)")
+    assert lines[at + 2] == (
+        "| run | split | n | F1 [95% CI] | accuracy [95% CI] | precision [95% CI] | recall [95% CI] | yes ratio | unparsed |"
+    )
+    rows = {ln.split(" | ")[1]: ln for ln in lines[at + 4 : at + 7]}
+    official = {"Yes": "yes", "No": "no", "inNo": "yes"}  # the official rule; "inNo" falls through to "yes"
+    for split, answers in _VIDEO_ANSWERS.items():
+        pred = [official[a] for a in answers]
+        tp = sum(p == t == "yes" for p, t in zip(pred, _VIDEO_LABELS))
+        tn = sum(p == t == "no" for p, t in zip(pred, _VIDEO_LABELS))
+        fp = sum(p == "yes" and t == "no" for p, t in zip(pred, _VIDEO_LABELS))
+        fn = sum(p == "no" and t == "yes" for p, t in zip(pred, _VIDEO_LABELS))
+        prec, rec = tp / (tp + fp), tp / (tp + fn)
+        f1 = 2 * prec * rec / (prec + rec)
+        k = answers.count("inNo")
+        unparsed = f"{k}/10" + (f" ({10 * k:.1f}%)" if k else "")
+        f1_ci = metrics[split]["f1_ci95"]  # the clips' bootstrap, as the summary recorded it
+        assert rows[split] == (
+            f"| vpope | {split} | 10 | {f1:.3f} [{f1_ci[0]:.3f}, {f1_ci[1]:.3f}] | {(tp + tn) / 10:.3f} "
+            f"{_wilson(tp + tn, 10)} | {prec:.3f} {_wilson(tp, tp + fp)} | {rec:.3f} {_wilson(tp, tp + fn)} | "
+            f"{pred.count('yes') / 10:.3f} | {unparsed} |"
+        )
+    assert (tp, fp, tn, fn) == (3, 2, 3, 2)  # the adversarial split (a hand count of the answers above)
+    mean_f1 = (metrics["random"]["f1"] + metrics["adversarial"]["f1"]) / 2
+    assert rows["mean"].startswith(f"| vpope | mean | 20 | {mean_f1:.3f} [")
+    assert rows["mean"].endswith("|  |  |  | 3/20 (15.0%) not ranked |")  # 3 of 20 > 5%
+    assert "no model shipped with mmfast saw video" in md and "not a result" in md
+    # the runs table: the run is there, without image POPE figures
+    run_row = next(ln for ln in lines if ln.startswith("| vpope |") and "greedy" in ln)
+    assert run_row.count("|") == len(EVAL_HEADER) + 1
+
+
+def test_report_counts_video_pope_unparsed_from_the_summary_without_records(tmp_path):
+    run, metrics = _video_pope_run(tmp_path)
+    (run / "samples.jsonl").unlink()
+    write_report([str(run)], str(tmp_path / "rep"))
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert metrics["unparsed"]["k"] == 3
+    assert "| vpope | random | 10 |" in md and "| 3/20 (15.0%) not ranked |" in md
+
+
+def test_eval_metrics_table_shows_video_pope_with_its_unparsed_answers(tmp_path):
+    from mmfast.report import metrics_table
+
+    _, metrics = _video_pope_run(tmp_path)
+    table = metrics_table({"video_pope": metrics}).splitlines()
+    random = next(line for line in table if line.startswith("video_pope random"))
+    d = metrics["random"]
+    for label, key in (("F1", "f1"), ("acc", "accuracy"), ("prec", "precision"), ("rec", "recall")):
+        assert f"{label} {d[key]:.3f} [{d[key + '_ci95'][0]:.3f}, {d[key + '_ci95'][1]:.3f}]" in random
+    assert f"yes {d['yes_ratio']:.3f}" in random
+    unparsed = next(line for line in table if line.startswith("video_pope unparsed"))
+    assert unparsed.split()[2:] == ["20", "3/20", "(15.0%)", "not", "ranked"]
+    assert "not a result" in table[-1]
+
+
+def test_bench_table_counts_video_pope_unparsed_answers(tmp_path):
+    from mmfast.bench.render import unparsed_notes, variant_unparsed, with_unparsed
+    from mmfast.eval.unparsed import Unparsed
+
+    for name, records in (("a", []), ("v", _video_pope_records())):
+        d = tmp_path / "variants" / name
+        d.mkdir(parents=True)
+        image = [{"doc_id": "pope_random/1", "task": "pope_random", "target": "yes", "resps": [["Yes"]]}]
+        (d / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in image + records))
+    u = variant_unparsed(tmp_path, {"a": {"metrics": {}}, "v": {"metrics": {}}})
+    assert u["a"].video_pope is None and u["v"].video_pope.cell() == "3/20 (15.0%)"
+    assert u["v"].pope.cell() == "0/1"  # the image POPE answers are counted apart
+    assert Unparsed.from_dict(u["v"].as_dict()) == u["v"]
+    h, r = with_unparsed(["variant", "mean F1", "n POPE"], [["a", 0.8, 1], ["v", 0.8, 1]], u)
+    assert h == ["variant", "mean F1", "n POPE", "POPE unparsed", "video POPE unparsed"]
+    assert r[0][4] == "" and r[1][4] == "3/20 (15.0%) not ranked"
+    assert with_unparsed(h, r, u) == (h, r)  # idempotent
+    notes = unparsed_notes(u)
+    assert any("not a result" in n for n in notes)
+    assert any(n.startswith("v: 3/20 (15.0%) video POPE answers neither yes nor no") for n in notes)

@@ -25,7 +25,7 @@ from mmfast.config import load_recipe
 from mmfast.eval import runner
 from mmfast.eval.pope import PopeRecord, score_pope
 from mmfast.eval.runner import run_eval
-from mmfast.eval.unparsed import pope_unparsed
+from mmfast.eval.unparsed import TaskUnparsed, pope_unparsed
 from mmfast.world.video_pope import read_video_pope
 
 N_NEW = 3
@@ -86,7 +86,9 @@ def test_cli_eval_writes_records_and_pope_metrics(qwen_dir, vworld, tmp_path, ca
     cfg = tmp_path / "r.yaml"
     cfg.write_text(json.dumps(_data(qwen_dir, vworld, tmp_path / "run", splits=["random", "adversarial"])))
     assert main(["-q", "eval", str(cfg)]) == 0
-    assert "video_pope random" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "video_pope random" in printed and "not a result" in printed
+    assert next(ln for ln in printed.splitlines() if ln.startswith("video_pope unparsed")).split()[2] == "24"
     recs = _lines(tmp_path / "run" / "samples.jsonl")
     qs = {s: read_video_pope(vworld / "pope" / f"video_pope_{s}.json") for s in ("random", "adversarial")}
     assert len(recs) == len({r["doc_id"] for r in recs}) == 24
@@ -117,6 +119,12 @@ def test_cli_eval_writes_records_and_pope_metrics(qwen_dir, vworld, tmp_path, ca
     world = json.loads((vworld / "video_world.json").read_text())
     assert proto["files"]["random"]["sha256"] == world["sha256"]["pope/video_pope_random.json"]
     assert proto["num_frames"] == FRAMES and "no shipped model" in proto["accuracy"]
+    # mmfast report: the run's video POPE rows, unparsed answers counted by the official rule
+    assert main(["-q", "report", str(tmp_path / "run"), "--output", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    k = m["unparsed"]["k"]
+    assert f"| run | random | 12 | {m['random']['f1']:.3f} [" in md and "| run | adversarial | 12 |" in md
+    assert f"| run | mean | 24 | {m['mean_f1']:.3f} [" in md and f"| {TaskUnparsed(k, 24).cell()}" in md
 
 
 def test_answers_equal_direct_generate(qwen_mm, qwen_dir, vworld, tmp_path, monkeypatch):

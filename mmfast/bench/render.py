@@ -117,7 +117,13 @@ def with_intervals(
 
 
 UNPARSED_COLUMNS = (("n POPE", "pope", "POPE unparsed"), ("n CHAIR", "chair", "CHAIR degenerate"))
+VIDEO_UNPARSED_COLUMN = "video POPE unparsed"
+"""The last column of a table where a variant ran ``video_pope`` (no bench table has its figures)."""
 NOT_RANKED = "not ranked"
+VIDEO_POPE_NOTE = (
+    "video_pope (POPE over the video world's clips): no model shipped with mmfast saw video in training, so its "
+    "figures from the embedded or random models measure exactness and cost, not accuracy, and are not a result."
+)
 
 
 def variant_unparsed(bench_dir: Path, results: dict[str, Any]) -> dict[str, Unparsed]:
@@ -145,7 +151,8 @@ def with_unparsed(
     header: list[str], rows: list[list[Any]], unparsed: dict[str, Unparsed]
 ) -> tuple[list[str], list[list[Any]]]:
     """The table with a ``POPE unparsed`` / ``CHAIR degenerate`` column (``k/n``) after each task's n
-    column; a task over :data:`UNPARSED_LIMIT` is marked "not ranked" in its cell. Idempotent."""
+    column, and a last ``video POPE unparsed`` one where a variant ran ``video_pope``; a task over
+    :data:`UNPARSED_LIMIT` is marked "not ranked" in its cell. Idempotent."""
     header, rows = list(header), [list(r) for r in rows]
     for after, task, title in UNPARSED_COLUMNS:
         if after not in header or title in header:
@@ -154,6 +161,10 @@ def with_unparsed(
         header.insert(at, title)
         for row in rows:
             row.insert(at, unparsed_cell(getattr(unparsed.get(row[0]), task, None)))
+    if VIDEO_UNPARSED_COLUMN not in header and any(u.video_pope for u in unparsed.values()):
+        header.append(VIDEO_UNPARSED_COLUMN)
+        for row in rows:
+            row.append(unparsed_cell(getattr(unparsed.get(row[0]), "video_pope", None)))
     return header, rows
 
 
@@ -163,6 +174,8 @@ def unparsed_notes(unparsed: dict[str, Unparsed]) -> list[str]:
         f"CHAIR degenerate: empty captions, captions without words or caught in a repetition loop (mmfast.eval.unparsed). "
         f"Over {UNPARSED_LIMIT:.0%} in a task: that task's figures are marked and not ranked."
     ]
+    if any(u.video_pope for u in unparsed.values()):
+        notes.append(f"video POPE unparsed: the same rule over the video_pope answers. {VIDEO_POPE_NOTE}")
     return notes + [
         f"{name}: {why}; those figures are not ranked" for name, u in unparsed.items() for why in u.reasons()
     ]

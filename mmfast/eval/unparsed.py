@@ -9,8 +9,9 @@
   repetition loop (a word n-gram, n <= :data:`LOOP_MAX_NGRAM`, repeated :data:`LOOP_REPEATS` times back
   to back). CHAIR scores such captions (often with few mentions, so CHAIR_i looks good).
 
-A run with more than :data:`UNPARSED_LIMIT` of such answers in a task is marked in every table and
-not ranked (the pruning bench's ``leaders.md`` leaves it out and says why).
+POPE over video clips (the ``video_pope`` task, records ``video_pope_<split>``) is counted by the POPE
+rule as a task of its own (:attr:`Unparsed.video_pope`). A run with more than :data:`UNPARSED_LIMIT` of
+such answers in a task is marked in every table and not ranked (the pruning bench's ``leaders.md`` leaves it out and says why).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Unparsed:
 
     pope: TaskUnparsed | None
     chair: TaskUnparsed | None
+    video_pope: TaskUnparsed | None = None
 
     def reasons(self) -> list[str]:
         """Why the run is not ranked (empty when it is): each task over :data:`UNPARSED_LIMIT`."""
@@ -88,6 +90,15 @@ class Unparsed:
             out.append(
                 f"{self.pope.cell()} POPE answers neither yes nor no by the official rule"
                 + (f" (e.g. {', '.join(repr(e) for e in self.pope.examples)})" if self.pope.examples else "")
+            )
+        if self.video_pope and self.video_pope.over_limit:
+            out.append(
+                f"{self.video_pope.cell()} video POPE answers neither yes nor no by the official rule"
+                + (
+                    f" (e.g. {', '.join(repr(e) for e in self.video_pope.examples)})"
+                    if self.video_pope.examples
+                    else ""
+                )
             )
         if self.chair and self.chair.over_limit:
             out.append(
@@ -100,6 +111,7 @@ class Unparsed:
         return {
             "pope": self.pope.as_dict() if self.pope else None,
             "chair": self.chair.as_dict() if self.chair else None,
+            "video_pope": self.video_pope.as_dict() if self.video_pope else None,
         }
 
     @classmethod
@@ -107,7 +119,7 @@ class Unparsed:
         def task(x: Mapping[str, Any] | None) -> TaskUnparsed | None:
             return TaskUnparsed(int(x["k"]), int(x["n"]), tuple(x.get("examples", ()))) if x else None
 
-        return cls(task(d.get("pope")), task(d.get("chair")))
+        return cls(task(d.get("pope")), task(d.get("chair")), task(d.get("video_pope")))
 
 
 def _task(answers: list[str], bad: Any, n_examples: int = 3) -> TaskUnparsed | None:
@@ -119,19 +131,26 @@ def _task(answers: list[str], bad: Any, n_examples: int = 3) -> TaskUnparsed | N
 
 
 def count_pope_unparsed(answers: Iterable[str]) -> TaskUnparsed:
-    """How many of a POPE task's raw answers the official rule reads as neither yes nor no (any POPE
-    task, e.g. ``video_pope``, whose records :func:`count_unparsed` does not group as ``pope_*``)."""
+    """How many of a POPE task's raw answers the official rule reads as neither yes nor no (e.g. one
+    split's, or ``video_pope``'s)."""
     answers = list(answers)
     return _task(answers, pope_unparsed) or TaskUnparsed(0, 0)
 
 
 def count_unparsed(records: Iterable[Mapping[str, Any]]) -> Unparsed:
-    """Unparsed POPE answers and degenerate CHAIR captions among a run's records (``samples.jsonl``)."""
-    pope, chair = [], []
+    """Unparsed POPE and video POPE answers and degenerate CHAIR captions among a run's records
+    (``samples.jsonl``)."""
+    pope, chair, video = [], [], []
     for r in records:
         task = str(r.get("task", ""))
         if task.startswith("pope_"):
             pope.append(r["resps"][0][0])
+        elif task.startswith("video_pope_"):
+            video.append(r["resps"][0][0])
         elif task == "chair":
             chair.append(r["resps"][0][0])
-    return Unparsed(_task(pope, pope_unparsed), _task(chair, lambda c: degenerate_caption(c) is not None))
+    return Unparsed(
+        _task(pope, pope_unparsed),
+        _task(chair, lambda c: degenerate_caption(c) is not None),
+        _task(video, pope_unparsed),
+    )
