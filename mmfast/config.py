@@ -614,6 +614,7 @@ BENCH_PARAMS: dict[str, dict[str, Any]] = {
         "image_size": int,
         "seed": int,
         "clip": int,
+        "clip_frames": int,
         "layers": int | None,
         "tower_layers": int | None,
         "dtype": Literal["float16", "bfloat16", "float32"],

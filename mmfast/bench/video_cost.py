@@ -3,7 +3,7 @@
 What it measures (issue 28, item 3). For every shape of ``bench.params.shapes`` (random-weight
 Qwen2.5-VL-7B and LLaVA-OneVision-7B: :data:`mmfast.models.factory.BENCH_MODELS`, built on the device in
 ``bench.params.dtype``) and every frame count of ``bench.params.frames``, one clip of the video world
-(:func:`mmfast.world.video_render.render_clip` at ``seed`` / ``clip`` with ``max(frames)`` frames of
+(:func:`mmfast.world.video_render.render_clip` at ``seed`` / ``clip`` with ``clip_frames`` (64) frames of
 ``image_size`` x ``image_size`` pixels: the clip ``python -m mmfast.world.video --out DIR --clips 1
 --frames 64 --image-size 448 --seed 0`` writes as ``VWORLD_000001`` with the defaults) is sampled to that
 many frames (``num_frames``: transformers' uniform rule, :mod:`mmfast.video`) and asked one prompt. Rows, in
@@ -61,7 +61,7 @@ from ..model import MMModel
 from ..models.factory import BENCH_MODELS, build_bench_model, reduced_shape
 from ..pipeline import apply
 from ..video import VideoSampling, open_video
-from ..world.video_render import MAX_FRAMES, VideoConfig, render_clip
+from ..world.video_render import MAX_FRAMES, MIN_FRAMES, VideoConfig, render_clip
 from .common import Variant, variants, warm_repeats
 from .gpu_speed import DeviceInfo, RowStore
 from .render import budget_text
@@ -111,6 +111,7 @@ class VideoCostParams:
     image_size: int
     seed: int
     clip: int
+    clip_frames: int  # frames of the rendered clip (every frame count samples it)
     layers: int | None  # LLM layers (None: the shape's own depth)
     tower_layers: int | None  # vision-tower blocks (None: the shape's own depth)
     dtype: torch.dtype
@@ -131,9 +132,15 @@ class VideoCostParams:
                     + (f"; did you mean {close[0]!r}?" if close else "")
                     + f" (video shapes: {', '.join(video_shapes)})"
                 )
+        clip_len = int(p.get("clip_frames", MAX_FRAMES))
+        if not MIN_FRAMES <= clip_len <= MAX_FRAMES:
+            raise InputError(f"bench.params.clip_frames: must be in [{MIN_FRAMES}, {MAX_FRAMES}], got {clip_len}")
         frames = tuple(int(f) for f in p.get("frames", (16, 64)))
-        if not frames or any(not 1 <= f <= MAX_FRAMES for f in frames):
-            raise InputError(f"bench.params.frames: frame counts must be in [1, {MAX_FRAMES}], got {list(frames)}")
+        if not frames or any(not 1 <= f <= clip_len for f in frames):
+            raise InputError(
+                f"bench.params.frames: frame counts must be in [1, {clip_len}] (bench.params.clip_frames, the "
+                f"clip's length), got {list(frames)}"
+            )
         layers, tower = p.get("layers"), p.get("tower_layers")
         for s in shapes:  # a depth the shape does not have is refused now, not after a 7B build
             try:
@@ -146,6 +153,7 @@ class VideoCostParams:
             int(p.get("image_size", 448)),
             int(p.get("seed", 0)),
             int(p.get("clip", 1)),
+            clip_len,
             None if layers is None else int(layers),
             None if tower is None else int(tower),
             getattr(torch, p.get("dtype", "float16")),
@@ -168,9 +176,9 @@ class VideoCostParams:
 
 
 def clip_frames(cp: VideoCostParams) -> list[Image.Image]:
-    """The video world's clip ``cp.clip`` of world seed ``cp.seed``, ``max(cp.frames)`` frames of
+    """The video world's clip ``cp.clip`` of world seed ``cp.seed``, ``cp.clip_frames`` frames of
     ``cp.image_size`` pixels (each frame count of the bench samples it uniformly)."""
-    cfg = VideoConfig(frames=max(max(cp.frames), 8), image_size=cp.image_size)
+    cfg = VideoConfig(frames=cp.clip_frames, image_size=cp.image_size)
     return list(render_clip(cp.seed, cp.clip, cfg).frames)
 
 
@@ -190,7 +198,7 @@ def _settings(info: DeviceInfo, cp: VideoCostParams, recipe: Recipe, shape: str,
             "warmup": recipe.bench.warmup,
             "repeats": recipe.bench.repeats,
             "shape": repr(reduced_shape(BENCH_MODELS[shape], cp.layers, cp.tower_layers)),
-            "clip": [cp.seed, cp.clip, cp.image_size, max(cp.frames)],
+            "clip": [cp.seed, cp.clip, cp.image_size, cp.clip_frames],
             "frames": frames,
             "prompt": cp.prompt,
             "row": row,
@@ -403,8 +411,8 @@ def write_report(
         f"Device: **{info.name}**; torch {info.torch}; CUDA {info.cuda or 'n/a'}; transformers {info.transformers}; "
         f"dtype {str(cp.dtype).replace('torch.', '')}; warm-up {recipe.bench.warmup}, median of {recipe.bench.repeats} repeats.",
         "",
-        f"Input: the video world's clip {cp.clip} (world seed {cp.seed}, {max(cp.frames)} frames of {cp.image_size} x "
-        f"{cp.image_size} px: `python -m mmfast.world.video --out DIR --clips {cp.clip} --frames {max(max(cp.frames), 8)} "
+        f"Input: the video world's clip {cp.clip} (world seed {cp.seed}, {cp.clip_frames} frames of {cp.image_size} x "
+        f"{cp.image_size} px: `python -m mmfast.world.video --out DIR --clips {cp.clip} --frames {cp.clip_frames} "
         f"--image-size {cp.image_size} --seed {cp.seed}`), sampled uniformly to each frame count; prompt {cp.prompt!r}; "
         "batch 1, one new token (TTFT).",
         "",
@@ -446,7 +454,7 @@ def write_report(
         }
         if cp.reduced
         else None,
-        "clip": {"seed": cp.seed, "clip": cp.clip, "image_size": cp.image_size, "frames": max(cp.frames)},
+        "clip": {"seed": cp.seed, "clip": cp.clip, "image_size": cp.image_size, "frames": cp.clip_frames},
         "rows": [dataclasses.asdict(m) for m in store.rows.values()],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
