@@ -51,7 +51,7 @@ def test_tiny_shapes_end_to_end_rows_tokens_and_refusals(tmp_path):
     assert set(rows) == {(s, 8, n) for s in ("tiny-qwen", "tiny-onevision") for n in names}
     cp = vc.VideoCostParams.of(recipe)
     frames = vc.clip_frames(cp)
-    assert len(frames) == 8 and frames[0].size == (32, 32)
+    assert len(frames) == cp.clip_frames == 64 and frames[0].size == (32, 32)  # every frame count samples it
     for shape in ("tiny-qwen", "tiny-onevision"):
         model, processor = build_bench_model(shape, dtype=torch.float32, init_std=0.2)
         mm = MMModel(model, processor, shape)
@@ -139,9 +139,13 @@ def test_bad_parameters_are_refused_before_compute(tmp_path):
         run_bench(_recipe("bench.params.layers=40", shapes=("qwen2.5-vl-7b",)), output=str(tmp_path / "b"))
     with pytest.raises(InputError, match=r"bench.params.frames"):
         run_bench(_recipe(frames=(0,)), output=str(tmp_path / "c"))
+    with pytest.raises(InputError, match=r"bench.params.frames: frame counts must be in \[1, 32\].*clip_frames"):
+        run_bench(_recipe("bench.params.clip_frames=32", frames=(16, 64)), output=str(tmp_path / "d"))
+    with pytest.raises(InputError, match=r"bench.params.clip_frames: must be in \[8, 64\]"):
+        run_bench(_recipe("bench.params.clip_frames=65"), output=str(tmp_path / "e"))
     with pytest.raises(ConfigError, match=r"bench.params.frame\b.*frames"):
         _recipe("bench.params.frame=[16]")
-    assert not any((tmp_path / d).exists() for d in "abc")  # refused before the output folder is made
+    assert not any((tmp_path / d).exists() for d in "abcde")  # refused before the output folder is made
 
 
 @pytest.mark.parametrize(
@@ -153,7 +157,8 @@ def test_7b_shapes_video_tokens_at_16_and_64_frames(name, tokens):
     from PIL import Image
 
     cp = vc.VideoCostParams.of(load_recipe(RECIPE))
-    assert cp.frames == (16, 64) and cp.image_size == 448 and cp.layers is None and cp.tower_layers is None
+    assert cp.frames == (16, 64) and cp.image_size == 448 and cp.clip_frames == 64
+    assert cp.layers is None and cp.tower_layers is None  # full depth by default
     model, processor = build_bench_model(name, device="meta", dtype=torch.float16)
     mm = MMModel(model, processor, name)
     assert len(mm.adapter.layers) == 28
