@@ -115,6 +115,14 @@ def test_a_rerun_keeps_finished_rows_and_reruns_stale_ones(tmp_path, monkeypatch
     assert {r["repeats"] for r in _rows(tmp_path).values()} == {2}
 
 
+def test_rerender_points_to_the_recorded_command(tmp_path):
+    from mmfast.bench.rerender import rerender_bench
+
+    run_bench(_recipe("bench.methods=[divprune]", "bench.compare=[]", shapes=("tiny-qwen",)), output=str(tmp_path))
+    with pytest.raises(InputError, match=r"video_cost bench: run its recorded command again"):
+        rerender_bench(tmp_path)
+
+
 def test_reduced_depth_is_labelled_and_keeps_the_widths(tmp_path):
     recipe = _recipe(
         "bench.params.layers=2", "bench.params.tower_layers=1", "bench.methods=[divprune]", shapes=("tiny-qwen",)
