@@ -546,7 +546,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    kind: Literal["none", "pruning", "decoding", "speculative", "speed", "gpu_speed"] = "none"
+    kind: Literal["none", "pruning", "decoding", "speculative", "speed", "gpu_speed", "video_cost"] = "none"
     compare: tuple[Any, ...] = opt((), doc="method variants run against the baseline in the same process")
     budgets: tuple[int | Budget, ...] = opt(
         (),
@@ -605,6 +605,21 @@ BENCH_PARAMS: dict[str, dict[str, Any]] = {
         "embedded_rows": tuple[str, ...],
         "peak_bandwidth_tbs": float,
         "peak_tflops": float,
+    },
+    # mmfast/bench/video_cost.py: which video shapes and frame counts, the clip, a reduced depth for a CPU
+    # (None: full), the random models' dtype, which rows (fnmatch patterns of variant names), the prompt
+    "video_cost": {
+        "shapes": tuple[str, ...],
+        "frames": tuple[int, ...],
+        "image_size": int,
+        "seed": int,
+        "clip": int,
+        "clip_frames": int,
+        "layers": int | None,
+        "tower_layers": int | None,
+        "dtype": Literal["float16", "bfloat16", "float32"],
+        "rows": tuple[str, ...],
+        "prompt": str,
     },
 }
 

@@ -18,11 +18,15 @@
 #          then one-token answers and 128-token captions at batch 1 and 8: HF eager / static-cache generate,
 #          mmfast unpruned and compiled (model.compile: auto), DivPrune-64 (pre-LLM) (GPU_BENCH_LLAVA_ROWS);
 #   b32:   llava-1.5-7b captions at batch 32: mmfast compiled and DivPrune-64 (the same decode path);
-#   extra: with the time left: FastV-64 (in-LLM, reads attention), FLASH and DivPrune-64 + FLASH at batch 1.
+#   extra: with the time left: FastV-64 (in-LLM, reads attention), FLASH and DivPrune-64 + FLASH at batch 1;
+#   video: configs/bench/video_cost.yaml at full depth in fp16 (results in $OUT/video_cost): Qwen2.5-VL-7B and
+#          LLaVA-OneVision-7B on one video-world clip at 16 and 64 frames, unpruned against every video pruner at
+#          equal budgets and DyCoke (tokens, KV bytes, FLOPs, TTFT, peak memory); not in the default phases:
+#          GPU_BENCH_PHASES=video runs it alone (GPU_BENCH_VIDEO_SETS: extra --set options for it).
 # Rows are written as they finish, so a phase stopped by its limit keeps every finished row; the same command
 # resumes (finished rows are kept: seed $OUT/gpu_speed with a committed rows.jsonl to run only what it lacks).
 # At most eight files come back: environment.txt, bench.log, tower.txt, check.txt and the bench's rows.jsonl,
-# results.md, summary.json, bench.json.
+# results.md, summary.json, bench.json (the video phase: its results.md, rows.jsonl and summary.json).
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
 PY=${PYTHON:-python3}
@@ -85,8 +89,17 @@ if [[ $PHASES == *" extra "* ]] && [ "$(left)" -ge 60 ]; then
 else
   echo "== later phases: $(left) s left of $LIMIT s" | tee -a "$LOG"
 fi
+if [[ $PHASES == *" video "* ]] && [ "$(left)" -ge 60 ]; then  # the video pruners' cost at full depth
+  echo "== video: up to $(left) s" >>"$LOG"
+  # shellcheck disable=SC2086
+  timeout --signal=TERM "$(left)" "$PY" -m mmfast bench configs/bench/video_cost.yaml --output "$OUT/video_cost" \
+    ${GPU_BENCH_VIDEO_SETS:-} >>"$LOG" 2>&1
+  r=$?; [ $r = 0 ] || rc=$r
+  echo "== video: exit status $r after $((SECONDS - start)) s (124: stopped by its limit; finished rows are kept)" | tee -a "$LOG"
+fi
 grep -E "ERROR|Traceback|Error:|captured graph|== " "$LOG" | tail -n 40
 [ -f "$OUT/tower.txt" ] && tail -n 3 "$OUT/tower.txt"
 [ -f "$OUT/check.txt" ] && grep -v "^ \|^{\|^}" "$OUT/check.txt" | tail -n 20
 [ -f "$OUT/gpu_speed/results.md" ] && cat "$OUT/gpu_speed/results.md"
+[ -f "$OUT/video_cost/results.md" ] && cat "$OUT/video_cost/results.md"
 exit "$rc"

@@ -36,7 +36,9 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
 
     kind = recipe.bench.kind
     if kind == "none":
-        raise InputError("the recipe has no benchmark (set bench.kind: pruning | decoding | speculative | gpu_speed)")
+        raise InputError(
+            "the recipe has no benchmark (set bench.kind: pruning | decoding | speculative | gpu_speed | video_cost)"
+        )
     out = Path(output or recipe.output.dir.format(name=recipe.name))
     command = (
         "mmfast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -48,6 +50,16 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
 
         claim_bench_dir(out, kind, recipe.name)  # a new --output folder is created (a re-run resumes in it)
         result = run_gpu_speed(recipe, out, command)
+        result["table"] = (out / "results.md").read_text()
+        return result
+
+    if kind == "video_cost":  # its own random-weight video shapes, one video-world clip
+        from .video_cost import VideoCostParams, run_video_cost
+
+        VideoCostParams.of(recipe)  # bad shapes / frames / depth refused before the output folder is made
+        variants(recipe)
+        claim_bench_dir(out, kind, recipe.name)
+        result = run_video_cost(recipe, out, command)
         result["table"] = (out / "results.md").read_text()
         return result
 

@@ -452,22 +452,24 @@ def _settings(device: DeviceInfo, dtype: torch.dtype, cfg, n: int, row_spec: Any
 
 class RowStore:
     """``rows.jsonl``: one line per finished row, appended as it finishes; on a re-run the rows whose
-    settings still match are kept (stale ones dropped, a torn last line ignored), failed rows re-run."""
+    settings still match are kept (stale ones dropped, a torn last line ignored), failed rows re-run.
+    ``row_type``: the dataclass of a row (:class:`Measurement`; the video cost bench's ``VideoRow``), with
+    ``key``, ``settings`` and ``status``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, row_type: type = Measurement) -> None:
         self.path = path
-        self.rows: dict[tuple, Measurement] = {}
+        self.rows: dict[tuple, Any] = {}
         if path.exists():
             for i, line in enumerate(path.read_text().splitlines()):
                 try:
-                    m = Measurement(**json.loads(line))
+                    m = row_type(**json.loads(line))
                 except (json.JSONDecodeError, TypeError) as exc:
-                    logger.warning("gpu bench: %s line %d unreadable (%s), that row re-runs", path, i + 1, exc)
+                    logger.warning("bench: %s line %d unreadable (%s), that row re-runs", path, i + 1, exc)
                     continue
                 if not m.status.startswith("failed"):
                     self.rows[m.key] = m
 
-    def done(self, key: tuple, settings: str) -> Measurement | None:
+    def done(self, key: tuple, settings: str) -> Any:
         m = self.rows.get(key)
         return m if m is not None and m.settings == settings else None
 
@@ -478,12 +480,12 @@ class RowStore:
             del self.rows[k]
         if stale:
             logger.warning(
-                "gpu bench: %d stored rows have other settings (device, dtype, repeats, tokens or recipe) and re-run",
+                "bench: %d stored rows have other settings (device, dtype, repeats, tokens or recipe) and re-run",
                 len(stale),
             )
         self.path.write_text("".join(json.dumps(dataclasses.asdict(m)) + "\n" for m in self.rows.values()))
 
-    def add(self, m: Measurement) -> None:
+    def add(self, m: Any) -> None:
         self.rows[m.key] = m
         with self.path.open("a") as f:
             f.write(json.dumps(dataclasses.asdict(m)) + "\n")

@@ -42,6 +42,11 @@ def rerender_bench(bench_dir: str | Path) -> Path:
         raise InputError(f"{out}: no summary.json (re-rendering needs a finished `mmfast bench` directory)")
     result = json.loads(path.read_text())
     kind = bench_kind(result)
+    if kind in ("gpu_speed", "video_cost"):  # their rows resume: the recorded command re-renders without running any
+        raise InputError(
+            f"{out} is a {kind} bench: run its recorded command again (results.md's 'Command:'); every finished "
+            "row with the same settings is kept, so it only rewrites results.md and summary.json"
+        )
     command = recorded_command(out)
     logger.info("re-rendering the %s bench in %s", kind, out)
     if kind == "pruning":

@@ -634,6 +634,34 @@ BENCH_MODELS: dict[str, BenchModel] = {
 }
 
 
+def reduced_shape(
+    spec: BenchModel, text_layers: int | None = None, vision_layers: int | None = None
+) -> LlavaShape | QwenShape:
+    """``spec``'s sizes with ``text_layers`` LLM layers and ``vision_layers`` tower blocks (None: unchanged),
+    every width as it is. A Qwen2.5-VL tower keeps its full-attention blocks that still exist (7, 15, ...)
+    and makes its last block full attention when none does, so a reduced tower has windowed and full blocks.
+
+    Raises:
+        ValueError: for a depth below 1 or above the shape's own.
+    """
+    shape = QWEN_SHAPES[spec.shape] if spec.family == "qwen2_5_vl" else SHAPES[spec.shape]
+    changes: dict[str, object] = {}
+    for what, value, full in (
+        ("text_layers", text_layers, shape.text_layers),
+        ("vision_layers", vision_layers, shape.vision_layers),
+    ):
+        if value is None:
+            continue
+        if not 1 <= value <= full:
+            raise ValueError(f"{what} must be in [1, {full}] for {spec.shape}, got {value}")
+        changes[what] = value
+    if isinstance(shape, QwenShape) and "vision_layers" in changes:
+        depth = int(changes["vision_layers"])
+        blocks = tuple(b for b in (shape.fullatt_blocks or ()) if b < depth)
+        changes["fullatt_blocks"] = blocks or (depth - 1,)
+    return dataclasses.replace(shape, **changes) if changes else shape
+
+
 def build_bench_model(
     name: str,
     *,
@@ -641,25 +669,29 @@ def build_bench_model(
     dtype: torch.dtype = torch.float16,
     seed: int = 0,
     init_std: float = 0.02,
+    text_layers: int | None = None,
+    vision_layers: int | None = None,
 ):
     """A :data:`BENCH_MODELS` model with random weights, built directly on ``device`` (a 7B model's
     random init takes seconds on a GPU, minutes on a CPU) and cast to ``dtype``. Returns (model, processor).
 
+    ``text_layers`` / ``vision_layers``: a reduced depth (LLM decoder layers / vision-tower blocks) at the
+    shape's full widths, for CPU runs (None: the shape's own depth); :func:`reduced_shape` says how.
+
     EOS is moved outside the vocabulary, so every answer runs to ``max_new_tokens`` (fixed-length timings)."""
     spec = BENCH_MODELS[name]
+    shape = reduced_shape(spec, text_layers, vision_layers)
     with torch.device(device):
         if spec.family == "llava":
-            model, processor = random_llava(spec.shape, seed=seed, init_std=init_std)
+            model, processor = random_llava(shape, seed=seed, init_std=init_std)
         elif spec.family == "llava_next":
             model, processor = random_llava_next(
-                spec.shape, seed=seed, init_std=init_std, pinpoints=[list(p) for p in spec.pinpoints] or None
+                shape, seed=seed, init_std=init_std, pinpoints=[list(p) for p in spec.pinpoints] or None
             )
         elif spec.family == "llava_onevision":
-            model, processor = random_llava_onevision(
-                spec.shape, seed=seed, init_std=init_std, max_tiles=spec.max_tiles
-            )
+            model, processor = random_llava_onevision(shape, seed=seed, init_std=init_std, max_tiles=spec.max_tiles)
         elif spec.family == "qwen2_5_vl":
-            model, processor = random_qwen_vl("qwen2_5_vl", spec.shape, seed=seed, init_std=init_std)
+            model, processor = random_qwen_vl("qwen2_5_vl", shape, seed=seed, init_std=init_std)
         else:
             raise ValueError(f"unknown bench model family {spec.family!r}")
     model = model.to(dtype).eval()
