@@ -71,6 +71,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import SiglipVisionModel
 
 from ..capabilities import Capabilities, Need
 from ..config import opt
@@ -265,11 +266,10 @@ class _SiglipHead(torch.nn.Module):
 
 
 def load_siglip_head(path: str, tower_config, ctx) -> _SiglipHead:
-    """The pooling head of the SigLIP checkpoint at ``path`` (a local directory; nothing is downloaded)."""
-    from transformers import SiglipVisionModel
-
+    """The pooling head of the SigLIP checkpoint at ``path`` (a local directory of safetensors weights;
+    nothing is downloaded, nothing unpickled)."""
     try:
-        model = SiglipVisionModel.from_pretrained(path, local_files_only=True, dtype=ctx.dtype)
+        model = SiglipVisionModel.from_pretrained(path, local_files_only=True, use_safetensors=True, dtype=ctx.dtype)
     except (OSError, ValueError) as exc:
         raise ConfigError("siglip_head", f"cannot load a SigLIP vision model from {path!r}: {exc}") from None
     vm = getattr(model, "vision_model", model)  # transformers 5: the parts sit on the model itself
