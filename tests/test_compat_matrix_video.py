@@ -2,8 +2,8 @@
 and every ordered pair of the pruners that run on a family's videos, stacked, on tiny random Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision models fed a batch of two videos of different frame counts
 (tests/test_compat_matrix.py feeds images). Each pruner at its ``test_params``, plus what it needs on a
-video (FastVID on OneVision: ``siglip_head``; HICom's test setting already has its random SigLIP guide and
-``global_queries: 0``).
+video (on OneVision, FastVID's ``siglip_head`` and HICom's SigLIP ``guide_model``, directories built as a user
+downloads them; HICom's test setting has ``global_queries: 0``).
 
 Each combination either generates (batch 2) or is refused before any compute (the vision tower never
 runs) with a reason that names the method; nothing else may be raised. A pruner runs (with greedy)
@@ -62,16 +62,42 @@ def siglip_head(tmp_path_factory) -> str:
     return str(path)
 
 
-def _params(name: str, mm, siglip_head: str) -> dict:
+@pytest.fixture(scope="module")
+def siglip_guide(tmp_path_factory) -> str:
+    """HICom on OneVision video, as tests/test_hicom_video.py builds it: a SigLIP directory (with the
+    tokenizer) whose vision layers are the tower's plus one, as a user downloads the tower's checkpoint."""
+    import torch
+
+    from mmfast.pruning._hicom_video import random_siglip
+
+    mm = _mm("llava_onevision")
+    vc = mm.adapter.vision_config
+    model = random_siglip(vc, mm.tokenizer, vc.num_hidden_layers, seed=3)
+    with torch.no_grad():
+        missing = model.vision_model.load_state_dict(mm.adapter.vision_tower.state_dict(), strict=False).missing_keys
+    assert all(k.startswith(("head.", f"encoder.layers.{vc.num_hidden_layers}.")) for k in missing)
+    path = tmp_path_factory.mktemp("siglip_guide")
+    model.save_pretrained(path)
+    mm.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def extra(siglip_head, siglip_guide) -> dict[str, dict]:
+    """What a pruner needs, beyond its test setting, on a OneVision video: checkpoints OneVision lacks."""
+    return {"fastvid": {"siglip_head": siglip_head}, "hicom": {"guide_model": siglip_guide}}
+
+
+def _params(name: str, mm, extra: dict) -> dict:
     """The method's test setting, plus what it needs to run on a video of this model."""
     params = dict(PRUNERS.get(name).cls.test_params(mm.adapter))
-    if name == "fastvid" and mm.adapter.family == "llava_onevision":
-        params["siglip_head"] = siglip_head
+    if mm.adapter.family == "llava_onevision":
+        params.update(extra.get(name, {}))
     return params
 
 
-def _stage(name: str, mm, siglip_head: str) -> dict:
-    return {"method": name, "params": _params(name, mm, siglip_head)}
+def _stage(name: str, mm, extra: dict) -> dict:
+    return {"method": name, "params": _params(name, mm, extra)}
 
 
 def _outcome(mm, recipe_data: dict, videos=VIDEOS, prompts=PROMPTS) -> tuple[str, list]:
@@ -134,13 +160,13 @@ def _declared_on(family: str, stage_data: dict) -> bool:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("pruner", PRUNERS.names())
-def test_pruner_x_decoder_x_drafter_on_videos(family, pruner, siglip_head):
+def test_pruner_x_decoder_x_drafter_on_videos(family, pruner, extra):
     mm = _mm(family)
     problems, ran, tokens = [], set(), {}
     for decoder in DECODERS.names():
         for drafter in (None, DRAFTER):
             data = {
-                "pruning": [_stage(pruner, mm, siglip_head)],
+                "pruning": [_stage(pruner, mm, extra)],
                 "decoding": {"method": decoder, "params": DECODER_PARAMS.get(decoder, {})},
             }
             if drafter:
@@ -163,23 +189,23 @@ def test_pruner_x_decoder_x_drafter_on_videos(family, pruner, siglip_head):
                     assert _footprint(alone) == _footprint(out[b : b + 1]), f"{pruner} on {family}: sample {b}"
     assert not problems, "\n".join(problems)
     # what runs is what the pruner declares for the family (at its params), and drafting stays lossless
-    assert (("greedy", None) in ran) == _declared_on(family, _stage(pruner, mm, siglip_head)), ran
+    assert (("greedy", None) in ran) == _declared_on(family, _stage(pruner, mm, extra)), ran
     if ("greedy", DRAFTER) in ran:
         assert tokens["greedy", DRAFTER] == tokens["greedy", None], f"{pruner} x {DRAFTER} on {family} is not lossless"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("first", PRUNERS.names())
-def test_stacked_pruners_on_videos(family, first, siglip_head):
+def test_stacked_pruners_on_videos(family, first, extra):
     """Every ordered pair of the pruners that run alone on the family's videos."""
     mm = _mm(family)
-    alone = [p for p in PRUNERS.names() if _declared_on(family, _stage(p, mm, siglip_head))]
+    alone = [p for p in PRUNERS.names() if _declared_on(family, _stage(p, mm, extra))]
     if first not in alone:
         pytest.skip(f"{first} does not run on {family} videos (the matrix above checks its refusal)")
     problems, ran = [], []
     for second in alone:
         data = {
-            "pruning": [_stage(first, mm, siglip_head), _stage(second, mm, siglip_head)],
+            "pruning": [_stage(first, mm, extra), _stage(second, mm, extra)],
             "decoding": {"method": "greedy"},
         }
         try:
@@ -193,3 +219,27 @@ def test_stacked_pruners_on_videos(family, first, siglip_head):
             problems.append(f"{first} + {second}: refusal names no method: {result}")
     assert not problems, "\n".join(problems)
     assert ran, f"{first} stacks with no pruner on {family}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_x_drafter_on_videos_without_a_pruner(family):
+    """The matrix's row without a pruner: every decoder x {no drafter, a drafter} on the video batch runs
+    or is refused naming a method; greedy runs and prompt-lookup drafting gives its tokens."""
+    mm = _mm(family)
+    problems, tokens = [], {}
+    for decoder in DECODERS.names():
+        for drafter in (None, DRAFTER):
+            data = {"decoding": {"method": decoder, "params": DECODER_PARAMS.get(decoder, {})}}
+            if drafter:
+                data["speculative"] = {"method": drafter}
+            try:
+                result, out = _outcome(mm, data)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"{decoder} x {drafter}: {type(exc).__name__}: {exc}")
+                continue
+            if result == "ran":
+                tokens[decoder, drafter] = [r.token_ids for r in out]
+            elif not _names_a_method(result, data):
+                problems.append(f"{decoder} x {drafter}: refusal names no method: {result}")
+    assert not problems, "\n".join(problems)
+    assert tokens["greedy", DRAFTER] == tokens["greedy", None]
