@@ -46,7 +46,7 @@ def _video(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, (n, 28, 28, 3), dtype=np.uint8)
 
 
-VIDEOS = [_video(4, 1), _video(6, 2)]  # different frame counts: different token counts per sample
+VIDEOS = [_video(4, 1), _video(5, 2)]  # different frame counts: different token counts per sample
 
 
 @pytest.fixture(scope="module")
