@@ -284,3 +284,49 @@ def test_static_cache_falls_back_naming_dycoke(caplog):
     assert tokens["static"] == tokens["off"]
     lines = [r.getMessage() for r in caplog.records if "model.compile" in r.getMessage()]
     assert len(lines) == 1 and "dycoke" in lines[0] and "every step" in lines[0]
+
+
+def test_dp_after_an_in_llm_pruner_ranks_what_layer_l_minus_1_attends(monkeypatch):
+    """Stacked after PyramidDrop (which drops video tokens before DyCoke's probe layer l - 1, and again at
+    l), DP ranks the video tokens that layer l - 1 still attends by its attention row, as the release's
+    rule does on that layout, and layers >= l attend the kept ones they still hold (the compatibility
+    matrix on videos found an IndexError here: the row was read against the prompt's full layout)."""
+    from mmfast.pruning.dycoke import DyCoke
+    from mmfast.registry import PRUNERS
+
+    mm = _mm("llava_onevision")
+    steps = []
+    original = DyCoke._decode_step
+
+    def spy(self, layer, hidden, state):
+        original(self, layer, hidden, state)
+        if hidden.shape[1] == 1:
+            probe, dp = state.groups[state.group_of(self.layer - 1)], state.groups[state.group_of(self.layer)]
+            assert state.group_of(self.layer - 1) > 0  # an earlier stage changed the layout layer l - 1 attends
+            probs = self.ctx.probe[self.probe_name].probs[0, 0, : probe.length].clone()
+            attended = dp.source[0][dp.fwd_mask[0, 0, 0]].tolist()
+            steps.append((probs, probe.source[0].tolist(), attended, dp.source[0].tolist()))
+
+    monkeypatch.setattr(DyCoke, "_decode_step", spy)
+    pyramid = {"method": "pyramiddrop", "params": PRUNERS.get("pyramiddrop").cls.test_params(mm.adapter)}
+    recipe = {"pruning": [pyramid, *_recipe(threshold=0.5)["pruning"]]}
+    out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=8)[0]
+    batch = mm.prepare(None, ["Describe."], videos=[_video(8)])
+    with Session(mm, load_recipe(_recipe(p=0.0))) as s:  # the TTM output's layout (the prompt slots)
+        inputs = s.build_inputs(batch, s.encode(batch))
+    frame_slots = ((inputs.tags["video"][0] > 0) & (inputs.patch_ids[0] >= 0)).nonzero().squeeze(1)
+    candidates = set(frame_slots[:-1].tolist())  # the release's image_token_length: the last one left out
+    source = steps[0][1]
+    present = [i for i, s in enumerate(source) if s in candidates]  # cache slots of layer l - 1's candidates
+    assert present == list(range(present[0], present[0] + len(present))) and len(present) < len(candidates)
+    release = _ReleaseDP(present[0], len(present), 0.8, threshold=0.5)
+    full_steps = 0
+    for probs, step_source, attended, dp_source in steps:  # the cache grows by one slot per step
+        kept = release.step(probs, probs.shape[0])
+        if kept is None:
+            full_steps += 1
+            kept = range(probs.shape[0])
+        kept_slots = {step_source[i] for i in kept}
+        assert attended == [s for s in dp_source if s in kept_slots]
+    assert out.stats["dycoke"]["pruned_steps"] == len(steps) - full_steps
+    assert 0 < full_steps < len(steps)  # both branches of the rule ran

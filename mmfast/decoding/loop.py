@@ -139,6 +139,7 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
     acc = state_accounting(state).rows(batch_size)
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
     generated: list[torch.Tensor] = []
+    kv_at_stop: dict[int, int] = {}  # a row's cache when it stopped: the padding fed after it is not its own
     for step in range(max_new_tokens):
         nxt = policy.choose(logits, step)  # [B]
         nxt = torch.where(finished, torch.full_like(nxt, ctx.special.pad), nxt)
@@ -146,14 +147,18 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
         if streamer is not None:
             streamer.put(nxt.cpu())
             streamed[0] += 1
-        finished |= torch.isin(nxt, stop)
+        stopped = torch.isin(nxt, stop) & ~finished  # [B] rows whose stop token came at this step
+        finished |= stopped
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
+        if bool(stopped.any()):
+            kv_now = policy.end_state().kv_bytes_per_sample()
+            kv_at_stop.update({b: kv_now[b] for b in stopped.nonzero().flatten().tolist()})
         logits = policy.advance(nxt)
     t2 = now(device)
     ids = torch.stack(generated, 1).tolist() if generated else [[] for _ in range(batch_size)]
     end = policy.end_state()  # stats of decode-time policies are complete only now
-    kv_end = end.kv_bytes_per_sample()[:batch_size]
+    kv_end = [kv_at_stop.get(b, kv) for b, kv in enumerate(end.kv_bytes_per_sample()[:batch_size])]
     return finish(
         ctx,
         ids,

@@ -43,7 +43,9 @@ steps only, as the release (``position_ids.shape[1] == 1``): it declares a per-s
 speculative drafting is refused unless ``p: 0``; the static-cache step is not used (per-step Python
 decision); (f) F = 1 keeps the video whole, step b is skipped when F <= 4 (the release raises on both:
 ``torch.stack`` of an empty list); an odd F drops the last frame as the release does;
-(g) ``k: 0`` leaves the tokens in place (the release would still reorder pruned frames by similarity).
+(g) ``k: 0`` leaves the tokens in place (the release would still reorder pruned frames by similarity);
+(h) stacked after an in-LLM pruner that drops tokens before layer l - 1 (PyramidDrop, SparseVLM, ...),
+the candidates are the ones layer l - 1 still attends (its own cache layout).
 No-op: ``k: 0`` and ``p: 0``. DyCoke needs a video: a batch without one is refused before compute.
 Budget: none (the release's own ``k`` / ``p``).
 """
@@ -214,7 +216,8 @@ class DyCoke(Pruner):
         if hidden.shape[1] != 1 or CANDIDATE_TAG not in state.inputs.tags:
             return
         cfg = self.config
-        grp0 = state.groups[0]
+        # the layout layer l - 1 attends: an earlier stage (PyramidDrop, SparseVLM) may have dropped slots
+        grp0 = state.groups[state.group_of(self.layer - 1)]
         probs = self.ctx.probe[self.probe_name].probs[:, 0, : grp0.length]  # [B, T0] head-mean, fp32
         inputs = state.inputs
         src0 = grp0.source.clamp(min=0)  # [B, T0] prompt slot of each cache slot
