@@ -632,7 +632,7 @@ def _run_embedded(
     mm = load_model(recipe.model)
     # the first images of the evaluation data (the world's val split by default), in file order; only the
     # images are needed, so no task (CHAIR's parser alone takes tens of CPU seconds to build) is set up
-    image_dir = resolve_data(recipe.eval, ()).image_dir
+    image_dir = resolve_data(recipe.eval, ("pope",)).image_dir  # the world is generated if missing
     images = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))[
         : cp.embedded_samples
     ]
