@@ -61,11 +61,18 @@ def group_index(shape: tuple[int, int, int], out: tuple[int, int, int], device=N
     (t, h, w) raster order; groups smaller than the largest are padded with -1.
     """
     (t, h, w), (ot, oh, ow) = shape, out
-    bt, bh, bw = adaptive_bins(t, ot), adaptive_bins(h, oh), adaptive_bins(w, ow)
+    return group_index_bins(shape, (adaptive_bins(t, ot), adaptive_bins(h, oh), adaptive_bins(w, ow)), device)
+
+
+def group_index_bins(shape: tuple[int, int, int], bins: tuple[list, list, list], device=None) -> torch.Tensor:
+    """[G, S] long: raster indices into the flattened (t, h, w) volume of each group (the products of
+    the per-axis ``bins``, groups in (t, h, w) raster order, members in (t, h, w) raster order, as the
+    release's ``'(t1 h1 w1) (t2 h2 w2) d'``); smaller groups padded with -1."""
+    _, h, w = shape
     groups = []
-    for t0, t1 in bt:
-        for h0, h1 in bh:
-            for w0, w1 in bw:
+    for t0, t1 in bins[0]:
+        for h0, h1 in bins[1]:
+            for w0, w1 in bins[2]:
                 tt = torch.arange(t0, t1)[:, None, None]
                 hh = torch.arange(h0, h1)[None, :, None]
                 ww = torch.arange(w0, w1)[None, None, :]

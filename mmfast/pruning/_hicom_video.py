@@ -24,7 +24,7 @@ from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, Sigli
 
 from ..errors import ConfigError, ModelLoadError
 from ..models.base import FRAME, VisionBatch
-from ._grid import adaptive_bins
+from ._grid import adaptive_bins, group_index_bins
 
 SIGLIP_HUB = "google/siglip-so400m-patch14-384"
 GUIDE_DIR = "siglip"  # default: <model dir>/siglip
@@ -51,26 +51,6 @@ def release_bins(n: int, k: int) -> list[tuple[int, int]]:
     if len({e - s for s, e in bins}) > 1:
         return adaptive_bins(n, split)
     return bins
-
-
-def group_index_bins(shape: tuple[int, int, int], bins: tuple[list, list, list], device=None) -> torch.Tensor:
-    """[G, S] long: raster indices into the flattened (t, h, w) volume of each group (the products of
-    the per-axis ``bins``, groups in (t, h, w) raster order, members in (t, h, w) raster order, as the
-    release's ``'(t1 h1 w1) (t2 h2 w2) d'``); smaller groups padded with -1."""
-    _, h, w = shape
-    groups = []
-    for t0, t1 in bins[0]:
-        for h0, h1 in bins[1]:
-            for w0, w1 in bins[2]:
-                tt = torch.arange(t0, t1)[:, None, None]
-                hh = torch.arange(h0, h1)[None, :, None]
-                ww = torch.arange(w0, w1)[None, None, :]
-                groups.append(((tt * h + hh) * w + ww).reshape(-1))
-    size = max(g.numel() for g in groups)
-    index = torch.full((len(groups), size), -1, dtype=torch.long)
-    for j, g in enumerate(groups):
-        index[j, : g.numel()] = g
-    return index.to(device)
 
 
 def local_weights(keys: torch.Tensor, guide: torch.Tensor, index: torch.Tensor, clip_scale=None) -> torch.Tensor:
