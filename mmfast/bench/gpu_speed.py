@@ -491,6 +491,36 @@ class RowStore:
             f.write(json.dumps(dataclasses.asdict(m)) + "\n")
             f.flush()
 
+    def log_failed(self, bench: str, describe: Callable[[Any], str]) -> None:
+        """Say, as one error, which rows failed (``describe(row)`` names one; ``bench`` the bench)."""
+        failed = [m for m in self.rows.values() if m.status.startswith("failed")]
+        if failed:
+            logger.error(
+                "%s: %d rows failed (see their status in results.md; they re-run on resume): %s",
+                bench,
+                len(failed),
+                "; ".join(describe(m) for m in failed),
+            )
+
+
+def measure_row(m: Any, label: str, measure: Callable[..., None], *args: Any) -> None:
+    """Run ``measure(*args)`` (it fills row ``m``) so that one broken row cannot cost the device time of the rest:
+    a variant the shape cannot run (an :class:`MMFastError`) is ``refused: ...`` in ``m.status``, any other
+    exception (CUDA out of memory included) ``failed: ...`` (such rows re-run on resume); each is logged
+    with ``label``, the row's name."""
+    try:
+        measure(*args)
+    except MMFastError as exc:  # a variant this shape cannot run: said so in its row
+        m.status = f"refused: {exc}"
+        logger.warning("%s refused: %s", label, exc)
+    except torch.cuda.OutOfMemoryError as exc:
+        m.status = f"failed: CUDA out of memory ({str(exc).splitlines()[0][:120]})"
+        logger.error("%s ran out of memory", label)
+        torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001  one broken row must not cost the device time of the rest
+        m.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        logger.exception("%s failed (the row re-runs on resume)", label)
+
 
 def _row_specs(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams) -> list[tuple[str, Any]]:
     """(row name, what the row runs) in table order, filtered by ``bench.params.rows``."""
@@ -554,24 +584,12 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                 what = dict(specs)[name]
                 n = cp.tokens(w)
                 m = Measurement(shape_name, b, w, name, plan[key], new_tokens=n)
-                logger.info("gpu bench: %s batch %d %s: %s", shape_name, b, w, name)
-                try:
-                    if isinstance(what, str):
-                        _hf_row(shape, b, w, n, cfg, what == "hf-static", m)
-                    else:
-                        _mmfast_row(shape, what, b, w, n, cfg, _compile_mode(name), m)
-                except MMFastError as exc:  # a variant this shape cannot run: said so in its row
-                    m.status = f"refused: {exc}"
-                    logger.warning("gpu bench: %s batch %d %s: %s refused: %s", shape_name, b, w, name, exc)
-                except torch.cuda.OutOfMemoryError as exc:
-                    m.status = f"failed: CUDA out of memory ({str(exc).splitlines()[0][:120]})"
-                    logger.error("gpu bench: %s batch %d %s: %s ran out of memory", shape_name, b, w, name)
-                    torch.cuda.empty_cache()
-                except Exception as exc:  # noqa: BLE001  one broken row must not cost the device time of the rest
-                    m.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                    logger.exception(
-                        "gpu bench: %s batch %d %s: %s failed (the row re-runs on resume)", shape_name, b, w, name
-                    )
+                label = f"gpu bench: {shape_name} batch {b} {w}: {name}"
+                logger.info("%s", label)
+                if isinstance(what, str):
+                    measure_row(m, label, _hf_row, shape, b, w, n, cfg, what == "hf-static", m)
+                else:
+                    measure_row(m, label, _mmfast_row, shape, what, b, w, n, cfg, _compile_mode(name), m)
                 store.add(m)
                 report()
         finally:
@@ -580,13 +598,7 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
             gc.collect()  # the next shape needs the memory (a compiled generate holds the model in a cycle)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    failed = [m for m in store.rows.values() if m.status.startswith("failed")]
-    if failed:
-        logger.error(
-            "gpu bench: %d rows failed (see their status in results.md; they re-run on resume): %s",
-            len(failed),
-            "; ".join(f"{m.shape} b{m.batch} {m.workload} {m.row}" for m in failed),
-        )
+    store.log_failed("gpu bench", lambda m: f"{m.shape} b{m.batch} {m.workload} {m.row}")
     return report()
 
 

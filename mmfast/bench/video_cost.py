@@ -56,14 +56,14 @@ import torch
 from PIL import Image
 
 from ..config import Recipe
-from ..errors import InputError, MMFastError
+from ..errors import InputError
 from ..model import MMModel
 from ..models.factory import BENCH_MODELS, build_bench_model, reduced_shape
 from ..pipeline import apply
 from ..video import VideoSampling, open_video
 from ..world.video_render import MAX_FRAMES, MIN_FRAMES, VideoConfig, render_clip
 from .common import Variant, variants, warm_repeats
-from .gpu_speed import DeviceInfo, RowStore
+from .gpu_speed import DeviceInfo, RowStore, measure_row
 from .render import budget_text
 
 logger = logging.getLogger(__name__)
@@ -285,19 +285,10 @@ def run_video_cost(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                 m = VideoRow(
                     shape_name, f, name, settings, budget=budget_text([st._to_recipe() for st in v.recipe.pruning])
                 )
-                logger.info("video cost: %s, %d frames: %s", shape_name, f, name)
-                try:
-                    _measure_row(mm, batches[f], _text_tokens(mm, batches[f]), v, cfg.warmup, cfg.repeats, m)
-                except MMFastError as exc:  # a variant this shape cannot run: said so in its row
-                    m.status = f"refused: {exc}"
-                    logger.warning("video cost: %s, %d frames: %s refused: %s", shape_name, f, name, exc)
-                except torch.cuda.OutOfMemoryError as exc:
-                    m.status = f"failed: CUDA out of memory ({str(exc).splitlines()[0][:120]})"
-                    logger.error("video cost: %s, %d frames: %s ran out of memory", shape_name, f, name)
-                    torch.cuda.empty_cache()
-                except Exception as exc:  # noqa: BLE001  one broken row must not cost the rest
-                    m.status = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                    logger.exception("video cost: %s, %d frames: %s failed (re-runs on resume)", shape_name, f, name)
+                label = f"video cost: {shape_name}, {f} frames: {name}"
+                logger.info("%s", label)
+                batch = batches[f]
+                measure_row(m, label, _measure_row, mm, batch, _text_tokens(mm, batch), v, cfg.warmup, cfg.repeats, m)
                 store.add(m)
                 report()
         finally:
@@ -305,13 +296,7 @@ def run_video_cost(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    failed = [m for m in store.rows.values() if m.status.startswith("failed")]
-    if failed:
-        logger.error(
-            "video cost: %d rows failed (their status in results.md; they re-run on resume): %s",
-            len(failed),
-            "; ".join(f"{m.shape} {m.frames}f {m.row}" for m in failed),
-        )
+    store.log_failed("video cost", lambda m: f"{m.shape} {m.frames}f {m.row}")
     return report()
 
 
