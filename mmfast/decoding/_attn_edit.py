@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capabilities import Capabilities
 from ..errors import IncompatibleRecipeError
 from ..hooks.attention import attach
 
@@ -34,6 +35,12 @@ class SlotClasses:
 
 #: ``Capabilities.dynamic_decode`` of the attention-editing decoders (PAI, ClearSight, ONLY)
 ATTN_OVERRIDE_DYNAMIC = "its attention override lays out each row over exactly the held keys"
+
+
+def override_caps(active: bool, **more) -> Capabilities:
+    """The capabilities of a decoder whose attention override is installed when ``active`` (``more``: its
+    other fields)."""
+    return Capabilities(overrides_llm_attention=active, dynamic_decode=ATTN_OVERRIDE_DYNAMIC if active else "", **more)
 
 
 def slot_classes(state, layer: int) -> SlotClasses:
@@ -64,6 +71,15 @@ def slot_classes(state, layer: int) -> SlotClasses:
         bos=valid & real & (grp.source == first_real),
         generated=generated,
     )
+
+
+def held_slot_classes(state, layer: int, k_len: int, who: str) -> SlotClasses:
+    """:func:`slot_classes`, which must lay out the ``k_len`` keys ``layer``'s attention holds (``who``: the
+    method, for the error)."""
+    cls = slot_classes(state, layer)
+    if cls.valid.shape[1] != k_len:
+        raise RuntimeError(f"{who}: layer {layer} holds {k_len} keys but its layout {cls.valid.shape[1]} (mmfast bug)")
+    return cls
 
 
 def masked_scores(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, r0: int) -> tuple:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..capabilities import Capabilities
+from ..errors import ConfigError
 from ..flops import LLAVA_7B, LMShape, prefill_flops, project_schedule
 
 if TYPE_CHECKING:
@@ -127,6 +129,16 @@ class Decoder:
 
     def decode(self, req: DecodeRequest) -> DecodeOutput:
         raise NotImplementedError
+
+
+def existing_layers(layers: Iterable[int], n: int) -> list[int]:
+    """``layers`` (config key ``layers``, 0-based) as a list, refused unless each is a layer of this ``n``-layer
+    LLM."""
+    layers = list(layers)
+    bad = [layer for layer in layers if not 0 <= layer < n]
+    if bad:
+        raise ConfigError("layers", f"{bad} do not exist in this {n}-layer LLM (0-based, 0..{n - 1})")
+    return layers
 
 
 def now(device: torch.device) -> float:

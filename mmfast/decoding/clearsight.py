@@ -34,10 +34,9 @@ import torch
 
 from ..capabilities import Capabilities
 from ..config import opt
-from ..errors import ConfigError
 from ..registry import DECODERS
-from ._attn_edit import ATTN_OVERRIDE_DYNAMIC, edit_rows, install_override, slot_classes
-from .base import DecodeOutput, Decoder, DecodeRequest
+from ._attn_edit import edit_rows, held_slot_classes, install_override, override_caps
+from .base import DecodeOutput, Decoder, DecodeRequest, existing_layers
 from .loop import autoregressive, sample_from, warpers
 
 PAPER_LAYERS = tuple(range(9, 15))  # of the 32-layer LLaVA-1.5-7B LLM
@@ -82,19 +81,12 @@ class ClearSight(Decoder):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
-        return Capabilities(
-            overrides_llm_attention=cls.active(cfg),
-            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "",
-        )
+        return override_caps(cls.active(cfg))
 
     @classmethod
     def check_facts(cls, config, facts) -> list[int]:
         n = facts.llm_layers
-        layers = list(config.layers) if config.layers is not None else paper_layers(n)
-        bad = [layer for layer in layers if not 0 <= layer < n]
-        if bad:
-            raise ConfigError("layers", f"{bad} do not exist in this {n}-layer LLM (0-based, 0..{n - 1})")
-        return sorted(set(layers))
+        return sorted(set(existing_layers(config.layers if config.layers is not None else paper_layers(n), n)))
 
     def install(self) -> None:
         from ..capabilities import ModelFacts
@@ -113,11 +105,7 @@ class ClearSight(Decoder):
             if state is None:
                 return out
             q_len, k_len = query.shape[2], key.shape[2]
-            cls = slot_classes(state, layer)
-            if cls.valid.shape[1] != k_len:
-                raise RuntimeError(
-                    f"ClearSight: layer {layer} holds {k_len} keys but its layout {cls.valid.shape[1]} (mmfast bug)"
-                )
+            cls = held_slot_classes(state, layer, k_len, "ClearSight")
             has_image = cls.image.any(1, keepdim=True)  # [B, 1]
             rows = cls.after_image[:, k_len - q_len :] & has_image  # [B, Q]
 

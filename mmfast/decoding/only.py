@@ -47,7 +47,7 @@ from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
-from ._attn_edit import ATTN_OVERRIDE_DYNAMIC, attend, install_override, masked_scores, slot_classes
+from ._attn_edit import attend, install_override, masked_scores, override_caps, slot_classes
 from .base import DecodeOutput, Decoder, DecodeRequest
 from .branches import plausibility_mask
 from .loop import autoregressive, sample_from, warpers
@@ -124,10 +124,7 @@ class ONLY(Decoder):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
-        return Capabilities(
-            overrides_llm_attention=cls.active(cfg),
-            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cls.active(cfg) else "",
-        )
+        return override_caps(cls.active(cfg))
 
     @staticmethod
     def active(cfg) -> bool:

@@ -55,7 +55,7 @@ from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
-from ._attn_edit import ATTN_OVERRIDE_DYNAMIC, edit_rows, install_override, slot_classes
+from ._attn_edit import edit_rows, held_slot_classes, install_override, override_caps
 from .base import DecodeOutput, DecodeRequest
 from .branches import Branch, MultiBranchDecoder
 from .loop import autoregressive, sample_from, warpers
@@ -100,11 +100,7 @@ class PAI(MultiBranchDecoder):
     @classmethod
     def capabilities(cls, params) -> Capabilities:
         cfg = params if params is not None else cls.Config()
-        return Capabilities(
-            search="single" if cfg.gamma == 1.0 else "branches",
-            overrides_llm_attention=cfg.alpha != 0.0,
-            dynamic_decode=ATTN_OVERRIDE_DYNAMIC if cfg.alpha != 0.0 else "",
-        )
+        return override_caps(cfg.alpha != 0.0, search="single" if cfg.gamma == 1.0 else "branches")
 
     @classmethod
     def check_facts(cls, config, facts) -> list[int]:
@@ -136,11 +132,7 @@ class PAI(MultiBranchDecoder):
             prefill = q_len == k_len
             if prefill and not first:
                 return out
-            cls = slot_classes(state, layer)
-            if cls.valid.shape[1] != k_len:
-                raise RuntimeError(
-                    f"PAI: layer {layer} holds {k_len} keys but its layout {cls.valid.shape[1]} (mmfast bug)"
-                )
+            cls = held_slot_classes(state, layer, k_len, "PAI")
             if not bool(cls.image.any()):
                 return out  # the image-free CFG branch: nothing to amplify
             rows = cls.generated[:, k_len - q_len :].clone()  # [B, Q]

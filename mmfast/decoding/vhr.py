@@ -22,10 +22,9 @@ import torch
 
 from ..capabilities import Capabilities
 from ..config import opt
-from ..errors import ConfigError
 from ..models.base import LMInputs
 from ..registry import DECODERS
-from .base import DecodeOutput, Decoder, DecodeRequest
+from .base import DecodeOutput, Decoder, DecodeRequest, existing_layers
 from .loop import autoregressive, sample_from, warpers
 
 
@@ -70,11 +69,7 @@ class VHR(Decoder):
     def check_facts(cls, config, facts) -> list[int]:
         """The reinforced layers exist in this LLM (from the config before weights load, or the model)."""
         n = facts.llm_layers
-        layers = list(config.layers) if config.layers is not None else paper_layers(n)
-        bad = [layer for layer in layers if not 0 <= layer < n]
-        if bad:
-            raise ConfigError("layers", f"{bad} do not exist in this {n}-layer LLM (0-based, 0..{n - 1})")
-        return layers
+        return existing_layers(config.layers if config.layers is not None else paper_layers(n), n)
 
     def install(self) -> None:
         from ..capabilities import ModelFacts
