@@ -75,39 +75,17 @@ class BeamSearch:
         """Advance with ``log_probs`` ([B*K, V], already processed). Returns (beam_idx [B*K], tokens [B*K])."""
         if self.prompt_len is not None:
             return self._step_release(log_probs, stop_ids)
-        b, k = self.b, self.k
-        vocab = log_probs.shape[-1]
-        scores = (log_probs.view(b, k, vocab) + self.running_scores[:, :, None]).view(b, k * vocab)
-        keep = max(2, 1 + int(stop_ids.numel())) * k
-        top_scores, top_idx = scores.topk(keep, dim=1)  # [B, 2K]
-        src_beam, tok = top_idx // vocab, top_idx % vocab
-        seqs = torch.cat(
-            [self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2
-        )
-        gen_len = self.cur_len + 1
+        k = self.k
+        top_scores, src_beam, tok, seqs = self._candidates(log_probs, stop_ids)
+        gen_len = seqs.shape[2]
         hits = torch.isin(tok, stop_ids) | (gen_len >= self.max_new)  # [B, 2K]
-        # running beams: the best K continuations that did not stop
-        run_scores = top_scores + hits.float() * -1e9
-        nxt = run_scores.topk(k, dim=1).indices  # [B, K]
-        self.running_scores = run_scores.gather(1, nxt)
-        self.running_tokens = seqs.gather(1, nxt[:, :, None].expand(-1, -1, gen_len))
-        beam_src = src_beam.gather(1, nxt)  # [B, K]
+        beam_src = self._keep_running(top_scores, src_beam, seqs, hits)  # the best K that did not stop
         # finished pool: stopped continuations among the top K, if they beat the pool
-        top_k_mask = torch.arange(keep, device=tok.device)[None, :] < k
+        top_k_mask = torch.arange(tok.shape[1], device=tok.device)[None, :] < k
         just = hits & top_k_mask
         fin_scores = top_scores / (gen_len**self.lp)
         fin_scores = fin_scores + (~self.improvable).float() * -1e9 + (~just).float() * -1e9
-        merged_scores = torch.cat([self.finished_scores, fin_scores], 1)
-        padded = torch.zeros(b, keep, self.max_new, dtype=torch.long, device=tok.device)
-        padded[:, :, :gen_len] = seqs
-        merged_tokens = torch.cat([self.finished_tokens, padded], 1)
-        merged_len = torch.cat([self.finished_len, torch.full((b, keep), gen_len, device=tok.device)], 1)
-        merged_fin = torch.cat([self.is_finished, just], 1)
-        best = merged_scores.topk(k, dim=1).indices
-        self.finished_scores = merged_scores.gather(1, best)
-        self.finished_tokens = merged_tokens.gather(1, best[:, :, None].expand(-1, -1, self.max_new))
-        self.finished_len = merged_len.gather(1, best)
-        self.is_finished = merged_fin.gather(1, best)
+        self._merge(fin_scores, seqs, torch.full_like(tok, gen_len), just)
         # early-stop heuristic (transformers' early_stopping=False)
         best_running = self.running_scores[:, :1] / (gen_len**self.lp)
         worst_fin = torch.where(
@@ -115,7 +93,38 @@ class BeamSearch:
         )
         self.improvable = self.improvable & (best_running > worst_fin).any(-1, keepdim=True)
         self.done = (not bool(self.improvable.any())) or bool(hits.all()) or gen_len >= self.max_new
-        flat_src = (beam_src + torch.arange(b, device=tok.device)[:, None] * k).view(-1)
+        return self._chosen(beam_src)
+
+    def _candidates(
+        self, log_probs: torch.Tensor, stop_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The best ``M = max(2, 1 + #stop ids) * K`` continuations of each sample's running beams
+        (``log_probs`` [B*K, V]): (scores [B, M], source beam [B, M], token [B, M], tokens so far [B, M, t+1])."""
+        b, k = self.b, self.k
+        vocab = log_probs.shape[-1]
+        scores = (log_probs.view(b, k, vocab) + self.running_scores[:, :, None]).view(b, k * vocab)
+        keep = max(2, 1 + int(stop_ids.numel())) * k
+        top_scores, top_idx = scores.topk(keep, dim=1)  # [B, M]
+        src_beam, tok = top_idx // vocab, top_idx % vocab
+        seqs = torch.cat(
+            [self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2
+        )
+        return top_scores, src_beam, tok, seqs
+
+    def _keep_running(
+        self, top_scores: torch.Tensor, src_beam: torch.Tensor, seqs: torch.Tensor, stopped: torch.Tensor
+    ) -> torch.Tensor:
+        """The running beams become the best K candidates not ``stopped`` ([B, M]); returns their source
+        beams [B, K]."""
+        run_scores = top_scores + stopped.float() * -1e9
+        nxt = run_scores.topk(self.k, dim=1).indices  # [B, K]
+        self.running_scores = run_scores.gather(1, nxt)
+        self.running_tokens = seqs.gather(1, nxt[:, :, None].expand(-1, -1, seqs.shape[2]))
+        return src_beam.gather(1, nxt)
+
+    def _chosen(self, beam_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat source beam [B*K], last token [B*K]) of the running beams, from their source beams [B, K]."""
+        flat_src = (beam_src + torch.arange(self.b, device=beam_src.device)[:, None] * self.k).view(-1)
         return flat_src, self.running_tokens[:, :, -1].reshape(-1)
 
     def _merge(self, fin_scores: torch.Tensor, seqs: torch.Tensor, lens: torch.Tensor, fin: torch.Tensor) -> None:
@@ -136,25 +145,13 @@ class BeamSearch:
 
     def _step_release(self, log_probs: torch.Tensor, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of transformers 4.29.2's ``BeamSearchScorer.process`` (+ ``finalize`` at the limit)."""
-        b, k = self.b, self.k
-        vocab = log_probs.shape[-1]
-        scores = (log_probs.view(b, k, vocab) + self.running_scores[:, :, None]).view(b, k * vocab)
-        keep = max(2, 1 + int(stop_ids.numel())) * k
-        top_scores, top_idx = scores.topk(keep, dim=1)  # [B, 2K]
-        src_beam, tok = top_idx // vocab, top_idx % vocab
-        seqs = torch.cat(
-            [self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2
-        )
-        gen_len = self.cur_len + 1
+        k = self.k
+        top_scores, src_beam, tok, seqs = self._candidates(log_probs, stop_ids)
+        gen_len = seqs.shape[2]
         eos = torch.isin(tok, stop_ids)  # [B, 2K]
-        # running beams: the best K continuations that do not end in EOS
-        run_scores = top_scores + eos.float() * -1e9
-        nxt = run_scores.topk(k, dim=1).indices  # [B, K]
-        self.running_scores = run_scores.gather(1, nxt)
-        self.running_tokens = seqs.gather(1, nxt[:, :, None].expand(-1, -1, gen_len))
-        beam_src = src_beam.gather(1, nxt)
+        beam_src = self._keep_running(top_scores, src_beam, seqs, eos)  # the best K that do not end in EOS
         # EOS among the top K ranks: stored without the EOS, so len(input_ids) = prompt + gen_len - 1
-        just = eos & (torch.arange(keep, device=tok.device)[None, :] < k) & self.improvable
+        just = eos & (torch.arange(tok.shape[1], device=tok.device)[None, :] < k) & self.improvable
         fin_scores = torch.where(
             just, top_scores / (self.prompt_len + gen_len - 1) ** self.lp, torch.full_like(top_scores, -1e9)
         )
@@ -172,10 +169,9 @@ class BeamSearch:
                 self.running_scores / (self.prompt_len + gen_len) ** self.lp,
                 torch.full_like(self.running_scores, -1e9),
             )
-            self._merge(fin_run, self.running_tokens, torch.full_like(nxt, gen_len), fin)
+            self._merge(fin_run, self.running_tokens, torch.full_like(beam_src, gen_len), fin)
         self.done = (not bool(self.improvable.any())) or bool(eos.all()) or last
-        flat_src = (beam_src + torch.arange(b, device=tok.device)[:, None] * k).view(-1)
-        return flat_src, self.running_tokens[:, :, -1].reshape(-1)
+        return self._chosen(beam_src)
 
     def best(self) -> list[list[int]]:
         """The best finished hypothesis of each sample."""
