@@ -23,7 +23,7 @@ import logging
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Literal
 
@@ -139,25 +139,7 @@ def _coco(
 
 
 def _seem(dataset: str, split: str, md5: str, sha256: str, *, vcd: bool) -> KnownPopeFile:
-    if vcd:
-        return KnownPopeFile(
-            md5=md5,
-            sha256=sha256,
-            md5_lf=md5,
-            dataset=dataset,
-            split=split,
-            repo=_VCD,
-            commit=_C_VCD_SEEM,
-            path=f"experiments/data/POPE/{dataset}/{dataset}_pope_{split}.json",
-            n_lines=3000,
-            n_yes=1500,
-            n_no=1500,
-            n_typos=0,
-            line_endings="lf",
-            users=_VCD_USERS,
-            note=f"JSON Lines copy of the same records as RUCAIBox/POPE@{_C_9B5[:7]}",
-        )
-    return KnownPopeFile(
+    pope = KnownPopeFile(
         md5=md5,
         sha256=sha256,
         md5_lf=md5,
@@ -173,6 +155,17 @@ def _seem(dataset: str, split: str, md5: str, sha256: str, *, vcd: bool) -> Know
         line_endings="lf",
         users=(),
         note="pretty-printed JSON array (SEEM-based objects)",
+    )
+    if not vcd:
+        return pope
+    return replace(
+        pope,
+        repo=_VCD,
+        commit=_C_VCD_SEEM,
+        path=f"experiments/data/POPE/{dataset}/{dataset}_pope_{split}.json",
+        n_lines=3000,
+        users=_VCD_USERS,
+        note=f"JSON Lines copy of the same records as RUCAIBox/POPE@{_C_9B5[:7]}",
     )
 
 
