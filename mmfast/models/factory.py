@@ -78,6 +78,20 @@ SHAPES: dict[str, LlavaShape] = {
 }
 
 
+def clip_tower_kwargs(shape: LlavaShape) -> dict:
+    """``CLIPVisionConfig`` keywords of ``shape``'s vision tower: LLaVA's (:func:`llava_config`), and the CLIP
+    model's the embedded model's tower is trained in (:mod:`mmfast.train.embedded`)."""
+    return dict(
+        hidden_size=shape.vision_hidden,
+        intermediate_size=shape.vision_hidden * 4,
+        num_hidden_layers=shape.vision_layers,
+        num_attention_heads=shape.vision_heads,
+        image_size=shape.image_size,
+        patch_size=shape.patch_size,
+        hidden_act="quick_gelu",
+    )
+
+
 def llava_config(
     shape: LlavaShape,
     *,
@@ -91,16 +105,7 @@ def llava_config(
     """A ``LlavaConfig`` with a CLIP vision tower and a Llama text model of ``shape``'s sizes."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
-    vision = CLIPVisionConfig(
-        hidden_size=shape.vision_hidden,
-        intermediate_size=shape.vision_hidden * 4,
-        num_hidden_layers=shape.vision_layers,
-        num_attention_heads=shape.vision_heads,
-        image_size=shape.image_size,
-        patch_size=shape.patch_size,
-        projection_dim=shape.vision_hidden,
-        hidden_act="quick_gelu",
-    )
+    vision = CLIPVisionConfig(**clip_tower_kwargs(shape), projection_dim=shape.vision_hidden)
     text = LlamaConfig(
         vocab_size=vocab_size or shape.vocab_size,
         hidden_size=shape.text_hidden,

@@ -46,7 +46,15 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from ..models.factory import SHAPES, LlavaShape, build_processor, llava_config, save_model, train_bpe_tokenizer
+from ..models.factory import (
+    SHAPES,
+    LlavaShape,
+    build_processor,
+    clip_tower_kwargs,
+    llava_config,
+    save_model,
+    train_bpe_tokenizer,
+)
 from ..world import CATEGORIES, NUM_LABELS
 from ..world.text import captions, text_rng, world_corpus
 from .common import cosine_lr, describe_device, load_checkpoint, save_checkpoint, seed_everything
@@ -174,16 +182,8 @@ def clip_config(shape: LlavaShape, tokenizer, cfg: TrainConfig):
         bos_token_id=1,
         pad_token_id=0,
     )
-    vision = dict(
-        hidden_size=shape.vision_hidden,
-        intermediate_size=shape.vision_hidden * 4,
-        num_hidden_layers=shape.vision_layers,
-        num_attention_heads=shape.vision_heads,
-        image_size=shape.image_size,
-        patch_size=shape.patch_size,
-        hidden_act="quick_gelu",
-    )
-    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=cfg.clip_proj)
+    # the tower is LLaVA's: its weights are loaded into the LLaVA model after training
+    return CLIPConfig(text_config=text, vision_config=clip_tower_kwargs(shape), projection_dim=cfg.clip_proj)
 
 
 def clip_text_ids(tokenizer, texts: list[str], max_len: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
