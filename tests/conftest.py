@@ -94,3 +94,29 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def prompts() -> list[str]:
     return list(PROMPTS)
+
+
+def video_models():
+    """A loader of the tiny random video models (LLaVA-OneVision, or the Qwen-VL family named; seed 1) that
+    builds each family once: a video test module keeps one (``_mm = video_models()``) for its tests."""
+    import mmfast
+
+    models: dict[str, object] = {}
+
+    def load(family: str = "llava_onevision"):
+        if family not in models:
+            from mmfast.models.factory import random_llava_onevision, random_qwen_vl
+
+            if family == "llava_onevision":
+                model, proc = random_llava_onevision(seed=1)
+            else:
+                model, proc = random_qwen_vl(family, seed=1)
+            models[family] = mmfast.load(model, proc)
+        return models[family]
+
+    return load
+
+
+def random_video(n: int, seed: int = 0, size: tuple[int, int] = (28, 28)) -> np.ndarray:
+    """``n`` random RGB frames of ``size`` (H, W): [n, H, W, 3] uint8."""
+    return np.random.default_rng(seed).integers(0, 255, (n, *size, 3), dtype=np.uint8)

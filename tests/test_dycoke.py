@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import random_video, video_models
 
 import mmfast
 from mmfast.config import load_recipe
@@ -15,20 +16,7 @@ from mmfast.errors import IncompatibleRecipeError
 from mmfast.pipeline import Session
 from mmfast.pruning.dycoke import dp_select, ttm_keep
 
-_MODELS: dict[str, object] = {}
-
-
-def _mm(family: str):
-    if family not in _MODELS:
-        from mmfast.models.factory import random_llava_onevision, random_qwen_vl
-
-        model, proc = random_llava_onevision(seed=1) if family == "llava_onevision" else random_qwen_vl(family, seed=1)
-        _MODELS[family] = mmfast.load(model, proc)
-    return _MODELS[family]
-
-
-def _video(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 255, (n, 28, 28, 3), dtype=np.uint8)
+_mm = video_models()
 
 
 def _recipe(**params) -> dict:
@@ -132,7 +120,7 @@ def test_dp_in_the_model_attends_what_the_release_keeps(monkeypatch):
             steps.append((self.ctx.probe[self.probe_name].probs[0, 0].clone(), attend.clone(), state.inputs))
 
     monkeypatch.setattr(DyCoke, "_decode_step", spy)
-    out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=_recipe(threshold=0.5), max_new_tokens=8)[0]
+    out = mm.generate(None, ["Describe."], videos=[random_video(8)], recipe=_recipe(threshold=0.5), max_new_tokens=8)[0]
     inputs = steps[0][2]
     video = (inputs.tags["video"][0] > 0).nonzero().squeeze(1)
     start, n_ttm = int(video[0]), video.numel() - 1  # the TTM output, without the closing newline
@@ -152,7 +140,7 @@ def test_dp_in_the_model_attends_what_the_release_keeps(monkeypatch):
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
 def test_noop_settings_reproduce_the_baseline(family):
     mm = _mm(family)
-    kw = dict(videos=[_video(8)], max_new_tokens=6)
+    kw = dict(videos=[random_video(8)], max_new_tokens=6)
     base = mm.generate(None, ["Describe."], **kw)[0]
     noop = mm.generate(None, ["Describe."], recipe=_recipe(k=0.0, p=0.0), **kw)[0]
     assert noop.token_ids == base.token_ids and noop.n_vision_tokens == base.n_vision_tokens
@@ -164,7 +152,7 @@ def test_noop_settings_reproduce_the_baseline(family):
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
 def test_prunes_a_video_with_fewer_vision_tokens(family):
     mm = _mm(family)
-    kw = dict(videos=[_video(8)], max_new_tokens=6)
+    kw = dict(videos=[random_video(8)], max_new_tokens=6)
     base = mm.generate(None, ["Describe."], **kw)[0]
     out = mm.generate(None, ["Describe."], recipe=_recipe(), **kw)[0]
     assert out.n_vision_tokens < base.n_vision_tokens
@@ -196,7 +184,7 @@ def _first_step_output(mm, recipe) -> torch.Tensor:
 
     handle = mm.adapter.layers[-1].register_forward_hook(hook)
     try:
-        mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=2)
+        mm.generate(None, ["Describe."], videos=[random_video(8)], recipe=recipe, max_new_tokens=2)
     finally:
         handle.remove()
     return seen[0]
@@ -205,7 +193,7 @@ def _first_step_output(mm, recipe) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["llava_onevision", "qwen2_5_vl"])
 def test_batch_equals_per_sample(family):
     mm = _mm(family)
-    prompts, videos = ["Describe.", "What happens here?"], [_video(8, 1), _video(6, 2)]
+    prompts, videos = ["Describe.", "What happens here?"], [random_video(8, 1), random_video(6, 2)]
     batch = mm.generate(None, prompts, videos=videos, recipe=_recipe(), max_new_tokens=5)
     for i in range(2):
         alone = mm.generate(None, [prompts[i]], videos=[videos[i]], recipe=_recipe(), max_new_tokens=5)[0]
@@ -242,7 +230,7 @@ def test_every_decoder_and_a_stacked_pruner_on_a_video(family):
     from mmfast.registry import DECODERS
 
     mm = _mm(family)
-    kw = dict(videos=[_video(8, 1), _video(6, 2)], max_new_tokens=3)
+    kw = dict(videos=[random_video(8, 1), random_video(6, 2)], max_new_tokens=3)
     # m3id is left out: it fails on any video, without DyCoke too ("prompt has 1 image slots but 0 images")
     recipes = {
         d: {**_recipe(), "decoding": {"method": d, "params": DECODER_PARAMS.get(d, {})}}
@@ -275,7 +263,7 @@ def test_static_cache_falls_back_naming_dycoke(caplog):
     import logging
 
     mm = _mm("qwen2_5_vl")
-    kw = dict(videos=[_video(8, 1), _video(6, 2)], max_new_tokens=5)
+    kw = dict(videos=[random_video(8, 1), random_video(6, 2)], max_new_tokens=5)
     tokens = {}
     for mode in ("off", "static"):
         with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
@@ -310,8 +298,8 @@ def test_dp_after_an_in_llm_pruner_ranks_what_layer_l_minus_1_attends(monkeypatc
     monkeypatch.setattr(DyCoke, "_decode_step", spy)
     pyramid = {"method": "pyramiddrop", "params": PRUNERS.get("pyramiddrop").cls.test_params(mm.adapter)}
     recipe = {"pruning": [pyramid, *_recipe(threshold=0.5)["pruning"]]}
-    out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=8)[0]
-    batch = mm.prepare(None, ["Describe."], videos=[_video(8)])
+    out = mm.generate(None, ["Describe."], videos=[random_video(8)], recipe=recipe, max_new_tokens=8)[0]
+    batch = mm.prepare(None, ["Describe."], videos=[random_video(8)])
     with Session(mm, load_recipe(_recipe(p=0.0))) as s:  # the TTM output's layout (the prompt slots)
         inputs = s.build_inputs(batch, s.encode(batch))
     frame_slots = ((inputs.tags["video"][0] > 0) & (inputs.patch_ids[0] >= 0)).nonzero().squeeze(1)

@@ -12,27 +12,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import random_video, video_models
 
-import mmfast
 from mmfast.config import load_recipe
 from mmfast.errors import ConfigError, IncompatibleRecipeError, ModelLoadError
 from mmfast.pipeline import Session
 from mmfast.pruning._hicom_video import group_index_bins, release_bins, video_local
 
-_MODELS: dict[str, object] = {}
-
-
-def _mm(family: str = "llava_onevision"):
-    if family not in _MODELS:
-        from mmfast.models.factory import random_llava_onevision, random_qwen_vl
-
-        model, proc = random_llava_onevision(seed=1) if family == "llava_onevision" else random_qwen_vl(family, seed=1)
-        _MODELS[family] = mmfast.load(model, proc)
-    return _MODELS[family]
-
-
-def _video(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 255, (n, 28, 28, 3), dtype=np.uint8)
+_mm = video_models()
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +169,7 @@ def test_video_tokens_equal_the_release_pipeline(siglip_dir):
 
     mm, prompt = _mm(), "What is the man doing?"
     recipe = load_recipe(_recipe(spatial_kernel=2, guide_model=str(siglip_dir)))
-    batch = mm.prepare(None, [prompt], videos=[_video(8)])
+    batch = mm.prepare(None, [prompt], videos=[random_video(8)])
     with Session(mm, recipe) as s:
         vision = s.encode(batch)
     siglip = SiglipModel.from_pretrained(siglip_dir).eval()
@@ -207,7 +194,7 @@ def test_video_tokens_equal_the_release_pipeline(siglip_dir):
 
 # -- end to end ------------------------------------------------------------------------------------------
 def test_noop_reproduces_greedy_on_a_video():
-    mm, kw = _mm(), dict(videos=[_video(8)], max_new_tokens=6)
+    mm, kw = _mm(), dict(videos=[random_video(8)], max_new_tokens=6)
     base = mm.generate(None, ["Describe."], **kw)[0]
     noop = mm.generate(None, ["Describe."], recipe=_recipe(spatial_kernel=1, temporal_kernel=1), **kw)[0]
     assert noop.token_ids == base.token_ids and noop.n_vision_tokens == base.n_vision_tokens == 8 * 4 + 1
@@ -215,7 +202,7 @@ def test_noop_reproduces_greedy_on_a_video():
 
 def test_batch_of_two_videos_equals_per_sample(siglip_dir):
     mm, recipe = _mm(), _recipe(spatial_kernel=2, guide_model=str(siglip_dir))
-    prompts, videos = ["Describe.", "What happens here?"], [_video(8, 1), _video(6, 2)]
+    prompts, videos = ["Describe.", "What happens here?"], [random_video(8, 1), random_video(6, 2)]
     batch = mm.generate(None, prompts, videos=videos, recipe=recipe, max_new_tokens=5)
     base = mm.generate(None, prompts, videos=videos, max_new_tokens=5)
     for i in range(2):
@@ -230,11 +217,11 @@ def test_budget_is_tokens_per_video(siglip_dir):
     + global + the closing newline), the largest local grid that fits; too small a budget is refused."""
     mm = _mm()
     recipe = {"pruning": [{**_recipe(guide_model=str(siglip_dir))["pruning"][0], "budget": {"tokens": 7}}]}
-    out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=3)[0]
+    out = mm.generate(None, ["Describe."], videos=[random_video(8)], recipe=recipe, max_new_tokens=3)[0]
     assert out.n_vision_tokens == 7 and out.stats["hicom"]["local_grid"] == [2, 1, 3]  # 2 x 3 cells + newline
     recipe["pruning"][0]["budget"] = {"tokens": 2}
     with pytest.raises(ConfigError, match=r"budget.tokens.*smallest feasible budget is 3"):
-        mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=3)
+        mm.generate(None, ["Describe."], videos=[random_video(8)], recipe=recipe, max_new_tokens=3)
 
 
 def test_global_branch_on_a_video_needs_weights(siglip_dir, tmp_path):
@@ -246,10 +233,10 @@ def test_global_branch_on_a_video_needs_weights(siglip_dir, tmp_path):
     with pytest.raises(ModelLoadError, match=r"hicom_global.safetensors.*train_hicom.py.*global_queries: 0"):
         Session(mm, load_recipe(_recipe(global_queries=32, global_weights=missing, guide_model=str(siglip_dir))))
     recipe = _recipe(spatial_kernel=2, global_queries=4, global_weights="random", guide_model=str(siglip_dir))
-    out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=3)[0]
+    out = mm.generate(None, ["Describe."], videos=[random_video(8)], recipe=recipe, max_new_tokens=3)[0]
     assert out.n_vision_tokens == 2 * 4 + 4 + 1  # local, global, newline
     recipe["pruning"][0]["params"]["local"] = False
-    out = mm.generate(None, ["Describe."], videos=[_video(8)], recipe=recipe, max_new_tokens=3)[0]
+    out = mm.generate(None, ["Describe."], videos=[random_video(8)], recipe=recipe, max_new_tokens=3)[0]
     assert out.n_vision_tokens == 4 + 1  # global tokens only, newline
 
 
@@ -270,7 +257,7 @@ def test_images_on_onevision_qwen_and_a_missing_guide_are_refused(siglip_dir):
         with pytest.raises(
             IncompatibleRecipeError, match=r"\(hicom\) needs a video on this model"
         ):  # an image beside a video
-            mm.generate([[image]], ["What?"], videos=[_video(4)], recipe=_recipe(guide_model=str(siglip_dir)))
+            mm.generate([[image]], ["What?"], videos=[random_video(4)], recipe=_recipe(guide_model=str(siglip_dir)))
     finally:
         handle.remove()
     assert not calls  # refused before the tower ran

@@ -13,29 +13,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import random_video, video_models
 from PIL import Image
 
-import mmfast
 from mmfast.config import load_recipe
 from mmfast.errors import ConfigError, IncompatibleRecipeError
 from mmfast.models.base import FRAME, VIDEO
 from mmfast.pipeline import Session
 from mmfast.pruning._tome_video import n_steps, temporal_merge, video_schedule
 
-_MODELS: dict[str, object] = {}
-
-
-def _mm(family: str):
-    if family not in _MODELS:
-        from mmfast.models.factory import random_llava_onevision, random_qwen_vl
-
-        model, proc = random_llava_onevision(seed=1) if family == "llava_onevision" else random_qwen_vl(family, seed=1)
-        _MODELS[family] = mmfast.load(model, proc)
-    return _MODELS[family]
-
-
-def _video(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 255, (n, 28, 28, 3), dtype=np.uint8)
+_mm = video_models()
 
 
 def _recipe(**params) -> dict:
@@ -183,8 +170,8 @@ def test_the_models_video_tokens_merge_as_the_official_rule(family):
     frames x 4 + a newline), the official rule's tokens equal the stage's, at the representatives'
     patch ids and frames; Qwen's kept tokens keep their (t, h, w) ids, OneVision's are contiguous."""
     mm = _mm(family)
-    base, base_in = _encode(mm, {}, [_video(8)])
-    got, got_in = _encode(mm, _recipe(r=4), [_video(8)])
+    base, base_in = _encode(mm, {}, [random_video(8)])
+    got, got_in = _encode(mm, _recipe(r=4), [random_video(8)])
     with torch.inference_mode():
         pid, proj = base.patch_ids[0], mm.adapter.project(base)[0]
     real = pid >= 0
@@ -219,7 +206,7 @@ def test_the_models_video_tokens_merge_as_the_official_rule(family):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_onevision"])
 def test_noop_settings_reproduce_greedy(family):
     mm = _mm(family)
-    kw = dict(videos=[_video(8)], max_new_tokens=6)
+    kw = dict(videos=[random_video(8)], max_new_tokens=6)
     base = mm.generate(None, ["Describe."], **kw)[0]
     n = base.n_vision_tokens
     for recipe in (_recipe(r=0), _recipe(budget=n), {"pruning": [{"method": "tome", "budget": {"tokens": n}}]}):
@@ -232,7 +219,7 @@ def test_noop_settings_reproduce_greedy(family):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
 def test_batch_of_two_videos_equals_per_sample(family):
     mm = _mm(family)
-    prompts, videos = ["Describe.", "What happens here?"], [_video(8, 1), _video(6, 2)]
+    prompts, videos = ["Describe.", "What happens here?"], [random_video(8, 1), random_video(6, 2)]
     recipe = {"pruning": [{"method": "tome", "budget": {"ratio": 0.5}}]}
     batch = mm.generate(None, prompts, videos=videos, recipe=recipe, max_new_tokens=5)
     for i in range(2):
@@ -249,7 +236,7 @@ def test_images_are_refused_where_the_tower_merge_cannot_run_and_qwen3_is_refuse
         calls = []
         handle = mm.adapter.vision_tower.register_forward_hook(lambda *a: calls.append(1))
         try:
-            for images, videos in (([image], None), ([image], [_video(2)])):
+            for images, videos in (([image], None), ([image], [random_video(2)])):
                 with pytest.raises(
                     IncompatibleRecipeError, match=rf"\(tome\) needs a video on this model \({family}\)"
                 ):
@@ -261,10 +248,10 @@ def test_images_are_refused_where_the_tower_merge_cannot_run_and_qwen3_is_refuse
         Session(_mm("qwen3_vl"), load_recipe(_recipe()))
     with pytest.raises(ConfigError, match=r"pruning\[0\]\.budget\.tokens: .*ask for at least 16 tokens"):
         _mm("qwen2_5_vl").generate(
-            None, ["Go."], videos=[_video(8)], recipe={"pruning": [{"method": "tome", "budget": {"tokens": 10}}]}
+            None, ["Go."], videos=[random_video(8)], recipe={"pruning": [{"method": "tome", "budget": {"tokens": 10}}]}
         )
     with pytest.raises(ConfigError, match=r"pruning\[0\]\.params\.budget: .*ask for at least 5 tokens"):
-        _mm("llava_onevision").generate(None, ["Go."], videos=[_video(8)], recipe=_recipe(budget=4))
+        _mm("llava_onevision").generate(None, ["Go."], videos=[random_video(8)], recipe=_recipe(budget=4))
 
 
 def test_a_video_stage_after_tome():
@@ -276,7 +263,7 @@ def test_a_video_stage_after_tome():
             {"method": "divprune", "budget": {"tokens": 12}},
         ]
     }
-    vision, inputs = _encode(mm, recipe, [_video(8)])
+    vision, inputs = _encode(mm, recipe, [random_video(8)])
     assert vision.counts() == [12] and bool((inputs.tags[VIDEO][0][inputs.image_mask[0]] == 1).all())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import random_video, video_models
 from PIL import Image
 
 import mmfast
@@ -20,24 +21,7 @@ from mmfast.pipeline import Session
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava_onevision"]
 N_NEW = 6
-_MODELS: dict[str, object] = {}
-
-
-def _mm(family: str):
-    if family not in _MODELS:
-        from mmfast.models.factory import random_llava_onevision, random_qwen_vl
-
-        if family == "llava_onevision":
-            model, proc = random_llava_onevision(seed=1)
-        else:
-            model, proc = random_qwen_vl(family, seed=1)
-        _MODELS[family] = mmfast.load(model, proc)
-    return _MODELS[family]
-
-
-def _video(n: int, seed: int = 0, size: tuple[int, int] = (28, 28)) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 255, (n, *size, 3), dtype=np.uint8)
+_mm = video_models()
 
 
 def _image(seed: int = 5) -> Image.Image:
@@ -98,7 +82,7 @@ def _check_against_hf(mm, images, prompts, videos, **kw) -> list:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_video_greedy_equals_transformers(family):
     mm = _mm(family)
-    out = _check_against_hf(mm, None, ["Describe the video."], [_video(4)], video_fps=2.0)
+    out = _check_against_hf(mm, None, ["Describe the video."], [random_video(4)], video_fps=2.0)
     if family == "llava_onevision":  # 4 frames x (4 x 4 grid pooled to 2 x 2) + the closing newline
         assert out[0].n_vision_tokens == 4 * 2 * 2 + 1
     else:  # 28 px -> 32 px (multiple of patch 4 x merge 2): 4 frames / 2 per group x (8 / 2) ** 2 units
@@ -108,13 +92,15 @@ def test_one_video_greedy_equals_transformers(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_video_and_image_greedy_equals_transformers(family):
     mm = _mm(family)
-    _check_against_hf(mm, [_image()], ["What is shown?"], [_video(3, seed=1)])
+    _check_against_hf(mm, [_image()], ["What is shown?"], [random_video(3, seed=1)])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_of_two_videos_of_different_lengths_equals_transformers(family):
     mm = _mm(family)
-    out = _check_against_hf(mm, None, ["Describe the video.", "What happens?"], [_video(2, 2), _video(6, 3)])
+    out = _check_against_hf(
+        mm, None, ["Describe the video.", "What happens?"], [random_video(2, 2), random_video(6, 3)]
+    )
     assert out[0].n_vision_tokens < out[1].n_vision_tokens
 
 
@@ -137,7 +123,7 @@ def test_onevision_frames_equal_the_image_processors_base_view():
 
     mm = _mm("llava_onevision")
     side = mm.adapter.vision_config.image_size
-    frame = Image.fromarray(_video(1, 9, (side, side))[0])
+    frame = Image.fromarray(random_video(1, 9, (side, side))[0])
     base_view = mm.image_processor(images=[frame], return_tensors="pt")["pixel_values"][0, 0]
     torch.testing.assert_close(frames_tensor([frame], side, side, mm.video_settings)[0], base_view, atol=1e-5, rtol=0)
 
@@ -151,7 +137,7 @@ def test_qwen3_timestamps_follow_the_processor():
         want = Qwen3VLProcessor._calculate_timestamps(None, list(idx), fps or 24, 2)
         assert qwen3_timestamps(idx, fps, 2) == want
     mm = _mm("qwen3_vl")
-    text = mm.prepare(None, "Go.", videos=_video(4), video_fps=2.0).texts[0]
+    text = mm.prepare(None, "Go.", videos=random_video(4), video_fps=2.0).texts[0]
     assert "<0.2 seconds><|vision_start|><|video_pad|><|vision_end|><1.2 seconds>" in text
 
 
@@ -167,13 +153,13 @@ def test_sampling_follows_the_processors_rules():
     assert sample_indices(8, VideoSampling(fps=1, video_fps=4), qwen) == [0, 2, 4, 6]
     assert sample_indices(5, VideoSampling()) == [0, 1, 2, 3, 4]
     mm = _mm("qwen2_vl")
-    batch = mm.prepare(None, "Go.", videos=_video(10), num_frames=4)
+    batch = mm.prepare(None, "Go.", videos=random_video(10), num_frames=4)
     assert batch.videos[0].indices == [0, 2, 5, 7] and batch.image_sizes[0, 0] == 2
 
 
 def test_frames_from_a_directory_sorted(tmp_path):
     mm = _mm("qwen2_vl")
-    frames = _video(4, 11)
+    frames = random_video(4, 11)
     for i, f in enumerate(frames):  # written out of order; read back by sorted name
         Image.fromarray(f).save(tmp_path / f"f{3 - i:02d}.png")
     from_dir = mm.prepare(None, "Go.", videos=tmp_path)
@@ -186,7 +172,7 @@ def test_frames_from_a_directory_sorted(tmp_path):
 def test_video_tokens_carry_video_and_frame_tags(family):
     mm = _mm(family)
     with Session(mm, load_recipe({})) as s:
-        batch = mm.prepare([_image()], ["What?"], videos=[_video(4)])
+        batch = mm.prepare([_image()], ["What?"], videos=[random_video(4)])
         inputs = s.build_inputs(batch, s.encode(batch))
     video, frame = inputs.tags[VIDEO][0], inputs.tags[FRAME][0]
     is_video = inputs.input_ids[0] == mm.adapter.video_token_id
@@ -207,7 +193,7 @@ def test_pre_llm_pruners_keep_video_tokens_positions(family, stage):
     positions."""
     mm = _mm(family)
     args = ([_image()], ["What?"])
-    kw = dict(videos=[_video(6)], video_fps=1.0)  # Qwen2.5-VL: second_per_grid_t 2 -> temporal step 4
+    kw = dict(videos=[random_video(6)], video_fps=1.0)  # Qwen2.5-VL: second_per_grid_t 2 -> temporal step 4
     with Session(mm, load_recipe({})) as s:
         batch = mm.prepare(*args, **kw)
         base = s.build_inputs(batch, s.encode(batch))
@@ -232,7 +218,7 @@ def test_pre_llm_pruners_keep_video_tokens_positions(family, stage):
 def test_fastv_prunes_video_tokens_inside_the_llm():
     mm = _mm("qwen2_5_vl")
     recipe = {"pruning": [{"method": "fastv", "params": {"k": 1, "drop_ratio": 0.5}}]}
-    out = mm.generate(None, ["Describe."], videos=[_video(4)], recipe=recipe, max_new_tokens=3)
+    out = mm.generate(None, ["Describe."], videos=[random_video(4)], recipe=recipe, max_new_tokens=3)
     assert out[0].vision_tokens_layer_avg < out[0].n_vision_tokens
 
 
@@ -247,7 +233,7 @@ def test_in_llm_pruners_drop_video_tokens_keeping_their_positions(family, method
 
     mm = _mm(family)
     stage = {"method": method, "params": PRUNERS.get(method).cls.test_params(mm.adapter)}
-    batch = mm.prepare(None, ["Describe."], videos=[_video(4)])
+    batch = mm.prepare(None, ["Describe."], videos=[random_video(4)])
     with Session(mm, load_recipe({"pruning": [stage]})) as s:
         inputs = s.build_inputs(batch, s.encode(batch))
         state, _ = s.runner.prefill(inputs)
@@ -269,7 +255,7 @@ def test_family_without_video_refuses_videos(family):
     model, proc = factory.random_llava(seed=0) if family == "llava" else factory.random_llava_next(seed=0)
     mm = mmfast.load(model, proc)
     with pytest.raises(InputError, match=rf"{family} model, which has no video input; pass the frames as images"):
-        mm.generate(None, "Describe.", videos=_video(2), max_new_tokens=2)
+        mm.generate(None, "Describe.", videos=random_video(2), max_new_tokens=2)
 
 
 @pytest.mark.parametrize(
@@ -279,11 +265,11 @@ def test_family_without_video_refuses_videos(family):
         (np.zeros((0, 8, 8, 3), np.uint8), {}, "video 0 has no frames"),
         (np.zeros((2, 8, 8), np.uint8), {}, r"shape \(2, 8, 8\); a video array is \[T, H, W, 3\]"),
         ("clip.mp4", {}, "is a video file; mmfast decodes no video containers"),
-        (_video(4), {"num_frames": 8}, "asked for 8 frames but the video has 4"),
-        (_video(4), {"num_frames": 2, "fps": 1.0}, "num_frames and fps both given"),
-        (_video(4), {"fps": 1.0}, "needs the source's frame rate; pass video_fps="),
+        (random_video(4), {"num_frames": 8}, "asked for 8 frames but the video has 4"),
+        (random_video(4), {"num_frames": 2, "fps": 1.0}, "num_frames and fps both given"),
+        (random_video(4), {"fps": 1.0}, "needs the source's frame rate; pass video_fps="),
         ([Image.new("RGB", (28, 28)), Image.new("RGB", (30, 28))], {}, "frames of different sizes"),
-        ([_video(2)], {}, r"frame 0 is a uint8 array of shape \(2, 28, 28, 3\), not a uint8 \[H, W, 3\] frame"),
+        ([random_video(2)], {}, r"frame 0 is a uint8 array of shape \(2, 28, 28, 3\), not a uint8 \[H, W, 3\] frame"),
         ([Image.new("RGB", (28, 28)), 3], {}, "frame 1 is a int; frames are PIL images"),
     ],
 )
@@ -306,7 +292,7 @@ def test_video_longer_than_the_context_is_refused(monkeypatch):
     mm = _mm("qwen2_vl")
     monkeypatch.setattr(mm.adapter.text_config, "max_position_embeddings", 40)
     with pytest.raises(InputError, match=r"video 0: 6 frames make 48 vision tokens; .* over the context .*num_frames="):
-        mm.prepare(None, "Describe the video.", videos=_video(6))
+        mm.prepare(None, "Describe the video.", videos=random_video(6))
 
 
 @pytest.mark.parametrize("decoding", ["vcd", "beam", "m3id"])
@@ -315,7 +301,11 @@ def test_decoders_run_on_a_video(decoding):
     vision-free branch drops the video's placeholder as well as the image's)."""
     mm = _mm("qwen2_5_vl")
     out = mm.generate(
-        [_image(), None], ["What?", "Go."], videos=[_video(2), _video(4)], decoding=decoding, max_new_tokens=3
+        [_image(), None],
+        ["What?", "Go."],
+        videos=[random_video(2), random_video(4)],
+        decoding=decoding,
+        max_new_tokens=3,
     )
     assert len(out) == 2 and all(r.token_ids for r in out)
 
@@ -325,7 +315,7 @@ def test_a_method_that_reprompts_images_refuses_a_video():
 
     mm = _mm("qwen2_5_vl")
     with pytest.raises(IncompatibleRecipeError, match=r"decoding \(lqcd\) takes images only \(its branch re-prompts"):
-        mm.generate(None, "Go.", videos=_video(2), recipe={"decoding": {"method": "lqcd"}}, max_new_tokens=2)
+        mm.generate(None, "Go.", videos=random_video(2), recipe={"decoding": {"method": "lqcd"}}, max_new_tokens=2)
 
 
 def test_video_settings_come_from_the_checkpoints_video_processor(tmp_path):
@@ -336,19 +326,23 @@ def test_video_settings_come_from_the_checkpoints_video_processor(tmp_path):
     from mmfast.models.factory import random_qwen_vl, save_model
 
     path = save_model(*random_qwen_vl("qwen2_vl", seed=1), tmp_path / "q")
-    default = mmfast.load(path, device="cpu").prepare(None, "Go.", videos=_video(2))
+    default = mmfast.load(path, device="cpu").prepare(None, "Go.", videos=random_video(2))
     assert default.image_sizes[0].tolist() == [1, 8, 8]  # the image processor's pixel range: 28 -> 32 px
     small = {"size": {"shortest_edge": 8 * 8, "longest_edge": 16 * 16}, "temporal_patch_size": 2}
     (path / "video_preprocessor_config.json").write_text(json.dumps(small))
     mm = mmfast.load(path, device="cpu")
     assert mm.video_settings.source.endswith("video_preprocessor_config.json")
-    assert mm.prepare(None, "Go.", videos=_video(2)).image_sizes[0].tolist() == [1, 4, 4]  # 28 -> 16 px
+    assert mm.prepare(None, "Go.", videos=random_video(2)).image_sizes[0].tolist() == [1, 4, 4]  # 28 -> 16 px
     (path / "video_preprocessor_config.json").unlink()
     proc = (
         json.loads((path / "processor_config.json").read_text()) if (path / "processor_config.json").is_file() else {}
     )
     (path / "processor_config.json").write_text(json.dumps({**proc, "video_processor": small}))
-    assert mmfast.load(path, device="cpu").prepare(None, "Go.", videos=_video(2)).image_sizes[0].tolist() == [1, 4, 4]
+    assert mmfast.load(path, device="cpu").prepare(None, "Go.", videos=random_video(2)).image_sizes[0].tolist() == [
+        1,
+        4,
+        4,
+    ]
 
 
 def test_cli_run_with_a_video_directory(tmp_path, tiny_dir, capsys):
@@ -358,7 +352,7 @@ def test_cli_run_with_a_video_directory(tmp_path, tiny_dir, capsys):
 
     frames = tmp_path / "frames"
     frames.mkdir()
-    for i, f in enumerate(_video(4, 13)):
+    for i, f in enumerate(random_video(4, 13)):
         Image.fromarray(f).save(frames / f"{i:03d}.png")
     qwen = save_model(*random_qwen_vl("qwen2_5_vl", seed=1), tmp_path / "q")
     args = ["--video", str(frames), "--prompt", "Describe.", "--max-new-tokens", "2", "--json"]
@@ -376,7 +370,7 @@ def test_context_check_after_the_tower_names_the_video(monkeypatch):
     mm = _mm("qwen2_5_vl")
     monkeypatch.setattr(mm.adapter.text_config, "max_position_embeddings", 60)
     with pytest.raises(InputError, match=r"32 vision tokens \(0 image\(s\), a video of 4 frames\) \+ 20 new tokens"):
-        mm.generate(None, "Go.", videos=_video(4), max_new_tokens=20)
+        mm.generate(None, "Go.", videos=random_video(4), max_new_tokens=20)
 
 
 def test_a_video_placeholder_in_the_prompt_text_is_refused():
@@ -391,7 +385,7 @@ def test_divprune_on_a_onevision_video():
     mm = _mm("llava_onevision")
     stage = {"method": "divprune", "params": {"ratio": 0.5}}
     with Session(mm, load_recipe({"pruning": [stage]})) as s:
-        batch = mm.prepare(None, ["Go."], videos=[_video(4)])
+        batch = mm.prepare(None, ["Go."], videos=[random_video(4)])
         pruned = s.build_inputs(batch, s.encode(batch))
     kept = pruned.image_mask[0]
     assert int(kept.sum()) == round(0.5 * (4 * 4 + 1))
@@ -403,7 +397,7 @@ def test_divprune_on_a_onevision_video():
 def test_prompt_lookup_drafts_equal_greedy_on_a_video(family):
     mm = _mm(family)
     args = (None, ["Describe.", "What happens?"])
-    kw = dict(videos=[_video(2, 4), _video(4, 5)], max_new_tokens=10)
+    kw = dict(videos=[random_video(2, 4), random_video(4, 5)], max_new_tokens=10)
     greedy = mm.generate(*args, **kw)
     spec = mm.generate(*args, recipe={"speculative": {"method": "prompt_lookup"}}, **kw)
     assert [r.token_ids for r in spec] == [r.token_ids for r in greedy]
@@ -417,7 +411,9 @@ def test_per_item_tower_calls_equal_one_call():
     for per_item in (False, True):
         with Session(mm, load_recipe({})) as s:
             s._tower_per_image = per_item
-            batch = mm.prepare([_image(), None], ["What?", "Go."], videos=[_video(2), _video(4)], video_fps=3.0)
+            batch = mm.prepare(
+                [_image(), None], ["What?", "Go."], videos=[random_video(2), random_video(4)], video_fps=3.0
+            )
             got.append(s.build_inputs(batch, s.encode(batch)))
     a, b = got
     torch.testing.assert_close(a.embeds, b.embeds, atol=1e-5, rtol=1e-5)
