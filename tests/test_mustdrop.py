@@ -11,7 +11,8 @@ import mmfast
 from mmfast.config import load_recipe
 from mmfast.errors import ConfigError
 from mmfast.pipeline import Session
-from mmfast.pruning.mustdrop import PRESETS, dual_attention_drop, spatial_merge, window_similarity
+from mmfast.pruning._mustdrop_ops import dual_attention_drop, spatial_merge, window_similarity
+from mmfast.pruning.mustdrop import PRESETS
 
 BASE = {"window": 2, "layer_mapping": "proportional"}  # the tiny model: 4x4 grid, 4 LLM layers
 

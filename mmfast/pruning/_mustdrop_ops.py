@@ -1,7 +1,11 @@
 """MustDrop's tensor operations (``mustdrop.py`` holds the stage): the window merge of the vision
-encoder, the dual-attention drop rule of the prefill filters, and the KV policy after prefill."""
+encoder, the dual-attention drop rule of the prefill filters, what the stage tracks through a prefill,
+the KV policy after prefill and the stage's token counts."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -62,6 +66,24 @@ def spatial_merge(
     return out, r, ids
 
 
+@dataclass
+class PrefillData:
+    """What MustDrop tracks through one prefill (kept in that state's ``extras``)."""
+
+    n_text: torch.Tensor  # [B] instruction tokens after the image
+    key_full: torch.Tensor  # [B, L] bool key-set slots of the prefill sequence
+    counts: list[torch.Tensor]  # [B] vision tokens entering the LLM, then after each stage
+
+
+def text_rows(n_text: torch.Tensor, q_len: int) -> torch.Tensor:
+    """[B, max(1, max n_b)] query rows of the text after the image: the last ``n_text[b]`` of ``q_len`` rows
+    of each sample, left-padded with -1."""
+    width = max(1, int(n_text.max()))
+    i = torch.arange(width, device=n_text.device)
+    rows = (q_len - width + i).expand(n_text.shape[0], -1)
+    return rows.masked_fill(i[None, :] < width - n_text[:, None], -1)
+
+
 def dual_attention_drop(
     attn: torch.Tensor, vision: torch.Tensor, key: torch.Tensor, lambda_g: float, lambda_i: float
 ) -> torch.Tensor:
@@ -120,3 +142,22 @@ def apply_kv_policy(state: LMState, first: int, last_start: int, ref_start: floa
             valid[b, new_len - idx.numel() :] = True
         state.select_slots(g, index, valid)
         grp.positions = (grp.key_mask.long().cumsum(1) - 1).masked_fill(~grp.key_mask, 1)
+
+
+def token_stats(counts: list[torch.Tensor], filters: list[int], n_layers: int) -> dict[str, Any]:
+    """The vision-token figures of one prefill from ``counts`` ([B] each: the tokens entering the LLM, then
+    after the filter at the output of each of the layers ``filters``) of an ``n_layers``-layer LLM."""
+    kept = torch.stack(counts, 1)  # [B, 1 + n_stages] vision tokens entering the LLM, after each stage
+
+    def layer_average(starts: list[int]) -> list[float]:
+        idx = [max(i for i, s in enumerate(starts) if s <= layer) for layer in range(n_layers)]
+        return kept[:, idx].float().mean(1).tolist()
+
+    return {
+        "per_sample_kept": kept.tolist(),
+        # what prefill computed: stage k's count from layer l_k + 1 on
+        "per_sample_prefill_tokens_layer_avg": layer_average([0] + [layer + 1 for layer in filters]),
+        # the figure the MustDrop code prints (and its tables call "tokens"): counted from layer l_k
+        "per_sample_equivalent_tokens": layer_average([0] + filters),
+        "filter_layers": filters,
+    }

@@ -28,7 +28,7 @@ thresholds stay at that scale and the window-merge threshold (paper: 0.8) is bis
 instead, so more windows merge; the stats report it (``merge_threshold``). A budget outside what
 both can reach is refused with the reachable range.
 
-Tensor operations (merge, drop rule, KV policy) are in ``_mustdrop_ops.py``. Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
+Tensor operations (merge, drop rule, KV policy, prefill bookkeeping, token counts) are in ``_mustdrop_ops.py``. Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
 tokens are what the tower's hidden-state recorder and every later layer see); attention probe on the
 last CLIP layer (CLS row) and on each LLM filter layer (rows = the text after the image,
 ``prefill_only``: a static decode step can be captured); ``runner.prune_at`` at layer l+1 for a filter at the output of layer l (the same thing: the
@@ -71,21 +71,12 @@ from ..hooks import cls_row
 from ..registry import PRUNERS
 from ..runtime import LMState
 from ._common import LayerMapping, map_layers
-from ._mustdrop_ops import apply_kv_policy, dual_attention_drop, spatial_merge, window_similarity, window_tokens  # noqa: F401
+from ._mustdrop_ops import PrefillData, apply_kv_policy, dual_attention_drop, spatial_merge, text_rows, token_stats
 from .base import Pruner
 
 logger = logging.getLogger(__name__)
 
 KEY_TAG = "mustdrop.key"  # LMInputs / VisionBatch tag: the key-set tokens (bool)
-
-
-@dataclass
-class _PrefillData:
-    """What MustDrop tracks through one prefill (kept in that state's ``extras``)."""
-
-    n_text: torch.Tensor  # [B] instruction tokens after the image
-    key_full: torch.Tensor  # [B, L] bool key-set slots of the prefill sequence
-    counts: list[torch.Tensor]  # [B] vision tokens entering the LLM, then after each stage
 
 
 #: (lambda_g, lambda_i) of the paper's budgets (liuting20/MustDrop README, TextVQA examples).
@@ -354,7 +345,7 @@ class MustDrop(Pruner):
         Everything MustDrop learns about a prefill lives in that state's ``extras`` (one state per
         branch), never on the stage."""
         key = view.state.inputs.tags.get(KEY_TAG)
-        view.state.extras[self.name] = _PrefillData(
+        view.state.extras[self.name] = PrefillData(
             n_text=view.text_after.sum(1),  # [B]; text is never dropped, so constant over stages
             key_full=key.bool() if key is not None else torch.zeros_like(view.state.inputs.image_mask),  # [B, L]
             counts=[view.vision.sum(1)],
@@ -367,11 +358,7 @@ class MustDrop(Pruner):
         data = state.extras.get(self.name) if state is not None else None
         if data is None:  # the LLM ran outside the runner's prefill: record nothing useful
             return torch.tensor([-1])
-        n = data.n_text
-        width = max(1, int(n.max()))
-        i = torch.arange(width, device=n.device)
-        rows = (q_len - width + i).expand(n.shape[0], -1)
-        return rows.masked_fill(i[None, :] < width - n[:, None], -1)
+        return text_rows(data.n_text, q_len)
 
     def _make_select(self, layer: int):
         key = f"mustdrop.llm.{layer}"
@@ -380,7 +367,7 @@ class MustDrop(Pruner):
             rec = self.ctx.probe[key]
             if rec.k_len != view.group.length:
                 raise RuntimeError(f"MustDrop: stale attention record at layer {layer}")
-            data: _PrefillData = view.state.extras[self.name]
+            data: PrefillData = view.state.extras[self.name]
             src = view.group.source
             key_slots = data.key_full.gather(1, src.clamp(min=0)) & (src >= 0)
             drop = dual_attention_drop(rec.probs, view.vision, key_slots, self.lambda_g, self.lambda_i)
@@ -399,20 +386,8 @@ class MustDrop(Pruner):
             apply_kv_policy(state, self.first_layer, self.filters[-1][0] + 1, ref_start=self.filters[0][1])
 
     def _stage_stats(self, state: LMState, counts: list[torch.Tensor]) -> None:
-        kept = torch.stack(counts, 1)  # [B, 1 + n_stages] vision tokens entering the LLM, after each stage
-
-        def layer_average(starts: list[int]) -> list[float]:
-            idx = [max(i for i, s in enumerate(starts) if s <= layer) for layer in range(state.n_layers)]
-            return kept[:, idx].float().mean(1).tolist()
-
-        filters = [layer for layer, _ in self.filters]
         state.stats[self.name] = {
-            "per_sample_kept": kept.tolist(),
-            # what prefill computed: stage k's count from layer l_k + 1 on
-            "per_sample_prefill_tokens_layer_avg": layer_average([0] + [layer + 1 for layer in filters]),
-            # the figure the MustDrop code prints (and its tables call "tokens"): counted from layer l_k
-            "per_sample_equivalent_tokens": layer_average([0] + filters),
-            "filter_layers": filters,
+            **token_stats(counts, [layer for layer, _ in self.filters], state.n_layers),
             "thresholds": [self.lambda_g, self.lambda_i],
             "merge_threshold": self.sim_threshold,
         }
