@@ -3,7 +3,8 @@
 For a (renormalised) attention map restricted to the response part, OPERA's score of column j is
 ``phi_j = 1e-7 * prod_{i >= j} (scale * a_ij)``; the over-trust score is the max over columns and its
 location. Everything here works with running column sums of ``log(scale * a)``, so hundreds of
-factors never underflow and a candidate's score costs O(response length).
+factors never underflow and a candidate's score costs O(response length). The retrospection rule
+(where a fired trigger rolls back to) is here too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import torch
 
 PHI_OFFSET = 1e-7  # phi_j = 1e-7 * prod(...), as released
+MIN_LOCATION = 10  # no rollback to a location < 10
 LOG_PHI_OFFSET = math.log(PHI_OFFSET)
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -104,3 +106,35 @@ def mode(x: torch.Tensor) -> torch.Tensor:
     counts = (v[..., :, None] == v[..., None, :]).sum(-1)
     first = (counts == counts.max(-1, keepdim=True).values).int().argmax(-1)
     return v.gather(-1, first[..., None]).squeeze(-1)
+
+
+def renormalised(rows: torch.Tensor) -> torch.Tensor:
+    """Attention rows ([..., keys]) rescaled to sum to 1."""
+    return rows / rows.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+# --------------------------------------------------------------------------- retrospection
+
+
+def rollback_target(
+    locs: list[torch.Tensor], loc: int, step: int, counts: dict[int, int], oldest: int, threshold: int, limit: int
+) -> int | None:
+    """The response position to roll back to, or None (trigger not fired, or positions exhausted).
+
+    ``locs``: per step, [K] over-trust location per beam slot; ``loc``: this step's; ``counts``: rollbacks
+    per position so far (updated); ``oldest``: the oldest step kept for rollback; ``threshold``: r;
+    ``limit``: rollbacks allowed per position (N_can).
+    """
+    hits = (torch.stack(locs, 1) == loc).sum(1)  # [K] per beam slot, as released (not reordered)
+    if not bool((hits > threshold).all()) or loc < MIN_LOCATION:
+        return None
+    pos = loc + 1
+    if counts.get(pos, 0) >= limit:
+        pos = loc
+        if counts.get(pos, 0) >= limit:
+            return None
+    pos = max(pos, oldest)  # older than the rollback window: the oldest kept step
+    if pos >= step:  # nothing was chosen there yet (threshold <= 1 only)
+        return None
+    counts[pos] = counts.get(pos, 0) + 1
+    return pos

@@ -73,13 +73,12 @@ from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..registry import DECODERS
-from ._opera_penalty import OverTrustHistory, mode, phi_from_log
+from ._opera_penalty import OverTrustHistory, mode, phi_from_log, renormalised, rollback_target
 from .base import DecodeOutput, Decoder, DecodeRequest, now, state_accounting
 from .beam import BeamSearch, release_prompt_len
 from .loop import finish
 
 BONUS_TOKENS = 10  # image-attention bonus while the response part (candidate included) has <= 10 tokens
-MIN_LOCATION = 10  # no rollback to a location < 10
 FILL = -999.0  # the released code's value for non-candidates and banned tokens
 _F32_MIN = torch.finfo(torch.float32).min
 
@@ -155,18 +154,20 @@ class Opera(Decoder):
     # -- forwards ----------------------------------------------------------------------------------
     def _forward_rows(self, state, tokens: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` ([R]) and return (logits [R, V], renormalised last-layer rows [R, keys])."""
-        probe = self.ctx.probe
-        probe.records.pop(self.probe_key, None)
+        self.ctx.probe.records.pop(self.probe_key, None)
         logits = self.ctx.runner.step(state, tokens[:, None], all_logits=False).logits[:, -1]
-        rec = probe.get(self.probe_key)
+        row = self._record(keys).probs[:, -1].float()  # [R, keys], max over heads
+        return logits, renormalised(row)
+
+    def _record(self, keys: int):
+        """The last layer's attention record of the forward that just ran, which must hold ``keys`` keys."""
+        rec = self.ctx.probe.get(self.probe_key)
         if rec is None or rec.k_len != keys:
-            got = None if rec is None else rec.k_len
             raise IncompatibleRecipeError(
-                f"OPERA needs every generated token cached in the last decoder layer (expected {keys} keys, got {got}); "
-                "a decode-time KV policy in this recipe changes it"
+                f"OPERA needs every generated token cached in the last decoder layer (expected {keys} keys, got "
+                f"{None if rec is None else rec.k_len}); a decode-time KV policy in this recipe changes it"
             )
-        row = rec.probs[:, -1].float()  # [R, keys], max over heads
-        return logits, row / row.sum(-1, keepdim=True).clamp_min(1e-30)
+        return rec
 
     def _candidate_rows(self, state, cand: torch.Tensor, keys: int) -> tuple[torch.Tensor, int]:
         """Each candidate's renormalised last-layer row ([K, N, keys]) and the forwards it took."""
@@ -180,8 +181,7 @@ class Opera(Decoder):
         past and itself only), then the cache is cropped back: no cache copy at all."""
         k, n = cand.shape
         dev = cand.device
-        probe = self.ctx.probe
-        probe.records.pop(self.probe_key, None)
+        self.ctx.probe.records.pop(self.probe_key, None)
         self._tree = True
         try:
             self.ctx.runner.step(
@@ -191,20 +191,14 @@ class Opera(Decoder):
                 block_mask=torch.eye(n, dtype=torch.bool, device=dev),
                 all_logits=False,
             )
-            rec = probe.get(self.probe_key)
+            rec = self._record(keys - 1 + n)
         finally:
             self._tree = False
             state.crop_last(n)
         past = keys - 1
-        if rec is None or rec.k_len != past + n:
-            raise IncompatibleRecipeError(
-                f"OPERA needs every generated token cached in the last decoder layer (expected {past + n} keys, got "
-                f"{None if rec is None else rec.k_len}); a decode-time KV policy in this recipe changes it"
-            )
         probs = rec.probs.float()  # [K, N, past + N]; a sibling's column is exactly 0 (masked)
         own = probs[..., past:].diagonal(dim1=-2, dim2=-1)  # [K, N] each candidate's attention to itself
-        rows = torch.cat([probs[..., :past], own[..., None]], -1)
-        return rows / rows.sum(-1, keepdim=True).clamp_min(1e-30)
+        return renormalised(torch.cat([probs[..., :past], own[..., None]], -1))
 
     def _candidate_rows_clone(self, state, cand: torch.Tensor, keys: int) -> torch.Tensor:
         """One look-ahead forward per chunk of candidate sets on cloned, repeated caches -> [K, N, keys]."""
@@ -287,25 +281,6 @@ class Opera(Decoder):
             stats=stats,
         )
 
-    def _rollback_target(
-        self, locs: list[torch.Tensor], loc: int, step: int, counts: dict[int, int], oldest: int
-    ) -> int | None:
-        """The response position to roll back to, or None (trigger not fired, or positions exhausted)."""
-        cfg = self.config
-        hits = (torch.stack(locs, 1) == loc).sum(1)  # [K] per beam slot, as released (not reordered)
-        if not bool((hits > cfg.threshold).all()) or loc < MIN_LOCATION:
-            return None
-        pos = loc + 1
-        if counts.get(pos, 0) >= cfg.num_attn_candidates:
-            pos = loc
-            if counts.get(pos, 0) >= cfg.num_attn_candidates:
-                return None
-        pos = max(pos, oldest)  # older than the rollback window: the oldest kept step
-        if pos >= step:  # nothing was chosen there yet (threshold <= 1 only)
-            return None
-        counts[pos] = counts.get(pos, 0) + 1
-        return pos
-
     def _decode_sample(
         self,
         base,
@@ -363,7 +338,7 @@ class Opera(Decoder):
             beam_loc = mode(cand_loc)  # [K]
             locs.append(beam_loc)
             loc = int(mode(beam_loc))
-            target = self._rollback_target(locs, loc, step, counts, next(iter(snaps)))
+            target = rollback_target(locs, loc, step, counts, next(iter(snaps)), cfg.threshold, cfg.num_attn_candidates)
             event = None
             if target is None:
                 scores = torch.full_like(logits, FILL).scatter(-1, cand, cand_scores)
