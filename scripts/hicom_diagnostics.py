@@ -17,14 +17,12 @@ from mmfast.bench.common import timing_samples_of
 from mmfast.config import load_recipe
 from mmfast.pipeline import Session
 from mmfast.pruning._grid import group_index
+from mmfast.pruning._hicom_guide import guide_text, load_clip_guide, model_dir
 from mmfast.pruning._hicom_modules import (
     GLOBAL_WEIGHTS,
-    guide_text,
-    load_clip_guide,
     load_global,
     local_compress,
     local_grid,
-    model_dir,
 )
 
 torch.set_num_threads(1)

@@ -11,10 +11,9 @@ from mmfast.config import load_recipe
 from mmfast.errors import ModelLoadError
 from mmfast.pipeline import Session
 from mmfast.pruning._grid import group_index
+from mmfast.pruning._hicom_guide import guide_text, load_clip_guide
 from mmfast.pruning._hicom_modules import (
     GlobalCompressor,
-    guide_text,
-    load_clip_guide,
     local_compress,
     local_grid,
     save_global,

@@ -94,14 +94,12 @@ from ..models.base import VisionBatch
 from ..models.features import has
 from ..registry import PRUNERS
 from ._grid import grid_features, per_sample
+from ._hicom_guide import guide_text, load_clip_guide, model_dir
 from ._hicom_modules import (
     GLOBAL_WEIGHTS,
-    guide_text,
-    load_clip_guide,
     load_global,
     local_compress,
     local_grid,
-    model_dir,
 )
 from ._hicom_video import budget_cells, load_siglip_guide, splice_video, video_bins, video_local
 from .base import Pruner

@@ -25,15 +25,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..pruning._hicom_guide import ClipGuide, guide_text, load_clip_guide, model_dir
 from ..pruning._hicom_modules import (
     GLOBAL_WEIGHTS,
-    ClipGuide,
     GlobalCompressor,
-    guide_text,
-    load_clip_guide,
     local_compress,
     local_grid,
-    model_dir,
     save_global,
 )
 from .common import bind_work_dir, cosine_lr, load_checkpoint, save_checkpoint, seed_everything
