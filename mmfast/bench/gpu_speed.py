@@ -255,6 +255,16 @@ class _Timing:
     last: Any  # the last end-to-end call's output
     peak_mem_bytes: int | None
 
+    def into(self, m: Measurement) -> None:
+        """Write these timings into row ``m``."""
+        m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = (
+            self.first_call_s,
+            self.ttft_s,
+            self.e2e_s,
+            self.repeats,
+            self.peak_mem_bytes,
+        )
+
 
 def _measure(call: Callable[[int], Any], n: int, device: torch.device, warmup: int, repeats: int) -> _Timing:
     """First call (compile / capture included), warm-up, then medians of TTFT (1 token) and end to end (n)."""
@@ -392,13 +402,7 @@ def _mmfast_row(
     with apply(shape.mm, recipe, calibration=shape.calibration) as session:
         t = _measure(call, n, shape.mm.device, cfg.warmup, cfg.repeats)
     res = t.last
-    m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = (
-        t.first_call_s,
-        t.ttft_s,
-        t.e2e_s,
-        t.repeats,
-        t.peak_mem_bytes,
-    )
+    t.into(m)
     m.prefill_s = statistics.median(prefills[-cfg.repeats :])  # the timed TTFT calls are the last ones
     m.n_vision_tokens = sum(r.n_vision_tokens for r in res) / len(res)
     m.flops_prefill = sum(r.flops_prefill for r in res)
@@ -417,13 +421,7 @@ def _hf_row(shape: _Shape, b: int, workload: str, n: int, cfg, static: bool, m: 
 
     call, info = _hf_call(shape, shape.batch(b, workload), static)
     t = _measure(call, n, shape.mm.device, cfg.warmup, cfg.repeats)
-    m.first_call_s, m.ttft_s, m.e2e_s, m.repeats, m.peak_mem_bytes = (
-        t.first_call_s,
-        t.ttft_s,
-        t.e2e_s,
-        t.repeats,
-        t.peak_mem_bytes,
-    )
+    t.into(m)
     lm = LMShape.of(shape.mm.model.config.get_text_config())
     m.flops_prefill = sum(prefill_flops([L] * lm.n_layers, lm) for L in info["lengths"])
     m.n_vision_tokens = info["n_vision"]
