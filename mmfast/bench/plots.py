@@ -53,6 +53,14 @@ def series_style(i: int) -> dict[str, str]:
     }
 
 
+def _save(plt, fig, path: Path, title: str) -> Path:
+    """Write ``fig`` to ``path`` as a PNG holding ``title`` (:func:`plot_title` reads it back) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Title": title})
+    plt.close(fig)
+    return path
+
+
 def scatter_lines(
     path: Path,
     points: Sequence[tuple[str, float, float]],
@@ -81,10 +89,7 @@ def scatter_lines(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, metadata={"Title": title})
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def bars(
@@ -125,10 +130,7 @@ def bars(
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, metadata={"Title": title})
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def labelled_points(
@@ -167,7 +169,4 @@ def labelled_points(
     ax.grid(alpha=0.3)
     if points:
         ax.legend(fontsize=6, ncol=2 if len(points) > 10 else 1)
-    fig.tight_layout()
-    fig.savefig(path, metadata={"Title": title})
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
