@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_diversity_peers import _cdpruner_reference
 
 import mmfast
 from mmfast.capabilities import ModelFacts, check_model
@@ -194,25 +195,6 @@ def test_visionzip_family_decisions():
 
 
 # -- CDPruner: OpenVINO GenAI's Qwen relevance (LLM input embeddings) -----------------------------------
-def _cdpruner_rule(x: torch.Tensor, text: torch.Tensor, k: int) -> list[int]:
-    """Relevance = min-max normalised mean cosine with the mean instruction embedding (not negated);
-    kernel diag(r) S diag(r); greedy MAP, each step the token that maximises det(L_S)."""
-    xs = x.double() / x.double().norm(dim=-1, keepdim=True)
-    t = text.double() / text.double().norm(dim=-1, keepdim=True)
-    rel = (xs @ t.T).mean(-1)
-    rel = (rel - rel.min() + 1e-6) / (rel.max() - rel.min())
-    kernel = rel[:, None] * (xs @ xs.T) * rel[None, :]
-    chosen: list[int] = []
-    for _ in range(k):
-        dets = {
-            j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]]))
-            for j in range(x.shape[0])
-            if j not in chosen
-        }
-        chosen.append(max(dets, key=dets.get))
-    return sorted(chosen)
-
-
 def test_cdpruner_on_qwen_is_the_conditional_dpp_of_each_image(qmm, qimages):
     batch = qmm.prepare(qimages, PROMPTS)
     with Session(qmm, load_recipe({})) as s, torch.inference_mode():
@@ -224,7 +206,7 @@ def test_cdpruner_on_qwen_is_the_conditional_dpp_of_each_image(qmm, qimages):
         for i, x in enumerate(full):
             ids = qmm.tokenizer(PROMPTS[i], add_special_tokens=False)["input_ids"]
             text = qmm.adapter.embed_tokens(torch.tensor(ids)).mean(0, keepdim=True)
-            want = _cdpruner_rule(x, text, round(ratio * x.shape[0]))
+            want = _cdpruner_reference(x, text, round(ratio * x.shape[0]))  # relevance not negated
             assert vision.patch_ids[i].tolist() == want
             torch.testing.assert_close(vision.projected[i], x[want], atol=0, rtol=0)
             if "deepstack" in vision.tags:

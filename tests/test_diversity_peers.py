@@ -191,6 +191,19 @@ def test_dart_release_counts_and_budget(tiny_mm, images, prompts):
 # -- CDPruner ------------------------------------------------------------------------------------
 
 
+def _greedy_map(kernel: torch.Tensor, k: int) -> list[int]:
+    """Greedy MAP of the DPP with ``kernel`` [N, N]: each step adds the token that maximises det(L_S)."""
+    chosen: list[int] = []
+    for _ in range(k):
+        dets = {
+            j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]]))
+            for j in range(kernel.shape[0])
+            if j not in chosen
+        }
+        chosen.append(max(dets, key=dets.get))
+    return sorted(chosen)
+
+
 def _cdpruner_reference(x: torch.Tensor, text: torch.Tensor, k: int, theta=None, negate=False) -> list[int]:
     """Conditional-DPP greedy MAP from its definition: L = diag(r) S diag(r) with r the min-max
     normalised cosine to the instruction embedding; each step adds the token that maximises det(L_S)."""
@@ -200,16 +213,7 @@ def _cdpruner_reference(x: torch.Tensor, text: torch.Tensor, k: int, theta=None,
     rel = (rel - rel.min() + 1e-6) / (rel.max() - rel.min())
     if theta is not None:
         rel = torch.exp(theta / (2 * (1 - theta)) * rel)
-    kernel = rel[:, None] * (xs @ xs.T) * rel[None, :]
-    chosen: list[int] = []
-    for _ in range(k):
-        dets = {
-            j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]]))
-            for j in range(x.shape[0])
-            if j not in chosen
-        }
-        chosen.append(max(dets, key=dets.get))
-    return sorted(chosen)
+    return _greedy_map(rel[:, None] * (xs @ xs.T) * rel[None, :], k)
 
 
 @pytest.mark.parametrize("params", [{}, {"theta": 0.5}, {"negate": True}])
@@ -351,16 +355,7 @@ def _cdpruner_reference_split(tokens, image, text, k):
     rel = -(v @ t.T).mean(-1)
     rel = (rel - rel.min() + 1e-6) / (rel.max() - rel.min())
     xs = tokens.double() / tokens.double().norm(dim=-1, keepdim=True)
-    kernel = rel[:, None] * (xs @ xs.T) * rel[None, :]
-    chosen: list[int] = []
-    for _ in range(k):
-        dets = {
-            j: float(torch.linalg.det(kernel[chosen + [j]][:, chosen + [j]]))
-            for j in range(tokens.shape[0])
-            if j not in chosen
-        }
-        chosen.append(max(dets, key=dets.get))
-    return sorted(chosen)
+    return _greedy_map(rel[:, None] * (xs @ xs.T) * rel[None, :], k)
 
 
 def test_cdpruner_clip_model_must_exist(tiny_mm, tmp_path):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_diversity_peers import _divprune_reference
 
 import mmfast
 from mmfast.capabilities import ModelFacts, caps_of, check_model, unmet_need
@@ -219,20 +220,6 @@ def test_dart_decisions_equal_a_direct_computation_on_qwen(qmm, qimages):
 
 
 # -- DivPrune on the Qwen-VL families (merged tokens; budget a fraction of each image) ------------------
-def _divprune_reference(x: torch.Tensor, k: int) -> list[int]:
-    """The release's rule as plain loops: 1 - cos; first the token whose nearest other token is
-    farthest; then repeatedly the token farthest from the selected set."""
-    n = x.shape[0]
-    xs = [v / v.norm() for v in x.double()]
-    dist = [[1.0 - float(xs[i] @ xs[j]) for j in range(n)] for i in range(n)]
-    first = max(range(n), key=lambda j: (sorted(dist[i][j] for i in range(n))[1], -j))
-    chosen = [first]
-    while len(chosen) < k:
-        score = {j: min(dist[s][j] for s in chosen) for j in range(n) if j not in chosen}
-        chosen.append(max(score, key=lambda j: (score[j], -j)))
-    return sorted(chosen)
-
-
 def test_divprune_on_qwen_selects_the_max_min_subset_of_each_image(qmm, qimages):
     batch = qmm.prepare(qimages, PROMPTS)
     with Session(qmm, load_recipe({})) as base, torch.inference_mode():
