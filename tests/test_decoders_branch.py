@@ -92,20 +92,26 @@ def test_m3id_branch_has_no_image(tiny_mm, images, prompts):
         assert r[0].stats["forwards_per_step"] == 2  # different lengths: separate caches
 
 
+def _record_prefills(session) -> list:
+    """The LMInputs of every prefill ``session``'s runner does from now on (appended as they run)."""
+    seen = []
+    orig = session.runner.prefill
+
+    def spy(inputs):
+        seen.append(inputs)
+        return orig(inputs)
+
+    session.runner.prefill = spy
+    return seen
+
+
 def test_m3id_image_free_prompt_keeps_the_newline(tiny_mm, images, prompts):
     """RITUAL's M3ID deletes only the image placeholder id: the newline after it stays."""
     tok = tiny_mm.processor.tokenizer
     batch = tiny_mm.prepare(images[:2], prompts[:2])
     recipe = load_recipe({"decoding": {"method": "m3id", "params": {"sample": False, "beta": 0.0, "lam": 0.5}}})
     with Session(tiny_mm, recipe) as s:
-        seen = []
-        orig = s.runner.prefill
-
-        def spy(inputs):
-            seen.append(inputs)
-            return orig(inputs)
-
-        s.runner.prefill = spy
+        seen = _record_prefills(s)
         s.run(batch, max_new_tokens=2)
     branch = next(x for x in seen if x.image_mask.sum() == 0)
     for b, prompt in enumerate(prompts[:2]):
@@ -137,14 +143,7 @@ def _damro_direct_outliers(mm, batch, k):
 def test_damro_branch_feeds_topk_in_descending_attention_order(tiny_mm, images, prompts):
     recipe = load_recipe({"decoding": {"method": "damro", "params": {"k": 3}}})
     with Session(tiny_mm, recipe) as s:
-        seen = []
-        orig = s.runner.prefill
-
-        def spy(inputs):
-            seen.append(inputs)
-            return orig(inputs)
-
-        s.runner.prefill = spy
+        seen = _record_prefills(s)
         res = s.generate(images[:2], prompts[:2], max_new_tokens=3)
         assert sorted(x.image_mask.sum(1).tolist() for x in seen) == sorted([[16, 16], [3, 3]])
     order, expect = _damro_direct_outliers(tiny_mm, tiny_mm.prepare(images[:2], prompts[:2]), 3)
