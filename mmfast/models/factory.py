@@ -145,19 +145,10 @@ def train_bpe_tokenizer(
     if qwen:
         return _qwen_tokenizer(corpus, vocab_size)
     special = SPECIAL_TOKENS + list(extra_tokens or [])
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
+    tok = _byte_level_bpe(corpus, vocab_size, special, unk="<unk>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
     )
@@ -404,20 +395,27 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
-def _qwen_tokenizer(corpus: Iterable[str], vocab_size: int):
+def _byte_level_bpe(corpus: Iterable[str], vocab_size: int, special: list[str], unk: str | None):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus``, ``special`` at ids 0, 1, ..."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token=None))
+    tok = Tokenizer(models.BPE(unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=QWEN_SPECIAL_TOKENS,
+        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def _qwen_tokenizer(corpus: Iterable[str], vocab_size: int):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _byte_level_bpe(corpus, vocab_size, QWEN_SPECIAL_TOKENS, unk=None)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
