@@ -45,7 +45,6 @@ REFUSED = {
     "pruning:mustdrop": NOT_LLAVA,
     "pruning:cdpruner": {"llava_onevision"},
     "pruning:dynamic_llava": QWEN,
-    "pruning:random": {"llava_next", "llava_onevision"},
     "pruning:visionzip": {"llava_next", "llava_onevision"},
     "decoding:damro": NOT_LLAVA,
     "decoding:ritual": NOT_LLAVA,
@@ -196,12 +195,11 @@ def test_a_new_familys_decisions_follow_from_its_features():
         "hicom",
         "tome",
         "mustdrop",
-        "random",
         "visionzip",
         "damro",
         "ritual",
     }
-    assert set(refused) == {"dynamic_llava", "msd", "flash", "avgpool", "hicom", "tome", "mustdrop", "random"} | {
+    assert set(refused) == {"dynamic_llava", "msd", "flash", "avgpool", "hicom", "tome", "mustdrop"} | {
         "visionzip",
         "damro",
         "ritual",
