@@ -125,6 +125,7 @@ class DyCoke(Pruner):
             decode_free_setting="p: 0",
             dynamic_decode="DyCoke's DP chooses the attended video tokens at every step" if dp else "",
             videos_only="TTM merges a video's frames and DP prunes its tokens",
+            video_join=True,  # TTM reads the video's frames in the feature stage; DP reads LLM-input tags
         )
 
     @dataclass(frozen=True)

@@ -137,6 +137,7 @@ class FastVID(Pruner):
             edits_features=True,
             needs_full_grid=True,  # whole frames, each token at its grid cell
             videos_only="it segments a video's frames and prunes their tokens",
+            video_join=True,  # its frame attention is per frame group (observe_tower), the rest a feature stage
         )
 
     budget_knobs = ("retention_ratio",)

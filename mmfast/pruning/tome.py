@@ -125,6 +125,7 @@ class ToMe(Pruner):
         image_needs=frozenset(TOWER_NEEDS),  # off a CLIP-style tower it merges a video's frames, no image
         merges_in_tower=True,
         needs_full_grid=True,
+        video_join=True,  # the temporal merge is a feature stage (the tower merge never runs on a video)
     )
 
     @dataclass(frozen=True)
