@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import mmfast
-from mmfast.capabilities import ModelFacts, caps_of, check_model, unmet_need
+from mmfast.capabilities import ModelFacts, caps_of, check_model, refusal, unmet_need
 from mmfast.config import load_recipe
 from mmfast.errors import ConfigError
 from mmfast.models import ADAPTERS
@@ -123,7 +123,10 @@ def test_the_need_is_met_on_qwen3_for_the_video_stages_only():
     msg = check_model(load_recipe({"pruning": [{"method": "hicom"}]}), facts)
     assert "(hicom) needs one fixed square patch grid per image, which this model (qwen3_vl)" in msg
     dycoke = caps_of(PRUNERS.get("dycoke").cls, None)
-    assert unmet_need(dataclasses.replace(dycoke, video_join=False), q3) is Need.VIDEO_ONE_ITEM
+    unjoined = dataclasses.replace(dycoke, video_join=False)
+    assert unmet_need(unjoined, q3) is Need.VIDEO_ONE_ITEM
+    msg = refusal("pruning[0] (x)", unjoined, facts, PRUNERS)
+    assert "needs a video as one vision item" in msg and "every frame group of a video is its own vision item" in msg
     assert unmet_need(dycoke, ADAPTERS["qwen2_5_vl"].features) is None
 
 
