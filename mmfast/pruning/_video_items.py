@@ -167,7 +167,7 @@ def join_videos(
     extras = {}
     for key, value in vision.extras.items():
         if isinstance(value, list) and len(value) == n:
-            extras[key] = [_join_extra(key, [value[k] for k in g]) for g in groups]
+            extras[key] = [value[g[0]] if len(g) == 1 else _join_extra(key, [value[k] for k in g]) for g in groups]
         else:
             extras[key] = value
     joined = VisionBatch(
@@ -209,7 +209,7 @@ def _split_extra(key: str, value: Any, joined: Joined, rows: list[list[torch.Ten
     out: list = [None] * joined.original.n_images
     for j, g in enumerate(joined.groups):
         v = value[j]
-        if len(g) == 1 and len(rows[j]) == 1:
+        if len(g) == 1:  # an image (or a one-group video): as the stage left it
             out[g[0]] = v
             continue
         n_rows = sum(int(r.numel()) for r in rows[j])
@@ -231,6 +231,10 @@ def split_videos(joined: Joined, out: VisionBatch) -> VisionBatch:
     projs: list[Any] = [None] * n
     tags: dict[str, list[Any]] = {k: [None] * n for k in out.tags if k != ORIGIN}
     rows: list[list[torch.Tensor]] = []
+    if ORIGIN not in out.tags:
+        raise RuntimeError(
+            "a stage dropped the per-token tags of a joined video (the origin tag): keep VisionBatch.tags"
+        )
     for j, g in enumerate(joined.groups):
         origin = out.tags[ORIGIN][j]
         pid = out.patch_ids[j].long()
