@@ -40,6 +40,12 @@ class Capabilities:
     needs: frozenset[Need] = frozenset()
     #: need -> why the method needs it, in its own words (quoted in the refusal)
     why: Mapping[Need, str] = field(default_factory=dict, hash=False)
+    #: its need of a video as one vision item (``Need.VIDEO_ONE_ITEM``, declared or as a substitute) is its
+    #: feature stage's alone (``prune_vision``, and per-item extras its ``observe_tower`` leaves): on a model
+    #: whose frame groups are separate items (``ModelFeatures.video_items``) the session joins each video's
+    #: items into one around its ``prune_vision`` and splits the rows back after
+    #: (:mod:`mmfast.pruning._video_items`), which meets the need there (:func:`joins_videos`)
+    video_join: bool = False
     #: need -> what a published substitute needs instead, where the model lacks the need (VisionZip's
     #: received-attention ranking replaces CLS attention on dynamic-grid towers: {CLS: {DYNAMIC_GRID}})
     substitutes: Mapping[Need, frozenset[Need]] = field(default_factory=dict, hash=False)
@@ -262,14 +268,26 @@ class ModelFacts:
         return cls(adapter.family, llm_layers, vision_layers, grid, adapter.features_of(config))
 
 
+def joins_videos(caps: Capabilities, features: ModelFeatures) -> bool:
+    """Whether the session joins each video's frame-group items into one for a method declaring ``caps``
+    on a model with ``features`` (``Capabilities.video_join`` on a model whose frame groups are items)."""
+    return caps.video_join and features.video and features.video_items == "item_per_frame"
+
+
+def _met(caps: Capabilities, features: ModelFeatures, need: Need) -> bool:
+    """Whether a model with ``features`` meets ``need`` for a method declaring ``caps`` (a video as one
+    item is met by the session's join where the method's feature stage alone needs it)."""
+    return has(features, need) or (need is Need.VIDEO_ONE_ITEM and joins_videos(caps, features))
+
+
 def unmet_need(caps: Capabilities, features: ModelFeatures) -> Need | None:
     """The first of the method's needs (``caps``) that a model with ``features`` lacks, with no
     usable substitute; None when the method runs there."""
     for need in NEED_ORDER:
-        if need not in caps.needs or has(features, need):
+        if need not in caps.needs or _met(caps, features, need):
             continue
         substitute = caps.substitutes.get(need)
-        if substitute is not None and all(has(features, n) for n in substitute):
+        if substitute is not None and all(_met(caps, features, n) for n in substitute):
             continue
         return need
     return None

@@ -29,6 +29,7 @@ from .capabilities import (
     check_model,
     check_recipe,
     image_refusal,
+    joins_videos,
     static_cache_blocker,
 )
 from .config import Recipe, from_dict, load_recipe, to_dict
@@ -43,6 +44,7 @@ from .inputs import PreparedBatch, VisionItem
 from .models.base import LMInputs, VisionBatch
 from .models.qwen_tower import install_fused_tower
 from .pruning._budget import ImageBudget, calibrate_once, calibration_key, fixed_vision_tokens
+from .pruning._video_items import join_videos, joined_counts, split_videos
 from .registry import DECODERS, DRAFTERS, PRUNERS
 from .runtime import CudaGraph, LMRunner
 from .speculative.engine import speculative_decode
@@ -126,6 +128,8 @@ class Session:
                 install_fused_tower(self.adapter, self.hooks)
             self.pruners = [self._make_pruner(i, spec) for i, spec in enumerate(recipe.pruning)]
             self._tower_per_image = any(caps_of(type(p), p.config).tower_per_image for p in self.pruners)
+            # stages that see each video as one item on a model whose frame groups are items (pruning._video_items)
+            self._joins = [joins_videos(caps_of(type(p), p.config), self.adapter.features) for p in self.pruners]
             self.decoder = DECODERS.get(recipe.decoding.method).cls(recipe.decoding.params, self.ctx)
             self.drafter = None
             if recipe.speculative is not None:
@@ -208,17 +212,19 @@ class Session:
         pruner.budget_path = f"pruning[{i}].budget"
         return pruner
 
-    def check_budgets(self, counts: list[int]) -> None:
+    def check_budgets(self, counts: list[int], batch: PreparedBatch | None = None) -> None:
         """Refuse, before any pruning or LLM compute, a budget that an image of the batch cannot meet:
-        every budgeted stage's target against each image's vision tokens (``counts``, out of the tower),
-        and the first stage's per-image mapping (later stages see the tokens earlier ones left, and are
-        checked when they run). Models whose images all have one count were checked at installation."""
+        every budgeted stage's target against each image's vision tokens (``counts``, out of the tower;
+        a stage that sees each video as one item: the video's tokens, from ``batch``'s items), and the first
+        stage's per-image mapping (later stages see the tokens earlier ones left, and are checked when
+        they run). Models whose images all have one count were checked at installation."""
         if fixed_vision_tokens(self.adapter) is not None:
             return
         for i, pruner in enumerate(self.pruners):
             if pruner.budget_rule is None:
                 continue
-            for n in sorted(set(counts)):
+            joined = batch is not None and batch.has_video and self._joins[i]
+            for n in sorted(set(joined_counts(counts, batch) if joined else counts)):
                 pruner.budget_rule.target(n)
                 if i == 0:
                     pruner.config_for(n)
@@ -244,13 +250,17 @@ class Session:
             )
         else:
             vision = self._tower(batch.pixel_values, batch.image_sizes, items)
-        self.check_budgets(vision.counts())
+        self.check_budgets(vision.counts(), batch)
         raw = dataclasses.replace(
             vision, features=list(vision.features), patch_ids=list(vision.patch_ids), tags={}, stats={}
         )
-        for pruner in self.pruners:
+        for pruner, joins in zip(self.pruners, self._joins):
             t0 = time.perf_counter()
-            vision = pruner.prune_vision(vision, batch)
+            if joins and batch.has_video:  # each video's frame-group items as one item for this stage
+                joined = join_videos(vision, batch, self.adapter.project)
+                vision = split_videos(joined, pruner.prune_vision(joined.vision, joined.batch))
+            else:
+                vision = pruner.prune_vision(vision, batch)
             self.scoring_s += time.perf_counter() - t0
         vision.raw = raw
         return vision

@@ -158,6 +158,14 @@ def _declared_on(family: str, stage_data: dict) -> bool:
     return family in supported_families(caps_of(PRUNERS.get(stage.method).cls, stage.params))
 
 
+def test_the_video_stages_run_on_qwen3_videos(extra):
+    """Qwen3-VL writes every frame group as its own vision item; the session joins each video's items
+    for the stages that need one item per video, so the matrix runs them there."""
+    mm = _mm("qwen3_vl")
+    for name in ("dycoke", "fastvid", "tome"):
+        assert _declared_on("qwen3_vl", _stage(name, mm, extra)), name
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("pruner", PRUNERS.names())
 def test_pruner_x_decoder_x_drafter_on_videos(family, pruner, extra):

@@ -1,7 +1,7 @@
 """DyCoke (mmfast/pruning/dycoke.py): TTM's kept tokens and DP's per-step selection equal direct ports
 of the release's code (KD-TAO/DyCoke @dd74634) on the same tensors; the no-op setting is the baseline;
 batch equals per sample; it runs on tiny OneVision and Qwen2.5-VL videos with fewer vision tokens;
-an image-only batch and Qwen3-VL are refused before compute."""
+an image-only batch is refused before compute (Qwen3-VL: tests/test_video_items.py)."""
 
 from __future__ import annotations
 
@@ -202,17 +202,15 @@ def test_batch_equals_per_sample(family):
         assert batch[i].stats["dycoke"]["pruned_steps"] == alone.stats["dycoke"]["pruned_steps"]
 
 
-def test_images_only_and_qwen3_are_refused():
+def test_images_only_is_refused():
+    """An image-only batch is refused before compute (Qwen3-VL, whose frame groups are items, runs videos
+    through the session's join: tests/test_video_items.py)."""
     from PIL import Image
 
     image = Image.fromarray(np.random.default_rng(5).integers(0, 255, (36, 44, 3), dtype=np.uint8))
-    with pytest.raises(IncompatibleRecipeError, match=r"dycoke.*needs a video.*videos="):
-        _mm("qwen2_5_vl").generate([image], ["What?"], recipe=_recipe(), max_new_tokens=2)
-    with pytest.raises(
-        IncompatibleRecipeError,
-        match=r"needs a video as one vision item.*\(qwen3_vl\).*every frame group of a video is its own vision item",
-    ):
-        Session(_mm("qwen3_vl"), load_recipe(_recipe()))
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        with pytest.raises(IncompatibleRecipeError, match=r"dycoke.*needs a video.*videos="):
+            _mm(family).generate([image], ["What?"], recipe=_recipe(), max_new_tokens=2)
     with pytest.raises(IncompatibleRecipeError, match="dycoke"):  # DP's per-step edit vs draft verification
         load_recipe({**_recipe(), "speculative": {"method": "prompt_lookup"}})
 

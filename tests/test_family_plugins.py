@@ -40,8 +40,9 @@ REFUSED = {
     "pruning:avgpool": NOT_LLAVA,
     # OneVision added for video input (its images are refused per batch: image_needs)
     "pruning:hicom": {"llava_next"} | QWEN,
-    # images in the tower where it can; elsewhere videos only (a temporal merge), one vision item per video
-    "pruning:tome": {"llava_next", "qwen3_vl"},
+    # images in the tower where it can; elsewhere videos only (a temporal merge; Qwen3-VL's frame-group
+    # items joined into one per video by the session)
+    "pruning:tome": {"llava_next"},
     "pruning:mustdrop": NOT_LLAVA,
     "pruning:cdpruner": {"llava_onevision"},
     "pruning:dynamic_llava": QWEN,
@@ -50,10 +51,10 @@ REFUSED = {
     "decoding:ritual": NOT_LLAVA,
     "speculative:msd": QWEN,
     "speculative:flash": QWEN,
-    # added after the features: video only, one vision item per video
-    "pruning:dycoke": {"llava", "llava_next", "qwen3_vl"},
+    # added after the features: video only, one vision item per video (Qwen3-VL: joined by the session)
+    "pruning:dycoke": {"llava", "llava_next"},
     # video only, one item per video, Qwen's merge units (OneVision: only with siglip_head, the pooling head)
-    "pruning:fastvid": {"llava", "llava_next", "llava_onevision", "qwen3_vl"},
+    "pruning:fastvid": {"llava", "llava_next", "llava_onevision"},
 }
 
 

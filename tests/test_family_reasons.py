@@ -43,11 +43,11 @@ def _facts(family):
     "recipe, family, reason",
     [
         ({"pruning": [{"method": "hicom"}]}, "qwen2_5_vl", "hicom"),
-        ({"pruning": [{"method": "tome"}]}, "qwen3_vl", "tome"),
+        ({"pruning": [{"method": "tome"}]}, "llava_next", "tome"),
         ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, "qwen3_vl", "dynamic_llava"),
         ({"speculative": {"method": "msd"}}, "qwen2_vl", "msd"),
     ],
-    ids=["hicom-qwen2_5_vl", "tome-qwen3_vl", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"],
+    ids=["hicom-qwen2_5_vl", "tome-llava_next", "dynamic_llava-qwen3_vl", "msd-qwen2_vl"],
 )
 def test_config_refusal_quotes_the_reason(recipe, family, reason):
     from mmfast.registry import DRAFTERS as D

@@ -1,7 +1,8 @@
 """FastVID (mmfast/pruning/fastvid.py): the kept tokens, merged tokens and frame attention equal direct
 ports of the release's code (LunarShen/FastVID @a40a109, fastvid_qwen25vl) on the same tensors; the no-op
 setting is the baseline; batch equals per sample; kept tokens keep their (t, h, w) ids; budgets; an
-image-only batch, OneVision and Qwen3-VL are refused before compute."""
+image-only batch and OneVision without ``siglip_head`` are refused before compute (Qwen3-VL videos:
+tests/test_video_items.py)."""
 
 from __future__ import annotations
 
@@ -566,7 +567,7 @@ def test_onevision_noop_and_batch(siglip_head):
     assert 8 * int(36 * 100 / 289) + 1 >= kept > 50  # retention 100 / 289 (the newline counts), at most 100
 
 
-def test_images_only_onevision_and_qwen3_are_refused():
+def test_images_only_and_onevision_without_a_head_are_refused():
     from PIL import Image
 
     image = Image.fromarray(np.random.default_rng(5).integers(0, 255, (36, 44, 3), dtype=np.uint8))
@@ -578,8 +579,8 @@ def test_images_only_onevision_and_qwen3_are_refused():
         Session(_mm("llava_onevision"), load_recipe(_recipe()))
     with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*\(qwen2_5_vl\).*leave it unset on Qwen-VL"):
         Session(_mm("qwen2_5_vl"), load_recipe(_recipe(siglip_head="/nonexistent")))
-    with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*needs a video as one vision item.*\(qwen3_vl\)"):
-        Session(_mm("qwen3_vl"), load_recipe(_recipe()))
+    with pytest.raises(IncompatibleRecipeError, match=r"fastvid.*needs a video.*videos="):  # Qwen3-VL: videos only
+        _mm("qwen3_vl").generate([image], ["What?"], recipe=_recipe(), max_new_tokens=2)
 
 
 DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}

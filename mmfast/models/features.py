@@ -44,7 +44,9 @@ class ModelFeatures:
     #: the tower was trained with a text tower whose embeddings score its patches (CLIP, SigLIP)
     paired_text_tower: bool
     #: a video's frames: "one_item" = one vision item (one grid over time); "item_per_frame" = every frame
-    #: group its own item with its own timestamp span (Qwen3-VL)
+    #: group its own item with its own timestamp span (Qwen3-VL; a method declaring ``video_join`` gets each
+    #: video's items joined into one by the session, which meets its ``VIDEO_ONE_ITEM``:
+    #: ``capabilities.unmet_need``)
     video_items: VideoItemsLayout = "one_item"
 
 

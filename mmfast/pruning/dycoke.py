@@ -30,8 +30,12 @@ beams, branches and batches carry their own.
 
 Families: LLaVA-OneVision (the release's model: pooled frames + one closing newline, the newline is no
 frame token and is never pruned) and Qwen2-VL / Qwen2.5-VL (a "frame" is a temporal patch group of 2
-frames, the ``frame`` tag; kept tokens keep their (t, h, w) ids). Refused: LLaVA-1.5 / NeXT (no video
-input), Qwen3-VL (each frame group is its own vision item; TTM's windows would span items).
+frames, the ``frame`` tag; kept tokens keep their (t, h, w) ids). Qwen3-VL: each frame group is its own
+vision item (its own timestamp span); ``video_join`` has the session join a video's items into one for
+TTM (:mod:`mmfast.pruning._video_items`) and split the kept rows back, each into its own frame group's
+span with its own (t, h, w) ids (a dropped odd last group keeps an empty span); DP's "last token of the
+video" is then the last kept token of its last non-empty frame group, as on one item. Refused:
+LLaVA-1.5 / NeXT (no video input).
 
 Limits and deviations: (a) T and the video's slot span come from the layout (the release hard-codes 196
 tokens per frame and the video's start at slot 14); (b) per sample, per video, at any batch size (the
@@ -125,6 +129,7 @@ class DyCoke(Pruner):
             decode_free_setting="p: 0",
             dynamic_decode="DyCoke's DP chooses the attended video tokens at every step" if dp else "",
             videos_only="TTM merges a video's frames and DP prunes its tokens",
+            video_join=True,  # TTM reads the video's frames in the feature stage; DP reads LLM-input tags
         )
 
     @dataclass(frozen=True)

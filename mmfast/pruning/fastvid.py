@@ -46,8 +46,12 @@ Families: Qwen2-VL / Qwen2.5-VL (a "frame" is a temporal patch group of 2 frames
 no windows, the same rule applies). LLaVA-OneVision with ``siglip_head``: a local directory of the
 tower's SigLIP checkpoint with its attention-pooling head (the release loads
 ``google/siglip-so400m-patch14-384`` beside the model; OneVision checkpoints ship no head and nothing is
-downloaded), refused without it and refused on Qwen with it. Refused: LLaVA-1.5 / NeXT (no video
-input), Qwen3-VL (each frame group is its own vision item; DySeg spans the video).
+downloaded), refused without it and refused on Qwen with it. Qwen3-VL (the Qwen variant): each frame
+group is its own vision item; ``video_join`` has the session join a video's items into one (A of each
+group, [1, n], stacked to [F, n]; :mod:`mmfast.pruning._video_items`), and every kept token goes back
+to its own frame group's span with its own (t, h, w) ids (a merged context token: its anchor's); groups
+that keep nothing (not a sub-segment's last frame) keep an empty span. Refused: LLaVA-1.5 / NeXT (no
+video input).
 
 Deviations: (a) per sample, per video, at any batch size (the release: batch 1, one video); images of
 the batch are never touched; (b) A, G, the density and the merge in fp32 (the release: model dtype;
@@ -137,6 +141,7 @@ class FastVID(Pruner):
             edits_features=True,
             needs_full_grid=True,  # whole frames, each token at its grid cell
             videos_only="it segments a video's frames and prunes their tokens",
+            video_join=True,  # its frame attention is per frame group (observe_tower), the rest a feature stage
         )
 
     budget_knobs = ("retention_ratio",)

@@ -36,7 +36,9 @@ Images on Qwen-VL (qwen2_vl, qwen2_5_vl, qwen3_vl) and LLaVA-OneVision: refused 
 Qwen-VL towers attend per image / per window (cu_seqlens) with 2-D rotary patch positions and their
 PatchMerger needs every 2x2 unit intact; OneVision re-packs each image's tiles after the projector.
 
-Video (temporal merge; Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision: a video is one vision item).
+Video (temporal merge; Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision: a video is one vision item; Qwen3-VL:
+every frame group is its own item, joined into one per video by the session for the merge, ``video_join``,
+:mod:`mmfast.pruning._video_items`).
 Sources: ToMe's ``tome/merge.py`` (``bipartite_soft_matching``, ``merge_wavg``; facebookresearch/ToMe
 @af95e4b), its paper's video experiments (ToMe on the spatiotemporal tokens of a video MAE ViT-L), and
 the temporal variants video LLM work uses (VidToMe, Li et al. 2023: each frame's tokens merge into
@@ -70,8 +72,9 @@ F frames of T tokens):
 Deviations: no proportional attention (the next blocks are the LLM's: ToMe issue #38); merges in fp32;
 equal edge scores keep their order (a stable sort; the official ``argsort`` is unstable);
 the pair split (later frame into earlier one) replaces ToMe's alternate-token split, so a token merges
-only with a neighbouring segment. Refused: Qwen3-VL (every frame group is its own vision item, with
-its own timestamp text between items), and images where the tower merge cannot run (above).
+only with a neighbouring segment. Qwen3-VL: every token goes back to its representative's frame group
+(its own timestamp span, its (t, h, w) ids; a group merged away keeps an empty span), and a budget B
+counts the whole video. Refused: images where the tower merge cannot run (above).
 No-op: ``r: 0``, or B >= the video's tokens.
 """
 
@@ -125,6 +128,7 @@ class ToMe(Pruner):
         image_needs=frozenset(TOWER_NEEDS),  # off a CLIP-style tower it merges a video's frames, no image
         merges_in_tower=True,
         needs_full_grid=True,
+        video_join=True,  # the temporal merge is a feature stage (the tower merge never runs on a video)
     )
 
     @dataclass(frozen=True)
