@@ -73,11 +73,19 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(s)
     s.add_argument("--image", action="append", default=[], help="image path (repeat for several images)")
     s.add_argument(
-        "--video", default=None, help="a directory of frame images (sorted by name): Qwen-VL and OneVision families"
+        "--video",
+        default=None,
+        help="a directory of frame images (sorted by name) or a video file (.mp4, ...; needs PyAV): Qwen-VL and "
+        "OneVision families",
     )
     s.add_argument("--num-frames", type=_positive_int, default=None, help="sample this many frames of --video")
     s.add_argument("--fps", type=float, default=None, help="sample this many frames per second of --video")
-    s.add_argument("--video-fps", type=float, default=None, help="frames per second of --video's frames")
+    s.add_argument(
+        "--video-fps",
+        type=float,
+        default=None,
+        help="frames per second of --video's frames (a video file's own rate by default)",
+    )
     s.add_argument("--prompt", required=True)
     s.add_argument("--max-new-tokens", type=_positive_int, default=None)
     s.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -205,7 +213,7 @@ def _cmd_run(args) -> int:
     from .pipeline import apply
 
     if not args.image and args.video is None:
-        raise InputError("mmfast run needs --image (repeatable) or --video (a directory of frames)")
+        raise InputError("mmfast run needs --image (repeatable) or --video (a directory of frames or a video file)")
     recipe = _load(args)
     check_model_config(recipe)
     mm = load_model(recipe.model)
