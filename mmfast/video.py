@@ -139,7 +139,8 @@ def _frames_of(video: Any, what: str) -> list[Any]:
                 )
             return files
         raise InputError(
-            f"{what} {str(path)!r} is not a directory of frames nor a video file ({', '.join(sorted(VIDEO_SUFFIXES))}); "
+            f"{what} {str(path)!r} is not a directory of frames nor a video file "
+            f"({', '.join(sorted(VIDEO_SUFFIXES))}); "
             "pass a video file, a directory, a frame list or an array"
         )
     if isinstance(video, (list, tuple)):

@@ -134,7 +134,10 @@ def test_without_pyav_a_file_is_refused_with_the_install_and_the_frames_alternat
     path = tmp_path / "clip.mp4"
     path.write_bytes(b"\0" * 64)  # never read: the refusal comes first
     monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
-    match = r"video 0 '.*clip\.mp4' is a video file, which mmfast decodes with PyAV, not installed here: pip install 'mmfast\[video\]'.*ffmpeg -i clip\.mp4 frames/%05d\.png"
+    match = (
+        r"video 0 '.*clip\.mp4' is a video file, which mmfast decodes with PyAV, not installed here: "
+        r"pip install 'mmfast\[video\]'.*ffmpeg -i clip\.mp4 frames/%05d\.png"
+    )
     with pytest.raises(InputError, match=match):
         open_video(path, what="video 0")
     from mmfast.models.factory import random_qwen_vl
