@@ -498,6 +498,7 @@ def test_visuals_that_cannot_be_given_are_refused(visuals, match, tmp_path):
     visuals = [{**v, "path": sub["DIR"]} if isinstance(v, dict) and v.get("path") == "DIR" else v for v in visuals]
     with pytest.raises(InputError, match=match):
         sort_visuals(visuals, "doc 0 of t/s")
+    assert sort_visuals(str(tmp_path), "d").video.source == tmp_path  # one visual, not in a list
 
 
 def test_frame_sampling_rule():

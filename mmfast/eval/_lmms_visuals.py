@@ -120,6 +120,8 @@ def _local(source: str | os.PathLike, what: str) -> Path:
 def sort_visuals(visuals: Any, what: str) -> RequestVisuals:
     """The request's images and video (nothing is decoded yet; see the module docstring)."""
     out = RequestVisuals()
+    if isinstance(visuals, (str, os.PathLike, dict, Image.Image)):  # one visual, not in a list
+        visuals = [visuals]
     for k, v in enumerate(visuals or []):
         here = f"{what}, visual {k}"
         if isinstance(v, Image.Image):
