@@ -7,7 +7,7 @@
     mmfast bench RECIPE [--output DIR]
     mmfast report RUN_DIR... [--output DIR]
     mmfast rerender BENCH_DIR...             rewrite a bench's results.md + plots (n, 95% intervals), no re-run
-    mmfast lmms-task [RECIPE] [--output DIR] write the recipe's POPE data as a local lmms-eval task (--include_path)
+    mmfast lmms-task [RECIPE] [--output DIR] write the recipe's POPE (or video_pope) data as a local lmms-eval task
 
 Exit codes: 0 ok, 2 bad input (the message names the file/key and the fix), 1 internal error,
 3 evaluation samples failed (``mmfast eval``: more than ``eval.max_failures`` allow, or any at all in
@@ -73,11 +73,19 @@ def _parser() -> argparse.ArgumentParser:
     recipe_args(s)
     s.add_argument("--image", action="append", default=[], help="image path (repeat for several images)")
     s.add_argument(
-        "--video", default=None, help="a directory of frame images (sorted by name): Qwen-VL and OneVision families"
+        "--video",
+        default=None,
+        help="a directory of frame images (sorted by name) or a video file (.mp4, ...; needs PyAV): Qwen-VL and "
+        "OneVision families",
     )
     s.add_argument("--num-frames", type=_positive_int, default=None, help="sample this many frames of --video")
     s.add_argument("--fps", type=float, default=None, help="sample this many frames per second of --video")
-    s.add_argument("--video-fps", type=float, default=None, help="frames per second of --video's frames")
+    s.add_argument(
+        "--video-fps",
+        type=float,
+        default=None,
+        help="frames per second of --video's frames (a video file's own rate by default)",
+    )
     s.add_argument("--prompt", required=True)
     s.add_argument("--max-new-tokens", type=_positive_int, default=None)
     s.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -115,18 +123,28 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("benches", nargs="+", metavar="BENCH_DIR")
 
     s = sub.add_parser(
-        "lmms-task", help="write the recipe's POPE questions and images as a local lmms-eval task (for --include_path)"
+        "lmms-task",
+        help="write the recipe's POPE questions and images (or video_pope's clips) as a local lmms-eval task "
+        "(for --include_path)",
     )
     s.add_argument(
         "recipe",
         nargs="?",
         default="world_eval",
-        help="recipe whose eval.data / eval.pope define the task (default: world_eval)",
+        help="recipe whose eval.data / eval.pope (or eval.video_pope) define the task (default: world_eval)",
     )
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
     s.add_argument("--output", default=None, help="task directory (default: ~/.cache/mmfast/lmms_tasks/<name>)")
     s.add_argument(
-        "--name", default=None, help="lmms-eval group name (default: mmfast_<dataset>_pope); tasks are <name>_<split>"
+        "--name",
+        default=None,
+        help="lmms-eval group name (default: mmfast_<dataset>_pope, or mmfast_video_pope); tasks are <name>_<split>",
+    )
+    s.add_argument(
+        "--task",
+        choices=["pope", "video_pope"],
+        default=None,
+        help="which task to write (default: the recipe's one POPE task in eval.tasks, else pope)",
     )
     return p
 
@@ -205,7 +223,7 @@ def _cmd_run(args) -> int:
     from .pipeline import apply
 
     if not args.image and args.video is None:
-        raise InputError("mmfast run needs --image (repeatable) or --video (a directory of frames)")
+        raise InputError("mmfast run needs --image (repeatable) or --video (a directory of frames or a video file)")
     recipe = _load(args)
     check_model_config(recipe)
     mm = load_model(recipe.model)
@@ -305,7 +323,7 @@ def _cmd_report(args) -> int:
 def _cmd_lmms_task(args) -> int:
     from .eval.lmms_tasks import write_lmms_task
 
-    task = write_lmms_task(_load(args), args.output, args.name)
+    task = write_lmms_task(_load(args), args.output, args.name, args.task)
     print(
         f"lmms-eval task {task.group} ({', '.join(f'{t}: {n}' for t, n in zip(task.tasks, task.n_questions.values()))} questions)"
     )

@@ -1,9 +1,13 @@
 """Video input: :func:`open_video` turns what a caller passes as one video into a :class:`VideoClip`
 of sampled RGB frames, with clear errors before any compute.
 
-A video is a list of frames (PIL images or image paths), a numpy array ``[T, H, W, 3]`` (uint8), or a
-directory of frame images (read in sorted file-name order). mmfast decodes no video files: decode
-one to frames first (e.g. ``ffmpeg -i clip.mp4 frames/%05d.png``).
+A video is a list of frames (PIL images or image paths), a numpy array ``[T, H, W, 3]`` (uint8), a
+directory of frame images (read in sorted file-name order), or a video file (``.mp4``, ``.mkv``,
+``.webm``, ... :data:`VIDEO_SUFFIXES`), decoded with PyAV (``pip install 'mmfast[video]'``;
+:mod:`mmfast._video_files`): its first video stream's frame count and average rate are read, the
+indices are sampled by the rule below (the rate is ``video_fps`` unless the caller gives one), and only
+the sampled frames are kept while the file is decoded. Without PyAV, decode one to frames first
+(``ffmpeg -i clip.mp4 frames/%05d.png``) and pass the directory.
 
 Sampling follows transformers' video processors (``sample_frames``; they sample only when asked):
 
@@ -11,8 +15,9 @@ Sampling follows transformers' video processors (``sample_frames``; they sample 
 * ``num_frames=n``: ``n`` frames uniformly, indices ``arange(0, T, T / n).int()``; the Qwen-VL
   processors first round ``n`` to a multiple of the temporal patch size (2);
 * ``fps=f``: ``f`` frames per second of the source, which needs the source's rate ``video_fps``
-  (a frame list carries none): ``int(T / video_fps * f)`` frames; the Qwen-VL processors clamp that
-  to [min_frames, max_frames] and floor it to a multiple of the temporal patch size.
+  (a frame list carries none; a video file's is its stream's average rate): ``int(T / video_fps * f)``
+  frames; the Qwen-VL processors clamp that to [min_frames, max_frames] and floor it to a multiple of
+  the temporal patch size.
 
 ``video_fps`` is also what the models' time axis reads (Qwen2.5-VL's temporal position spacing,
 Qwen3-VL's frame timestamps); without it the processors assume 24 frames per second, as
@@ -34,6 +39,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ._video_files import VIDEO_SUFFIXES, decode_frames, is_video_file, probe_video_file
 from .errors import InputError
 from .inputs import PreparedBatch, VideoClip, VisionItem, open_image
 
@@ -42,8 +48,6 @@ if TYPE_CHECKING:
 
 #: file suffixes read as frames from a directory
 FRAME_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff"})
-#: video containers mmfast does not decode (named in the error)
-VIDEO_SUFFIXES = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg"})
 
 
 @dataclass(frozen=True)
@@ -134,20 +138,28 @@ def _frames_of(video: Any, what: str) -> list[Any]:
                     f"{what} {str(path)!r} is a directory without frame images ({', '.join(sorted(FRAME_SUFFIXES))})"
                 )
             return files
-        if path.suffix.lower() in VIDEO_SUFFIXES:
-            raise InputError(
-                f"{what} {str(path)!r} is a video file; mmfast decodes no video containers: extract its frames "
-                f"first (ffmpeg -i {path.name} frames/%05d.png) and pass the directory or the frame list"
-            )
         raise InputError(
-            f"{what} {str(path)!r} is not a directory of frames (pass a directory, a frame list or an array)"
+            f"{what} {str(path)!r} is not a directory of frames nor a video file "
+            f"({', '.join(sorted(VIDEO_SUFFIXES))}); "
+            "pass a video file, a directory, a frame list or an array"
         )
     if isinstance(video, (list, tuple)):
         return list(video)
     raise InputError(
         f"{what} is a {type(video).__name__}; pass a list of frames (PIL images or paths), a uint8 array "
-        "[T, H, W, 3] or a directory of frame images"
+        "[T, H, W, 3], a directory of frame images or a video file"
     )
+
+
+def source_frames(video: Any, what: str = "video") -> tuple[int, float | None]:
+    """The frame count of ``video`` before sampling, and its frame rate where it records one (a video
+    file's average rate; None for frames). Reads a file's header, decodes nothing."""
+    if isinstance(video, VideoClip):
+        return video.total_frames, video.fps
+    if is_video_file(video):
+        info = probe_video_file(Path(video), what)
+        return info.total_frames, info.fps
+    return len(_frames_of(video, what)), None
 
 
 def open_video(
@@ -156,10 +168,22 @@ def open_video(
     """The sampled frames of one video (see the module docstring for the accepted forms)."""
     if isinstance(video, VideoClip):
         return video
+    if is_video_file(video):
+        path = Path(video)
+        info = probe_video_file(path, what)
+        if sampling.video_fps is None and info.fps is not None:
+            sampling = dataclasses.replace(sampling, video_fps=info.fps)
+        keep = sample_indices(info.total_frames, sampling, rule, what)
+        return _clip(dict(zip(keep, decode_frames(path, keep, what))), keep, info.total_frames, sampling, what)
     frames = _frames_of(video, what)
     if not frames:
         raise InputError(f"{what} has no frames; pass at least one frame")
     keep = sample_indices(len(frames), sampling, rule, what)
+    return _clip({i: frames[i] for i in keep}, keep, len(frames), sampling, what)
+
+
+def _clip(frames: dict[int, Any], keep: list[int], total: int, sampling: VideoSampling, what: str) -> VideoClip:
+    """The clip of the sampled ``frames`` (source index -> PIL image, path or array), checked and opened."""
     opened = []
     for i in keep:
         f = frames[i]
@@ -184,7 +208,7 @@ def open_video(
             f"{what} has frames of different sizes ({', '.join(f'{w}x{h}' for w, h in sorted(sizes))}); "
             "a video's frames must share one size: resize them first"
         )
-    return VideoClip(opened, keep, len(frames), None if sampling.video_fps is None else float(sampling.video_fps))
+    return VideoClip(opened, keep, total, None if sampling.video_fps is None else float(sampling.video_fps))
 
 
 def _pad_rows(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -360,3 +360,160 @@ def test_rank_and_size_prefer_the_process_group(plugin, monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     assert plugin.rank_and_size(OneProcess()) == (1, 2)
+
+
+# -- videos ---------------------------------------------------------------------------------------------
+VTASK = "vtask"
+
+
+@pytest.fixture(scope="module")
+def qwen_video(tmp_path_factory):
+    """A tiny random Qwen2.5-VL saved to a directory, and a clip of 6 frames (PNG files, 32 x 32)."""
+    import numpy as np
+    from PIL import Image
+
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    root = tmp_path_factory.mktemp("lmms_video")
+    qdir = save_model(*random_qwen_vl("qwen2_5_vl", seed=1), root / "qwen")
+    clip = root / "clip"
+    clip.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(clip / f"{i:03d}.png")
+    return qdir, clip, mmfast.load(qdir, device="cpu")
+
+
+def _video_requests(docs: dict, max_new: int = 4) -> tuple[dict, list[_Req]]:
+    task_dict = {VTASK: {SPLIT: {d: {"visuals": v} for d, v in docs.items()}}}
+    reqs = [_Req((f"What happens in clip {d}?", {"max_new_tokens": max_new}, _visuals, d, VTASK, SPLIT)) for d in docs]
+    return task_dict, reqs
+
+
+def _visuals(doc):
+    return doc["visuals"]
+
+
+def _direct(mm, video, images=(), max_new: int = 4, doc: int = 0, **sampling) -> tuple[str, int]:
+    """(answer, vision tokens) of mmfast's own session for the same prompt, video and images."""
+    with mmfast.apply(mm, None) as s:
+        batch = mm.prepare([list(images)], [f"What happens in clip {doc}?"], videos=[video], **sampling)
+        (r,) = s.run(batch, max_new_tokens=max_new)
+    return r.text, r.n_vision_tokens
+
+
+def test_video_visuals_go_to_the_video_input(plugin, qwen_video, images):
+    """A frame directory, a video dict with the task's own sampling, and a video followed by an image
+    are answered through ``generate(videos=...)``'s path, batched, as mmfast's own session answers them;
+    ``max_num_frames`` caps the frames a video gives (6 frames: 3 groups of 2 x 16 tokens on Qwen2.5-VL)."""
+    qdir, clip, mm = qwen_video
+    docs = {
+        0: [str(clip)],  # 6 frames, under the default max_num_frames=32: every frame
+        1: [{"type": "video", "path": str(clip), "sampling": {"num_frames": 2, "fps": None, "video_fps": None}}],
+        2: [clip, images[0]],  # the video first, then an image
+    }
+    task_dict, reqs = _video_requests(docs)
+    model = _model(plugin, f"pretrained={qdir}", task_dict, batch_size=2)
+    want = [
+        _direct(mm, clip, doc=0),
+        _direct(mm, clip, doc=1, num_frames=2),
+        _direct(mm, clip, [images[0]], doc=2),
+    ]
+    assert [w[1] for w in want[:2]] == [48, 16] and want[2][1] > 48  # the video's frames reach the model
+    assert _generate(model, reqs) == [w[0] for w in want]
+    assert model.token_counts.vision_tokens == sum(w[1] for w in want)
+
+    capped = _model(plugin, f"pretrained={qdir},max_num_frames=4", task_dict)
+    assert _generate(capped, reqs[:2]) == [_direct(mm, clip, doc=0, num_frames=4)[0], want[1][0]]  # doc 1 keeps its own
+    assert capped.token_counts.vision_tokens == 32 + 16
+
+    # loglikelihood takes the video too: the same frames score the same, other frames differently
+    def ll(m, doc):
+        return m.loglikelihood([_Req((f"What happens in clip {doc}?", " Yes", _visuals, doc, VTASK, SPLIT))])[0][0]
+
+    assert ll(capped, 0) == pytest.approx(ll(_model(plugin, f"pretrained={qdir},max_num_frames=5", task_dict), 0))
+    assert ll(capped, 0) != pytest.approx(ll(model, 0))
+
+
+def test_video_files_with_max_num_frames_and_fps(plugin, qwen_video, tmp_path):
+    av = pytest.importorskip("av")
+    import numpy as np
+
+    qdir, _, mm = qwen_video
+    path = tmp_path / "clip.mp4"  # 12 frames at 6 per second
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=6)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        for i in range(12):
+            a = np.full((32, 32, 3), (20 * i, 255 - 20 * i, 40), np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(a, format="rgb24")))
+        container.mux(stream.encode())
+    task_dict, reqs = _video_requests({0: [str(path)]})
+    for args, sampling in [
+        ("max_num_frames=4", {"num_frames": 4}),
+        ("fps=1", {"fps": 1.0}),  # 12 frames at 6 fps: 2 frames, under the cap
+        ("fps=6,max_num_frames=8", {"num_frames": 8}),  # 12 frames by rate: capped at 8
+    ]:
+        model = _model(plugin, f"pretrained={qdir},{args}", task_dict)
+        assert _generate(model, reqs) == [_direct(mm, path, **sampling)[0]], args
+    assert model.token_counts.vision_tokens == 4 * 16
+
+
+def test_video_on_a_family_without_video_is_refused_before_compute(plugin, tiny_dir, task_dict, tmp_path, monkeypatch):
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    vdict, vreqs = _video_requests({0: [str(clip)]})
+    model = _model(plugin, f"pretrained={tiny_dir}", {**task_dict, **vdict})
+    monkeypatch.setattr(model.session, "run", lambda *a, **k: pytest.fail("a request was answered"))
+    reqs = _requests({"max_new_tokens": 2}, [0]) + vreqs  # the image task comes first
+    with pytest.raises(
+        InputError, match=rf"doc 0 of {VTASK}/{SPLIT} \(task {VTASK}\) is a video, and .* is a llava model"
+    ):
+        model.generate_until(reqs)
+    with pytest.raises(InputError, match="which has no video input; pass the frames as images"):
+        model.loglikelihood([_Req(("Q", " Yes", _visuals, 0, VTASK, SPLIT))])
+
+
+@pytest.mark.parametrize(
+    ("visuals", "match"),
+    [
+        (["IMG", "DIR"], "visual 1 is a video listed after an image"),
+        (["DIR", "DIR"], "visual 1 is a second video"),
+        ([{"type": "video", "path": "DIR", "video_start": 1.0, "video_end": 2.0}], "time window"),
+        ([{"type": "audio", "array": [0.0]}], "dict with type 'audio'"),
+        (["https://example.com/v.mp4"], "is a URL; mmfast reads local files"),
+        (["notes.txt"], "is neither an image file, a video file"),
+        ([3], "visual 0 is a int"),
+        ([{"type": "video", "path": "DIR", "sampling": {"frames": 2}}], "'sampling' must be a dict of num_frames"),
+    ],
+)
+def test_visuals_that_cannot_be_given_are_refused(visuals, match, tmp_path):
+    from PIL import Image
+
+    from mmfast.eval._lmms_visuals import sort_visuals
+
+    sub = {"IMG": Image.new("RGB", (8, 8)), "DIR": str(tmp_path)}
+    visuals = [sub.get(v, v) if isinstance(v, str) else v for v in visuals]
+    visuals = [{**v, "path": sub["DIR"]} if isinstance(v, dict) and v.get("path") == "DIR" else v for v in visuals]
+    with pytest.raises(InputError, match=match):
+        sort_visuals(visuals, "doc 0 of t/s")
+    assert sort_visuals(str(tmp_path), "d").video.source == tmp_path  # one visual, not in a list
+
+
+def test_frame_sampling_rule():
+    from mmfast.eval._lmms_visuals import FrameSampling
+    from mmfast.video import FrameRule, VideoSampling
+
+    plain, qwen = FrameRule(), FrameRule(multiple=2, min_frames=4, max_frames=768)
+    s = FrameSampling()
+    assert s.for_source(10, None, plain, "v") == VideoSampling()  # at most 32: every frame
+    assert s.for_source(100, 30.0, plain, "v") == VideoSampling(num_frames=32, video_fps=30.0)
+    fps = FrameSampling(max_num_frames=8, fps=1.0)
+    assert fps.for_source(120, 30.0, qwen, "v") == VideoSampling(fps=1.0, video_fps=30.0)  # 4 frames by rate
+    assert fps.for_source(600, 30.0, qwen, "v") == VideoSampling(num_frames=8, video_fps=30.0)  # 20 by rate: capped
+    with pytest.raises(InputError, match="needs the video's frame rate.*video_fps="):
+        fps.for_source(120, None, plain, "v")
+    for bad in ({"max_num_frames": 0}, {"max_num_frames": 2.5}, {"fps": -1.0}, {"video_fps": "x"}):
+        with pytest.raises(InputError, match="--model_args"):
+            FrameSampling(**bad)

@@ -62,6 +62,7 @@ def test_written_task_mirrors_the_recipe(world, tmp_path, capsys):
         assert cfg["dataset_path"] == "json" and cfg["dataset_kwargs"] == {"data_files": {split: str(jsonl)}}
         assert cfg["test_split"] == split and cfg["output_type"] == "generate_until"
         assert cfg["generation_kwargs"]["max_new_tokens"] == 3 and cfg["generation_kwargs"]["do_sample"] is False
+        assert cfg["generation_kwargs"]["until"] == []  # no stop string, as mmfast eval (lmms-eval's default: "\n\n")
         kw = cfg["lmms_eval_specific_kwargs"]["default"]
         assert (kw["pre_prompt"], kw["post_prompt"]) == ("Q: ", "\nA (yes/no):")
         assert [m["metric"] for m in cfg["metric_list"]] == [
@@ -149,3 +150,96 @@ def test_logs_route_to_loguru_only_without_logging_config(monkeypatch):
         pkg.setLevel(level)
     assert [(lv, msg) for lv, msg, _ in sink.lines] == [("INFO", "done 3/4")]
     assert sink.lines[0][2] >= 1  # points past logging's own frames, at the caller
+
+
+def test_prompt_parts_follow_the_template(world, tmp_path):
+    from mmfast.eval.lmms_tasks import write_lmms_task
+
+    task = write_lmms_task(load_recipe(_recipe(world, prompt="{{note}} {question} ok?")), tmp_path / "t", name="b")
+    cfg = yaml.load((task.directory / "b_random.yaml").read_text(), Loader=_Loader)
+    kw = cfg["lmms_eval_specific_kwargs"]["default"]
+    assert (kw["pre_prompt"], kw["post_prompt"]) == ("{note} ", " ok?")  # str.format's literal braces
+    with pytest.raises(InputError, match=r"holds \{question\} 2 times"):
+        write_lmms_task(load_recipe(_recipe(world, prompt="{question} {question}")), tmp_path / "t2")
+
+
+# -- video_pope -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vworld(tmp_path_factory):
+    from mmfast.world.video import write_video_world
+    from mmfast.world.video_render import VideoConfig
+
+    root = tmp_path_factory.mktemp("lmmsvworld")
+    write_video_world(
+        root, seed=0, n_clips=3, pope_clips=2, config=VideoConfig(frames=8, image_size=32), progress=False
+    )
+    return root
+
+
+def _video_recipe(vworld, **opts):
+    return {
+        "model": {"name": "unused"},
+        "eval": {
+            "tasks": ["video_pope"],
+            "video_pope": {"video_world": str(vworld), "prompt": "{question} Answer:", "max_new_tokens": 5, **opts},
+        },
+    }
+
+
+def test_video_pope_task_holds_mmfast_evals_samples(vworld, tmp_path, capsys):
+    """Each row is a sample ``mmfast eval`` plans (question, label, clip, sampling); the visual is the clip
+    as a video dict the plugin opens with that sampling."""
+    from mmfast.eval.data import resolve_data
+    from mmfast.eval.tasks.video_pope import VideoPopeTask
+    from mmfast.video import open_video
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(_video_recipe(vworld, num_frames=4, splits=["random", "adversarial"])))
+    assert main(["-q", "lmms-task", str(recipe), "--output", str(tmp_path / "task")]) == 0
+    task_dir = (tmp_path / "task").resolve()
+    assert f"--include_path {task_dir} --tasks mmfast_video_pope" in capsys.readouterr().out
+    group = yaml.load((task_dir / "mmfast_video_pope.yaml").read_text(), Loader=_Loader)
+    assert group["task"] == ["mmfast_video_pope_random", "mmfast_video_pope_adversarial"]
+
+    r = load_recipe(str(recipe))
+    samples = VideoPopeTask(r.eval, resolve_data(r.eval, ["video_pope"])).samples(None)
+    spec = importlib.util.spec_from_file_location("written_vutils", task_dir / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    from mmfast.eval._lmms_visuals import sort_visuals
+
+    rows = []
+    for split in ("random", "adversarial"):
+        cfg = yaml.load((task_dir / f"mmfast_video_pope_{split}.yaml").read_text(), Loader=_Loader)
+        assert cfg["generation_kwargs"]["max_new_tokens"] == 5 and cfg["generation_kwargs"]["until"] == []
+        kw = cfg["lmms_eval_specific_kwargs"]["default"]
+        split_rows = [json.loads(x) for x in (task_dir / "data" / f"{split}.jsonl").read_text().splitlines()]
+        for row in split_rows:
+            assert utils.doc_to_text(row, kw) == f"{row['question']} Answer:"
+        rows += split_rows
+    assert len(rows) == len(samples) == 2 * 2 * 6  # 2 splits x 2 clips x 6 questions
+    for row, s in zip(rows, samples):
+        assert s.task == f"video_pope_{row['split']}" and s.meta["question_id"] == row["question_id"]
+        assert (row["question"], row["answer"], row["parser"]) == (s.meta["question"], s.target, "pope")
+        (visual,) = utils.doc_to_visual(row)
+        ref = sort_visuals([visual], "doc").video
+        assert ref.source == s.video.resolve() and ref.sampling == s.video_sampling
+        assert open_video(ref.source, ref.sampling).indices == [0, 2, 4, 6]
+
+
+def test_video_pope_or_pope_is_picked(vworld, world, tmp_path):
+    from mmfast.eval.lmms_tasks import write_lmms_task
+
+    both = _video_recipe(vworld)
+    both["eval"]["tasks"] = ["pope", "video_pope"]
+    both["eval"]["data"] = {"dataset": "world", "root": str(world)}
+    with pytest.raises(InputError, match="lists both pope and video_pope; pick one with --task"):
+        write_lmms_task(load_recipe(both), tmp_path / "x")
+    assert write_lmms_task(load_recipe(both), tmp_path / "v", task="video_pope").group == "mmfast_video_pope"
+    assert write_lmms_task(load_recipe(both), tmp_path / "p", task="pope").group == "mmfast_world_pope"
+    with pytest.raises(InputError, match="writes pope or video_pope"):
+        write_lmms_task(load_recipe(both), tmp_path / "c", task="chair")
+    missing = _video_recipe(vworld)
+    missing["eval"]["video_pope"]["video_world"] = str(tmp_path / "nowhere")
+    with pytest.raises(InputError, match="is not a directory; write the video world there first"):
+        write_lmms_task(load_recipe(missing), tmp_path / "m")

@@ -21,6 +21,19 @@ Model arguments (``--model_args``, comma separated):
   (``pruning.0.budget.tokens=160`` or ``pruning[0].budget.tokens=160``, ``model.dtype=bfloat16``,
   ``decoding.method=vcd``); an unknown key fails with the recipe validator's did-you-mean.
 - ``batch_size`` (``--batch_size``): requests answered per forward batch; ``device`` (``--device``).
+- video frame sampling, with the names of lmms-eval's own Qwen-VL models (``qwen2_5_vl``, ``qwen3_vl``):
+  ``max_num_frames`` (default 32): at most this many frames per video, uniformly (a shorter video keeps
+  every frame); ``fps``: frames per second of the source instead, capped at ``max_num_frames``;
+  ``video_fps``: the frame rate of frame directories (video files carry their own). A task that gives
+  its own sampling (``mmfast lmms-task`` for ``video_pope``) keeps it.
+
+Visuals (``doc_to_visual``): PIL images and image paths are images; a video file path (``.mp4``,
+``.mkv``, ...; lmms-eval's video tasks such as Video-MME and MVBench return these; decoded with PyAV,
+``pip install 'mmfast[video]'``), a directory of frame images, or a ``{"type": "video", "path": ...}``
+dict is the request's video, given to the model's video input (``generate(videos=...)``), on the
+families that have one (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision). A request takes one video,
+listed before its images; see :mod:`mmfast.eval._lmms_visuals`. A video task on a family without
+video input is refused before any request is answered.
 
 Data parallel: under ``accelerate launch`` or ``torchrun`` (``WORLD_SIZE > 1``) the model takes the
 process group's rank and size (accelerate's when no group is up) and accelerate's device
@@ -65,7 +78,9 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..inputs import VideoClip
 from ..progress import Progress
+from ._lmms_visuals import FrameSampling, open_request_video, sort_visuals
 from .lmms_logs import route_logs_to_lmms_eval
 
 try:  # optional dependency: importing this module without lmms-eval is allowed, using the class is not
@@ -124,9 +139,13 @@ def recipe_overrides(args: dict[str, Any]) -> list[str]:
     out = []
     for key, value in args.items():
         if "." not in key and "[" not in key:
+            hint = (
+                " (mmfast spells it max_num_frames, as lmms-eval's Qwen-VL models)" if key == "max_frames_num" else ""
+            )
             raise InputError(
-                f"--model_args {key}={value!r}: unknown argument; mmfast takes recipe=, pretrained=, batch_size=, "
-                "device= and dotted recipe keys (model.dtype=bfloat16, pruning.0.budget.tokens=160, decoding.method=vcd)"
+                f"--model_args {key}={value!r}: unknown argument{hint}; mmfast takes recipe=, pretrained=, batch_size=, "
+                "device=, max_num_frames=, fps=, video_fps= and dotted recipe keys (model.dtype=bfloat16, "
+                "pruning.0.budget.tokens=160, decoding.method=vcd)"
             )
         text = value if isinstance(value, str) else json.dumps(value)
         path = _NUMBERED.sub(lambda m: f"[{m.group(1)}]", key)
@@ -175,6 +194,9 @@ class MMFast(_LMMBase):
         batch_size: int | str = 1,
         device: str | None = None,
         max_batch_size: int | None = None,
+        max_num_frames: int = 32,
+        fps: float | None = None,
+        video_fps: float | None = None,
         **overrides: Any,
     ) -> None:
         if _LMMBase is object:
@@ -186,6 +208,7 @@ class MMFast(_LMMBase):
         from ..pipeline import apply
 
         self.batch_size_per_gpu = _batch_size(batch_size)
+        self.frame_sampling = FrameSampling(max_num_frames, fps, video_fps)
         if max_batch_size is not None:
             logger.warning(
                 "max_batch_size=%s is ignored: it applies to batch_size=auto, which mmfast does not "
@@ -251,10 +274,42 @@ class MMFast(_LMMBase):
                 f"request for doc {doc_id!r} of {task}/{split}, which lmms-eval's task_dict does not hold"
             ) from None
 
-    def _visuals(self, request) -> list:
+    def _visuals(self, request) -> tuple[list, VideoClip | None]:
+        """The request's images and its video (opened with the frame sampling), in the model's order."""
         _, _, doc_to_visual, doc_id, task, split = request.args[:6]
         visuals = doc_to_visual(self._doc(task, split, doc_id)) if doc_to_visual is not None else []
-        return [v.convert("RGB") for v in (visuals or [])]
+        what = f"doc {doc_id} of {task}/{split}"
+        sorted_ = sort_visuals(visuals, what)
+        images = [v.convert("RGB") if hasattr(v, "convert") else v for v in sorted_.images]
+        if sorted_.video is None:
+            return images, None
+        self._check_video_support(what)
+        rule = self.mm.adapter.frame_rule(self.mm.video_settings)
+        return images, open_request_video(sorted_.video, self.frame_sampling, rule, f"{what}, video")
+
+    def _check_video_support(self, what: str) -> None:
+        adapter = self.mm.adapter
+        if not adapter.supports_video:
+            raise InputError(
+                f"{what} is a video, and {self.pretrained} is a {adapter.family} model, which has no video input; "
+                f"{adapter.video_alternative}"
+            )
+
+    def _refuse_video_tasks(self, reqs: Sequence[Any]) -> None:
+        """On a family without video input: a task whose first request has a video is refused before any
+        request is answered (lmms-eval hands every task's requests in one call)."""
+        if self.mm.adapter.supports_video:
+            return
+        first: dict[tuple[str, str], Any] = {}
+        for req in reqs:
+            first.setdefault((req.args[4], req.args[5]), req)
+        for (task, split), req in first.items():
+            _, _, doc_to_visual, doc_id = req.args[:4]
+            if doc_to_visual is None:
+                continue
+            what = f"doc {doc_id} of {task}/{split}"
+            if sort_visuals(doc_to_visual(self._doc(task, split, doc_id)), what).video is not None:
+                self._check_video_support(f"{what} (task {task})")
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
@@ -309,6 +364,7 @@ class MMFast(_LMMBase):
         generated token count, as lmms-eval's own ``llava_hf`` reports); otherwise the text.
         """
         reqs = list(requests)
+        self._refuse_video_tasks(reqs)
         out: list[Any] = [None] * len(reqs)
         groups: dict[tuple[str, str, str], list[int]] = {}
         for i, req in enumerate(reqs):
@@ -349,16 +405,20 @@ class MMFast(_LMMBase):
 
     def _answer(self, chunk: Sequence[Any], plan: _Plan) -> list[tuple[str, int]]:
         """(answer cut at the first stop string, generated token count) per request."""
-        images, prompts, meta = [], [], []
+        images, videos, prompts, meta = [], [], [], []
         for req in chunk:
             context, _, _, doc_id, task, split = req.args[:6]
-            visuals = self._visuals(req)
-            if not visuals:
-                raise InputError(f"mmfast needs at least one image per request (doc {doc_id} of {task}/{split})")
-            images.append(visuals)
+            ims, video = self._visuals(req)
+            if not ims and video is None:
+                raise InputError(
+                    f"mmfast needs an image or a video per request (doc {doc_id} of {task}/{split} has none)"
+                )
+            images.append(ims)
+            videos.append(video)
             prompts.append(context.replace("<image>", "").strip())
             meta.append({"doc_id": f"{task}/{split}/{doc_id}"})
-        batch = self.mm.prepare(images, prompts, meta=meta)
+        has_video = any(v is not None for v in videos)
+        batch = self.mm.prepare(images, prompts, meta=meta, videos=videos if has_video else None)
         results = self.session.run(batch, max_new_tokens=plan.max_new_tokens, decoder=plan.decoder)
         texts = []
         for req, res in zip(chunk, results):
@@ -373,14 +433,16 @@ class MMFast(_LMMBase):
     @torch.inference_mode()
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         out = []
+        self._refuse_video_tasks(requests)
         progress = Progress(len(requests), f"rank {self.rank} loglikelihood", report=True, unit="requests")
         try:
             for req in requests:
                 context, continuation, _, doc_id, task, split = req.args[:6]
                 if callable(continuation):  # lmms-eval passes doc_to_target for some tasks
                     continuation = continuation(self._doc(task, split, doc_id))
-                images = self._visuals(req)
-                batch = self.mm.prepare([images], [context.replace("<image>", "").strip()])
+                images, video = self._visuals(req)
+                prompt = context.replace("<image>", "").strip()
+                batch = self.mm.prepare([images], [prompt], videos=None if video is None else [video])
                 cont = self.mm.tokenizer(continuation, add_special_tokens=False)["input_ids"]
                 inputs = self.session.build_inputs(batch, self.session.encode(batch))
                 ids = torch.tensor([cont], device=inputs.input_ids.device)

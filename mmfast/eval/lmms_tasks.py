@@ -1,24 +1,37 @@
-"""An lmms-eval POPE task on local files: the recipe's POPE questions and images, no hub access.
+"""An lmms-eval POPE task on local files: the recipe's POPE questions and images (or, for ``video_pope``,
+its video world's clips), no hub access.
 
     mmfast lmms-task world_eval                   # writes ~/.cache/mmfast/lmms_tasks/mmfast_world_pope/
     python -m lmms_eval --model mmfast --model_args recipe=world_eval \\
         --include_path ~/.cache/mmfast/lmms_tasks/mmfast_world_pope --tasks mmfast_world_pope --limit 8
 
-:func:`write_lmms_task` locates the recipe's POPE data exactly as ``mmfast eval`` does (the embedded
-world is generated on first use; ``eval.data.dataset: coco`` takes the official POPE files and COCO
-val2014 images) and writes an lmms-eval task directory for ``--include_path``:
+    mmfast lmms-task video_world_pope --set eval.video_pope.video_world=/tmp/video_world
+    python -m lmms_eval --model mmfast --model_args recipe=video_world_pope \\
+        --include_path ~/.cache/mmfast/lmms_tasks/mmfast_video_pope --tasks mmfast_video_pope --limit 8
 
-- ``data/<split>.jsonl``: one line per question (``question_id``, ``image`` as an absolute path,
-  ``question``, ``answer`` = the label, ``split``, ``parser``), read by ``datasets``' ``json`` builder;
+:func:`write_lmms_task` locates the recipe's data exactly as ``mmfast eval`` does and writes an
+lmms-eval task directory for ``--include_path``. Which task: ``video_pope`` when it is the recipe's
+only POPE task in ``eval.tasks`` (or ``task="video_pope"``, ``--task video_pope``), else image POPE
+(the embedded world is generated on first use; ``eval.data.dataset: coco`` takes the official POPE
+files and COCO val2014 images). The directory holds
+
+- ``data/<split>.jsonl``: one line per question (``question_id``, ``image`` as an absolute path, or
+  ``video``, the clip's frame directory, with ``sampling``, the recipe's ``num_frames`` / ``fps`` /
+  ``video_fps``; ``question``, ``answer`` = the label, ``split``, ``parser``), read by ``datasets``'
+  ``json`` builder;
 - ``<name>_<split>.yaml``: one task per split (``generate_until``; the recipe's prompt split around
   ``{question}`` into lmms-eval's ``pre_prompt`` / ``post_prompt``; ``max_new_tokens`` from the recipe,
-  greedy), metrics ``pope_accuracy``, ``pope_precision``, ``pope_recall``, ``pope_f1``, ``pope_yes_ratio``;
+  greedy, no stop string, as ``mmfast eval``), metrics ``pope_accuracy``, ``pope_precision``,
+  ``pope_recall``, ``pope_f1``, ``pope_yes_ratio``;
 - ``<name>.yaml``: the group of the splits, with the unweighted mean of F1 and accuracy over splits
   (the three-split mean ``mmfast eval`` reports as ``mean_f1`` / ``mean_accuracy``);
 - ``utils.py``: imports the functions below (so the task needs mmfast installed, as the model does).
 
-Answers are scored by mmfast's POPE parser named in the recipe (``eval.pope.parser``, :mod:`mmfast.eval.pope`),
-so an lmms-eval run of a recipe reports the figures ``mmfast eval`` reports for the same questions.
+A video question's visual is ``{"type": "video", "path": <clip>, "sampling": {...}}``: the mmfast
+plugin samples its frames as ``mmfast eval`` does (:mod:`mmfast.eval._lmms_visuals`). Answers are
+scored by mmfast's POPE parser named in the recipe (``eval.pope.parser`` / ``eval.video_pope.parser``,
+:mod:`mmfast.eval.pope`), so an lmms-eval run of a recipe reports the figures ``mmfast eval`` reports
+for the same questions.
 """
 
 from __future__ import annotations
@@ -31,6 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from .data import cache_root, resolve_data
+from .pope import load_pope_questions, score_pope
+from .tasks.pope import PopeTask, check_prompt
+from .tasks.video_pope import NAME as VIDEO_POPE
+from .tasks.video_pope import VideoPopeTask
 
 logger = logging.getLogger(__name__)
 
@@ -48,56 +66,112 @@ class LmmsTask:
 
 
 def default_output(name: str) -> Path:
-    from .data import cache_root
-
     return cache_root() / "lmms_tasks" / name
 
 
-def write_lmms_task(recipe: Any, output: str | Path | None = None, name: str | None = None) -> LmmsTask:
-    """Write the lmms-eval task directory for ``recipe``'s POPE section (see the module docstring)."""
-    from .data import resolve_data
-    from .pope import load_pope_questions
-    from .tasks.pope import PopeTask, check_prompt
-
+def write_lmms_task(
+    recipe: Any, output: str | Path | None = None, name: str | None = None, task: str | None = None
+) -> LmmsTask:
+    """Write the lmms-eval task directory for ``recipe``'s POPE (or ``video_pope``) section (see the
+    module docstring); ``task`` picks one where the recipe lists both."""
     cfg = recipe.eval
-    pope = cfg.pope
-    check_prompt(pope.prompt)
-    data = resolve_data(cfg, ["pope"])
-    name = name or f"mmfast_{data.dataset}_pope"
+    kind = _kind(cfg, task)
+    data = resolve_data(cfg, [kind])
+    if kind == "video_pope":
+        name, split_rows, prompt, max_new = _video_pope_rows(cfg, data, name)
+        where = "eval.video_pope.prompt"
+    else:
+        name, split_rows, prompt, max_new = _pope_rows(cfg, data, name)
+        where = "eval.pope.prompt"
     if not name.replace("_", "").isalnum():
         raise InputError(
             f"task name {name!r}: use letters, digits and underscores (it becomes lmms-eval's --tasks name)"
         )
+    pre, post = _prompt_parts(prompt, where)
     out = Path(output).expanduser() if output is not None else default_output(name)
     (out / "data").mkdir(parents=True, exist_ok=True)
-    pre, post = pope.prompt.split("{question}", 1)
     counts: dict[str, int] = {}
     tasks = []
-    for split, path in PopeTask.required_files(cfg, data).items():
-        questions = load_pope_questions(path, strict=pope.strict_version)
-        lines = [
-            json.dumps(
-                {
-                    "question_id": q.question_id,
-                    "image": str((data.image_dir / q.image).resolve()),
-                    "question": q.text,
-                    "answer": q.label,
-                    "split": split,
-                    "parser": pope.parser,
-                }
-            )
-            for q in questions
-        ]
+    for split, rows in split_rows.items():
         jsonl = (out / "data" / f"{split}.jsonl").resolve()
-        jsonl.write_text("\n".join(lines) + "\n")
-        counts[split] = len(lines)
-        task = f"{name}_{split}"
-        tasks.append(task)
-        (out / f"{task}.yaml").write_text(_task_yaml(task, split, jsonl, pre, post, pope.max_new_tokens))
+        jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        counts[split] = len(rows)
+        task_name = f"{name}_{split}"
+        tasks.append(task_name)
+        (out / f"{task_name}.yaml").write_text(_task_yaml(task_name, split, jsonl, pre, post, max_new))
     (out / f"{name}.yaml").write_text(_group_yaml(name, tasks))
     (out / "utils.py").write_text(_UTILS)
     logger.info("wrote lmms-eval task %s (%s) to %s", name, ", ".join(f"{s}: {n}" for s, n in counts.items()), out)
     return LmmsTask(out.resolve(), name, tuple(tasks), counts)
+
+
+def _kind(cfg: Any, task: str | None) -> str:
+    """``pope`` or ``video_pope``: ``task`` if given, else the recipe's one POPE task (image POPE by default)."""
+    kinds = ("pope", "video_pope")
+    if task is not None:
+        if task not in kinds:
+            raise InputError(f"task {task!r}: mmfast lmms-task writes {' or '.join(kinds)}")
+        return task
+    listed = [t for t in kinds if t in cfg.tasks]
+    if len(listed) > 1:
+        raise InputError(
+            "the recipe's eval.tasks lists both pope and video_pope; pick one with --task pope or --task video_pope"
+        )
+    return listed[0] if listed else "pope"
+
+
+def _prompt_parts(template: str, where: str) -> tuple[str, str]:
+    """The text before and after the question in ``template`` (lmms-eval's ``pre_prompt`` / ``post_prompt``)."""
+    check_prompt(template, where)
+    marker = "\x00"
+    text = template.format(question=marker)
+    if text.count(marker) != 1:
+        raise InputError(
+            f"{where} {template!r} holds {{question}} {text.count(marker)} times; an lmms-eval task puts the question "
+            "once, between pre_prompt and post_prompt"
+        )
+    pre, post = text.split(marker)
+    return pre, post
+
+
+def _pope_rows(cfg: Any, data: Any, name: str | None) -> tuple[str, dict[str, list[dict]], str, int]:
+    pope = cfg.pope
+    rows = {}
+    for split, path in PopeTask.required_files(cfg, data).items():
+        rows[split] = [
+            {
+                "question_id": q.question_id,
+                "image": str((data.image_dir / q.image).resolve()),
+                "question": q.text,
+                "answer": q.label,
+                "split": split,
+                "parser": pope.parser,
+            }
+            for q in load_pope_questions(path, strict=pope.strict_version)
+        ]
+    return name or f"mmfast_{data.dataset}_pope", rows, pope.prompt, pope.max_new_tokens
+
+
+def _video_pope_rows(cfg: Any, data: Any, name: str | None) -> tuple[str, dict[str, list[dict]], str, int]:
+    """The rows of ``mmfast eval``'s own video_pope samples (the task checks the video world and its files)."""
+    task = VideoPopeTask(cfg, data)
+    opts = task.options
+    rows: dict[str, list[dict]] = {}
+    for s in task.samples(None):
+        split = s.task.removeprefix(f"{VIDEO_POPE}_")
+        sampling = s.video_sampling
+        rows.setdefault(split, []).append(
+            {
+                "question_id": s.meta["question_id"],
+                "video": str(s.video.resolve()),
+                "sampling": {"num_frames": sampling.num_frames, "fps": sampling.fps, "video_fps": sampling.video_fps},
+                "question": s.meta["question"],
+                "answer": s.target,
+                "split": split,
+                "parser": opts.parser,
+            }
+        )
+    return name or "mmfast_video_pope", rows, opts.prompt, opts.max_new_tokens
 
 
 def _task_yaml(task: str, split: str, jsonl: Path, pre: str, post: str, max_new_tokens: int) -> str:
@@ -107,6 +181,7 @@ def _task_yaml(task: str, split: str, jsonl: Path, pre: str, post: str, max_new_
     )
     return (
         f"# written by `mmfast lmms-task` (mmfast.eval.lmms_tasks); POPE {split} split on local files\n"
+        "# until: [] -- no stop string, as mmfast eval (lmms-eval's default would cut answers at a blank line)\n"
         f"task: {task}\n"
         "dataset_path: json\n"
         "dataset_kwargs:\n"
@@ -119,6 +194,7 @@ def _task_yaml(task: str, split: str, jsonl: Path, pre: str, post: str, max_new_
         "doc_to_target: answer\n"
         "generation_kwargs:\n"
         f"  max_new_tokens: {int(max_new_tokens)}\n"
+        "  until: []\n"
         "  temperature: 0\n"
         "  do_sample: false\n"
         "  num_beams: 1\n"
@@ -165,9 +241,11 @@ from mmfast.eval.lmms_tasks import (  # noqa: F401
 
 
 def doc_to_visual(doc: dict[str, Any]) -> list:
-    """The question's image, read from disk."""
+    """The question's image, read from disk; or its clip, as a video dict with the recipe's sampling."""
     from PIL import Image
 
+    if doc.get("video") is not None:
+        return [{"type": "video", "path": doc["video"], "sampling": doc["sampling"]}]
     with Image.open(doc["image"]) as im:
         return [im.convert("RGB")]
 
@@ -184,8 +262,6 @@ def process_results(doc: dict[str, Any], results: Sequence[str]) -> dict[str, di
 
 
 def _metrics(records: Sequence[dict[str, Any]]):
-    from .pope import score_pope
-
     modes = {r["parser"] for r in records}
     if len(modes) != 1:
         raise InputError(f"POPE records scored with different parsers {sorted(modes)}")
