@@ -516,6 +516,12 @@ def write_indices(cache) -> list[torch.Tensor]:
     return [lay._pos.clone() for lay in cache.layers]
 
 
+def write_index(cache, layer_idx: int) -> torch.Tensor:
+    """[] long on the device: layer ``layer_idx``'s write index (slots held before the running step's
+    write; a captured step reads it at replay)."""
+    return cache.layers[layer_idx]._pos
+
+
 def restore_write_indices(cache, saved: list[torch.Tensor]) -> None:
     for lay, pos in zip(cache.layers, saved):
         lay._pos.copy_(pos)
