@@ -359,7 +359,9 @@ class ReplayGraph:
         return self.fn()
 
 
-@pytest.mark.parametrize("name", ["greedy", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"])
+@pytest.mark.parametrize(
+    "name", ["greedy", "sample-seeded", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"]
+)
 def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatch):
     from mmfast.pipeline import Session
 
