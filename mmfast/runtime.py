@@ -482,6 +482,7 @@ class LMRunner:
         dtype = self.adapter.lm_head.weight.dtype
         static = compat.is_static(state.cache)
         new_pos: list[torch.Tensor] = []
+        held = [grp.key_mask for grp in state.groups]  # [B, T_g] before the append
         for g, grp in enumerate(state.groups):
             pos = grp.top_position() + offsets  # [B, Q]
             top = pos[:, -1:] if depth is None else None  # the largest new position, in a causal step
@@ -498,12 +499,14 @@ class LMRunner:
                 block = block_mask if custom else self._const("causal", q, dev).expand(bsz, q, q)
                 grp.fwd_mask = compat.format_mask(_block_causal_mask(grp.key_mask, block), impl, dtype)
                 grp.fwd_pos_ids = pos
-        if embeds is None:
-            embeds = self.adapter.embed_tokens(tokens)
         grp0 = state.groups[0]
-        if static:
-            last = self._static_forward(state, _StepInputs(embeds, new_pos, block_mask))  # [B, Q, d]
+        if static:  # a captured step looks the embeddings up inside the graph
+            last = self._static_forward(
+                state, _StepInputs(tokens if embeds is None else None, embeds, new_pos, block_mask, held)
+            )
         else:
+            if embeds is None:
+                embeds = self.adapter.embed_tokens(tokens)
             with self._activate(state, "decode"):
                 last = self.lm(
                     inputs_embeds=embeds,
@@ -560,7 +563,7 @@ class LMRunner:
                     ]
                     self._static_masks(state, valid, step.positions, step.block_mask)
                     grp0 = state.groups[0]
-                    last = self._lm_forward(state, step.embeds, grp0.fwd_mask, grp0.fwd_pos_ids)
+                    last = self._lm_forward(state, step.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
         finally:
             compat.set_padded(state.cache, False)
         compat.advance_static(state.cache, step.q)
@@ -614,21 +617,23 @@ class LMRunner:
         return None
 
     def _replay(self, state: LMState, step: _StepInputs) -> torch.Tensor:
-        """Run the step as a captured graph. Its inputs are the new embeddings, positions and block
-        mask and each group's slot validity, copied into the graph's static tensors; the masks are
-        built inside the graph from them and the device write indices (:meth:`_static_masks`).
+        """Run the step as a captured graph. Its inputs are the new tokens (or embeddings), positions
+        and block mask and each group's slot validity, copied into the graph's static tensors; the
+        embedding lookup and the masks are computed inside the graph from them and the device write
+        indices (:meth:`_static_masks`), and the graph marks the new slots valid for the next step.
         A graph serves one cache while its buffers stay (no growth, no new batch) and one Q."""
         groups = state.groups
         caps = tuple(self._capacity(state, i) for i in range(len(groups)))
         live = step.tensors()
-        key = (id(state.cache), compat.static_buffers(state.cache), caps, tuple(t.shape for t in live))
+        shapes = tuple(t.shape for t in live)
+        key = (id(state.cache), compat.static_buffers(state.cache), caps, step.tokens is None, shapes)
         captured = self._graphs.get(key)
         if captured is None:
             static = _StepInputs(
-                step.embeds.clone(),
+                *(None if t is None else t.clone() for t in (step.tokens, step.embeds)),
                 [p.clone() for p in step.positions],
                 None if step.block_mask is None else step.block_mask.clone(),
-                [
+                valid=[
                     torch.zeros(g.key_mask.shape[0], c, dtype=torch.bool, device=g.key_mask.device)
                     for g, c in zip(groups, caps)
                 ],
@@ -637,8 +642,11 @@ class LMRunner:
 
             def run() -> torch.Tensor:
                 self._static_masks(state, static.valid, static.positions, static.block_mask)
+                for ok, grp in zip(static.valid, state.groups):  # what the next step's held slots are
+                    new = compat.write_index(state.cache, grp.start) + torch.arange(static.q, device=ok.device)
+                    ok.index_fill_(1, new, True)
                 grp0 = state.groups[0]
-                return self._lm_forward(state, static.embeds, grp0.fwd_mask, grp0.fwd_pos_ids)
+                return self._lm_forward(state, static.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
 
             graph = self.capture()
             before = compat.write_indices(state.cache)
@@ -832,24 +840,35 @@ class CudaGraph(StepGraph):
 class _StepInputs:
     """What a static step's forward reads besides the cache: the graph's inputs when captured."""
 
-    embeds: torch.Tensor  # [B, Q, d]
+    tokens: torch.Tensor | None  # [B, Q] new token ids, or None with ``embeds``
+    embeds: torch.Tensor | None  # [B, Q, d] their embeddings when the caller gives them
     positions: list[torch.Tensor]  # per group: [B, Q] (M-RoPE [B, Q, 3]) positions of the new slots
     block_mask: torch.Tensor | None  # [B, Q, Q] bool: which new slots see which (None: causal)
-    valid: list[torch.Tensor] = field(default_factory=list)  # per group [B, C_g] bool (static copies only)
+    held: list[torch.Tensor] = field(default_factory=list)  # per group [B, T_g] key_mask before the append
+    # a captured graph's static copies only: per group [B, C_g] bool, the held slots' validity in front,
+    # and the key_mask whose validity it holds (nothing to copy when the next step's held is that one)
+    valid: list[torch.Tensor] = field(default_factory=list)
+    synced: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def q(self) -> int:
-        return int(self.embeds.shape[1])
+        return int(self.positions[0].shape[1])
+
+    def lm_embeds(self, adapter: VLMAdapter) -> torch.Tensor:
+        return adapter.embed_tokens(self.tokens) if self.embeds is None else self.embeds
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.embeds, *self.positions] + ([] if self.block_mask is None else [self.block_mask])
+        return [t for t in (self.tokens, self.embeds, *self.positions, self.block_mask) if t is not None]
 
     def load(self, step: _StepInputs, groups: list[LayerGroup]) -> None:
-        """Copy ``step``'s inputs and the groups' slot validity into these static tensors."""
+        """Copy ``step``'s inputs and the held slots' validity into these static tensors."""
         for dst, src in zip(self.tensors(), step.tensors()):
             dst.copy_(src)
-        for dst, grp in zip(self.valid, groups):
-            dst[:, : grp.length].copy_(grp.key_mask)
+        synced = self.synced or [None] * len(self.valid)
+        for dst, held, done in zip(self.valid, step.held, synced):
+            if held is not done:
+                dst[:, : held.shape[1]].copy_(held)
+        self.synced = [g.key_mask for g in groups]  # held + the new slots the graph marks
 
 
 @dataclass

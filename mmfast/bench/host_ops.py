@@ -20,6 +20,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..config import load_recipe
+from ..pipeline import Session, apply
+
 #: phases, in report order; an op is attributed to the innermost frame whose function names one
 PHASES = ("runner.step prep", "replay copies", "lm_head", "decoder choose", "embedding", "driver bookkeeping")
 _FRAMES = {
@@ -119,15 +122,11 @@ class ReplayGraph:
 def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) -> dict[str, float]:
     """Ops per captured decode step outside the graph, by phase, for one ``generate`` call of ``recipe``
     (``compile: static`` with :class:`ReplayGraph` as the session's graph factory; one batch)."""
-    import mmfast
-    from mmfast.config import load_recipe
-    from mmfast.pipeline import Session
-
     original = Session._capture_factory
     Session._capture_factory = lambda self: ReplayGraph  # restored below; this process only counts
     ReplayGraph.made = []
     try:
-        with mmfast.apply(mm, load_recipe(recipe), compile="static") as s:
+        with apply(mm, load_recipe(recipe), compile="static") as s:
             counter = OpCounter(runner=s.runner, lm_head=s.runner.adapter.lm_head)
             ReplayGraph.counter = counter
             with counter:
