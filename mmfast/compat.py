@@ -454,6 +454,16 @@ class StaticSlotLayer(CacheLayerMixin):
             raise ValueError(f"crop takes -tokens_to_remove (got {tokens_to_remove})")
         self.length = max(0, self.length + tokens_to_remove)
 
+    def keep_new(self, n_new: int, keep: torch.Tensor) -> None:
+        """Of the last ``n_new`` held slots keep those at ``keep`` ([k] ascending), in order (speculative
+        rollback: ``LMState.keep_new``): copied to the front of the block in the buffer, the rest let go."""
+        start = self._len - n_new
+        src = start + keep.to(self._k.device)  # [k]
+        k = int(keep.numel())
+        self._k[:, :, start : start + k] = self._k[:, :, src]
+        self._v[:, :, start : start + k] = self._v[:, :, src]
+        self.length = start + k
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam reorder / row selection in place (a new buffer only when the batch size changes)."""
         if self._k is None:

@@ -189,6 +189,9 @@ class LMState:
         """
         k = int(keep.numel())
         for layer in self.cache.layers:
+            if isinstance(layer, compat.StaticSlotLayer):  # in the buffer, no views of the held slots
+                layer.keep_new(n_new, keep)
+                continue
             total = layer.keys.shape[2]
             start = total - n_new
             src = start + keep.to(layer.keys.device)
