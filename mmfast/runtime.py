@@ -472,7 +472,9 @@ class LMRunner:
 
         On a static cache every group's mask covers its layers' whole buffer ([B, 1, Q, C_g], free
         slots masked) and the layers attend over all C_g slots: the step's shapes depend on Q and the
-        capacities only, not on how many tokens are held.
+        capacities only, not on how many tokens are held. Those masks come from each group's slot
+        validity and its layers' device write index (:func:`static_step_mask`), inside the graph when
+        the step is captured; the host keeps the groups' layouts (``key_mask`` etc.) as on a dynamic cache.
         """
         bsz, q = tokens.shape
         dev = tokens.device
