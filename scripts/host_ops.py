@@ -18,7 +18,6 @@ from PIL import Image
 import mmfast
 from mmfast.bench.host_ops import PHASES, count_step_ops
 from mmfast.models.factory import random_llava, save_model
-from mmfast.pruning import pyramiddrop  # noqa: F401  (registered; its test params make 2+ layer groups)
 from mmfast.registry import PRUNERS
 
 PROMPTS = ["Describe the image.", "What is in the picture?"]
