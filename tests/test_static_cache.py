@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 import mmfast
 from mmfast import compat
+from mmfast._graph_emulator import ReplayEmulator
 from mmfast.capabilities import caps_of
 from mmfast.config import Recipe, load_recipe
 from mmfast.errors import ConfigError, InputError
@@ -359,10 +360,22 @@ class ReplayGraph:
         return self.fn()
 
 
+class EmulatedGraph(ReplayEmulator):
+    """:class:`ReplayEmulator` (CUDA-graph semantics on the CPU: replays the recorded ops only, Python
+    values frozen at capture, host reads refused), counting the graphs made."""
+
+    made: list = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        EmulatedGraph.made.append(self)
+
+
+@pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
 @pytest.mark.parametrize(
     "name", ["greedy", "sample-seeded", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"]
 )
-def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatch):
+def test_captured_steps_match_dynamic(name, graph, tiny_mm, images, prompts, monkeypatch, caplog):
     from mmfast.pipeline import Session
 
     pdrop = {"pruning": [_stage("pyramiddrop", tiny_mm)]}
@@ -370,10 +383,12 @@ def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatc
         name
     ) or SERVED[name]
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
-    ReplayGraph.made = []
-    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
-    assert _tokens(tiny_mm, recipe, images, prompts, "static") == dynamic
-    assert ReplayGraph.made and sum(g.replays for g in ReplayGraph.made) >= 5
+    graph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: graph)
+    with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
+        assert _tokens(tiny_mm, recipe, images, prompts, "static") == dynamic
+    assert not [r for r in caplog.records if "without a captured graph" in r.getMessage()]  # every step captured
+    assert graph.made and sum(g.replays for g in graph.made) >= 5
 
 
 @pytest.mark.parametrize(
