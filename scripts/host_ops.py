@@ -1,7 +1,7 @@
 """Host-side torch ops per captured decode step, by phase (issue 27's CPU proxy for launch overhead).
 
-Builds the tiny random LLaVA, runs each case once with ``compile: static`` and a stand-in step graph
-(:class:`mmfast.bench.host_ops.ReplayGraph`) so the captured path is taken, and prints the aten ops
+Builds the tiny random LLaVA, runs each case once with ``compile: static`` and the CPU emulator of a CUDA
+graph (:class:`mmfast.bench.host_ops.ReplayGraph`) so the captured path is taken, and prints the aten ops
 dispatched outside the graph per steady-state decode step. Op counts on the CPU, not GPU times.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py

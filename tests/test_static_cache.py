@@ -151,6 +151,23 @@ def test_static_mrope_matches_dynamic(speculative, qwen2_vl, images, prompts, pa
     assert padded_steps[0] > 0
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_captured_mrope_matches_dynamic(speculative, qwen2_vl, images, prompts, monkeypatch):
+    """The same under CUDA-graph semantics (:class:`EmulatedGraph`): a pruned group's 3-axis positions
+    and rotary embeddings are computed inside the replayed step, not frozen at capture."""
+    from mmfast.pipeline import Session
+
+    mixed = [im if i % 2 == 0 else im.resize((32, 64)) for i, im in enumerate(images)]
+    recipe: dict = {"pruning": [_stage("fastv", qwen2_vl)]}
+    if speculative:
+        recipe["speculative"] = {"method": "prompt_lookup"}
+    dynamic = _tokens(qwen2_vl, recipe, mixed, prompts, "off")
+    EmulatedGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    assert _tokens(qwen2_vl, recipe, mixed, prompts, "static") == dynamic
+    assert sum(g.replays for g in EmulatedGraph.made) >= 5
+
+
 def test_in_llm_pruning_gives_later_layers_smaller_buffers(tiny_mm, images, prompts):
     """Capacity is per layer: the prompt's length at that layer after pruning + max_new_tokens + 1."""
     caps = []
@@ -499,8 +516,9 @@ def _spy_prefill_recorders(s) -> list[str]:
     return phases
 
 
+@pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
 @pytest.mark.parametrize("pruner", PREFILL_ONLY)
-def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, tiny_mm, images, prompts, monkeypatch):
+def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, graph, tiny_mm, images, prompts, monkeypatch):
     """Their probes record at prefill only: nothing of theirs runs in a decode step (nor while it is
     captured), the step is one graph, and the tokens equal the dynamic cache's (greedy, batch 2 and 1)."""
     from mmfast.pipeline import Session
@@ -508,8 +526,8 @@ def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, tiny_mm, ima
     recipe = {"pruning": [_stage(pruner, tiny_mm)]}
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
     single = _tokens(tiny_mm, recipe, images[2:], prompts[2:], "off")[:1]
-    ReplayGraph.made = []
-    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    graph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: graph)
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         assert s.runner.capture_blocker() is None
         phases = _spy_prefill_recorders(s)
@@ -518,24 +536,25 @@ def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, tiny_mm, ima
         assert s.runner.capture_blocker() is None  # and after prefills
     assert batch == dynamic and one == single
     assert phases and set(phases) == {"prefill"}  # the recorders ran, at prefill only
-    assert len(ReplayGraph.made) == 2 and all(g.replays >= 5 for g in ReplayGraph.made)  # one graph per call
+    assert len(graph.made) == 2 and all(g.replays >= 5 for g in graph.made)  # one graph per call
 
 
-def test_prefill_only_probe_skips_verify_steps(tiny_mm, images, prompts, monkeypatch):
+@pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
+def test_prefill_only_probe_skips_verify_steps(graph, tiny_mm, images, prompts, monkeypatch):
     """A speculative verify step (Q > 1) is a decode step: FastV's probe (``when``: Q > 1) records there
     no more, and the verify steps are captured per tree size with tokens equal to the dynamic cache's."""
     from mmfast.pipeline import Session
 
     recipe = {"pruning": [_stage("fastv", tiny_mm)], **SERVED["prompt_lookup"]}
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
-    ReplayGraph.made = []
-    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    graph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: graph)
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         phases = _spy_prefill_recorders(s)
         got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=12, seed=0)]
     assert got == dynamic
     assert phases and set(phases) == {"prefill"}
-    assert ReplayGraph.made
+    assert graph.made and sum(g.replays for g in graph.made) > 0
 
 
 def test_prefill_only_hooks_are_skipped_while_decoding(tiny_mm):

@@ -3,8 +3,8 @@
 With ``model.compile: auto`` on CUDA a decode step replays one captured graph of the LM forward; every
 torch op dispatched outside it (mask and position prep, input copies, ``lm_head``, the token choice,
 the driver's stop bookkeeping) costs CPU dispatch and a launch, serialised with the GPU by the
-driver's per-step sync (issue 27). :func:`count_step_ops` runs a recipe with :class:`ReplayGraph` (a
-stand-in graph that re-runs the captured Python on replay, as tests/test_static_cache.py does) and
+driver's per-step sync (issue 27). :func:`count_step_ops` runs a recipe with :class:`ReplayGraph` (the
+CPU emulator of CUDA-graph replay, :class:`~mmfast._graph_emulator.ReplayEmulator`) and
 counts the aten ops dispatched outside the replays, per phase, per steady-state step. These are op
 counts on the CPU, not GPU times.
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._graph_emulator import ReplayEmulator
 from ..config import load_recipe
 from ..pipeline import Session, apply
 
@@ -86,35 +86,25 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-class ReplayGraph:
-    """A ``StepGraph`` stand-in: capture runs the function once, replay runs it again with the counter
-    paused (what a CUDA graph replays is one launch, not Python ops)."""
+class ReplayGraph(ReplayEmulator):
+    """:class:`ReplayEmulator` (CUDA-graph semantics: the recorded ops replayed, no Python of the step)
+    with the counter paused during a replay (what a CUDA graph replays is one launch, not host ops)."""
 
     counter: OpCounter | None = None
     made: list[ReplayGraph] = []
 
     def __init__(self) -> None:
-        self.fn: Callable[[], torch.Tensor] | None = None
-        self.replays = 0
-        self.capture_s = 0.0
+        super().__init__()
         ReplayGraph.made.append(self)
 
-    def warmup(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        return fn()
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> None:
-        self.fn = fn
-        fn()
-
     def replay(self) -> torch.Tensor:
-        self.replays += 1
         counter = ReplayGraph.counter
         if counter is None:
-            return self.fn()
+            return super().replay()
         counter.mark()
         counter.paused = True
         try:
-            return self.fn()
+            return super().replay()
         finally:
             counter.paused = False
 
