@@ -408,6 +408,30 @@ def test_captured_steps_match_dynamic(name, graph, tiny_mm, images, prompts, mon
     assert graph.made and sum(g.replays for g in graph.made) >= 5
 
 
+def test_the_emulator_catches_a_host_value_frozen_at_capture(tiny_mm, images, prompts, monkeypatch):
+    """A step that takes its new positions from the host's layout (``grp.positions``, a tensor replaced
+    every step) instead of the graph's static input is right eagerly and under the re-running stand-in,
+    and wrong under CUDA-graph semantics (the capture-time tensor is replayed): the emulator shows it."""
+    from mmfast.pipeline import Session
+    from mmfast.runtime import LMRunner
+
+    original = LMRunner._static_masks
+
+    def host_positions(self, state, valid, positions, block):
+        q = positions[0].shape[1]
+        original(self, state, valid, [grp.positions[:, -q:] for grp in state.groups], block)
+
+    monkeypatch.setattr(LMRunner, "_static_masks", host_positions)
+    dynamic = _tokens(tiny_mm, {}, images, prompts, "off")
+    assert _tokens(tiny_mm, {}, images, prompts, "static") == dynamic  # eager static steps
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    assert _tokens(tiny_mm, {}, images, prompts, "static") == dynamic
+    EmulatedGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    assert _tokens(tiny_mm, {}, images, prompts, "static") != dynamic
+    assert sum(g.replays for g in EmulatedGraph.made) >= 5
+
+
 @pytest.mark.parametrize(
     "recipe,blocker",
     [
