@@ -84,6 +84,7 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[_Op] = []
         self.produced: set[int] = set()  # ids of tensors some recorded op returned
         self.external: set[int] = set()  # storages of tensors that existed before the capture
+        self.inputs: dict[int, torch.Tensor] = {}  # id -> a tensor from before the capture that an op read
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its contents before)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -97,6 +98,7 @@ class _Recorder(TorchDispatchMode):
         for t in tensors_in:
             if id(t) not in self.produced:
                 self.external.add(_storage(t))
+                self.inputs.setdefault(id(t), t)
         written = self._written(func, args, kwargs)
         for t in written:  # a capture launches nothing: its writes to outside tensors are undone after
             if _storage(t) in self.external and id(t) not in self.saved:
@@ -163,7 +165,8 @@ class ReplayEmulator(StepGraph):
     """:class:`~mmfast.runtime.StepGraph` on any device with CUDA-graph semantics (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.ops: list[_Op] = []
+        self.ops: list[_Op] = []  # what a replay executes
+        self.inputs: list[torch.Tensor] = []  # the tensors from before the capture that the graph reads
         self.out: torch.Tensor | None = None
         self.replays = 0
 
@@ -187,6 +190,7 @@ class ReplayEmulator(StepGraph):
                     poisoned.add(_storage(t))
                     _poison(t)
         self.ops = [op for op in rec.ops if op.run]
+        self.inputs = list(rec.inputs.values())
         self.out = out
         self.capture_s = time.perf_counter() - t0
 

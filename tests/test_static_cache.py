@@ -432,6 +432,40 @@ def test_the_emulator_catches_a_host_value_frozen_at_capture(tiny_mm, images, pr
     assert sum(g.replays for g in EmulatedGraph.made) >= 5
 
 
+@pytest.mark.parametrize("name", ["greedy", "pyramiddrop+prompt_lookup"])
+def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, tiny_mm, images, prompts, monkeypatch):
+    """A CUDA graph reads fixed addresses: a tensor the step reads that the host later replaces or frees
+    (a layout tensor, a per-call mask) is stale or garbage at replay. Every tensor from outside the capture
+    that the emulated graph's ops read is a weight, a cache buffer or write index, one of the graph's static
+    inputs, or a runner constant."""
+    from mmfast.pipeline import Session
+    from mmfast.runtime import LMRunner
+
+    recipe = {"pruning": [_stage("pyramiddrop", tiny_mm)], **SERVED["prompt_lookup"]} if name != "greedy" else {}
+    allowed: set[int] = set()  # storages
+    original = LMRunner._replay
+
+    def spy(self, state, step):
+        out = original(self, state, step)
+        for c in self._graphs.values():
+            allowed.update(t.untyped_storage().data_ptr() for t in c.static.tensors() + c.static.valid)
+        allowed.update(t.untyped_storage().data_ptr() for t in self._consts.values())
+        allowed.update(compat.static_buffers(state.cache))
+        return out
+
+    monkeypatch.setattr(LMRunner, "_replay", spy)
+    EmulatedGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)
+        model = s.runner.adapter.model
+        allowed.update(t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()])
+    inputs = [t for g in EmulatedGraph.made for t in g.inputs]
+    assert inputs and sum(g.replays for g in EmulatedGraph.made) >= 5
+    strays = [(tuple(t.shape), t.dtype) for t in inputs if t.untyped_storage().data_ptr() not in allowed]
+    assert not strays, f"the captured step reads tensors the host owns: {strays}"
+
+
 @pytest.mark.parametrize(
     "recipe,blocker",
     [
