@@ -23,9 +23,18 @@ def test_replay_follows_a_static_input_copied_in():
         return torch.relu(x @ w + 1).sum(-1) * x[:, 0]  # [3]; x[:, 0] a view of the input
 
     graph = _captured(fn)
+    assert {id(t) for t in graph.inputs} == {id(x), id(w)}  # what the graph reads from outside
     for _ in range(3):
         x.copy_(torch.randn(3, 4))
         assert torch.equal(graph.replay(), fn())
+
+
+def test_a_view_of_an_input_is_not_poisoned_and_follows_it():
+    x = torch.arange(6.0).reshape(2, 3)
+    graph = _captured(lambda: x[:, 1:].t())  # no kernel at all: the output is a view of the input
+    assert torch.equal(x, torch.arange(6.0).reshape(2, 3))
+    x.add_(1)
+    assert torch.equal(graph.replay(), x[:, 1:].t()) and not graph.ops
 
 
 def test_capture_launches_nothing_and_its_output_is_garbage_until_replayed():
