@@ -797,7 +797,8 @@ _UNCHECKED = object()  # a static block whose capture blocker is not computed ye
 
 class StepGraph:
     """A captured decode step: ``capture(fn)`` records ``fn``'s kernels without running them,
-    ``replay()`` runs them and returns ``fn``'s output tensor (static: copy it before the next replay)."""
+    ``replay()`` runs them and returns ``fn``'s output tensor (static: copy it before the next replay).
+    :class:`mmfast._graph_emulator.ReplayEmulator` is one with CUDA-graph semantics on any device (tests)."""
 
     capture_s: float = 0.0
 

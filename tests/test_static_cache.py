@@ -354,7 +354,7 @@ class ReplayGraph:
     whatever the groups point at then), replay runs it again. What it checks on the CPU is the
     runner's side: static inputs copied in, the first step run for real, the device write index and
     host counts in step, one graph per cache and step shape. What it cannot check: values computed
-    in Python at capture time that a real replay would reuse."""
+    in Python at capture time that a real replay would reuse (:class:`EmulatedGraph` does)."""
 
     made: list = []
 
