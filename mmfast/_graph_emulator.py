@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from .runtime import StepGraph
@@ -102,7 +102,8 @@ class _Recorder(TorchDispatchMode):
         written = self._written(func, args, kwargs)
         for t in written:  # a capture launches nothing: its writes to outside tensors are undone after
             if _storage(t) in self.external and id(t) not in self.saved:
-                self.saved[id(t)] = (t, t.clone())
+                with _disable_current_modes():  # the emulator's own work: no mode outside sees it
+                    self.saved[id(t)] = (t, t.clone())
         out = func(*args, **kwargs)
         flat_out, _ = tree_flatten(out)
         outputs = [t for t in flat_out if isinstance(t, torch.Tensor)]
@@ -179,16 +180,18 @@ class ReplayEmulator(StepGraph):
             with _NoHostReads(), rec:
                 out = fn()
         finally:
-            for t, before in reversed(rec.saved.values()):
-                t.copy_(before)
+            with _disable_current_modes():  # the emulator's own work: no mode outside sees it
+                for t, before in reversed(rec.saved.values()):
+                    t.copy_(before)
         if not isinstance(out, torch.Tensor) or id(out) not in rec.produced:
             raise RuntimeError("the captured function must return a tensor it computed")
         poisoned: set[int] = set()
-        for op in rec.ops:
-            for t, fresh in zip(op.outputs, op.fresh):
-                if fresh and _storage(t) not in rec.external and _storage(t) not in poisoned:
-                    poisoned.add(_storage(t))
-                    _poison(t)
+        with _disable_current_modes():
+            for op in rec.ops:
+                for t, fresh in zip(op.outputs, op.fresh):
+                    if fresh and _storage(t) not in rec.external and _storage(t) not in poisoned:
+                        poisoned.add(_storage(t))
+                        _poison(t)
         self.ops = [op for op in rec.ops if op.run]
         self.inputs = list(rec.inputs.values())
         self.out = out
