@@ -454,6 +454,16 @@ class StaticSlotLayer(CacheLayerMixin):
             raise ValueError(f"crop takes -tokens_to_remove (got {tokens_to_remove})")
         self.length = max(0, self.length + tokens_to_remove)
 
+    def keep_new(self, n_new: int, keep: torch.Tensor) -> None:
+        """Of the last ``n_new`` held slots keep those at ``keep`` ([k] ascending), in order (speculative
+        rollback: ``LMState.keep_new``): copied to the front of the block in the buffer, the rest let go."""
+        start = self._len - n_new
+        src = start + keep.to(self._k.device)  # [k]
+        k = int(keep.numel())
+        self._k[:, :, start : start + k] = self._k[:, :, src]
+        self._v[:, :, start : start + k] = self._v[:, :, src]
+        self.length = start + k
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam reorder / row selection in place (a new buffer only when the batch size changes)."""
         if self._k is None:
@@ -514,6 +524,12 @@ def advance_static(cache, q: int) -> None:
 def write_indices(cache) -> list[torch.Tensor]:
     """Copies of every layer's device write index (to undo a step that ran only to be captured)."""
     return [lay._pos.clone() for lay in cache.layers]
+
+
+def write_index(cache, layer_idx: int) -> torch.Tensor:
+    """[] long on the device: layer ``layer_idx``'s write index (slots held before the running step's
+    write; a captured step reads it at replay)."""
+    return cache.layers[layer_idx]._pos
 
 
 def restore_write_indices(cache, saved: list[torch.Tensor]) -> None:

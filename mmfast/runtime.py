@@ -62,15 +62,24 @@ class LayerGroup:
     fwd_mask: torch.Tensor | None = None
     fwd_pos_ids: torch.Tensor | None = None
     fwd_pos_emb: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: (key_mask, positions, [B, 1] top position) known without a reduction: set by a decode step's
+    #: append, valid while the group still holds those two tensors (any edit replaces them)
+    _top: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
         return int(self.key_mask.shape[1])
 
+    def top_position(self) -> torch.Tensor:
+        """[B, 1] largest position id of a valid slot (M-RoPE: max over the 3 axes too; -1: none)."""
+        if self._top is not None and self._top[0] is self.key_mask and self._top[1] is self.positions:
+            return self._top[2]
+        pos = self.positions if self.positions.dim() == 2 else self.positions.amax(-1)
+        return pos.masked_fill(~self.key_mask, -1).amax(1, keepdim=True)
+
     def next_positions(self) -> torch.Tensor:
         """[B] position id of the next appended token (M-RoPE: max over the 3 axes too)."""
-        pos = self.positions if self.positions.dim() == 2 else self.positions.amax(-1)
-        return pos.masked_fill(~self.key_mask, -1).max(1).values + 1
+        return self.top_position()[:, 0] + 1
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.key_mask, self.positions, self.source = fn(self.key_mask), fn(self.positions), fn(self.source)
@@ -180,6 +189,9 @@ class LMState:
         """
         k = int(keep.numel())
         for layer in self.cache.layers:
+            if isinstance(layer, compat.StaticSlotLayer):  # in the buffer, no views of the held slots
+                layer.keep_new(n_new, keep)
+                continue
             total = layer.keys.shape[2]
             start = total - n_new
             src = start + keep.to(layer.keys.device)
@@ -334,6 +346,7 @@ class LMRunner:
         self.capture: Callable[[], StepGraph] | None = None
         self.capture_s = 0.0
         self._graphs: dict[tuple, _Captured] = {}
+        self._consts: dict[tuple, torch.Tensor] = {}  # decode-step constants (:meth:`_const`)
         self._capture_refusals: set[str] = set()  # reasons already logged
         self._block_blocker: str | None | object = _UNCHECKED  # this static block's capture blocker
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
@@ -459,42 +472,46 @@ class LMRunner:
 
         On a static cache every group's mask covers its layers' whole buffer ([B, 1, Q, C_g], free
         slots masked) and the layers attend over all C_g slots: the step's shapes depend on Q and the
-        capacities only, not on how many tokens are held.
+        capacities only, not on how many tokens are held. Those masks come from each group's slot
+        validity and its layers' device write index (:func:`static_step_mask`), inside the graph when
+        the step is captured; the host keeps the groups' layouts (``key_mask`` etc.) as on a dynamic cache.
         """
         bsz, q = tokens.shape
         dev = tokens.device
-        if depth is None:
-            depth = torch.arange(q, device=dev)
-        depth = depth.expand(bsz, q) if depth.dim() == 1 else depth
         custom = block_mask is not None
-        if block_mask is None:
-            block_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
-        block_mask = block_mask.expand(bsz, q, q) if block_mask.dim() == 2 else block_mask
+        if custom:
+            block_mask = block_mask.expand(bsz, q, q) if block_mask.dim() == 2 else block_mask
+        # new position = top + 1 + depth; [Q] a cached arange without ``depth``
+        offsets = self._const("offsets", q, dev) if depth is None else depth + 1
         impl = self.adapter.text_config._attn_implementation
         dtype = self.adapter.lm_head.weight.dtype
         static = compat.is_static(state.cache)
+        new_pos: list[torch.Tensor] = []
+        held = [grp.key_mask for grp in state.groups]  # [B, T_g] before the append
         for g, grp in enumerate(state.groups):
-            pos = grp.next_positions()[:, None] + depth  # [B, Q]
+            pos = grp.top_position() + offsets  # [B, Q]
+            top = pos[:, -1:] if depth is None else None  # the largest new position, in a causal step
             if grp.positions.dim() == 3:  # M-RoPE: the same position on every axis
                 pos = pos[:, :, None].expand(-1, -1, grp.positions.shape[-1])  # [B, Q, 3]
-            grp.key_mask = torch.cat([grp.key_mask, torch.ones(bsz, q, dtype=torch.bool, device=dev)], 1)
+            grp.key_mask = torch.cat([grp.key_mask, self._const("ones", (bsz, q), dev)], 1)
             grp.positions = torch.cat([grp.positions, pos], 1)
-            grp.source = torch.cat([grp.source, torch.full((bsz, q), -1, device=dev, dtype=grp.source.dtype)], 1)
+            grp.source = torch.cat([grp.source, self._const("minus_one", (bsz, q), dev)], 1)
+            grp._top = None if top is None else (grp.key_mask, grp.positions, top)
+            new_pos.append(pos)
             if static:
-                cap = compat.align_static(state.cache, state.layers_of(g), q)
-                mask = _block_causal_mask(grp.key_mask, block_mask)  # [B, 1, Q, T_g]
-                mask = torch.nn.functional.pad(mask, (0, cap - grp.length), value=False)  # [B, 1, Q, C_g]
-                grp.fwd_mask = compat.format_mask(mask, impl, dtype)
-                grp.fwd_pos_ids = pos
+                compat.align_static(state.cache, state.layers_of(g), q)
             elif g > 0 or custom:
-                grp.fwd_mask = compat.format_mask(_block_causal_mask(grp.key_mask, block_mask), impl, dtype)
+                block = block_mask if custom else self._const("causal", q, dev).expand(bsz, q, q)
+                grp.fwd_mask = compat.format_mask(_block_causal_mask(grp.key_mask, block), impl, dtype)
                 grp.fwd_pos_ids = pos
-        if embeds is None:
-            embeds = self.adapter.embed_tokens(tokens)
         grp0 = state.groups[0]
-        if static:
-            last = self._static_forward(state, embeds, q)  # [B, Q, d]
+        if static:  # a captured step looks the embeddings up inside the graph
+            last = self._static_forward(
+                state, _StepInputs(tokens if embeds is None else None, embeds, new_pos, block_mask, held)
+            )
         else:
+            if embeds is None:
+                embeds = self.adapter.embed_tokens(tokens)
             with self._activate(state, "decode"):
                 last = self.lm(
                     inputs_embeds=embeds,
@@ -509,11 +526,27 @@ class LMRunner:
         return StepOutput(self.adapter.lm_head(hidden).float(), hidden)
 
     # -- the static step: eager, or one captured graph -----------------------------------------------
-    def _static_forward(self, state: LMState, embeds: torch.Tensor, q: int) -> torch.Tensor:
-        """The LM forward of a static step ([B, Q, d] final hidden states): fixed shapes, every mask and
-        position already in the groups' ``fwd_*``. Captured and replayed when :meth:`_capture_blocker`
-        finds nothing against it; the host's slot counts advance after the forward either way."""
-        grp0 = state.groups[0]
+    def _const(self, name: str, shape: int | tuple[int, int], device: torch.device) -> torch.Tensor:
+        """A constant of the decode step, made once per shape and device (never written to)."""
+        key = (name, shape, device)
+        t = self._consts.get(key)
+        if t is None:
+            if name == "offsets":  # [Q] 1..Q: a causal step's positions after the top one
+                t = torch.arange(1, shape + 1, device=device)
+            elif name == "causal":  # [Q, Q] bool lower triangle
+                t = torch.ones(shape, shape, dtype=torch.bool, device=device).tril()
+            elif name == "ones":  # [B, Q] bool: new slots are valid
+                t = torch.ones(shape, dtype=torch.bool, device=device)
+            else:  # "minus_one": [B, Q] long, the source of a generated slot
+                t = torch.full(shape, -1, dtype=torch.long, device=device)
+            self._consts[key] = t
+        return t
+
+    def _static_forward(self, state: LMState, step: _StepInputs) -> torch.Tensor:
+        """The LM forward of a static step ([B, Q, d] final hidden states): fixed shapes; every group's
+        mask is built from its slot validity and its layers' device write index (:meth:`_static_masks`).
+        Captured and replayed when :meth:`capture_blocker` finds nothing against it; the host's slot
+        counts advance after the forward either way."""
         if self.capture is None:
             blocker = "not asked for"
         elif self._block_blocker is _UNCHECKED:  # hooks are set up before decoding: checked once per block
@@ -526,14 +559,37 @@ class LMRunner:
         compat.set_padded(state.cache, True)
         try:
             if blocker is None:
-                last = self._replay(state, embeds, q)
+                last = self._replay(state, step)
             else:
                 with self._activate(state, "decode"):
-                    last = self._lm_forward(state, embeds, grp0.fwd_mask, grp0.fwd_pos_ids)
+                    valid = [  # [B, C_g]: free slots invalid
+                        torch.nn.functional.pad(g.key_mask, (0, self._capacity(state, i) - g.length), value=False)
+                        for i, g in enumerate(state.groups)
+                    ]
+                    self._static_masks(state, valid, step.positions, step.block_mask)
+                    grp0 = state.groups[0]
+                    last = self._lm_forward(state, step.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
         finally:
             compat.set_padded(state.cache, False)
-        compat.advance_static(state.cache, q)
+        compat.advance_static(state.cache, step.q)
         return last
+
+    @staticmethod
+    def _capacity(state: LMState, g: int) -> int:
+        return compat.static_capacity(state.cache, state.groups[g].start)
+
+    def _static_masks(
+        self, state: LMState, valid: list[torch.Tensor], positions: list[torch.Tensor], block: torch.Tensor | None
+    ) -> None:
+        """Set every group's ``fwd_mask`` ([B, 1, Q, C_g]) and ``fwd_pos_ids`` for a static step, on the
+        device only (:func:`static_step_mask` at the group's layers' write index, read before the
+        forward moves it): inside a captured graph, replayed as the write index advances."""
+        impl = self.adapter.text_config._attn_implementation
+        dtype = self.adapter.lm_head.weight.dtype
+        for grp, ok, pos in zip(state.groups, valid, positions):
+            mask = static_step_mask(ok, compat.write_index(state.cache, grp.start), pos.shape[1], block)
+            grp.fwd_mask = compat.format_mask(mask, impl, dtype)  # [B, 1, Q, C_g]
+            grp.fwd_pos_ids, grp.fwd_pos_emb = pos, None
 
     def _lm_forward(self, state: LMState, embeds: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.lm(
@@ -565,24 +621,42 @@ class LMRunner:
                 return "attention probes or overrides on the language model"
         return None
 
-    def _replay(self, state: LMState, embeds: torch.Tensor, q: int) -> torch.Tensor:
-        """Run the step as a captured graph: inputs are copied into the graph's static tensors (the
-        groups' ``fwd_*`` point at them while the hooks run at capture), then the graph is replayed.
+    def _replay(self, state: LMState, step: _StepInputs) -> torch.Tensor:
+        """Run the step as a captured graph. Its inputs are the new tokens (or embeddings), positions
+        and block mask and each group's slot validity, copied into the graph's static tensors; the
+        embedding lookup and the masks are computed inside the graph from them and the device write
+        indices (:meth:`_static_masks`), and the graph marks the new slots valid for the next step.
         A graph serves one cache while its buffers stay (no growth, no new batch) and one Q."""
         groups = state.groups
-        live = [embeds] + [t for g in groups for t in (g.fwd_mask, g.fwd_pos_ids)]
-        key = (id(state.cache), compat.static_buffers(state.cache), q, tuple(t.shape for t in live))
-        step = self._graphs.get(key)
-        if step is None:
-            static = [t.clone() for t in live]
-            self._point_groups(groups, static)
+        caps = tuple(self._capacity(state, i) for i in range(len(groups)))
+        live = step.tensors()
+        shapes = tuple(t.shape for t in live)
+        key = (id(state.cache), compat.static_buffers(state.cache), caps, step.tokens is None, shapes)
+        captured = self._graphs.get(key)
+        if captured is None:
+            static = _StepInputs(
+                *(None if t is None else t.clone() for t in (step.tokens, step.embeds)),
+                [p.clone() for p in step.positions],
+                None if step.block_mask is None else step.block_mask.clone(),
+                valid=[
+                    torch.zeros(g.key_mask.shape[0], c, dtype=torch.bool, device=g.key_mask.device)
+                    for g, c in zip(groups, caps)
+                ],
+            )
+            static.load(step, groups)
+
+            def run() -> torch.Tensor:
+                self._static_masks(state, static.valid, static.positions, static.block_mask)
+                for ok, grp in zip(static.valid, state.groups):  # what the next step's held slots are
+                    new = compat.write_index(state.cache, grp.start) + torch.arange(static.q, device=ok.device)
+                    ok.index_fill_(1, new, True)
+                grp0 = state.groups[0]
+                return self._lm_forward(state, static.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
+
             graph = self.capture()
-            run = lambda: self._lm_forward(state, static[0], static[1], static[2])  # noqa: E731
             before = compat.write_indices(state.cache)
             with self._activate(state, "decode"):
                 last = graph.warmup(run).clone()  # this step's own forward, and the capture's warm-up
-                for g in groups:  # tables the warm-up computed are computed inside the graph instead
-                    g.fwd_pos_emb = None
                 after = compat.write_indices(state.cache)
                 # records the same kernels; a graph that runs them while capturing rewrites this step's
                 # slots with the same values from the same write index
@@ -597,11 +671,9 @@ class LMRunner:
             self._graphs[key] = _Captured(graph, static)
             self.capture_s += graph.capture_s
             return last
-        for dst, src in zip(step.static, live):
-            dst.copy_(src)
-        self._point_groups(groups, step.static)
+        captured.static.load(step, groups)
         with self._activate(state, "decode"):
-            return step.graph.replay().clone()
+            return captured.graph.replay().clone()
 
     def _capture_failed(self, exc: Exception) -> None:
         """A capture that raised: this block's static steps run eagerly from here on, said once."""
@@ -609,11 +681,6 @@ class LMRunner:
         logger.warning("model.compile: auto: static decode steps run without a captured graph (%s)", reason)
         self._capture_refusals.add(reason)
         self.capture = None  # restored when the static_cache block ends
-
-    @staticmethod
-    def _point_groups(groups: list[LayerGroup], static: list[torch.Tensor]) -> None:
-        for i, g in enumerate(groups):
-            g.fwd_mask, g.fwd_pos_ids = static[1 + 2 * i], static[2 + 2 * i]
 
     # -- layer hooks -------------------------------------------------------------------------------
     def _make_layer_hook(self, layer: int) -> Callable:
@@ -730,7 +797,8 @@ _UNCHECKED = object()  # a static block whose capture blocker is not computed ye
 
 class StepGraph:
     """A captured decode step: ``capture(fn)`` records ``fn``'s kernels without running them,
-    ``replay()`` runs them and returns ``fn``'s output tensor (static: copy it before the next replay)."""
+    ``replay()`` runs them and returns ``fn``'s output tensor (static: copy it before the next replay).
+    :class:`mmfast._graph_emulator.ReplayEmulator` is one with CUDA-graph semantics on any device (tests)."""
 
     capture_s: float = 0.0
 
@@ -775,9 +843,44 @@ class CudaGraph(StepGraph):
 
 
 @dataclass
+class _StepInputs:
+    """What a static step's forward reads besides the cache: the graph's inputs when captured."""
+
+    tokens: torch.Tensor | None  # [B, Q] new token ids, or None with ``embeds``
+    embeds: torch.Tensor | None  # [B, Q, d] their embeddings when the caller gives them
+    positions: list[torch.Tensor]  # per group: [B, Q] (M-RoPE [B, Q, 3]) positions of the new slots
+    block_mask: torch.Tensor | None  # [B, Q, Q] bool: which new slots see which (None: causal)
+    held: list[torch.Tensor] = field(default_factory=list)  # per group [B, T_g] key_mask before the append
+    # a captured graph's static copies only: per group [B, C_g] bool, the held slots' validity in front,
+    # and the key_mask whose validity it holds (nothing to copy when the next step's held is that one)
+    valid: list[torch.Tensor] = field(default_factory=list)
+    synced: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def q(self) -> int:
+        return int(self.positions[0].shape[1])
+
+    def lm_embeds(self, adapter: VLMAdapter) -> torch.Tensor:
+        return adapter.embed_tokens(self.tokens) if self.embeds is None else self.embeds
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.tokens, self.embeds, *self.positions, self.block_mask) if t is not None]
+
+    def load(self, step: _StepInputs, groups: list[LayerGroup]) -> None:
+        """Copy ``step``'s inputs and the held slots' validity into these static tensors."""
+        for dst, src in zip(self.tensors(), step.tensors()):
+            dst.copy_(src)
+        synced = self.synced or [None] * len(self.valid)
+        for dst, held, done in zip(self.valid, step.held, synced):
+            if held is not done:
+                dst[:, : held.shape[1]].copy_(held)
+        self.synced = [g.key_mask for g in groups]  # held + the new slots the graph marks
+
+
+@dataclass
 class _Captured:
     graph: StepGraph
-    static: list[torch.Tensor]  # embeds, then (fwd_mask, fwd_pos_ids) per layer group
+    static: _StepInputs
 
 
 def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -785,6 +888,23 @@ def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if t.dim() == 2:
         return t.gather(1, index)
     return t.gather(1, index[:, :, None].expand(-1, -1, t.shape[-1]))
+
+
+def static_step_mask(valid: torch.Tensor, write: torch.Tensor, q: int, block: torch.Tensor | None) -> torch.Tensor:
+    """[B, 1, Q, C] bool mask of a static step whose Q new slots start at ``write`` ([] long, on the
+    device): slots before it attend where ``valid`` ([B, C] bool; what lies at and after ``write`` is
+    not read), the new ones where ``block`` ([B, Q, Q] bool; None: causal) says, each new slot sees
+    itself, later slots nothing. :func:`_block_causal_mask` of the held slots plus the new ones,
+    padded to C, without a host sync (a captured graph computes it from the write index)."""
+    cap, dev = valid.shape[1], valid.device
+    rel = torch.arange(cap, device=dev) - write  # [C] slot - first new slot
+    rows = torch.arange(q, device=dev)[:, None]  # [Q, 1]
+    if block is None:  # causal: new slot i sees new slots 0..i
+        new = (rel >= 0) & (rel <= rows)  # [Q, C]
+    else:
+        new = block.index_select(2, rel.clamp(0, q - 1)) & ((rel >= 0) & (rel < q))  # [B, Q, C]
+    mask = (valid[:, None, :] & (rel < 0)) | new | (rel == rows)  # [B, Q, C]
+    return mask[:, None]
 
 
 def _block_causal_mask(key_mask: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

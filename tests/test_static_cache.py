@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 import mmfast
 from mmfast import compat
+from mmfast._graph_emulator import ReplayEmulator
 from mmfast.capabilities import caps_of
 from mmfast.config import Recipe, load_recipe
 from mmfast.errors import ConfigError, InputError
@@ -148,6 +149,23 @@ def test_static_mrope_matches_dynamic(speculative, qwen2_vl, images, prompts, pa
         recipe["speculative"] = {"method": "prompt_lookup"}
     assert _tokens(qwen2_vl, recipe, mixed, prompts, "static") == _tokens(qwen2_vl, recipe, mixed, prompts, "off")
     assert padded_steps[0] > 0
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_captured_mrope_matches_dynamic(speculative, qwen2_vl, images, prompts, monkeypatch):
+    """The same under CUDA-graph semantics (:class:`EmulatedGraph`): a pruned group's 3-axis positions
+    and rotary embeddings are computed inside the replayed step, not frozen at capture."""
+    from mmfast.pipeline import Session
+
+    mixed = [im if i % 2 == 0 else im.resize((32, 64)) for i, im in enumerate(images)]
+    recipe: dict = {"pruning": [_stage("fastv", qwen2_vl)]}
+    if speculative:
+        recipe["speculative"] = {"method": "prompt_lookup"}
+    dynamic = _tokens(qwen2_vl, recipe, mixed, prompts, "off")
+    EmulatedGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    assert _tokens(qwen2_vl, recipe, mixed, prompts, "static") == dynamic
+    assert sum(g.replays for g in EmulatedGraph.made) >= 5
 
 
 def test_in_llm_pruning_gives_later_layers_smaller_buffers(tiny_mm, images, prompts):
@@ -336,7 +354,7 @@ class ReplayGraph:
     whatever the groups point at then), replay runs it again. What it checks on the CPU is the
     runner's side: static inputs copied in, the first step run for real, the device write index and
     host counts in step, one graph per cache and step shape. What it cannot check: values computed
-    in Python at capture time that a real replay would reuse."""
+    in Python at capture time that a real replay would reuse (:class:`EmulatedGraph` does)."""
 
     made: list = []
 
@@ -359,8 +377,22 @@ class ReplayGraph:
         return self.fn()
 
 
-@pytest.mark.parametrize("name", ["greedy", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"])
-def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatch):
+class EmulatedGraph(ReplayEmulator):
+    """:class:`ReplayEmulator` (CUDA-graph semantics on the CPU: replays the recorded ops only, Python
+    values frozen at capture, host reads refused), counting the graphs made."""
+
+    made: list = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        EmulatedGraph.made.append(self)
+
+
+@pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
+@pytest.mark.parametrize(
+    "name", ["greedy", "sample-seeded", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"]
+)
+def test_captured_steps_match_dynamic(name, graph, tiny_mm, images, prompts, monkeypatch, caplog):
     from mmfast.pipeline import Session
 
     pdrop = {"pruning": [_stage("pyramiddrop", tiny_mm)]}
@@ -368,10 +400,70 @@ def test_captured_steps_match_dynamic(name, tiny_mm, images, prompts, monkeypatc
         name
     ) or SERVED[name]
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
-    ReplayGraph.made = []
+    graph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: graph)
+    with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
+        assert _tokens(tiny_mm, recipe, images, prompts, "static") == dynamic
+    assert not [r for r in caplog.records if "without a captured graph" in r.getMessage()]  # every step captured
+    assert graph.made and sum(g.replays for g in graph.made) >= 5
+
+
+def test_the_emulator_catches_a_host_value_frozen_at_capture(tiny_mm, images, prompts, monkeypatch):
+    """A step that takes its new positions from the host's layout (``grp.positions``, a tensor replaced
+    every step) instead of the graph's static input is right eagerly and under the re-running stand-in,
+    and wrong under CUDA-graph semantics (the capture-time tensor is replayed): the emulator shows it."""
+    from mmfast.pipeline import Session
+    from mmfast.runtime import LMRunner
+
+    original = LMRunner._static_masks
+
+    def host_positions(self, state, valid, positions, block):
+        q = positions[0].shape[1]
+        original(self, state, valid, [grp.positions[:, -q:] for grp in state.groups], block)
+
+    monkeypatch.setattr(LMRunner, "_static_masks", host_positions)
+    dynamic = _tokens(tiny_mm, {}, images, prompts, "off")
+    assert _tokens(tiny_mm, {}, images, prompts, "static") == dynamic  # eager static steps
     monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
-    assert _tokens(tiny_mm, recipe, images, prompts, "static") == dynamic
-    assert ReplayGraph.made and sum(g.replays for g in ReplayGraph.made) >= 5
+    assert _tokens(tiny_mm, {}, images, prompts, "static") == dynamic
+    EmulatedGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    assert _tokens(tiny_mm, {}, images, prompts, "static") != dynamic
+    assert sum(g.replays for g in EmulatedGraph.made) >= 5
+
+
+@pytest.mark.parametrize("name", ["greedy", "pyramiddrop+prompt_lookup"])
+def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, tiny_mm, images, prompts, monkeypatch):
+    """A CUDA graph reads fixed addresses: a tensor the step reads that the host later replaces or frees
+    (a layout tensor, a per-call mask) is stale or garbage at replay. Every tensor from outside the capture
+    that the emulated graph's ops read is a weight, a cache buffer or write index, one of the graph's static
+    inputs, or a runner constant."""
+    from mmfast.pipeline import Session
+    from mmfast.runtime import LMRunner
+
+    recipe = {"pruning": [_stage("pyramiddrop", tiny_mm)], **SERVED["prompt_lookup"]} if name != "greedy" else {}
+    allowed: set[int] = set()  # storages
+    original = LMRunner._replay
+
+    def spy(self, state, step):
+        out = original(self, state, step)
+        for c in self._graphs.values():
+            allowed.update(t.untyped_storage().data_ptr() for t in c.static.tensors() + c.static.valid)
+        allowed.update(t.untyped_storage().data_ptr() for t in self._consts.values())
+        allowed.update(compat.static_buffers(state.cache))
+        return out
+
+    monkeypatch.setattr(LMRunner, "_replay", spy)
+    EmulatedGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)
+        model = s.runner.adapter.model
+        allowed.update(t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()])
+    inputs = [t for g in EmulatedGraph.made for t in g.inputs]
+    assert inputs and sum(g.replays for g in EmulatedGraph.made) >= 5
+    strays = [(tuple(t.shape), t.dtype) for t in inputs if t.untyped_storage().data_ptr() not in allowed]
+    assert not strays, f"the captured step reads tensors the host owns: {strays}"
 
 
 @pytest.mark.parametrize(
@@ -482,8 +574,9 @@ def _spy_prefill_recorders(s) -> list[str]:
     return phases
 
 
+@pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
 @pytest.mark.parametrize("pruner", PREFILL_ONLY)
-def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, tiny_mm, images, prompts, monkeypatch):
+def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, graph, tiny_mm, images, prompts, monkeypatch):
     """Their probes record at prefill only: nothing of theirs runs in a decode step (nor while it is
     captured), the step is one graph, and the tokens equal the dynamic cache's (greedy, batch 2 and 1)."""
     from mmfast.pipeline import Session
@@ -491,8 +584,8 @@ def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, tiny_mm, ima
     recipe = {"pruning": [_stage(pruner, tiny_mm)]}
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
     single = _tokens(tiny_mm, recipe, images[2:], prompts[2:], "off")[:1]
-    ReplayGraph.made = []
-    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    graph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: graph)
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         assert s.runner.capture_blocker() is None
         phases = _spy_prefill_recorders(s)
@@ -501,24 +594,25 @@ def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, tiny_mm, ima
         assert s.runner.capture_blocker() is None  # and after prefills
     assert batch == dynamic and one == single
     assert phases and set(phases) == {"prefill"}  # the recorders ran, at prefill only
-    assert len(ReplayGraph.made) == 2 and all(g.replays >= 5 for g in ReplayGraph.made)  # one graph per call
+    assert len(graph.made) == 2 and all(g.replays >= 5 for g in graph.made)  # one graph per call
 
 
-def test_prefill_only_probe_skips_verify_steps(tiny_mm, images, prompts, monkeypatch):
+@pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
+def test_prefill_only_probe_skips_verify_steps(graph, tiny_mm, images, prompts, monkeypatch):
     """A speculative verify step (Q > 1) is a decode step: FastV's probe (``when``: Q > 1) records there
     no more, and the verify steps are captured per tree size with tokens equal to the dynamic cache's."""
     from mmfast.pipeline import Session
 
     recipe = {"pruning": [_stage("fastv", tiny_mm)], **SERVED["prompt_lookup"]}
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
-    ReplayGraph.made = []
-    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    graph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: graph)
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         phases = _spy_prefill_recorders(s)
         got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=12, seed=0)]
     assert got == dynamic
     assert phases and set(phases) == {"prefill"}
-    assert ReplayGraph.made
+    assert graph.made and sum(g.replays for g in graph.made) > 0
 
 
 def test_prefill_only_hooks_are_skipped_while_decoding(tiny_mm):

@@ -132,31 +132,35 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
     """
     device = ctx.device
     streamer, streamed = _STREAMER.get(), _STREAMED.get()
-    stop = torch.tensor(ctx.special.eos, device=device)
+    stop = set(ctx.special.eos)
     t0 = now(device)
     state, logits = policy.prefill()
     t1 = now(device)
     acc = state_accounting(state).rows(batch_size)
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-    generated: list[torch.Tensor] = []
+    # stop bookkeeping on the host: one device-to-host copy (the step's sync) per step
+    finished = [False] * batch_size
+    generated: list[list[int]] = []
     kv_at_stop: dict[int, int] = {}  # a row's cache when it stopped: the padding fed after it is not its own
     for step in range(max_new_tokens):
         nxt = policy.choose(logits, step)  # [B]
-        nxt = torch.where(finished, torch.full_like(nxt, ctx.special.pad), nxt)
-        generated.append(nxt)
+        if any(finished):  # finished rows are fed padding
+            nxt = nxt.masked_fill(torch.tensor(finished, device=nxt.device), ctx.special.pad)
+        row = nxt.tolist()
+        generated.append(row)
         if streamer is not None:
-            streamer.put(nxt.cpu())
+            streamer.put(torch.tensor(row))
             streamed[0] += 1
-        stopped = torch.isin(nxt, stop) & ~finished  # [B] rows whose stop token came at this step
-        finished |= stopped
-        if bool(finished.all()) or step == max_new_tokens - 1:
+        stopped = [b for b, t in enumerate(row) if t in stop and not finished[b]]  # stop token at this step
+        for b in stopped:
+            finished[b] = True
+        if all(finished) or step == max_new_tokens - 1:
             break
-        if bool(stopped.any()):
+        if stopped:
             kv_now = policy.end_state().kv_bytes_per_sample()
-            kv_at_stop.update({b: kv_now[b] for b in stopped.nonzero().flatten().tolist()})
+            kv_at_stop.update({b: kv_now[b] for b in stopped})
         logits = policy.advance(nxt)
     t2 = now(device)
-    ids = torch.stack(generated, 1).tolist() if generated else [[] for _ in range(batch_size)]
+    ids = [list(r) for r in zip(*generated)] if generated else [[] for _ in range(batch_size)]
     end = policy.end_state()  # stats of decode-time policies are complete only now
     kv_end = [kv_at_stop.get(b, kv) for b, kv in enumerate(end.kv_bytes_per_sample()[:batch_size])]
     return finish(

@@ -1,0 +1,127 @@
+"""Host-side torch ops per captured decode step: a CPU proxy for the launch overhead between replays.
+
+With ``model.compile: auto`` on CUDA a decode step replays one captured graph of the LM forward; every
+torch op dispatched outside it (mask and position prep, input copies, ``lm_head``, the token choice,
+the driver's stop bookkeeping) costs CPU dispatch and a launch, serialised with the GPU by the
+driver's per-step sync (issue 27). :func:`count_step_ops` runs a recipe with :class:`ReplayGraph` (the
+CPU emulator of CUDA-graph replay, :class:`~mmfast._graph_emulator.ReplayEmulator`) and
+counts the aten ops dispatched outside the replays, per phase, per steady-state step. These are op
+counts on the CPU, not GPU times.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._graph_emulator import ReplayEmulator
+from ..config import load_recipe
+from ..pipeline import Session, apply
+
+#: phases, in report order; an op is attributed to the innermost frame whose function names one
+PHASES = ("runner.step prep", "replay copies", "lm_head", "decoder choose", "embedding", "driver bookkeeping")
+_FRAMES = {
+    "_replay": "replay copies",
+    "step": "runner.step prep",  # LMRunner.step (the frame's self is the runner)
+    "choose": "decoder choose",
+    "_choose": "decoder choose",
+    "embed_tokens": "embedding",
+}
+
+
+@dataclass
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by phase while active; ops run while ``paused`` (a graph replay) are not counted.
+
+    ``marks`` holds the total count at each :meth:`mark` (the start of a replay): the ops between two
+    marks are one steady-state step."""
+
+    runner: Any = None
+    lm_head: Any = None
+    paused: bool = False
+    by_phase: Counter = field(default_factory=Counter)
+    total: int = 0
+    marks: list[tuple[int, Counter]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def mark(self) -> None:
+        self.marks.append((self.total, Counter(self.by_phase)))
+
+    def _phase(self) -> str:
+        frame = sys._getframe(2)
+        while frame is not None:
+            f_self = frame.f_locals.get("self")
+            if self.lm_head is not None and f_self is self.lm_head:
+                return "lm_head"
+            name = frame.f_code.co_name
+            if name == "prefill" and f_self is self.runner:
+                return "prefill"
+            if name in _FRAMES and (name != "step" or f_self is self.runner):
+                return _FRAMES[name]
+            frame = frame.f_back
+        return "driver bookkeeping"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.total += 1
+            self.by_phase[self._phase()] += 1
+        return func(*args, **(kwargs or {}))
+
+    def per_step(self) -> dict[str, float]:
+        """Mean ops per step by phase over the steps between the first and the last replay."""
+        if len(self.marks) < 2:
+            raise RuntimeError("fewer than two replays: no steady-state step was counted")
+        (_, first), (_, last) = self.marks[0], self.marks[-1]
+        n = len(self.marks) - 1
+        out = {p: (last[p] - first[p]) / n for p in PHASES}
+        out["total"] = sum(out.values())
+        out["steps"] = n
+        return out
+
+
+class ReplayGraph(ReplayEmulator):
+    """:class:`ReplayEmulator` (CUDA-graph semantics: the recorded ops replayed, no Python of the step)
+    with the counter paused during a replay (what a CUDA graph replays is one launch, not host ops)."""
+
+    counter: OpCounter | None = None
+    made: list[ReplayGraph] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        ReplayGraph.made.append(self)
+
+    def replay(self) -> torch.Tensor:
+        counter = ReplayGraph.counter
+        if counter is None:
+            return super().replay()
+        counter.mark()
+        counter.paused = True
+        try:
+            return super().replay()
+        finally:
+            counter.paused = False
+
+
+def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) -> dict[str, float]:
+    """Ops per captured decode step outside the graph, by phase, for one ``generate`` call of ``recipe``
+    (``compile: static`` with :class:`ReplayGraph` as the session's graph factory; one batch)."""
+    original = Session._capture_factory
+    Session._capture_factory = lambda self: ReplayGraph  # restored below; this process only counts
+    ReplayGraph.made = []
+    try:
+        with apply(mm, load_recipe(recipe), compile="static") as s:
+            counter = OpCounter(runner=s.runner, lm_head=s.runner.adapter.lm_head)
+            ReplayGraph.counter = counter
+            with counter:
+                s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)
+    finally:
+        Session._capture_factory = original
+        ReplayGraph.counter = None
+    return counter.per_step()

@@ -1,0 +1,42 @@
+"""Host-side torch ops of a captured decode step (issue 27): what runs outside the graph is small, and
+the mask the graph builds from the device write index is the dynamic step's mask, padded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmfast.bench.host_ops import count_step_ops
+from mmfast.registry import PRUNERS
+from mmfast.runtime import _block_causal_mask, static_step_mask
+
+
+def test_greedy_step_dispatches_few_ops_outside_the_graph(tiny_mm, images, prompts):
+    # before: 47 ops a step (28 of mask / position prep, 12 of stop bookkeeping); now 13 (one of slack)
+    ops = count_step_ops(tiny_mm, {}, images[:1], prompts[:1], max_new_tokens=8)
+    assert ops["steps"] >= 4
+    assert ops["runner.step prep"] <= 6 and ops["replay copies"] <= 3 and ops["driver bookkeeping"] <= 2, ops
+    assert ops["total"] <= 14, ops
+
+
+def test_pruned_step_prep_grows_little_per_layer_group(tiny_mm, images, prompts):
+    # pyramiddrop's test params give 4 layer groups; before: 94 ops of step prep (119 in all), now 21 (31)
+    pdrop = {"method": "pyramiddrop", "params": PRUNERS.get("pyramiddrop").cls.test_params(tiny_mm.adapter)}
+    ops = count_step_ops(tiny_mm, {"pruning": [pdrop]}, images[:1], prompts[:1], max_new_tokens=8)
+    assert ops["runner.step prep"] <= 21 and ops["total"] <= 32, ops
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_static_step_mask_is_the_block_causal_mask_padded(custom):
+    g = torch.Generator().manual_seed(0)
+    bsz, held, q, free = 3, 7, 4, 5
+    key_mask = torch.rand(bsz, held + q, generator=g) > 0.3
+    key_mask[:, held:] = True  # the new slots
+    block = torch.rand(bsz, q, q, generator=g) > 0.5 if custom else torch.ones(q, q, dtype=torch.bool).tril()
+    block = block.expand(bsz, q, q)
+    want = _block_causal_mask(key_mask, block)  # [B, 1, Q, held + q]
+    want = torch.nn.functional.pad(want, (0, free), value=False)
+    valid = torch.ones(bsz, held + q + free, dtype=torch.bool)  # stale slots at and after the write index
+    valid[:, :held] = key_mask[:, :held]
+    got = static_step_mask(valid, torch.tensor(held), q, block if custom else None)
+    assert torch.equal(got, want)
