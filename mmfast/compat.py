@@ -33,6 +33,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import transformers
@@ -308,8 +309,10 @@ class StaticSlotLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, reserve: int) -> None:
+    def __init__(self, reserve: int, pool: StaticBufferPool | None = None, index: int = 0) -> None:
         self.reserve = int(reserve)
+        # where the first buffers come from (consulted once; a deep copy must not carry the pool)
+        self._pool, self._index = pool, int(index)
         self._k: torch.Tensor | None = None  # [B, Hkv, C, D]
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None  # [] long on the buffers' device: the write index
@@ -373,36 +376,44 @@ class StaticSlotLayer(CacheLayerMixin):
             self._len = 0
             return
         n = int(value.shape[2])
+        if self._k is None:
+            self._first_buffers(value, value, n)
         buf = self._v if values else self._k
-        if buf is None or buf.shape[0] != value.shape[0] or n > buf.shape[2]:
+        if buf.shape[0] != value.shape[0] or n > buf.shape[2]:  # a new batch, or more slots than it holds
             other = self._k if values else self._v
             cap = max(n + self.reserve, self.capacity)
             new = self._alloc(value, int(value.shape[0]), cap)
             if values:
                 self._v = new
-                if other is None or other.shape[0] != value.shape[0] or other.shape[2] != cap:
+                if other.shape[0] != value.shape[0] or other.shape[2] != cap:
                     self._k = self._alloc(value, int(value.shape[0]), cap)
             else:
                 self._k = new
-                if other is None or other.shape[0] != value.shape[0] or other.shape[2] != cap:
+                if other.shape[0] != value.shape[0] or other.shape[2] != cap:
                     self._v = self._alloc(value, int(value.shape[0]), cap)
             buf = new
-            if self._pos is None:
-                self._pos = torch.zeros((), dtype=torch.long, device=value.device)
-            self.dtype, self.device = value.dtype, value.device
-            self.is_initialized = True
         if value.data_ptr() != buf.data_ptr() or value.stride() != buf.stride():
             buf[:, :, :n].copy_(value)
         self.length = n
 
     # -- CacheLayerMixin ----------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        cap = int(key_states.shape[2]) + self.reserve
-        self._k = self._alloc(key_states, int(key_states.shape[0]), cap)
-        self._v = self._alloc(value_states, int(value_states.shape[0]), cap)
-        self._pos = torch.zeros((), dtype=torch.long, device=key_states.device)
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self._first_buffers(key_states, value_states, int(key_states.shape[2]))
         self.length = 0
+
+    def _first_buffers(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        """This layer's first buffers, for ``n`` slots plus the reserve: the pool's (the previous call's)
+        when they fit, else new zeroed ones (with a pool: the capacity rounded up to its granularity)."""
+        pool, self._pool = self._pool, None
+        batch, need = int(keys.shape[0]), n + self.reserve
+        kept = None if pool is None else pool.take(self._index, keys, values, need)
+        if kept is not None:
+            self._k, self._v, self._pos = kept
+        else:
+            cap = need if pool is None else pool.capacity(need)
+            self._k, self._v = self._alloc(keys, batch, cap), self._alloc(values, batch, cap)
+            self._pos = torch.zeros((), dtype=torch.long, device=keys.device)
+        self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
 
     def _grow(self, cap: int) -> None:
@@ -494,10 +505,81 @@ class StaticSlotLayer(CacheLayerMixin):
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
 
-def new_static_cache(config, reserve: int) -> Cache:
+def new_static_cache(config, reserve: int, pool: StaticBufferPool | None = None) -> Cache:
     """A cache of :class:`StaticSlotLayer` for ``config``'s text model, ``reserve`` free slots per layer
-    after the prefill (``max_new_tokens`` plus what a verify step appends)."""
-    return Cache(layers=[StaticSlotLayer(reserve) for _ in range(int(config.num_hidden_layers))])
+    after the prefill (``max_new_tokens`` plus what a verify step appends); with ``pool``, its layers
+    take the buffers the pool kept from the previous call where they fit."""
+    n = int(config.num_hidden_layers)
+    return Cache(layers=[StaticSlotLayer(reserve, pool, i) for i in range(n)])
+
+
+class StaticBufferPool:
+    """Static KV buffers kept from one decode call to the next, with the step graphs captured on them.
+
+    A captured graph reads its cache buffers by address, so a call whose cache takes the previous call's
+    buffers replays the previous call's graphs instead of capturing them again (``model.compile: auto``:
+    capture costs tens of ms per graph on a GPU, against a few ms per decoded token). One set is kept, the
+    last call's (:meth:`keep`); a layer of the next cache takes its predecessor's buffers when batch, heads,
+    head size, dtype and device agree and their capacity ``C`` fits: ``need <= C``, and ``C`` at most 1.5 x
+    ``need`` or ``need`` rounded up (a step attends over all ``C`` slots, so a much larger buffer would cost
+    every step). Taken buffers are zeroed,
+    as new ones are, so results do not depend on the previous call. A buffer that does not fit is let go
+    before its replacement is allocated, and with it every kept graph (each reads every layer).
+    New capacities are rounded up to ``granularity`` slots, so prompts of similar length share buffers.
+    """
+
+    granularity = 64
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer: (K, V, write index)
+        #: captured steps on the kept (or the running call's) buffers; key[0] is their
+        #: :func:`static_buffers` addresses, the value the runner's
+        self.graphs: dict[tuple, Any] = {}
+
+    def capacity(self, need: int) -> int:
+        g = self.granularity
+        return -(-need // g) * g
+
+    def take(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, need: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer_idx``'s kept buffers, zeroed, if they fit ``keys`` / ``values`` ([B, Hkv, T, D])
+        and ``need`` slots; None otherwise (what was kept for the layer is let go)."""
+        kept = self._kept.pop(layer_idx, None)
+        if kept is None:
+            return None
+        k, v, pos = kept
+
+        def fits(buf: torch.Tensor, like: torch.Tensor) -> bool:
+            same = (buf.shape[0], buf.shape[1], buf.shape[3]) == (like.shape[0], like.shape[1], like.shape[-1])
+            return same and buf.dtype == like.dtype and buf.device == like.device
+
+        if fits(k, keys) and fits(v, values) and need <= k.shape[2] <= max(self.capacity(need), need + need // 2):
+            k.zero_()
+            v.zero_()
+            pos.zero_()
+            return kept
+        self.graphs.clear()
+        return None
+
+    def keep(self, cache) -> None:
+        """At the end of a call: hold ``cache``'s buffers for the next call (the previous set goes); the
+        graphs captured on other buffers go too."""
+        if not is_static(cache) or any(lay._k is None for lay in cache.layers):
+            self.clear()
+            return
+        self._kept = {i: (lay._k, lay._v, lay._pos) for i, lay in enumerate(cache.layers)}
+        held = static_buffers(cache)
+        self.graphs = {key: g for key, g in self.graphs.items() if key[0] == held}
+
+    def clear(self) -> None:
+        """Let every kept buffer and graph go (the session closes)."""
+        self._kept.clear()
+        self.graphs.clear()
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self._kept.values())
 
 
 def is_static(cache) -> bool:

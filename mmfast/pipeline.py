@@ -560,6 +560,8 @@ class Session:
         mode = self.recipe.model.compile
         if mode == "off" or (mode == "auto" and not self._captures()):
             return None
+        if req.max_new_tokens <= 1:  # the prefill gives the only token: no decode step to serve
+            return None
         methods = self._method_caps(decoder)
         reason = static_cache_blocker(methods)
         if reason is None and mode == "auto":  # eager static steps gain nothing over the dynamic cache
@@ -572,9 +574,9 @@ class Session:
                 self._static_refusals.add(reason)
                 logger.info("model.compile: %s: decoding on the dynamic KV cache (%s)", mode, reason)
             return None
-        # every generated token, plus the root a verify step appends before its tree (a bigger tree
-        # grows the buffers once, logged)
-        return req.max_new_tokens + 1
+        # every generated token, plus the most a verify step appends (its tree and root) before rollback
+        step = None if self.drafter is None else self.drafter.max_step_tokens()
+        return req.max_new_tokens + (step or 1)
 
     def _check_streamable(self, decoder: Decoder, streamer: Any) -> None:
         if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
@@ -596,6 +598,7 @@ class Session:
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
+        self.runner.release()
         self.hooks.close()
 
     def __enter__(self) -> Session:

@@ -342,10 +342,13 @@ class LMRunner:
         #: dynamic cache. Set for one decode call by :meth:`static_cache`.
         self.static_reserve: int | None = None
         #: captured static steps: a graph factory (:class:`CudaGraph` on CUDA), or None for eager
-        #: static steps; graphs live for one :meth:`static_cache` block, their capture time adds up here
+        #: static steps; their capture time adds up here
         self.capture: Callable[[], StepGraph] | None = None
         self.capture_s = 0.0
-        self._graphs: dict[tuple, _Captured] = {}
+        #: the captured steps and the static buffers they read, kept from one decode call to the next
+        #: (the next call replays them when its cache takes the same buffers); :meth:`release` frees them
+        self.pool = compat.StaticBufferPool()
+        self._block_cache: Any = None  # the first static cache of this block that the pool serves
         self._consts: dict[tuple, torch.Tensor] = {}  # decode-step constants (:meth:`_const`)
         self._capture_refusals: set[str] = set()  # reasons already logged
         self._block_blocker: str | None | object = _UNCHECKED  # this static block's capture blocker
@@ -403,8 +406,21 @@ class LMRunner:
             yield
         finally:
             self.static_reserve, self.capture = before
-            self._graphs.clear()
             self._block_blocker = _UNCHECKED
+            if self._block_cache is not None:  # its buffers, and the graphs on them, serve the next call
+                self.pool.keep(self._block_cache)
+                self._block_cache = None
+
+    def finish(self, state: LMState) -> None:
+        """``state`` is done with (sequential per-sample decoding): its static buffers, and the graphs
+        captured on them, serve the next prefill of this block."""
+        if state.cache is self._block_cache:
+            self.pool.keep(state.cache)
+            self._block_cache = None
+
+    def release(self) -> None:
+        """Free the kept static buffers and captured steps (the session closes)."""
+        self.pool.clear()
 
     # -- forward passes ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -434,9 +450,13 @@ class LMRunner:
         mask = inputs.attention_mask.bool()
         grp0 = LayerGroup(0, mask, inputs.position_ids, src.masked_fill(~mask, -1))
         cfg = self.adapter.text_config
-        cache = (
-            compat.new_cache(cfg) if self.static_reserve is None else compat.new_static_cache(cfg, self.static_reserve)
-        )
+        if self.static_reserve is None:
+            cache = compat.new_cache(cfg)
+        else:  # captured steps: the buffers come from (and go back to) the pool; eager ones need no pool
+            pool = self.pool if self.capture is not None and self._block_cache is None else None
+            cache = compat.new_static_cache(cfg, self.static_reserve, pool)
+            if pool is not None:
+                self._block_cache = cache
         state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
             out = self.lm(
@@ -626,13 +646,15 @@ class LMRunner:
         and block mask and each group's slot validity, copied into the graph's static tensors; the
         embedding lookup and the masks are computed inside the graph from them and the device write
         indices (:meth:`_static_masks`), and the graph marks the new slots valid for the next step.
-        A graph serves one cache while its buffers stay (no growth, no new batch) and one Q."""
+        A graph serves the buffers it was captured on (no growth, no new batch), one layer-group layout and
+        one Q; the buffers and graphs outlive the call (:class:`compat.StaticBufferPool`), so a later call
+        whose cache takes the same buffers replays it."""
         groups = state.groups
         caps = tuple(self._capacity(state, i) for i in range(len(groups)))
-        live = step.tensors()
-        shapes = tuple(t.shape for t in live)
-        key = (id(state.cache), compat.static_buffers(state.cache), caps, step.tokens is None, shapes)
-        captured = self._graphs.get(key)
+        starts = tuple(g.start for g in groups)
+        shapes = tuple((t.shape, t.dtype) for t in step.tensors())
+        key = (compat.static_buffers(state.cache), caps, starts, step.tokens is None, shapes)
+        captured = self.pool.graphs.get(key)
         if captured is None:
             static = _StepInputs(
                 *(None if t is None else t.clone() for t in (step.tokens, step.embeds)),
@@ -645,13 +667,14 @@ class LMRunner:
             )
             static.load(step, groups)
 
-            def run() -> torch.Tensor:
-                self._static_masks(state, static.valid, static.positions, static.block_mask)
-                for ok, grp in zip(static.valid, state.groups):  # what the next step's held slots are
-                    new = compat.write_index(state.cache, grp.start) + torch.arange(static.q, device=ok.device)
+            def run() -> torch.Tensor:  # on the running state: a stand-in that re-runs it serves any call
+                live = self._active
+                self._static_masks(live, static.valid, static.positions, static.block_mask)
+                for ok, grp in zip(static.valid, live.groups):  # what the next step's held slots are
+                    new = compat.write_index(live.cache, grp.start) + torch.arange(static.q, device=ok.device)
                     ok.index_fill_(1, new, True)
-                grp0 = state.groups[0]
-                return self._lm_forward(state, static.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
+                grp0 = live.groups[0]
+                return self._lm_forward(live, static.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
 
             graph = self.capture()
             before = compat.write_indices(state.cache)
@@ -668,7 +691,7 @@ class LMRunner:
                     self._capture_failed(exc)
                     return last
                 compat.restore_write_indices(state.cache, after)
-            self._graphs[key] = _Captured(graph, static)
+            self.pool.graphs[key] = _Captured(graph, static)
             self.capture_s += graph.capture_s
             return last
         captured.static.load(step, groups)

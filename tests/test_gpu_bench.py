@@ -93,7 +93,7 @@ def test_cpu_run_rows_columns_medians_and_hf_tokens(tmp_path, monkeypatch):
     names = [c.strip() for c in header.strip("|").split("|")]
     col = dict(zip(names, (c.strip() for c in line.strip("|").split("|"))))
     assert col["budget"] == ""  # no budget asked for
-    for name in ("peak mem GiB", "decode % BW limit", "prefill % peak FLOP/s", "capture ms/call"):
+    for name in ("peak mem GiB", "decode % BW limit", "prefill % peak FLOP/s", "capture ms first / timed"):
         assert col[name] == "n/a", name  # a CPU has none of these (no graph is captured on a CPU)
     assert col["tokens = hf eager"] == "yes" and float(col["FLOPs ratio"]) == 1.0
     pruned = next(x for x in md.splitlines() if x.startswith("| tiny | 2 | caption | divprune-8 |"))
@@ -308,3 +308,21 @@ def test_a_failing_row_is_recorded_loudly_and_re_runs(tmp_path, monkeypatch):
     result = run_bench(recipe, output=str(tmp_path))
     assert {r["row"]: r["status"] for r in result["rows"]} == {gs.UNPRUNED: "ok", "divprune-8": "ok"}
     assert [r["status"] for r in _rows(tmp_path)] == ["ok", "ok"]  # the failed line is replaced, not duplicated
+
+
+def test_timed_calls_replay_the_first_calls_graphs(tmp_path, monkeypatch):
+    """With captured steps (here CUDA-graph semantics emulated on the CPU) the first call captures and the
+    timed calls replay: the graphs and static buffers outlive the call, and a one-token (TTFT) call in
+    between runs on the dynamic cache without letting them go."""
+    from mmfast._graph_emulator import ReplayEmulator
+    from mmfast.pipeline import Session
+
+    monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayEmulator if self._captures() else None)
+    run_bench(_recipe(rows=["mmfast *"], batches=[2], workloads=["caption"]), output=str(tmp_path))
+    rows = {r["row"]: r for r in _rows(tmp_path)}
+    assert rows[gs.COMPILED]["capture_s"] > 0 and rows[gs.COMPILED]["capture_timed_s"] == 0
+    assert rows[gs.UNPRUNED]["capture_s"] is None  # model.compile: off
+    assert len({r["tokens_sha"] for r in rows.values()}) == 1
+    line = next(x for x in (tmp_path / "results.md").read_text().splitlines() if f"| {gs.COMPILED} |" in x)
+    assert " / 0.0 |" in line

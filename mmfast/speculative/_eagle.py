@@ -223,6 +223,9 @@ class EagleDrafter(Drafter):
     needs_hidden: ClassVar[bool] = True
     kind: ClassVar[str] = ""
 
+    def max_step_tokens(self) -> int:
+        return int(self.config.total_tokens)  # the verified tree, root included
+
     def install(self) -> None:
         path = resolve_weights(getattr(self.config, "weights", None), self.ctx, self.kind)
         self.model = load_draft(path, self.ctx, self.kind)

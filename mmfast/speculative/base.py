@@ -40,6 +40,12 @@ class Drafter:
     def install(self) -> None:
         """Register hooks (called once when the session opens)."""
 
+    def max_step_tokens(self) -> int | None:
+        """The most tokens one cycle appends to the target's cache at once, root included (what a
+        static KV cache reserves beyond ``max_new_tokens``); None: not bounded (a larger step grows the
+        static buffers, logged, and a captured step is captured again)."""
+        return None
+
     def begin(self, ctx: SpecContext) -> None:
         """A new sequence: the target has prefilled ``ctx.inputs`` and committed the first token."""
 

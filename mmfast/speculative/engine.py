@@ -152,7 +152,9 @@ def _decode_one(
     stats.draft_tokens += ctx.extras.get("draft_tokens", 0)
     tokens = ctx.committed
     cut = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
-    return _OneResult(tokens[:cut], acc, method_stats, state.kv_bytes_per_sample()[0], t1 - t0, t2 - t1)
+    kv_end = state.kv_bytes_per_sample()[0]
+    runner.finish(state)  # its static buffers (and graphs) serve the next sample
+    return _OneResult(tokens[:cut], acc, method_stats, kv_end, t1 - t0, t2 - t1)
 
 
 def speculative_decode(ctx: MethodContext, drafter: Drafter, req: DecodeRequest, sampling: Sampling) -> DecodeOutput:

@@ -99,6 +99,9 @@ class LayerSkip(Drafter):
         self.skip = chosen
         return chosen
 
+    def max_step_tokens(self) -> int:
+        return 1 + self.config.gamma  # the verified chain and its root (the draft steps append fewer)
+
     def propose(self, ctx, root: int) -> DraftTree:
         runner, state = self.ctx.runner, ctx.state
         cp = state.checkpoint()

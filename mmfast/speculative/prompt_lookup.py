@@ -43,6 +43,11 @@ class PromptLookup(Drafter):
     def install(self) -> None:
         self.table: dict[tuple[int, int], Counter] = defaultdict(Counter)
 
+    def max_step_tokens(self) -> int:
+        cfg = self.config
+        trigram = sum(cfg.branching**d for d in range(1, cfg.trigram_depth + 1)) if cfg.trigram else 0
+        return 1 + max(cfg.num_tokens, trigram)  # the root and the n-gram chain or the trigram tree
+
     def begin(self, ctx) -> None:
         ids = ctx.inputs.input_ids[0]
         text = ids.masked_fill(ctx.inputs.image_mask[0], -1)

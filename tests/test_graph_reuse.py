@@ -1,0 +1,153 @@
+"""Captured decode steps outlive the call (issue 27: capture time amortised over a run): a session keeps
+its last call's static KV buffers and the graphs captured on them (``compat.StaticBufferPool``), and the
+next call whose cache fits those buffers replays the graphs instead of capturing again.
+
+The graphs here are :class:`mmfast._graph_emulator.ReplayEmulator` (CUDA-graph semantics on the CPU: only
+the recorded ops replay, on the tensors they were recorded on), so a graph that read anything of the
+first call besides the kept buffers and its own static inputs would give the second call wrong tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import mmfast
+from mmfast import compat
+from mmfast._graph_emulator import ReplayEmulator
+from mmfast.config import load_recipe
+
+
+class Counted(ReplayEmulator):
+    made: list = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        Counted.made.append(self)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    from mmfast.pipeline import Session
+
+    Counted.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: Counted)
+    return Counted
+
+
+def _dynamic(mm, recipe, images, prompts, n=6):
+    with mmfast.apply(mm, load_recipe(recipe), compile="off") as s:
+        return [r.token_ids for r in s.generate(images, prompts, max_new_tokens=n, seed=0)]
+
+
+def _replays() -> int:
+    return sum(g.replays for g in Counted.made)
+
+
+PDROP = "pyramiddrop"
+
+
+@pytest.mark.parametrize("name", ["greedy", PDROP, "prompt_lookup"])
+def test_the_next_call_replays_the_graphs_of_the_last(name, captured, tiny_mm, images, prompts):
+    """Two calls with other images and prompts of similar length: the second replays the first call's
+    graphs and captures only step shapes the first did not have (a verify step's tree size varies), and
+    both equal the dynamic cache's tokens. Speculative decoding runs samples one at a time: the second
+    sample takes the first's buffers (``LMRunner.finish``)."""
+    from mmfast.registry import PRUNERS
+
+    recipe = {
+        "greedy": {},
+        PDROP: {"pruning": [{"method": PDROP, "params": PRUNERS.get(PDROP).cls.test_params(tiny_mm.adapter)}]},
+        "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
+    }[name]
+    first, second = (images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])
+    want = [_dynamic(tiny_mm, recipe, *first), _dynamic(tiny_mm, recipe, *second)]
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        got = [[r.token_ids for r in s.generate(*first, max_new_tokens=6, seed=0)]]
+        kept, made = dict(s.runner.pool.graphs), len(captured.made)
+        replays = {key: g.graph.replays for key, g in kept.items()}
+        assert kept and s.runner.pool.kept_bytes > 0
+        if name == "prompt_lookup":  # two samples, one at a time: one set of buffers, q=1 captured once
+            assert sum(c.static.q == 1 for c in kept.values()) == 1
+        got.append([r.token_ids for r in s.generate(*second, max_new_tokens=6, seed=0)])
+        assert all(s.runner.pool.graphs.get(key) is g for key, g in kept.items()), "a kept graph was dropped"
+        assert sum(g.graph.replays - replays[key] for key, g in kept.items()) >= 4
+        if name != "prompt_lookup":
+            assert len(captured.made) == made, "the second call captured again"
+    assert got == want
+    assert not s.runner.pool.graphs and s.runner.pool.kept_bytes == 0  # closing the session frees them
+
+
+def test_a_cache_that_does_not_fit_captures_anew(captured, tiny_mm, images, prompts):
+    """Another batch size, or a much shorter need (the buffer would be over 1.5x what the call needs),
+    takes new buffers and new graphs; the tokens stay right."""
+    runs = [(images[:2], prompts[:2], 6), (images[:1], prompts[:1], 6), (images[:1], prompts[:1], 200)]
+    with mmfast.apply(tiny_mm, load_recipe({}), compile="static") as s:
+        for imgs, ps, n in runs:
+            made = len(captured.made)
+            got = [r.token_ids for r in s.generate(imgs, ps, max_new_tokens=n, seed=0)]
+            assert len(captured.made) > made
+            assert got == _dynamic(tiny_mm, {}, imgs, ps, n)
+        # back to a shorter call: the 200-token buffers are over 1.5x its need
+        made = len(captured.made)
+        s.generate(images[:1], prompts[:1], max_new_tokens=6, seed=0)
+        assert len(captured.made) > made
+
+
+def test_a_call_without_decode_steps_keeps_the_set(captured, tiny_mm, images, prompts, monkeypatch):
+    """A one-token call (TTFT) has no decode step: it runs on the dynamic cache and leaves the kept
+    buffers and graphs to the next call."""
+    with mmfast.apply(tiny_mm, load_recipe({}), compile="static") as s:
+        s.generate(images[:2], prompts[:2], max_new_tokens=6)
+        graphs, made = dict(s.runner.pool.graphs), len(captured.made)
+        one = s.generate(images[:2], prompts[:2], max_new_tokens=1)
+        assert s.runner.pool.graphs == graphs
+        s.generate(images[:2], prompts[:2], max_new_tokens=6)
+        assert len(captured.made) == made
+    assert [r.token_ids for r in one] == _dynamic(tiny_mm, {}, images[:2], prompts[:2], 1)
+
+
+def _layer(pool, n=5, reserve=3, batch=2, dtype=torch.float32):
+    lay = compat.StaticSlotLayer(reserve, pool, 0)
+    k = torch.randn(batch, 2, n, 4, dtype=dtype)
+    lay.update(k, k + 1)
+    return lay
+
+
+def test_pool_takes_zeroed_buffers_that_fit_and_drops_the_rest():
+    pool = compat.StaticBufferPool()
+    lay = _layer(pool)
+    assert lay.capacity == pool.granularity  # 5 + 3 rounded up
+    pool.graphs[(compat.static_buffers(type("C", (), {"layers": [lay]})()),)] = "graph"
+    pool.keep(type("C", (), {"layers": [lay]})())
+    assert pool.graphs and pool.kept_bytes == 2 * lay._k.numel() * 4
+    k_ptr = lay._k.data_ptr()
+    again = _layer(pool, n=40)  # needs 43 <= 64 <= 64
+    assert again._k.data_ptr() == k_ptr and again.length == 40
+    assert not again._k[:, :, 40:].any() and torch.equal(again.keys[:, :, :40], again._k[:, :, :40])
+    assert pool.graphs  # taken: still valid
+    pool.keep(type("C", (), {"layers": [again]})())
+    big = _layer(pool, n=100)  # needs 103 > 64: new buffers (the old ones go first), every graph goes
+    assert big.capacity == 128 and not pool.graphs
+    pool.graphs[(compat.static_buffers(type("C", (), {"layers": [big]})()),)] = "graph"
+    pool.keep(type("C", (), {"layers": [big]})())
+    small = _layer(pool, n=2)  # needs 5: 128 is over 1.5 x 5 and over 5 rounded up
+    assert small.capacity == 64 and not pool.graphs
+    pool.keep(type("C", (), {"layers": [small]})())
+    other = _layer(pool, n=2, batch=3)  # another batch
+    assert other._k.shape[0] == 3
+    pool.keep(type("C", (), {"layers": [other]})())
+    half = _layer(pool, n=2, batch=3, dtype=torch.float64)  # another dtype
+    assert half._k.dtype == torch.float64
+    pool.clear()
+    assert pool.kept_bytes == 0 and not pool.graphs
+
+
+def test_a_copied_layer_does_not_carry_the_pool():
+    pool = compat.StaticBufferPool()
+    fresh = compat.StaticSlotLayer(2, pool, 0)
+    lay = _layer(pool)
+    assert copy.deepcopy(lay)._pool is None and lay._pool is None
+    assert fresh._pool is pool
