@@ -411,6 +411,16 @@ class LMRunner:
                 self.pool.keep(self._block_cache)
                 self._block_cache = None
 
+    @property
+    def captures(self) -> bool:
+        """This block's static steps run as captured graphs (one per step shape): a caller whose step
+        width varies (a verify tree) pads it to one width to use one graph."""
+        if self.capture is None or self.static_reserve is None:
+            return False
+        if self._block_blocker is _UNCHECKED:
+            self._block_blocker = self.capture_blocker()
+        return self._block_blocker is None
+
     def finish(self, state: LMState) -> None:
         """``state`` is done with (sequential per-sample decoding): its static buffers, and the graphs
         captured on them, serve the next prefill of this block."""

@@ -52,9 +52,9 @@ PDROP = "pyramiddrop"
 @pytest.mark.parametrize("name", ["greedy", PDROP, "prompt_lookup"])
 def test_the_next_call_replays_the_graphs_of_the_last(name, captured, tiny_mm, images, prompts):
     """Two calls with other images and prompts of similar length: the second replays the first call's
-    graphs and captures only step shapes the first did not have (a verify step's tree size varies), and
-    both equal the dynamic cache's tokens. Speculative decoding runs samples one at a time: the second
-    sample takes the first's buffers (``LMRunner.finish``)."""
+    graphs and captures nothing, and both equal the dynamic cache's tokens. Speculative decoding runs
+    samples one at a time (the second sample takes the first's buffers: ``LMRunner.finish``) and pads
+    every verify tree to the drafter's largest (one graph)."""
     from mmfast.registry import PRUNERS
 
     recipe = {
@@ -69,13 +69,12 @@ def test_the_next_call_replays_the_graphs_of_the_last(name, captured, tiny_mm, i
         kept, made = dict(s.runner.pool.graphs), len(captured.made)
         replays = {key: g.graph.replays for key, g in kept.items()}
         assert kept and s.runner.pool.kept_bytes > 0
-        if name == "prompt_lookup":  # two samples, one at a time: one set of buffers, q=1 captured once
-            assert sum(c.static.q == 1 for c in kept.values()) == 1
+        if name == "prompt_lookup":  # two samples one at a time, every verify tree padded to one width: one graph
+            assert [c.static.q for c in kept.values()] == [s.drafter.max_step_tokens()]
         got.append([r.token_ids for r in s.generate(*second, max_new_tokens=6, seed=0)])
         assert all(s.runner.pool.graphs.get(key) is g for key, g in kept.items()), "a kept graph was dropped"
         assert sum(g.graph.replays - replays[key] for key, g in kept.items()) >= 4
-        if name != "prompt_lookup":
-            assert len(captured.made) == made, "the second call captured again"
+        assert len(captured.made) == made, "the second call captured again"
     assert got == want
     assert not s.runner.pool.graphs and s.runner.pool.kept_bytes == 0  # closing the session frees them
 
@@ -151,3 +150,18 @@ def test_a_copied_layer_does_not_carry_the_pool():
     lay = _layer(pool)
     assert copy.deepcopy(lay)._pool is None and lay._pool is None
     assert fresh._pool is pool
+
+
+def test_a_verify_tree_is_padded_to_the_width():
+    """Pads are copies of the root at depth 0 that see only themselves; no node sees a pad."""
+    from mmfast.speculative.engine import _verify_inputs
+    from mmfast.speculative.tree import DraftTree
+
+    tree = DraftTree(torch.tensor([7, 8, 9]), torch.tensor([0, 1, 0]))  # root -> 7 -> 8, root -> 9
+    nodes, depth, mask = _verify_inputs(tree, 5, None)
+    assert nodes.tolist() == [[5, 7, 8, 9]] and torch.equal(mask, tree.mask())
+    nodes, depth, mask = _verify_inputs(tree, 5, 6)
+    assert nodes.tolist() == [[5, 7, 8, 9, 5, 5]] and depth.tolist() == [0, 1, 2, 1, 0, 0]
+    assert torch.equal(mask[:4, :4], tree.mask()) and not mask[:4, 4:].any() and not mask[4:, :4].any()
+    assert torch.equal(mask[4:, 4:], torch.eye(2, dtype=torch.bool))
+    assert _verify_inputs(tree, 5, 3)[0].shape == (1, 4)  # never cut

@@ -83,8 +83,12 @@ def test_static_pruners_match_dynamic(pruner, decoding, tiny_mm, images, prompts
     assert static == dynamic
 
 
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "emulated"])
 @pytest.mark.parametrize("name", ["msd", "flash"])
-def test_static_trained_drafters_match_dynamic(name, tiny_mm, images, prompts, padded_steps):
+def test_static_trained_drafters_match_dynamic(name, captured, tiny_mm, images, prompts, padded_steps, monkeypatch):
+    """Eager static steps, and captured ones (CUDA-graph semantics emulated; every verify tree padded to
+    ``total_tokens``)."""
+    from mmfast.pipeline import Session
     from mmfast.speculative._eagle_model import _model_dir, write_random_draft
 
     d = _model_dir(tiny_mm)
@@ -96,10 +100,14 @@ def test_static_trained_drafters_match_dynamic(name, tiny_mm, images, prompts, p
         "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2},
     }
     recipe = {"speculative": {"method": name, "params": params[name]}, "pruning": [_stage("fastv", tiny_mm)]}
-    assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == _tokens(
-        tiny_mm, recipe, images, prompts, "off", n=12
-    )
+    dynamic = _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
+    EmulatedGraph.made = []
+    if captured:
+        monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == dynamic
     assert padded_steps[0] > 0
+    if captured:  # one verify width; the second sample's longer prompt needs larger buffers than the first's
+        assert len(EmulatedGraph.made) <= 2 and sum(g.replays for g in EmulatedGraph.made) >= 3
 
 
 DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}

@@ -21,7 +21,7 @@ import torch
 
 from ..decoding.base import DecodeOutput, DecodeRequest, now, sample_generator, sample_seed, state_accounting
 from ..decoding.loop import warpers
-from .tree import verify
+from .tree import DraftTree, verify
 
 if TYPE_CHECKING:
     from ..context import MethodContext
@@ -112,6 +112,22 @@ class _OneResult:
     decode_s: float
 
 
+def _verify_inputs(tree: DraftTree, root: int, width: int | None) -> tuple[torch.Tensor, ...]:
+    """The verify step's tokens ([1, W]: the root, then the tree's nodes), depths ([W]) and tree mask
+    ([W, W]); with ``width`` the step is padded to W >= N + 1 slots: copies of the root at depth 0 that
+    see only themselves and that no node sees (their logits are not read; rollback drops their KV)."""
+    dev = tree.tokens.device
+    nodes = torch.cat([torch.tensor([root], device=dev), tree.tokens])  # [N+1]
+    depth, mask = tree.depth(), tree.mask()
+    pad = 0 if width is None else width - nodes.numel()
+    if pad <= 0:
+        return nodes[None], depth, mask
+    nodes = torch.cat([nodes, nodes[:1].expand(pad)])
+    depth = torch.cat([depth, depth.new_zeros(pad)])
+    mask = torch.block_diag(mask, torch.eye(pad, dtype=torch.bool, device=dev))
+    return nodes[None], depth, mask
+
+
 @torch.inference_mode()
 def _decode_one(
     method: MethodContext, drafter: Drafter, inputs: LMInputs, max_new: int, ctx_kw: dict, stats: SpecStats
@@ -127,14 +143,16 @@ def _decode_one(
     method_stats = state.stats_rows(1)
     ctx.committed.append(root)
     drafter.begin(ctx)
+    # captured verify steps: every tree padded to the drafter's largest, so one graph serves them all
+    width = drafter.max_step_tokens() if runner.captures else None
     while len(ctx.committed) < max_new and root not in stop:
         tree = drafter.propose(ctx, root)
-        nodes = torch.cat([torch.tensor([root], device=tree.tokens.device), tree.tokens])[None]  # [1, N+1]
-        step = runner.step(state, nodes, depth=tree.depth(), block_mask=tree.mask())
-        logits = step.logits[0]  # [N+1, V]
+        nodes, depth, mask = _verify_inputs(tree, root, width)  # [1, W], [W], [W, W]
+        step = runner.step(state, nodes, depth=depth, block_mask=mask)
+        logits = step.logits[0, : tree.n + 1]  # [N+1, V]
         verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
         keep = torch.tensor([0, *verdict.path], device=nodes.device)
-        state.keep_new(tree.n + 1, keep)
+        state.keep_new(nodes.shape[1], keep)
         new = [int(tree.tokens[i - 1]) for i in verdict.path] + [verdict.bonus]
         stats.cycles += 1
         stats.record(verdict.tried_depths, len(verdict.path))
