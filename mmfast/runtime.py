@@ -181,13 +181,17 @@ class LMState:
         if valid is not None:
             grp.key_mask = grp.key_mask & valid
 
-    def keep_new(self, n_new: int, keep: torch.Tensor) -> None:
+    def keep_new(self, n_new: int, keep: torch.Tensor, *, prefix: bool = False) -> None:
         """Of the last ``n_new`` slots of every layer, keep those at ``keep`` ([k], ascending), in order.
 
         Speculative rollback: the accepted root-to-leaf path of a verified draft tree is copied to the
-        front of the new block and the rest cropped (no copy of the prefix).
+        front of the new block and the rest cropped (no copy of the prefix). ``prefix``: the caller
+        knows ``keep`` is 0..k-1 (a chain accepted from its start), so the rest is only cropped.
         """
         k = int(keep.numel())
+        if prefix:
+            self.crop_last(n_new - k)
+            return
         for layer in self.cache.layers:
             if isinstance(layer, compat.StaticSlotLayer):  # in the buffer, no views of the held slots
                 layer.keep_new(n_new, keep)

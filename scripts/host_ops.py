@@ -5,6 +5,10 @@ graph (:class:`mmfast.bench.host_ops.ReplayGraph`) so the captured path is taken
 dispatched outside the graph per steady-state decode step. Op counts on the CPU, not GPU times.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --embedded --max-new-tokens 40
+
+``--embedded``: greedy and the trained drafters (FLASH, MSD: ops per verify cycle) on the embedded model
+with one world image and the caption prompt, instead of the tiny random LLaVA's cases.
 """
 
 from __future__ import annotations
@@ -36,7 +40,11 @@ def cases(mm) -> dict[str, tuple[dict, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--embedded", action="store_true", help="the embedded model's greedy, flash and msd")
     args = ap.parse_args()
+    if args.embedded:
+        print_rows(embedded_rows(args.max_new_tokens))
+        return
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)) for _ in range(2)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,6 +53,22 @@ def main() -> None:
         rows = []
         for name, (recipe, bsz) in cases(mm).items():
             rows.append((name, count_step_ops(mm, recipe, images[:bsz], PROMPTS[:bsz], args.max_new_tokens)))
+    print_rows(rows)
+
+
+def embedded_rows(max_new_tokens: int) -> list[tuple[str, dict]]:
+    from mmfast.config import load_recipe
+    from mmfast.eval.data import resolve_data
+
+    mm = mmfast.load("mmfast/tiny-world", device="cpu", dtype="float32")
+    image_dir = resolve_data(load_recipe({}).eval, ()).image_dir
+    path = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg"))[0]
+    image, prompt = Image.open(path).convert("RGB"), "Please describe this image in detail."
+    recipes = {"greedy": {}, "flash": {"speculative": {"method": "flash"}}, "msd": {"speculative": {"method": "msd"}}}
+    return [(name, count_step_ops(mm, r, [image], [prompt], max_new_tokens)) for name, r in recipes.items()]
+
+
+def print_rows(rows: list[tuple[str, dict]]) -> None:
     cols = [*PHASES, "total"]
     print("| case | steps | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))

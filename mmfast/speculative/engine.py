@@ -116,16 +116,10 @@ def _verify_inputs(tree: DraftTree, root: int, width: int | None) -> tuple[torch
     """The verify step's tokens ([1, W]: the root, then the tree's nodes), depths ([W]) and tree mask
     ([W, W]); with ``width`` the step is padded to W >= N + 1 slots: copies of the root at depth 0 that
     see only themselves and that no node sees (their logits are not read; rollback drops their KV)."""
-    dev = tree.tokens.device
-    nodes = torch.cat([torch.tensor([root], device=dev), tree.tokens])  # [N+1]
-    depth, mask = tree.depth(), tree.mask()
-    pad = 0 if width is None else width - nodes.numel()
-    if pad <= 0:
-        return nodes[None], depth, mask
-    nodes = torch.cat([nodes, nodes[:1].expand(pad)])
-    depth = torch.cat([depth, depth.new_zeros(pad)])
-    mask = torch.block_diag(mask, torch.eye(pad, dtype=torch.bool, device=dev))
-    return nodes[None], depth, mask
+    pad = max(0, (width or 0) - tree.n - 1)
+    head = torch.tensor([root] * (1 + pad), device=tree.tokens.device)
+    nodes = torch.cat([head[:1], tree.tokens, head[1:]])  # [W]
+    return nodes[None], tree.depth(width), tree.mask(width)
 
 
 @torch.inference_mode()
@@ -152,7 +146,7 @@ def _decode_one(
         logits = step.logits[0, : tree.n + 1]  # [N+1, V]
         verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
         keep = torch.tensor([0, *verdict.path], device=nodes.device)
-        state.keep_new(nodes.shape[1], keep)
+        state.keep_new(nodes.shape[1], keep, prefix=verdict.path == list(range(1, len(verdict.path) + 1)))
         new = [int(tree.tokens[i - 1]) for i in verdict.path] + [verdict.bonus]
         stats.cycles += 1
         stats.record(verdict.tried_depths, len(verdict.path))

@@ -29,6 +29,7 @@ otherwise, and refuses a "without_replacement" tree whose sampled siblings repea
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -70,27 +71,36 @@ class DraftTree:
             torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
         )
 
-    def depth(self) -> torch.Tensor:
-        """[N + 1] depth of every node, root included (root = 0)."""
+    @functools.cached_property
+    def parent_list(self) -> list[int]:
+        """``parents`` on the host (one device-to-host copy per tree)."""
+        return self.parents.tolist()
+
+    def depth(self, width: int | None = None) -> torch.Tensor:
+        """[N + 1] depth of every node, root included (root = 0); with ``width``, [W] padded with 0."""
         d = [0] * (self.n + 1)
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.parent_list):
             d[i + 1] = d[p] + 1
+        d += [0] * max(0, (width or 0) - len(d))
         return torch.tensor(d, dtype=torch.long, device=self.tokens.device)
 
-    def mask(self) -> torch.Tensor:
-        """[N + 1, N + 1] bool: node i sees node j iff j is i or an ancestor of i."""
-        n = self.n + 1
-        m = torch.zeros(n, n, dtype=torch.bool)
-        m[0, 0] = True
-        for i, p in enumerate(self.parents.tolist()):
-            m[i + 1] = m[p]
-            m[i + 1, i + 1] = True
-        return m.to(self.tokens.device)
+    def mask(self, width: int | None = None) -> torch.Tensor:
+        """[N + 1, N + 1] bool: node i sees node j iff j is i or an ancestor of i; with ``width``,
+        [W, W]: pad rows see only themselves and no node sees a pad. Built on the host, one copy."""
+        n = max(self.n + 1, width or 0)
+        rows = [[False] * n for _ in range(n)]
+        rows[0][0] = True
+        for i, p in enumerate(self.parent_list):
+            rows[i + 1] = rows[p].copy()
+            rows[i + 1][i + 1] = True
+        for i in range(self.n + 1, n):
+            rows[i][i] = True
+        return torch.tensor(rows, dtype=torch.bool, device=self.tokens.device)
 
     def children(self) -> list[list[int]]:
         """Children of every node (0..N), in proposal order."""
         ch: list[list[int]] = [[] for _ in range(self.n + 1)]
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.parent_list):
             ch[p].append(i + 1)
         return ch
 
