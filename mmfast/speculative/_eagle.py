@@ -279,7 +279,7 @@ class EagleDrafter(Drafter):
     def accept(self, ctx: SpecContext, tree: DraftTree, path: list[int], hidden: torch.Tensor, bonus: int) -> None:
         m = self.model
         self.cache.rollback()
-        toks = [int(tree.tokens[i - 1]) for i in path] + [int(bonus)]
+        toks = [tree.token_list[i - 1] for i in path] + [int(bonus)]
         ids = torch.tensor(toks, device=hidden.device)
         h = hidden.to(m.fc.weight.dtype)
         f = self.cache.f

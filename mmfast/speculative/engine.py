@@ -147,7 +147,7 @@ def _decode_one(
         verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
         keep = torch.tensor([0, *verdict.path], device=nodes.device)
         state.keep_new(nodes.shape[1], keep, prefix=verdict.path == list(range(1, len(verdict.path) + 1)))
-        new = [int(tree.tokens[i - 1]) for i in verdict.path] + [verdict.bonus]
+        new = [tree.token_list[i - 1] for i in verdict.path] + [verdict.bonus]
         stats.cycles += 1
         stats.record(verdict.tried_depths, len(verdict.path))
         for t in new:

@@ -113,25 +113,30 @@ class Flash(EagleDrafter):
         forwards = 0
         for r in range(rounds):
             sv, tv = self._logp(f_feats).topk(k, dim=-1)  # [n_f, K, k]
-            b_root = torch.arange(f_ids.numel(), device=dev)  # block root index of each beam node
+            # block root index of each beam node; None while there is one block root (the first block),
+            # whose slot rows then serve every beam node
+            b_root = torch.arange(f_ids.numel(), device=dev) if f_ids.numel() > 1 else None
             b_score, b_ids = f_score, f_ids
-            levels: list[torch.Tensor] = []  # candidate ids per level of this block (for tracing)
+            block_start = n_cand  # the first candidate id of this block (for tracing)
             for lvl in range(big_k):
-                cu = (b_score[:, None] + sv[b_root, lvl]).reshape(-1)
-                t = tv[b_root, lvl].reshape(-1)
+                if b_root is None:
+                    cu = (b_score[:, None] + sv[0, lvl]).reshape(-1)  # [n_b * k]
+                    t = tv[0, lvl].repeat(b_score.numel())
+                else:
+                    cu = (b_score[:, None] + sv[b_root, lvl]).reshape(-1)
+                    t = tv[b_root, lvl].reshape(-1)
                 par = b_ids.repeat_interleave(k)
-                ids = n_cand + torch.arange(cu.numel(), device=dev)
                 toks.append(t)
                 scores.append(cu)
                 parents.append(par)
                 if r < rounds - 1:
                     tok_host += t.tolist()
                     par_host += par.tolist()
-                n_cand += cu.numel()
                 b_score, sel = cu.topk(min(k, cu.numel()))
-                b_ids = ids[sel]
-                b_root = b_root.repeat_interleave(k)[sel]
-                levels.append(ids)
+                b_ids = sel + n_cand  # candidate ids of this level: n_cand + 0..n_b*k-1
+                if b_root is not None:
+                    b_root = b_root.repeat_interleave(k)[sel]
+                n_cand += cu.numel()
             if r == rounds - 1:
                 break
             n_keep = max(1, total - 1)
@@ -143,10 +148,9 @@ class Flash(EagleDrafter):
                 break  # no deeper candidate could enter the kept set (see MSD's eagle2_tree)
             # feed the k best paths of this block (levels 1..K) in one forward; the frontier's slots seed the next block
             beam = b_ids.tolist()
-            block_start = int(levels[0][0])
             nodes: dict[int, int] = {}  # candidate id -> block level (1..K)
             root_of: dict[int, int] = {}
-            for c, fr in zip(beam, b_root.tolist()):
+            for c, fr in zip(beam, [0] * len(beam) if b_root is None else b_root.tolist()):
                 chain = []
                 while c >= block_start:
                     chain.append(c)

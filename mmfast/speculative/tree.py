@@ -76,6 +76,11 @@ class DraftTree:
         """``parents`` on the host (one device-to-host copy per tree)."""
         return self.parents.tolist()
 
+    @functools.cached_property
+    def token_list(self) -> list[int]:
+        """``tokens`` on the host (one device-to-host copy per tree)."""
+        return self.tokens.tolist()
+
     def depth(self, width: int | None = None) -> torch.Tensor:
         """[N + 1] depth of every node, root included (root = 0); with ``width``, [W] padded with 0."""
         d = [0] * (self.n + 1)
@@ -125,7 +130,9 @@ def verify(
         logits: [N + 1, V] target logits (greedy uses their argmax).
     """
     children = tree.children()
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list
+    # greedy: every node's target token in one device-to-host copy (instead of one per accepted depth)
+    targets = logits.argmax(-1).tolist() if probs is None else []
     if probs is not None:
         _check_siblings(tree, children, tokens)
     without = tree.sibling_sampling == "without_replacement"
@@ -136,7 +143,7 @@ def verify(
         if kids:
             tried.append(depth + 1)
         if probs is None:
-            target = int(logits[node].argmax())
+            target = targets[node]
             nxt = next((c for c in kids if tokens[c - 1] == target), None)
             if nxt is None:
                 return Verdict(path, target, tried)
