@@ -129,6 +129,7 @@ class DraftCache:
         *,
         vis: torch.Tensor | None = None,
         query: torch.Tensor | slice | None = None,
+        max_pos: int | None = None,
     ) -> torch.Tensor:
         """Append rows x [Q, d] at positions pos [Q] (uncommitted); return outputs [nq, d] of ``query`` rows.
 
@@ -142,7 +143,7 @@ class DraftCache:
         start = self.committed + self.n_app
         end = start + n
         self._ensure(end)
-        cos, sin = m.rope(pos)  # [n, hd]
+        cos, sin = m.rope(pos, max_pos)  # [n, hd]
         if query is None:
             qkv = F.linear(x, f.w_qkv, f.b_qkv)
             q, kv, xq = qkv[:, : f.nq], qkv[:, f.nq :], x
@@ -269,7 +270,7 @@ class EagleDrafter(Drafter):
         self.cache.reset()
         n = x.shape[0]
         pos = torch.arange(n, device=x.device)
-        out = self.cache.append(x, pos, query=slice(n - 1, n))  # K/V for every row, output of the last
+        out = self.cache.append(x, pos, query=slice(n - 1, n), max_pos=n - 1)  # K/V for every row, output of the last
         self.cache.commit()
         self.pos = n
         self.root_slots = m.slots(out[-1])
@@ -286,7 +287,7 @@ class EagleDrafter(Drafter):
         x = f.fc(f.embed(ids).to(h.dtype), h)  # generated tokens are text rows
         n = x.shape[0]
         pos = torch.arange(self.pos, self.pos + n, device=x.device)
-        out = self.cache.append(x, pos, query=slice(n - 1, n))
+        out = self.cache.append(x, pos, query=slice(n - 1, n), max_pos=self.pos + n - 1)
         self.cache.commit()
         self.pos += n
         self.root_slots = m.slots(out[-1])
@@ -341,7 +342,7 @@ class EagleDrafter(Drafter):
             vis[r0 : r0 + k, r0 : r0 + k] = eye
             x = f.fc(f.embed(tok).to(front_feat.dtype), front_feat)
             pos = torch.full((k,), self.pos + i, device=dev, dtype=torch.long)
-            out = cache.append(x, pos, vis=vis[r0 : r0 + k, : r0 + k])
+            out = cache.append(x, pos, vis=vis[r0 : r0 + k, : r0 + k], max_pos=self.pos + i)
             logp = self._logp(out)  # [k, V]
             s2, t2 = logp.topk(k, dim=-1)  # [k, k]
             cu = (s2 + score[:, None]).reshape(-1)

@@ -142,9 +142,10 @@ class DraftModel(nn.Module):
         return self.arch.sar_k
 
     # -- the decoder layer --------------------------------------------------------------------------
-    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ([*pos.shape, head_dim]) from a cached table (grown on demand)."""
-        need = int(pos.max()) + 1 if pos.numel() else 1
+    def rope(self, pos: torch.Tensor, max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ([*pos.shape, head_dim]) from a cached table (grown on demand). ``max_pos``: a bound
+        on ``pos`` the caller knows on the host (saves reading the largest position from the device)."""
+        need = (int(pos.max()) if max_pos is None else max_pos) + 1 if pos.numel() else 1
         table = self._rope_table
         w = self.fc.weight
         if table is None or table[0].shape[0] < need or table[0].device != w.device or table[0].dtype != w.dtype:

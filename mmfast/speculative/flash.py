@@ -178,7 +178,7 @@ class Flash(EagleDrafter):
             x = cache.f.fc(cache.f.embed(tok_t).to(feats.dtype), feats)
             pos = self.pos - 1 + r * big_k + lvl_t
             query = torch.tensor([row_of[c] - n_prev for c in beam], device=dev)
-            out = cache.append(x, pos, vis=vis[n_prev:], query=query)
+            out = cache.append(x, pos, vis=vis[n_prev:], query=query, max_pos=self.pos - 1 + (r + 1) * big_k)
             forwards += 1
             row_vis = vis
             f_rows = [row_of[c] for c in beam]
