@@ -40,3 +40,23 @@ def test_static_step_mask_is_the_block_causal_mask_padded(custom):
     valid[:, :held] = key_mask[:, :held]
     got = static_step_mask(valid, torch.tensor(held), q, block if custom else None)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "name,params,bound",
+    [  # before: 311 and 471 ops a cycle (a row copy per tree node for the mask, an int() per token, ...)
+        ("flash", {"top_k": 4, "total_tokens": 12}, 185),
+        ("msd", {"depth": 3, "top_k": 4, "total_tokens": 16}, 330),
+    ],
+)
+def test_a_verify_cycle_keeps_its_host_work_small(name, params, bound, tiny_mm, images, prompts):
+    """Ops outside the verify graph per draft-and-verify cycle (draft forwards and tree search run eagerly):
+    178 and 319 now on the tiny model with random drafts."""
+    from mmfast.speculative._eagle_model import _model_dir, write_random_draft
+
+    d = _model_dir(tiny_mm)
+    if not (d / name).exists():
+        write_random_draft(tiny_mm, name, d / name, **({"sar_k": 3, "n_latents": 4} if name == "flash" else {}))
+    ops = count_step_ops(tiny_mm, {"speculative": {"method": name, "params": params}}, images[:1], prompts[:1], 12)
+    assert ops["steps"] >= 4 and ops["replay copies"] <= 6, ops
+    assert ops["total"] <= bound, ops
