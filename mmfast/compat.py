@@ -603,6 +603,25 @@ def advance_static(cache, q: int) -> None:
         lay._len += q
 
 
+def bind_static(cache, config, like: torch.Tensor, n: int) -> None:
+    """Give every layer of a static ``cache`` its buffers for ``n`` slots plus its reserve before a
+    captured prefill writes them (the pool's when they fit): ``like`` ([B, T, d]) gives batch, dtype
+    and device, ``config`` the K/V heads and head size."""
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    kv = like.new_empty(like.shape[0], heads, 0, head_dim)  # [B, Hkv, 0, D]
+    for lay in cache.layers:
+        if lay._k is None:
+            lay._first_buffers(kv, kv, n)
+            lay.length = 0
+
+
+def set_static_lengths(cache, n: int) -> None:
+    """The host's count of held slots of every layer (after a graph moved the device write indices)."""
+    for lay in cache.layers:
+        lay._len = int(n)
+
+
 def write_indices(cache) -> list[torch.Tensor]:
     """Copies of every layer's device write index (to undo a step that ran only to be captured)."""
     return [lay._pos.clone() for lay in cache.layers]

@@ -115,6 +115,7 @@ class Session:
         self.hooks = HookSession(mm.model)
         self.probe = AttentionProbe(self.hooks)
         self.runner = LMRunner(self.adapter, self.hooks)
+        self.runner.pad_token_id = int(mm.pad_token_id if mm.pad_token_id is not None else 0)
         self.ctx = MethodContext.of(mm, self.runner, self.probe, self.hooks, self.encode)
         self.ctx.calibration_set = calibration  # what token budgets are calibrated on (None: the default set)
         self.scoring_s = 0.0

@@ -352,6 +352,8 @@ class LMRunner:
         #: the captured steps and the static buffers they read, kept from one decode call to the next
         #: (the next call replays them when its cache takes the same buffers); :meth:`release` frees them
         self.pool = compat.StaticBufferPool()
+        self.pad_token_id = 0  # what left padding holds (the session sets the tokenizer's)
+        self._prefill_refused = False  # a prefill capture failed once: prefills run eagerly from then on
         self._block_cache: Any = None  # the first static cache of this block that the pool serves
         self._consts: dict[tuple, torch.Tensor] = {}  # decode-step constants (:meth:`_const`)
         self._capture_refusals: set[str] = set()  # reasons already logged
@@ -459,34 +461,109 @@ class LMRunner:
         ``hidden`` is the final-norm hidden state of the last position, or of every slot of the last
         layer group with ``all_hidden`` (what EAGLE-style drafts consume).
         """
+        cfg = self.adapter.text_config
+        pool = None  # captured steps: the buffers come from (and go back to) the pool; eager ones need no pool
+        if self.static_reserve is not None and self.capture is not None and self._block_cache is None:
+            pool = self.pool
+        graph = pool is not None and not all_hidden and not self._prefill_refused and self.prefill_blocker() is None
+        if graph:  # one captured prefill per bucket of lengths: left-padded to a multiple of PREFILL_BUCKET
+            pad = -inputs.length % PREFILL_BUCKET
+            inputs = inputs.pad_left(pad, self.pad_token_id, inputs.embeds.new_zeros(inputs.embeds.shape[-1]))
         bsz, length = inputs.input_ids.shape
         src = torch.arange(length, device=inputs.input_ids.device).expand(bsz, -1)
         mask = inputs.attention_mask.bool()
         grp0 = LayerGroup(0, mask, inputs.position_ids, src.masked_fill(~mask, -1))
-        cfg = self.adapter.text_config
         if self.static_reserve is None:
             cache = compat.new_cache(cfg)
-        else:  # captured steps: the buffers come from (and go back to) the pool; eager ones need no pool
-            pool = self.pool if self.capture is not None and self._block_cache is None else None
+        else:
             cache = compat.new_static_cache(cfg, self.static_reserve, pool)
             if pool is not None:
                 self._block_cache = cache
         state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
-            out = self.lm(
-                inputs_embeds=inputs.embeds,
-                attention_mask=inputs.attention_mask,
-                position_ids=self.adapter.lm_position_ids(inputs.position_ids),
-                **compat.cache_kwargs(state.cache),
-                use_cache=True,
-            )
-        last = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
+            if graph:
+                last = self._captured_prefill(state)  # [B, 1, d]
+            else:
+                out = self.lm(
+                    inputs_embeds=inputs.embeds,
+                    attention_mask=inputs.attention_mask,
+                    position_ids=self.adapter.lm_position_ids(inputs.position_ids),
+                    **compat.cache_kwargs(state.cache),
+                    use_cache=True,
+                )
+                last = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
         # what prefill computed, before KV policies trim the cache (FLOPs and equivalent tokens)
         state.accounting.prefill_tokens = state.tokens_per_layer()
         state.accounting.prefill_vision = state.vision_tokens_per_layer()
         for hook in self.prefill_hooks:
             hook(state)
         return state, StepOutput(self.adapter.lm_head(last).float(), out.last_hidden_state if all_hidden else last)
+
+    def prefill_blocker(self) -> str | None:
+        """Why the prefill cannot be one captured graph (None: it can): Python that runs inside it
+        (pruning inside the LLM, any hook on the language model's modules, prefill-only ones included,
+        attention probes or recorders, Qwen3-VL's deepstack additions)."""
+        if self._select or self.deepstack_levels:
+            return "pruning inside the language model, or deepstack features"
+        for m in self.lm.modules():
+            if m._forward_pre_hooks or any(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()):
+                return "hooks on the language model's modules"
+        if any(getattr(layer.self_attn, "_mmfast_attn", None) is not None for layer in self.adapter.layers):
+            return "attention probes or overrides on the language model"
+        return None
+
+    def _captured_prefill(self, state: LMState) -> torch.Tensor:
+        """The prefill of ``state`` (inputs left-padded to a bucket; cache from the pool) as a captured
+        graph: its inputs are the embeddings, the padding mask and the positions; the causal mask is
+        built inside it and the K/V written into the pool's buffers, so a later call of the same batch
+        size and bucket whose cache takes the same buffers replays it. Returns [B, 1, d]."""
+        inputs, cache = state.inputs, state.cache
+        bsz, length = inputs.input_ids.shape
+        compat.bind_static(cache, self.adapter.text_config, inputs.embeds, length)
+        live = (inputs.embeds, inputs.attention_mask, inputs.position_ids)
+        key = (compat.static_buffers(cache), "prefill", tuple((t.shape, t.dtype) for t in live))
+        captured = self.pool.graphs.get(key)
+        if captured is not None:
+            for dst, src in zip(captured.static.tensors(), live):
+                dst.copy_(src)
+            last = captured.graph.replay().clone()
+            compat.set_static_lengths(cache, length)  # the graph moved the device write indices
+            return last
+        static = _PrefillInputs(*(t.clone() for t in live))
+        impl = self.adapter.text_config._attn_implementation
+        dtype = self.adapter.lm_head.weight.dtype
+
+        def run() -> torch.Tensor:
+            embeds, attn, pos = static.tensors()
+            ok = attn.bool()  # [B, T]
+            causal = torch.ones(length, length, dtype=torch.bool, device=ok.device).tril()  # [T, T]
+            eye = torch.eye(length, dtype=torch.bool, device=ok.device)
+            mask = (causal & ok[:, None, :]) | eye  # [B, T, T]: padding rows see themselves only
+            return self.lm(
+                inputs_embeds=embeds,
+                attention_mask=compat.format_mask(mask[:, None], impl, dtype),
+                position_ids=self.adapter.lm_position_ids(pos),
+                **compat.cache_kwargs(self._active.cache),
+                use_cache=True,
+            ).last_hidden_state[:, -1:]
+
+        graph = self.capture()
+        last = graph.warmup(run).clone()  # this prefill, and the capture's warm-up
+        compat.set_static_lengths(cache, 0)
+        compat.restore_write_indices(cache, [torch.zeros_like(p) for p in compat.write_indices(cache)])
+        try:
+            graph.capture(run)
+        except Exception as exc:  # noqa: BLE001  a prefill that cannot be captured ran eagerly above
+            logger.info(
+                "model.compile: auto: the prefill runs without a captured graph (%s: %s)", type(exc).__name__, exc
+            )
+            self._prefill_refused = True
+        compat.set_static_lengths(cache, length)
+        compat.restore_write_indices(cache, [torch.full_like(p, length) for p in compat.write_indices(cache)])
+        if not self._prefill_refused:
+            self.pool.graphs[key] = _Captured(graph, static)
+        self.capture_s += graph.capture_s
+        return last
 
     @torch.inference_mode()
     def step(
@@ -830,6 +907,7 @@ class LMRunner:
 
 
 _UNCHECKED = object()  # a static block whose capture blocker is not computed yet
+PREFILL_BUCKET = 64  # a captured prefill's length is a multiple of this (left padding)
 
 
 class StepGraph:
@@ -915,9 +993,22 @@ class _StepInputs:
 
 
 @dataclass
+class _PrefillInputs:
+    """A captured prefill's inputs (static copies): the left-padded prompt of one length bucket."""
+
+    embeds: torch.Tensor  # [B, T, d]
+    attention_mask: torch.Tensor  # [B, T] (0 = padding)
+    position_ids: torch.Tensor  # [B, T] (M-RoPE [B, T, 3])
+    valid: list[torch.Tensor] = field(default_factory=list)  # none: the prefill's mask is built from the padding
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.embeds, self.attention_mask, self.position_ids]
+
+
+@dataclass
 class _Captured:
     graph: StepGraph
-    static: _StepInputs
+    static: _StepInputs | _PrefillInputs
 
 
 def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

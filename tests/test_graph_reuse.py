@@ -69,8 +69,11 @@ def test_the_next_call_replays_the_graphs_of_the_last(name, captured, tiny_mm, i
         kept, made = dict(s.runner.pool.graphs), len(captured.made)
         replays = {key: g.graph.replays for key, g in kept.items()}
         assert kept and s.runner.pool.kept_bytes > 0
+        # the prefill is one graph too, unless Python runs inside it (PyramidDrop prunes inside the LLM)
+        assert any(key[1] == "prefill" for key in kept) == (name != PDROP)
         if name == "prompt_lookup":  # two samples one at a time, every verify tree padded to one width: one graph
-            assert [c.static.q for c in kept.values()] == [s.drafter.max_step_tokens()]
+            steps = [c.static.q for key, c in kept.items() if key[1] != "prefill"]
+            assert steps == [s.drafter.max_step_tokens()]
         got.append([r.token_ids for r in s.generate(*second, max_new_tokens=6, seed=0)])
         assert all(s.runner.pool.graphs.get(key) is g for key, g in kept.items()), "a kept graph was dropped"
         assert sum(g.graph.replays - replays[key] for key, g in kept.items()) >= 4
@@ -165,3 +168,49 @@ def test_a_verify_tree_is_padded_to_the_width():
     assert torch.equal(mask[:4, :4], tree.mask()) and not mask[:4, 4:].any() and not mask[4:, :4].any()
     assert torch.equal(mask[4:, 4:], torch.eye(2, dtype=torch.bool))
     assert _verify_inputs(tree, 5, 3)[0].shape == (1, 4)  # never cut
+
+
+@pytest.mark.parametrize("name", ["divprune", "fastv"])
+def test_a_prefill_is_captured_when_no_python_runs_inside_it(name, captured, tiny_mm, images, prompts):
+    """A pre-LLM pruner's prefill is a plain forward over the kept tokens: captured (left-padded to a
+    multiple of 64 slots), replayed by the next call, tokens equal. FastV reads one LLM layer's attention
+    and prunes inside the LLM at prefill: its prefill runs eagerly, its decode steps are captured."""
+    from mmfast.registry import PRUNERS
+    from mmfast.runtime import PREFILL_BUCKET
+
+    recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
+    runs = [(images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])]
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        lengths = []
+        original = s.runner.prefill
+
+        def prefill(inputs, **kw):
+            state, out = original(inputs, **kw)
+            lengths.append(state.inputs.length)
+            return state, out
+
+        s.runner.prefill = prefill
+        got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=6, seed=0)] for imgs, ps in runs]
+        prefills = [key for key in s.runner.pool.graphs if key[1] == "prefill"]
+    assert got == [_dynamic(tiny_mm, recipe, imgs, ps) for imgs, ps in runs]
+    if name == "divprune":
+        assert len(prefills) == 1 and all(n % PREFILL_BUCKET == 0 for n in lengths)
+    else:
+        assert not prefills and any(n % PREFILL_BUCKET for n in lengths)
+        assert s.runner.prefill_blocker() is not None
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_captured_prefill_keeps_multimodal_positions(family, captured, tmp_path, images, prompts):
+    """M-RoPE (3-axis positions) through a left-padded captured prefill, images of two sizes in a batch,
+    and a second call that replays it: the dynamic cache's tokens."""
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    model, processor = random_qwen_vl(family)
+    mm = mmfast.load(save_model(model, processor, tmp_path), device="cpu")
+    mixed = [im if i % 2 == 0 else im.resize((32, 64)) for i, im in enumerate(images)]
+    runs = [(mixed[:2], prompts[:2]), (mixed[2:4], prompts[2:4])]
+    with mmfast.apply(mm, load_recipe({}), compile="static") as s:
+        got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=6, seed=0)] for imgs, ps in runs]
+        prefills = [key for key in s.runner.pool.graphs if key[1] == "prefill"]
+    assert prefills and got == [_dynamic(mm, {}, imgs, ps) for imgs, ps in runs]

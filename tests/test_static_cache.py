@@ -556,7 +556,10 @@ def test_a_failed_capture_falls_back_to_eager_with_one_warning(tiny_mm, images, 
         assert _tokens(tiny_mm, SERVED["greedy"], images, prompts, "static") == dynamic
     lines = [r.getMessage() for r in caplog.records if "capturing the step failed" in r.getMessage()]
     assert len(lines) == 1 and "stream is capturing" in lines[0]
-    assert len(ReplayGraph.made) == 1 and ReplayGraph.made[0].replays == 0  # one try per block, then eager
+    prefill = [r.getMessage() for r in caplog.records if "the prefill runs without a captured graph" in r.getMessage()]
+    assert len(prefill) == 1 and "stream is capturing" in prefill[0]
+    # one try for the prefill (then eager for the session) and one per block for the step (then eager)
+    assert len(ReplayGraph.made) == 2 and all(g.replays == 0 for g in ReplayGraph.made)
 
 
 # -- prefill-only probes and hooks: the decode step is captured -------------------------------------
