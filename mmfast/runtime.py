@@ -465,8 +465,11 @@ class LMRunner:
         pool = None  # captured steps: the buffers come from (and go back to) the pool; eager ones need no pool
         if self.static_reserve is not None and self.capture is not None and self._block_cache is None:
             pool = self.pool
-        graph = pool is not None and not all_hidden and not self._prefill_refused and self.prefill_blocker() is None
-        if graph:  # one captured prefill per bucket of lengths: left-padded to a multiple of PREFILL_BUCKET
+        # a static cache's prefill has fixed shapes where no Python runs inside it: left-padded to a multiple of
+        # PREFILL_BUCKET, the same kernels eagerly (compile: static) or as one captured graph per bucket
+        padded = self.static_reserve is not None and not all_hidden and self.prefill_blocker() is None
+        graph = padded and pool is not None and not self._prefill_refused
+        if padded:
             pad = -inputs.length % PREFILL_BUCKET
             inputs = inputs.pad_left(pad, self.pad_token_id, inputs.embeds.new_zeros(inputs.embeds.shape[-1]))
         bsz, length = inputs.input_ids.shape
@@ -481,8 +484,8 @@ class LMRunner:
                 self._block_cache = cache
         state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
-            if graph:
-                last = self._captured_prefill(state)  # [B, 1, d]
+            if padded:
+                last = self._padded_prefill(state, graph)  # [B, 1, d]
             else:
                 out = self.lm(
                     inputs_embeds=inputs.embeds,
@@ -512,15 +515,18 @@ class LMRunner:
             return "attention probes or overrides on the language model"
         return None
 
-    def _captured_prefill(self, state: LMState) -> torch.Tensor:
-        """The prefill of ``state`` (inputs left-padded to a bucket; cache from the pool) as a captured
-        graph: its inputs are the embeddings, the padding mask and the positions; the causal mask is
-        built inside it and the K/V written into the pool's buffers, so a later call of the same batch
-        size and bucket whose cache takes the same buffers replays it. Returns [B, 1, d]."""
+    def _padded_prefill(self, state: LMState, graph: bool) -> torch.Tensor:
+        """The prefill of ``state`` (inputs left-padded to a bucket) on its static cache, with the causal
+        mask built from the padding mask; with ``graph`` (the cache from the pool) as a captured graph:
+        its inputs are the embeddings, the padding mask and the positions, the mask is built inside it and
+        the K/V written into the pool's buffers, so a later call of the same batch size and bucket whose
+        cache takes the same buffers replays it. Returns [B, 1, d]."""
         inputs, cache = state.inputs, state.cache
         bsz, length = inputs.input_ids.shape
         compat.bind_static(cache, self.adapter.text_config, inputs.embeds, length)
         live = (inputs.embeds, inputs.attention_mask, inputs.position_ids)
+        if not graph:
+            return self._prefill_forward(*live)
         key = (compat.static_buffers(cache), "prefill", tuple((t.shape, t.dtype) for t in live))
         captured = self.pool.graphs.get(key)
         if captured is not None:
@@ -530,29 +536,16 @@ class LMRunner:
             compat.set_static_lengths(cache, length)  # the graph moved the device write indices
             return last
         static = _PrefillInputs(*(t.clone() for t in live))
-        impl = self.adapter.text_config._attn_implementation
-        dtype = self.adapter.lm_head.weight.dtype
 
         def run() -> torch.Tensor:
-            embeds, attn, pos = static.tensors()
-            ok = attn.bool()  # [B, T]
-            causal = torch.ones(length, length, dtype=torch.bool, device=ok.device).tril()  # [T, T]
-            eye = torch.eye(length, dtype=torch.bool, device=ok.device)
-            mask = (causal & ok[:, None, :]) | eye  # [B, T, T]: padding rows see themselves only
-            return self.lm(
-                inputs_embeds=embeds,
-                attention_mask=compat.format_mask(mask[:, None], impl, dtype),
-                position_ids=self.adapter.lm_position_ids(pos),
-                **compat.cache_kwargs(self._active.cache),
-                use_cache=True,
-            ).last_hidden_state[:, -1:]
+            return self._prefill_forward(*static.tensors())
 
-        graph = self.capture()
-        last = graph.warmup(run).clone()  # this prefill, and the capture's warm-up
+        step_graph = self.capture()
+        last = step_graph.warmup(run).clone()  # this prefill, and the capture's warm-up
         compat.set_static_lengths(cache, 0)
         compat.restore_write_indices(cache, [torch.zeros_like(p) for p in compat.write_indices(cache)])
         try:
-            graph.capture(run)
+            step_graph.capture(run)
         except Exception as exc:  # noqa: BLE001  a prefill that cannot be captured ran eagerly above
             logger.info(
                 "model.compile: auto: the prefill runs without a captured graph (%s: %s)", type(exc).__name__, exc
@@ -561,9 +554,27 @@ class LMRunner:
         compat.set_static_lengths(cache, length)
         compat.restore_write_indices(cache, [torch.full_like(p, length) for p in compat.write_indices(cache)])
         if not self._prefill_refused:
-            self.pool.graphs[key] = _Captured(graph, static)
-        self.capture_s += graph.capture_s
+            self.pool.graphs[key] = _Captured(step_graph, static)
+        self.capture_s += step_graph.capture_s
         return last
+
+    def _prefill_forward(self, embeds: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The LM over a left-padded prompt (embeds [B, T, d], padding mask [B, T], positions) on the
+        running state's cache; [B, 1, d] at the last slot. The mask is built from ``attn`` on the device:
+        causal among real tokens, padding rows see themselves only."""
+        length = embeds.shape[1]
+        ok = attn.bool()  # [B, T]
+        causal = torch.ones(length, length, dtype=torch.bool, device=ok.device).tril()  # [T, T]
+        eye = torch.eye(length, dtype=torch.bool, device=ok.device)
+        mask = (causal & ok[:, None, :]) | eye  # [B, T, T]
+        impl = self.adapter.text_config._attn_implementation
+        return self.lm(
+            inputs_embeds=embeds,
+            attention_mask=compat.format_mask(mask[:, None], impl, self.adapter.lm_head.weight.dtype),
+            position_ids=self.adapter.lm_position_ids(pos),
+            **compat.cache_kwargs(self._active.cache),
+            use_cache=True,
+        ).last_hidden_state[:, -1:]
 
     @torch.inference_mode()
     def step(

@@ -214,3 +214,24 @@ def test_a_captured_prefill_keeps_multimodal_positions(family, captured, tmp_pat
         got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=6, seed=0)] for imgs, ps in runs]
         prefills = [key for key in s.runner.pool.graphs if key[1] == "prefill"]
     assert prefills and got == [_dynamic(mm, {}, imgs, ps) for imgs, ps in runs]
+
+
+def test_static_pads_the_prefill_as_auto_does(tiny_mm, images, prompts):
+    """``static`` (eager) runs the same padded prefill as a captured one, so the two launch the same kernels
+    on the same shapes; tokens equal the dynamic cache's."""
+    from mmfast.runtime import PREFILL_BUCKET
+
+    lengths = []
+    with mmfast.apply(tiny_mm, load_recipe({}), compile="static") as s:
+        original = s.runner.prefill
+
+        def prefill(inputs, **kw):
+            state, out = original(inputs, **kw)
+            lengths.append(state.inputs.length)
+            return state, out
+
+        s.runner.prefill = prefill
+        got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=6, seed=0)]
+        assert not s.runner.pool.graphs
+    assert lengths and all(n % PREFILL_BUCKET == 0 for n in lengths)
+    assert got == _dynamic(tiny_mm, {}, images[:2], prompts[:2])
