@@ -522,7 +522,7 @@ class StaticBufferPool:
     last call's (:meth:`keep`); a layer of the next cache takes its predecessor's buffers when batch, heads,
     head size, dtype and device agree and their capacity ``C`` fits: ``need <= C``, and ``C`` at most 1.5 x
     ``need`` or ``need`` rounded up (a step attends over all ``C`` slots, so a much larger buffer would cost
-    every step). Taken buffers are zeroed,
+    every step), unless the call has no decode step (:attr:`loose`: a one-token call, e.g. a TTFT). Taken buffers are zeroed,
     as new ones are, so results do not depend on the previous call. A buffer that does not fit is let go
     before its replacement is allocated, and with it every kept graph (each reads every layer).
     New capacities are rounded up to ``granularity`` slots, so prompts of similar length share buffers.
@@ -532,6 +532,8 @@ class StaticBufferPool:
 
     def __init__(self) -> None:
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer: (K, V, write index)
+        #: a call without decode steps (one new token): any capacity >= its need serves (no step attends over it)
+        self.loose = False
         #: captured steps on the kept (or the running call's) buffers; key[0] is their
         #: :func:`static_buffers` addresses, the value the runner's
         self.graphs: dict[tuple, Any] = {}
@@ -554,7 +556,13 @@ class StaticBufferPool:
             same = (buf.shape[0], buf.shape[1], buf.shape[3]) == (like.shape[0], like.shape[1], like.shape[-1])
             return same and buf.dtype == like.dtype and buf.device == like.device
 
-        if fits(k, keys) and fits(v, values) and need <= k.shape[2] <= max(self.capacity(need), need + need // 2):
+        cap = int(k.shape[2])
+        if (
+            fits(k, keys)
+            and fits(v, values)
+            and need <= cap
+            and (self.loose or cap <= max(self.capacity(need), need + need // 2))
+        ):
             k.zero_()
             v.zero_()
             pos.zero_()

@@ -531,7 +531,8 @@ class Session:
 
     def _decode(self, req: DecodeRequest, decoder: Decoder) -> DecodeOutput:
         reserve = self._static_reserve(req, decoder)
-        with self.runner.static_cache(reserve, self._capture_factory() if reserve is not None else None):
+        factory = self._capture_factory() if reserve is not None else None
+        with self.runner.static_cache(reserve, factory, decodes=req.max_new_tokens > 1):
             if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
                 return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
             return decoder.decode(req)
@@ -560,8 +561,6 @@ class Session:
         dynamic cache; a method that needs the dynamic step makes it fall back, logged once per reason."""
         mode = self.recipe.model.compile
         if mode == "off" or (mode == "auto" and not self._captures()):
-            return None
-        if req.max_new_tokens <= 1:  # the prefill gives the only token: no decode step to serve
             return None
         methods = self._method_caps(decoder)
         reason = static_cache_blocker(methods)

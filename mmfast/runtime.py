@@ -401,17 +401,22 @@ class LMRunner:
         return self._active
 
     @contextlib.contextmanager
-    def static_cache(self, reserve: int | None, capture: Callable[[], StepGraph] | None = None) -> Iterator[None]:
+    def static_cache(
+        self, reserve: int | None, capture: Callable[[], StepGraph] | None = None, *, decodes: bool = True
+    ) -> Iterator[None]:
         """States prefilled inside the block get a static KV cache with ``reserve`` free slots per
         layer (None: the dynamic cache), and their decode steps run with fixed shapes; with
-        ``capture`` (a graph factory) each step shape is captured once and replayed."""
+        ``capture`` (a graph factory) each step shape is captured once and replayed. ``decodes``: False
+        for a call whose prefill gives its only token (kept buffers of any larger capacity serve it)."""
         before = self.static_reserve, self.capture
         self.static_reserve, self.capture = reserve, capture if reserve is not None else None
         self._block_blocker = _UNCHECKED
+        self.pool.loose = not decodes
         try:
             yield
         finally:
             self.static_reserve, self.capture = before
+            self.pool.loose = False
             self._block_blocker = _UNCHECKED
             if self._block_cache is not None:  # its buffers, and the graphs on them, serve the next call
                 self.pool.keep(self._block_cache)

@@ -313,7 +313,7 @@ def test_a_failing_row_is_recorded_loudly_and_re_runs(tmp_path, monkeypatch):
 def test_timed_calls_replay_the_first_calls_graphs(tmp_path, monkeypatch):
     """With captured steps (here CUDA-graph semantics emulated on the CPU) the first call captures and the
     timed calls replay: the graphs and static buffers outlive the call, and a one-token (TTFT) call in
-    between runs on the dynamic cache without letting them go."""
+    between takes the same buffers (its prefill replays the kept prefill graph) without letting them go."""
     from mmfast._graph_emulator import ReplayEmulator
     from mmfast.pipeline import Session
 

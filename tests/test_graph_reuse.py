@@ -99,14 +99,16 @@ def test_a_cache_that_does_not_fit_captures_anew(captured, tiny_mm, images, prom
 
 
 def test_a_call_without_decode_steps_keeps_the_set(captured, tiny_mm, images, prompts, monkeypatch):
-    """A one-token call (TTFT) has no decode step: it runs on the dynamic cache and leaves the kept
-    buffers and graphs to the next call."""
+    """A one-token call (TTFT) has no decode step: it takes the kept buffers however large (no step attends
+    over them), replays the kept prefill graph and leaves buffers and graphs to the next call."""
     with mmfast.apply(tiny_mm, load_recipe({}), compile="static") as s:
-        s.generate(images[:2], prompts[:2], max_new_tokens=6)
+        s.generate(images[:2], prompts[:2], max_new_tokens=100)  # buffers of 192 slots: over 1.5x a TTFT's need
         graphs, made = dict(s.runner.pool.graphs), len(captured.made)
+        replays = {key: g.graph.replays for key, g in graphs.items()}
         one = s.generate(images[:2], prompts[:2], max_new_tokens=1)
-        assert s.runner.pool.graphs == graphs
-        s.generate(images[:2], prompts[:2], max_new_tokens=6)
+        assert s.runner.pool.graphs == graphs and len(captured.made) == made
+        assert [g.graph.replays - replays[key] for key, g in graphs.items() if key[1] == "prefill"] == [1]
+        s.generate(images[:2], prompts[:2], max_new_tokens=100)
         assert len(captured.made) == made
     assert [r.token_ids for r in one] == _dynamic(tiny_mm, {}, images[:2], prompts[:2], 1)
 
