@@ -59,7 +59,7 @@ test-lmms: lmms-setup
 FLOOR_VENV  ?= .venv-floor
 FLOOR_PY    := $(FLOOR_VENV)/bin/python
 FLOOR_TESTS ?= tests/test_compat.py tests/test_install_range.py tests/test_generate.py tests/test_session.py \
-               tests/test_probe.py tests/test_qwen_families.py
+               tests/test_probe.py tests/test_qwen_families.py tests/test_graph_reuse.py
 
 floor-setup: $(FLOOR_VENV)/.installed
 
