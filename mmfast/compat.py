@@ -534,6 +534,7 @@ class StaticBufferPool:
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer: (K, V, write index)
         #: a call without decode steps (one new token): any capacity >= its need serves (no step attends over it)
         self.loose = False
+        self._held: tuple[int, ...] = ()  # the kept set's addresses (logged when it changes)
         #: captured steps on the kept (or the running call's) buffers; key[0] is their
         #: :func:`static_buffers` addresses, the value the runner's
         self.graphs: dict[tuple, Any] = {}
@@ -579,10 +580,21 @@ class StaticBufferPool:
         self._kept = {i: (lay._k, lay._v, lay._pos) for i, lay in enumerate(cache.layers)}
         held = static_buffers(cache)
         self.graphs = {key: g for key, g in self.graphs.items() if key[0] == held}
+        if held != self._held:  # a new set: said once, not every call
+            self._held = held
+            logger.info(
+                "model.compile: keeping %.0f MiB of static KV buffers (batch %d, %d slots in layer 0) and %d "
+                "captured graphs for the session's next call",
+                self.kept_bytes / 2**20,
+                cache.layers[0]._k.shape[0],
+                cache.layers[0].capacity,
+                len(self.graphs),
+            )
 
     def clear(self) -> None:
         """Let every kept buffer and graph go (the session closes)."""
         self._kept.clear()
+        self._held = ()
         self.graphs.clear()
 
     @property

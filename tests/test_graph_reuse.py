@@ -237,3 +237,13 @@ def test_static_pads_the_prefill_as_auto_does(tiny_mm, images, prompts):
         assert not s.runner.pool.graphs
     assert lengths and all(n % PREFILL_BUCKET == 0 for n in lengths)
     assert got == _dynamic(tiny_mm, {}, images[:2], prompts[:2])
+
+
+def test_a_new_kept_set_is_said_once(captured, tiny_mm, images, prompts, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="mmfast.compat"), mmfast.apply(tiny_mm, {}, compile="static") as s:
+        for _ in range(3):
+            s.generate(images[:2], prompts[:2], max_new_tokens=6)
+    lines = [r.getMessage() for r in caplog.records if "static KV buffers" in r.getMessage()]
+    assert len(lines) == 1 and "batch 2" in lines[0] and "MiB" in lines[0], lines
