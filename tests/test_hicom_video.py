@@ -26,30 +26,12 @@ _mm = video_models()
 def siglip_dir(tmp_path_factory):
     """A tiny SigLIP whose first vision layers are the tiny OneVision tower (which is it cut to one
     layer less, as OneVision's 26 of SigLIP-so400m's 27), saved with a tokenizer, as a user downloads one."""
-    from transformers import SiglipConfig, SiglipModel
+    from mmfast.pruning._hicom_video import random_siglip
 
     mm = _mm()
     vc, tok = mm.adapter.vision_config, mm.tokenizer
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=24,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        projection_size=vc.hidden_size,
-        pad_token_id=tok.pad_token_id,
-    )
-    vision = dict(
-        hidden_size=vc.hidden_size,
-        intermediate_size=vc.intermediate_size,
-        num_hidden_layers=vc.num_hidden_layers + 1,
-        num_attention_heads=vc.num_attention_heads,
-        image_size=vc.image_size,
-        patch_size=vc.patch_size,
-    )
+    model = random_siglip(vc, tok, vc.num_hidden_layers, seed=3, text_width=24, text_positions=16)
     torch.manual_seed(3)
-    model = SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)

@@ -122,30 +122,42 @@ def resolve_clip(spec: str | None, model) -> str:
     )
 
 
+def tiny_tower_configs(vc, tokenizer, *, vision_layers: int, text_width: int = 32, text_positions: int = 64, **text):
+    """Config dicts (text, vision) of a tiny random guide encoder for tests: a 2-layer text tower of
+    ``text_width`` on ``tokenizer`` and a vision tower with ``vc``'s sizes and ``vision_layers`` layers;
+    ``text`` adds or overrides text-config keys."""
+    text_cfg = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=text_width,
+        intermediate_size=2 * text_width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=text_positions,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        **text,
+    )
+    vision = dict(
+        hidden_size=vc.hidden_size,
+        intermediate_size=vc.intermediate_size,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=vc.num_attention_heads,
+        image_size=vc.image_size,
+        patch_size=vc.patch_size,
+    )
+    return text_cfg, vision
+
+
 def random_clip(model, tokenizer, seed: int = 0):
     """A tiny randomly initialised ``CLIPModel`` for tests: text tower on the LLaVA tokenizer, vision
     head sized like ``model``'s tower (whose post-layernorm it copies)."""
     from transformers import CLIPConfig, CLIPModel
 
-    vc = model.config.vision_config
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=64,
+    text, vision = tiny_tower_configs(
+        model.config.vision_config,
+        tokenizer,
+        vision_layers=1,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id or 0,
-    )
-    vision = dict(
-        hidden_size=vc.hidden_size,
-        intermediate_size=vc.intermediate_size,
-        num_hidden_layers=1,
-        num_attention_heads=vc.num_attention_heads,
-        image_size=vc.image_size,
-        patch_size=vc.patch_size,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -25,6 +25,7 @@ from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, Sigli
 from ..errors import ConfigError, ModelLoadError
 from ..models.base import FRAME, VisionBatch
 from ._grid import adaptive_bins, group_index_bins
+from ._hicom_guide import tiny_tower_configs
 
 SIGLIP_HUB = "google/siglip-so400m-patch14-384"
 GUIDE_DIR = "siglip"  # default: <model dir>/siglip
@@ -134,28 +135,18 @@ def _siglip_parts(model, tokenizer, tower_layers: int) -> SiglipGuide:
     return guide
 
 
-def random_siglip(vision_config, tokenizer, tower_layers: int, seed: int = 0):
+def random_siglip(
+    vision_config, tokenizer, tower_layers: int, seed: int = 0, text_width: int = 32, text_positions: int = 32
+):
     """A tiny randomly initialised ``SiglipModel`` for tests and timings: a 2-layer text tower on the
     model's tokenizer projecting to the tower's width, the vision tower's sizes with one more layer."""
-
-    vc = vision_config
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-        projection_size=vc.hidden_size,
-        pad_token_id=tokenizer.pad_token_id or 0,
-    )
-    vision = dict(
-        hidden_size=vc.hidden_size,
-        intermediate_size=vc.intermediate_size,
-        num_hidden_layers=tower_layers + 1,
-        num_attention_heads=vc.num_attention_heads,
-        image_size=vc.image_size,
-        patch_size=vc.patch_size,
+    text, vision = tiny_tower_configs(
+        vision_config,
+        tokenizer,
+        vision_layers=tower_layers + 1,
+        text_width=text_width,
+        text_positions=text_positions,
+        projection_size=vision_config.hidden_size,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
