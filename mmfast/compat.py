@@ -632,14 +632,17 @@ def bind_static(cache, config, like: torch.Tensor, n: int) -> None:
     kv = like.new_empty(like.shape[0], heads, 0, head_dim)  # [B, Hkv, 0, D]
     for lay in cache.layers:
         if lay._k is None:
-            lay._first_buffers(kv, kv, n)
-            lay.length = 0
+            lay._first_buffers(kv, kv, n)  # nothing held yet: write index 0
 
 
-def set_static_lengths(cache, n: int) -> None:
-    """The host's count of held slots of every layer (after a graph moved the device write indices)."""
+def set_static_lengths(cache, n: int, *, device: bool = False) -> None:
+    """Every layer's count of held slots: on the host (after a graph moved the device write indices), and
+    with ``device`` the device write index too."""
     for lay in cache.layers:
-        lay._len = int(n)
+        if device:
+            lay.length = n
+        else:
+            lay._len = int(n)
 
 
 def write_indices(cache) -> list[torch.Tensor]:

@@ -358,6 +358,7 @@ class LMRunner:
         self._consts: dict[tuple, torch.Tensor] = {}  # decode-step constants (:meth:`_const`)
         self._capture_refusals: set[str] = set()  # reasons already logged
         self._block_blocker: str | None | object = _UNCHECKED  # this static block's capture blocker
+        self._block_prefill_blocker: str | None | object = _UNCHECKED  # and its prefill's
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
@@ -410,14 +411,14 @@ class LMRunner:
         for a call whose prefill gives its only token (kept buffers of any larger capacity serve it)."""
         before = self.static_reserve, self.capture
         self.static_reserve, self.capture = reserve, capture if reserve is not None else None
-        self._block_blocker = _UNCHECKED
+        self._block_blocker = self._block_prefill_blocker = _UNCHECKED
         self.pool.loose = not decodes
         try:
             yield
         finally:
             self.static_reserve, self.capture = before
             self.pool.loose = False
-            self._block_blocker = _UNCHECKED
+            self._block_blocker = self._block_prefill_blocker = _UNCHECKED
             if self._block_cache is not None:  # its buffers, and the graphs on them, serve the next call
                 self.pool.keep(self._block_cache)
                 self._block_cache = None
@@ -472,7 +473,9 @@ class LMRunner:
             pool = self.pool
         # a static cache's prefill has fixed shapes where no Python runs inside it: left-padded to a multiple of
         # PREFILL_BUCKET, the same kernels eagerly (compile: static) or as one captured graph per bucket
-        padded = self.static_reserve is not None and not all_hidden and self.prefill_blocker() is None
+        if self.static_reserve is not None and self._block_prefill_blocker is _UNCHECKED:  # hooks are set: once a block
+            self._block_prefill_blocker = self.prefill_blocker()
+        padded = self.static_reserve is not None and not all_hidden and self._block_prefill_blocker is None
         graph = padded and pool is not None and not self._prefill_refused
         if padded:
             pad = -inputs.length % PREFILL_BUCKET
@@ -547,8 +550,7 @@ class LMRunner:
 
         step_graph = self.capture()
         last = step_graph.warmup(run).clone()  # this prefill, and the capture's warm-up
-        compat.set_static_lengths(cache, 0)
-        compat.restore_write_indices(cache, [torch.zeros_like(p) for p in compat.write_indices(cache)])
+        compat.set_static_lengths(cache, 0, device=True)  # the capture writes the prompt again from slot 0
         try:
             step_graph.capture(run)
         except Exception as exc:  # noqa: BLE001  a prefill that cannot be captured ran eagerly above
@@ -556,8 +558,7 @@ class LMRunner:
                 "model.compile: auto: the prefill runs without a captured graph (%s: %s)", type(exc).__name__, exc
             )
             self._prefill_refused = True
-        compat.set_static_lengths(cache, length)
-        compat.restore_write_indices(cache, [torch.full_like(p, length) for p in compat.write_indices(cache)])
+        compat.set_static_lengths(cache, length, device=True)
         if not self._prefill_refused:
             self.pool.graphs[key] = _Captured(step_graph, static)
         self.capture_s += step_graph.capture_s
@@ -1015,7 +1016,6 @@ class _PrefillInputs:
     embeds: torch.Tensor  # [B, T, d]
     attention_mask: torch.Tensor  # [B, T] (0 = padding)
     position_ids: torch.Tensor  # [B, T] (M-RoPE [B, T, 3])
-    valid: list[torch.Tensor] = field(default_factory=list)  # none: the prefill's mask is built from the padding
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.embeds, self.attention_mask, self.position_ids]

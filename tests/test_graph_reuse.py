@@ -172,6 +172,20 @@ def test_a_verify_tree_is_padded_to_the_width():
     assert _verify_inputs(tree, 5, 3)[0].shape == (1, 4)  # never cut
 
 
+def _prefill_lengths(session) -> list[int]:
+    """The length of every prefilled (possibly left-padded) state of ``session``, appended as they run."""
+    lengths: list[int] = []
+    original = session.runner.prefill
+
+    def prefill(inputs, **kw):
+        state, out = original(inputs, **kw)
+        lengths.append(state.inputs.length)
+        return state, out
+
+    session.runner.prefill = prefill
+    return lengths
+
+
 @pytest.mark.parametrize("name", ["divprune", "fastv"])
 def test_a_prefill_is_captured_when_no_python_runs_inside_it(name, captured, tiny_mm, images, prompts):
     """A pre-LLM pruner's prefill is a plain forward over the kept tokens: captured (left-padded to a
@@ -183,15 +197,7 @@ def test_a_prefill_is_captured_when_no_python_runs_inside_it(name, captured, tin
     recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
     runs = [(images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])]
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
-        lengths = []
-        original = s.runner.prefill
-
-        def prefill(inputs, **kw):
-            state, out = original(inputs, **kw)
-            lengths.append(state.inputs.length)
-            return state, out
-
-        s.runner.prefill = prefill
+        lengths = _prefill_lengths(s)
         got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=6, seed=0)] for imgs, ps in runs]
         prefills = [key for key in s.runner.pool.graphs if key[1] == "prefill"]
     assert got == [_dynamic(tiny_mm, recipe, imgs, ps) for imgs, ps in runs]
@@ -223,16 +229,8 @@ def test_static_pads_the_prefill_as_auto_does(tiny_mm, images, prompts):
     on the same shapes; tokens equal the dynamic cache's."""
     from mmfast.runtime import PREFILL_BUCKET
 
-    lengths = []
     with mmfast.apply(tiny_mm, load_recipe({}), compile="static") as s:
-        original = s.runner.prefill
-
-        def prefill(inputs, **kw):
-            state, out = original(inputs, **kw)
-            lengths.append(state.inputs.length)
-            return state, out
-
-        s.runner.prefill = prefill
+        lengths = _prefill_lengths(s)
         got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=6, seed=0)]
         assert not s.runner.pool.graphs
     assert lengths and all(n % PREFILL_BUCKET == 0 for n in lengths)

@@ -456,7 +456,8 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
     def spy(self, state, step):
         out = original(self, state, step)
         for c in self.pool.graphs.values():
-            allowed.update(t.untyped_storage().data_ptr() for t in c.static.tensors() + c.static.valid)
+            held = getattr(c.static, "valid", [])  # a decode step's slot validity (a prefill has none)
+            allowed.update(t.untyped_storage().data_ptr() for t in c.static.tensors() + held)
         allowed.update(t.untyped_storage().data_ptr() for t in self._consts.values())
         allowed.update(compat.static_buffers(state.cache))
         return out
