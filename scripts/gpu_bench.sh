@@ -7,7 +7,7 @@
 # transformers carried under .dev/pydeps (pip install --no-deps --target .dev/pydeps 'transformers>=5.22,<5.24'
 # on the development machine) is put first on PYTHONPATH when present.
 #
-# Phases (GPU_BENCH_PHASES, default "qwen llava extra"), within GPU_BENCH_TIMEOUT seconds (default 420) of a
+# Phases (GPU_BENCH_PHASES, in the order given, default "qwen llava extra"), within GPU_BENCH_TIMEOUT seconds (default 420) of a
 # 15-minute device budget; every phase appends to $OUT/bench.log:
 #   check: scripts/static_cache_gpu_check.py on the embedded model in fp16 (model.compile static = auto
 #          tokens for decoders, drafters and pruners: the captured step replays exactly) into $OUT/check.txt;
@@ -25,7 +25,8 @@
 #          GPU_BENCH_PHASES=video runs it alone (GPU_BENCH_VIDEO_SETS: extra --set options for it).
 # Rows are written as they finish, so a phase stopped by its limit keeps every finished row; the same command
 # resumes (finished rows are kept: seed $OUT/gpu_speed with a committed rows.jsonl to run only what it lacks).
-# At most eight files come back: environment.txt, bench.log, tower.txt, check.txt and the bench's rows.jsonl,
+# At most eight files come back (with more, all of them are packed in all.tgz, kept beside the results.md tables,
+# environment.txt and check.txt): environment.txt, bench.log, tower.txt, check.txt and the bench's rows.jsonl,
 # results.md, summary.json, bench.json (the video phase: its results.md, rows.jsonl and summary.json).
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
@@ -52,54 +53,67 @@ bench() {  # bench SECONDS NAME --set ...
   return $rc
 }
 
-PHASES=" ${GPU_BENCH_PHASES:-qwen llava extra} "
 rc=0
 run_phase() { "$@" || rc=$?; }
-if [[ $PHASES == *" check "* ]]; then  # static / captured steps give identical tokens on this GPU
-  timeout 120 "$PY" scripts/static_cache_gpu_check.py >"$OUT/check.txt" 2>&1
-  r=$?; [ $r = 0 ] || rc=$r
+cap() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }  # cap SECONDS: at most SECONDS, at most what is left
+phase_check() {  # static / captured steps give identical tokens on this GPU
+  timeout "$(cap 150)" "$PY" scripts/static_cache_gpu_check.py >"$OUT/check.txt" 2>&1
+  local r=$?; [ $r = 0 ] || rc=$r
   echo "== check: exit status $r after $((SECONDS - start)) s" | tee -a "$LOG"
-fi
-if [[ $PHASES == *" qwen "* ]]; then
+}
+phase_qwen() {
   # shellcheck disable=SC2086
-  run_phase bench 90 qwen --set 'bench.params.shapes=[qwen2.5-vl-7b]' --set 'bench.params.batches=[1]' \
+  run_phase bench "$(cap 90)" qwen --set 'bench.params.shapes=[qwen2.5-vl-7b]' --set 'bench.params.batches=[1]' \
     --set 'bench.params.workloads=[pope]' --set "bench.params.rows=['hf eager','mmfast unpruned','divprune-64']" \
     --set 'bench.params.embedded_speculative=false' ${GPU_BENCH_SETS:-}
-  timeout 45 "$PY" scripts/time_qwen_tower.py --device cuda --dtype float16 --shape qwen2.5-vl-7b --repeats 5 >"$OUT/tower.txt" 2>&1
+  timeout "$(cap 45)" "$PY" scripts/time_qwen_tower.py --device cuda --dtype float16 --shape qwen2.5-vl-7b --repeats 5 \
+    >"$OUT/tower.txt" 2>&1
   echo "== tower: exit status $? after $((SECONDS - start)) s" | tee -a "$LOG"
-fi
-if [[ $PHASES == *" llava "* ]]; then
+}
+phase_llava() {
   # shellcheck disable=SC2086
-  run_phase bench "$(left)" llava --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1,8]' \
-    --set 'bench.params.workloads=[pope,caption]' --set "bench.params.rows=${GPU_BENCH_LLAVA_ROWS:-['hf *','mmfast *','divprune-64']}" \
+  run_phase bench "$(cap "${GPU_BENCH_LLAVA_SECS:-100000}")" llava --set 'bench.params.shapes=[llava-1.5-7b]' \
+    --set 'bench.params.batches=[1,8]' --set 'bench.params.workloads=[pope,caption]' \
+    --set "bench.params.rows=${GPU_BENCH_LLAVA_ROWS:-['hf *','mmfast *','divprune-64']}" \
     --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
-fi
-if [[ $PHASES == *" b32 "* ]] && [ "$(left)" -ge 60 ]; then  # pruning's throughput at batch 32, same decode path
+}
+phase_b32() {  # pruning's throughput at batch 32, same decode path
   # shellcheck disable=SC2086
   run_phase bench "$(left)" b32 --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[32]' \
     --set 'bench.params.workloads=[caption]' --set "bench.params.rows=['mmfast unpruned (compiled)','divprune-64']" \
     --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
-fi
-if [[ $PHASES == *" extra "* ]] && [ "$(left)" -ge 60 ]; then
+}
+phase_extra() {
   # shellcheck disable=SC2086
   run_phase bench "$(left)" extra --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1]' \
     --set 'bench.params.workloads=[pope,caption]' \
     --set "bench.params.rows=['mmfast unpruned','fastv-64','flash','divprune-64+flash']" \
     --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
-else
-  echo "== later phases: $(left) s left of $LIMIT s" | tee -a "$LOG"
-fi
-if [[ $PHASES == *" video "* ]] && [ "$(left)" -ge 60 ]; then  # the video pruners' cost at full depth
+}
+phase_video() {  # the video pruners' cost at full depth
   echo "== video: up to $(left) s" >>"$LOG"
   # shellcheck disable=SC2086
   timeout --signal=TERM "$(left)" "$PY" -m mmfast bench configs/bench/video_cost.yaml --output "$OUT/video_cost" \
     ${GPU_BENCH_VIDEO_SETS:-} >>"$LOG" 2>&1
-  r=$?; [ $r = 0 ] || rc=$r
+  local r=$?; [ $r = 0 ] || rc=$r
   echo "== video: exit status $r after $((SECONDS - start)) s (124: stopped by its limit; finished rows are kept)" | tee -a "$LOG"
-fi
+}
+# phases run in the order given; any but the first needs a minute left
+first=1
+for phase in ${GPU_BENCH_PHASES:-qwen llava extra}; do
+  case $phase in check | qwen | llava | b32 | extra | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
+  if [ $first = 0 ] && [ "$(left)" -lt 60 ]; then echo "== $phase skipped: $(left) s left of $LIMIT s" | tee -a "$LOG"; continue; fi
+  first=0
+  "phase_$phase"
+done
 grep -E "ERROR|Traceback|Error:|captured graph|== " "$LOG" | tail -n 40
 [ -f "$OUT/tower.txt" ] && tail -n 3 "$OUT/tower.txt"
 [ -f "$OUT/check.txt" ] && grep -v "^ \|^{\|^}" "$OUT/check.txt" | tail -n 20
 [ -f "$OUT/gpu_speed/results.md" ] && cat "$OUT/gpu_speed/results.md"
 [ -f "$OUT/video_cost/results.md" ] && cat "$OUT/video_cost/results.md"
+# the device returns at most eight files: with more, everything goes in all.tgz beside the tables and the check
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/gpu_bench_all.tgz -C "$OUT" . && mv /tmp/gpu_bench_all.tgz "$OUT/all.tgz" &&
+    find "$OUT" -type f ! -name all.tgz ! -name environment.txt ! -name results.md ! -name check.txt -delete
+fi
 exit "$rc"
