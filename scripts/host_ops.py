@@ -61,7 +61,7 @@ def embedded_rows(max_new_tokens: int) -> list[tuple[str, dict]]:
     from mmfast.eval.data import resolve_data
 
     mm = mmfast.load("mmfast/tiny-world", device="cpu", dtype="float32")
-    image_dir = resolve_data(load_recipe({}).eval, ()).image_dir
+    image_dir = resolve_data(load_recipe({}).eval, ("pope",)).image_dir  # the world is generated if missing
     path = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg"))[0]
     image, prompt = Image.open(path).convert("RGB"), "Please describe this image in detail."
     recipes = {"greedy": {}, "flash": {"speculative": {"method": "flash"}}, "msd": {"speculative": {"method": "msd"}}}

@@ -61,7 +61,7 @@ def main() -> int:
     logging.getLogger("mmfast.runtime").setLevel(logging.INFO)  # the fall-back reasons
 
     mm = mmfast.load("mmfast/tiny-world", device=args.device, dtype=args.dtype)
-    image_dir = resolve_data(load_recipe({}).eval, ()).image_dir
+    image_dir = resolve_data(load_recipe({}).eval, ("pope",)).image_dir  # the world is generated if missing
     images = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg"))[: args.samples]
     prompts = ["Please describe this image in detail."] * len(images)
     out: dict = {
