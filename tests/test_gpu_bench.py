@@ -207,6 +207,17 @@ def test_targets_pass_fail_and_not_measured():
     assert any(t.startswith("embedded:") and c.status == "not measured" for t, c in checks.items())
 
 
+def test_projected_decode_uses_the_captured_step_where_it_ran():
+    eager = _m("llava-1.5-7b", 1, "caption", gs.UNPRUNED, new_tokens=129, ttft_s=0.1, e2e_s=0.1 + 128 * 0.030)
+    compiled = _m("llava-1.5-7b", 1, "caption", gs.COMPILED, new_tokens=129, ttft_s=0.1, e2e_s=0.1 + 128 * 0.0075)
+    # 128 tokens in 32 cycles of 20 ms each
+    flash = _m("llava-1.5-7b", 1, "caption", "flash", new_tokens=129, ttft_s=0.1, e2e_s=0.1 + 32 * 0.020, cycles=32)
+    both = {m.key: m for m in (eager, compiled, flash)}
+    assert gs.projected_decode(both, flash, 4.0) == pytest.approx(4.0 * 0.0075 / 0.020)  # not 4 x 30 / 20
+    assert gs.projected_decode({m.key: m for m in (eager, flash)}, flash, 4.0) == pytest.approx(4.0 * 0.030 / 0.020)
+    assert gs.projected_decode(both, flash, None) is None
+
+
 def test_embedded_flash_row_has_real_tau_and_is_lossless(tmp_path):
     recipe = _recipe(
         "bench.params.embedded_speculative=true",

@@ -730,6 +730,19 @@ def _drafter_tau(rows: dict[tuple, Measurement], vs: list[Variant], v: Variant) 
     return None
 
 
+def projected_decode(rows: dict[tuple, Measurement], m: Measurement, tau: float | None) -> float | None:
+    """A drafter row's projected decode speedup: tau x the unpruned step / (batch x time per cycle). The unpruned
+    step is the compiled twin's (the captured step: the drafters' own decode path) where it ran."""
+    ref = next(
+        (r for r in (rows.get((*m.key[:3], COMPILED)), rows.get((*m.key[:3], UNPRUNED))) if r is not None and r.ok),
+        None,
+    )
+    if not tau or not m.cycles or ref is None or not ref.decode_step_s or m.decode_step_s is None:
+        return None
+    t_cycle = (m.e2e_s - m.ttft_s) / m.cycles  # one draft + verification of one sample
+    return tau * ref.decode_step_s / (m.batch * t_cycle)
+
+
 def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetCheck]:
     """The issue's targets, each pass / fail / not measured."""
 
@@ -871,10 +884,7 @@ def write_gpu_report(
             else None
         )
         tau = _drafter_tau(rows, vs, v) if v is not None else None
-        proj = None
-        if tau and m.cycles and base is not None and base.ok and base.decode_step_s and step is not None:
-            t_cycle = (m.e2e_s - m.ttft_s) / m.cycles  # one draft + verification of one sample
-            proj = tau * base.decode_step_s / (m.batch * t_cycle)
+        proj = projected_decode(rows, m, tau)
         same = (
             (m.tokens_sha == hf.tokens_sha)
             if hf is not None and hf.ok and m.row in (HF_STATIC, UNPRUNED, COMPILED)
@@ -979,7 +989,7 @@ def write_gpu_report(
         "- FLOPs ratio: prefill FLOPs (4nd^2 + 2n^2d + 3ndm per layer) / the unpruned row's. decode % BW limit: (LLM weight bytes + mean KV bytes) / "
         "(step time x peak bandwidth); prefill % peak FLOP/s: prefill FLOPs / (LLM prefill time x peak) for mmfast rows, / TTFT for HF rows. n/a on a CPU.",
         "- Random weights: trained parts (HICom, Dynamic-LLaVA) run on seeded stand-ins and drafts on random weights, so only costs are measured; "
-        "projected decode x = tau (embedded) x unpruned step / (batch x measured time per verification cycle); speculative decoding verifies one sample at a time.",
+        "projected decode x = tau (embedded) x unpruned step (the compiled twin's where it ran) / (batch x measured time per verification cycle); speculative decoding verifies one sample at a time.",
         "- tokens = hf eager: the row's greedy tokens hash-equal HF eager generate's (fp16 kernels may differ in the last bit; fp32 on a CPU is exact).",
     ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
