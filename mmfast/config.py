@@ -374,6 +374,12 @@ class ModelConfig:
         "(eager static steps on any device), off (the dynamic cache); methods whose decode hooks need the "
         "dynamic cache fall back to it with a logged reason",
     )
+    fuse_norms: bool = opt(
+        False,
+        doc="run the language model's RMSNorm modules as one torch.compile-d (Inductor) kernel each instead of ~8 "
+        "eager ones (equal within float tolerance; fewer kernels per decode step; mmfast/models/fused_norms.py); "
+        "where compiling fails the norms stay eager, with a warning",
+    )
 
     def __post_init__(self) -> None:
         if self.device_map is None or self.device_map in DEVICE_MAP_STRATEGIES:
@@ -722,6 +728,7 @@ class Recipe:
 _MODEL_KEYS_HASHED_ONLY_OFF_DEFAULT: dict[str, tuple[Any, ...]] = {
     "compile": ("off", "auto"),
     "fused_vision_attention": (True,),
+    "fuse_norms": (False,),
 }
 
 

@@ -42,6 +42,7 @@ from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .hooks import AttentionProbe, HookSession
 from .inputs import PreparedBatch, VisionItem
 from .models.base import LMInputs, VisionBatch
+from .models.fused_norms import install_fused_norms
 from .models.qwen_tower import install_fused_tower
 from .pruning._budget import ImageBudget, calibrate_once, calibration_key, fixed_vision_tokens
 from .pruning._video_items import join_videos, joined_counts, split_videos
@@ -127,6 +128,8 @@ class Session:
                 raise IncompatibleRecipeError(f"{problem} (model {mm.name})")
             if recipe.model.fused_vision_attention:
                 install_fused_tower(self.adapter, self.hooks)
+            if recipe.model.fuse_norms:
+                install_fused_norms(self.adapter.language_model, self.hooks)
             self.pruners = [self._make_pruner(i, spec) for i, spec in enumerate(recipe.pruning)]
             self._tower_per_image = any(caps_of(type(p), p.config).tower_per_image for p in self.pruners)
             # stages that see each video as one item on a model whose frame groups are items (pruning._video_items)

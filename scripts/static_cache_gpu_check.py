@@ -31,6 +31,7 @@ from mmfast.registry import PRUNERS
 
 RECIPES = {
     "greedy": {},
+    "fused_norms": {"model": {"fuse_norms": True}},  # Inductor's RMSNorm kernels in both modes, captured under auto
     "beam": {"decoding": {"method": "beam", "params": {"num_beams": 3}}},
     "vcd": {"decoding": {"method": "vcd", "seed": 0}},  # its noised image follows the seed
     "sample": {"decoding": {"method": "sample", "params": {"top_k": 20}, "seed": 3}},

@@ -48,7 +48,7 @@ def test_cpu_run_rows_columns_medians_and_hf_tokens(tmp_path, monkeypatch):
     tmp_path = tmp_path / "new" / "folder"  # --output need not exist yet
     result = run_bench(_recipe(), output=str(tmp_path))
     rows = {(r["batch"], r["workload"], r["row"]): r for r in _rows(tmp_path)}
-    names = [gs.HF_EAGER, gs.HF_STATIC, gs.UNPRUNED, gs.COMPILED, "divprune-8"]
+    names = [gs.HF_EAGER, gs.HF_STATIC, gs.UNPRUNED, gs.COMPILED, gs.FUSED, "divprune-8"]
     assert set(rows) == {(b, w, n) for b in (1, 2) for w in ("pope", "caption") for n in names}
     for (_b, w, n), r in rows.items():
         assert r["status"] == "ok" and r["repeats"] == 2 and r["new_tokens"] == (1 if w == "pope" else 4)
@@ -64,7 +64,7 @@ def test_cpu_run_rows_columns_medians_and_hf_tokens(tmp_path, monkeypatch):
             )
             assert rows[(b, w, gs.HF_EAGER)]["n_vision_tokens"] == 16
     # per timed row: the first call, then 2 repeats of (TTFT [+ end to end]); warm-ups are untimed
-    n_ok = 5
+    n_ok = 6
     assert len(calls) == 2 * n_ok * ((1 + 2 * 2) + (1 + 2))
     md = (tmp_path / "results.md").read_text()
     for col in (

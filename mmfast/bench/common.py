@@ -96,6 +96,15 @@ def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
     return out
 
 
+def row_recipe(recipe: Recipe) -> dict:
+    """A variant's recipe as a stored row's settings record it: ``model.fuse_norms`` (added after rows were
+    committed) only when on, so rows stored before it keep their settings and resume."""
+    data = recipe.to_dict()
+    if not recipe.model.fuse_norms:
+        data["model"].pop("fuse_norms", None)
+    return data
+
+
 def only_variants(recipe: Recipe, names: list[str]) -> Recipe:
     """The recipe with ``bench.compare`` cut down to ``names`` (in the recipe's order)."""
     generated = budget_items(recipe)

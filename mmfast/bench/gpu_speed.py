@@ -14,6 +14,8 @@ the same prepared inputs:
   ``model.compile: off`` (the dynamic cache, eager steps);
 - ``mmfast unpruned (compiled)``: the same with ``model.compile: auto`` (a static cache; on CUDA each decode
   step one captured graph);
+- ``mmfast unpruned (fused norms)``: the compiled twin with ``model.fuse_norms: true`` (the language model's
+  RMSNorm modules as one Inductor kernel each, mmfast/models/fused_norms.py);
 - every ``bench.compare`` / ``bench.methods`` x ``bench.budgets`` variant with the bench recipe's own
   ``model.compile`` (``auto`` in configs/bench/gpu_speed.yaml; a method that cannot be captured runs its
   eager step and says why in the log) (pruners at 192 / 128 / 64,
@@ -83,7 +85,7 @@ from ..models.factory import BENCH_MODELS, build_bench_model
 from ..pipeline import apply
 from ..pruning._budget import CalibrationSet
 from ..speculative._eagle_model import write_random_draft
-from .common import Variant, variants
+from .common import Variant, row_recipe, variants
 from .pruning import _untrained
 from .render import budget_text
 
@@ -97,6 +99,7 @@ DEVICE_PEAKS: tuple[tuple[str, float, float], ...] = (
 )
 HF_EAGER, HF_STATIC = "hf eager", "hf static"
 UNPRUNED, COMPILED = "mmfast unpruned", "mmfast unpruned (compiled)"
+FUSED = "mmfast unpruned (fused norms)"  # compiled + model.fuse_norms (mmfast/models/fused_norms.py)
 WORKLOAD_PROMPTS = {
     "pope": "Is there a dog in the image?\nAnswer the question using a single word or phrase.",
     "caption": "Please describe this image in detail.",
@@ -374,7 +377,7 @@ def _hf_call(shape: _Shape, batch, static: bool) -> tuple[Callable[[int], Any], 
     return call, {"lengths": lengths, "n_vision": n_vision}
 
 
-def _variant_recipe(v: Variant, shape: _Shape, compile_mode: str | None) -> Recipe:
+def _variant_recipe(v: Variant, shape: _Shape, model: dict[str, Any] | None) -> Recipe:
     """The variant's recipe with trained parts swapped for random stand-ins (and random draft weights)."""
 
     recipe = _untrained(v.recipe)
@@ -389,17 +392,17 @@ def _variant_recipe(v: Variant, shape: _Shape, compile_mode: str | None) -> Reci
             data["speculative"],
             params={**(data["speculative"].get("params") or {}), "weights": shape.drafts[spec.method]},
         )
-    if compile_mode is not None:
-        data["model"] = dict(data["model"], compile=compile_mode)
+    if model:  # the row's model keys (_row_model)
+        data["model"] = dict(data["model"], **model)
     return load_recipe(data)
 
 
 def _mmfast_row(
-    shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, compile_mode: str | None, m: Measurement
+    shape: _Shape, v: Variant, b: int, workload: str, n: int, cfg, model: dict[str, Any] | None, m: Measurement
 ) -> None:
 
     batch = shape.batch(b, workload)
-    recipe = _variant_recipe(v, shape, compile_mode)
+    recipe = _variant_recipe(v, shape, model)
     prefills: list[float] = []  # the LLM prefill of every one-token call (the pipeline's own timing)
     captures: list[float] = []  # graph capture inside each call, in call order
 
@@ -540,19 +543,28 @@ def _row_specs(recipe: Recipe, vs: list[Variant], cp: GpuBenchParams) -> list[tu
         (HF_STATIC, "hf-static"),
         (UNPRUNED, vs[0]),
         (COMPILED, vs[0]),
+        (FUSED, vs[0]),
     ]
     rows += [(v.name, v) for v in vs[1:]]
     return [(name, what) for name, what in rows if cp.wants(name)]
 
 
-def _compile_mode(name: str) -> str | None:
-    """``model.compile`` of a row: off for ``mmfast unpruned``, auto for its compiled twin, the recipe's own
-    (``model.compile`` of the bench recipe, e.g. ``--set model.compile=auto``) for every method row."""
-    return {UNPRUNED: "off", COMPILED: "auto"}.get(name)
+def _row_model(name: str) -> dict[str, Any] | None:
+    """The row's ``model`` keys: compile off for ``mmfast unpruned``, auto for its compiled twin, auto and
+    fuse_norms for the fused one; None (the bench recipe's own ``model``, e.g. ``--set model.compile=auto``)
+    for every method row."""
+    return {
+        UNPRUNED: {"compile": "off"},
+        COMPILED: {"compile": "auto"},
+        FUSED: {"compile": "auto", "fuse_norms": True},
+    }.get(name)
 
 
-def _spec_of(what: Any, compile_mode: str | None) -> Any:
-    return what if isinstance(what, str) else {"recipe": what.recipe.to_dict(), "compile": compile_mode}
+def _spec_of(what: Any, model: dict[str, Any] | None) -> Any:
+    if isinstance(what, str):
+        return what
+    spec = {"recipe": row_recipe(what.recipe), "compile": (model or {}).get("compile")}
+    return {**spec, **({"fuse_norms": True} if (model or {}).get("fuse_norms") else {})}
 
 
 def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
@@ -576,7 +588,7 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                         cp.dtype,
                         cfg,
                         cp.tokens(w),
-                        {"row": _spec_of(what, _compile_mode(name)), "shape": repr(BENCH_MODELS[shape])},
+                        {"row": _spec_of(what, _row_model(name)), "shape": repr(BENCH_MODELS[shape])},
                     )
     emb_plan = _embedded_plan(recipe, vs, cp, info) if cp.embedded else {}
     store.prune({**plan, **emb_plan})
@@ -600,7 +612,7 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                 if isinstance(what, str):
                     measure_row(m, label, _hf_row, shape, b, w, n, cfg, what == "hf-static", m)
                 else:
-                    measure_row(m, label, _mmfast_row, shape, what, b, w, n, cfg, _compile_mode(name), m)
+                    measure_row(m, label, _mmfast_row, shape, what, b, w, n, cfg, _row_model(name), m)
                 store.add(m)
                 report()
         finally:
@@ -754,7 +766,8 @@ def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetChe
     for shape in sorted({k[0] for k in rows if k[0] != EMBEDDED}):
         for b in (1, 8):
             hf = get(shape, b, "caption", HF_STATIC)
-            ours = get(shape, b, "caption", COMPILED) or get(shape, b, "caption", UNPRUNED)
+            # the fastest decode path mmfast offers that ran: fused norms, else the captured step, else eager
+            ours = next((r for r in (get(shape, b, "caption", n) for n in (FUSED, COMPILED, UNPRUNED)) if r), None)
             which = ours.row if ours else UNPRUNED
             ratio = (
                 (hf.decode_step_s / ours.decode_step_s)
@@ -799,7 +812,7 @@ def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetChe
             or b != 8
             or w != "pope"
             or not m.ok
-            or name in (UNPRUNED, COMPILED, HF_EAGER, HF_STATIC)
+            or name in (UNPRUNED, COMPILED, FUSED, HF_EAGER, HF_STATIC)
             or base is None
         ):
             continue
@@ -887,12 +900,14 @@ def write_gpu_report(
         proj = projected_decode(rows, m, tau)
         same = (
             (m.tokens_sha == hf.tokens_sha)
-            if hf is not None and hf.ok and m.row in (HF_STATIC, UNPRUNED, COMPILED)
+            if hf is not None and hf.ok and m.row in (HF_STATIC, UNPRUNED, COMPILED, FUSED)
             else None
         )
         hfs = rows.get((m.shape, m.batch, m.workload, HF_STATIC))
         same_static = (
-            (m.tokens_sha == hfs.tokens_sha) if hfs is not None and hfs.ok and m.row in (UNPRUNED, COMPILED) else None
+            (m.tokens_sha == hfs.tokens_sha)
+            if hfs is not None and hfs.ok and m.row in (UNPRUNED, COMPILED, FUSED)
+            else None
         )
         table.append(
             [
@@ -1008,6 +1023,6 @@ def write_gpu_report(
 
 
 def _order(key: tuple, vs: list[Variant]) -> tuple:
-    names = [HF_EAGER, HF_STATIC, UNPRUNED, COMPILED] + [v.name for v in vs[1:]]
+    names = [HF_EAGER, HF_STATIC, UNPRUNED, COMPILED, FUSED] + [v.name for v in vs[1:]]
     shape, b, w, name = key
     return (shape, b, w, names.index(name) if name in names else len(names), name)

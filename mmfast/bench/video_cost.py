@@ -62,7 +62,7 @@ from ..models.factory import BENCH_MODELS, build_bench_model, reduced_shape
 from ..pipeline import apply
 from ..video import VideoSampling, open_video
 from ..world.video_render import MAX_FRAMES, MIN_FRAMES, VideoConfig, render_clip
-from .common import Variant, variants, warm_repeats
+from .common import Variant, row_recipe, variants, warm_repeats
 from .gpu_speed import DeviceInfo, RowStore, measure_row
 from .render import budget_text
 
@@ -254,7 +254,7 @@ def run_video_cost(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
         for f in cp.frames:
             for v in vs:
                 if cp.wants(v.name):
-                    plan[(shape, f, v.name)] = (v, _settings(info, cp, recipe, shape, f, v.recipe.to_dict()))
+                    plan[(shape, f, v.name)] = (v, _settings(info, cp, recipe, shape, f, row_recipe(v.recipe)))
     store.prune({k: s for k, (_, s) in plan.items()})
 
     def report() -> dict[str, Any]:
