@@ -9,7 +9,7 @@
 #
 # Phases (GPU_BENCH_PHASES, in the order given, default "qwen llava extra"), within GPU_BENCH_TIMEOUT seconds (default 420) of a
 # 15-minute device budget; every phase appends to $OUT/bench.log:
-#   check: scripts/static_cache_gpu_check.py on the embedded model in fp16 (model.compile static = auto
+#   check: scripts/static_cache_gpu_check.py (GPU_BENCH_CHECK_ARGS: its options) on the embedded model in fp16 (model.compile static = auto
 #          tokens for decoders, drafters and pruners: the captured step replays exactly) into $OUT/check.txt;
 #   qwen:  qwen2.5-vl-7b at batch 1, one-token answers: HF eager, mmfast unpruned, DivPrune-64 (TTFT and LLM
 #          prefill), and scripts/time_qwen_tower.py on the GPU (HF's per-window tower attention against
@@ -57,7 +57,8 @@ rc=0
 run_phase() { "$@" || rc=$?; }
 cap() { local l; l=$(left); echo $(($1 < l ? $1 : l)); }  # cap SECONDS: at most SECONDS, at most what is left
 phase_check() {  # static / captured steps give identical tokens on this GPU
-  timeout "$(cap 150)" "$PY" scripts/static_cache_gpu_check.py >"$OUT/check.txt" 2>&1
+  # shellcheck disable=SC2086
+  timeout "$(cap 150)" "$PY" scripts/static_cache_gpu_check.py ${GPU_BENCH_CHECK_ARGS:-} >"$OUT/check.txt" 2>&1
   local r=$?; [ $r = 0 ] || rc=$r
   echo "== check: exit status $r after $((SECONDS - start)) s" | tee -a "$LOG"
 }
