@@ -49,7 +49,9 @@ as denser). (3) Scores, raters and clustering are computed in fp32. (4) With no 
 relevance (one text token), every text token is a rater (the release would average an empty set).
 (5) A count k_s >= n keeps every token (no drop, nothing recycled: the no-op setting); the release's
 min(k_s, n - 1) would still drop the lowest token and re-insert it as its own one-token cluster. (6) The filter layers must map onto distinct layers with a layer after the last (``layers``; on a
-4-layer LLM give e.g. ``layers: [0, 1, 2]`` with ``layer_mapping: absolute``).
+4-layer LLM give e.g. ``layers: [0, 1, 2]`` with ``layer_mapping: absolute``). (7) DPC-kNN's pairwise
+distances are the release's norms of differences computed a block of rows at a time (:func:`pairwise_distance`,
+equal values): the release holds all [n, n, C] differences at once, 60 GiB at 64 video frames on OneVision-7B.
 Families: all six (the release: LLaVA-1.5 and, on its video branch, Video-LLaVA). On every family a
 preset's counts are round(k_s N_i / 576) for an image of N_i tokens; counts given in ``keep`` (or set by
 a budget for the image's N_i) are kept as they are. Under M-RoPE the survivors keep their original
@@ -96,12 +98,28 @@ def text_raters(vision: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
     return raters if bool(raters.any()) else torch.ones_like(raters)
 
 
+#: bytes of the [rows, n, C] differences :func:`pairwise_distance` holds at once
+PAIRWISE_CHUNK_BYTES = 1 << 30
+
+
+def pairwise_distance(xf: torch.Tensor, chunk_bytes: int = PAIRWISE_CHUNK_BYTES) -> torch.Tensor:
+    """``(xf[:, None] - xf[None]).norm(dim=-1)`` ([n, n]), the release's arithmetic, a block of rows at a time:
+    the release materialises all [n, n, C] differences at once (fp32: 60 GiB above the model for SparseVLM at 64
+    frames of LLaVA-OneVision-7B on the H200, growing with the square of the tokens); each distance is the
+    same norm of the same difference vector, so the blocks give the same values."""
+    n, c_dim = xf.shape
+    rows = max(1, chunk_bytes // max(1, n * c_dim * xf.element_size()))
+    if rows >= n:
+        return (xf[:, None] - xf[None]).norm(dim=-1)
+    return torch.cat([(xf[i : i + rows, None] - xf[None]).norm(dim=-1) for i in range(0, n, rows)])  # [n, n]
+
+
 def dpc_knn_merge(x: torch.Tensor, n_clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """DPC-kNN clustering of ``x`` ([n, C]) into ``n_clusters``; returns the merged tokens [c, C] (fp32,
     cluster order = descending centre score) and the centre indices [c] into ``x``."""
     n, c_dim = x.shape
     xf = x.float()
-    dist = (xf[:, None] - xf[None]).norm(dim=-1) / math.sqrt(c_dim)  # [n, n]
+    dist = pairwise_distance(xf) / math.sqrt(c_dim)  # [n, n]
     knn = dist.topk(n_clusters, dim=-1, largest=False).values  # [n, k] (self included)
     density = (-(knn**2).mean(-1)).exp()  # [n]
     idx = torch.arange(n, device=x.device)
