@@ -70,6 +70,62 @@ def test_divprune_selects_the_max_min_subset(family, tiny_mm, next_mm, images, p
             assert vision.patch_ids[i].tolist() == want
 
 
+def _device_reads(fn):
+    """(fn's result, how many values it read from tensors to the host: a GPU sync each)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        out = fn()
+    return out, Reads.n
+
+
+def test_divprune_selection_never_reads_the_device():
+    """The greedy loop keeps each pick on the device (a pick read to the host is a GPU sync per pick):
+    no ``.item()`` while selecting, and the same picks as indexing with each pick (the old loop)."""
+    from mmfast.pruning.divprune import cosine_distance, max_min_select
+
+    g = torch.Generator().manual_seed(0)
+    dist = cosine_distance(torch.randn(200, 16, generator=g))
+    got, reads = _device_reads(lambda: max_min_select(dist, 40))
+    assert reads == 0
+    picked = [int(dist.topk(2, dim=0, largest=False).values[1].argmax())]
+    closest = dist[picked[0]].clone()
+    while len(picked) < 40:
+        picked.append(int(closest.argmax()))
+        closest = torch.minimum(closest, dist[picked[-1]])
+    assert got.tolist() == picked
+
+
+def test_cdpruner_greedy_map_never_reads_the_device():
+    """CDPruner's fast greedy MAP keeps each pick on the device, with the picks of the loop that indexed
+    with each pick (three host reads per pick)."""
+    import math
+
+    from mmfast.pruning.cdpruner import dpp_kernel, greedy_map
+
+    g = torch.Generator().manual_seed(0)
+    kernel = dpp_kernel(torch.randn(150, 16, generator=g), torch.rand(150, generator=g))
+    got, reads = _device_reads(lambda: greedy_map(kernel, 30))
+    assert reads == 0
+    cis, di2s, picked = torch.zeros(30, 150), kernel.diagonal().clone(), []
+    for i in range(30):
+        j = int(di2s.argmax())
+        picked.append(j)
+        eis = (kernel[j] - cis[:i, j] @ cis[:i]) / di2s[j].sqrt()
+        cis[i] = eis
+        di2s = di2s - eis.square()
+        di2s[j] = -math.inf
+    assert got.tolist() == picked
+    assert greedy_map(kernel, 0).tolist() == []
+
+
 def test_divprune_ratio_and_budget(tiny_mm, images, prompts):
     with _session(tiny_mm, "divprune", ratio=0.3) as s:  # round(0.3 * 16) = 5
         assert [r.n_vision_tokens for r in s.generate(images[:2], prompts[:2], max_new_tokens=1)] == [5, 5]

@@ -136,15 +136,17 @@ def greedy_map(kernel: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, n)
     cis = torch.zeros(k, n, dtype=kernel.dtype, device=kernel.device)  # [k, N]
     di2s = kernel.diagonal().clone()  # [N]
-    picked = torch.empty(k, dtype=torch.long, device=kernel.device)
-    for i in range(k):
-        j = di2s.argmax()
-        picked[i] = j
-        eis = (kernel[j] - cis[:i, j] @ cis[:i]) / di2s[j].sqrt()  # [N]
+    picks = []
+    for i in range(k):  # each pick stays on the device (indexing with a 0-d tensor would sync per pick)
+        j = di2s.argmax(dim=0, keepdim=True)  # [1]
+        picks.append(j)
+        eis = (kernel.index_select(0, j)[0] - cis[:i].index_select(1, j)[:, 0] @ cis[:i]) / di2s.index_select(
+            0, j
+        ).sqrt()  # [N]
         cis[i] = eis
         di2s = di2s - eis.square()
-        di2s[j] = -math.inf
-    return picked
+        di2s.index_fill_(0, j, -math.inf)
+    return torch.cat(picks) if picks else torch.empty(0, dtype=torch.long, device=kernel.device)
 
 
 def max_tiles(adapter) -> int:

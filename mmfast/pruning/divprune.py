@@ -61,20 +61,22 @@ def max_min_select(dist: torch.Tensor, k: int) -> torch.Tensor:
     """DivPrune's greedy max-min selection on a distance matrix [N, N]: [k] indices in pick order."""
     n = dist.shape[0]
     k = min(k, n)
-    picked = torch.empty(k, dtype=torch.long, device=dist.device)
     if k == 0:
-        return picked
+        return torch.empty(0, dtype=torch.long, device=dist.device)
     if n == 1:
-        picked[0] = 0
-        return picked
+        return torch.zeros(1, dtype=torch.long, device=dist.device)
     # first: the token whose nearest other token is farthest (2nd smallest of its column)
     nearest = dist.topk(2, dim=0, largest=False).values[1]  # [N]
-    picked[0] = nearest.argmax()
-    closest = dist[picked[0]].clone()  # [N] min distance of every token to the selected set
-    for i in range(1, k):
-        picked[i] = closest.argmax()
-        closest = torch.minimum(closest, dist[picked[i]])
-    return picked
+    # every pick stays on the device: indexing with a picked 0-d tensor would read it to the host (one
+    # sync per pick, serialising the loop on a GPU; DivPrune-64 on the H200 had a TTFT of 47.6 ms against 40.6
+    # unpruned while its LLM prefill took 11.8 against 22.3 ms)
+    picks = [nearest.argmax(dim=0, keepdim=True)]  # [1] each
+    closest = dist.index_select(0, picks[0])  # [1, N] min distance of every token to the selected set
+    for _ in range(1, k):
+        j = closest.argmax(dim=1)  # [1]
+        picks.append(j)
+        torch.minimum(closest, dist.index_select(0, j), out=closest)
+    return torch.cat(picks)
 
 
 def select_image_rows(vision, i: int, rows: torch.Tensor) -> None:
