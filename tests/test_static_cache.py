@@ -106,8 +106,53 @@ def test_static_trained_drafters_match_dynamic(name, captured, tiny_mm, images, 
         monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
     assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == dynamic
     assert padded_steps[0] > 0
-    if captured:  # one verify width; the second sample's longer prompt needs larger buffers than the first's
-        assert len(EmulatedGraph.made) <= 2 and sum(g.replays for g in EmulatedGraph.made) >= 3
+    if captured:  # one verify width, and the draft's accept step; the second sample's longer prompt needs
+        # larger buffers than the first's (a second verify graph; a second accept graph when the draft's grow)
+        assert len(EmulatedGraph.made) <= 4 and sum(g.replays for g in EmulatedGraph.made) >= 3
+
+
+@pytest.mark.parametrize("name", ["flash", "msd"])
+def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkeypatch, caplog):
+    """Under captured steps (CUDA-graph semantics emulated) the drafter's accept step, and FLASH's one-block
+    proposal, are graphs of their own, replayed every cycle, with the dynamic cache's tokens; a draft capture
+    that raises leaves the draft's steps eager with one log line, and the tokens unchanged."""
+    from mmfast.pipeline import Session
+    from mmfast.speculative import _eagle
+    from mmfast.speculative._eagle_model import _model_dir, write_random_draft
+
+    d = _model_dir(tiny_mm)
+    if not (d / name).exists():
+        write_random_draft(tiny_mm, name, d / name, **({"sar_k": 3, "n_latents": 4} if name == "flash" else {}))
+    params = {"flash": {"top_k": 4, "total_tokens": 12}, "msd": {"depth": 3, "top_k": 4, "total_tokens": 16}}
+    recipe = load_recipe({"speculative": {"method": name, "params": params[name]}})
+    dynamic = _tokens(tiny_mm, recipe.to_dict(), images, prompts, "off", n=12)
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    EmulatedGraph.made = []
+    with mmfast.apply(tiny_mm, recipe, compile="static") as s:
+        res = s.generate(images[:2], prompts[:2], max_new_tokens=12, seed=0)
+        graphs = dict(s.drafter._graphs)
+    assert [r.token_ids for r in res] == dynamic
+    steps = {key[0] for key in graphs}
+    assert steps == ({"accept", "sar"} if name == "flash" else {"accept"})
+    cycles = res[0].stats["speculative"]["cycles"]  # the batch's (samples run one at a time)
+    assert cycles >= 3
+    # every cycle replays each draft step, but the one that captured it (the draft's buffers hold both samples)
+    assert all(g.graph.replays == cycles - 1 for g in graphs.values()), (cycles, graphs)
+
+    class Refused(EmulatedGraph):  # the draft's graphs only: the verify step still captures
+        def capture(self, fn):
+            raise RuntimeError("capture refused")
+
+    factory = _eagle.EagleDrafter._factory
+    monkeypatch.setattr(_eagle.EagleDrafter, "_factory", lambda self, ctx: factory(self, ctx) and Refused)
+    with caplog.at_level(logging.INFO, logger="mmfast.speculative._eagle"):
+        with mmfast.apply(tiny_mm, recipe, compile="static") as s:
+            out = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=12, seed=0)]
+            assert s.drafter._graphs == {} and s.drafter._capture_refused
+    assert out == dynamic
+    assert [r.getMessage() for r in caplog.records if "draft steps run without" in r.getMessage()] == [
+        f"{name}: draft steps run without a captured graph (RuntimeError: capture refused)"
+    ]
 
 
 DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}

@@ -44,6 +44,7 @@ class OpCounter(TorchDispatchMode):
     runner: Any = None
     lm_head: Any = None
     paused: bool = False
+    in_step: bool = False  # inside LMRunner._replay (count_step_ops): a replay there is the LM step's
     by_phase: Counter = field(default_factory=Counter)
     total: int = 0
     marks: list[tuple[int, Counter]] = field(default_factory=list)
@@ -101,7 +102,8 @@ class ReplayGraph(ReplayEmulator):
         counter = ReplayGraph.counter
         if counter is None:
             return super().replay()
-        counter.mark()
+        if counter.in_step:  # the LM step's replay starts a step (a drafter's or a prefill's does not)
+            counter.mark()
         counter.paused = True
         try:
             return super().replay()
@@ -118,9 +120,20 @@ def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) 
     try:
         with apply(mm, load_recipe(recipe), compile="static") as s:
             counter = OpCounter(runner=s.runner, lm_head=s.runner.adapter.lm_head)
+            replay = s.runner._replay
+
+            def marked(state, step):  # LMRunner._replay: what it replays is the LM step
+                counter.in_step = True
+                try:
+                    return replay(state, step)
+                finally:
+                    counter.in_step = False
+
+            s.runner._replay = marked
             ReplayGraph.counter = counter
             with counter:
                 s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)
+            del s.runner._replay
     finally:
         Session._capture_factory = original
         ReplayGraph.counter = None

@@ -24,7 +24,8 @@ accepted rows need keys/values, not outputs), so the prompt costs one K/V projec
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -180,12 +181,59 @@ class DraftCache:
             attn_mask=None if mask is None else mask[None, None],
             enable_gqa=a.num_kv_heads != a.num_heads,
         )
-        h = xq + F.linear(out[0].transpose(0, 1).reshape(nq, f.nq), f.w_o, f.b_o)
+        return self._finish(xq, out[0])
+
+    def _finish(self, xq: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: rows xq [nq, d] and their attention output [H, nq, hd] -> [nq, d]."""
+        f = self.f
+        nq = xq.shape[0]
+        h = xq + F.linear(attn.transpose(0, 1).reshape(nq, f.nq), f.w_o, f.b_o)
         y = F.rms_norm(h, (h.shape[-1],), f.ln_w, f.eps)
         if f.silu:
             g, u = F.linear(y, f.w_gu, f.b_gu).split(f.inter, -1)
             return h + F.linear(F.silu(g) * u, f.w_down, f.b_down)
-        return h + m.layer.mlp(y)
+        return h + self.model.layer.mlp(y)
+
+    def append_last_static(
+        self, x: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, n: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`append` of rows whose last real one is the query, in fixed shapes and without a host read
+        (what a captured accept runs): ``x`` [P, d] rows at positions ``pos`` [P], of which the first ``n``
+        ([1] long, on the device) are real, written at slots ``start`` ([1]) + 0..P-1; the output [1, d] of
+        row n - 1, which sees the slots before ``start + n``. The pad rows' keys and values land beyond them
+        (overwritten by the next append). The rope table must cover ``pos`` and the buffers ``start + P``."""
+        m, f = self.model, self.f
+        a = m.arch
+        rows = x.shape[0]
+        cos_t, sin_t = m._rope_table
+        cos, sin = cos_t.index_select(0, pos), sin_t.index_select(0, pos)  # [P, hd]
+        kv = F.linear(x, f.w_qkv[f.nq :], None if f.b_qkv is None else f.b_qkv[f.nq :])  # [P, 2 nkv]
+        k = kv[:, : f.nkv].view(rows, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Hkv, P, hd]
+        slots = start + torch.arange(rows, device=x.device)  # [P]
+        self.k.index_copy_(1, slots, k * cos + _rotate_half(k) * sin)
+        self.v.index_copy_(1, slots, kv[:, f.nkv :].view(rows, a.num_kv_heads, a.head_dim).transpose(0, 1))
+        last = n - 1  # [1]
+        xq = x.index_select(0, last)  # [1, d]
+        q = F.linear(xq, f.w_qkv[: f.nq], None if f.b_qkv is None else f.b_qkv[: f.nq])
+        q = q.reshape(1, a.num_heads, a.head_dim).transpose(0, 1)  # [H, 1, hd]
+        q = q * cos.index_select(0, last) + _rotate_half(q) * sin.index_select(0, last)
+        held = torch.arange(self.k.shape[1], device=x.device) < start + n  # [C]
+        out = F.scaled_dot_product_attention(
+            q[None],
+            self.k[None],
+            self.v[None],
+            attn_mask=held[None, None, None],
+            enable_gqa=a.num_kv_heads != a.num_heads,
+        )
+        return self._finish(xq, out[0])
+
+
+@dataclass
+class _DraftGraph:
+    """A captured draft step and the fixed tensors it reads."""
+
+    graph: Any
+    inputs: dict[str, torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------ trees
@@ -198,18 +246,26 @@ def select_tree(tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tenso
     the root). A stable descending sort keeps ancestors first among ties, and a child's cumulative
     score never exceeds its parent's, so the kept set is closed under ancestors.
     """
+    keep, tree_par, orphan = _rerank(scores, parents, total)
+    if bool(orphan.any()):  # an ancestor fell out (ties at -inf): drop such nodes
+        ok = ~orphan
+        par = parents[keep]
+        return select_tree(tokens[keep][ok], scores[keep][ok], _reindex(par, ok), int(ok.sum()))
+    return DraftTree(tokens.index_select(0, keep), tree_par)
+
+
+def _rerank(scores: torch.Tensor, parents: torch.Tensor, total: int) -> tuple[torch.Tensor, ...]:
+    """:func:`select_tree`'s fixed-shape part (no host read): the kept candidates ([T], level order), their
+    tree parents ([T], 0 = root) and which of them lost an ancestor ([T] bool; none unless scores tie at -inf)."""
     n = int(scores.numel())
     total = min(total, n)
     order = torch.sort(scores, descending=True, stable=True).indices[:total]
     keep = torch.sort(order).values  # back to level order: parents before children
     new_id = torch.zeros(n, dtype=torch.long, device=scores.device)
-    new_id[keep] = torch.arange(1, total + 1, device=scores.device)
-    par = parents[keep]
-    tree_par = torch.where(par < 0, torch.zeros_like(par), new_id[par.clamp(min=0)])
-    if bool(((par >= 0) & (tree_par == 0)).any()):  # an ancestor fell out (ties at -inf): drop such nodes
-        ok = ~((par >= 0) & (tree_par == 0))
-        return select_tree(tokens[keep][ok], scores[keep][ok], _reindex(par, ok), int(ok.sum()))
-    return DraftTree(tokens[keep].clone(), tree_par)
+    new_id.index_copy_(0, keep, torch.arange(1, total + 1, device=scores.device))
+    par = parents.index_select(0, keep)
+    tree_par = torch.where(par < 0, torch.zeros_like(par), new_id.index_select(0, par.clamp(min=0)))
+    return keep, tree_par, (par >= 0) & (tree_par == 0)
 
 
 def _reindex(par: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -233,6 +289,10 @@ class EagleDrafter(Drafter):
         self.cache = DraftCache(self.model)
         self.root_slots: torch.Tensor | None = None  # [K, d] the draft's features at the root row
         self.pos = 0  # draft position of the next committed row
+        #: captured draft steps (model.compile: auto), by step and the buffers they read; see :meth:`_captured`
+        self._graphs: dict[tuple, _DraftGraph] = {}
+        self._root: torch.Tensor | None = None  # [K, d] the root slots' fixed buffer while captured steps run
+        self._capture_refused = False
 
     # -- sequence start -----------------------------------------------------------------------------
     def _prompt_hidden(self, ctx: SpecContext) -> torch.Tensor:
@@ -273,7 +333,7 @@ class EagleDrafter(Drafter):
         out = self.cache.append(x, pos, query=slice(n - 1, n), max_pos=n - 1)  # K/V for every row, output of the last
         self.cache.commit()
         self.pos = n
-        self.root_slots = m.slots(out[-1])
+        self.root_slots = self._keep_root(ctx, m.slots(out[-1]))
         self._count(ctx, forwards=1)
 
     @torch.inference_mode()
@@ -281,6 +341,10 @@ class EagleDrafter(Drafter):
         m = self.model
         self.cache.rollback()
         toks = [tree.token_list[i - 1] for i in path] + [int(bonus)]
+        factory = self._factory(ctx)
+        if factory is not None and self._root is not None and len(toks) <= self.max_step_tokens():
+            self._accept_captured(ctx, factory, toks, hidden)
+            return
         ids = torch.tensor(toks, device=hidden.device)
         h = hidden.to(m.fc.weight.dtype)
         f = self.cache.f
@@ -290,7 +354,84 @@ class EagleDrafter(Drafter):
         out = self.cache.append(x, pos, query=slice(n - 1, n), max_pos=self.pos + n - 1)
         self.cache.commit()
         self.pos += n
-        self.root_slots = m.slots(out[-1])
+        self.root_slots = self._keep_root(ctx, m.slots(out[-1]))
+        self._count(ctx, forwards=1)
+
+    # -- captured draft steps (model.compile: auto) ------------------------------------------------------
+    def _factory(self, ctx: SpecContext) -> Any:
+        """The graph factory when the target's verify steps are captured (and no capture here failed)."""
+        runner = ctx.method.runner
+        return runner.capture if runner.captures and not self._capture_refused else None
+
+    def _keep_root(self, ctx: SpecContext, slots: torch.Tensor) -> torch.Tensor:
+        """The root slots [K, d]; under captured steps in one fixed buffer (what a captured proposal reads)."""
+        if self._factory(ctx) is None:
+            return slots
+        if self._root is None or self._root.shape != slots.shape or self._root.device != slots.device:
+            self._root = torch.empty_like(slots)
+            self._graphs.clear()  # they read the old buffer
+        return self._root.copy_(slots)
+
+    def _captured(self, ctx: SpecContext, factory: Any, key: tuple, make: Any, load: Any) -> torch.Tensor:
+        """Replay the draft step ``key`` after ``load(inputs)``; the first time, ``make()`` gives its fixed
+        inputs and its function, which runs for real (the capture's warm-up) and is then captured. A capture
+        that raises leaves this drafter's steps eager from then on (one log line)."""
+        g = self._graphs.get(key)
+        if g is not None:
+            load(g.inputs)
+            return g.graph.replay()
+        inputs, run = make()
+        graph = factory()
+        out = graph.warmup(run)
+        try:
+            graph.capture(run)
+        except Exception as exc:  # noqa: BLE001  an uncapturable draft step runs eagerly
+            self._capture_refused = True
+            logger.info("%s: draft steps run without a captured graph (%s: %s)", self.kind, type(exc).__name__, exc)
+            return out
+        ctx.method.runner.capture_s += getattr(graph, "capture_s", 0.0)
+        self._graphs[key] = _DraftGraph(graph, inputs)
+        return out
+
+    def _accept_captured(self, ctx: SpecContext, factory: Any, toks: list[int], hidden: torch.Tensor) -> None:
+        """:meth:`accept` as one captured step: the accepted rows padded to ``max_step_tokens()`` (P), the
+        real count, slot and position passed on the device with the tokens (one copy), the hidden states
+        into a fixed buffer; the root slots land in the fixed root buffer."""
+        m, cache = self.model, self.cache
+        rows, n = self.max_step_tokens(), len(toks)
+        cache._ensure(cache.committed + rows)
+        m.rope(torch.zeros(1, dtype=torch.long, device=hidden.device), max_pos=self.pos + rows)  # the table covers them
+        packed = toks + [0] * (rows - n) + [n, cache.committed, self.pos]  # ids [P], n, start, first position
+        key = ("accept", rows, cache.k.data_ptr(), cache.k.shape[1], m._rope_table[0].data_ptr(), self._root.data_ptr())
+        for old in [k for k in self._graphs if k[0] == "accept" and k != key]:
+            del self._graphs[old]  # captured on buffers the draft has outgrown
+
+        def make() -> tuple[dict[str, torch.Tensor], Any]:
+            inputs = {
+                "packed": torch.tensor(packed, device=hidden.device),
+                "hid": torch.zeros(rows, hidden.shape[-1], dtype=m.fc.weight.dtype, device=hidden.device),
+            }
+            inputs["hid"][:n] = hidden
+
+            def run() -> torch.Tensor:
+                p = inputs["packed"]
+                ids, meta = p[:rows], p[rows:]  # [P], [3]
+                h = inputs["hid"]  # [P, d]
+                x = cache.f.fc(cache.f.embed(ids).to(h.dtype), h)  # generated tokens are text rows
+                pos = meta[2:3] + torch.arange(rows, device=h.device)  # [P]
+                out = cache.append_last_static(x, pos, meta[1:2], meta[0:1])  # [1, d]
+                return self._root.copy_(m.slots(out[-1]))  # [K, d]
+
+            return inputs, run
+
+        def load(inputs: dict[str, torch.Tensor]) -> None:
+            inputs["packed"].copy_(torch.tensor(packed, device=hidden.device))
+            inputs["hid"][:n] = hidden
+
+        self._captured(ctx, factory, key, make, load)
+        cache.committed += n
+        self.pos += n
+        self.root_slots = self._root
         self._count(ctx, forwards=1)
 
     # -- helpers --------------------------------------------------------------------------------------

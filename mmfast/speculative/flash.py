@@ -25,6 +25,10 @@ Algorithm:
 
 Hook points: none on the target (``needs_hidden``: the engine passes the prompt's final hidden states).
 
+Captured steps: where the target's verify step is captured (``model.compile: auto`` on CUDA), the one-block
+proposal (``rounds: 1``) is one graph (candidates, rerank, tree parents; read back in one copy) and the accept
+step another (:meth:`EagleDrafter._accept_captured`); ``rounds`` > 1 proposes eagerly.
+
 Limits: batch 1 per sequence; trained weights for the target (``<model dir>/flash/``). Siblings in a
 block share their deeper slot distributions (the semi-AR head does not see the intermediate tokens).
 
@@ -57,7 +61,7 @@ import torch
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
-from ._eagle import EagleDrafter, select_tree
+from ._eagle import EagleDrafter, _rerank, select_tree
 from .tree import DraftTree
 
 
@@ -88,13 +92,54 @@ class Flash(EagleDrafter):
 
     def propose(self, ctx, root: int) -> DraftTree:
         cfg = self.config
-        tree, forwards = self.sar_tree(cfg.rounds, cfg.top_k, cfg.total_tokens)
-        self._count(ctx, forwards=forwards, tokens=tree.n)
+        factory = self._factory(ctx)
+        tree = None
+        if factory is not None and cfg.rounds == 1 and self._root is not None:  # one block: fixed shapes
+            tree = self._propose_captured(ctx, factory, cfg.top_k, cfg.total_tokens)
+        if tree is None:
+            tree, forwards = self.sar_tree(cfg.rounds, cfg.top_k, cfg.total_tokens)
+            self._count(ctx, forwards=forwards)
+        self._count(ctx, tokens=tree.n)
+        return tree
+
+    def _propose_captured(self, ctx, factory, top_k: int, total: int) -> DraftTree | None:
+        """The one-block tree (``rounds: 1``) as one captured step over the fixed root buffer: candidates,
+        rerank and tree parents in the graph, read back in one copy (tokens, parents, and whether a node lost
+        its ancestor, when the tree is built eagerly instead: ties at -inf only). None: build it eagerly."""
+        k = max(1, min(top_k, self.model.arch.vocab_size))
+
+        def make():
+            def run() -> torch.Tensor:
+                toks, scores, parents, _ = self._sar_candidates(1, k, total, early_stop=False)
+                keep, tree_par, orphan = _rerank(torch.cat(scores), torch.cat(parents), max(1, total - 1))
+                return torch.cat(
+                    [torch.cat(toks).index_select(0, keep), tree_par, orphan.any().long()[None]]
+                )  # [2T + 1]
+
+            return {}, run
+
+        packed = self._captured(ctx, factory, ("sar", k, total, self._root.data_ptr()), make, lambda inputs: None)
+        host = packed.tolist()  # the one read of the proposal (the verify step needs the tree on the host)
+        if host[-1]:
+            return None
+        n = (len(host) - 1) // 2
+        tree = DraftTree(packed[:n].clone(), packed[n : 2 * n].clone())
+        tree.__dict__["token_list"], tree.__dict__["parent_list"] = host[:n], host[n : 2 * n]
         return tree
 
     @torch.inference_mode()
     def sar_tree(self, rounds: int, top_k: int, total: int, early_stop: bool = True) -> tuple[DraftTree, int]:
         """Blocks of K levels from semi-AR slot distributions (see the module docstring, step 4)."""
+        toks, scores, parents, forwards = self._sar_candidates(rounds, top_k, total, early_stop)
+        self.cache.rollback()
+        tree = select_tree(torch.cat(toks), torch.cat(scores), torch.cat(parents), max(1, total - 1))
+        return tree, forwards
+
+    def _sar_candidates(
+        self, rounds: int, top_k: int, total: int, early_stop: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
+        """Every candidate's token, cumulative log-prob and parent (level order), and the draft forwards run.
+        With ``rounds: 1`` no host read and fixed shapes (what a captured proposal runs)."""
         m, cache = self.model, self.cache
         dev = m.fc.weight.device
         big_k = m.n_slots
@@ -105,7 +150,7 @@ class Flash(EagleDrafter):
         par_host: list[int] = []  # parents on the host, to trace paths when feeding a block
         tok_host: list[int] = []
         n_cand = 0
-        f_ids = torch.tensor([-1], device=dev)  # block roots (candidate ids; -1 = the tree root)
+        f_ids = torch.full((1,), -1, dtype=torch.long, device=dev)  # block roots (candidate ids; -1 = the tree root)
         f_score = torch.zeros(1, device=dev)
         f_feats = self.root_slots[None]  # [n_f, K, d]
         f_rows: list[int] = [-1]  # appended draft row of each block root (-1: committed)
@@ -183,6 +228,4 @@ class Flash(EagleDrafter):
             row_vis = vis
             f_rows = [row_of[c] for c in beam]
             f_ids, f_score, f_feats = b_ids, b_score, m.slots(out)
-        cache.rollback()
-        tree = select_tree(torch.cat(toks), torch.cat(scores), torch.cat(parents), max(1, total - 1))
-        return tree, forwards
+        return toks, scores, parents, forwards
