@@ -113,9 +113,9 @@ def test_static_trained_drafters_match_dynamic(name, captured, tiny_mm, images, 
 
 @pytest.mark.parametrize("name", ["flash", "msd"])
 def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkeypatch, caplog):
-    """Under captured steps (CUDA-graph semantics emulated) the drafter's accept step, and FLASH's one-block
-    proposal, are graphs of their own, replayed every cycle, with the dynamic cache's tokens; a draft capture
-    that raises leaves the draft's steps eager with one log line, and the tokens unchanged."""
+    """Under captured steps (CUDA-graph semantics emulated) the drafter's accept step and its proposal (FLASH's
+    one block, MSD's EAGLE-2 tree) are graphs of their own, replayed every cycle, with the dynamic cache's
+    tokens; a draft capture that raises leaves the draft's steps eager with one log line, tokens unchanged."""
     from mmfast.pipeline import Session
     from mmfast.speculative import _eagle
     from mmfast.speculative._eagle_model import _model_dir, write_random_draft
@@ -133,7 +133,7 @@ def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkey
         graphs = dict(s.drafter._graphs)
     assert [r.token_ids for r in res] == dynamic
     steps = {key[0] for key in graphs}
-    assert steps == ({"accept", "sar"} if name == "flash" else {"accept"})
+    assert steps == ({"accept", "sar"} if name == "flash" else {"accept", "eagle2"})
     cycles = res[0].stats["speculative"]["cycles"]  # the batch's (samples run one at a time)
     assert cycles >= 3
     # every cycle replays each draft step, but the one that captured it (the draft's buffers hold both samples)

@@ -194,6 +194,34 @@ class DraftCache:
             return h + F.linear(F.silu(g) * u, f.w_down, f.b_down)
         return h + self.model.layer.mlp(y)
 
+    def append_rows_static(
+        self, x: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, committed: torch.Tensor, vis: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`append` with ``vis`` in fixed shapes and without a host read (a captured tree level): rows
+        ``x`` [Q, d] at positions ``pos`` [Q], written at slots ``start`` ([1], on the device) + 0..Q-1, the
+        uncommitted rows being the A slots from ``committed`` ([1]) on, of which each row sees those ``vis``
+        ([Q, A] bool) marks and every committed slot. Returns every row's output [Q, d]."""
+        m, f = self.model, self.f
+        a = m.arch
+        n, n_app = x.shape[0], vis.shape[1]
+        cos_t, sin_t = m._rope_table
+        cos, sin = cos_t.index_select(0, pos), sin_t.index_select(0, pos)  # [Q, hd]
+        qkv = F.linear(x, f.w_qkv, f.b_qkv)
+        q, kv = qkv[:, : f.nq], qkv[:, f.nq :]
+        k = kv[:, : f.nkv].view(n, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Hkv, Q, hd]
+        slots = start + torch.arange(n, device=x.device)  # [Q]
+        self.k.index_copy_(1, slots, k * cos + _rotate_half(k) * sin)
+        self.v.index_copy_(1, slots, kv[:, f.nkv :].view(n, a.num_kv_heads, a.head_dim).transpose(0, 1))
+        q = q.reshape(n, a.num_heads, a.head_dim).transpose(0, 1)  # [H, Q, hd]
+        q = q * cos + _rotate_half(q) * sin
+        slot = torch.arange(self.k.shape[1], device=x.device)  # [C]
+        mask = (slot < committed).expand(n, -1).clone()  # [Q, C]: the committed prefix
+        mask.index_copy_(1, committed + torch.arange(n_app, device=x.device), vis)  # the uncommitted rows
+        out = F.scaled_dot_product_attention(
+            q[None], self.k[None], self.v[None], attn_mask=mask[None, None], enable_gqa=a.num_kv_heads != a.num_heads
+        )
+        return self._finish(x, out[0])
+
     def append_last_static(
         self, x: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, n: torch.Tensor
     ) -> torch.Tensor:
@@ -459,8 +487,25 @@ class EagleDrafter(Drafter):
         candidate so far: cumulative log-probs never increase along a path, so no deeper candidate could
         enter the kept set and the tree is exactly the one the full expansion would keep.
         """
-        m, cache = self.model, self.cache
-        f = cache.f
+        cache = self.cache
+
+        def forward(x: torch.Tensor, i: int, vis: torch.Tensor) -> torch.Tensor:
+            pos = torch.full((x.shape[0],), self.pos + i, device=x.device, dtype=torch.long)
+            return cache.append(x, pos, vis=vis, max_pos=self.pos + i)
+
+        toks, scores, parents, forwards = self._eagle2_candidates(depth, top_k, total, early_stop, forward)
+        cache.rollback()
+        tree = select_tree(torch.cat(toks), torch.cat(scores), torch.cat(parents), max(1, total - 1))
+        return tree, forwards
+
+    def _eagle2_candidates(
+        self, depth: int, top_k: int, total: int, early_stop: bool, forward: Any
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
+        """:meth:`eagle2_tree`'s candidates (tokens, cumulative log-probs, parents; level order) and draft
+        forwards; ``forward(x [k, d], level, vis [k, appended rows])`` runs a level through the draft. Without
+        ``early_stop`` no host read and fixed shapes (what a captured proposal runs: the same kept tree)."""
+        m = self.model
+        f = self.cache.f
         dev = m.fc.weight.device
         k = max(1, min(top_k, m.arch.vocab_size))
         logp = self._logp(self.root_slots[0])
@@ -479,11 +524,10 @@ class EagleDrafter(Drafter):
                 break  # score is sorted (topk): score[0] is the best frontier node
             r0 = i * k
             if parent_rows is not None:
-                vis[r0 : r0 + k, :r0] = vis[parent_rows, :r0]
+                vis[r0 : r0 + k, :r0] = vis[:, :r0].index_select(0, parent_rows)
             vis[r0 : r0 + k, r0 : r0 + k] = eye
             x = f.fc(f.embed(tok).to(front_feat.dtype), front_feat)
-            pos = torch.full((k,), self.pos + i, device=dev, dtype=torch.long)
-            out = cache.append(x, pos, vis=vis[r0 : r0 + k, : r0 + k], max_pos=self.pos + i)
+            out = forward(x, i, vis[r0 : r0 + k, : r0 + k])  # [k, d]
             logp = self._logp(out)  # [k, V]
             s2, t2 = logp.topk(k, dim=-1)  # [k, k]
             cu = (s2 + score[:, None]).reshape(-1)
@@ -491,12 +535,58 @@ class EagleDrafter(Drafter):
             scores.append(cu)
             parents.append(front_ids.repeat_interleave(k))
             score, sel = cu.topk(k)
-            tok = t2.reshape(-1)[sel]
+            tok = t2.reshape(-1).index_select(0, sel)
             front_ids = n_cand + sel
-            front_feat = out[sel // k]
+            front_feat = out.index_select(0, sel // k)
             parent_rows = r0 + sel // k
             n_cand += k * k
             forwards += 1
-        cache.rollback()
-        tree = select_tree(torch.cat(toks), torch.cat(scores), torch.cat(parents), n_keep)
-        return tree, forwards
+        return toks, scores, parents, forwards
+
+    def _propose_eagle2_captured(self, ctx: SpecContext, factory: Any, depth: int, top_k: int, total: int):
+        """:meth:`eagle2_tree` as one captured step: every level (no early stop: the same kept tree), its
+        draft forwards over fixed buffers (:meth:`DraftCache.append_rows_static`), the rerank and the tree
+        parents; (tree, draft forwards), or None when the tree is built eagerly (a node lost its ancestor)."""
+        m, cache = self.model, self.cache
+        k = max(1, min(top_k, m.arch.vocab_size))
+        dev = m.fc.weight.device
+        cache._ensure(cache.committed + depth * k)
+        m.rope(torch.zeros(1, dtype=torch.long, device=dev), max_pos=self.pos + depth)  # the table covers them
+        meta = [cache.committed, self.pos]  # where the tree's rows go, the first level's position
+        key = ("eagle2", depth, k, total, cache.k.data_ptr(), cache.k.shape[1], m._rope_table[0].data_ptr())
+        key += (self._root.data_ptr(),)
+        for old in [c for c in self._graphs if c[0] == "eagle2" and c != key]:
+            del self._graphs[old]
+
+        def make() -> tuple[dict[str, torch.Tensor], Any]:
+            inputs = {"meta": torch.tensor(meta, device=dev)}
+
+            def run() -> torch.Tensor:
+                committed, pos0 = inputs["meta"][0:1], inputs["meta"][1:2]
+
+                def forward(x: torch.Tensor, i: int, vis: torch.Tensor) -> torch.Tensor:
+                    pos = (pos0 + i).expand(x.shape[0])  # [k]
+                    return cache.append_rows_static(x, pos, committed + i * x.shape[0], committed, vis)
+
+                toks, scores, parents, _ = self._eagle2_candidates(depth, k, total, False, forward)
+                keep, tree_par, orphan = _rerank(torch.cat(scores), torch.cat(parents), max(1, total - 1))
+                return torch.cat([torch.cat(toks).index_select(0, keep), tree_par, orphan.any().long()[None]])
+
+            return inputs, run
+
+        def load(inputs: dict[str, torch.Tensor]) -> None:
+            inputs["meta"].copy_(torch.tensor(meta, device=dev))
+
+        return _tree_of(self._captured(ctx, factory, key, make, load)), depth
+
+
+def _tree_of(packed: torch.Tensor) -> DraftTree | None:
+    """A captured proposal's packed [tokens; parents; orphaned] (2T + 1) as a tree, read in one copy; None
+    when a node lost its ancestor (the tree is then built eagerly)."""
+    host = packed.tolist()
+    if host[-1]:
+        return None
+    n = (len(host) - 1) // 2
+    tree = DraftTree(packed[:n].clone(), packed[n : 2 * n].clone())
+    tree.__dict__["token_list"], tree.__dict__["parent_list"] = host[:n], host[n : 2 * n]
+    return tree

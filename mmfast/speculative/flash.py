@@ -61,7 +61,7 @@ import torch
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
-from ._eagle import EagleDrafter, _rerank, select_tree
+from ._eagle import EagleDrafter, _rerank, _tree_of, select_tree
 from .tree import DraftTree
 
 
@@ -118,14 +118,7 @@ class Flash(EagleDrafter):
 
             return {}, run
 
-        packed = self._captured(ctx, factory, ("sar", k, total, self._root.data_ptr()), make, lambda inputs: None)
-        host = packed.tolist()  # the one read of the proposal (the verify step needs the tree on the host)
-        if host[-1]:
-            return None
-        n = (len(host) - 1) // 2
-        tree = DraftTree(packed[:n].clone(), packed[n : 2 * n].clone())
-        tree.__dict__["token_list"], tree.__dict__["parent_list"] = host[:n], host[n : 2 * n]
-        return tree
+        return _tree_of(self._captured(ctx, factory, ("sar", k, total, self._root.data_ptr()), make, lambda x: None))
 
     @torch.inference_mode()
     def sar_tree(self, rounds: int, top_k: int, total: int, early_stop: bool = True) -> tuple[DraftTree, int]:

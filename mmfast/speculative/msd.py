@@ -21,6 +21,10 @@ Hook points: none on the target. The engine's prefill returns all final hidden s
 (``needs_hidden``); the drafter keeps its own one-layer KV cache. Positions: draft row j has position j
 of the prompt (the target's positions; generated rows continue them).
 
+Captured steps: where the target's verify step is captured (``model.compile: auto`` on CUDA), the EAGLE-2
+tree is one graph (every level's draft forward on the fixed draft cache, without the early-stop read, which
+keeps the same tree) and the accept step another (:class:`~mmfast.speculative._eagle.EagleDrafter`).
+
 Limits: batch 1 per sequence (the engine serves samples one at a time); needs weights trained for the
 target (``<model dir>/msd/``). With an in-LLM pruner, pruned prompt slots enter the draft with a zero
 hidden state (only visual rows are normally pruned, and MSD discards their hidden states anyway).
@@ -85,6 +89,11 @@ class MSD(EagleDrafter):
 
     def propose(self, ctx, root: int) -> DraftTree:
         cfg = self.config
-        tree, forwards = self.eagle2_tree(cfg.depth, cfg.top_k, cfg.total_tokens)
+        factory = self._factory(ctx)
+        tree = None
+        if factory is not None and self._root is not None:  # one captured step (see _propose_eagle2_captured)
+            tree, forwards = self._propose_eagle2_captured(ctx, factory, cfg.depth, cfg.top_k, cfg.total_tokens)
+        if tree is None:
+            tree, forwards = self.eagle2_tree(cfg.depth, cfg.top_k, cfg.total_tokens)
         self._count(ctx, forwards=forwards, tokens=tree.n)
         return tree
