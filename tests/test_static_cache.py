@@ -131,6 +131,16 @@ def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkey
     with mmfast.apply(tiny_mm, recipe, compile="static") as s:
         res = s.generate(images[:2], prompts[:2], max_new_tokens=12, seed=0)
         graphs = dict(s.drafter._graphs)
+        # a graph reads fixed addresses: weights, the draft's cache and rope table, the root buffer, its inputs
+        dr, model = s.drafter, s.runner.adapter.model
+        owned = [*model.parameters(), *model.buffers(), *dr.model.parameters(), dr.cache.k, dr.cache.v, dr._root]
+        owned += [t for t in vars(dr.cache.f).values() if isinstance(t, torch.Tensor)] + list(dr.model._rope_table)
+        owned += [t for g in graphs.values() for t in g.inputs.values()]
+        allowed = {t.untyped_storage().data_ptr() for t in owned}
+        reads = [t for g in graphs.values() for t in g.graph.inputs]
+        strays = [tuple(t.shape) for t in reads if t.untyped_storage().data_ptr() not in allowed]
+        assert reads
+        assert not strays, f"a draft graph reads tensors the host owns: {strays}"
     assert [r.token_ids for r in res] == dynamic
     steps = {key[0] for key in graphs}
     assert steps == ({"accept", "sar"} if name == "flash" else {"accept", "eagle2"})
