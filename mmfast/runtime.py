@@ -806,6 +806,54 @@ class LMRunner:
         with self._activate(state, "decode"):
             return captured.graph.replay().clone()
 
+    def keep_new(self, state: LMState, n_new: int, keep: list[int], *, prefix: bool = False) -> None:
+        """:meth:`LMState.keep_new` of host indices ``keep``; under captured steps, a path that is not a prefix
+        is kept by one captured graph (every static layer's copies: two ops a layer for K and V each, and
+        its write index) instead of ~8 eager ops per layer. Its input: ``keep`` padded to ``n_new`` with the
+        pad slots' own offsets (a pad copies a slot onto itself), and the kept count."""
+        static = all(isinstance(lay, compat.StaticSlotLayer) for lay in state.cache.layers)
+        if prefix or not static or not self.captures:
+            state.keep_new(n_new, torch.tensor(keep, device=state.inputs.input_ids.device), prefix=prefix)
+            return
+        cache, k = state.cache, len(keep)
+        packed = [*keep, *range(k, n_new), k]  # [W + 1]: source offsets in the block, then the kept count
+        dev = state.inputs.input_ids.device
+        key = (compat.static_buffers(cache), "keep", n_new)
+        captured = self.pool.graphs.get(key)
+        if captured is None:
+            inputs = _KeepInputs(torch.tensor(packed, device=dev))
+
+            def run() -> torch.Tensor:
+                rel, kept = inputs.packed[:n_new], inputs.packed[n_new:]  # [W], [1]
+                ar = torch.arange(n_new, device=dev)
+                for lay in cache.layers:
+                    start = lay._pos - n_new  # [] the verified block's first slot
+                    src, dst = start + rel, start + ar  # [W]
+                    lay._k.index_copy_(2, dst, lay._k.index_select(2, src))
+                    lay._v.index_copy_(2, dst, lay._v.index_select(2, src))
+                    lay._pos.copy_(start + kept[0])
+                return ar
+
+            graph = self.capture()
+            graph.warmup(run)  # this keep, for real; then captured
+            try:
+                graph.capture(run)
+            except Exception as exc:  # noqa: BLE001  the copies are done; later keeps run eagerly
+                self._capture_failed(exc)
+            else:
+                self.pool.graphs[key] = _Captured(graph, inputs)
+                self.capture_s += graph.capture_s
+        else:
+            captured.static.packed.copy_(torch.tensor(packed, device=dev))
+            captured.graph.replay()
+        for lay in cache.layers:  # the host's counts follow the device's
+            lay._len -= n_new - k
+        idx = torch.tensor(keep, device=dev)
+        for grp in state.groups:
+            start = grp.length - n_new
+            rows = torch.cat([torch.arange(start, device=dev), start + idx])
+            grp._map(lambda t: t[:, rows])
+
     def _capture_failed(self, exc: Exception) -> None:
         """A capture that raised: this block's static steps run eagerly from here on, said once."""
         reason = f"capturing the step failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -1022,9 +1070,19 @@ class _PrefillInputs:
 
 
 @dataclass
+class _KeepInputs:
+    """A captured keep's input: the kept slots' offsets in the verified block, padded, and the kept count."""
+
+    packed: torch.Tensor  # [W + 1] long
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+
+@dataclass
 class _Captured:
     graph: StepGraph
-    static: _StepInputs | _PrefillInputs
+    static: _StepInputs | _PrefillInputs | _KeepInputs
 
 
 def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -165,6 +165,34 @@ def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkey
     ]
 
 
+def test_embedded_drafts_captured_keep_the_accepted_branch_in_one_graph(images, monkeypatch):
+    """The embedded model's trained FLASH draft accepts branches that are not the tree's first chain: the
+    target cache keeps such a path by one captured graph (every layer's copies), replayed, with the
+    dynamic cache's tokens."""
+    from mmfast.pipeline import Session
+    from mmfast.runtime import LMRunner
+
+    mm = mmfast.load("mmfast/tiny-world")
+    recipe = {"speculative": {"method": "flash", "params": {"top_k": 4, "total_tokens": 12}}}
+    prompts = ["Please describe this image in detail."] * 2
+    dynamic = _tokens(mm, recipe, images, prompts, "off", n=40)
+    keeps = []
+    original = LMRunner.keep_new
+
+    def spy(self, state, n_new, keep, *, prefix=False):
+        keeps.append(prefix)
+        return original(self, state, n_new, keep, prefix=prefix)
+
+    monkeypatch.setattr(LMRunner, "keep_new", spy)
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    with mmfast.apply(mm, load_recipe(recipe), compile="static") as s:
+        got = [r.token_ids for r in s.generate(images[:2], prompts, max_new_tokens=40, seed=0)]
+        graphs = [g for key, g in s.runner.pool.graphs.items() if key[1] == "keep"]
+    assert got == dynamic
+    assert keeps.count(False) >= 2  # branches kept by the captured copies
+    assert graphs and sum(g.graph.replays for g in graphs) >= keeps.count(False) - 2 * len(graphs)
+
+
 DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}
 
 

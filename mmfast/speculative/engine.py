@@ -3,7 +3,7 @@
 Per cycle: the drafter proposes a tree under the root (the last committed token, not yet in the
 target cache); the target scores root + tree in **one** forward (tree mask, tree positions); the
 acceptance rule of :mod:`tree` picks a path and a bonus token; the target KV cache keeps only the
-root and the accepted path (``LMState.keep_new``: a path gather plus a crop); the drafter updates
+root and the accepted path (``LMRunner.keep_new``: a path gather plus a crop, one graph under captured steps); the drafter updates
 its own state. The vision encoder runs once (prefill) and its features are shared with the drafter.
 
 Reported per run: ``tau`` = tokens committed per target verification forward, *bonus included*
@@ -145,8 +145,8 @@ def _decode_one(
         step = runner.step(state, nodes, depth=depth, block_mask=mask)
         logits = step.logits[0, : tree.n + 1]  # [N+1, V]
         verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
-        keep = torch.tensor([0, *verdict.path], device=nodes.device)
-        state.keep_new(nodes.shape[1], keep, prefix=verdict.path == list(range(1, len(verdict.path) + 1)))
+        keep = [0, *verdict.path]
+        runner.keep_new(state, nodes.shape[1], keep, prefix=verdict.path == list(range(1, len(verdict.path) + 1)))
         new = [tree.token_list[i - 1] for i in verdict.path] + [verdict.bonus]
         stats.cycles += 1
         stats.record(verdict.tried_depths, len(verdict.path))
@@ -157,7 +157,7 @@ def _decode_one(
             stats.committed += 1
             if t in stop:
                 break
-        drafter.accept(ctx, tree, verdict.path, step.hidden[0, keep], verdict.bonus)
+        drafter.accept(ctx, tree, verdict.path, step.hidden[0, keep], verdict.bonus)  # [1 + len(path), d]
         root = ctx.committed[-1]
     t2 = now(device)
     stats.draft_forwards += ctx.extras.get("draft_forwards", 0)
