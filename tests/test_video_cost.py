@@ -92,6 +92,18 @@ def test_tiny_shapes_end_to_end_rows_tokens_and_refusals(tmp_path):
     assert {r["row"] for r in result["rows"]} == set(names)
 
 
+def test_hicom_row_runs_on_onevision_with_stand_ins_and_is_refused_on_qwen(tmp_path):
+    """HICom (a video method; its guide and text towers trained parts) gets a cost row with seeded random
+    stand-ins of its trained parts on OneVision, and a refusal that names why on Qwen."""
+    # 64 frames: a quarter of the tiny OneVision's 257 video tokens leaves local tokens beside the 32 global ones
+    run_bench(_recipe("bench.methods=[hicom]", "bench.compare=[]", frames=(64,)), output=str(tmp_path))
+    rows = _rows(tmp_path)
+    ov, qwen = rows[("tiny-onevision", 64, "hicom-r0.25")], rows[("tiny-qwen", 64, "hicom-r0.25")]
+    base = rows[("tiny-onevision", 64, "unpruned")]
+    assert ov["status"] == "ok" and 0 < ov["vision_tokens"] < base["vision_tokens"], ov
+    assert qwen["status"].startswith("refused:") and "hicom" in qwen["status"], qwen["status"]
+
+
 def test_a_rerun_keeps_finished_rows_and_reruns_stale_ones(tmp_path, monkeypatch):
     ran = []
     real = vc._measure_row

@@ -64,6 +64,7 @@ from ..video import VideoSampling, open_video
 from ..world.video_render import MAX_FRAMES, MIN_FRAMES, VideoConfig, render_clip
 from .common import Variant, row_recipe, variants, warm_repeats
 from .gpu_speed import DeviceInfo, RowStore, measure_row
+from .pruning import _untrained
 from .render import budget_text
 
 logger = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ def _text_tokens(mm: MMModel, batch: Any) -> int:
 def _measure_row(mm: MMModel, batch: Any, text_tokens: int, v: Variant, warmup: int, repeats: int, m: VideoRow) -> None:
     """Warm-up, then ``repeats`` timed one-token calls of ``v``'s recipe on ``batch``; fills ``m``."""
     cuda = mm.device.type == "cuda"
-    with apply(mm, v.recipe) as session:
+    with apply(mm, _untrained(v.recipe)) as session:  # trained parts (HICom's guide): seeded stand-ins
         if cuda:
             torch.cuda.synchronize(mm.device)
             torch.cuda.reset_peak_memory_stats(mm.device)
