@@ -181,7 +181,7 @@ def _dpc_reference(x, c):
 
 
 def test_dpc_knn_matches_token_by_token_reference():
-    from mmfast.pruning.sparsevlm import dpc_knn_merge
+    from mmfast.pruning._dpc_knn import dpc_knn_merge
 
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(6, 5, generator=g) * 0.1 + off for off in (0.0, 3.0, -3.0)])  # three blobs
@@ -194,16 +194,16 @@ def test_dpc_knn_matches_token_by_token_reference():
 
 def test_dpc_knn_distances_in_row_blocks_equal_the_release_s_all_at_once(monkeypatch):
     """The release's [n, n, C] differences at once, against blocks of rows (bounded memory): equal values."""
-    from mmfast.pruning import sparsevlm
+    from mmfast.pruning import _dpc_knn as dpc
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(53, 96, generator=g)
     full = (x[:, None] - x[None]).norm(dim=-1)  # [n, n]
     for chunk in (1, 4 * 96 * 53 * 5, 4 * 96 * 53 * 53):  # 1 row, 5 rows, all rows per block
-        assert torch.equal(sparsevlm.pairwise_distance(x, chunk), full)
-    want = sparsevlm.dpc_knn_merge(x, 6)
-    monkeypatch.setattr(sparsevlm.pairwise_distance, "__defaults__", (4 * 96 * 53 * 2,))  # 2 rows per block
-    got = sparsevlm.dpc_knn_merge(x, 6)
+        assert torch.equal(dpc.pairwise_distance(x, chunk), full)
+    want = dpc.dpc_knn_merge(x, 6)
+    monkeypatch.setattr(dpc.pairwise_distance, "__defaults__", (4 * 96 * 53 * 2,))  # 2 rows per block
+    got = dpc.dpc_knn_merge(x, 6)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

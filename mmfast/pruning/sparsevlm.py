@@ -50,7 +50,7 @@ relevance (one text token), every text token is a rater (the release would avera
 (5) A count k_s >= n keeps every token (no drop, nothing recycled: the no-op setting); the release's
 min(k_s, n - 1) would still drop the lowest token and re-insert it as its own one-token cluster. (6) The filter layers must map onto distinct layers with a layer after the last (``layers``; on a
 4-layer LLM give e.g. ``layers: [0, 1, 2]`` with ``layer_mapping: absolute``). (7) DPC-kNN's pairwise
-distances are the release's norms of differences computed a block of rows at a time (:func:`pairwise_distance`,
+distances are the release's norms of differences computed a block of rows at a time (``_dpc_knn.pairwise_distance``,
 equal values): the release holds all [n, n, C] differences at once, 60 GiB at 64 video frames on OneVision-7B.
 Families: all six (the release: LLaVA-1.5 and, on its video branch, Video-LLaVA). On every family a
 preset's counts are round(k_s N_i / 576) for an image of N_i tokens; counts given in ``keep`` (or set by
@@ -77,6 +77,7 @@ from ..registry import PRUNERS
 from ..runtime import SlotEdit
 from ._budget import fixed_vision_tokens, vision_tokens_per_image
 from ._common import REFERENCE_LAYERS, LayerMapping
+from ._dpc_knn import dpc_knn_merge
 from .base import Pruner
 
 #: the release's per-filter keep counts for 576 vision tokens (score.py, v1.x)
@@ -96,43 +97,6 @@ def text_raters(vision: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
     rel = (vision.float() @ text.float().T).softmax(1).mean(0)  # [n_t]
     raters = rel > rel.mean()
     return raters if bool(raters.any()) else torch.ones_like(raters)
-
-
-#: bytes of the [rows, n, C] differences :func:`pairwise_distance` holds at once
-PAIRWISE_CHUNK_BYTES = 1 << 30
-
-
-def pairwise_distance(xf: torch.Tensor, chunk_bytes: int = PAIRWISE_CHUNK_BYTES) -> torch.Tensor:
-    """``(xf[:, None] - xf[None]).norm(dim=-1)`` ([n, n]), the release's arithmetic, a block of rows at a time:
-    the release materialises all [n, n, C] differences at once (fp32: 60 GiB above the model for SparseVLM at 64
-    frames of LLaVA-OneVision-7B on the H200, growing with the square of the tokens); each distance is the
-    same norm of the same difference vector, so the blocks give the same values."""
-    n, c_dim = xf.shape
-    rows = max(1, chunk_bytes // max(1, n * c_dim * xf.element_size()))
-    if rows >= n:
-        return (xf[:, None] - xf[None]).norm(dim=-1)
-    return torch.cat([(xf[i : i + rows, None] - xf[None]).norm(dim=-1) for i in range(0, n, rows)])  # [n, n]
-
-
-def dpc_knn_merge(x: torch.Tensor, n_clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPC-kNN clustering of ``x`` ([n, C]) into ``n_clusters``; returns the merged tokens [c, C] (fp32,
-    cluster order = descending centre score) and the centre indices [c] into ``x``."""
-    n, c_dim = x.shape
-    xf = x.float()
-    dist = pairwise_distance(xf) / math.sqrt(c_dim)  # [n, n]
-    knn = dist.topk(n_clusters, dim=-1, largest=False).values  # [n, k] (self included)
-    density = (-(knn**2).mean(-1)).exp()  # [n]
-    idx = torch.arange(n, device=x.device)
-    denser = (density[None, :] > density[:, None]) | (
-        (density[None, :] == density[:, None]) & (idx[None, :] < idx[:, None])
-    )
-    indicator = torch.where(denser, dist, dist.max()).min(-1).values  # [n] distance to the nearest denser token
-    centres = (indicator * density).topk(n_clusters).indices  # [c]
-    assign = dist[:, centres].argmin(-1)  # [n] nearest centre
-    assign[centres] = torch.arange(n_clusters, device=x.device)
-    sums = torch.zeros(n_clusters, c_dim, device=x.device).index_add_(0, assign, xf)
-    sizes = torch.zeros(n_clusters, device=x.device).index_add_(0, assign, torch.ones(n, device=x.device))
-    return sums / (sizes[:, None] + 1e-6), centres
 
 
 def recycled_count(n_deleted: int, ratio: float, divisor: int) -> tuple[int, int]:
