@@ -203,6 +203,10 @@ class LMState:
             layer.values[:, :, start : start + k] = layer.values[:, :, src]
             layer.keys = layer.keys[:, :, : start + k]
             layer.values = layer.values[:, :, : start + k]
+        self.keep_layout(n_new, keep)
+
+    def keep_layout(self, n_new: int, keep: torch.Tensor) -> None:
+        """:meth:`keep_new`'s layer-group layout (key mask, positions, sources) without the cache."""
         for grp in self.groups:
             start = grp.length - n_new
             idx = torch.cat([torch.arange(start, device=keep.device), start + keep])
@@ -807,52 +811,68 @@ class LMRunner:
             return captured.graph.replay().clone()
 
     def keep_new(self, state: LMState, n_new: int, keep: list[int], *, prefix: bool = False) -> None:
-        """:meth:`LMState.keep_new` of host indices ``keep``; under captured steps, a path that is not a prefix
-        is kept by one captured graph (every static layer's copies: two ops a layer for K and V each, and
-        its write index) instead of ~8 eager ops per layer. Its input: ``keep`` padded to ``n_new`` with the
-        pad slots' own offsets (a pad copies a slot onto itself), and the kept count."""
-        static = all(isinstance(lay, compat.StaticSlotLayer) for lay in state.cache.layers)
-        if prefix or not static or not self.captures:
-            state.keep_new(n_new, torch.tensor(keep, device=state.inputs.input_ids.device), prefix=prefix)
+        """:meth:`LMState.keep_new` of host indices ``keep``; under captured steps (a static cache), a path
+        that is not a prefix is kept by one captured graph (every layer's K / V copies and its write index)
+        instead of ~8 eager ops per layer. Its input: ``keep`` padded to ``n_new`` with the pad slots' own
+        offsets (a pad copies a slot onto itself), and the kept count."""
+        idx = torch.tensor(keep, device=state.inputs.input_ids.device)
+        if prefix or not self.captures:
+            state.keep_new(n_new, idx, prefix=prefix)
             return
         cache, k = state.cache, len(keep)
         packed = [*keep, *range(k, n_new), k]  # [W + 1]: source offsets in the block, then the kept count
-        dev = state.inputs.input_ids.device
-        key = (compat.static_buffers(cache), "keep", n_new)
-        captured = self.pool.graphs.get(key)
-        if captured is None:
-            inputs = _KeepInputs(torch.tensor(packed, device=dev))
+
+        def make() -> tuple[_KeepInputs, Callable[[], torch.Tensor]]:
+            inputs = _KeepInputs(torch.tensor(packed, device=idx.device))
 
             def run() -> torch.Tensor:
                 rel, kept = inputs.packed[:n_new], inputs.packed[n_new:]  # [W], [1]
-                ar = torch.arange(n_new, device=dev)
+                ar = torch.arange(n_new, device=rel.device)
                 for lay in cache.layers:
                     start = lay._pos - n_new  # [] the verified block's first slot
-                    src, dst = start + rel, start + ar  # [W]
-                    lay._k.index_copy_(2, dst, lay._k.index_select(2, src))
-                    lay._v.index_copy_(2, dst, lay._v.index_select(2, src))
+                    lay._k.index_copy_(2, start + ar, lay._k.index_select(2, start + rel))
+                    lay._v.index_copy_(2, start + ar, lay._v.index_select(2, start + rel))
                     lay._pos.copy_(start + kept[0])
                 return ar
 
-            graph = self.capture()
-            graph.warmup(run)  # this keep, for real; then captured
-            try:
-                graph.capture(run)
-            except Exception as exc:  # noqa: BLE001  the copies are done; later keeps run eagerly
-                self._capture_failed(exc)
-            else:
-                self.pool.graphs[key] = _Captured(graph, inputs)
-                self.capture_s += graph.capture_s
-        else:
-            captured.static.packed.copy_(torch.tensor(packed, device=dev))
-            captured.graph.replay()
-        for lay in cache.layers:  # the host's counts follow the device's
-            lay._len -= n_new - k
-        idx = torch.tensor(keep, device=dev)
-        for grp in state.groups:
-            start = grp.length - n_new
-            rows = torch.cat([torch.arange(start, device=dev), start + idx])
-            grp._map(lambda t: t[:, rows])
+            return inputs, run
+
+        def load(inputs: _KeepInputs) -> None:
+            inputs.packed.copy_(torch.tensor(packed, device=idx.device))
+
+        key = (compat.static_buffers(cache), "keep", n_new)
+        self.replay_or_capture(self.pool.graphs, key, self.capture, make, load, self._capture_failed)
+        compat.advance_static(cache, k - n_new)  # the host's counts follow the device's
+        state.keep_layout(n_new, idx)
+
+    def replay_or_capture(
+        self,
+        store: dict[tuple, _Captured],
+        key: tuple,
+        factory: Callable,
+        make: Callable,
+        load: Callable,
+        failed: Callable,
+    ) -> torch.Tensor:
+        """Replay ``store[key]`` after ``load(its inputs)``; the first time, ``make()`` gives the fixed inputs
+        and the function, which runs for real (the capture's warm-up) and is then captured by a ``factory``
+        graph. A capture that raises is passed to ``failed`` (the warm-up's work stands). For steps that
+        move no write index between warm-up and capture (the decode step and prefill handle theirs)."""
+        captured = store.get(key)
+        if captured is not None:
+            load(captured.static)
+            return captured.graph.replay()
+        static, run = make()
+        graph = factory()
+        out = graph.warmup(run)
+        try:
+            graph.capture(run)
+        except Exception as exc:  # noqa: BLE001  the caller says what runs instead
+            failed(exc)
+            return out
+        store[key] = _Captured(graph, static)
+        self.capture_s += graph.capture_s
+        return out
 
     def _capture_failed(self, exc: Exception) -> None:
         """A capture that raised: this block's static steps run eagerly from here on, said once."""
@@ -1082,7 +1102,7 @@ class _KeepInputs:
 @dataclass
 class _Captured:
     graph: StepGraph
-    static: _StepInputs | _PrefillInputs | _KeepInputs
+    static: Any  # its fixed inputs: _StepInputs, _PrefillInputs, _KeepInputs, a drafter's
 
 
 def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

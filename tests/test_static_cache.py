@@ -135,7 +135,7 @@ def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkey
         dr, model = s.drafter, s.runner.adapter.model
         owned = [*model.parameters(), *model.buffers(), *dr.model.parameters(), dr.cache.k, dr.cache.v, dr._root]
         owned += [t for t in vars(dr.cache.f).values() if isinstance(t, torch.Tensor)] + list(dr.model._rope_table)
-        owned += [t for g in graphs.values() for t in g.inputs.values()]
+        owned += [t for g in graphs.values() for t in g.static.values()]
         allowed = {t.untyped_storage().data_ptr() for t in owned}
         reads = [t for g in graphs.values() for t in g.graph.inputs]
         strays = [tuple(t.shape) for t in reads if t.untyped_storage().data_ptr() not in allowed]

@@ -14,23 +14,18 @@ visual embedding itself at rows whose next token is an image token (no ``fc``, t
 discarded); FLASH replaces each image's rows by ``C`` latent rows pooled with learnable queries. FLASH
 adds a semi-autoregressive head: the layer output is mapped to ``K`` future features per row.
 
-Inference keeps a preallocated one-layer KV cache (:class:`DraftCache`) that holds the accepted
-prefix only: tree expansions append uncommitted rows, which are dropped (a pointer reset) after every
-proposal; ``accept`` appends the newly accepted rows (with the target's hidden states) and commits
-them. Only rows whose output is needed are used as queries (one decoder layer: the prompt and
-accepted rows need keys/values, not outputs), so the prompt costs one K/V projection pass.
+Inference runs on a preallocated one-layer KV cache of the accepted prefix (:mod:`._draft_cache`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from ._eagle_model import DraftModel, _rotate_half, load_draft, resolve_weights
+from ._draft_cache import DraftCache
+from ._eagle_model import load_draft, resolve_weights
 from .base import Drafter
 from .tree import DraftTree
 
@@ -38,230 +33,6 @@ if TYPE_CHECKING:
     from .engine import SpecContext
 
 logger = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------ inference cache
-
-
-class Fused:
-    """The draft's inference weights, fused and detached (q/k/v and gate/up in one matmul each).
-
-    Inference runs plain ``F.linear`` calls on these instead of the modules: a one-layer draft step is
-    ~20 small ops, so per-call overhead matters as much as FLOPs on a CPU.
-    """
-
-    def __init__(self, m: DraftModel) -> None:
-        a = m.arch
-        at, mlp = m.layer.self_attn, m.layer.mlp
-
-        def cat(*mods, bias: bool):
-            w = torch.cat([x.weight for x in mods]).detach()
-            b = torch.cat([x.bias for x in mods]).detach() if bias else None
-            return w, b
-
-        self.w_qkv, self.b_qkv = cat(at.q_proj, at.k_proj, at.v_proj, bias=at.q_proj.bias is not None)
-        self.w_o, self.b_o = (
-            at.o_proj.weight.detach(),
-            (at.o_proj.bias.detach() if at.o_proj.bias is not None else None),
-        )
-        self.w_gu, self.b_gu = cat(mlp.gate_proj, mlp.up_proj, bias=mlp.gate_proj.bias is not None)
-        self.w_down = mlp.down_proj.weight.detach()
-        self.b_down = mlp.down_proj.bias.detach() if mlp.down_proj.bias is not None else None
-        ln = m.layer.post_attention_layernorm
-        self.ln_w, self.eps = ln.weight.detach(), float(getattr(ln, "variance_epsilon", a.rms_norm_eps))
-        self.w_fc, self.b_fc = m.fc.weight.detach(), m.fc.bias.detach()
-        head = m._head
-        self.w_head = head.weight.detach()
-        self.b_head = head.bias.detach() if getattr(head, "bias", None) is not None else None
-        self.w_emb = m._embed.weight.detach()
-        self.silu = a.hidden_act == "silu"
-        self.nq, self.nkv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.inter = a.intermediate_size
-
-    def fc(self, emb: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
-        return F.linear(torch.cat([emb, hid], -1), self.w_fc, self.b_fc)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.w_emb)
-
-    def logits(self, feats: torch.Tensor) -> torch.Tensor:
-        return F.linear(feats, self.w_head, self.b_head).float()
-
-
-class DraftCache:
-    """A preallocated single-layer KV cache: ``committed`` rows (the accepted prefix) plus ``n_app``
-    uncommitted rows appended during a tree expansion (dropped by :meth:`rollback`)."""
-
-    def __init__(self, model: DraftModel, capacity: int = 1024) -> None:
-        a = model.arch
-        w = model.fc.weight
-        self.model = model
-        self.f = Fused(model)
-        self.k = torch.zeros(a.num_kv_heads, capacity, a.head_dim, dtype=w.dtype, device=w.device)
-        self.v = torch.zeros_like(self.k)
-        self.committed = 0
-        self.n_app = 0
-
-    def reset(self) -> None:
-        self.committed = self.n_app = 0
-
-    def _ensure(self, n: int) -> None:
-        cap = self.k.shape[1]
-        if n <= cap:
-            return
-        new = max(n, 2 * cap)
-        k = self.k.new_zeros(self.k.shape[0], new, self.k.shape[-1])
-        v = torch.zeros_like(k)
-        k[:, :cap] = self.k
-        v[:, :cap] = self.v
-        self.k, self.v = k, v
-
-    def rollback(self) -> None:
-        self.n_app = 0
-
-    def commit(self) -> None:
-        self.committed += self.n_app
-        self.n_app = 0
-
-    def append(
-        self,
-        x: torch.Tensor,
-        pos: torch.Tensor,
-        *,
-        vis: torch.Tensor | None = None,
-        query: torch.Tensor | slice | None = None,
-        max_pos: int | None = None,
-    ) -> torch.Tensor:
-        """Append rows x [Q, d] at positions pos [Q] (uncommitted); return outputs [nq, d] of ``query`` rows.
-
-        ``vis`` ([Q, n_app + Q] bool) says which uncommitted rows (earlier appended ones and the new
-        ones) each new row sees; the committed prefix is always visible. Default: causal among the new
-        rows (and all earlier uncommitted rows visible). Same math as :meth:`DraftModel.train_forward`.
-        """
-        m, f = self.model, self.f
-        a = m.arch
-        n = x.shape[0]
-        start = self.committed + self.n_app
-        end = start + n
-        self._ensure(end)
-        cos, sin = m.rope(pos, max_pos)  # [n, hd]
-        if query is None:
-            qkv = F.linear(x, f.w_qkv, f.b_qkv)
-            q, kv, xq = qkv[:, : f.nq], qkv[:, f.nq :], x
-        else:  # keys/values for every new row, a query only where an output is wanted
-            kv = F.linear(x, f.w_qkv[f.nq :], None if f.b_qkv is None else f.b_qkv[f.nq :])
-            xq = x[query]
-            q = F.linear(xq, f.w_qkv[: f.nq], None if f.b_qkv is None else f.b_qkv[: f.nq])
-        k = kv[:, : f.nkv].view(n, a.num_kv_heads, a.head_dim).transpose(0, 1)
-        self.k[:, start:end] = k * cos + _rotate_half(k) * sin
-        self.v[:, start:end] = kv[:, f.nkv :].view(n, a.num_kv_heads, a.head_dim).transpose(0, 1)
-        self.n_app += n
-        if query is not None:
-            cos, sin = cos[query], sin[query]
-        nq = xq.shape[0]
-        q = q.reshape(nq, a.num_heads, a.head_dim).transpose(0, 1)
-        q = q * cos + _rotate_half(q) * sin
-        if vis is None:
-            if query is None and n > 1:
-                new = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-                mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=x.device), new], 1)
-            elif query is None or (isinstance(query, slice) and query.stop in (None, n) and nq == 1):
-                mask = None  # a single last row sees everything
-            else:
-                idx = torch.arange(n, device=x.device)
-                new = idx[query].reshape(-1, 1) >= idx[None, :]
-                mask = torch.cat([torch.ones(nq, start, dtype=torch.bool, device=x.device), new], 1)
-        else:
-            vq = vis if query is None else vis[query]
-            mask = torch.cat([torch.ones(vq.shape[0], self.committed, dtype=torch.bool, device=x.device), vq], 1)
-        out = F.scaled_dot_product_attention(
-            q[None],
-            self.k[None, :, :end],
-            self.v[None, :, :end],
-            attn_mask=None if mask is None else mask[None, None],
-            enable_gqa=a.num_kv_heads != a.num_heads,
-        )
-        return self._finish(xq, out[0])
-
-    def _finish(self, xq: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The layer after attention: rows xq [nq, d] and their attention output [H, nq, hd] -> [nq, d]."""
-        f = self.f
-        nq = xq.shape[0]
-        h = xq + F.linear(attn.transpose(0, 1).reshape(nq, f.nq), f.w_o, f.b_o)
-        y = F.rms_norm(h, (h.shape[-1],), f.ln_w, f.eps)
-        if f.silu:
-            g, u = F.linear(y, f.w_gu, f.b_gu).split(f.inter, -1)
-            return h + F.linear(F.silu(g) * u, f.w_down, f.b_down)
-        return h + self.model.layer.mlp(y)
-
-    def append_rows_static(
-        self, x: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, committed: torch.Tensor, vis: torch.Tensor
-    ) -> torch.Tensor:
-        """:meth:`append` with ``vis`` in fixed shapes and without a host read (a captured tree level): rows
-        ``x`` [Q, d] at positions ``pos`` [Q], written at slots ``start`` ([1], on the device) + 0..Q-1, the
-        uncommitted rows being the A slots from ``committed`` ([1]) on, of which each row sees those ``vis``
-        ([Q, A] bool) marks and every committed slot. Returns every row's output [Q, d]."""
-        m, f = self.model, self.f
-        a = m.arch
-        n, n_app = x.shape[0], vis.shape[1]
-        cos_t, sin_t = m._rope_table
-        cos, sin = cos_t.index_select(0, pos), sin_t.index_select(0, pos)  # [Q, hd]
-        qkv = F.linear(x, f.w_qkv, f.b_qkv)
-        q, kv = qkv[:, : f.nq], qkv[:, f.nq :]
-        k = kv[:, : f.nkv].view(n, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Hkv, Q, hd]
-        slots = start + torch.arange(n, device=x.device)  # [Q]
-        self.k.index_copy_(1, slots, k * cos + _rotate_half(k) * sin)
-        self.v.index_copy_(1, slots, kv[:, f.nkv :].view(n, a.num_kv_heads, a.head_dim).transpose(0, 1))
-        q = q.reshape(n, a.num_heads, a.head_dim).transpose(0, 1)  # [H, Q, hd]
-        q = q * cos + _rotate_half(q) * sin
-        slot = torch.arange(self.k.shape[1], device=x.device)  # [C]
-        mask = (slot < committed).expand(n, -1).clone()  # [Q, C]: the committed prefix
-        mask.index_copy_(1, committed + torch.arange(n_app, device=x.device), vis)  # the uncommitted rows
-        out = F.scaled_dot_product_attention(
-            q[None], self.k[None], self.v[None], attn_mask=mask[None, None], enable_gqa=a.num_kv_heads != a.num_heads
-        )
-        return self._finish(x, out[0])
-
-    def append_last_static(
-        self, x: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, n: torch.Tensor
-    ) -> torch.Tensor:
-        """:meth:`append` of rows whose last real one is the query, in fixed shapes and without a host read
-        (what a captured accept runs): ``x`` [P, d] rows at positions ``pos`` [P], of which the first ``n``
-        ([1] long, on the device) are real, written at slots ``start`` ([1]) + 0..P-1; the output [1, d] of
-        row n - 1, which sees the slots before ``start + n``. The pad rows' keys and values land beyond them
-        (overwritten by the next append). The rope table must cover ``pos`` and the buffers ``start + P``."""
-        m, f = self.model, self.f
-        a = m.arch
-        rows = x.shape[0]
-        cos_t, sin_t = m._rope_table
-        cos, sin = cos_t.index_select(0, pos), sin_t.index_select(0, pos)  # [P, hd]
-        kv = F.linear(x, f.w_qkv[f.nq :], None if f.b_qkv is None else f.b_qkv[f.nq :])  # [P, 2 nkv]
-        k = kv[:, : f.nkv].view(rows, a.num_kv_heads, a.head_dim).transpose(0, 1)  # [Hkv, P, hd]
-        slots = start + torch.arange(rows, device=x.device)  # [P]
-        self.k.index_copy_(1, slots, k * cos + _rotate_half(k) * sin)
-        self.v.index_copy_(1, slots, kv[:, f.nkv :].view(rows, a.num_kv_heads, a.head_dim).transpose(0, 1))
-        last = n - 1  # [1]
-        xq = x.index_select(0, last)  # [1, d]
-        q = F.linear(xq, f.w_qkv[: f.nq], None if f.b_qkv is None else f.b_qkv[: f.nq])
-        q = q.reshape(1, a.num_heads, a.head_dim).transpose(0, 1)  # [H, 1, hd]
-        q = q * cos.index_select(0, last) + _rotate_half(q) * sin.index_select(0, last)
-        held = torch.arange(self.k.shape[1], device=x.device) < start + n  # [C]
-        out = F.scaled_dot_product_attention(
-            q[None],
-            self.k[None],
-            self.v[None],
-            attn_mask=held[None, None, None],
-            enable_gqa=a.num_kv_heads != a.num_heads,
-        )
-        return self._finish(xq, out[0])
-
-
-@dataclass
-class _DraftGraph:
-    """A captured draft step and the fixed tensors it reads."""
-
-    graph: Any
-    inputs: dict[str, torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------ trees
@@ -318,7 +89,7 @@ class EagleDrafter(Drafter):
         self.root_slots: torch.Tensor | None = None  # [K, d] the draft's features at the root row
         self.pos = 0  # draft position of the next committed row
         #: captured draft steps (model.compile: auto), by step and the buffers they read; see :meth:`_captured`
-        self._graphs: dict[tuple, _DraftGraph] = {}
+        self._graphs: dict[tuple, Any] = {}  # runtime._Captured
         self._root: torch.Tensor | None = None  # [K, d] the root slots' fixed buffer while captured steps run
         self._capture_refused = False
 
@@ -401,25 +172,15 @@ class EagleDrafter(Drafter):
         return self._root.copy_(slots)
 
     def _captured(self, ctx: SpecContext, factory: Any, key: tuple, make: Any, load: Any) -> torch.Tensor:
-        """Replay the draft step ``key`` after ``load(inputs)``; the first time, ``make()`` gives its fixed
-        inputs and its function, which runs for real (the capture's warm-up) and is then captured. A capture
-        that raises leaves this drafter's steps eager from then on (one log line)."""
-        g = self._graphs.get(key)
-        if g is not None:
-            load(g.inputs)
-            return g.graph.replay()
-        inputs, run = make()
-        graph = factory()
-        out = graph.warmup(run)
-        try:
-            graph.capture(run)
-        except Exception as exc:  # noqa: BLE001  an uncapturable draft step runs eagerly
+        """The draft step ``key`` replayed, or run and captured (:meth:`LMRunner.replay_or_capture`, in this
+        drafter's own store: its graphs read the draft's buffers, not the target cache's). A capture that
+        raises leaves this drafter's steps eager from then on (one log line)."""
+
+        def failed(exc: Exception) -> None:
             self._capture_refused = True
             logger.info("%s: draft steps run without a captured graph (%s: %s)", self.kind, type(exc).__name__, exc)
-            return out
-        ctx.method.runner.capture_s += getattr(graph, "capture_s", 0.0)
-        self._graphs[key] = _DraftGraph(graph, inputs)
-        return out
+
+        return ctx.method.runner.replay_or_capture(self._graphs, key, factory, make, load, failed)
 
     def _accept_captured(self, ctx: SpecContext, factory: Any, toks: list[int], hidden: torch.Tensor) -> None:
         """:meth:`accept` as one captured step: the accepted rows padded to ``max_step_tokens()`` (P), the
@@ -428,9 +189,9 @@ class EagleDrafter(Drafter):
         m, cache = self.model, self.cache
         rows, n = self.max_step_tokens(), len(toks)
         cache._ensure(cache.committed + rows)
-        m.rope(torch.zeros(1, dtype=torch.long, device=hidden.device), max_pos=self.pos + rows)  # the table covers them
+        table = m.rope_table(self.pos + rows)
         packed = toks + [0] * (rows - n) + [n, cache.committed, self.pos]  # ids [P], n, start, first position
-        key = ("accept", rows, cache.k.data_ptr(), cache.k.shape[1], m._rope_table[0].data_ptr(), self._root.data_ptr())
+        key = ("accept", rows, cache.k.data_ptr(), cache.k.shape[1], table[0].data_ptr(), self._root.data_ptr())
         for old in [k for k in self._graphs if k[0] == "accept" and k != key]:
             del self._graphs[old]  # captured on buffers the draft has outgrown
 
@@ -551,9 +312,9 @@ class EagleDrafter(Drafter):
         k = max(1, min(top_k, m.arch.vocab_size))
         dev = m.fc.weight.device
         cache._ensure(cache.committed + depth * k)
-        m.rope(torch.zeros(1, dtype=torch.long, device=dev), max_pos=self.pos + depth)  # the table covers them
+        table = m.rope_table(self.pos + depth)
         meta = [cache.committed, self.pos]  # where the tree's rows go, the first level's position
-        key = ("eagle2", depth, k, total, cache.k.data_ptr(), cache.k.shape[1], m._rope_table[0].data_ptr())
+        key = ("eagle2", depth, k, total, cache.k.data_ptr(), cache.k.shape[1], table[0].data_ptr())
         key += (self._root.data_ptr(),)
         for old in [c for c in self._graphs if c[0] == "eagle2" and c != key]:
             del self._graphs[old]

@@ -145,16 +145,21 @@ class DraftModel(nn.Module):
     def rope(self, pos: torch.Tensor, max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ([*pos.shape, head_dim]) from a cached table (grown on demand). ``max_pos``: a bound
         on ``pos`` the caller knows on the host (saves reading the largest position from the device)."""
-        need = (int(pos.max()) if max_pos is None else max_pos) + 1 if pos.numel() else 1
+        table = self.rope_table((int(pos.max()) if max_pos is None else max_pos) if pos.numel() else 0)
+        return table[0][pos], table[1][pos]
+
+    def rope_table(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached cos, sin tables ([n, hd] each), grown (doubled, at least 1024 rows) to cover ``max_pos``;
+        a captured draft step reads them at fixed addresses (its key names the table)."""
         table = self._rope_table
         w = self.fc.weight
-        if table is None or table[0].shape[0] < need or table[0].device != w.device or table[0].dtype != w.dtype:
-            n = max(need, 2 * (table[0].shape[0] if table is not None else 0), 1024)
+        if table is None or table[0].shape[0] <= max_pos or table[0].device != w.device or table[0].dtype != w.dtype:
+            n = max(max_pos + 1, 2 * (table[0].shape[0] if table is not None else 0), 1024)
             self._rotary.to(w.device)
             cos, sin = self._rotary(w, torch.arange(n, device=w.device)[None])
             table = (cos[0].to(w.dtype), sin[0].to(w.dtype))
             self.__dict__["_rope_table"] = table
-        return table[0][pos], table[1][pos]
+        return table
 
     def qkv(self, x: torch.Tensor, pos: torch.Tensor, *, q: bool = True, kv: bool = True):
         """Rotated q [B, H, T, hd] and k, v [B, Hkv, T, hd] of rows x [B, T, d] at positions pos [B, T]."""

@@ -40,7 +40,7 @@ Deviations (reasons):
   1.2 + 0.045 N decode steps for the 256-wide embedded model), and each level is a draft forward, so the
   embedded model wants small, deep trees, e.g. ``{depth: 6, top_k: 4, total_tokens: 8}``.
 - Expansion stops early when no deeper candidate could enter the kept set (exact: same tree as the
-  full expansion, fewer draft forwards); inference runs the layer on fused weights (``_eagle.Fused``).
+  full expansion, fewer draft forwards); inference runs the layer on fused weights (``_draft_cache.Fused``).
 - ``depth`` is EAGLE-2's: the number of draft forwards after the root's, so trees have up to depth + 1
   levels (as in ``topK_genrate``).
 - Learning rate and schedule are scaled for a 256-wide draft trained for ~1-2k steps on CPU (MSD: 5e-5
