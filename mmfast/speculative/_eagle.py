@@ -329,9 +329,7 @@ class EagleDrafter(Drafter):
                     pos = (pos0 + i).expand(x.shape[0])  # [k]
                     return cache.append_rows_static(x, pos, committed + i * x.shape[0], committed, vis)
 
-                toks, scores, parents, _ = self._eagle2_candidates(depth, k, total, False, forward)
-                keep, tree_par, orphan = _rerank(torch.cat(scores), torch.cat(parents), max(1, total - 1))
-                return torch.cat([torch.cat(toks).index_select(0, keep), tree_par, orphan.any().long()[None]])
+                return _packed_tree(*self._eagle2_candidates(depth, k, total, False, forward)[:3], total)
 
             return inputs, run
 
@@ -339,6 +337,13 @@ class EagleDrafter(Drafter):
             inputs["meta"].copy_(torch.tensor(meta, device=dev))
 
         return _tree_of(self._captured(ctx, factory, key, make, load)), depth
+
+
+def _packed_tree(toks: list[torch.Tensor], scores: list[torch.Tensor], parents: list[torch.Tensor], total: int):
+    """A captured proposal's output: :func:`select_tree`'s kept tokens, tree parents and whether a node lost
+    its ancestor, packed [tokens; parents; orphaned] (2T + 1) for one read (:func:`_tree_of`)."""
+    keep, tree_par, orphan = _rerank(torch.cat(scores), torch.cat(parents), max(1, total - 1))
+    return torch.cat([torch.cat(toks).index_select(0, keep), tree_par, orphan.any().long()[None]])
 
 
 def _tree_of(packed: torch.Tensor) -> DraftTree | None:

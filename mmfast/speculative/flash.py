@@ -61,7 +61,7 @@ import torch
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
-from ._eagle import EagleDrafter, _rerank, _tree_of, select_tree
+from ._eagle import EagleDrafter, _packed_tree, _tree_of, select_tree
 from .tree import DraftTree
 
 
@@ -110,11 +110,7 @@ class Flash(EagleDrafter):
 
         def make():
             def run() -> torch.Tensor:
-                toks, scores, parents, _ = self._sar_candidates(1, k, total, early_stop=False)
-                keep, tree_par, orphan = _rerank(torch.cat(scores), torch.cat(parents), max(1, total - 1))
-                return torch.cat(
-                    [torch.cat(toks).index_select(0, keep), tree_par, orphan.any().long()[None]]
-                )  # [2T + 1]
+                return _packed_tree(*self._sar_candidates(1, k, total, early_stop=False)[:3], total)  # [2T + 1]
 
             return {}, run
 
