@@ -563,8 +563,11 @@ def _row_model(name: str) -> dict[str, Any] | None:
 def _spec_of(what: Any, model: dict[str, Any] | None) -> Any:
     if isinstance(what, str):
         return what
-    spec = {"recipe": row_recipe(what.recipe), "compile": (model or {}).get("compile")}
-    return {**spec, **({"fuse_norms": True} if (model or {}).get("fuse_norms") else {})}
+    model = model or {}
+    spec = {"recipe": row_recipe(what.recipe), "compile": model.get("compile")}
+    if model.get("fuse_norms"):  # only then: the other rows' settings stay as they were stored
+        spec["fuse_norms"] = True
+    return spec
 
 
 def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
@@ -766,7 +769,7 @@ def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetChe
     for shape in sorted({k[0] for k in rows if k[0] != EMBEDDED}):
         for b in (1, 8):
             hf = get(shape, b, "caption", HF_STATIC)
-            # the fastest decode path mmfast offers that ran: fused norms, else the captured step, else eager
+            # mmfast's most optimised decode path that ran: fused norms, else the captured step, else eager
             ours = next((r for r in (get(shape, b, "caption", n) for n in (FUSED, COMPILED, UNPRUNED)) if r), None)
             which = ours.row if ours else UNPRUNED
             ratio = (
