@@ -141,6 +141,22 @@ def cache_kwargs(cache: DynamicCache | None) -> dict[str, DynamicCache | None]:
     return {CACHE_KWARG: cache}
 
 
+def decoder_layer(layer, hidden: torch.Tensor, mask, position_embeddings, position_ids, cache) -> torch.Tensor:
+    """One decoder layer of the language model, called as the text models of 5.17 to 5.24 call it (the runner
+    runs a prefill's layers itself, between in-LLM pruning steps): ``hidden`` [B, T, d] -> [B, T, d]. ``mask``:
+    the 4-D mask the model would pass; ``position_ids``: [B, T] 1-D positions, None under M-RoPE (as the
+    Qwen-VL models pass no text positions)."""
+    out = layer(
+        hidden,
+        attention_mask=mask,
+        position_embeddings=position_embeddings,
+        position_ids=position_ids,
+        use_cache=True,
+        **cache_kwargs(cache),
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
 def output_cache(out) -> DynamicCache | None:
     """The KV cache a model forward returned (``out.cache`` from 5.24, ``out.past_key_values`` before)."""
     return getattr(out, CACHE_KWARG)
@@ -579,7 +595,8 @@ class StaticBufferPool:
             return
         self._kept = {i: (lay._k, lay._v, lay._pos) for i, lay in enumerate(cache.layers)}
         held = static_buffers(cache)
-        self.graphs = {key: g for key, g in self.graphs.items() if key[0] == held}
+        on = set(held)  # a graph of some layers (a prefill segment) stays while its layers' buffers do
+        self.graphs = {key: g for key, g in self.graphs.items() if on.issuperset(key[0])}
         if held != self._held:  # a new set: said once, not every call
             self._held = held
             logger.info(
@@ -623,26 +640,30 @@ def advance_static(cache, q: int) -> None:
         lay._len += q
 
 
-def bind_static(cache, config, like: torch.Tensor, n: int) -> None:
-    """Give every layer of a static ``cache`` its buffers for ``n`` slots plus its reserve before a
-    captured prefill writes them (the pool's when they fit): ``like`` ([B, T, d]) gives batch, dtype
+def bind_static(cache, config, like: torch.Tensor, n: int, layers: range | None = None) -> None:
+    """Give every layer of a static ``cache`` (or of ``layers``) its buffers for ``n`` slots plus its reserve
+    before a captured prefill writes them (the pool's when they fit): ``like`` ([B, T, d]) gives batch, dtype
     and device, ``config`` the K/V heads and head size."""
     heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     kv = like.new_empty(like.shape[0], heads, 0, head_dim)  # [B, Hkv, 0, D]
-    for lay in cache.layers:
+    for lay in _layers(cache, layers):
         if lay._k is None:
             lay._first_buffers(kv, kv, n)  # nothing held yet: write index 0
 
 
-def set_static_lengths(cache, n: int, *, device: bool = False) -> None:
-    """Every layer's count of held slots: on the host (after a graph moved the device write indices), and
-    with ``device`` the device write index too."""
-    for lay in cache.layers:
+def set_static_lengths(cache, n: int, *, device: bool = False, layers: range | None = None) -> None:
+    """Every layer's (or ``layers``') count of held slots: on the host (after a graph moved the device write
+    indices), and with ``device`` the device write index too."""
+    for lay in _layers(cache, layers):
         if device:
             lay.length = n
         else:
             lay._len = int(n)
+
+
+def _layers(cache, layers: range | None) -> list:
+    return cache.layers if layers is None else [cache.layers[i] for i in layers]
 
 
 def write_indices(cache) -> list[torch.Tensor]:
@@ -661,9 +682,12 @@ def restore_write_indices(cache, saved: list[torch.Tensor]) -> None:
         lay._pos.copy_(pos)
 
 
-def static_buffers(cache) -> tuple[int, ...]:
-    """Addresses of every buffer: a captured step is valid while they stay (no growth, no new batch)."""
-    return tuple(p for lay in cache.layers for p in (lay._k.data_ptr(), lay._v.data_ptr(), lay._pos.data_ptr()))
+def static_buffers(cache, layers: range | None = None) -> tuple[int, ...]:
+    """Addresses of every buffer (or of ``layers``'): a captured step is valid while they stay (no growth,
+    no new batch)."""
+    return tuple(
+        p for lay in _layers(cache, layers) for p in (lay._k.data_ptr(), lay._v.data_ptr(), lay._pos.data_ptr())
+    )
 
 
 def align_static(cache, layers: range, q: int) -> int:

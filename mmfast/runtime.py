@@ -358,6 +358,7 @@ class LMRunner:
         self.pool = compat.StaticBufferPool()
         self.pad_token_id = 0  # what left padding holds (the session sets the tokenizer's)
         self._prefill_refused = False  # a prefill capture failed once: prefills run eagerly from then on
+        self._by_hand = False  # the runner runs the prefill's layers itself (its layer hooks step aside)
         self._block_cache: Any = None  # the first static cache of this block that the pool serves
         self._consts: dict[tuple, torch.Tensor] = {}  # decode-step constants (:meth:`_const`)
         self._capture_refusals: set[str] = set()  # reasons already logged
@@ -475,8 +476,9 @@ class LMRunner:
         pool = None  # captured steps: the buffers come from (and go back to) the pool; eager ones need no pool
         if self.static_reserve is not None and self.capture is not None and self._block_cache is None:
             pool = self.pool
-        # a static cache's prefill has fixed shapes where no Python runs inside it: left-padded to a multiple of
-        # PREFILL_BUCKET, the same kernels eagerly (compile: static) or as one captured graph per bucket
+        # a static cache's prefill has fixed shapes: left-padded to a multiple of PREFILL_BUCKET and run layer by
+        # layer by the runner, in segments between in-LLM pruning layers; the same kernels eagerly (compile:
+        # static) or each segment as one captured graph per shape where no Python of a method runs inside it
         if self.static_reserve is not None and self._block_prefill_blocker is _UNCHECKED:  # hooks are set: once a block
             self._block_prefill_blocker = self.prefill_blocker()
         padded = self.static_reserve is not None and not all_hidden and self._block_prefill_blocker is None
@@ -497,7 +499,7 @@ class LMRunner:
         state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
             if padded:
-                last = self._padded_prefill(state, graph)  # [B, 1, d]
+                last = self._prefill_segments(state, graph)  # [B, 1, d]
             else:
                 out = self.lm(
                     inputs_embeds=inputs.embeds,
@@ -515,76 +517,131 @@ class LMRunner:
         return state, StepOutput(self.adapter.lm_head(last).float(), out.last_hidden_state if all_hidden else last)
 
     def prefill_blocker(self) -> str | None:
-        """Why the prefill cannot be one captured graph (None: it can): Python that runs inside it
-        (pruning inside the LLM, any hook on the language model's modules, prefill-only ones included,
-        attention probes or recorders, Qwen3-VL's deepstack additions)."""
-        if self._select or self.deepstack_levels:
-            return "pruning inside the language model, or deepstack features"
-        for m in self.lm.modules():
-            if m._forward_pre_hooks or any(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()):
-                return "hooks on the language model's modules"
-        if any(getattr(layer.self_attn, "_mmfast_attn", None) is not None for layer in self.adapter.layers):
-            return "attention probes or overrides on the language model"
+        """Why the prefill does not run in fixed shapes, layer by layer (:meth:`_prefill_segments`): Qwen3-VL's
+        deepstack additions, hooks on the language model's own module (its layers run without it); and
+        without in-LLM pruning, anything that keeps it from being one captured graph (a hook on any of its
+        modules, prefill-only ones included, attention probes or recorders). None: it does."""
+        if self.deepstack_levels:
+            return "deepstack features"
+        if self.lm._forward_pre_hooks or any(
+            not compat.is_inert_output_hook(h) for h in self.lm._forward_hooks.values()
+        ):
+            return "hooks on the language model"
+        if self._select:
+            return None
+        return self._segment_blocker(range(self.n_layers))
+
+    def _segment_blocker(self, layers: range) -> str | None:
+        """Why the prefill's ``layers`` (the final norm with the last) cannot be one captured graph (None: they
+        can): Python of a method that runs inside them. The runner's own layer hooks step aside in a segment,
+        inert output hooks do nothing, and an attention probe whose rows depend on shapes only (``last_row``,
+        ``cls_row``) is replayed with its record; any other hook, probe or attention override blocks."""
+        mods = [self.lm.rotary_emb, *(self.adapter.layers[i] for i in layers)]
+        if layers.stop == self.n_layers:
+            mods.append(self.lm.norm)
+        for m in (sub for mod in mods for sub in mod.modules()):
+            if any(not getattr(h, "mmfast_runner", False) for h in m._forward_pre_hooks.values()):
+                return "hooks on the language model's layers"
+            if any(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()):
+                return "hooks on the language model's layers"
+            hooks = getattr(m, "_mmfast_attn", None)
+            if hooks is not None and (hooks.override is not None or hooks.recorders):
+                return "attention overrides or recorders on the language model"
+            if hooks is not None and not all(getattr(r, "mmfast_replayable", None) for r in hooks.prefill_recorders):
+                return "attention probes whose rows depend on the batch"
         return None
 
-    def _padded_prefill(self, state: LMState, graph: bool) -> torch.Tensor:
-        """The prefill of ``state`` (inputs left-padded to a bucket) on its static cache, with the causal
-        mask built from the padding mask; with ``graph`` (the cache from the pool) as a captured graph:
-        its inputs are the embeddings, the padding mask and the positions, the mask is built inside it and
-        the K/V written into the pool's buffers, so a later call of the same batch size and bucket whose
-        cache takes the same buffers replays it. Returns [B, 1, d]."""
-        inputs, cache = state.inputs, state.cache
-        bsz, length = inputs.input_ids.shape
-        compat.bind_static(cache, self.adapter.text_config, inputs.embeds, length)
-        live = (inputs.embeds, inputs.attention_mask, inputs.position_ids)
-        if not graph:
-            return self._prefill_forward(*live)
-        key = (compat.static_buffers(cache), "prefill", tuple((t.shape, t.dtype) for t in live))
+    def _prefill_segments(self, state: LMState, graph: bool) -> torch.Tensor:
+        """The prefill of ``state`` (inputs left-padded to a bucket) on its static cache, run by the runner: the
+        layers from one in-LLM pruning layer to the next are a segment; between segments the pruners select
+        eagerly (:meth:`_prune`, their kept length rounded up to SEGMENT_BUCKET slots so that segment shapes
+        repeat). With ``graph`` (the cache from the pool) a segment is one captured graph where
+        :meth:`_segment_blocker` finds nothing against it (:meth:`_segment`). Returns [B, 1, d]."""
+        edges = [0, *sorted(self._select), self.n_layers]
+        hidden = state.inputs.embeds  # [B, T, d]
+        self._by_hand = True
+        try:
+            for a, b in zip(edges, edges[1:]):
+                if a:
+                    hidden = self._prune(a, hidden, state, bucket=SEGMENT_BUCKET)  # [B, T', d]
+                hidden = self._segment(state, range(a, b), hidden, graph)
+        finally:
+            self._by_hand = False
+        return hidden
+
+    def _segment(self, state: LMState, layers: range, hidden: torch.Tensor, graph: bool) -> torch.Tensor:
+        """``layers`` of the prefill over ``hidden`` ([B, T, d], the layout of their layer group): eagerly, or
+        as a graph captured once per segment, shape and cache buffers. Its inputs are the hidden states, the
+        group's slot validity and positions; the mask is built inside it and the K/V written into the pool's
+        buffers, so a later call whose cache takes the same buffers replays it. An attention probe inside
+        it writes its record into the graph's memory: put back after each replay (the warm-up's stands for
+        the call that captures). Returns [B, T, d], or [B, 1, d] after the final norm for the last segment."""
+        cache, grp = state.cache, state.groups[state.group_of(layers.start)]
+        length = hidden.shape[1]
+        compat.bind_static(cache, self.adapter.text_config, hidden, length, layers)
+        live = _SegmentInputs(hidden, grp.key_mask, grp.positions)
+        if not graph or self._prefill_refused or self._segment_blocker(layers) is not None:
+            return self._segment_forward(layers, live)
+        key = (compat.static_buffers(cache, layers), "prefill", layers.start, live.shapes())
         captured = self.pool.graphs.get(key)
         if captured is not None:
-            for dst, src in zip(captured.static.tensors(), live):
-                dst.copy_(src)
-            last = captured.graph.replay().clone()
-            compat.set_static_lengths(cache, length)  # the graph moved the device write indices
-            return last
-        static = _PrefillInputs(*(t.clone() for t in live))
+            captured.static.load(live)
+            out = captured.graph.replay().clone()
+            compat.set_static_lengths(cache, length, layers=layers)  # the graph moved the device write indices
+            captured.static.put_records()
+            return out
+        static = _SegmentInputs(*(t.clone() for t in live.tensors()))
 
         def run() -> torch.Tensor:
-            return self._prefill_forward(*static.tensors())
+            return self._segment_forward(layers, static)
 
+        probes = [  # (probe, name) of each attention probe inside the segment
+            rec.mmfast_replayable
+            for i in layers
+            for m in self.adapter.layers[i].modules()
+            if getattr(m, "_mmfast_attn", None) is not None
+            for rec in m._mmfast_attn.prefill_recorders
+        ]
         step_graph = self.capture()
-        last = step_graph.warmup(run).clone()  # this prefill, and the capture's warm-up
-        compat.set_static_lengths(cache, 0, device=True)  # the capture writes the prompt again from slot 0
+        out = step_graph.warmup(run).clone()  # this segment, and the capture's warm-up
+        warm = [(probe, name, probe.records.get(name)) for probe, name in probes]
+        compat.set_static_lengths(cache, 0, device=True, layers=layers)  # the capture writes them again from slot 0
         try:
             step_graph.capture(run)
-        except Exception as exc:  # noqa: BLE001  a prefill that cannot be captured ran eagerly above
+        except Exception as exc:  # noqa: BLE001  a segment that cannot be captured ran eagerly above
             logger.info(
                 "model.compile: auto: the prefill runs without a captured graph (%s: %s)", type(exc).__name__, exc
             )
             self._prefill_refused = True
-        compat.set_static_lengths(cache, length, device=True)
+        compat.set_static_lengths(cache, length, device=True, layers=layers)
         if not self._prefill_refused:
+            static.records = [(probe, name, probe.records.get(name)) for probe, name in probes]
             self.pool.graphs[key] = _Captured(step_graph, static)
+        for probe, name, rec in warm:  # this call's scores are the warm-up's (the capture's are the graph's)
+            if rec is not None:
+                probe.records[name] = rec
         self.capture_s += step_graph.capture_s
-        return last
+        return out
 
-    def _prefill_forward(self, embeds: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The LM over a left-padded prompt (embeds [B, T, d], padding mask [B, T], positions) on the
-        running state's cache; [B, 1, d] at the last slot. The mask is built from ``attn`` on the device:
-        causal among real tokens, padding rows see themselves only."""
-        length = embeds.shape[1]
-        ok = attn.bool()  # [B, T]
-        causal = torch.ones(length, length, dtype=torch.bool, device=ok.device).tril()  # [T, T]
-        eye = torch.eye(length, dtype=torch.bool, device=ok.device)
-        mask = (causal & ok[:, None, :]) | eye  # [B, T, T]
+    def _segment_forward(self, layers: range, inputs: _SegmentInputs) -> torch.Tensor:
+        """``layers`` over ``inputs`` on the running state's cache, called as the text model calls them: the
+        mask built from the slot validity on the device (causal among valid slots, each slot sees itself), the
+        rotary embeddings of the positions; the final norm after the last layer ([B, 1, d] at the last slot)."""
+        hidden, valid, pos = inputs.hidden, inputs.key_mask, inputs.positions
+        bsz, length = valid.shape
+        causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()  # [T, T]
         impl = self.adapter.text_config._attn_implementation
-        return self.lm(
-            inputs_embeds=embeds,
-            attention_mask=compat.format_mask(mask[:, None], impl, self.adapter.lm_head.weight.dtype),
-            position_ids=self.adapter.lm_position_ids(pos),
-            **compat.cache_kwargs(self._active.cache),
-            use_cache=True,
-        ).last_hidden_state[:, -1:]
+        dtype = self.adapter.lm_head.weight.dtype
+        mask = compat.format_mask(_block_causal_mask(valid, causal.expand(bsz, -1, -1)), impl, dtype)  # [B, 1, T, T]
+        pos_ids = self.adapter.lm_position_ids(pos)
+        emb = self.lm.rotary_emb(hidden, position_ids=pos_ids)
+        text_pos = pos if pos.dim() == 2 else None  # what the LM hands its layers: None under M-RoPE
+        cache = self._active.cache
+        for i in layers:
+            hidden = compat.decoder_layer(self.adapter.layers[i], hidden, mask, emb, text_pos, cache)
+        if layers.stop == self.n_layers:
+            return self.lm.norm(hidden)[:, -1:]
+        return hidden
 
     @torch.inference_mode()
     def step(
@@ -885,7 +942,7 @@ class LMRunner:
     def _make_layer_hook(self, layer: int) -> Callable:
         def hook(module, args, kwargs):
             state = self._active
-            if state is None:
+            if state is None or self._by_hand:
                 return None
             hidden = args[0] if args else kwargs["hidden_states"]
             if self._phase == "prefill" and layer in self._select:
@@ -909,6 +966,7 @@ class LMRunner:
             kwargs["hidden_states"] = hidden
             return args, kwargs
 
+        hook.mmfast_runner = True  # type: ignore[attr-defined]  (steps aside in a prefill segment)
         return hook
 
     def _make_deepstack_hook(self, level: int) -> Callable:
@@ -929,8 +987,9 @@ class LMRunner:
 
         return hook
 
-    def _prune(self, layer: int, hidden: torch.Tensor, state: LMState) -> torch.Tensor:
-        """Create a new layer group at ``layer`` from the pruners' keep masks; returns gathered hidden."""
+    def _prune(self, layer: int, hidden: torch.Tensor, state: LMState, bucket: int = 1) -> torch.Tensor:
+        """Create a new layer group at ``layer`` from the pruners' keep masks; returns gathered hidden.
+        ``bucket``: the group's length is rounded up to a multiple of it (more left padding)."""
         prev = state.groups[state.group_of(layer)]
         vision = state.vision_slots(state.group_of(layer))
         src = prev.source.clamp(min=0)
@@ -962,7 +1021,7 @@ class LMRunner:
         if self.skip_noop_groups and not edited and bool((keep == prev.key_mask).all()):
             return hidden  # nothing dropped: the layers keep computing exactly as without pruning
         counts = keep.sum(1)
-        new_len = int(counts.max())
+        new_len = min(keep.shape[1], -(-int(counts.max()) // bucket) * bucket)
         bsz = keep.shape[0]
         index = torch.zeros(bsz, new_len, dtype=torch.long, device=keep.device)
         valid = torch.zeros(bsz, new_len, dtype=torch.bool, device=keep.device)
@@ -982,10 +1041,11 @@ class LMRunner:
         elif compact:
             positions = (valid.long().cumsum(1) - 1).masked_fill(~valid, 1)
         grp = LayerGroup(layer, valid, positions, source, compact, ref)
-        impl = self.adapter.text_config._attn_implementation
-        causal = torch.ones(new_len, new_len, dtype=torch.bool, device=keep.device).tril()
-        grp.fwd_mask = compat.format_mask(_block_causal_mask(valid, causal.expand(bsz, -1, -1)), impl, hidden.dtype)
-        grp.fwd_pos_ids = positions
+        if not self._by_hand:  # what the layer hooks hand the group's layers (a segment builds its own)
+            impl = self.adapter.text_config._attn_implementation
+            causal = torch.ones(new_len, new_len, dtype=torch.bool, device=keep.device).tril()
+            grp.fwd_mask = compat.format_mask(_block_causal_mask(valid, causal.expand(bsz, -1, -1)), impl, hidden.dtype)
+            grp.fwd_pos_ids = positions
         state.groups.append(grp)
         state.groups.sort(key=lambda g: g.start)
         return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
@@ -993,6 +1053,7 @@ class LMRunner:
 
 _UNCHECKED = object()  # a static block whose capture blocker is not computed yet
 PREFILL_BUCKET = 64  # a captured prefill's length is a multiple of this (left padding)
+SEGMENT_BUCKET = 16  # and a segment's after in-LLM pruning, of this
 
 
 class StepGraph:
@@ -1078,15 +1139,29 @@ class _StepInputs:
 
 
 @dataclass
-class _PrefillInputs:
-    """A captured prefill's inputs (static copies): the left-padded prompt of one length bucket."""
+class _SegmentInputs:
+    """A prefill segment's inputs (a captured one's static copies) and, captured, the probe records its graph
+    writes (put back after each replay)."""
 
-    embeds: torch.Tensor  # [B, T, d]
-    attention_mask: torch.Tensor  # [B, T] (0 = padding)
-    position_ids: torch.Tensor  # [B, T] (M-RoPE [B, T, 3])
+    hidden: torch.Tensor  # [B, T, d] (the prompt's embeddings, left-padded, for the first segment)
+    key_mask: torch.Tensor  # [B, T] bool: the layer group's slot validity (False = padding)
+    positions: torch.Tensor  # [B, T] (M-RoPE [B, T, 3])
+    records: list = field(default_factory=list)  # [(probe, name, ProbeRecord)]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.embeds, self.attention_mask, self.position_ids]
+        return [self.hidden, self.key_mask, self.positions]
+
+    def shapes(self) -> tuple:
+        return tuple((t.shape, t.dtype) for t in self.tensors())
+
+    def load(self, live: _SegmentInputs) -> None:
+        for dst, src in zip(self.tensors(), live.tensors()):
+            dst.copy_(src)
+
+    def put_records(self) -> None:
+        for probe, name, rec in self.records:
+            if rec is not None:
+                probe.records[name] = rec
 
 
 @dataclass
@@ -1102,7 +1177,7 @@ class _KeepInputs:
 @dataclass
 class _Captured:
     graph: StepGraph
-    static: Any  # its fixed inputs: _StepInputs, _PrefillInputs, _KeepInputs, a drafter's
+    static: Any  # its fixed inputs: _StepInputs, _SegmentInputs, _KeepInputs, a drafter's
 
 
 def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,27 @@ dispatched outside the graph per steady-state decode step. Op counts on the CPU,
 
 ``--embedded``: greedy and the trained drafters (FLASH, MSD: ops per verify cycle) on the embedded model
 with one world image and the caption prompt, instead of the tiny random LLaVA's cases.
+
+``--prefill``: the ops a batch-1 prefill dispatches outside graph replays, eagerly (``compile: static``
+without graphs) and with its segments captured, for the unpruned model, a pre-LLM pruner and the in-LLM
+pruners at their defaults (a second call of the same inputs: the first captured), on the tiny LLaVA with
+32 LLM layers (LLaVA-1.5-7B's depth, where the methods' default layers lie).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 
 import numpy as np
 from PIL import Image
 
 import mmfast
-from mmfast.bench.host_ops import PHASES, count_step_ops
-from mmfast.models.factory import random_llava, save_model
+from mmfast.bench.host_ops import PHASES, count_prefill_ops, count_step_ops
+from mmfast.models.factory import SHAPES, random_llava, save_model
 from mmfast.registry import PRUNERS
 
 PROMPTS = ["Describe the image.", "What is in the picture?"]
@@ -41,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--embedded", action="store_true", help="the embedded model's greedy, flash and msd")
+    ap.add_argument("--prefill", action="store_true", help="ops of a batch-1 prefill, eager and captured")
     args = ap.parse_args()
     if args.embedded:
         print_rows(embedded_rows(args.max_new_tokens))
@@ -48,8 +57,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)) for _ in range(2)]
     with tempfile.TemporaryDirectory() as tmp:
-        model, processor = random_llava("tiny", init_std=0.2)
+        # --prefill: LLaVA-1.5-7B's 32 LLM layers (the methods' default layers), the tiny widths
+        shape = dataclasses.replace(SHAPES["tiny"], text_layers=32) if args.prefill else "tiny"
+        model, processor = random_llava(shape, init_std=0.2)
         mm = mmfast.load(save_model(model, processor, tmp), device="cpu", dtype="float32")
+        if args.prefill:
+            print_prefill_rows(mm, images[:1], PROMPTS[:1])
+            return
         rows = []
         for name, (recipe, bsz) in cases(mm).items():
             rows.append((name, count_step_ops(mm, recipe, images[:bsz], PROMPTS[:bsz], args.max_new_tokens)))
@@ -66,6 +80,21 @@ def embedded_rows(max_new_tokens: int) -> list[tuple[str, dict]]:
     image, prompt = Image.open(path).convert("RGB"), "Please describe this image in detail."
     recipes = {"greedy": {}, "flash": {"speculative": {"method": "flash"}}, "msd": {"speculative": {"method": "msd"}}}
     return [(name, count_step_ops(mm, r, [image], [prompt], max_new_tokens)) for name, r in recipes.items()]
+
+
+PREFILL_METHODS = ("divprune", "fastv", "dart", "pyramiddrop", "sparsevlm")
+
+
+def print_prefill_rows(mm, images, prompts) -> None:
+    recipes = {"unpruned": {}}
+    recipes.update(
+        {m: {"pruning": [{"method": m, "params": PRUNERS.get(m).cls.test_params(mm.adapter)}]} for m in PREFILL_METHODS}
+    )
+    print(f"| case (batch 1, {len(mm.adapter.layers)} LLM layers) | prefill ops, eager | outside graphs, captured |")
+    print("|---|---|---|")
+    for name, recipe in recipes.items():
+        eager = count_prefill_ops(mm, recipe, images, prompts, captured=False)
+        print(f"| {name} | {eager} | {count_prefill_ops(mm, recipe, images, prompts)} |")
 
 
 def print_rows(rows: list[tuple[str, dict]]) -> None:

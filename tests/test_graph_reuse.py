@@ -69,8 +69,9 @@ def test_the_next_call_replays_the_graphs_of_the_last(name, captured, tiny_mm, i
         kept, made = dict(s.runner.pool.graphs), len(captured.made)
         replays = {key: g.graph.replays for key, g in kept.items()}
         assert kept and s.runner.pool.kept_bytes > 0
-        # the prefill is one graph too, unless Python runs inside it (PyramidDrop prunes inside the LLM)
-        assert any(key[1] == "prefill" for key in kept) == (name != PDROP)
+        # the prefill is captured too: one graph, or one per segment between in-LLM pruning layers (PyramidDrop
+        # prunes at three layers: four segments, its selections run eagerly between them)
+        assert sum(key[1] == "prefill" for key in kept) == len(s.runner._select) + 1 == (4 if name == PDROP else 1)
         if name == "prompt_lookup":  # two samples one at a time, every verify tree padded to one width: one graph
             steps = [c.static.q for key, c in kept.items() if key[1] != "prefill"]
             assert steps == [s.drafter.max_step_tokens()]
@@ -186,26 +187,63 @@ def _prefill_lengths(session) -> list[int]:
     return lengths
 
 
-@pytest.mark.parametrize("name", ["divprune", "fastv"])
-def test_a_prefill_is_captured_when_no_python_runs_inside_it(name, captured, tiny_mm, images, prompts):
-    """A pre-LLM pruner's prefill is a plain forward over the kept tokens: captured (left-padded to a
-    multiple of 64 slots), replayed by the next call, tokens equal. FastV reads one LLM layer's attention
-    and prunes inside the LLM at prefill: its prefill runs eagerly, its decode steps are captured."""
+def test_a_pre_llm_prefill_is_one_captured_graph(captured, tiny_mm, images, prompts):
+    """A pre-LLM pruner's prefill is a plain forward over the kept tokens: one graph (left-padded to a multiple
+    of 64 slots), replayed by the next call, tokens equal."""
     from mmfast.registry import PRUNERS
     from mmfast.runtime import PREFILL_BUCKET
 
-    recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
+    recipe = {"pruning": [{"method": "divprune", "params": PRUNERS.get("divprune").cls.test_params(tiny_mm.adapter)}]}
     runs = [(images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])]
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         lengths = _prefill_lengths(s)
         got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=6, seed=0)] for imgs, ps in runs]
         prefills = [key for key in s.runner.pool.graphs if key[1] == "prefill"]
     assert got == [_dynamic(tiny_mm, recipe, imgs, ps) for imgs, ps in runs]
-    if name == "divprune":
-        assert len(prefills) == 1 and all(n % PREFILL_BUCKET == 0 for n in lengths)
-    else:
-        assert not prefills and any(n % PREFILL_BUCKET for n in lengths)
-        assert s.runner.prefill_blocker() is not None
+    assert len(prefills) == 1 and all(n % PREFILL_BUCKET == 0 for n in lengths)
+
+
+def _kept_positions(session, out: list) -> None:
+    """Append, for every prefilled state of ``session``, the positions each sample keeps in each layer group
+    (independent of how far the prompt was left-padded)."""
+    original = session.runner.prefill
+
+    def prefill(inputs, **kw):
+        state, res = original(inputs, **kw)
+        out.append([[g.positions[b][g.key_mask[b]].tolist() for b in range(len(g.key_mask))] for g in state.groups])
+        return state, res
+
+    session.runner.prefill = prefill
+
+
+@pytest.mark.parametrize(("name", "graphs"), [("fastv", 2), ("sparsevlm", 1)])
+def test_an_in_llm_pruner_prefills_in_captured_segments(name, graphs, captured, tiny_mm, images, prompts):
+    """An in-LLM pruner's prefill runs layer by layer in segments between its pruning layers, its selection
+    eagerly between them. A segment is one graph unless a method's Python runs inside it: FastV's probe of
+    layer K-1 (last row: rows from shapes only) is captured with its segment and its record put back after each
+    replay; SparseVLM's probes pick text rows from the batch, so the segments holding them run eagerly and the
+    rest are captured. The next call (other images) replays them and captures nothing; the kept tokens of every
+    layer group and the output tokens equal the dynamic cache's."""
+    from mmfast.registry import PRUNERS
+
+    recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
+    runs = [(images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])]
+    want_kept: list = []
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="off") as s:
+        _kept_positions(s, want_kept)
+        want = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=6, seed=0)] for imgs, ps in runs]
+    got_kept: list = []
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        _kept_positions(s, got_kept)
+        got = [[r.token_ids for r in s.generate(*runs[0], max_new_tokens=6, seed=0)]]
+        prefills = {key: c.graph.replays for key, c in s.runner.pool.graphs.items() if key[1] == "prefill"}
+        made = len(captured.made)
+        got.append([r.token_ids for r in s.generate(*runs[1], max_new_tokens=6, seed=0)])
+        assert len(captured.made) == made, "the second call captured again"
+        assert all(s.runner.pool.graphs[key].graph.replays == n + 1 for key, n in prefills.items())
+    assert len(prefills) == graphs and len(s.runner._select) + 1 >= graphs
+    assert len(want_kept) == 2 and len(want_kept[0]) > 1  # a layer group was made
+    assert got_kept == want_kept and got == want
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])

@@ -138,3 +138,24 @@ def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) 
         Session._capture_factory = original
         ReplayGraph.counter = None
     return counter.per_step()
+
+
+def count_prefill_ops(mm, recipe: dict, images, prompts, *, captured: bool = True) -> int:
+    """Torch ops the runner's prefill dispatches outside graph replays in one ``generate`` call of ``recipe``
+    after a first call of the same inputs (its graphs captured: the steady state of a long run), one new token.
+    ``captured`` False: ``compile: static`` without graphs, every op of the same fixed-shape prefill eager."""
+    original = Session._capture_factory
+    if captured:
+        Session._capture_factory = lambda self: ReplayGraph  # restored below; this process only counts
+    ReplayGraph.made = []
+    try:
+        with apply(mm, load_recipe(recipe), compile="static") as s:
+            s.generate(images, prompts, max_new_tokens=1, seed=0)  # captures the prefill's graphs
+            counter = OpCounter(runner=s.runner, lm_head=s.runner.adapter.lm_head)
+            ReplayGraph.counter = counter
+            with counter:
+                s.generate(images, prompts, max_new_tokens=1, seed=0)
+    finally:
+        Session._capture_factory = original
+        ReplayGraph.counter = None
+    return counter.by_phase["prefill"]

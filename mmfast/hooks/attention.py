@@ -168,6 +168,11 @@ def cls_row(q_len: int, k_len: int) -> torch.Tensor:
     return torch.tensor([0])
 
 
+#: row selectors whose rows depend on the shapes only: a probe with one of these computes the same rows of any
+#: batch of a shape, so it may run inside a captured prefill segment (``LMRunner``) and its record be replayed
+SHAPE_ONLY_ROWS = frozenset({last_row, cls_row})
+
+
 @dataclass
 class ProbeRecord:
     """Attention rows captured on one module during one forward."""
@@ -194,6 +199,7 @@ class AttentionProbe:
         self.records: dict[str, ProbeRecord] = {}
         self.reduce = reduce
         self._enabled: set[str] = set()
+        self._rows: dict[tuple, torch.Tensor] = {}  # shape-only rows on the device, made once per shape
         self.time_s = 0.0  # time spent computing probe rows (the scoring overhead of probing methods)
 
     def watch(
@@ -215,6 +221,7 @@ class AttentionProbe:
         hooks = attach(self.session, attn_module)
         reduce = reduce if reduce is not None else self.reduce
         is_causal = bool(getattr(attn_module, "is_causal", False))
+        shape_only = rows in SHAPE_ONLY_ROWS
 
         def record(module, query, key, attention_mask, scaling) -> None:
             if name not in self._enabled:
@@ -223,7 +230,12 @@ class AttentionProbe:
             if when is not None and not when(q_len, k_len):
                 return
             t0 = time.perf_counter()
-            r = rows(q_len, k_len).to(query.device)
+            if shape_only:  # copied to the device once per shape: none inside a captured segment
+                r = self._rows.get((rows, q_len, k_len, query.device))
+                if r is None:
+                    r = self._rows[(rows, q_len, k_len, query.device)] = rows(q_len, k_len).to(query.device)
+            else:
+                r = rows(q_len, k_len).to(query.device)
             probs = row_attention(query, key, attention_mask, scaling, r, is_causal)
             if reduce == "mean":
                 probs = probs.mean(1)
@@ -233,6 +245,9 @@ class AttentionProbe:
             self.records[name] = ProbeRecord(probs, rr, q_len, k_len)
             self.time_s += time.perf_counter() - t0
 
+        # what a captured prefill segment needs to replay this recorder: its rows depend on shapes only, and
+        # where its record goes (the segment puts the record its graph writes back after each replay)
+        record.mmfast_replayable = (self, name) if shape_only else None  # type: ignore[attr-defined]
         (hooks.prefill_recorders if prefill_only else hooks.recorders).append(record)
         self._enabled.add(name)
 
