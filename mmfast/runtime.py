@@ -554,7 +554,7 @@ class LMRunner:
     def _prefill_segments(self, state: LMState, graph: bool) -> torch.Tensor:
         """The prefill of ``state`` (inputs left-padded to a bucket) on its static cache, run by the runner: the
         layers from one in-LLM pruning layer to the next are a segment; between segments the pruners select
-        eagerly (:meth:`_prune`, their kept length rounded up to SEGMENT_BUCKET slots so that segment shapes
+        eagerly (:meth:`_prune`, their kept length rounded up to PREFILL_BUCKET slots so that segment shapes
         repeat). With ``graph`` (the cache from the pool) a segment is one captured graph where
         :meth:`_segment_blocker` finds nothing against it (:meth:`_segment`). Returns [B, 1, d]."""
         edges = [0, *sorted(self._select), self.n_layers]
@@ -563,7 +563,7 @@ class LMRunner:
         try:
             for a, b in zip(edges, edges[1:]):
                 if a:
-                    hidden = self._prune(a, hidden, state, bucket=SEGMENT_BUCKET)  # [B, T', d]
+                    hidden = self._prune(a, hidden, state, bucket=PREFILL_BUCKET)  # [B, T', d]
                 hidden = self._segment(state, range(a, b), hidden, graph)
         finally:
             self._by_hand = False
@@ -1052,8 +1052,10 @@ class LMRunner:
 
 
 _UNCHECKED = object()  # a static block whose capture blocker is not computed yet
-PREFILL_BUCKET = 64  # a captured prefill's length is a multiple of this (left padding)
-SEGMENT_BUCKET = 16  # and a segment's after in-LLM pruning, of this
+# a captured prefill's length is a multiple of this (left padding), and so is a segment's after in-LLM pruning:
+# the pads cost compute in every layer (FastV-64's ~80 kept slots would run as 128 at a bucket of 64), and each
+# new length rounded up is one more capture
+PREFILL_BUCKET = 16
 
 
 class StepGraph:

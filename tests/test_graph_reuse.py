@@ -189,7 +189,7 @@ def _prefill_lengths(session) -> list[int]:
 
 def test_a_pre_llm_prefill_is_one_captured_graph(captured, tiny_mm, images, prompts):
     """A pre-LLM pruner's prefill is a plain forward over the kept tokens: one graph (left-padded to a multiple
-    of 64 slots), replayed by the next call, tokens equal."""
+    of 16 slots), replayed by the next call, tokens equal."""
     from mmfast.registry import PRUNERS
     from mmfast.runtime import PREFILL_BUCKET
 
