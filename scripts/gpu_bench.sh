@@ -18,7 +18,9 @@
 #          then one-token answers and 128-token captions at batch 1 and 8: HF eager / static-cache generate,
 #          mmfast unpruned and compiled (model.compile: auto), DivPrune-64 (pre-LLM) (GPU_BENCH_LLAVA_ROWS);
 #   b32:   llava-1.5-7b captions at batch 32: mmfast compiled and DivPrune-64 (the same decode path);
-#   extra: with the time left: FastV-64 (in-LLM, reads attention), FLASH and DivPrune-64 + FLASH at batch 1;
+#   extra: with the time left, at batch 1 (GPU_BENCH_EXTRA_ROWS: its rows): the captured unpruned baseline, the
+#          in-LLM pruners FastV / DART / PyramidDrop / SparseVLM at 64 (their prefill in captured segments: the TTFT
+#          target), DivPrune-64, FLASH, MSD and DivPrune-64 + FLASH; the embedded model's FLASH and MSD (real tau);
 #   video: configs/bench/video_cost.yaml at full depth in fp16 (results in $OUT/video_cost): Qwen2.5-VL-7B and
 #          LLaVA-OneVision-7B on one video-world clip at 16 and 64 frames, unpruned against every video pruner at
 #          equal budgets and DyCoke (tokens, KV bytes, FLOPs, TTFT, peak memory); not in the default phases:
@@ -84,12 +86,14 @@ phase_b32() {  # pruning's throughput at batch 32, same decode path
     --set 'bench.params.workloads=[caption]' --set "bench.params.rows=['mmfast unpruned (compiled)','divprune-64']" \
     --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
 }
+# the captured baseline, the in-LLM pruners (prefill in captured segments), a pre-LLM one, the drafters
+EXTRA_ROWS="['mmfast unpruned (compiled)','fastv-64','dart-64','pyramiddrop-64','sparsevlm-64','divprune-64','flash','msd','divprune-64+flash']"
 phase_extra() {
   # shellcheck disable=SC2086
   run_phase bench "$(left)" extra --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1]' \
     --set 'bench.params.workloads=[pope,caption]' \
-    --set "bench.params.rows=['mmfast unpruned','fastv-64','flash','divprune-64+flash']" \
-    --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
+    --set "bench.params.rows=${GPU_BENCH_EXTRA_ROWS:-$EXTRA_ROWS}" \
+    --set "bench.params.embedded_rows=[flash,msd]" ${GPU_BENCH_SETS:-}
 }
 phase_video() {  # the video pruners' cost at full depth
   echo "== video: up to $(left) s" >>"$LOG"

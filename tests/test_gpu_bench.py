@@ -191,6 +191,9 @@ def test_targets_pass_fail_and_not_measured():
             n_vision_tokens=576,
             flops_prefill=2.0,
         ),
+        _m("llava-1.5-7b", 8, "pope", "zipvl-64", new_tokens=1, ttft_s=0.25, e2e_s=0.25, prefill_s=0.12),
+        _m("llava-1.5-7b", 1, "pope", gs.UNPRUNED, new_tokens=1, ttft_s=0.05, e2e_s=0.05, prefill_s=0.02),
+        _m("llava-1.5-7b", 1, "pope", "fastv-64", new_tokens=1, ttft_s=0.04, e2e_s=0.04, prefill_s=0.01),
     ]
     recipe = load_recipe(RECIPE)
     from mmfast.bench.common import variants
@@ -203,8 +206,15 @@ def test_targets_pass_fail_and_not_measured():
     assert checks["llava-next-7b b32: divprune-64 end-to-end throughput >= 2.5 x unpruned"].status == "not measured"
     ideal = checks["llava-1.5-7b b8: divprune-64 prefill >= 0.85 of the FLOPs ideal"]
     assert ideal.value == pytest.approx(5 * 0.18) and ideal.status == "pass"
-    assert not any("fastv-64" in t for t in checks)  # in-LLM: not a pre-LLM pruner (all 576 tokens at the LLM input)
+    assert not any("fastv-64 prefill" in t for t in checks)  # in-LLM: not a pre-LLM pruner (576 tokens at the LLM input)
     assert any(t.startswith("embedded:") and c.status == "not measured" for t, c in checks.items())
+    # no pruner's TTFT above the unpruned model's: ZipVL's is at batch 8 (0.2 / 0.25), FastV's is not at batch 1
+    slow = checks["llava-1.5-7b b8: no pruner's TTFT above the unpruned model's (slowest: zipvl-64)"]
+    assert slow.value == pytest.approx(0.8) and slow.status == "fail"
+    fast = checks["llava-1.5-7b b1: no pruner's TTFT above the unpruned model's (slowest: fastv-64)"]
+    assert fast.value == pytest.approx(1.25) and fast.status == "pass"
+    zipvl = checks["llava-1.5-7b b8: zipvl-64 prefill <= 1.1 x unpruned prefill"]
+    assert zipvl.value == pytest.approx(0.1 / 0.12) and zipvl.status == "fail"
 
 
 def test_projected_decode_uses_the_captured_step_where_it_ran():

@@ -758,6 +758,42 @@ def projected_decode(rows: dict[tuple, Measurement], m: Measurement, tau: float 
     return tau * ref.decode_step_s / (m.batch * t_cycle)
 
 
+def _ttft_targets(rows: dict[tuple, Measurement], vs: list[Variant], unpruned: Callable) -> list[TargetCheck]:
+    """Item 2's targets, per shape and batch of one-token answers that ran pruners: no pruner's TTFT is slower
+    than the unpruned model's (the value: unpruned TTFT over the slowest pruner row's, >= 1 passes), and ZipVL's
+    LLM prefill is at most 1.1x the unpruned one (unpruned prefill over ZipVL's, >= 0.909). Against the method
+    rows' own decode path (the compiled twin where it ran)."""
+    pruners = {v.name for v in vs if v.recipe.pruning and v.recipe.speculative is None}
+    out = []
+    for shape, b in sorted({(k[0], k[1]) for k in rows if k[0] != EMBEDDED and k[2] == "pope"}):
+        base = unpruned(shape, b, "pope")
+        ran = [m for (s, bb, w, n), m in rows.items() if (s, bb, w) == (shape, b, "pope") and n in pruners and m.ok]
+        if not ran:
+            continue
+        slowest = max(ran, key=lambda m: m.ttft_s)
+        out.append(
+            TargetCheck(
+                f"{shape} b{b}: no pruner's TTFT above the unpruned model's (slowest: {slowest.row})",
+                base.ttft_s / slowest.ttft_s if base else None,
+                1.0,
+                f"unpruned TTFT / slowest pruner TTFT, pope workload, {len(ran)} pruner rows, against "
+                f"{base.row if base else 'the unpruned row'}",
+            )
+        )
+        zipvl = [m for m in ran if m.row.startswith("zipvl") and m.prefill_s]
+        if zipvl:
+            slow = max(zipvl, key=lambda m: m.prefill_s)
+            out.append(
+                TargetCheck(
+                    f"{shape} b{b}: {slow.row} prefill <= 1.1 x unpruned prefill",
+                    base.prefill_s / slow.prefill_s if base and base.prefill_s else None,
+                    1 / 1.1,
+                    "value = unpruned LLM prefill / ZipVL's (>= 0.909 passes), pope workload",
+                )
+            )
+    return out
+
+
 def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetCheck]:
     """The issue's targets, each pass / fail / not measured."""
 
@@ -835,6 +871,7 @@ def targets(rows: dict[tuple, Measurement], vs: list[Variant]) -> list[TargetChe
                     "LLM prefill speedup x FLOPs ratio",
                 )
             )
+    out.extend(_ttft_targets(rows, vs, unpruned))
     base = get(EMBEDDED, 1, "caption", UNPRUNED)
     flash = [m for (s, _, _, n), m in rows.items() if s == EMBEDDED and m.ok and "flash" in n]
     for m in flash or [None]:
