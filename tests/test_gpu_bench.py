@@ -206,7 +206,8 @@ def test_targets_pass_fail_and_not_measured():
     assert checks["llava-next-7b b32: divprune-64 end-to-end throughput >= 2.5 x unpruned"].status == "not measured"
     ideal = checks["llava-1.5-7b b8: divprune-64 prefill >= 0.85 of the FLOPs ideal"]
     assert ideal.value == pytest.approx(5 * 0.18) and ideal.status == "pass"
-    assert not any("fastv-64 prefill" in t for t in checks)  # in-LLM: not a pre-LLM pruner (576 tokens at the LLM input)
+    # in-LLM: not a pre-LLM pruner (576 tokens at the LLM input)
+    assert not any("fastv-64 prefill" in t for t in checks)
     assert any(t.startswith("embedded:") and c.status == "not measured" for t, c in checks.items())
     # no pruner's TTFT above the unpruned model's: ZipVL's is at batch 8 (0.2 / 0.25), FastV's is not at batch 1
     slow = checks["llava-1.5-7b b8: no pruner's TTFT above the unpruned model's (slowest: zipvl-64)"]
