@@ -283,3 +283,35 @@ def test_a_new_kept_set_is_said_once(captured, tiny_mm, images, prompts, caplog)
             s.generate(images[:2], prompts[:2], max_new_tokens=6)
     lines = [r.getMessage() for r in caplog.records if "static KV buffers" in r.getMessage()]
     assert len(lines) == 1 and "batch 2" in lines[0] and "MiB" in lines[0], lines
+
+
+@pytest.fixture(scope="module")
+def family_models(tiny_mm, tmp_path_factory):
+    from mmfast.models.factory import random_llava_next, random_llava_onevision, random_qwen_vl, save_model
+
+    out = {"llava": tiny_mm}
+    for family, build in (("llava_next", random_llava_next), ("llava_onevision", random_llava_onevision)):
+        model, processor = build("tiny")
+        out[family] = mmfast.load(save_model(model, processor, tmp_path_factory.mktemp(family)), device="cpu")
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        model, processor = random_qwen_vl(family)
+        out[family] = mmfast.load(save_model(model, processor, tmp_path_factory.mktemp(family)), device="cpu")
+    return out
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["fastv", "pyramiddrop"])
+def test_segments_run_every_familys_layers_as_its_model_does(name, family, family_models, captured, images, prompts):
+    """The runner calls each family's decoder layers itself (1-D RoPE on LLaVA / NeXT / OneVision's LLMs,
+    M-RoPE on Qwen-VL, images of two sizes): captured segments give the dynamic cache's tokens. Qwen3-VL's
+    deepstack additions keep the prefill on the model's own forward (not in segments)."""
+    from mmfast.registry import PRUNERS
+
+    mm = family_models[family]
+    recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}]}
+    mixed = [im if i % 2 == 0 else im.resize((32, 64)) for i, im in enumerate(images[:2])]
+    with mmfast.apply(mm, load_recipe(recipe), compile="static") as s:
+        got = [r.token_ids for r in s.generate(mixed, prompts[:2], max_new_tokens=6, seed=0)]
+        prefills = [key for key in s.runner.pool.graphs if key[1] == "prefill"]
+    assert got == _dynamic(mm, recipe, mixed, prompts[:2])
+    assert len(prefills) == (0 if family == "qwen3_vl" else len(s.runner._select) + 1)
