@@ -534,8 +534,9 @@ class LMRunner:
     def _segment_blocker(self, layers: range) -> str | None:
         """Why the prefill's ``layers`` (the final norm with the last) cannot be one captured graph (None: they
         can): Python of a method that runs inside them. The runner's own layer hooks step aside in a segment,
-        inert output hooks do nothing, and an attention probe whose rows depend on shapes only (``last_row``,
-        ``cls_row``) is replayed with its record; any other hook, probe or attention override blocks."""
+        inert output hooks do nothing, and a prefill recorder whose work depends on shapes only (it carries a
+        :class:`~mmfast.hooks.attention.Carried`: a probe of ``last_row`` or ``cls_row``, DART's key norms) is
+        replayed with its result; any other hook, probe or attention override blocks."""
         mods = [self.lm.rotary_emb, *(self.adapter.layers[i] for i in layers)]
         if layers.stop == self.n_layers:
             mods.append(self.lm.norm)
@@ -548,7 +549,7 @@ class LMRunner:
             if hooks is not None and (hooks.override is not None or hooks.recorders):
                 return "attention overrides or recorders on the language model"
             if hooks is not None and not all(getattr(r, "mmfast_replayable", None) for r in hooks.prefill_recorders):
-                return "attention probes whose rows depend on the batch"
+                return "attention probes or recorders whose work depends on the batch"
         return None
 
     def _prefill_segments(self, state: LMState, graph: bool) -> torch.Tensor:
@@ -595,7 +596,7 @@ class LMRunner:
         def run() -> torch.Tensor:
             return self._segment_forward(layers, static)
 
-        probes = [  # (probe, name) of each attention probe inside the segment
+        carried = [  # the segment's recorders' results (Carried): put back after a replay
             rec.mmfast_replayable
             for i in layers
             for m in self.adapter.layers[i].modules()
@@ -604,7 +605,7 @@ class LMRunner:
         ]
         step_graph = self.capture()
         out = step_graph.warmup(run).clone()  # this segment, and the capture's warm-up
-        warm = [(probe, name, probe.records.get(name)) for probe, name in probes]
+        warm = [(c, c.get()) for c in carried]
         compat.set_static_lengths(cache, 0, device=True, layers=layers)  # the capture writes them again from slot 0
         try:
             step_graph.capture(run)
@@ -615,11 +616,11 @@ class LMRunner:
             self._prefill_refused = True
         compat.set_static_lengths(cache, length, device=True, layers=layers)
         if not self._prefill_refused:
-            static.records = [(probe, name, probe.records.get(name)) for probe, name in probes]
+            static.records = [(c, c.get()) for c in carried]
             self.pool.graphs[key] = _Captured(step_graph, static)
-        for probe, name, rec in warm:  # this call's scores are the warm-up's (the capture's are the graph's)
-            if rec is not None:
-                probe.records[name] = rec
+        for c, result in warm:  # this call's results are the warm-up's (the capture's are the graph's)
+            if result is not None:
+                c.put(result)
         self.capture_s += step_graph.capture_s
         return out
 
@@ -1148,7 +1149,7 @@ class _SegmentInputs:
     hidden: torch.Tensor  # [B, T, d] (the prompt's embeddings, left-padded, for the first segment)
     key_mask: torch.Tensor  # [B, T] bool: the layer group's slot validity (False = padding)
     positions: torch.Tensor  # [B, T] (M-RoPE [B, T, 3])
-    records: list = field(default_factory=list)  # [(probe, name, ProbeRecord)]
+    records: list = field(default_factory=list)  # [(Carried, the result its graph writes)]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.hidden, self.key_mask, self.positions]
@@ -1161,9 +1162,9 @@ class _SegmentInputs:
             dst.copy_(src)
 
     def put_records(self) -> None:
-        for probe, name, rec in self.records:
-            if rec is not None:
-                probe.records[name] = rec
+        for carried, result in self.records:
+            if result is not None:
+                carried.put(result)
 
 
 @dataclass

@@ -216,12 +216,12 @@ def _kept_positions(session, out: list) -> None:
     session.runner.prefill = prefill
 
 
-@pytest.mark.parametrize(("name", "graphs"), [("fastv", 2), ("sparsevlm", 1)])
+@pytest.mark.parametrize(("name", "graphs"), [("fastv", 2), ("dart", 2), ("sparsevlm", 1)])
 def test_an_in_llm_pruner_prefills_in_captured_segments(name, graphs, captured, tiny_mm, images, prompts):
     """An in-LLM pruner's prefill runs layer by layer in segments between its pruning layers, its selection
     eagerly between them. A segment is one graph unless a method's Python runs inside it: FastV's probe of
-    layer K-1 (last row: rows from shapes only) is captured with its segment and its record put back after each
-    replay; SparseVLM's probes pick text rows from the batch, so the segments holding them run eagerly and the
+    layer K-1 (last row: rows from shapes only) and DART's key recorder are captured with their segment and
+    their results put back after each replay; SparseVLM's probes pick text rows from the batch, so the segments holding them run eagerly and the
     rest are captured. The next call (other images) replays them and captures nothing; the kept tokens of every
     layer group and the output tokens equal the dynamic cache's."""
     from mmfast.registry import PRUNERS

@@ -1,6 +1,15 @@
 """Hooks: the HookSession that owns every change to a model, and the attention probe."""
 
-from .attention import AttentionProbe, ModuleAttentionHooks, ProbeRecord, attach, cls_row, last_row, row_attention
+from .attention import (
+    AttentionProbe,
+    Carried,
+    ModuleAttentionHooks,
+    ProbeRecord,
+    attach,
+    cls_row,
+    last_row,
+    row_attention,
+)
 from .session import HookSession, count_hooks
 
 __all__ = [
@@ -8,6 +17,7 @@ __all__ = [
     "HookSession",
     "ModuleAttentionHooks",
     "ProbeRecord",
+    "Carried",
     "attach",
     "cls_row",
     "count_hooks",

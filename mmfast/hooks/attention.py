@@ -168,6 +168,18 @@ def cls_row(q_len: int, k_len: int) -> torch.Tensor:
     return torch.tensor([0])
 
 
+@dataclass(frozen=True)
+class Carried:
+    """How a prefill recorder's result crosses a captured prefill segment (``LMRunner._segment``). Set as the
+    recorder's ``mmfast_replayable`` by a recorder whose work depends on shapes only (so the segment's graph
+    redoes it at each replay, into the memory it wrote while captured): ``get()`` reads the result the last
+    run left where its reader looks, ``put(result)`` puts one back there (after a replay: the graph's; after
+    the capture: the warm-up's, the one this call computed)."""
+
+    get: Callable[[], object]
+    put: Callable[[object], None]
+
+
 #: row selectors whose rows depend on the shapes only: a probe with one of these computes the same rows of any
 #: batch of a shape, so it may run inside a captured prefill segment (``LMRunner``) and its record be replayed
 SHAPE_ONLY_ROWS = frozenset({last_row, cls_row})
@@ -245,9 +257,13 @@ class AttentionProbe:
             self.records[name] = ProbeRecord(probs, rr, q_len, k_len)
             self.time_s += time.perf_counter() - t0
 
-        # what a captured prefill segment needs to replay this recorder: its rows depend on shapes only, and
-        # where its record goes (the segment puts the record its graph writes back after each replay)
-        record.mmfast_replayable = (self, name) if shape_only else None  # type: ignore[attr-defined]
+        # a captured prefill segment replays this recorder where its rows depend on shapes only, and puts the
+        # record its graph writes back after each replay
+        record.mmfast_replayable = (  # type: ignore[attr-defined]
+            Carried(lambda: self.records.get(name), lambda rec: self.records.__setitem__(name, rec))
+            if shape_only
+            else None
+        )
         (hooks.prefill_recorders if prefill_only else hooks.recorders).append(record)
         self._enabled.add(name)
 

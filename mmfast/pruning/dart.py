@@ -28,7 +28,8 @@ does the same (every vision slot of the image is a candidate).
 Positions: kept tokens keep their original position ids (the release sets ``position_ids =
 keep_indexs``). KV cache: layers >= K cache only the kept tokens (static after prefill).
 Hook points: a key recorder on layer K-1's attention (``hooks.attach(...).prefill_recorders``: prefill only, so a static decode step can be captured; the L1 norms
-travel in the state's ``extras``); ``llm_layer`` (``runner.prune_at``).
+travel in the state's ``extras``; what it computes depends on shapes only, so a captured prefill segment
+replays it and puts its result back, ``hooks.Carried``); ``llm_layer`` (``runner.prune_at``).
 
 Pivot order (the order matters: each pivot removes its picks from the later pivots' candidates):
 ``preset: sequence`` (default) visits the pivots in ascending sequence order; ``preset: release``
@@ -76,7 +77,7 @@ import torch
 
 from ..capabilities import Capabilities
 from ..config import opt
-from ..hooks import attach
+from ..hooks import Carried, attach
 from ..registry import PRUNERS
 from ._budget import in_llm_keep_at
 from ._common import LayerMapping, keep_only, map_layers
@@ -200,8 +201,18 @@ class DART(Pruner):
             return
         ((layer, paper),) = map_layers([cfg.k], len(self.adapter.layers), cfg.layer_mapping, param="k")
         self.layer = layer
-        attach(self.ctx.hooks, self.adapter.layers[layer - 1].self_attn).prefill_recorders.append(self._record_keys)
-        self.ctx.runner.prune_at(layer, self.select, ref_layer=paper)
+        runner, slot = self.ctx.runner, f"key_l1.{layer - 1}"
+
+        def record(module, query, key, attention_mask, scaling) -> None:
+            self._record_keys(module, query, key, attention_mask, scaling)
+
+        # shapes decide what it computes: a captured prefill segment replays it and puts its result back
+        record.mmfast_replayable = Carried(  # type: ignore[attr-defined]
+            lambda: runner.active.extras.get(self.name, {}).get(slot),
+            lambda keys: runner.active.extras.setdefault(self.name, {}).__setitem__(slot, keys),
+        )
+        attach(self.ctx.hooks, self.adapter.layers[layer - 1].self_attn).prefill_recorders.append(record)
+        runner.prune_at(layer, self.select, ref_layer=paper)
 
     def _record_keys(self, module, query, key, attention_mask, scaling) -> None:
         state = self.ctx.runner.active
