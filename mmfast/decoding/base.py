@@ -178,6 +178,7 @@ def state_accounting(state: LMState) -> Accounting:
     ]
     starts[0] = 0
     flops, flops_7b = [], []
+    tok = tok.cpu()  # one read to the host for every sample (not one per sample and group)
     for b in range(state.batch_size):
         per_group = [float(tok[b, grp.start]) for grp in state.groups]  # groups never merge: starts stay valid
         flops.append(prefill_flops(tok[b].tolist(), shape) if shape else 0.0)
