@@ -42,6 +42,7 @@ from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .hooks import AttentionProbe, HookSession
 from .inputs import PreparedBatch, VisionItem
 from .models.base import LMInputs, VisionBatch
+from .models.captured_tower import CapturedTower
 from .models.fused_norms import install_fused_norms
 from .models.qwen_tower import install_fused_tower
 from .pruning._budget import ImageBudget, calibrate_once, calibration_key, fixed_vision_tokens
@@ -130,6 +131,9 @@ class Session:
                 install_fused_tower(self.adapter, self.hooks)
             if recipe.model.fuse_norms:
                 install_fused_norms(self.adapter.language_model, self.hooks)
+            if hasattr(self.adapter, "tower_layers"):  # a fixed-size pixel tower: captured where the session captures
+                tower = CapturedTower(self.adapter.vision_tower, self.runner, self._tower_capture_factory)
+                self.hooks.set_attr(self.adapter, "tower_graphs", tower)
             self.pruners = [self._make_pruner(i, spec) for i, spec in enumerate(recipe.pruning)]
             self._tower_per_image = any(caps_of(type(p), p.config).tower_per_image for p in self.pruners)
             # stages that see each video as one item on a model whose frame groups are items (pruning._video_items)
@@ -547,6 +551,10 @@ class Session:
     def _capture_factory(self):
         """The step-graph factory of ``model.compile: auto`` on CUDA (None: eager static steps)."""
         return CudaGraph if self._captures() else None
+
+    def _tower_capture_factory(self):
+        """The vision tower's graph factory for this call: the steps', unless ``model.compile`` is off."""
+        return None if self.recipe.model.compile == "off" else self._capture_factory()
 
     def _method_caps(self, decoder: Decoder) -> list[tuple[str, Capabilities]]:
         """(where, capabilities) of the recipe's stages, ``decoder`` and the drafter."""

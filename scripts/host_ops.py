@@ -10,10 +10,11 @@ dispatched outside the graph per steady-state decode step. Op counts on the CPU,
 ``--embedded``: greedy and the trained drafters (FLASH, MSD: ops per verify cycle) on the embedded model
 with one world image and the caption prompt, instead of the tiny random LLaVA's cases.
 
-``--prefill``: the ops a batch-1 prefill dispatches outside graph replays, eagerly (``compile: static``
-without graphs) and with its segments captured, for the unpruned model, a pre-LLM pruner and the in-LLM
+``--prefill``: the ops a batch-1 one-token call (a TTFT) dispatches outside graph replays, by stage (tower,
+pruning, building the inputs, LLM prefill, the rest), eagerly (``compile: static`` without graphs) and with its
+graphs captured (the tower, the prefill's segments), for the unpruned model, a pre-LLM pruner and the in-LLM
 pruners at their defaults (a second call of the same inputs: the first captured), on the tiny LLaVA with
-32 LLM layers (LLaVA-1.5-7B's depth, where the methods' default layers lie).
+LLaVA-1.5-7B's depths (24 tower and 32 LLM layers, where the methods' default layers lie).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill
 """
@@ -28,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 import mmfast
-from mmfast.bench.host_ops import PHASES, count_prefill_ops, count_step_ops
+from mmfast.bench.host_ops import PHASES, STAGES, count_call_ops, count_step_ops
 from mmfast.models.factory import SHAPES, random_llava, save_model
 from mmfast.registry import PRUNERS
 
@@ -57,8 +58,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)) for _ in range(2)]
     with tempfile.TemporaryDirectory() as tmp:
-        # --prefill: LLaVA-1.5-7B's 32 LLM layers (the methods' default layers), the tiny widths
-        shape = dataclasses.replace(SHAPES["tiny"], text_layers=32) if args.prefill else "tiny"
+        # --prefill: LLaVA-1.5-7B's 32 LLM layers (the methods' default layers) and CLIP-L's 24 tower layers, tiny widths
+        shape = dataclasses.replace(SHAPES["tiny"], text_layers=32, vision_layers=24) if args.prefill else "tiny"
         model, processor = random_llava(shape, init_std=0.2)
         mm = mmfast.load(save_model(model, processor, tmp), device="cpu", dtype="float32")
         if args.prefill:
@@ -87,14 +88,15 @@ PREFILL_METHODS = ("divprune", "fastv", "dart", "pyramiddrop", "sparsevlm")
 
 def print_prefill_rows(mm, images, prompts) -> None:
     recipes = {"unpruned": {}}
-    recipes.update(
-        {m: {"pruning": [{"method": m, "params": PRUNERS.get(m).cls.test_params(mm.adapter)}]} for m in PREFILL_METHODS}
-    )
-    print(f"| case (batch 1, {len(mm.adapter.layers)} LLM layers) | prefill ops, eager | outside graphs, captured |")
-    print("|---|---|---|")
+    recipes.update({m: {"pruning": [{"method": m}]} for m in PREFILL_METHODS})  # the papers' defaults
+    layers = f"{len(mm.adapter.vision_layers)} tower and {len(mm.adapter.layers)} LLM layers"
+    print(f"| case (batch 1, {layers}) | graphs | " + " | ".join(STAGES) + " | total |")
+    print("|---|---|" + "---|" * (len(STAGES) + 1))
     for name, recipe in recipes.items():
-        eager = count_prefill_ops(mm, recipe, images, prompts, captured=False)
-        print(f"| {name} | {eager} | {count_prefill_ops(mm, recipe, images, prompts)} |")
+        for captured in (False, True):
+            ops = count_call_ops(mm, recipe, images, prompts, captured=captured)
+            cells = " | ".join(str(ops[st]) for st in STAGES)
+            print(f"| {name} | {'captured' if captured else 'none (eager)'} | {cells} | {sum(ops.values())} |")
 
 
 def print_rows(rows: list[tuple[str, dict]]) -> None:

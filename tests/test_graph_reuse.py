@@ -313,5 +313,52 @@ def test_segments_run_every_familys_layers_as_its_model_does(name, family, famil
     with mmfast.apply(mm, load_recipe(recipe), compile="static") as s:
         got = [r.token_ids for r in s.generate(mixed, prompts[:2], max_new_tokens=6, seed=0)]
         prefills = [key for key in s.runner.pool.graphs if key[1] == "prefill"]
+        towers = getattr(getattr(s.adapter, "tower_graphs", None), "graphs", None)
     assert got == _dynamic(mm, recipe, mixed, prompts[:2])
     assert len(prefills) == (0 if family == "qwen3_vl" else len(s.runner._select) + 1)
+    assert bool(towers) == family.startswith("llava")  # the LLaVA-style towers are captured too
+
+
+def test_the_vision_tower_is_one_captured_graph_per_pixel_shape(captured, tiny_mm, images, prompts):
+    """LLaVA's tower (and its feature layers) replays one graph per pixel-batch shape: captured by the first
+    call, replayed by the next, tokens equal the dynamic cache's (whose tower ran eagerly)."""
+    runs = [(images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])]
+    with mmfast.apply(tiny_mm, load_recipe({}), compile="static") as s:
+        got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=4, seed=0)] for imgs, ps in runs]
+        towers = dict(s.adapter.tower_graphs.graphs)
+    assert got == [_dynamic(tiny_mm, {}, imgs, ps, 4) for imgs, ps in runs]
+    assert len(towers) == 1 and next(iter(towers.values())).graph.replays == 1
+    assert tiny_mm.adapter.tower_graphs is None  # the session's attribute is gone with it
+
+
+def test_a_tower_with_a_methods_probe_runs_eagerly(captured, tiny_mm, images, prompts, caplog):
+    """VisionZip reads the tower's CLS attention through a probe (Python inside the tower): not captured, said
+    once; its tokens still equal the dynamic cache's."""
+    import logging
+
+    from mmfast.registry import PRUNERS
+
+    recipe = {"pruning": [{"method": "visionzip", "params": PRUNERS.get("visionzip").cls.test_params(tiny_mm.adapter)}]}
+    with caplog.at_level(logging.INFO, logger="mmfast.models.captured_tower"):
+        with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+            got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=4, seed=0)]
+            assert not s.adapter.tower_graphs.graphs
+    assert got == _dynamic(tiny_mm, recipe, images[:2], prompts[:2], 4)
+    lines = [r.getMessage() for r in caplog.records if "vision tower runs without" in r.getMessage()]
+    assert len(lines) == 1 and "attention probes" in lines[0], lines
+
+
+def test_the_tower_keeps_a_few_shapes():
+    """At most MAX_GRAPHS pixel shapes are kept, the least recently used let go first."""
+    from mmfast.models.captured_tower import MAX_GRAPHS, CapturedTower
+    from mmfast.runtime import LMRunner
+
+    class Runner:
+        capture_s = 0.0
+        replay_or_capture = LMRunner.replay_or_capture
+
+    tower = CapturedTower(torch.nn.Linear(2, 2), Runner(), lambda: ReplayEmulator)
+    for n in [1, 2, 3, 4, 1, 5]:
+        x = torch.randn(n, 2)
+        assert torch.equal(tower(lambda t: t * 2 + 1, x), x * 2 + 1)
+    assert [k[0][0] for k in tower.graphs] == [3, 4, 1, 5][-MAX_GRAPHS:]

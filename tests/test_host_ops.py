@@ -65,13 +65,16 @@ def test_a_verify_cycle_keeps_its_host_work_small(name, params, bound, tiny_mm, 
 
 def test_an_in_llm_pruners_prefill_runs_mostly_inside_graphs(tiny_mm, images, prompts):
     """FastV's prefill in captured segments: outside the graphs only its selection between them (and the
-    cache's buffers taken from the pool). Eagerly 449 ops on the tiny model's 4 layers, captured 138 (2,185 and
-    222 on 32 layers: ``scripts/host_ops.py --prefill``); the unpruned prefill, one graph: 313 and 49."""
-    from mmfast.bench.host_ops import count_prefill_ops
+    cache's buffers taken from the pool). Eagerly 450 ops on the tiny model's 4 layers, captured 139
+    (``scripts/host_ops.py --prefill`` on 32 layers). The tower is one graph too: 87 ops eagerly, 8 outside it
+    (the pixels' copy and the batch's layout)."""
+    from mmfast.bench.host_ops import count_call_ops
 
     fastv = {"pruning": [{"method": "fastv", "params": PRUNERS.get("fastv").cls.test_params(tiny_mm.adapter)}]}
-    eager = count_prefill_ops(tiny_mm, fastv, images[:1], prompts[:1], captured=False)
-    captured = count_prefill_ops(tiny_mm, fastv, images[:1], prompts[:1])
-    plain = count_prefill_ops(tiny_mm, {}, images[:1], prompts[:1])
+    eager = count_call_ops(tiny_mm, fastv, images[:1], prompts[:1], captured=False)
+    captured = count_call_ops(tiny_mm, fastv, images[:1], prompts[:1])
+    plain = count_call_ops(tiny_mm, {}, images[:1], prompts[:1])["LLM prefill"]
+    assert eager["tower"] > 50 and captured["tower"] <= 10, (eager, captured)  # the batch's copy and layout
+    eager, captured = eager["LLM prefill"], captured["LLM prefill"]
     assert captured <= 150 and eager >= 3 * captured, (eager, captured)
     assert captured - plain <= 100, (captured, plain)  # FastV's own selection: ~90 ops

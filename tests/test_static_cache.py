@@ -322,6 +322,7 @@ def test_auto_captures_or_keeps_the_dynamic_cache(tiny_mm, images, prompts, padd
 
     monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
     monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph if self._captures() else None)
+    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
     ReplayGraph.made = []
     dynamic = _tokens(tiny_mm, {}, images, prompts, "off")
     assert _tokens(tiny_mm, {}, images, prompts, "auto") == dynamic
@@ -553,6 +554,8 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
         s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)
         model = s.runner.adapter.model
         allowed.update(t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()])
+        # the vision tower's graph reads its static pixels
+        allowed.update(c.static.untyped_storage().data_ptr() for c in s.adapter.tower_graphs.graphs.values())
     inputs = [t for g in EmulatedGraph.made for t in g.inputs]
     assert inputs and sum(g.replays for g in EmulatedGraph.made) >= 5
     strays = [(tuple(t.shape), t.dtype) for t in inputs if t.untyped_storage().data_ptr() not in allowed]
@@ -608,6 +611,7 @@ def test_auto_without_a_graph_says_why_once(tiny_mm, images, prompts, monkeypatc
 
     ReplayGraph.made = []
     monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
     recipe = SERVED["vhr"]
     with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
         static = _tokens(tiny_mm, recipe, images, prompts, "static")
@@ -643,8 +647,10 @@ def test_a_failed_capture_falls_back_to_eager_with_one_warning(tiny_mm, images, 
     assert len(lines) == 1 and "stream is capturing" in lines[0]
     prefill = [r.getMessage() for r in caplog.records if "the prefill runs without a captured graph" in r.getMessage()]
     assert len(prefill) == 1 and "stream is capturing" in prefill[0]
-    # one try for the prefill (then eager for the session) and one per block for the step (then eager)
-    assert len(ReplayGraph.made) == 2 and all(g.replays == 0 for g in ReplayGraph.made)
+    tower = [r.getMessage() for r in caplog.records if "vision tower runs without" in r.getMessage()]
+    assert len(tower) == 1 and "stream is capturing" in tower[0]
+    # one try each for the tower and the prefill (then eager for the session) and one per block for the step
+    assert len(ReplayGraph.made) == 3 and all(g.replays == 0 for g in ReplayGraph.made)
 
 
 # -- prefill-only probes and hooks: the decode step is captured -------------------------------------

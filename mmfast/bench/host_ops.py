@@ -102,7 +102,9 @@ class ReplayGraph(ReplayEmulator):
         counter = ReplayGraph.counter
         if counter is None:
             return super().replay()
-        if counter.in_step:  # the LM step's replay starts a step (a drafter's or a prefill's does not)
+        if getattr(
+            counter, "in_step", False
+        ):  # the LM step's replay starts a step (a drafter's or a prefill's does not)
             counter.mark()
         counter.paused = True
         try:
@@ -140,22 +142,49 @@ def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) 
     return counter.per_step()
 
 
-def count_prefill_ops(mm, recipe: dict, images, prompts, *, captured: bool = True) -> int:
-    """Torch ops the runner's prefill dispatches outside graph replays in one ``generate`` call of ``recipe``
-    after a first call of the same inputs (its graphs captured: the steady state of a long run), one new token.
-    ``captured`` False: ``compile: static`` without graphs, every op of the same fixed-shape prefill eager."""
+#: stages of a one-token call, in report order: an op goes to the innermost frame naming one
+STAGES = ("tower", "pruning", "build inputs", "LLM prefill", "rest")
+_STAGE_FRAMES = {"_tower": "tower", "prune_vision": "pruning", "build_inputs": "build inputs", "prefill": "LLM prefill"}
+
+
+class StageCounter(TorchDispatchMode):
+    """Counts aten ops by pipeline stage while active, none while ``paused`` (a graph replay)."""
+
+    def __init__(self, runner: Any) -> None:
+        super().__init__()
+        self.runner, self.paused, self.by_stage = runner, False, Counter()
+
+    def _stage(self) -> str:
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_code.co_name
+            if name in _STAGE_FRAMES and (name != "prefill" or frame.f_locals.get("self") is self.runner):
+                return _STAGE_FRAMES[name]
+            frame = frame.f_back
+        return "rest"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.by_stage[self._stage()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_call_ops(mm, recipe: dict, images, prompts, *, captured: bool = True) -> Counter:
+    """Torch ops a one-token ``generate`` call of ``recipe`` dispatches outside graph replays, by stage
+    (:data:`STAGES`: what a TTFT pays in launches), after a first call of the same inputs (its graphs captured:
+    the steady state of a long run). ``captured`` False: ``compile: static`` without graphs, every op eager."""
     original = Session._capture_factory
     if captured:
         Session._capture_factory = lambda self: ReplayGraph  # restored below; this process only counts
     ReplayGraph.made = []
     try:
         with apply(mm, load_recipe(recipe), compile="static") as s:
-            s.generate(images, prompts, max_new_tokens=1, seed=0)  # captures the prefill's graphs
-            counter = OpCounter(runner=s.runner, lm_head=s.runner.adapter.lm_head)
-            ReplayGraph.counter = counter
+            s.generate(images, prompts, max_new_tokens=1, seed=0)  # captures the call's graphs
+            counter = StageCounter(s.runner)
+            ReplayGraph.counter = counter  # pauses it while a graph replays
             with counter:
                 s.generate(images, prompts, max_new_tokens=1, seed=0)
     finally:
         Session._capture_factory = original
         ReplayGraph.counter = None
-    return counter.by_phase["prefill"]
+    return counter.by_stage

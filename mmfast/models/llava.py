@@ -108,6 +108,22 @@ class LlavaAdapter(VLMAdapter):
         rows, cols = self.grid
         return rows * cols + (1 if self.select_strategy == "full" else 0)
 
+    #: the session's :class:`~mmfast.models.captured_tower.CapturedTower` (an instance attribute it sets and
+    #: restores): :meth:`tower_layers` runs through it; None: eagerly
+    tower_graphs: Any = None
+
+    def tower_layers(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[n, 1 + N, Dv'] the tower's feature layers, concatenated over channels, for ``pixel_values``
+        ([n, 3, H, W] images, tiles or frames, on the tower's device and dtype); through the session's
+        captured tower where it set one."""
+        if self.tower_graphs is not None:
+            return self.tower_graphs(self._tower_layers, pixel_values)
+        return self._tower_layers(pixel_values)
+
+    def _tower_layers(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        out = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True)
+        return torch.cat([out.hidden_states[k] for k in self._feature_layers], dim=-1)  # [n, 1 + N, Dv']
+
     def vision_feature_layer_index(self) -> int:
         """0-based encoder layer producing the features (hidden_states[k] is the output of layer k-1)."""
         n = len(self.vision_layers)
@@ -120,9 +136,7 @@ class LlavaAdapter(VLMAdapter):
         """Run the tower and select the feature layer. Returns pre-projection patch features."""
         tower = self.vision_tower
         pixel_values = pixel_values.to(device=tower.device, dtype=tower.dtype)
-        out = tower(pixel_values, output_hidden_states=True, return_dict=True)
-        hs = out.hidden_states  # (n_layers + 1) x [n_img, 1 + N, Dv]
-        selected = torch.cat([hs[k] for k in self._feature_layers], dim=-1)  # [n_img, 1 + N, Dv']
+        selected = self.tower_layers(pixel_values)  # [n_img, 1 + N, Dv']
         if self.select_strategy == "default":
             cls, patches = selected[:, 0], selected[:, 1:]  # [n_img, Dv'], [n_img, N, Dv']
             ids = torch.arange(patches.shape[1], device=patches.device)

@@ -52,8 +52,7 @@ class LlavaNextAdapter(LlavaAdapter):
         if pv.dim() == 5:  # [n_images, max_tiles, 3, H, W] padded: keep each image's real tiles
             pv = torch.cat([p[:n] for p, n in zip(pv, n_tiles)], dim=0)
         pv = pv.to(device=tower.device, dtype=tower.dtype)
-        out = tower(pv, output_hidden_states=True, return_dict=True)
-        selected = torch.cat([out.hidden_states[k] for k in self._feature_layers], dim=-1)  # [tiles, 1+N, Dv]
+        selected = self.tower_layers(pv)  # [tiles, 1+N, Dv]
         cls = selected[:, 0]
         patches = selected[:, 1:] if self.select_strategy == "default" else selected
         projected = torch.split(self.projector(patches), n_tiles, dim=0)  # per image [tiles_i, N, d]

@@ -85,8 +85,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         """(features [F * N, Dv] before the projector, tokens [F * n + 1, d]) of one video's frames
         ([F, 3, S, S]), as the model's ``get_video_features`` and its closing newline."""
         base, tower = self.base, self.vision_tower
-        out = tower(frames.to(device=tower.device, dtype=tower.dtype), output_hidden_states=True, return_dict=True)
-        selected = torch.cat([out.hidden_states[k] for k in self._feature_layers], dim=-1)  # [F, N', Dv]
+        selected = self.tower_layers(frames.to(device=tower.device, dtype=tower.dtype))  # [F, N', Dv]
         patches = selected[:, 1:] if self.select_strategy == "default" else selected  # [F, N, Dv]
         pooled = base.apply_pooling(self.projector(patches))  # [F, n, d]
         tokens = torch.cat([pooled.reshape(-1, pooled.shape[-1]), base.image_newline[None].to(pooled)])
@@ -156,8 +155,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         if pv.dim() == 5:  # [n_images, max_tiles, 3, H, W] padded: keep each image's real tiles
             pv = torch.cat([p[:n] for p, n in zip(pv, n_tiles)], dim=0)
         pv = pv.to(device=tower.device, dtype=tower.dtype)
-        out = tower(pv, output_hidden_states=True, return_dict=True)
-        selected = torch.cat([out.hidden_states[k] for k in self._feature_layers], dim=-1)  # [tiles, N, Dv]
+        selected = self.tower_layers(pv)  # [tiles, N, Dv]
         patches = selected[:, 1:] if self.select_strategy == "default" else selected
         projected = torch.split(self.projector(patches), n_tiles, dim=0)  # per image [tiles_i, N, d]
         packed, _ = base.pack_image_features(
