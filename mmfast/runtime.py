@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import compat
+from .hooks.attention import Carried, capture_blocker
 from .hooks.session import is_prefill_only
 from .models.base import LMInputs, VLMAdapter
 
@@ -366,6 +367,7 @@ class LMRunner:
         self._capture_refusals: set[str] = set()  # reasons already logged
         self._block_blocker: str | None | object = _UNCHECKED  # this static block's capture blocker
         self._block_prefill_blocker: str | None | object = _UNCHECKED  # and its prefill's
+        self._block_segments: dict[range, tuple[str | None, list]] = {}  # and each prefill segment's (_segment_blocker)
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
@@ -419,6 +421,7 @@ class LMRunner:
         before = self.static_reserve, self.capture
         self.static_reserve, self.capture = reserve, capture if reserve is not None else None
         self._block_blocker = self._block_prefill_blocker = _UNCHECKED
+        self._block_segments = {}
         self.pool.loose = not decodes
         try:
             yield
@@ -426,6 +429,7 @@ class LMRunner:
             self.static_reserve, self.capture = before
             self.pool.loose = False
             self._block_blocker = self._block_prefill_blocker = _UNCHECKED
+            self._block_segments = {}
             if self._block_cache is not None:  # its buffers, and the graphs on them, serve the next call
                 self.pool.keep(self._block_cache)
                 self._block_cache = None
@@ -531,28 +535,23 @@ class LMRunner:
             return "hooks on the language model"
         if self._select:
             return None
-        return self._segment_blocker(range(self.n_layers))
+        return self._segment_blocker(range(self.n_layers))[0]
 
-    def _segment_blocker(self, layers: range) -> str | None:
+    def _segment_blocker(self, layers: range) -> tuple[str | None, list[Carried]]:
         """Why the prefill's ``layers`` (the final norm with the last) cannot be one captured graph (None: they
-        can): Python of a method that runs inside them. The runner's own layer hooks step aside in a segment,
-        inert output hooks do nothing, and a prefill recorder whose work depends on shapes only (it carries a
-        :class:`~mmfast.hooks.attention.Carried`: a probe of ``last_row`` or ``cls_row``, DART's key norms) is
-        replayed with its result; any other hook, probe or attention override blocks."""
-        mods = [self.lm.rotary_emb, *(self.adapter.layers[i] for i in layers)]
-        if layers.stop == self.n_layers:
-            mods.append(self.lm.norm)
-        for m in (sub for mod in mods for sub in mod.modules()):
-            if any(not getattr(h, "mmfast_runner", False) for h in m._forward_pre_hooks.values()):
-                return "hooks on the language model's layers"
-            if any(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()):
-                return "hooks on the language model's layers"
-            hooks = getattr(m, "_mmfast_attn", None)
-            if hooks is not None and (hooks.override is not None or hooks.recorders):
-                return "attention overrides or recorders on the language model"
-            if hooks is not None and not all(getattr(r, "mmfast_replayable", None) for r in hooks.prefill_recorders):
-                return "attention probes or recorders whose work depends on the batch"
-        return None
+        can), and the results their recorders carry across a replay; once per static block (hooks are set by
+        then). The runner's own layer hooks step aside in a segment, and a prefill recorder whose work depends
+        on shapes only (a :class:`~mmfast.hooks.attention.Carried`: a probe of ``last_row`` or ``cls_row``,
+        DART's key norms) is replayed with its result (:func:`~mmfast.hooks.attention.capture_blocker`)."""
+        found = self._block_segments.get(layers)
+        if found is None:
+            mods = [self.lm.rotary_emb, *(self.adapter.layers[i] for i in layers)]
+            if layers.stop == self.n_layers:
+                mods.append(self.lm.norm)
+            carried: list[Carried] = []
+            blocker = capture_blocker(mods, "the language model's layers", own=_is_runner_hook, carried=carried)
+            found = self._block_segments[layers] = (blocker, carried)
+        return found
 
     def _prefill_segments(self, state: LMState, graph: bool) -> torch.Tensor:
         """The prefill of ``state`` (inputs left-padded to a bucket) on its static cache, run by the runner: the
@@ -583,7 +582,10 @@ class LMRunner:
         length = hidden.shape[1]
         compat.bind_static(cache, self.adapter.text_config, hidden, length, layers)
         live = _SegmentInputs(hidden, grp.key_mask, grp.positions)
-        if not graph or self._prefill_refused or self._segment_blocker(layers) is not None:
+        if not graph or self._prefill_refused:
+            return self._segment_forward(layers, live)
+        blocker, carried = self._segment_blocker(layers)
+        if blocker is not None:
             return self._segment_forward(layers, live)
         key = (compat.static_buffers(cache, layers), "prefill", layers.start, live.shapes())
         captured = self.pool.graphs.get(key)
@@ -598,13 +600,6 @@ class LMRunner:
         def run() -> torch.Tensor:
             return self._segment_forward(layers, static)
 
-        carried = [  # the segment's recorders' results (Carried): put back after a replay
-            rec.mmfast_replayable
-            for i in layers
-            for m in self.adapter.layers[i].modules()
-            if getattr(m, "_mmfast_attn", None) is not None
-            for rec in m._mmfast_attn.prefill_recorders
-        ]
         step_graph = self.capture()
         out = step_graph.warmup(run).clone()  # this segment, and the capture's warm-up
         warm = [(c, c.get()) for c in carried]
@@ -1055,6 +1050,13 @@ class LMRunner:
 
 
 _UNCHECKED = object()  # a static block whose capture blocker is not computed yet
+
+
+def _is_runner_hook(hook: Callable) -> bool:
+    """A layer pre-hook of the runner's own (it steps aside in a prefill segment)."""
+    return bool(getattr(hook, "mmfast_runner", False))
+
+
 # a captured prefill's length is a multiple of this (left padding), and so is a segment's after in-LLM pruning:
 # the pads cost compute in every layer (FastV-64's ~80 kept slots would run as 128 at a bucket of 64), and each
 # new length rounded up is one more capture

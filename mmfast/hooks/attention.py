@@ -18,7 +18,7 @@ FastV, DART, SparseVLM, MustDrop) are skipped while the runner runs an LLM decod
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -178,6 +178,36 @@ class Carried:
 
     get: Callable[[], object]
     put: Callable[[object], None]
+
+
+def capture_blocker(
+    modules: Iterable[nn.Module],
+    where: str,
+    *,
+    own: Callable[[Callable], bool] = lambda hook: False,
+    carried: list[Carried] | None = None,
+) -> str | None:
+    """Why ``modules`` (with their submodules) cannot run as one captured graph (None: they can): a method's
+    Python inside them, which a replay would not run. Blocks a pre-hook that is not ``own``, a forward hook that
+    is not inert, an attention override or a recorder acting in every forward, and a prefill recorder, unless
+    ``carried`` is given and the recorder carries a :class:`Carried` (then appended to it: the caller puts its
+    result back after each replay). ``where`` names the modules in the reason."""
+    for m in (sub for mod in modules for sub in mod.modules()):
+        if any(not own(h) for h in m._forward_pre_hooks.values()):
+            return f"hooks on {where}"
+        if any(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()):
+            return f"hooks on {where}"
+        hooks = getattr(m, "_mmfast_attn", None)
+        if hooks is None:
+            continue
+        if hooks.override is not None or hooks.recorders:
+            return f"attention probes, recorders or overrides acting in every forward, on {where}"
+        for rec in hooks.prefill_recorders:
+            replay = getattr(rec, "mmfast_replayable", None)
+            if carried is None or replay is None:
+                return f"attention probes or recorders whose work depends on the batch, on {where}"
+            carried.append(replay)
+    return None
 
 
 #: row selectors whose rows depend on the shapes only: a probe with one of these computes the same rows of any

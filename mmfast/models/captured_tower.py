@@ -28,24 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import compat
+from ..hooks.attention import capture_blocker
 
 logger = logging.getLogger(__name__)
 
 MAX_GRAPHS = 4
 _UNCHECKED = object()
-
-
-def tower_blocker(tower: nn.Module) -> str | None:
-    """Why ``tower``'s forward cannot be one captured graph (None: it can): Python of a method inside it."""
-    for m in tower.modules():
-        if m._forward_pre_hooks or any(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()):
-            return "hooks on the vision tower"
-        if getattr(m, "_mmfast_attn", None) is not None:
-            return "attention probes or overrides on the vision tower"
-        if "forward" in m.__dict__:
-            return "a replaced forward inside the vision tower"
-    return None
 
 
 class CapturedTower:
@@ -65,7 +53,7 @@ class CapturedTower:
         if graph_type is None or self._failed:
             return fn(pixels)
         if self._blocker is _UNCHECKED:  # the session's hooks are installed before its first call
-            self._blocker = tower_blocker(self.tower)
+            self._blocker = capture_blocker([self.tower], "the vision tower")
             if self._blocker is not None:
                 logger.info("model.compile: auto: the vision tower runs without a captured graph (%s)", self._blocker)
         if self._blocker is not None:
