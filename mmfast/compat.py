@@ -215,10 +215,11 @@ def cache_bytes(cache: DynamicCache) -> int:
 def slot_bytes(layer) -> int:
     """Bytes one held slot takes in a cache layer (K and V of every KV head), 0 for a layer holding nothing;
     read from the buffers' shapes (no view of the held slots)."""
-    k = layer._k if isinstance(layer, StaticSlotLayer) else getattr(layer, "keys", None)
-    if not isinstance(k, torch.Tensor) or (not isinstance(layer, StaticSlotLayer) and k.numel() == 0):
-        return 0
-    if isinstance(layer, StaticSlotLayer) and layer.length == 0:
+    if isinstance(layer, StaticSlotLayer):
+        k = layer._k if layer.length else None
+    else:
+        k = getattr(layer, "keys", None)
+    if not isinstance(k, torch.Tensor) or k.numel() == 0:
         return 0
     return 2 * k.shape[1] * k.shape[-1] * k.element_size()
 
