@@ -18,6 +18,8 @@
 #          then one-token answers and 128-token captions at batch 1 and 8: HF eager / static-cache generate,
 #          mmfast unpruned and compiled (model.compile: auto), DivPrune-64 (pre-LLM) (GPU_BENCH_LLAVA_ROWS);
 #   b32:   llava-1.5-7b captions at batch 32: mmfast compiled and DivPrune-64 (the same decode path);
+#   next:  llava-next-7b (anyres, 2,928 vision tokens): mmfast compiled and DivPrune-64, one-token answers at batch 1
+#          (the TTFT target), then captions at batch 32 (the throughput target), each in one process;
 #   extra: with the time left, at batch 1 (GPU_BENCH_EXTRA_ROWS: its rows): the captured unpruned baseline, the
 #          in-LLM pruners FastV / DART / PyramidDrop / SparseVLM at 64 (their prefill in captured segments: the TTFT
 #          target), DivPrune-64, FLASH, MSD and DivPrune-64 + FLASH; the embedded model's FLASH and MSD (real tau);
@@ -86,6 +88,17 @@ phase_b32() {  # pruning's throughput at batch 32, same decode path
     --set 'bench.params.workloads=[caption]' --set "bench.params.rows=['mmfast unpruned (compiled)','divprune-64']" \
     --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
 }
+phase_next() {  # llava-next-7b's two targets: TTFT at batch 1, throughput at batch 32
+  local r
+  for bw in "1 pope" "32 caption"; do
+    set -- $bw
+    # shellcheck disable=SC2086
+    run_phase bench "$(left)" "next b$1 $2" --set 'bench.params.shapes=[llava-next-7b]' --set "bench.params.batches=[$1]" \
+      --set "bench.params.workloads=[$2]" --set "bench.params.rows=['mmfast unpruned (compiled)','divprune-64']" \
+      --set 'bench.params.embedded_speculative=false' ${GPU_BENCH_SETS:-}
+    r=$(left); [ "$r" -lt 30 ] && break
+  done
+}
 # the captured baseline, the in-LLM pruners (prefill in captured segments), a pre-LLM one, the drafters
 EXTRA_ROWS="['mmfast unpruned (compiled)','fastv-64','dart-64','pyramiddrop-64','sparsevlm-64','divprune-64','flash','msd','divprune-64+flash']"
 phase_extra() {
@@ -106,7 +119,7 @@ phase_video() {  # the video pruners' cost at full depth
 # phases run in the order given; any but the first needs a minute left
 first=1
 for phase in ${GPU_BENCH_PHASES:-qwen llava extra}; do
-  case $phase in check | qwen | llava | b32 | extra | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
+  case $phase in check | qwen | llava | b32 | next | extra | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
   if [ $first = 0 ] && [ "$(left)" -lt 60 ]; then echo "== $phase skipped: $(left) s left of $LIMIT s" | tee -a "$LOG"; continue; fi
   first=0
   "phase_$phase"
