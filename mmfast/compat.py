@@ -596,7 +596,10 @@ class StaticBufferPool:
             v.zero_()
             pos.zero_()
             return kept
-        self.graphs.clear()
+        # the graphs on these buffers go with them; those this call captured on new buffers (its earlier
+        # prefill segments) stay
+        gone = {k.data_ptr(), v.data_ptr(), pos.data_ptr()}
+        self.graphs = {key: g for key, g in self.graphs.items() if gone.isdisjoint(key[0])}
         return None
 
     def keep(self, cache) -> None:

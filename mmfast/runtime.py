@@ -542,7 +542,8 @@ class LMRunner:
         can), and the results their recorders carry across a replay; once per static block (hooks are set by
         then). The runner's own layer hooks step aside in a segment, and a prefill recorder whose work depends
         on shapes only (a :class:`~mmfast.hooks.attention.Carried`: a probe of ``last_row`` or ``cls_row``,
-        DART's key norms) is replayed with its result (:func:`~mmfast.hooks.attention.capture_blocker`)."""
+        DART's key norms), or on rows known before the segment runs (SparseVLM's raters, MustDrop's text rows:
+        staged as the graph's input), is replayed with its result (:func:`~mmfast.hooks.attention.capture_blocker`)."""
         found = self._block_segments.get(layers)
         if found is None:
             mods = [self.lm.rotary_emb, *(self.adapter.layers[i] for i in layers)]
@@ -587,7 +588,18 @@ class LMRunner:
         blocker, carried = self._segment_blocker(layers)
         if blocker is not None:
             return self._segment_forward(layers, live)
-        key = (compat.static_buffers(cache, layers), "prefill", layers.start, live.shapes())
+        stages = [c.stage for c in carried if c.stage is not None]
+        staged = tuple(stage(length) for stage in stages)  # probe rows picked from this batch, in the graph's memory
+        try:
+            key = (compat.static_buffers(cache, layers), "prefill", layers.start, live.shapes(), staged)
+            return self._segment_graph(cache, layers, live, carried, key)
+        finally:
+            for stage in stages:
+                stage(None)
+
+    def _segment_graph(self, cache, layers: range, live: _SegmentInputs, carried: list[Carried], key: tuple):
+        """:meth:`_segment`'s captured graph under ``key``: replayed, or captured (and run) by this call."""
+        length = live.hidden.shape[1]
         captured = self.pool.graphs.get(key)
         if captured is not None:
             captured.static.load(live)

@@ -23,6 +23,10 @@
 #   extra: with the time left, at batch 1 (GPU_BENCH_EXTRA_ROWS: its rows): the captured unpruned baseline, the
 #          in-LLM pruners FastV / DART / PyramidDrop / SparseVLM at 64 (their prefill in captured segments: the TTFT
 #          target), DivPrune-64, FLASH, MSD and DivPrune-64 + FLASH; the embedded model's FLASH and MSD (real tau);
+#   ttft:  llava-1.5-7b one-token answers at batch 1 and 8 (GPU_BENCH_TTFT_ROWS: its rows): the captured baseline and
+#          every pruner at 64 tokens (PyramidDrop at 192, its smallest feasible budget there being 144): the
+#          TTFT target at both batch sizes, ZipVL's prefill target, and at batch 8 the pre-LLM pruners' FLOPs-ideal
+#          target; the embedded model's FLASH;
 #   video: configs/bench/video_cost.yaml at full depth in fp16 (results in $OUT/video_cost): Qwen2.5-VL-7B and
 #          LLaVA-OneVision-7B on one video-world clip at 16 and 64 frames, unpruned against every video pruner at
 #          equal budgets and DyCoke (tokens, KV bytes, FLOPs, TTFT, peak memory); not in the default phases:
@@ -108,6 +112,13 @@ phase_extra() {
     --set "bench.params.rows=${GPU_BENCH_EXTRA_ROWS:-$EXTRA_ROWS}" \
     --set "bench.params.embedded_rows=[flash,msd]" ${GPU_BENCH_SETS:-}
 }
+phase_ttft() {
+  # shellcheck disable=SC2086
+  run_phase bench "$(left)" ttft --set 'bench.params.shapes=[llava-1.5-7b]' --set 'bench.params.batches=[1,8]' \
+    --set 'bench.params.workloads=[pope]' \
+    --set "bench.params.rows=${GPU_BENCH_TTFT_ROWS:-['mmfast unpruned (compiled)','*-64','pyramiddrop-192']}" \
+    --set "bench.params.embedded_rows=[flash]" ${GPU_BENCH_SETS:-}
+}
 phase_video() {  # the video pruners' cost at full depth
   echo "== video: up to $(left) s" >>"$LOG"
   # shellcheck disable=SC2086
@@ -119,7 +130,7 @@ phase_video() {  # the video pruners' cost at full depth
 # phases run in the order given; any but the first needs a minute left
 first=1
 for phase in ${GPU_BENCH_PHASES:-qwen llava extra}; do
-  case $phase in check | qwen | llava | b32 | next | extra | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
+  case $phase in check | qwen | llava | b32 | next | extra | ttft | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
   if [ $first = 0 ] && [ "$(left)" -lt 60 ]; then echo "== $phase skipped: $(left) s left of $LIMIT s" | tee -a "$LOG"; continue; fi
   first=0
   "phase_$phase"

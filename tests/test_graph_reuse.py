@@ -216,14 +216,19 @@ def _kept_positions(session, out: list) -> None:
     session.runner.prefill = prefill
 
 
-@pytest.mark.parametrize(("name", "graphs"), [("fastv", 2), ("dart", 2), ("sparsevlm", 1)])
-def test_an_in_llm_pruner_prefills_in_captured_segments(name, graphs, captured, tiny_mm, images, prompts):
+@pytest.mark.parametrize(
+    ("name", "graphs", "same_decode"),
+    [("fastv", 2, True), ("dart", 2, True), ("sparsevlm", 4, True), ("mustdrop", 4, False)],
+)
+def test_an_in_llm_pruner_prefills_in_captured_segments(name, graphs, same_decode, captured, tiny_mm, images, prompts):
     """An in-LLM pruner's prefill runs layer by layer in segments between its pruning layers, its selection
     eagerly between them. A segment is one graph unless a method's Python runs inside it: FastV's probe of
     layer K-1 (last row: rows from shapes only) and DART's key recorder are captured with their segment and
-    their results put back after each replay; SparseVLM's probes pick text rows from the batch, so the segments holding them run eagerly and the
-    rest are captured. The next call (other images) replays them and captures nothing; the kept tokens of every
-    layer group and the output tokens equal the dynamic cache's."""
+    their results put back after each replay; SparseVLM's and MustDrop's probes read text rows picked from the
+    prompt, staged as the graph's input before each replay. The next call (other images, the prompts swapped)
+    replays them and captures no prefill segment (nor a decode step, except MustDrop's, whose KV policy after
+    the prefill makes layer groups that depend on the image); the kept tokens of every layer group and the
+    output tokens equal the dynamic cache's."""
     from mmfast.registry import PRUNERS
 
     recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
@@ -239,11 +244,38 @@ def test_an_in_llm_pruner_prefills_in_captured_segments(name, graphs, captured, 
         prefills = {key: c.graph.replays for key, c in s.runner.pool.graphs.items() if key[1] == "prefill"}
         made = len(captured.made)
         got.append([r.token_ids for r in s.generate(*runs[1], max_new_tokens=6, seed=0)])
-        assert len(captured.made) == made, "the second call captured again"
+        assert [key for key in s.runner.pool.graphs if key[1] == "prefill"] == list(prefills)
+        assert len(captured.made) == made or not same_decode, "the second call captured again"
         assert all(s.runner.pool.graphs[key].graph.replays == n + 1 for key, n in prefills.items())
     assert len(prefills) == graphs and len(s.runner._select) + 1 >= graphs
     assert len(want_kept) == 2 and len(want_kept[0]) > 1  # a layer group was made
     assert got_kept == want_kept and got == want
+
+
+def test_staged_probe_rows_key_their_graph_by_width(captured, tiny_mm, images, prompts):
+    """SparseVLM's raters are staged as a captured segment's input, padded to a multiple of 16 rows: a call
+    whose raters fit the same width replays the graphs, a prompt with more raters is another graph (captured,
+    not a stale replay); the staged rows are dropped after each segment (an eager run never reads them); a
+    call whose buffers were re-allocated keeps every segment it captured (only the old buffers' graphs go);
+    every call's tokens equal the dynamic cache's."""
+    from mmfast.hooks.attention import ROW_PAD
+    from mmfast.registry import PRUNERS
+
+    recipe = {"pruning": [{"method": "sparsevlm", "params": PRUNERS.get("sparsevlm").cls.test_params(tiny_mm.adapter)}]}
+    long = " ".join(["Describe every object, its colour, its size and where it is in the image."] * 4)
+    runs = [([images[0]], [prompts[1]]), ([images[1]], [prompts[3]]), ([images[2]], [long])]
+    got, staged = [], []
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        for imgs, ps in runs:
+            got.append([r.token_ids for r in s.generate(imgs, ps, max_new_tokens=6, seed=0)])
+            assert s.probe._staged == {}
+            keys = [key for key in s.runner.pool.graphs if key[1] == "prefill"]
+            staged.append({key for key in keys if key[4]})
+            assert {key[2] for key in keys} == {0, *s.runner._select}  # every segment of this call kept
+    assert got == [_dynamic(tiny_mm, recipe, imgs, ps) for imgs, ps in runs]
+    widths = [{w for key in keys for (_, w) in key[4]} for keys in staged]
+    assert staged[1] == staged[0] and widths[0] == {ROW_PAD}  # the second call replayed the staged segments
+    assert staged[2].isdisjoint(staged[1]) and min(widths[2]) > ROW_PAD and all(w % ROW_PAD == 0 for w in widths[2])
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])

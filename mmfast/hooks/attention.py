@@ -18,7 +18,7 @@ FastV, DART, SparseVLM, MustDrop) are skipped while the runner runs an LLM decod
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -178,6 +178,11 @@ class Carried:
 
     get: Callable[[], object]
     put: Callable[[object], None]
+    #: for a recorder whose inputs are known before the forward but change from call to call (rows picked from
+    #: the batch): ``stage(length)`` puts this call's into the memory the graph reads, before a segment of that
+    #: length runs (captured or replayed), and returns what the graph's key needs of them (their padded width);
+    #: ``stage(None)`` drops them after it
+    stage: Callable[[int | None], Hashable] | None = None
 
 
 def capture_blocker(
@@ -213,6 +218,14 @@ def capture_blocker(
 #: row selectors whose rows depend on the shapes only: a probe with one of these computes the same rows of any
 #: batch of a shape, so it may run inside a captured prefill segment (``LMRunner``) and its record be replayed
 SHAPE_ONLY_ROWS = frozenset({last_row, cls_row})
+#: staged probe rows (``watch(rows_from_inputs=True)``) are padded to a multiple of this many rows
+ROW_PAD = 16
+
+
+def pad_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` ([..., R]) padded with -1 (unused rows: all-zero records) to a multiple of :data:`ROW_PAD`."""
+    pad = -rows.shape[-1] % ROW_PAD
+    return torch.nn.functional.pad(rows, (0, pad), value=-1) if pad else rows
 
 
 @dataclass
@@ -242,6 +255,8 @@ class AttentionProbe:
         self.reduce = reduce
         self._enabled: set[str] = set()
         self._rows: dict[tuple, torch.Tensor] = {}  # shape-only rows on the device, made once per shape
+        self._staged: dict[str, tuple[int, torch.Tensor]] = {}  # name -> (q_len, rows [B, W]) staged for a segment
+        self._row_buffers: dict[tuple, torch.Tensor] = {}  # the staged rows' memory, one per shape and width
         self.time_s = 0.0  # time spent computing probe rows (the scoring overhead of probing methods)
 
     def watch(
@@ -253,12 +268,16 @@ class AttentionProbe:
         when: Callable[[int, int], bool] | None = None,
         reduce: str | None = None,
         prefill_only: bool = False,
+        rows_from_inputs: bool = False,
     ) -> None:
         """Record ``rows`` of ``attn_module``'s attention under ``name`` on each forward.
 
         ``when(q_len, k_len)`` filters forwards; ``reduce`` is None (keep heads), "mean" or "max" over
         heads; ``prefill_only``: the caller reads the record only at prefill, so the probe does not run
-        in LLM decode steps (which can then be captured graphs).
+        in LLM decode steps (which can then be captured graphs). ``rows_from_inputs`` (with
+        ``prefill_only``): ``rows`` depend on the batch but are known before the forward, from the call's
+        inputs (e.g. text rows chosen from the prompt), so a captured prefill segment stages them as its
+        input (:meth:`_stage`) instead of running this probe's Python.
         """
         hooks = attach(self.session, attn_module)
         reduce = reduce if reduce is not None else self.reduce
@@ -272,10 +291,15 @@ class AttentionProbe:
             if when is not None and not when(q_len, k_len):
                 return
             t0 = time.perf_counter()
+            staged = self._staged.get(name)
             if shape_only:  # copied to the device once per shape: none inside a captured segment
                 r = self._rows.get((rows, q_len, k_len, query.device))
                 if r is None:
                     r = self._rows[(rows, q_len, k_len, query.device)] = rows(q_len, k_len).to(query.device)
+            elif staged is not None and staged[0] == q_len:  # a captured segment's input (its graph reads it)
+                r = staged[1]
+            elif rows_from_inputs:  # padded as when staged: the same computation, captured or not
+                r = pad_rows(rows(q_len, k_len).to(query.device))
             else:
                 r = rows(q_len, k_len).to(query.device)
             probs = row_attention(query, key, attention_mask, scaling, r, is_causal)
@@ -289,13 +313,35 @@ class AttentionProbe:
 
         # a captured prefill segment replays this recorder where its rows depend on shapes only, and puts the
         # record its graph writes back after each replay
+        staged = rows_from_inputs and prefill_only and not shape_only
         record.mmfast_replayable = (  # type: ignore[attr-defined]
-            Carried(lambda: self.records.get(name), lambda rec: self.records.__setitem__(name, rec))
-            if shape_only
+            Carried(
+                lambda: self.records.get(name),
+                lambda rec: self.records.__setitem__(name, rec),
+                (lambda length: self._stage(name, rows, length)) if staged else None,
+            )
+            if shape_only or staged
             else None
         )
         (hooks.prefill_recorders if prefill_only else hooks.recorders).append(record)
         self._enabled.add(name)
+
+    def _stage(self, name: str, rows: RowSelector, length: int | None) -> Hashable:
+        """Stage ``rows`` of a prefill segment of ``length`` slots (q_len = k_len) for the probe ``name``: in the
+        same device memory for every call of a shape and width (what a captured graph reads), padded
+        (:func:`pad_rows`) so that calls whose row counts differ a little replay one graph. Returns the graph's
+        key part; ``length`` None drops the staged rows."""
+        if length is None:
+            self._staged.pop(name, None)
+            return None
+        fresh = pad_rows(rows(length, length))  # [B, W] or [W]
+        key = (name, tuple(fresh.shape), length, fresh.device)
+        buf = self._row_buffers.get(key)
+        if buf is None:
+            buf = self._row_buffers[key] = torch.empty_like(fresh)
+        buf.copy_(fresh)
+        self._staged[name] = (length, buf)
+        return (name, fresh.shape[-1])
 
     def __getitem__(self, name: str) -> ProbeRecord:
         if name not in self.records:

@@ -251,6 +251,7 @@ class SparseVLM(Pruner):
                 when=lambda q, k: q == k and q > 1,
                 reduce="mean",
                 prefill_only=True,
+                rows_from_inputs=True,  # from the prompt: a captured prefill segment stages them
             )
             self.ctx.runner.prune_at(layer + 1, self._make_select(s, layer), compact=compact, ref_layer=paper + 1)
 
