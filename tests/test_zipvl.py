@@ -267,6 +267,37 @@ def _segment_bytes(n_hi, n_lo, n_stored, c, spec, pbytes=4):
     return total + (c * pbytes + math.ceil(n_stored / 8) if n_stored else 0)
 
 
+@pytest.mark.parametrize(("k_group", "v_group"), [(0, 0), (3, 16)])
+def test_layers_quantised_together_equal_one_by_one(k_group, v_group):
+    """The prefill's layers quantised at once (folded into the batch, each cut to its widest row) equal each
+    layer quantised alone: the same codes, parameters, classes, dequantised K / V and logical bytes, and no
+    layer holds another's padding (its codes are its own, as wide as its widest row)."""
+    gen = torch.Generator().manual_seed(1)
+    spec = QuantSpec(bits_high=4, bits_low=2, k_group_size=k_group, v_group_size=v_group)
+    n_layers, bsz, heads, n, d = 3, 2, 2, 12, 8
+    keys = [torch.randn(bsz, heads, n, d, generator=gen) for _ in range(n_layers)]
+    values = [torch.randn(bsz, heads, n, d, generator=gen) for _ in range(n_layers)]
+    valid = torch.ones(bsz, n, dtype=torch.bool)
+    valid[1, :5] = False  # left padding
+    important = [torch.rand(bsz, n, generator=gen) < f for f in (0.9, 0.3, 0.0)]  # wide, narrow, empty classes
+    together = MixedPrecisionKVLayer.from_dense_layers(keys, values, valid, important, spec)
+    for k, v, imp, got in zip(keys, values, important, together):
+        want = MixedPrecisionKVLayer.from_dense(k, v, valid, imp, spec)
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert got.bytes_per_sample(valid).tolist() == want.bytes_per_sample(valid).tolist()
+        (gs,), (ws,) = got.segments, want.segments
+        for name in ("high", "low"):
+            g, w = gs.classes[name], ws.classes[name]
+            assert torch.equal(g.index, w.index) and torch.equal(g.valid, w.valid)
+            for gq, wq in ((g.k, w.k), (g.v, w.v)):
+                assert (gq.n, gq.tok_group) == (wq.n, wq.tok_group)
+                assert all(
+                    torch.equal(a, b) for a, b in zip((gq.codes, gq.scale, gq.zero), (wq.codes, wq.scale, wq.zero))
+                )
+                assert gq.codes.untyped_storage().nbytes() == wq.codes.numel()  # its own memory, no padding
+        assert got.stored_nbytes() == want.stored_nbytes()
+
+
 def test_cache_layer_decode_requant_and_batch_ops():
     gen = torch.Generator().manual_seed(0)
     spec = QuantSpec(bits_high=4, bits_low=2, k_group_size=0, v_group_size=16, requant_interval=3)

@@ -75,6 +75,17 @@ class QuantTensor:
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantTensor:
         return replace(self, codes=fn(self.codes), scale=fn(self.scale), zero=fn(self.zero))
 
+    def first_tokens(self, m: int) -> QuantTensor:
+        """The first ``m`` tokens (those of every row are valid there), as :func:`quantize` would have made them
+        from an axis of ``m`` tokens: one token group over the whole axis stays one, of ``max(m, 1)`` tokens;
+        groups of ``tok_group`` tokens keep the ``ceil(m / tok_group)`` first (at least one)."""
+        if self.scale.shape[1] == 1:  # one group over the axis (tok_group 0, or an axis within one group)
+            tg = max(m, 1)
+            return replace(self, codes=self.codes[:, :tg], tok_group=tg, n=m)
+        groups = max(1, -(-m // self.tok_group))
+        n_pad = groups * self.tok_group
+        return replace(self, codes=self.codes[:, :n_pad], scale=self.scale[:, :groups], zero=self.zero[:, :groups], n=m)
+
 
 def quantize(
     x: torch.Tensor,

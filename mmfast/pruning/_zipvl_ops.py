@@ -100,16 +100,19 @@ def key_validity(attention_mask: torch.Tensor | None, bsz: int, k_len: int, devi
     return m.expand(bsz, -1).clone() if m.shape[0] != bsz else m.clone()
 
 
-def sparse_attention(module, query, key, value, keep, scaling, base, dropout: float = 0.0, **kwargs) -> torch.Tensor:
+def sparse_attention(
+    module, query, key, value, keep, scaling, base, dropout: float = 0.0, width: int | None = None, **kwargs
+) -> torch.Tensor:
     """Attention among the ``keep`` slots only ([B, L] bool; query, key, value: [B, H(kv), L, D], q_len == k_len).
 
     The kept slots of each sample are gathered (left-padded to the batch maximum), attend causally to
-    each other through the base implementation, and are scattered back; other rows are 0.
+    each other through the base implementation, and are scattered back; other rows are 0. ``width``: the
+    largest kept count when the caller has it on the host (else read here).
     Returns [B, L, H, D], the layout attention functions return.
     """
     bsz, heads, length, dim = query.shape
     counts = keep.sum(1)
-    p = max(int(counts.max()), 1)
+    p = max(int(counts.max()) if width is None else width, 1)
     dev = keep.device
     # left-padded gather index: kept slot -> position (p - count + rank); others -> dump column p
     rank = keep.long().cumsum(1) - 1 + (p - counts)[:, None]

@@ -80,7 +80,7 @@ from ..hooks import attach
 from ..hooks.attention import row_attention
 from ..registry import PRUNERS
 from ._common import topk_keep
-from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, dense_bytes_per_sample
+from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec
 from ._zipvl_ops import (
     key_validity,
     mass_count,
@@ -109,6 +109,8 @@ class _Scratch:
 
     prefill: dict[int, _LayerSelection] = field(default_factory=dict)
     last_query: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)
+    #: the prefill's key validity on the host, read once for every layer's probe draw: (mask key, [B, K] bool)
+    valid_host: tuple[tuple, torch.Tensor] | None = None
 
 
 @PRUNERS.register(
@@ -239,8 +241,13 @@ class ZipVL(Pruner):
             keep, p = self._select(layer, query, key, attention_mask, scaling, valid)
             keep = with_generating_row(keep, valid)
             self._scratch().prefill[layer] = _LayerSelection(keep, valid, p)
-            if self.config.sparse_prefill and not torch.equal(keep, valid):
-                return sparse_attention(module, query, key, value, keep, scaling, base, dropout=dropout, **kwargs)
+            if self.config.sparse_prefill:
+                # one read: whether any slot left the important set, and the widest sample's important count
+                differs, width = torch.stack([(keep != valid).any().long(), keep.sum(1).max()]).tolist()
+                if differs:
+                    return sparse_attention(
+                        module, query, key, value, keep, scaling, base, dropout=dropout, width=width, **kwargs
+                    )
         elif self.config.quantize_kv:
             self._scratch().last_query[layer] = (query[:, :, -1:], scaling)
         out, _ = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -250,7 +257,13 @@ class ZipVL(Pruner):
         cfg = self.config
         if cfg.tau >= 1.0:
             return valid.clone(), valid.sum(1)
-        rows = probe_rows(valid, cfg.probe_recent, cfg.probe_random, cfg.seed * 1_000_003 + layer)
+        scratch = self._scratch()
+        mask_key = (attention_mask.data_ptr(), tuple(attention_mask.shape)) if attention_mask is not None else None
+        if scratch.valid_host is None or scratch.valid_host[0] != (mask_key, tuple(valid.shape)):
+            scratch.valid_host = ((mask_key, tuple(valid.shape)), valid.cpu())  # one read per prefill, not per layer
+        seed = cfg.seed * 1_000_003 + layer
+        rows = probe_rows(scratch.valid_host[1], cfg.probe_recent, cfg.probe_random, seed)
+        rows = rows.to(valid.device, non_blocking=True)  # drawn on the host: no device sync
         probs = row_attention(query, key, attention_mask, scaling, rows, is_causal=True).mean(1)  # [B, R, K]
         return select_important(probs, rows, valid, cfg.tau)
 
@@ -265,33 +278,46 @@ class ZipVL(Pruner):
     def _after_prefill(self, state) -> None:
         scratch: _Scratch = state.extras.pop(self.name, _Scratch())
         sel = scratch.prefill
-        bsz, n_layers = state.batch_size, state.n_layers
-        ratio = torch.ones(bsz, n_layers, dtype=torch.float64)
-        vis_kept = torch.zeros(bsz, n_layers)
-        vis_all = torch.zeros(bsz, n_layers)
-        dense = torch.zeros(bsz, dtype=torch.float64)
+        n_layers = state.n_layers
+        keeps, kept, vis_kept, vis_all, held = [], [], [], [], []  # per layer: [B, T_g] / [B]
         for layer in range(n_layers):
             g = state.group_of(layer)
             valid = state.groups[g].key_mask
             s = sel.get(layer)
             keep = valid if s is None or s.keep.shape != valid.shape else s.keep & valid
             vision = state.vision_slots(g)
-            ratio[:, layer] = (keep.sum(1).double() / valid.sum(1).clamp(min=1).double()).cpu()
-            vis_kept[:, layer] = (keep & vision).sum(1).float().cpu()
-            vis_all[:, layer] = vision.sum(1).float().cpu()
-            lay = state.cache.layers[layer]
-            dense += dense_bytes_per_sample(valid, lay.keys.shape[1], lay.keys.shape[-1], lay.keys.element_size())
-            if self.config.quantize_kv:
-                state.cache.layers[layer] = MixedPrecisionKVLayer.from_dense(
-                    lay.keys, lay.values, valid, keep, self.spec
+            keeps.append(keep)
+            kept.append(keep.sum(1))
+            held.append(valid.sum(1))
+            vis_kept.append((keep & vision).sum(1))
+            vis_all.append(vision.sum(1))
+        # one read to the host for every layer's counts: [4, L, B] -> [4, B, L]
+        counts = torch.stack([torch.stack(x) for x in (kept, held, vis_kept, vis_all)]).transpose(1, 2).cpu()
+        ratio = counts[0].double() / counts[1].clamp(min=1).double()  # [B, L] p / n
+        vis_kept_f = counts[2].float()
+        lay0 = state.cache.layers[0]
+        slot = 2 * lay0.keys.shape[1] * lay0.keys.shape[-1] * lay0.keys.element_size()
+        dense = counts[1].double().sum(1) * slot  # [B] the valid slots in a full-precision cache
+        if self.config.quantize_kv:  # the layers of each layer group quantised together (Segment.build_layers)
+            for g, grp in enumerate(state.groups):
+                layers = [i for i in range(n_layers) if state.group_of(i) == g]
+                lays = [state.cache.layers[i] for i in layers]
+                quantised = MixedPrecisionKVLayer.from_dense_layers(
+                    [lay.keys for lay in lays],
+                    [lay.values for lay in lays],
+                    grp.key_mask,
+                    [keeps[i] for i in layers],
+                    self.spec,
                 )
-        state.accounting.vision_override = vis_kept.to(state.groups[0].key_mask.device)
+                for i, q in zip(layers, quantised):
+                    state.cache.layers[i] = q
+        state.accounting.vision_override = vis_kept_f.to(state.groups[0].key_mask.device)
         kv = state.kv_bytes_per_sample()
         state.stats[self.name] = {
             "per_sample_keep_ratio": [[round(float(x), 4) for x in row] for row in ratio],  # p/n per layer
-            "per_sample_important_vision": vis_kept.tolist(),  # per layer
-            "per_sample_vision_tokens": vis_all[:, 0].tolist(),
-            "per_sample_equiv_vision_tokens": vis_kept.mean(1).tolist(),
+            "per_sample_important_vision": vis_kept_f.tolist(),  # per layer
+            "per_sample_vision_tokens": counts[3][:, 0].float().tolist(),
+            "per_sample_equiv_vision_tokens": vis_kept_f.mean(1).tolist(),
             "per_sample_kv_bytes_dense": [int(x) for x in dense.tolist()],
             "per_sample_kv_bytes_prefill": kv,
             "per_sample_kv_bytes_end": kv,
