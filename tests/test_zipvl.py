@@ -12,6 +12,7 @@ from mmfast.config import load_recipe
 from mmfast.errors import ConfigError, IncompatibleRecipeError
 from mmfast.model import ASSETS
 from mmfast.pipeline import Session
+from mmfast.pruning import _kv_quant
 from mmfast.pruning._kv_quant import (
     MixedPrecisionKVLayer,
     QuantSpec,
@@ -281,6 +282,12 @@ def test_layers_quantised_together_equal_one_by_one(k_group, v_group):
     valid[1, :5] = False  # left padding
     important = [torch.rand(bsz, n, generator=gen) < f for f in (0.9, 0.3, 0.0)]  # wide, narrow, empty classes
     together = MixedPrecisionKVLayer.from_dense_layers(keys, values, valid, important, spec)
+    with pytest.MonkeyPatch.context() as mp:  # two layers folded, then one: the same layers
+        mp.setattr(_kv_quant, "FOLD_BYTES", 2 * bsz * heads * n * d * 4)
+        assert all(
+            torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            for a, b in zip(MixedPrecisionKVLayer.from_dense_layers(keys, values, valid, important, spec), together)
+        )
     for k, v, imp, got in zip(keys, values, important, together):
         want = MixedPrecisionKVLayer.from_dense(k, v, valid, imp, spec)
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
