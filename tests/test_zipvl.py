@@ -16,6 +16,7 @@ from mmfast.pruning import _kv_quant
 from mmfast.pruning._kv_quant import (
     MixedPrecisionKVLayer,
     QuantSpec,
+    Segment,
     pack,
     quant_param_count,
     quantize,
@@ -281,12 +282,16 @@ def test_layers_quantised_together_equal_one_by_one(k_group, v_group):
     valid = torch.ones(bsz, n, dtype=torch.bool)
     valid[1, :5] = False  # left padding
     important = [torch.rand(bsz, n, generator=gen) < f for f in (0.9, 0.3, 0.0)]  # wide, narrow, empty classes
-    together = MixedPrecisionKVLayer.from_dense_layers(keys, values, valid, important, spec)
+
+    def quantised():
+        built = Segment.build_layers(keys, values, valid, important, spec)
+        return [MixedPrecisionKVLayer.of_segment(k, v, seg, spec, b) for k, v, (seg, b) in zip(keys, values, built)]
+
+    together = quantised()
     with pytest.MonkeyPatch.context() as mp:  # two layers folded, then one: the same layers
         mp.setattr(_kv_quant, "FOLD_BYTES", 2 * bsz * heads * n * d * 4)
         assert all(
-            torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-            for a, b in zip(MixedPrecisionKVLayer.from_dense_layers(keys, values, valid, important, spec), together)
+            torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(quantised(), together)
         )
     for k, v, imp, got in zip(keys, values, important, together):
         want = MixedPrecisionKVLayer.from_dense(k, v, valid, imp, spec)

@@ -151,11 +151,23 @@ class Segment:
         important: list[torch.Tensor],
         spec: QuantSpec,
     ) -> list[tuple[Segment, torch.Tensor]]:
-        """:meth:`build` for the layers of a prefill at once (each [B, H, N, D], one ``valid`` [B, N], an
-        ``important`` [B, N] per layer), with the layers folded into the batch: every statistic is per row, so
-        each layer's segment is the one :meth:`build` makes, its classes cut to that layer's widest row. Tens of
-        ops for a prefill instead of hundreds a layer, and one read of the counts. Returns each layer's segment
-        and its :meth:`bytes_per_sample`."""
+        """:meth:`build` for the layers of a prefill (each [B, H, N, D], one ``valid`` [B, N], an ``important``
+        [B, N] per layer), with as many layers folded into the batch at once as keep a fp32 copy of their keys
+        within :data:`FOLD_BYTES` (the quantiser's temporaries are a few such copies: batch 8 of LLaVA-1.5-7B's
+        616 slots folds 3 layers at a time, batch 1 25). Every statistic is per row, so each layer's segment is
+        the one :meth:`build` makes, its classes cut to that layer's widest row: tens of ops for a fold instead
+        of hundreds a layer, and one read of the counts. Returns each layer's segment and its
+        :meth:`bytes_per_sample`."""
+        b, h, n, d = keys[0].shape
+        per = max(1, FOLD_BYTES // max(1, b * h * n * d * 4))
+        if len(keys) > per:
+            return [
+                built
+                for i in range(0, len(keys), per)
+                for built in cls.build_layers(
+                    keys[i : i + per], values[i : i + per], valid, important[i : i + per], spec
+                )
+            ]
         n_layers, bsz = len(keys), valid.shape[0]
         big = cls.build(
             torch.cat(keys), torch.cat(values), valid.repeat(n_layers, 1), torch.cat(important), spec
@@ -210,7 +222,7 @@ class Segment:
         )
 
 
-#: the largest fp32 copy of keys :meth:`MixedPrecisionKVLayer.from_dense_layers` folds into one batch
+#: the largest fp32 copy of keys :meth:`Segment.build_layers` folds into one batch
 FOLD_BYTES = 256 * 2**20
 
 
@@ -291,29 +303,6 @@ class MixedPrecisionKVLayer(DynamicLayer):
     ) -> MixedPrecisionKVLayer:
         """Quantise a prefilled layer ([B, H, T, D]); ``valid`` / ``important`` are [B, T] bool."""
         return cls.of_segment(keys, values, Segment.build(keys, values, valid, important, spec), spec)
-
-    @classmethod
-    def from_dense_layers(
-        cls,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        valid: torch.Tensor,
-        important: list[torch.Tensor],
-        spec: QuantSpec,
-    ) -> list[MixedPrecisionKVLayer]:
-        """:meth:`from_dense` for the layers of a prefill, as many at once (:meth:`Segment.build_layers`) as keep
-        a folded fp32 copy of their keys within :data:`FOLD_BYTES` (the quantiser's temporaries are a few such
-        copies: batch 8 of LLaVA-1.5-7B's 616 slots folds 3 layers at a time, batch 1 25)."""
-        b, h, n, d = keys[0].shape
-        per = max(1, FOLD_BYTES // max(1, b * h * n * d * 4))
-        out = []
-        for i in range(0, len(keys), per):
-            part = slice(i, i + per)
-            built = Segment.build_layers(keys[part], values[part], valid, important[part], spec)
-            out += [
-                cls.of_segment(k, v, seg, spec, nbytes) for k, v, (seg, nbytes) in zip(keys[part], values[part], built)
-            ]
-        return out
 
     @classmethod
     def of_segment(

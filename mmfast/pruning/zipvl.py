@@ -18,6 +18,13 @@ installs :class:`~mmfast.pruning._kv_quant.MixedPrecisionKVLayer` in every cache
 uint8 codes + per-group scales/zero points, dequantised on read); ``runner.step_hooks`` re-quantises
 the full-precision decode buffer every ``requant_interval`` tokens.
 
+Cost on a GPU: the override runs Python in every layer, so ZipVL's prefill is never a captured graph (its
+important set's size is read per layer to gather it). What was cut (H200, LLaVA-1.5-7B shape, batch 1 TTFT
+168 -> 106 ms, ``benchmarks/README.md``): the layers are quantised together, folded into the batch
+(``Segment.build_layers``: every statistic is per row, so the codes are the per-layer
+ones), the probe draw reads the key validity to the host once per prefill (not per layer and sample), and each
+layer makes one device read (whether anything left the important set, and the widest count).
+
 Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
 U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
 
@@ -80,7 +87,7 @@ from ..hooks import attach
 from ..hooks.attention import row_attention
 from ..registry import PRUNERS
 from ._common import topk_keep
-from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec
+from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, Segment
 from ._zipvl_ops import (
     key_validity,
     mass_count,
@@ -302,15 +309,10 @@ class ZipVL(Pruner):
             for g, grp in enumerate(state.groups):
                 layers = [i for i in range(n_layers) if state.group_of(i) == g]
                 lays = [state.cache.layers[i] for i in layers]
-                quantised = MixedPrecisionKVLayer.from_dense_layers(
-                    [lay.keys for lay in lays],
-                    [lay.values for lay in lays],
-                    grp.key_mask,
-                    [keeps[i] for i in layers],
-                    self.spec,
-                )
-                for i, q in zip(layers, quantised):
-                    state.cache.layers[i] = q
+                keys, values = [lay.keys for lay in lays], [lay.values for lay in lays]
+                built = Segment.build_layers(keys, values, grp.key_mask, [keeps[i] for i in layers], self.spec)
+                for i, k, v, (seg, nbytes) in zip(layers, keys, values, built):
+                    state.cache.layers[i] = MixedPrecisionKVLayer.of_segment(k, v, seg, self.spec, nbytes)
         state.accounting.vision_override = vis_kept_f.to(state.groups[0].key_mask.device)
         kv = state.kv_bytes_per_sample()
         state.stats[self.name] = {
