@@ -487,10 +487,16 @@ class LMRunner:
         # static) or each segment as one captured graph per shape where no Python of a method runs inside it
         if self.static_reserve is not None and self._block_prefill_blocker is _UNCHECKED:  # hooks are set: once a block
             self._block_prefill_blocker = self.prefill_blocker()
-        padded = self.static_reserve is not None and not all_hidden and self._block_prefill_blocker is None
+        # every slot's hidden state (EAGLE-style drafts) comes back without the bucket's padding where the last
+        # layer group keeps every slot (no in-LLM pruning); with in-LLM pruning it takes the model's own forward
+        padded = (
+            self.static_reserve is not None
+            and not (all_hidden and self._select)
+            and self._block_prefill_blocker is None
+        )
         graph = padded and pool is not None and not self._prefill_refused
+        pad = -inputs.length % PREFILL_BUCKET if padded else 0
         if padded:
-            pad = -inputs.length % PREFILL_BUCKET
             inputs = inputs.pad_left(pad, self.pad_token_id, inputs.embeds.new_zeros(inputs.embeds.shape[-1]))
         bsz, length = inputs.input_ids.shape
         src = torch.arange(length, device=inputs.input_ids.device).expand(bsz, -1)
@@ -505,7 +511,7 @@ class LMRunner:
         state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
             if padded:
-                last = self._prefill_segments(state, graph)  # [B, 1, d]
+                full = self._prefill_segments(state, graph)[:, pad:]  # [B, T, d] after the final norm, unpadded
             else:
                 out = self.lm(
                     inputs_embeds=inputs.embeds,
@@ -514,13 +520,14 @@ class LMRunner:
                     **compat.cache_kwargs(state.cache),
                     use_cache=True,
                 )
-                last = out.last_hidden_state[:, -1:]  # [B, 1, d]; the last slot always survives pruning
+                full = out.last_hidden_state  # [B, T', d]; the last slot always survives pruning
         # what prefill computed, before KV policies trim the cache (FLOPs and equivalent tokens)
         state.accounting.prefill_tokens = state.tokens_per_layer()
         state.accounting.prefill_vision = state.vision_tokens_per_layer()
         for hook in self.prefill_hooks:
             hook(state)
-        return state, StepOutput(self.adapter.lm_head(last).float(), out.last_hidden_state if all_hidden else last)
+        last = full[:, -1:]  # [B, 1, d]
+        return state, StepOutput(self.adapter.lm_head(last).float(), full if all_hidden else last)
 
     def prefill_blocker(self) -> str | None:
         """Why the prefill does not run in fixed shapes, layer by layer (:meth:`_prefill_segments`): Qwen3-VL's
@@ -559,7 +566,8 @@ class LMRunner:
         layers from one in-LLM pruning layer to the next are a segment; between segments the pruners select
         eagerly (:meth:`_prune`, their kept length rounded up to PREFILL_BUCKET slots so that segment shapes
         repeat). With ``graph`` (the cache from the pool) a segment is one captured graph where
-        :meth:`_segment_blocker` finds nothing against it (:meth:`_segment`). Returns [B, 1, d]."""
+        :meth:`_segment_blocker` finds nothing against it (:meth:`_segment`). Returns [B, T, d] after the final
+        norm (T: the last layer group's slots)."""
         edges = [0, *sorted(self._select), self.n_layers]
         hidden = state.inputs.embeds  # [B, T, d]
         self._by_hand = True
@@ -578,7 +586,7 @@ class LMRunner:
         group's slot validity and positions; the mask is built inside it and the K/V written into the pool's
         buffers, so a later call whose cache takes the same buffers replays it. An attention probe inside
         it writes its record into the graph's memory: put back after each replay (the warm-up's stands for
-        the call that captures). Returns [B, T, d], or [B, 1, d] after the final norm for the last segment."""
+        the call that captures). Returns [B, T, d] (after the final norm for the last segment)."""
         cache, grp = state.cache, state.groups[state.group_of(layers.start)]
         length = hidden.shape[1]
         compat.bind_static(cache, self.adapter.text_config, hidden, length, layers)
@@ -636,7 +644,7 @@ class LMRunner:
     def _segment_forward(self, layers: range, inputs: _SegmentInputs) -> torch.Tensor:
         """``layers`` over ``inputs`` on the running state's cache, called as the text model calls them: the
         mask built from the slot validity on the device (causal among valid slots, each slot sees itself), the
-        rotary embeddings of the positions; the final norm after the last layer ([B, 1, d] at the last slot)."""
+        rotary embeddings of the positions; the final norm after the last layer."""
         hidden, valid, pos = inputs.hidden, inputs.key_mask, inputs.positions
         bsz, length = valid.shape
         causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()  # [T, T]
@@ -650,7 +658,7 @@ class LMRunner:
         for i in layers:
             hidden = compat.decoder_layer(self.adapter.layers[i], hidden, mask, emb, text_pos, cache)
         if layers.stop == self.n_layers:
-            return self.lm.norm(hidden)[:, -1:]
+            return self.lm.norm(hidden)
         return hidden
 
     @torch.inference_mode()

@@ -115,7 +115,9 @@ def test_static_trained_drafters_match_dynamic(name, captured, tiny_mm, images, 
 def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkeypatch, caplog):
     """Under captured steps (CUDA-graph semantics emulated) the drafter's accept step and its proposal (FLASH's
     one block, MSD's EAGLE-2 tree) are graphs of their own, replayed every cycle, with the dynamic cache's
-    tokens; a draft capture that raises leaves the draft's steps eager with one log line, tokens unchanged."""
+    tokens, and the target's prefill, which hands the draft every slot's hidden state, is a captured segment too
+    (its bucket's padding cut off the hidden states); a draft capture that raises leaves the draft's steps eager
+    with one log line, tokens unchanged."""
     from mmfast.pipeline import Session
     from mmfast.speculative import _eagle
     from mmfast.speculative._eagle_model import _model_dir, write_random_draft
@@ -131,6 +133,7 @@ def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkey
     with mmfast.apply(tiny_mm, recipe, compile="static") as s:
         res = s.generate(images[:2], prompts[:2], max_new_tokens=12, seed=0)
         graphs = dict(s.drafter._graphs)
+        assert any(key[1] == "prefill" for key in s.runner.pool.graphs)
         # a graph reads fixed addresses: weights, the draft's cache and rope table, the root buffer, its inputs
         dr, model = s.drafter, s.runner.adapter.model
         owned = [*model.parameters(), *model.buffers(), *dr.model.parameters(), dr.cache.k, dr.cache.v, dr._root]
