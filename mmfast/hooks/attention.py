@@ -311,16 +311,16 @@ class AttentionProbe:
             self.records[name] = ProbeRecord(probs, rr, q_len, k_len)
             self.time_s += time.perf_counter() - t0
 
-        # a captured prefill segment replays this recorder where its rows depend on shapes only, and puts the
-        # record its graph writes back after each replay
-        staged = rows_from_inputs and prefill_only and not shape_only
+        # a captured prefill segment replays this recorder where its rows depend on shapes only or are staged as
+        # the graph's input, and puts the record its graph writes back after each replay
+        stageable = rows_from_inputs and prefill_only and not shape_only
         record.mmfast_replayable = (  # type: ignore[attr-defined]
             Carried(
                 lambda: self.records.get(name),
                 lambda rec: self.records.__setitem__(name, rec),
-                (lambda length: self._stage(name, rows, length)) if staged else None,
+                (lambda length: self._stage(name, rows, length)) if stageable else None,
             )
-            if shape_only or staged
+            if shape_only or stageable
             else None
         )
         (hooks.prefill_recorders if prefill_only else hooks.recorders).append(record)
