@@ -12,7 +12,7 @@ from mmfast.config import load_recipe
 from mmfast.errors import ConfigError, IncompatibleRecipeError
 from mmfast.model import ASSETS
 from mmfast.pipeline import Session
-from mmfast.pruning import _kv_quant
+from mmfast.pruning import _kv_segment
 from mmfast.pruning._kv_quant import (
     MixedPrecisionKVLayer,
     QuantSpec,
@@ -289,7 +289,7 @@ def test_layers_quantised_together_equal_one_by_one(k_group, v_group):
 
     together = quantised()
     with pytest.MonkeyPatch.context() as mp:  # two layers folded, then one: the same layers
-        mp.setattr(_kv_quant, "FOLD_BYTES", 2 * bsz * heads * n * d * 4)
+        mp.setattr(_kv_segment, "FOLD_BYTES", 2 * bsz * heads * n * d * 4)
         assert all(
             torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(quantised(), together)
         )
