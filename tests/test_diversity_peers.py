@@ -425,6 +425,7 @@ def test_cdpruner_embedded_clip_tells_instructions_apart():
     """The CLIP the embedded model ships (clip/, no tokenizer files: trained on the LLaVA tokenizer)
     embeds two different instructions differently (a 2-token CLIP tokenizer gave cosine 1.0), and the
     relevance, hence the selection, follows the instruction."""
+    from mmfast.checkpoint import embedded_dir
     from mmfast.model import ASSETS
     from mmfast.pruning.cdpruner import relevance
     from mmfast.world import render_image
@@ -434,7 +435,7 @@ def test_cdpruner_embedded_clip_tells_instructions_apart():
     world = mmfast.load("mmfast/tiny-world", device="cpu")
     image = render_image(0, "val", 1).image
     asks = ["Is there a dog in the image?", "What color is the car on the left?"]
-    with _session(world, "cdpruner", keep=8, clip_model=str(ASSETS / "tiny-world" / "clip")) as s:
+    with _session(world, "cdpruner", keep=8, clip_model=str(embedded_dir() / "clip")) as s:
         pruner = s.pruners[0]
         assert pruner.clip.embedded and pruner.clip.tokenizer is world.tokenizer
         text = [pruner.instruction_embeddings(a) for a in asks]  # [1, D] each

@@ -3,9 +3,12 @@ method components (drafts, predictors, HICom's global branch) load and stay loss
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import mmfast
+from mmfast.checkpoint import embedded_dir
 from mmfast.config import load_recipe
 from mmfast.model import ASSETS
 from mmfast.pipeline import Session
@@ -31,7 +34,10 @@ def test_geometry_and_offline_load(world_mm):
     assert cfg.vision_config.image_size // cfg.vision_config.patch_size == 24
     assert cfg.vision_feature_layer == -2 and world_mm.adapter.n_image_tokens == 576
     assert world_mm.model.config.model_type == "llava"
-    assert (MODEL / "model.safetensors").is_file() and not list(MODEL.glob("*.bin"))
+    # the package ships the weights packed (mmfast/weights_pack.py); the model loads from their unpacked copy
+    loaded = Path(world_mm.model.name_or_path)
+    assert (MODEL / "weights.pack.xz").is_file() and not list(MODEL.rglob("*.safetensors"))
+    assert loaded == embedded_dir() and (loaded / "model.safetensors").is_file() and not list(loaded.glob("*.bin"))
 
 
 def test_answers_object_questions(world_mm):

@@ -312,7 +312,7 @@ def train_draft(
     """Generate (or reuse) the self-distilled data and train a ``kind`` draft; returns the output directory."""
     import mmfast
 
-    from ..speculative._eagle_model import _model_dir
+    from ..checkpoint import source_dir
 
     if kind not in ("msd", "flash"):
         raise ValueError(f"unknown draft {kind!r} (msd | flash)")
@@ -326,7 +326,7 @@ def train_draft(
     mm.model.requires_grad_(False)
     bind_work_dir(work, mm.model)
     if out is None:
-        d = _model_dir(mm)
+        d = source_dir(model_name)
         if d is None:
             raise ValueError(f"{model_name} is not a local directory; pass --out")
         out = d / kind

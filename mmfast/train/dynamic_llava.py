@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..checkpoint import source_dir
 from ..hooks import HookSession, attach
 from ..pruning._dynamic_llava_modules import Predictors, PredictorSpec, gather_rows, save_predictors, tau_at
 from .common import bind_work_dir, cosine_lr, load_checkpoint, save_checkpoint, seed_everything
@@ -279,7 +280,9 @@ def train_dynamic_llava(
     model_dir = _resolve_model(model)
     if cfg.llm_lr > 0 and model_out is None:
         raise ValueError("llm_lr > 0 tunes the LLM: pass model_out, the directory for the tuned model")
-    out = Path(out_dir) if out_dir else (Path(model_out) if model_out else model_dir) / PREDICTOR_DIR
+    out = (
+        Path(out_dir) if out_dir else (Path(model_out) if model_out else source_dir(model) or model_dir) / PREDICTOR_DIR
+    )
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps({**asdict(cfg), "model": str(model_dir)}, indent=1))

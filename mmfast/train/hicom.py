@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..pruning._hicom_guide import ClipGuide, guide_text, load_clip_guide, model_dir
+from ..checkpoint import source_dir
+from ..pruning._hicom_guide import ClipGuide, guide_text, load_clip_guide
 from ..pruning._hicom_modules import (
     GLOBAL_WEIGHTS,
     GlobalCompressor,
@@ -158,7 +159,7 @@ def train_hicom_global(
     mm = mmfast.load(model, device="cpu", dtype="float32")
     bind_work_dir(work, mm.model)
     if out is None:
-        d = model_dir(mm.model)
+        d = source_dir(model)
         if d is None:
             raise ValueError(f"{model} is not a local directory; pass --out")
         out = d / GLOBAL_WEIGHTS
