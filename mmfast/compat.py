@@ -429,12 +429,13 @@ class StaticSlotLayer(CacheLayerMixin):
         self._first_buffers(key_states, value_states, int(key_states.shape[2]))
         self.length = 0
 
-    def _first_buffers(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+    def _first_buffers(self, keys: torch.Tensor, values: torch.Tensor, n: int, zero: bool = True) -> bool:
         """This layer's first buffers, for ``n`` slots plus the reserve: the pool's (the previous call's)
-        when they fit, else new zeroed ones (with a pool: the capacity rounded up to its granularity)."""
+        when they fit, zeroed unless not ``zero`` (the caller zeroes them; returns True), else new zeroed ones
+        (with a pool: the capacity rounded up to its granularity)."""
         pool, self._pool = self._pool, None
         batch, need = int(keys.shape[0]), n + self.reserve
-        kept = None if pool is None else pool.take(self._index, keys, values, need)
+        kept = None if pool is None else pool.take(self._index, keys, values, need, zero=zero)
         if kept is not None:
             self._k, self._v, self._pos = kept
         else:
@@ -443,6 +444,7 @@ class StaticSlotLayer(CacheLayerMixin):
             self._pos = torch.zeros((), dtype=torch.long, device=keys.device)
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
+        return kept is not None
 
     def _grow(self, cap: int) -> None:
         """Reallocate to ``cap`` slots, keeping the held ones."""
@@ -572,10 +574,11 @@ class StaticBufferPool:
         return -(-need // g) * g
 
     def take(
-        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, need: int
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, need: int, zero: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Layer ``layer_idx``'s kept buffers, zeroed, if they fit ``keys`` / ``values`` ([B, Hkv, T, D])
-        and ``need`` slots; None otherwise (what was kept for the layer is let go)."""
+        """Layer ``layer_idx``'s kept buffers, zeroed (unless not ``zero``: the caller zeroes them), if they fit
+        ``keys`` / ``values`` ([B, Hkv, T, D]) and ``need`` slots; None otherwise (what was kept for the layer is
+        let go)."""
         kept = self._kept.pop(layer_idx, None)
         if kept is None:
             return None
@@ -592,9 +595,10 @@ class StaticBufferPool:
             and need <= cap
             and (self.loose or cap <= max(self.capacity(need), need + need // 2))
         ):
-            k.zero_()
-            v.zero_()
-            pos.zero_()
+            if zero:
+                k.zero_()
+                v.zero_()
+                pos.zero_()
             return kept
         # the graphs on these buffers go with them; those this call captured on new buffers (its earlier
         # prefill segments) stay
@@ -662,9 +666,12 @@ def bind_static(cache, config, like: torch.Tensor, n: int, layers: range | None 
     heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     kv = like.new_empty(like.shape[0], heads, 0, head_dim)  # [B, Hkv, 0, D]
+    stale: list[torch.Tensor] = []  # the pool's buffers (the last call's): zeroed in one launch, not 3 per layer
     for lay in _layers(cache, layers):
-        if lay._k is None:
-            lay._first_buffers(kv, kv, n)  # nothing held yet: write index 0
+        if lay._k is None and lay._first_buffers(kv, kv, n, zero=False):  # nothing held yet: write index 0
+            stale += [lay._k, lay._v, lay._pos]
+    if stale:
+        torch._foreach_zero_(stale)
 
 
 def set_static_lengths(cache, n: int, *, device: bool = False, layers: range | None = None) -> None:

@@ -370,7 +370,8 @@ class ModelConfig:
     compile: Literal["off", "static", "auto"] = opt(
         "auto",
         doc="decode on a static KV cache with fixed-shape steps: auto (on CUDA each step one captured CUDA "
-        "graph; the dynamic cache where a method's step cannot be captured, and on other devices), static "
+        "graph; the dynamic cache where a method's step cannot be captured, except for one-token calls, and on other "
+        "devices), static "
         "(eager static steps on any device), off (the dynamic cache); methods whose decode hooks need the "
         "dynamic cache fall back to it with a logged reason. auto on CUDA also captures the prefill (in segments "
         "between in-LLM pruning layers) and a LLaVA-style vision tower, where no method's Python runs inside them",

@@ -21,6 +21,7 @@ import torch
 
 from .errors import InputError
 from .models.base import LMInputs, VisionBatch, build_lm_inputs
+from .models.captured_tower import eager_call
 
 if TYPE_CHECKING:
     from .hooks import AttentionProbe, HookSession
@@ -60,6 +61,10 @@ class MethodContext:
     encode: Callable[[PreparedBatch], VisionBatch]
     #: samples token budgets are calibrated on (``pruning._budget.CalibrationSet``; None: the default set)
     calibration_set: Any = None
+    #: ``captured(key, fn, *tensors)``: a pure function of tensors (a pruner's selection) run as a captured graph
+    #: where the session captures (:class:`~mmfast.models.captured_tower.CapturedCalls`), else eagerly; ``key``
+    #: holds everything else ``fn`` depends on
+    captured: Callable[..., torch.Tensor] = eager_call
 
     @classmethod
     def of(

@@ -42,7 +42,7 @@ from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .hooks import AttentionProbe, HookSession
 from .inputs import PreparedBatch, VisionItem
 from .models.base import LMInputs, VisionBatch
-from .models.captured_tower import CapturedTower
+from .models.captured_tower import SELECTION_GRAPHS, CapturedCalls, CapturedTower
 from .models.fused_norms import install_fused_norms
 from .models.qwen_tower import install_fused_tower
 from .pruning._budget import ImageBudget, calibrate_once, calibration_key, fixed_vision_tokens
@@ -131,6 +131,10 @@ class Session:
                 install_fused_tower(self.adapter, self.hooks)
             if recipe.model.fuse_norms:
                 install_fused_norms(self.adapter.language_model, self.hooks)
+            # pruners' selections (pure functions of tensors) are captured graphs where the session captures
+            self.ctx.captured = CapturedCalls(
+                self.runner, self._tower_capture_factory, "pruners' selections run", max_graphs=SELECTION_GRAPHS
+            )
             if hasattr(self.adapter, "tower_layers"):  # a fixed-size pixel tower: captured where the session captures
                 tower = CapturedTower(self.adapter.vision_tower, self.runner, self._tower_capture_factory)
                 self.hooks.set_attr(self.adapter, "tower_graphs", tower)
@@ -577,6 +581,8 @@ class Session:
         reason = static_cache_blocker(methods)
         if reason is None and mode == "auto":  # eager static steps gain nothing over the dynamic cache
             blocker = self.runner.capture_blocker()
+            if blocker is not None and req.max_new_tokens == 1 and self.runner.prefill_graph_blocker() is None:
+                blocker = None  # no decode step: the one-token call gains the captured prefill (TTFT) and loses nothing
             if blocker is not None:  # the method that declared it, and why (Capabilities.eager_decode)
                 declared = next((f"; {where}: {c.eager_decode}" for where, c in methods if c.eager_decode), "")
                 reason = f"no captured graph: {blocker}{declared}"
@@ -610,6 +616,8 @@ class Session:
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
         self.runner.release()
+        if isinstance(self.ctx.captured, CapturedCalls):
+            self.ctx.captured.graphs.clear()  # their memory goes with the session, as the runner's
         self.hooks.close()
 
     def __enter__(self) -> Session:

@@ -544,6 +544,14 @@ class LMRunner:
             return None
         return self._segment_blocker(range(self.n_layers))[0]
 
+    def prefill_graph_blocker(self) -> str | None:
+        """Why a static prefill of this session would not run as captured segments (None: every segment would)."""
+        blocker = self.prefill_blocker()
+        edges = [0, *sorted(self._select), self.n_layers]
+        for a, b in zip(edges, edges[1:]):
+            blocker = blocker or self._segment_blocker(range(a, b))[0]
+        return blocker
+
     def _segment_blocker(self, layers: range) -> tuple[str | None, list[Carried]]:
         """Why the prefill's ``layers`` (the final norm with the last) cannot be one captured graph (None: they
         can), and the results their recorders carry across a replay; once per static block (hooks are set by

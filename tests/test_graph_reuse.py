@@ -364,20 +364,20 @@ def test_the_vision_tower_is_one_captured_graph_per_pixel_shape(captured, tiny_m
 
 
 def test_a_tower_with_a_methods_probe_runs_eagerly(captured, tiny_mm, images, prompts, caplog):
-    """VisionZip reads the tower's CLS attention through a probe (Python inside the tower): not captured, said
-    once; its tokens still equal the dynamic cache's."""
+    """MustDrop merges inside the tower by thresholds (a replaced forward whose shapes depend on the data): the
+    tower is not captured, said once; its tokens still equal the dynamic cache's."""
     import logging
 
     from mmfast.registry import PRUNERS
 
-    recipe = {"pruning": [{"method": "visionzip", "params": PRUNERS.get("visionzip").cls.test_params(tiny_mm.adapter)}]}
+    recipe = {"pruning": [{"method": "mustdrop", "params": PRUNERS.get("mustdrop").cls.test_params(tiny_mm.adapter)}]}
     with caplog.at_level(logging.INFO, logger="mmfast.models.captured_tower"):
         with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
             got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=4, seed=0)]
             assert not s.adapter.tower_graphs.graphs
     assert got == _dynamic(tiny_mm, recipe, images[:2], prompts[:2], 4)
     lines = [r.getMessage() for r in caplog.records if "vision tower runs without" in r.getMessage()]
-    assert len(lines) == 1 and "attention probes" in lines[0], lines
+    assert len(lines) == 1 and "a replaced forward" in lines[0], lines
 
 
 def test_the_tower_keeps_a_few_shapes():
@@ -393,4 +393,112 @@ def test_the_tower_keeps_a_few_shapes():
     for n in [1, 2, 3, 4, 1, 5]:
         x = torch.randn(n, 2)
         assert torch.equal(tower(lambda t: t * 2 + 1, x), x * 2 + 1)
-    assert [k[0][0] for k in tower.graphs] == [3, 4, 1, 5][-MAX_GRAPHS:]
+    assert [k[1][0][0] for k in tower.graphs] == [3, 4, 1, 5][-MAX_GRAPHS:]  # (key, (shape, dtype, device))
+
+
+@pytest.mark.parametrize("name", ["divprune", "cdpruner", "pyramiddrop"])
+def test_a_pruners_selection_is_one_captured_graph(name, captured, tiny_mm, images, prompts):
+    """DivPrune's and CDPruner's selections (the distance / DPP kernel and the greedy pick loop) and PyramidDrop's
+    scoring (the last instruction token's attention, recomputed at each stage) run through
+    ``MethodContext.captured``: one graph per key and input shape, captured by the first image (stage) and replayed
+    for every other of this call and the next, tokens equal to the dynamic cache's (whose selection ran eagerly)."""
+    from mmfast.registry import PRUNERS
+
+    recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
+    runs = [(images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])]
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=4, seed=0)] for imgs, ps in runs]
+        graphs = dict(s.ctx.captured.graphs)
+    assert got == [_dynamic(tiny_mm, recipe, imgs, ps, 4) for imgs, ps in runs]
+    if name == PDROP:  # a graph per stage (both calls' prompts fill one prefill bucket): captured, then replayed
+        assert {key[0][0] for key in graphs} == {PDROP} and len(graphs) == len(s.runner._select)
+        assert all(c.graph.replays == 1 for c in graphs.values())
+        return
+    assert len(graphs) == 1 and next(iter(graphs.values())).graph.replays == 3  # images 2-4 of the 4
+
+
+@pytest.mark.parametrize("name", ["divprune", "cdpruner", "cdpruner.tile"])
+def test_a_replayed_selection_equals_the_eager_one(name):
+    """The selection functions replayed on new inputs (CUDA-graph semantics: nothing computed in Python at
+    capture is reused) pick what an eager call picks, on inputs whose picks differ from the captured ones'."""
+    from functools import partial
+
+    from mmfast.models.captured_tower import CapturedCalls
+    from mmfast.pruning.cdpruner import dpp_picks, dpp_rows
+    from mmfast.pruning.divprune import diverse_rows
+    from mmfast.runtime import LMRunner
+
+    fn = {
+        "divprune": partial(diverse_rows, k=7),
+        "cdpruner": partial(dpp_rows, k=7, negate=False, theta=None),
+        "cdpruner.tile": partial(dpp_picks, k=7),
+    }[name]
+    shapes = {"divprune": [(40, 16)], "cdpruner": [(40, 16), (40, 12), (2, 12)], "cdpruner.tile": [(40, 16), (40,)]}
+    runner = LMRunner.__new__(LMRunner)  # replay_or_capture needs only the capture-time counter
+    runner.capture_s = 0.0
+    calls = CapturedCalls(runner, lambda: Counted, "test selections run")
+    picks = []
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        inputs = [torch.rand(sh, generator=g) + (0.1 if len(sh) == 1 else 0.0) for sh in shapes[name]]
+        got = calls((name,), fn, *inputs)
+        assert torch.equal(got, fn(*inputs))
+        picks.append(got.tolist())
+    assert picks[0] != picks[1] != picks[2]
+    assert next(iter(calls.graphs.values())).graph.replays == 2
+
+
+@pytest.mark.parametrize("name", ["tome", "visionzip"])
+def test_a_tower_with_shape_only_hooks_is_one_captured_graph(name, captured, tiny_mm, images, prompts):
+    """ToMe's merges (a replaced layer forward, a key recorder, the proportional-attention override, a reset
+    pre-hook) and VisionZip's CLS-row probe and key recorder depend on shapes only: the tower runs with them as
+    captured graphs, and what the feature stage reads (ToMe's provenance and sizes, VisionZip's CLS attention and
+    keys) comes back from each replay. Batches of two pixel shapes, interleaved (A, B, A: the third replays A's
+    graph after B's ran), give the eager tower's pruned features, patch ids (and ToMe's token sizes), and
+    generate the dynamic cache's tokens."""
+    from mmfast.registry import PRUNERS
+
+    recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
+    runs = [(images[:2], prompts[:2]), (images[2:3], prompts[:1]), (images[1:3], [prompts[1], prompts[0]])]
+
+    def encoded(s):
+        out = []
+        for imgs, ps in runs:
+            v = s.encode(tiny_mm.prepare(imgs, ps))
+            out.append((v.features, v.patch_ids, v.extras.get("tome.size", [])))
+        return out
+
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="off") as s:
+        want = encoded(s)
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        got = encoded(s)
+        towers = dict(s.adapter.tower_graphs.graphs)
+        tokens = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=4, seed=0)] for imgs, ps in runs]
+    assert len(towers) == 2 and sorted(c.graph.replays for c in towers.values()) == [1, 3]  # B once, A thrice
+    assert not torch.equal(want[0][1][0], want[2][1][0])  # the batches merge differently
+    for (wf, wi, ws), (gf, gi, gs) in zip(want, got):
+        for a, b in [*zip(wf, gf), *zip(wi, gi), *zip(ws, gs)]:
+            assert torch.equal(a, b)
+    assert tokens == [_dynamic(tiny_mm, recipe, imgs, ps, 4) for imgs, ps in runs]
+
+
+def test_hicoms_guided_tower_is_captured_and_its_hook_carried(captured, tiny_mm, images, prompts):
+    """HICom reads the last vision layer's output through a forward hook (shape-only): the tower is captured and
+    the output the guide compares with the text comes back from each replay (the kept features equal the eager
+    tower's over interleaved batch shapes)."""
+    from mmfast.registry import PRUNERS
+
+    recipe = {"pruning": [{"method": "hicom", "params": PRUNERS.get("hicom").cls.test_params(tiny_mm.adapter)}]}
+    runs = [(images[:2], prompts[:2]), (images[2:3], prompts[:1]), (images[1:3], [prompts[1], prompts[0]])]
+
+    def encoded(s):
+        return [s.encode(tiny_mm.prepare(imgs, ps)).features for imgs, ps in runs]
+
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="off") as s:
+        want = encoded(s)
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        got = encoded(s)
+        towers = dict(s.adapter.tower_graphs.graphs)
+    assert len(towers) == 2
+    for w, g in zip(want, got):
+        assert all(torch.equal(a, b) for a, b in zip(w, g))

@@ -344,6 +344,34 @@ def test_auto_captures_or_keeps_the_dynamic_cache(tiny_mm, images, prompts, padd
     assert "decoding (vhr): its o_proj pre-hooks" in lines[0]
 
 
+def test_auto_captures_a_one_token_calls_prefill_when_its_steps_cannot_be(
+    tiny_mm, images, prompts, padded_steps, monkeypatch, caplog
+):
+    """Dynamic-LLaVA's text predictor decides at every decode step (its steps are not captured: a longer call
+    decodes on the dynamic cache, said once), but a one-token call (a POPE answer, a TTFT) has no decode step:
+    under auto it takes the static cache and prefills in captured segments. Tokens equal the dynamic cache's."""
+    from mmfast.pipeline import Session
+
+    monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph if self._captures() else None)
+    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
+    dl = {"pruning": [_stage("dynamic_llava", tiny_mm)]}
+    ReplayGraph.made = []
+    with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
+        assert _tokens(tiny_mm, dl, images, prompts, "auto", n=1) == _tokens(tiny_mm, dl, images, prompts, "off", n=1)
+        made = len(ReplayGraph.made)
+        assert made > 0 and padded_steps[0] == 0  # the prefill's segments; no step
+        assert _tokens(tiny_mm, dl, images, prompts, "auto", n=4) == _tokens(tiny_mm, dl, images, prompts, "off", n=4)
+    assert len(ReplayGraph.made) == made and padded_steps[0] == 0  # the dynamic cache, no graph
+    lines = [r.getMessage() for r in caplog.records if "dynamic KV cache" in r.getMessage()]
+    assert len(lines) == 1 and "no captured graph: decode hooks" in lines[0]
+    # where the prefill's segments cannot be captured either (VHR's pre-hooks on every layer), no static cache
+    with mmfast.apply(tiny_mm, load_recipe(SERVED["vhr"]), compile="auto") as s:
+        assert s.runner.prefill_graph_blocker() is not None
+        s.generate(images[:2], prompts[:2], max_new_tokens=1)
+    assert len(ReplayGraph.made) == made
+
+
 def test_recipe_key_and_api_value_are_checked():
     assert load_recipe({"model": {"compile": "static"}}).model.compile == "static"
     with pytest.raises(ConfigError) as err:
@@ -557,8 +585,9 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
         s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)
         model = s.runner.adapter.model
         allowed.update(t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()])
-        # the vision tower's graph reads its static pixels
-        allowed.update(c.static.untyped_storage().data_ptr() for c in s.adapter.tower_graphs.graphs.values())
+        # the vision tower's and the selections' (PyramidDrop's scoring) graphs read their static inputs
+        graphs = [*s.adapter.tower_graphs.graphs.values(), *s.ctx.captured.graphs.values()]
+        allowed.update(t.untyped_storage().data_ptr() for c in graphs for t in c.static.inputs)
     inputs = [t for g in EmulatedGraph.made for t in g.inputs]
     assert inputs and sum(g.replays for g in EmulatedGraph.made) >= 5
     strays = [(tuple(t.shape), t.dtype) for t in inputs if t.untyped_storage().data_ptr() not in allowed]

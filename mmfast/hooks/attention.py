@@ -170,8 +170,9 @@ def cls_row(q_len: int, k_len: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Carried:
-    """How a prefill recorder's result crosses a captured prefill segment (``LMRunner._segment``). Set as the
-    recorder's ``mmfast_replayable`` by a recorder whose work depends on shapes only (so the segment's graph
+    """How a hook's result crosses a captured graph (a prefill segment: ``LMRunner._segment``; the vision
+    tower: ``CapturedTower``). Set as the hook's ``mmfast_replayable`` (:func:`replayable`) by a recorder,
+    override, forward hook, replaced forward or pre-hook whose work depends on shapes only (so the graph
     redoes it at each replay, into the memory it wrote while captured): ``get()`` reads the result the last
     run left where its reader looks, ``put(result)`` puts one back there (after a replay: the graph's; after
     the capture: the warm-up's, the one this call computed)."""
@@ -185,6 +186,17 @@ class Carried:
     stage: Callable[[int | None], Hashable] | None = None
 
 
+def replayable(fn: Callable, carried: Carried) -> Callable:
+    """``fn`` (a hook whose work depends on shapes only) as one a captured graph may replay: its result, which
+    ``carried`` reads and puts back, crosses the replays."""
+
+    def hook(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    hook.mmfast_replayable = carried  # type: ignore[attr-defined]
+    return hook
+
+
 def capture_blocker(
     modules: Iterable[nn.Module],
     where: str,
@@ -194,24 +206,36 @@ def capture_blocker(
 ) -> str | None:
     """Why ``modules`` (with their submodules) cannot run as one captured graph (None: they can): a method's
     Python inside them, which a replay would not run. Blocks a pre-hook that is not ``own``, a forward hook that
-    is not inert, an attention override or a recorder acting in every forward, and a prefill recorder, unless
-    ``carried`` is given and the recorder carries a :class:`Carried` (then appended to it: the caller puts its
-    result back after each replay). ``where`` names the modules in the reason."""
+    is not inert, an instance ``forward`` not marked ``mmfast_graph_safe`` (pure tensor work of shapes only), an
+    attention override or a recorder (of every forward or of the prefill), unless ``carried`` is given and the
+    hook carries a :class:`Carried` as its ``mmfast_replayable`` (its work depends on shapes only; the Carried is
+    appended to ``carried`` once: the caller puts its result back after each replay).
+    ``where`` names the modules in the reason."""
+
+    def carries(fn: Callable) -> bool:  # a hook whose work depends on shapes only, its result carried across
+        replay = getattr(fn, "mmfast_replayable", None)
+        if carried is None or replay is None:
+            return False
+        if not any(c is replay for c in carried):
+            carried.append(replay)
+        return True
+
     for m in (sub for mod in modules for sub in mod.modules()):
-        if any(not own(h) for h in m._forward_pre_hooks.values()):
+        if any(not own(h) and not carries(h) for h in m._forward_pre_hooks.values()):
             return f"hooks on {where}"
-        if any(not compat.is_inert_output_hook(h) for h in m._forward_hooks.values()):
+        forward = m.__dict__.get("forward")  # an instance forward set by a method (``HookSession.set_attr``)
+        if forward is not None and not getattr(forward, "mmfast_graph_safe", False) and not carries(forward):
+            return f"a replaced forward on {where}"
+        if any(not compat.is_inert_output_hook(h) and not carries(h) for h in m._forward_hooks.values()):
             return f"hooks on {where}"
         hooks = getattr(m, "_mmfast_attn", None)
         if hooks is None:
             continue
-        if hooks.override is not None or hooks.recorders:
+        every = [*([hooks.override] if hooks.override is not None else []), *hooks.recorders]
+        if any(not carries(fn) for fn in every):
             return f"attention probes, recorders or overrides acting in every forward, on {where}"
-        for rec in hooks.prefill_recorders:
-            replay = getattr(rec, "mmfast_replayable", None)
-            if carried is None or replay is None:
-                return f"attention probes or recorders whose work depends on the batch, on {where}"
-            carried.append(replay)
+        if any(not carries(rec) for rec in hooks.prefill_recorders):
+            return f"attention probes or recorders whose work depends on the batch, on {where}"
     return None
 
 

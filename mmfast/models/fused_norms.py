@@ -92,4 +92,5 @@ def _bound(fused: Any, module: nn.Module) -> Any:
         return fused(module, hidden)
 
     forward.mmfast_fused_norm = True  # type: ignore[attr-defined]
+    forward.mmfast_graph_safe = True  # type: ignore[attr-defined]  (a captured graph may run it)
     return forward

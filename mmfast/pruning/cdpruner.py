@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -140,13 +141,28 @@ def greedy_map(kernel: torch.Tensor, k: int) -> torch.Tensor:
     for i in range(k):  # each pick stays on the device (indexing with a 0-d tensor would sync per pick)
         j = di2s.argmax(dim=0, keepdim=True)  # [1]
         picks.append(j)
-        eis = (kernel.index_select(0, j)[0] - cis[:i].index_select(1, j)[:, 0] @ cis[:i]) / di2s.index_select(
-            0, j
-        ).sqrt()  # [N]
+        row = kernel.index_select(0, j)  # [1, N]
+        if i > 0:  # c_j^T C: [1, i] @ [i, N] (the first pick subtracts nothing)
+            row = row - cis[:i].index_select(1, j)[:, 0].unsqueeze(0) @ cis[:i]
+        eis = row[0] / di2s.index_select(0, j).sqrt()  # [N]
         cis[i] = eis
         di2s = di2s - eis.square()
         di2s.index_fill_(0, j, -math.inf)
     return torch.cat(picks) if picks else torch.empty(0, dtype=torch.long, device=kernel.device)
+
+
+def dpp_picks(tokens: torch.Tensor, rel: torch.Tensor, k: int) -> torch.Tensor:
+    """[k] picks (in pick order) of the DPP with kernel diag(rel) S diag(rel) over ``tokens`` [N, d]."""
+    return greedy_map(dpp_kernel(tokens, rel), k)
+
+
+def dpp_rows(
+    tokens: torch.Tensor, image: torch.Tensor, text: torch.Tensor, k: int, negate: bool, theta: float | None
+) -> torch.Tensor:
+    """[k] rows of ``tokens`` [N, d] that CDPruner keeps, in their original order: relevance of ``image`` [N, D]
+    to ``text`` [M, D], the kernel, the greedy MAP (one captured graph where the session captures:
+    ``MethodContext.captured``; the 64-pick loop is ~770 kernels launched one by one otherwise)."""
+    return dpp_picks(tokens, relevance(image, text, negate=negate, theta=theta), k).sort().values
 
 
 def max_tiles(adapter) -> int:
@@ -294,13 +310,10 @@ class CDPruner(Pruner):
             if k >= n:
                 continue
             vision.projected[i] = projected[i]
-            rel = relevance(
-                self.image_embeddings(vision, i, projected[i]),
-                t.to(projected[i].device),
-                negate=self.negate(),
-                theta=cfg.theta,
-            )
-            select_image_rows(vision, i, greedy_map(dpp_kernel(projected[i], rel), k).sort().values)
+            image, neg = self.image_embeddings(vision, i, projected[i]), self.negate()
+            select = partial(dpp_rows, k=k, negate=neg, theta=cfg.theta)
+            rows = self.ctx.captured(("cdpruner", k, neg, cfg.theta), select, projected[i], image, t.to(image.device))
+            select_image_rows(vision, i, rows)
         vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
         return vision
 
@@ -325,7 +338,8 @@ class CDPruner(Pruner):
         emb = tiles.reshape(n_t * n, -1) if self.clip is None else self.image_embeddings(vision, i, None)
         rel = relevance(emb, text.to(feats.device), negate=self.negate(), theta=self.config.theta).reshape(n_t, n)
         mask = torch.zeros(n_t, n, dtype=torch.bool, device=feats.device)
+        pick = partial(dpp_picks, k=self.config.keep)
         for t in range(n_t):
-            mask[t, greedy_map(dpp_kernel(tiles[t], rel[t]), self.config.keep)] = True
+            mask[t, self.ctx.captured(("cdpruner.tile", self.config.keep), pick, tiles[t], rel[t])] = True
         keep = (slot == 0) | mask.flatten()[(slot - 1).clamp(min=0)]  # [L]
         select_image_rows(vision, i, keep.nonzero().squeeze(1).to(vision.projected[i].device))

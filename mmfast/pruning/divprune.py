@@ -18,7 +18,9 @@ the ``image_newline`` row separators, ``image_features[0]``) as the candidate se
 tokens are selected or dropped like any other token; mmfast does the same on ``VisionBatch.projected``.
 
 Hook points: ``vision_features`` only (the LLaVA projector is run here, per image, exactly as the
-splicing step would run it; the projected rows then travel in ``VisionBatch.projected``).
+splicing step would run it; the projected rows then travel in ``VisionBatch.projected``). The
+distance matrix and the 64-pick loop run as one captured graph where the session captures
+(``MethodContext.captured``; ~190 kernels launched one by one otherwise).
 Positions: the kept tokens are spliced contiguously (the release drops them from ``inputs_embeds``
 with ``position_ids`` None, so positions are renumbered too).
 
@@ -40,6 +42,7 @@ for either (LLaVA).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -77,6 +80,12 @@ def max_min_select(dist: torch.Tensor, k: int) -> torch.Tensor:
         picks.append(j)
         torch.minimum(closest, dist.index_select(0, j), out=closest)
     return torch.cat(picks)
+
+
+def diverse_rows(tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """[k] rows of ``tokens`` [N, d] that DivPrune keeps, in their original order (one captured graph where the
+    session captures: ``MethodContext.captured``)."""
+    return max_min_select(cosine_distance(tokens), k).sort().values
 
 
 def select_image_rows(vision, i: int, rows: torch.Tensor) -> None:
@@ -137,7 +146,7 @@ class DivPrune(Pruner):
             if k >= n:
                 continue
             vision.projected[i] = projected[i]
-            rows = max_min_select(cosine_distance(projected[i]), k).sort().values  # original order
+            rows = self.ctx.captured(("divprune", k), partial(diverse_rows, k=k), projected[i])
             select_image_rows(vision, i, rows)
         vision.stats[self.name] = {"per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size)}
         return vision

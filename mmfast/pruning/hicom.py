@@ -25,7 +25,8 @@ Algorithm (per prompt; its images are the frames of one clip unless ``frames: im
 4. Tokens: local in (t, h, w) raster order, then global, in the prompt's first image slot; the
    prompt's other frame slots get zero tokens (``build_lm_inputs`` accepts empty images).
 
-Hook points: a forward hook on the last vision layer (reads its output), ``vision_features``.
+Hook points: a forward hook on the last vision layer (reads its output; shape-only, so the tower still runs
+as a captured graph where the session captures, the output carried across replays), ``vision_features``.
 Positions: contiguous (feature stage). With the global branch, ``projected`` holds
 [projector(local); global tokens] and ``features`` [local; query + attn] (pre-readout).
 
@@ -90,6 +91,7 @@ import torch
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
+from ..hooks.attention import Carried, replayable
 from ..models.base import VisionBatch
 from ..models.features import has
 from ..registry import PRUNERS
@@ -225,8 +227,9 @@ class HICom(Pruner):
         d = model_dir(model)
         if has(features, Need.UNTILED):  # images (LLaVA-1.5): the CLIP guide
             self.clip = load_clip_guide(cfg.clip_model, model, self.ctx.tokenizer)
-            if self._guided():
-                self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], self._record_last)
+            if self._guided():  # shape-only: the tower may still run as a captured graph, the output carried
+                carried = Carried(lambda: self._last_hidden, lambda h: setattr(self, "_last_hidden", h.clone()))
+                self.ctx.hooks.forward_hook(self.adapter.vision_layers[-1], replayable(self._record_last, carried))
         if features.video:  # video (OneVision): the SigLIP guide (local weights and the global queries)
             vc = self.adapter.vision_config
             self.siglip = load_siglip_guide(

@@ -57,6 +57,7 @@ for which the release gives no rule. Each image keeps int(N_i r_s), a budget's l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -203,15 +204,13 @@ class PyramidDrop(Pruner):
             self.ctx.runner.prune_at(layer, self._make_select(s, layer), compact=compact, ref_layer=paper)
 
     def _make_select(self, stage: int, layer: int):
+        score = partial(last_token_attention, self.adapter.layers[layer], self.adapter.language_model.rotary_emb)
+
         def select(view) -> torch.Tensor:
             state = view.state
-            scores = last_token_attention(
-                self.adapter.layers[layer],
-                self.adapter.language_model.rotary_emb,
-                view.hidden,
-                self.adapter.lm_position_ids(view.group.positions),
-                view.group.key_mask,
-            )  # [B, T]
+            positions = self.adapter.lm_position_ids(view.group.positions)
+            # one captured graph per stage and shape where the session captures (~90 ops launched one by one)
+            scores = self.ctx.captured(("pyramiddrop", layer), score, view.hidden, positions, view.group.key_mask)
             src = view.group.source
             image = state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
             image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere

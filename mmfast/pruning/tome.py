@@ -23,7 +23,10 @@ same block, where no module boundary exists, so neither a forward hook nor a pre
 the replacement computes exactly what transformers' ``CLIPEncoderLayer.forward`` computes, plus the
 merge); a recorder on each merging block's attention for the keys, and an attention override that
 adds log(size) as an additive mask (no eager attention); a pre-hook on vision layer 0 resets the
-per-forward state. ``prune_vision`` fixes ``patch_ids`` (-1 for merged tokens). Videos:
+per-forward state. Their work depends on shapes only (the schedule is fixed), so the tower with its merges
+runs as one captured graph where the session captures (``CapturedTower``; ~1,700 ops launched one by one
+otherwise at LLaVA-1.5's depth): each hook carries the merge's provenance and sizes across a replay
+(``hooks.attention.Carried``). ``prune_vision`` fixes ``patch_ids`` (-1 for merged tokens). Videos:
 ``vision_features`` only (``prune_vision`` on the adapter's ``project`` output). Helpers:
 ``_tome_ops.py`` (image merge step, bias, schedule), ``_tome_video.py`` (temporal merge).
 
@@ -88,6 +91,7 @@ from ..capabilities import Capabilities, Need, caps_of, videos_only_on
 from ..config import opt
 from ..errors import ConfigError, IncompatibleRecipeError
 from ..hooks import attach
+from ..hooks.attention import Carried, replayable
 from ..models.base import FRAME, VIDEO
 from ..registry import PRUNERS
 from ._grid import per_sample
@@ -188,19 +192,29 @@ class ToMe(Pruner):
                     "",
                     f"the vision encoder layer {type(layers[0]).__name__} has no {part!r}; ToMe supports CLIP-style layers",
                 )
-        hooks.pre_hook(layers[0], self._reset)
+        # the hooks' work depends on shapes only: the tower may run them as a captured graph, the merge's
+        # provenance and sizes (what observe_tower reads) carried across its replays
+        carried = Carried(self._tower_state, self._put_tower_state)
+        hooks.pre_hook(layers[0], replayable(self._reset, carried))
         first = next(i for i, r in enumerate(self.r_schedule) if r > 0)
         for i, layer in enumerate(layers):
             attn_hooks = attach(hooks, layer.self_attn)
             if i < len(self.r_schedule) and self.r_schedule[i] > 0:
-                attn_hooks.recorders.append(self._record_metric)
-                hooks.set_attr(layer, "forward", self._make_forward(layer, self.r_schedule[i]))
+                attn_hooks.recorders.append(replayable(self._record_metric, carried))
+                hooks.set_attr(layer, "forward", replayable(self._make_forward(layer, self.r_schedule[i]), carried))
             if self.config.prop_attn and i > first:
                 if attn_hooks.override is not None:
                     raise ConfigError("", f"vision layer {i}'s attention is already overridden by another stage")
-                attn_hooks.override = self._proportional_attention
+                attn_hooks.override = replayable(self._proportional_attention, carried)
 
     # -- per-forward state -------------------------------------------------------------------------
+    def _tower_state(self) -> _TowerMerge | None:
+        return None if self._ids is None or self._size is None else _TowerMerge(self._ids, self._size, self._merged)
+
+    def _put_tower_state(self, merge: _TowerMerge) -> None:
+        """After a replay of the tower's graph: its provenance and sizes (copies: the next replay overwrites them)."""
+        self._ids, self._size, self._merged = merge.ids.clone(), merge.size.clone(), list(merge.r)
+
     def _reset(self, module, args) -> None:
         hidden = args[0]
         bsz, t = hidden.shape[:2]

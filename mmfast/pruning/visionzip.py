@@ -14,7 +14,8 @@ Budgets D + C: 54+10, 108+20, 162+30 for 64/128/192 tokens (``tokens``; any othe
 same 27:5 split, ``D = round(tokens * 27 / 32)``), or explicit ``dominant`` and ``contextual``.
 
 Hook points: attention probe on vision layer L (CLS row only) and a key recorder on the same module
-(``hooks.attach``); ``vision_features`` edit. Positions: the 1 + (D-1) + C tokens are spliced
+(``hooks.attach``; both depend on shapes only, so the tower still runs as a captured graph where the session
+captures, their results carried across replays); ``vision_features`` edit. Positions: the 1 + (D-1) + C tokens are spliced
 contiguously (dominant in original order, then contextual), as the official code.
 Limits: needs a CLS token (LLaVA families; Qwen-VL: the substitute below) and the full patch grid
 (put it first among the feature stages);
@@ -74,6 +75,7 @@ from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import attach, cls_row
+from ..hooks.attention import Carried, replayable
 from ..registry import PRUNERS
 from . import _received
 from ._budget import vision_tokens_per_image
@@ -195,7 +197,9 @@ class VisionZip(Pruner):
         self.probe_key = f"visionzip.cls.{self.layer}"
         self.ctx.probe.watch(self.probe_key, attn, rows=cls_row, reduce=None)
         self._keys: torch.Tensor | None = None
-        attach(self.ctx.hooks, attn).recorders.append(self._record_keys)
+        # shape-only work (as the probe's CLS row): the tower may run both as a captured graph, the keys carried
+        carried = Carried(lambda: self._keys, lambda keys: setattr(self, "_keys", keys.clone()))
+        attach(self.ctx.hooks, attn).recorders.append(replayable(self._record_keys, carried))
 
     def _record_keys(self, module, query, key, attention_mask, scaling) -> None:
         self._keys = key.mean(1)  # [n_img, 1 + N, head_dim]: the official "metric"

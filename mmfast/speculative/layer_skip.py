@@ -59,6 +59,8 @@ class LayerSkip(Drafter):
                 return hidden_states  # the draft skips this layer (no compute, no cache write)
             return forward(hidden_states, *args, **kwargs)
 
+        # a captured prefill segment may run it: a prefill never drafts (``active`` is False there)
+        maybe_skip.mmfast_graph_safe = True  # type: ignore[attr-defined]
         return maybe_skip
 
     def begin(self, ctx) -> None:
