@@ -17,6 +17,7 @@ pruners at their defaults (a second call of the same inputs: the first captured)
 LLaVA-1.5-7B's depths (24 tower and 32 LLM layers, where the methods' default layers lie).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods cdpruner,tome --tokens 64
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--embedded", action="store_true", help="the embedded model's greedy, flash and msd")
     ap.add_argument("--prefill", action="store_true", help="ops of a batch-1 prefill, eager and captured")
+    ap.add_argument("--methods", default=",".join(PREFILL_METHODS), help="--prefill: comma-separated pruners")
+    ap.add_argument(
+        "--tokens", type=int, default=None, help="--prefill: budget {tokens: N} (default: papers' defaults)"
+    )
+    ap.add_argument("--grid", type=int, default=None, help="--prefill: patch grid side (24: LLaVA-1.5's 576 tokens)")
     args = ap.parse_args()
     if args.embedded:
         print_rows(embedded_rows(args.max_new_tokens))
@@ -60,10 +66,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # --prefill: LLaVA-1.5-7B's 32 LLM layers (the methods' default layers) and CLIP-L's 24 tower layers, tiny widths
         shape = dataclasses.replace(SHAPES["tiny"], text_layers=32, vision_layers=24) if args.prefill else "tiny"
+        if args.prefill and args.grid:  # e.g. 24: LLaVA-1.5's 24 x 24 = 576 vision tokens
+            shape = dataclasses.replace(shape, image_size=args.grid * shape.patch_size)
         model, processor = random_llava(shape, init_std=0.2)
         mm = mmfast.load(save_model(model, processor, tmp), device="cpu", dtype="float32")
         if args.prefill:
-            print_prefill_rows(mm, images[:1], PROMPTS[:1])
+            print_prefill_rows(mm, images[:1], PROMPTS[:1], args.methods.split(","), args.tokens)
             return
         rows = []
         for name, (recipe, bsz) in cases(mm).items():
@@ -86,9 +94,18 @@ def embedded_rows(max_new_tokens: int) -> list[tuple[str, dict]]:
 PREFILL_METHODS = ("divprune", "fastv", "dart", "pyramiddrop", "sparsevlm")
 
 
-def print_prefill_rows(mm, images, prompts) -> None:
+def prefill_stage(method: str, tokens: int | None) -> dict:
+    """A pruning stage: the paper's defaults, or ``budget: {tokens: N}``; trained parts (HICom's global branch,
+    Dynamic-LLaVA's predictors) as the GPU bench's seeded random stand-ins."""
+    stage = {"method": method, "params": PRUNERS.get(method).cls.random_shape_params() or {}}
+    if tokens is not None:
+        stage["budget"] = {"tokens": tokens}
+    return stage
+
+
+def print_prefill_rows(mm, images, prompts, methods=PREFILL_METHODS, tokens: int | None = None) -> None:
     recipes = {"unpruned": {}}
-    recipes.update({m: {"pruning": [{"method": m}]} for m in PREFILL_METHODS})  # the papers' defaults
+    recipes.update({m: {"pruning": [prefill_stage(m, tokens)]} for m in methods})
     layers = f"{len(mm.adapter.vision_layers)} tower and {len(mm.adapter.layers)} LLM layers"
     print(f"| case (batch 1, {layers}) | graphs | " + " | ".join(STAGES) + " | total |")
     print("|---|---|" + "---|" * (len(STAGES) + 1))
