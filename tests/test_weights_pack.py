@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,24 @@ def test_a_packed_local_directory_loads_like_the_embedded_name(tmp_path, monkeyp
     if not (ASSETS / "tiny-world" / wp.MANIFEST).is_file():
         pytest.skip("embedded model not packed")
     assert _resolve(str(ASSETS / "tiny-world")) == (str(embedded_dir()), True)
+
+
+def test_processes_unpacking_at_once_share_one_complete_copy(tmp_path, cache):
+    """Ranks of a data-parallel run load the embedded model together: each unpacks into its own temporary
+    directory and renames it into place; the last to finish finds the first's complete copy and uses it."""
+    import subprocess
+    import sys
+
+    d, before = _model_dir(tmp_path)
+    wp.pack(d)
+    code = "import sys; from mmfast.weights_pack import materialise; print(materialise(sys.argv[1]))"
+    env = {**os.environ, "MMFAST_CACHE": str(cache)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(d)], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(4)
+    ]
+    outs = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(outs) == 1
+    out = Path(outs.pop())
+    assert (out / "model.safetensors").read_bytes() == before["model.safetensors"]
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary directory left
