@@ -4,6 +4,7 @@ compressor and its weight files (the CLIP guide is in ``_hicom_guide.py``). Shar
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -86,7 +87,14 @@ def local_grid(t: int, h: int, w: int, temporal: int, spatial: int, tokens: int 
 
 def sincos_3d(t: int, h: int, w: int, dim: int, device=None) -> torch.Tensor:
     """[t, h, w, dim]: sum of 1-D sinusoidal encodings of the t, h and w indices (each full width;
-    even channels sin, odd channels cos, frequency 10000^(-2(i//2)/dim)), as HICom's global branch."""
+    even channels sin, odd channels cos, frequency 10000^(-2(i//2)/dim)), as HICom's global branch. A fresh
+    tensor on ``device``, computed once per shape (on the host: ~50 small ops every call otherwise)."""
+    pe = _sincos_3d(t, h, w, dim)
+    return pe.clone() if device is None else pe.to(device, copy=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _sincos_3d(t: int, h: int, w: int, dim: int) -> torch.Tensor:
     i = torch.arange(dim, dtype=torch.float64)
     inv = 1.0 / torch.pow(10000.0, 2 * torch.div(i, 2, rounding_mode="floor") / dim)
 
@@ -95,7 +103,7 @@ def sincos_3d(t: int, h: int, w: int, dim: int, device=None) -> torch.Tensor:
         return torch.where(i.long() % 2 == 0, torch.sin(ang), torch.cos(ang))  # [n, dim]
 
     pe = enc(t)[:, None, None] + enc(h)[None, :, None] + enc(w)[None, None, :]
-    return pe.float().to(device)
+    return pe.float()
 
 
 def _mlp(depth: int, d_in: int, d_out: int) -> nn.Sequential:
