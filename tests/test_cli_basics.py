@@ -112,6 +112,8 @@ def test_wheel_carries_recipes_and_the_embedded_model(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "mmfast/recipes/world_eval.yaml" in names and "mmfast/recipes/bench/pruning.yaml" in names
     assert "mmfast/assets/tiny-world/config.json" in names
+    # the embedded model's weights, packed (mmfast/weights_pack.py): what a new user's first load unpacks
+    assert {"mmfast/assets/tiny-world/weights.pack.xz", "mmfast/assets/tiny-world/packed.json"} <= names
 
 
 def test_quiet_hides_transformers_loading_bar(tiny_dir, images, tmp_path, capfd, monkeypatch):
