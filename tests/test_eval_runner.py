@@ -183,10 +183,10 @@ def test_killed_run_resumes(tiny_dir, small_world, tmp_path):
                 "eval": {
                     "tasks": ["pope"],
                     "data": {"dataset": "world", "root": str(small_world)},
-                    "pope": {"max_new_tokens": 24},
+                    "pope": {"max_new_tokens": 8},
                     "batch_size": 1,
                 },
-                "decoding": {"max_new_tokens": 24},
+                "decoding": {"max_new_tokens": 8},
                 "output": {"dir": str(out)},
             }
         )
