@@ -557,7 +557,8 @@ class Session:
         return CudaGraph if self._captures() else None
 
     def _tower_capture_factory(self):
-        """The vision tower's graph factory for this call: the steps', unless ``model.compile`` is off."""
+        """The graph factory of this call outside the LLM's steps (the vision tower, the methods' selections):
+        the steps', unless ``model.compile`` is off."""
         return None if self.recipe.model.compile == "off" else self._capture_factory()
 
     def _method_caps(self, decoder: Decoder) -> list[tuple[str, Capabilities]]:

@@ -84,9 +84,8 @@ def pack(directory: str | os.PathLike) -> Path:
     """Pack every ``*.safetensors`` under ``directory`` into ``weights.pack.xz`` + ``packed.json`` and
     delete the originals (after checking that the pack unpacks to them byte for byte)."""
     d = Path(directory)
-    files = sorted(p for p in d.rglob("*.safetensors") if p.is_file())
     # the largest first: a later file repeating an earlier one (the CLIP's vision tower) is found
-    files.sort(key=lambda p: -p.stat().st_size)
+    files = sorted((p for p in d.rglob("*.safetensors") if p.is_file()), key=lambda p: (-p.stat().st_size, p))
     if not files:
         raise ValueError(f"no *.safetensors under {d} to pack")
     entries, parts = [], []

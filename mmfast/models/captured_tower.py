@@ -78,7 +78,7 @@ class CapturedCalls:
         graph_type = None if key in self._failed else self.factory()
         if graph_type is None:
             return fn(*tensors)
-        what = key
+        caller = key  # what a failed capture turns eager
         key = (key, *((tuple(t.shape), t.dtype, t.device) for t in tensors))
         runs: list[list] = []  # the carried results after each run of fn (the warm-up, the capture)
 
@@ -97,7 +97,7 @@ class CapturedCalls:
                 dst.copy_(src)
 
         out = self.runner.replay_or_capture(
-            self.graphs, key, graph_type, make, load, lambda exc: self._capture_failed(what, exc)
+            self.graphs, key, graph_type, make, load, lambda exc: self._capture_failed(caller, exc)
         )
         if runs:  # captured (or tried) now: the graph's results kept for its replays, this call's put back
             if key in self.graphs and len(runs) > 1:
