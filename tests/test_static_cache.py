@@ -372,6 +372,59 @@ def test_auto_captures_a_one_token_calls_prefill_when_its_steps_cannot_be(
     assert len(ReplayGraph.made) == made
 
 
+@pytest.mark.parametrize("graph", ["ReplayGraph", "EmulatedGraph"], ids=["rerun", "emulated"])
+def test_zipvl_one_token_call_prefills_in_captured_segments(graph, tiny_mm, images, prompts, monkeypatch, caplog):
+    """ZipVL owns the KV cache (quantised after the prefill) and overrides every layer's attention, so its
+    decode steps stay on the dynamic cache; a one-token call has none: under auto its prefill runs on the
+    static cache as captured segments, the probe rows staged as the graph's input and the sparse prefill in
+    fixed shapes (no host read: the emulator refuses one), and the cache is quantised after it. Tokens,
+    selections and KV bytes equal the dynamic cache's; a second call replays the graphs on the pool's buffers."""
+    from mmfast.pipeline import Session
+    from mmfast.pruning._kv_quant import MixedPrecisionKVLayer
+
+    graph = {"ReplayGraph": ReplayGraph, "EmulatedGraph": EmulatedGraph}[graph]
+    recipe = load_recipe({"pruning": [_stage("zipvl", tiny_mm)]})
+
+    def call(s, lo, hi):
+        out = s.generate(images[lo:hi], prompts[lo:hi], max_new_tokens=1)
+        return [(r.token_ids, r.stats["zipvl"], r.kv_bytes_prefill) for r in out]
+
+    with mmfast.apply(tiny_mm, recipe, compile="off") as s:
+        dynamic, single = call(s, 0, 2), call(s, 2, 3)
+    with mmfast.apply(tiny_mm, recipe, compile="static") as s:  # the same fixed-shape prefill, eagerly
+        assert call(s, 0, 2) == dynamic and call(s, 2, 3) == single
+    assert any(min(st["keep_ratio"]) < 1 for _, st, _ in dynamic)  # tokens left the important set: a sparse prefill
+    monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: graph if self._captures() else None)
+    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
+    graph.made = []
+    with caplog.at_level(logging.INFO), mmfast.apply(tiny_mm, recipe, compile="auto") as s:
+        assert s.runner.capture_blocker() is not None and s.runner.prefill_graph_blocker() is None
+        captured = call(s, 0, 2)
+        made = len(graph.made)
+        assert made > 0
+        again, one = call(s, 0, 2), call(s, 2, 3)  # replayed on the pool's buffers; a new shape captured
+        assert len(graph.made) > made and sum(g.replays for g in graph.made) >= 1
+        kept = s.runner.pool.kept_bytes
+    assert kept > 0  # the static buffers went back to the pool (the quantised cache is the call's own)
+    assert not [r for r in caplog.records if "without a captured graph" in r.getMessage()]
+    for got in (captured, again):
+        assert [t for t, _, _ in got] == [t for t, _, _ in dynamic]
+        assert [st for _, st, _ in got] == [st for _, st, _ in dynamic]
+        assert [b for _, _, b in got] == [b for _, _, b in dynamic]
+    assert one == single
+    # a call that decodes keeps the dynamic cache (the quantised layers decode there), said once
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mmfast.pipeline"), mmfast.apply(tiny_mm, recipe, compile="auto") as s:
+        state, _ = s.runner.prefill(s.build_inputs(batch := s.mm.prepare(images[:2], prompts[:2]), s.encode(batch)))
+        assert all(isinstance(lay, MixedPrecisionKVLayer) for lay in state.cache.layers)  # outside a static block
+        made = len(graph.made)
+        s.generate(images[:2], prompts[:2], max_new_tokens=3)
+        assert len(graph.made) == made and s.runner.pool.kept_bytes == 0
+    lines = [r.getMessage() for r in caplog.records if "dynamic KV cache" in r.getMessage()]
+    assert len(lines) == 1 and "pruning[0] (zipvl)" in lines[0]
+
+
 def test_recipe_key_and_api_value_are_checked():
     assert load_recipe({"model": {"compile": "static"}}).model.compile == "static"
     with pytest.raises(ConfigError) as err:

@@ -24,6 +24,8 @@ from mmfast.pruning._kv_quant import (
 )
 from mmfast.pruning._zipvl_ops import (
     accumulate_scores,
+    layer_probe_rows,
+    masked_sparse_attention,
     mass_count,
     probe_rows,
     select_important,
@@ -145,6 +147,37 @@ def test_sparse_prefill_restricts_attention_to_important_tokens(tiny_mm):
         s = s.masked_fill(~torch.ones(len(idx), len(idx), dtype=torch.bool).tril(), float("-inf"))
         ref = (s.softmax(-1) @ vt).transpose(0, 1)  # [T, H, D]
         torch.testing.assert_close(got[b, idx].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fixed_shape_sparse_prefill_equals_the_gathered_one(tiny_mm):
+    """The captured prefill's form (every slot a query row, dropped rows and keys masked) computes the gathered
+    form's attention: the same rows, the same key set, U rows 0."""
+    module, q, k, v, valid, mask = _attn_inputs(tiny_mm)
+    base = compat.attention_function("sdpa")
+    gen = torch.Generator().manual_seed(1)
+    for _trial in range(5):
+        keep = valid & (torch.rand(valid.shape, generator=gen) < 0.6)
+        keep[:, -1] = True
+        want = sparse_attention(module, q, k, v, keep, module.scaling, base)
+        got = masked_sparse_attention(module, q, k, v, keep, module.scaling, base)
+        assert bool((got[~keep] == 0).all())
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_every_layers_probe_rows_at_once_are_each_layers_draw():
+    """The draw staged for a captured prefill ([L, B, W], padded with -1 to ROW_PAD) holds each layer's own
+    :func:`probe_rows` (seed ``seed * 1_000_003 + layer``), for samples of different lengths."""
+    from mmfast.hooks.attention import ROW_PAD
+
+    valid = torch.ones(3, 90, dtype=torch.bool)
+    valid[1, :30] = False
+    valid[2, :77] = False
+    rows = layer_probe_rows(valid, 4, 0.05, 0.1, seed=7)
+    assert rows.shape[:2] == (4, 3) and rows.shape[2] % ROW_PAD == 0
+    for layer in range(4):
+        own = probe_rows(valid, 0.05, 0.1, seed=7 * 1_000_003 + layer)
+        assert torch.equal(rows[layer, :, : own.shape[1]], own) and bool((rows[layer, :, own.shape[1] :] == -1).all())
+    assert not torch.equal(rows[0], rows[1])  # a draw per layer
 
 
 def test_session_sparse_prefill_changes_logits_and_tau1_does_not(tiny_mm, images, prompts):

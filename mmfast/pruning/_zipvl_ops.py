@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import compat
+from ..hooks.attention import pad_rows
 from ._common import topk_keep
+
+
+@functools.lru_cache(maxsize=4096)
+def _drawn(n: int, recent_ratio: float, random_ratio: float, seeds: tuple[int, ...]) -> torch.Tensor:
+    """[len(seeds), R] the probe draw of a sample with ``n`` valid slots, as indices among them, one row per
+    seed: :func:`probe_rows`'s rule, which depends on ``n`` and the seed only (so drawn once per length)."""
+    n_rec = min(n, max(1, int(recent_ratio * n)))
+    n_rand = min(n - n_rec, int(random_ratio * n))
+    recent = torch.arange(n - n_rec, n)
+    out = []
+    for seed in seeds:
+        rand = recent[:0]
+        if n_rand > 0:
+            gen = torch.Generator().manual_seed(seed)
+            rand = torch.randperm(n - n_rec, generator=gen)[:n_rand].sort().values
+        out.append(torch.cat([rand, recent]))
+    return torch.stack(out)
 
 
 def probe_rows(valid: torch.Tensor, recent_ratio: float, random_ratio: float, seed: int) -> torch.Tensor:
@@ -14,22 +34,29 @@ def probe_rows(valid: torch.Tensor, recent_ratio: float, random_ratio: float, se
 
     The draw depends only on the sample's own length and ``seed``, never on the rest of the batch.
     """
-    rows = []
-    for b in range(valid.shape[0]):
-        pos = valid[b].nonzero().squeeze(1).cpu()
-        n = pos.numel()
-        n_rec = min(n, max(1, int(recent_ratio * n)))
-        n_rand = min(n - n_rec, int(random_ratio * n))
-        rand = pos[:0]
-        if n_rand > 0:
-            gen = torch.Generator().manual_seed(seed)
-            rand = pos[: n - n_rec][torch.randperm(n - n_rec, generator=gen)[:n_rand]].sort().values
-        rows.append(torch.cat([rand, pos[n - n_rec :]]))
-    r = max(x.numel() for x in rows)
-    out = torch.full((len(rows), r), -1, dtype=torch.long)
-    for b, x in enumerate(rows):
-        out[b, : x.numel()] = x
-    return out.to(valid.device)
+    return _rows(valid, recent_ratio, random_ratio, (seed,))[0].to(valid.device)
+
+
+def layer_probe_rows(
+    valid: torch.Tensor, n_layers: int, recent_ratio: float, random_ratio: float, seed: int
+) -> torch.Tensor:
+    """[n_layers, B, W] every layer's :func:`probe_rows` (layer ``i`` drawn with seed ``seed * 1_000_003 + i``),
+    on the host from ``valid`` ([B, K] bool, read once), padded with -1 to a multiple of
+    :data:`~mmfast.hooks.attention.ROW_PAD` rows (unused rows add exact zeros: :func:`accumulate_scores`), so
+    that prompts of similar lengths give one width."""
+    return pad_rows(_rows(valid, recent_ratio, random_ratio, tuple(seed * 1_000_003 + i for i in range(n_layers))))
+
+
+def _rows(valid: torch.Tensor, recent_ratio: float, random_ratio: float, seeds: tuple[int, ...]) -> torch.Tensor:
+    """[len(seeds), B, W] long on the host: each seed's draw for every sample of ``valid`` ([B, K], read once),
+    padded with -1 to the widest sample. A few ops per sample: the draw of a length is made once (:func:`_drawn`)."""
+    host = valid.cpu()
+    per = []
+    for b in range(host.shape[0]):
+        pos = host[b].nonzero().squeeze(1)  # [n] the sample's valid slots
+        per.append(pos[_drawn(pos.numel(), recent_ratio, random_ratio, seeds)])  # [L, R_b]
+    width = max(r.shape[1] for r in per)
+    return torch.stack([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=-1) for r in per], 1)
 
 
 def accumulate_scores(
@@ -83,11 +110,9 @@ def with_generating_row(keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     Skipping its attention (U rows get output 0) would predict the first token from a residual stream that
     attended to nothing in that layer (issue 29: "inNo" at tight tau on the embedded model).
     """
-    k = valid.shape[1]
-    last = (valid.long() * torch.arange(1, k + 1, device=valid.device)).argmax(1)  # [B] last valid slot
-    out = keep.clone()
-    out[torch.arange(valid.shape[0], device=valid.device), last] |= valid.any(1)
-    return out
+    slots = torch.arange(valid.shape[1], device=valid.device)  # [K]
+    last = (valid.long() * (slots + 1)).argmax(1, keepdim=True)  # [B, 1] last valid slot
+    return keep | ((slots[None, :] == last) & valid.any(1, keepdim=True))  # no advanced index: capturable
 
 
 def key_validity(attention_mask: torch.Tensor | None, bsz: int, k_len: int, device) -> torch.Tensor:
@@ -134,3 +159,20 @@ def sparse_attention(
     dest = idx.masked_fill(~valid, length)[:, :, None, None].expand(-1, -1, *out_g.shape[2:])
     out.scatter_(1, dest, out_g)
     return out[:, :length]
+
+
+def masked_sparse_attention(
+    module, query, key, value, keep, scaling, base, dropout: float = 0.0, **kwargs
+) -> torch.Tensor:
+    """:func:`sparse_attention` in fixed shapes (a captured prefill: no count read to the host): every slot is
+    a query row, a row in ``keep`` ([B, L] bool) attends causally to the ``keep`` slots, the others get output
+    0. The same attention set as the gathered form, over all L slots instead of the widest kept count.
+    Returns [B, L, H, D]."""
+    length = query.shape[2]
+    dev = keep.device
+    causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()  # [L, L]
+    eye = torch.eye(length, dtype=torch.bool, device=dev)
+    mask = (causal[None] & keep[:, None, :]) | eye  # [B, L, L]; dropped rows see themselves (no NaN), then 0
+    mask = compat.format_mask(mask[:, None], module.config._attn_implementation, query.dtype)
+    out, _ = base(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)  # [B, L, H, D]
+    return out.masked_fill(~keep[:, :, None, None], 0.0)

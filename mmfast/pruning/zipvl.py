@@ -18,12 +18,18 @@ installs :class:`~mmfast.pruning._kv_quant.MixedPrecisionKVLayer` in every cache
 uint8 codes + per-group scales/zero points, dequantised on read); ``runner.step_hooks`` re-quantises
 the full-precision decode buffer every ``requant_interval`` tokens.
 
-Cost on a GPU: the override runs Python in every layer, so ZipVL's prefill is never a captured graph (its
-important set's size is read per layer to gather it). What was cut (H200, LLaVA-1.5-7B shape, batch 1 TTFT
-168 -> 106 ms, ``benchmarks/README.md``): the layers are quantised together, folded into the batch
-(``Segment.build_layers``: every statistic is per row, so the codes are the per-layer
-ones), the probe draw reads the key validity to the host once per prefill (not per layer and sample), and each
-layer makes one device read (whether anything left the important set, and the widest count).
+Cost on a GPU: on the dynamic cache (a call that decodes) the override runs Python in every layer with one
+device read each (whether anything left the important set, and the widest count, to gather it). What was cut
+(H200, LLaVA-1.5-7B shape, batch 1 TTFT 168 -> 106 ms, ``benchmarks/README.md``): the layers are quantised
+together, folded into the batch (``Segment.build_layers``: every statistic is per row, so the codes are the
+per-layer ones), and the probe draw reads the key validity to the host once per prefill (every layer's rows
+at once, each prompt length's draw made once). A one-token call (a POPE answer, a TTFT) prefills on the static
+cache where ``model.compile`` allows (its only forward is the prefill; the cache is quantised into ZipVL's own
+after it, the static buffers left to the next call): there the override runs in fixed shapes with no host
+read (the sparse prefill as attention over every slot with the dropped rows and keys masked,
+:func:`~._zipvl_ops.masked_sparse_attention`: the same attention set as the gathered form), so the prefill's
+segments are captured graphs; the probe rows are drawn on the host before a segment and staged as its input
+(``Carried.stage``), and each layer's selection is carried across replays for the KV policy.
 
 Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
 U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
@@ -80,18 +86,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import compat
 from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..hooks import attach
-from ..hooks.attention import row_attention
+from ..hooks.attention import Carried, replayable, row_attention
 from ..registry import PRUNERS
 from ._common import topk_keep
 from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, Segment
 from ._zipvl_ops import (
     key_validity,
+    layer_probe_rows,
+    masked_sparse_attention,
     mass_count,
-    probe_rows,
     select_important,
     sparse_attention,
     with_generating_row,
@@ -116,8 +124,8 @@ class _Scratch:
 
     prefill: dict[int, _LayerSelection] = field(default_factory=dict)
     last_query: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)
-    #: the prefill's key validity on the host, read once for every layer's probe draw: (mask key, [B, K] bool)
-    valid_host: tuple[tuple, torch.Tensor] | None = None
+    #: every layer's probe rows of this prefill, drawn from its key validity read once: (mask key, [L, B, W])
+    rows: tuple[tuple, torch.Tensor] | None = None
 
 
 @PRUNERS.register(
@@ -227,13 +235,24 @@ class ZipVL(Pruner):
                 )
         self.spec = QuantSpec(cfg.bits_high, cfg.bits_low, cfg.k_group_size, cfg.v_group_size, cfg.requant_interval)
         self._layer_of: dict[int, int] = {}
+        # a captured prefill segment (static cache): the probe rows are its input, staged before it runs
+        # (:meth:`_stage`) in memory kept per shape; ``_staged``: (length, rows [L, B, W]) while a segment runs
+        self._row_buffers: dict[tuple, torch.Tensor] = {}
+        self._staged: tuple[int, torch.Tensor] | None = None
         for i, layer in enumerate(self.adapter.layers):
             hooks = attach(self.ctx.hooks, layer.self_attn)
             if hooks.override is not None:
                 raise IncompatibleRecipeError(
                     f"ZipVL: LLM layer {i}'s attention is already overridden by another method"
                 )
-            hooks.override = self._attention
+            # on a static cache the override runs in fixed shapes with no host read, so a captured prefill
+            # segment replays it; its selection (read by the KV policy after the prefill) is carried across
+            carried = Carried(
+                lambda i=i: self._scratch().prefill.get(i),
+                lambda sel, i=i: self._scratch().prefill.__setitem__(i, sel),
+                self._stage,
+            )
+            hooks.override = replayable(self._attention, carried)
             self._layer_of[id(layer.self_attn)] = i
         self.ctx.runner.prefill_hooks.append(self._after_prefill)
         self.ctx.runner.step_hooks.append(self._after_step)
@@ -248,7 +267,13 @@ class ZipVL(Pruner):
             keep, p = self._select(layer, query, key, attention_mask, scaling, valid)
             keep = with_generating_row(keep, valid)
             self._scratch().prefill[layer] = _LayerSelection(keep, valid, p)
-            if self.config.sparse_prefill:
+            if self.config.sparse_prefill and self.config.tau < 1.0 and compat.is_static(self.ctx.runner.active.cache):
+                # fixed shapes, no host read (a captured segment; eager on a static cache too, so that compile
+                # static and auto compute the same): every row, dropped ones masked to output 0
+                return masked_sparse_attention(
+                    module, query, key, value, keep, scaling, base, dropout=dropout, **kwargs
+                )
+            if self.config.sparse_prefill and self.config.tau < 1.0:
                 # one read: whether any slot left the important set, and the widest sample's important count
                 differs, width = torch.stack([(keep != valid).any().long(), keep.sum(1).max()]).tolist()
                 if differs:
@@ -264,15 +289,45 @@ class ZipVL(Pruner):
         cfg = self.config
         if cfg.tau >= 1.0:
             return valid.clone(), valid.sum(1)
-        scratch = self._scratch()
-        mask_key = (attention_mask.data_ptr(), tuple(attention_mask.shape)) if attention_mask is not None else None
-        if scratch.valid_host is None or scratch.valid_host[0] != (mask_key, tuple(valid.shape)):
-            scratch.valid_host = ((mask_key, tuple(valid.shape)), valid.cpu())  # one read per prefill, not per layer
-        seed = cfg.seed * 1_000_003 + layer
-        rows = probe_rows(scratch.valid_host[1], cfg.probe_recent, cfg.probe_random, seed)
-        rows = rows.to(valid.device, non_blocking=True)  # drawn on the host: no device sync
-        probs = row_attention(query, key, attention_mask, scaling, rows, is_causal=True).mean(1)  # [B, R, K]
+        if self._staged is not None and self._staged[0] == valid.shape[1]:  # a captured segment's input
+            rows = self._staged[1][layer]  # [B, W]
+        else:
+            scratch = self._scratch()
+            mask_key = (attention_mask.data_ptr(), tuple(attention_mask.shape)) if attention_mask is not None else None
+            if scratch.rows is None or scratch.rows[0] != (mask_key, tuple(valid.shape)):  # once per prefill
+                scratch.rows = ((mask_key, tuple(valid.shape)), self._draw(valid).to(valid.device))
+            rows = scratch.rows[1][layer]  # [B, W]
+        probs = row_attention(query, key, attention_mask, scaling, rows, is_causal=True).mean(1)  # [B, W, K]
         return select_important(probs, rows, valid, cfg.tau)
+
+    def _draw(self, valid: torch.Tensor) -> torch.Tensor:
+        """[L, B, W] every layer's probe rows for key validity ``valid`` ([B, K]), on the host (one read)."""
+        cfg = self.config
+        return layer_probe_rows(valid, len(self.adapter.layers), cfg.probe_recent, cfg.probe_random, cfg.seed)
+
+    def _stage(self, length: int | None):
+        """Before a captured prefill segment of ``length`` slots runs (``Carried.stage``; once for the segment,
+        though every layer's override carries it): draw every layer's probe rows from the running layer
+        group's validity into the memory the graph reads; returns the graph's key part (the rows' width).
+        ``length`` None: the segment is over."""
+        if length is None:
+            self._staged = None
+            return None
+        if self.config.tau >= 1.0:  # no selection: no rows
+            return None
+        if self._staged is not None and self._staged[0] == length:
+            return ("zipvl rows", int(self._staged[1].shape[-1]))
+        valid = self.ctx.runner.active.groups[-1].key_mask  # [B, length]: the group this segment runs on
+        if valid.shape[1] != length:
+            raise RuntimeError(f"ZipVL: a prefill segment of {length} slots on a layer group of {valid.shape[1]}")
+        fresh = self._draw(valid)  # [L, B, W] on the host
+        key = (tuple(fresh.shape), valid.device)
+        buf = self._row_buffers.get(key)
+        if buf is None:
+            buf = self._row_buffers[key] = torch.empty(fresh.shape, dtype=fresh.dtype, device=valid.device)
+        buf.copy_(fresh)
+        self._staged = (length, buf)
+        return ("zipvl rows", int(fresh.shape[-1]))
 
     # -- KV-cache policy ---------------------------------------------------------------------------------
     def _scratch(self) -> _Scratch:
@@ -286,26 +341,29 @@ class ZipVL(Pruner):
         scratch: _Scratch = state.extras.pop(self.name, _Scratch())
         sel = scratch.prefill
         n_layers = state.n_layers
-        keeps, kept, vis_kept, vis_all, held = [], [], [], [], []  # per layer: [B, T_g] / [B]
-        for layer in range(n_layers):
-            g = state.group_of(layer)
-            valid = state.groups[g].key_mask
-            s = sel.get(layer)
-            keep = valid if s is None or s.keep.shape != valid.shape else s.keep & valid
-            vision = state.vision_slots(g)
-            keeps.append(keep)
-            kept.append(keep.sum(1))
-            held.append(valid.sum(1))
-            vis_kept.append((keep & vision).sum(1))
-            vis_all.append(vision.sum(1))
-        # one read to the host for every layer's counts: [4, L, B] -> [4, B, L]
-        counts = torch.stack([torch.stack(x) for x in (kept, held, vis_kept, vis_all)]).transpose(1, 2).cpu()
+        keeps: dict[int, torch.Tensor] = {}  # layer -> [B, T_g] its important slots
+        per_group = []  # [4, L_g, B]: kept, held, vision kept, vision slots
+        for g, grp in enumerate(state.groups):  # the layers of a group in one stack (a few ops, not ~10 a layer)
+            valid, vision, layers = grp.key_mask, state.vision_slots(g), state.layers_of(g)  # [B, T_g] each
+            mine = [sel.get(i) for i in layers]
+            keep = torch.stack([valid if s is None or s.keep.shape != valid.shape else s.keep for s in mine]) & valid
+            keeps.update(zip(layers, keep.unbind(0)))  # keep: [L_g, B, T_g]
+            n = len(layers)
+            per_group.append(
+                torch.stack(
+                    [keep.sum(2), valid.sum(1).expand(n, -1), (keep & vision).sum(2), vision.sum(1).expand(n, -1)]
+                )
+            )
+        counts = torch.cat(per_group, 1).transpose(1, 2).cpu()  # one read for every layer: [4, B, L]
         ratio = counts[0].double() / counts[1].clamp(min=1).double()  # [B, L] p / n
         vis_kept_f = counts[2].float()
         lay0 = state.cache.layers[0]
         slot = 2 * lay0.keys.shape[1] * lay0.keys.shape[-1] * lay0.keys.element_size()
         dense = counts[1].double().sum(1) * slot  # [B] the valid slots in a full-precision cache
         if self.config.quantize_kv:  # the layers of each layer group quantised together (Segment.build_layers)
+            if compat.is_static(state.cache):  # a one-token call's static prefill: its buffers stay the pool's
+                static, state.cache = state.cache, compat.new_cache(state.text_config)
+                state.cache.layers[:] = static.layers
             for g, grp in enumerate(state.groups):
                 layers = [i for i in range(n_layers) if state.group_of(i) == g]
                 lays = [state.cache.layers[i] for i in layers]
