@@ -62,6 +62,14 @@ _METADATA = {
 _DATA_DEPENDENT = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
+def _integer_index(func, args: tuple) -> bool:
+    """``t[idx, ...]`` with integer index tensors only (``aten.index.Tensor`` is tagged data-dependent for boolean
+    masks, whose output shape is the count of True): its shape is the indices', so a CUDA graph captures it."""
+    if func is not aten.index.Tensor:
+        return False
+    return all(i is None or not (i.dtype.is_floating_point or i.dtype in (torch.bool, torch.uint8)) for i in args[1])
+
+
 @dataclass
 class _Op:
     func: Any  # an aten OpOverload
@@ -91,7 +99,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
             raise CaptureHostReadError(f"{func} reads a tensor's value on the host (.item(), int(t), bool(t))")
-        if any(tag in func.tags for tag in _DATA_DEPENDENT):
+        if any(tag in func.tags for tag in _DATA_DEPENDENT) and not _integer_index(func, args):
             raise CaptureHostReadError(f"{func}: its output's shape or value depends on tensor data")
         flat_in, _ = tree_flatten((args, kwargs))
         tensors_in = [t for t in flat_in if isinstance(t, torch.Tensor)]

@@ -134,6 +134,19 @@ def test_host_reads_refuse_to_capture(read):
     assert torch.equal(t, torch.arange(4.0)) and t.tolist() == [0.0, 1.0, 2.0, 3.0]  # tolist is back
 
 
+def test_integer_index_tensors_capture_and_replay():
+    """``t[rows, cols]`` with integer index tensors has the indices' shape (a CUDA graph captures it; a boolean
+    mask's output shape is its count, refused above): the replay reads the new values at the new indices."""
+    t = torch.arange(12.0).view(3, 4)
+    rows, cols = torch.tensor([2, 0]), torch.tensor([1, 3])
+
+    graph = ReplayEmulator()
+    graph.capture(lambda: t[rows, cols] * 2)
+    t.add_(100.0)
+    rows.copy_(torch.tensor([1, 1]))
+    assert torch.equal(graph.replay(), torch.tensor([210.0, 214.0]))  # (100 + [5, 7]) * 2
+
+
 def test_replay_is_quick_on_a_small_step():
     layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
     x = torch.randn(2, 8, 32)

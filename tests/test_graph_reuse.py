@@ -485,7 +485,8 @@ def test_a_tower_with_shape_only_hooks_is_one_captured_graph(name, captured, tin
 def test_hicoms_guided_tower_is_captured_and_its_hook_carried(captured, tiny_mm, images, prompts):
     """HICom reads the last vision layer's output through a forward hook (shape-only): the tower is captured and
     the output the guide compares with the text comes back from each replay (the kept features equal the eager
-    tower's over interleaved batch shapes)."""
+    tower's over interleaved batch shapes). Its CLIP text guide is a captured graph too (ids padded to the text
+    tower's width, no padding mask to read: one graph per batch size, the batch of two replayed)."""
     from mmfast.registry import PRUNERS
 
     recipe = {"pruning": [{"method": "hicom", "params": PRUNERS.get("hicom").cls.test_params(tiny_mm.adapter)}]}
@@ -499,6 +500,8 @@ def test_hicoms_guided_tower_is_captured_and_its_hook_carried(captured, tiny_mm,
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         got = encoded(s)
         towers = dict(s.adapter.tower_graphs.graphs)
+        guides = {key: c for key, c in s.ctx.captured.graphs.items() if key[0] == ("hicom clip text",)}
     assert len(towers) == 2
+    assert sorted(c.graph.replays for c in guides.values()) == [0, 1]  # batch 2 (replayed once), batch 1
     for w, g in zip(want, got):
         assert all(torch.equal(a, b) for a, b in zip(w, g))

@@ -4,12 +4,14 @@ Shared by the pruner and ``scripts/train_hicom.py``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError, ModelLoadError
+from ..models.captured_tower import eager_call
 
 #: The CLIP that LLaVA-1.5's tower comes from (its text tower is the guide encoder for real LLaVA-1.5).
 LLAVA15_CLIP = "openai/clip-vit-large-patch14-336"
@@ -79,12 +81,24 @@ class ClipGuide(nn.Module):
         return ids.to(self.device), mask.to(self.device)
 
     @torch.no_grad()
-    def text_embeds(self, texts: list[str]) -> torch.Tensor:
-        """[B, P] projected text embeddings (fp32)."""
-        from ..train.embedded import text_features
+    def text_embeds(self, texts: list[str], run: Callable[..., torch.Tensor] = eager_call) -> torch.Tensor:
+        """[B, P] projected text embeddings (fp32), pooled at each text's last real token.
 
-        ids, mask = self.tokenize(texts)
-        return text_features(self, ids, mask).float()
+        The ids are right-padded to the tower's full width (``max_len``) and the tower runs without a padding
+        mask: it is causal, so no real token attends to a pad and the pooled rows are what a masked run of the
+        unpadded ids gives (up to rounding); with no mask to inspect (transformers reads a padding mask to the
+        host to decide whether it may skip it) and one shape per batch size, ``run`` (``MethodContext.captured``)
+        can make it one captured graph."""
+        ids, mask = self.tokenize(texts)  # [B, T] each, right-padded
+        pad = self.max_len - ids.shape[1]
+        ids, mask = (torch.nn.functional.pad(t, (0, pad)) for t in (ids, mask))  # [B, max_len]
+        return run(("hicom clip text",), self._pooled, ids, mask.sum(1) - 1)
+
+    def _pooled(self, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """[B, P] fp32: the causal text tower over ``ids`` [B, T], pooled at slot ``last`` [B], projected."""
+        hidden = self.text_model(input_ids=ids).last_hidden_state  # [B, T, H]
+        pooled = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1])).squeeze(1)  # [B, H]
+        return self.text_projection(pooled).float()
 
     @torch.no_grad()
     def patch_embeds(self, last_hidden: torch.Tensor, post_layernorm: bool = True) -> torch.Tensor:

@@ -26,7 +26,10 @@ Algorithm (per prompt; its images are the frames of one clip unless ``frames: im
    prompt's other frame slots get zero tokens (``build_lm_inputs`` accepts empty images).
 
 Hook points: a forward hook on the last vision layer (reads its output; shape-only, so the tower still runs
-as a captured graph where the session captures, the output carried across replays), ``vision_features``.
+as a captured graph where the session captures, the output carried across replays), ``vision_features``. The
+CLIP text guide runs as a captured graph there too (``MethodContext.captured``: the ids right-padded to the text
+tower's width and no padding mask, which the causal tower does not need for the pooled last real token;
+``ClipGuide.text_embeds``).
 Positions: contiguous (feature stage). With the global branch, ``projected`` holds
 [projector(local); global tokens] and ``features`` [local; query + attn] (pre-readout).
 
@@ -314,7 +317,7 @@ class HICom(Pruner):
         if self.clip is None:
             raise RuntimeError("hicom: images reached a model whose images it does not take (refused before compute)")
         rows, cols = vision.grid
-        guides = self.clip.text_embeds([guide_text(p) for p in batch.prompts])  # [B, P]
+        guides = self.clip.text_embeds([guide_text(p) for p in batch.prompts], run=self.ctx.captured)  # [B, P]
         keys = None
         if self._guided():
             last, self._last_hidden = self._last_hidden, None
