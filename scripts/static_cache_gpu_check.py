@@ -9,7 +9,8 @@ embedded model (real weights, real drafts), greedy tokens of a few caption promp
 ``off`` (dynamic cache), ``static`` (static cache, eager steps) and ``auto`` (static cache, each step one
 captured CUDA graph). ``static`` and ``auto`` launch the same kernels on the same shapes, so their tokens must
 be identical: a difference means a captured step replays something its capture baked in (the check this
-script exists for). ``off`` against ``static`` is reported too (other key lengths: fp16 may differ in the
+script exists for; ``name@1``: one-token answers, whose prefill is the captured part). ``off`` against ``static`` is
+reported too (other key lengths: fp16 may differ in the
 last bit). Also each mode's decode ms per token (after one warm-up call) and the capture time. Prints one
 JSON object and exits 1 when any static / auto pair differs, or when a recipe of ``CAPTURED`` (the
 pruners whose probes act at prefill only) was not captured under ``auto``.
@@ -40,8 +41,15 @@ RECIPES = {
     "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
 }
 PRUNER_RECIPES = ("divprune", "pyramiddrop", "fastv", "dart", "sparsevlm", "mustdrop", "tome", "visionzip")
-#: read LLM attention at prefill only: their decode steps must be captured graphs under ``auto``
-CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop")
+#: ``name@1``: one-token calls (a POPE answer, a TTFT) of methods whose decode steps stay on the dynamic cache
+#: but whose one-token call prefills on the static cache in captured segments (ZipVL, Dynamic-LLaVA)
+ONE_TOKEN = ("zipvl@1", "dynamic_llava@1")
+#: read LLM attention at prefill only: their decode steps must be captured graphs under ``auto`` (and the
+#: one-token calls' prefills)
+CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop", *ONE_TOKEN)
+
+
+ONE_TOKEN_PROMPT = "Is there a red object in the image? Answer the question using a single word or phrase."
 
 
 def recipe_of(name: str, mm) -> dict:
@@ -56,7 +64,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--samples", type=int, default=3)
-    ap.add_argument("--recipes", default=",".join([*RECIPES, *PRUNER_RECIPES]))
+    ap.add_argument("--recipes", default=",".join([*RECIPES, *PRUNER_RECIPES, *ONE_TOKEN]))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("mmfast.runtime").setLevel(logging.INFO)  # the fall-back reasons
@@ -76,12 +84,15 @@ def main() -> int:
         row: dict = {}
         tokens = {}
         try:
-            recipe = load_recipe(recipe_of(name, mm))
+            method, _, count = name.partition("@")
+            n_new = int(count) if count else args.tokens
+            asked = [ONE_TOKEN_PROMPT] * len(images) if n_new == 1 else prompts
+            recipe = load_recipe(recipe_of(method, mm))
             for mode in ("off", "static", "auto"):
                 with mmfast.apply(mm, recipe, compile=mode) as s:
                     # warm-up: the first capture (the graphs are kept for the next calls of the session)
-                    warm = s.generate(images[:1], prompts[:1], max_new_tokens=args.tokens)
-                    res = [s.generate([im], [p], max_new_tokens=args.tokens)[0] for im, p in zip(images, prompts)]
+                    warm = s.generate(images[:1], asked[:1], max_new_tokens=n_new)
+                    res = [s.generate([im], [p], max_new_tokens=n_new)[0] for im, p in zip(images, asked)]
                     graphs = len(s.runner.pool.graphs)
                 n = sum(max(1, len(r.token_ids) - 1) for r in res)
                 tokens[mode] = [r.token_ids for r in res]

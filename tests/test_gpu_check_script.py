@@ -14,11 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_check_script_generates_the_world_and_compares_static_with_auto(tmp_path):
     env = {**os.environ, "MMFAST_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2"}
     cmd = [sys.executable, "scripts/static_cache_gpu_check.py", "--device", "cpu", "--dtype", "float32"]
-    cmd += ["--recipes", "greedy", "--tokens", "4", "--samples", "1"]
+    cmd += ["--recipes", "greedy,zipvl@1", "--tokens", "4", "--samples", "1"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout[res.stdout.index("{\n") :])  # after the per-recipe lines
     greedy = out["recipes"]["greedy"]
     assert greedy["static_equals_auto"] and greedy["off_equals_static"]
+    zipvl = out["recipes"]["zipvl@1"]  # a one-token answer: the static cache's prefill (captured on CUDA)
+    assert zipvl["static_equals_auto"] and zipvl["off_equals_static"]
     assert out["differ_or_failed"] == []
     assert (tmp_path / "cache").is_dir()  # the world was generated where MMFAST_CACHE points
