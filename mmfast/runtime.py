@@ -345,6 +345,7 @@ class LMRunner:
         self.n_layers = len(adapter.layers)
         self._select: dict[int, list[tuple[SelectFn, bool, float | None]]] = {}
         self._decode: dict[int, list[DecodeFn]] = {}
+        self._continue_from: int | None = None  # :meth:`continue_positions`
         self._hooked_from: int | None = None
         self._active: LMState | None = None
         self._phase = "idle"
@@ -392,8 +393,17 @@ class LMRunner:
         self._ensure_hooks(layer)
 
     def on_decode(self, layer: int, fn: DecodeFn) -> None:
+        """Call ``fn(layer, hidden, state)`` when a decode step reaches ``layer``. A ``fn`` marked
+        :func:`~mmfast.hooks.attention.replayable` (its work depends on shapes only, its result carried) runs
+        inside a captured step; any other keeps the step eager (:meth:`capture_blocker`)."""
         self._decode.setdefault(layer, []).append(fn)
         self._ensure_hooks(layer)
+
+    def continue_positions(self, layer: int) -> None:
+        """In one-token decode steps, a layer group starting at ``layer`` or later (and not renumbered,
+        ``compact``) gives the new token group 0's position, not its own top position + 1: a method that drops
+        generated tokens from those layers only (Dynamic-LLaVA) keeps RoPE on the full sequence's count."""
+        self._continue_from = layer if self._continue_from is None else min(self._continue_from, layer)
 
     def _ensure_hooks(self, layer: int) -> None:
         if self.session is None:
@@ -621,7 +631,7 @@ class LMRunner:
             captured.static.load(live)
             out = captured.graph.replay().clone()
             compat.set_static_lengths(cache, length, layers=layers)  # the graph moved the device write indices
-            captured.static.put_records()
+            _put_back(captured.static.records)
             return out
         static = _SegmentInputs(*(t.clone() for t in live.tensors()))
 
@@ -643,9 +653,7 @@ class LMRunner:
         if not self._prefill_refused:
             static.records = [(c, c.get()) for c in carried]
             self.pool.graphs[key] = _Captured(step_graph, static)
-        for c, result in warm:  # this call's results are the warm-up's (the capture's are the graph's)
-            if result is not None:
-                c.put(result)
+        _put_back(warm)  # this call's results are the warm-up's (the capture's are the graph's)
         self.capture_s += step_graph.capture_s
         return out
 
@@ -703,8 +711,12 @@ class LMRunner:
         static = compat.is_static(state.cache)
         new_pos: list[torch.Tensor] = []
         held = [grp.key_mask for grp in state.groups]  # [B, T_g] before the append
+        cont = self._continue_from
         for g, grp in enumerate(state.groups):
-            pos = grp.top_position() + offsets  # [B, Q]
+            if g and cont is not None and q == 1 and depth is None and grp.start >= cont and not grp.compact:
+                pos = new_pos[0]  # [B, 1] group 0's (continue_positions)
+            else:
+                pos = grp.top_position() + offsets  # [B, Q]
             top = pos[:, -1:] if depth is None else None  # the largest new position, in a causal step
             if grp.positions.dim() == 3:  # M-RoPE: the same position on every axis
                 pos = pos[:, :, None].expand(-1, -1, grp.positions.shape[-1])  # [B, Q, 3]
@@ -820,7 +832,7 @@ class LMRunner:
         every step cannot live in a graph: decode hooks, hooks on LM modules other than the runner's
         layer pre-hooks, attention probes or overrides on LM layers. Hooks and attention recorders
         installed ``prefill_only`` (``HookSession``) do not run in decode steps and do not count."""
-        if self._decode:
+        if any(not getattr(fn, "mmfast_replayable", None) for fns in self._decode.values() for fn in fns):
             return "decode hooks (on_decode)"
         own = 0 if self._hooked_from is None else self.n_layers - self._hooked_from
         hooks = sum(
@@ -861,6 +873,7 @@ class LMRunner:
                 ],
             )
             static.load(step, groups)
+            carried = [fn.mmfast_replayable for fns in self._decode.values() for fn in fns]  # capture_blocker: all
 
             def run() -> torch.Tensor:  # on the running state: a stand-in that re-runs it serves any call
                 live = self._active
@@ -875,6 +888,7 @@ class LMRunner:
             before = compat.write_indices(state.cache)
             with self._activate(state, "decode"):
                 last = graph.warmup(run).clone()  # this step's own forward, and the capture's warm-up
+                warm = [(c, c.get()) for c in carried]  # this step's decode-hook results (the capture's: the graph's)
                 after = compat.write_indices(state.cache)
                 # records the same kernels; a graph that runs them while capturing rewrites this step's
                 # slots with the same values from the same write index
@@ -884,14 +898,19 @@ class LMRunner:
                 except Exception as exc:  # noqa: BLE001  a step that cannot be captured runs eagerly
                     compat.restore_write_indices(state.cache, after)
                     self._capture_failed(exc)
+                    _put_back(warm)
                     return last
                 compat.restore_write_indices(state.cache, after)
+                static.records = [(c, c.get()) for c in carried]
+                _put_back(warm)
             self.pool.graphs[key] = _Captured(graph, static)
             self.capture_s += graph.capture_s
             return last
         captured.static.load(step, groups)
         with self._activate(state, "decode"):
-            return captured.graph.replay().clone()
+            out = captured.graph.replay().clone()
+            _put_back(captured.static.records)  # the replay's decode-hook results, where their readers look
+            return out
 
     def keep_new(self, state: LMState, n_new: int, keep: list[int], *, prefix: bool = False) -> None:
         """:meth:`LMState.keep_new` of host indices ``keep``; under captured steps (a static cache), a path
@@ -1151,6 +1170,7 @@ class _StepInputs:
     # and the key_mask whose validity it holds (nothing to copy when the next step's held is that one)
     valid: list[torch.Tensor] = field(default_factory=list)
     synced: list[torch.Tensor | None] = field(default_factory=list)
+    records: list = field(default_factory=list)  # [(Carried, the result its graph writes)] of replayable decode hooks
 
     @property
     def q(self) -> int:
@@ -1193,11 +1213,6 @@ class _SegmentInputs:
         for dst, src in zip(self.tensors(), live.tensors()):
             dst.copy_(src)
 
-    def put_records(self) -> None:
-        for carried, result in self.records:
-            if result is not None:
-                carried.put(result)
-
 
 @dataclass
 class _KeepInputs:
@@ -1213,6 +1228,13 @@ class _KeepInputs:
 class _Captured:
     graph: StepGraph
     static: Any  # its fixed inputs: _StepInputs, _SegmentInputs, _KeepInputs, a drafter's
+
+
+def _put_back(records: list) -> None:
+    """Put each carried hook result back where its reader looks (None: the hook did not act in that run)."""
+    for carried, result in records:
+        if result is not None:
+            carried.put(result)
 
 
 def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -40,13 +40,23 @@ RECIPES = {
     "msd": {"speculative": {"method": "msd", "params": {"depth": 6, "top_k": 4, "total_tokens": 8}}},
     "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
 }
-PRUNER_RECIPES = ("divprune", "pyramiddrop", "fastv", "dart", "sparsevlm", "mustdrop", "tome", "visionzip")
+PRUNER_RECIPES = (
+    "divprune",
+    "pyramiddrop",
+    "fastv",
+    "dart",
+    "sparsevlm",
+    "mustdrop",
+    "tome",
+    "visionzip",
+    "dynamic_llava",
+)
 #: ``name@1``: one-token calls (a POPE answer, a TTFT) of methods whose decode steps stay on the dynamic cache
 #: but whose one-token call prefills on the static cache in captured segments (ZipVL, Dynamic-LLaVA)
 ONE_TOKEN = ("zipvl@1", "dynamic_llava@1")
-#: read LLM attention at prefill only: their decode steps must be captured graphs under ``auto`` (and the
-#: one-token calls' prefills)
-CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop", *ONE_TOKEN)
+#: read LLM attention at prefill only, or decide in the step by tensor work only (Dynamic-LLaVA's text rule):
+#: their decode steps must be captured graphs under ``auto`` (and the one-token calls' prefills)
+CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop", "dynamic_llava", *ONE_TOKEN)
 
 
 ONE_TOKEN_PROMPT = "Is there a red object in the image? Answer the question using a single word or phrase."

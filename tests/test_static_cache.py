@@ -344,32 +344,55 @@ def test_auto_captures_or_keeps_the_dynamic_cache(tiny_mm, images, prompts, padd
     assert "decoding (vhr): its o_proj pre-hooks" in lines[0]
 
 
-def test_auto_captures_a_one_token_calls_prefill_when_its_steps_cannot_be(
-    tiny_mm, images, prompts, padded_steps, monkeypatch, caplog
+@pytest.mark.parametrize("keep_rate", [None, 1.0], ids=["pruned", "no-prefill-group"])
+def test_dynamic_llavas_decode_steps_are_captured(keep_rate, tiny_mm, images, prompts, padded_steps, monkeypatch):
+    """Dynamic-LLaVA's text predictor decides at every step whether the new token's KV stays in layers >= K. On
+    a static cache it runs inside the captured step (its decision carried out of each replay), the dropped slots
+    are masked out of those layers' validity instead of cut from the fixed buffers, and a token generated after
+    a drop keeps group 0's position there (``LMRunner.continue_positions``). Tokens and the per-sample
+    generated / skipped counts equal the dynamic cache's (which cuts the slots), at batch 2 and 1, with and
+    without a prefill layer group at K (the first step splits one off). Under the emulator only: the decision a
+    replay puts back is the graph's memory, which :class:`ReplayGraph`'s re-run does not write."""
+    from mmfast.pipeline import Session
+
+    graph = EmulatedGraph
+    stage = _stage("dynamic_llava", tiny_mm)
+    if keep_rate is not None:
+        stage["params"] = {**stage["params"], "vision_keep_rate": keep_rate}
+    recipe = load_recipe({"pruning": [stage]})
+
+    def run(s, lo, hi):
+        out = s.generate(images[lo:hi], prompts[lo:hi], max_new_tokens=8, seed=0)
+        return [(r.token_ids, r.stats["dynamic_llava"]) for r in out]
+
+    with mmfast.apply(tiny_mm, recipe, compile="off") as s:
+        dynamic, single = run(s, 0, 2), run(s, 2, 3)
+    assert any(st["kv_skipped"] > 0 for _, st in dynamic + single)  # drops happened: the masking is exercised
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: graph)
+    graph.made = []
+    with mmfast.apply(tiny_mm, recipe, compile="static") as s:
+        assert s.runner.capture_blocker() is None
+        assert run(s, 0, 2) == dynamic and run(s, 2, 3) == single
+    assert padded_steps[0] > 0 and sum(g.replays for g in graph.made) >= 10  # every step a replay but the first
+
+
+def test_a_one_token_call_without_capturable_steps_or_prefill_keeps_the_dynamic_cache(
+    tiny_mm, images, prompts, monkeypatch
 ):
-    """Dynamic-LLaVA's text predictor decides at every decode step (its steps are not captured: a longer call
-    decodes on the dynamic cache, said once), but a one-token call (a POPE answer, a TTFT) has no decode step:
-    under auto it takes the static cache and prefills in captured segments. Tokens equal the dynamic cache's."""
+    """A one-token call takes the static cache under auto where its prefill's segments can be captured even if
+    its steps cannot (ZipVL: ``test_zipvl_one_token_call_prefills_in_captured_segments``); where neither can
+    (VHR's pre-hooks on every layer), it keeps the dynamic cache and captures nothing."""
     from mmfast.pipeline import Session
 
     monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
     monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph if self._captures() else None)
     monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
-    dl = {"pruning": [_stage("dynamic_llava", tiny_mm)]}
     ReplayGraph.made = []
-    with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
-        assert _tokens(tiny_mm, dl, images, prompts, "auto", n=1) == _tokens(tiny_mm, dl, images, prompts, "off", n=1)
-        made = len(ReplayGraph.made)
-        assert made > 0 and padded_steps[0] == 0  # the prefill's segments; no step
-        assert _tokens(tiny_mm, dl, images, prompts, "auto", n=4) == _tokens(tiny_mm, dl, images, prompts, "off", n=4)
-    assert len(ReplayGraph.made) == made and padded_steps[0] == 0  # the dynamic cache, no graph
-    lines = [r.getMessage() for r in caplog.records if "dynamic KV cache" in r.getMessage()]
-    assert len(lines) == 1 and "no captured graph: decode hooks" in lines[0]
-    # where the prefill's segments cannot be captured either (VHR's pre-hooks on every layer), no static cache
     with mmfast.apply(tiny_mm, load_recipe(SERVED["vhr"]), compile="auto") as s:
-        assert s.runner.prefill_graph_blocker() is not None
+        assert s.runner.capture_blocker() is not None and s.runner.prefill_graph_blocker() is not None
         s.generate(images[:2], prompts[:2], max_new_tokens=1)
-    assert len(ReplayGraph.made) == made
+        assert s.runner.pool.kept_bytes == 0
+    assert ReplayGraph.made == []
 
 
 @pytest.mark.parametrize("graph", ["ReplayGraph", "EmulatedGraph"], ids=["rerun", "emulated"])
@@ -656,7 +679,7 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
         ({"pruning": [{"method": "dart"}]}, None),
         ({"pruning": [{"method": "sparsevlm"}]}, None),
         ({"pruning": [{"method": "mustdrop"}]}, None),
-        ({"pruning": [{"method": "dynamic_llava"}]}, "decode hooks"),
+        ({"pruning": [{"method": "dynamic_llava"}]}, None),  # its decode decision is captured with the step
         ({"pruning": [{"method": "zipvl"}]}, "attention probes or overrides"),
         ({"decoding": {"method": "vhr"}}, "hooks on the language model"),
         ({"decoding": {"method": "pai"}}, "attention probes or overrides"),

@@ -19,8 +19,11 @@ Hook points: ``runner.prune_at(K)`` (prefill: image top-k; no-cache steps: gener
 ``runner.on_decode(K)`` (runs the text predictor on the token entering layer K, before layers >= K) and a
 ``runner.step_hooks`` KV policy that removes the token's slot from every layer group starting at >= K:
 physically (cache tensors sliced) when the whole batch drops it, otherwise masked out of that group's
-``key_mask`` for the rows that drop it (both shrink ``kv_bytes_per_sample``). When no group starts at K
-(e.g. ``vision_keep_rate: 1``), the first drop splits one off, with identical contents.
+``key_mask`` for the rows that drop it (both shrink ``kv_bytes_per_sample``); on a static cache (fixed buffers,
+``model.compile``) always masked, with no host read, so the step is one captured graph: the decode function is
+tensor work only, marked ``replayable``, its decision carried out of each replay. When no group starts at K
+(e.g. ``vision_keep_rate: 1``), the first drop splits one off, with identical contents (on a static cache the
+first step). A token generated after a drop keeps, in layers >= K, group 0's position (``runner.continue_positions``).
 
 Positions: ``original``. Kept image tokens keep their position ids; a token generated after some were
 dropped gets, in layers >= K, the same position as in layers < K (the full sequence length), as the
@@ -78,6 +81,7 @@ from .. import compat
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError, ModelLoadError
+from ..hooks.attention import Carried, replayable
 from ..models.base import GENERATED
 from ..registry import PRUNERS
 from ..runtime import LayerGroup
@@ -112,9 +116,6 @@ class DynamicLLaVA(Pruner):
             kv_edit_decode=decode_rule and params.use_cache,
             decodes_without_cache=params is not None and not params.use_cache,
             decode_free_setting="text_keep: always and use_cache: true",
-            eager_decode="its text predictor decides at every step whether the new token's KV is kept"
-            if decode_rule and params.use_cache
-            else "",
         )
 
     @dataclass(frozen=True)
@@ -181,7 +182,13 @@ class DynamicLLaVA(Pruner):
         if not cfg.use_cache:
             runner.use_cache = False
         elif self.text_rule:
-            runner.on_decode(layer, self._decide)
+            # shape-only (a captured step replays it): its decision is carried across replays to the KV policy
+            carried = Carried(
+                lambda: self._active().extras.get(_DECISION),
+                lambda keep: self._active().extras.__setitem__(_DECISION, keep),
+            )
+            runner.on_decode(layer, replayable(self._decide, carried))
+            runner.continue_positions(layer)  # a token generated after a drop keeps the full-length position
             runner.step_hooks.append(self._apply)
 
     def _load(self) -> Predictors:
@@ -285,23 +292,24 @@ class DynamicLLaVA(Pruner):
         return drop
 
     # -- decode with KV cache ------------------------------------------------------------------------
+    def _active(self):
+        state = self.ctx.runner.active
+        if state is None:
+            raise RuntimeError("dynamic_llava: a decode decision outside a decode step")
+        return state
+
     def _decide(self, layer: int, hidden: torch.Tensor, state) -> None:
-        """At layer K: keep/drop of the new token; layers >= K continue the full-length positions."""
+        """At layer K: keep/drop of the new token (its position in layers >= K follows group 0's: the runner's
+        ``continue_positions``). Tensor work only, no host read: it runs inside a captured step."""
         if hidden.shape[1] != 1:  # a multi-token append is a new instruction, not generated text: kept (as the code)
             return
         with torch.no_grad():
             logits = self.predictors.text(hidden.to(self._device(), torch.float32)).to(hidden.device)
         state.extras[_DECISION] = logits[..., 0] > logits[..., 1]  # [B, Q]
-        q = hidden.shape[1]
-        pos0 = state.groups[0].positions[:, -q:]
-        for grp in state.groups:
-            if grp.start >= self.layer and not grp.compact and not torch.equal(grp.positions[:, -q:], pos0):
-                grp.positions = torch.cat([grp.positions[:, :-q], pos0], 1)
-                grp.fwd_pos_ids = pos0
-                grp.fwd_pos_emb = None
 
     def _apply(self, state) -> None:
-        """After a step: remove the dropped new tokens from every layer group starting at >= K."""
+        """After a step: remove the dropped new tokens from every layer group starting at >= K (on a static cache,
+        whose buffers are fixed, masked out of the groups' slot validity: no host read, the same attention)."""
         keep = state.extras.pop(_DECISION, None)
         if keep is None:
             return
@@ -322,7 +330,8 @@ class DynamicLLaVA(Pruner):
             "per_sample_kv_skipped": skipped.tolist(),
             "per_sample_kv_skipped_fraction": (skipped.double() / fed.clamp(min=1)).tolist(),
         }
-        if not bool(drop.any()):
+        static = compat.is_static(state.cache)
+        if not static and not bool(drop.any()):
             return
         self._ensure_group(state)
         all_drop = drop.all(0)  # [Q]
@@ -333,7 +342,7 @@ class DynamicLLaVA(Pruner):
             mask = grp.key_mask.clone()
             mask[:, t - q :] &= keep
             grp.key_mask = mask
-            if not bool(all_drop.any()):
+            if static or not bool(all_drop.any()):
                 continue
             cols = torch.ones(t, dtype=torch.bool, device=keep.device)
             cols[t - q :] = ~all_drop
