@@ -44,6 +44,7 @@ def cases(mm) -> dict[str, tuple[dict, int]]:
         "greedy b2": ({}, 2),
         "pyramiddrop b1": ({"pruning": [pdrop]}, 1),
         "prompt_lookup b1": ({"speculative": {"method": "prompt_lookup"}}, 1),
+        "dynamic_llava b1": ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, 1),
     }
 
 
