@@ -832,12 +832,15 @@ class LMRunner:
         every step cannot live in a graph: decode hooks, hooks on LM modules other than the runner's
         layer pre-hooks, attention probes or overrides on LM layers. Hooks and attention recorders
         installed ``prefill_only`` (``HookSession``) do not run in decode steps and do not count."""
-        if any(not getattr(fn, "mmfast_replayable", None) for fns in self._decode.values() for fn in fns):
+        if any(not _replays(fn) for fns in self._decode.values() for fn in fns):
             return "decode hooks (on_decode)"
         own = 0 if self._hooked_from is None else self.n_layers - self._hooked_from
         hooks = sum(
-            sum(not (compat.is_inert_output_hook(h) or is_prefill_only(h)) for h in m._forward_hooks.values())
-            + sum(not is_prefill_only(h) for h in m._forward_pre_hooks.values())
+            sum(
+                not (compat.is_inert_output_hook(h) or is_prefill_only(h) or _replays(h))
+                for h in m._forward_hooks.values()
+            )
+            + sum(not (is_prefill_only(h) or _replays(h)) for h in m._forward_pre_hooks.values())
             for m in self.lm.modules()
         )
         if hooks != own:
@@ -847,6 +850,16 @@ class LMRunner:
             if attn is not None and attn.acts_at_decode():
                 return "attention probes or overrides on the language model"
         return None
+
+    def _step_carried(self) -> list[Carried]:
+        """What the replayable hooks of a decode step carry out of it (:meth:`capture_blocker` let them in): the
+        decode functions' results, and those of hooks on the language model's modules."""
+        found = [fn.mmfast_replayable for fns in self._decode.values() for fn in fns]
+        for m in self.lm.modules():
+            for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+                if _replays(h) and not any(c is h.mmfast_replayable for c in found):
+                    found.append(h.mmfast_replayable)
+        return found
 
     def _replay(self, state: LMState, step: _StepInputs) -> torch.Tensor:
         """Run the step as a captured graph. Its inputs are the new tokens (or embeddings), positions
@@ -873,7 +886,7 @@ class LMRunner:
                 ],
             )
             static.load(step, groups)
-            carried = [fn.mmfast_replayable for fns in self._decode.values() for fn in fns]  # capture_blocker: all
+            carried = self._step_carried()
 
             def run() -> torch.Tensor:  # on the running state: a stand-in that re-runs it serves any call
                 live = self._active
@@ -1228,6 +1241,11 @@ class _KeepInputs:
 class _Captured:
     graph: StepGraph
     static: Any  # its fixed inputs: _StepInputs, _SegmentInputs, _KeepInputs, a drafter's
+
+
+def _replays(hook: Callable) -> bool:
+    """A hook marked :func:`~mmfast.hooks.attention.replayable`: a captured step may replay its work."""
+    return getattr(hook, "mmfast_replayable", None) is not None
 
 
 def _put_back(records: list) -> None:

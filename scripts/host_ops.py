@@ -45,6 +45,7 @@ def cases(mm) -> dict[str, tuple[dict, int]]:
         "pyramiddrop b1": ({"pruning": [pdrop]}, 1),
         "prompt_lookup b1": ({"speculative": {"method": "prompt_lookup"}}, 1),
         "dynamic_llava b1": ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, 1),
+        "vhr b1": ({"decoding": {"method": "vhr"}}, 1),
     }
 
 

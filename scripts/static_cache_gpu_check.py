@@ -39,6 +39,7 @@ RECIPES = {
     "flash": {"speculative": {"method": "flash", "params": {"top_k": 4, "total_tokens": 12}}},
     "msd": {"speculative": {"method": "msd", "params": {"depth": 6, "top_k": 4, "total_tokens": 8}}},
     "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
+    "vhr": {"decoding": {"method": "vhr"}},  # its head-scaling pre-hooks replay inside the step
 }
 PRUNER_RECIPES = (
     "divprune",
@@ -54,9 +55,9 @@ PRUNER_RECIPES = (
 #: ``name@1``: one-token calls (a POPE answer, a TTFT) of methods whose decode steps stay on the dynamic cache
 #: but whose one-token call prefills on the static cache in captured segments (ZipVL, Dynamic-LLaVA)
 ONE_TOKEN = ("zipvl@1", "dynamic_llava@1")
-#: read LLM attention at prefill only, or decide in the step by tensor work only (Dynamic-LLaVA's text rule):
+#: read LLM attention at prefill only, or act in the step by tensor work only (Dynamic-LLaVA's text rule, VHR):
 #: their decode steps must be captured graphs under ``auto`` (and the one-token calls' prefills)
-CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop", "dynamic_llava", *ONE_TOKEN)
+CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop", "dynamic_llava", "vhr", *ONE_TOKEN)
 
 
 ONE_TOKEN_PROMPT = "Is there a red object in the image? Answer the question using a single word or phrase."

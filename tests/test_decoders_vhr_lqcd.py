@@ -46,15 +46,15 @@ def test_vhr_scales_exactly_the_selected_heads(tiny_mm, images, prompts):
         sel = torch.tensor([r.stats["vhr"]["selected_heads"]["3"] for r in out])  # [B, H] head set frozen at t = 0
         assert sel.shape == (2, h) and 0 < int(sel.sum()) < sel.numel()
         assert out[0].stats["vhr"]["reinforced_heads"]["3"] == int(sel[0].sum())
-        # the frozen hook multiplies exactly the selected heads' slices of the o_proj input by alpha;
-        # it reads the heads from the running state (here a stand-in in the apply phase)
+        # the frozen hook multiplies exactly the selected heads' slices of the o_proj input by alpha; it acts in the
+        # running state's apply phase (here a stand-in) and reads the scales the last prefill filled in from its heads
         from mmfast.decoding.vhr import _Heads
 
         state = SimpleNamespace(extras={"vhr": _Heads("apply", 2, {3: sel})}, groups=[])
         x = torch.randn(2, 5, tiny_mm.adapter.text_config.hidden_size)
         with s.runner._activate(state, "decode"):
-            (y,) = s.decoder._hook(3)(None, (x,))
-        assert s.decoder._hook(3)(None, (x,)) is None  # no running state: VHR leaves other forwards alone
+            (y,) = s.decoder._scale_hook(3)(None, (x,))
+        assert s.decoder._scale_hook(3)(None, (x,)) is None  # no running state: VHR leaves other forwards alone
     xv, yv = x.view(2, 5, h, -1), y.view(2, 5, h, -1)
     for b in range(2):
         for head in range(h):

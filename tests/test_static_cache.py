@@ -316,11 +316,18 @@ def test_auto_is_static_on_cuda_only(tiny_mm, images, prompts, padded_steps):
     assert padded_steps[0] == 0  # the CPU: the dynamic cache
 
 
+def _python_every_step(s) -> None:
+    """A plain pre-hook on an LLM layer's MLP (a user's or a method's Python that must run in every forward): not
+    replayable, so it keeps decode steps and the prefill's segments out of captured graphs."""
+    s.hooks.pre_hook(s.ctx.adapter.layers[1].mlp, lambda module, args: None)
+
+
 def test_auto_captures_or_keeps_the_dynamic_cache(tiny_mm, images, prompts, padded_steps, monkeypatch, caplog):
     """On CUDA (here: a stand-in graph), auto captures the steps it can (FastV's probe records at prefill
-    only); a session whose step cannot be captured (VHR's head-scaling pre-hooks run every step) decodes
-    on the dynamic cache, where eager static steps would only be slower (measured on an H100, FastV
-    before its probe was prefill-only: 8.4 vs 5.2 ms per token), and says why once, naming the method."""
+    only; VHR's head-scaling pre-hooks read fixed memory, replayable); a session whose step cannot be captured
+    (a plain hook on an LLM module: Python in every step) decodes on the dynamic cache, where eager static steps
+    would only be slower (measured on an H100, FastV before its probe was prefill-only: 8.4 vs 5.2 ms per
+    token), and says why once."""
     from mmfast.pipeline import Session
 
     monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
@@ -330,18 +337,69 @@ def test_auto_captures_or_keeps_the_dynamic_cache(tiny_mm, images, prompts, padd
     dynamic = _tokens(tiny_mm, {}, images, prompts, "off")
     assert _tokens(tiny_mm, {}, images, prompts, "auto") == dynamic
     assert padded_steps[0] > 0 and ReplayGraph.made
-    fastv = {"pruning": [_stage("fastv", tiny_mm)]}
-    steps, made = padded_steps[0], len(ReplayGraph.made)
-    assert _tokens(tiny_mm, fastv, images, prompts, "auto") == _tokens(tiny_mm, fastv, images, prompts, "off")
-    assert padded_steps[0] > steps and len(ReplayGraph.made) > made  # captured
-    vhr = SERVED["vhr"]
+    for recipe in ({"pruning": [_stage("fastv", tiny_mm)]}, SERVED["vhr"]):
+        steps, made = padded_steps[0], len(ReplayGraph.made)
+        assert _tokens(tiny_mm, recipe, images, prompts, "auto") == _tokens(tiny_mm, recipe, images, prompts, "off")
+        assert padded_steps[0] > steps and len(ReplayGraph.made) > made  # captured
     steps, made = padded_steps[0], len(ReplayGraph.made)
     with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
-        assert _tokens(tiny_mm, vhr, images, prompts, "auto") == _tokens(tiny_mm, vhr, images, prompts, "off")
+        for _ in range(2):
+            with mmfast.apply(tiny_mm, load_recipe({}), compile="auto") as s:
+                _python_every_step(s)
+                got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)]
+                assert got == dynamic
     assert padded_steps[0] == steps and len(ReplayGraph.made) == made  # the dynamic cache, no graph
     lines = [r.getMessage() for r in caplog.records if "dynamic KV cache" in r.getMessage()]
-    assert len(lines) == 1 and "no captured graph: hooks on the language model" in lines[0]
-    assert "decoding (vhr): its o_proj pre-hooks" in lines[0]
+    assert len(lines) == 2 and all("no captured graph: hooks on the language model's modules" in x for x in lines)
+
+
+def test_a_one_token_call_without_capturable_steps_or_prefill_keeps_the_dynamic_cache(
+    tiny_mm, images, prompts, monkeypatch
+):
+    """A one-token call takes the static cache under auto where its prefill's segments can be captured even if
+    its steps cannot (ZipVL: ``test_zipvl_one_token_call_prefills_in_captured_segments``); where neither can
+    (a plain hook on an LLM layer), it keeps the dynamic cache and captures nothing."""
+    from mmfast.pipeline import Session
+
+    monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph if self._captures() else None)
+    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
+    ReplayGraph.made = []
+    with mmfast.apply(tiny_mm, load_recipe({}), compile="auto") as s:
+        _python_every_step(s)
+        assert s.runner.capture_blocker() is not None and s.runner.prefill_graph_blocker() is not None
+        s.generate(images[:2], prompts[:2], max_new_tokens=1)
+        assert s.runner.pool.kept_bytes == 0
+    assert ReplayGraph.made == []
+
+
+def test_vhrs_decode_steps_are_captured_with_each_calls_heads(tiny_mm, images, prompts, padded_steps, monkeypatch):
+    """VHR's o_proj pre-hooks scale the heads chosen at the first token in every later step: they read the scales
+    from fixed memory, refilled after each prefill, so the step is one captured graph (under the emulator: a
+    replay runs only the recorded kernels). Tokens equal the dynamic cache's for two calls whose chosen heads
+    differ. Each call captures its own step: the joint prefill's rows (image and text-only streams) are cut to
+    the image rows after it, which gives the cache new buffers."""
+    from mmfast.pipeline import Session
+
+    recipe = load_recipe(SERVED["vhr"])
+    calls = [(images[:2], prompts[:2]), (images[2:4], prompts[2:4])]
+
+    def run(s, which=calls):
+        out = [s.generate(imgs, ps, max_new_tokens=8, seed=0) for imgs, ps in which]
+        return [[(r.token_ids, r.stats["vhr"]["selected_heads"]) for r in res] for res in out]
+
+    dynamic = []
+    for call in calls:  # each call in a session of its own: nothing carried over from another call
+        with mmfast.apply(tiny_mm, recipe, compile="off") as s:
+            dynamic += run(s, [call])
+    assert [h for _, h in dynamic[0]] != [h for _, h in dynamic[1]]  # the calls reinforce different heads
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
+    EmulatedGraph.made = []
+    with mmfast.apply(tiny_mm, recipe, compile="static") as s:
+        assert s.runner.capture_blocker() is None
+        assert run(s) == dynamic
+    assert padded_steps[0] > 0 and sorted(g.replays for g in EmulatedGraph.made) == [6, 6]  # 7 steps a call
 
 
 @pytest.mark.parametrize("keep_rate", [None, 1.0], ids=["pruned", "no-prefill-group"])
@@ -374,25 +432,6 @@ def test_dynamic_llavas_decode_steps_are_captured(keep_rate, tiny_mm, images, pr
         assert s.runner.capture_blocker() is None
         assert run(s, 0, 2) == dynamic and run(s, 2, 3) == single
     assert padded_steps[0] > 0 and sum(g.replays for g in graph.made) >= 10  # every step a replay but the first
-
-
-def test_a_one_token_call_without_capturable_steps_or_prefill_keeps_the_dynamic_cache(
-    tiny_mm, images, prompts, monkeypatch
-):
-    """A one-token call takes the static cache under auto where its prefill's segments can be captured even if
-    its steps cannot (ZipVL: ``test_zipvl_one_token_call_prefills_in_captured_segments``); where neither can
-    (VHR's pre-hooks on every layer), it keeps the dynamic cache and captures nothing."""
-    from mmfast.pipeline import Session
-
-    monkeypatch.setattr(Session, "_captures", lambda self: self.recipe.model.compile == "auto")
-    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph if self._captures() else None)
-    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
-    ReplayGraph.made = []
-    with mmfast.apply(tiny_mm, load_recipe(SERVED["vhr"]), compile="auto") as s:
-        assert s.runner.capture_blocker() is not None and s.runner.prefill_graph_blocker() is not None
-        s.generate(images[:2], prompts[:2], max_new_tokens=1)
-        assert s.runner.pool.kept_bytes == 0
-    assert ReplayGraph.made == []
 
 
 @pytest.mark.parametrize("graph", ["ReplayGraph", "EmulatedGraph"], ids=["rerun", "emulated"])
@@ -681,7 +720,7 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
         ({"pruning": [{"method": "mustdrop"}]}, None),
         ({"pruning": [{"method": "dynamic_llava"}]}, None),  # its decode decision is captured with the step
         ({"pruning": [{"method": "zipvl"}]}, "attention probes or overrides"),
-        ({"decoding": {"method": "vhr"}}, "hooks on the language model"),
+        ({"decoding": {"method": "vhr"}}, None),  # its pre-hooks read the frozen scales from fixed memory
         ({"decoding": {"method": "pai"}}, "attention probes or overrides"),
         ({"decoding": {"method": "opera", "params": DECODER_PARAMS["opera"]}}, "attention probes or overrides"),
     ],
@@ -720,13 +759,16 @@ def test_auto_without_a_graph_says_why_once(tiny_mm, images, prompts, monkeypatc
     ReplayGraph.made = []
     monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
     monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
-    recipe = SERVED["vhr"]
-    with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
-        static = _tokens(tiny_mm, recipe, images, prompts, "static")
+    with (
+        caplog.at_level(logging.INFO, logger="mmfast.runtime"),
+        mmfast.apply(tiny_mm, load_recipe({}), compile="static") as s,
+    ):
+        _python_every_step(s)
+        static = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)]
     lines = [r.getMessage() for r in caplog.records if "captured graph" in r.getMessage()]
     assert len(lines) == 1 and "hooks on the language model" in lines[0]
     assert not ReplayGraph.made
-    assert static == _tokens(tiny_mm, recipe, images, prompts, "off")
+    assert static == _tokens(tiny_mm, {}, images, prompts, "off")
 
 
 def test_generate_takes_compile(tiny_mm, images, prompts, padded_steps):

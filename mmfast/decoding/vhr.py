@@ -8,8 +8,9 @@ attention output before W_O (the ``o_proj`` input slice); heads with VHD > mean 
 energy ||A_{l,i}(text)||^2 > mean + std are zeroed (negatively vision-sensitive outliers); heads with
 VHD above the layer's median are scaled by alpha (2) -- in that same forward, so later layers are
 measured on the reinforced stream. The head set is then frozen for every later step (cache-consistent).
-Hook points: a forward pre-hook on each chosen layer's ``self_attn.o_proj``. Cost: one extra
-text-only prefill at t = 0, nothing after. Whether the text-only stream is reinforced too is unstated
+Hook points: a forward pre-hook on each chosen layer's ``self_attn.o_proj``; in decode steps it scales by the
+frozen heads' scales held in fixed memory (refilled after each prefill), tensor work only, so a static decode
+step with it is one captured graph (``model.compile``). Cost: one extra text-only prefill at t = 0, nothing after. Whether the text-only stream is reinforced too is unstated
 in the paper: ``reinforce_text_stream`` (default false). Limits: greedy or sampling (no beam here).
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from ..capabilities import Capabilities
 from ..config import opt
+from ..hooks.attention import Carried, replayable
 from ..models.base import LMInputs
 from ..registry import DECODERS
 from .base import DecodeOutput, Decoder, DecodeRequest, existing_layers
@@ -50,10 +52,7 @@ class VHR(Decoder):
 
     @classmethod
     def capabilities(cls, params) -> Capabilities:
-        scales = params is None or params.alpha != 1.0  # alpha = 1 installs no hook
-        return Capabilities(
-            eager_decode="its o_proj pre-hooks scale each sample's chosen heads at every step" if scales else ""
-        )
+        return Capabilities()  # its o_proj pre-hooks replay in a captured step (the scales: a static input)
 
     @dataclass(frozen=True)
     class Config:
@@ -77,33 +76,46 @@ class VHR(Decoder):
         adapter = self.ctx.adapter
         self.layers = self.check_facts(self.config, ModelFacts.of_adapter(adapter))
         self.heads = adapter.text_config.num_attention_heads
+        # the frozen heads' scales of the running decode, per layer: the memory a captured step reads (filled
+        # from the state's chosen heads after each prefill, :meth:`_after_prefill`), one per batch size and dtype
+        self._scales: dict[tuple, torch.Tensor] = {}
         if self.config.alpha != 1.0:
             for layer in self.layers:
-                self.ctx.hooks.pre_hook(adapter.layers[layer].self_attn.o_proj, self._hook(layer))
+                o_proj = adapter.layers[layer].self_attn.o_proj
+                # the joint prefill chooses the heads (Python with side effects: never inside a captured graph) ...
+                self.ctx.hooks.pre_hook(o_proj, self._select_hook(layer), prefill_only=True)
+                # ... and every decode step scales them, reading fixed memory: replayable, nothing to carry
+                self.ctx.hooks.pre_hook(
+                    o_proj, replayable(self._scale_hook(layer), Carried(lambda: None, lambda _: None))
+                )
 
-    def _hook(self, layer: int):
+    def _select_hook(self, layer: int):
         def pre_hook(module, args):
-            state = self.ctx.runner.active
-            data = _heads_of(state, self.name)
-            if data is None:
-                return None  # a forward that is not VHR's (no text stream among its inputs)
+            data = _heads_of(self.ctx.runner.active, self.name)
+            if data is None or data.phase != "select":
+                return None  # a forward that is not VHR's joint prefill (no text stream among its inputs)
             x = args[0]  # [rows, T, H*D] per-head outputs, concatenated
             rows, t, hd = x.shape
             heads = x.view(rows, t, self.heads, hd // self.heads)  # [rows, T, H, D]
-            if data.phase == "select":
-                b = data.n_image_rows
-                img, txt = heads[:b, -1].float(), heads[b:, -1].float()  # [B, H, D] at the last position
-                vhd = (img - txt).norm(dim=-1)  # [B, H]
-                data.selected[layer] = select_heads(vhd, txt.pow(2).sum(-1))
-                mask = data.selected[layer]
-                if self.config.reinforce_text_stream:
-                    mask = torch.cat([mask, mask])
-                else:
-                    mask = torch.cat([mask, torch.zeros_like(mask)])
-            else:
-                mask = data.selected[layer]
+            b = data.n_image_rows
+            img, txt = heads[:b, -1].float(), heads[b:, -1].float()  # [B, H, D] at the last position
+            vhd = (img - txt).norm(dim=-1)  # [B, H]
+            data.selected[layer] = mask = select_heads(vhd, txt.pow(2).sum(-1))  # scaled in this same forward
+            mask = torch.cat([mask, mask if self.config.reinforce_text_stream else torch.zeros_like(mask)])
             scale = 1 + (self.config.alpha - 1) * mask.to(x.dtype)  # [rows, H]
             return ((heads * scale[:, None, :, None]).view(rows, t, hd),)
+
+        return pre_hook
+
+    def _scale_hook(self, layer: int):
+        def pre_hook(module, args):
+            data = _heads_of(self.ctx.runner.active, self.name)
+            if data is None or data.phase != "apply":
+                return None  # not a decode step of VHR's image stream
+            x = args[0]  # [rows, T, H*D]
+            rows, t, hd = x.shape
+            scale = self._scales[(layer, rows, x.dtype, x.device)]  # [rows, H] the frozen heads' scales
+            return ((x.view(rows, t, self.heads, hd // self.heads) * scale[:, None, :, None]).view(rows, t, hd),)
 
         return pre_hook
 
@@ -138,6 +150,13 @@ class VHR(Decoder):
         step_out.logits = step_out.logits[keep]
         step_out.hidden = step_out.hidden[keep]
         data.phase = "apply"
+        for layer, mask in data.selected.items():  # [B, H] bool each
+            dtype = self.ctx.adapter.layers[layer].self_attn.o_proj.weight.dtype  # what its inputs are
+            scale = 1 + (self.config.alpha - 1) * mask.to(dtype)
+            buf = self._scales.get((layer, *scale.shape[:1], dtype, scale.device))
+            if buf is None:
+                buf = self._scales[(layer, *scale.shape[:1], dtype, scale.device)] = torch.empty_like(scale)
+            buf.copy_(scale)
         state.stats[self.name] = {
             "per_sample_reinforced_heads": [
                 {str(layer): int(m[b].sum()) for layer, m in data.selected.items()} for b in range(data.n_image_rows)
