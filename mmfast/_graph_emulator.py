@@ -141,8 +141,8 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(float("nan"))
     elif t.dtype == torch.bool:
         t.logical_not_()
-    else:
-        t.fill_(-7777)
+    else:  # a value no index or count takes, in the dtype's range
+        t.fill_(max(-7777, torch.iinfo(t.dtype).min))
 
 
 class _NoHostReads:

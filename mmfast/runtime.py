@@ -1078,17 +1078,16 @@ class LMRunner:
         keep[:, -1] = prev.key_mask[:, -1]  # the last prompt token produces the first logits
         if self.skip_noop_groups and not edited and bool((keep == prev.key_mask).all()):
             return hidden  # nothing dropped: the layers keep computing exactly as without pruning
-        counts = keep.sum(1)
-        new_len = min(keep.shape[1], -(-int(counts.max()) // bucket) * bucket)
-        bsz = keep.shape[0]
-        index = torch.zeros(bsz, new_len, dtype=torch.long, device=keep.device)
-        valid = torch.zeros(bsz, new_len, dtype=torch.bool, device=keep.device)
-        for b in range(bsz):
-            idx = keep[b].nonzero().squeeze(1)  # kept slots in order
-            if order is not None:
-                idx = idx[order[b, idx].argsort(stable=True)]  # the select function's layout
-            index[b, new_len - idx.numel() :] = idx  # left-pad
-            valid[b, new_len - idx.numel() :] = True
+        counts = keep.sum(1)  # [B]
+        bsz, t = keep.shape
+        new_len = min(t, -(-int(counts.max()) // bucket) * bucket)  # the one read: the new group's length
+        # every row at once, no further read: the kept slots first, in the select function's layout (its order, ties
+        # by slot) or in slot order, then left-padded to new_len
+        rank = order if order is not None else torch.arange(t, device=keep.device, dtype=torch.float64).expand(bsz, -1)
+        ranked = rank.masked_fill(~keep, float("inf")).argsort(dim=1, stable=True)[:, :new_len]  # [B, T']
+        at = torch.arange(new_len, device=keep.device)[None, :] - (new_len - counts)[:, None]  # [B, T'] rank held
+        valid = at >= 0  # [B, T'] left padding False
+        index = ranked.gather(1, at.clamp(min=0)).masked_fill(~valid, 0)  # [B, T'] kept slot per position
         positions = gather_slots(prev.positions, index)
         source = prev.source.gather(1, index).masked_fill(~valid, -1)
         if compact and positions.dim() == 3:

@@ -147,6 +147,16 @@ def test_integer_index_tensors_capture_and_replay():
     assert torch.equal(graph.replay(), torch.tensor([210.0, 214.0]))  # (100 + [5, 7]) * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_small_integer_tensors_made_while_capturing(dtype):
+    """Tensors the capture allocates are poisoned with a value in their dtype's range (int8 cannot hold -7777)."""
+    t = torch.arange(4)
+    graph = ReplayEmulator()
+    graph.capture(lambda: (t > 1).to(dtype) * 3)
+    t.copy_(torch.tensor([5, 0, 0, 5]))
+    assert torch.equal(graph.replay(), torch.tensor([3, 0, 0, 3], dtype=dtype))
+
+
 def test_replay_is_quick_on_a_small_step():
     layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
     x = torch.randn(2, 8, 32)

@@ -448,6 +448,34 @@ def test_a_replayed_selection_equals_the_eager_one(name):
     assert next(iter(calls.graphs.values())).graph.replays == 2
 
 
+def test_a_replayed_sparsevlm_filter_equals_the_eager_one():
+    """SparseVLM's per-image filter (top-k by the raters' score, DPC-kNN merge of the best deleted tokens) replayed
+    on new scores, layouts and hidden states (CUDA-graph semantics) gives the eager function's kept slots, cluster
+    hosts, anchor and merged tokens."""
+    from functools import partial
+
+    from mmfast.models.captured_tower import CapturedCalls
+    from mmfast.pruning.sparsevlm import filter_image
+    from mmfast.runtime import LMRunner
+
+    runner = LMRunner.__new__(LMRunner)  # replay_or_capture needs only the capture-time counter
+    runner.capture_s = 0.0
+    calls = CapturedCalls(runner, lambda: Counted, "test selections run")
+    fn = partial(filter_image, j=1, n=20, k=6, top=5, clusters=2)
+    outs = []
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        image = torch.full((40,), -1, dtype=torch.long)
+        slots = torch.randperm(40, generator=g)
+        image[slots[:20]], image[slots[20:30]] = 1, 0  # image 1's 20 slots where this seed puts them
+        score, hidden = torch.rand(40, generator=g), torch.randn(40, 8, generator=g)
+        got = calls(("sparsevlm", 1, 20, 6, 5, 2), fn, score, image, hidden)
+        assert torch.equal(got, fn(score, image, hidden))
+        outs.append(got[:8].tolist())  # kept slots and hosts
+    assert outs[0] != outs[1] != outs[2]
+    assert next(iter(calls.graphs.values())).graph.replays == 2
+
+
 @pytest.mark.parametrize("name", ["tome", "visionzip"])
 def test_a_tower_with_shape_only_hooks_is_one_captured_graph(name, captured, tiny_mm, images, prompts):
     """ToMe's merges (a replaced layer forward, a key recorder, the proportional-attention override, a reset

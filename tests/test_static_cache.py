@@ -831,7 +831,8 @@ def _spy_prefill_recorders(s) -> list[str]:
 def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, graph, tiny_mm, images, prompts, monkeypatch):
     """Their probes record at prefill only: nothing of theirs runs in a decode step (nor while it is
     captured), the step is one graph, and the tokens equal the dynamic cache's (greedy, batch 2 and 1). The
-    other graphs are prefill segments without a probe (the spies here are Python in a probe's segment)."""
+    other graphs are prefill segments without a probe (the spies here are Python in a probe's segment) and
+    SparseVLM's per-image filters (``MethodContext.captured``), replayed for the batch's second image."""
     from mmfast.pipeline import Session
 
     recipe = {"pruning": [_stage(pruner, tiny_mm)]}
@@ -845,10 +846,13 @@ def test_prefill_only_probes_are_captured_and_match_dynamic(pruner, graph, tiny_
         batch = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)]
         one = [r.token_ids for r in s.generate(images[2:3], prompts[2:3], max_new_tokens=8, seed=0)]
         assert s.runner.capture_blocker() is None  # and after prefills
+        selections = [c.graph for c in s.ctx.captured.graphs.values()]  # SparseVLM's per-image filters
     assert batch == dynamic and one == single
     assert phases and set(phases) == {"prefill"}  # the recorders ran, at prefill only
     steps = [g for g in graph.made if g.replays >= 5]  # the decode step: one graph per call
-    assert len(steps) == 2 and all(g.replays == 0 for g in graph.made if g not in steps)
+    assert len(steps) == 2 and all(g.replays == 0 for g in graph.made if g not in steps + selections)
+    if pruner == "sparsevlm":  # its filters are captured calls, replayed for the batch's second image
+        assert selections and any(g.replays for g in selections)
 
 
 @pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
