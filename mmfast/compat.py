@@ -345,6 +345,7 @@ class StaticSlotLayer(CacheLayerMixin):
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None  # [] long on the buffers' device: the write index
         self._len = 0  # the same on the host
+        self._whole: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers of a row cut (keep_first_rows)
         self.padded = False  # set by the cache for a static decode step
         super().__init__()
 
@@ -516,6 +517,26 @@ class StaticSlotLayer(CacheLayerMixin):
         else:
             self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)
 
+    def keep_first_rows(self, n: int) -> None:
+        """Keep batch rows ``0 .. n-1`` in place: views of the buffers (the pool keeps the whole ones, so a next
+        call of the full batch takes them, and the graphs captured on these views serve it again)."""
+        if self._k is not None:
+            if self._whole is None or self._whole[0].data_ptr() != self._k.data_ptr():
+                self._whole = (self._k, self._v)
+            self._k, self._v = self._k[:n], self._v[:n]
+
+    def whole_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V with every row: the buffers :meth:`keep_first_rows` cut views of, while the layer still holds
+        those views (views made under inference mode do not know their base), else the layer's own."""
+        whole = self._whole
+        if (
+            whole is not None
+            and whole[0].data_ptr() == self._k.data_ptr()
+            and whole[1].data_ptr() == self._v.data_ptr()
+        ):
+            return whole
+        return self._k, self._v
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is not None:
             self._k = self._k.repeat_interleave(repeats, dim=0)
@@ -612,7 +633,7 @@ class StaticBufferPool:
         if not is_static(cache) or any(lay._k is None for lay in cache.layers):
             self.clear()
             return
-        self._kept = {i: (lay._k, lay._v, lay._pos) for i, lay in enumerate(cache.layers)}
+        self._kept = {i: (*lay.whole_buffers(), lay._pos) for i, lay in enumerate(cache.layers)}
         held = static_buffers(cache)
         on = set(held)  # a graph of some layers (a prefill segment) stays while its layers' buffers do
         self.graphs = {key: g for key, g in self.graphs.items() if on.issuperset(key[0])}
@@ -636,6 +657,15 @@ class StaticBufferPool:
     @property
     def kept_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self._kept.values())
+
+
+def keep_first_rows(cache, n: int) -> None:
+    """Keep batch rows ``0 .. n-1`` of ``cache``: in place on a static cache, selected on another."""
+    if is_static(cache):
+        for lay in cache.layers:
+            lay.keep_first_rows(n)
+    else:
+        cache.reorder_cache(torch.arange(n, device=cache.layers[0].keys.device))
 
 
 def is_static(cache) -> bool:

@@ -235,6 +235,15 @@ class LMState:
         self.inputs = self.inputs.select(index)
         self.accounting = self.accounting.select(index)
 
+    def keep_rows(self, n: int) -> None:
+        """Keep the first ``n`` batch rows (a static cache keeps them in place: ``compat.keep_first_rows``)."""
+        index = torch.arange(n, device=self.groups[0].key_mask.device)
+        compat.keep_first_rows(self.cache, n)
+        for grp in self.groups:
+            grp._map(lambda t: t[:n])
+        self.inputs = self.inputs.select(index)
+        self.accounting = self.accounting.select(index)
+
     def repeat_interleave(self, n: int) -> None:
         """Repeat every batch row n times (beam search expansion after a single prefill)."""
         if n == 1:

@@ -145,10 +145,10 @@ class VHR(Decoder):
     def _after_prefill(self, state, step_out) -> None:
         """Freeze the heads and drop the text-only rows: decoding continues on the image stream."""
         data = _heads_of(state, self.name)
-        keep = torch.arange(data.n_image_rows, device=step_out.logits.device)
-        state.reorder(keep)
-        step_out.logits = step_out.logits[keep]
-        step_out.hidden = step_out.hidden[keep]
+        n = data.n_image_rows
+        state.keep_rows(n)  # on a static cache in place: the next call's joint prefill takes the same buffers
+        step_out.logits = step_out.logits[:n]
+        step_out.hidden = step_out.hidden[:n]
         data.phase = "apply"
         for layer, mask in data.selected.items():  # [B, H] bool each
             dtype = self.ctx.adapter.layers[layer].self_attn.o_proj.weight.dtype  # what its inputs are
