@@ -455,7 +455,7 @@ def test_a_replayed_sparsevlm_filter_equals_the_eager_one():
     from functools import partial
 
     from mmfast.models.captured_tower import CapturedCalls
-    from mmfast.pruning.sparsevlm import filter_image
+    from mmfast.pruning._sparsevlm_ops import filter_image
     from mmfast.runtime import LMRunner
 
     runner = LMRunner.__new__(LMRunner)  # replay_or_capture needs only the capture-time counter

@@ -8,10 +8,10 @@ attention output before W_O (the ``o_proj`` input slice); heads with VHD > mean 
 energy ||A_{l,i}(text)||^2 > mean + std are zeroed (negatively vision-sensitive outliers); heads with
 VHD above the layer's median are scaled by alpha (2) -- in that same forward, so later layers are
 measured on the reinforced stream. The head set is then frozen for every later step (cache-consistent).
-Hook points: a forward pre-hook on each chosen layer's ``self_attn.o_proj``; in decode steps it scales by the
-frozen heads' scales held in fixed memory (refilled after each prefill), tensor work only, so a static decode
-step with it is one captured graph (``model.compile``). Cost: one extra text-only prefill at t = 0, nothing after. Whether the text-only stream is reinforced too is unstated
-in the paper: ``reinforce_text_stream`` (default false). Limits: greedy or sampling (no beam here).
+Hook points: forward pre-hooks on each chosen layer's ``self_attn.o_proj``: one chooses and scales at the joint
+prefill; one scales in decode steps from the frozen scales held in fixed memory (refilled after each prefill),
+tensor work only, so a static decode step is one captured graph (``model.compile``). Cost: one extra text-only
+prefill at t = 0, nothing after. Whether the text-only stream is reinforced too is unstated in the paper: ``reinforce_text_stream`` (default false). Limits: greedy or sampling (no beam here).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from ..capabilities import Capabilities
 from ..config import opt
-from ..hooks.attention import Carried, replayable
+from ..hooks.attention import Carried, replayable, staged_copy
 from ..models.base import LMInputs
 from ..registry import DECODERS
 from .base import DecodeOutput, Decoder, DecodeRequest, existing_layers
@@ -152,11 +152,8 @@ class VHR(Decoder):
         data.phase = "apply"
         for layer, mask in data.selected.items():  # [B, H] bool each
             dtype = self.ctx.adapter.layers[layer].self_attn.o_proj.weight.dtype  # what its inputs are
-            scale = 1 + (self.config.alpha - 1) * mask.to(dtype)
-            buf = self._scales.get((layer, *scale.shape[:1], dtype, scale.device))
-            if buf is None:
-                buf = self._scales[(layer, *scale.shape[:1], dtype, scale.device)] = torch.empty_like(scale)
-            buf.copy_(scale)
+            scale = 1 + (self.config.alpha - 1) * mask.to(dtype)  # [B, H]
+            staged_copy(self._scales, (layer, scale.shape[0], dtype, scale.device), scale, scale.device)
         state.stats[self.name] = {
             "per_sample_reinforced_heads": [
                 {str(layer): int(m[b].sum()) for layer, m in data.selected.items()} for b in range(data.n_image_rows)

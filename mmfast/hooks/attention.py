@@ -246,6 +246,15 @@ SHAPE_ONLY_ROWS = frozenset({last_row, cls_row})
 ROW_PAD = 16
 
 
+def staged_copy(buffers: dict, key: Hashable, fresh: torch.Tensor, device) -> torch.Tensor:
+    """``fresh`` copied into the memory ``buffers`` keeps under ``key`` (made on ``device`` the first time): a
+    captured graph's input, at the same address for every call of that key."""
+    buf = buffers.get(key)
+    if buf is None:
+        buf = buffers[key] = torch.empty(fresh.shape, dtype=fresh.dtype, device=device)
+    return buf.copy_(fresh)
+
+
 def pad_rows(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` ([..., R]) padded with -1 (unused rows: all-zero records) to a multiple of :data:`ROW_PAD`."""
     pad = -rows.shape[-1] % ROW_PAD
@@ -359,11 +368,7 @@ class AttentionProbe:
             self._staged.pop(name, None)
             return None
         fresh = pad_rows(rows(length, length))  # [B, W] or [W]
-        key = (name, tuple(fresh.shape), length, fresh.device)
-        buf = self._row_buffers.get(key)
-        if buf is None:
-            buf = self._row_buffers[key] = torch.empty_like(fresh)
-        buf.copy_(fresh)
+        buf = staged_copy(self._row_buffers, (name, tuple(fresh.shape), length, fresh.device), fresh, fresh.device)
         self._staged[name] = (length, buf)
         return (name, fresh.shape[-1])
 

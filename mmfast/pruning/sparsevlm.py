@@ -22,9 +22,7 @@ Text is never dropped. Positions (1-D RoPE families): renumbered 0..L'-1 after e
 ``get_usable_length`` rule). Nothing is pruned in decode.
 
 Hook points: attention probe on each filter layer l (rows = the raters, ``prefill_only``: a static decode step can be captured; head mean);
-each image's filter (top-k, DPC-kNN merge) is a pure function of fixed shapes once its present count is read
-(one read per filter for the whole batch): :func:`filter_image`, a captured graph where the session captures
-(``MethodContext.captured``);
+each image's filter, once its present count is read (one read per filter), is :func:`~._sparsevlm_ops.filter_image` (``MethodContext.captured``);
 ``runner.prune_at(l + 1, compact=True)`` (Qwen-VL: ``compact=False``) returning a ``SlotEdit``: each merged token takes the slot of
 its cluster centre (so its provenance is the centre's token, and it counts as a vision token of that
 image), and the edit's layout key puts it after the kept vision tokens.
@@ -81,7 +79,7 @@ from ..registry import PRUNERS
 from ..runtime import SlotEdit
 from ._budget import fixed_vision_tokens, vision_tokens_per_image
 from ._common import REFERENCE_LAYERS, LayerMapping
-from ._dpc_knn import dpc_knn_merge
+from ._sparsevlm_ops import filter_image, per_image_counts
 from .base import Pruner
 
 #: the release's per-filter keep counts for 576 vision tokens (score.py, v1.x)
@@ -132,26 +130,6 @@ class _Prefill:
     counts: list[list[int]]  # per sample: vision tokens after each filter
     recycled: list[list[int]]  # per sample: merged tokens inserted at each filter
     n_image: list[list[int]]  # per sample, per image: its vision tokens in the prompt (N_i)
-
-
-def filter_image(
-    score: torch.Tensor, image: torch.Tensor, hidden: torch.Tensor, j: int, n: int, k: int, top: int, clusters: int
-) -> torch.Tensor:
-    """One filter on image ``j`` of one sample, whose ``n`` vision slots are present (host-known): keep the top
-    ``k`` by ``score`` ([T]; ``image`` [T]: each slot's image, -1 for others), and of the deleted ones (by
-    descending score) merge the top ``top`` into ``clusters`` DPC-kNN clusters (``hidden`` [T, d]). A pure function
-    of fixed shapes (a captured graph where the session captures). Returns float64, packed: the kept slots [k],
-    the clusters' host slots (their centres') [c], the anchor the merged tokens are placed after [1] (the last kept
-    slot, or the image's first slot - 1) and the merged tokens [c * d]."""
-    cand = torch.argsort((image != j).to(torch.int8), stable=True)[:n]  # [n] image j's slots, in order
-    ranked = cand[score[cand].float().argsort(descending=True, stable=True)]
-    kept, deleted = ranked[:k], ranked[k:]  # deleted: by descending score
-    anchor = (kept.max() if k else cand.min() - 1).reshape(1)
-    if not clusters:
-        return torch.cat([kept.double(), anchor.double()])
-    merged, centres = dpc_knn_merge(hidden[deleted[:top]], clusters)  # [c, d], [c]
-    hosts = deleted[:top][centres]  # [c] each merged token takes its centre's slot
-    return torch.cat([kept.double(), hosts.double(), anchor.double(), merged.double().flatten()])
 
 
 @PRUNERS.register(
@@ -301,10 +279,7 @@ class SparseVLM(Pruner):
         for b, p in enumerate(picked):
             raters[b, : p.numel()] = p
         images = inp.image_index.masked_fill(~inp.image_mask, -1)  # [B, L]
-        n_img = int(images.max()) + 1
-        per_image = torch.zeros(bsz, n_img + 1, dtype=torch.long, device=text.device)
-        per_image.scatter_add_(1, images + 1, torch.ones_like(images))  # column 0: not an image slot
-        n_image = per_image[:, 1:].tolist()  # [B][J]: one read per prefill
+        n_image = per_image_counts(images, int(images.max()) + 1)
         data = _Prefill(raters, text.sum(1), [[] for _ in range(bsz)], [[] for _ in range(bsz)], n_image)
         state.extras[self.key] = data
         return data
@@ -339,9 +314,7 @@ class SparseVLM(Pruner):
             replace = torch.zeros_like(keep)
             new_hidden = torch.zeros_like(view.hidden)
             order = torch.arange(t, device=keep.device, dtype=torch.float64).expand(bsz, -1).clone()
-            n_img = len(data.n_image[0]) if data.n_image else 0
-            present = torch.zeros(bsz, n_img + 1, dtype=torch.long, device=keep.device)
-            present = present.scatter_add_(1, image + 1, torch.ones_like(image))[:, 1:].tolist()  # [B][J]: one read
+            present = per_image_counts(image, len(data.n_image[0]))  # [B][J] image j's slots still here
             for b in range(bsz):
                 n_vis, n_rec = 0, 0
                 for j, n in enumerate(present[b]):

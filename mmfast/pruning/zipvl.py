@@ -18,18 +18,13 @@ installs :class:`~mmfast.pruning._kv_quant.MixedPrecisionKVLayer` in every cache
 uint8 codes + per-group scales/zero points, dequantised on read); ``runner.step_hooks`` re-quantises
 the full-precision decode buffer every ``requant_interval`` tokens.
 
-Cost on a GPU: on the dynamic cache (a call that decodes) the override runs Python in every layer with one
-device read each (whether anything left the important set, and the widest count, to gather it). What was cut
-(H200, LLaVA-1.5-7B shape, batch 1 TTFT 168 -> 106 ms, ``benchmarks/README.md``): the layers are quantised
-together, folded into the batch (``Segment.build_layers``: every statistic is per row, so the codes are the
-per-layer ones), and the probe draw reads the key validity to the host once per prefill (every layer's rows
-at once, each prompt length's draw made once). A one-token call (a POPE answer, a TTFT) prefills on the static
-cache where ``model.compile`` allows (its only forward is the prefill; the cache is quantised into ZipVL's own
-after it, the static buffers left to the next call): there the override runs in fixed shapes with no host
-read (the sparse prefill as attention over every slot with the dropped rows and keys masked,
-:func:`~._zipvl_ops.masked_sparse_attention`: the same attention set as the gathered form), so the prefill's
-segments are captured graphs; the probe rows are drawn on the host before a segment and staged as its input
-(``Carried.stage``), and each layer's selection is carried across replays for the KV policy.
+Cost on a GPU: on the dynamic cache (a call that decodes) the override runs Python in every layer with one device
+read each (whether anything left the important set, and the widest count, to gather it); the layers are
+quantised together (``Segment.build_layers``) and the probe rows of every layer drawn from one read per prefill.
+A one-token call (a POPE answer, a TTFT) prefills on the static cache where ``model.compile`` allows, quantised
+into ZipVL's own cache after it: the override runs there in fixed shapes with no host read
+(:func:`~._zipvl_ops.masked_sparse_attention`, the gathered form's attention set), so the prefill's segments are
+captured graphs, the probe rows staged as their input (``Carried.stage``), each layer's selection carried out.
 
 Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
 U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
@@ -91,7 +86,7 @@ from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
 from ..hooks import attach
-from ..hooks.attention import Carried, replayable, row_attention
+from ..hooks.attention import Carried, replayable, row_attention, staged_copy
 from ..registry import PRUNERS
 from ._common import topk_keep
 from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, Segment
@@ -235,8 +230,7 @@ class ZipVL(Pruner):
                 )
         self.spec = QuantSpec(cfg.bits_high, cfg.bits_low, cfg.k_group_size, cfg.v_group_size, cfg.requant_interval)
         self._layer_of: dict[int, int] = {}
-        # a captured prefill segment (static cache): the probe rows are its input, staged before it runs
-        # (:meth:`_stage`) in memory kept per shape; ``_staged``: (length, rows [L, B, W]) while a segment runs
+        # a captured prefill segment's input, the probe rows (:meth:`_stage`): memory per shape, (length, [L, B, W])
         self._row_buffers: dict[tuple, torch.Tensor] = {}
         self._staged: tuple[int, torch.Tensor] | None = None
         for i, layer in enumerate(self.adapter.layers):
@@ -245,8 +239,7 @@ class ZipVL(Pruner):
                 raise IncompatibleRecipeError(
                     f"ZipVL: LLM layer {i}'s attention is already overridden by another method"
                 )
-            # on a static cache the override runs in fixed shapes with no host read, so a captured prefill
-            # segment replays it; its selection (read by the KV policy after the prefill) is carried across
+            # replayed by a captured prefill segment (static cache); its selection, for the KV policy, carried out
             carried = Carried(
                 lambda i=i: self._scratch().prefill.get(i),
                 lambda sel, i=i: self._scratch().prefill.__setitem__(i, sel),
@@ -267,13 +260,11 @@ class ZipVL(Pruner):
             keep, p = self._select(layer, query, key, attention_mask, scaling, valid)
             keep = with_generating_row(keep, valid)
             self._scratch().prefill[layer] = _LayerSelection(keep, valid, p)
-            if self.config.sparse_prefill and self.config.tau < 1.0 and compat.is_static(self.ctx.runner.active.cache):
-                # fixed shapes, no host read (a captured segment; eager on a static cache too, so that compile
-                # static and auto compute the same): every row, dropped ones masked to output 0
-                return masked_sparse_attention(
-                    module, query, key, value, keep, scaling, base, dropout=dropout, **kwargs
-                )
             if self.config.sparse_prefill and self.config.tau < 1.0:
+                if compat.is_static(self.ctx.runner.active.cache):  # fixed shapes, no host read (captured or not)
+                    return masked_sparse_attention(
+                        module, query, key, value, keep, scaling, base, dropout=dropout, **kwargs
+                    )
                 # one read: whether any slot left the important set, and the widest sample's important count
                 differs, width = torch.stack([(keep != valid).any().long(), keep.sum(1).max()]).tolist()
                 if differs:
@@ -302,8 +293,8 @@ class ZipVL(Pruner):
 
     def _draw(self, valid: torch.Tensor) -> torch.Tensor:
         """[L, B, W] every layer's probe rows for key validity ``valid`` ([B, K]), on the host (one read)."""
-        cfg = self.config
-        return layer_probe_rows(valid, len(self.adapter.layers), cfg.probe_recent, cfg.probe_random, cfg.seed)
+        c = self.config
+        return layer_probe_rows(valid, len(self.adapter.layers), c.probe_recent, c.probe_random, c.seed)
 
     def _stage(self, length: int | None):
         """Before a captured prefill segment of ``length`` slots runs (``Carried.stage``; once for the segment,
@@ -315,19 +306,14 @@ class ZipVL(Pruner):
             return None
         if self.config.tau >= 1.0:  # no selection: no rows
             return None
-        if self._staged is not None and self._staged[0] == length:
-            return ("zipvl rows", int(self._staged[1].shape[-1]))
-        valid = self.ctx.runner.active.groups[-1].key_mask  # [B, length]: the group this segment runs on
-        if valid.shape[1] != length:
-            raise RuntimeError(f"ZipVL: a prefill segment of {length} slots on a layer group of {valid.shape[1]}")
-        fresh = self._draw(valid)  # [L, B, W] on the host
-        key = (tuple(fresh.shape), valid.device)
-        buf = self._row_buffers.get(key)
-        if buf is None:
-            buf = self._row_buffers[key] = torch.empty(fresh.shape, dtype=fresh.dtype, device=valid.device)
-        buf.copy_(fresh)
-        self._staged = (length, buf)
-        return ("zipvl rows", int(fresh.shape[-1]))
+        if self._staged is None or self._staged[0] != length:  # drawn once for the segment's layers
+            valid = self.ctx.runner.active.groups[-1].key_mask  # [B, length]: the group this segment runs on
+            if valid.shape[1] != length:
+                raise RuntimeError(f"ZipVL: a prefill segment of {length} slots on a layer group of {valid.shape[1]}")
+            fresh = self._draw(valid)  # [L, B, W] on the host
+            buf = staged_copy(self._row_buffers, (tuple(fresh.shape), valid.device), fresh, valid.device)
+            self._staged = (length, buf)
+        return ("zipvl rows", int(self._staged[1].shape[-1]))
 
     # -- KV-cache policy ---------------------------------------------------------------------------------
     def _scratch(self) -> _Scratch:
@@ -340,7 +326,6 @@ class ZipVL(Pruner):
     def _after_prefill(self, state) -> None:
         scratch: _Scratch = state.extras.pop(self.name, _Scratch())
         sel = scratch.prefill
-        n_layers = state.n_layers
         keeps: dict[int, torch.Tensor] = {}  # layer -> [B, T_g] its important slots
         per_group = []  # [4, L_g, B]: kept, held, vision kept, vision slots
         for g, grp in enumerate(state.groups):  # the layers of a group in one stack (a few ops, not ~10 a layer)
@@ -361,13 +346,12 @@ class ZipVL(Pruner):
         slot = 2 * lay0.keys.shape[1] * lay0.keys.shape[-1] * lay0.keys.element_size()
         dense = counts[1].double().sum(1) * slot  # [B] the valid slots in a full-precision cache
         if self.config.quantize_kv:  # the layers of each layer group quantised together (Segment.build_layers)
-            if compat.is_static(state.cache):  # a one-token call's static prefill: its buffers stay the pool's
-                static, state.cache = state.cache, compat.new_cache(state.text_config)
-                state.cache.layers[:] = static.layers
+            prefilled = state.cache
+            if compat.is_static(prefilled):  # a one-token call's static cache: its buffers stay the pool's
+                state.cache = compat.new_cache(state.text_config)
             for g, grp in enumerate(state.groups):
-                layers = [i for i in range(n_layers) if state.group_of(i) == g]
-                lays = [state.cache.layers[i] for i in layers]
-                keys, values = [lay.keys for lay in lays], [lay.values for lay in lays]
+                layers = state.layers_of(g)
+                keys, values = [prefilled.layers[i].keys for i in layers], [prefilled.layers[i].values for i in layers]
                 built = Segment.build_layers(keys, values, grp.key_mask, [keeps[i] for i in layers], self.spec)
                 for i, k, v, (seg, nbytes) in zip(layers, keys, values, built):
                     state.cache.layers[i] = MixedPrecisionKVLayer.of_segment(k, v, seg, self.spec, nbytes)
