@@ -109,16 +109,13 @@ class Capabilities:
     eager_decode: str = ""
 
 
-def static_cache_blocker(methods: Iterable[tuple[str, Capabilities]], *, decodes: bool = True) -> str | None:
+def static_cache_blocker(methods: Iterable[tuple[str, Capabilities]]) -> str | None:
     """Why the static KV cache (``model.compile``) cannot serve these methods ((where, capabilities) pairs) in
-    a call, or None. ``decodes``: False for a one-token call, whose only forward is the prefill: a method that
-    owns the KV cache converts the static one after it (ZipVL quantises it into a cache of its own) and
-    needs no decode step of it."""
+    a call, or None. A method that owns the KV cache converts the static one after the prefill into static
+    layers of its own (ZipVL's quantised segments in front of the static buffers)."""
     for where, c in methods:
         if c.dynamic_decode:
             return f"{where}: {c.dynamic_decode}"
-        if c.owns_kv_cache and decodes:
-            return f"{where} replaces the cache layers with its own (mixed precision)"
         if c.decodes_without_cache:
             return f"{where} decodes without a KV cache"
     return None

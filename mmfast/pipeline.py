@@ -579,7 +579,7 @@ class Session:
         if mode == "off" or (mode == "auto" and not self._captures()):
             return None
         methods = self._method_caps(decoder)
-        reason = static_cache_blocker(methods, decodes=req.max_new_tokens > 1)
+        reason = static_cache_blocker(methods)
         if reason is None and mode == "auto":  # eager static steps gain nothing over the dynamic cache
             blocker = self.runner.capture_blocker()
             if blocker is not None and req.max_new_tokens == 1 and self.runner.prefill_graph_blocker() is None:

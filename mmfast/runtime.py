@@ -868,6 +868,11 @@ class LMRunner:
             for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
                 if _replays(h) and not any(c is h.mmfast_replayable for c in found):
                     found.append(h.mmfast_replayable)
+            attn = getattr(m, "_mmfast_attn", None)
+            for fn in [] if attn is None else attn.every_forward():  # overrides and recorders (ZipVL's query)
+                carried = attn.decode_carried(fn)
+                if carried is not None and not any(c is carried for c in found):
+                    found.append(carried)
         return found
 
     def _replay(self, state: LMState, step: _StepInputs) -> torch.Tensor:

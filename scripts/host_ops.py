@@ -46,6 +46,7 @@ def cases(mm) -> dict[str, tuple[dict, int]]:
         "prompt_lookup b1": ({"speculative": {"method": "prompt_lookup"}}, 1),
         "dynamic_llava b1": ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, 1),
         "vhr b1": ({"decoding": {"method": "vhr"}}, 1),
+        "zipvl b1": ({"pruning": [{"method": "zipvl", "params": {"tau": 0.9}}]}, 1),
     }
 
 

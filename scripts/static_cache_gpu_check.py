@@ -51,13 +51,14 @@ PRUNER_RECIPES = (
     "tome",
     "visionzip",
     "dynamic_llava",
+    "zipvl",
 )
-#: ``name@1``: one-token calls (a POPE answer, a TTFT) of methods whose decode steps stay on the dynamic cache
-#: but whose one-token call prefills on the static cache in captured segments (ZipVL, Dynamic-LLaVA)
+#: ``name@1``: one-token calls (a POPE answer, a TTFT), whose prefill is the captured part (ZipVL, Dynamic-LLaVA)
 ONE_TOKEN = ("zipvl@1", "dynamic_llava@1")
-#: read LLM attention at prefill only, or act in the step by tensor work only (Dynamic-LLaVA's text rule, VHR):
-#: their decode steps must be captured graphs under ``auto`` (and the one-token calls' prefills)
-CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop", "dynamic_llava", "vhr", *ONE_TOKEN)
+#: read LLM attention at prefill only, or act in the step by tensor work only (Dynamic-LLaVA's text rule, VHR,
+#: ZipVL's quantised layers and the query its override keeps): their decode steps must be captured graphs under
+#: ``auto`` (and the one-token calls' prefills)
+CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop", "dynamic_llava", "vhr", "zipvl", *ONE_TOKEN)
 
 
 ONE_TOKEN_PROMPT = "Is there a red object in the image? Answer the question using a single word or phrase."

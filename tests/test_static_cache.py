@@ -461,7 +461,7 @@ def test_zipvl_one_token_call_prefills_in_captured_segments(graph, tiny_mm, imag
     monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
     graph.made = []
     with caplog.at_level(logging.INFO), mmfast.apply(tiny_mm, recipe, compile="auto") as s:
-        assert s.runner.capture_blocker() is not None and s.runner.prefill_graph_blocker() is None
+        assert s.runner.capture_blocker() is None and s.runner.prefill_graph_blocker() is None
         captured = call(s, 0, 2)
         made = len(graph.made)
         assert made > 0
@@ -475,16 +475,53 @@ def test_zipvl_one_token_call_prefills_in_captured_segments(graph, tiny_mm, imag
         assert [st for _, st, _ in got] == [st for _, st, _ in dynamic]
         assert [b for _, _, b in got] == [b for _, _, b in dynamic]
     assert one == single
-    # a call that decodes keeps the dynamic cache (the quantised layers decode there), said once
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="mmfast.pipeline"), mmfast.apply(tiny_mm, recipe, compile="auto") as s:
+    with mmfast.apply(tiny_mm, recipe, compile="auto") as s:  # outside a static block: the dynamic layers
         state, _ = s.runner.prefill(s.build_inputs(batch := s.mm.prepare(images[:2], prompts[:2]), s.encode(batch)))
-        assert all(isinstance(lay, MixedPrecisionKVLayer) for lay in state.cache.layers)  # outside a static block
-        made = len(graph.made)
-        s.generate(images[:2], prompts[:2], max_new_tokens=3)
-        assert len(graph.made) == made and s.runner.pool.kept_bytes == 0
-    lines = [r.getMessage() for r in caplog.records if "dynamic KV cache" in r.getMessage()]
-    assert len(lines) == 1 and "pruning[0] (zipvl)" in lines[0]
+        assert all(isinstance(lay, MixedPrecisionKVLayer) for lay in state.cache.layers)
+
+
+@pytest.mark.parametrize("interval", [3, 100], ids=["requantised", "one-layout"])
+def test_zipvls_decode_steps_are_captured(interval, tiny_mm, images, prompts, padded_steps, monkeypatch, caplog):
+    """On a static cache ZipVL's quantised layers sit over the prefill's buffers (the segments dequantised in front
+    of the buffer's slots, fixed shapes), and its override's decode work (the last query, for re-scoring) is
+    carried out of the step, so each decode step is a captured graph; a re-quantisation is a new layout, captured
+    again. Tokens, keep ratios, re-quantisation events and KV bytes at the end equal the dynamic cache's, at batch
+    2 and 1 (emulated CUDA-graph semantics: a replay runs only the recorded kernels)."""
+    from mmfast.pipeline import Session
+    from mmfast.pruning._kv_quant import StaticMixedPrecisionLayer
+
+    stage = _stage("zipvl", tiny_mm)
+    stage["params"] = {**stage["params"], "requant_interval": interval}
+    recipe = load_recipe({"pruning": [stage]})
+
+    def run(s, lo, hi):
+        out = s.generate(images[lo:hi], prompts[lo:hi], max_new_tokens=8)
+        return [(r.token_ids, r.stats["zipvl"], r.kv_bytes_end) for r in out]
+
+    with mmfast.apply(tiny_mm, recipe, compile="off") as s:
+        dynamic, single = run(s, 0, 2), run(s, 2, 3)
+    events = dynamic[0][1]["requant_events"]
+    assert events == (len(dynamic[0][0]) - 1) // interval * s.adapter.text_config.num_hidden_layers
+    assert any(min(st["keep_ratio"]) < 1 for _, st, _ in dynamic)
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only here
+    seen = []
+    original = StaticMixedPrecisionLayer.update
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.padded)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StaticMixedPrecisionLayer, "update", spy)
+    EmulatedGraph.made = []
+    with caplog.at_level(logging.INFO), mmfast.apply(tiny_mm, recipe, compile="static") as s:
+        assert s.runner.capture_blocker() is None
+        assert run(s, 0, 2) == dynamic and run(s, 2, 3) == single
+    assert padded_steps[0] > 0 and seen and all(seen)  # the static steps ran on ZipVL's static layers
+    assert not [r for r in caplog.records if "without a captured graph" in r.getMessage()]
+    layouts = 2 * (1 + 6 // interval)  # decode graphs: per call the first step's, and one after each re-quantisation
+    assert len(EmulatedGraph.made) == layouts + 2  # and each call's prefill segment (batch 2, then 1)
+    assert sum(g.replays for g in EmulatedGraph.made) == 14 - layouts  # every other decode step a replay
 
 
 def test_recipe_key_and_api_value_are_checked():
@@ -719,7 +756,7 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
         ({"pruning": [{"method": "sparsevlm"}]}, None),
         ({"pruning": [{"method": "mustdrop"}]}, None),
         ({"pruning": [{"method": "dynamic_llava"}]}, None),  # its decode decision is captured with the step
-        ({"pruning": [{"method": "zipvl"}]}, "attention probes or overrides"),
+        ({"pruning": [{"method": "zipvl"}]}, None),  # its override's decode query is carried out of the step
         ({"decoding": {"method": "vhr"}}, None),  # its pre-hooks read the frozen scales from fixed memory
         ({"decoding": {"method": "pai"}}, "attention probes or overrides"),
         ({"decoding": {"method": "opera", "params": DECODER_PARAMS["opera"]}}, "attention probes or overrides"),

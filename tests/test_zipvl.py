@@ -392,6 +392,82 @@ def test_cache_layer_decode_requant_and_batch_ops():
         lay.keys = before
 
 
+def test_static_layer_reads_and_ops_equal_the_dynamic_layers():
+    """ZipVL's layer over a static cache's buffers (``model.compile``) holds what the dynamic one holds: the same
+    keys / values, bytes and lengths through decode writes (eager and whole-buffer steps), re-quantisation, batch
+    ops, a row cut and a crop into a segment; a whole-buffer step reads every slot, the segments dequantised in
+    front, and a new segment is a new layout for captured graphs."""
+    from mmfast.compat import StaticSlotLayer, set_padded
+    from mmfast.pruning._kv_quant import StaticMixedPrecisionLayer
+
+    gen = torch.Generator().manual_seed(1)
+    spec = QuantSpec(bits_high=4, bits_low=2, k_group_size=0, v_group_size=16, requant_interval=3)
+    k, v = torch.randn(2, 2, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, :4] = False
+    important = torch.rand(2, 10, generator=gen) > 0.6
+    over = StaticSlotLayer(reserve=8)
+    over.keys, over.values = k, v
+    seg = Segment.build(k, v, valid, important, spec)
+    dyn = MixedPrecisionKVLayer.of_segment(k, v, seg, spec)
+    lay = StaticMixedPrecisionLayer(over, seg, spec)
+    assert lay._k is over._k and lay.capacity == 18 and lay.base == 10
+
+    def same(a, b) -> None:
+        assert a.get_seq_length() == b.get_seq_length() and a.buffer_length == b.buffer_length
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(a.bytes_per_sample(valid), b.bytes_per_sample(valid))
+
+    same(lay, dyn)
+    for step in range(7):
+        nk, nv = torch.randn(2, 2, 1, 8, generator=gen), torch.randn(2, 2, 1, 8, generator=gen)
+        dk, dv = dyn.update(nk, nv)
+        valid = torch.cat([valid, torch.ones(2, 1, dtype=torch.bool)], 1)
+        if step % 2:  # a static decode step: every slot, the free ones after the held
+            set_padded(type("C", (), {"layers": [lay]})(), True)
+            sk, sv = lay.update(nk, nv)
+            lay.padded = False
+            lay._len += 1  # the runner's host count (advance_static)
+            assert sk.shape[2] == lay.capacity and torch.equal(sk[:, :, : dk.shape[2]], dk)
+            assert torch.equal(sv[:, :, : dv.shape[2]], dv)
+        else:
+            sk, sv = lay.update(nk, nv)
+            assert torch.equal(sk, dk) and torch.equal(sv, dv)
+        if dyn.buffer_length >= spec.requant_interval:
+            imp = torch.rand(2, dyn.buffer_length, generator=gen) > 0.5
+            key = lay.buffer_key()
+            dyn.compress_buffer(imp)
+            lay.compress_buffer(imp)
+            assert lay.buffer_key() != key and lay.buffer_key()[:3] == key[:3]  # the same buffers, a new layout
+        same(lay, dyn)
+    assert len(lay.segments) == 3 and lay.n_compressions == 2 and int(lay._pos) == lay._len == 17
+    assert lay.stored_nbytes() == over.stored_nbytes() + sum(s.nbytes() for s in lay.segments)
+
+    rows = torch.tensor([3, 0, 1, 2])
+    for op, of_valid in (
+        (lambda c: c.batch_repeat_interleave(2), lambda m: m.repeat_interleave(2, 0)),
+        (lambda c: c.reorder_cache(rows), lambda m: m[rows]),
+    ):
+        op(dyn)
+        op(lay)
+        valid = of_valid(valid)
+        same(lay, dyn)
+    lay.keep_first_rows(2)
+    dyn.batch_select_indices(torch.arange(2))
+    valid = valid[:2]
+    same(lay, dyn)
+    for cut in (-1, -3):  # within the buffer, then into the last segment (written back dequantised)
+        dyn.crop(cut)
+        lay.crop(cut)
+        valid = valid[:, :cut]
+        same(lay, dyn)
+    assert len(lay.segments) == 2 and lay.base == 13
+    with pytest.raises(NotImplementedError):
+        lay.keys = k
+    with pytest.raises(NotImplementedError):
+        lay.keep_new(2, torch.tensor([0]))
+
+
 def test_session_quantised_cache_prefill_bytes_and_requant(tiny_mm, images, prompts):
     interval = 3
     with Session(tiny_mm, _recipe(tau=0.9, requant_interval=interval)) as s:
@@ -433,6 +509,19 @@ def test_session_quantised_cache_prefill_bytes_and_requant(tiny_mm, images, prom
         assert state.stats["zipvl"]["per_sample_kv_bytes_end"] == state.kv_bytes_per_sample()
         # re-scored blocks keep the newest tokens' smallest set reaching tau of the current query's mass
         assert all(bool(seg.important.any(1).all()) for lay in layers for seg in lay.segments[1:])
+
+
+def test_unquantised_cache_end_bytes_follow_the_generated_tokens(tiny_mm, images, prompts):
+    """``quantize_kv: false``: the end bytes ZipVL reports from host counts in each step (no device read) are the
+    state's, the prefill's plus one dense slot a row per generated token (the quantised case: above)."""
+    with Session(tiny_mm, _recipe(tau=0.9, quantize_kv=False)) as s:
+        batch = s.mm.prepare(images[:2], prompts[:2])
+        state, out = s.runner.prefill(s.build_inputs(batch, s.encode(batch)))
+        prefill = state.kv_bytes_per_sample()
+        for _ in range(3):
+            out = s.runner.step(state, out.logits[:, -1].argmax(-1)[:, None])
+        end = state.stats["zipvl"]["per_sample_kv_bytes_end"]
+        assert end == state.kv_bytes_per_sample() and all(e > p for e, p in zip(end, prefill))
 
 
 def test_gqa_model_runs(tiny_gqa_dir, images, prompts):

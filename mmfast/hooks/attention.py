@@ -77,8 +77,19 @@ class ModuleAttentionHooks:
     session: HookSession | None = field(default=None, repr=False)
 
     def acts_at_decode(self) -> bool:
-        """Whether anything here runs in an LLM decode step (Python a captured step cannot replay)."""
-        return bool(self.recorders) or self.override is not None
+        """Whether anything here runs Python in an LLM decode step that a captured step cannot replay (a hook
+        whose :class:`Carried` says its decode work depends on shapes only can be replayed)."""
+        return any(self.decode_carried(fn) is None for fn in self.every_forward())
+
+    def every_forward(self) -> list[Callable]:
+        """The override and recorders: what acts in every forward, decode steps included."""
+        return [*([self.override] if self.override is not None else []), *self.recorders]
+
+    @staticmethod
+    def decode_carried(fn: Callable) -> Carried | None:
+        """``fn``'s :class:`Carried` where a captured decode step may replay it, else None."""
+        carried = getattr(fn, "mmfast_replayable", None)
+        return carried if carried is not None and carried.decode else None
 
 
 def _make_wrapper(base: str) -> Callable:
@@ -184,6 +195,10 @@ class Carried:
     #: length runs (captured or replayed), and returns what the graph's key needs of them (their padded width);
     #: ``stage(None)`` drops them after it
     stage: Callable[[int | None], Hashable] | None = None
+    #: the hook acts in LLM decode steps too (an override or a recorder of every forward), and that work also
+    #: depends on shapes only: a captured decode step replays it, its result put back after each replay
+    #: (``LMRunner.capture_blocker``, ``LMRunner._step_carried``)
+    decode: bool = False
 
 
 def replayable(fn: Callable, carried: Carried) -> Callable:
@@ -231,8 +246,7 @@ def capture_blocker(
         hooks = getattr(m, "_mmfast_attn", None)
         if hooks is None:
             continue
-        every = [*([hooks.override] if hooks.override is not None else []), *hooks.recorders]
-        if any(not carries(fn) for fn in every):
+        if any(not carries(fn) for fn in hooks.every_forward()):
             return f"attention probes, recorders or overrides acting in every forward, on {where}"
         if any(not carries(rec) for rec in hooks.prefill_recorders):
             return f"attention probes or recorders whose work depends on the batch, on {where}"

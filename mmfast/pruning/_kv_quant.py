@@ -11,22 +11,87 @@ buffer into a new segment. ``bytes_per_sample`` reports the logical stored bytes
 packed codes + scales/zero points + value channel scales + a one-bit important/unimportant map per
 stored token + the full-precision buffer; ``stored_nbytes`` the bytes of the tensors actually held
 (batch padding and index tensors included).
+
+On a static cache (``model.compile``) :class:`StaticMixedPrecisionLayer` holds the same segments over the
+static buffers, whose slots after the segments are its full-precision buffer: a decode step reads fixed shapes
+(one captured graph per layout of segments).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from ..compat import StaticSlotLayer
 from ._kv_segment import QuantSpec, Segment
 from ._quant import SUPPORTED_BITS, QuantTensor, pack, quant_param_count, quantize, unpack  # noqa: F401
 
-# --------------------------------------------------------------------------- cache layer
+# --------------------------------------------------------------------------- cache layers
 
 
-class MixedPrecisionKVLayer(DynamicLayer):
+def _refuse_dense() -> None:
+    raise NotImplementedError(
+        "a ZipVL cache layer stores quantised keys/values; assigning dense tensors or keeping drafted slots (a "
+        "slot edit by another KV-cache policy, a speculative rollback) is not supported"
+    )
+
+
+class _Segments:
+    """What both quantised layers hold in front of their full-precision buffer: the segments, and their logical
+    bytes per sample. A layer sets ``spec`` and calls :meth:`_no_segments` before using the rest."""
+
+    spec: QuantSpec
+
+    def _no_segments(self, batch: int = 0) -> None:
+        self.segments: list[Segment] = []
+        self._seg_bytes = torch.zeros(batch, dtype=torch.float64)  # [B] logical bytes of the segments
+        self.n_compressions = 0
+
+    def _append_segment(self, seg: Segment, nbytes: torch.Tensor | None = None) -> None:
+        self.segments.append(seg)
+        self._seg_bytes = self._seg_bytes + (seg.bytes_per_sample(self.spec) if nbytes is None else nbytes)
+
+    def _pop_segment(self) -> Segment:
+        seg = self.segments.pop()
+        self._seg_bytes = self._seg_bytes - seg.bytes_per_sample(self.spec)
+        return seg
+
+    def _map_segments(self, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        self.segments = [s.map_batch(fn) for s in self.segments]
+        self._seg_bytes = fn(self._seg_bytes.to(device)).cpu()
+
+    def _dequantized(self, like_k: torch.Tensor, like_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, Hkv, S, D] keys and values of every segment (S: their slots), in order."""
+        if not self.segments:
+            return like_k[:, :, :0], like_v[:, :, :0]
+        ks, vs = zip(*(seg.dequantize() for seg in self.segments))
+        return torch.cat(ks, 2), torch.cat(vs, 2)
+
+    @property
+    def buffer_length(self) -> int:  # pragma: no cover - each layer defines it
+        raise NotImplementedError
+
+    def _slot_bytes(self) -> int:  # pragma: no cover - each layer defines it
+        raise NotImplementedError
+
+    def bytes_all_valid(self) -> torch.Tensor:
+        """:meth:`bytes_per_sample` where every buffer slot is valid (decode steps append valid slots), from host
+        counts only (no device read)."""
+        return self._seg_bytes + self.buffer_length * self._slot_bytes()
+
+    def bytes_per_sample(self, valid: torch.Tensor) -> torch.Tensor:
+        """[B] logical stored bytes: quantised segments + the valid slots of the full-precision buffer
+        (``valid``: [B, T] the layer group's held slots, the buffer's the last ones)."""
+        n = self.buffer_length
+        if not n:
+            return self._seg_bytes + torch.zeros(valid.shape[0], dtype=torch.float64)
+        return self._seg_bytes + valid[:, valid.shape[1] - n :].sum(1).double().cpu() * self._slot_bytes()
+
+
+class MixedPrecisionKVLayer(_Segments, DynamicLayer):
     """A DynamicLayer replacement holding quantised segments plus a full-precision buffer.
 
     Reading ``keys`` / ``values`` dequantises the whole layer; assigning them is refused (a slot
@@ -35,11 +100,9 @@ class MixedPrecisionKVLayer(DynamicLayer):
 
     def __init__(self, spec: QuantSpec) -> None:
         self.spec = spec
-        self.segments: list[Segment] = []
+        self._no_segments()
         self.buf_k: torch.Tensor | None = None
         self.buf_v: torch.Tensor | None = None
-        self._seg_bytes: torch.Tensor | None = None  # [B] float64, logical bytes of the segments
-        self.n_compressions = 0
         super().__init__()
 
     # keys / values: read-only views of the dequantised cache
@@ -64,13 +127,10 @@ class MixedPrecisionKVLayer(DynamicLayer):
         self._assign(value)
 
     def _assign(self, value) -> None:
-        if value is None:  # construction / reset
-            self.segments, self.buf_k, self.buf_v, self._seg_bytes = [], None, None, None
-            return
-        raise NotImplementedError(
-            "MixedPrecisionKVLayer (ZipVL) stores quantised keys/values; assigning dense tensors (a slot edit by "
-            "another KV-cache policy) is not supported"
-        )
+        if value is not None:
+            _refuse_dense()
+        self._no_segments()  # construction / reset
+        self.buf_k = self.buf_v = None
 
     @classmethod
     def from_dense(
@@ -90,28 +150,13 @@ class MixedPrecisionKVLayer(DynamicLayer):
     ) -> MixedPrecisionKVLayer:
         """A layer holding ``seg`` (quantised from ``keys`` / ``values``, [B, H, T, D]) and an empty buffer."""
         layer = cls(spec)
-        layer.dtype, layer.device = keys.dtype, keys.device
-        layer.is_initialized = True
-        bsz, heads, _, d = keys.shape
-        layer.buf_k = keys.new_zeros(bsz, heads, 0, d)
-        layer.buf_v = values.new_zeros(bsz, heads, 0, d)
-        layer._seg_bytes = torch.zeros(bsz, dtype=torch.float64)
+        layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
         layer._append_segment(seg, nbytes)
         return layer
 
-    def _append_segment(self, seg: Segment, nbytes: torch.Tensor | None = None) -> None:
-        self.segments.append(seg)
-        self._seg_bytes = self._seg_bytes + (seg.bytes_per_sample(self.spec) if nbytes is None else nbytes)
-
     def _full(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ks, vs = [], []
-        for seg in self.segments:
-            k, v = seg.dequantize()
-            ks.append(k)
-            vs.append(v)
-        ks.append(self.buf_k)
-        vs.append(self.buf_v)
-        return torch.cat(ks, 2), torch.cat(vs, 2)
+        k, v = self._dequantized(self.buf_k, self.buf_v)
+        return torch.cat([k, self.buf_k], 2), torch.cat([v, self.buf_v], 2)
 
     # -- transformers' layer API -------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -141,6 +186,9 @@ class MixedPrecisionKVLayer(DynamicLayer):
     def buffer_length(self) -> int:
         return 0 if self.buf_k is None else int(self.buf_k.shape[-2])
 
+    def _slot_bytes(self) -> int:
+        return 2 * self.buf_k.shape[1] * self.buf_k.shape[-1] * self.buf_k.element_size()
+
     def compress_buffer(self, important: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Quantise the full-precision buffer into a new segment (``important`` / ``valid``: [B, n_buffer])."""
         n = self.buffer_length
@@ -161,9 +209,7 @@ class MixedPrecisionKVLayer(DynamicLayer):
         if n == 0 or not self.is_initialized:
             return
         while n > self.buffer_length and self.segments:
-            seg = self.segments.pop()
-            self._seg_bytes = self._seg_bytes - seg.bytes_per_sample(self.spec)
-            k, v = seg.dequantize()
+            k, v = self._pop_segment().dequantize()
             self.buf_k = torch.cat([k, self.buf_k], 2)
             self.buf_v = torch.cat([v, self.buf_v], 2)
         keep = max(self.buffer_length - n, 0)
@@ -173,9 +219,8 @@ class MixedPrecisionKVLayer(DynamicLayer):
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.is_initialized:
             return
-        self.segments = [s.map_batch(fn) for s in self.segments]
+        self._map_segments(fn, self.buf_k.device)
         self.buf_k, self.buf_v = fn(self.buf_k), fn(self.buf_v)
-        self._seg_bytes = fn(self._seg_bytes.to(self.buf_k.device)).cpu()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -189,18 +234,6 @@ class MixedPrecisionKVLayer(DynamicLayer):
     def reset(self) -> None:
         self._assign(None)
         self.is_initialized = False
-
-    # -- mmfast accounting ---------------------------------------------------------------------------
-    def bytes_per_sample(self, valid: torch.Tensor) -> torch.Tensor:
-        """[B] logical stored bytes: quantised segments + the valid slots of the full-precision buffer."""
-        n = self.buffer_length
-        slot = 2 * self.buf_k.shape[1] * self.buf_k.shape[-1] * self.buf_k.element_size()
-        buf = (
-            valid[:, valid.shape[1] - n :].sum(1).double().cpu() * slot
-            if n
-            else torch.zeros(valid.shape[0], dtype=torch.float64)
-        )
-        return self._seg_bytes + buf
 
     def stored_nbytes(self) -> int:
         """Bytes of every tensor this layer holds (codes, parameters, masks, indices, buffer)."""
@@ -216,8 +249,149 @@ class MixedPrecisionKVLayer(DynamicLayer):
         )
 
 
+#: a number no other static layout had, for :meth:`StaticMixedPrecisionLayer.buffer_key`
+_layouts = itertools.count(1)
+
+
+class StaticMixedPrecisionLayer(_Segments, StaticSlotLayer):
+    """ZipVL's quantised layer on a static cache (``model.compile``), over the prefill's static buffers.
+
+    Slots ``0 .. base-1`` are quantised segments (the prompt's, then one per re-quantised block of generated
+    tokens); slots ``base ..`` are the full-precision buffer: the static buffers' own slots from ``base`` on,
+    written at the device write index as :class:`~mmfast.compat.StaticSlotLayer` writes them. A static decode
+    step reads every slot, the segments dequantised in front of the buffer's (``[B, Hkv, C, D]``, the first
+    ``base`` of the buffers' slots unread): fixed shapes while the segments stay, so the step is one captured
+    graph. A new segment is a new layout (:meth:`buffer_key`): the next step is captured again. The buffers
+    stay the pool's (the prefill's cache keeps them), so the prompt's full-precision slots stay allocated, unread:
+    the quantisation shows in the logical bytes (:meth:`bytes_per_sample`), not in the memory a static cache
+    holds (``model.compile: off`` decodes on :class:`MixedPrecisionKVLayer`, which holds the codes only).
+    """
+
+    def __init__(self, over: StaticSlotLayer, seg: Segment, spec: QuantSpec, nbytes: torch.Tensor | None = None):
+        super().__init__(over.reserve)
+        self._k, self._v, self._pos, self._len = over._k, over._v, over._pos, over._len
+        self.dtype, self.device, self.is_initialized = over.dtype, over.device, True
+        self.spec = spec
+        self._no_segments(int(over._k.shape[0]))
+        self.base = 0  # slots held by the segments
+        self._append_segment(seg, nbytes)
+
+    def _append_segment(self, seg: Segment, nbytes: torch.Tensor | None = None) -> None:
+        super()._append_segment(seg, nbytes)
+        self.base += seg.length
+        self._layout = next(_layouts)
+
+    def _pop_segment(self) -> Segment:
+        seg = super()._pop_segment()
+        self.base -= seg.length
+        self._layout = next(_layouts)
+        return seg
+
+    def _with_segments(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k`` / ``v`` ([B, Hkv, N, D], the buffers' slots from 0) with the first ``base`` slots dequantised."""
+        sk, sv = self._dequantized(k, v)  # [B, Hkv, base, D]
+        return torch.cat([sk, k[:, :, self.base :]], 2), torch.cat([sv, v[:, :, self.base :]], 2)
+
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, Hkv, held, D] keys and values, the segments' dequantised."""
+        return self._with_segments(self._k[:, :, : self._len], self._v[:, :, : self._len])
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._k is None else self._held()[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._assign(value, values=False)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._v is None else self._held()[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        self._assign(value, values=True)
+
+    def _assign(self, value: torch.Tensor | None, *, values: bool) -> None:
+        if value is not None:
+            _refuse_dense()
+        super()._assign(None, values=values)  # construction / reset
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new ``[B, Hkv, Q, D]`` into the buffer at the write index; return every slot (a static step:
+        ``[B, Hkv, C, D]``) or the held ones, the segments' dequantised."""
+        k, v = super().update(key_states, value_states, *args, **kwargs)
+        return self._with_segments(k, v)
+
+    @property
+    def buffer_length(self) -> int:
+        return self._len - self.base
+
+    def _slot_bytes(self) -> int:
+        return 2 * self._k.shape[1] * self._k.shape[-1] * self._k.element_size()
+
+    def compress_buffer(self, important: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Quantise the buffer's held slots into a new segment (``important`` / ``valid``: [B, n_buffer])."""
+        if self.buffer_length == 0:
+            return
+        if valid is None:
+            valid = torch.ones(important.shape, dtype=torch.bool, device=important.device)
+        held = slice(self.base, self._len)
+        self._append_segment(Segment.build(self._k[:, :, held], self._v[:, :, held], valid, important, self.spec))
+        self.n_compressions += 1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` held slots; a cut into a segment writes it back dequantised."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes -tokens_to_remove (got {tokens_to_remove})")
+        while self._len + tokens_to_remove < self.base and self.segments:
+            seg = self._pop_segment()
+            k, v = seg.dequantize()
+            self._k[:, :, self.base : self.base + seg.length] = k
+            self._v[:, :, self.base : self.base + seg.length] = v
+        super().crop(tokens_to_remove)
+
+    def keep_new(self, n_new: int, keep: torch.Tensor) -> None:
+        _refuse_dense()
+
+    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._map_segments(fn, self._k.device)
+        self._layout = next(_layouts)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def keep_first_rows(self, n: int) -> None:
+        super().keep_first_rows(n)
+        self._map_rows(lambda t: t[:n])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_rows(lambda t: t[indices.to(t.device)])
+
+    def stored_nbytes(self) -> int:
+        """The static buffers (every slot, the prompt's unread ones too) and the segments' tensors."""
+        return super().stored_nbytes() + sum(s.nbytes() for s in self.segments)
+
+    def buffer_key(self) -> tuple[int, ...]:
+        """The buffers, and the segments' layout (a graph captured on it reads their tensors)."""
+        return (*super().buffer_key(), -self._layout)
+
+    def __repr__(self) -> str:
+        return (
+            f"StaticMixedPrecisionLayer(segments={len(self.segments)}, base={self.base}, held={self._len}, "
+            f"capacity={self.capacity}, bits={self.spec.bits_high}/{self.spec.bits_low})"
+        )
+
+
 __all__ = [
     "MixedPrecisionKVLayer",
+    "StaticMixedPrecisionLayer",
     "QuantSpec",
     "QuantTensor",
     "Segment",

@@ -15,16 +15,22 @@ Algorithm (paper Alg. 1, every LLM layer, prefill):
 Hook points: an attention *override* on every LLM attention module (``hooks.attach(...).override``; the
 probe rows are computed there with ``row_attention``, O(probes x keys)); ``runner.prefill_hooks``
 installs :class:`~mmfast.pruning._kv_quant.MixedPrecisionKVLayer` in every cache layer (really packed
-uint8 codes + per-group scales/zero points, dequantised on read); ``runner.step_hooks`` re-quantises
+uint8 codes + per-group scales/zero points, dequantised on read; on a static cache
+:class:`~mmfast.pruning._kv_quant.StaticMixedPrecisionLayer`); ``runner.step_hooks`` re-quantises
 the full-precision decode buffer every ``requant_interval`` tokens.
 
-Cost on a GPU: on the dynamic cache (a call that decodes) the override runs Python in every layer with one device
-read each (whether anything left the important set, and the widest count, to gather it); the layers are
+Cost on a GPU: on the dynamic cache (``model.compile: off``) the override runs Python in every layer with one
+device read each (whether anything left the important set, and the widest count, to gather it); the layers are
 quantised together (``Segment.build_layers``) and the probe rows of every layer drawn from one read per prefill.
-A one-token call (a POPE answer, a TTFT) prefills on the static cache where ``model.compile`` allows, quantised
-into ZipVL's own cache after it: the override runs there in fixed shapes with no host read
+On the static cache (``model.compile``) the override runs in fixed shapes with no host read
 (:func:`~._zipvl_ops.masked_sparse_attention`, the gathered form's attention set), so the prefill's segments are
 captured graphs, the probe rows staged as their input (``Carried.stage``), each layer's selection carried out.
+After it the cache becomes :class:`~._kv_quant.StaticMixedPrecisionLayer` layers over the static buffers (the
+segments dequantised in front of the buffer's slots: fixed shapes), and the override's decode work (the last
+query, kept for re-scoring) is carried out of the step, so each decode step is one captured graph; a
+re-quantisation is a new layout, captured again (one graph per ``requant_interval`` tokens). The end KV bytes
+are counted on the host in each step (:meth:`ZipVL._held_bytes`). The static path keeps the prefill's
+full-precision buffers allocated (the pool's, for the next call): its saving is in the logical KV bytes.
 
 Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
 U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
@@ -89,7 +95,7 @@ from ..hooks import attach
 from ..hooks.attention import Carried, replayable, row_attention, staged_copy
 from ..registry import PRUNERS
 from ._common import topk_keep
-from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, Segment
+from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, Segment, StaticMixedPrecisionLayer
 from ._zipvl_ops import (
     key_validity,
     layer_probe_rows,
@@ -121,6 +127,17 @@ class _Scratch:
     last_query: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)
     #: every layer's probe rows of this prefill, drawn from its key validity read once: (mask key, [L, B, W])
     rows: tuple[tuple, torch.Tensor] | None = None
+
+    def left_by(self, layer: int) -> tuple[_LayerSelection | None, tuple[torch.Tensor, float] | None]:
+        """What layer ``layer``'s attention left here in this forward (a captured graph's record of it)."""
+        return self.prefill.get(layer), self.last_query.get(layer)
+
+    def put(self, layer: int, got: tuple[_LayerSelection | None, tuple[torch.Tensor, float] | None]) -> None:
+        sel, query = got
+        if sel is not None:
+            self.prefill[layer] = sel
+        if query is not None:
+            self.last_query[layer] = query
 
 
 @PRUNERS.register(
@@ -239,11 +256,10 @@ class ZipVL(Pruner):
                 raise IncompatibleRecipeError(
                     f"ZipVL: LLM layer {i}'s attention is already overridden by another method"
                 )
-            # replayed by a captured prefill segment (static cache); its selection, for the KV policy, carried out
+            # replayed by a captured prefill segment and decode step (static cache); what it leaves for the KV
+            # policy (its prefill selection, a decode step's query) carried out
             carried = Carried(
-                lambda i=i: self._scratch().prefill.get(i),
-                lambda sel, i=i: self._scratch().prefill.__setitem__(i, sel),
-                self._stage,
+                lambda i=i: self._scratch().left_by(i), lambda got, i=i: self._scratch().put(i, got), self._stage, True
             )
             hooks.override = replayable(self._attention, carried)
             self._layer_of[id(layer.self_attn)] = i
@@ -346,15 +362,22 @@ class ZipVL(Pruner):
         slot = 2 * lay0.keys.shape[1] * lay0.keys.shape[-1] * lay0.keys.element_size()
         dense = counts[1].double().sum(1) * slot  # [B] the valid slots in a full-precision cache
         if self.config.quantize_kv:  # the layers of each layer group quantised together (Segment.build_layers)
-            prefilled = state.cache
-            if compat.is_static(prefilled):  # a one-token call's static cache: its buffers stay the pool's
-                state.cache = compat.new_cache(state.text_config)
+            prefilled, quantised = state.cache, list(state.cache.layers)
             for g, grp in enumerate(state.groups):
                 layers = state.layers_of(g)
                 keys, values = [prefilled.layers[i].keys for i in layers], [prefilled.layers[i].values for i in layers]
                 built = Segment.build_layers(keys, values, grp.key_mask, [keeps[i] for i in layers], self.spec)
                 for i, k, v, (seg, nbytes) in zip(layers, keys, values, built):
-                    state.cache.layers[i] = MixedPrecisionKVLayer.of_segment(k, v, seg, self.spec, nbytes)
+                    quantised[i] = (
+                        StaticMixedPrecisionLayer(prefilled.layers[i], seg, self.spec, nbytes)
+                        if compat.is_static(prefilled)
+                        else MixedPrecisionKVLayer.of_segment(k, v, seg, self.spec, nbytes)
+                    )
+            # a static cache's layers over its buffers, in a cache of their own (the prefill's stays the pool's)
+            if compat.is_static(prefilled):
+                state.cache = compat.static_cache_of(quantised)
+            else:
+                state.cache.layers[:] = quantised
         state.accounting.vision_override = vis_kept_f.to(state.groups[0].key_mask.device)
         kv = state.kv_bytes_per_sample()
         state.stats[self.name] = {
@@ -375,7 +398,9 @@ class ZipVL(Pruner):
         scratch: _Scratch = state.extras.pop(self.name, _Scratch())
         events = 0
         for layer, lay in enumerate(state.cache.layers):
-            if not isinstance(lay, MixedPrecisionKVLayer) or lay.buffer_length < cfg.requant_interval:
+            if not isinstance(lay, (MixedPrecisionKVLayer, StaticMixedPrecisionLayer)):
+                continue
+            if lay.buffer_length < cfg.requant_interval:
                 continue
             got = scratch.last_query.get(layer)
             valid = state.groups[state.group_of(layer)].key_mask
@@ -395,4 +420,18 @@ class ZipVL(Pruner):
         mine = state.stats.get(self.name)
         if mine:
             mine["requant_events"] = mine.get("requant_events", 0) + events
-            mine["per_sample_kv_bytes_end"] = state.kv_bytes_per_sample()
+            mine["per_sample_kv_bytes_end"] = self._held_bytes(state, mine["per_sample_kv_bytes_prefill"])
+
+    @staticmethod
+    def _held_bytes(state, prefill: list[int]) -> list[int]:
+        """``state.kv_bytes_per_sample()`` from host counts, with no device read in a decode step: a step appends one
+        valid slot a row to every layer and nothing else edits the cache (ZipVL refuses other KV policies), so a
+        quantised layer holds its segments and ``buffer_length`` valid slots a row, and a plain cache
+        (``quantize_kv: false``) its ``prefill`` bytes and a slot a row in every layer per token since."""
+        layers = state.cache.layers
+        if all(isinstance(lay, (MixedPrecisionKVLayer, StaticMixedPrecisionLayer)) for lay in layers):
+            total = sum(lay.bytes_all_valid() for lay in layers)
+        else:
+            since = state.groups[0].length - state.inputs.length  # tokens appended since the prefill
+            total = torch.tensor(prefill, dtype=torch.float64) + since * sum(compat.slot_bytes(lay) for lay in layers)
+        return [int(x) for x in total.tolist()]
