@@ -555,11 +555,6 @@ class StaticSlotLayer(CacheLayerMixin):
             return 0
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
-    def buffer_key(self) -> tuple[int, ...]:
-        """What a graph captured on this layer reads by address (:func:`static_buffers`): its buffers and write
-        index (a layer that also reads memory of its own adds what names that memory)."""
-        return (self._k.data_ptr(), self._v.data_ptr(), self._pos.data_ptr())
-
 
 def new_static_cache(config, reserve: int, pool: StaticBufferPool | None = None) -> Cache:
     """A cache of :class:`StaticSlotLayer` for ``config``'s text model, ``reserve`` free slots per layer
@@ -745,9 +740,11 @@ def restore_write_indices(cache, saved: list[torch.Tensor]) -> None:
 
 
 def static_buffers(cache, layers: range | None = None) -> tuple[int, ...]:
-    """Addresses of every buffer (or of ``layers``'), and what names a layer's own memory
-    (:meth:`StaticSlotLayer.buffer_key`): a captured step is valid while they stay (no growth, no new batch)."""
-    return tuple(p for lay in _layers(cache, layers) for p in lay.buffer_key())
+    """Addresses of every buffer (or of ``layers``'): a captured step is valid while they stay (no growth,
+    no new batch)."""
+    return tuple(
+        p for lay in _layers(cache, layers) for p in (lay._k.data_ptr(), lay._v.data_ptr(), lay._pos.data_ptr())
+    )
 
 
 def align_static(cache, layers: range, q: int) -> int:

@@ -4,7 +4,8 @@ for launch overhead where ``scripts/host_ops.py`` has no replay to count from).
 Builds the tiny random LLaVA, runs ``compile: static`` with the CPU stand-in graph (the captured path where the
 recipe allows it) and prints (ops of an N-token call - ops of a 2-token call) / (their token difference), every op
 counted (a replay's re-run ops too: meaningful for eager steps only). Each length runs once before it is counted
-(graphs captured, buffers kept). Op counts on the CPU, not GPU times.
+(graphs captured, buffers kept). Also prints the ops each captured graph recorded and its replays. Op counts on
+the CPU, not GPU times.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/call_diff_ops.py \\
         --recipe '{"pruning": [{"method": "zipvl", "params": {"tau": 0.9}}]}'
@@ -44,6 +45,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8))
     Session._capture_factory = lambda self: ReplayGraph  # this process only counts
+    ReplayGraph.made = []
     with tempfile.TemporaryDirectory() as tmp:
         model, processor = random_llava("tiny", init_std=0.2)
         mm = mmfast.load(save_model(model, processor, tmp), device="cpu", dtype="float32")
@@ -58,6 +60,8 @@ def main() -> None:
     print(
         f"{long} ops ({n_long} tokens) - {short} ops ({n_short} tokens): {(long - short) / (n_long - n_short):.1f} per token"
     )
+    # what each captured graph recorded (a decode step's graph: the kernels a replay launches), and its replays
+    print("graphs (recorded ops, replays):", [(len(g.ops), g.replays) for g in ReplayGraph.made])
 
 
 if __name__ == "__main__":

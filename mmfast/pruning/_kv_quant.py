@@ -13,13 +13,12 @@ stored token + the full-precision buffer; ``stored_nbytes`` the bytes of the ten
 (batch padding and index tensors included).
 
 On a static cache (``model.compile``) :class:`StaticMixedPrecisionLayer` holds the same segments over the
-static buffers, whose slots after the segments are its full-precision buffer: a decode step reads fixed shapes
-(one captured graph per layout of segments).
+static buffers, each written back into its slots dequantised, the later slots its full-precision buffer: a decode
+step reads the buffers as the plain static step does (one captured graph).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -249,56 +248,69 @@ class MixedPrecisionKVLayer(_Segments, DynamicLayer):
         )
 
 
-#: a number no other static layout had, for :meth:`StaticMixedPrecisionLayer.buffer_key`
-_layouts = itertools.count(1)
-
-
 class StaticMixedPrecisionLayer(_Segments, StaticSlotLayer):
     """ZipVL's quantised layer on a static cache (``model.compile``), over the prefill's static buffers.
 
     Slots ``0 .. base-1`` are quantised segments (the prompt's, then one per re-quantised block of generated
-    tokens); slots ``base ..`` are the full-precision buffer: the static buffers' own slots from ``base`` on,
-    written at the device write index as :class:`~mmfast.compat.StaticSlotLayer` writes them. A static decode
-    step reads every slot, the segments dequantised in front of the buffer's (``[B, Hkv, C, D]``, the first
-    ``base`` of the buffers' slots unread): fixed shapes while the segments stay, so the step is one captured
-    graph. A new segment is a new layout (:meth:`buffer_key`): the next step is captured again. The buffers
-    stay the pool's (the prefill's cache keeps them), so the prompt's full-precision slots stay allocated, unread:
-    the quantisation shows in the logical bytes (:meth:`bytes_per_sample`), not in the memory a static cache
-    holds (``model.compile: off`` decodes on :class:`MixedPrecisionKVLayer`, which holds the codes only).
+    tokens); slots ``base ..`` are the full-precision buffer, written at the device write index as
+    :class:`~mmfast.compat.StaticSlotLayer` writes them. Each segment's dequantised keys / values are written once
+    into its own slots of the buffers (:meth:`write_back`, eagerly, before the next step), so a decode step reads
+    what the dynamic layer's dequantisation gives, from the buffers, as the plain static step does: no
+    dequantisation per step, and the step graph is the unpruned model's (replayed by every call on these buffers).
+    The buffers stay allocated (the pool's), so on this path the quantisation shows in the logical bytes
+    (:meth:`bytes_per_sample`), neither in the memory held nor in the bytes a step reads (``model.compile: off``
+    decodes on :class:`MixedPrecisionKVLayer`, which holds the codes only and dequantises every step). A call
+    without decode steps (a one-token answer) skips the write-back (nothing reads the slots after its prefill);
+    a read or a step before it raises.
     """
 
-    def __init__(self, over: StaticSlotLayer, seg: Segment, spec: QuantSpec, nbytes: torch.Tensor | None = None):
+    def __init__(
+        self,
+        over: StaticSlotLayer,
+        seg: Segment,
+        spec: QuantSpec,
+        nbytes: torch.Tensor | None = None,
+        *,
+        write_back: bool = True,
+    ) -> None:
         super().__init__(over.reserve)
         self._k, self._v, self._pos, self._len = over._k, over._v, over._pos, over._len
         self.dtype, self.device, self.is_initialized = over.dtype, over.device, True
         self.spec = spec
         self._no_segments(int(over._k.shape[0]))
         self.base = 0  # slots held by the segments
+        self._unwritten = 0  # the last segments, whose dequantised values their slots do not hold yet
         self._append_segment(seg, nbytes)
+        if write_back:
+            self.write_back()
 
     def _append_segment(self, seg: Segment, nbytes: torch.Tensor | None = None) -> None:
         super()._append_segment(seg, nbytes)
         self.base += seg.length
-        self._layout = next(_layouts)
+        self._unwritten += 1
 
-    def _pop_segment(self) -> Segment:
-        seg = super()._pop_segment()
-        self.base -= seg.length
-        self._layout = next(_layouts)
-        return seg
+    def write_back(self) -> None:
+        """Write every segment not yet written into its slots of the buffers, dequantised (between steps: a
+        captured step replays without this)."""
+        start = self.base
+        for seg in reversed(self.segments[len(self.segments) - self._unwritten :]):
+            start -= seg.length
+            k, v = seg.dequantize()  # [B, Hkv, length, D]
+            self._k[:, :, start : start + seg.length].copy_(k)
+            self._v[:, :, start : start + seg.length].copy_(v)
+        self._unwritten = 0
 
-    def _with_segments(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k`` / ``v`` ([B, Hkv, N, D], the buffers' slots from 0) with the first ``base`` slots dequantised."""
-        sk, sv = self._dequantized(k, v)  # [B, Hkv, base, D]
-        return torch.cat([sk, k[:, :, self.base :]], 2), torch.cat([sv, v[:, :, self.base :]], 2)
-
-    def _held(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, Hkv, held, D] keys and values, the segments' dequantised."""
-        return self._with_segments(self._k[:, :, : self._len], self._v[:, :, : self._len])
+    def _written(self) -> None:
+        if self._unwritten:
+            raise RuntimeError(
+                "ZipVL's static cache layer was read before its segments were written back (a call without decode "
+                "steps skips it): call write_back() first"
+            )
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        return None if self._k is None else self._held()[0]
+        self._written()
+        return super().keys
 
     @keys.setter
     def keys(self, value) -> None:
@@ -306,7 +318,8 @@ class StaticMixedPrecisionLayer(_Segments, StaticSlotLayer):
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        return None if self._v is None else self._held()[1]
+        self._written()
+        return super().values
 
     @values.setter
     def values(self, value) -> None:
@@ -318,10 +331,8 @@ class StaticMixedPrecisionLayer(_Segments, StaticSlotLayer):
         super()._assign(None, values=values)  # construction / reset
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new ``[B, Hkv, Q, D]`` into the buffer at the write index; return every slot (a static step:
-        ``[B, Hkv, C, D]``) or the held ones, the segments' dequantised."""
-        k, v = super().update(key_states, value_states, *args, **kwargs)
-        return self._with_segments(k, v)
+        self._written()
+        return super().update(key_states, value_states, *args, **kwargs)
 
     @property
     def buffer_length(self) -> int:
@@ -331,56 +342,49 @@ class StaticMixedPrecisionLayer(_Segments, StaticSlotLayer):
         return 2 * self._k.shape[1] * self._k.shape[-1] * self._k.element_size()
 
     def compress_buffer(self, important: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Quantise the buffer's held slots into a new segment (``important`` / ``valid``: [B, n_buffer])."""
+        """Quantise the buffer's held slots into a new segment (``important`` / ``valid``: [B, n_buffer]), written
+        back into those slots dequantised."""
         if self.buffer_length == 0:
             return
         if valid is None:
             valid = torch.ones(important.shape, dtype=torch.bool, device=important.device)
         held = slice(self.base, self._len)
         self._append_segment(Segment.build(self._k[:, :, held], self._v[:, :, held], valid, important, self.spec))
+        self.write_back()
         self.n_compressions += 1
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` held slots; a cut into a segment writes it back dequantised."""
+        """Drop the last ``-tokens_to_remove`` held slots; a segment cut into joins the buffer (its slots hold its
+        dequantised values, as the dynamic layer's crop puts them into its buffer)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes -tokens_to_remove (got {tokens_to_remove})")
+        self._written()
         while self._len + tokens_to_remove < self.base and self.segments:
-            seg = self._pop_segment()
-            k, v = seg.dequantize()
-            self._k[:, :, self.base : self.base + seg.length] = k
-            self._v[:, :, self.base : self.base + seg.length] = v
+            self.base -= self._pop_segment().length
         super().crop(tokens_to_remove)
 
     def keep_new(self, n_new: int, keep: torch.Tensor) -> None:
         _refuse_dense()
 
-    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._map_segments(fn, self._k.device)
-        self._layout = next(_layouts)
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_segments(lambda t: t.index_select(0, beam_idx.to(t.device)), self._k.device)
 
     def keep_first_rows(self, n: int) -> None:
         super().keep_first_rows(n)
-        self._map_rows(lambda t: t[:n])
+        self._map_segments(lambda t: t[:n], self._k.device)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_segments(lambda t: t.repeat_interleave(repeats, dim=0), self._k.device)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._map_rows(lambda t: t[indices.to(t.device)])
+        self._map_segments(lambda t: t[indices.to(t.device)], self._k.device)
 
     def stored_nbytes(self) -> int:
-        """The static buffers (every slot, the prompt's unread ones too) and the segments' tensors."""
+        """The static buffers (every slot) and the segments' tensors."""
         return super().stored_nbytes() + sum(s.nbytes() for s in self.segments)
-
-    def buffer_key(self) -> tuple[int, ...]:
-        """The buffers, and the segments' layout (a graph captured on it reads their tensors)."""
-        return (*super().buffer_key(), -self._layout)
 
     def __repr__(self) -> str:
         return (

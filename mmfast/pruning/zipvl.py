@@ -25,12 +25,14 @@ quantised together (``Segment.build_layers``) and the probe rows of every layer 
 On the static cache (``model.compile``) the override runs in fixed shapes with no host read
 (:func:`~._zipvl_ops.masked_sparse_attention`, the gathered form's attention set), so the prefill's segments are
 captured graphs, the probe rows staged as their input (``Carried.stage``), each layer's selection carried out.
-After it the cache becomes :class:`~._kv_quant.StaticMixedPrecisionLayer` layers over the static buffers (the
-segments dequantised in front of the buffer's slots: fixed shapes), and the override's decode work (the last
-query, kept for re-scoring) is carried out of the step, so each decode step is one captured graph; a
-re-quantisation is a new layout, captured again (one graph per ``requant_interval`` tokens). The end KV bytes
-are counted on the host in each step (:meth:`ZipVL._held_bytes`). The static path keeps the prefill's
-full-precision buffers allocated (the pool's, for the next call): its saving is in the logical KV bytes.
+After it the cache becomes :class:`~._kv_quant.StaticMixedPrecisionLayer` layers over the static buffers: in a
+call that decodes, each segment is written back into its slots dequantised (after the prefill and after each
+re-quantisation, between steps), so a decode step reads the buffers as the unpruned model's does, with what the
+dynamic cache's dequantisation gives; the override's decode work (the last query, kept for re-scoring) is carried
+out of the step, so each decode step is the one captured graph, replayed by later calls. The end KV bytes are
+counted on the host in each step (:meth:`ZipVL._held_bytes`). Deviation of this path (not of the algorithm): the
+prefill's full-precision buffers stay allocated (the pool's) and a step reads them densely, so ZipVL's saving
+there is in its logical KV bytes only; ``model.compile: off`` holds the codes alone and dequantises every step.
 
 Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
 U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
@@ -369,7 +371,9 @@ class ZipVL(Pruner):
                 built = Segment.build_layers(keys, values, grp.key_mask, [keeps[i] for i in layers], self.spec)
                 for i, k, v, (seg, nbytes) in zip(layers, keys, values, built):
                     quantised[i] = (
-                        StaticMixedPrecisionLayer(prefilled.layers[i], seg, self.spec, nbytes)
+                        StaticMixedPrecisionLayer(
+                            prefilled.layers[i], seg, self.spec, nbytes, write_back=self.ctx.runner.decodes
+                        )
                         if compat.is_static(prefilled)
                         else MixedPrecisionKVLayer.of_segment(k, v, seg, self.spec, nbytes)
                     )
