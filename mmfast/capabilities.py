@@ -112,7 +112,7 @@ class Capabilities:
 def static_cache_blocker(methods: Iterable[tuple[str, Capabilities]]) -> str | None:
     """Why the static KV cache (``model.compile``) cannot serve these methods ((where, capabilities) pairs) in
     a call, or None. A method that owns the KV cache converts the static one after the prefill into static
-    layers of its own (ZipVL's quantised segments in front of the static buffers)."""
+    layers of its own over the same buffers (ZipVL's quantised segments)."""
     for where, c in methods:
         if c.dynamic_decode:
             return f"{where}: {c.dynamic_decode}"

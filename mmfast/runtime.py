@@ -373,8 +373,6 @@ class LMRunner:
         self._prefill_refused = False  # a prefill capture failed once: prefills run eagerly from then on
         self._by_hand = False  # the runner runs the prefill's layers itself (its layer hooks step aside)
         self._block_cache: Any = None  # the first static cache of this block that the pool serves
-        #: this static block's calls decode after the prefill (False: one-token calls; :meth:`static_cache`)
-        self.decodes = True
         self._consts: dict[tuple, torch.Tensor] = {}  # decode-step constants (:meth:`_const`)
         self._capture_refusals: set[str] = set()  # reasons already logged
         self._block_blocker: str | None | object = _UNCHECKED  # this static block's capture blocker
@@ -444,18 +442,21 @@ class LMRunner:
         self._block_blocker = self._block_prefill_blocker = _UNCHECKED
         self._block_segments = {}
         self.pool.loose = not decodes
-        self.decodes = decodes
         try:
             yield
         finally:
             self.static_reserve, self.capture = before
             self.pool.loose = False
-            self.decodes = True
             self._block_blocker = self._block_prefill_blocker = _UNCHECKED
             self._block_segments = {}
             if self._block_cache is not None:  # its buffers, and the graphs on them, serve the next call
                 self.pool.keep(self._block_cache)
                 self._block_cache = None
+
+    @property
+    def decodes(self) -> bool:
+        """This block's calls decode after the prefill (False: one-token calls, :meth:`static_cache`'s ``decodes``)."""
+        return not self.pool.loose
 
     @property
     def captures(self) -> bool:

@@ -488,7 +488,7 @@ def test_zipvls_decode_steps_are_captured(interval, tiny_mm, images, prompts, pa
     later call on the same buffers. Tokens, keep ratios, re-quantisation events and end KV bytes equal the dynamic
     cache's at batch 2 (two calls) and 1 (emulated CUDA-graph semantics: a replay runs only the recorded kernels)."""
     from mmfast.pipeline import Session
-    from mmfast.pruning._kv_quant import StaticMixedPrecisionLayer
+    from mmfast.pruning._kv_static import StaticMixedPrecisionLayer
 
     stage = _stage("zipvl", tiny_mm)
     stage["params"] = {**stage["params"], "requant_interval": interval}

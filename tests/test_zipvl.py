@@ -399,7 +399,7 @@ def test_static_layer_reads_and_ops_equal_the_dynamic_layers():
     dequantised, so a whole-buffer step reads them there. Without the write-back (a one-token call) a read
     raises."""
     from mmfast.compat import StaticSlotLayer, set_padded
-    from mmfast.pruning._kv_quant import StaticMixedPrecisionLayer
+    from mmfast.pruning._kv_static import StaticMixedPrecisionLayer
 
     gen = torch.Generator().manual_seed(1)
     spec = QuantSpec(bits_high=4, bits_low=2, k_group_size=0, v_group_size=16, requant_interval=3)

@@ -12,9 +12,7 @@ packed codes + scales/zero points + value channel scales + a one-bit important/u
 stored token + the full-precision buffer; ``stored_nbytes`` the bytes of the tensors actually held
 (batch padding and index tensors included).
 
-On a static cache (``model.compile``) :class:`StaticMixedPrecisionLayer` holds the same segments over the
-static buffers, each written back into its slots dequantised, the later slots its full-precision buffer: a decode
-step reads the buffers as the plain static step does (one captured graph).
+On a static cache (``model.compile``): :mod:`._kv_static`.
 """
 
 from __future__ import annotations
@@ -24,21 +22,20 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ..compat import StaticSlotLayer
 from ._kv_segment import QuantSpec, Segment
 from ._quant import SUPPORTED_BITS, QuantTensor, pack, quant_param_count, quantize, unpack  # noqa: F401
 
 # --------------------------------------------------------------------------- cache layers
 
 
-def _refuse_dense() -> None:
+def refuse_dense() -> None:
     raise NotImplementedError(
         "a ZipVL cache layer stores quantised keys/values; assigning dense tensors or keeping drafted slots (a "
         "slot edit by another KV-cache policy, a speculative rollback) is not supported"
     )
 
 
-class _Segments:
+class SegmentedLayer:
     """What both quantised layers hold in front of their full-precision buffer: the segments, and their logical
     bytes per sample. A layer sets ``spec`` and calls :meth:`_no_segments` before using the rest."""
 
@@ -90,7 +87,7 @@ class _Segments:
         return self._seg_bytes + valid[:, valid.shape[1] - n :].sum(1).double().cpu() * self._slot_bytes()
 
 
-class MixedPrecisionKVLayer(_Segments, DynamicLayer):
+class MixedPrecisionKVLayer(SegmentedLayer, DynamicLayer):
     """A DynamicLayer replacement holding quantised segments plus a full-precision buffer.
 
     Reading ``keys`` / ``values`` dequantises the whole layer; assigning them is refused (a slot
@@ -127,7 +124,7 @@ class MixedPrecisionKVLayer(_Segments, DynamicLayer):
 
     def _assign(self, value) -> None:
         if value is not None:
-            _refuse_dense()
+            refuse_dense()
         self._no_segments()  # construction / reset
         self.buf_k = self.buf_v = None
 
@@ -248,154 +245,9 @@ class MixedPrecisionKVLayer(_Segments, DynamicLayer):
         )
 
 
-class StaticMixedPrecisionLayer(_Segments, StaticSlotLayer):
-    """ZipVL's quantised layer on a static cache (``model.compile``), over the prefill's static buffers.
-
-    Slots ``0 .. base-1`` are quantised segments (the prompt's, then one per re-quantised block of generated
-    tokens); slots ``base ..`` are the full-precision buffer, written at the device write index as
-    :class:`~mmfast.compat.StaticSlotLayer` writes them. Each segment's dequantised keys / values are written once
-    into its own slots of the buffers (:meth:`write_back`, eagerly, before the next step), so a decode step reads
-    what the dynamic layer's dequantisation gives, from the buffers, as the plain static step does: no
-    dequantisation per step, and the step graph is the unpruned model's (replayed by every call on these buffers).
-    The buffers stay allocated (the pool's), so on this path the quantisation shows in the logical bytes
-    (:meth:`bytes_per_sample`), neither in the memory held nor in the bytes a step reads (``model.compile: off``
-    decodes on :class:`MixedPrecisionKVLayer`, which holds the codes only and dequantises every step). A call
-    without decode steps (a one-token answer) skips the write-back (nothing reads the slots after its prefill);
-    a read or a step before it raises.
-    """
-
-    def __init__(
-        self,
-        over: StaticSlotLayer,
-        seg: Segment,
-        spec: QuantSpec,
-        nbytes: torch.Tensor | None = None,
-        *,
-        write_back: bool = True,
-    ) -> None:
-        super().__init__(over.reserve)
-        self._k, self._v, self._pos, self._len = over._k, over._v, over._pos, over._len
-        self.dtype, self.device, self.is_initialized = over.dtype, over.device, True
-        self.spec = spec
-        self._no_segments(int(over._k.shape[0]))
-        self.base = 0  # slots held by the segments
-        self._unwritten = 0  # the last segments, whose dequantised values their slots do not hold yet
-        self._append_segment(seg, nbytes)
-        if write_back:
-            self.write_back()
-
-    def _append_segment(self, seg: Segment, nbytes: torch.Tensor | None = None) -> None:
-        super()._append_segment(seg, nbytes)
-        self.base += seg.length
-        self._unwritten += 1
-
-    def write_back(self) -> None:
-        """Write every segment not yet written into its slots of the buffers, dequantised (between steps: a
-        captured step replays without this)."""
-        start = self.base
-        for seg in reversed(self.segments[len(self.segments) - self._unwritten :]):
-            start -= seg.length
-            k, v = seg.dequantize()  # [B, Hkv, length, D]
-            self._k[:, :, start : start + seg.length].copy_(k)
-            self._v[:, :, start : start + seg.length].copy_(v)
-        self._unwritten = 0
-
-    def _written(self) -> None:
-        if self._unwritten:
-            raise RuntimeError(
-                "ZipVL's static cache layer was read before its segments were written back (a call without decode "
-                "steps skips it): call write_back() first"
-            )
-
-    @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        self._written()
-        return super().keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._assign(value, values=False)
-
-    @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        self._written()
-        return super().values
-
-    @values.setter
-    def values(self, value) -> None:
-        self._assign(value, values=True)
-
-    def _assign(self, value: torch.Tensor | None, *, values: bool) -> None:
-        if value is not None:
-            _refuse_dense()
-        super()._assign(None, values=values)  # construction / reset
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self._written()
-        return super().update(key_states, value_states, *args, **kwargs)
-
-    @property
-    def buffer_length(self) -> int:
-        return self._len - self.base
-
-    def _slot_bytes(self) -> int:
-        return 2 * self._k.shape[1] * self._k.shape[-1] * self._k.element_size()
-
-    def compress_buffer(self, important: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Quantise the buffer's held slots into a new segment (``important`` / ``valid``: [B, n_buffer]), written
-        back into those slots dequantised."""
-        if self.buffer_length == 0:
-            return
-        if valid is None:
-            valid = torch.ones(important.shape, dtype=torch.bool, device=important.device)
-        held = slice(self.base, self._len)
-        self._append_segment(Segment.build(self._k[:, :, held], self._v[:, :, held], valid, important, self.spec))
-        self.write_back()
-        self.n_compressions += 1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` held slots; a segment cut into joins the buffer (its slots hold its
-        dequantised values, as the dynamic layer's crop puts them into its buffer)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes -tokens_to_remove (got {tokens_to_remove})")
-        self._written()
-        while self._len + tokens_to_remove < self.base and self.segments:
-            self.base -= self._pop_segment().length
-        super().crop(tokens_to_remove)
-
-    def keep_new(self, n_new: int, keep: torch.Tensor) -> None:
-        _refuse_dense()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._map_segments(lambda t: t.index_select(0, beam_idx.to(t.device)), self._k.device)
-
-    def keep_first_rows(self, n: int) -> None:
-        super().keep_first_rows(n)
-        self._map_segments(lambda t: t[:n], self._k.device)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._map_segments(lambda t: t.repeat_interleave(repeats, dim=0), self._k.device)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._map_segments(lambda t: t[indices.to(t.device)], self._k.device)
-
-    def stored_nbytes(self) -> int:
-        """The static buffers (every slot) and the segments' tensors."""
-        return super().stored_nbytes() + sum(s.nbytes() for s in self.segments)
-
-    def __repr__(self) -> str:
-        return (
-            f"StaticMixedPrecisionLayer(segments={len(self.segments)}, base={self.base}, held={self._len}, "
-            f"capacity={self.capacity}, bits={self.spec.bits_high}/{self.spec.bits_low})"
-        )
-
-
 __all__ = [
     "MixedPrecisionKVLayer",
-    "StaticMixedPrecisionLayer",
+    "SegmentedLayer",
     "QuantSpec",
     "QuantTensor",
     "Segment",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -176,3 +177,34 @@ def masked_sparse_attention(
     mask = compat.format_mask(mask[:, None], module.config._attn_implementation, query.dtype)
     out, _ = base(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)  # [B, L, H, D]
     return out.masked_fill(~keep[:, :, None, None], 0.0)
+
+
+# --------------------------------------------------------------------------- per-forward records
+
+
+@dataclass
+class LayerSelection:
+    keep: torch.Tensor  # [B, L] important slots
+    valid: torch.Tensor  # [B, L] real tokens
+    p: torch.Tensor  # [B]
+
+
+@dataclass
+class Scratch:
+    """Per-forward data of one state: prefill selections per layer, the last decode query per layer."""
+
+    prefill: dict[int, LayerSelection] = field(default_factory=dict)
+    last_query: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)
+    #: every layer's probe rows of this prefill, drawn from its key validity read once: (mask key, [L, B, W])
+    rows: tuple[tuple, torch.Tensor] | None = None
+
+    def left_by(self, layer: int) -> tuple[LayerSelection | None, tuple[torch.Tensor, float] | None]:
+        """What layer ``layer``'s attention left here in this forward (a captured graph's record of it)."""
+        return self.prefill.get(layer), self.last_query.get(layer)
+
+    def put(self, layer: int, got: tuple[LayerSelection | None, tuple[torch.Tensor, float] | None]) -> None:
+        sel, query = got
+        if sel is not None:
+            self.prefill[layer] = sel
+        if query is not None:
+            self.last_query[layer] = query

@@ -16,7 +16,7 @@ Hook points: an attention *override* on every LLM attention module (``hooks.atta
 probe rows are computed there with ``row_attention``, O(probes x keys)); ``runner.prefill_hooks``
 installs :class:`~mmfast.pruning._kv_quant.MixedPrecisionKVLayer` in every cache layer (really packed
 uint8 codes + per-group scales/zero points, dequantised on read; on a static cache
-:class:`~mmfast.pruning._kv_quant.StaticMixedPrecisionLayer`); ``runner.step_hooks`` re-quantises
+:class:`~mmfast.pruning._kv_static.StaticMixedPrecisionLayer`); ``runner.step_hooks`` re-quantises
 the full-precision decode buffer every ``requant_interval`` tokens.
 
 Cost on a GPU: on the dynamic cache (``model.compile: off``) the override runs Python in every layer with one
@@ -25,14 +25,11 @@ quantised together (``Segment.build_layers``) and the probe rows of every layer 
 On the static cache (``model.compile``) the override runs in fixed shapes with no host read
 (:func:`~._zipvl_ops.masked_sparse_attention`, the gathered form's attention set), so the prefill's segments are
 captured graphs, the probe rows staged as their input (``Carried.stage``), each layer's selection carried out.
-After it the cache becomes :class:`~._kv_quant.StaticMixedPrecisionLayer` layers over the static buffers: in a
-call that decodes, each segment is written back into its slots dequantised (after the prefill and after each
-re-quantisation, between steps), so a decode step reads the buffers as the unpruned model's does, with what the
-dynamic cache's dequantisation gives; the override's decode work (the last query, kept for re-scoring) is carried
-out of the step, so each decode step is the one captured graph, replayed by later calls. The end KV bytes are
-counted on the host in each step (:meth:`ZipVL._held_bytes`). Deviation of this path (not of the algorithm): the
-prefill's full-precision buffers stay allocated (the pool's) and a step reads them densely, so ZipVL's saving
-there is in its logical KV bytes only; ``model.compile: off`` holds the codes alone and dequantises every step.
+After it, in a call that decodes, each segment is written back into its slots of the static buffers dequantised
+(:class:`~._kv_static.StaticMixedPrecisionLayer`), and the override's decode work (the last query) is carried out
+of the step: each decode step is the unpruned model's captured graph. End KV bytes are counted on the host
+(:func:`~._kv_static.held_bytes`). Deviation of this path (not of the algorithm): the prefill's full-precision
+buffers stay allocated and are read densely, so its saving is in the logical KV bytes only (``compile: off``: codes).
 
 Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
 U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
@@ -85,7 +82,7 @@ gathered important tokens; it saves attention FLOPs, not MLP FLOPs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -97,8 +94,11 @@ from ..hooks import attach
 from ..hooks.attention import Carried, replayable, row_attention, staged_copy
 from ..registry import PRUNERS
 from ._common import topk_keep
-from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, Segment, StaticMixedPrecisionLayer
+from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, Segment, SegmentedLayer
+from ._kv_static import StaticMixedPrecisionLayer, held_bytes
 from ._zipvl_ops import (
+    LayerSelection,
+    Scratch,
     key_validity,
     layer_probe_rows,
     masked_sparse_attention,
@@ -112,34 +112,6 @@ from .base import Pruner
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- the method
-
-
-@dataclass
-class _LayerSelection:
-    keep: torch.Tensor  # [B, L] important slots
-    valid: torch.Tensor  # [B, L] real tokens
-    p: torch.Tensor  # [B]
-
-
-@dataclass
-class _Scratch:
-    """Per-forward data of one state: prefill selections per layer, the last decode query per layer."""
-
-    prefill: dict[int, _LayerSelection] = field(default_factory=dict)
-    last_query: dict[int, tuple[torch.Tensor, float]] = field(default_factory=dict)
-    #: every layer's probe rows of this prefill, drawn from its key validity read once: (mask key, [L, B, W])
-    rows: tuple[tuple, torch.Tensor] | None = None
-
-    def left_by(self, layer: int) -> tuple[_LayerSelection | None, tuple[torch.Tensor, float] | None]:
-        """What layer ``layer``'s attention left here in this forward (a captured graph's record of it)."""
-        return self.prefill.get(layer), self.last_query.get(layer)
-
-    def put(self, layer: int, got: tuple[_LayerSelection | None, tuple[torch.Tensor, float] | None]) -> None:
-        sel, query = got
-        if sel is not None:
-            self.prefill[layer] = sel
-        if query is not None:
-            self.last_query[layer] = query
 
 
 @PRUNERS.register(
@@ -277,7 +249,7 @@ class ZipVL(Pruner):
             valid = key_validity(attention_mask, bsz, k_len, query.device)
             keep, p = self._select(layer, query, key, attention_mask, scaling, valid)
             keep = with_generating_row(keep, valid)
-            self._scratch().prefill[layer] = _LayerSelection(keep, valid, p)
+            self._scratch().prefill[layer] = LayerSelection(keep, valid, p)
             if self.config.sparse_prefill and self.config.tau < 1.0:
                 if compat.is_static(self.ctx.runner.active.cache):  # fixed shapes, no host read (captured or not)
                     return masked_sparse_attention(
@@ -334,15 +306,15 @@ class ZipVL(Pruner):
         return ("zipvl rows", int(self._staged[1].shape[-1]))
 
     # -- KV-cache policy ---------------------------------------------------------------------------------
-    def _scratch(self) -> _Scratch:
+    def _scratch(self) -> Scratch:
         """What this forward's attention calls leave for the KV policy, kept on the running state."""
         state = self.ctx.runner.active
         if state is None:
             raise RuntimeError("ZipVL: the LLM ran outside the runner")
-        return state.extras.setdefault(self.name, _Scratch())
+        return state.extras.setdefault(self.name, Scratch())
 
     def _after_prefill(self, state) -> None:
-        scratch: _Scratch = state.extras.pop(self.name, _Scratch())
+        scratch: Scratch = state.extras.pop(self.name, Scratch())
         sel = scratch.prefill
         keeps: dict[int, torch.Tensor] = {}  # layer -> [B, T_g] its important slots
         per_group = []  # [4, L_g, B]: kept, held, vision kept, vision slots
@@ -365,6 +337,7 @@ class ZipVL(Pruner):
         dense = counts[1].double().sum(1) * slot  # [B] the valid slots in a full-precision cache
         if self.config.quantize_kv:  # the layers of each layer group quantised together (Segment.build_layers)
             prefilled, quantised = state.cache, list(state.cache.layers)
+            static = compat.is_static(prefilled)
             for g, grp in enumerate(state.groups):
                 layers = state.layers_of(g)
                 keys, values = [prefilled.layers[i].keys for i in layers], [prefilled.layers[i].values for i in layers]
@@ -374,11 +347,11 @@ class ZipVL(Pruner):
                         StaticMixedPrecisionLayer(
                             prefilled.layers[i], seg, self.spec, nbytes, write_back=self.ctx.runner.decodes
                         )
-                        if compat.is_static(prefilled)
+                        if static
                         else MixedPrecisionKVLayer.of_segment(k, v, seg, self.spec, nbytes)
                     )
             # a static cache's layers over its buffers, in a cache of their own (the prefill's stays the pool's)
-            if compat.is_static(prefilled):
+            if static:
                 state.cache = compat.static_cache_of(quantised)
             else:
                 state.cache.layers[:] = quantised
@@ -399,12 +372,10 @@ class ZipVL(Pruner):
 
     def _after_step(self, state) -> None:
         cfg = self.config
-        scratch: _Scratch = state.extras.pop(self.name, _Scratch())
+        scratch: Scratch = state.extras.pop(self.name, Scratch())
         events = 0
         for layer, lay in enumerate(state.cache.layers):
-            if not isinstance(lay, (MixedPrecisionKVLayer, StaticMixedPrecisionLayer)):
-                continue
-            if lay.buffer_length < cfg.requant_interval:
+            if not isinstance(lay, SegmentedLayer) or lay.buffer_length < cfg.requant_interval:
                 continue
             got = scratch.last_query.get(layer)
             valid = state.groups[state.group_of(layer)].key_mask
@@ -424,18 +395,5 @@ class ZipVL(Pruner):
         mine = state.stats.get(self.name)
         if mine:
             mine["requant_events"] = mine.get("requant_events", 0) + events
-            mine["per_sample_kv_bytes_end"] = self._held_bytes(state, mine["per_sample_kv_bytes_prefill"])
-
-    @staticmethod
-    def _held_bytes(state, prefill: list[int]) -> list[int]:
-        """``state.kv_bytes_per_sample()`` from host counts, with no device read in a decode step: a step appends one
-        valid slot a row to every layer and nothing else edits the cache (ZipVL refuses other KV policies), so a
-        quantised layer holds its segments and ``buffer_length`` valid slots a row, and a plain cache
-        (``quantize_kv: false``) its ``prefill`` bytes and a slot a row in every layer per token since."""
-        layers = state.cache.layers
-        if all(isinstance(lay, (MixedPrecisionKVLayer, StaticMixedPrecisionLayer)) for lay in layers):
-            total = sum(lay.bytes_all_valid() for lay in layers)
-        else:
             since = state.groups[0].length - state.inputs.length  # tokens appended since the prefill
-            total = torch.tensor(prefill, dtype=torch.float64) + since * sum(compat.slot_bytes(lay) for lay in layers)
-        return [int(x) for x in total.tolist()]
+            mine["per_sample_kv_bytes_end"] = held_bytes(state.cache.layers, mine["per_sample_kv_bytes_prefill"], since)
