@@ -946,18 +946,25 @@ class LMRunner:
 
     def keep_new(self, state: LMState, n_new: int, keep: list[int], *, prefix: bool = False) -> None:
         """:meth:`LMState.keep_new` of host indices ``keep``; under captured steps (a static cache), a path
-        that is not a prefix is kept by one captured graph (every layer's K / V copies and its write index)
-        instead of ~8 eager ops per layer. Its input: ``keep`` padded to ``n_new`` with the pad slots' own
-        offsets (a pad copies a slot onto itself), and the kept count."""
+        that is not a prefix is kept by one captured graph (:meth:`keep_new_on_device`) instead of ~8 eager ops
+        per layer."""
         idx = torch.tensor(keep, device=state.inputs.input_ids.device)
         if prefix or not self.captures:
             state.keep_new(n_new, idx, prefix=prefix)
             return
-        cache, k = state.cache, len(keep)
-        packed = [*keep, *range(k, n_new), k]  # [W + 1]: source offsets in the block, then the kept count
+        k = len(keep)
+        self.keep_new_on_device(state, n_new, torch.tensor([*keep, *range(k, n_new), k], device=idx.device))
+        self.kept_on_device(state, n_new, idx)
+
+    def keep_new_on_device(self, state: LMState, n_new: int, packed: torch.Tensor) -> None:
+        """Of the last ``n_new`` slots of every layer's static buffer, keep those ``packed`` ([n_new + 1] long on
+        the device: source offsets in the block, the pad slots' own offsets, then the kept count k) says, by one
+        captured graph (every layer's K / V copies and write index; nothing read back). Under captured steps
+        only; the host's counts and layouts follow in :meth:`kept_on_device`."""
+        cache = state.cache
 
         def make() -> tuple[_KeepInputs, Callable[[], torch.Tensor]]:
-            inputs = _KeepInputs(torch.tensor(packed, device=idx.device))
+            inputs = _KeepInputs(packed.clone())
 
             def run() -> torch.Tensor:
                 rel, kept = inputs.packed[:n_new], inputs.packed[n_new:]  # [W], [1]
@@ -971,13 +978,22 @@ class LMRunner:
 
             return inputs, run
 
-        def load(inputs: _KeepInputs) -> None:
-            inputs.packed.copy_(torch.tensor(packed, device=idx.device))
+        self.run_captured(
+            (compat.static_buffers(cache), "keep", n_new), make, lambda inputs: inputs.packed.copy_(packed)
+        )
 
-        key = (compat.static_buffers(cache), "keep", n_new)
-        self.replay_or_capture(self.pool.graphs, key, self.capture, make, load, self._capture_failed)
-        compat.advance_static(cache, k - n_new)  # the host's counts follow the device's
-        state.keep_layout(n_new, idx)
+    def kept_on_device(self, state: LMState, n_new: int, keep: torch.Tensor) -> None:
+        """The host's side of :meth:`keep_new_on_device` once the kept slots ``keep`` ([k] on the device) are known:
+        the static counts and the layer groups' layouts."""
+        compat.advance_static(state.cache, int(keep.numel()) - n_new)
+        state.keep_layout(n_new, keep)
+
+    def run_captured(self, key: tuple, make: Callable, load: Callable) -> torch.Tensor:
+        """:meth:`replay_or_capture` in the pool's store with this block's graph factory (a capture that raises
+        leaves the block's steps eager: then, as in the rest of a cycle begun captured, the function runs eagerly)."""
+        if self.capture is None:
+            return make()[1]()
+        return self.replay_or_capture(self.pool.graphs, key, self.capture, make, load, self._capture_failed)
 
     def replay_or_capture(
         self,

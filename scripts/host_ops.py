@@ -120,7 +120,7 @@ def print_prefill_rows(mm, images, prompts, methods=PREFILL_METHODS, tokens: int
 
 
 def print_rows(rows: list[tuple[str, dict]]) -> None:
-    cols = [*PHASES, "total"]
+    cols = [*PHASES, "total", "transfers"]
     print("| case | steps | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for name, r in rows:

@@ -223,3 +223,45 @@ def test_bench_repeats_do_not_teach_a_stateful_drafter(tiny_mm, images):
     thrice = _run_workload(tiny_mm, recipe, images[:2], wl, repeats=3)
     assert thrice["tau"] == pytest.approx(once["tau"])
     assert thrice["n_new_tokens"] == once["n_new_tokens"]
+
+
+def _random_tree(gen: torch.Generator, n: int, vocab: int) -> DraftTree:
+    """A random tree of ``n`` nodes (parents before children), siblings sometimes repeating a token."""
+    parents = [int(torch.randint(0, i + 1, (), generator=gen)) for i in range(n)]  # node i + 1's parent in 0..i
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    return DraftTree(tokens, torch.tensor(parents))
+
+
+def test_device_tree_layout_and_greedy_verdict_equal_the_host_rule():
+    """:func:`tree_layout` equals :meth:`DraftTree.depth` / :meth:`DraftTree.mask` padded to the verify width, and
+    :func:`greedy_accept` equals :func:`verify`'s greedy verdict (the first matching child, the bonus, the depths
+    tried), on random trees whose logits often agree with the draft, padded slots included."""
+    from mmfast.speculative.tree import greedy_accept, tree_layout
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, accepted = 5, 0
+    for trial in range(300):
+        n = int(torch.randint(1, 12, (), generator=gen))
+        width = n + 1 + trial % 3
+        tree = _random_tree(gen, n, vocab)
+        levels = int(tree.depth().max())
+        depth, mask = tree_layout(tree.parents, width, levels)
+        assert torch.equal(depth, tree.depth(width)) and torch.equal(mask, tree.mask(width))
+        logits = torch.randn(width, vocab, generator=gen)
+        for i, p in enumerate(tree.parent_list):  # the draft right two times in three
+            if torch.rand((), generator=gen) < 0.67:
+                logits[p, tree.token_list[i]] += 10.0
+        root = torch.tensor([3])
+        ref = verify(tree, None, logits[: n + 1], None)
+        out = greedy_accept(tree.tokens, tree.parents, logits, root, levels).tolist()
+        k = len(ref.path) + 1
+        keep = [0, *ref.path] + list(range(k, width))
+        nxt = [tree.token_list[i - 1] for i in ref.path] + [ref.bonus]
+        children = tree.children()
+        tried = [d + 1 for d, node in enumerate([0, *ref.path]) if children[node]]
+        assert out[: width + 1] == [*keep, k]
+        assert out[width + 1 : 2 * width + 2] == [*nxt, *[0] * (width - k), k]
+        assert [d + 1 for d, t in enumerate(out[2 * width + 2 : 3 * width + 2]) if t] == tried == ref.tried_depths
+        assert out[-1] == ref.bonus
+        accepted += len(ref.path)
+    assert accepted > 300  # deep paths were exercised

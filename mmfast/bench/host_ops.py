@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._graph_emulator import ReplayEmulator
 from ..config import load_recipe
 from ..pipeline import Session, apply
+
+_TRANSFERS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default}
 
 #: phases, in report order; an op is attributed to the innermost frame whose function names one
 PHASES = ("runner.step prep", "replay copies", "lm_head", "decoder choose", "embedding", "driver bookkeeping")
@@ -47,13 +51,16 @@ class OpCounter(TorchDispatchMode):
     in_step: bool = False  # inside LMRunner._replay (count_step_ops): a replay there is the LM step's
     by_phase: Counter = field(default_factory=Counter)
     total: int = 0
+    #: host transfers outside replays: reads of tensor data (``.item()``, ``int(t)``, ``.tolist()``) and tensors
+    #: made from host data (``torch.tensor(...)``): on a GPU each waits for the stream (pageable copies)
+    transfers: int = 0
     marks: list[tuple[int, Counter]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__()
 
     def mark(self) -> None:
-        self.marks.append((self.total, Counter(self.by_phase)))
+        self.marks.append((self.total, Counter(self.by_phase, transfers=self.transfers)))
 
     def _phase(self) -> str:
         frame = sys._getframe(2)
@@ -73,7 +80,24 @@ class OpCounter(TorchDispatchMode):
         if not self.paused:
             self.total += 1
             self.by_phase[self._phase()] += 1
+            self.transfers += func in _TRANSFERS
         return func(*args, **(kwargs or {}))
+
+    @contextmanager
+    def reading_lists(self) -> Iterator[None]:
+        """Count ``Tensor.tolist()`` as a transfer while active (it dispatches no aten op)."""
+        tolist = torch.Tensor.tolist
+
+        def counted(t: torch.Tensor):
+            if not self.paused:
+                self.transfers += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted
+        try:
+            yield
+        finally:
+            torch.Tensor.tolist = tolist
 
     def per_step(self) -> dict[str, float]:
         """Mean ops per step by phase over the steps between the first and the last replay."""
@@ -83,6 +107,7 @@ class OpCounter(TorchDispatchMode):
         n = len(self.marks) - 1
         out = {p: (last[p] - first[p]) / n for p in PHASES}
         out["total"] = sum(out.values())
+        out["transfers"] = (last["transfers"] - first["transfers"]) / n
         out["steps"] = n
         return out
 
@@ -133,7 +158,7 @@ def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) 
 
             s.runner._replay = marked
             ReplayGraph.counter = counter
-            with counter:
+            with counter, counter.reading_lists():
                 s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)
             del s.runner._replay
     finally:

@@ -27,7 +27,7 @@ import torch
 from ._draft_cache import DraftCache
 from ._eagle_model import load_draft, resolve_weights
 from .base import Drafter
-from .tree import DraftTree
+from .tree import DeviceTree, DraftTree, tree_layout
 
 if TYPE_CHECKING:
     from .engine import SpecContext
@@ -91,6 +91,9 @@ class EagleDrafter(Drafter):
         #: captured draft steps (model.compile: auto), by step and the buffers they read; see :meth:`_captured`
         self._graphs: dict[tuple, Any] = {}  # runtime._Captured
         self._root: torch.Tensor | None = None  # [K, d] the root slots' fixed buffer while captured steps run
+        #: [2] long (committed rows, next position): the draft's counters on the device while captured steps run,
+        #: advanced inside the accept step (the host mirrors them in ``cache.committed`` and ``pos``)
+        self._meta: torch.Tensor | None = None
         self._capture_refused = False
 
     # -- sequence start -----------------------------------------------------------------------------
@@ -133,6 +136,8 @@ class EagleDrafter(Drafter):
         self.cache.commit()
         self.pos = n
         self.root_slots = self._keep_root(ctx, m.slots(out[-1]))
+        if self._root is not None:  # captured steps read the counters on the device (one copy a sequence)
+            self._meta.copy_(torch.tensor([self.cache.committed, self.pos], device=self._meta.device))
         self._count(ctx, forwards=1)
 
     @torch.inference_mode()
@@ -168,13 +173,17 @@ class EagleDrafter(Drafter):
             return slots
         if self._root is None or self._root.shape != slots.shape or self._root.device != slots.device:
             self._root = torch.empty_like(slots)
-            self._graphs.clear()  # they read the old buffer
+            self._meta = torch.zeros(2, dtype=torch.long, device=slots.device)
+            self._graphs.clear()  # they read the old buffers
         return self._root.copy_(slots)
 
     def _captured(self, ctx: SpecContext, factory: Any, key: tuple, make: Any, load: Any) -> torch.Tensor:
         """The draft step ``key`` replayed, or run and captured (:meth:`LMRunner.replay_or_capture`, in this
         drafter's own store: its graphs read the draft's buffers, not the target cache's). A capture that
-        raises leaves this drafter's steps eager from then on (one log line)."""
+        raises leaves this drafter's steps eager from then on (one log line); without a ``factory`` (after such a
+        failure, within a cycle on the device) the step's function runs eagerly."""
+        if factory is None:
+            return make()[1]()
 
         def failed(exc: Exception) -> None:
             self._capture_refused = True
@@ -183,42 +192,68 @@ class EagleDrafter(Drafter):
         return ctx.method.runner.replay_or_capture(self._graphs, key, factory, make, load, failed)
 
     def _accept_captured(self, ctx: SpecContext, factory: Any, toks: list[int], hidden: torch.Tensor) -> None:
-        """:meth:`accept` as one captured step: the accepted rows padded to ``max_step_tokens()`` (P), the
-        real count, slot and position passed on the device with the tokens (one copy), the hidden states
-        into a fixed buffer; the root slots land in the fixed root buffer."""
-        m, cache = self.model, self.cache
+        """:meth:`accept` as the captured accept step (:meth:`_accept_graph`), its tokens and count in one copy."""
         rows, n = self.max_step_tokens(), len(toks)
+        packed = torch.tensor(toks + [0] * (rows - n) + [n], device=hidden.device)  # [P + 1]
+
+        def load(inputs: dict[str, torch.Tensor]) -> None:
+            inputs["packed"].copy_(packed)
+            inputs["hid"][:n] = hidden
+
+        self._accept_graph(ctx, factory, load)
+        self.accepted_on_device(ctx, n)
+
+    def _accept_graph(self, ctx: SpecContext, factory: Any, load: Any) -> None:
+        """The accept step as one captured graph: the accepted rows padded to ``max_step_tokens()`` (P); its
+        inputs ``packed`` ([P + 1] long: the rows' next tokens, then the real count n) and ``hid`` ([P, d]: the
+        target's hidden states), filled by ``load(inputs)``; the write slot and first position are the device
+        counters ``_meta``, advanced by n inside the step; the root slots land in the fixed root buffer. The
+        host's counters follow in :meth:`accepted_on_device`."""
+        m, cache = self.model, self.cache
+        rows = self.max_step_tokens()
         cache._ensure(cache.committed + rows)
         table = m.rope_table(self.pos + rows)
-        packed = toks + [0] * (rows - n) + [n, cache.committed, self.pos]  # ids [P], n, start, first position
         key = ("accept", rows, cache.k.data_ptr(), cache.k.shape[1], table[0].data_ptr(), self._root.data_ptr())
         for old in [k for k in self._graphs if k[0] == "accept" and k != key]:
             del self._graphs[old]  # captured on buffers the draft has outgrown
 
         def make() -> tuple[dict[str, torch.Tensor], Any]:
+            dev, dtype = self._root.device, m.fc.weight.dtype
             inputs = {
-                "packed": torch.tensor(packed, device=hidden.device),
-                "hid": torch.zeros(rows, hidden.shape[-1], dtype=m.fc.weight.dtype, device=hidden.device),
+                "packed": torch.zeros(rows + 1, dtype=torch.long, device=dev),
+                "hid": torch.zeros(rows, self._root.shape[-1], dtype=dtype, device=dev),
             }
-            inputs["hid"][:n] = hidden
+            load(inputs)
 
             def run() -> torch.Tensor:
-                p = inputs["packed"]
-                ids, meta = p[:rows], p[rows:]  # [P], [3]
+                ids, n = inputs["packed"][:rows], inputs["packed"][rows:]  # [P], [1]
                 h = inputs["hid"]  # [P, d]
                 x = cache.f.fc(cache.f.embed(ids).to(h.dtype), h)  # generated tokens are text rows
-                pos = meta[2:3] + torch.arange(rows, device=h.device)  # [P]
-                out = cache.append_last_static(x, pos, meta[1:2], meta[0:1])  # [1, d]
+                pos = self._meta[1:2] + torch.arange(rows, device=h.device)  # [P]
+                out = cache.append_last_static(x, pos, self._meta[0:1], n)  # [1, d]
+                self._meta.add_(n)  # committed rows and the next position
                 return self._root.copy_(m.slots(out[-1]))  # [K, d]
 
             return inputs, run
 
-        def load(inputs: dict[str, torch.Tensor]) -> None:
-            inputs["packed"].copy_(torch.tensor(packed, device=hidden.device))
-            inputs["hid"][:n] = hidden
-
         self._captured(ctx, factory, key, make, load)
-        cache.committed += n
+
+    # -- a cycle on the device (greedy, captured steps: speculative.engine) -------------------------------
+    def accept_on_device(self, ctx: SpecContext, packed: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Launch the captured accept step from device tensors: ``packed`` [P + 1] (the accepted rows' next
+        tokens, zero-padded, then their count) and ``hidden`` [P, d] (the target's hidden states of those rows,
+        then any rows); the host's counters follow in :meth:`accepted_on_device` once the count is read."""
+        self.cache.rollback()
+
+        def load(inputs: dict[str, torch.Tensor]) -> None:
+            inputs["packed"].copy_(packed)
+            inputs["hid"].copy_(hidden)
+
+        self._accept_graph(ctx, self._factory(ctx), load)
+
+    def accepted_on_device(self, ctx: SpecContext, n: int) -> None:
+        """The host's mirror of a captured accept step of ``n`` rows."""
+        self.cache.committed += n
         self.pos += n
         self.root_slots = self._root
         self._count(ctx, forwards=1)
@@ -306,53 +341,65 @@ class EagleDrafter(Drafter):
 
     def _propose_eagle2_captured(self, ctx: SpecContext, factory: Any, depth: int, top_k: int, total: int):
         """:meth:`eagle2_tree` as one captured step: every level (no early stop: the same kept tree), its
-        draft forwards over fixed buffers (:meth:`DraftCache.append_rows_static`), the rerank and the tree
-        parents; (tree, draft forwards), or None when the tree is built eagerly (a node lost its ancestor)."""
+        draft forwards over fixed buffers (:meth:`DraftCache.append_rows_static`), the rerank, the tree
+        parents and the verify layout; the packed tree on the device (:func:`_packed_tree`)."""
         m, cache = self.model, self.cache
         k = max(1, min(top_k, m.arch.vocab_size))
-        dev = m.fc.weight.device
         cache._ensure(cache.committed + depth * k)
         table = m.rope_table(self.pos + depth)
-        meta = [cache.committed, self.pos]  # where the tree's rows go, the first level's position
         key = ("eagle2", depth, k, total, cache.k.data_ptr(), cache.k.shape[1], table[0].data_ptr())
         key += (self._root.data_ptr(),)
         for old in [c for c in self._graphs if c[0] == "eagle2" and c != key]:
             del self._graphs[old]
 
         def make() -> tuple[dict[str, torch.Tensor], Any]:
-            inputs = {"meta": torch.tensor(meta, device=dev)}
-
             def run() -> torch.Tensor:
-                committed, pos0 = inputs["meta"][0:1], inputs["meta"][1:2]
+                # where the tree's rows go and the first level's position: the device counters
+                committed, pos0 = self._meta[0:1], self._meta[1:2]
 
                 def forward(x: torch.Tensor, i: int, vis: torch.Tensor) -> torch.Tensor:
                     pos = (pos0 + i).expand(x.shape[0])  # [k]
                     return cache.append_rows_static(x, pos, committed + i * x.shape[0], committed, vis)
 
-                return _packed_tree(*self._eagle2_candidates(depth, k, total, False, forward)[:3], total)
+                return _packed_tree(*self._eagle2_candidates(depth, k, total, False, forward)[:3], total, depth + 1)
 
-            return inputs, run
+            return {}, run
 
-        def load(inputs: dict[str, torch.Tensor]) -> None:
-            inputs["meta"].copy_(torch.tensor(meta, device=dev))
-
-        return _tree_of(self._captured(ctx, factory, key, make, load)), depth
+        return self._captured(ctx, factory, key, make, lambda inputs: None)
 
 
-def _packed_tree(toks: list[torch.Tensor], scores: list[torch.Tensor], parents: list[torch.Tensor], total: int):
-    """A captured proposal's output: :func:`select_tree`'s kept tokens, tree parents and whether a node lost
-    its ancestor, packed [tokens; parents; orphaned] (2T + 1) for one read (:func:`_tree_of`)."""
+def _packed_tree(
+    toks: list[torch.Tensor], scores: list[torch.Tensor], parents: list[torch.Tensor], total: int, levels: int
+) -> torch.Tensor:
+    """A captured proposal's output: :func:`select_tree`'s kept tokens (T), tree parents (T) and whether a node lost
+    its ancestor (1), then the verify step's depths (W = ``total``) and tree mask (W x W, as 0 / 1) of the tree
+    padded to W slots (:func:`tree_layout`, ``levels`` >= its depth), packed in one long tensor for one read of
+    its first 2T + 1 entries (:func:`_tree_of`) or none (:func:`_device_tree`)."""
     keep, tree_par, orphan = _rerank(torch.cat(scores), torch.cat(parents), max(1, total - 1))
-    return torch.cat([torch.cat(toks).index_select(0, keep), tree_par, orphan.any().long()[None]])
+    depth, mask = tree_layout(tree_par, total, levels)  # [W], [W, W]
+    nodes = torch.cat(toks).index_select(0, keep)  # [T]
+    return torch.cat([nodes, tree_par, orphan.any().long()[None], depth, mask.long().reshape(-1)])
 
 
-def _tree_of(packed: torch.Tensor) -> DraftTree | None:
-    """A captured proposal's packed [tokens; parents; orphaned] (2T + 1) as a tree, read in one copy; None
-    when a node lost its ancestor (the tree is then built eagerly)."""
-    host = packed.tolist()
+def _tree_size(packed: torch.Tensor, width: int) -> int:
+    return (packed.numel() - 1 - width - width * width) // 2
+
+
+def _tree_of(packed: torch.Tensor, width: int) -> DraftTree | None:
+    """A captured proposal's packed tree (:func:`_packed_tree`, ``width`` = its W) as a tree, read in one copy;
+    None when a node lost its ancestor (the tree is then built eagerly)."""
+    n = _tree_size(packed, width)
+    host = packed[: 2 * n + 1].tolist()
     if host[-1]:
         return None
-    n = (len(host) - 1) // 2
     tree = DraftTree(packed[:n].clone(), packed[n : 2 * n].clone())
     tree.__dict__["token_list"], tree.__dict__["parent_list"] = host[:n], host[n : 2 * n]
     return tree
+
+
+def _device_tree(packed: torch.Tensor, width: int, levels: int) -> DeviceTree:
+    """A captured proposal's packed tree (:func:`_packed_tree`) as views on the device (nothing read)."""
+    n = _tree_size(packed, width)
+    layout = packed[2 * n + 1 :]
+    mask = layout[width:].view(width, width).bool()
+    return DeviceTree(packed[:n], packed[n : 2 * n], layout[:width], mask, levels)

@@ -18,7 +18,7 @@ from ..capabilities import Capabilities
 if TYPE_CHECKING:
     from ..context import MethodContext
     from .engine import SpecContext
-    from .tree import DraftTree
+    from .tree import DeviceTree, DraftTree
 
 
 class Drafter:
@@ -51,6 +51,13 @@ class Drafter:
 
     def propose(self, ctx: SpecContext, root: int) -> DraftTree:
         raise NotImplementedError
+
+    def propose_on_device(self, ctx: SpecContext) -> DeviceTree | None:
+        """The proposal as one captured step whose tree stays on the device (nothing read back), with its
+        verify layout: what the engine's greedy cycle on the device takes (one host read per cycle). None: this
+        drafter proposes through :meth:`propose`. A drafter that returns a tree implements ``accept_on_device``
+        and ``accepted_on_device`` (:class:`~mmfast.speculative._eagle.EagleDrafter`)."""
+        return None
 
     def accept(self, ctx: SpecContext, tree: DraftTree, path: list[int], hidden: torch.Tensor, bonus: int) -> None:
         """``path`` (node ids) was accepted; ``hidden`` ([1 + len(path), d]) are the target's final

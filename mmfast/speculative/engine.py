@@ -6,6 +6,11 @@ acceptance rule of :mod:`tree` picks a path and a bonus token; the target KV cac
 root and the accepted path (``LMRunner.keep_new``: a path gather plus a crop, one graph under captured steps); the drafter updates
 its own state. The vision encoder runs once (prefill) and its features are shared with the drafter.
 
+Under captured steps a greedy cycle runs on the device where the drafter's proposal is one captured step
+(:meth:`Drafter.propose_on_device`): the verify layout, the verdict (:func:`tree.greedy_accept`), the keep and the
+draft's accept read each other's outputs on the device and the host reads the verdict once a cycle
+(:func:`_cycle_on_device`); otherwise the tree and the verdict are on the host (:func:`_cycle`).
+
 Reported per run: ``tau`` = tokens committed per target verification forward, *bonus included*
 (FLASH's convention; MSD's ``acclen`` excludes the bonus: tau - 1), draft and target forward counts,
 acceptance rate per depth. Batch > 1 is served one sample at a time (the cache rollback is per path).
@@ -21,7 +26,7 @@ import torch
 
 from ..decoding.base import DecodeOutput, DecodeRequest, now, sample_generator, sample_seed, state_accounting
 from ..decoding.loop import warpers
-from .tree import DraftTree, verify
+from .tree import DeviceTree, DraftTree, greedy_accept, verify
 
 if TYPE_CHECKING:
     from ..context import MethodContext
@@ -139,17 +144,19 @@ def _decode_one(
     drafter.begin(ctx)
     # captured verify steps: every tree padded to the drafter's largest, so one graph serves them all
     width = drafter.max_step_tokens() if runner.captures else None
+    root_dev = None  # [1] the root on the device, while cycles run there
     while len(ctx.committed) < max_new and root not in stop:
-        tree = drafter.propose(ctx, root)
-        nodes, depth, mask = _verify_inputs(tree, root, width)  # [1, W], [W], [W, W]
-        step = runner.step(state, nodes, depth=depth, block_mask=mask)
-        logits = step.logits[0, : tree.n + 1]  # [N+1, V]
-        verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
-        keep = [0, *verdict.path]
-        runner.keep_new(state, nodes.shape[1], keep, prefix=verdict.path == list(range(1, len(verdict.path) + 1)))
-        new = [tree.token_list[i - 1] for i in verdict.path] + [verdict.bonus]
+        on_device = ctx.greedy and runner.captures and width is not None
+        tree = drafter.propose_on_device(ctx) if on_device else None
+        if tree is not None:
+            if root_dev is None:
+                root_dev = torch.tensor([root], device=device)
+            new, path_len, tried, root_dev = _cycle_on_device(ctx, drafter, tree, root_dev, width)
+        else:
+            root_dev = None
+            new, path_len, tried = _cycle(ctx, drafter, root, width)
         stats.cycles += 1
-        stats.record(verdict.tried_depths, len(verdict.path))
+        stats.record(tried, path_len)
         for t in new:
             if len(ctx.committed) >= max_new:
                 break
@@ -157,7 +164,6 @@ def _decode_one(
             stats.committed += 1
             if t in stop:
                 break
-        drafter.accept(ctx, tree, verdict.path, step.hidden[0, keep], verdict.bonus)  # [1 + len(path), d]
         root = ctx.committed[-1]
     t2 = now(device)
     stats.draft_forwards += ctx.extras.get("draft_forwards", 0)
@@ -167,6 +173,67 @@ def _decode_one(
     kv_end = state.kv_bytes_per_sample()[0]
     runner.finish(state)  # its static buffers (and graphs) serve the next sample
     return _OneResult(tokens[:cut], acc, method_stats, kv_end, t1 - t0, t2 - t1)
+
+
+def _cycle(ctx: SpecContext, drafter: Drafter, root: int, width: int | None) -> tuple[list[int], int, list[int]]:
+    """One draft-verify cycle with the tree and the verdict on the host: the committed tokens (the accepted
+    path's and the bonus), the path's length and the depths tried."""
+    runner, state = ctx.method.runner, ctx.state
+    tree = drafter.propose(ctx, root)
+    nodes, depth, mask = _verify_inputs(tree, root, width)  # [1, W], [W], [W, W]
+    step = runner.step(state, nodes, depth=depth, block_mask=mask)
+    logits = step.logits[0, : tree.n + 1]  # [N+1, V]
+    verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
+    keep = [0, *verdict.path]
+    runner.keep_new(state, nodes.shape[1], keep, prefix=verdict.path == list(range(1, len(verdict.path) + 1)))
+    drafter.accept(ctx, tree, verdict.path, step.hidden[0, keep], verdict.bonus)  # [1 + len(path), d]
+    return [tree.token_list[i - 1] for i in verdict.path] + [verdict.bonus], len(verdict.path), verdict.tried_depths
+
+
+def _cycle_on_device(
+    ctx: SpecContext, drafter: Drafter, tree: DeviceTree, root: torch.Tensor, width: int
+) -> tuple[list[int], int, list[int], torch.Tensor]:
+    """A greedy cycle whose tree, verdict and rollback stay on the device (captured steps): the drafter's
+    proposal graph, the verify step's graph, the greedy verdict's graph (:func:`greedy_accept`), the target's
+    keep graph and the draft's accept graph run back to back from device tensors, and the host reads the verdict
+    once, then follows with its counts and layouts. The same tokens and statistics as :func:`_cycle`; also
+    returns the next root ([1], on the device)."""
+    runner, state = ctx.method.runner, ctx.state
+    n_tree = tree.tokens.numel()
+    nodes = torch.cat([root, tree.tokens, root.expand(width - n_tree - 1)])[None]  # [1, W]
+    step = runner.step(state, nodes, depth=tree.depth, block_mask=tree.mask)
+
+    def make() -> tuple[dict[str, torch.Tensor], Any]:
+        inputs = {
+            "tree": torch.cat([tree.tokens, tree.parents]),
+            "logits": step.logits[0].clone(),
+            "root": root.clone(),
+        }
+
+        def run() -> torch.Tensor:
+            tp = inputs["tree"]
+            return greedy_accept(tp[:n_tree], tp[n_tree:], inputs["logits"], inputs["root"], tree.levels)  # [3W + 3]
+
+        return inputs, run
+
+    def load(inputs: dict[str, torch.Tensor]) -> None:
+        inputs["tree"][:n_tree].copy_(tree.tokens)
+        inputs["tree"][n_tree:].copy_(tree.parents)
+        inputs["logits"].copy_(step.logits[0])
+        inputs["root"].copy_(root)
+
+    # on no KV buffers (key[0] = ()): the pool keeps it across calls
+    key = ((), "greedy_accept", width, n_tree, tree.levels, step.logits.shape[-1], str(step.logits.device))
+    verdict = runner.run_captured(key, make, load)  # [3W + 3]
+    w = width
+    runner.keep_new_on_device(state, w, verdict[: w + 1])
+    drafter.accept_on_device(ctx, verdict[w + 1 : 2 * w + 2], step.hidden[0].index_select(0, verdict[:w]))
+    host = verdict.tolist()  # the cycle's one read
+    k = host[w]
+    runner.kept_on_device(state, w, verdict[:k])
+    drafter.accepted_on_device(ctx, k)
+    tried = [d + 1 for d in range(k) if host[2 * w + 2 + d]]
+    return host[w + 1 : w + 1 + k], k - 1, tried, verdict[3 * w + 2 :]
 
 
 def speculative_decode(ctx: MethodContext, drafter: Drafter, req: DecodeRequest, sampling: Sampling) -> DecodeOutput:

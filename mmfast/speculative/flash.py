@@ -26,8 +26,9 @@ Algorithm:
 Hook points: none on the target (``needs_hidden``: the engine passes the prompt's final hidden states).
 
 Captured steps: where the target's verify step is captured (``model.compile: auto`` on CUDA), the one-block
-proposal (``rounds: 1``) is one graph (candidates, rerank, tree parents; read back in one copy) and the accept
-step another (:meth:`EagleDrafter._accept_captured`); ``rounds`` > 1 proposes eagerly.
+proposal (``rounds: 1``) is one graph (candidates, rerank, tree parents and the verify layout; read back in one
+copy, or left on the device in a greedy cycle) and the accept step another (:meth:`EagleDrafter._accept_graph`);
+``rounds`` > 1 proposes eagerly.
 
 Limits: batch 1 per sequence; trained weights for the target (``<model dir>/flash/``). Siblings in a
 block share their deeper slot distributions (the semi-AR head does not see the intermediate tokens).
@@ -61,8 +62,8 @@ import torch
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
-from ._eagle import EagleDrafter, _packed_tree, _tree_of, select_tree
-from .tree import DraftTree
+from ._eagle import EagleDrafter, _device_tree, _packed_tree, _tree_of, select_tree
+from .tree import DeviceTree, DraftTree
 
 
 @DRAFTERS.register(
@@ -95,26 +96,36 @@ class Flash(EagleDrafter):
         factory = self._factory(ctx)
         tree = None
         if factory is not None and cfg.rounds == 1 and self._root is not None:  # one block: fixed shapes
-            tree = self._propose_captured(ctx, factory, cfg.top_k, cfg.total_tokens)
+            tree = _tree_of(self._propose_captured(ctx, factory, cfg.top_k, cfg.total_tokens), cfg.total_tokens)
         if tree is None:
             tree, forwards = self.sar_tree(cfg.rounds, cfg.top_k, cfg.total_tokens)
             self._count(ctx, forwards=forwards)
         self._count(ctx, tokens=tree.n)
         return tree
 
-    def _propose_captured(self, ctx, factory, top_k: int, total: int) -> DraftTree | None:
+    def _propose_captured(self, ctx, factory, top_k: int, total: int) -> torch.Tensor:
         """The one-block tree (``rounds: 1``) as one captured step over the fixed root buffer: candidates,
-        rerank and tree parents in the graph, read back in one copy (tokens, parents, and whether a node lost
-        its ancestor, when the tree is built eagerly instead: ties at -inf only). None: build it eagerly."""
+        rerank, tree parents and the verify layout in the graph, packed on the device (:func:`_packed_tree`)."""
         k = max(1, min(top_k, self.model.arch.vocab_size))
+        levels = self.model.n_slots  # one block: K levels
 
         def make():
             def run() -> torch.Tensor:
-                return _packed_tree(*self._sar_candidates(1, k, total, early_stop=False)[:3], total)  # [2T + 1]
+                return _packed_tree(*self._sar_candidates(1, k, total, early_stop=False)[:3], total, levels)
 
             return {}, run
 
-        return _tree_of(self._captured(ctx, factory, ("sar", k, total, self._root.data_ptr()), make, lambda x: None))
+        return self._captured(ctx, factory, ("sar", k, total, self._root.data_ptr()), make, lambda x: None)
+
+    def propose_on_device(self, ctx) -> DeviceTree | None:
+        cfg = self.config
+        factory = self._factory(ctx)
+        if factory is None or cfg.rounds != 1 or self._root is None:
+            return None
+        packed = self._propose_captured(ctx, factory, cfg.top_k, cfg.total_tokens)
+        tree = _device_tree(packed, cfg.total_tokens, self.model.n_slots)
+        self._count(ctx, tokens=tree.tokens.numel())
+        return tree
 
     @torch.inference_mode()
     def sar_tree(self, rounds: int, top_k: int, total: int, early_stop: bool = True) -> tuple[DraftTree, int]:

@@ -57,8 +57,8 @@ from dataclasses import dataclass
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
-from ._eagle import EagleDrafter
-from .tree import DraftTree
+from ._eagle import EagleDrafter, _device_tree, _tree_of
+from .tree import DeviceTree, DraftTree
 
 
 @DRAFTERS.register(
@@ -92,8 +92,19 @@ class MSD(EagleDrafter):
         factory = self._factory(ctx)
         tree = None
         if factory is not None and self._root is not None:  # one captured step (see _propose_eagle2_captured)
-            tree, forwards = self._propose_eagle2_captured(ctx, factory, cfg.depth, cfg.top_k, cfg.total_tokens)
+            packed = self._propose_eagle2_captured(ctx, factory, cfg.depth, cfg.top_k, cfg.total_tokens)
+            tree, forwards = _tree_of(packed, cfg.total_tokens), cfg.depth
         if tree is None:
             tree, forwards = self.eagle2_tree(cfg.depth, cfg.top_k, cfg.total_tokens)
         self._count(ctx, forwards=forwards, tokens=tree.n)
+        return tree
+
+    def propose_on_device(self, ctx) -> DeviceTree | None:
+        cfg = self.config
+        factory = self._factory(ctx)
+        if factory is None or self._root is None:
+            return None
+        packed = self._propose_eagle2_captured(ctx, factory, cfg.depth, cfg.top_k, cfg.total_tokens)
+        tree = _device_tree(packed, cfg.total_tokens, cfg.depth + 1)
+        self._count(ctx, forwards=cfg.depth, tokens=tree.tokens.numel())
         return tree

@@ -111,6 +111,71 @@ class DraftTree:
 
 
 @dataclass
+class DeviceTree:
+    """A draft tree left on the device by a captured proposal, with its verify step's layout (nothing read back):
+    nodes 1..T's tokens and parents, and the step's depths and tree mask padded to W slots (:func:`tree_layout`)."""
+
+    tokens: torch.Tensor  # [T] long
+    parents: torch.Tensor  # [T] long, 0 = root, parents before children
+    depth: torch.Tensor  # [W] long: the root, the nodes, then pad slots at depth 0
+    mask: torch.Tensor  # [W, W] bool: DraftTree.mask(W)
+    levels: int  # >= the tree's depth (the fixed rounds of the device-side walks)
+
+
+def tree_layout(parents: torch.Tensor, width: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`DraftTree.depth` and :meth:`DraftTree.mask` of a tree padded to ``width`` slots, computed on the
+    device in fixed shapes (no host read): ``levels`` (>= the tree's depth) rounds of "a node sees what its
+    parent sees, and itself". Returns depths [W] and the mask [W, W]."""
+    t, dev = parents.numel(), parents.device
+    ar = torch.arange(width, device=dev)
+    par = torch.cat([ar[:1], parents, ar[t + 1 :]])  # [W]: the root and the pad slots are their own parents
+    eye = ar[:, None] == ar[None, :]  # [W, W]
+    seen = eye
+    for _ in range(levels):
+        seen = seen.index_select(0, par) | eye
+    return seen.sum(1) - 1, seen
+
+
+def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, root: torch.Tensor, levels: int):
+    """Greedy :func:`verify` on the device in fixed shapes (no host read), for a tree of T nodes verified in a
+    step of W slots (root, nodes, pads): the first child (in proposal order) equal to its parent's target argmax
+    is accepted, down from the root; the bonus is the argmax at the last accepted node.
+
+    Args:
+        tokens, parents: [T] the tree (parents before children, 0 = root); ``levels`` >= its depth.
+        logits: [W, V] the target's logits at the step's slots. root: [1] the root token.
+
+    Returns [3W + 3] long: ``keep`` (W: the root, the accepted path's nodes, then the other slots' own offsets)
+    and the kept count k = path + 1 (what :meth:`LMRunner.keep_new_on_device` reads); the committed tokens (W: the
+    path's, then the bonus, zero-padded) and their count k (what the draft's accept step reads); whether each kept
+    node has children (W; the depths tried); the bonus (the next root).
+    """
+    w, t, dev = logits.shape[0], tokens.numel(), logits.device
+    ar = torch.arange(w, device=dev)
+    target = logits.argmax(-1)  # [W]
+    node_tok = torch.cat([root, tokens, root.expand(w - t - 1)])  # [W]
+    par = torch.cat([ar[:1], parents, ar[t + 1 :]])  # [W]
+    is_node = (ar >= 1) & (ar <= t)
+    match = is_node & (node_tok == target.index_select(0, par))  # [W] a node equals its parent's argmax
+    # a matching node loses to an earlier matching sibling (verify takes the first)
+    earlier = (par[:, None] == par[None, :]) & (ar[None, :] < ar[:, None]) & match[None, :]  # [W, W]
+    first = match & ~earlier.any(1)
+    is_root = ar == 0
+    acc = is_root
+    for _ in range(levels):
+        acc = is_root | (first & acc.index_select(0, par))  # [W] accepted: its parent accepted too
+    k = acc.sum()[None]  # [1] root + path
+    order = torch.sort(torch.where(acc, ar, ar + w)).values  # accepted slots first, in index (= depth) order
+    keep = torch.where(ar < k, order, ar)  # [W]
+    bonus = target.index_select(0, keep.index_select(0, k - 1))  # [1] the argmax at the deepest accepted node
+    after = node_tok.index_select(0, torch.cat([keep[1:], keep[:1]]))  # [W] the token of the next kept slot
+    nxt = torch.where(ar < k - 1, after, torch.where(ar == k - 1, bonus, torch.zeros_like(after)))
+    has_kids = ((par[None, :] == ar[:, None]) & is_node[None, :]).any(1)  # [W]
+    tried = has_kids.index_select(0, keep) & (ar < k)
+    return torch.cat([keep, k, nxt, k, tried.long(), bonus])
+
+
+@dataclass
 class Verdict:
     path: list[int]  # accepted nodes (1..N), root to leaf
     bonus: int  # the token emitted after the path (correction or bonus)
