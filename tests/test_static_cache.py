@@ -84,32 +84,34 @@ def test_static_pruners_match_dynamic(pruner, decoding, tiny_mm, images, prompts
 
 
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "emulated"])
-@pytest.mark.parametrize("name", ["msd", "flash"])
+@pytest.mark.parametrize("name", ["msd", "flash", "flash-rounds-1"])
 def test_static_trained_drafters_match_dynamic(name, captured, tiny_mm, images, prompts, padded_steps, monkeypatch):
     """Eager static steps, and captured ones (CUDA-graph semantics emulated; every verify tree padded to
-    ``total_tokens``)."""
+    ``total_tokens``), with FastV's layer groups: FLASH's two rounds propose eagerly (a cycle on the host), MSD's
+    tree and FLASH's one block are captured (greedy cycles on the device)."""
     from mmfast.pipeline import Session
     from mmfast.speculative._eagle_model import _model_dir, write_random_draft
 
+    method = name.split("-")[0]
     d = _model_dir(tiny_mm)
-    arch = {"sar_k": 3, "n_latents": 4} if name == "flash" else {}
-    if not (d / name).exists():
-        write_random_draft(tiny_mm, name, d / name, **arch)
+    arch = {"sar_k": 3, "n_latents": 4} if method == "flash" else {}
+    if not (d / method).exists():
+        write_random_draft(tiny_mm, method, d / method, **arch)
     params = {
         "msd": {"depth": 3, "top_k": 4, "total_tokens": 16},
         "flash": {"top_k": 4, "total_tokens": 12, "rounds": 2},
+        "flash-rounds-1": {"top_k": 4, "total_tokens": 12},
     }
-    recipe = {"speculative": {"method": name, "params": params[name]}, "pruning": [_stage("fastv", tiny_mm)]}
+    recipe = {"speculative": {"method": method, "params": params[name]}, "pruning": [_stage("fastv", tiny_mm)]}
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off", n=12)
     EmulatedGraph.made = []
     if captured:
         monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
     assert _tokens(tiny_mm, recipe, images, prompts, "static", n=12) == dynamic
     assert padded_steps[0] > 0
-    if captured:  # FLASH (rounds 2: its proposal eager, a cycle on the host): one verify width and the draft's
-        # accept step; the second sample's longer prompt needs larger buffers than the first's (a second verify
-        # graph; a second accept graph when the draft's grow). MSD's greedy cycles run on the device: also its
-        # proposal, the verdict and the target's keep, and the tower
+    if captured:  # a cycle on the host: one verify width and the draft's accept step; the second sample's longer
+        # prompt needs larger buffers than the first's (a second verify graph; a second accept graph when the
+        # draft's grow). A cycle on the device: also the proposal, the verdict and the target's keep, and the tower
         bound = 4 if name == "flash" else 8
         assert len(EmulatedGraph.made) <= bound and sum(g.replays for g in EmulatedGraph.made) >= 3
 
