@@ -73,8 +73,10 @@ def test_the_next_call_replays_the_graphs_of_the_last(name, captured, tiny_mm, i
         # prunes at three layers: four segments, its selections run eagerly between them)
         assert sum(key[1] == "prefill" for key in kept) == len(s.runner._select) + 1 == (4 if name == PDROP else 1)
         if name == "prompt_lookup":  # two samples one at a time, every verify tree padded to one width: one graph
-            steps = [c.static.q for key, c in kept.items() if key[1] != "prefill"]
+            # (and one greedy verdict and one keep of the verified path: the cycles run on the device)
+            steps = [c.static.q for key, c in kept.items() if key[1] not in ("prefill", "keep", "greedy_accept")]
             assert steps == [s.drafter.max_step_tokens()]
+            assert sorted(key[1] for key in kept if key[1] in ("keep", "greedy_accept")) == ["greedy_accept", "keep"]
         got.append([r.token_ids for r in s.generate(*second, max_new_tokens=6, seed=0)])
         assert all(s.runner.pool.graphs.get(key) is g for key, g in kept.items()), "a kept graph was dropped"
         assert sum(g.graph.replays - replays[key] for key, g in kept.items()) >= 4

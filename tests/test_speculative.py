@@ -235,8 +235,9 @@ def _random_tree(gen: torch.Generator, n: int, vocab: int) -> DraftTree:
 def test_device_tree_layout_and_greedy_verdict_equal_the_host_rule():
     """:func:`tree_layout` equals :meth:`DraftTree.depth` / :meth:`DraftTree.mask` padded to the verify width, and
     :func:`greedy_accept` equals :func:`verify`'s greedy verdict (the first matching child, the bonus, the depths
-    tried), on random trees whose logits often agree with the draft, padded slots included."""
-    from mmfast.speculative.tree import greedy_accept, tree_layout
+    tried), on random trees whose logits often agree with the draft, padded slots included; so does a host-built
+    tree sent in one copy with pad nodes (:meth:`DeviceTree.from_lists`)."""
+    from mmfast.speculative.tree import DeviceTree, greedy_accept, tree_layout
 
     gen = torch.Generator().manual_seed(0)
     vocab, accepted = 5, 0
@@ -254,6 +255,11 @@ def test_device_tree_layout_and_greedy_verdict_equal_the_host_rule():
         root = torch.tensor([3])
         ref = verify(tree, None, logits[: n + 1], None)
         out = greedy_accept(tree.tokens, tree.parents, logits, root, levels).tolist()
+        # the host-built tree sent in one copy, padded with pad nodes (their own parents): the same verdict
+        sent = DeviceTree.from_lists(tree.token_list, tree.parent_list, width, 3, levels, torch.device("cpu"))
+        assert torch.equal(sent.depth, tree.depth(width)) and torch.equal(sent.mask, tree.mask(width))
+        assert sent.tokens.numel() == width - 1
+        assert greedy_accept(sent.tokens, sent.parents, logits, root, levels).tolist() == out
         k = len(ref.path) + 1
         keep = [0, *ref.path] + list(range(k, width))
         nxt = [tree.token_list[i - 1] for i in ref.path] + [ref.bonus]

@@ -679,11 +679,12 @@ def test_out_of_memory_names_the_tokens_and_the_key(monkeypatch):
 
 
 class ReplayGraph:
-    """A StepGraph stand-in: capture runs the function once (as a CUDA capture runs its Python, with
-    whatever the groups point at then), replay runs it again. What it checks on the CPU is the
-    runner's side: static inputs copied in, the first step run for real, the device write index and
-    host counts in step, one graph per cache and step shape. What it cannot check: values computed
-    in Python at capture time that a real replay would reuse (:class:`EmulatedGraph` does)."""
+    """A StepGraph stand-in: capture keeps the function (the warm-up before it ran the step for real; a CUDA
+    capture runs the Python but no kernel, so running it again here would apply a step that is not idempotent,
+    the keep of a verified path or a draft's accept, twice), replay runs it again. What it checks on the CPU is
+    the runner's side: static inputs copied in, the first step run for real, the device write index and host
+    counts in step, one graph per cache and step shape. What it cannot check: values computed in Python at
+    capture time that a real replay would reuse (:class:`EmulatedGraph` does)."""
 
     made: list = []
 
@@ -699,7 +700,6 @@ class ReplayGraph:
     def capture(self, fn) -> None:
         assert self.fn is None
         self.fn = fn
-        fn()
 
     def replay(self):
         self.replays += 1

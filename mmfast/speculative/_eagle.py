@@ -27,7 +27,7 @@ import torch
 from ._draft_cache import DraftCache
 from ._eagle_model import load_draft, resolve_weights
 from .base import Drafter
-from .tree import DeviceTree, DraftTree, tree_layout
+from .tree import DraftTree, tree_layout
 
 if TYPE_CHECKING:
     from .engine import SpecContext
@@ -374,32 +374,20 @@ def _packed_tree(
     """A captured proposal's output: :func:`select_tree`'s kept tokens (T), tree parents (T) and whether a node lost
     its ancestor (1), then the verify step's depths (W = ``total``) and tree mask (W x W, as 0 / 1) of the tree
     padded to W slots (:func:`tree_layout`, ``levels`` >= its depth), packed in one long tensor for one read of
-    its first 2T + 1 entries (:func:`_tree_of`) or none (:func:`_device_tree`)."""
+    its first 2T + 1 entries (:func:`_tree_of`) or none (:meth:`DeviceTree.unpack`)."""
     keep, tree_par, orphan = _rerank(torch.cat(scores), torch.cat(parents), max(1, total - 1))
     depth, mask = tree_layout(tree_par, total, levels)  # [W], [W, W]
     nodes = torch.cat(toks).index_select(0, keep)  # [T]
     return torch.cat([nodes, tree_par, orphan.any().long()[None], depth, mask.long().reshape(-1)])
 
 
-def _tree_size(packed: torch.Tensor, width: int) -> int:
-    return (packed.numel() - 1 - width - width * width) // 2
-
-
 def _tree_of(packed: torch.Tensor, width: int) -> DraftTree | None:
     """A captured proposal's packed tree (:func:`_packed_tree`, ``width`` = its W) as a tree, read in one copy;
     None when a node lost its ancestor (the tree is then built eagerly)."""
-    n = _tree_size(packed, width)
+    n = (packed.numel() - 1 - width - width * width) // 2
     host = packed[: 2 * n + 1].tolist()
     if host[-1]:
         return None
     tree = DraftTree(packed[:n].clone(), packed[n : 2 * n].clone())
     tree.__dict__["token_list"], tree.__dict__["parent_list"] = host[:n], host[n : 2 * n]
     return tree
-
-
-def _device_tree(packed: torch.Tensor, width: int, levels: int) -> DeviceTree:
-    """A captured proposal's packed tree (:func:`_packed_tree`) as views on the device (nothing read)."""
-    n = _tree_size(packed, width)
-    layout = packed[2 * n + 1 :]
-    mask = layout[width:].view(width, width).bool()
-    return DeviceTree(packed[:n], packed[n : 2 * n], layout[:width], mask, levels)

@@ -19,6 +19,7 @@ acceptance rate per depth. Batch > 1 is served one sample at a time (the cache r
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +118,18 @@ class _OneResult:
     decode_s: float
 
 
+@dataclass
+class _VerdictInputs:
+    """The greedy verdict graph's inputs (:func:`_cycle_on_device`)."""
+
+    tree: torch.Tensor  # [2T] long: the tree's tokens, then its parents
+    logits: torch.Tensor  # [W, V] the verify step's
+    root: torch.Tensor  # [1] long
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tree, self.logits, self.root]
+
+
 def _verify_inputs(tree: DraftTree, root: int, width: int | None) -> tuple[torch.Tensor, ...]:
     """The verify step's tokens ([1, W]: the root, then the tree's nodes), depths ([W]) and tree mask
     ([W, W]); with ``width`` the step is padded to W >= N + 1 slots: copies of the root at depth 0 that
@@ -145,16 +158,10 @@ def _decode_one(
     # captured verify steps: every tree padded to the drafter's largest, so one graph serves them all
     width = drafter.max_step_tokens() if runner.captures else None
     root_dev = None  # [1] the root on the device, while cycles run there
-    while len(ctx.committed) < max_new and root not in stop:
-        on_device = ctx.greedy and runner.captures and width is not None
-        tree = drafter.propose_on_device(ctx) if on_device else None
-        if tree is not None:
-            if root_dev is None:
-                root_dev = torch.tensor([root], device=device)
-            new, path_len, tried, root_dev = _cycle_on_device(ctx, drafter, tree, root_dev, width)
-        else:
-            root_dev = None
-            new, path_len, tried = _cycle(ctx, drafter, root, width)
+
+    def commit(new: list[int], path_len: int, tried: list[int]) -> None:
+        """A cycle's tokens (the accepted path's and the bonus) committed up to ``max_new`` or a stop token; its
+        statistics recorded (before the drafter learns what was accepted: it reads the committed tokens)."""
         stats.cycles += 1
         stats.record(tried, path_len)
         for t in new:
@@ -164,6 +171,17 @@ def _decode_one(
             stats.committed += 1
             if t in stop:
                 break
+
+    while len(ctx.committed) < max_new and root not in stop:
+        on_device = ctx.greedy and runner.captures and width is not None
+        tree = drafter.propose_on_device(ctx) if on_device else None
+        if tree is not None:
+            if root_dev is None:
+                root_dev = torch.tensor([root], device=device)
+            root_dev = _cycle_on_device(ctx, drafter, tree, root_dev, width, commit)
+        else:
+            root_dev = None
+            _cycle(ctx, drafter, root, width, commit)
         root = ctx.committed[-1]
     t2 = now(device)
     stats.draft_forwards += ctx.extras.get("draft_forwards", 0)
@@ -175,9 +193,9 @@ def _decode_one(
     return _OneResult(tokens[:cut], acc, method_stats, kv_end, t1 - t0, t2 - t1)
 
 
-def _cycle(ctx: SpecContext, drafter: Drafter, root: int, width: int | None) -> tuple[list[int], int, list[int]]:
-    """One draft-verify cycle with the tree and the verdict on the host: the committed tokens (the accepted
-    path's and the bonus), the path's length and the depths tried."""
+def _cycle(ctx: SpecContext, drafter: Drafter, root: int, width: int | None, commit: Callable) -> None:
+    """One draft-verify cycle with the tree and the verdict on the host; ``commit(tokens, path length, depths
+    tried)`` takes the accepted path's tokens and the bonus before the drafter learns them."""
     runner, state = ctx.method.runner, ctx.state
     tree = drafter.propose(ctx, root)
     nodes, depth, mask = _verify_inputs(tree, root, width)  # [1, W], [W], [W, W]
@@ -186,41 +204,37 @@ def _cycle(ctx: SpecContext, drafter: Drafter, root: int, width: int | None) -> 
     verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
     keep = [0, *verdict.path]
     runner.keep_new(state, nodes.shape[1], keep, prefix=verdict.path == list(range(1, len(verdict.path) + 1)))
+    commit([tree.token_list[i - 1] for i in verdict.path] + [verdict.bonus], len(verdict.path), verdict.tried_depths)
     drafter.accept(ctx, tree, verdict.path, step.hidden[0, keep], verdict.bonus)  # [1 + len(path), d]
-    return [tree.token_list[i - 1] for i in verdict.path] + [verdict.bonus], len(verdict.path), verdict.tried_depths
 
 
 def _cycle_on_device(
-    ctx: SpecContext, drafter: Drafter, tree: DeviceTree, root: torch.Tensor, width: int
-) -> tuple[list[int], int, list[int], torch.Tensor]:
+    ctx: SpecContext, drafter: Drafter, tree: DeviceTree, root: torch.Tensor, width: int, commit: Callable
+) -> torch.Tensor:
     """A greedy cycle whose tree, verdict and rollback stay on the device (captured steps): the drafter's
-    proposal graph, the verify step's graph, the greedy verdict's graph (:func:`greedy_accept`), the target's
-    keep graph and the draft's accept graph run back to back from device tensors, and the host reads the verdict
-    once, then follows with its counts and layouts. The same tokens and statistics as :func:`_cycle`; also
-    returns the next root ([1], on the device)."""
+    proposal, the verify step's graph, the greedy verdict's graph (:func:`greedy_accept`), the target's keep
+    graph and the draft's accept step run back to back from device tensors, and the host reads the verdict
+    once, then follows with its counts and layouts. The same tokens and statistics as :func:`_cycle`. Returns
+    the next root ([1], on the device)."""
     runner, state = ctx.method.runner, ctx.state
     n_tree = tree.tokens.numel()
     nodes = torch.cat([root, tree.tokens, root.expand(width - n_tree - 1)])[None]  # [1, W]
     step = runner.step(state, nodes, depth=tree.depth, block_mask=tree.mask)
 
-    def make() -> tuple[dict[str, torch.Tensor], Any]:
-        inputs = {
-            "tree": torch.cat([tree.tokens, tree.parents]),
-            "logits": step.logits[0].clone(),
-            "root": root.clone(),
-        }
+    def make() -> tuple[_VerdictInputs, Any]:
+        inputs = _VerdictInputs(torch.cat([tree.tokens, tree.parents]), step.logits[0].clone(), root.clone())
 
         def run() -> torch.Tensor:
-            tp = inputs["tree"]
-            return greedy_accept(tp[:n_tree], tp[n_tree:], inputs["logits"], inputs["root"], tree.levels)  # [3W + 3]
+            tp = inputs.tree
+            return greedy_accept(tp[:n_tree], tp[n_tree:], inputs.logits, inputs.root, tree.levels)  # [3W + 3]
 
         return inputs, run
 
-    def load(inputs: dict[str, torch.Tensor]) -> None:
-        inputs["tree"][:n_tree].copy_(tree.tokens)
-        inputs["tree"][n_tree:].copy_(tree.parents)
-        inputs["logits"].copy_(step.logits[0])
-        inputs["root"].copy_(root)
+    def load(inputs: _VerdictInputs) -> None:
+        inputs.tree[:n_tree].copy_(tree.tokens)
+        inputs.tree[n_tree:].copy_(tree.parents)
+        inputs.logits.copy_(step.logits[0])
+        inputs.root.copy_(root)
 
     # on no KV buffers (key[0] = ()): the pool keeps it across calls
     key = ((), "greedy_accept", width, n_tree, tree.levels, step.logits.shape[-1], str(step.logits.device))
@@ -231,9 +245,9 @@ def _cycle_on_device(
     host = verdict.tolist()  # the cycle's one read
     k = host[w]
     runner.kept_on_device(state, w, verdict[:k])
+    commit(host[w + 1 : w + 1 + k], k - 1, [d + 1 for d in range(k) if host[2 * w + 2 + d]])
     drafter.accepted_on_device(ctx, k)
-    tried = [d + 1 for d in range(k) if host[2 * w + 2 + d]]
-    return host[w + 1 : w + 1 + k], k - 1, tried, verdict[3 * w + 2 :]
+    return verdict[3 * w + 2 :]
 
 
 def speculative_decode(ctx: MethodContext, drafter: Drafter, req: DecodeRequest, sampling: Sampling) -> DecodeOutput:

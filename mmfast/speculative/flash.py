@@ -62,7 +62,7 @@ import torch
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
-from ._eagle import EagleDrafter, _device_tree, _packed_tree, _tree_of, select_tree
+from ._eagle import EagleDrafter, _packed_tree, _tree_of, select_tree
 from .tree import DeviceTree, DraftTree
 
 
@@ -123,7 +123,7 @@ class Flash(EagleDrafter):
         if factory is None or cfg.rounds != 1 or self._root is None:
             return None
         packed = self._propose_captured(ctx, factory, cfg.top_k, cfg.total_tokens)
-        tree = _device_tree(packed, cfg.total_tokens, self.model.n_slots)
+        tree = DeviceTree.unpack(packed, cfg.total_tokens, self.model.n_slots)
         self._count(ctx, tokens=tree.tokens.numel())
         return tree
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DRAFTERS
-from ._eagle import EagleDrafter, _device_tree, _tree_of
+from ._eagle import EagleDrafter, _tree_of
 from .tree import DeviceTree, DraftTree
 
 
@@ -105,6 +105,6 @@ class MSD(EagleDrafter):
         if factory is None or self._root is None:
             return None
         packed = self._propose_eagle2_captured(ctx, factory, cfg.depth, cfg.top_k, cfg.total_tokens)
-        tree = _device_tree(packed, cfg.total_tokens, cfg.depth + 1)
+        tree = DeviceTree.unpack(packed, cfg.total_tokens, cfg.depth + 1)
         self._count(ctx, forwards=cfg.depth, tokens=tree.tokens.numel())
         return tree

@@ -11,6 +11,9 @@ from *verified* output and shared across requests in the session, proposes a sma
 ``branching`` most frequent continuations per node, ``num_tokens`` deep (ADED grows its tree with
 MCTS; a count-ranked beam is used here). All proposals are point masses, so the engine's acceptance
 rule keeps greedy and sampled outputs exact. Image tokens are never part of an n-gram.
+
+Under captured steps a greedy cycle sends the draft to the device in one copy (padded to the verify width) and
+verifies it there (:meth:`PromptLookup.propose_on_device`; one host read of the verdict a cycle).
 """
 
 from __future__ import annotations
@@ -18,19 +21,18 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-import torch
-
 from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DRAFTERS
 from .base import Drafter
-from .tree import DraftTree
+from .tree import DeviceTree, DraftTree
 
 
 @DRAFTERS.register("prompt_lookup", description="prompt lookup (n-gram) drafts + adaptive trigram table; no training")
 class PromptLookup(Drafter):
-    caps = Capabilities()
     """Prompt lookup + adaptive trigram drafts."""
+
+    caps = Capabilities()
 
     @dataclass(frozen=True)
     class Config:
@@ -68,19 +70,31 @@ class PromptLookup(Drafter):
         return None
 
     def propose(self, ctx, root: int) -> DraftTree:
-        seq = self.prompt + ctx.committed
+        return DraftTree.of_lists(*self._draft(ctx), device=ctx.inputs.input_ids.device)
+
+    def propose_on_device(self, ctx) -> DeviceTree:
+        """The draft built on the host (as :meth:`propose`) and sent in one copy, padded to the verify width with
+        never-accepted pad nodes (one verdict graph for every draft); the verdict stays on the device."""
+        cfg = self.config
+        levels = max(cfg.num_tokens, cfg.trigram_depth if cfg.trigram else 0)
+        tokens, parents = self._draft(ctx)
         dev = ctx.inputs.input_ids.device
+        return DeviceTree.from_lists(tokens, parents, self.max_step_tokens(), ctx.committed[-1], levels, dev)
+
+    def _draft(self, ctx) -> tuple[list[int], list[int]]:
+        """The draft's tokens and parents (0 = root): the n-gram chain, else the trigram tree, else nothing."""
+        seq = self.prompt + ctx.committed
         drafted = self._lookup(seq)
         if drafted is not None:  # a match (possibly cut to nothing at EOS: no draft, as transformers)
-            tree = DraftTree.chain(drafted, device=dev)
+            tokens, parents = drafted, list(range(len(drafted)))
         elif self.config.trigram and len(seq) >= 2:
-            tree = self._trigram_tree(seq[-2], seq[-1], dev)
+            tokens, parents = self._trigram_tree(seq[-2], seq[-1])
         else:
-            tree = DraftTree.empty(dev)
-        ctx.extras["draft_tokens"] = ctx.extras.get("draft_tokens", 0) + tree.n
-        return tree
+            tokens, parents = [], []
+        ctx.extras["draft_tokens"] = ctx.extras.get("draft_tokens", 0) + len(tokens)
+        return tokens, parents
 
-    def _trigram_tree(self, a: int, b: int, dev) -> DraftTree:
+    def _trigram_tree(self, a: int, b: int) -> tuple[list[int], list[int]]:
         cfg = self.config
         tokens, parents = [], []
         frontier = [(0, a, b)]
@@ -96,11 +110,19 @@ class PromptLookup(Drafter):
             frontier = nxt
             if not frontier:
                 break
-        return DraftTree(
-            torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(parents, dtype=torch.long, device=dev)
-        )
+        return tokens, parents
+
+    def accept_on_device(self, ctx, packed, hidden) -> None:
+        """Nothing on the device: the trigram table learns from the committed tokens (:meth:`accepted_on_device`)."""
+
+    def accepted_on_device(self, ctx, n: int) -> None:
+        self._learn(ctx, n - 1)
 
     def accept(self, ctx, tree, path, hidden, bonus) -> None:
-        seq = (self.prompt + ctx.committed)[-(len(path) + 3) :]
+        self._learn(ctx, len(path))
+
+    def _learn(self, ctx, path_len: int) -> None:
+        """The trigram table counts the trigrams ending in the cycle's committed tokens."""
+        seq = (self.prompt + ctx.committed)[-(path_len + 3) :]
         for x, y, z in zip(seq, seq[1:], seq[2:]):
             self.table[(x, y)][z] += 1

@@ -58,18 +58,17 @@ class DraftTree:
 
     @staticmethod
     def chain(tokens: list[int], q: list[torch.Tensor | None] | None = None, device=None) -> DraftTree:
-        n = len(tokens)
-        return DraftTree(
-            torch.tensor(tokens, dtype=torch.long, device=device),
-            torch.arange(n, dtype=torch.long, device=device),
-            list(q) if q is not None else [],
-        )
+        tree = DraftTree.of_lists(tokens, list(range(len(tokens))), device)
+        tree.q = list(q) if q is not None else tree.q
+        return tree
 
     @staticmethod
-    def empty(device=None) -> DraftTree:
-        return DraftTree(
-            torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.long, device=device)
-        )
+    def of_lists(tokens: list[int], parents: list[int], device=None) -> DraftTree:
+        """A tree from host lists (one copy each), the lists kept (``token_list`` / ``parent_list`` read nothing back)."""
+        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        tree = DraftTree(as_tensor(tokens), as_tensor(parents))
+        tree.__dict__["token_list"], tree.__dict__["parent_list"] = list(tokens), list(parents)
+        return tree
 
     @functools.cached_property
     def parent_list(self) -> list[int]:
@@ -83,24 +82,12 @@ class DraftTree:
 
     def depth(self, width: int | None = None) -> torch.Tensor:
         """[N + 1] depth of every node, root included (root = 0); with ``width``, [W] padded with 0."""
-        d = [0] * (self.n + 1)
-        for i, p in enumerate(self.parent_list):
-            d[i + 1] = d[p] + 1
-        d += [0] * max(0, (width or 0) - len(d))
-        return torch.tensor(d, dtype=torch.long, device=self.tokens.device)
+        return torch.tensor(_depths(self.parent_list, width), dtype=torch.long, device=self.tokens.device)
 
     def mask(self, width: int | None = None) -> torch.Tensor:
         """[N + 1, N + 1] bool: node i sees node j iff j is i or an ancestor of i; with ``width``,
         [W, W]: pad rows see only themselves and no node sees a pad. Built on the host, one copy."""
-        n = max(self.n + 1, width or 0)
-        rows = [[False] * n for _ in range(n)]
-        rows[0][0] = True
-        for i, p in enumerate(self.parent_list):
-            rows[i + 1] = rows[p].copy()
-            rows[i + 1][i + 1] = True
-        for i in range(self.n + 1, n):
-            rows[i][i] = True
-        return torch.tensor(rows, dtype=torch.bool, device=self.tokens.device)
+        return torch.tensor(_mask_rows(self.parent_list, width), dtype=torch.bool, device=self.tokens.device)
 
     def children(self) -> list[list[int]]:
         """Children of every node (0..N), in proposal order."""
@@ -110,16 +97,58 @@ class DraftTree:
         return ch
 
 
+def _depths(parents: list[int], width: int | None) -> list[int]:
+    """:meth:`DraftTree.depth` on the host."""
+    d = [0] * (len(parents) + 1)
+    for i, p in enumerate(parents):
+        d[i + 1] = d[p] + 1
+    return d + [0] * max(0, (width or 0) - len(d))
+
+
+def _mask_rows(parents: list[int], width: int | None) -> list[list[bool]]:
+    """:meth:`DraftTree.mask` on the host."""
+    n = max(len(parents) + 1, width or 0)
+    rows = [[False] * n for _ in range(n)]
+    rows[0][0] = True
+    for i, p in enumerate(parents):
+        rows[i + 1] = rows[p].copy()
+        rows[i + 1][i + 1] = True
+    for i in range(len(parents) + 1, n):
+        rows[i][i] = True
+    return rows
+
+
 @dataclass
 class DeviceTree:
-    """A draft tree left on the device by a captured proposal, with its verify step's layout (nothing read back):
-    nodes 1..T's tokens and parents, and the step's depths and tree mask padded to W slots (:func:`tree_layout`)."""
+    """A draft tree on the device with its verify step's layout, read back by nobody: nodes 1..T's tokens and
+    parents (a pad node is its own parent), and the step's depths and tree mask for W slots (:func:`tree_layout`)."""
 
     tokens: torch.Tensor  # [T] long
     parents: torch.Tensor  # [T] long, 0 = root, parents before children
     depth: torch.Tensor  # [W] long: the root, the nodes, then pad slots at depth 0
     mask: torch.Tensor  # [W, W] bool: DraftTree.mask(W)
     levels: int  # >= the tree's depth (the fixed rounds of the device-side walks)
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, width: int, levels: int) -> DeviceTree:
+        """Views of ``packed`` = [tokens (T); parents (T); a flag (1); depths (W); mask (W x W, as 0 / 1)]."""
+        n = (packed.numel() - 1 - width - width * width) // 2
+        layout = packed[2 * n + 1 :]
+        return DeviceTree(
+            packed[:n], packed[n : 2 * n], layout[:width], layout[width:].view(width, width).bool(), levels
+        )
+
+    @staticmethod
+    def from_lists(
+        tokens: list[int], parents: list[int], width: int, root: int, levels: int, device: torch.device
+    ) -> DeviceTree:
+        """A tree built on the host, sent in one copy as W - 1 nodes: its nodes, then pad nodes (the root's
+        token, each its own parent: never accepted, seen by none) up to the verify width W; ``levels`` >= its
+        depth (a fixed bound keeps one verdict graph for every tree)."""
+        pads = range(len(tokens) + 1, width)
+        mask = [int(b) for row in _mask_rows(parents, width) for b in row]
+        packed = [*tokens, *[root] * len(pads), *parents, *pads, 0, *_depths(parents, width), *mask]
+        return DeviceTree.unpack(torch.tensor(packed, device=device), width, levels)
 
 
 def tree_layout(parents: torch.Tensor, width: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +167,7 @@ def tree_layout(parents: torch.Tensor, width: int, levels: int) -> tuple[torch.T
 
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, root: torch.Tensor, levels: int):
     """Greedy :func:`verify` on the device in fixed shapes (no host read), for a tree of T nodes verified in a
-    step of W slots (root, nodes, pads): the first child (in proposal order) equal to its parent's target argmax
+    step of W slots (root, nodes, pads; a node that is its own parent is a pad): the first child (in proposal order) equal to its parent's target argmax
     is accepted, down from the root; the bonus is the argmax at the last accepted node.
 
     Args:
@@ -155,7 +184,7 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     target = logits.argmax(-1)  # [W]
     node_tok = torch.cat([root, tokens, root.expand(w - t - 1)])  # [W]
     par = torch.cat([ar[:1], parents, ar[t + 1 :]])  # [W]
-    is_node = (ar >= 1) & (ar <= t)
+    is_node = (ar >= 1) & (ar <= t)  # a pad node (its own parent) is never accepted: its parent never is
     match = is_node & (node_tok == target.index_select(0, par))  # [W] a node equals its parent's argmax
     # a matching node loses to an earlier matching sibling (verify takes the first)
     earlier = (par[:, None] == par[None, :]) & (ar[None, :] < ar[:, None]) & match[None, :]  # [W, W]
