@@ -56,7 +56,8 @@ class Drafter:
         """The proposal as one captured step whose tree stays on the device (nothing read back), with its
         verify layout: what the engine's greedy cycle on the device takes (one host read per cycle). None: this
         drafter proposes through :meth:`propose`. A drafter that returns a tree implements ``accept_on_device``
-        and ``accepted_on_device`` (:class:`~mmfast.speculative._eagle.EagleDrafter`)."""
+        (launched before the read) and ``accepted_on_device`` (after it, the cycle's tokens committed):
+        :class:`~mmfast.speculative._eagle.EagleDrafter`, :class:`~mmfast.speculative.prompt_lookup.PromptLookup`."""
         return None
 
     def accept(self, ctx: SpecContext, tree: DraftTree, path: list[int], hidden: torch.Tensor, bonus: int) -> None:
