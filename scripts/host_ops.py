@@ -2,7 +2,9 @@
 
 Builds the tiny random LLaVA, runs each case once with ``compile: static`` and the CPU emulator of a CUDA
 graph (:class:`mmfast.bench.host_ops.ReplayGraph`) so the captured path is taken, and prints the aten ops
-dispatched outside the graph per steady-state decode step. Op counts on the CPU, not GPU times.
+dispatched outside the graph per steady-state decode step, and the host transfers (reads of tensor data and
+tensors made from host data: on a GPU each of a device tensor waits for the stream; host-only tensors count too,
+an upper bound). Op counts on the CPU, not GPU times.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --embedded --max-new-tokens 40

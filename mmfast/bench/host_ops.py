@@ -52,7 +52,9 @@ class OpCounter(TorchDispatchMode):
     by_phase: Counter = field(default_factory=Counter)
     total: int = 0
     #: host transfers outside replays: reads of tensor data (``.item()``, ``int(t)``, ``.tolist()``) and tensors
-    #: made from host data (``torch.tensor(...)``): on a GPU each waits for the stream (pageable copies)
+    #: made from host data (``torch.tensor(...)``): on a GPU each of a device tensor waits for the stream (pageable
+    #: copies). On a CPU run every tensor is a host tensor, so this counts host-only ones too (an upper bound),
+    #: and a ``.cpu()`` copy, which dispatches nothing here, is not seen
     transfers: int = 0
     marks: list[tuple[int, Counter]] = field(default_factory=list)
 
