@@ -126,15 +126,16 @@ class LMState:
     accounting: TokenAccounting = field(default_factory=TokenAccounting)
 
     def stats_rows(self, n: int, start: int = 0) -> dict[str, dict[str, Any]]:
-        """``stats`` restricted to rows ``start .. start + n - 1`` (``per_sample_*`` lists sliced)."""
+        """``stats`` restricted to rows ``start .. start + n - 1`` (``per_sample_*`` lists sliced; a method that
+        counts on the device during decoding keeps a ``per_sample_*`` tensor, read here as a list)."""
 
         def cut(d: dict[str, Any]) -> dict[str, Any]:
             out = {}
             for k, v in d.items():
                 if isinstance(v, dict):
                     out[k] = cut(v)
-                elif k.startswith("per_sample_") and isinstance(v, list):
-                    out[k] = v[start : start + n]
+                elif k.startswith("per_sample_") and isinstance(v, list | torch.Tensor):
+                    out[k] = v[start : start + n] if isinstance(v, list) else v[start : start + n].tolist()
                 else:
                     out[k] = v
             return out

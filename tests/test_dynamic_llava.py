@@ -125,7 +125,7 @@ def test_decode_skips_kv_appends_in_layers_from_k(tiny_mm, images, prompts, tmp_
         for _ in range(n_steps):
             out = s.runner.step(state, out.logits[:, -1].argmax(-1)[:, None])
         lens = [state.cache.layers[i].keys.shape[2] for i in range(4)]
-        stats = state.stats["dynamic_llava"]
+        stats = state.stats_rows(2)["dynamic_llava"]
     assert lens[:K] == [n + n_steps for n in lens0[:K]]  # layers < K always append
     assert lens[K:] == lens0[K:]  # layers >= K never did: the whole batch dropped every token
     slot = 2 * 4 * 16 * 4  # K and V, 4 heads x 16 dims, fp32
@@ -151,7 +151,7 @@ def test_decode_partial_batch_drop_is_masked_and_matches_single(tiny_mm, images,
         assert [state.cache.layers[i].keys.shape[2] for i in range(4)] == [n + 3 for n in lens0]  # sample 0 keeps
         assert grp.key_mask[0, -3:].all() and not grp.key_mask[1, -3:].any()  # sample 1: masked out
         assert torch.equal(grp.positions[:, -3:], state.groups[0].positions[:, -3:])  # full-length positions
-        assert state.stats["dynamic_llava"]["per_sample_kv_skipped"] == [0, 3]
+        assert state.stats_rows(2)["dynamic_llava"]["per_sample_kv_skipped"] == [0, 3]
         # sample 1 alone drops physically and decodes the same tokens
         s.pruners[0].predictors.text = _RowText(set())
         state1, out1 = s.runner.prefill(_inputs(s, images[1:2], prompts[1:2]))

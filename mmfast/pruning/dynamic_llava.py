@@ -315,20 +315,19 @@ class DynamicLLaVA(Pruner):
             return
         bsz, q = keep.shape
         drop = ~keep
-        fed, skipped = state.extras.get(
-            _COUNTS, (torch.zeros(bsz, dtype=torch.long), torch.zeros(bsz, dtype=torch.long))
-        )
-        fed, skipped = fed + q, skipped + drop.sum(1).cpu()
+        zeros = torch.zeros(bsz, dtype=torch.long, device=keep.device)
+        fed, skipped = state.extras.get(_COUNTS, (zeros, zeros))
+        fed, skipped = fed + q, skipped + drop.sum(1)  # [B] on the device: no read per step
         state.extras[_COUNTS] = (fed, skipped)
         mine = state.stats.setdefault(self.name, {})
         n = len(mine.get("per_sample_kept", [])) or bsz
         if bsz != n and bsz % n == 0:  # beam search: rows are samples x beams, summed per sample
             fed, skipped = fed.view(n, -1).sum(1), skipped.view(n, -1).sum(1)
-        state.stats[self.name] = {
+        state.stats[self.name] = {  # device tensors, read once as lists (LMState.stats_rows)
             **mine,
-            "per_sample_generated": fed.tolist(),
-            "per_sample_kv_skipped": skipped.tolist(),
-            "per_sample_kv_skipped_fraction": (skipped.double() / fed.clamp(min=1)).tolist(),
+            "per_sample_generated": fed,
+            "per_sample_kv_skipped": skipped,
+            "per_sample_kv_skipped_fraction": skipped.double() / fed.clamp(min=1),
         }
         static = compat.is_static(state.cache)
         if not static and not bool(drop.any()):
