@@ -7,6 +7,7 @@ tensors made from host data: on a GPU each of a device tensor waits for the stre
 an upper bound). Op counts on the CPU, not GPU times.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --layers 32  # the decode rows on 32 LLM layers
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --embedded --max-new-tokens 40
 
 ``--embedded``: greedy and the trained drafters (FLASH, MSD: ops per verify cycle) on the embedded model
@@ -44,6 +45,7 @@ def cases(mm) -> dict[str, tuple[dict, int]]:
     return {
         "greedy b1": ({}, 1),
         "greedy b2": ({}, 2),
+        "beam b1": ({"decoding": {"method": "beam", "params": {"num_beams": 2}}}, 1),
         "pyramiddrop b1": ({"pruning": [pdrop]}, 1),
         "prompt_lookup b1": ({"speculative": {"method": "prompt_lookup"}}, 1),
         "dynamic_llava b1": ({"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, 1),
@@ -62,6 +64,9 @@ def main() -> None:
         "--tokens", type=int, default=None, help="--prefill: budget {tokens: N} (default: papers' defaults)"
     )
     ap.add_argument("--grid", type=int, default=None, help="--prefill: patch grid side (24: LLaVA-1.5's 576 tokens)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="the decode rows: LLM layers of the tiny LLaVA (default 4)"
+    )
     args = ap.parse_args()
     if args.embedded:
         print_rows(embedded_rows(args.max_new_tokens))
@@ -71,6 +76,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # --prefill: LLaVA-1.5-7B's 32 LLM layers (the methods' default layers) and CLIP-L's 24 tower layers, tiny widths
         shape = dataclasses.replace(SHAPES["tiny"], text_layers=32, vision_layers=24) if args.prefill else "tiny"
+        if args.layers and not args.prefill:
+            shape = dataclasses.replace(SHAPES["tiny"], text_layers=args.layers)
         if args.prefill and args.grid:  # e.g. 24: LLaVA-1.5's 24 x 24 = 576 vision tokens
             shape = dataclasses.replace(shape, image_size=args.grid * shape.patch_size)
         model, processor = random_llava(shape, init_std=0.2)

@@ -248,6 +248,21 @@ def test_a_greedy_cycle_whose_verdict_cannot_be_captured_finishes_eagerly(images
     assert len(failed) == 1 and "CaptureHostReadError" in failed[0]
 
 
+def test_beam_reorders_are_one_captured_graph(tiny_mm, images, prompts, monkeypatch):
+    """Beam search under captured steps (CUDA-graph semantics emulated) reorders every layer's static K / V rows
+    by one captured graph, replayed at each step, with the dynamic cache's tokens."""
+    from mmfast.pipeline import Session
+
+    recipe = {"decoding": {"method": "beam", "params": {"num_beams": 2}}}
+    dynamic = _tokens(tiny_mm, recipe, images[:2], prompts[:2], "off", n=8)
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)]
+        reorders = [g for key, g in s.runner.pool.graphs.items() if key[1] == "reorder"]
+    assert got == dynamic
+    assert len(reorders) == 1 and reorders[0].graph.replays >= 5
+
+
 DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}
 
 

@@ -223,7 +223,7 @@ class Beam(Decoder):
             beam_idx, tokens = search.step(torch.log_softmax(logits, -1), stop)
             if search.done:
                 break
-            state.reorder(beam_idx)
+            runner.reorder(state, beam_idx)  # one captured graph under captured steps
             logits = runner.step(state, tokens[:, None]).logits[:, -1]
             n_forwards += 1
         t2 = now(device)
