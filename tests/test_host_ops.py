@@ -26,6 +26,22 @@ def test_pruned_step_prep_grows_little_per_layer_group(tiny_mm, images, prompts)
     assert ops["runner.step prep"] <= 21 and ops["total"] <= 32, ops
 
 
+@pytest.mark.parametrize(
+    "name,recipe,bound",
+    [  # before: beam 116 (a reorder of four eager ops a layer), dynamic_llava 42 (and a .cpu() sync), zipvl 23
+        ("beam", {"decoding": {"method": "beam", "params": {"num_beams": 2}}}, 102),
+        ("dynamic_llava", {"pruning": [{"method": "dynamic_llava", "params": {"predictors": "random"}}]}, 35),
+        ("zipvl", {"pruning": [{"method": "zipvl", "params": {"tau": 0.9}}]}, 19),
+    ],
+)
+def test_captured_steps_of_stateful_methods_keep_their_host_work_small(name, recipe, bound, tiny_mm, images, prompts):
+    """Beam's reorder is a graph, Dynamic-LLaVA's counters stay on the device, ZipVL's byte count sums its layers
+    at once: ops outside the graphs per step (4 LLM layers) and no transfer but the step's own."""
+    ops = count_step_ops(tiny_mm, recipe, images[:1], prompts[:1], max_new_tokens=8)
+    assert ops["steps"] >= 4 and ops["total"] <= bound, ops
+    assert ops["transfers"] <= (1.0 if name == "dynamic_llava" else 2.0), ops  # as measured; zipvl: its host bytes
+
+
 @pytest.mark.parametrize("custom", [False, True])
 def test_static_step_mask_is_the_block_causal_mask_padded(custom):
     g = torch.Generator().manual_seed(0)
