@@ -73,10 +73,12 @@ class SegmentedLayer:
     def _slot_bytes(self) -> int:  # pragma: no cover - each layer defines it
         raise NotImplementedError
 
-    def bytes_all_valid(self) -> torch.Tensor:
-        """:meth:`bytes_per_sample` where every buffer slot is valid (decode steps append valid slots), from host
-        counts only (no device read)."""
-        return self._seg_bytes + self.buffer_length * self._slot_bytes()
+    @staticmethod
+    def bytes_all_valid(layers: list[SegmentedLayer]) -> torch.Tensor:
+        """[B] :meth:`bytes_per_sample` summed over ``layers`` where every buffer slot is valid (decode steps append
+        valid slots), from host counts only (no device read), in three host ops whatever the depth."""
+        slots = sum(lay.buffer_length * lay._slot_bytes() for lay in layers)
+        return torch.stack([lay._seg_bytes for lay in layers]).sum(0) + slots
 
     def bytes_per_sample(self, valid: torch.Tensor) -> torch.Tensor:
         """[B] logical stored bytes: quantised segments + the valid slots of the full-precision buffer

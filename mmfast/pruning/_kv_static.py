@@ -164,9 +164,8 @@ def held_bytes(layers: list, prefill: list[int], since: int) -> list[int]:
     nothing else edits the cache (ZipVL refuses other KV policies), so a quantised layer holds its segments and
     ``buffer_length`` valid slots a row, and a plain cache (``quantize_kv: false``) its ``prefill`` bytes and a slot a
     row in every layer for each of the ``since`` tokens appended after the prefill."""
-    if all(isinstance(lay, SegmentedLayer) for lay in layers):  # as sum(lay.bytes_all_valid()), in 3 host ops
-        slots = sum(lay.buffer_length * lay._slot_bytes() for lay in layers)
-        total = torch.stack([lay._seg_bytes for lay in layers]).sum(0) + slots
+    if all(isinstance(lay, SegmentedLayer) for lay in layers):
+        total = SegmentedLayer.bytes_all_valid(layers)
     else:
         total = torch.tensor(prefill, dtype=torch.float64) + since * sum(compat.slot_bytes(lay) for lay in layers)
     return [int(x) for x in total.tolist()]
