@@ -953,13 +953,16 @@ class LMRunner:
         """:meth:`LMState.keep_new` of host indices ``keep``; under captured steps (a static cache), a path
         that is not a prefix is kept by one captured graph (:meth:`keep_new_on_device`) instead of ~8 eager ops
         per layer."""
-        idx = torch.tensor(keep, device=state.inputs.input_ids.device)
+        dev = state.inputs.input_ids.device
         if prefix or not self.captures:
-            state.keep_new(n_new, idx, prefix=prefix)
+            state.keep_new(n_new, torch.tensor(keep, device=dev), prefix=prefix)
             return
         k = len(keep)
-        self.keep_new_on_device(state, n_new, torch.tensor([*keep, *range(k, n_new), k], device=idx.device))
-        self.kept_on_device(state, n_new, idx)
+        packed = torch.tensor(
+            [*keep, *range(k, n_new), k], device=dev
+        )  # one copy: the graph's input and the kept slots
+        self.keep_new_on_device(state, n_new, packed)
+        self.kept_on_device(state, n_new, packed[:k])
 
     def keep_new_on_device(self, state: LMState, n_new: int, packed: torch.Tensor) -> None:
         """Of the last ``n_new`` slots of every layer's static buffer, keep those ``packed`` ([n_new + 1] long on
@@ -968,8 +971,8 @@ class LMRunner:
         only; the host's counts and layouts follow in :meth:`kept_on_device`."""
         cache = state.cache
 
-        def make() -> tuple[_KeepInputs, Callable[[], torch.Tensor]]:
-            inputs = _KeepInputs(packed.clone())
+        def make() -> tuple[_IndexInputs, Callable[[], torch.Tensor]]:
+            inputs = _IndexInputs(packed.clone())
 
             def run() -> torch.Tensor:
                 rel, kept = inputs.packed[:n_new], inputs.packed[n_new:]  # [W], [1]
@@ -1005,8 +1008,8 @@ class LMRunner:
             state.reorder(index)
             return
 
-        def make() -> tuple[_KeepInputs, Callable[[], torch.Tensor]]:
-            inputs = _KeepInputs(index.clone())
+        def make() -> tuple[_IndexInputs, Callable[[], torch.Tensor]]:
+            inputs = _IndexInputs(index.clone())
 
             def run() -> torch.Tensor:
                 rows = inputs.packed  # [B]
@@ -1296,9 +1299,9 @@ class _SegmentInputs:
 
 
 @dataclass
-class _KeepInputs:
-    """A captured keep's input: the kept slots' offsets in the verified block, padded, and the kept count (or a
-    captured reorder's: the batch rows to gather)."""
+class _IndexInputs:
+    """A captured index step's input: a keep's kept slots' offsets in the verified block, padded, and the kept
+    count; a reorder's batch rows to gather."""
 
     packed: torch.Tensor  # [W + 1] long (a reorder's: [B])
 
@@ -1309,7 +1312,7 @@ class _KeepInputs:
 @dataclass
 class _Captured:
     graph: StepGraph
-    static: Any  # its fixed inputs: _StepInputs, _SegmentInputs, _KeepInputs, a drafter's
+    static: Any  # its fixed inputs: _StepInputs, _SegmentInputs, _IndexInputs, a drafter's
 
 
 def _replays(hook: Callable) -> bool:
