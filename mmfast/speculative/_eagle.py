@@ -27,7 +27,7 @@ import torch
 from ._draft_cache import DraftCache
 from ._eagle_model import load_draft, resolve_weights
 from .base import Drafter
-from .tree import DraftTree, tree_layout
+from .tree import DeviceTree, DraftTree, tree_layout
 
 if TYPE_CHECKING:
     from .engine import SpecContext
@@ -384,7 +384,7 @@ def _packed_tree(
 def _tree_of(packed: torch.Tensor, width: int) -> DraftTree | None:
     """A captured proposal's packed tree (:func:`_packed_tree`, ``width`` = its W) as a tree, read in one copy;
     None when a node lost its ancestor (the tree is then built eagerly)."""
-    n = (packed.numel() - 1 - width - width * width) // 2
+    n = DeviceTree.packed_nodes(packed, width)
     host = packed[: 2 * n + 1].tolist()
     if host[-1]:
         return None

@@ -130,9 +130,14 @@ class DeviceTree:
     levels: int  # >= the tree's depth (the fixed rounds of the device-side walks)
 
     @staticmethod
+    def packed_nodes(packed: torch.Tensor, width: int) -> int:
+        """T, the nodes of a tree packed as :meth:`unpack` reads it."""
+        return (packed.numel() - 1 - width - width * width) // 2
+
+    @staticmethod
     def unpack(packed: torch.Tensor, width: int, levels: int) -> DeviceTree:
         """Views of ``packed`` = [tokens (T); parents (T); a flag (1); depths (W); mask (W x W, as 0 / 1)]."""
-        n = (packed.numel() - 1 - width - width * width) // 2
+        n = DeviceTree.packed_nodes(packed, width)
         layout = packed[2 * n + 1 :]
         return DeviceTree(
             packed[:n], packed[n : 2 * n], layout[:width], layout[width:].view(width, width).bool(), levels
