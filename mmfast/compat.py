@@ -347,6 +347,9 @@ class StaticSlotLayer(CacheLayerMixin):
         self._len = 0  # the same on the host
         self._whole: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers of a row cut (keep_first_rows)
         self.padded = False  # set by the cache for a static decode step
+        #: [Q] long on the device: the slots a static decode step writes, shared by the layer's group (the step
+        #: computes them once for the group and moves every write index after the forward: set_write_slots)
+        self._write: torch.Tensor | None = None
         super().__init__()
 
     # -- the held slots, as a dynamic layer exposes them ----------------------------------------
@@ -460,18 +463,17 @@ class StaticSlotLayer(CacheLayerMixin):
         """Write the new ``[B, Hkv, Q, D]`` at the write index; return the held slots (prefill) or the
         whole buffer (a static decode step, whose mask covers all ``C`` slots).
 
-        A static step reads and advances only the device write index, so a captured graph replays it;
-        the runner advances the host count after the step (:func:`advance_static`)."""
+        A static step writes the slots it was given (:func:`set_write_slots`: from the device write index, which
+        the step moves after its forward), so a captured graph replays it; the runner advances the host count
+        after the step (:func:`advance_static`)."""
         if self._k is None:
             self.lazy_initialization(key_states, value_states)
         q = int(key_states.shape[2])
         if self._len + q > self.capacity:
             self._grow(max(self._len + q, self.capacity + self.reserve))
-        if self.padded:
-            idx = self._pos + torch.arange(q, device=self._k.device)  # [Q] write index, on the device
-            self._k.index_copy_(2, idx, key_states)
-            self._v.index_copy_(2, idx, value_states)
-            self._pos.add_(q)
+        if self.padded:  # the step's slots (set_write_slots); the step moves the write index after its forward
+            self._k.index_copy_(2, self._write, key_states)
+            self._v.index_copy_(2, self._write, value_states)
             return self._k, self._v
         idx = torch.arange(self._len, self._len + q, device=self._k.device)  # [Q]
         self._k.index_copy_(2, idx, key_states)
@@ -683,9 +685,23 @@ def static_capacity(cache, layer_idx: int) -> int:
 
 
 def set_padded(cache, padded: bool) -> None:
-    """A static decode step: ``update`` returns whole buffers (fixed shapes) instead of the held slots."""
+    """A static decode step: ``update`` writes the step's slots (:func:`set_write_slots`) and returns whole buffers
+    (fixed shapes) instead of the held slots; unset after the step (the slots let go)."""
     for lay in cache.layers:
         lay.padded = padded
+        lay._write = None
+
+
+def set_write_slots(cache, layers: range, slots: torch.Tensor) -> None:
+    """The slots ([Q] long on the device) a static decode step writes in ``layers`` (one layer group, one write
+    index); the step moves the write indices after its forward (:func:`move_write_indices`)."""
+    for i in layers:
+        cache.layers[i]._write = slots
+
+
+def move_write_indices(cache, q: int) -> None:
+    """Every layer's device write index moved past the ``q`` slots a static decode step wrote (one op)."""
+    torch._foreach_add_([lay._pos for lay in cache.layers], q)
 
 
 def advance_static(cache, q: int) -> None:

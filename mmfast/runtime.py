@@ -779,6 +779,8 @@ class LMRunner:
         if t is None:
             if name == "offsets":  # [Q] 1..Q: a causal step's positions after the top one
                 t = torch.arange(1, shape + 1, device=device)
+            elif name == "slots":  # [Q] 0..Q-1: a static step's slots after the write index
+                t = torch.arange(shape, device=device)
             elif name == "causal":  # [Q, Q] bool lower triangle
                 t = torch.ones(shape, shape, dtype=torch.bool, device=device).tril()
             elif name == "ones":  # [B, Q] bool: new slots are valid
@@ -813,12 +815,25 @@ class LMRunner:
                         for i, g in enumerate(state.groups)
                     ]
                     self._static_masks(state, valid, step.positions, step.block_mask)
+                    self._write_slots(state, step.q)
                     grp0 = state.groups[0]
                     last = self._lm_forward(state, step.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
+                    compat.move_write_indices(state.cache, step.q)
         finally:
             compat.set_padded(state.cache, False)
         compat.advance_static(state.cache, step.q)
         return last
+
+    def _write_slots(self, state: LMState, q: int) -> list[torch.Tensor]:
+        """Each group's slots ([Q] long on the device: from its layers' write index) that a static step writes,
+        given to the group's layers (:func:`compat.set_write_slots`): computed once a group, not once a layer."""
+        slots = []
+        for g, grp in enumerate(state.groups):
+            idx = compat.write_index(state.cache, grp.start)
+            new = idx + self._const("slots", q, idx.device)  # [Q]
+            compat.set_write_slots(state.cache, state.layers_of(g), new)
+            slots.append(new)
+        return slots
 
     @staticmethod
     def _capacity(state: LMState, g: int) -> int:
@@ -915,11 +930,12 @@ class LMRunner:
             def run() -> torch.Tensor:  # on the running state: a stand-in that re-runs it serves any call
                 live = self._active
                 self._static_masks(live, static.valid, static.positions, static.block_mask)
-                for ok, grp in zip(static.valid, live.groups):  # what the next step's held slots are
-                    new = compat.write_index(live.cache, grp.start) + torch.arange(static.q, device=ok.device)
-                    ok.index_fill_(1, new, True)
+                for ok, new in zip(static.valid, self._write_slots(live, static.q)):
+                    ok.index_fill_(1, new, True)  # what the next step's held slots are
                 grp0 = live.groups[0]
-                return self._lm_forward(live, static.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
+                last = self._lm_forward(live, static.lm_embeds(self.adapter), grp0.fwd_mask, grp0.fwd_pos_ids)
+                compat.move_write_indices(live.cache, static.q)
+                return last
 
             graph = self.capture()
             before = compat.write_indices(state.cache)
@@ -968,27 +984,38 @@ class LMRunner:
         """Of the last ``n_new`` slots of every layer's static buffer, keep those ``packed`` ([n_new + 1] long on
         the device: source offsets in the block, the pad slots' own offsets, then the kept count k) says, by one
         captured graph (every layer's K / V copies and write index; nothing read back). Under captured steps
-        only; the host's counts and layouts follow in :meth:`kept_on_device`."""
+        only; the host's counts and layouts follow in :meth:`kept_on_device`.
+
+        Layers holding the same count (all of them, or in-LLM pruning's layer groups) share the slots' indices,
+        and every write index moves by k - n_new in one op: four copies a layer and a few ops a share."""
         cache = state.cache
+        shares: dict[int, list[int]] = {}  # held count (after the verify step): the layers holding it
+        for i, lay in enumerate(cache.layers):
+            shares.setdefault(lay._len, []).append(i)
+        groups = tuple(tuple(share) for share in shares.values())
 
         def make() -> tuple[_IndexInputs, Callable[[], torch.Tensor]]:
             inputs = _IndexInputs(packed.clone())
+            layers = [[cache.layers[i] for i in share] for share in groups]
+            positions = [lay._pos for lay in cache.layers]
 
             def run() -> torch.Tensor:
                 rel, kept = inputs.packed[:n_new], inputs.packed[n_new:]  # [W], [1]
                 ar = torch.arange(n_new, device=rel.device)
-                for lay in cache.layers:
-                    start = lay._pos - n_new  # [] the verified block's first slot
-                    lay._k.index_copy_(2, start + ar, lay._k.index_select(2, start + rel))
-                    lay._v.index_copy_(2, start + ar, lay._v.index_select(2, start + rel))
-                    lay._pos.copy_(start + kept[0])
+                for share in layers:
+                    start = share[0]._pos - n_new  # [] the verified block's first slot in these layers
+                    dst, src = start + ar, start + rel  # [W], [W]
+                    for lay in share:
+                        lay._k.index_copy_(2, dst, lay._k.index_select(2, src))
+                        lay._v.index_copy_(2, dst, lay._v.index_select(2, src))
+                delta = kept - n_new  # [1]
+                torch._foreach_add_(positions, [delta[0]] * len(positions))  # every write index: the kept slots follow
                 return ar
 
             return inputs, run
 
-        self.run_captured(
-            (compat.static_buffers(cache), "keep", n_new), make, lambda inputs: inputs.packed.copy_(packed)
-        )
+        key = (compat.static_buffers(cache), "keep", n_new, groups)
+        self.run_captured(key, make, lambda inputs: inputs.packed.copy_(packed))
 
     def kept_on_device(self, state: LMState, n_new: int, keep: torch.Tensor) -> None:
         """The host's side of :meth:`keep_new_on_device` once the kept slots ``keep`` ([k] on the device) are known:

@@ -4,7 +4,8 @@ Builds the tiny random LLaVA, runs each case once with ``compile: static`` and t
 graph (:class:`mmfast.bench.host_ops.ReplayGraph`) so the captured path is taken, and prints the aten ops
 dispatched outside the graph per steady-state decode step, and the host transfers (reads of tensor data and
 tensors made from host data: on a GPU each of a device tensor waits for the stream; host-only tensors count too,
-an upper bound). Op counts on the CPU, not GPU times.
+an upper bound), and the ops the captured graphs replayed (``replayed``: what the device runs, one kernel each at
+most; views are not replayed). Op counts on the CPU, not GPU times.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --layers 32  # the decode rows on 32 LLM layers
@@ -129,7 +130,7 @@ def print_prefill_rows(mm, images, prompts, methods=PREFILL_METHODS, tokens: int
 
 
 def print_rows(rows: list[tuple[str, dict]]) -> None:
-    cols = [*PHASES, "total", "transfers"]
+    cols = [*PHASES, "total", "transfers", "replayed"]
     print("| case | steps | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for name, r in rows:

@@ -95,3 +95,40 @@ def test_an_in_llm_pruners_prefill_runs_mostly_inside_graphs(tiny_mm, images, pr
     eager, captured = eager["LLM prefill"], captured["LLM prefill"]
     assert captured <= 150 and eager >= 3 * captured, (eager, captured)
     assert captured - plain <= 100, (captured, plain)  # FastV's own selection: ~90 ops
+
+
+def test_a_captured_keep_copies_k_and_v_and_little_else(tiny_mm, images, prompts, monkeypatch):
+    """The captured keep of a verified block (speculative rollback in the static buffers) replays the K / V
+    gathers and copies of every layer, its slots' indices computed once for layers holding the same count, and
+    every write index moved by one op: at most 4 ops a layer and a few besides (before: 11 a layer)."""
+    import mmfast
+    from mmfast.bench.host_ops import ReplayGraph
+    from mmfast.pipeline import Session
+
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    with mmfast.apply(tiny_mm, {"speculative": {"method": "prompt_lookup"}}, compile="static") as s:
+        s.generate(images[:1], prompts[:1], max_new_tokens=12)
+        keeps = [c.graph for key, c in s.runner.pool.graphs.items() if key[1] == "keep"]
+    n_layers = len(tiny_mm.adapter.layers)
+    assert keeps and all(g.replays > 0 for g in keeps)
+    assert all(len(g.ops) <= 4 * n_layers + 8 for g in keeps), [len(g.ops) for g in keeps]
+
+
+def test_a_captured_step_writes_each_layer_with_two_copies(tiny_mm, images, prompts, monkeypatch):
+    """The static step's write slots are computed once for a layer group and every write index moves in one op
+    after the forward: the replayed step holds two index copies a layer (K and V) and no per-layer index work
+    (before: an arange, an add and an in-place add of the write index in every layer)."""
+    import mmfast
+    from mmfast.bench.host_ops import ReplayGraph
+    from mmfast.pipeline import Session
+
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: ReplayGraph)
+    ReplayGraph.made = []
+    with mmfast.apply(tiny_mm, {}, compile="static") as s:
+        s.generate(images[:1], prompts[:1], max_new_tokens=6)
+    step = max(ReplayGraph.made, key=lambda g: g.replays)  # the decode step's graph
+    ops = [str(op.func) for op in step.ops]
+    n_layers = len(tiny_mm.adapter.layers)
+    assert step.replays >= 4 and ops.count("aten.index_copy_.default") == 2 * n_layers, ops
+    assert ops.count("aten.add_.Tensor") == 0 and ops.count("aten._foreach_add_.Scalar") == 1, ops
+    assert ops.count("aten.arange.default") <= 2, ops  # the group's mask; the slots are a constant

@@ -654,14 +654,19 @@ def test_static_layer_edits_match_dynamic_layer():
         lay.keys, lay.values = lay.keys.gather(2, gather), lay.values.gather(2, gather)
     _same(dyn, sta)
     assert sta._k is buf
-    # a static decode step sees the whole buffer and moves only the device write index (a replayed
-    # graph runs no Python); the runner then advances the host count
+    # a static decode step writes the slots it was given (from the device write index) and sees the whole
+    # buffer; the step then moves the device write index (a replayed graph runs no Python), the runner the host count
     assert int(sta._pos) == sta.length == 3
-    sta.padded = True
+    cache = type("C", (), {"layers": [sta]})()
+    compat.set_padded(cache, True)
+    compat.set_write_slots(cache, range(1), sta._pos + torch.arange(1))
     k_new = torch.randn(3, 2, 1, 4)
     k_all, _ = sta.update(k_new, torch.randn(3, 2, 1, 4))
-    assert k_all.shape[2] == sta.capacity and int(sta._pos) == 4 and sta.length == 3
-    compat.advance_static(type("C", (), {"layers": [sta]})(), 1)
+    assert k_all.shape[2] == sta.capacity and int(sta._pos) == 3 and sta.length == 3
+    compat.move_write_indices(cache, 1)
+    compat.set_padded(cache, False)
+    assert int(sta._pos) == 4 and sta._write is None
+    compat.advance_static(cache, 1)
     assert sta.length == 4 and torch.equal(sta.keys[:, :, 3:], k_new)
 
 

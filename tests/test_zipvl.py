@@ -398,7 +398,7 @@ def test_static_layer_reads_and_ops_equal_the_dynamic_layers():
     ops, a row cut and a crop into a segment; its segments are written back into their slots of the buffers
     dequantised, so a whole-buffer step reads them there. Without the write-back (a one-token call) a read
     raises."""
-    from mmfast.compat import StaticSlotLayer, set_padded
+    from mmfast.compat import StaticSlotLayer, move_write_indices, set_padded, set_write_slots
     from mmfast.pruning._kv_static import StaticMixedPrecisionLayer
 
     gen = torch.Generator().manual_seed(1)
@@ -431,9 +431,12 @@ def test_static_layer_reads_and_ops_equal_the_dynamic_layers():
         dk, dv = dyn.update(nk, nv)
         valid = torch.cat([valid, torch.ones(2, 1, dtype=torch.bool)], 1)
         if step % 2:  # a static decode step: every slot, the free ones after the held
-            set_padded(type("C", (), {"layers": [lay]})(), True)
+            cache = type("C", (), {"layers": [lay]})()
+            set_padded(cache, True)
+            set_write_slots(cache, range(1), lay._pos + torch.arange(1))
             sk, sv = lay.update(nk, nv)
-            lay.padded = False
+            move_write_indices(cache, 1)
+            set_padded(cache, False)
             lay._len += 1  # the runner's host count (advance_static)
             assert sk.shape[2] == lay.capacity and torch.equal(sk[:, :, : dk.shape[2]], dk)
             assert torch.equal(sv[:, :, : dv.shape[2]], dv)

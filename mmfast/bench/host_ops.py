@@ -56,13 +56,15 @@ class OpCounter(TorchDispatchMode):
     #: copies). On a CPU run every tensor is a host tensor, so this counts host-only ones too (an upper bound),
     #: and a ``.cpu()`` copy, which dispatches nothing here, is not seen
     transfers: int = 0
+    #: ops the graphs replayed (what a CUDA graph launches as kernels: the device's side of a step)
+    replayed: int = 0
     marks: list[tuple[int, Counter]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__()
 
     def mark(self) -> None:
-        self.marks.append((self.total, Counter(self.by_phase, transfers=self.transfers)))
+        self.marks.append((self.total, Counter(self.by_phase, transfers=self.transfers, replayed=self.replayed)))
 
     def _phase(self) -> str:
         frame = sys._getframe(2)
@@ -110,6 +112,7 @@ class OpCounter(TorchDispatchMode):
         out = {p: (last[p] - first[p]) / n for p in PHASES}
         out["total"] = sum(out.values())
         out["transfers"] = (last["transfers"] - first["transfers"]) / n
+        out["replayed"] = (last["replayed"] - first["replayed"]) / n
         out["steps"] = n
         return out
 
@@ -118,7 +121,7 @@ class ReplayGraph(ReplayEmulator):
     """:class:`ReplayEmulator` (CUDA-graph semantics: the recorded ops replayed, no Python of the step)
     with the counter paused during a replay (what a CUDA graph replays is one launch, not host ops)."""
 
-    counter: OpCounter | None = None
+    counter: OpCounter | StageCounter | None = None
     made: list[ReplayGraph] = []
 
     def __init__(self) -> None:
@@ -134,6 +137,7 @@ class ReplayGraph(ReplayEmulator):
         ):  # the LM step's replay starts a step (a drafter's or a prefill's does not)
             counter.mark()
         counter.paused = True
+        counter.replayed += len(self.ops)
         try:
             return super().replay()
         finally:
@@ -180,6 +184,7 @@ class StageCounter(TorchDispatchMode):
     def __init__(self, runner: Any) -> None:
         super().__init__()
         self.runner, self.paused, self.by_stage = runner, False, Counter()
+        self.replayed = 0  # ops the graphs replayed
 
     def _stage(self) -> str:
         frame = sys._getframe(2)
