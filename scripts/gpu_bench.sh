@@ -11,6 +11,9 @@
 # 15-minute device budget; every phase appends to $OUT/bench.log:
 #   check: scripts/static_cache_gpu_check.py (GPU_BENCH_CHECK_ARGS: its options) on the embedded model in fp16 (model.compile static = auto
 #          tokens for decoders, drafters and pruners: the captured step replays exactly) into $OUT/check.txt;
+#   cycle: scripts/cycle_time.py (GPU_BENCH_CYCLE_ARGS: its options) on the embedded model in fp16 into $OUT/cycle.txt: the
+#          captured greedy step's and each drafter's cycle time per token, split into the graphs' device time by
+#          kind (LM / verify step, verdict, keep, draft proposal and accept) and the rest (host, eager kernels, waits);
 #   qwen:  qwen2.5-vl-7b at batch 1, one-token answers: HF eager, mmfast unpruned, DivPrune-64 (TTFT and LLM
 #          prefill), and scripts/time_qwen_tower.py on the GPU (HF's per-window tower attention against
 #          mmfast's fused one) into $OUT/tower.txt;
@@ -34,7 +37,7 @@
 # Rows are written as they finish, so a phase stopped by its limit keeps every finished row; the same command
 # resumes (finished rows are kept: seed $OUT/gpu_speed with a committed rows.jsonl to run only what it lacks).
 # At most eight files come back (with more, all of them are packed in all.tgz, kept beside the results.md tables,
-# environment.txt and check.txt): environment.txt, bench.log, tower.txt, check.txt and the bench's rows.jsonl,
+# environment.txt, check.txt and cycle.txt): environment.txt, bench.log, tower.txt, check.txt, cycle.txt and the bench's rows.jsonl,
 # results.md, summary.json, bench.json (the video phase: its results.md, rows.jsonl and summary.json).
 set -uo pipefail
 OUT=${OUT:?set OUT to the output folder}
@@ -69,6 +72,12 @@ phase_check() {  # static / captured steps give identical tokens on this GPU
   timeout "$(cap 150)" "$PY" scripts/static_cache_gpu_check.py ${GPU_BENCH_CHECK_ARGS:-} >"$OUT/check.txt" 2>&1
   local r=$?; [ $r = 0 ] || rc=$r
   echo "== check: exit status $r after $((SECONDS - start)) s" | tee -a "$LOG"
+}
+phase_cycle() {  # where the embedded model's greedy step and drafters' cycles spend their time (the FLASH target)
+  # shellcheck disable=SC2086
+  timeout "$(cap 90)" "$PY" scripts/cycle_time.py ${GPU_BENCH_CYCLE_ARGS:-} >"$OUT/cycle.txt" 2>&1
+  local r=$?; [ $r = 0 ] || rc=$r
+  echo "== cycle: exit status $r after $((SECONDS - start)) s" | tee -a "$LOG"
 }
 phase_qwen() {
   # shellcheck disable=SC2086
@@ -130,7 +139,7 @@ phase_video() {  # the video pruners' cost at full depth
 # phases run in the order given; any but the first needs a minute left
 first=1
 for phase in ${GPU_BENCH_PHASES:-qwen llava extra}; do
-  case $phase in check | qwen | llava | b32 | next | extra | ttft | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
+  case $phase in check | cycle | qwen | llava | b32 | next | extra | ttft | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
   if [ $first = 0 ] && [ "$(left)" -lt 60 ]; then echo "== $phase skipped: $(left) s left of $LIMIT s" | tee -a "$LOG"; continue; fi
   first=0
   "phase_$phase"
@@ -138,11 +147,12 @@ done
 grep -E "ERROR|Traceback|Error:|captured graph|== " "$LOG" | tail -n 40
 [ -f "$OUT/tower.txt" ] && tail -n 3 "$OUT/tower.txt"
 [ -f "$OUT/check.txt" ] && grep -v "^ \|^{\|^}" "$OUT/check.txt" | tail -n 20
+[ -f "$OUT/cycle.txt" ] && grep -v "^{" "$OUT/cycle.txt" | tail -n 8
 [ -f "$OUT/gpu_speed/results.md" ] && cat "$OUT/gpu_speed/results.md"
 [ -f "$OUT/video_cost/results.md" ] && cat "$OUT/video_cost/results.md"
 # the device returns at most eight files: with more, everything goes in all.tgz beside the tables and the check
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
   tar czf /tmp/gpu_bench_all.tgz -C "$OUT" . && mv /tmp/gpu_bench_all.tgz "$OUT/all.tgz" &&
-    find "$OUT" -type f ! -name all.tgz ! -name environment.txt ! -name results.md ! -name check.txt -delete
+    find "$OUT" -type f ! -name all.tgz ! -name environment.txt ! -name results.md ! -name check.txt ! -name cycle.txt -delete
 fi
 exit "$rc"

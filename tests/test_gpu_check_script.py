@@ -24,3 +24,21 @@ def test_check_script_generates_the_world_and_compares_static_with_auto(tmp_path
     assert zipvl["static_equals_auto"] and zipvl["off_equals_static"]
     assert out["differ_or_failed"] == []
     assert (tmp_path / "cache").is_dir()  # the world was generated where MMFAST_CACHE points
+
+
+def test_cycle_time_script_splits_a_cycle_into_its_graphs():
+    """scripts/cycle_time.py on the CPU (the CUDA-graph emulator): greedy replays one LM step a token; a FLASH cycle
+    replays its five graphs once each (greedy cycles on the device), and the decode time covers the graphs'."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    cmd = [sys.executable, "scripts/cycle_time.py", "--device", "cpu", "--dtype", "float32"]
+    cmd += ["--recipes", "greedy,flash", "--samples", "1", "--max-new-tokens", "12"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {r["row"]: r for r in json.loads(res.stdout.splitlines()[-1])["rows"]}
+    greedy, flash = rows["greedy"], rows["flash"]
+    assert greedy["replays_per_cycle"] == {"LM step": 1.0}  # every decode step a replay
+    kinds = {"LM step", "verdict", "keep", "draft proposal", "draft accept"}
+    assert flash["replays_per_cycle"] == dict.fromkeys(kinds, 1.0), flash
+    assert 0 < flash["cycles"] < flash["tokens"] - 1  # more than one token a cycle
+    for r in (greedy, flash):
+        assert r["cycle_ms"] >= sum(r["graphs_ms_per_cycle"].values()) and r["outside_graphs_ms_per_cycle"] >= 0
