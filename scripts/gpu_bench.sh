@@ -17,6 +17,8 @@
 #   qwen:  qwen2.5-vl-7b at batch 1, one-token answers: HF eager, mmfast unpruned, DivPrune-64 (TTFT and LLM
 #          prefill), and scripts/time_qwen_tower.py on the GPU (HF's per-window tower attention against
 #          mmfast's fused one) into $OUT/tower.txt;
+#   qdecode: qwen2.5-vl-7b 128-token captions at batch 1: HF static-cache generate against mmfast's captured step,
+#          plain and with fused norms (the decode target on that shape);
 #   llava: llava-1.5-7b: the embedded model's speculative part (the captured greedy step vs FLASH, real tau),
 #          then one-token answers and 128-token captions at batch 1 and 8: HF eager / static-cache generate,
 #          mmfast unpruned and compiled (model.compile: auto), DivPrune-64 (pre-LLM) (GPU_BENCH_LLAVA_ROWS);
@@ -88,6 +90,13 @@ phase_qwen() {
     >"$OUT/tower.txt" 2>&1
   echo "== tower: exit status $? after $((SECONDS - start)) s" | tee -a "$LOG"
 }
+phase_qdecode() {  # qwen2.5-vl-7b's decode target: 128-token captions at batch 1, against HF's static-cache generate
+  # shellcheck disable=SC2086
+  run_phase bench "$(cap 150)" qdecode --set 'bench.params.shapes=[qwen2.5-vl-7b]' --set 'bench.params.batches=[1]' \
+    --set 'bench.params.workloads=[caption]' \
+    --set "bench.params.rows=['hf static','mmfast unpruned (compiled)','mmfast unpruned (fused norms)']" \
+    --set 'bench.params.embedded_speculative=false' ${GPU_BENCH_SETS:-}
+}
 phase_llava() {
   # shellcheck disable=SC2086
   run_phase bench "$(cap "${GPU_BENCH_LLAVA_SECS:-100000}")" llava --set 'bench.params.shapes=[llava-1.5-7b]' \
@@ -139,7 +148,7 @@ phase_video() {  # the video pruners' cost at full depth
 # phases run in the order given; any but the first needs a minute left
 first=1
 for phase in ${GPU_BENCH_PHASES:-qwen llava extra}; do
-  case $phase in check | cycle | qwen | llava | b32 | next | extra | ttft | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
+  case $phase in check | cycle | qwen | qdecode | llava | b32 | next | extra | ttft | video) ;; *) echo "unknown phase $phase" >&2; exit 2 ;; esac
   if [ $first = 0 ] && [ "$(left)" -lt 60 ]; then echo "== $phase skipped: $(left) s left of $LIMIT s" | tee -a "$LOG"; continue; fi
   first=0
   "phase_$phase"
