@@ -1001,7 +1001,7 @@ class LMRunner:
 
             def run() -> torch.Tensor:
                 rel, kept = inputs.packed[:n_new], inputs.packed[n_new:]  # [W], [1]
-                ar = torch.arange(n_new, device=rel.device)
+                ar = self._const("slots", n_new, rel.device)  # [W] 0 .. W-1
                 for share in layers:
                     start = share[0]._pos - n_new  # [] the verified block's first slot in these layers
                     dst, src = start + ar, start + rel  # [W], [W]
@@ -1010,7 +1010,7 @@ class LMRunner:
                         lay._v.index_copy_(2, dst, lay._v.index_select(2, src))
                 delta = kept - n_new  # [1]
                 torch._foreach_add_(positions, [delta[0]] * len(positions))  # every write index: the kept slots follow
-                return ar
+                return delta
 
             return inputs, run
 
