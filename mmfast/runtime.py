@@ -279,17 +279,24 @@ class LMState:
     def kv_bytes_per_sample(self) -> list[int]:
         """Logical KV bytes per sample: valid slots x bytes per slot, summed over layers.
 
-        Cache layers that store tokens at different precisions expose ``bytes_per_sample(valid)``.
+        Cache layers that store tokens at different precisions expose ``bytes_per_sample(valid)``, and their class
+        may sum a layer group's layers at once (``bytes_of_layers(layers, valid)``, a static method).
         """
         total = torch.zeros(self.batch_size, dtype=torch.float64)
         per_slot = [0] * len(self.groups)  # bytes of one slot summed over each group's plain layers
+        together: dict[tuple, list] = {}  # (group, the class's summing function): its layers
         for layer_idx, lay in enumerate(self.cache.layers):
             g = self.group_of(layer_idx)
+            summed = getattr(type(lay), "bytes_of_layers", None)
             custom = getattr(lay, "bytes_per_sample", None)
-            if callable(custom):
+            if callable(summed):
+                together.setdefault((g, summed), []).append(lay)
+            elif callable(custom):
                 total += torch.as_tensor(custom(self.groups[g].key_mask), dtype=torch.float64).cpu()
             else:
                 per_slot[g] += compat.slot_bytes(lay)
+        for (g, summed), lays in together.items():
+            total += summed(lays, self.groups[g].key_mask)
         # [G, B] valid slots of each layer group, read to the host once (a read per layer was a device sync each:
         # 64 per call on a 32-layer LLM, inside every TTFT)
         held = torch.stack([g.key_mask.sum(1) for g in self.groups]).double().cpu()

@@ -556,3 +556,53 @@ def test_refuses_speculative_beam_and_bad_bits():
         _recipe(bits_high=2, bits_low=4)
     cfg = _recipe().pruning[0].params
     assert (cfg.tau, cfg.bits_high, cfg.bits_low, cfg.requant_interval) == (0.975, 4, 2, 100)
+
+
+def test_bytes_of_a_layer_group_equal_its_layers_sum():
+    """``SegmentedLayer.bytes_of_layers`` (what ``LMState.kv_bytes_per_sample`` sums a group's quantised layers with)
+    equals the layers' own ``bytes_per_sample``, with buffers of different lengths and padded rows."""
+    gen = torch.Generator().manual_seed(3)
+    spec = QuantSpec(bits_high=4, bits_low=2)
+    bsz, heads, n, d = 2, 2, 10, 8
+    valid = torch.ones(bsz, n + 3, dtype=torch.bool)
+    valid[1, :4] = False
+    valid[0, -1] = False  # an invalid buffer slot (a dropped append)
+    layers = []
+    for extra in (0, 1, 3, 3):
+        k, v = torch.randn(bsz, heads, n, d, generator=gen), torch.randn(bsz, heads, n, d, generator=gen)
+        imp = torch.rand(bsz, n, generator=gen) < 0.4
+        lay = MixedPrecisionKVLayer.from_dense(k, v, valid[:, :n], imp, spec)
+        for _ in range(extra):
+            lay.update(torch.randn(bsz, heads, 1, d, generator=gen), torch.randn(bsz, heads, 1, d, generator=gen))
+        layers.append(lay)
+    want = sum(lay.bytes_per_sample(valid[:, : n + lay.buffer_length]) for lay in layers if lay.buffer_length < 3)
+    want = want + sum(lay.bytes_per_sample(valid) for lay in layers if lay.buffer_length == 3)
+    grouped = [lay for lay in layers if lay.buffer_length == 3]
+    others = [lay for lay in layers if lay.buffer_length < 3]
+    got = type(layers[0]).bytes_of_layers(grouped, valid) + sum(
+        type(lay).bytes_of_layers([lay], valid[:, : n + lay.buffer_length]) for lay in others
+    )
+    assert got.tolist() == want.tolist()
+    mixed = [layers[2], layers[3]]  # one group: both hold 3 buffer slots
+    assert (
+        type(layers[0]).bytes_of_layers(mixed, valid).tolist()
+        == sum(lay.bytes_per_sample(valid) for lay in mixed).tolist()
+    )
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "static"])
+def test_a_one_token_call_cuts_no_layer_out_of_the_quantised_fold(compile_mode, tiny_mm, images, prompts, monkeypatch):
+    """The prefill's layers are quantised together and each layer's segment is cut out of the fold when first read:
+    a one-token answer never reads its quantised cache, so no layer is cut (~35 host ops a layer saved), and its KV
+    bytes are the counts' (the same as a decoding call's after its prefill); a call that decodes cuts every layer."""
+    cuts = []
+    original = Segment.rows_of_fold
+    monkeypatch.setattr(Segment, "rows_of_fold", lambda self, *a: cuts.append(1) or original(self, *a))
+    recipe = load_recipe({"pruning": [{"method": "zipvl", "params": {"tau": 0.9}}], "model": {"compile": compile_mode}})
+    with Session(tiny_mm, recipe) as s:
+        one = s.generate(images[:2], prompts[:2], max_new_tokens=1)
+        assert cuts == []
+        two = s.generate(images[:2], prompts[:2], max_new_tokens=2)
+    assert len(cuts) == len(tiny_mm.adapter.layers)  # written back (static) or read by the step (dynamic)
+    for a, b in zip(one, two):
+        assert a.stats["zipvl"]["kv_bytes_prefill"] == b.stats["zipvl"]["kv_bytes_prefill"] > 0

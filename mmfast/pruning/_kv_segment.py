@@ -141,14 +141,14 @@ class Segment:
         valid: torch.Tensor,
         important: list[torch.Tensor],
         spec: QuantSpec,
-    ) -> list[tuple[Segment, torch.Tensor]]:
+    ) -> list[tuple[Segment | FoldedSegment, torch.Tensor]]:
         """:meth:`build` for the layers of a prefill (each [B, H, N, D], one ``valid`` [B, N], an ``important``
         [B, N] per layer), with as many layers folded into the batch at once as keep a fp32 copy of their keys
         within :data:`FOLD_BYTES` (the quantiser's temporaries are a few such copies: batch 8 of LLaVA-1.5-7B's
         616 slots folds 3 layers at a time, batch 1 25). Every statistic is per row, so each layer's segment is
         the one :meth:`build` makes, its classes cut to that layer's widest row: tens of ops for a fold instead
-        of hundreds a layer, and one read of the counts. Returns each layer's segment and its
-        :meth:`bytes_per_sample`."""
+        of hundreds a layer, and one read of the counts. Returns each layer's segment (cut from the fold when first
+        read: :class:`FoldedSegment`) and its :meth:`bytes_per_sample` (from the counts)."""
         b, h, n, d = keys[0].shape
         per = max(1, FOLD_BYTES // max(1, b * h * n * d * 4))
         if len(keys) > per:
@@ -165,32 +165,37 @@ class Segment:
         )  # [L * B, ...]
         stacked = torch.stack([big.stored.sum(1), *(big.classes[k].valid.sum(1) for k in ("high", "low"))])
         counts = stacked.view(3, n_layers, bsz).tolist()  # [3, L, B]: stored, high, low per row
-        out = []
-        for i in range(n_layers):
-            rows = slice(i * bsz, (i + 1) * bsz)
-
-            def own(q: QuantTensor, rows: slice = rows) -> QuantTensor:  # the codes in memory of their own
-                q = q.map_batch(lambda t: t[rows])
-                return replace(q, codes=q.codes.clone())
-
-            classes = {}
-            for j, name in enumerate(("high", "low"), start=1):
-                m, d = max(counts[j][i], default=0), big.classes[name]
-                # the codes cut to this layer's widest row are copied (the padding's memory goes); the rest are
-                # views of the whole prefill's tensors, which the layers share without padding
-                classes[name] = _ClassData(
-                    d.index[rows, :m], d.valid[rows, :m], own(d.k.first_tokens(m)), own(d.v.first_tokens(m))
-                )
-            seg = replace(
-                big,
-                stored=big.stored[rows],
-                important=big.important[rows],
-                v_channel_scale=big.v_channel_scale[rows],
-                classes=classes,
+        c = big.heads * big.head_dim
+        return [
+            (
+                FoldedSegment(big, slice(i * bsz, (i + 1) * bsz), [counts[1][i], counts[2][i]]),
+                segment_bytes([counts[0][i], counts[1][i], counts[2][i]], c, big.dtype, spec),
             )
-            c = [counts[0][i], counts[1][i], counts[2][i]]
-            out.append((seg, segment_bytes(c, big.heads * big.head_dim, big.dtype, spec)))
-        return out
+            for i in range(n_layers)
+        ]
+
+    def rows_of_fold(self, rows: slice, widest: list[list[int]]) -> Segment:
+        """The segment of ``rows`` of this fold of layers (:meth:`build_layers`), each class cut to its widest row
+        there (``widest``: the rows' high and low counts): its codes copied into memory of their own (the padding's
+        goes), the rest views of the fold's tensors, which the layers share without padding."""
+
+        def own(q: QuantTensor) -> QuantTensor:
+            q = q.map_batch(lambda t: t[rows])
+            return replace(q, codes=q.codes.clone())
+
+        classes = {}
+        for name, counts in zip(("high", "low"), widest):
+            m, d = max(counts, default=0), self.classes[name]
+            classes[name] = _ClassData(
+                d.index[rows, :m], d.valid[rows, :m], own(d.k.first_tokens(m)), own(d.v.first_tokens(m))
+            )
+        return replace(
+            self,
+            stored=self.stored[rows],
+            important=self.important[rows],
+            v_channel_scale=self.v_channel_scale[rows],
+            classes=classes,
+        )
 
     def nbytes(self) -> int:
         total = sum(t.numel() * t.element_size() for t in (self.stored, self.important, self.v_channel_scale))
@@ -215,6 +220,53 @@ class Segment:
 
 #: the largest fp32 copy of keys :meth:`Segment.build_layers` folds into one batch
 FOLD_BYTES = 256 * 2**20
+
+
+class FoldedSegment:
+    """One layer's :class:`Segment` of a fold (:meth:`Segment.build_layers`), cut from the fold's tensors when first
+    read (:meth:`Segment.rows_of_fold`): a call that never reads its quantised cache (a one-token answer: the static
+    cache's layers are not written back) takes no per-layer views or code copies (~35 ops a layer). Its length,
+    heads, head size and dtype are known without the cut; everything else reads the cut segment."""
+
+    def __init__(self, fold: Segment, rows: slice, widest: list[list[int]]) -> None:
+        self.length, self.heads, self.head_dim, self.dtype = fold.length, fold.heads, fold.head_dim, fold.dtype
+        self._fold: Segment | None = fold
+        self._rows, self._widest = rows, widest  # this layer's rows of the fold; their high / low counts
+        self._cut: Segment | None = None
+
+    def segment(self) -> Segment:
+        if self._cut is None:
+            self._cut = self._fold.rows_of_fold(self._rows, self._widest)
+            self._fold = None
+        return self._cut
+
+    @property
+    def stored(self) -> torch.Tensor:
+        return self.segment().stored
+
+    @property
+    def important(self) -> torch.Tensor:
+        return self.segment().important
+
+    @property
+    def v_channel_scale(self) -> torch.Tensor:
+        return self.segment().v_channel_scale
+
+    @property
+    def classes(self) -> dict[str, _ClassData]:
+        return self.segment().classes
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.segment().dequantize()
+
+    def bytes_per_sample(self, spec: QuantSpec) -> torch.Tensor:
+        return self.segment().bytes_per_sample(spec)
+
+    def nbytes(self) -> int:
+        return self.segment().nbytes()
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Segment:
+        return self.segment().map_batch(fn)
 
 
 def segment_bytes(counts: list[list[int]], c: int, dtype: torch.dtype, spec: QuantSpec) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from .. import compat
 from ..compat import StaticSlotLayer
 from ._kv_quant import QuantSpec, Segment, SegmentedLayer, refuse_dense
+from ._kv_segment import FoldedSegment
 
 
 class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
@@ -32,7 +33,7 @@ class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
     def __init__(
         self,
         over: StaticSlotLayer,
-        seg: Segment,
+        seg: Segment | FoldedSegment,
         spec: QuantSpec,
         nbytes: torch.Tensor | None = None,
         *,
@@ -49,7 +50,7 @@ class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
         if write_back:
             self.write_back()
 
-    def _append_segment(self, seg: Segment, nbytes: torch.Tensor | None = None) -> None:
+    def _append_segment(self, seg: Segment | FoldedSegment, nbytes: torch.Tensor | None = None) -> None:
         super()._append_segment(seg, nbytes)
         self.base += seg.length
         self._unwritten += 1

@@ -21,7 +21,8 @@ the full-precision decode buffer every ``requant_interval`` tokens.
 
 Cost on a GPU: on the dynamic cache (``model.compile: off``) the override runs Python in every layer with one
 device read each (whether anything left the important set, and the widest count, to gather it); the layers are
-quantised together (``Segment.build_layers``) and the probe rows of every layer drawn from one read per prefill.
+quantised together (``Segment.build_layers``; each layer's segment cut out of the fold when first read, so a
+one-token call, which reads none, cuts none) and the probe rows of every layer drawn from one read per prefill.
 On the static cache (``model.compile``) the override runs in fixed shapes with no host read
 (:func:`~._zipvl_ops.masked_sparse_attention`, the gathered form's attention set), so the prefill's segments are
 captured graphs, the probe rows staged as their input (``Carried.stage``), each layer's selection carried out.
