@@ -8,10 +8,10 @@ For greedy and each drafter of ``--recipes`` on the embedded model (its trained 
 on the first world images, batch 1, ``model.compile: auto``; on a CPU ``static`` with the emulator), after one warm-up call per image (every graph
 captured): per call the prefill and the decode time (the pipeline's own timings), and in the decode the graphs
 replayed by kind (the LM step, which is a drafter's verify step; the greedy verdict; the target's keep; the
-draft's proposal and accept steps) with the device time inside them (CUDA events around each replay, its input
-copies included: the kernels' execution, not the host's launches). The rest of the decode time is the host's
-Python and launches, eager kernels (``lm_head``, the draft's ``lm_head``) and the waits for the device: what the
-graphs do not explain. Prints a Markdown table and one JSON line; ratios are against greedy's decode time per
+draft's proposal and accept steps) with the device time inside them (CUDA events recorded around each replay
+call: its input copies and kernels, and any wait of the device for the host within the call, which a starved
+device shows as a gap between the events). The rest of the decode time is the host's Python and launches, eager
+kernels (``lm_head``, the draft's ``lm_head``) and the waits for the device: what the graphs do not explain. Prints a Markdown table and one JSON line; ratios are against greedy's decode time per
 token. On a CPU the graphs are the emulator's and every time is host time: a smoke run, not a measurement.
 """
 
