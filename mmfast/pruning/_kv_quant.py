@@ -74,33 +74,25 @@ class SegmentedLayer:
         raise NotImplementedError
 
     @staticmethod
-    def bytes_all_valid(layers: list[SegmentedLayer]) -> torch.Tensor:
-        """[B] :meth:`bytes_per_sample` summed over ``layers`` where every buffer slot is valid (decode steps append
-        valid slots), from host counts only (no device read), in three host ops whatever the depth."""
-        slots = sum(lay.buffer_length * lay._slot_bytes() for lay in layers)
-        return torch.stack([lay._seg_bytes for lay in layers]).sum(0) + slots
-
-    @staticmethod
-    def bytes_of_layers(layers: list[SegmentedLayer], valid: torch.Tensor) -> torch.Tensor:
-        """[B] :meth:`bytes_per_sample` summed over ``layers`` of one layer group (``valid``: [B, T] its held slots)
-        in a few host ops and one read per buffer length, instead of a few ops and a read a layer (exact: integer
-        byte counts in float64)."""
+    def bytes_of_layers(layers: list[SegmentedLayer], valid: torch.Tensor | None = None) -> torch.Tensor:
+        """[B] :meth:`bytes_per_sample` summed over ``layers`` (``valid``: [B, T] their layer group's held slots;
+        None: every buffer slot is valid, as decode steps append them, counted from host counts with no device read)
+        in a few host ops and at most one read per buffer length, instead of a few ops and a read a layer (exact:
+        integer byte counts in float64)."""
         total = torch.stack([lay._seg_bytes for lay in layers]).sum(0)
         per_length: dict[int, int] = {}  # buffer length: the slot bytes of the layers holding it
         for lay in layers:
             if lay.buffer_length:
                 per_length[lay.buffer_length] = per_length.get(lay.buffer_length, 0) + lay._slot_bytes()
         for n, slot in per_length.items():
-            total = total + valid[:, valid.shape[1] - n :].sum(1).double().cpu() * slot
+            held = n if valid is None else valid[:, valid.shape[1] - n :].sum(1).double().cpu()
+            total = total + held * slot
         return total
 
     def bytes_per_sample(self, valid: torch.Tensor) -> torch.Tensor:
         """[B] logical stored bytes: quantised segments + the valid slots of the full-precision buffer
         (``valid``: [B, T] the layer group's held slots, the buffer's the last ones)."""
-        n = self.buffer_length
-        if not n:
-            return self._seg_bytes + torch.zeros(valid.shape[0], dtype=torch.float64)
-        return self._seg_bytes + valid[:, valid.shape[1] - n :].sum(1).double().cpu() * self._slot_bytes()
+        return SegmentedLayer.bytes_of_layers([self], valid)
 
 
 class MixedPrecisionKVLayer(SegmentedLayer, DynamicLayer):

@@ -166,7 +166,7 @@ def held_bytes(layers: list, prefill: list[int], since: int) -> list[int]:
     ``buffer_length`` valid slots a row, and a plain cache (``quantize_kv: false``) its ``prefill`` bytes and a slot a
     row in every layer for each of the ``since`` tokens appended after the prefill."""
     if all(isinstance(lay, SegmentedLayer) for lay in layers):
-        total = SegmentedLayer.bytes_all_valid(layers)
+        total = SegmentedLayer.bytes_of_layers(layers)
     else:
         total = torch.tensor(prefill, dtype=torch.float64) + since * sum(compat.slot_bytes(lay) for lay in layers)
     return [int(x) for x in total.tolist()]
