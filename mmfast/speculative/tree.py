@@ -156,13 +156,18 @@ class DeviceTree:
         return DeviceTree.unpack(torch.tensor(packed, device=device), width, levels)
 
 
+def _slot_parents(parents: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[W] every verify slot's parent slot, from the T nodes' ``parents`` and ``slots`` = arange(W): the root and
+    the slots after the nodes are their own parents."""
+    return torch.cat([slots[:1], parents, slots[parents.numel() + 1 :]])
+
+
 def tree_layout(parents: torch.Tensor, width: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`DraftTree.depth` and :meth:`DraftTree.mask` of a tree padded to ``width`` slots, computed on the
     device in fixed shapes (no host read): ``levels`` (>= the tree's depth) rounds of "a node sees what its
     parent sees, and itself". Returns depths [W] and the mask [W, W]."""
-    t, dev = parents.numel(), parents.device
-    ar = torch.arange(width, device=dev)
-    par = torch.cat([ar[:1], parents, ar[t + 1 :]])  # [W]: the root and the pad slots are their own parents
+    ar = torch.arange(width, device=parents.device)
+    par = _slot_parents(parents, ar)  # [W]
     eye = ar[:, None] == ar[None, :]  # [W, W]
     seen = eye
     for _ in range(levels):
@@ -188,7 +193,7 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     ar = torch.arange(w, device=dev)
     target = logits.argmax(-1)  # [W]
     node_tok = torch.cat([root, tokens, root.expand(w - t - 1)])  # [W]
-    par = torch.cat([ar[:1], parents, ar[t + 1 :]])  # [W]
+    par = _slot_parents(parents, ar)  # [W]
     is_node = (ar >= 1) & (ar <= t)  # a pad node (its own parent) is never accepted: its parent never is
     match = is_node & (node_tok == target.index_select(0, par))  # [W] a node equals its parent's argmax
     # a matching node loses to an earlier matching sibling (verify takes the first)
