@@ -173,9 +173,17 @@ def cache_layers(cache: DynamicCache) -> list:
 
 
 def crop_last(cache: DynamicCache, n: int) -> None:
-    """Remove the last ``n`` slots from every layer of ``cache`` (no-op for n == 0)."""
-    if n > 0:
-        cache.crop(-n)
+    """Remove the last ``n`` slots from every layer of ``cache`` (no-op for n == 0); on a static cache every
+    layer's write index moves back in one op (OPERA crops its look-ahead every step), the buffers untouched."""
+    if n <= 0:
+        return
+    lays = cache.layers
+    if lays and all(type(lay) is StaticSlotLayer and lay._pos is not None and lay._len >= n for lay in lays):
+        torch._foreach_add_([lay._pos for lay in lays], -n)
+        for lay in lays:
+            lay._len -= n
+        return
+    cache.crop(-n)
 
 
 def layer_length(cache: DynamicCache, layer_idx: int) -> int:
@@ -673,6 +681,45 @@ def keep_first_rows(cache, n: int) -> None:
             lay.keep_first_rows(n)
     else:
         cache.reorder_cache(torch.arange(n, device=cache.layers[0].keys.device))
+
+
+def static_rows(cache, index: torch.Tensor) -> Cache:
+    """A new static cache holding rows ``index`` ([R] long) of static ``cache`` in buffers of its own (the same
+    capacities, held counts and write indices; no pool): the rows a per-sample search decodes on (OPERA's beams)."""
+    layers = []
+    for lay in cache.layers:
+        if type(lay) is not StaticSlotLayer:
+            raise TypeError(f"static_rows takes StaticSlotLayer caches, not {type(lay).__name__}")
+        new = copy.copy(lay)
+        idx = index.to(lay._k.device)
+        new._k, new._v, new._pos = lay._k.index_select(0, idx), lay._v.index_select(0, idx), lay._pos.clone()
+        new._pool, new._whole, new._write = None, None, None
+        layers.append(new)
+    return Cache(layers=layers)
+
+
+def copy_static_rows(dst, src, index: torch.Tensor) -> bool:
+    """Rows ``index`` ([R] long, R = ``dst``'s batch) of static ``src`` copied into ``dst``'s own buffers (their
+    addresses, and the graphs captured on them, stay), held counts and write indices too. False, with nothing
+    changed, where a layer's buffers differ in shape (a layer of ``dst`` grew): the caller makes new ones."""
+    pairs = list(zip(dst.layers, src.layers))
+    if len(pairs) != len(src.layers) or any(
+        type(d) is not StaticSlotLayer
+        or type(s) is not StaticSlotLayer
+        or d._k is None
+        or s._k is None
+        or d._k.shape[0] != index.numel()
+        or d._k.shape[1:] != s._k.shape[1:]
+        for d, s in pairs
+    ):
+        return False
+    for d, s in pairs:
+        idx = index.to(s._k.device)
+        torch.index_select(s._k, 0, idx, out=d._k)
+        torch.index_select(s._v, 0, idx, out=d._v)
+        d._pos.copy_(s._pos)
+        d._len = s._len
+    return True
 
 
 def is_static(cache) -> bool:

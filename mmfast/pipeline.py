@@ -592,8 +592,9 @@ class Session:
                 self._static_refusals.add(reason)
                 logger.info("model.compile: %s: decoding on the dynamic KV cache (%s)", mode, reason)
             return None
-        # every generated token, plus the most a verify step appends (its tree and root) before rollback
-        step = None if self.drafter is None else self.drafter.max_step_tokens()
+        # every generated token, plus the most a verify step (its tree and root) or a decoder's look-ahead appends
+        # before its rollback
+        step = decoder.max_step_tokens() if self.drafter is None else self.drafter.max_step_tokens()
         return req.max_new_tokens + (step or 1)
 
     def _check_streamable(self, decoder: Decoder, streamer: Any) -> None:

@@ -261,9 +261,30 @@ class LMState:
         self.accounting = self.accounting.select(index)
 
     def clone(self) -> LMState:
+        return self.clone_layout(compat.clone_cache(self.cache))
+
+    def rows(self, index: torch.Tensor, into: LMState | None = None) -> LMState:
+        """A new state of rows ``index`` ([R] long): on a static cache in buffers of its own
+        (:func:`compat.static_rows`, no copy of the other rows), or in ``into``'s (a state this method made
+        before) where they take them, so the graphs captured on them serve it (OPERA's beams of the next
+        sample: :func:`compat.copy_static_rows`); else a clone with those rows selected."""
+        if not compat.is_static(self.cache):
+            out = self.clone()
+            out.reorder(index)
+            return out
+        if into is not None and compat.copy_static_rows(into.cache, self.cache, index):
+            cache = into.cache
+        else:
+            cache = compat.static_rows(self.cache, index)
+        out = self.clone_layout(cache)
+        out.reorder_layout(index)
+        return out
+
+    def clone_layout(self, cache: Any) -> LMState:
+        """This state's layouts, inputs, extras and statistics copied, over ``cache``."""
         return LMState(
             self.inputs,
-            compat.clone_cache(self.cache),
+            cache,
             [copy.copy(g) for g in self.groups],
             self.n_layers,
             dict(self.extras),
@@ -713,6 +734,7 @@ class LMRunner:
         block_mask: torch.Tensor | None = None,
         embeds: torch.Tensor | None = None,
         all_logits: bool = True,
+        graph: bool = True,
     ) -> StepOutput:
         """Append ``tokens`` ([B, Q]) and return logits for them ([B, Q, V]).
 
@@ -724,6 +746,8 @@ class LMRunner:
         capacities only, not on how many tokens are held. Those masks come from each group's slot
         validity and its layers' device write index (:func:`static_step_mask`), inside the graph when
         the step is captured; the host keeps the groups' layouts (``key_mask`` etc.) as on a dynamic cache.
+        ``graph`` False: a static step of a width that recurs seldom (OPERA's rollback re-forwards its kept
+        prefix) runs eagerly rather than being captured as a graph of its own.
         """
         bsz, q = tokens.shape
         dev = tokens.device
@@ -760,7 +784,7 @@ class LMRunner:
         grp0 = state.groups[0]
         if static:  # a captured step looks the embeddings up inside the graph
             last = self._static_forward(
-                state, _StepInputs(tokens if embeds is None else None, embeds, new_pos, block_mask, held)
+                state, _StepInputs(tokens if embeds is None else None, embeds, new_pos, block_mask, held), graph
             )
         else:
             if embeds is None:
@@ -797,7 +821,7 @@ class LMRunner:
             self._consts[key] = t
         return t
 
-    def _static_forward(self, state: LMState, step: _StepInputs) -> torch.Tensor:
+    def _static_forward(self, state: LMState, step: _StepInputs, graph: bool = True) -> torch.Tensor:
         """The LM forward of a static step ([B, Q, d] final hidden states): fixed shapes; every group's
         mask is built from its slot validity and its layers' device write index (:meth:`_static_masks`).
         Captured and replayed when :meth:`capture_blocker` finds nothing against it; the host's slot
@@ -813,7 +837,7 @@ class LMRunner:
             logger.info("model.compile: auto: static decode steps run without a captured graph (%s)", blocker)
         compat.set_padded(state.cache, True)
         try:
-            if blocker is None:
+            if blocker is None and graph:
                 last = self._replay(state, step)
             else:
                 with self._activate(state, "decode"):

@@ -22,6 +22,11 @@ LLaVA-1.5-7B's depths (24 tower and 32 LLM layers, where the methods' default la
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods cdpruner,tome --tokens 64
+
+``--opera``: OPERA (5 beams, 5 candidates, no rollback) per generated token on the dynamic cache, on the static
+cache with eager steps, and with its steps captured: host ops and replayed ops (a 20-token call less a 4-token one).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --opera --layers 32
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 from PIL import Image
 
 import mmfast
-from mmfast.bench.host_ops import PHASES, STAGES, count_call_ops, count_step_ops
+from mmfast.bench.host_ops import PHASES, STAGES, count_call_ops, count_step_ops, count_token_ops
 from mmfast.models.factory import SHAPES, random_llava, save_model
 from mmfast.registry import PRUNERS
 
@@ -60,6 +65,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--embedded", action="store_true", help="the embedded model's greedy, flash and msd")
     ap.add_argument("--prefill", action="store_true", help="ops of a batch-1 prefill, eager and captured")
+    ap.add_argument("--opera", action="store_true", help="OPERA's ops per token: dynamic, static, captured")
     ap.add_argument("--methods", default=",".join(PREFILL_METHODS), help="--prefill: comma-separated pruners")
     ap.add_argument(
         "--tokens", type=int, default=None, help="--prefill: budget {tokens: N} (default: papers' defaults)"
@@ -85,6 +91,9 @@ def main() -> None:
         mm = mmfast.load(save_model(model, processor, tmp), device="cpu", dtype="float32")
         if args.prefill:
             print_prefill_rows(mm, images[:1], PROMPTS[:1], args.methods.split(","), args.tokens)
+            return
+        if args.opera:
+            print_opera_rows(mm, images[:1], PROMPTS[:1])
             return
         rows = []
         for name, (recipe, bsz) in cases(mm).items():
@@ -127,6 +136,20 @@ def print_prefill_rows(mm, images, prompts, methods=PREFILL_METHODS, tokens: int
             ops = count_call_ops(mm, recipe, images, prompts, captured=captured)
             cells = " | ".join(str(ops[st]) for st in STAGES)
             print(f"| {name} | {'captured' if captured else 'none (eager)'} | {cells} | {sum(ops.values())} |")
+
+
+def print_opera_rows(mm, images, prompts) -> None:
+    params = {"num_beams": 5, "num_attn_candidates": 5, "threshold": 10**6}  # no rollback: the steady state
+    recipe = {"decoding": {"method": "opera", "params": params}}
+    print(f"| OPERA, batch 1, {len(mm.adapter.layers)} LLM layers, per token | host ops | replayed |")
+    print("|---|---|---|")
+    for name, compile, captured in [
+        ("dynamic cache (`off`)", "off", False),
+        ("static cache, eager steps", "static", False),
+        ("static cache, captured steps", "static", True),
+    ]:
+        host, replayed = count_token_ops(mm, recipe, images, prompts, compile, captured=captured)
+        print(f"| {name} | {host:.1f} | {replayed:.1f} |")
 
 
 def print_rows(rows: list[tuple[str, dict]]) -> None:

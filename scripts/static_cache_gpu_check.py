@@ -40,6 +40,9 @@ RECIPES = {
     "msd": {"speculative": {"method": "msd", "params": {"depth": 6, "top_k": 4, "total_tokens": 8}}},
     "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
     "vhr": {"decoding": {"method": "vhr"}},  # its head-scaling pre-hooks replay inside the step
+    # its beams' step and tree look-ahead captured, the last layer's rows carried out of them (graphs per call: the
+    # beams' buffers are the call's own)
+    "opera": {"decoding": {"method": "opera", "params": {"num_beams": 3, "num_attn_candidates": 3}}},
 }
 PRUNER_RECIPES = (
     "divprune",

@@ -42,6 +42,18 @@ def test_captured_steps_of_stateful_methods_keep_their_host_work_small(name, rec
     assert ops["transfers"] <= (1.0 if name == "dynamic_llava" else 2.0), ops  # as measured; zipvl: its host bytes
 
 
+def test_opera_on_captured_steps_leaves_its_own_bookkeeping_outside(tiny_mm, images, prompts):
+    """OPERA's beam step, tree look-ahead and reorder are graphs: what is left per token outside them is its search
+    and penalty bookkeeping (~250 ops, the same on 4 or 32 LLM layers; on the dynamic cache 810 on 4 layers, 4,058
+    on 32: ``scripts/host_ops.py --opera``), and the graphs replay the forwards."""
+    from mmfast.bench.host_ops import count_token_ops
+
+    recipe = {"decoding": {"method": "opera", "params": {"num_beams": 3, "num_attn_candidates": 3, "threshold": 10**6}}}
+    dynamic, _ = count_token_ops(tiny_mm, recipe, images[:1], prompts[:1], "off", captured=False, tokens=(3, 9))
+    host, replayed = count_token_ops(tiny_mm, recipe, images[:1], prompts[:1], "static", captured=True, tokens=(3, 9))
+    assert host <= 270 and host < dynamic / 2 and replayed > 100, (host, dynamic, replayed)
+
+
 @pytest.mark.parametrize("custom", [False, True])
 def test_static_step_mask_is_the_block_causal_mask_padded(custom):
     g = torch.Generator().manual_seed(0)

@@ -5,11 +5,13 @@ composes with in-LLM pruning."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 import torch
 
+from mmfast._graph_emulator import ReplayEmulator
 from mmfast.config import load_recipe
 from mmfast.decoding import opera as opera_mod
 from mmfast.decoding._opera_penalty import LOG_PHI_OFFSET, OverTrustHistory, column_log_scores, mode, phi_from_log
@@ -300,3 +302,50 @@ def test_refuses_speculative_and_decode_kv_policies():
         )
     always = {"predictors": "random", "text_keep": "always"}
     load_recipe({"decoding": {"method": "opera"}, "pruning": [{"method": "dynamic_llava", "params": always}]})
+
+
+class _Graphs(ReplayEmulator):
+    """CUDA-graph semantics on the CPU (recorded ops replayed, Python frozen at capture), counting the graphs."""
+
+    made: list = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        _Graphs.made.append(self)
+
+
+@pytest.mark.parametrize("pruning", [None, "fastv"])
+def test_static_and_captured_steps_equal_the_dynamic_cache(pruning, tiny_mm, images, prompts, monkeypatch, caplog):
+    """OPERA on the static cache: eager static steps (``compile: static``) and captured ones (CUDA-graph semantics
+    emulated: the beams' steps, the tree look-ahead with its last-layer rows carried out of each replay, the
+    reorders; the rollback's re-forward eager). Tokens, rollbacks, candidate forwards and end KV bytes equal the
+    dynamic cache's at batch 2 with rollbacks in every sample; the second sample's beams take the first's buffers,
+    so a batch of 2 captures no more graphs than a batch of 1."""
+    import mmfast
+    from mmfast.registry import PRUNERS
+
+    _force_location(monkeypatch)
+    data: dict = {"decoding": {"method": "opera", "params": {"num_beams": 2, "num_attn_candidates": 2, "threshold": 2}}}
+    if pruning:
+        data["pruning"] = [{"method": pruning, "params": PRUNERS.get(pruning).cls.test_params(tiny_mm.adapter)}]
+
+    def run(compile: str, n: int) -> list:
+        with mmfast.apply(tiny_mm, load_recipe(data), compile=compile) as s:
+            res = s.generate(images[:n], prompts[:n], max_new_tokens=14)
+        return [
+            (r.token_ids, r.stats["rollback_positions"], r.stats["candidate_forwards"], r.kv_bytes_end) for r in res
+        ]
+
+    dynamic = run("off", 2)
+    assert all(positions for _, positions, _, _ in dynamic)  # every sample rolled back
+    assert run("static", 2) == dynamic
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: _Graphs)
+    _Graphs.made = []
+    with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
+        assert run("static", 2) == dynamic
+    assert not [r for r in caplog.records if "without a captured graph" in r.getMessage()]
+    two = len(_Graphs.made)
+    assert two and sum(g.replays for g in _Graphs.made) >= 20
+    _Graphs.made = []
+    run("static", 1)
+    assert len(_Graphs.made) == two

@@ -8,6 +8,7 @@ import torch
 import mmfast
 from mmfast.config import Recipe
 from mmfast.hooks import last_row
+from mmfast.hooks.attention import all_rows
 from mmfast.pipeline import Session
 
 
@@ -70,6 +71,21 @@ def test_probe_decode_rows_and_reduction(tiny_mm, images, prompts):
         rec = s.probe["last"]
     assert rec.probs.shape[:2] == (2, 1) and rec.q_len == 1  # last decode step, max over heads
     assert torch.all(rec.probs >= 0) and torch.all(rec.probs <= 1)
+
+
+def test_a_decode_replayable_probe_needs_shape_only_rows_in_every_forward(tiny_mm):
+    """A probe that a captured decode step replays carries its record out of the step (``Carried(decode=True)``);
+    rows picked by Python at each forward, or a probe that skips decode steps, cannot be one."""
+    attn = tiny_mm.adapter.layers[-1].self_attn
+    with Session(tiny_mm, Recipe()) as s:
+        s.probe.watch("rows", attn, rows=all_rows, decode_replayable=True)
+        assert s.runner.capture_blocker() is None
+        with pytest.raises(ValueError, match="shape-only rows"):
+            s.probe.watch("python", attn, rows=lambda q, k: torch.tensor([0]), decode_replayable=True)
+        with pytest.raises(ValueError, match="every forward"):
+            s.probe.watch("prefill", attn, rows=last_row, prefill_only=True, decode_replayable=True)
+        s.probe.watch("plain", attn, rows=all_rows)  # records in decode steps, nothing carried: blocks the capture
+        assert "attention probes" in s.runner.capture_blocker()
 
 
 def test_probe_under_eager_model(tiny_dir, images, prompts):

@@ -360,7 +360,7 @@ def test_in_llm_pruning_gives_later_layers_smaller_buffers(tiny_mm, images, prom
 @pytest.mark.parametrize(
     "decoding",
     [
-        {"method": "opera", "params": {"num_beams": 2, "num_attn_candidates": 2}},
+        {"method": "opera", "params": {"num_beams": 2, "num_attn_candidates": 2, "lookahead": "clone"}},
         {"method": "pai"},
     ],
 )
@@ -683,6 +683,30 @@ def test_static_layer_grows_past_capacity_keeping_slots(caplog):
     _same(dyn, sta)
 
 
+def test_rows_of_a_static_cache_fill_the_buffers_they_were_given():
+    """``static_rows`` makes rows of their own (the source untouched); ``copy_static_rows`` refills them in place
+    (the same addresses: the graphs on them serve the next sample), or refuses with nothing changed where a layer's
+    buffer does not match (a layer grew)."""
+    _, src = _pair()
+    src.crop(-1)  # 4 held
+    cache = type("C", (), {"layers": [src]})()
+    rows = compat.static_rows(cache, torch.tensor([1, 1]))
+    (lay,) = rows.layers
+    assert lay._k.data_ptr() != src._k.data_ptr() and lay.length == 4 and int(lay._pos) == 4
+    assert torch.equal(lay.keys, src.keys[[1, 1]]) and torch.equal(lay.values, src.values[[1, 1]])
+    buf = lay._k
+    lay.update(torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4))  # the beams go on; the source does not move
+    assert src.length == 4
+    assert compat.copy_static_rows(rows, cache, torch.tensor([2, 2]))
+    assert lay._k is buf and lay.length == 4 and int(lay._pos) == 4
+    assert torch.equal(lay.keys, src.keys[[2, 2]]) and torch.equal(lay.values, src.values[[2, 2]])
+    before = lay._k.clone()
+    assert not compat.copy_static_rows(rows, cache, torch.tensor([0, 0, 0]))  # another batch
+    lay._grow(lay.capacity + 3)
+    assert not compat.copy_static_rows(rows, cache, torch.tensor([0, 0]))
+    assert torch.equal(lay._k[:, :, : before.shape[2]], before) and lay.length == 4
+
+
 def test_out_of_memory_names_the_tokens_and_the_key(monkeypatch):
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
@@ -832,7 +856,7 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
         ({"pruning": [{"method": "zipvl"}]}, None),  # its override's decode query is carried out of the step
         ({"decoding": {"method": "vhr"}}, None),  # its pre-hooks read the frozen scales from fixed memory
         ({"decoding": {"method": "pai"}}, "attention probes or overrides"),
-        ({"decoding": {"method": "opera", "params": DECODER_PARAMS["opera"]}}, "attention probes or overrides"),
+        ({"decoding": {"method": "opera", "params": DECODER_PARAMS["opera"]}}, None),  # its probe replays
     ],
 )
 def test_capture_blockers(recipe, blocker, tiny_mm):

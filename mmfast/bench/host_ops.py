@@ -205,18 +205,40 @@ def count_call_ops(mm, recipe: dict, images, prompts, *, captured: bool = True) 
     """Torch ops a one-token ``generate`` call of ``recipe`` dispatches outside graph replays, by stage
     (:data:`STAGES`: what a TTFT pays in launches), after a first call of the same inputs (its graphs captured:
     the steady state of a long run). ``captured`` False: ``compile: static`` without graphs, every op eager."""
+    return _call_counter(mm, recipe, images, prompts, 1, "static", captured).by_stage
+
+
+def count_token_ops(
+    mm, recipe: dict, images, prompts, compile: str, *, captured: bool, tokens: tuple[int, int] = (4, 20)
+) -> tuple[float, float]:
+    """(ops dispatched outside graph replays, ops the graphs replayed) per generated token of ``recipe``: a call of
+    ``tokens[1]`` new tokens less one of ``tokens[0]``, each after a first call of the same inputs (its graphs
+    captured), over the tokens between (both calls must run to their length: a decoder that stops early raises).
+    ``compile``: ``off`` (the dynamic cache) or ``static`` (with ``captured``: the CPU stand-in of CUDA graphs)."""
+    short, long = (_call_counter(mm, recipe, images, prompts, n, compile, captured) for n in tokens)
+    if (short.tokens, long.tokens) != tokens:
+        raise RuntimeError(f"the calls made {short.tokens} and {long.tokens} tokens, not {tokens}")
+    n = tokens[1] - tokens[0]
+    host = sum(long.by_stage.values()) - sum(short.by_stage.values())
+    return host / n, (long.replayed - short.replayed) / n
+
+
+def _call_counter(mm, recipe: dict, images, prompts, max_new_tokens: int, compile: str, captured: bool):
+    """The :class:`StageCounter` of a ``generate`` call after a first call of the same inputs; its ``tokens``: the
+    first sample's generated count."""
     original = Session._capture_factory
     if captured:
         Session._capture_factory = lambda self: ReplayGraph  # restored below; this process only counts
     ReplayGraph.made = []
     try:
-        with apply(mm, load_recipe(recipe), compile="static") as s:
-            s.generate(images, prompts, max_new_tokens=1, seed=0)  # captures the call's graphs
+        with apply(mm, load_recipe(recipe), compile=compile) as s:
+            s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)  # captures the call's graphs
             counter = StageCounter(s.runner)
             ReplayGraph.counter = counter  # pauses it while a graph replays
             with counter:
-                s.generate(images, prompts, max_new_tokens=1, seed=0)
+                out = s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)
     finally:
         Session._capture_factory = original
         ReplayGraph.counter = None
-    return counter.by_stage
+    counter.tokens = len(out[0].token_ids)
+    return counter

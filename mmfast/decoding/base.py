@@ -127,6 +127,11 @@ class Decoder:
     def install(self) -> None:
         """Register hooks (called once when the session opens)."""
 
+    def max_step_tokens(self) -> int:
+        """The most slots one of this decoder's steps appends after the generated tokens it holds (a static
+        cache reserves them): one, unless it looks ahead (OPERA's candidates)."""
+        return 1
+
     def decode(self, req: DecodeRequest) -> DecodeOutput:
         raise NotImplementedError
 

@@ -38,6 +38,12 @@ copied; ``clone`` runs K x N_can rows on a deep-cloned, repeated cache (``candid
 copies). Both give the same rows up to float rounding and gave identical tokens in every test; the
 clone path is used automatically when the recipe has per-step KV policies (``runner.step_hooks``).
 
+Static cache (``model.compile``; the ``tree`` look-ahead): each sample's K beam rows get buffers of their own,
+refilled for the next sample (one set per call, so the graphs captured for the first sample serve all); the
+probe is shape-only (``all_rows``) and replayed inside captured steps (``watch(decode_replayable=True)``), its
+rows read over the buffer's held slots; a rollback cuts the beams back to the prompt and re-forwards the prefix
+eagerly. ``lookahead: clone`` keeps the dynamic cache.
+
 Memory: O(K x t) running column log-sums per step, bounded rollback snapshots, no L x L map; details in
 ``docs/methods.md`` ("OPERA in detail").
 
@@ -63,15 +69,18 @@ candidate-restricted beam search (the -999 fill renormalises each beam over its 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from .. import compat
 from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import IncompatibleRecipeError
+from ..hooks.attention import all_rows
 from ..registry import DECODERS
 from ._opera_penalty import OverTrustHistory, mode, phi_from_log, renormalised, rollback_target
 from .base import DecodeOutput, Decoder, DecodeRequest, now, state_accounting
@@ -107,13 +116,16 @@ class _SampleResult:
 class Opera(Decoder):
     """OPERA (over-trust penalty + retrospection-allocation beam search)."""
 
-    caps = Capabilities(
-        search="beam",
-        needs_full_decode_cache=True,
-        dynamic_decode="its over-trust map reads the last layer's attention rows over exactly the held keys, "
-        "and its look-ahead and rollback clone and crop the cache",
-    )
+    # the tree look-ahead, the beams' steps and the rollback run on the static cache (captured under
+    # model.compile: auto); the clone look-ahead does not (capabilities)
+    caps = Capabilities(search="beam", needs_full_decode_cache=True)
     probe_key = "opera.last_layer"
+
+    @classmethod
+    def capabilities(cls, params) -> Capabilities:
+        if params is not None and params.lookahead == "clone":
+            return dataclasses.replace(cls.caps, dynamic_decode="its clone look-ahead deep-copies the cache every step")
+        return cls.caps
 
     @dataclass(frozen=True)
     class Config:
@@ -142,32 +154,42 @@ class Opera(Decoder):
 
     def install(self) -> None:
         layer = self.ctx.adapter.layers[-1]
-        self._tree = False  # set during a tree look-ahead forward: record every query row
+        self._tree = False  # set during a tree look-ahead forward (a step with a block mask): record every row
+        # every query row of a one-token step (its last) or of a tree look-ahead; shape-only rows, so a captured
+        # step replays the probe and puts its record back (the tree's step and the beams' are graphs apart)
         self.ctx.probe.watch(
             self.probe_key,
             layer.self_attn,
-            rows=lambda q, k: torch.arange(q) if self._tree else torch.tensor([q - 1]),
+            rows=all_rows,
             when=lambda q, k: q == 1 or self._tree,
             reduce="max",
+            decode_replayable=True,
         )
+
+    def max_step_tokens(self) -> int:
+        """Slots a step appends beyond the generated tokens: the tree look-ahead's N_can siblings."""
+        return self.config.num_attn_candidates
 
     # -- forwards ----------------------------------------------------------------------------------
     def _forward_rows(self, state, tokens: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` ([R]) and return (logits [R, V], renormalised last-layer rows [R, keys])."""
         self.ctx.probe.records.pop(self.probe_key, None)
         logits = self.ctx.runner.step(state, tokens[:, None], all_logits=False).logits[:, -1]
-        row = self._record(keys).probs[:, -1].float()  # [R, keys], max over heads
+        row = self._rows(state, keys)[:, -1].float()  # [R, keys], max over heads
         return logits, renormalised(row)
 
-    def _record(self, keys: int):
-        """The last layer's attention record of the forward that just ran, which must hold ``keys`` keys."""
+    def _rows(self, state, keys: int) -> torch.Tensor:
+        """The last layer's attention rows ([R, Q', keys], max over heads) of the forward that just ran, whose
+        last layer must hold ``keys`` keys. A static step's keys are its whole buffer (free slots masked: 0),
+        whose first ``keys`` slots are the held ones in order."""
         rec = self.ctx.probe.get(self.probe_key)
-        if rec is None or rec.k_len != keys:
+        held = rec.k_len if rec is not None and not compat.is_static(state.cache) else state.groups[-1].length
+        if rec is None or held != keys:
             raise IncompatibleRecipeError(
                 f"OPERA needs every generated token cached in the last decoder layer (expected {keys} keys, got "
-                f"{None if rec is None else rec.k_len}); a decode-time KV policy in this recipe changes it"
+                f"{None if rec is None else held}); a decode-time KV policy in this recipe changes it"
             )
-        return rec
+        return rec.probs[..., :keys]
 
     def _candidate_rows(self, state, cand: torch.Tensor, keys: int) -> tuple[torch.Tensor, int]:
         """Each candidate's renormalised last-layer row ([K, N, keys]) and the forwards it took."""
@@ -191,12 +213,11 @@ class Opera(Decoder):
                 block_mask=torch.eye(n, dtype=torch.bool, device=dev),
                 all_logits=False,
             )
-            rec = self._record(keys - 1 + n)
+            probs = self._rows(state, keys - 1 + n).float()  # [K, N, past + N]; a sibling's column is exactly 0
         finally:
             self._tree = False
             state.crop_last(n)
         past = keys - 1
-        probs = rec.probs.float()  # [K, N, past + N]; a sibling's column is exactly 0 (masked)
         own = probs[..., past:].diagonal(dim1=-2, dim2=-1)  # [K, N] each candidate's attention to itself
         return renormalised(torch.cat([probs[..., :past], own[..., None]], -1))
 
@@ -219,16 +240,26 @@ class Opera(Decoder):
         runner = self.ctx.runner
         return bool(runner.step_hooks) or bool(getattr(runner, "_decode", None))
 
-    def _rebuild(self, base, ids: torch.Tensor, first_logits: torch.Tensor):
-        """A fresh beam state: the post-prompt cache cloned for K beams plus the generated prefix ``ids`` [K, p]."""
+    def _rebuild(self, base, ids: torch.Tensor, first_logits: torch.Tensor, resp_start: int):
+        """A fresh beam state: the post-prompt cache for K beams plus the generated prefix ``ids`` [K, p].
+
+        Dynamic cache: ``base`` (the sample's post-prompt state) cloned and repeated. Static cache: ``base`` is
+        the K beam rows themselves, cut back to the prompt (every row holds the sample's prompt, copied from
+        one row, so this is the same cache), in the same buffers; the prefix is re-forwarded eagerly (a width
+        that seldom recurs, not worth a graph of its own)."""
         runner = self.ctx.runner
         k, p = ids.shape
-        state = base.clone()
-        state.repeat_interleave(k)
+        static = compat.is_static(base.cache)
+        if static:
+            state = base
+            state.crop_last(state.groups[-1].length - resp_start)
+        else:
+            state = base.clone()
+            state.repeat_interleave(k)
         if p == 0:
             return state, first_logits.expand(k, -1).clone(), 0
         if not self._per_step_policies():
-            return state, runner.step(state, ids, all_logits=False).logits[:, -1], 1
+            return state, runner.step(state, ids, all_logits=False, graph=not static).logits[:, -1], 1
         for i in range(p):  # KV policies act once per token: replay the decode path
             logits = runner.step(state, ids[:, i : i + 1], all_logits=False).logits[:, -1]
         return state, logits, p
@@ -250,8 +281,12 @@ class Opera(Decoder):
         vision = state.vision_slots(g_last).float()  # [B, T0]
         results: list[_SampleResult] = []
         bsz = inputs.batch_size
+        k = self.config.num_beams
+        beams = None  # static cache: the K beam rows of the sample being decoded, one set of buffers for all
         for b in range(bsz):
-            if bsz == 1:
+            if compat.is_static(state.cache):  # the sample's row copied into the K beam rows' buffers
+                base = beams = state.rows(torch.full((k,), b, dtype=torch.long, device=device), into=beams)
+            elif bsz == 1:
                 base = state
             else:  # this sample's rows, on a copy (the batch state stays intact for the others)
                 base = state.clone() if b < bsz - 1 else state
@@ -301,7 +336,9 @@ class Opera(Decoder):
         n_can = min(n_can, vocab)
         res = _SampleResult(tokens=[], kv_bytes_end=0, n_forwards=0)
 
-        state, logits, _ = self._rebuild(base, torch.zeros(k, 0, dtype=torch.long, device=device), first_logits)
+        state, logits, _ = self._rebuild(
+            base, torch.zeros(k, 0, dtype=torch.long, device=device), first_logits, resp_start
+        )
         search = BeamSearch(1, k, max_new, cfg.length_penalty, device, prompt_len=prompt_len)
         history = OverTrustHistory(k, cfg.scale_factor, device, fp16_factors=release)
         locs: list[torch.Tensor] = []  # per step: [K] location per beam slot (mode over candidates)
@@ -352,7 +389,7 @@ class Opera(Decoder):
                 for d in [s for s in bans if s > pos]:
                     del bans[d]
                 del locs[pos + 1 :]
-                state, logits, n_fw = self._rebuild(base, search.running_tokens[0], first_logits)
+                state, logits, n_fw = self._rebuild(base, search.running_tokens[0], first_logits, resp_start)
                 res.n_forwards += n_fw
                 bans[pos] = chosen[pos] if pos not in bans else torch.cat([bans[pos], chosen[pos]])
                 for d in [s for s in chosen if s >= pos]:
@@ -374,7 +411,7 @@ class Opera(Decoder):
                 event["chosen"] = [divmod(int(x), vocab) for x in chosen[step]]
             if search.done:
                 break
-            state.reorder(beam_idx)
+            self.ctx.runner.reorder(state, beam_idx)  # one captured graph under captured steps
             history.reorder(beam_idx)
             logits, row = self._forward_rows(state, tokens, resp_start + step + 1)
             res.n_forwards += 1

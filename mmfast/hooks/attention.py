@@ -179,6 +179,10 @@ def cls_row(q_len: int, k_len: int) -> torch.Tensor:
     return torch.tensor([0])
 
 
+def all_rows(q_len: int, k_len: int) -> torch.Tensor:
+    return torch.arange(q_len)
+
+
 @dataclass(frozen=True)
 class Carried:
     """How a hook's result crosses a captured graph (a prefill segment: ``LMRunner._segment``; the vision
@@ -255,7 +259,7 @@ def capture_blocker(
 
 #: row selectors whose rows depend on the shapes only: a probe with one of these computes the same rows of any
 #: batch of a shape, so it may run inside a captured prefill segment (``LMRunner``) and its record be replayed
-SHAPE_ONLY_ROWS = frozenset({last_row, cls_row})
+SHAPE_ONLY_ROWS = frozenset({last_row, cls_row, all_rows})
 #: staged probe rows (``watch(rows_from_inputs=True)``) are padded to a multiple of this many rows
 ROW_PAD = 16
 
@@ -316,6 +320,7 @@ class AttentionProbe:
         reduce: str | None = None,
         prefill_only: bool = False,
         rows_from_inputs: bool = False,
+        decode_replayable: bool = False,
     ) -> None:
         """Record ``rows`` of ``attn_module``'s attention under ``name`` on each forward.
 
@@ -324,7 +329,10 @@ class AttentionProbe:
         in LLM decode steps (which can then be captured graphs). ``rows_from_inputs`` (with
         ``prefill_only``): ``rows`` depend on the batch but are known before the forward, from the call's
         inputs (e.g. text rows chosen from the prompt), so a captured prefill segment stages them as its
-        input (:meth:`_stage`) instead of running this probe's Python.
+        input (:meth:`_stage`) instead of running this probe's Python. ``decode_replayable`` (shape-only
+        ``rows``; ``when`` a function of the forward's shapes and of what the caller keeps apart in the graph's
+        key, e.g. a verify step's block mask): the probe records in LLM decode steps too, and a captured step
+        replays it, its record put back after each replay (OPERA's last-layer rows).
         """
         hooks = attach(self.session, attn_module)
         reduce = reduce if reduce is not None else self.reduce
@@ -361,11 +369,14 @@ class AttentionProbe:
         # a captured prefill segment replays this recorder where its rows depend on shapes only or are staged as
         # the graph's input, and puts the record its graph writes back after each replay
         stageable = rows_from_inputs and prefill_only and not shape_only
+        if decode_replayable and (prefill_only or not shape_only):
+            raise ValueError(f"probe {name!r}: a decode-replayable probe records in every forward, on shape-only rows")
         record.mmfast_replayable = (  # type: ignore[attr-defined]
             Carried(
                 lambda: self.records.get(name),
                 lambda rec: self.records.__setitem__(name, rec),
                 (lambda length: self._stage(name, rows, length)) if stageable else None,
+                decode=decode_replayable,
             )
             if shape_only or stageable
             else None
