@@ -409,6 +409,7 @@ class LMRunner:
         self._consts: dict[tuple, torch.Tensor] = {}  # decode-step constants (:meth:`_const`)
         self._capture_refusals: set[str] = set()  # reasons already logged
         self._block_blocker: str | None | object = _UNCHECKED  # this static block's capture blocker
+        self._block_staging: list[Carried] | None = None  # its decode hooks' ``before_step`` (found once a block)
         self._block_prefill_blocker: str | None | object = _UNCHECKED  # and its prefill's
         self._block_segments: dict[range, tuple[str | None, list]] = {}  # and each prefill segment's (_segment_blocker)
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
@@ -473,6 +474,7 @@ class LMRunner:
         before = self.static_reserve, self.capture
         self.static_reserve, self.capture = reserve, capture if reserve is not None else None
         self._block_blocker = self._block_prefill_blocker = _UNCHECKED
+        self._block_staging = None
         self._block_segments = {}
         self.pool.loose = not decodes
         try:
@@ -481,6 +483,7 @@ class LMRunner:
             self.static_reserve, self.capture = before
             self.pool.loose = False
             self._block_blocker = self._block_prefill_blocker = _UNCHECKED
+            self._block_staging = None
             self._block_segments = {}
             if self._block_cache is not None:  # its buffers, and the graphs on them, serve the next call
                 self.pool.keep(self._block_cache)
@@ -835,6 +838,10 @@ class LMRunner:
         if self.capture is not None and blocker is not None and blocker not in self._capture_refusals:
             self._capture_refusals.add(blocker)
             logger.info("model.compile: auto: static decode steps run without a captured graph (%s)", blocker)
+        if self._block_staging is None:  # hooks are set up before decoding: found once per block
+            self._block_staging = [c for c in self._step_carried() if c.before_step is not None]
+        for carried in self._block_staging:  # the fixed memory a decode hook reads, from this state
+            carried.before_step(state)
         compat.set_padded(state.cache, True)
         try:
             if blocker is None and graph:

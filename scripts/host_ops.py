@@ -23,10 +23,12 @@ LLaVA-1.5-7B's depths (24 tower and 32 LLM layers, where the methods' default la
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods cdpruner,tome --tokens 64
 
-``--opera``: OPERA (5 beams, 5 candidates, no rollback) per generated token on the dynamic cache, on the static
-cache with eager steps, and with its steps captured: host ops and replayed ops (a 20-token call less a 4-token one).
+``--per-token``: decoders (OPERA with 5 beams, 5 candidates and no rollback; PAI, ClearSight and ONLY (argmax) at
+their defaults)
+per generated token on the dynamic cache, on the static cache with eager steps, and with their steps captured: host
+ops and replayed ops (a 20-token call less a 4-token one).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --opera --layers 32
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --per-token opera,pai,clearsight --layers 32
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--embedded", action="store_true", help="the embedded model's greedy, flash and msd")
     ap.add_argument("--prefill", action="store_true", help="ops of a batch-1 prefill, eager and captured")
-    ap.add_argument("--opera", action="store_true", help="OPERA's ops per token: dynamic, static, captured")
+    ap.add_argument(
+        "--per-token", default="", help="comma-separated decoders: ops per token, dynamic / static / captured"
+    )
     ap.add_argument("--methods", default=",".join(PREFILL_METHODS), help="--prefill: comma-separated pruners")
     ap.add_argument(
         "--tokens", type=int, default=None, help="--prefill: budget {tokens: N} (default: papers' defaults)"
@@ -92,8 +96,8 @@ def main() -> None:
         if args.prefill:
             print_prefill_rows(mm, images[:1], PROMPTS[:1], args.methods.split(","), args.tokens)
             return
-        if args.opera:
-            print_opera_rows(mm, images[:1], PROMPTS[:1])
+        if args.per_token:
+            print_token_rows(mm, images[:1], PROMPTS[:1], args.per_token.split(","))
             return
         rows = []
         for name, (recipe, bsz) in cases(mm).items():
@@ -138,18 +142,28 @@ def print_prefill_rows(mm, images, prompts, methods=PREFILL_METHODS, tokens: int
             print(f"| {name} | {'captured' if captured else 'none (eager)'} | {cells} | {sum(ops.values())} |")
 
 
-def print_opera_rows(mm, images, prompts) -> None:
-    params = {"num_beams": 5, "num_attn_candidates": 5, "threshold": 10**6}  # no rollback: the steady state
-    recipe = {"decoding": {"method": "opera", "params": params}}
-    print(f"| OPERA, batch 1, {len(mm.adapter.layers)} LLM layers, per token | host ops | replayed |")
+#: ``--per-token``: decoders whose steps a per-step count does not fit (OPERA: two step graphs a token) or that fell
+#: back to the dynamic cache before (OPERA, PAI, ClearSight, ONLY)
+PER_TOKEN = {
+    "opera": {"num_beams": 5, "num_attn_candidates": 5, "threshold": 10**6},  # no rollback: the steady state
+    "pai": {},
+    "clearsight": {},
+    "only": {"sample": False},  # argmax: a call runs to its length
+}
+
+
+def print_token_rows(mm, images, prompts, methods: list[str]) -> None:
+    print(f"| batch 1, {len(mm.adapter.layers)} LLM layers, per token | host ops | replayed |")
     print("|---|---|---|")
-    for name, compile, captured in [
-        ("dynamic cache (`off`)", "off", False),
-        ("static cache, eager steps", "static", False),
-        ("static cache, captured steps", "static", True),
-    ]:
-        host, replayed = count_token_ops(mm, recipe, images, prompts, compile, captured=captured)
-        print(f"| {name} | {host:.1f} | {replayed:.1f} |")
+    for method in methods:
+        recipe = {"decoding": {"method": method, "params": PER_TOKEN.get(method, {})}}
+        for name, compile, captured in [
+            ("dynamic cache (`off`)", "off", False),
+            ("static cache, eager steps", "static", False),
+            ("static cache, captured steps", "static", True),
+        ]:
+            host, replayed = count_token_ops(mm, recipe, images, prompts, compile, captured=captured)
+            print(f"| {method}: {name} | {host:.1f} | {replayed:.1f} |")
 
 
 def print_rows(rows: list[tuple[str, dict]]) -> None:

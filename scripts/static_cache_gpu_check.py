@@ -43,6 +43,10 @@ RECIPES = {
     # its beams' step and tree look-ahead captured, the last layer's rows carried out of them (graphs per call: the
     # beams' buffers are the call's own)
     "opera": {"decoding": {"method": "opera", "params": {"num_beams": 3, "num_attn_candidates": 3}}},
+    # attention overrides whose static decode steps read slot classes staged before each step
+    "pai": {"decoding": {"method": "pai"}},
+    "clearsight": {"decoding": {"method": "clearsight"}},
+    "only": {"decoding": {"method": "only", "params": {"sample": False}}},
 }
 PRUNER_RECIPES = (
     "divprune",
@@ -61,7 +65,19 @@ ONE_TOKEN = ("zipvl@1", "dynamic_llava@1")
 #: read LLM attention at prefill only, or act in the step by tensor work only (Dynamic-LLaVA's text rule, VHR,
 #: ZipVL's quantised layers and the query its override keeps): their decode steps must be captured graphs under
 #: ``auto`` (and the one-token calls' prefills)
-CAPTURED = ("fastv", "dart", "sparsevlm", "mustdrop", "dynamic_llava", "vhr", "zipvl", *ONE_TOKEN)
+CAPTURED = (
+    "fastv",
+    "dart",
+    "sparsevlm",
+    "mustdrop",
+    "dynamic_llava",
+    "vhr",
+    "zipvl",
+    "pai",
+    "clearsight",
+    "only",
+    *ONE_TOKEN,
+)
 
 
 ONE_TOKEN_PROMPT = "Is there a red object in the image? Answer the question using a single word or phrase."

@@ -361,7 +361,6 @@ def test_in_llm_pruning_gives_later_layers_smaller_buffers(tiny_mm, images, prom
     "decoding",
     [
         {"method": "opera", "params": {"num_beams": 2, "num_attn_candidates": 2, "lookahead": "clone"}},
-        {"method": "pai"},
     ],
 )
 def test_dynamic_only_methods_fall_back_with_one_log_line(decoding, tiny_mm, images, prompts, padded_steps, caplog):
@@ -761,6 +760,60 @@ class EmulatedGraph(ReplayEmulator):
         EmulatedGraph.made.append(self)
 
 
+@pytest.mark.parametrize(
+    "decoding,pruning",
+    [
+        ({"method": "pai", "params": {"alpha": 3.0, "gamma": 1.0}}, False),
+        ({"method": "pai", "params": {"alpha": 3.0, "gamma": 1.5}}, False),  # the image-free CFG branch beside
+        ({"method": "pai", "params": {"alpha": 3.0, "gamma": 1.0, "start_layer": 0}}, True),  # two layer groups
+        ({"method": "clearsight", "params": {"enhance": 3.0, "suppress": 0.2, "layers": [0, 1, 2, 3]}}, False),
+        ({"method": "clearsight", "params": {"enhance": 3.0, "suppress": 0.2, "layers": [0, 1, 2, 3]}}, True),
+        ({"method": "only", "params": {"sample": False, "gamma": 0.5}}, False),
+        ({"method": "only", "params": {"sample": False, "gamma": 0.5}}, True),
+    ],
+    ids=["pai", "pai-cfg", "pai-fastv", "clearsight", "clearsight-fastv", "only", "only-fastv"],
+)
+def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tiny_mm, images, prompts, monkeypatch):
+    """PAI's, ClearSight's and ONLY's overrides in static decode steps read the slot classes staged before each step
+    (``DecodeSlotClasses``) over the whole buffer (ONLY's rows carried out for its last-layer pass), so the steps
+    are captured graphs (CUDA-graph semantics emulated): tokens (and ONLY's counts) equal the dynamic cache's at
+    batch 2, and a second call with other images and its rows' prompts
+    swapped (other slot classes a row, the same buffers) replays the first call's step graph with its own classes.
+    The edits are strong enough to change greedy's tokens (a step that skipped them would not match)."""
+    from mmfast.pipeline import Session
+
+    recipe: dict = {"decoding": decoding}
+    if pruning:
+        recipe["pruning"] = [_stage("fastv", tiny_mm)]
+    # the second call's rows swap prompts: the same buffers, each row's image and system slots elsewhere
+    calls = [(images[:2], prompts[:2]), (images[2:4], prompts[1::-1])]
+
+    def rows(results) -> list:  # tokens, and ONLY's per-sample counts
+        return [(r.token_ids, r.stats.get("additive_steps"), r.stats.get("removed_heads_first")) for r in results]
+
+    def run(compile: str) -> list:
+        with mmfast.apply(tiny_mm, load_recipe(recipe), compile=compile) as s:
+            return [rows(s.generate(im, pr, max_new_tokens=8, seed=0)) for im, pr in calls]
+
+    dynamic = run("off")
+    plain = {**recipe, "decoding": {"method": "greedy"}}
+    with mmfast.apply(tiny_mm, load_recipe(plain), compile="off") as s:
+        greedy = [[r.token_ids for r in s.generate(im, pr, max_new_tokens=8)] for im, pr in calls]
+    assert greedy != [[t for t, _, _ in call] for call in dynamic]
+    assert run("static") == dynamic  # eager static steps
+    EmulatedGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        assert s.runner.capture_blocker() is None
+        first = rows(s.generate(*calls[0], max_new_tokens=8, seed=0))
+        replays = [(g, g.replays) for g in EmulatedGraph.made]
+        assert replays and sum(n for _, n in replays) >= 5
+        second = rows(s.generate(*calls[1], max_new_tokens=8, seed=0))
+    assert [first, second] == dynamic
+    assert any(g.replays > n for g, n in replays)  # a step graph of the first call replayed in the second
+
+
 @pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
 @pytest.mark.parametrize(
     "name", ["greedy", "sample-seeded", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"]
@@ -855,7 +908,9 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
         ({"pruning": [{"method": "dynamic_llava"}]}, None),  # its decode decision is captured with the step
         ({"pruning": [{"method": "zipvl"}]}, None),  # its override's decode query is carried out of the step
         ({"decoding": {"method": "vhr"}}, None),  # its pre-hooks read the frozen scales from fixed memory
-        ({"decoding": {"method": "pai"}}, "attention probes or overrides"),
+        ({"decoding": {"method": "pai"}}, None),  # its override reads the staged slot classes in a decode step
+        ({"decoding": {"method": "clearsight"}}, None),
+        ({"decoding": {"method": "only"}}, None),  # its override and hooks leave their rows through Carried
         ({"decoding": {"method": "opera", "params": DECODER_PARAMS["opera"]}}, None),  # its probe replays
     ],
 )

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import compat
 from ..capabilities import Capabilities
 from ..errors import IncompatibleRecipeError
-from ..hooks.attention import attach
+from ..hooks.attention import Carried, attach, replayable, staged_copy
 
 
 @dataclass
@@ -33,14 +34,11 @@ class SlotClasses:
     generated: torch.Tensor  # a generated token (cached decode, or a decode-without-cache re-prefill)
 
 
-#: ``Capabilities.dynamic_decode`` of the attention-editing decoders (PAI, ClearSight, ONLY)
-ATTN_OVERRIDE_DYNAMIC = "its attention override lays out each row over exactly the held keys"
-
-
 def override_caps(active: bool, **more) -> Capabilities:
-    """The capabilities of a decoder whose attention override is installed when ``active`` (``more``: its
-    other fields)."""
-    return Capabilities(overrides_llm_attention=active, dynamic_decode=ATTN_OVERRIDE_DYNAMIC if active else "", **more)
+    """The capabilities of a decoder whose attention override is installed when ``active`` (``more``: its other
+    fields). Its static decode steps read staged slot classes (:class:`DecodeSlotClasses`): served by the static
+    cache and captured."""
+    return Capabilities(overrides_llm_attention=active, **more)
 
 
 def slot_classes(state, layer: int) -> SlotClasses:
@@ -71,6 +69,54 @@ def slot_classes(state, layer: int) -> SlotClasses:
         bos=valid & real & (grp.source == first_real),
         generated=generated,
     )
+
+
+class DecodeSlotClasses:
+    """Slot classes of a static decode step's keys in fixed memory, what an override reads inside a captured step.
+
+    A static step attends over each layer group's whole buffer (``C`` slots, free ones masked); before every static
+    step (``Carried.before_step``: :meth:`stage`) the held slots' classes of each layer group holding an edited layer
+    are computed from the running state and copied, padded to ``C`` with False, into memory kept per group, class,
+    batch and capacity, so the graph reads this call's. ``fields``: the classes the method reads; ``has_image``
+    ([B, 1]: the row holds a vision token) is always staged."""
+
+    def __init__(self, layers: list[int], fields: tuple[str, ...]) -> None:
+        self.layers, self.fields = list(layers), fields
+        self._memory: dict[tuple, torch.Tensor] = {}
+        # one mark for every edited layer: the runner stages once a step (it keeps one of each Carried)
+        self._carried = Carried(lambda: None, lambda _: None, decode=True, prefill=False, before_step=self.stage)
+
+    def stage(self, state) -> None:
+        done: set[int] = set()
+        for layer in self.layers:
+            g = state.group_of(layer)
+            if g in done:
+                continue
+            done.add(g)
+            grp = state.groups[g]
+            cap = compat.static_capacity(state.cache, grp.start)
+            cls = slot_classes(state, layer)  # [B, T_g] each (the step's new slots appended on the host)
+            for name in self.fields:
+                fresh = torch.nn.functional.pad(getattr(cls, name), (0, cap - grp.length), value=False)  # [B, C]
+                staged_copy(self._memory, (grp.start, name, *fresh.shape, fresh.device), fresh, fresh.device)
+            has = cls.image.any(1, keepdim=True)  # [B, 1]
+            staged_copy(self._memory, (grp.start, "has_image", *has.shape, has.device), has, has.device)
+
+    def get(self, state, layer: int, name: str, k_len: int, device) -> torch.Tensor:
+        """Class ``name`` ([B, C] bool; ``has_image``: [B, 1]) of ``layer``'s group as staged for this step."""
+        grp = state.groups[state.group_of(layer)]
+        width = 1 if name == "has_image" else k_len
+        return self._memory[(grp.start, name, state.batch_size, width, device)]
+
+    def carried(self) -> Carried:
+        """The override's mark: its decode work reads this memory only (replayable; its prefill work reads the
+        host, so the prefill segments holding it stay eager), nothing to carry out."""
+        return self._carried
+
+
+def static_step(state, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the running forward is a static decode step (its keys: each layer's whole buffer)."""
+    return compat.is_static(state.cache) and query.shape[2] < key.shape[2]
 
 
 def held_slot_classes(state, layer: int, k_len: int, who: str) -> SlotClasses:
@@ -117,12 +163,13 @@ def attend(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.matmul(probs, v).transpose(1, 2)
 
 
-def install_override(ctx, layer: int, fn: Callable, who: str) -> None:
-    """Set ``fn`` as the attention override of LLM layer ``layer`` (refused if another method holds it)."""
+def install_override(ctx, layer: int, fn: Callable, who: str, carried: Carried | None = None) -> None:
+    """Set ``fn`` as the attention override of LLM layer ``layer`` (refused if another method holds it); with
+    ``carried``, marked replayable in captured decode steps."""
     hooks = attach(ctx.hooks, ctx.adapter.layers[layer].self_attn)
     if hooks.override is not None:
         raise IncompatibleRecipeError(f"{who}: LLM layer {layer}'s attention is already overridden by another method")
-    hooks.override = fn
+    hooks.override = fn if carried is None else replayable(fn, carried)
 
 
 def edit_rows(
@@ -134,16 +181,19 @@ def edit_rows(
     base_out: torch.Tensor,
     rows: torch.Tensor,
     edit: Callable[[torch.Tensor, int], torch.Tensor],
+    r0: int | None = None,
 ) -> torch.Tensor:
     """The base output with the rows in ``rows`` ([B, Q] bool) recomputed from edited logits.
 
     ``edit(logits [B, H, R, K], r0)`` gets the scaled scores ``q K^T * scale`` of rows ``r0..Q-1``
     before the mask is added (the mask is added after the edit) and returns the edited logits.
-    base_out: [B, Q, H, D]. Returns [B, Q, H, D] in base_out's dtype.
+    base_out: [B, Q, H, D]. Returns [B, Q, H, D] in base_out's dtype. ``r0`` given (a static decode step: no
+    host read, the same kernels whichever rows are edited): rows from ``r0`` are recomputed, ``rows`` picks.
     """
-    if not bool(rows.any()):
-        return base_out
-    r0 = int(rows.any(0).nonzero()[0])  # first row edited in any sample
+    if r0 is None:
+        if not bool(rows.any()):
+            return base_out
+        r0 = int(rows.any(0).nonzero()[0])  # first row edited in any sample
     scores, add = masked_scores(query, key, attention_mask, r0)
     logits = edit(scores * scaling, r0) + add  # [B, H, R, K]
     probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)

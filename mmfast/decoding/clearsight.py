@@ -12,7 +12,10 @@ contrastive input; then greedy (the official POPE inference uses ``generate``'s 
 Defaults: the README's ``--enh-para 1.15 --sup-para 0.95``; the layers are the paper's 9..14 of 32,
 mapped proportionally (rounded) onto an LLM of another depth unless ``layers`` is given.
 Hook points: the probe wrapper's attention override on those layers (the model stays on sdpa; the
-rows after the image are recomputed in fp32, O(rows x keys)). Cost: one forward per token.
+rows after the image are recomputed in fp32, O(rows x keys)). Cost: one forward per token. On a static cache
+(``model.compile``) a decode step's override reads the image and system-prompt slots staged before each step over
+the layer's whole buffer (``_attn_edit.DecodeSlotClasses``), so the step is one captured graph under ``auto``; the
+prefill stays eager.
 
 Deviations from the official code: the image span and the system-prompt span come from the running
 layout (left padding, LLaVA-NeXT tiles, pruned vision tokens) instead of the fixed indices 35 / 576;
@@ -35,7 +38,7 @@ import torch
 from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
-from ._attn_edit import edit_rows, held_slot_classes, install_override, override_caps
+from ._attn_edit import DecodeSlotClasses, edit_rows, held_slot_classes, install_override, override_caps, static_step
 from .base import DecodeOutput, Decoder, DecodeRequest, existing_layers
 from .loop import autoregressive, sample_from, warpers
 
@@ -92,9 +95,13 @@ class ClearSight(Decoder):
         from ..capabilities import ModelFacts
 
         self.layers = self.check_facts(self.config, ModelFacts.of_adapter(self.ctx.adapter))
+        # a static decode step's image and system-prompt keys, in fixed memory refilled before each step
+        self._static = DecodeSlotClasses(self.layers, ("image", "before_image"))
         if self.active(self.config):
             for layer in self.layers:
-                install_override(self.ctx, layer, self._override(layer), "ClearSight (clearsight)")
+                install_override(
+                    self.ctx, layer, self._override(layer), "ClearSight (clearsight)", self._static.carried()
+                )
 
     def _override(self, layer: int):
         enhance, suppress = self.config.enhance, self.config.suppress
@@ -105,6 +112,15 @@ class ClearSight(Decoder):
             if state is None:
                 return out
             q_len, k_len = query.shape[2], key.shape[2]
+            if static_step(state, query, key):  # the new slots are generated tokens': after the image, all rows
+                image = self._static.get(state, layer, "image", k_len, query.device)  # [B, C]
+                system = self._static.get(state, layer, "before_image", k_len, query.device)  # [B, C]
+                rows = self._static.get(state, layer, "has_image", k_len, query.device).expand(-1, q_len)  # [B, Q]
+
+                def edit_static(logits: torch.Tensor, r0: int) -> torch.Tensor:
+                    return vaf_logits(logits, rows[:, r0:], image, system, enhance, suppress)
+
+                return edit_rows(query, key, value, attention_mask, scaling, out, rows, edit_static, r0=0)
             cls = held_slot_classes(state, layer, k_len, "ClearSight")
             has_image = cls.image.any(1, keepdim=True)  # [B, 1]
             rows = cls.after_image[:, k_len - q_len :] & has_image  # [B, Q]

@@ -21,7 +21,10 @@ Defaults: the official POPE script (``js_gamma 0.2``, ``alpha_pos 3``, ``alpha_n
 layer 0, sampling; the CHAIR script uses ``js_gamma 0.25``). Hook points: the probe wrapper's
 attention override on ``layer`` (base attention for the model, plus one row recomputed in fp32); a
 forward pre-hook on the last decoder layer (its input at the last position); a forward hook on the
-final norm (the model's final hidden state). Cost: one forward per token plus the last layer's MLP and
+final norm (the model's final hidden state). On a static cache (``model.compile``) a decode step's override
+reads the key classes staged before each step over the layer's whole buffer (``_attn_edit.DecodeSlotClasses``)
+and the three leave their rows in the state's scratch through ``Carried``, so the step is one captured graph under
+``auto`` (the last layer's second pass and ``lm_head`` on one row run after it); the prefill stays eager. Cost: one forward per token plus the last layer's MLP and
 one ``lm_head`` on one row.
 
 Deviations from the official code:
@@ -46,8 +49,17 @@ import torch
 from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
+from ..hooks.attention import Carried, replayable
 from ..registry import DECODERS
-from ._attn_edit import attend, install_override, masked_scores, override_caps, slot_classes
+from ._attn_edit import (
+    DecodeSlotClasses,
+    attend,
+    install_override,
+    masked_scores,
+    override_caps,
+    slot_classes,
+    static_step,
+)
 from .base import DecodeOutput, Decoder, DecodeRequest
 from .branches import plausibility_mask
 from .loop import autoregressive, sample_from, warpers
@@ -145,9 +157,29 @@ class ONLY(Decoder):
         self.check_facts(self.config, ModelFacts.of_adapter(adapter))
         if not self.active(self.config):
             return
-        install_override(self.ctx, self.config.layer, self._override, "ONLY (only)")
-        self.ctx.hooks.pre_hook(adapter.layers[-1], self._last_layer_input, with_kwargs=True)
-        self.ctx.hooks.forward_hook(adapter.language_model.norm, self._final_hidden)
+        # a static decode step's key classes, in fixed memory refilled before each step (captured steps read it);
+        # what the override and the hooks leave in the state's scratch is carried out of each replay. Their prefill
+        # work reads the host layout: the prefill segments holding them stay eager.
+        self._static = DecodeSlotClasses([self.config.layer], ("valid", "image", "bos"))
+        override = self._carried("attn", "removed", before_step=self._static.stage)
+        install_override(self.ctx, self.config.layer, self._override, "ONLY (only)", override)
+        last, norm = adapter.layers[-1], adapter.language_model.norm
+        self.ctx.hooks.pre_hook(last, replayable(self._last_layer_input, self._carried("resid")), with_kwargs=True)
+        self.ctx.hooks.forward_hook(norm, replayable(self._final_hidden, self._carried("final")))
+
+    def _carried(self, *fields: str, before_step=None) -> Carried:
+        """The running state's scratch ``fields`` (what a replay of a decode step wrote) carried out of the step."""
+
+        def get() -> tuple:
+            scratch = self._scratch()
+            return tuple(getattr(scratch, f) for f in fields)
+
+        def put(values: tuple) -> None:
+            scratch = self._scratch()
+            for f, v in zip(fields, values):
+                setattr(scratch, f, v)
+
+        return Carried(get, put, decode=True, prefill=False, before_step=before_step)
 
     def _scratch(self) -> _Scratch | None:
         state = self.ctx.runner.active
@@ -158,12 +190,19 @@ class ONLY(Decoder):
         scratch = self._scratch()
         if scratch is None:
             return out
-        q_len = query.shape[2]
+        q_len, k_len = query.shape[2], key.shape[2]
         scores, add = masked_scores(query, key, attention_mask, q_len - 1)
         probs = torch.nan_to_num(torch.softmax(scores * scaling + add, -1), nan=0.0)[:, :, 0]  # [B, H, K]
-        cls = slot_classes(self.ctx.runner.active, self.config.layer)
-        text = cls.valid & ~cls.image & ~cls.bos
-        edited, scratch.removed = only_attention(probs, text, cls.image)
+        state, layer = self.ctx.runner.active, self.config.layer
+        if static_step(state, query, key):  # the classes over the layer's whole buffer, staged before the step
+            valid, image, bos = (
+                self._static.get(state, layer, f, k_len, query.device) for f in ("valid", "image", "bos")
+            )
+        else:
+            cls = slot_classes(state, layer)
+            valid, image, bos = cls.valid, cls.image, cls.bos
+        text = valid & ~image & ~bos  # [B, K]
+        edited, scratch.removed = only_attention(probs, text, image)
         a = attend(edited[:, :, None], value)[:, 0]  # [B, H, D]
         scratch.attn = module.o_proj(a.reshape(a.shape[0], -1).to(query.dtype))  # [B, d]
         return out
@@ -203,16 +242,13 @@ class ONLY(Decoder):
                 fused, agree = only_fuse(
                     logits, self.perturbed_logits(scratch), cfg.gamma, cfg.alpha_pos, cfg.alpha_neg
                 )
-                st = state.stats.setdefault(
-                    self.name,
-                    {
-                        "per_sample_additive_steps": [0] * len(agree),
-                        "per_sample_removed_heads_first": scratch.removed.sum(-1).tolist(),
-                    },
-                )
-                st["per_sample_additive_steps"] = [
-                    a + int(g) for a, g in zip(st["per_sample_additive_steps"], agree.tolist())
-                ]
+                st = state.stats.get(self.name)
+                if st is None:  # counted on the device ([B] each), read once at the end (LMState.stats_rows)
+                    st = state.stats[self.name] = {
+                        "per_sample_additive_steps": torch.zeros_like(agree, dtype=torch.long),
+                        "per_sample_removed_heads_first": scratch.removed.sum(-1),
+                    }
+                st["per_sample_additive_steps"] = st["per_sample_additive_steps"] + agree
             fused = fused.masked_fill(~plausibility_mask(logits, cfg.beta), float("-inf"))
             return sample_from(procs(None, fused), gens) if cfg.sample else fused.argmax(-1)
 

@@ -25,7 +25,9 @@ band in the middle of the depth (9..14 of 32), which an absolute index would not
 whether the paper states a reason for the first two layers.)
 Hook points: the probe wrapper's attention override on the amplified layers (the model stays on
 sdpa; only the last row is recomputed, O(keys) per head); the image-free branch through the branch
-manager. Cost: one forward per token with ``gamma = 1``; two (the second on a prompt without image
+manager. On a static cache (``model.compile``) a decode step's override reads the image slots staged before each
+step over the layer's whole buffer (``_attn_edit.DecodeSlotClasses``), so the step is one captured graph under
+``auto``; the prefill stays eager. Cost: one forward per token with ``gamma = 1``; two (the second on a prompt without image
 tokens) with CFG.
 
 Deviations from the official code:
@@ -55,7 +57,7 @@ from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
-from ._attn_edit import edit_rows, held_slot_classes, install_override, override_caps
+from ._attn_edit import DecodeSlotClasses, edit_rows, held_slot_classes, install_override, override_caps, static_step
 from .base import DecodeOutput, DecodeRequest
 from .branches import Branch, MultiBranchDecoder
 from .loop import autoregressive, sample_from, warpers
@@ -116,9 +118,11 @@ class PAI(MultiBranchDecoder):
         from ..capabilities import ModelFacts
 
         self.layers = self.check_facts(self.config, ModelFacts.of_adapter(self.ctx.adapter))
+        # a static decode step's image keys, in fixed memory refilled before each step (captured steps read it)
+        self._static = DecodeSlotClasses(self.layers, ("image",))
         if self.config.alpha != 0.0:
             for layer in self.layers:
-                install_override(self.ctx, layer, self._override(layer), "PAI (pai)")
+                install_override(self.ctx, layer, self._override(layer), "PAI (pai)", self._static.carried())
 
     def _override(self, layer: int):
         alpha, first = self.config.alpha, self.config.amplify_first_token
@@ -129,6 +133,14 @@ class PAI(MultiBranchDecoder):
             if state is None:
                 return out
             q_len, k_len = query.shape[2], key.shape[2]
+            if static_step(state, query, key):  # every new slot is a generated token's: all rows of image rows
+                image = self._static.get(state, layer, "image", k_len, query.device)  # [B, C]
+                rows = self._static.get(state, layer, "has_image", k_len, query.device).expand(-1, q_len)  # [B, Q]
+
+                def edit_static(logits: torch.Tensor, r0: int) -> torch.Tensor:
+                    return pai_logits(logits, rows[:, r0:, None] & image[:, None, :], alpha)
+
+                return edit_rows(query, key, value, attention_mask, scaling, out, rows, edit_static, r0=0)
             prefill = q_len == k_len
             if prefill and not first:
                 return out
