@@ -584,38 +584,46 @@ class StaticBufferPool:
 
     A captured graph reads its cache buffers by address, so a call whose cache takes the previous call's
     buffers replays the previous call's graphs instead of capturing them again (``model.compile: auto``:
-    capture costs tens of ms per graph on a GPU, against a few ms per decoded token). One set is kept, the
-    last call's (:meth:`keep`); a layer of the next cache takes its predecessor's buffers when batch, heads,
+    capture costs tens of ms per graph on a GPU, against a few ms per decoded token). The last call's sets are kept
+    (:meth:`keep`), one per static cache the call prefilled, in order (at most :attr:`max_sets`: a branch decoder's
+    prompts of other lengths, PAI's image-free one or M3ID's, each hold their own), and the call's n-th prefill
+    takes the n-th set (:meth:`set`). A layer of the next cache takes its predecessor's buffers when batch, heads,
     head size, dtype and device agree and their capacity ``C`` fits: ``need <= C``, and ``C`` at most 1.5 x
     ``need`` or ``need`` rounded up (a step attends over all ``C`` slots, so a much larger buffer would cost
     every step), unless the call has no decode step (:attr:`loose`: a one-token call, e.g. a TTFT). Taken buffers are zeroed,
     as new ones are, so results do not depend on the previous call. A buffer that does not fit is let go
-    before its replacement is allocated, and with it every kept graph (each reads every layer).
+    before its replacement is allocated, and with it every kept graph that reads it.
     New capacities are rounded up to ``granularity`` slots, so prompts of similar length share buffers.
     """
 
     granularity = 64
+    max_sets = 4
 
     def __init__(self) -> None:
-        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # layer: (K, V, write index)
+        # per set, per layer: (K, V, write index)
+        self._kept: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         #: a call without decode steps (one new token): any capacity >= its need serves (no step attends over it)
         self.loose = False
-        self._held: tuple[int, ...] = ()  # the kept set's addresses (logged when it changes)
+        self._held: tuple[int, ...] = ()  # the kept sets' addresses (logged when they change)
         #: captured steps on the kept (or the running call's) buffers; key[0] is their
         #: :func:`static_buffers` addresses, the value the runner's
         self.graphs: dict[tuple, Any] = {}
+
+    def set(self, index: int) -> _PoolSet:
+        """What the ``index``-th static cache of a call takes its buffers from (:class:`StaticSlotLayer`)."""
+        return _PoolSet(self, index)
 
     def capacity(self, need: int) -> int:
         g = self.granularity
         return -(-need // g) * g
 
     def take(
-        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, need: int, zero: bool = True
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, need: int, zero: bool = True, index: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Layer ``layer_idx``'s kept buffers, zeroed (unless not ``zero``: the caller zeroes them), if they fit
-        ``keys`` / ``values`` ([B, Hkv, T, D]) and ``need`` slots; None otherwise (what was kept for the layer is
-        let go)."""
-        kept = self._kept.pop(layer_idx, None)
+        """Layer ``layer_idx``'s buffers of set ``index``, zeroed (unless not ``zero``: the caller zeroes them), if
+        they fit ``keys`` / ``values`` ([B, Hkv, T, D]) and ``need`` slots; None otherwise (what was kept for the layer
+        is let go)."""
+        kept = self._kept[index].pop(layer_idx, None) if index < len(self._kept) else None
         if kept is None:
             return None
         k, v, pos = kept
@@ -642,36 +650,59 @@ class StaticBufferPool:
         self.graphs = {key: g for key, g in self.graphs.items() if gone.isdisjoint(key[0])}
         return None
 
-    def keep(self, cache) -> None:
-        """At the end of a call: hold ``cache``'s buffers for the next call (the previous set goes); the
-        graphs captured on other buffers go too."""
-        if not is_static(cache) or any(lay._k is None for lay in cache.layers):
-            self.clear()
-            return
-        self._kept = {i: (*lay.whole_buffers(), lay._pos) for i, lay in enumerate(cache.layers)}
-        held = static_buffers(cache)
-        on = set(held)  # a graph of some layers (a prefill segment) stays while its layers' buffers do
+    def keep(self, caches) -> None:
+        """At the end of a call: hold the buffers of ``caches`` (a static cache, or the call's, in prefill order) for
+        the next call (the previous sets go); the graphs captured on other buffers go too."""
+        caches = caches if isinstance(caches, list | tuple) else [caches]
+        sets, held = [], []
+        for cache in caches[: self.max_sets]:
+            if not is_static(cache) or any(lay._k is None for lay in cache.layers):
+                break  # a set that cannot be kept ends the kept ones (a later prefill takes the set of its order)
+            sets.append({i: (*lay.whole_buffers(), lay._pos) for i, lay in enumerate(cache.layers)})
+            held.append(static_buffers(cache))
+        self._kept = sets
+        on = {p for h in held for p in h}  # a graph of some layers (a prefill segment) stays while its buffers do
         self.graphs = {key: g for key, g in self.graphs.items() if on.issuperset(key[0])}
-        if held != self._held:  # a new set: said once, not every call
-            self._held = held
+        addresses = tuple(p for h in held for p in h)
+        if addresses != self._held and sets:  # new sets: said once, not every call
+            first = caches[0].layers[0]
             logger.info(
-                "model.compile: keeping %.0f MiB of static KV buffers (batch %d, %d slots in layer 0) and %d "
-                "captured graphs for the session's next call",
+                "model.compile: keeping %.0f MiB of static KV buffers (%d set(s); batch %d, %d slots in layer 0 of the "
+                "first) and %d captured graphs for the session's next call",
                 self.kept_bytes / 2**20,
-                cache.layers[0]._k.shape[0],
-                cache.layers[0].capacity,
+                len(sets),
+                first._k.shape[0],
+                first.capacity,
                 len(self.graphs),
             )
+        self._held = addresses
 
     def clear(self) -> None:
         """Let every kept buffer and graph go (the session closes)."""
-        self._kept.clear()
+        self._kept = []
         self._held = ()
         self.graphs.clear()
 
     @property
     def kept_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self._kept.values())
+        return sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size()
+            for kept in self._kept
+            for k, v, _ in kept.values()
+        )
+
+
+class _PoolSet:
+    """One kept set of a :class:`StaticBufferPool`: what a static cache's layers take their first buffers from."""
+
+    def __init__(self, pool: StaticBufferPool, index: int) -> None:
+        self.pool, self.index = pool, index
+
+    def take(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, need: int, zero: bool = True):
+        return self.pool.take(layer_idx, keys, values, need, zero, self.index)
+
+    def capacity(self, need: int) -> int:
+        return self.pool.capacity(need)
 
 
 def keep_first_rows(cache, n: int) -> None:

@@ -405,7 +405,7 @@ class LMRunner:
         self.pad_token_id = 0  # what left padding holds (the session sets the tokenizer's)
         self._prefill_refused = False  # a prefill capture failed once: prefills run eagerly from then on
         self._by_hand = False  # the runner runs the prefill's layers itself (its layer hooks step aside)
-        self._block_cache: Any = None  # the first static cache of this block that the pool serves
+        self._block_caches: list = []  # this block's static caches that the pool serves, in prefill order
         self._consts: dict[tuple, torch.Tensor] = {}  # decode-step constants (:meth:`_const`)
         self._capture_refusals: set[str] = set()  # reasons already logged
         self._block_blocker: str | None | object = _UNCHECKED  # this static block's capture blocker
@@ -485,9 +485,9 @@ class LMRunner:
             self._block_blocker = self._block_prefill_blocker = _UNCHECKED
             self._block_staging = None
             self._block_segments = {}
-            if self._block_cache is not None:  # its buffers, and the graphs on them, serve the next call
-                self.pool.keep(self._block_cache)
-                self._block_cache = None
+            if self._block_caches:  # their buffers, and the graphs on them, serve the next call
+                self.pool.keep(self._block_caches)
+                self._block_caches = []
 
     @property
     def decodes(self) -> bool:
@@ -505,11 +505,11 @@ class LMRunner:
         return self._block_blocker is None
 
     def finish(self, state: LMState) -> None:
-        """``state`` is done with (sequential per-sample decoding): its static buffers, and the graphs
-        captured on them, serve the next prefill of this block."""
-        if state.cache is self._block_cache:
-            self.pool.keep(state.cache)
-            self._block_cache = None
+        """``state`` is done with (sequential per-sample decoding): the block's static buffers, its among them, and
+        the graphs captured on them, serve the next prefills of this block."""
+        if any(state.cache is cache for cache in self._block_caches):
+            self.pool.keep(self._block_caches)
+            self._block_caches = []
 
     def release(self) -> None:
         """Free the kept static buffers and captured steps (the session closes)."""
@@ -540,8 +540,9 @@ class LMRunner:
         """
         cfg = self.adapter.text_config
         pool = None  # captured steps: the buffers come from (and go back to) the pool; eager ones need no pool
-        if self.static_reserve is not None and self.capture is not None and self._block_cache is None:
-            pool = self.pool
+        n = len(self._block_caches)  # the call's n-th prefill takes the pool's n-th set (a branch's other prompt)
+        if self.static_reserve is not None and self.capture is not None and n < self.pool.max_sets:
+            pool = self.pool.set(n)
         # a static cache's prefill has fixed shapes: left-padded to a multiple of PREFILL_BUCKET and run layer by
         # layer by the runner, in segments between in-LLM pruning layers; the same kernels eagerly (compile:
         # static) or each segment as one captured graph per shape where no Python of a method runs inside it
@@ -567,7 +568,7 @@ class LMRunner:
         else:
             cache = compat.new_static_cache(cfg, self.static_reserve, pool)
             if pool is not None:
-                self._block_cache = cache
+                self._block_caches.append(cache)
         state = LMState(inputs, cache, [grp0], self.n_layers, text_config=cfg)
         with self._activate(state, "prefill"):
             if padded:

@@ -22,6 +22,7 @@ LLaVA-1.5-7B's depths (24 tower and 32 LLM layers, where the methods' default la
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods cdpruner,tome --tokens 64
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods '' --decoders pai,only
 
 ``--per-token``: decoders (OPERA with 5 beams, 5 candidates and no rollback; PAI, ClearSight and ONLY (argmax) at
 their defaults)
@@ -71,6 +72,7 @@ def main() -> None:
         "--per-token", default="", help="comma-separated decoders: ops per token, dynamic / static / captured"
     )
     ap.add_argument("--methods", default=",".join(PREFILL_METHODS), help="--prefill: comma-separated pruners")
+    ap.add_argument("--decoders", default="", help="--prefill: comma-separated decoders, each after the pruners")
     ap.add_argument(
         "--tokens", type=int, default=None, help="--prefill: budget {tokens: N} (default: papers' defaults)"
     )
@@ -94,7 +96,8 @@ def main() -> None:
         model, processor = random_llava(shape, init_std=0.2)
         mm = mmfast.load(save_model(model, processor, tmp), device="cpu", dtype="float32")
         if args.prefill:
-            print_prefill_rows(mm, images[:1], PROMPTS[:1], args.methods.split(","), args.tokens)
+            decoders = tuple(d for d in args.decoders.split(",") if d)
+            print_prefill_rows(mm, images[:1], PROMPTS[:1], args.methods.split(","), args.tokens, decoders)
             return
         if args.per_token:
             print_token_rows(mm, images[:1], PROMPTS[:1], args.per_token.split(","))
@@ -129,9 +132,12 @@ def prefill_stage(method: str, tokens: int | None) -> dict:
     return stage
 
 
-def print_prefill_rows(mm, images, prompts, methods=PREFILL_METHODS, tokens: int | None = None) -> None:
+def print_prefill_rows(
+    mm, images, prompts, methods=PREFILL_METHODS, tokens: int | None = None, decoders: tuple[str, ...] = ()
+) -> None:
     recipes = {"unpruned": {}}
-    recipes.update({m: {"pruning": [prefill_stage(m, tokens)]} for m in methods})
+    recipes.update({m: {"pruning": [prefill_stage(m, tokens)]} for m in methods if m})
+    recipes.update({d: {"decoding": {"method": d}} for d in decoders})
     layers = f"{len(mm.adapter.vision_layers)} tower and {len(mm.adapter.layers)} LLM layers"
     print(f"| case (batch 1, {layers}) | graphs | " + " | ".join(STAGES) + " | total |")
     print("|---|---|" + "---|" * (len(STAGES) + 1))

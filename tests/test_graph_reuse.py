@@ -152,6 +152,27 @@ def test_pool_takes_zeroed_buffers_that_fit_and_drops_the_rest():
     assert pool.kept_bytes == 0 and not pool.graphs
 
 
+def test_the_pool_keeps_a_set_per_prefill_of_a_call():
+    """A call's n-th static cache (a branch decoder's prompt of another length) takes the n-th kept set, so the
+    graphs on every set of the last call stay; a set left out of the next call's keep goes with its graphs."""
+    pool = compat.StaticBufferPool()
+
+    def cache(*layers):
+        return type("C", (), {"layers": list(layers)})()
+
+    first, second = _layer(pool.set(0), n=5), _layer(pool.set(1), n=20, batch=1)
+    for lay in (first, second):
+        pool.graphs[(compat.static_buffers(cache(lay)),)] = "graph"
+    pool.keep([cache(first), cache(second)])
+    assert len(pool.graphs) == 2 and pool.kept_bytes == sum(2 * x._k.numel() * 4 for x in (first, second))
+    again = [_layer(pool.set(0), n=5), _layer(pool.set(1), n=20, batch=1)]
+    assert [x._k.data_ptr() for x in again] == [first._k.data_ptr(), second._k.data_ptr()]
+    assert _layer(pool.set(2))._k.data_ptr() not in {first._k.data_ptr(), second._k.data_ptr()}  # none kept
+    pool.keep(cache(again[0]))  # a call with one prefill: the second set and its graph go
+    assert list(pool.graphs) == [(compat.static_buffers(cache(first)),)]
+    assert _layer(pool.set(1), n=20, batch=1)._k.data_ptr() != second._k.data_ptr()
+
+
 def test_a_copied_layer_does_not_carry_the_pool():
     pool = compat.StaticBufferPool()
     fresh = compat.StaticSlotLayer(2, pool, 0)

@@ -768,15 +768,16 @@ class EmulatedGraph(ReplayEmulator):
         ({"method": "pai", "params": {"alpha": 3.0, "gamma": 1.0, "start_layer": 0}}, True),  # two layer groups
         ({"method": "clearsight", "params": {"enhance": 3.0, "suppress": 0.2, "layers": [0, 1, 2, 3]}}, False),
         ({"method": "clearsight", "params": {"enhance": 3.0, "suppress": 0.2, "layers": [0, 1, 2, 3]}}, True),
-        ({"method": "only", "params": {"sample": False, "gamma": 0.5}}, False),
-        ({"method": "only", "params": {"sample": False, "gamma": 0.5}}, True),
+        ({"method": "only", "params": {"sample": False, "gamma": 0.5, "alpha_pos": 20.0, "alpha_neg": 20.0}}, False),
+        ({"method": "only", "params": {"sample": False, "gamma": 0.5, "alpha_pos": 20.0, "alpha_neg": 20.0}}, True),
     ],
     ids=["pai", "pai-cfg", "pai-fastv", "clearsight", "clearsight-fastv", "only", "only-fastv"],
 )
 def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tiny_mm, images, prompts, monkeypatch):
     """PAI's, ClearSight's and ONLY's overrides in static decode steps read the slot classes staged before each step
-    (``DecodeSlotClasses``) over the whole buffer (ONLY's rows carried out for its last-layer pass), so the steps
-    are captured graphs (CUDA-graph semantics emulated): tokens (and ONLY's counts) equal the dynamic cache's at
+    (``StagedSlotClasses``) over the whole buffer (ONLY's rows carried out for its last-layer pass), and in captured
+    prefill segments those staged before the segment, so the steps and the prefill are captured graphs (CUDA-graph
+    semantics emulated): tokens (and ONLY's counts) equal the dynamic cache's at
     batch 2, and a second call with other images and its rows' prompts
     swapped (other slot classes a row, the same buffers) replays the first call's step graph with its own classes.
     The edits are strong enough to change greedy's tokens (a step that skipped them would not match)."""
@@ -786,7 +787,7 @@ def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tin
     if pruning:
         recipe["pruning"] = [_stage("fastv", tiny_mm)]
     # the second call's rows swap prompts: the same buffers, each row's image and system slots elsewhere
-    calls = [(images[:2], prompts[:2]), (images[2:4], prompts[1::-1])]
+    calls = [(images[:2], [prompts[0], prompts[2]]), (images[2:4], [prompts[2], prompts[0]])]
 
     def rows(results) -> list:  # tokens, and ONLY's per-sample counts
         return [(r.token_ids, r.stats.get("additive_steps"), r.stats.get("removed_heads_first")) for r in results]
@@ -806,12 +807,15 @@ def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tin
     monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         assert s.runner.capture_blocker() is None
+        assert s.runner.prefill_graph_blocker() is None  # their prefill reads classes staged before each segment
         first = rows(s.generate(*calls[0], max_new_tokens=8, seed=0))
         replays = [(g, g.replays) for g in EmulatedGraph.made]
         assert replays and sum(n for _, n in replays) >= 5
         second = rows(s.generate(*calls[1], max_new_tokens=8, seed=0))
     assert [first, second] == dynamic
     assert any(g.replays > n for g, n in replays)  # a step graph of the first call replayed in the second
+    # and nothing captured again: PAI's image-free CFG prompt (the call's second prefill) takes the pool's second set
+    assert len(EmulatedGraph.made) == len(replays)
 
 
 @pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])

@@ -11,7 +11,7 @@ into the prompt), so pruning stages that drop or reorder slots compose.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,7 @@ class SlotClasses:
 
 def override_caps(active: bool, **more) -> Capabilities:
     """The capabilities of a decoder whose attention override is installed when ``active`` (``more``: its other
-    fields). Its static decode steps read staged slot classes (:class:`DecodeSlotClasses`): served by the static
+    fields). Its static decode steps read staged slot classes (:class:`StagedSlotClasses`): served by the static
     cache and captured."""
     return Capabilities(overrides_llm_attention=active, **more)
 
@@ -71,46 +71,63 @@ def slot_classes(state, layer: int) -> SlotClasses:
     )
 
 
-class DecodeSlotClasses:
-    """Slot classes of a static decode step's keys in fixed memory, what an override reads inside a captured step.
+class StagedSlotClasses:
+    """Slot classes in fixed memory, what an override reads inside a captured graph (a static decode step, a prefill
+    segment).
 
-    A static step attends over each layer group's whole buffer (``C`` slots, free ones masked); before every static
-    step (``Carried.before_step``: :meth:`stage`) the held slots' classes of each layer group holding an edited layer
-    are computed from the running state and copied, padded to ``C`` with False, into memory kept per group, class,
-    batch and capacity, so the graph reads this call's. ``fields``: the classes the method reads; ``has_image``
-    ([B, 1]: the row holds a vision token) is always staged."""
+    A static decode step attends over each layer group's whole buffer (``C`` slots, free ones masked): before every
+    static step (``Carried.before_step``: :meth:`stage`) the held slots' classes of each layer group holding an edited
+    layer are computed from the running state and copied, padded to ``C`` with False, into memory kept per group,
+    class, batch and width, so the graph reads this call's. Before a captured prefill segment of ``T`` slots
+    (``Carried.stage``: :meth:`stage_prefill`) the same for the groups that hold ``T`` slots; an eager segment stages
+    nothing and the override computes its classes itself (:meth:`staged_prefill`).
+    ``fields``: the classes the method reads; ``has_image`` ([B, 1]: the row holds a vision token) is always staged.
+    ``active``: the running state (``runner.active``)."""
 
-    def __init__(self, layers: list[int], fields: tuple[str, ...]) -> None:
-        self.layers, self.fields = list(layers), fields
+    def __init__(self, layers: list[int], fields: tuple[str, ...], active: Callable) -> None:
+        self.layers, self.fields, self._active = list(layers), fields, active
         self._memory: dict[tuple, torch.Tensor] = {}
+        self._prefill: set[int] = set()  # group starts staged for the running prefill segment
         # one mark for every edited layer: the runner stages once a step (it keeps one of each Carried)
-        self._carried = Carried(lambda: None, lambda _: None, decode=True, prefill=False, before_step=self.stage)
+        self._carried = Carried(lambda: None, lambda _: None, self.stage_prefill, decode=True, before_step=self.stage)
 
-    def stage(self, state) -> None:
+    def stage(self, state, length: int | None = None) -> set[int]:
+        """Stage the classes of ``state``'s groups holding an edited layer (those of ``length`` slots, if given), each
+        padded to its capacity in a decode step; returns the groups' starts."""
         done: set[int] = set()
         for layer in self.layers:
             g = state.group_of(layer)
-            if g in done:
-                continue
-            done.add(g)
             grp = state.groups[g]
-            cap = compat.static_capacity(state.cache, grp.start)
-            cls = slot_classes(state, layer)  # [B, T_g] each (the step's new slots appended on the host)
+            if grp.start in done or (length is not None and grp.length != length):
+                continue
+            done.add(grp.start)
+            width = grp.length if length is not None else compat.static_capacity(state.cache, grp.start)
+            cls = slot_classes(state, layer)  # [B, T_g] each (a decode step's new slots appended on the host)
             for name in self.fields:
-                fresh = torch.nn.functional.pad(getattr(cls, name), (0, cap - grp.length), value=False)  # [B, C]
+                fresh = torch.nn.functional.pad(getattr(cls, name), (0, width - grp.length), value=False)  # [B, W]
                 staged_copy(self._memory, (grp.start, name, *fresh.shape, fresh.device), fresh, fresh.device)
             has = cls.image.any(1, keepdim=True)  # [B, 1]
             staged_copy(self._memory, (grp.start, "has_image", *has.shape, has.device), has, has.device)
+        return done
+
+    def stage_prefill(self, length: int | None) -> Hashable:
+        """``Carried.stage`` of a captured prefill segment of ``length`` slots (None: it ran)."""
+        self._prefill = set() if length is None else self.stage(self._active(), length)
+        return None if length is None else ("slot classes", length)
+
+    def staged_prefill(self, state, layer: int) -> bool:
+        """Whether ``layer``'s classes are staged for the running prefill segment (it is a captured one)."""
+        return state.groups[state.group_of(layer)].start in self._prefill
 
     def get(self, state, layer: int, name: str, k_len: int, device) -> torch.Tensor:
-        """Class ``name`` ([B, C] bool; ``has_image``: [B, 1]) of ``layer``'s group as staged for this step."""
+        """Class ``name`` ([B, K] bool; ``has_image``: [B, 1]) of ``layer``'s group as staged for this graph."""
         grp = state.groups[state.group_of(layer)]
         width = 1 if name == "has_image" else k_len
         return self._memory[(grp.start, name, state.batch_size, width, device)]
 
     def carried(self) -> Carried:
-        """The override's mark: its decode work reads this memory only (replayable; its prefill work reads the
-        host, so the prefill segments holding it stay eager), nothing to carry out."""
+        """The override's mark: in a static decode step and a captured prefill segment its work reads this memory
+        only (replayable), nothing to carry out."""
         return self._carried
 
 

@@ -13,9 +13,10 @@ Defaults: the README's ``--enh-para 1.15 --sup-para 0.95``; the layers are the p
 mapped proportionally (rounded) onto an LLM of another depth unless ``layers`` is given.
 Hook points: the probe wrapper's attention override on those layers (the model stays on sdpa; the
 rows after the image are recomputed in fp32, O(rows x keys)). Cost: one forward per token. On a static cache
-(``model.compile``) a decode step's override reads the image and system-prompt slots staged before each step over
-the layer's whole buffer (``_attn_edit.DecodeSlotClasses``), so the step is one captured graph under ``auto``; the
-prefill stays eager.
+(``model.compile``) the override reads the slot classes staged before each decode step (over the layer's whole
+buffer) and before each captured prefill segment (``_attn_edit.StagedSlotClasses``), so decode steps and the
+prefill are captured graphs under ``auto``; a captured prefill recomputes every row of the edited layers (where the
+rows after the image start depends on the prompt) and keeps the base output of the rows before the image.
 
 Deviations from the official code: the image span and the system-prompt span come from the running
 layout (left padding, LLaVA-NeXT tiles, pruned vision tokens) instead of the fixed indices 35 / 576;
@@ -38,7 +39,7 @@ import torch
 from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
-from ._attn_edit import DecodeSlotClasses, edit_rows, held_slot_classes, install_override, override_caps, static_step
+from ._attn_edit import StagedSlotClasses, edit_rows, held_slot_classes, install_override, override_caps, static_step
 from .base import DecodeOutput, Decoder, DecodeRequest, existing_layers
 from .loop import autoregressive, sample_from, warpers
 
@@ -95,8 +96,11 @@ class ClearSight(Decoder):
         from ..capabilities import ModelFacts
 
         self.layers = self.check_facts(self.config, ModelFacts.of_adapter(self.ctx.adapter))
-        # a static decode step's image and system-prompt keys, in fixed memory refilled before each step
-        self._static = DecodeSlotClasses(self.layers, ("image", "before_image"))
+        # the image, system-prompt and after-image slots of a static decode step (refilled before each step) and of
+        # a captured prefill segment (before it runs), in fixed memory that the graphs read
+        self._static = StagedSlotClasses(
+            self.layers, ("image", "before_image", "after_image"), lambda: self.ctx.runner.active
+        )
         if self.active(self.config):
             for layer in self.layers:
                 install_override(
@@ -112,15 +116,22 @@ class ClearSight(Decoder):
             if state is None:
                 return out
             q_len, k_len = query.shape[2], key.shape[2]
-            if static_step(state, query, key):  # the new slots are generated tokens': after the image, all rows
-                image = self._static.get(state, layer, "image", k_len, query.device)  # [B, C]
-                system = self._static.get(state, layer, "before_image", k_len, query.device)  # [B, C]
-                rows = self._static.get(state, layer, "has_image", k_len, query.device).expand(-1, q_len)  # [B, Q]
+            decode = static_step(state, query, key)
+            if decode or (q_len == k_len and self._static.staged_prefill(state, layer)):  # a graph's: no host read
+                image = self._static.get(state, layer, "image", k_len, query.device)  # [B, K]
+                system = self._static.get(state, layer, "before_image", k_len, query.device)  # [B, K]
+                has = self._static.get(state, layer, "has_image", k_len, query.device)  # [B, 1]
+                # a decode step's new slots are generated tokens' (after the image: every row); a prefill's rows after
+                # the image, all rows recomputed (where they start depends on the prompt; the others keep their base)
+                if decode:
+                    rows = has.expand(-1, q_len)  # [B, Q]
+                else:
+                    rows = self._static.get(state, layer, "after_image", k_len, query.device) & has  # [B, T]
 
-                def edit_static(logits: torch.Tensor, r0: int) -> torch.Tensor:
+                def edit_staged(logits: torch.Tensor, r0: int) -> torch.Tensor:
                     return vaf_logits(logits, rows[:, r0:], image, system, enhance, suppress)
 
-                return edit_rows(query, key, value, attention_mask, scaling, out, rows, edit_static, r0=0)
+                return edit_rows(query, key, value, attention_mask, scaling, out, rows, edit_staged, r0=0)
             cls = held_slot_classes(state, layer, k_len, "ClearSight")
             has_image = cls.image.any(1, keepdim=True)  # [B, 1]
             rows = cls.after_image[:, k_len - q_len :] & has_image  # [B, Q]

@@ -21,10 +21,11 @@ Defaults: the official POPE script (``js_gamma 0.2``, ``alpha_pos 3``, ``alpha_n
 layer 0, sampling; the CHAIR script uses ``js_gamma 0.25``). Hook points: the probe wrapper's
 attention override on ``layer`` (base attention for the model, plus one row recomputed in fp32); a
 forward pre-hook on the last decoder layer (its input at the last position); a forward hook on the
-final norm (the model's final hidden state). On a static cache (``model.compile``) a decode step's override
-reads the key classes staged before each step over the layer's whole buffer (``_attn_edit.DecodeSlotClasses``)
-and the three leave their rows in the state's scratch through ``Carried``, so the step is one captured graph under
-``auto`` (the last layer's second pass and ``lm_head`` on one row run after it); the prefill stays eager. Cost: one forward per token plus the last layer's MLP and
+final norm (the model's final hidden state). On a static cache (``model.compile``) the override reads the key
+classes staged before each decode step (over the layer's whole buffer) and before each captured prefill segment
+(``_attn_edit.StagedSlotClasses``), and the three leave their rows in the state's scratch through ``Carried``, so
+decode steps and the prefill are captured graphs under ``auto`` (the last layer's second pass and ``lm_head`` on
+one row run after each). Cost: one forward per token plus the last layer's MLP and
 one ``lm_head`` on one row.
 
 Deviations from the official code:
@@ -52,7 +53,7 @@ from ..errors import ConfigError
 from ..hooks.attention import Carried, replayable
 from ..registry import DECODERS
 from ._attn_edit import (
-    DecodeSlotClasses,
+    StagedSlotClasses,
     attend,
     install_override,
     masked_scores,
@@ -157,18 +158,19 @@ class ONLY(Decoder):
         self.check_facts(self.config, ModelFacts.of_adapter(adapter))
         if not self.active(self.config):
             return
-        # a static decode step's key classes, in fixed memory refilled before each step (captured steps read it);
-        # what the override and the hooks leave in the state's scratch is carried out of each replay. Their prefill
-        # work reads the host layout: the prefill segments holding them stay eager.
-        self._static = DecodeSlotClasses([self.config.layer], ("valid", "image", "bos"))
-        override = self._carried("attn", "removed", before_step=self._static.stage)
+        # the key classes of a static decode step (refilled before each step) and of a captured prefill segment
+        # (before it runs), in fixed memory that the graphs read; what the override and the hooks leave in the state's
+        # scratch is carried out of each replay
+        self._static = StagedSlotClasses([self.config.layer], ("valid", "image", "bos"), lambda: self.ctx.runner.active)
+        override = self._carried("attn", "removed", stage=self._static.stage_prefill, before_step=self._static.stage)
         install_override(self.ctx, self.config.layer, self._override, "ONLY (only)", override)
         last, norm = adapter.layers[-1], adapter.language_model.norm
         self.ctx.hooks.pre_hook(last, replayable(self._last_layer_input, self._carried("resid")), with_kwargs=True)
         self.ctx.hooks.forward_hook(norm, replayable(self._final_hidden, self._carried("final")))
 
-    def _carried(self, *fields: str, before_step=None) -> Carried:
-        """The running state's scratch ``fields`` (what a replay of a decode step wrote) carried out of the step."""
+    def _carried(self, *fields: str, stage=None, before_step=None) -> Carried:
+        """The running state's scratch ``fields`` (what a replay of a decode step or a prefill segment wrote) carried
+        out of the graph."""
 
         def get() -> tuple:
             scratch = self._scratch()
@@ -179,7 +181,7 @@ class ONLY(Decoder):
             for f, v in zip(fields, values):
                 setattr(scratch, f, v)
 
-        return Carried(get, put, decode=True, prefill=False, before_step=before_step)
+        return Carried(get, put, stage, decode=True, before_step=before_step)
 
     def _scratch(self) -> _Scratch | None:
         state = self.ctx.runner.active
@@ -194,7 +196,8 @@ class ONLY(Decoder):
         scores, add = masked_scores(query, key, attention_mask, q_len - 1)
         probs = torch.nan_to_num(torch.softmax(scores * scaling + add, -1), nan=0.0)[:, :, 0]  # [B, H, K]
         state, layer = self.ctx.runner.active, self.config.layer
-        if static_step(state, query, key):  # the classes over the layer's whole buffer, staged before the step
+        staged = static_step(state, query, key) or (q_len == k_len and self._static.staged_prefill(state, layer))
+        if staged:  # a graph's: the classes staged before it (a decode step's over the layer's whole buffer)
             valid, image, bos = (
                 self._static.get(state, layer, f, k_len, query.device) for f in ("valid", "image", "bos")
             )

@@ -25,9 +25,9 @@ band in the middle of the depth (9..14 of 32), which an absolute index would not
 whether the paper states a reason for the first two layers.)
 Hook points: the probe wrapper's attention override on the amplified layers (the model stays on
 sdpa; only the last row is recomputed, O(keys) per head); the image-free branch through the branch
-manager. On a static cache (``model.compile``) a decode step's override reads the image slots staged before each
-step over the layer's whole buffer (``_attn_edit.DecodeSlotClasses``), so the step is one captured graph under
-``auto``; the prefill stays eager. Cost: one forward per token with ``gamma = 1``; two (the second on a prompt without image
+manager. On a static cache (``model.compile``) the override reads the image slots staged before each decode step
+(over the layer's whole buffer) and before each captured prefill segment (``_attn_edit.StagedSlotClasses``), so
+decode steps and the prefill are captured graphs under ``auto``. Cost: one forward per token with ``gamma = 1``; two (the second on a prompt without image
 tokens) with CFG.
 
 Deviations from the official code:
@@ -57,7 +57,7 @@ from ..capabilities import Capabilities
 from ..config import opt
 from ..errors import ConfigError
 from ..registry import DECODERS
-from ._attn_edit import DecodeSlotClasses, edit_rows, held_slot_classes, install_override, override_caps, static_step
+from ._attn_edit import StagedSlotClasses, edit_rows, held_slot_classes, install_override, override_caps, static_step
 from .base import DecodeOutput, DecodeRequest
 from .branches import Branch, MultiBranchDecoder
 from .loop import autoregressive, sample_from, warpers
@@ -118,8 +118,9 @@ class PAI(MultiBranchDecoder):
         from ..capabilities import ModelFacts
 
         self.layers = self.check_facts(self.config, ModelFacts.of_adapter(self.ctx.adapter))
-        # a static decode step's image keys, in fixed memory refilled before each step (captured steps read it)
-        self._static = DecodeSlotClasses(self.layers, ("image",))
+        # the image keys of a static decode step (refilled before each step) and of a captured prefill segment (before
+        # it runs), in fixed memory that the graphs read
+        self._static = StagedSlotClasses(self.layers, ("image",), lambda: self.ctx.runner.active)
         if self.config.alpha != 0.0:
             for layer in self.layers:
                 install_override(self.ctx, layer, self._override(layer), "PAI (pai)", self._static.carried())
@@ -133,17 +134,22 @@ class PAI(MultiBranchDecoder):
             if state is None:
                 return out
             q_len, k_len = query.shape[2], key.shape[2]
-            if static_step(state, query, key):  # every new slot is a generated token's: all rows of image rows
-                image = self._static.get(state, layer, "image", k_len, query.device)  # [B, C]
-                rows = self._static.get(state, layer, "has_image", k_len, query.device).expand(-1, q_len)  # [B, Q]
-
-                def edit_static(logits: torch.Tensor, r0: int) -> torch.Tensor:
-                    return pai_logits(logits, rows[:, r0:, None] & image[:, None, :], alpha)
-
-                return edit_rows(query, key, value, attention_mask, scaling, out, rows, edit_static, r0=0)
             prefill = q_len == k_len
             if prefill and not first:
                 return out
+            decode = static_step(state, query, key)
+            if decode or (prefill and self._static.staged_prefill(state, layer)):  # a graph's: no host read
+                image = self._static.get(state, layer, "image", k_len, query.device)  # [B, K]
+                has = self._static.get(state, layer, "has_image", k_len, query.device)  # [B, 1]
+                # a decode step's new slots are all generated tokens' (edited); a static prefill holds none, so only
+                # its last row is edited
+                r0 = 0 if decode else q_len - 1
+                rows = has.expand(-1, q_len) if decode else torch.cat([has.new_zeros(has.shape[0], r0), has], 1)
+
+                def edit_staged(logits: torch.Tensor, r0: int) -> torch.Tensor:
+                    return pai_logits(logits, rows[:, r0:, None] & image[:, None, :], alpha)
+
+                return edit_rows(query, key, value, attention_mask, scaling, out, rows, edit_staged, r0=r0)
             cls = held_slot_classes(state, layer, k_len, "PAI")
             if not bool(cls.image.any()):
                 return out  # the image-free CFG branch: nothing to amplify

@@ -203,9 +203,6 @@ class Carried:
     #: depends on shapes only: a captured decode step replays it, its result put back after each replay
     #: (``LMRunner.capture_blocker``, ``LMRunner._step_carried``)
     decode: bool = False
-    #: a captured prefill segment may replay it too (False: its prefill work reads the host, so the segments holding
-    #: it run eagerly; its decode work alone is replayable)
-    prefill: bool = True
     #: for a decode hook that reads fixed memory filled from the running state (an override's slot classes):
     #: ``before_step(state)`` refills it before every static decode step, captured or eager (``LMRunner``)
     before_step: Callable[[Any], None] | None = None
@@ -239,7 +236,7 @@ def capture_blocker(
 
     def carries(fn: Callable) -> bool:  # a hook whose work depends on shapes only, its result carried across
         replay = getattr(fn, "mmfast_replayable", None)
-        if carried is None or replay is None or not replay.prefill:
+        if carried is None or replay is None:
             return False
         if not any(c is replay for c in carried):
             carried.append(replay)
