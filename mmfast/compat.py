@@ -714,16 +714,26 @@ def keep_first_rows(cache, n: int) -> None:
         cache.reorder_cache(torch.arange(n, device=cache.layers[0].keys.device))
 
 
-def static_rows(cache, index: torch.Tensor) -> Cache:
+def static_rows(cache, index: torch.Tensor, pool: _PoolSet | None = None) -> Cache:
     """A new static cache holding rows ``index`` ([R] long) of static ``cache`` in buffers of its own (the same
-    capacities, held counts and write indices; no pool): the rows a per-sample search decodes on (OPERA's beams)."""
+    capacities, held counts and write indices): the rows a per-sample search decodes on (OPERA's beams). With
+    ``pool``, each layer takes the set's kept buffers where they fit (the previous call's: the graphs on them serve
+    this one)."""
     layers = []
-    for lay in cache.layers:
+    for i, lay in enumerate(cache.layers):
         if type(lay) is not StaticSlotLayer:
             raise TypeError(f"static_rows takes StaticSlotLayer caches, not {type(lay).__name__}")
         new = copy.copy(lay)
         idx = index.to(lay._k.device)
-        new._k, new._v, new._pos = lay._k.index_select(0, idx), lay._v.index_select(0, idx), lay._pos.clone()
+        like = lay._k[:1].expand(idx.numel(), -1, -1, -1)  # [R, Hkv, C, D] (a view): what the kept buffers must fit
+        kept = None if pool is None else pool.take(i, like, like, lay.capacity, zero=False)
+        if kept is None:
+            new._k, new._v, new._pos = lay._k.index_select(0, idx), lay._v.index_select(0, idx), lay._pos.clone()
+        else:
+            new._k, new._v, new._pos = kept
+            torch.index_select(lay._k, 0, idx, out=new._k)
+            torch.index_select(lay._v, 0, idx, out=new._v)
+            new._pos.copy_(lay._pos)
         new._pool, new._whole, new._write = None, None, None
         layers.append(new)
     return Cache(layers=layers)

@@ -263,11 +263,12 @@ class LMState:
     def clone(self) -> LMState:
         return self.clone_layout(compat.clone_cache(self.cache))
 
-    def rows(self, index: torch.Tensor, into: LMState | None = None) -> LMState:
+    def rows(self, index: torch.Tensor, into: LMState | None = None, pool: Any = None) -> LMState:
         """A new state of rows ``index`` ([R] long): on a static cache in buffers of its own
-        (:func:`compat.static_rows`, no copy of the other rows), or in ``into``'s (a state this method made
-        before) where they take them, so the graphs captured on them serve it (OPERA's beams of the next
-        sample: :func:`compat.copy_static_rows`); else a clone with those rows selected."""
+        (:func:`compat.static_rows`, no copy of the other rows; ``pool``: a pool set's kept buffers where they fit),
+        or in ``into``'s (a state this method made before) where they take them, so the graphs captured on them
+        serve it (OPERA's beams of the next sample: :func:`compat.copy_static_rows`); else a clone with those rows
+        selected. :meth:`LMRunner.rows` gives it the pool's next set under captured steps."""
         if not compat.is_static(self.cache):
             out = self.clone()
             out.reorder(index)
@@ -275,7 +276,7 @@ class LMState:
         if into is not None and compat.copy_static_rows(into.cache, self.cache, index):
             cache = into.cache
         else:
-            cache = compat.static_rows(self.cache, index)
+            cache = compat.static_rows(self.cache, index, pool)
         out = self.clone_layout(cache)
         out.reorder_layout(index)
         return out
@@ -503,6 +504,17 @@ class LMRunner:
         if self._block_blocker is _UNCHECKED:
             self._block_blocker = self.capture_blocker()
         return self._block_blocker is None
+
+    def rows(self, state: LMState, index: torch.Tensor, into: LMState | None = None) -> LMState:
+        """:meth:`LMState.rows`; under captured steps a new static state takes the pool's next set of buffers and
+        joins this block's caches, so the next call's takes the same buffers and replays the graphs captured on
+        them (OPERA's beams: their step, look-ahead and reorder graphs)."""
+        n = len(self._block_caches)
+        if into is not None or self.capture is None or not compat.is_static(state.cache) or n >= self.pool.max_sets:
+            return state.rows(index, into)
+        out = state.rows(index, pool=self.pool.set(n))
+        self._block_caches.append(out.cache)
+        return out
 
     def finish(self, state: LMState) -> None:
         """``state`` is done with (sequential per-sample decoding): the block's static buffers, its among them, and

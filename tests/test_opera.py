@@ -320,7 +320,8 @@ def test_static_and_captured_steps_equal_the_dynamic_cache(pruning, tiny_mm, ima
     emulated: the beams' steps, the tree look-ahead with its last-layer rows carried out of each replay, the
     reorders; the rollback's re-forward eager). Tokens, rollbacks, candidate forwards and end KV bytes equal the
     dynamic cache's at batch 2 with rollbacks in every sample; the second sample's beams take the first's buffers,
-    so a batch of 2 captures no more graphs than a batch of 1."""
+    so a batch of 2 captures no more graphs than a batch of 1, and the next call's beams take them again (the pool's
+    second set), so it captures none."""
     import mmfast
     from mmfast.registry import PRUNERS
 
@@ -349,3 +350,10 @@ def test_static_and_captured_steps_equal_the_dynamic_cache(pruning, tiny_mm, ima
     _Graphs.made = []
     run("static", 1)
     assert len(_Graphs.made) == two
+    # the beams' buffers are the pool's second set: the next call takes them and captures nothing
+    _Graphs.made = []
+    with mmfast.apply(tiny_mm, load_recipe(data), compile="static") as s:
+        first = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=14)]
+        made = len(_Graphs.made)
+        again = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=14)]
+    assert first == again == [t for t, _, _, _ in dynamic] and len(_Graphs.made) == made

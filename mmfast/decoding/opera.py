@@ -39,7 +39,8 @@ copies). Both give the same rows up to float rounding and gave identical tokens 
 clone path is used automatically when the recipe has per-step KV policies (``runner.step_hooks``).
 
 Static cache (``model.compile``; the ``tree`` look-ahead): each sample's K beam rows get buffers of their own,
-refilled for the next sample (one set per call, so the graphs captured for the first sample serve all); the
+refilled for the next sample and, under captured steps, taken by the next call (the buffer pool's second set), so
+the graphs captured for the first sample serve all; the
 probe is shape-only (``all_rows``) and replayed inside captured steps (``watch(decode_replayable=True)``), its
 rows read over the buffer's held slots; a rollback cuts the beams back to the prompt and re-forwards the prefix
 eagerly. ``lookahead: clone`` keeps the dynamic cache.
@@ -285,7 +286,7 @@ class Opera(Decoder):
         beams = None  # static cache: the K beam rows of the sample being decoded, one set of buffers for all
         for b in range(bsz):
             if compat.is_static(state.cache):  # the sample's row copied into the K beam rows' buffers
-                base = beams = state.rows(torch.full((k,), b, dtype=torch.long, device=device), into=beams)
+                base = beams = runner.rows(state, torch.full((k,), b, dtype=torch.long, device=device), into=beams)
             elif bsz == 1:
                 base = state
             else:  # this sample's rows, on a copy (the batch state stays intact for the others)
