@@ -31,19 +31,15 @@ the decoder's own loop over ``runner.prefill`` / ``runner.step`` and :class:`~mm
 clones. In-LLM pruning composes: the response start and the image span are read from the runner
 state's last-layer group (its prefill length and its vision slots), not from the raw input.
 
-Look-ahead (``lookahead``): ``tree`` (default) appends the N_can candidates of every beam as N_can
-sibling tokens in one forward of the K beams (same position, each sees the cache and itself only:
-``runner.step(depth=0, block_mask=eye)``), reads their rows and crops the cache back, so no cache is
-copied; ``clone`` runs K x N_can rows on a deep-cloned, repeated cache (``candidate_chunk`` bounds the
-copies). Both give the same rows up to float rounding and gave identical tokens in every test; the
-clone path is used automatically when the recipe has per-step KV policies (``runner.step_hooks``).
+Look-ahead (``lookahead``): ``tree`` (default) scores the N_can candidates of every beam as sibling tokens of one
+forward and crops them back (no cache copy); ``clone`` runs K x N_can rows on cloned caches, and is taken whenever
+the recipe has per-step KV policies. Both give the same rows up to float rounding and gave identical tokens in every
+test; the rows are read by :mod:`._opera_lookahead`.
 
-Static cache (``model.compile``; the ``tree`` look-ahead): each sample's K beam rows get buffers of their own,
-refilled for the next sample and, under captured steps, taken by the next call (the buffer pool's second set), so
-the graphs captured for the first sample serve all; the
-probe is shape-only (``all_rows``) and replayed inside captured steps (``watch(decode_replayable=True)``), its
-rows read over the buffer's held slots; a rollback cuts the beams back to the prompt and re-forwards the prefix
-eagerly. ``lookahead: clone`` keeps the dynamic cache.
+Static cache (``model.compile``; the ``tree`` look-ahead; the beams' step and look-ahead captured under ``auto``):
+each sample's K beam rows get buffers of their own (the pool's second set: refilled for the next sample and taken by
+the next call); a rollback cuts the beams back to the prompt and re-forwards the prefix eagerly.
+``lookahead: clone`` keeps the dynamic cache.
 
 Memory: O(K x t) running column log-sums per step, bounded rollback snapshots, no L x L map; details in
 ``docs/methods.md`` ("OPERA in detail").
@@ -71,7 +67,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -80,10 +75,9 @@ import torch
 from .. import compat
 from ..capabilities import Capabilities
 from ..config import opt
-from ..errors import IncompatibleRecipeError
-from ..hooks.attention import all_rows
 from ..registry import DECODERS
-from ._opera_penalty import OverTrustHistory, mode, phi_from_log, renormalised, rollback_target
+from ._opera_lookahead import LastLayerRows
+from ._opera_penalty import OverTrustHistory, mode, phi_from_log, rollback_target
 from .base import DecodeOutput, Decoder, DecodeRequest, now, state_accounting
 from .beam import BeamSearch, release_prompt_len
 from .loop import finish
@@ -154,92 +148,12 @@ class Opera(Decoder):
         )
 
     def install(self) -> None:
-        layer = self.ctx.adapter.layers[-1]
-        self._tree = False  # set during a tree look-ahead forward (a step with a block mask): record every row
-        # every query row of a one-token step (its last) or of a tree look-ahead; shape-only rows, so a captured
-        # step replays the probe and puts its record back (the tree's step and the beams' are graphs apart)
-        self.ctx.probe.watch(
-            self.probe_key,
-            layer.self_attn,
-            rows=all_rows,
-            when=lambda q, k: q == 1 or self._tree,
-            reduce="max",
-            decode_replayable=True,
-        )
+        cfg = self.config
+        self.attn_rows = LastLayerRows(self.ctx, self.probe_key, cfg.lookahead, cfg.candidate_chunk)
 
     def max_step_tokens(self) -> int:
         """Slots a step appends beyond the generated tokens: the tree look-ahead's N_can siblings."""
         return self.config.num_attn_candidates
-
-    # -- forwards ----------------------------------------------------------------------------------
-    def _forward_rows(self, state, tokens: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``tokens`` ([R]) and return (logits [R, V], renormalised last-layer rows [R, keys])."""
-        self.ctx.probe.records.pop(self.probe_key, None)
-        logits = self.ctx.runner.step(state, tokens[:, None], all_logits=False).logits[:, -1]
-        row = self._rows(state, keys)[:, -1].float()  # [R, keys], max over heads
-        return logits, renormalised(row)
-
-    def _rows(self, state, keys: int) -> torch.Tensor:
-        """The last layer's attention rows ([R, Q', keys], max over heads) of the forward that just ran, whose
-        last layer must hold ``keys`` keys. A static step's keys are its whole buffer (free slots masked: 0),
-        whose first ``keys`` slots are the held ones in order."""
-        rec = self.ctx.probe.get(self.probe_key)
-        held = rec.k_len if rec is not None and not compat.is_static(state.cache) else state.groups[-1].length
-        if rec is None or held != keys:
-            raise IncompatibleRecipeError(
-                f"OPERA needs every generated token cached in the last decoder layer (expected {keys} keys, got "
-                f"{None if rec is None else held}); a decode-time KV policy in this recipe changes it"
-            )
-        return rec.probs[..., :keys]
-
-    def _candidate_rows(self, state, cand: torch.Tensor, keys: int) -> tuple[torch.Tensor, int]:
-        """Each candidate's renormalised last-layer row ([K, N, keys]) and the forwards it took."""
-        if self.config.lookahead == "tree" and not self._per_step_policies():
-            return self._candidate_rows_tree(state, cand, keys), 1
-        n = cand.shape[1]
-        return self._candidate_rows_clone(state, cand, keys), math.ceil(n / (self.config.candidate_chunk or n))
-
-    def _candidate_rows_tree(self, state, cand: torch.Tensor, keys: int) -> torch.Tensor:
-        """All N candidates of a beam as N sibling tokens of one forward (same position, each sees the
-        past and itself only), then the cache is cropped back: no cache copy at all."""
-        k, n = cand.shape
-        dev = cand.device
-        self.ctx.probe.records.pop(self.probe_key, None)
-        self._tree = True
-        try:
-            self.ctx.runner.step(
-                state,
-                cand,
-                depth=torch.zeros(n, dtype=torch.long, device=dev),
-                block_mask=torch.eye(n, dtype=torch.bool, device=dev),
-                all_logits=False,
-            )
-            probs = self._rows(state, keys - 1 + n).float()  # [K, N, past + N]; a sibling's column is exactly 0
-        finally:
-            self._tree = False
-            state.crop_last(n)
-        past = keys - 1
-        own = probs[..., past:].diagonal(dim1=-2, dim2=-1)  # [K, N] each candidate's attention to itself
-        return renormalised(torch.cat([probs[..., :past], own[..., None]], -1))
-
-    def _candidate_rows_clone(self, state, cand: torch.Tensor, keys: int) -> torch.Tensor:
-        """One look-ahead forward per chunk of candidate sets on cloned, repeated caches -> [K, N, keys]."""
-        k, n = cand.shape
-        chunk = self.config.candidate_chunk or n
-        rows = []
-        for c0 in range(0, n, chunk):
-            c1 = min(n, c0 + chunk)
-            fan = state.clone()  # deep copy: the look-ahead never touches the beams' cache
-            fan.repeat_interleave(c1 - c0)
-            _, r = self._forward_rows(fan, cand[:, c0:c1].reshape(-1), keys)
-            rows.append(r.view(k, c1 - c0, keys))
-            del fan
-        return torch.cat(rows, 1)
-
-    def _per_step_policies(self) -> bool:
-        """Whether the recipe acts on every decode step (KV policies after a step, decode-time layer hooks)."""
-        runner = self.ctx.runner
-        return bool(runner.step_hooks) or bool(getattr(runner, "_decode", None))
 
     def _rebuild(self, base, ids: torch.Tensor, first_logits: torch.Tensor, resp_start: int):
         """A fresh beam state: the post-prompt cache for K beams plus the generated prefix ``ids`` [K, p].
@@ -259,7 +173,7 @@ class Opera(Decoder):
             state.repeat_interleave(k)
         if p == 0:
             return state, first_logits.expand(k, -1).clone(), 0
-        if not self._per_step_policies():
+        if not self.attn_rows.per_step_policies():
             return state, runner.step(state, ids, all_logits=False, graph=not static).logits[:, -1], 1
         for i in range(p):  # KV policies act once per token: replay the decode path
             logits = runner.step(state, ids[:, i : i + 1], all_logits=False).logits[:, -1]
@@ -358,7 +272,7 @@ class Opera(Decoder):
             # 1-2: candidates and their attention rows (one look-ahead forward)
             cand_scores, cand = logits.topk(n_can, dim=-1)  # [K, N]
             keys = resp_start + step + 1
-            rows, n_fw = self._candidate_rows(state, cand, keys)  # [K, N, keys]
+            rows, n_fw = self.attn_rows.candidates(state, cand, keys)  # [K, N, keys]
             res.candidate_forwards += n_fw
             res.n_forwards += n_fw
             resp = rows[..., resp_start:]  # [K, N, step+1]
@@ -414,7 +328,7 @@ class Opera(Decoder):
                 break
             self.ctx.runner.reorder(state, beam_idx)  # one captured graph under captured steps
             history.reorder(beam_idx)
-            logits, row = self._forward_rows(state, tokens, resp_start + step + 1)
+            logits, row = self.attn_rows.step(state, tokens, resp_start + step + 1)
             res.n_forwards += 1
             history.append(row[:, resp_start:])
             step += 1
