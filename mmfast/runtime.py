@@ -853,12 +853,12 @@ class LMRunner:
             logger.info("model.compile: auto: static decode steps run without a captured graph (%s)", blocker)
         if self._block_staging is None:  # hooks are set up before decoding: found once per block
             self._block_staging = [c for c in self._step_carried() if c.before_step is not None]
-        for carried in self._block_staging:  # the fixed memory a decode hook reads, from this state
-            carried.before_step(state)
+        # the fixed memory a decode hook reads, from this state; what the graph's key needs of it
+        staged = tuple(carried.before_step(state) for carried in self._block_staging)
         compat.set_padded(state.cache, True)
         try:
             if blocker is None and graph:
-                last = self._replay(state, step)
+                last = self._replay(state, step, staged)
             else:
                 with self._activate(state, "decode"):
                     valid = [  # [B, C_g]: free slots invalid
@@ -951,19 +951,19 @@ class LMRunner:
                     found.append(carried)
         return found
 
-    def _replay(self, state: LMState, step: _StepInputs) -> torch.Tensor:
+    def _replay(self, state: LMState, step: _StepInputs, staged: tuple = ()) -> torch.Tensor:
         """Run the step as a captured graph. Its inputs are the new tokens (or embeddings), positions
         and block mask and each group's slot validity, copied into the graph's static tensors; the
         embedding lookup and the masks are computed inside the graph from them and the device write
         indices (:meth:`_static_masks`), and the graph marks the new slots valid for the next step.
-        A graph serves the buffers it was captured on (no growth, no new batch), one layer-group layout and
-        one Q; the buffers and graphs outlive the call (:class:`compat.StaticBufferPool`), so a later call
+        A graph serves the buffers it was captured on (no growth, no new batch), one layer-group layout, one Q
+        and what its decode hooks' staging said of the state (``staged``: ``Carried.before_step``); the buffers and graphs outlive the call (:class:`compat.StaticBufferPool`), so a later call
         whose cache takes the same buffers replays it."""
         groups = state.groups
         caps = tuple(self._capacity(state, i) for i in range(len(groups)))
         starts = tuple(g.start for g in groups)
         shapes = tuple((t.shape, t.dtype) for t in step.tensors())
-        key = (compat.static_buffers(state.cache), caps, starts, step.tokens is None, shapes)
+        key = (compat.static_buffers(state.cache), caps, starts, step.tokens is None, shapes, staged)
         captured = self.pool.graphs.get(key)
         if captured is None:
             static = _StepInputs(

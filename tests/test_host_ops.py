@@ -44,9 +44,9 @@ def test_captured_steps_of_stateful_methods_keep_their_host_work_small(name, rec
 
 @pytest.mark.parametrize(
     "method,params,bound",
-    [  # per token on 4 layers: dynamic 813 / 762 / 422 / 440 ops, captured 256 / 112 / 50 / 105 (``--per-token``)
+    [  # per token on 4 layers: dynamic 813 / 762 / 422 / 440 ops, captured 256 / 77 / 50 / 105 (``--per-token``)
         ("opera", {"num_beams": 3, "num_attn_candidates": 3, "threshold": 10**6}, 270),
-        ("pai", {}, 120),  # two branches (the image-free CFG prompt), each staging its slot classes
+        ("pai", {}, 85),  # two branches (the image-free CFG prompt: nothing staged; 112 when it staged its classes)
         ("clearsight", {}, 55),
         ("only", {"sample": False}, 110),  # and its last-layer pass on one row after the step (~55 ops)
     ],
@@ -64,6 +64,21 @@ def test_decoders_that_read_or_edit_attention_leave_little_outside_the_graphs(
     dynamic, _ = count_token_ops(tiny_mm, recipe, images[:1], prompts[:1], "off", captured=False, tokens=(3, 9))
     host, replayed = count_token_ops(tiny_mm, recipe, images[:1], prompts[:1], "static", captured=True, tokens=(3, 9))
     assert host <= bound and host < dynamic / 2 and replayed > 100, (host, dynamic, replayed)
+
+
+def test_pai_image_free_cfg_branch_replays_a_plain_step(tiny_mm, images, prompts):
+    """PAI's image-free CFG prompt holds no vision token: its step graph (keyed apart: ``StagedSlotClasses.imageless``)
+    holds no edit, so a PAI-with-CFG token replays PAI without CFG's plus greedy's kernels (378 = 206 + 172 on 4
+    layers; 412 when the branch computed its discarded edit)."""
+    from mmfast.bench.host_ops import count_token_ops
+
+    def replayed(decoding: dict) -> float:
+        return count_token_ops(
+            tiny_mm, {"decoding": decoding}, images[:1], prompts[:1], "static", captured=True, tokens=(3, 9)
+        )[1]
+
+    cfg = replayed({"method": "pai"})  # its defaults: alpha 0.2, gamma 1.1
+    assert cfg == replayed({"method": "pai", "params": {"gamma": 1.0}}) + replayed({"method": "greedy"}), cfg
 
 
 @pytest.mark.parametrize("custom", [False, True])

@@ -875,8 +875,8 @@ def test_a_captured_step_reads_only_weights_cache_and_its_static_inputs(name, ti
     allowed: set[int] = set()  # storages
     original = LMRunner._replay
 
-    def spy(self, state, step):
-        out = original(self, state, step)
+    def spy(self, state, step, staged=()):
+        out = original(self, state, step, staged)
         for c in self.pool.graphs.values():
             held = getattr(c.static, "valid", [])  # a decode step's slot validity (a prefill has none)
             allowed.update(t.untyped_storage().data_ptr() for t in c.static.tensors() + held)

@@ -155,10 +155,10 @@ def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) 
             counter = OpCounter(runner=s.runner, lm_head=s.runner.adapter.lm_head)
             replay = s.runner._replay
 
-            def marked(state, step):  # LMRunner._replay: what it replays is the LM step
+            def marked(state, step, staged=()):  # LMRunner._replay: what it replays is the LM step
                 counter.in_step = True
                 try:
-                    return replay(state, step)
+                    return replay(state, step, staged)
                 finally:
                     counter.in_step = False
 

@@ -82,19 +82,32 @@ class StagedSlotClasses:
     (``Carried.stage``: :meth:`stage_prefill`) the same for the groups that hold ``T`` slots; an eager segment stages
     nothing and the override computes its classes itself (:meth:`staged_prefill`).
     ``fields``: the classes the method reads; ``has_image`` ([B, 1]: the row holds a vision token) is always staged.
-    ``active``: the running state (``runner.active``)."""
+    ``active``: the running state (``runner.active``). ``image_only``: the method edits nothing where no row holds a
+    vision token (a branch's image-free prompt): such a state stages nothing and its graphs, keyed apart
+    (:meth:`imageless`), hold no edit."""
 
-    def __init__(self, layers: list[int], fields: tuple[str, ...], active: Callable) -> None:
-        self.layers, self.fields, self._active = list(layers), fields, active
+    def __init__(self, layers: list[int], fields: tuple[str, ...], active: Callable, image_only: bool = False) -> None:
+        self.layers, self.fields, self._active, self.image_only = list(layers), fields, active, image_only
         self._memory: dict[tuple, torch.Tensor] = {}
         self._prefill: set[int] = set()  # group starts staged for the running prefill segment
         # one mark for every edited layer: the runner stages once a step (it keeps one of each Carried)
         self._carried = Carried(lambda: None, lambda _: None, self.stage_prefill, decode=True, before_step=self.stage)
 
-    def stage(self, state, length: int | None = None) -> set[int]:
+    def imageless(self, state) -> bool:
+        """Whether the method edits nothing in ``state`` (``image_only`` and no row holds a vision token)."""
+        return self.image_only and not state.inputs.has_vision
+
+    def stage(self, state) -> Hashable:
+        """``Carried.before_step``: stage the classes of a static decode step; returns the graph's key part."""
+        self._stage(state)
+        return ("slot classes", self.imageless(state))
+
+    def _stage(self, state, length: int | None = None) -> set[int]:
         """Stage the classes of ``state``'s groups holding an edited layer (those of ``length`` slots, if given), each
-        padded to its capacity in a decode step; returns the groups' starts."""
+        padded to its capacity in a decode step; returns the groups' starts (none: :meth:`imageless`)."""
         done: set[int] = set()
+        if self.imageless(state):
+            return done
         for layer in self.layers:
             g = state.group_of(layer)
             grp = state.groups[g]
@@ -112,8 +125,12 @@ class StagedSlotClasses:
 
     def stage_prefill(self, length: int | None) -> Hashable:
         """``Carried.stage`` of a captured prefill segment of ``length`` slots (None: it ran)."""
-        self._prefill = set() if length is None else self.stage(self._active(), length)
-        return None if length is None else ("slot classes", length)
+        if length is None:
+            self._prefill = set()
+            return None
+        state = self._active()
+        self._prefill = self._stage(state, length)
+        return ("slot classes", length, self.imageless(state))
 
     def staged_prefill(self, state, layer: int) -> bool:
         """Whether ``layer``'s classes are staged for the running prefill segment (it is a captured one)."""

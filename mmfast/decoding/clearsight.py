@@ -99,7 +99,7 @@ class ClearSight(Decoder):
         # the image, system-prompt and after-image slots of a static decode step (refilled before each step) and of
         # a captured prefill segment (before it runs), in fixed memory that the graphs read
         self._static = StagedSlotClasses(
-            self.layers, ("image", "before_image", "after_image"), lambda: self.ctx.runner.active
+            self.layers, ("image", "before_image", "after_image"), lambda: self.ctx.runner.active, image_only=True
         )
         if self.active(self.config):
             for layer in self.layers:
@@ -113,7 +113,7 @@ class ClearSight(Decoder):
         def override(module, query, key, value, attention_mask, scaling, base, dropout=0.0, **kwargs):
             out, _ = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             state = self.ctx.runner.active
-            if state is None:
+            if state is None or self._static.imageless(state):  # no vision token to enhance
                 return out
             q_len, k_len = query.shape[2], key.shape[2]
             decode = static_step(state, query, key)

@@ -120,7 +120,7 @@ class PAI(MultiBranchDecoder):
         self.layers = self.check_facts(self.config, ModelFacts.of_adapter(self.ctx.adapter))
         # the image keys of a static decode step (refilled before each step) and of a captured prefill segment (before
         # it runs), in fixed memory that the graphs read
-        self._static = StagedSlotClasses(self.layers, ("image",), lambda: self.ctx.runner.active)
+        self._static = StagedSlotClasses(self.layers, ("image",), lambda: self.ctx.runner.active, image_only=True)
         if self.config.alpha != 0.0:
             for layer in self.layers:
                 install_override(self.ctx, layer, self._override(layer), "PAI (pai)", self._static.carried())
@@ -131,7 +131,7 @@ class PAI(MultiBranchDecoder):
         def override(module, query, key, value, attention_mask, scaling, base, dropout=0.0, **kwargs):
             out, _ = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
             state = self.ctx.runner.active
-            if state is None:
+            if state is None or self._static.imageless(state):  # the image-free CFG branch: nothing to amplify
                 return out
             q_len, k_len = query.shape[2], key.shape[2]
             prefill = q_len == k_len
@@ -151,8 +151,6 @@ class PAI(MultiBranchDecoder):
 
                 return edit_rows(query, key, value, attention_mask, scaling, out, rows, edit_staged, r0=r0)
             cls = held_slot_classes(state, layer, k_len, "PAI")
-            if not bool(cls.image.any()):
-                return out  # the image-free CFG branch: nothing to amplify
             rows = cls.generated[:, k_len - q_len :].clone()  # [B, Q]
             rows[:, -1] = True  # the last query row of every forward
             rows &= cls.image.any(1, keepdim=True)

@@ -204,8 +204,9 @@ class Carried:
     #: (``LMRunner.capture_blocker``, ``LMRunner._step_carried``)
     decode: bool = False
     #: for a decode hook that reads fixed memory filled from the running state (an override's slot classes):
-    #: ``before_step(state)`` refills it before every static decode step, captured or eager (``LMRunner``)
-    before_step: Callable[[Any], None] | None = None
+    #: ``before_step(state)`` refills it before every static decode step, captured or eager (``LMRunner``), and
+    #: returns what the step graph's key needs of the state (a host fact the hook's work depends on)
+    before_step: Callable[[Any], Hashable] | None = None
 
 
 def replayable(fn: Callable, carried: Carried) -> Callable:

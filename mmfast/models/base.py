@@ -6,6 +6,7 @@ image-token count or an image span. One adapter class per model family (``llava.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +116,12 @@ class LMInputs:
 
     def n_vision_tokens(self) -> list[int]:
         return self.image_mask.sum(1).tolist()
+
+    @functools.cached_property
+    def has_vision(self) -> bool:
+        """Whether any row holds a vision token (read from the device once per inputs: a branch's image-free
+        prompt holds none)."""
+        return bool(self.image_mask.any())
 
     def text_after_image(self) -> torch.Tensor:
         """[B, L] bool: real tokens after the last vision token (the instruction + assistant prompt)."""
