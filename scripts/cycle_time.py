@@ -91,8 +91,8 @@ def _timing(timer: _Timer) -> Iterator[None]:
     """Route the runner's graph replays through ``timer`` (this process only: the originals are restored)."""
     replay, replay_or_capture = LMRunner._replay, LMRunner.replay_or_capture
 
-    def step(self, state, inputs):
-        return timer.timed(STEP, lambda: replay(self, state, inputs))
+    def step(self, state, inputs, *staged):
+        return timer.timed(STEP, lambda: replay(self, state, inputs, *staged))
 
     def stored(self, store, key, *args):
         kind = KINDS.get(next((k for k in key if isinstance(k, str)), ""), PREFILL)
