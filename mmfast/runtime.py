@@ -101,10 +101,18 @@ class TokenAccounting:
     #: [B, n_layers] a KV policy's layer-wise *equivalent* vision count (ZipVL keeps every token but
     #: treats some as unimportant); replaces the slot count when set
     vision_override: torch.Tensor | None = None
+    #: [B] float64 on the host: the logical KV bytes of a cache a KV policy did not build because nothing reads it
+    #: (ZipVL's quantised cache in a call whose prefill gives its only token); replaces the layers' count when set
+    kv_bytes_unbuilt: torch.Tensor | None = None
 
     def select(self, index: torch.Tensor) -> TokenAccounting:
         pick = lambda t: None if t is None else t[index.to(t.device)]  # noqa: E731
-        return TokenAccounting(pick(self.prefill_tokens), pick(self.prefill_vision), pick(self.vision_override))
+        return TokenAccounting(
+            pick(self.prefill_tokens),
+            pick(self.prefill_vision),
+            pick(self.vision_override),
+            pick(self.kv_bytes_unbuilt),
+        )
 
 
 @dataclass
@@ -302,8 +310,11 @@ class LMState:
         """Logical KV bytes per sample: valid slots x bytes per slot, summed over layers.
 
         Cache layers that store tokens at different precisions expose ``bytes_per_sample(valid)``, and their class
-        may sum a layer group's layers at once (``bytes_of_layers(layers, valid)``, a static method).
+        may sum a layer group's layers at once (``bytes_of_layers(layers, valid)``, a static method). A KV policy
+        that left its cache unbuilt publishes its bytes in ``accounting.kv_bytes_unbuilt``, returned instead.
         """
+        if self.accounting.kv_bytes_unbuilt is not None:
+            return [int(x) for x in self.accounting.kv_bytes_unbuilt.tolist()]
         total = torch.zeros(self.batch_size, dtype=torch.float64)
         per_slot = [0] * len(self.groups)  # bytes of one slot summed over each group's plain layers
         together: dict[tuple, list] = {}  # (group, the class's summing function): its layers

@@ -272,15 +272,17 @@ class FoldedSegment:
 def segment_bytes(counts: list[list[int]], c: int, dtype: torch.dtype, spec: QuantSpec) -> torch.Tensor:
     """[B] logical bytes of a segment from its per-row counts ``[stored, high, low]`` (each [B]): K and V codes,
     quantisation parameters, value channel scales and a one-bit class map per stored token."""
+    return torch.tensor([row_bytes(*row, c, dtype, spec) for row in zip(*counts)], dtype=torch.float64)
+
+
+def row_bytes(n_stored: int, n_high: int, n_low: int, c: int, dtype: torch.dtype, spec: QuantSpec) -> int:
+    """One row's logical bytes in a segment (:func:`segment_bytes`), from its counts on the host."""
     pbytes = torch.finfo(dtype).bits // 8
-    out = []
-    for n_stored, *classes in zip(*counts):
-        total = 0
-        for n, bits in zip(classes, (spec.bits_high, spec.bits_low)):
-            total += 2 * n * c * bits // 8  # K and V codes
-            total += quant_param_count(n, c, spec.k_group_size, 1) * pbytes
-            total += quant_param_count(n, c, 1, spec.v_group_size) * pbytes
-        if n_stored:
-            total += c * pbytes + math.ceil(n_stored / 8)  # value channel scales, class bitmap
-        out.append(total)
-    return torch.tensor(out, dtype=torch.float64)
+    total = 0
+    for n, bits in zip((n_high, n_low), (spec.bits_high, spec.bits_low)):
+        total += 2 * n * c * bits // 8  # K and V codes
+        total += quant_param_count(n, c, spec.k_group_size, 1) * pbytes
+        total += quant_param_count(n, c, 1, spec.v_group_size) * pbytes
+    if n_stored:
+        total += c * pbytes + math.ceil(n_stored / 8)  # value channel scales, class bitmap
+    return total

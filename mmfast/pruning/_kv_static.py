@@ -20,24 +20,17 @@ class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
     Slots ``0 .. base-1`` are quantised segments (the prompt's, then one per re-quantised block of generated
     tokens); slots ``base ..`` are the full-precision buffer, written at the device write index as
     :class:`~mmfast.compat.StaticSlotLayer` writes them. Each segment's dequantised keys / values are written once
-    into its own slots of the buffers (:meth:`write_back`, eagerly, before the next step), so a decode step reads
+    into its own slots of the buffers when appended (eagerly, before the next step), so a decode step reads
     what the dynamic layer's dequantisation gives, from the buffers, as the plain static step does: no
     dequantisation per step, and the step graph is the unpruned model's (replayed by every call on these buffers).
     The buffers stay allocated (the pool's), so on this path the quantisation shows in the logical bytes
     (:meth:`bytes_per_sample`), neither in the memory held nor in the bytes a step reads (``model.compile: off``
     decodes on :class:`~._kv_quant.MixedPrecisionKVLayer`, which holds the codes only and dequantises every step). A call
-    without decode steps (a one-token answer) skips the write-back (nothing reads the slots after its prefill);
-    a read or a step before it raises.
+    without decode steps (a one-token answer) builds none (``zipvl``: nothing reads its cache after the prefill).
     """
 
     def __init__(
-        self,
-        over: StaticSlotLayer,
-        seg: Segment | FoldedSegment,
-        spec: QuantSpec,
-        nbytes: torch.Tensor | None = None,
-        *,
-        write_back: bool = True,
+        self, over: StaticSlotLayer, seg: Segment | FoldedSegment, spec: QuantSpec, nbytes: torch.Tensor | None = None
     ) -> None:
         super().__init__(over.reserve)
         self._k, self._v, self._pos, self._len = over._k, over._v, over._pos, over._len
@@ -45,37 +38,19 @@ class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
         self.spec = spec
         self._no_segments(int(over._k.shape[0]))
         self.base = 0  # slots held by the segments
-        self._unwritten = 0  # the last segments, whose dequantised values their slots do not hold yet
         self._append_segment(seg, nbytes)
-        if write_back:
-            self.write_back()
 
     def _append_segment(self, seg: Segment | FoldedSegment, nbytes: torch.Tensor | None = None) -> None:
+        """Append ``seg`` (the next ``seg.length`` slots) and write its dequantised keys / values into those slots of
+        the buffers."""
         super()._append_segment(seg, nbytes)
+        k, v = seg.dequantize()  # [B, Hkv, length, D]
+        self._k[:, :, self.base : self.base + seg.length].copy_(k)
+        self._v[:, :, self.base : self.base + seg.length].copy_(v)
         self.base += seg.length
-        self._unwritten += 1
-
-    def write_back(self) -> None:
-        """Write every segment not yet written into its slots of the buffers, dequantised (between steps: a
-        captured step replays without this)."""
-        start = self.base
-        for seg in reversed(self.segments[len(self.segments) - self._unwritten :]):
-            start -= seg.length
-            k, v = seg.dequantize()  # [B, Hkv, length, D]
-            self._k[:, :, start : start + seg.length].copy_(k)
-            self._v[:, :, start : start + seg.length].copy_(v)
-        self._unwritten = 0
-
-    def _written(self) -> None:
-        if self._unwritten:
-            raise RuntimeError(
-                "ZipVL's static cache layer was read before its segments were written back (a call without decode "
-                "steps skips it): call write_back() first"
-            )
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        self._written()
         return super().keys
 
     @keys.setter
@@ -84,7 +59,6 @@ class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        self._written()
         return super().values
 
     @values.setter
@@ -95,10 +69,6 @@ class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
         if value is not None:
             refuse_dense()
         super()._assign(None, values=values)  # construction / reset
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self._written()
-        return super().update(key_states, value_states, *args, **kwargs)
 
     @property
     def buffer_length(self) -> int:
@@ -116,7 +86,6 @@ class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
             valid = torch.ones(important.shape, dtype=torch.bool, device=important.device)
         held = slice(self.base, self._len)
         self._append_segment(Segment.build(self._k[:, :, held], self._v[:, :, held], valid, important, self.spec))
-        self.write_back()
         self.n_compressions += 1
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -124,7 +93,6 @@ class StaticMixedPrecisionLayer(SegmentedLayer, StaticSlotLayer):
         dequantised values, as the dynamic layer's crop puts them into its buffer)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes -tokens_to_remove (got {tokens_to_remove})")
-        self._written()
         while self._len + tokens_to_remove < self.base and self.segments:
             self.base -= self._pop_segment().length
         super().crop(tokens_to_remove)
