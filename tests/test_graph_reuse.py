@@ -386,21 +386,46 @@ def test_the_vision_tower_is_one_captured_graph_per_pixel_shape(captured, tiny_m
     assert tiny_mm.adapter.tower_graphs is None  # the session's attribute is gone with it
 
 
-def test_a_tower_with_a_methods_probe_runs_eagerly(captured, tiny_mm, images, prompts, caplog):
-    """MustDrop merges inside the tower by thresholds (a replaced forward whose shapes depend on the data): the
-    tower is not captured, said once; its tokens still equal the dynamic cache's."""
-    import logging
-
+def test_mustdrops_merging_tower_is_one_captured_graph(captured, tiny_mm, images, prompts):
+    """MustDrop merges windows in the tower's layer 0 by a threshold (how many: the data's). Where the tower is
+    captured the merge keeps the token count (padded, each image its own windows) and the later layers mask the
+    padding: one graph for every image (the tower runs one image at a time), its merge, key-set attention and
+    threshold (device memory: a new threshold replays the same graph) read back after each replay. The features
+    equal the eager tower's within fp32 rounding (the masked attention sums the same terms plus zeros), the merged
+    windows, patch ids and key sets exactly, and the tokens the dynamic cache's."""
     from mmfast.registry import PRUNERS
 
-    recipe = {"pruning": [{"method": "mustdrop", "params": PRUNERS.get("mustdrop").cls.test_params(tiny_mm.adapter)}]}
-    with caplog.at_level(logging.INFO, logger="mmfast.models.captured_tower"):
-        with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
-            got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=4, seed=0)]
-            assert not s.adapter.tower_graphs.graphs
-    assert got == _dynamic(tiny_mm, recipe, images[:2], prompts[:2], 4)
-    lines = [r.getMessage() for r in caplog.records if "vision tower runs without" in r.getMessage()]
-    assert len(lines) == 1 and "a replaced forward" in lines[0], lines
+    params = {**PRUNERS.get("mustdrop").cls.test_params(tiny_mm.adapter), "sim_threshold": 0.2}
+    recipe = {"pruning": [{"method": "mustdrop", "params": params}]}
+    runs = [(images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])]
+
+    def encoded(s, threshold):
+        s.pruners[0].sim_threshold = threshold
+        out = []
+        for imgs, ps in runs:
+            v = s.encode(tiny_mm.prepare(imgs, ps))
+            out.append((v.features, v.patch_ids, v.tags["mustdrop.key"], v.stats["mustdrop"]))
+        return out
+
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="off") as s:
+        want = [encoded(s, t) for t in (0.2, -1.0)]
+    with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
+        assert s.adapter.tower_graphs.factory() is not None
+        got = [encoded(s, t) for t in (0.2, -1.0)]
+        towers = dict(s.adapter.tower_graphs.graphs)
+        s.pruners[0].sim_threshold = 0.2
+        tokens = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=4, seed=0)] for imgs, ps in runs]
+    merged = [n for call in want[0] for n in call[3]["per_sample_merged_windows"]]
+    assert len({m[0] for m in merged}) > 1 and max(m[0] for m in merged) > 0  # the images merge different counts
+    assert len(towers) == 1 and next(iter(towers.values())).graph.replays == 2 * 2 * 2 - 1 + 4  # every image after
+    for w_t, g_t in zip(want, got):
+        for (wf, wi, wk, ws), (gf, gi, gk, gs) in zip(w_t, g_t):
+            assert ws == gs and all(torch.equal(a, b) for a, b in [*zip(wi, gi), *zip(wk, gk)])
+            for a, b in zip(wf, gf):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert want[0][0][3] != want[1][0][3]  # the second threshold merges otherwise
+    assert tokens == [_dynamic(tiny_mm, recipe, imgs, ps, 4) for imgs, ps in runs]
 
 
 def test_the_tower_keeps_a_few_shapes():

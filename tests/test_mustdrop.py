@@ -11,7 +11,7 @@ import mmfast
 from mmfast.config import load_recipe
 from mmfast.errors import ConfigError
 from mmfast.pipeline import Session
-from mmfast.pruning._mustdrop_ops import dual_attention_drop, spatial_merge, window_similarity
+from mmfast.pruning._mustdrop_ops import dual_attention_drop, padded_spatial_merge, spatial_merge, window_similarity
 from mmfast.pruning.mustdrop import PRESETS
 
 BASE = {"window": 2, "layer_mapping": "proportional"}  # the tiny model: 4x4 grid, 4 LLM layers
@@ -77,6 +77,31 @@ def test_merge_count_is_the_batch_minimum():
     for b in range(2):  # each image merges its single most similar window (w0)
         torch.testing.assert_close(out[b, 1], hidden[b, 1:][[0, 1, 4, 5]].mean(0))
         assert ids[b].tolist() == [-1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+
+
+@pytest.mark.parametrize("threshold", [0.8, 0.3, -1.0, 1.01])
+def test_the_padded_merge_is_each_images_own_merge_then_padding(threshold):
+    """The captured tower's merge (fixed shapes, a device threshold): row b's valid slots are exactly what
+    :func:`spatial_merge` gives image b alone (values, ids and count), then zeros, ids -1 and invalid."""
+    g = torch.Generator().manual_seed(0)
+    x = _hand_built_patches()
+    rows = [torch.cat([torch.full((1, 4), 7.0), x])]
+    for _ in range(3):  # windows of random similarity: some merge, some do not
+        y = torch.randn(16, 4, generator=g)
+        y[[0, 1, 4, 5]] = y[0] + 0.2 * torch.randn(4, 4, generator=g)
+        rows.append(torch.cat([torch.randn(1, 4, generator=g), y]))
+    hidden = torch.stack(rows)  # [4, 17, 4]
+    out, valid, ids = padded_spatial_merge(hidden, (4, 4), 2, torch.tensor(threshold))
+    assert out.shape == hidden.shape and valid.shape == (4, 17) and ids.shape == (4, 16)
+    counts = set()
+    for b in range(4):
+        want, r, want_ids = spatial_merge(hidden[b : b + 1], (4, 4), 2, threshold)
+        n = want.shape[1]
+        counts.add(r)
+        assert valid[b].tolist() == [True] * n + [False] * (17 - n)
+        assert torch.equal(out[b, :n], want[0]) and not out[b, n:].any()
+        assert ids[b].tolist() == want_ids[0].tolist() + [-1] * (17 - n)
+    assert len(counts) > 1 or threshold in (-1.0, 1.01)  # the rows merge different counts
 
 
 # -- stage 2: dual-attention filter ---------------------------------------------------------------

@@ -11,9 +11,9 @@ afterwards with the pixels copied into the graph's static input. At most ``MAX_G
 least recently used goes first: each holds its activations, e.g. LLaVA-NeXT's tile counts differ by image).
 
 The tower stays eager when a method's Python runs inside it (a hook or an attention probe on any of its
-modules, e.g. MustDrop's or HICom's recorders: checked once per session), unless every such hook's work
-depends on shapes only and carries its result (a :class:`~mmfast.hooks.attention.Carried`: ToMe's merges,
-a probe of the CLS row as VisionZip's), which is put back after each replay, when the
+modules: checked once per session), unless every such hook's work depends on shapes only and carries its result
+(a :class:`~mmfast.hooks.attention.Carried`: ToMe's merges, a probe of the CLS row as VisionZip's, MustDrop's padded
+merge), which is put back after each replay, when the
 session does not capture (``compile: off`` / ``static``, or not on CUDA), and for good after a capture that
 raises (one log line). Qwen-VL towers take packed patches and a grid, and their fused attention is their own
 path (``qwen_tower.py``): not captured here. The replayed kernels are the eager ones, so outputs are equal.

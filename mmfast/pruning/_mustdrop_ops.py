@@ -66,6 +66,45 @@ def spatial_merge(
     return out, r, ids
 
 
+def padded_spatial_merge(
+    hidden: torch.Tensor, grid: tuple[int, int], window: int, threshold: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`spatial_merge` in fixed shapes with no host read (a captured tower graph's), each row its own r.
+
+    ``threshold``: a 0-dim tensor on the device (the graph reads its memory). Returns the merged hidden states
+    padded to the input's [B, 1 + N, D] (row b: CLS, its r_b merged windows most similar first, its unmerged patches
+    in raster order, then zeros), ``valid`` [B, 1 + N] bool (the first 1 + N'_b slots) and the raster patch id of
+    every patch slot [B, N] (-1 for a merged window and for padding). Row b's valid part equals what
+    :func:`spatial_merge` gives that image alone."""
+    bsz, t, d = hidden.shape
+    if t != 1 + grid[0] * grid[1]:
+        raise ValueError(f"MustDrop's merge expects CLS + {grid[0]}x{grid[1]} patches, got {t} tokens")
+    cls, patches = hidden[:, :1], hidden[:, 1:]
+    n = patches.shape[1]
+    sim = window_similarity(patches, grid, window)  # [B, W]
+    tokens = window_tokens(grid, window, hidden.device)  # [W, w*w]
+    order = sim.argsort(dim=1, descending=True, stable=True)  # [B, W] most similar first: the merged ones lead
+    merged = (sim >= threshold).gather(1, order)  # [B, W] window (in that order) is merged
+    members = tokens[order]  # [B, W, w*w]
+    means = patches.float().gather(1, members.reshape(bsz, -1, 1).expand(-1, -1, d))  # [B, W*w*w, D]
+    means = means.reshape(bsz, members.shape[1], -1, d).mean(2).to(hidden.dtype)  # [B, W, D]
+    in_window = torch.zeros(bsz, n, dtype=torch.bool, device=hidden.device)
+    in_window.scatter_(1, members.reshape(bsz, -1), merged[:, :, None].expand_as(members).reshape(bsz, -1))
+    # candidates: every window's mean, then every patch; the merged windows' and the unmerged patches' are kept,
+    # moved to the front in that order (N' <= N of them)
+    cand = torch.cat([means, patches], 1)  # [B, W + N, D]
+    keep = torch.cat([merged, ~in_window], 1)  # [B, W + N]
+    ids = torch.cat(
+        [torch.full_like(merged, -1, dtype=torch.long), torch.arange(n, device=hidden.device).expand(bsz, -1)], 1
+    )
+    pos = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :n]  # [B, N] kept candidates first
+    valid = keep.gather(1, pos)  # [B, N]
+    out = cand.gather(1, pos[..., None].expand(-1, -1, d)).masked_fill(~valid[..., None], 0)  # [B, N, D]
+    out_ids = ids.gather(1, pos).masked_fill(~valid, -1)  # [B, N]
+    valid = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)  # [B, 1 + N] CLS is valid
+    return torch.cat([cls, out], 1), valid, out_ids
+
+
 @dataclass
 class PrefillData:
     """What MustDrop tracks through one prefill (kept in that state's ``extras``)."""
