@@ -102,7 +102,8 @@ class TokenAccounting:
     #: treats some as unimportant); replaces the slot count when set
     vision_override: torch.Tensor | None = None
     #: [B] float64 on the host: the logical KV bytes of a cache a KV policy did not build because nothing reads it
-    #: (ZipVL's quantised cache in a call whose prefill gives its only token); replaces the layers' count when set
+    #: (a call whose prefill gives its only token: ZipVL's quantised cache, MustDrop's trimmed one); replaces the
+    #: layers' count when set
     kv_bytes_unbuilt: torch.Tensor | None = None
 
     def select(self, index: torch.Tensor) -> TokenAccounting:

@@ -247,3 +247,47 @@ def test_key_set_travels_into_every_branch(tiny_mm, images, prompts, decoder):
     for r in out:
         st = r.stats["mustdrop"]
         assert st["key_set"] == 4 and st["kept"][-1] == st["key_set"], st
+
+
+def test_right_aligned_keeps_each_rows_slots_in_order():
+    """The KV policy's slot index, built without a read per row: each row's kept slots in order, right-aligned
+    (what the per-row loop built: ``index[b, T' - n_b:] = keep[b].nonzero()``), 0 and invalid before them."""
+    from mmfast.pruning._mustdrop_ops import right_aligned
+
+    g = torch.Generator().manual_seed(0)
+    keep = torch.rand(5, 12, generator=g) > 0.5
+    keep[3] = False  # a row that keeps nothing
+    index, valid = right_aligned(keep)
+    width = int(keep.sum(1).max())
+    assert index.shape == valid.shape == (5, width)
+    for b in range(5):
+        idx = keep[b].nonzero().squeeze(1)
+        n = idx.numel()
+        assert index[b, width - n :].tolist() == idx.tolist() and not index[b, : width - n].any()
+        assert valid[b].tolist() == [False] * (width - n) + [True] * n
+
+
+def test_a_one_token_call_publishes_the_trimmed_caches_bytes(tiny_mm, images, prompts, monkeypatch):
+    """A one-token answer never reads its cache after the prefill: on the static cache the KV policy trims nothing
+    and publishes the bytes the trimmed caches would hold, equal to the trimmed caches' (the dynamic cache, which
+    trims: every call there, and a decoding call's prefill on the static cache)."""
+    import mmfast.pruning.mustdrop as md
+
+    trims = []
+    original = md.apply_kv_policy
+    monkeypatch.setattr(md, "apply_kv_policy", lambda *a, **k: trims.append(1) or original(*a, **k))
+    params = {**BASE, "sim_threshold": 1.5, "lambda_g": 0.05, "lambda_i": 1.0}
+    recipe = {"pruning": [{"method": "mustdrop", "params": params}]}
+
+    def run(compile: str, n: int) -> list:
+        with mmfast.apply(tiny_mm, load_recipe(recipe), compile=compile) as s:
+            out = s.generate(images[:3], prompts[:3], max_new_tokens=n, seed=0)
+        return [(r.kv_bytes_prefill, r.stats["mustdrop"]["kept"]) for r in out]
+
+    trimmed = run("off", 1)
+    assert trims == [1]
+    assert run("static", 1) == trimmed and trims == [1]  # not trimmed
+    assert run("static", 2) == trimmed and trims == [1, 1]  # a decoding call trims
+    with mmfast.apply(tiny_mm, load_recipe({}), compile="off") as s:
+        plain = [r.kv_bytes_prefill for r in s.generate(images[:3], prompts[:3], max_new_tokens=1)]
+    assert all(t < p for (t, _), p in zip(trimmed, plain))  # the policy saved bytes

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .. import compat
 from ..runtime import LayerGroup, LMState
 
 
@@ -171,16 +172,28 @@ def apply_kv_policy(state: LMState, first: int, last_start: int, ref_start: floa
     for g in range(g1, final_g):
         grp = state.groups[g]
         keep = grp.key_mask & (grp.source >= 0) & survivor.gather(1, grp.source.clamp(min=0))
-        counts = keep.sum(1)
-        new_len = int(counts.max())
-        index = torch.zeros(keep.shape[0], new_len, dtype=torch.long, device=keep.device)
-        valid = torch.zeros(keep.shape[0], new_len, dtype=torch.bool, device=keep.device)
-        for b in range(keep.shape[0]):
-            idx = keep[b].nonzero().squeeze(1)
-            index[b, new_len - idx.numel() :] = idx
-            valid[b, new_len - idx.numel() :] = True
-        state.select_slots(g, index, valid)
+        state.select_slots(g, *right_aligned(keep))
         grp.positions = (grp.key_mask.long().cumsum(1) - 1).masked_fill(~grp.key_mask, 1)
+
+
+def right_aligned(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [B, T] bool -> (index [B, T'] of each row's kept slots in order, right-aligned, 0 before them;
+    valid [B, T']), T' the largest count: one read of the counts, no read per row."""
+    counts = keep.sum(1)  # [B]
+    width = int(counts.max()) if keep.shape[0] else 0
+    order = torch.argsort(keep.to(torch.int8), dim=1, stable=True)[:, keep.shape[1] - width :]  # kept ones last
+    valid = torch.arange(width, device=keep.device)[None, :] >= (width - counts)[:, None]  # [B, T']
+    return order.masked_fill(~valid, 0), valid
+
+
+def kv_policy_bytes(state: LMState, first: int, last_start: int) -> torch.Tensor:
+    """[B] float64 logical KV bytes of ``state``'s cache after :func:`apply_kv_policy` (layers from ``first`` hold
+    the slots that reach ``last_start``), without trimming it (what nothing reads: a one-token call's)."""
+    held = [grp.key_mask.sum(1) for grp in state.groups]  # [B] each: valid prefill slots per group
+    final = held[state.group_of(last_start)]
+    per_layer = torch.stack([final if i >= first else held[state.group_of(i)] for i in range(state.n_layers)])
+    slot = torch.tensor([compat.slot_bytes(lay) for lay in state.cache.layers], dtype=torch.float64)  # [L]
+    return (per_layer.double().cpu() * slot[:, None]).sum(0)  # one read
 
 
 def token_stats(counts: list[torch.Tensor], filters: list[int], n_layers: int) -> dict[str, Any]:

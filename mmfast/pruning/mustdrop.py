@@ -12,7 +12,9 @@ Algorithm (three stages, per image / per sample):
    g_j < lambda_g * sum_j g_j and m_j < lambda_i, then add the key set back (text always kept).
 3. Decode: after prefill, the stages' keep decisions are composed and applied to the caches of the
    layers from the first pruning layer on, so they cache only the final survivors; earlier layers
-   keep the full cache. Nothing is pruned during decode.
+   keep the full cache. Nothing is pruned during decode. (A call whose prefill gives its only token, on the static
+   cache, reads no cache after it: nothing is trimmed and the trimmed caches' bytes are published for the
+   accounting, ``accounting.kv_bytes_unbuilt``.)
 Budgets: ``preset`` "192" / "128" / "64" = (lambda_g, lambda_i) (0.001, 0.001), (0.0012, 0.001),
 (0.011, 0.01) (README); the counts are adaptive, reported in the stats. (On the embedded model the
 "192" and "128" presets both land near 386 tokens: the presets do not transfer between models.)
@@ -84,6 +86,7 @@ from ._mustdrop_ops import (
     PrefillData,
     apply_kv_policy,
     dual_attention_drop,
+    kv_policy_bytes,
     padded_spatial_merge,
     spatial_merge,
     text_rows,
@@ -466,8 +469,15 @@ class MustDrop(Pruner):
         if data is None:
             return
         self._stage_stats(state, data.counts)
-        if self.config.kv_policy:
-            apply_kv_policy(state, self.first_layer, self.filters[-1][0] + 1, ref_start=self.filters[0][1])
+        if not self.config.kv_policy:
+            return
+        last = self.filters[-1][0] + 1
+        if compat.is_static(state.cache) and not self.ctx.runner.decodes:
+            # the prefill gave the call's only token: nothing reads the trimmed caches, so they are not trimmed; the
+            # bytes they would hold are published for the accounting
+            state.accounting.kv_bytes_unbuilt = kv_policy_bytes(state, self.first_layer, last)
+            return
+        apply_kv_policy(state, self.first_layer, last, ref_start=self.filters[0][1])
 
     def _stage_stats(self, state: LMState, counts: list[torch.Tensor]) -> None:
         state.stats[self.name] = {
