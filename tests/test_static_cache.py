@@ -803,8 +803,7 @@ def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tin
     assert greedy != [[t for t, _, _ in call] for call in dynamic]
     assert run("static") == dynamic  # eager static steps
     EmulatedGraph.made = []
-    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
-    monkeypatch.setattr(Session, "_tower_capture_factory", lambda self: None)  # the LLM's graphs only
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)  # the tower's and ONLY's fusion too
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         assert s.runner.capture_blocker() is None
         assert s.runner.prefill_graph_blocker() is None  # their prefill reads classes staged before each segment
@@ -812,8 +811,11 @@ def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tin
         replays = [(g, g.replays) for g in EmulatedGraph.made]
         assert replays and sum(n for _, n in replays) >= 5
         second = rows(s.generate(*calls[1], max_new_tokens=8, seed=0))
+        fusions = [c for key, c in s.ctx.captured.graphs.items() if key[0][0] == "only.fuse"]
     assert [first, second] == dynamic
     assert any(g.replays > n for g, n in replays)  # a step graph of the first call replayed in the second
+    if decoding["method"] == "only":  # its last-layer pass and fusion: a captured call, replayed every step
+        assert fusions and all(c.graph.replays >= 7 for c in fusions)
     # and nothing captured again: PAI's image-free CFG prompt (the call's second prefill) takes the pool's second set
     assert len(EmulatedGraph.made) == len(replays)
 

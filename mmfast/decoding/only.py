@@ -24,8 +24,8 @@ forward pre-hook on the last decoder layer (its input at the last position); a f
 final norm (the model's final hidden state). On a static cache (``model.compile``) the override reads the key
 classes staged before each decode step (over the layer's whole buffer) and before each captured prefill segment
 (``_attn_edit.StagedSlotClasses``), and the three leave their rows in the state's scratch through ``Carried``, so
-decode steps and the prefill are captured graphs under ``auto`` (the last layer's second pass and ``lm_head`` on
-one row run after each). Cost: one forward per token plus the last layer's MLP and
+decode steps and the prefill are captured graphs under ``auto`` (the last layer's second pass, ``lm_head`` on
+one row and the fusion run after each, as one more captured call, ``MethodContext.captured``). Cost: one forward per token plus the last layer's MLP and
 one ``lm_head`` on one row.
 
 Deviations from the official code:
@@ -238,13 +238,20 @@ class ONLY(Decoder):
         procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p)
         on = self.active(cfg)
 
+        def fuse(logits, attn, resid, final) -> torch.Tensor:  # [B, V + 1]: the fused logits, then agree
+            l_cd = self.perturbed_logits(_Scratch(attn, resid, final))
+            fused, agree = only_fuse(logits, l_cd, cfg.gamma, cfg.alpha_pos, cfg.alpha_neg)
+            return torch.cat([fused, agree[:, None].to(fused.dtype)], 1)
+
+        key = ("only.fuse", cfg.residual_weight, cfg.final_weight, cfg.gamma, cfg.alpha_pos, cfg.alpha_neg)
+
         def choose(logits, step, state):
             fused = logits
             if on:
                 scratch = state.extras[self.name]
-                fused, agree = only_fuse(
-                    logits, self.perturbed_logits(scratch), cfg.gamma, cfg.alpha_pos, cfg.alpha_neg
-                )
+                # the last layer on the edited row, the fusion: one captured call where the session captures
+                packed = self.ctx.captured(key, fuse, logits, scratch.attn, scratch.resid, scratch.final)
+                fused, agree = packed[:, :-1], packed[:, -1].bool()  # [B, V], [B]
                 st = state.stats.get(self.name)
                 if st is None:  # counted on the device ([B] each), read once at the end (LMState.stats_rows)
                     st = state.stats[self.name] = {
