@@ -357,3 +357,30 @@ def test_static_and_captured_steps_equal_the_dynamic_cache(pruning, tiny_mm, ima
         made = len(_Graphs.made)
         again = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=14)]
     assert first == again == [t for t, _, _, _ in dynamic] and len(_Graphs.made) == made
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_a_shallow_copy_of_the_beam_search_is_a_snapshot(release):
+    """OPERA snapshots its search every step with ``copy.copy`` (no tensor clones): a step of the search leaves a
+    copy taken before it exactly as it was (its tensors are replaced, never written), and a copy restored from it
+    steps as the original did."""
+    import copy
+
+    from mmfast.decoding.beam import BeamSearch
+
+    g = torch.Generator().manual_seed(0)
+    stop = torch.tensor([0])
+    prompt = torch.tensor([5, 7]) if release else None
+    search = BeamSearch(2, 3, 4, 1.0, torch.device("cpu"), prompt_len=prompt)
+    steps = [torch.log_softmax(torch.randn(6, 11, generator=g), -1) for _ in range(4)]
+    search.step(steps[0], stop)
+    snap = copy.copy(search)
+    before = {k: v.clone() for k, v in vars(snap).items() if isinstance(v, torch.Tensor)}
+    for lp in steps[1:]:
+        search.step(lp, stop)
+    assert all(torch.equal(getattr(snap, k), v) for k, v in before.items())
+    again = copy.copy(snap)
+    for lp in steps[1:]:
+        again.step(lp, stop)
+    assert again.best() == search.best()
+    assert all(torch.equal(getattr(again, k), getattr(search, k)) for k in before)

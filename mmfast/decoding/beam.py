@@ -41,7 +41,10 @@ def release_prompt_len(req: DecodeRequest) -> torch.Tensor:
 
 
 class BeamSearch:
-    """Vectorised beam bookkeeping for ``batch`` samples x ``num_beams`` beams."""
+    """Vectorised beam bookkeeping for ``batch`` samples x ``num_beams`` beams.
+
+    After construction its tensors are replaced, never written in place, so a shallow copy is a snapshot of the
+    search (OPERA keeps one a step for its rollback)."""
 
     def __init__(
         self,

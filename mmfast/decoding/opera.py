@@ -263,7 +263,8 @@ class Opera(Decoder):
         counts: dict[int, int] = {}
         step = 0
         while True:
-            snaps[step] = _Snapshot(copy.deepcopy(search), history.snapshot())
+            # BeamSearch replaces its tensors, never writes them: a shallow copy is the snapshot (no clones)
+            snaps[step] = _Snapshot(copy.copy(search), history.snapshot())
             while next(iter(snaps)) <= step - cfg.window_size:  # keys increase in insertion order
                 del snaps[next(iter(snaps))]
             held = history.nbytes() + sum(s.history.numel() * s.history.element_size() for s in snaps.values())
@@ -297,7 +298,7 @@ class Opera(Decoder):
             else:
                 pos = target
                 snap = snaps[pos]
-                search = copy.deepcopy(snap.search)
+                search = copy.copy(snap.search)
                 history.restore(snap.history)
                 for d in [s for s in snaps if s > pos]:
                     del snaps[d]
