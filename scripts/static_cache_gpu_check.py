@@ -60,8 +60,11 @@ PRUNER_RECIPES = (
     "dynamic_llava",
     "zipvl",
 )
-#: ``name@1``: one-token calls (a POPE answer, a TTFT), whose prefill is the captured part (ZipVL, Dynamic-LLaVA)
-ONE_TOKEN = ("zipvl@1", "dynamic_llava@1")
+#: ``name@1``: one-token calls (a POPE answer, a TTFT), whose prefill is the captured part (ZipVL, Dynamic-LLaVA;
+#: MustDrop's, whose KV policy then trims nothing). MustDrop's tower under ``auto`` is captured with a padded merge,
+#: equal to the eager tower's (``static``) within fp rounding: a token that differs there says how often that flips a
+#: decision in fp16
+ONE_TOKEN = ("zipvl@1", "dynamic_llava@1", "mustdrop@1")
 #: read LLM attention at prefill only, or act in the step by tensor work only (Dynamic-LLaVA's text rule, VHR,
 #: ZipVL's quantised layers and the query its override keeps): their decode steps must be captured graphs under
 #: ``auto`` (and the one-token calls' prefills)
