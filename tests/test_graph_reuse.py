@@ -444,12 +444,13 @@ def test_the_tower_keeps_a_few_shapes():
     assert [k[1][0][0] for k in tower.graphs] == [3, 4, 1, 5][-MAX_GRAPHS:]  # (key, (shape, dtype, device))
 
 
-@pytest.mark.parametrize("name", ["divprune", "cdpruner", "pyramiddrop"])
+@pytest.mark.parametrize("name", ["divprune", "cdpruner", "pyramiddrop", "dynamic_llava"])
 def test_a_pruners_selection_is_one_captured_graph(name, captured, tiny_mm, images, prompts):
-    """DivPrune's and CDPruner's selections (the distance / DPP kernel and the greedy pick loop) and PyramidDrop's
-    scoring (the last instruction token's attention, recomputed at each stage) run through
-    ``MethodContext.captured``: one graph per key and input shape, captured by the first image (stage) and replayed
-    for every other of this call and the next, tokens equal to the dynamic cache's (whose selection ran eagerly)."""
+    """DivPrune's and CDPruner's selections (the distance / DPP kernel and the greedy pick loop), PyramidDrop's
+    scoring (the last instruction token's attention, recomputed at each stage) and Dynamic-LLaVA's image predictor
+    with its top-k run through ``MethodContext.captured``: one graph per key and input shape, captured by the first
+    image (stage, batch) and replayed for every other of this call and the next, tokens equal to the dynamic cache's
+    (whose selection ran eagerly)."""
     from mmfast.registry import PRUNERS
 
     recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
@@ -458,6 +459,10 @@ def test_a_pruners_selection_is_one_captured_graph(name, captured, tiny_mm, imag
         got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=4, seed=0)] for imgs, ps in runs]
         graphs = dict(s.ctx.captured.graphs)
     assert got == [_dynamic(tiny_mm, recipe, imgs, ps, 4) for imgs, ps in runs]
+    if name == "dynamic_llava":  # one prediction a batch: the second call's replays the first's
+        assert [key[0][0] for key in graphs] == ["dynamic_llava.image"]
+        assert next(iter(graphs.values())).graph.replays == 1
+        return
     if name == PDROP:  # a graph per stage (both calls' prompts fill one prefill bucket): captured, then replayed
         assert {key[0][0] for key in graphs} == {PDROP} and len(graphs) == len(s.runner._select)
         assert all(c.graph.replays == 1 for c in graphs.values())

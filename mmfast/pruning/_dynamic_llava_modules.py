@@ -126,15 +126,18 @@ class ImagePredictor(nn.Module):
         self.head2 = nn.Linear(c // 2, c // 4)
         self.head3 = nn.Linear(c // 4, 2)
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, N, d] (image tokens of each sample, padded), valid [B, N] bool -> logits [B, N, 2]."""
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None, dense: bool | None = None) -> torch.Tensor:
+        """x [B, N, d] (image tokens of each sample, padded), valid [B, N] bool -> logits [B, N, 2]. ``dense``:
+        whether every entry of ``valid`` is True, when the caller knows it (None: read from ``valid``; a captured
+        call must not read)."""
         b, n, _ = x.shape
         if valid is None:
             valid = torch.ones(b, n, dtype=torch.bool, device=x.device)
         h = F.gelu(self.down(self.down_norm(x))) * valid[..., None]
         # every query sees the valid keys and itself (padded rows stay finite and are never used)
         eye = torch.eye(n, dtype=torch.bool, device=x.device)
-        mask = None if bool(valid.all()) else (valid[:, None, None, :] | eye)
+        dense = bool(valid.all()) if dense is None else dense
+        mask = None if dense else (valid[:, None, None, :] | eye)
         for blk in self.blocks:
             h = blk(h, mask)
         half = h.shape[-1] // 2

@@ -83,6 +83,7 @@ from ..config import opt
 from ..errors import ConfigError, ModelLoadError
 from ..hooks.attention import Carried, replayable
 from ..models.base import GENERATED
+from ..models.captured_tower import eager_call
 from ..registry import PRUNERS
 from ..runtime import LayerGroup
 from ._common import LayerMapping, map_layers
@@ -246,11 +247,27 @@ class DynamicLLaVA(Pruner):
         kept = list(n_vis)
         if any(kk < n for kk, n in zip(k, n_vis)):
             x, valid, index = gather_rows(view.hidden, vision)
+            t, dense = vision.shape[1], len(set(n_vis)) == 1  # dense: every row holds the widest count
+
+            def chosen_slots(x, valid, index, k) -> torch.Tensor:  # [B, T] the kept vision slots
+                dev = self._device()
+                logits = self.predictors.image(x.to(dev, torch.float32), valid.to(dev), dense=dense)
+                score = F.log_softmax(logits, dim=-1)[..., 0].to(valid.device)
+                return _scatter_rows(keep_topk(score, valid, k), valid, index, t)
+
+            # the predictor, the top-k and the scatter: one captured call where the session captures (a prefill's
+            # length takes a few bucketed values; without a decode cache every step re-prefills a new length: eager)
+            run = self.ctx.captured if cfg.use_cache else eager_call
             with torch.no_grad():
-                logits = self.predictors.image(x.to(self._device(), torch.float32), valid.to(self._device()))
-            score = F.log_softmax(logits, dim=-1)[..., 0].to(vision.device)
-            chosen = keep_topk(score, valid, torch.tensor(k, device=vision.device))
-            keep &= ~vision | _scatter_rows(chosen, valid, index, vision.shape[1])
+                chosen = run(
+                    ("dynamic_llava.image", t, dense),
+                    chosen_slots,
+                    x,
+                    valid,
+                    index,
+                    torch.tensor(k, device=vision.device),
+                )
+            keep &= ~vision | chosen
             kept = k
         stats = {"layer": self.layer, "per_sample_image_tokens": n_vis, "per_sample_kept": kept}
         if not cfg.use_cache and self.text_rule:
