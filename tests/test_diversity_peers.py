@@ -533,3 +533,28 @@ def test_next_batch_equals_single(method, params, next_mm, images, prompts):
         assert all(r.n_vision_tokens < 40 for r in batched)
     else:  # in the LLM: all tokens enter, fewer after layer K
         assert all(r.vision_tokens_layer_avg < r.n_vision_tokens for r in batched)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dart_fixed_shape_selection_equals_the_pivot_loop(seed):
+    """The captured selection (``dart_keep``: masks and -inf top-k in fixed shapes, no host read) keeps what the
+    pivot loop (``dart_select``, ascending pivots) keeps, including fewer image or text tokens than pivots, picks
+    running out of candidates, and no picks at all."""
+    from mmfast.pruning.dart import dart_keep, dart_select
+
+    g = torch.Generator().manual_seed(seed)
+    t_len = 40
+    feats, key_l1 = torch.randn(t_len, 8, generator=g), torch.rand(t_len, generator=g)
+    for n_img, n_txt, pi, pt, per in [
+        (16, 6, 2, 2, 3),
+        (3, 6, 4, 2, 1),
+        (16, 2, 2, 4, 2),
+        (9, 5, 2, 2, 5),
+        (12, 4, 3, 3, 0),
+    ]:
+        perm = torch.randperm(t_len, generator=g)
+        image, text = torch.zeros(t_len, dtype=torch.bool), torch.zeros(t_len, dtype=torch.bool)
+        image[perm[:n_img]], text[perm[n_img : n_img + n_txt]] = True, True
+        want = torch.zeros(t_len, dtype=torch.bool)
+        want[dart_select(feats, key_l1, image.nonzero().squeeze(1), text.nonzero().squeeze(1), pi, pt, per)] = True
+        assert torch.equal(dart_keep(feats, key_l1, image, text, pi, pt, per), want), (n_img, n_txt, pi, pt, per)

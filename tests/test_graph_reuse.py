@@ -444,9 +444,10 @@ def test_the_tower_keeps_a_few_shapes():
     assert [k[1][0][0] for k in tower.graphs] == [3, 4, 1, 5][-MAX_GRAPHS:]  # (key, (shape, dtype, device))
 
 
-@pytest.mark.parametrize("name", ["divprune", "cdpruner", "pyramiddrop", "dynamic_llava"])
+@pytest.mark.parametrize("name", ["divprune", "cdpruner", "dart", "pyramiddrop", "dynamic_llava"])
 def test_a_pruners_selection_is_one_captured_graph(name, captured, tiny_mm, images, prompts):
-    """DivPrune's and CDPruner's selections (the distance / DPP kernel and the greedy pick loop), PyramidDrop's
+    """DivPrune's and CDPruner's selections (the distance / DPP kernel and the greedy pick loop), DART's (pivots,
+    then the least duplicated tokens of each, per image), PyramidDrop's
     scoring (the last instruction token's attention, recomputed at each stage) and Dynamic-LLaVA's image predictor
     with its top-k run through ``MethodContext.captured``: one graph per key and input shape, captured by the first
     image (stage, batch) and replayed for every other of this call and the next, tokens equal to the dynamic cache's

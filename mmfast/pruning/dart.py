@@ -27,6 +27,10 @@ does the same (every vision slot of the image is a candidate).
 
 Positions: kept tokens keep their original position ids (the release sets ``position_ids =
 keep_indexs``). KV cache: layers >= K cache only the kept tokens (static after prefill).
+Cost on a GPU: with ``preset: sequence`` each image's selection (pivots, then each pivot's least duplicated free
+tokens) runs in fixed shapes with no host read (:func:`dart_keep`: missing pivots and picks masked out of the
+top-k), one captured call per image where the session captures (``MethodContext.captured``); ``preset: release``
+orders the pivots with a CPython ``set`` on the host and stays eager (:func:`dart_select`).
 Hook points: a key recorder on layer K-1's attention (``hooks.attach(...).prefill_recorders``: prefill only, so a static decode step can be captured; the L1 norms
 travel in the state's ``extras``; what it computes depends on shapes only, so a captured prefill segment
 replays it and puts its result back, ``hooks.Carried``); ``llm_layer`` (``runner.prune_at``).
@@ -71,6 +75,7 @@ computed per image from its N (``_budget.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -130,6 +135,40 @@ def dart_select(
         free[picked] = False
         kept.append(picked)
     return torch.cat(kept).sort().values
+
+
+def dart_keep(
+    features: torch.Tensor,
+    key_l1: torch.Tensor,
+    image: torch.Tensor,
+    text: torch.Tensor,
+    pivot_image: int,
+    pivot_text: int,
+    per_pivot: int,
+) -> torch.Tensor:
+    """:func:`dart_select` with the pivots in ascending slot order, in fixed shapes with no host read (a captured
+    selection's): ``features`` [T, d], ``key_l1`` [T], ``image`` / ``text`` [T] bool the image's slots and the text
+    pivots' candidates. Returns the kept image slots as a [T] bool mask. Fewer candidates than a count (pivots,
+    picks) are masked out of the top-k (-inf) instead of shrinking it."""
+    t_len = features.shape[0]
+    neg = float("-inf")
+    img_val, img_piv = key_l1.masked_fill(~image, neg).topk(min(pivot_image, t_len))  # [Pi]
+    txt_val, txt_piv = key_l1.masked_fill(~text, neg).topk(min(pivot_text, t_len))  # [Pt]
+    pivots, ok = torch.cat([img_piv, txt_piv]), torch.cat([img_val, txt_val]) > neg  # [P] each
+    slot = torch.where(ok, pivots, t_len + torch.arange(pivots.numel(), device=pivots.device))
+    order = slot.argsort()  # valid pivots in ascending slot order, the missing ones after them
+    pivots, ok = pivots[order], ok[order]
+    feats = features.float()
+    kept = torch.zeros(t_len, dtype=torch.bool, device=features.device).scatter(0, img_piv, img_val > neg)
+    free = ~kept  # image pivots are kept, never picked
+    n_pick = min(per_pivot, t_len)
+    for i in range(pivots.numel() if n_pick else 0):
+        pivot = feats.index_select(0, pivots[i : i + 1])  # [1, d] (no host read of the slot)
+        sim = torch.nn.functional.cosine_similarity(pivot, feats, dim=-1)  # [T]
+        vals, picked = (-sim).masked_fill(~(image & free), neg).topk(n_pick)  # least duplicated of the free
+        mark = torch.zeros_like(kept).scatter(0, picked, (vals > neg) & ok[i])  # [T]
+        kept, free = kept | mark, free & ~mark
+    return kept
 
 
 @PRUNERS.register("dart", description="DART: keep image tokens least duplicated of key-norm pivots at LLM layer K")
@@ -252,23 +291,26 @@ class DART(Pruner):
         if cfg.preset == "release":  # each slot's index in its sample's unpadded prefill sequence
             seq_index = (view.state.inputs.attention_mask.long().cumsum(1) - 1).gather(1, src.clamp(min=0))  # [B, T]
         kept = torch.zeros_like(view.vision)
-        for b in range(view.hidden.shape[0]):
+        if cfg.preset == "sequence":  # every image's selection a captured call (one read of the images' counts)
+            n_images = int(image.max()) + 1
+            counts = torch.stack([(image == j).sum(1) for j in range(n_images)], 1).tolist()  # [B][J]
+            for b in range(view.hidden.shape[0]):
+                for j, n in enumerate(counts[b]):
+                    if n == 0:
+                        continue
+                    static = ("dart", cfg.pivot_image, cfg.pivot_text, self.per_pivot(n))
+                    kept[b] |= self.ctx.captured(
+                        static,
+                        partial(dart_keep, pivot_image=cfg.pivot_image, pivot_text=cfg.pivot_text, per_pivot=static[3]),
+                        feats[b], key_l1[b], image[b] == j, view.text_after[b],
+                    )  # fmt: skip
+        for b in range(view.hidden.shape[0] if cfg.preset == "release" else 0):  # the release's set order: eager
             text = view.text_after[b].nonzero().squeeze(1)
             for j in range(int(image[b].max()) + 1):
                 slots = (image[b] == j).nonzero().squeeze(1)
                 t = self.per_pivot(slots.numel())
                 kept[
-                    b,
-                    dart_select(
-                        feats[b],
-                        key_l1[b],
-                        slots,
-                        text,
-                        cfg.pivot_image,
-                        cfg.pivot_text,
-                        t,
-                        None if seq_index is None else seq_index[b],
-                    ),
+                    b, dart_select(feats[b], key_l1[b], slots, text, cfg.pivot_image, cfg.pivot_text, t, seq_index[b])
                 ] = True
         view.state.stats[self.name] = {"per_sample_kept": kept.sum(1).tolist(), "layer": self.layer}
         return keep_only(view.vision, kept)
