@@ -535,16 +535,33 @@ def test_next_batch_equals_single(method, params, next_mm, images, prompts):
         assert all(r.vision_tokens_layer_avg < r.n_vision_tokens for r in batched)
 
 
+def _dart_rule(feats, key_l1, image: list[int], text: list[int], pi: int, pt: int, per: int, order=None) -> list[int]:
+    """DART's rule on lists (as ``_dart_reference`` after its forward): pivots by key norm, then each pivot's
+    ``per`` least cosine-similar image tokens not chosen yet; ``order``: a function of the pivots' list."""
+    img_piv = sorted(image, key=lambda t: -float(key_l1[t]))[:pi]
+    txt_piv = sorted(text, key=lambda t: -float(key_l1[t]))[:pt]
+    valid, kept = [t for t in image if t not in img_piv], set(img_piv)
+    for p in sorted(img_piv + txt_piv) if order is None else order(img_piv + txt_piv):
+        sims = {
+            t: float(torch.nn.functional.cosine_similarity(feats[p].double(), feats[t].double(), dim=0)) for t in valid
+        }
+        picked = sorted(valid, key=lambda t: sims[t])[:per]
+        kept.update(picked)
+        valid = [t for t in valid if t not in picked]
+    return sorted(kept)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_dart_fixed_shape_selection_equals_the_pivot_loop(seed):
-    """The captured selection (``dart_keep``: masks and -inf top-k in fixed shapes, no host read) keeps what the
-    pivot loop (``dart_select``, ascending pivots) keeps, including fewer image or text tokens than pivots, picks
-    running out of candidates, and no picks at all."""
-    from mmfast.pruning.dart import dart_keep, dart_select
+def test_dart_fixed_shape_selection_equals_the_rule(seed):
+    """The per-image selection (``dart_keep``: masks and -inf top-k in fixed shapes, no host read, in slot order)
+    keeps what DART's rule keeps, with fewer image or text tokens than pivots, picks running out of candidates and
+    no picks at all; with ``seq_index`` (the release's preset) in the release's set order of the pivots."""
+    from mmfast.pruning.dart import dart_keep
 
     g = torch.Generator().manual_seed(seed)
     t_len = 40
     feats, key_l1 = torch.randn(t_len, 8, generator=g), torch.rand(t_len, generator=g)
+    seq_index = torch.randperm(t_len, generator=g) + 3  # each slot's sequence index (the release's set keys)
     for n_img, n_txt, pi, pt, per in [
         (16, 6, 2, 2, 3),
         (3, 6, 4, 2, 1),
@@ -555,6 +572,12 @@ def test_dart_fixed_shape_selection_equals_the_pivot_loop(seed):
         perm = torch.randperm(t_len, generator=g)
         image, text = torch.zeros(t_len, dtype=torch.bool), torch.zeros(t_len, dtype=torch.bool)
         image[perm[:n_img]], text[perm[n_img : n_img + n_txt]] = True, True
-        want = torch.zeros(t_len, dtype=torch.bool)
-        want[dart_select(feats, key_l1, image.nonzero().squeeze(1), text.nonzero().squeeze(1), pi, pt, per)] = True
-        assert torch.equal(dart_keep(feats, key_l1, image, text, pi, pt, per), want), (n_img, n_txt, pi, pt, per)
+        img, txt = image.nonzero().squeeze(1).tolist(), text.nonzero().squeeze(1).tolist()
+
+        def release(pivots: list[int]) -> list[int]:
+            slot_of = {int(seq_index[p]): p for p in pivots}
+            return [slot_of[i] for i in set(slot_of)]
+
+        for idx, order in ((None, None), (seq_index, release)):
+            got = dart_keep(feats, key_l1, image, text, pi, pt, per, seq_index=idx).nonzero().squeeze(1).tolist()
+            assert got == _dart_rule(feats, key_l1, img, txt, pi, pt, per, order), (n_img, n_txt, pi, pt, per, idx)

@@ -30,7 +30,7 @@ keep_indexs``). KV cache: layers >= K cache only the kept tokens (static after p
 Cost on a GPU: with ``preset: sequence`` each image's selection (pivots, then each pivot's least duplicated free
 tokens) runs in fixed shapes with no host read (:func:`dart_keep`: missing pivots and picks masked out of the
 top-k), one captured call per image where the session captures (``MethodContext.captured``); ``preset: release``
-orders the pivots with a CPython ``set`` on the host and stays eager (:func:`dart_select`).
+orders the pivots with a CPython ``set`` on the host and stays eager.
 Hook points: a key recorder on layer K-1's attention (``hooks.attach(...).prefill_recorders``: prefill only, so a static decode step can be captured; the L1 norms
 travel in the state's ``extras``; what it computes depends on shapes only, so a captured prefill segment
 replays it and puts its result back, ``hooks.Carried``); ``llm_layer`` (``runner.prune_at``).
@@ -83,6 +83,7 @@ import torch
 from ..capabilities import Capabilities
 from ..config import opt
 from ..hooks import Carried, attach
+from ..models.captured_tower import eager_call
 from ..registry import PRUNERS
 from ._budget import in_llm_keep_at
 from ._common import LayerMapping, keep_only, map_layers
@@ -103,7 +104,7 @@ def release_pivot_order(pivots: torch.Tensor, seq_index: torch.Tensor) -> torch.
     return torch.tensor([slot_of[i] for i in set(seq)], dtype=pivots.dtype, device=pivots.device)
 
 
-def dart_select(
+def dart_keep(
     features: torch.Tensor,
     key_l1: torch.Tensor,
     image: torch.Tensor,
@@ -113,51 +114,24 @@ def dart_select(
     per_pivot: int,
     seq_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One image of one sample. ``features`` [T, d] (final-normed hidden states), ``key_l1`` [T],
-    ``image`` / ``text`` [n] / [m] slot indices. Pivots are visited in slot order, or in the release's
-    order when ``seq_index`` [T] (each slot's sequence index) is given. Returns the kept image slots (sorted)."""
-    img_piv = image[key_l1[image].topk(min(pivot_image, image.numel())).indices]
-    txt_piv = text[key_l1[text].topk(min(pivot_text, text.numel())).indices]
-    pivots = torch.cat([img_piv, txt_piv])
-    order = pivots.sort().values if seq_index is None else release_pivot_order(pivots, seq_index)
-    feats = features.float()
-    free = torch.ones(features.shape[0], dtype=torch.bool, device=features.device)
-    free[img_piv] = False
-    cand = torch.zeros_like(free)
-    cand[image] = True
-    kept = [img_piv]
-    for p in order:
-        valid = (cand & free).nonzero().squeeze(1)  # [V] image slots still unchosen
-        if valid.numel() == 0 or per_pivot == 0:
-            break
-        sim = torch.nn.functional.cosine_similarity(feats[p][None], feats[valid], dim=-1)  # [V]
-        picked = valid[(-sim).topk(min(per_pivot, valid.numel())).indices]  # least duplicated
-        free[picked] = False
-        kept.append(picked)
-    return torch.cat(kept).sort().values
-
-
-def dart_keep(
-    features: torch.Tensor,
-    key_l1: torch.Tensor,
-    image: torch.Tensor,
-    text: torch.Tensor,
-    pivot_image: int,
-    pivot_text: int,
-    per_pivot: int,
-) -> torch.Tensor:
-    """:func:`dart_select` with the pivots in ascending slot order, in fixed shapes with no host read (a captured
-    selection's): ``features`` [T, d], ``key_l1`` [T], ``image`` / ``text`` [T] bool the image's slots and the text
-    pivots' candidates. Returns the kept image slots as a [T] bool mask. Fewer candidates than a count (pivots,
-    picks) are masked out of the top-k (-inf) instead of shrinking it."""
+    """DART's rule on one image of one sample: ``features`` [T, d] (final-normed hidden states), ``key_l1`` [T],
+    ``image`` / ``text`` [T] bool the image's slots and the text pivots' candidates. Pivots are visited in
+    ascending slot order, or in the release's order when ``seq_index`` [T] (each slot's sequence index) is given.
+    Returns the kept image slots, a [T] bool mask. In slot order it runs in fixed shapes with no host read (a
+    captured selection's): fewer candidates than a count (pivots, picks) are masked out of the top-k (-inf)
+    instead of shrinking it; the release's order is a CPython ``set``'s, read on the host (eager only)."""
     t_len = features.shape[0]
     neg = float("-inf")
     img_val, img_piv = key_l1.masked_fill(~image, neg).topk(min(pivot_image, t_len))  # [Pi]
     txt_val, txt_piv = key_l1.masked_fill(~text, neg).topk(min(pivot_text, t_len))  # [Pt]
     pivots, ok = torch.cat([img_piv, txt_piv]), torch.cat([img_val, txt_val]) > neg  # [P] each
-    slot = torch.where(ok, pivots, t_len + torch.arange(pivots.numel(), device=pivots.device))
-    order = slot.argsort()  # valid pivots in ascending slot order, the missing ones after them
-    pivots, ok = pivots[order], ok[order]
+    if seq_index is None:
+        slot = torch.where(ok, pivots, t_len + torch.arange(pivots.numel(), device=pivots.device))
+        order = slot.argsort()  # valid pivots in ascending slot order, the missing ones after them
+        pivots, ok = pivots[order], ok[order]
+    else:
+        pivots = release_pivot_order(pivots[ok], seq_index)
+        ok = torch.ones_like(pivots, dtype=torch.bool)
     feats = features.float()
     kept = torch.zeros(t_len, dtype=torch.bool, device=features.device).scatter(0, img_piv, img_val > neg)
     free = ~kept  # image pivots are kept, never picked
@@ -291,26 +265,23 @@ class DART(Pruner):
         if cfg.preset == "release":  # each slot's index in its sample's unpadded prefill sequence
             seq_index = (view.state.inputs.attention_mask.long().cumsum(1) - 1).gather(1, src.clamp(min=0))  # [B, T]
         kept = torch.zeros_like(view.vision)
-        if cfg.preset == "sequence":  # every image's selection a captured call (one read of the images' counts)
-            n_images = int(image.max()) + 1
-            counts = torch.stack([(image == j).sum(1) for j in range(n_images)], 1).tolist()  # [B][J]
-            for b in range(view.hidden.shape[0]):
-                for j, n in enumerate(counts[b]):
-                    if n == 0:
-                        continue
-                    static = ("dart", cfg.pivot_image, cfg.pivot_text, self.per_pivot(n))
-                    kept[b] |= self.ctx.captured(
-                        static,
-                        partial(dart_keep, pivot_image=cfg.pivot_image, pivot_text=cfg.pivot_text, per_pivot=static[3]),
-                        feats[b], key_l1[b], image[b] == j, view.text_after[b],
-                    )  # fmt: skip
-        for b in range(view.hidden.shape[0] if cfg.preset == "release" else 0):  # the release's set order: eager
-            text = view.text_after[b].nonzero().squeeze(1)
-            for j in range(int(image[b].max()) + 1):
-                slots = (image[b] == j).nonzero().squeeze(1)
-                t = self.per_pivot(slots.numel())
-                kept[
-                    b, dart_select(feats[b], key_l1[b], slots, text, cfg.pivot_image, cfg.pivot_text, t, seq_index[b])
-                ] = True
+        # each image's selection: a captured call where the session captures (the release's set order: eager)
+        run = self.ctx.captured if seq_index is None else eager_call
+        n_images = int(image.max()) + 1
+        counts = torch.stack([(image == j).sum(1) for j in range(n_images)], 1).tolist()  # [B][J]: one read
+        for b in range(view.hidden.shape[0]):
+            for j, n in enumerate(counts[b]):
+                if n == 0:
+                    continue
+                t = self.per_pivot(n)
+                fn = partial(
+                    dart_keep,
+                    pivot_image=cfg.pivot_image,
+                    pivot_text=cfg.pivot_text,
+                    per_pivot=t,
+                    seq_index=None if seq_index is None else seq_index[b],
+                )
+                static = ("dart", cfg.pivot_image, cfg.pivot_text, t)
+                kept[b] |= run(static, fn, feats[b], key_l1[b], image[b] == j, view.text_after[b])
         view.state.stats[self.name] = {"per_sample_kept": kept.sum(1).tolist(), "layer": self.layer}
         return keep_only(view.vision, kept)
