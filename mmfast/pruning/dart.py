@@ -267,10 +267,10 @@ class DART(Pruner):
         kept = torch.zeros_like(view.vision)
         # each image's selection: a captured call where the session captures (the release's set order: eager)
         run = self.ctx.captured if seq_index is None else eager_call
-        n_images = int(image.max()) + 1
-        counts = torch.stack([(image == j).sum(1) for j in range(n_images)], 1).tolist()  # [B][J]: one read
-        for b in range(view.hidden.shape[0]):
-            for j, n in enumerate(counts[b]):
+        n_images = int(image.max()) + 1  # 0: a prompt without an image (a branch's image-free prompt)
+        counts = torch.stack([(image == j).sum(1) for j in range(n_images)], 1).tolist() if n_images else []  # [B][J]
+        for b, row in enumerate(counts):
+            for j, n in enumerate(row):
                 if n == 0:
                     continue
                 t = self.per_pivot(n)
