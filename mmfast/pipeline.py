@@ -139,7 +139,7 @@ class Session:
                 tower = CapturedTower(self.adapter.vision_tower, self.runner, self._tower_capture_factory)
                 self.hooks.set_attr(self.adapter, "tower_graphs", tower)
             self.pruners = [self._make_pruner(i, spec) for i, spec in enumerate(recipe.pruning)]
-            self._tower_per_image = any(caps_of(type(p), p.config).tower_per_image for p in self.pruners)
+            self._tower_per_image = [p for p in self.pruners if caps_of(type(p), p.config).tower_per_image]
             # stages that see each video as one item on a model whose frame groups are items (pruning._video_items)
             self._joins = [joins_videos(caps_of(type(p), p.config), self.adapter.features) for p in self.pruners]
             self.decoder = DECODERS.get(recipe.decoding.method).cls(recipe.decoding.params, self.ctx)
@@ -248,7 +248,7 @@ class Session:
         in ``vision.raw`` (DAMRO's outlier branch reads it)."""
         self.probe.clear()
         items = batch.items or None
-        if self._tower_per_image and batch.pixel_values.shape[0] > 1:
+        if batch.pixel_values.shape[0] > 1 and any(p.tower_per_image() for p in self._tower_per_image):
             sizes = batch.image_sizes
             vision = VisionBatch.concat(
                 [

@@ -65,9 +65,14 @@ class Pruner:
     def install(self) -> None:
         """Register hooks and probes (called once when the session opens)."""
 
+    def tower_per_image(self) -> bool:
+        """Whether this call's tower must run one image at a time for this stage (a stage that declares
+        ``tower_per_image`` may not need it where the tower is captured: MustDrop's padded merge)."""
+        return True
+
     def observe_tower(self, vision: VisionBatch) -> None:
-        """Right after the vision tower ran (on one image when any stage declares
-        ``tower_per_image``, else on the batch): move what tower hooks saw into ``vision``."""
+        """Right after the vision tower ran (on one image when a stage declaring ``tower_per_image`` says so in
+        this call, :meth:`tower_per_image`, else on the batch): move what tower hooks saw into ``vision``."""
 
     def prune_vision(self, vision: VisionBatch, batch: PreparedBatch) -> VisionBatch:
         """Feature-stage edit; identity by default."""

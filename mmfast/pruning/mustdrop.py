@@ -50,7 +50,8 @@ The merge is computed in fp32. Where the session captures the vision tower (``mo
 merge keeps the token count: each image's merged windows and unmerged patches first, then zero padding
 (:func:`~._mustdrop_ops.padded_spatial_merge`, the threshold read from device memory), and layers 1.. mask the padded
 keys (the encoder's attention mask): fixed shapes with no host read, so the tower is one captured graph (~600 kernels
-launched one by one otherwise), and ``observe_tower`` cuts the padding off. The valid tokens equal the unpadded merge's
+launched one by one otherwise) that runs a batch's images at once (each merges its own windows), and
+``observe_tower`` cuts the padding off. The valid tokens equal the unpadded merge's
 exactly after layer 0 and within fp rounding after the masked layers (the same sums plus zeros); that path computes
 layers 1.. over all 1 + N slots (no tower FLOPs saved there; the reported FLOPs are the LLM's). The key set travels with the tokens as the ``mustdrop.key`` tag (through branches,
 beams and rollbacks) and through the LLM stages by slot provenance; MustDrop must be the first feature stage (checked). Prefill FLOPs and the
@@ -101,10 +102,11 @@ KEY_TAG = "mustdrop.key"  # LMInputs / VisionBatch tag: the key-set tokens (bool
 
 @dataclass
 class _TowerMerge:
-    """One image's window merge, from the tower's layer 0 to ``observe_tower``."""
+    """The window merge of a tower call's images (one, or the batch with a padded merge), from the tower's layer 0
+    to ``observe_tower``."""
 
-    ids: torch.Tensor  # [N'] raster patch id of each patch token (-1: a merged window); padded merge: [N], -1 after
-    valid: torch.Tensor | None  # padded merge: [1 + N] bool, the valid slots (CLS, then N' tokens); else None
+    ids: torch.Tensor  # [n, N'] raster patch id of each patch token (-1: a merged window); padded: [n, N], -1 after
+    valid: torch.Tensor | None  # padded merge: [n, 1 + N] bool, the valid slots (CLS, then N'_i tokens); else None
 
 
 #: (lambda_g, lambda_i) of the paper's budgets (liuting20/MustDrop README, TextVQA examples).
@@ -285,7 +287,8 @@ class MustDrop(Pruner):
         # session runs the tower one image at a time for this stage (capability tower_per_image),
         # so every image merges its own windows whatever its batch. Where the session captures the tower, the
         # merge keeps the tokens' count (padded, :func:`padded_spatial_merge`) and the later layers mask the padding
-        # (their key mask, set on the encoder's call): shapes only, so the tower stays one graph.
+        # (their key mask, set on the encoder's call): shapes only, so the tower stays one graph, and every image
+        # of a batch merges its own windows in one tower call (:meth:`tower_per_image`).
         layer0 = vis_layers[0]
         original = layer0.forward
         self._pending: _TowerMerge | None = None  # set by the merge, read by observe_tower
@@ -356,18 +359,23 @@ class MustDrop(Pruner):
         bsz, t = hidden.shape[:2]
         return args, {**kwargs, "attention_mask": self._mask(hidden).expand(bsz, 1, t, t)}
 
+    def tower_per_image(self) -> bool:
+        """The unpadded merge needs one image a tower call (each its own count); the padded one merges each image
+        of a batch on its own."""
+        return not self._padded()
+
     def _merge(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] != 1:
-            raise RuntimeError("MustDrop: the vision tower must run one image at a time (the session does this)")
         cfg = self.config
         if not self._padded():
+            if hidden.shape[0] != 1:
+                raise RuntimeError("MustDrop: the vision tower must run one image at a time (the session does this)")
             out, r, ids = spatial_merge(hidden, self.adapter.grid, cfg.window, self.sim_threshold)
-            self._pending = _TowerMerge(ids[0], None)
+            self._pending = _TowerMerge(ids, None)
             return out
         out, valid, ids = padded_spatial_merge(hidden, self.adapter.grid, cfg.window, self._threshold)
         mask = self._mask(hidden)  # [B, 1, 1, T]
         mask.copy_(torch.zeros_like(mask).masked_fill(~valid[:, None, None, :], torch.finfo(mask.dtype).min))
-        self._pending = _TowerMerge(ids[0], valid[0])
+        self._pending = _TowerMerge(ids, valid)
         return out
 
     def _put_pending(self, merge: _TowerMerge) -> None:
@@ -375,23 +383,23 @@ class MustDrop(Pruner):
         self._pending = _TowerMerge(merge.ids.clone(), None if merge.valid is None else merge.valid.clone())
 
     def observe_tower(self, vision) -> None:
-        """Right after the tower ran on one image: its merge and key-set attention, into ``vision``; a padded
-        merge's features (and attention) cut to its valid tokens."""
+        """Right after the tower ran (on one image, or on the batch with a padded merge): each image's merge and
+        key-set attention, into ``vision``; a padded merge's features (and attention) cut to its valid tokens."""
         rec = self.ctx.probe.get(self.key_probe)
         if self._pending is None or rec is None:
             raise RuntimeError("MustDrop: the vision tower did not run with MustDrop's hooks")
         merge, self._pending = self._pending, None
-        ids, cls_attn = merge.ids, rec.probs[0, 0, 1:]  # [N'] (padded: [N]), CLS -> patch attention [N']
-        if merge.valid is not None:  # the padding goes: every valid slot is before it
-            n_post = int(merge.valid.sum()) - 1
-            ids, cls_attn = ids[:n_post], cls_attn[:n_post].clone()
-            feats = vision.features[0]
-            vision.features[0] = feats[: feats.shape[0] - merge.ids.shape[0] + n_post]  # (CLS kept or not) + N'
-            vision.patch_ids[0] = vision.patch_ids[0][: vision.features[0].shape[0]]
-        if rec.probs.shape[-1] != 1 + merge.ids.shape[0]:
+        if rec.probs.shape[-1] != 1 + merge.ids.shape[1]:
             raise RuntimeError("MustDrop: the key-set layer must run after the merge (key_layer >= 1)")
-        r = int((ids == -1).sum())  # windows merged
-        vision.extras["mustdrop.merge"] = [(r, ids, cls_attn)]
+        n_post = [merge.ids.shape[1]] * merge.ids.shape[0] if merge.valid is None else (merge.valid.sum(1) - 1).tolist()
+        merges = []
+        for i, n in enumerate(n_post):  # the padding goes: every valid slot is before it
+            ids, cls_attn = merge.ids[i, :n], rec.probs[i, 0, 1 : 1 + n].clone()  # [N'], CLS -> patch attention [N']
+            feats = vision.features[i]
+            vision.features[i] = feats[: feats.shape[0] - merge.ids.shape[1] + n]  # (CLS kept or not) + N'
+            vision.patch_ids[i] = vision.patch_ids[i][: vision.features[i].shape[0]]
+            merges.append((int((ids == -1).sum()), ids, cls_attn))  # windows merged
+        vision.extras["mustdrop.merge"] = merges
 
     def prune_vision(self, vision, batch):
         merges = vision.extras.pop("mustdrop.merge", None)
