@@ -404,6 +404,13 @@ def test_prompt_lookup_drafts_equal_greedy_on_a_video(family):
     assert [r.token_ids for r in spec] == [r.token_ids for r in greedy]
 
 
+class _PerItem:
+    """A stage's ``tower_per_image`` answer (``Pruner.tower_per_image``): one item a tower call."""
+
+    def tower_per_image(self) -> bool:
+        return True
+
+
 def test_per_item_tower_calls_equal_one_call():
     """A stage that needs the tower one item at a time (``tower_per_image``) gets the same tokens,
     tags and positions for a video + image batch."""
@@ -411,7 +418,7 @@ def test_per_item_tower_calls_equal_one_call():
     got = []
     for per_item in (False, True):
         with Session(mm, load_recipe({})) as s:
-            s._tower_per_image = per_item
+            s._tower_per_image = [_PerItem()] if per_item else []  # a stage that asks for one item a tower call
             batch = mm.prepare(
                 [_image(), None], ["What?", "Go."], videos=[random_video(2), random_video(4)], video_fps=3.0
             )
