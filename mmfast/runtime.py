@@ -502,6 +502,11 @@ class LMRunner:
                 self.pool.keep(self._block_caches)
                 self._block_caches = []
 
+    def cache_unread(self, state: LMState) -> bool:
+        """Whether nothing reads ``state``'s cache after its prefill (a one-token call on the static cache): a KV
+        policy may leave its cache unbuilt and publish the bytes it would hold (``TokenAccounting.kv_bytes_unbuilt``)."""
+        return compat.is_static(state.cache) and not self.decodes
+
     @property
     def decodes(self) -> bool:
         """This block's calls decode after the prefill (False: one-token calls, :meth:`static_cache`'s ``decodes``)."""
@@ -969,8 +974,9 @@ class LMRunner:
         embedding lookup and the masks are computed inside the graph from them and the device write
         indices (:meth:`_static_masks`), and the graph marks the new slots valid for the next step.
         A graph serves the buffers it was captured on (no growth, no new batch), one layer-group layout, one Q
-        and what its decode hooks' staging said of the state (``staged``: ``Carried.before_step``); the buffers and graphs outlive the call (:class:`compat.StaticBufferPool`), so a later call
-        whose cache takes the same buffers replays it."""
+        and what its decode hooks' staging said of the state (``staged``: ``Carried.before_step``); the buffers and
+        graphs outlive the call (:class:`compat.StaticBufferPool`), so a later call whose cache takes the same
+        buffers replays it."""
         groups = state.groups
         caps = tuple(self._capacity(state, i) for i in range(len(groups)))
         starts = tuple(g.start for g in groups)
@@ -1213,7 +1219,7 @@ class LMRunner:
         prev = state.groups[state.group_of(layer)]
         vision = state.vision_slots(state.group_of(layer))
         src = prev.source.clamp(min=0)
-        text_after = state.inputs.text_after_image().gather(1, src) & (prev.source >= 0)
+        text_after = state.inputs.text_after_image.gather(1, src) & (prev.source >= 0)
         view = PrefillView(layer, hidden, state, prev, vision, text_after)
         keep = prev.key_mask.clone()
         compact = False

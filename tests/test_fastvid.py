@@ -356,7 +356,7 @@ def test_kept_tokens_keep_their_positions():
     video_b, video_p = base.tags[VIDEO][0] > 0, pruned.tags[VIDEO][0] > 0
     assert 0 < int(video_p.sum()) < int(video_b.sum())
     assert int((vp & ~video_p).sum()) == int((vb & ~video_b).sum())  # the image keeps every token
-    n_after = int(base.text_after_image()[0].sum())
+    n_after = int(base.text_after_image[0].sum())
     assert torch.equal(pruned.position_ids[0, -n_after:], base.position_ids[0, -n_after:])
 
 

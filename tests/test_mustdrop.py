@@ -160,7 +160,7 @@ def test_key_set_is_cls_top_k_and_never_dropped(tiny_dir, tiny_mm, images, promp
             ]
         ),
     )
-    text_after = inputs.text_after_image()
+    text_after = inputs.text_after_image
     for b in range(3):
         pos = inputs.image_mask[b].nonzero().squeeze(1)
         key_pos = set(pos[keys[b]].tolist())

@@ -191,7 +191,7 @@ def test_pre_llm_pruning_keeps_grid_positions(qmm, qimages):
         assert int(vp.sum()) == round(0.4 * int(vb.sum()))
         by_patch = dict(zip(base.patch_ids[b][vb].tolist(), base.position_ids[b][vb].tolist()))
         assert [by_patch[p] for p in pruned.patch_ids[b][vp].tolist()] == pruned.position_ids[b][vp].tolist()
-        n_after = int(base.text_after_image()[b].sum())
+        n_after = int(base.text_after_image[b].sum())
         assert torch.equal(pruned.position_ids[b, -n_after:], base.position_ids[b, -n_after:])
 
 

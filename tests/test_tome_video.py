@@ -195,7 +195,7 @@ def test_the_models_video_tokens_merge_as_the_official_rule(family):
     else:
         where = dict(zip(base_in.patch_ids[0][vb].tolist(), base_in.position_ids[0][vb].tolist()))
         assert [where[p] for p in got_in.patch_ids[0][vg].tolist()] == got_in.position_ids[0][vg].tolist()
-        n_after = int(base_in.text_after_image()[0].sum())
+        n_after = int(base_in.text_after_image[0].sum())
         assert torch.equal(got_in.position_ids[0, -n_after:], base_in.position_ids[0, -n_after:])
         # the pre-merger features merged with the same weights: the merger of their mean is not the mean
         # of the merged tokens, but unmerged tokens keep their own rows

@@ -209,7 +209,7 @@ def test_pre_llm_pruners_keep_video_tokens_positions(family, stage):
     assert bool(kept_video.any()) and int(kept_video.sum()) < int((base.tags[VIDEO][0] > 0).sum())
     if family == "qwen2_5_vl":
         assert int(pruned.position_ids[0][kept_video][:, 0].max() - pruned.position_ids[0][kept_video][:, 0].min()) > 2
-    n_after = int(base.text_after_image()[0].sum())
+    n_after = int(base.text_after_image[0].sum())
     assert torch.equal(pruned.position_ids[0, -n_after:], base.position_ids[0, -n_after:])
     out = mm.generate(*args, recipe={"pruning": [stage]}, max_new_tokens=3, **kw)
     assert out[0].n_vision_tokens == int(vp.sum())

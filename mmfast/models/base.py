@@ -123,15 +123,13 @@ class LMInputs:
         prompt holds none)."""
         return bool(self.image_mask.any())
 
+    @functools.cached_property
     def text_after_image(self) -> torch.Tensor:
         """[B, L] bool: real tokens after the last vision token (the instruction + assistant prompt); computed once
         per inputs (each in-LLM pruning stage reads it), so not to be written to."""
-        got = self.__dict__.get("_text_after_image")
-        if got is None:
-            pos = torch.arange(self.length, device=self.image_mask.device).expand_as(self.image_mask)
-            last_img = torch.where(self.image_mask, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values
-            got = self.__dict__["_text_after_image"] = (pos > last_img) & self.attention_mask.bool()
-        return got
+        pos = torch.arange(self.length, device=self.image_mask.device).expand_as(self.image_mask)
+        last_img = torch.where(self.image_mask, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values
+        return (pos > last_img) & self.attention_mask.bool()
 
     def append(self, ids: torch.Tensor, embeds: torch.Tensor) -> LMInputs:
         """The inputs with generated text tokens ``ids`` ([B, Q], embeddings [B, Q, d]) appended; they

@@ -174,6 +174,17 @@ class Segment:
             for i in range(n_layers)
         ]
 
+    @staticmethod
+    def layers_bytes(kept: torch.Tensor, held: torch.Tensor, keys: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+        """[B] logical bytes of a prefill's segments summed over its layers, from each row's per-layer counts
+        ``kept`` (important: high precision) and ``held`` (stored), [B, L] each on the host, of layers like ``keys``
+        ([B, Hkv, T, D]): what :meth:`build_layers` would hold, without building it."""
+        c, dtype = keys.shape[1] * keys.shape[-1], keys.dtype
+        rows = [
+            sum(row_bytes(h, k, h - k, c, dtype, spec) for k, h in zip(*r)) for r in zip(kept.tolist(), held.tolist())
+        ]
+        return torch.tensor(rows, dtype=torch.float64)
+
     def rows_of_fold(self, rows: slice, widest: list[list[int]]) -> Segment:
         """The segment of ``rows`` of this fold of layers (:meth:`build_layers`), each class cut to its widest row
         there (``widest``: the rows' high and low counts): its codes copied into memory of their own (the padding's

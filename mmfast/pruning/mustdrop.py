@@ -12,9 +12,8 @@ Algorithm (three stages, per image / per sample):
    g_j < lambda_g * sum_j g_j and m_j < lambda_i, then add the key set back (text always kept).
 3. Decode: after prefill, the stages' keep decisions are composed and applied to the caches of the
    layers from the first pruning layer on, so they cache only the final survivors; earlier layers
-   keep the full cache. Nothing is pruned during decode. (A call whose prefill gives its only token, on the static
-   cache, reads no cache after it: nothing is trimmed and the trimmed caches' bytes are published for the
-   accounting, ``accounting.kv_bytes_unbuilt``.)
+   keep the full cache. Nothing is pruned during decode. (A one-token call on the static cache trims nothing:
+   ``LMRunner.cache_unread``; the trimmed caches' bytes are published for the accounting.)
 Budgets: ``preset`` "192" / "128" / "64" = (lambda_g, lambda_i) (0.001, 0.001), (0.0012, 0.001),
 (0.011, 0.01) (README); the counts are adaptive, reported in the stats. (On the embedded model the
 "192" and "128" presets both land near 386 tokens: the presets do not transfer between models.)
@@ -30,9 +29,10 @@ thresholds stay at that scale and the window-merge threshold (paper: 0.8) is bis
 instead, so more windows merge; the stats report it (``merge_threshold``). A budget outside what
 both can reach is refused with the reachable range.
 
-Tensor operations (merge, drop rule, KV policy, prefill bookkeeping, token counts) are in ``_mustdrop_ops.py``. Hook points: an instance ``forward`` of CLIP layer 0 (set through the HookSession, so the merged
-tokens are what the tower's hidden-state recorder and every later layer see) and a pre-hook on the CLIP encoder
-(the key mask of a padded merge, below); attention probe on the
+Tensor operations (merge, drop rule, KV policy, prefill bookkeeping, token counts) are in ``_mustdrop_ops.py``, the
+merge's hooks in the tower in ``_mustdrop_tower.py``. Hook points: an instance ``forward`` of CLIP layer 0 (set
+through the HookSession, so the merged tokens are what the tower's hidden-state recorder and every later layer
+see) and a pre-hook on the CLIP encoder (a padded merge's key mask, below); attention probe on the
 last CLIP layer (CLS row) and on each LLM filter layer (rows = the text after the image,
 ``prefill_only``: a static decode step can be captured); ``runner.prune_at`` at layer l+1 for a filter at the output of layer l (the same thing: the
 paper prunes the hidden states that leave layer l); ``runner.prefill_hooks`` for the KV policy.
@@ -47,13 +47,10 @@ attention); here every decision is per sample, with left padding. The released v
 the batch-minimum r; here every image merges its own r (the tower runs one image at a time for this
 stage), so decisions never depend on the batch (equal to the release at batch 1, its evaluation setting).
 The merge is computed in fp32. Where the session captures the vision tower (``model.compile: auto`` on CUDA), the
-merge keeps the token count: each image's merged windows and unmerged patches first, then zero padding
-(:func:`~._mustdrop_ops.padded_spatial_merge`, the threshold read from device memory), and layers 1.. mask the padded
-keys (the encoder's attention mask): fixed shapes with no host read, so the tower is one captured graph (~600 kernels
-launched one by one otherwise) that runs a batch's images at once (each merges its own windows), and
-``observe_tower`` cuts the padding off. The valid tokens equal the unpadded merge's
-exactly after layer 0 and within fp rounding after the masked layers (the same sums plus zeros); that path computes
-layers 1.. over all 1 + N slots (no tower FLOPs saved there; the reported FLOPs are the LLM's). The key set travels with the tokens as the ``mustdrop.key`` tag (through branches,
+merge keeps the token count, zero padding after each image's tokens, and layers 1.. mask the padded keys: one
+captured graph (~600 kernels launched one by one otherwise) for a batch's images at once (``_mustdrop_tower``). The
+valid tokens equal the unpadded merge's exactly after layer 0 and within fp rounding after the masked layers; that
+path computes layers 1.. over all 1 + N slots (no tower FLOPs saved; the reported FLOPs are the LLM's). The key set travels with the tokens as the ``mustdrop.key`` tag (through branches,
 beams and rollbacks) and through the LLM stages by slot provenance; MustDrop must be the first feature stage (checked). Prefill FLOPs and the
 layer-averaged token count are accounted from what prefill computed (before the KV policy trims the
 caches), KV bytes from the trimmed caches; the stats also report the prefill layer-average of the vision tokens
@@ -74,39 +71,20 @@ from typing import Literal
 
 import torch
 
-from .. import compat
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..errors import ConfigError
 from ..hooks import cls_row
-from ..hooks.attention import Carried, replayable
 from ..registry import PRUNERS
 from ..runtime import LMState
 from ._common import LayerMapping, map_layers
-from ._mustdrop_ops import (
-    PrefillData,
-    apply_kv_policy,
-    dual_attention_drop,
-    kv_policy_bytes,
-    padded_spatial_merge,
-    spatial_merge,
-    text_rows,
-    token_stats,
-)
+from ._mustdrop_ops import PrefillData, apply_kv_policy, dual_attention_drop, kv_policy_bytes, text_rows, token_stats
+from ._mustdrop_tower import TowerMerge
 from .base import Pruner
 
 logger = logging.getLogger(__name__)
 
 KEY_TAG = "mustdrop.key"  # LMInputs / VisionBatch tag: the key-set tokens (bool)
-
-
-@dataclass
-class _TowerMerge:
-    """The window merge of a tower call's images (one, or the batch with a padded merge), from the tower's layer 0
-    to ``observe_tower``."""
-
-    ids: torch.Tensor  # [n, N'] raster patch id of each patch token (-1: a merged window); padded: [n, N], -1 after
-    valid: torch.Tensor | None  # padded merge: [n, 1 + N] bool, the valid slots (CLS, then N'_i tokens); else None
 
 
 #: (lambda_g, lambda_i) of the paper's budgets (liuting20/MustDrop README, TextVQA examples).
@@ -278,33 +256,12 @@ class MustDrop(Pruner):
             cfg, ModelFacts.of_adapter(self.adapter)
         )  # [(probe layer, paper layer)]
         self.lambda_g, self.lambda_i = self.thresholds()
-        # the merge threshold, also in device memory that a captured tower graph reads (set with the attribute)
-        self._threshold = torch.tensor(cfg.sim_threshold, dtype=torch.float32, device=self.ctx.device)
-        self.sim_threshold = cfg.sim_threshold  # a budget's calibration may lower it (module docstring)
         vis_layers = self.adapter.vision_layers
 
-        # stage 1: window merge on the output of CLIP layer 0, key set from the CLS attention. The
-        # session runs the tower one image at a time for this stage (capability tower_per_image),
-        # so every image merges its own windows whatever its batch. Where the session captures the tower, the
-        # merge keeps the tokens' count (padded, :func:`padded_spatial_merge`) and the later layers mask the padding
-        # (their key mask, set on the encoder's call): shapes only, so the tower stays one graph, and every image
-        # of a batch merges its own windows in one tower call (:meth:`tower_per_image`).
-        layer0 = vis_layers[0]
-        original = layer0.forward
-        self._pending: _TowerMerge | None = None  # set by the merge, read by observe_tower
-        self._masks: dict[tuple, torch.Tensor] = {}  # [B, 1, 1, T] additive key masks of the padded merge
-
-        def merged_forward(hidden, attention_mask=None, *args, **kwargs):
-            # layer 0 attends over every patch (the encoder's padding mask is for the layers after the merge)
-            out = original(hidden, None, *args, **kwargs)
-            if isinstance(out, tuple):
-                return (self._merge(out[0]), *out[1:])
-            return self._merge(out)
-
-        carried = Carried(lambda: self._pending, self._put_pending)
-        self.ctx.hooks.set_attr(layer0, "forward", replayable(merged_forward, carried))
-        encoder = compat.vision_encoder(self.adapter.vision_tower)
-        self.ctx.hooks.pre_hook(encoder, replayable(self._padding_mask, carried), with_kwargs=True)
+        # stage 1: window merge on the output of CLIP layer 0 (``_mustdrop_tower``: one image a tower call, or padded
+        # and masked, a batch at once, where the tower is captured), key set from the CLS attention; a budget's
+        # calibration may lower the merge threshold (module docstring)
+        self.tower = TowerMerge(self.ctx.hooks, self.adapter, cfg.window, cfg.sim_threshold, self.ctx.device)
         self.key_probe = f"mustdrop.key.{key_layer}"
         self.ctx.probe.watch(self.key_probe, vis_layers[key_layer].self_attn, rows=cls_row, reduce="mean")
 
@@ -331,75 +288,24 @@ class MustDrop(Pruner):
     # -- stage 1 -----------------------------------------------------------------------------------
     @property
     def sim_threshold(self) -> float:
-        return self._sim_threshold
+        return self.tower.threshold
 
     @sim_threshold.setter
     def sim_threshold(self, value: float) -> None:
-        self._sim_threshold = float(value)
-        self._threshold.fill_(float(value))  # what a captured tower graph compares with
-
-    def _padded(self) -> bool:
-        """Whether the tower runs as a captured graph in this call (the merge then keeps the token count)."""
-        graphs = getattr(self.adapter, "tower_graphs", None)
-        return graphs is not None and graphs.factory() is not None
-
-    def _mask(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The [B, 1, 1, T] additive key mask of a padded merge of ``hidden`` [B, T, D] (fixed memory per shape)."""
-        key = (*hidden.shape[:2], hidden.dtype, hidden.device)
-        if key not in self._masks:
-            self._masks[key] = hidden.new_zeros(hidden.shape[0], 1, 1, hidden.shape[1])
-        return self._masks[key]
-
-    def _padding_mask(self, module, args, kwargs):
-        """Encoder pre-hook: in a padded merge, every layer's attention mask is the merge's key mask ([B, 1, T, T];
-        layer 0 ignores it: :meth:`install`'s ``merged_forward``), written by the merge inside the same call."""
-        if not self._padded():
-            return None
-        hidden = kwargs["inputs_embeds"] if "inputs_embeds" in kwargs else args[0]
-        bsz, t = hidden.shape[:2]
-        return args, {**kwargs, "attention_mask": self._mask(hidden).expand(bsz, 1, t, t)}
+        self.tower.threshold = value
 
     def tower_per_image(self) -> bool:
         """The unpadded merge needs one image a tower call (each its own count); the padded one merges each image
         of a batch on its own."""
-        return not self._padded()
-
-    def _merge(self, hidden: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        if not self._padded():
-            if hidden.shape[0] != 1:
-                raise RuntimeError("MustDrop: the vision tower must run one image at a time (the session does this)")
-            out, r, ids = spatial_merge(hidden, self.adapter.grid, cfg.window, self.sim_threshold)
-            self._pending = _TowerMerge(ids, None)
-            return out
-        out, valid, ids = padded_spatial_merge(hidden, self.adapter.grid, cfg.window, self._threshold)
-        mask = self._mask(hidden)  # [B, 1, 1, T]
-        mask.copy_(torch.zeros_like(mask).masked_fill(~valid[:, None, None, :], torch.finfo(mask.dtype).min))
-        self._pending = _TowerMerge(ids, valid)
-        return out
-
-    def _put_pending(self, merge: _TowerMerge) -> None:
-        """After a replay of the tower's graph: what its merge wrote (copies: the next replay overwrites it)."""
-        self._pending = _TowerMerge(merge.ids.clone(), None if merge.valid is None else merge.valid.clone())
+        return not self.tower.padded()
 
     def observe_tower(self, vision) -> None:
         """Right after the tower ran (on one image, or on the batch with a padded merge): each image's merge and
-        key-set attention, into ``vision``; a padded merge's features (and attention) cut to its valid tokens."""
+        key-set attention, into ``vision`` (a padded merge's features cut to their valid tokens)."""
         rec = self.ctx.probe.get(self.key_probe)
-        if self._pending is None or rec is None:
+        if rec is None:
             raise RuntimeError("MustDrop: the vision tower did not run with MustDrop's hooks")
-        merge, self._pending = self._pending, None
-        if rec.probs.shape[-1] != 1 + merge.ids.shape[1]:
-            raise RuntimeError("MustDrop: the key-set layer must run after the merge (key_layer >= 1)")
-        n_post = [merge.ids.shape[1]] * merge.ids.shape[0] if merge.valid is None else (merge.valid.sum(1) - 1).tolist()
-        merges = []
-        for i, n in enumerate(n_post):  # the padding goes: every valid slot is before it
-            ids, cls_attn = merge.ids[i, :n], rec.probs[i, 0, 1 : 1 + n].clone()  # [N'], CLS -> patch attention [N']
-            feats = vision.features[i]
-            vision.features[i] = feats[: feats.shape[0] - merge.ids.shape[1] + n]  # (CLS kept or not) + N'
-            vision.patch_ids[i] = vision.patch_ids[i][: vision.features[i].shape[0]]
-            merges.append((int((ids == -1).sum()), ids, cls_attn))  # windows merged
-        vision.extras["mustdrop.merge"] = merges
+        vision.extras["mustdrop.merge"] = self.tower.take(vision, rec.probs)
 
     def prune_vision(self, vision, batch):
         merges = vision.extras.pop("mustdrop.merge", None)
@@ -480,9 +386,7 @@ class MustDrop(Pruner):
         if not self.config.kv_policy:
             return
         last = self.filters[-1][0] + 1
-        if compat.is_static(state.cache) and not self.ctx.runner.decodes:
-            # the prefill gave the call's only token: nothing reads the trimmed caches, so they are not trimmed; the
-            # bytes they would hold are published for the accounting
+        if self.ctx.runner.cache_unread(state):  # the bytes the trimmed caches would hold, for the accounting
             state.accounting.kv_bytes_unbuilt = kv_policy_bytes(state, self.first_layer, last)
             return
         apply_kv_policy(state, self.first_layer, last, ref_start=self.filters[0][1])

@@ -264,7 +264,7 @@ class SparseVLM(Pruner):
         if data is not None:
             return data
         inp = state.inputs
-        text = inp.text_after_image()  # [B, L]
+        text = inp.text_after_image  # [B, L]
         bsz = text.shape[0]
         picked = []
         for b in range(bsz):

@@ -27,11 +27,9 @@ On the static cache (``model.compile``) the override runs in fixed shapes with n
 (:func:`~._zipvl_ops.masked_sparse_attention`, the gathered form's attention set), so the prefill's segments are
 captured graphs, the probe rows staged as their input (``Carried.stage``), each layer's selection carried out.
 After it, in a call that decodes, each segment is written back into its slots of the static buffers dequantised
-(:class:`~._kv_static.StaticMixedPrecisionLayer`); a call whose prefill gives its only token (a POPE answer) builds
-no quantised cache, which nothing would read, and publishes the bytes it would hold, a function of each row's
-class counts (``accounting.kv_bytes_unbuilt``: the same figure); and the override's decode work (the last query) is carried out
-of the step: each decode step is the unpruned model's captured graph. End KV bytes are counted on the host
-(:func:`~._kv_static.held_bytes`). Deviation of this path (not of the algorithm): the prefill's full-precision
+(``StaticMixedPrecisionLayer``; a one-token call builds none, ``LMRunner.cache_unread``: its bytes come from the
+class counts); the override's decode work (the last query) is carried out of the step: each decode step is the
+unpruned model's captured graph. End KV bytes are counted on the host (:func:`~._kv_static.held_bytes`). Deviation of this path (not of the algorithm): the prefill's full-precision
 buffers stay allocated and are read densely, so its saving is in the logical KV bytes only (``compile: off``: codes).
 
 Positions: tokens are never removed from the residual stream or the cache; positions are unchanged.
@@ -98,7 +96,6 @@ from ..hooks.attention import Carried, replayable, row_attention, staged_copy
 from ..registry import PRUNERS
 from ._common import topk_keep
 from ._kv_quant import SUPPORTED_BITS, MixedPrecisionKVLayer, QuantSpec, Segment, SegmentedLayer
-from ._kv_segment import row_bytes
 from ._kv_static import StaticMixedPrecisionLayer, held_bytes
 from ._zipvl_ops import (
     LayerSelection,
@@ -339,18 +336,11 @@ class ZipVL(Pruner):
         lay0 = state.cache.layers[0]
         slot = 2 * lay0.keys.shape[1] * lay0.keys.shape[-1] * lay0.keys.element_size()
         dense = counts[1].double().sum(1) * slot  # [B] the valid slots in a full-precision cache
-        static = compat.is_static(state.cache)
-        if self.config.quantize_kv and static and not self.ctx.runner.decodes:
-            # the prefill gave the call's only token: nothing reads the quantised cache, so it is not built; its
-            # bytes, a function of each row's counts (Segment.bytes_per_sample), are published for the accounting
-            c, dtype = lay0.keys.shape[1] * lay0.keys.shape[-1], lay0.keys.dtype
-            kept, held = counts[0].tolist(), counts[1].tolist()  # [B][L] each
-            state.accounting.kv_bytes_unbuilt = torch.tensor(
-                [sum(row_bytes(h, k, h - k, c, dtype, self.spec) for k, h in zip(*r)) for r in zip(kept, held)],
-                dtype=torch.float64,
-            )  # [B]
+        if self.config.quantize_kv and self.ctx.runner.cache_unread(state):  # the quantised cache's bytes, unbuilt
+            state.accounting.kv_bytes_unbuilt = Segment.layers_bytes(counts[0], counts[1], lay0.keys, self.spec)
         elif self.config.quantize_kv:  # the layers of each layer group quantised together (Segment.build_layers)
             prefilled, quantised = state.cache, list(state.cache.layers)
+            static = compat.is_static(prefilled)
             for g, grp in enumerate(state.groups):
                 layers = state.layers_of(g)
                 keys, values = [prefilled.layers[i].keys for i in layers], [prefilled.layers[i].values for i in layers]
