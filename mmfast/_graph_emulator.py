@@ -19,7 +19,8 @@ captured at all. :class:`ReplayEmulator` is a :class:`~mmfast.runtime.StepGraph`
   A functional op is called again with the same tensor objects and its fresh outputs are copied into the
   outputs recorded at capture, which later ops hold; an in-place or ``out=`` op writes its recorded
   arguments again; a view op runs nothing: its recorded output already aliases its base's memory (on a
-  GPU a view is metadata, not a kernel), so it sees the base's new values. Returns ``fn``'s output tensor.
+  GPU a view is metadata, not a kernel), so it sees the base's new values. Returns ``fn``'s output tensor (or
+  tuple of tensors).
 
 Limits: it runs on whatever device the tensors are on and cannot see device-to-host copies on the CPU
 (``t.cpu()`` of a CPU tensor is no copy); random ops draw again from their recorded generator at each
@@ -68,6 +69,15 @@ def _integer_index(func, args: tuple) -> bool:
     if func is not aten.index.Tensor:
         return False
     return all(i is None or not (i.dtype.is_floating_point or i.dtype in (torch.bool, torch.uint8)) for i in args[1])
+
+
+def reads_device_data(func, args: tuple) -> bool:
+    """Whether ``func`` on ``args`` waits for tensor data on the host: it reads a value (``int(t)``, ``bool(t)``,
+    ``.item()``, ``torch.equal``) or its output's shape depends on data (``nonzero``, a boolean-mask index). On a
+    GPU each waits for the stream's queued work; a CUDA graph cannot capture it."""
+    if func is aten.is_nonzero.default:  # bool(t): untagged, a Python bool from the data
+        return True
+    return any(tag in func.tags for tag in _DATA_DEPENDENT) and not _integer_index(func, args)
 
 
 @dataclass
@@ -191,8 +201,9 @@ class ReplayEmulator(StepGraph):
             with _disable_current_modes():  # the emulator's own work: no mode outside sees it
                 for t, before in reversed(rec.saved.values()):
                     t.copy_(before)
-        if not isinstance(out, torch.Tensor) or id(out) not in rec.produced:
-            raise RuntimeError("the captured function must return a tensor it computed")
+        outs = out if isinstance(out, tuple) else (out,)
+        if not all(isinstance(o, torch.Tensor) and id(o) in rec.produced for o in outs):
+            raise RuntimeError("the captured function must return a tensor it computed, or a tuple of them")
         poisoned: set[int] = set()
         with _disable_current_modes():
             for op in rec.ops:

@@ -135,6 +135,10 @@ class Session:
             self.ctx.captured = CapturedCalls(
                 self.runner, self._tower_capture_factory, "pruners' selections run", max_graphs=SELECTION_GRAPHS
             )
+            # and the layouts of the layer groups that in-LLM pruning makes (between captured prefill segments)
+            self.runner.calls = CapturedCalls(
+                self.runner, self._tower_capture_factory, "layer groups are laid out", max_graphs=SELECTION_GRAPHS
+            )
             if hasattr(self.adapter, "tower_layers"):  # a fixed-size pixel tower: captured where the session captures
                 tower = CapturedTower(self.adapter.vision_tower, self.runner, self._tower_capture_factory)
                 self.hooks.set_attr(self.adapter, "tower_graphs", tower)
@@ -618,8 +622,9 @@ class Session:
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
         self.runner.release()
-        if isinstance(self.ctx.captured, CapturedCalls):
-            self.ctx.captured.graphs.clear()  # their memory goes with the session, as the runner's
+        for calls in (self.ctx.captured, self.runner.calls):
+            if isinstance(calls, CapturedCalls):
+                calls.graphs.clear()  # their memory goes with the session, as the runner's
         self.hooks.close()
 
     def __enter__(self) -> Session:

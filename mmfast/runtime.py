@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,7 @@ from . import compat
 from .hooks.attention import Carried, capture_blocker
 from .hooks.session import is_prefill_only
 from .models.base import LMInputs, VLMAdapter
+from .models.captured_tower import eager_call
 
 if TYPE_CHECKING:
     from .hooks.session import HookSession
@@ -426,6 +428,9 @@ class LMRunner:
         self._block_prefill_blocker: str | None | object = _UNCHECKED  # and its prefill's
         self._block_segments: dict[range, tuple[str | None, list]] = {}  # and each prefill segment's (_segment_blocker)
         self.skip_noop_groups = True  # a keep-everything decision creates no new layer group
+        #: ``calls(key, fn, *tensors)``: the new layer group's layout (:func:`group_layout`) as a captured call where
+        #: the session captures (:class:`~mmfast.models.captured_tower.CapturedCalls`, set by it), else eagerly
+        self.calls: Callable[..., Any] = eager_call
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
         self.step_hooks: list[Callable[[LMState], None]] = []  # KV policies after each decode step
@@ -1215,7 +1220,9 @@ class LMRunner:
 
     def _prune(self, layer: int, hidden: torch.Tensor, state: LMState, bucket: int = 1) -> torch.Tensor:
         """Create a new layer group at ``layer`` from the pruners' keep masks; returns gathered hidden.
-        ``bucket``: the group's length is rounded up to a multiple of it (more left padding)."""
+        ``bucket``: the group's length is rounded up to a multiple of it (more left padding). One host read (the
+        group's length, and whether anything was dropped); the layout is :func:`group_layout`, a captured call
+        where the session captures (:attr:`calls`)."""
         prev = state.groups[state.group_of(layer)]
         vision = state.vision_slots(state.group_of(layer))
         src = prev.source.clamp(min=0)
@@ -1233,7 +1240,7 @@ class LMRunner:
             compact = compact or is_compact
             ref = ref_layer if ref is None else min(ref, ref_layer) if ref_layer is not None else ref
             if isinstance(k, SlotEdit):
-                if k.replace is not None and bool(k.replace.any()):
+                if k.replace is not None:  # an edit, whether or not a slot is replaced (no read of it)
                     hidden = torch.where(k.replace[..., None], k.hidden.to(hidden.dtype), hidden)  # [B, T, d]
                     edited = True
                 if k.order is not None:  # several reorderings at one layer add their displacements
@@ -1244,36 +1251,67 @@ class LMRunner:
             if k is not None:
                 keep &= k
         keep[:, -1] = prev.key_mask[:, -1]  # the last prompt token produces the first logits
-        if self.skip_noop_groups and not edited and bool((keep == prev.key_mask).all()):
-            return hidden  # nothing dropped: the layers keep computing exactly as without pruning
         counts = keep.sum(1)  # [B]
-        bsz, t = keep.shape
-        new_len = min(t, -(-int(counts.max()) // bucket) * bucket)  # the one read: the new group's length
-        # every row at once, no further read: the kept slots first, in the select function's layout (its order, ties
-        # by slot) or in slot order, then left-padded to new_len
-        rank = order if order is not None else torch.arange(t, device=keep.device, dtype=torch.float64).expand(bsz, -1)
-        ranked = rank.masked_fill(~keep, float("inf")).argsort(dim=1, stable=True)[:, :new_len]  # [B, T']
-        at = torch.arange(new_len, device=keep.device)[None, :] - (new_len - counts)[:, None]  # [B, T'] rank held
-        valid = at >= 0  # [B, T'] left padding False
-        index = ranked.gather(1, at.clamp(min=0)).masked_fill(~valid, 0)  # [B, T'] kept slot per position
-        positions = gather_slots(prev.positions, index)
-        source = prev.source.gather(1, index).masked_fill(~valid, -1)
-        if compact and positions.dim() == 3:
+        if self.skip_noop_groups and not edited:  # the one read: the new group's length, and whether it is new
+            longest, same = torch.stack([counts.max(), (keep == prev.key_mask).all().long()]).tolist()
+            if same:
+                return hidden  # nothing dropped: the layers keep computing exactly as without pruning
+        else:
+            longest = int(counts.max())
+        new_len = min(keep.shape[1], -(-longest // bucket) * bucket)
+        mrope = compact and prev.positions.dim() == 3  # its compaction walks each row's runs on the host
+        tensors = (keep, prev.positions, prev.source, hidden) + (() if order is None else (order,))
+        layout = partial(group_layout, new_len=new_len, compact=compact and not mrope)
+        valid, positions, source, hidden = self.calls(("group", new_len, compact, order is None), layout, *tensors)
+        if mrope:
             from .models.mrope import compact_positions
 
             image_index = state.inputs.image_index.gather(1, source.clamp(min=0)).masked_fill(source < 0, -1)
             positions = compact_positions(positions, image_index, valid)
-        elif compact:
-            positions = (valid.long().cumsum(1) - 1).masked_fill(~valid, 1)
         grp = LayerGroup(layer, valid, positions, source, compact, ref)
         if not self._by_hand:  # what the layer hooks hand the group's layers (a segment builds its own)
             impl = self.adapter.text_config._attn_implementation
             causal = torch.ones(new_len, new_len, dtype=torch.bool, device=keep.device).tril()
-            grp.fwd_mask = compat.format_mask(_block_causal_mask(valid, causal.expand(bsz, -1, -1)), impl, hidden.dtype)
+            grp.fwd_mask = compat.format_mask(
+                _block_causal_mask(valid, causal.expand(len(valid), -1, -1)), impl, hidden.dtype
+            )
             grp.fwd_pos_ids = positions
         state.groups.append(grp)
         state.groups.sort(key=lambda g: g.start)
-        return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
+        return hidden  # [B, T', d]
+
+
+def group_layout(
+    keep: torch.Tensor,
+    positions: torch.Tensor,
+    source: torch.Tensor,
+    hidden: torch.Tensor,
+    order: torch.Tensor | None = None,
+    *,
+    new_len: int,
+    compact: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A new layer group's layout from the previous group's: every row's kept slots (``keep`` [B, T] bool) first,
+    in ``order``'s layout ([B, T] float64 sort keys, ties by slot; None: slot order), left-padded to ``new_len``
+    (at least the largest kept count). Fixed shapes, no host read (:meth:`LMRunner._prune` runs it as a captured
+    call). ``positions`` [B, T] (M-RoPE [B, T, 3]) and ``source`` [B, T] are the previous group's, ``hidden``
+    [B, T, d] the hidden states entering the layer; ``compact`` renumbers 1-D positions 0..n-1 over the kept
+    slots. Returns ``valid`` [B, T'] (left padding False), ``positions``, ``source`` (-1 at padding) and
+    ``hidden`` [B, T', d] at the kept slots."""
+    bsz, t = keep.shape
+    counts = keep.sum(1)  # [B]
+    rank = order if order is not None else torch.arange(t, device=keep.device, dtype=torch.float64).expand(bsz, -1)
+    ranked = rank.masked_fill(~keep, float("inf")).argsort(dim=1, stable=True)[:, :new_len]  # [B, T']
+    at = torch.arange(new_len, device=keep.device)[None, :] - (new_len - counts)[:, None]  # [B, T'] rank held
+    valid = at >= 0  # [B, T'] left padding False
+    index = ranked.gather(1, at.clamp(min=0)).masked_fill(~valid, 0)  # [B, T'] kept slot per position
+    if compact:
+        positions = (valid.long().cumsum(1) - 1).masked_fill(~valid, 1)
+    else:
+        positions = gather_slots(positions, index)
+    source = source.gather(1, index).masked_fill(~valid, -1)
+    hidden = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
+    return valid, positions, source, hidden
 
 
 _UNCHECKED = object()  # a static block whose capture blocker is not computed yet

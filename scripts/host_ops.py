@@ -14,13 +14,14 @@ most; views are not replayed). Op counts on the CPU, not GPU times.
 ``--embedded``: greedy and the trained drafters (FLASH, MSD: ops per verify cycle) on the embedded model
 with one world image and the caption prompt, instead of the tiny random LLaVA's cases.
 
-``--prefill``: the ops a batch-1 one-token call (a TTFT) dispatches outside graph replays, by stage (tower,
-pruning, building the inputs, LLM prefill, the rest), eagerly (``compile: static`` without graphs) and with its
-graphs captured (the tower, the prefill's segments), for the unpruned model, a pre-LLM pruner and the in-LLM
-pruners at their defaults (a second call of the same inputs: the first captured), on the tiny LLaVA with
-LLaVA-1.5-7B's depths (24 tower and 32 LLM layers, where the methods' default layers lie).
+``--prefill``: the ops a one-token call (a TTFT; batch 1, or ``--batch N``) dispatches outside graph replays, by
+stage (tower, pruning, building the inputs, LLM prefill, the rest), and its host transfers, eagerly (``compile:
+static`` without graphs) and with its graphs captured (the tower, the prefill's segments), for the unpruned model, a
+pre-LLM pruner and the in-LLM pruners at their defaults (a second call of the same inputs: the first captured), on
+the tiny LLaVA with LLaVA-1.5-7B's depths (24 tower and 32 LLM layers, where the methods' default layers lie).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods sparsevlm --batch 8
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods cdpruner,tome --tokens 64
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods '' --decoders pai,only
 
@@ -67,7 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--embedded", action="store_true", help="the embedded model's greedy, flash and msd")
-    ap.add_argument("--prefill", action="store_true", help="ops of a batch-1 prefill, eager and captured")
+    ap.add_argument("--prefill", action="store_true", help="ops of a one-token call's prefill, eager and captured")
+    ap.add_argument("--batch", type=int, default=1, help="--prefill: batch size (the two images and prompts, cycled)")
     ap.add_argument(
         "--per-token", default="", help="comma-separated decoders: ops per token, dynamic / static / captured"
     )
@@ -97,7 +99,8 @@ def main() -> None:
         mm = mmfast.load(save_model(model, processor, tmp), device="cpu", dtype="float32")
         if args.prefill:
             decoders = tuple(d for d in args.decoders.split(",") if d)
-            print_prefill_rows(mm, images[:1], PROMPTS[:1], args.methods.split(","), args.tokens, decoders)
+            batch = [images[i % 2] for i in range(args.batch)], [PROMPTS[i % 2] for i in range(args.batch)]
+            print_prefill_rows(mm, *batch, args.methods.split(","), args.tokens, decoders)
             return
         if args.per_token:
             print_token_rows(mm, images[:1], PROMPTS[:1], args.per_token.split(","))
@@ -139,13 +142,14 @@ def print_prefill_rows(
     recipes.update({m: {"pruning": [prefill_stage(m, tokens)]} for m in methods if m})
     recipes.update({d: {"decoding": {"method": d}} for d in decoders})
     layers = f"{len(mm.adapter.vision_layers)} tower and {len(mm.adapter.layers)} LLM layers"
-    print(f"| case (batch 1, {layers}) | graphs | " + " | ".join(STAGES) + " | total |")
-    print("|---|---|" + "---|" * (len(STAGES) + 1))
+    print(f"| case (batch {len(images)}, {layers}) | graphs | " + " | ".join(STAGES) + " | total | transfers |")
+    print("|---|---|" + "---|" * (len(STAGES) + 2))
     for name, recipe in recipes.items():
         for captured in (False, True):
-            ops = count_call_ops(mm, recipe, images, prompts, captured=captured)
+            ops, transfers = count_call_ops(mm, recipe, images, prompts, captured=captured)
             cells = " | ".join(str(ops[st]) for st in STAGES)
-            print(f"| {name} | {'captured' if captured else 'none (eager)'} | {cells} | {sum(ops.values())} |")
+            graphs = "captured" if captured else "none (eager)"
+            print(f"| {name} | {graphs} | {cells} | {sum(ops.values())} | {transfers} |")
 
 
 #: ``--per-token``: decoders whose steps a per-step count does not fit (OPERA: two step graphs a token) or that fell

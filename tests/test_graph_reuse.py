@@ -446,22 +446,34 @@ def test_the_tower_keeps_a_few_shapes():
     assert [k[1][0][0] for k in tower.graphs] == [3, 4, 1, 5][-MAX_GRAPHS:]  # (key, (shape, dtype, device))
 
 
-@pytest.mark.parametrize("name", ["divprune", "cdpruner", "dart", "pyramiddrop", "dynamic_llava"])
+@pytest.mark.parametrize(
+    "name", ["divprune", "cdpruner", "dart", "pyramiddrop", "sparsevlm", "mustdrop", "dynamic_llava"]
+)
 def test_a_pruners_selection_is_one_captured_graph(name, captured, tiny_mm, images, prompts):
     """DivPrune's and CDPruner's selections (the distance / DPP kernel and the greedy pick loop), DART's (pivots,
     then the least duplicated tokens of each, per image), PyramidDrop's
-    scoring (the last instruction token's attention, recomputed at each stage) and Dynamic-LLaVA's image predictor
+    scoring (the last instruction token's attention, recomputed at each stage), SparseVLM's filters (every image of
+    the batch, recycling included), MustDrop's dual-attention filters and Dynamic-LLaVA's image predictor
     with its top-k run through ``MethodContext.captured``: one graph per key and input shape, captured by the first
     image (stage, batch) and replayed for every other of this call and the next, tokens equal to the dynamic cache's
-    (whose selection ran eagerly)."""
+    (whose selection ran eagerly). The layer groups the in-LLM ones make are laid out by the runner's captured
+    calls (``LMRunner.calls``), the second call replaying the first's."""
     from mmfast.registry import PRUNERS
 
     recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(tiny_mm.adapter)}]}
     runs = [(images[:2], prompts[:2]), (images[2:4], [prompts[1], prompts[0]])]
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         got = [[r.token_ids for r in s.generate(imgs, ps, max_new_tokens=4, seed=0)] for imgs, ps in runs]
-        graphs = dict(s.ctx.captured.graphs)
+        graphs, layouts = dict(s.ctx.captured.graphs), dict(s.runner.calls.graphs)
     assert got == [_dynamic(tiny_mm, recipe, imgs, ps, 4) for imgs, ps in runs]
+    if s.runner._select:  # in-LLM: a layout per stage shape, each replayed by the second call
+        assert {key[0][0] for key in layouts} == {"group"} and all(c.graph.replays >= 1 for c in layouts.values())
+    else:
+        assert not layouts
+    if name in ("sparsevlm", "mustdrop"):  # a filter of the batch per stage, replayed by the second call
+        assert {key[0][0] for key in graphs} == {name} and len(graphs) == len(s.runner._select) - (name == "mustdrop")
+        assert all(c.graph.replays == 1 for c in graphs.values())
+        return
     if name == "dynamic_llava":  # one prediction a batch: the second call's replays the first's
         assert [key[0][0] for key in graphs] == ["dynamic_llava.image"]
         assert next(iter(graphs.values())).graph.replays == 1
@@ -505,29 +517,65 @@ def test_a_replayed_selection_equals_the_eager_one(name):
 
 
 def test_a_replayed_sparsevlm_filter_equals_the_eager_one():
-    """SparseVLM's per-image filter (top-k by the raters' score, DPC-kNN merge of the best deleted tokens) replayed
-    on new scores, layouts and hidden states (CUDA-graph semantics) gives the eager function's kept slots, cluster
-    hosts, anchor and merged tokens."""
+    """SparseVLM's filter over a batch (each image's top-k by the raters' score, DPC-kNN merge of the best deleted
+    tokens, the runner's edit) replayed on new attention, layouts and hidden states (CUDA-graph semantics) gives the
+    eager function's keep mask, merged tokens' slots and states and layout key."""
     from functools import partial
 
     from mmfast.models.captured_tower import CapturedCalls
-    from mmfast.pruning._sparsevlm_ops import filter_image
+    from mmfast.pruning._sparsevlm_ops import filter_stage
     from mmfast.runtime import LMRunner
 
     runner = LMRunner.__new__(LMRunner)  # replay_or_capture needs only the capture-time counter
     runner.capture_s = 0.0
     calls = CapturedCalls(runner, lambda: Counted, "test selections run")
-    fn = partial(filter_image, j=1, n=20, k=6, top=5, clusters=2)
+    plan = ((0, 1, 20, 6, 5, 2), (1, 0, 10, 4, 0, 0), (1, 1, 20, 6, 5, 2))  # (sample, image, n, k, top, clusters)
+    fn = partial(filter_stage, plan=plan)
     outs = []
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
-        image = torch.full((40,), -1, dtype=torch.long)
-        slots = torch.randperm(40, generator=g)
-        image[slots[:20]], image[slots[20:30]] = 1, 0  # image 1's 20 slots where this seed puts them
-        score, hidden = torch.rand(40, generator=g), torch.randn(40, 8, generator=g)
-        got = calls(("sparsevlm", 1, 20, 6, 5, 2), fn, score, image, hidden)
-        assert torch.equal(got, fn(score, image, hidden))
-        outs.append(got[:8].tolist())  # kept slots and hosts
+        image = torch.full((2, 40), -1, dtype=torch.long)
+        for b in range(2):
+            slots = torch.randperm(40, generator=g)
+            image[b, slots[:20]], image[b, slots[20:30]] = 1, 0  # where this seed puts the images' slots
+        image[0][image[0] == 0] = -1  # sample 0 holds image 1 only
+        probs, rows = torch.rand(2, 3, 40, generator=g), torch.tensor([[4, 5, -1], [3, 4, 5]])
+        hidden = torch.randn(2, 40, 8, generator=g)
+        inputs = (probs, rows, image, hidden, image >= 0)
+        got, want = calls(("sparsevlm", plan), fn, *inputs), fn(*inputs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        outs.append(got[0].tolist())  # the keep mask
+    assert outs[0] != outs[1] != outs[2]
+    assert next(iter(calls.graphs.values())).graph.replays == 2
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["slot-order", "edit-order"])
+def test_a_replayed_layer_group_layout_equals_the_eager_one(ordered):
+    """The runner's layout of a new layer group (each row's kept slots first, in slot order or an edit's layout
+    order, left-padded; positions compacted; source and hidden states gathered), replayed on other keep masks and
+    inputs, equals the eager function's (nothing of the first call's picks is frozen in the graph)."""
+    from functools import partial
+
+    from mmfast.models.captured_tower import CapturedCalls
+    from mmfast.runtime import LMRunner, group_layout
+
+    runner = LMRunner.__new__(LMRunner)
+    runner.capture_s = 0.0
+    calls = CapturedCalls(runner, lambda: Counted, "test layouts are built")
+    fn = partial(group_layout, new_len=16, compact=True)
+    outs = []
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        keep = torch.rand(2, 24, generator=g) < 0.5
+        keep[:, :8] = True
+        keep[:, 8:] &= torch.arange(16) % 2 == 0  # at most 8 + 8 kept: new_len
+        inputs = [keep, torch.arange(24).expand(2, -1), torch.randperm(24, generator=g).expand(2, -1)]
+        inputs.append(torch.randn(2, 24, 4, generator=g))
+        if ordered:
+            inputs.append(torch.rand(2, 24, generator=g, dtype=torch.float64) * 24)
+        got, want = calls(("group", 16, True, not ordered), fn, *inputs), fn(*inputs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        outs.append(got[2].tolist())  # the source slots
     assert outs[0] != outs[1] != outs[2]
     assert next(iter(calls.graphs.values())).graph.replays == 2
 

@@ -127,9 +127,9 @@ def test_an_in_llm_pruners_prefill_runs_mostly_inside_graphs(tiny_mm, images, pr
     from mmfast.bench.host_ops import count_call_ops
 
     fastv = {"pruning": [{"method": "fastv", "params": PRUNERS.get("fastv").cls.test_params(tiny_mm.adapter)}]}
-    eager = count_call_ops(tiny_mm, fastv, images[:1], prompts[:1], captured=False)
-    captured = count_call_ops(tiny_mm, fastv, images[:1], prompts[:1])
-    plain = count_call_ops(tiny_mm, {}, images[:1], prompts[:1])["LLM prefill"]
+    eager = count_call_ops(tiny_mm, fastv, images[:1], prompts[:1], captured=False)[0]
+    captured = count_call_ops(tiny_mm, fastv, images[:1], prompts[:1])[0]
+    plain = count_call_ops(tiny_mm, {}, images[:1], prompts[:1])[0]["LLM prefill"]
     assert eager["tower"] > 50 and captured["tower"] <= 10, (eager, captured)  # the batch's copy and layout
     eager, captured = eager["LLM prefill"], captured["LLM prefill"]
     assert captured <= 150 and eager >= 3 * captured, (eager, captured)

@@ -271,11 +271,11 @@ def test_a_one_token_call_publishes_the_trimmed_caches_bytes(tiny_mm, images, pr
     """A one-token answer never reads its cache after the prefill: on the static cache the KV policy trims nothing
     and publishes the bytes the trimmed caches would hold, equal to the trimmed caches' (the dynamic cache, which
     trims: every call there, and a decoding call's prefill on the static cache)."""
-    import mmfast.pruning.mustdrop as md
+    import mmfast.pruning._mustdrop_ops as ops
 
     trims = []
-    original = md.apply_kv_policy
-    monkeypatch.setattr(md, "apply_kv_policy", lambda *a, **k: trims.append(1) or original(*a, **k))
+    original = ops.apply_kv_policy
+    monkeypatch.setattr(ops, "apply_kv_policy", lambda *a, **k: trims.append(1) or original(*a, **k))
     params = {**BASE, "sim_threshold": 1.5, "lambda_g": 0.05, "lambda_i": 1.0}
     recipe = {"pruning": [{"method": "mustdrop", "params": params}]}
 

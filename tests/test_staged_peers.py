@@ -269,13 +269,35 @@ def test_sparsevlm_selects_and_recycles_as_the_paper(tiny_mm, eager, images, pro
 
 
 def test_sparsevlm_raters_are_text_above_mean_relevance():
-    from mmfast.pruning.sparsevlm import text_raters
+    """The raters of every sample at once equal the rule computed per sample (softmax over the sample's text of
+    vision x text^T, mean over its vision tokens, above the mean; every text token when none is): left padding, texts
+    of other lengths, one text token, a row without an image."""
+    from mmfast.pruning._sparsevlm_ops import text_raters
+
+    def rule(vision: torch.Tensor, text: torch.Tensor) -> list[int]:  # [n_v, d], [n_t, d]
+        rel = (vision @ text.T).softmax(1).mean(0)  # [n_t]
+        above = rel > rel.mean()
+        return (above if above.any() else torch.ones_like(above)).nonzero().squeeze(1).tolist()
 
     v = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     t = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]])  # relevance softmax([2, 0, 1]) per vision row
-    p = torch.tensor([2.0, 0.0, 1.0]).softmax(0)
-    assert text_raters(v, t).tolist() == (p > p.mean()).tolist() == [True, False, False]
-    assert text_raters(v, t[:1]).tolist() == [True]  # one text token: it rates
+    emb = torch.cat([v, t])[None]
+    vision, text = torch.tensor([[True, True, False, False, False]]), torch.tensor([[False, False, True, True, True]])
+    assert text_raters(emb, vision, text).tolist() == [[0]] and rule(v, t) == [0]
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(4, 14, 8, generator=g)
+    # (padding, vision, text) per row: the text is each row's tail
+    layout = [(0, 6, 8), (3, 5, 6), (5, 8, 1), (2, 0, 12)]
+    vision, text = torch.zeros(4, 14, dtype=torch.bool), torch.zeros(4, 14, dtype=torch.bool)
+    for b, (pad, n_v, n_t) in enumerate(layout):
+        vision[b, pad + 1 : pad + 1 + n_v] = True  # after one text token before the image
+        text[b, 14 - n_t :] = True
+    got = text_raters(emb, vision, text)
+    wants = [rule(emb[b, vision[b]], emb[b, text[b]]) if n_v else [] for b, (_pad, n_v, _n_t) in enumerate(layout)]
+    assert got.shape == (4, max(len(w) for w in wants))
+    for b, want in enumerate(wants):
+        assert got[b].tolist() == want + [-1] * (got.shape[1] - len(want)), b
+    assert got[2].tolist()[:2] == [0, -1]  # one text token: it rates
 
 
 def test_sparsevlm_noop_and_no_recycle(tiny_mm, images, prompts):

@@ -21,11 +21,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._graph_emulator import ReplayEmulator
+from .._graph_emulator import ReplayEmulator, reads_device_data
 from ..config import load_recipe
 from ..pipeline import Session, apply
 
-_TRANSFERS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default}
+
+def _transfer(func, args: tuple) -> bool:
+    """An op that reads tensor data to the host (a value, or an output shape that depends on data: ``int(t)``,
+    ``bool(t)``, ``nonzero``; :func:`~mmfast._graph_emulator.reads_device_data`) or makes a tensor from host data
+    (``torch.tensor(...)``)."""
+    return func is torch.ops.aten.lift_fresh.default or reads_device_data(func, args)
+
 
 #: phases, in report order; an op is attributed to the innermost frame whose function names one
 PHASES = ("runner.step prep", "replay copies", "lm_head", "decoder choose", "embedding", "driver bookkeeping")
@@ -51,8 +57,8 @@ class OpCounter(TorchDispatchMode):
     in_step: bool = False  # inside LMRunner._replay (count_step_ops): a replay there is the LM step's
     by_phase: Counter = field(default_factory=Counter)
     total: int = 0
-    #: host transfers outside replays: reads of tensor data (``.item()``, ``int(t)``, ``.tolist()``) and tensors
-    #: made from host data (``torch.tensor(...)``): on a GPU each of a device tensor waits for the stream (pageable
+    #: host transfers outside replays: reads of tensor data (``.item()``, ``int(t)``, ``.tolist()``, ops whose output
+    #: shape depends on data, e.g. ``nonzero``) and tensors made from host data (``torch.tensor(...)``): on a GPU each of a device tensor waits for the stream (pageable
     #: copies). On a CPU run every tensor is a host tensor, so this counts host-only ones too (an upper bound),
     #: and a ``.cpu()`` copy, which dispatches nothing here, is not seen
     transfers: int = 0
@@ -84,24 +90,11 @@ class OpCounter(TorchDispatchMode):
         if not self.paused:
             self.total += 1
             self.by_phase[self._phase()] += 1
-            self.transfers += func in _TRANSFERS
+            self.transfers += _transfer(func, args)
         return func(*args, **(kwargs or {}))
 
-    @contextmanager
     def reading_lists(self) -> Iterator[None]:
-        """Count ``Tensor.tolist()`` as a transfer while active (it dispatches no aten op)."""
-        tolist = torch.Tensor.tolist
-
-        def counted(t: torch.Tensor):
-            if not self.paused:
-                self.transfers += 1
-            return tolist(t)
-
-        torch.Tensor.tolist = counted
-        try:
-            yield
-        finally:
-            torch.Tensor.tolist = tolist
+        return _reading_lists(self)
 
     def per_step(self) -> dict[str, float]:
         """Mean ops per step by phase over the steps between the first and the last replay."""
@@ -142,6 +135,23 @@ class ReplayGraph(ReplayEmulator):
             return super().replay()
         finally:
             counter.paused = False
+
+
+@contextmanager
+def _reading_lists(counter: OpCounter | StageCounter) -> Iterator[None]:
+    """Count ``Tensor.tolist()`` as one of ``counter``'s transfers while active (it dispatches no aten op)."""
+    tolist = torch.Tensor.tolist
+
+    def counted(t: torch.Tensor):
+        if not counter.paused:
+            counter.transfers += 1
+        return tolist(t)
+
+    torch.Tensor.tolist = counted
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = tolist
 
 
 def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) -> dict[str, float]:
@@ -185,6 +195,7 @@ class StageCounter(TorchDispatchMode):
         super().__init__()
         self.runner, self.paused, self.by_stage = runner, False, Counter()
         self.replayed = 0  # ops the graphs replayed
+        self.transfers = 0  # host transfers outside replays, as :attr:`OpCounter.transfers` counts them
 
     def _stage(self) -> str:
         frame = sys._getframe(2)
@@ -198,14 +209,18 @@ class StageCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused:
             self.by_stage[self._stage()] += 1
+            self.transfers += _transfer(func, args)
         return func(*args, **(kwargs or {}))
 
 
-def count_call_ops(mm, recipe: dict, images, prompts, *, captured: bool = True) -> Counter:
+def count_call_ops(mm, recipe: dict, images, prompts, *, captured: bool = True) -> tuple[Counter, int]:
     """Torch ops a one-token ``generate`` call of ``recipe`` dispatches outside graph replays, by stage
     (:data:`STAGES`: what a TTFT pays in launches), after a first call of the same inputs (its graphs captured:
-    the steady state of a long run). ``captured`` False: ``compile: static`` without graphs, every op eager."""
-    return _call_counter(mm, recipe, images, prompts, 1, "static", captured).by_stage
+    the steady state of a long run), and its host transfers (:attr:`OpCounter.transfers`: on a GPU each read of
+    device data waits for the queue to drain). ``captured`` False: ``compile: static`` without graphs, every op
+    eager."""
+    counter = _call_counter(mm, recipe, images, prompts, 1, "static", captured)
+    return counter.by_stage, counter.transfers
 
 
 def count_token_ops(
@@ -235,7 +250,7 @@ def _call_counter(mm, recipe: dict, images, prompts, max_new_tokens: int, compil
             s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)  # captures the call's graphs
             counter = StageCounter(s.runner)
             ReplayGraph.counter = counter  # pauses it while a graph replays
-            with counter:
+            with counter, _reading_lists(counter):
                 out = s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)
     finally:
         Session._capture_factory = original

@@ -57,7 +57,7 @@ class _Static:
 class CapturedCalls:
     """Pure functions of tensors run as captured graphs: ``calls(key, fn, *tensors)`` replays the graph of
     ``key`` and the inputs' shapes, dtypes and devices after copying ``tensors`` into its static inputs, or
-    the first time runs ``fn`` (the capture's warm-up) and captures it. ``key`` must hold everything else
+    the first time runs ``fn`` (the capture's warm-up) and captures it; ``fn`` returns a tensor or a tuple of them. ``key`` must hold everything else
     ``fn`` depends on (its static arguments). Eager where ``factory()`` gives None and, for that ``key``, for
     good after a capture that raises (one log line); the output is a copy (a replay overwrites the graph's).
 
@@ -112,7 +112,8 @@ class CapturedCalls:
             self.graphs.move_to_end(key)
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
-        return out.clone()  # the graph's output is overwritten by its next replay
+        # the graph's output is overwritten by its next replay
+        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
     def _capture_failed(self, key: tuple, exc: Exception) -> None:
         logger.warning(

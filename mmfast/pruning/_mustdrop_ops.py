@@ -111,21 +111,25 @@ class PrefillData:
     """What MustDrop tracks through one prefill (kept in that state's ``extras``)."""
 
     n_text: torch.Tensor  # [B] instruction tokens after the image
+    width: int  # max(1, max n_text): the text rows' count (read once a prefill, for every filter's probe rows)
     key_full: torch.Tensor  # [B, L] bool key-set slots of the prefill sequence
     counts: list[torch.Tensor]  # [B] vision tokens entering the LLM, then after each stage
 
 
-def text_rows(n_text: torch.Tensor, q_len: int) -> torch.Tensor:
-    """[B, max(1, max n_b)] query rows of the text after the image: the last ``n_text[b]`` of ``q_len`` rows
-    of each sample, left-padded with -1."""
-    width = max(1, int(n_text.max()))
+def text_rows(n_text: torch.Tensor, q_len: int, width: int) -> torch.Tensor:
+    """[B, width] query rows of the text after the image: the last ``n_text[b]`` of ``q_len`` rows of each sample,
+    left-padded with -1 (``width``: max(1, max n_b), known on the host)."""
     i = torch.arange(width, device=n_text.device)
     rows = (q_len - width + i).expand(n_text.shape[0], -1)
     return rows.masked_fill(i[None, :] < width - n_text[:, None], -1)
 
 
 def dual_attention_drop(
-    attn: torch.Tensor, vision: torch.Tensor, key: torch.Tensor, lambda_g: float, lambda_i: float
+    attn: torch.Tensor,
+    vision: torch.Tensor,
+    key: torch.Tensor,
+    lambda_g: float | torch.Tensor,
+    lambda_i: float | torch.Tensor,
 ) -> torch.Tensor:
     """[B, T] bool slots MustDrop drops: vision, not key, g < lambda_g * sum(g) and m < lambda_i.
 
@@ -136,6 +140,30 @@ def dual_attention_drop(
     m = attn.amax(1)  # [B, T] largest individual attention
     total = (g * vision).sum(1, keepdim=True)  # over the surviving image tokens
     return vision & ~key & (g < lambda_g * total) & (m < lambda_i)
+
+
+def filter_keep(
+    attn: torch.Tensor, vision: torch.Tensor, key_full: torch.Tensor, source: torch.Tensor, lambdas: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One filter in fixed shapes (a captured call): the keep mask [B, T] (:func:`dual_attention_drop`'s complement)
+    and the vision tokens it keeps [B]. ``key_full`` [B, L]: the key set over the prompt; ``source`` [B, T]: each
+    slot's prompt index (-1: none); ``lambdas`` [2]: (lambda_g, lambda_i)."""
+    key = key_full.gather(1, source.clamp(min=0)) & (source >= 0)  # [B, T] key-set slots
+    drop = dual_attention_drop(attn, vision, key, lambdas[0], lambdas[1])
+    return ~drop, (vision & ~drop).sum(1)
+
+
+class DeviceScalars:
+    """Host floats as one device tensor, made again only when they change (what a captured call copies in)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._values = torch.zeros(0)
+
+    def __call__(self, values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+        if self._key != (values, device):
+            self._key, self._values = (values, device), torch.tensor(values, dtype=torch.float64, device=device)
+        return self._values
 
 
 def apply_kv_policy(state: LMState, first: int, last_start: int, ref_start: float | None = None) -> None:

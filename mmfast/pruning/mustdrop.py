@@ -77,8 +77,8 @@ from ..errors import ConfigError
 from ..hooks import cls_row
 from ..registry import PRUNERS
 from ..runtime import LMState
+from . import _mustdrop_ops as ops
 from ._common import LayerMapping, map_layers
-from ._mustdrop_ops import PrefillData, apply_kv_policy, dual_attention_drop, kv_policy_bytes, text_rows, token_stats
 from ._mustdrop_tower import TowerMerge
 from .base import Pruner
 
@@ -256,6 +256,7 @@ class MustDrop(Pruner):
             cfg, ModelFacts.of_adapter(self.adapter)
         )  # [(probe layer, paper layer)]
         self.lambda_g, self.lambda_i = self.thresholds()
+        self._lambdas = ops.DeviceScalars()  # the thresholds as the captured filters read them
         vis_layers = self.adapter.vision_layers
 
         # stage 1: window merge on the output of CLIP layer 0 (``_mustdrop_tower``: one image a tower call, or padded
@@ -346,11 +347,10 @@ class MustDrop(Pruner):
         Everything MustDrop learns about a prefill lives in that state's ``extras`` (one state per
         branch), never on the stage."""
         key = view.state.inputs.tags.get(KEY_TAG)
-        view.state.extras[self.name] = PrefillData(
-            n_text=view.text_after.sum(1),  # [B]; text is never dropped, so constant over stages
-            key_full=key.bool() if key is not None else torch.zeros_like(view.state.inputs.image_mask),  # [B, L]
-            counts=[view.vision.sum(1)],
-        )
+        key_full = key.bool() if key is not None else torch.zeros_like(view.state.inputs.image_mask)  # [B, L]
+        n_text = view.text_after.sum(1)  # [B]; text is never dropped, so constant over stages
+        width = max(1, int(n_text.max()))  # the text rows' count: one read a prefill, for every filter's rows
+        view.state.extras[self.name] = ops.PrefillData(n_text, width, key_full, [view.vision.sum(1)])
         return None
 
     def _rows(self, q_len: int, k_len: int) -> torch.Tensor:
@@ -359,7 +359,7 @@ class MustDrop(Pruner):
         data = state.extras.get(self.name) if state is not None else None
         if data is None:  # the LLM ran outside the runner's prefill: record nothing useful
             return torch.tensor([-1])
-        return text_rows(data.n_text, q_len)
+        return ops.text_rows(data.n_text, q_len, data.width)
 
     def _make_select(self, layer: int):
         key = f"mustdrop.llm.{layer}"
@@ -368,12 +368,12 @@ class MustDrop(Pruner):
             rec = self.ctx.probe[key]
             if rec.k_len != view.group.length:
                 raise RuntimeError(f"MustDrop: stale attention record at layer {layer}")
-            data: PrefillData = view.state.extras[self.name]
-            src = view.group.source
-            key_slots = data.key_full.gather(1, src.clamp(min=0)) & (src >= 0)
-            drop = dual_attention_drop(rec.probs, view.vision, key_slots, self.lambda_g, self.lambda_i)
-            data.counts.append((view.vision & ~drop).sum(1))
-            return ~drop
+            data: ops.PrefillData = view.state.extras[self.name]
+            lambdas = self._lambdas((self.lambda_g, self.lambda_i), rec.probs.device)  # [2]
+            inputs = (rec.probs, view.vision, data.key_full, view.group.source, lambdas)
+            keep, kept = self.ctx.captured(("mustdrop", layer), ops.filter_keep, *inputs)  # [B, T], [B]
+            data.counts.append(kept)
+            return keep
 
         return select
 
@@ -387,13 +387,13 @@ class MustDrop(Pruner):
             return
         last = self.filters[-1][0] + 1
         if self.ctx.runner.cache_unread(state):  # the bytes the trimmed caches would hold, for the accounting
-            state.accounting.kv_bytes_unbuilt = kv_policy_bytes(state, self.first_layer, last)
+            state.accounting.kv_bytes_unbuilt = ops.kv_policy_bytes(state, self.first_layer, last)
             return
-        apply_kv_policy(state, self.first_layer, last, ref_start=self.filters[0][1])
+        ops.apply_kv_policy(state, self.first_layer, last, ref_start=self.filters[0][1])
 
     def _stage_stats(self, state: LMState, counts: list[torch.Tensor]) -> None:
         state.stats[self.name] = {
-            **token_stats(counts, [layer for layer, _ in self.filters], state.n_layers),
+            **ops.token_stats(counts, [layer for layer, _ in self.filters], state.n_layers),
             "thresholds": [self.lambda_g, self.lambda_i],
             "merge_threshold": self.sim_threshold,
         }

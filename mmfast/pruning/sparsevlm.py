@@ -22,7 +22,7 @@ Text is never dropped. Positions (1-D RoPE families): renumbered 0..L'-1 after e
 ``get_usable_length`` rule). Nothing is pruned in decode.
 
 Hook points: attention probe on each filter layer l (rows = the raters, ``prefill_only``: a static decode step can be captured; head mean);
-each image's filter, once its present count is read (one read per filter), is :func:`~._sparsevlm_ops.filter_image` (``MethodContext.captured``);
+each filter, once the images' present counts are read (one read per filter), is :func:`~._sparsevlm_ops.filter_stage` over the batch (``MethodContext.captured``);
 ``runner.prune_at(l + 1, compact=True)`` (Qwen-VL: ``compact=False``) returning a ``SlotEdit``: each merged token takes the slot of
 its cluster centre (so its provenance is the centre's token, and it counts as a vision token of that
 image), and the edit's layout key puts it after the kept vision tokens.
@@ -79,7 +79,7 @@ from ..registry import PRUNERS
 from ..runtime import SlotEdit
 from ._budget import fixed_vision_tokens, vision_tokens_per_image
 from ._common import REFERENCE_LAYERS, LayerMapping
-from ._sparsevlm_ops import filter_image, per_image_counts
+from ._sparsevlm_ops import filter_stage, image_counts, text_raters
 from .base import Pruner
 
 #: the release's per-filter keep counts for 576 vision tokens (score.py, v1.x)
@@ -90,15 +90,6 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "64": (66, 30, 17),
 }
 REFERENCE_TOKENS = 576
-
-
-def text_raters(vision: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """[n_t] bool raters: softmax over text of vision x text^T, mean over vision, above the mean.
-
-    ``vision``: [n_v, d], ``text``: [n_t, d] input embeddings of one sample."""
-    rel = (vision.float() @ text.float().T).softmax(1).mean(0)  # [n_t]
-    raters = rel > rel.mean()
-    return raters if bool(raters.any()) else torch.ones_like(raters)
 
 
 def recycled_count(n_deleted: int, ratio: float, divisor: int) -> tuple[int, int]:
@@ -265,21 +256,9 @@ class SparseVLM(Pruner):
             return data
         inp = state.inputs
         text = inp.text_after_image  # [B, L]
-        bsz = text.shape[0]
-        picked = []
-        for b in range(bsz):
-            t_idx = text[b].nonzero().squeeze(1)
-            v_idx = inp.image_mask[b].nonzero().squeeze(1)
-            if t_idx.numel() == 0 or v_idx.numel() == 0:
-                picked.append(torch.zeros(0, dtype=torch.long, device=text.device))
-                continue
-            picked.append(text_raters(inp.embeds[b, v_idx], inp.embeds[b, t_idx]).nonzero().squeeze(1))
-        width = max(1, max(p.numel() for p in picked))
-        raters = torch.full((bsz, width), -1, dtype=torch.long, device=text.device)
-        for b, p in enumerate(picked):
-            raters[b, : p.numel()] = p
-        images = inp.image_index.masked_fill(~inp.image_mask, -1)  # [B, L]
-        n_image = per_image_counts(images, int(images.max()) + 1)
+        raters = text_raters(inp.embeds, inp.image_mask, text)  # [B, R]
+        n_image = image_counts(inp.image_index.masked_fill(~inp.image_mask, -1))  # [B][J]
+        bsz = len(n_image)
         data = _Prefill(raters, text.sum(1), [[] for _ in range(bsz)], [[] for _ in range(bsz)], n_image)
         state.extras[self.key] = data
         return data
@@ -304,18 +283,12 @@ class SparseVLM(Pruner):
             rec = self.ctx.probe[key]
             if rec.k_len != view.group.length:
                 raise RuntimeError(f"SparseVLM: stale attention record at layer {layer}")
-            n_r = (rec.rows >= 0).sum(1).clamp(min=1)  # [B]
-            score = rec.probs.sum(1) / n_r[:, None]  # [B, T] mean over raters of the head-mean attention
             src = view.group.source
             image = state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
             image = image.masked_fill(~view.vision, -1)  # [B, T]
-            bsz, t = view.vision.shape
-            keep = ~view.vision & view.group.key_mask
-            replace = torch.zeros_like(keep)
-            new_hidden = torch.zeros_like(view.hidden)
-            order = torch.arange(t, device=keep.device, dtype=torch.float64).expand(bsz, -1).clone()
-            present = per_image_counts(image, len(data.n_image[0]))  # [B][J] image j's slots still here
-            for b in range(bsz):
+            present = image_counts(image)  # [B][J] image j's slots still here: the read
+            plan = []  # (sample, image, slots present, kept, recycled, clusters) of every image still present
+            for b in range(len(present)):
                 n_vis, n_rec = 0, 0
                 for j, n in enumerate(present[b]):
                     if n == 0:
@@ -325,29 +298,21 @@ class SparseVLM(Pruner):
                     top, n_clusters = (
                         recycled_count(n - k, cfg.recycle_ratio, cfg.cluster_divisor) if cfg.recycle else (0, 0)
                     )
-                    static = ("sparsevlm", j, n, k, top, n_clusters)
-                    packed = self.ctx.captured(
-                        static, partial(filter_image, j=j, n=n, k=k, top=top, clusters=n_clusters),
-                        score[b], image[b], view.hidden[b],
-                    )  # fmt: skip
-                    keep[b, packed[:k].long()] = True
-                    if n_clusters:
-                        hosts, anchor = packed[k : k + n_clusters].long(), packed[k + n_clusters]
-                        keep[b, hosts] = True
-                        replace[b, hosts] = True
-                        new_hidden[b, hosts] = packed[k + n_clusters + 1 :].view(n_clusters, -1).to(new_hidden.dtype)
-                        order[b, hosts] = anchor + (
-                            torch.arange(n_clusters, device=keep.device, dtype=torch.float64) + 1
-                        ) / (n_clusters + 1)
+                    plan.append((b, j, n, k, top, n_clusters))
                     n_vis += k + n_clusters
                     n_rec += n_clusters
                 data.counts[b].append(n_vis)
                 data.recycled[b].append(n_rec)
             if stage == len(self.filters) - 1:
                 self._stats(state, data)
-            keep = keep | ~view.group.key_mask
-            if not bool(replace.any()):
-                return keep  # nothing recycled: a plain drop (or, keeping everything, no new group)
+            plan = tuple(plan)
+            out = self.ctx.captured(
+                ("sparsevlm", plan), partial(filter_stage, plan=plan),
+                rec.probs, rec.rows, image, view.hidden, view.vision,
+            )  # fmt: skip
+            if not any(p[-1] for p in plan):
+                return out  # nothing recycled: a plain drop (or, keeping everything, no new group)
+            keep, replace, new_hidden, order = out
             return SlotEdit(keep, replace, new_hidden, order)
 
         return select
