@@ -318,14 +318,15 @@ class Session:
         if limit is None:
             return
         problems = []
+        if inputs is not None:  # [2][B] vision and real tokens of each sample: one read
+            used = inputs.attention_mask.bool()
+            counts = torch.stack([(inputs.image_mask.bool() & used).sum(1), used.sum(1)]).tolist()
         for b in range(batch.batch_size):
             n_images = sum(1 for owner in batch.image_owner if owner == b)
             if inputs is None:
                 text, vision = len(batch.token_ids[b]) - n_images, 0
             else:
-                used = inputs.attention_mask[b].bool()
-                vision = int((inputs.image_mask[b].bool() & used).sum())
-                text = int(used.sum()) - vision
+                vision, text = counts[0][b], counts[1][b] - counts[0][b]
             total = text + vision + max_new
             if total > limit:
                 problems.append(

@@ -183,9 +183,12 @@ def state_accounting(state: LMState) -> Accounting:
     ]
     starts[0] = 0
     flops, flops_7b = [], []
-    tok = tok.cpu()  # one read to the host for every sample (not one per sample and group)
+    # one read to the host for every sample (not one per sample and group): the tokens per layer, then the vision
+    # tokens' layer average
+    rows = torch.cat([tok, vis.mean(1, keepdim=True).to(tok.device)], 1).tolist()  # [B][n_layers + 1]
+    tok, vis_avg = [r[:-1] for r in rows], [r[-1] for r in rows]
     for b in range(state.batch_size):
-        per_group = [float(tok[b, grp.start]) for grp in state.groups]  # groups never merge: starts stay valid
-        flops.append(prefill_flops(tok[b].tolist(), shape) if shape else 0.0)
+        per_group = [tok[b][grp.start] for grp in state.groups]  # groups never merge: starts stay valid
+        flops.append(prefill_flops(tok[b], shape) if shape else 0.0)
         flops_7b.append(prefill_flops(project_schedule(starts, per_group, LLAVA_7B.n_layers), LLAVA_7B))
-    return Accounting(state.kv_bytes_per_sample(), vis.mean(1).tolist(), flops, flops_7b)
+    return Accounting(state.kv_bytes_per_sample(), vis_avg, flops, flops_7b)

@@ -399,9 +399,11 @@ def build_lm_inputs(
     image_tags = image_tags or {}
     slot_ids = adapter.vision_slot_ids  # image (and video) placeholders: one per vision item
     embed_layer = adapter.language_model.embed_tokens
-    device = embed_layer.weight.device
-    rows = []
-    tag_rows: dict[str, list[torch.Tensor]] = {}
+    device, dtype = embed_layer.weight.device, embed_layer.weight.dtype
+    # the layout on the host, from the prompts and the items' lengths (shapes: no read): each row's tokens (the slot
+    # token at an item's places), and each item's sample, index in it and first place in the unpadded row
+    rows: list[list[int]] = []
+    items: list[tuple[int, int, int]] = []  # (sample, item, start)
     pos_rows: list[torch.Tensor] = []
     for b, ids in enumerate(token_ids):
         n_slots = sum(1 for t in ids if t in slot_ids)
@@ -409,72 +411,63 @@ def build_lm_inputs(
             raise ValueError(
                 f"sample {b}: prompt has {n_slots} image slots but {len(image_tokens[b])} images were given"
             )
-        pieces, ids_out, img_mask, pids, img_idx = [], [], [], [], []
+        row: list[int] = []
         layout: list = []  # ("text", n) or ("image", patch ids, grid) per piece, for M-RoPE positions
-        tag_pieces: dict[str, list[torch.Tensor]] = {k: [] for k in image_tags}
-        text_run: list[int] = []
-        j = 0
-
-        def flush() -> None:
-            if text_run:
-                t = torch.tensor(text_run, device=device)
-                pieces.append(embed_layer(t))  # [n_text, d]
-                ids_out.append(t)
-                layout.append(("text", len(text_run)))
-                img_mask.append(torch.zeros(len(text_run), dtype=torch.bool, device=device))
-                pids.append(torch.full((len(text_run),), -1, device=device))
-                img_idx.append(torch.full((len(text_run),), -1, device=device))
-                for k, per in image_tags.items():
-                    like = per[b][0] if per[b] else torch.zeros(0, dtype=torch.long)
-                    tag_pieces[k].append(torch.zeros(len(text_run), *like.shape[1:], dtype=like.dtype, device=device))
-                text_run.clear()
-
+        text_run, j = 0, 0
         for t in ids:
             if t not in slot_ids:
-                text_run.append(t)
+                row.append(t)
+                text_run += 1
                 continue
-            flush()
-            feats = image_tokens[b][j].to(device=device, dtype=embed_layer.weight.dtype)  # [N_j, d]
-            n = feats.shape[0]
-            pieces.append(feats)
-            ids_out.append(torch.full((n,), t, device=device))
-            img_mask.append(torch.ones(n, dtype=torch.bool, device=device))
-            pids.append(image_patch_ids[b][j].to(device))
+            if text_run:
+                layout.append(("text", text_run))
+                text_run = 0
+            items.append((b, j, len(row)))
+            row.extend([t] * int(image_tokens[b][j].shape[0]))
             layout.append(("image", image_patch_ids[b][j], None if image_grids is None else image_grids[b][j]))
-            img_idx.append(torch.full((n,), j, device=device))
-            for k, per in image_tags.items():
-                tag_pieces[k].append(per[b][j].to(device))
             j += 1
-        flush()
+        if text_run:
+            layout.append(("text", text_run))
+        rows.append(row)
         if adapter.rope_axes != 1:
             pos_rows.append(adapter.mrope_positions(layout, device))  # [L_b, 3]
-        rows.append((torch.cat(pieces), torch.cat(ids_out), torch.cat(img_mask), torch.cat(pids), torch.cat(img_idx)))
-        for k in image_tags:
-            tag_rows.setdefault(k, []).append(torch.cat(tag_pieces[k]))
 
-    length = max(r[0].shape[0] for r in rows)
-    bsz, d = len(rows), rows[0][0].shape[-1]
-    embeds = torch.zeros(bsz, length, d, device=device, dtype=rows[0][0].dtype)
-    input_ids = torch.full((bsz, length), pad_id, dtype=torch.long, device=device)
-    attn = torch.zeros(bsz, length, dtype=torch.long, device=device)
-    image_mask = torch.zeros(bsz, length, dtype=torch.bool, device=device)
+    length = max(len(r) for r in rows)
+    bsz = len(rows)
+    pads = [length - len(r) for r in rows]
+    # [B, L] token ids (the pad id at padding, as HF feeds it), attention mask and each slot's item (-1: text and
+    # padding), then every item's places in the flattened [B * L] batch: made on the host as one tensor and copied to
+    # the device at once
+    slot_item = [[-1] * length for _ in rows]
+    places: list[int] = []
+    for b, j, start in items:
+        first = pads[b] + start
+        n = int(image_tokens[b][j].shape[0])
+        slot_item[b][first : first + n] = [j] * n
+        places.extend(range(b * length + first, b * length + first + n))
+    host = [t for p, r in zip(pads, rows) for t in [pad_id] * p + r]
+    host += [m for p, r in zip(pads, rows) for m in [0] * p + [1] * len(r)]
+    host += [j for row in slot_item for j in row]
+    on_device = torch.tensor(host + places, dtype=torch.long).to(device)  # the one copy to the device
+    input_ids, attn, image_index = on_device[: 3 * bsz * length].view(3, bsz, length)
+    index = on_device[3 * bsz * length :]  # [N] every item's places
+    image_mask = image_index >= 0
+    # [B, L, d]; the items' places are overwritten below (their slot token may lie past the embedding table, as
+    # HF's LLaVA allows: the pad id's row there)
+    embeds = embed_layer(input_ids.masked_fill(image_mask, pad_id))
     patch_ids = torch.full((bsz, length), -1, dtype=torch.long, device=device)
-    image_index = torch.full((bsz, length), -1, dtype=torch.long, device=device)
-    pad_embed = embed_layer(torch.tensor([pad_id], device=device))[0]  # what HF feeds at padding
-    for b, (e, ids, im, pid, iidx) in enumerate(rows):
-        n = e.shape[0]
-        embeds[b, : length - n] = pad_embed
-        embeds[b, length - n :] = e  # left padding
-        input_ids[b, length - n :] = ids
-        attn[b, length - n :] = 1
-        image_mask[b, length - n :] = im
-        patch_ids[b, length - n :] = pid
-        image_index[b, length - n :] = iidx
     tags = {}
-    for k, per_row in tag_rows.items():
-        tags[k] = torch.zeros(bsz, length, *per_row[0].shape[1:], dtype=per_row[0].dtype, device=device)
-        for b, t in enumerate(per_row):
-            tags[k][b, length - t.shape[0] :] = t
+    for k, per in image_tags.items():
+        like = next((t for row in per for t in row), torch.zeros(0, dtype=torch.long))
+        tags[k] = torch.zeros(bsz, length, *like.shape[1:], dtype=like.dtype, device=device)
+    if items:
+        feats = torch.cat([image_tokens[b][j].to(device=device, dtype=dtype) for b, j, _ in items])  # [N, d]
+        embeds.view(bsz * length, -1).index_copy_(0, index, feats)
+        pids = torch.cat([image_patch_ids[b][j].to(device) for b, j, _ in items])  # [N]
+        patch_ids.view(-1).index_copy_(0, index, pids)
+        for k, per in image_tags.items():
+            values = torch.cat([per[b][j].to(device) for b, j, _ in items])  # [N, ...]
+            tags[k].view(bsz * length, *tags[k].shape[2:]).index_copy_(0, index, values.to(tags[k].dtype))
     position_ids = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)  # as HF generate does for left padding
     if adapter.rope_axes != 1:  # [B, L, 3]; padding 1 as above
         position_ids = position_ids[:, :, None].repeat(1, 1, adapter.rope_axes)
