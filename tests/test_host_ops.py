@@ -171,3 +171,16 @@ def test_a_captured_step_writes_each_layer_with_two_copies(tiny_mm, images, prom
     assert step.replays >= 4 and ops.count("aten.index_copy_.default") == 2 * n_layers, ops
     assert ops.count("aten.add_.Tensor") == 0 and ops.count("aten._foreach_add_.Scalar") == 1, ops
     assert ops.count("aten.arange.default") <= 2, ops  # the group's mask; the slots are a constant
+
+
+def test_a_batchs_inputs_are_built_without_work_per_sample(tiny_mm, images, prompts):
+    """A one-token call's inputs (the prompts' layout, their embeddings, the images' features placed) are built for
+    the batch at once: one copy to the device and one embedding call, not each sample's text runs embedded and
+    copied one by one (~48 ops and ~4 transfers a sample before); the context check and the accounting read their
+    counts once. What grows with the batch is the projector, run per image (its results stay batch-independent)."""
+    from mmfast.bench.host_ops import count_call_ops
+
+    one, one_reads = count_call_ops(tiny_mm, {}, images[:1], prompts[:1])
+    four, four_reads = count_call_ops(tiny_mm, {}, images[:4], prompts[:4])
+    assert four["build inputs"] - one["build inputs"] <= 3 * 8, (one, four)  # the projector: ~5 ops an image
+    assert four_reads - one_reads <= 2, (one_reads, four_reads)
