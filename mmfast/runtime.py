@@ -1260,9 +1260,11 @@ class LMRunner:
             longest = int(counts.max())
         new_len = min(keep.shape[1], -(-longest // bucket) * bucket)
         mrope = compact and prev.positions.dim() == 3  # its compaction walks each row's runs on the host
-        tensors = (keep, prev.positions, prev.source, hidden) + (() if order is None else (order,))
+        tensors = (keep, prev.positions, prev.source) + (() if order is None else (order,))
         layout = partial(group_layout, new_len=new_len, compact=compact and not mrope)
-        valid, positions, source, hidden = self.calls(("group", new_len, compact, order is None), layout, *tensors)
+        valid, positions, source, index = self.calls(("group", new_len, compact, order is None), layout, *tensors)
+        # the hidden states gathered outside the graph: it would hold a copy of the batch's [B, T, d] per layout
+        hidden = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
         if mrope:
             from .models.mrope import compact_positions
 
@@ -1285,7 +1287,6 @@ def group_layout(
     keep: torch.Tensor,
     positions: torch.Tensor,
     source: torch.Tensor,
-    hidden: torch.Tensor,
     order: torch.Tensor | None = None,
     *,
     new_len: int,
@@ -1294,10 +1295,9 @@ def group_layout(
     """A new layer group's layout from the previous group's: every row's kept slots (``keep`` [B, T] bool) first,
     in ``order``'s layout ([B, T] float64 sort keys, ties by slot; None: slot order), left-padded to ``new_len``
     (at least the largest kept count). Fixed shapes, no host read (:meth:`LMRunner._prune` runs it as a captured
-    call). ``positions`` [B, T] (M-RoPE [B, T, 3]) and ``source`` [B, T] are the previous group's, ``hidden``
-    [B, T, d] the hidden states entering the layer; ``compact`` renumbers 1-D positions 0..n-1 over the kept
-    slots. Returns ``valid`` [B, T'] (left padding False), ``positions``, ``source`` (-1 at padding) and
-    ``hidden`` [B, T', d] at the kept slots."""
+    call). ``positions`` [B, T] (M-RoPE [B, T, 3]) and ``source`` [B, T] are the previous group's; ``compact``
+    renumbers 1-D positions 0..n-1 over the kept slots. Returns ``valid`` [B, T'] (left padding False),
+    ``positions``, ``source`` (-1 at padding) and ``index`` [B, T'] (the previous group's slot at each position)."""
     bsz, t = keep.shape
     counts = keep.sum(1)  # [B]
     rank = order if order is not None else torch.arange(t, device=keep.device, dtype=torch.float64).expand(bsz, -1)
@@ -1310,8 +1310,7 @@ def group_layout(
     else:
         positions = gather_slots(positions, index)
     source = source.gather(1, index).masked_fill(~valid, -1)
-    hidden = hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, T', d]
-    return valid, positions, source, hidden
+    return valid, positions, source, index
 
 
 _UNCHECKED = object()  # a static block whose capture blocker is not computed yet

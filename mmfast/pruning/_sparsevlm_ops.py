@@ -42,58 +42,60 @@ def image_counts(image: torch.Tensor) -> list[list[int]]:
     return [row[:n_images] for row in rows]
 
 
-def filter_image(
-    score: torch.Tensor, image: torch.Tensor, hidden: torch.Tensor, j: int, n: int, k: int, top: int, clusters: int
-) -> torch.Tensor:
-    """One filter on image ``j`` of one sample, whose ``n`` vision slots are present (host-known): keep the top
-    ``k`` by ``score`` ([T]; ``image`` [T]: each slot's image, -1 for others), and of the deleted ones (by
-    descending score) merge the top ``top`` into ``clusters`` DPC-kNN clusters (``hidden`` [T, d]). A pure function
-    of fixed shapes (a captured graph where the session captures). Returns float64, packed: the kept slots [k],
-    the clusters' host slots (their centres') [c], the anchor the merged tokens are placed after [1] (the last kept
-    slot, or the image's first slot - 1) and the merged tokens [c * d]."""
-    cand = torch.argsort((image != j).to(torch.int8), stable=True)[:n]  # [n] image j's slots, in order
-    ranked = cand[score[cand].float().argsort(descending=True, stable=True)]
-    kept, deleted = ranked[:k], ranked[k:]  # deleted: by descending score
-    anchor = (kept.max() if k else cand.min() - 1).reshape(1)
-    if not clusters:
-        return torch.cat([kept.double(), anchor.double()])
-    merged, centres = dpc_knn_merge(hidden[deleted[:top]], clusters)  # [c, d], [c]
-    hosts = deleted[:top][centres]  # [c] each merged token takes its centre's slot
-    return torch.cat([kept.double(), hosts.double(), anchor.double(), merged.double().flatten()])
+#: a filter's plan: (sample, image, slots present, kept, recycled, clusters) of every image still present (host-known)
+Plan = tuple[tuple[int, int, int, int, int, int], ...]
 
 
-def filter_stage(
-    probs: torch.Tensor,
-    rows: torch.Tensor,
-    image: torch.Tensor,
-    hidden: torch.Tensor,
-    vision: torch.Tensor,
-    plan: tuple[tuple[int, int, int, int, int, int], ...],
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One filter over a batch, in fixed shapes (a captured graph where the session captures): each vision
-    slot's score is the raters' mean head-mean attention (``probs`` [B, R, T], ``rows`` [B, R]: -1 pads), and
-    each image of each sample in ``plan`` ((sample, image, slots present, kept, recycled, clusters), host-known)
-    is :func:`filter_image`'d. ``image`` [B, T]: each slot's image (-1 elsewhere); ``hidden`` [B, T, d];
-    ``vision`` [B, T] bool. Returns the keep mask [B, T] (every slot but the dropped vision ones), and,
-    where ``plan`` recycles, the runner's edit besides: the merged tokens' slots [B, T] bool, their hidden
-    states [B, T, d] and the layout key [B, T] float64 that puts them after their image's kept tokens."""
+def filter_ranks(probs: torch.Tensor, rows: torch.Tensor, image: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """A filter's first part over a batch, in fixed shapes (a captured call): each vision slot's score is the raters'
+    mean head-mean attention (``probs`` [B, R, T], ``rows`` [B, R]: -1 pads); each image of ``plan`` (``image``
+    [B, T]: each slot's image, -1 elsewhere) keeps its top ``k`` slots by score, and its best ``top`` deleted slots
+    (by descending score) are recycled. Returns [sum(k + top + 1) + sum(top)] long, packed per entry: the kept
+    slots, the recycled slots, the anchor the merged tokens go after (the last kept slot, or the image's first slot
+    - 1); then every recycled slot's place in the flattened [B * T] batch (what the hidden states are read at)."""
     n_r = (rows >= 0).sum(1).clamp(min=1)  # [B]
     score = probs.sum(1) / n_r[:, None]  # [B, T]
+    t = image.shape[1]
+    parts, places = [], []
+    for b, j, n, k, top, _clusters in plan:
+        cand = torch.argsort((image[b] != j).to(torch.int8), stable=True)[:n]  # [n] image j's slots, in order
+        ranked = cand[score[b, cand].float().argsort(descending=True, stable=True)]
+        kept, recycled = ranked[:k], ranked[k : k + top]
+        anchor = (kept.max() if k else cand.min() - 1).reshape(1)
+        parts += [kept, recycled, anchor]
+        places.append(recycled + b * t)
+    return torch.cat(parts + places)
+
+
+def filter_edit(
+    ranks: torch.Tensor, recycled: torch.Tensor, vision: torch.Tensor, plan: Plan
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A filter's second part (a captured call): from :func:`filter_ranks`' ``ranks`` and the recycled slots' hidden
+    states ``recycled`` ([sum top, d], in its order), each image's recycled tokens merged into ``clusters`` DPC-kNN
+    clusters. Returns the keep mask [B, T] (every slot but the dropped vision ones; ``vision`` [B, T] bool), and,
+    where ``plan`` recycles, the runner's edit besides: the merged tokens' slots [B, T] bool (each takes its cluster
+    centre's slot), the layout key [B, T] float64 that puts them after their image's kept tokens, their places in
+    the flattened batch [C] and their hidden states [C, d] (fp32)."""
     bsz, t = vision.shape
     keep = ~vision  # [B, T] text and padding kept (the runner keeps padding out)
     replace = torch.zeros_like(keep)
-    new_hidden = torch.zeros_like(hidden)
     order = torch.arange(t, device=keep.device, dtype=torch.float64).expand(bsz, -1).clone()
-    for b, j, n, k, top, clusters in plan:
-        packed = filter_image(score[b], image[b], hidden[b], j=j, n=n, k=k, top=top, clusters=clusters)
-        keep[b, packed[:k].long()] = True
+    places, merged_all = [], []
+    at, row = 0, 0
+    for b, _j, _n, k, top, clusters in plan:
+        kept, slots, anchor = ranks[at : at + k], ranks[at + k : at + k + top], ranks[at + k + top]
+        at += k + top + 1
+        keep[b, kept] = True
         if clusters:
-            hosts, anchor = packed[k : k + clusters].long(), packed[k + clusters]
+            merged, centres = dpc_knn_merge(recycled[row : row + top], clusters)  # [c, d], [c]
+            hosts = slots[centres]  # [c] each merged token takes its centre's slot
             keep[b, hosts] = True
             replace[b, hosts] = True
-            new_hidden[b, hosts] = packed[k + clusters + 1 :].view(clusters, -1).to(new_hidden.dtype)
             step = (torch.arange(clusters, device=keep.device, dtype=torch.float64) + 1) / (clusters + 1)
             order[b, hosts] = anchor + step
-    if not any(p[-1] for p in plan):
+            places.append(hosts + b * t)
+            merged_all.append(merged)
+        row += top
+    if not places:
         return keep
-    return keep, replace, new_hidden, order
+    return keep, replace, order, torch.cat(places), torch.cat(merged_all)

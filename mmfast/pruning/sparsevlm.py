@@ -22,7 +22,7 @@ Text is never dropped. Positions (1-D RoPE families): renumbered 0..L'-1 after e
 ``get_usable_length`` rule). Nothing is pruned in decode.
 
 Hook points: attention probe on each filter layer l (rows = the raters, ``prefill_only``: a static decode step can be captured; head mean);
-each filter, once the images' present counts are read (one read per filter), is :func:`~._sparsevlm_ops.filter_stage` over the batch (``MethodContext.captured``);
+each filter, once the images' present counts are read (one read per filter), is two captured calls over the batch (``MethodContext.captured``): :func:`~._sparsevlm_ops.filter_ranks`, then, with the recycled slots' hidden states gathered between them, :func:`~._sparsevlm_ops.filter_edit`;
 ``runner.prune_at(l + 1, compact=True)`` (Qwen-VL: ``compact=False``) returning a ``SlotEdit``: each merged token takes the slot of
 its cluster centre (so its provenance is the centre's token, and it counts as a vision token of that
 image), and the edit's layout key puts it after the kept vision tokens.
@@ -79,7 +79,7 @@ from ..registry import PRUNERS
 from ..runtime import SlotEdit
 from ._budget import fixed_vision_tokens, vision_tokens_per_image
 from ._common import REFERENCE_LAYERS, LayerMapping
-from ._sparsevlm_ops import filter_stage, image_counts, text_raters
+from ._sparsevlm_ops import filter_edit, filter_ranks, image_counts, text_raters
 from .base import Pruner
 
 #: the release's per-filter keep counts for 576 vision tokens (score.py, v1.x)
@@ -306,14 +306,19 @@ class SparseVLM(Pruner):
             if stage == len(self.filters) - 1:
                 self._stats(state, data)
             plan = tuple(plan)
-            out = self.ctx.captured(
-                ("sparsevlm", plan), partial(filter_stage, plan=plan),
-                rec.probs, rec.rows, image, view.hidden, view.vision,
-            )  # fmt: skip
+            if not plan:
+                return None  # no vision token left (a branch's image-free prompt): nothing to filter
+            run = self.ctx.captured
+            ranks = run(("sparsevlm.ranks", plan), partial(filter_ranks, plan=plan), rec.probs, rec.rows, image)
+            n_recycled = sum(p[4] for p in plan)
+            hidden = view.hidden.reshape(-1, view.hidden.shape[-1])  # [B * T, d]
+            recycled = hidden.index_select(0, ranks[ranks.numel() - n_recycled :])  # [sum top, d]
+            out = run(("sparsevlm.edit", plan), partial(filter_edit, plan=plan), ranks, recycled, view.vision)
             if not any(p[-1] for p in plan):
                 return out  # nothing recycled: a plain drop (or, keeping everything, no new group)
-            keep, replace, new_hidden, order = out
-            return SlotEdit(keep, replace, new_hidden, order)
+            keep, replace, order, places, merged = out
+            new_hidden = torch.zeros_like(hidden).index_copy_(0, places, merged.to(hidden.dtype))  # [B * T, d]
+            return SlotEdit(keep, replace, new_hidden.view_as(view.hidden), order)
 
         return select
 
