@@ -111,12 +111,15 @@ class TowerMerge:
         width = merged.ids.shape[1]
         if cls_probs.shape[-1] != 1 + width:
             raise RuntimeError("MustDrop: the key-set layer must run after the merge (key_layer >= 1)")
-        n_post = [width] * merged.ids.shape[0] if merged.valid is None else (merged.valid.sum(1) - 1).tolist()
+        n_valid = torch.full_like(merged.ids[:, 0], width) if merged.valid is None else merged.valid.sum(1) - 1  # [n]
+        in_valid = torch.arange(width, device=n_valid.device)[None, :] < n_valid[:, None]  # [n, N]
+        # [2][n] each image's tokens after the merge and windows merged (-1 ids before the padding): one read
+        n_post, windows = torch.stack([n_valid, ((merged.ids == -1) & in_valid).sum(1)]).tolist()
         out = []
-        for i, n in enumerate(n_post):  # the padding goes: every valid slot is before it
+        for i, (n, r) in enumerate(zip(n_post, windows)):  # the padding goes: every valid slot is before it
             ids, cls_attn = merged.ids[i, :n], cls_probs[i, 0, 1 : 1 + n].clone()
             feats = vision.features[i]
             vision.features[i] = feats[: feats.shape[0] - width + n]  # (CLS kept or not) + N'
             vision.patch_ids[i] = vision.patch_ids[i][: vision.features[i].shape[0]]
-            out.append((int((ids == -1).sum()), ids, cls_attn))
+            out.append((r, ids, cls_attn))
         return out

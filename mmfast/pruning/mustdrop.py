@@ -312,7 +312,7 @@ class MustDrop(Pruner):
         merges = vision.extras.pop("mustdrop.merge", None)
         if merges is None or len(merges) != vision.n_images:
             raise RuntimeError("MustDrop: the vision tower did not run with MustDrop's hooks")
-        patch_ids, key_tags = [], []
+        patch_ids, key_tags, key_sizes = [], [], []
         for i, (feats, (_r, ids, cls_attn)) in enumerate(zip(vision.features, merges)):
             n_post = ids.shape[0]
             offset = feats.shape[0] - n_post  # 1 when the select strategy keeps CLS
@@ -327,6 +327,7 @@ class MustDrop(Pruner):
             tag[key_idx.to(tag.device) + offset] = True
             patch_ids.append(torch.cat([vision.patch_ids[i][:offset], ids.to(vision.patch_ids[i].device)]))
             key_tags.append(tag)
+            key_sizes.append(n_key)  # the tag's True count (top-k indices are distinct): no read
         vision.patch_ids = patch_ids
         vision.tags[KEY_TAG] = key_tags  # travels with the tokens into LMInputs.tags
         owner = batch.image_owner
@@ -334,9 +335,7 @@ class MustDrop(Pruner):
             "per_sample_merged_windows": [
                 [m[0] for m, o in zip(merges, owner) if o == b] for b in range(batch.batch_size)
             ],
-            "per_sample_key_set": [
-                sum(int(t.sum()) for t, o in zip(key_tags, owner) if o == b) for b in range(batch.batch_size)
-            ],
+            "per_sample_key_set": [sum(n for n, o in zip(key_sizes, owner) if o == b) for b in range(batch.batch_size)],
         }
         return vision
 
