@@ -623,9 +623,8 @@ class Session:
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
         self.runner.release()
-        for calls in (self.ctx.captured, self.runner.calls):
-            if isinstance(calls, CapturedCalls):
-                calls.graphs.clear()  # their memory goes with the session, as the runner's
+        if isinstance(self.ctx.captured, CapturedCalls):
+            self.ctx.captured.graphs.clear()  # their memory goes with the session, as the runner's
         self.hooks.close()
 
     def __enter__(self) -> Session:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +44,7 @@ from . import compat
 from .hooks.attention import Carried, capture_blocker
 from .hooks.session import is_prefill_only
 from .models.base import LMInputs, VLMAdapter
-from .models.captured_tower import eager_call
+from .models.captured_tower import CapturedCalls, eager_call
 
 if TYPE_CHECKING:
     from .hooks.session import HookSession
@@ -368,6 +369,13 @@ class PrefillView:
     vision: torch.Tensor  # [B, T] bool vision slots
     text_after: torch.Tensor  # [B, T] bool instruction/assistant-prompt slots after the image
 
+    @functools.cached_property
+    def images(self) -> torch.Tensor:
+        """[B, T] long: the image (of its sample) each vision slot comes from, -1 elsewhere."""
+        src = self.group.source
+        image = self.state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
+        return image.masked_fill(~self.vision, -1)
+
 
 @dataclass
 class SlotEdit:
@@ -546,8 +554,10 @@ class LMRunner:
             self._block_caches = []
 
     def release(self) -> None:
-        """Free the kept static buffers and captured steps (the session closes)."""
+        """Free the kept static buffers, captured steps and layout graphs (the session closes)."""
         self.pool.clear()
+        if isinstance(self.calls, CapturedCalls):
+            self.calls.graphs.clear()
 
     # -- forward passes ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -58,8 +58,8 @@ class OpCounter(TorchDispatchMode):
     by_phase: Counter = field(default_factory=Counter)
     total: int = 0
     #: host transfers outside replays: reads of tensor data (``.item()``, ``int(t)``, ``.tolist()``, ops whose output
-    #: shape depends on data, e.g. ``nonzero``) and tensors made from host data (``torch.tensor(...)``): on a GPU each of a device tensor waits for the stream (pageable
-    #: copies). On a CPU run every tensor is a host tensor, so this counts host-only ones too (an upper bound),
+    #: shape depends on data, e.g. ``nonzero``) and tensors made from host data (``torch.tensor(...)``): on a GPU
+    #: each of a device tensor waits for the stream (pageable copies). On a CPU run every tensor is a host tensor, so this counts host-only ones too (an upper bound),
     #: and a ``.cpu()`` copy, which dispatches nothing here, is not seen
     transfers: int = 0
     #: ops the graphs replayed (what a CUDA graph launches as kernels: the device's side of a step)
@@ -92,9 +92,6 @@ class OpCounter(TorchDispatchMode):
             self.by_phase[self._phase()] += 1
             self.transfers += _transfer(func, args)
         return func(*args, **(kwargs or {}))
-
-    def reading_lists(self) -> Iterator[None]:
-        return _reading_lists(self)
 
     def per_step(self) -> dict[str, float]:
         """Mean ops per step by phase over the steps between the first and the last replay."""
@@ -174,7 +171,7 @@ def count_step_ops(mm, recipe: dict, images, prompts, max_new_tokens: int = 12) 
 
             s.runner._replay = marked
             ReplayGraph.counter = counter
-            with counter, counter.reading_lists():
+            with counter, _reading_lists(counter):
                 s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)
             del s.runner._replay
     finally:

@@ -56,3 +56,13 @@ def topk_keep(scores: torch.Tensor, candidates: torch.Tensor, k: int | torch.Ten
 def keep_only(view_vision: torch.Tensor, vision_keep: torch.Tensor) -> torch.Tensor:
     """Full-slot keep mask: every non-vision slot kept, vision slots as ``vision_keep`` says."""
     return ~view_vision | vision_keep
+
+
+def image_counts(image: torch.Tensor) -> list[list[int]]:
+    """[B][J] each sample's slots of each of the J images (``image`` [B, T]: the slot's image, -1 for others; J: the
+    largest image index + 1, 0 without images): one read."""
+    bsz, t = image.shape
+    counts = torch.zeros(bsz, t + 1, dtype=torch.long, device=image.device)
+    rows = counts.scatter_add_(1, image + 1, torch.ones_like(image))[:, 1:].tolist()  # column 0: no image
+    n_images = max((j + 1 for row in rows for j, c in enumerate(row) if c), default=0)
+    return [row[:n_images] for row in rows]

@@ -86,7 +86,7 @@ from ..hooks import Carried, attach
 from ..models.captured_tower import eager_call
 from ..registry import PRUNERS
 from ._budget import in_llm_keep_at
-from ._common import LayerMapping, keep_only, map_layers
+from ._common import LayerMapping, image_counts, keep_only, map_layers
 from .base import Pruner
 
 #: the release's M per tile packing (``ModelFeatures.tiles``): max_num_trunction for untiled images
@@ -259,17 +259,15 @@ class DART(Pruner):
             raise RuntimeError(f"dart: layer {self.layer - 1}'s keys were not recorded for this prefill")
         feats = self.adapter.language_model.norm(view.hidden)  # [B, T, d] the release's self.norm(...)
         src = view.group.source
-        image = view.state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
-        image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere
+        image = view.images  # [B, T] image of each vision slot, -1 elsewhere
         seq_index = None
         if cfg.preset == "release":  # each slot's index in its sample's unpadded prefill sequence
             seq_index = (view.state.inputs.attention_mask.long().cumsum(1) - 1).gather(1, src.clamp(min=0))  # [B, T]
         kept = torch.zeros_like(view.vision)
         # each image's selection: a captured call where the session captures (the release's set order: eager)
         run = self.ctx.captured if seq_index is None else eager_call
-        n_images = int(image.max()) + 1  # 0: a prompt without an image (a branch's image-free prompt)
-        counts = torch.stack([(image == j).sum(1) for j in range(n_images)], 1).tolist() if n_images else []  # [B][J]
-        for b, row in enumerate(counts):
+        # [B][J], one read (no image: a branch's image-free prompt, nothing to select)
+        for b, row in enumerate(image_counts(image)):
             for j, n in enumerate(row):
                 if n == 0:
                     continue

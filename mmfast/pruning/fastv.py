@@ -94,9 +94,7 @@ class FastV(Pruner):
     def select(self, view):
         rec = self.ctx.probe[self.probe_key]
         scores = rec.probs[:, 0]  # [B, T] attention of the last token to every slot, head mean
-        src = view.group.source
-        image = view.state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
-        image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere
+        image = view.images  # [B, T] image of each vision slot, -1 elsewhere
         kept = torch.zeros_like(view.vision)
         for j in range(int(image.max()) + 1):  # per image: keep tokens of every image of a sample
             cand = image == j

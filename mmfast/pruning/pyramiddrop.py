@@ -211,9 +211,7 @@ class PyramidDrop(Pruner):
             positions = self.adapter.lm_position_ids(view.group.positions)
             # one captured graph per stage and shape where the session captures (~90 ops launched one by one)
             scores = self.ctx.captured(("pyramiddrop", layer), score, view.hidden, positions, view.group.key_mask)
-            src = view.group.source
-            image = state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
-            image = image.masked_fill(~view.vision, -1)  # [B, T] image of each vision slot, -1 elsewhere
+            image = view.images  # [B, T] image of each vision slot, -1 elsewhere
             n_in = state.inputs.image_index  # [B, L] image of each prefill token (N_i counted there)
             kept = torch.zeros_like(view.vision)
             for j in range(int(image.max()) + 1):

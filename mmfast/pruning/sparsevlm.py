@@ -78,8 +78,8 @@ from ..errors import ConfigError
 from ..registry import PRUNERS
 from ..runtime import SlotEdit
 from ._budget import fixed_vision_tokens, vision_tokens_per_image
-from ._common import REFERENCE_LAYERS, LayerMapping
-from ._sparsevlm_ops import filter_edit, filter_ranks, image_counts, text_raters
+from ._common import REFERENCE_LAYERS, LayerMapping, image_counts
+from ._sparsevlm_ops import filter_edit, filter_ranks, text_raters
 from .base import Pruner
 
 #: the release's per-filter keep counts for 576 vision tokens (score.py, v1.x)
@@ -283,9 +283,7 @@ class SparseVLM(Pruner):
             rec = self.ctx.probe[key]
             if rec.k_len != view.group.length:
                 raise RuntimeError(f"SparseVLM: stale attention record at layer {layer}")
-            src = view.group.source
-            image = state.inputs.image_index.gather(1, src.clamp(min=0)).masked_fill(src < 0, -1)
-            image = image.masked_fill(~view.vision, -1)  # [B, T]
+            image = view.images  # [B, T]
             present = image_counts(image)  # [B][J] image j's slots still here: the read
             plan = []  # (sample, image, slots present, kept, recycled, clusters) of every image still present
             for b in range(len(present)):
