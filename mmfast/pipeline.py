@@ -131,9 +131,13 @@ class Session:
                 install_fused_tower(self.adapter, self.hooks)
             if recipe.model.fuse_norms:
                 install_fused_norms(self.adapter.language_model, self.hooks)
-            # pruners' selections (pure functions of tensors) are captured graphs where the session captures
+            # the methods' pure functions of tensors (pruners' selections, beam steps, attention editors' slot
+            # classes) are captured graphs where the session captures
             self.ctx.captured = CapturedCalls(
-                self.runner, self._tower_capture_factory, "pruners' selections run", max_graphs=SELECTION_GRAPHS
+                self.runner,
+                self._tower_capture_factory,
+                "the methods' selections, beam steps and slot classes run",
+                max_graphs=SELECTION_GRAPHS,
             )
             # and the layouts of the layer groups that in-LLM pruning makes (between captured prefill segments)
             self.runner.calls = CapturedCalls(

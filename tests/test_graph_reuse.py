@@ -643,3 +643,36 @@ def test_hicoms_guided_tower_is_captured_and_its_hook_carried(captured, tiny_mm,
     assert sorted(c.graph.replays for c in guides.values()) == [0, 1]  # batch 2 (replayed once), batch 1
     for w, g in zip(want, got):
         assert all(torch.equal(a, b) for a, b in zip(w, g))
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["exact", "release"])
+def test_a_replayed_beam_search_equals_the_eager_one(release):
+    """Beam search's bookkeeping (:func:`~mmfast.decoding.beam.beam_step`: candidates, running beams, finished pool,
+    early stop; the release scorer's finalize at the limit) replayed step after step on new scores (CUDA-graph
+    semantics: the length and every state are inputs) gives the eager search's beams, tokens, stop and hypotheses:
+    one graph for the steps before the limit, one for the last."""
+    from mmfast.decoding.beam import BeamSearch
+    from mmfast.models.captured_tower import CapturedCalls
+    from mmfast.runtime import LMRunner
+
+    runner = LMRunner.__new__(LMRunner)
+    runner.capture_s = 0.0
+    calls = CapturedCalls(runner, lambda: Counted, "test beam steps run")
+    b, k, vocab, max_new = 2, 3, 40, 7
+    stop = torch.tensor([3, 5])
+    prompt_len = torch.tensor([9, 4]) if release else None
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        eager = BeamSearch(b, k, max_new, 1.3, torch.device("cpu"), prompt_len=prompt_len)
+        replayed = BeamSearch(b, k, max_new, 1.3, torch.device("cpu"), prompt_len=prompt_len, run=calls)
+        while not eager.done:
+            logits = torch.randn(b * k, vocab, generator=g) * 3
+            logits[:, 3] += 2.0 * seed  # the second call's beams stop sooner
+            log_probs = torch.log_softmax(logits, -1)
+            want, got = eager.step(log_probs, stop), replayed.step(log_probs, stop)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)) and replayed.done == eager.done
+            for x, y in zip(replayed.state.tensors(), eager.state.tensors(), strict=True):
+                assert torch.equal(x, y)
+        assert replayed.best() == eager.best() and all(eager.best())
+    assert len(calls.graphs) == 2  # the steps before the limit, the last step
+    assert sum(c.graph.replays for c in calls.graphs.values()) >= max_new

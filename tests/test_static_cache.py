@@ -249,19 +249,23 @@ def test_a_greedy_cycle_whose_verdict_cannot_be_captured_finishes_eagerly(images
     assert len(failed) == 1 and "CaptureHostReadError" in failed[0]
 
 
-def test_beam_reorders_are_one_captured_graph(tiny_mm, images, prompts, monkeypatch):
+@pytest.mark.parametrize("preset", ["exact", "release"])
+def test_beam_reorders_and_steps_are_captured_graphs(preset, tiny_mm, images, prompts, monkeypatch):
     """Beam search under captured steps (CUDA-graph semantics emulated) reorders every layer's static K / V rows
-    by one captured graph, replayed at each step, with the dynamic cache's tokens."""
+    by one captured graph and runs its bookkeeping (:func:`beam_step`) as another, each replayed at each step, with
+    the dynamic cache's tokens."""
     from mmfast.pipeline import Session
 
-    recipe = {"decoding": {"method": "beam", "params": {"num_beams": 2}}}
+    recipe = {"decoding": {"method": "beam", "params": {"num_beams": 2, "preset": preset}}}
     dynamic = _tokens(tiny_mm, recipe, images[:2], prompts[:2], "off", n=8)
     monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
     with mmfast.apply(tiny_mm, load_recipe(recipe), compile="static") as s:
         got = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)]
         reorders = [g for key, g in s.runner.pool.graphs.items() if key[1] == "reorder"]
+        steps = [g for key, g in s.ctx.captured.graphs.items() if key[0][0] == "beam"]
     assert got == dynamic
     assert len(reorders) == 1 and reorders[0].graph.replays >= 5
+    assert len(steps) >= 1 and steps[0].graph.replays >= 5  # the steps before the length limit: one graph
 
 
 DECODER_PARAMS = {"beam": {"num_beams": 2}, "opera": {"num_beams": 2, "num_attn_candidates": 2}}
@@ -781,7 +785,7 @@ def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tin
     semantics emulated): tokens (and ONLY's counts) equal the dynamic cache's at
     batch 2, and a second call with other images and its rows' prompts
     swapped (other slot classes a row, the same buffers) replays the first call's step graph with its own classes.
-    The edits are strong enough to change greedy's tokens (a step that skipped them would not match)."""
+    The classes themselves are a captured call a step (one shape: the layout padded to the buffer). The edits are strong enough to change greedy's tokens (a step that skipped them would not match)."""
     from mmfast.pipeline import Session
 
     recipe: dict = {"decoding": decoding}
@@ -813,7 +817,10 @@ def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tin
         assert replays and sum(n for _, n in replays) >= 5
         second = rows(s.generate(*calls[1], max_new_tokens=8, seed=0))
         fusions = [c for key, c in s.ctx.captured.graphs.items() if key[0][0] == "only.fuse"]
+        classes = [c for key, c in s.ctx.captured.graphs.items() if key[0][0] == "slot classes"]
     assert [first, second] == dynamic
+    # the classes of a step (the layout padded to the buffer) and of a prefill segment: captured calls, replayed
+    assert classes and max(c.graph.replays for c in classes) >= 7
     assert any(g.replays > n for g, n in replays)  # a step graph of the first call replayed in the second
     if decoding["method"] == "only":  # its last-layer pass and fusion: a captured call, replayed every step
         assert fusions and all(c.graph.replays >= 7 for c in fusions)

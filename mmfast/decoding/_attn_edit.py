@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -20,6 +21,7 @@ from .. import compat
 from ..capabilities import Capabilities
 from ..errors import IncompatibleRecipeError
 from ..hooks.attention import Carried, attach, replayable, staged_copy
+from ..models.captured_tower import eager_call
 
 
 @dataclass
@@ -43,32 +45,56 @@ def override_caps(active: bool, **more) -> Capabilities:
 
 def slot_classes(state, layer: int) -> SlotClasses:
     """The slot classes of ``layer``'s current layout in the running ``state``."""
+    grp = state.groups[state.group_of(layer)]
+    return layout_classes(grp.source, grp.key_mask, *_prompt_masks(state.inputs))
+
+
+def _prompt_masks(inputs) -> tuple[torch.Tensor, ...]:
+    """The prompt's masks :func:`layout_classes` reads: image ([B, L]), attention ([B, L]), and the generated
+    tokens' tag ([B, L]) where the prompt has one."""
     from ..models.base import GENERATED
 
-    grp = state.groups[state.group_of(layer)]
-    inputs = state.inputs
-    real = grp.source >= 0  # [B, K] slot holds a prompt token (generated / padding: -1)
-    src = grp.source.clamp(min=0)
-    length = inputs.length
-    pos = torch.arange(length, device=src.device).expand(inputs.batch_size, -1)  # [B, L]
-    img_mask = inputs.image_mask
+    tagged = inputs.tags.get(GENERATED)
+    return (inputs.image_mask, inputs.attention_mask) + (() if tagged is None else (tagged,))
+
+
+def layout_classes(
+    source: torch.Tensor,
+    valid: torch.Tensor,
+    img_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    tagged: torch.Tensor | None = None,
+) -> SlotClasses:
+    """The slot classes of a layer group's layout (``source`` [B, K]: each slot's prompt index, -1 for generated
+    or padding; ``valid`` [B, K]: its key mask) over the prompt's masks ([B, L]; ``tagged``: generated tokens
+    re-prefilled)."""
+    real = source >= 0  # [B, K] slot holds a prompt token (generated / padding: -1)
+    src = source.clamp(min=0)
+    batch, length = img_mask.shape
+    pos = torch.arange(length, device=src.device).expand(batch, -1)  # [B, L]
     first_img = torch.where(img_mask, pos, torch.full_like(pos, length)).min(1, keepdim=True).values  # [B, 1]
     last_img = torch.where(img_mask, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values  # [B, 1]
-    first_real = inputs.attention_mask.long().argmax(1, keepdim=True)  # [B, 1]
-    valid = grp.key_mask
+    first_real = attention_mask.long().argmax(1, keepdim=True)  # [B, 1]
     image = img_mask.gather(1, src) & real & valid
-    tagged = inputs.tags.get(GENERATED)
     generated = valid & ~real
     if tagged is not None:
         generated = generated | (tagged.gather(1, src) & real & valid)
     return SlotClasses(
         valid=valid,
         image=image,
-        before_image=valid & real & ~image & (grp.source < first_img),
-        after_image=valid & ~image & ((grp.source > last_img) | ~real),
-        bos=valid & real & (grp.source == first_real),
+        before_image=valid & real & ~image & (source < first_img),
+        after_image=valid & ~image & ((source > last_img) | ~real),
+        bos=valid & real & (source == first_real),
         generated=generated,
     )
+
+
+def packed_classes(*tensors: torch.Tensor, fields: tuple[str, ...]) -> torch.Tensor:
+    """:func:`layout_classes`' ``fields`` and whether each row holds a vision token: [F + 1, B, K] bool (the last:
+    has_image, the same in every column). A pure function of its tensors (a captured call)."""
+    cls = layout_classes(*tensors)
+    has = cls.image.any(1, keepdim=True)  # [B, 1]
+    return torch.stack([getattr(cls, name) for name in fields] + [has.expand_as(cls.valid)])  # [F + 1, B, K]
 
 
 class StagedSlotClasses:
@@ -86,8 +112,16 @@ class StagedSlotClasses:
     vision token (a branch's image-free prompt): such a state stages nothing and its graphs, keyed apart
     (:meth:`imageless`), hold no edit."""
 
-    def __init__(self, layers: list[int], fields: tuple[str, ...], active: Callable, image_only: bool = False) -> None:
+    def __init__(
+        self,
+        layers: list[int],
+        fields: tuple[str, ...],
+        active: Callable,
+        image_only: bool = False,
+        run: Callable[..., torch.Tensor] = eager_call,
+    ) -> None:
         self.layers, self.fields, self._active, self.image_only = list(layers), fields, active, image_only
+        self._run = run  # MethodContext.captured: the classes are one captured call a group where the session captures
         self._memory: dict[tuple, torch.Tensor] = {}
         self._prefill: set[int] = set()  # group starts staged for the running prefill segment
         # one mark for every edited layer: the runner stages once a step (it keeps one of each Carried)
@@ -108,6 +142,7 @@ class StagedSlotClasses:
         done: set[int] = set()
         if self.imageless(state):
             return done
+        masks = _prompt_masks(state.inputs)
         for layer in self.layers:
             g = state.group_of(layer)
             grp = state.groups[g]
@@ -115,12 +150,15 @@ class StagedSlotClasses:
                 continue
             done.add(grp.start)
             width = grp.length if length is not None else compat.static_capacity(state.cache, grp.start)
-            cls = slot_classes(state, layer)  # [B, T_g] each (a decode step's new slots appended on the host)
-            for name in self.fields:
-                fresh = torch.nn.functional.pad(getattr(cls, name), (0, width - grp.length), value=False)  # [B, W]
-                staged_copy(self._memory, (grp.start, name, *fresh.shape, fresh.device), fresh, fresh.device)
-            has = cls.image.any(1, keepdim=True)  # [B, 1]
-            staged_copy(self._memory, (grp.start, "has_image", *has.shape, has.device), has, has.device)
+            # padded to the capacity: one shape (one graph) for every step; a free slot (source -1, invalid) is
+            # of no class
+            source, valid = grp.source, grp.key_mask  # [B, T_g]
+            if width > grp.length:
+                source = torch.nn.functional.pad(source, (0, width - grp.length), value=-1)  # [B, W]
+                valid = torch.nn.functional.pad(valid, (0, width - grp.length), value=False)  # [B, W]
+            fn = partial(packed_classes, fields=self.fields)
+            packed = self._run(("slot classes", self.fields), fn, source, valid, *masks)  # [F + 1, B, W]
+            staged_copy(self._memory, (grp.start, *packed.shape[1:], packed.device), packed, packed.device)
         return done
 
     def stage_prefill(self, length: int | None) -> Hashable:
@@ -139,8 +177,8 @@ class StagedSlotClasses:
     def get(self, state, layer: int, name: str, k_len: int, device) -> torch.Tensor:
         """Class ``name`` ([B, K] bool; ``has_image``: [B, 1]) of ``layer``'s group as staged for this graph."""
         grp = state.groups[state.group_of(layer)]
-        width = 1 if name == "has_image" else k_len
-        return self._memory[(grp.start, name, state.batch_size, width, device)]
+        packed = self._memory[(grp.start, state.batch_size, k_len, device)]  # [F + 1, B, K]
+        return packed[-1, :, :1] if name == "has_image" else packed[self.fields.index(name)]
 
     def carried(self) -> Carried:
         """The override's mark: in a static decode step and a captured prefill segment its work reads this memory

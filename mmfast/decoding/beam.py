@@ -22,13 +22,16 @@ are computed on) compares the worst finished score with the best of the step's 2
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from functools import partial
+from typing import Any, Literal
 
 import torch
 
 from ..capabilities import Capabilities
 from ..config import opt
+from ..models.captured_tower import eager_call
 from ..registry import DECODERS
 from .base import DecodeOutput, Decoder, DecodeRequest, now, state_accounting
 from .loop import finish
@@ -41,7 +44,10 @@ def release_prompt_len(req: DecodeRequest) -> torch.Tensor:
 
 
 class BeamSearch:
-    """Vectorised beam bookkeeping for ``batch`` samples x ``num_beams`` beams.
+    """Vectorised beam bookkeeping for ``batch`` samples x ``num_beams`` beams, in fixed shapes: the tokens are
+    ``[batch, num_beams, max_new]`` buffers and the step's length a device index, so a step is one pure function of
+    tensors (:func:`beam_step`), run through ``run`` (``MethodContext.captured``: one captured graph a shape where
+    the session captures, where it was ~90 kernels launched one by one; eager otherwise) with one read a step.
 
     After construction its tensors are replaced, never written in place, so a shallow copy is a snapshot of the
     search (OPERA keeps one a step for its rollback)."""
@@ -54,135 +60,201 @@ class BeamSearch:
         length_penalty: float,
         device: torch.device,
         prompt_len: torch.Tensor | None = None,
+        run: Callable[..., Any] = eager_call,
     ) -> None:
         """``prompt_len`` ([batch] prompt ids per sample) selects the ``release`` scorer (4.29.2)."""
-        self.b, self.k, self.max_new, self.lp = batch, num_beams, max_new, length_penalty
+        self.b, self.k, self.max_new, self.lp, self.run = batch, num_beams, max_new, length_penalty, run
+        self.release = prompt_len is not None
+        # [B, 1] (a placeholder under ``exact``: the step's inputs are the same tensors either way)
         self.prompt_len = (
-            None if prompt_len is None else prompt_len.to(device=device, dtype=torch.float32)[:, None]
-        )  # [B, 1]
-        self.running_scores = torch.zeros(batch, num_beams, device=device)
-        self.running_scores[:, 1:] = -1e9  # all beams start identical: expand the first only
-        self.running_tokens = torch.zeros(batch, num_beams, 0, dtype=torch.long, device=device)
-        self.finished_scores = torch.full((batch, num_beams), -1e9, device=device)
-        self.finished_tokens = torch.zeros(batch, num_beams, max_new, dtype=torch.long, device=device)
-        self.finished_len = torch.zeros(batch, num_beams, dtype=torch.long, device=device)
-        self.is_finished = torch.zeros(batch, num_beams, dtype=torch.bool, device=device)
-        self.improvable = torch.ones(batch, 1, dtype=torch.bool, device=device)
+            torch.zeros(batch, 1) if prompt_len is None else prompt_len.to(dtype=torch.float32)[:, None]
+        ).to(device)
+        self._lengths = torch.arange(max_new, device=device)  # [max_new]: the step's length, a view of it
+        running_scores = torch.zeros(batch, num_beams, device=device)
+        running_scores[:, 1:] = -1e9  # all beams start identical: expand the first only
+        self.state = BeamState(
+            running_scores,
+            torch.zeros(batch, num_beams, max_new, dtype=torch.long, device=device),
+            torch.full((batch, num_beams), -1e9, device=device),
+            torch.zeros(batch, num_beams, max_new, dtype=torch.long, device=device),
+            torch.zeros(batch, num_beams, dtype=torch.long, device=device),
+            torch.zeros(batch, num_beams, dtype=torch.bool, device=device),
+            torch.ones(batch, 1, dtype=torch.bool, device=device),
+        )
+        self.cur_len = 0  # tokens generated so far
         self.done = False
 
     @property
-    def cur_len(self) -> int:
-        return int(self.running_tokens.shape[-1])
+    def running_tokens(self) -> torch.Tensor:
+        """[B, K, t] the running beams' tokens."""
+        return self.state.running_tokens[:, :, : self.cur_len]
 
     def step(self, log_probs: torch.Tensor, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance with ``log_probs`` ([B*K, V], already processed). Returns (beam_idx [B*K], tokens [B*K])."""
-        if self.prompt_len is not None:
-            return self._step_release(log_probs, stop_ids)
-        k = self.k
-        top_scores, src_beam, tok, seqs = self._candidates(log_probs, stop_ids)
-        gen_len = seqs.shape[2]
-        hits = torch.isin(tok, stop_ids) | (gen_len >= self.max_new)  # [B, 2K]
-        beam_src = self._keep_running(top_scores, src_beam, seqs, hits)  # the best K that did not stop
-        # finished pool: stopped continuations among the top K, if they beat the pool
-        top_k_mask = torch.arange(tok.shape[1], device=tok.device)[None, :] < k
-        just = hits & top_k_mask
-        fin_scores = top_scores / (gen_len**self.lp)
-        fin_scores = fin_scores + (~self.improvable).float() * -1e9 + (~just).float() * -1e9
-        self._merge(fin_scores, seqs, torch.full_like(tok, gen_len), just)
-        # early-stop heuristic (transformers' early_stopping=False)
-        best_running = self.running_scores[:, :1] / (gen_len**self.lp)
-        worst_fin = torch.where(
-            self.is_finished, self.finished_scores.min(1, keepdim=True).values, torch.full_like(best_running, -1e9)
-        )
-        self.improvable = self.improvable & (best_running > worst_fin).any(-1, keepdim=True)
-        self.done = (not bool(self.improvable.any())) or bool(hits.all()) or gen_len >= self.max_new
-        return self._chosen(beam_src)
-
-    def _candidates(
-        self, log_probs: torch.Tensor, stop_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The best ``M = max(2, 1 + #stop ids) * K`` continuations of each sample's running beams
-        (``log_probs`` [B*K, V]): (scores [B, M], source beam [B, M], token [B, M], tokens so far [B, M, t+1])."""
-        b, k = self.b, self.k
-        vocab = log_probs.shape[-1]
-        scores = (log_probs.view(b, k, vocab) + self.running_scores[:, :, None]).view(b, k * vocab)
-        keep = max(2, 1 + int(stop_ids.numel())) * k
-        top_scores, top_idx = scores.topk(keep, dim=1)  # [B, M]
-        src_beam, tok = top_idx // vocab, top_idx % vocab
-        seqs = torch.cat(
-            [self.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, self.cur_len)), tok[:, :, None]], 2
-        )
-        return top_scores, src_beam, tok, seqs
-
-    def _keep_running(
-        self, top_scores: torch.Tensor, src_beam: torch.Tensor, seqs: torch.Tensor, stopped: torch.Tensor
-    ) -> torch.Tensor:
-        """The running beams become the best K candidates not ``stopped`` ([B, M]); returns their source
-        beams [B, K]."""
-        run_scores = top_scores + stopped.float() * -1e9
-        nxt = run_scores.topk(self.k, dim=1).indices  # [B, K]
-        self.running_scores = run_scores.gather(1, nxt)
-        self.running_tokens = seqs.gather(1, nxt[:, :, None].expand(-1, -1, seqs.shape[2]))
-        return src_beam.gather(1, nxt)
-
-    def _chosen(self, beam_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat source beam [B*K], last token [B*K]) of the running beams, from their source beams [B, K]."""
-        flat_src = (beam_src + torch.arange(self.b, device=beam_src.device)[:, None] * self.k).view(-1)
-        return flat_src, self.running_tokens[:, :, -1].reshape(-1)
-
-    def _merge(self, fin_scores: torch.Tensor, seqs: torch.Tensor, lens: torch.Tensor, fin: torch.Tensor) -> None:
-        """Keep the best K of the finished pool and new hypotheses (``fin_scores`` [B, M], -1e9 = none;
-        ``seqs`` [B, M, t] tokens, ``lens`` [B, M], ``fin`` [B, M] real hypotheses)."""
-        b, m, t = seqs.shape
-        padded = torch.zeros(b, m, self.max_new, dtype=torch.long, device=seqs.device)
-        padded[:, :, :t] = seqs
-        merged_scores = torch.cat([self.finished_scores, fin_scores], 1)
-        merged_tokens = torch.cat([self.finished_tokens, padded], 1)
-        merged_len = torch.cat([self.finished_len, lens], 1)
-        merged_fin = torch.cat([self.is_finished, fin], 1)
-        best = merged_scores.topk(self.k, dim=1).indices
-        self.finished_scores = merged_scores.gather(1, best)
-        self.finished_tokens = merged_tokens.gather(1, best[:, :, None].expand(-1, -1, self.max_new))
-        self.finished_len = merged_len.gather(1, best)
-        self.is_finished = merged_fin.gather(1, best)
-
-    def _step_release(self, log_probs: torch.Tensor, stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step of transformers 4.29.2's ``BeamSearchScorer.process`` (+ ``finalize`` at the limit)."""
-        k = self.k
-        top_scores, src_beam, tok, seqs = self._candidates(log_probs, stop_ids)
-        gen_len = seqs.shape[2]
-        eos = torch.isin(tok, stop_ids)  # [B, 2K]
-        beam_src = self._keep_running(top_scores, src_beam, seqs, eos)  # the best K that do not end in EOS
-        # EOS among the top K ranks: stored without the EOS, so len(input_ids) = prompt + gen_len - 1
-        just = eos & (torch.arange(tok.shape[1], device=tok.device)[None, :] < k) & self.improvable
-        fin_scores = torch.where(
-            just, top_scores / (self.prompt_len + gen_len - 1) ** self.lp, torch.full_like(top_scores, -1e9)
-        )
-        self._merge(fin_scores, seqs, torch.full_like(tok, gen_len), just)
-        # is_done(best of the step's 2K scores, cur_len = input_ids.shape[-1] + 1 = prompt + gen_len)
-        n_fin = self.is_finished.sum(1, keepdim=True)
-        worst = self.finished_scores.min(1, keepdim=True).values
-        done_now = (n_fin >= k) & (worst >= top_scores[:, :1] / (self.prompt_len + gen_len) ** self.lp)
-        self.improvable = self.improvable & ~done_now
-        last = gen_len >= self.max_new
-        if last:  # finalize: every running beam of an unfinished sample, length prompt + gen_len
-            fin = self.improvable.expand(-1, k) & (self.running_scores > -1e8)
-            fin_run = torch.where(
-                fin,
-                self.running_scores / (self.prompt_len + gen_len) ** self.lp,
-                torch.full_like(self.running_scores, -1e9),
-            )
-            self._merge(fin_run, self.running_tokens, torch.full_like(beam_src, gen_len), fin)
-        self.done = (not bool(self.improvable.any())) or bool(eos.all()) or last
-        return self._chosen(beam_src)
+        last = self.cur_len + 1 >= self.max_new
+        key = ("beam", self.k, self.lp, self.release, last)
+        fn = partial(beam_step, k=self.k, lp=self.lp, release=self.release, last=last)
+        t = self._lengths[self.cur_len : self.cur_len + 1]  # [1]
+        out = self.run(key, fn, log_probs, stop_ids, t, self.prompt_len, *self.state.tensors())
+        self.state = BeamState(*out[:7])
+        beam_idx, tokens, stopped = out[7:]
+        self.cur_len += 1
+        self.done = last or bool(stopped)  # the step's one read
+        return beam_idx, tokens
 
     def best(self) -> list[list[int]]:
         """The best finished hypothesis of each sample."""
-        out = []
-        for i in range(self.b):
-            j = int(self.finished_scores[i].argmax())
-            out.append(self.finished_tokens[i, j, : int(self.finished_len[i, j])].tolist())
-        return out
+        s = self.state
+        j = s.finished_scores.argmax(1)  # [B]
+        lens = s.finished_len.gather(1, j[:, None])[:, 0].tolist()
+        tokens = s.finished_tokens[torch.arange(self.b, device=j.device), j].tolist()  # [B, max_new]
+        return [row[:n] for row, n in zip(tokens, lens)]
+
+
+@dataclass(frozen=True)
+class BeamState:
+    """The search's tensors (:func:`beam_step` returns new ones)."""
+
+    running_scores: torch.Tensor  # [B, K] float
+    running_tokens: torch.Tensor  # [B, K, N] long, N = max_new: zeros past the generated length
+    finished_scores: torch.Tensor  # [B, K] float, -1e9 = none
+    finished_tokens: torch.Tensor  # [B, K, N] long
+    finished_len: torch.Tensor  # [B, K] long
+    is_finished: torch.Tensor  # [B, K] bool
+    improvable: torch.Tensor  # [B, 1] bool
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+def beam_step(
+    log_probs: torch.Tensor,
+    stop_ids: torch.Tensor,
+    t: torch.Tensor,
+    prompt_len: torch.Tensor,
+    *state: torch.Tensor,
+    k: int,
+    lp: float,
+    release: bool,
+    last: bool,
+) -> tuple[torch.Tensor, ...]:
+    """One step in fixed shapes: ``log_probs`` [B*K, V], ``stop_ids`` [S], ``t`` [1] the tokens generated before
+    it, ``prompt_len`` [B, 1] (``release``), ``state`` a :class:`BeamState`'s tensors; ``last``: the step reaches
+    the length limit. Returns the new state's tensors, the running beams' flat source beam [B*K] and last token
+    [B*K], and whether the search stops [] (bool)."""
+    s = BeamState(*state)
+    b = s.running_scores.shape[0]
+    gen_len = t + 1  # [1]
+    top_scores, src_beam, tok, seqs = _candidates(s, log_probs, stop_ids, t, k)
+    if release:
+        return _step_release(s, top_scores, src_beam, tok, seqs, stop_ids, gen_len, prompt_len, k, lp, last)
+    norm = (gen_len.double() ** lp).float()  # [1] the length penalty's divisor
+    hits = torch.isin(tok, stop_ids) | last  # [B, M]
+    s, beam_src = _keep_running(s, top_scores, src_beam, seqs, hits, k)  # the best K that did not stop
+    # finished pool: stopped continuations among the top K, if they beat the pool
+    just = hits & (torch.arange(tok.shape[1], device=tok.device)[None, :] < k)
+    fin_scores = top_scores / norm
+    fin_scores = fin_scores + (~s.improvable).float() * -1e9 + (~just).float() * -1e9
+    s = _merge(s, fin_scores, seqs, gen_len.expand_as(tok), just, k)
+    # early-stop heuristic (transformers' early_stopping=False)
+    best_running = s.running_scores[:, :1] / norm
+    worst_fin = torch.where(
+        s.is_finished, s.finished_scores.min(1, keepdim=True).values, torch.full_like(best_running, -1e9)
+    )
+    s = replace(s, improvable=s.improvable & (best_running > worst_fin).any(-1, keepdim=True))
+    stopped = ~s.improvable.any() | hits.all()
+    return (*s.tensors(), *_chosen(beam_src, s, t, b, k), stopped)
+
+
+def _candidates(
+    s: BeamState, log_probs: torch.Tensor, stop_ids: torch.Tensor, t: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best ``M = max(2, 1 + #stop ids) * K`` continuations of each sample's running beams
+    (``log_probs`` [B*K, V]): (scores [B, M], source beam [B, M], token [B, M], tokens so far [B, M, N])."""
+    b, n = s.running_scores.shape[0], s.running_tokens.shape[2]
+    vocab = log_probs.shape[-1]
+    scores = (log_probs.view(b, k, vocab) + s.running_scores[:, :, None]).view(b, k * vocab)
+    keep = max(2, 1 + int(stop_ids.numel())) * k
+    top_scores, top_idx = scores.topk(keep, dim=1)  # [B, M]
+    src_beam, tok = top_idx // vocab, top_idx % vocab
+    seqs = s.running_tokens.gather(1, src_beam[:, :, None].expand(-1, -1, n))  # [B, M, N]
+    seqs = seqs.scatter(2, t.view(1, 1, 1).expand(b, keep, 1), tok[:, :, None])  # the new token at t
+    return top_scores, src_beam, tok, seqs
+
+
+def _keep_running(
+    s: BeamState, top_scores: torch.Tensor, src_beam: torch.Tensor, seqs: torch.Tensor, stopped: torch.Tensor, k: int
+) -> tuple[BeamState, torch.Tensor]:
+    """The running beams become the best K candidates not ``stopped`` ([B, M]); returns them and their source
+    beams [B, K]."""
+    run_scores = top_scores + stopped.float() * -1e9
+    nxt = run_scores.topk(k, dim=1).indices  # [B, K]
+    s = replace(
+        s,
+        running_scores=run_scores.gather(1, nxt),
+        running_tokens=seqs.gather(1, nxt[:, :, None].expand(-1, -1, seqs.shape[2])),
+    )
+    return s, src_beam.gather(1, nxt)
+
+
+def _chosen(beam_src: torch.Tensor, s: BeamState, t: torch.Tensor, b: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat source beam [B*K], last token [B*K]) of the running beams, from their source beams [B, K]."""
+    flat_src = (beam_src + torch.arange(b, device=beam_src.device)[:, None] * k).view(-1)
+    return flat_src, s.running_tokens.index_select(2, t).reshape(-1)
+
+
+def _merge(
+    s: BeamState, fin_scores: torch.Tensor, seqs: torch.Tensor, lens: torch.Tensor, fin: torch.Tensor, k: int
+) -> BeamState:
+    """Keep the best K of the finished pool and new hypotheses (``fin_scores`` [B, M], -1e9 = none;
+    ``seqs`` [B, M, N] tokens, ``lens`` [B, M], ``fin`` [B, M] real hypotheses)."""
+    merged_scores = torch.cat([s.finished_scores, fin_scores], 1)
+    merged_tokens = torch.cat([s.finished_tokens, seqs], 1)
+    best = merged_scores.topk(k, dim=1).indices
+    return replace(
+        s,
+        finished_scores=merged_scores.gather(1, best),
+        finished_tokens=merged_tokens.gather(1, best[:, :, None].expand(-1, -1, seqs.shape[2])),
+        finished_len=torch.cat([s.finished_len, lens], 1).gather(1, best),
+        is_finished=torch.cat([s.is_finished, fin], 1).gather(1, best),
+    )
+
+
+def _step_release(
+    s: BeamState,
+    top_scores: torch.Tensor,
+    src_beam: torch.Tensor,
+    tok: torch.Tensor,
+    seqs: torch.Tensor,
+    stop_ids: torch.Tensor,
+    gen_len: torch.Tensor,
+    prompt_len: torch.Tensor,
+    k: int,
+    lp: float,
+    last: bool,
+) -> tuple[torch.Tensor, ...]:
+    """One step of transformers 4.29.2's ``BeamSearchScorer.process`` (+ ``finalize`` at the limit)."""
+    b = s.running_scores.shape[0]
+    t = gen_len - 1
+    eos = torch.isin(tok, stop_ids)  # [B, M]
+    s, beam_src = _keep_running(s, top_scores, src_beam, seqs, eos, k)  # the best K that do not end in EOS
+    # EOS among the top K ranks: stored without the EOS, so len(input_ids) = prompt + gen_len - 1
+    just = eos & (torch.arange(tok.shape[1], device=tok.device)[None, :] < k) & s.improvable
+    fin_scores = torch.where(just, top_scores / (prompt_len + gen_len - 1) ** lp, torch.full_like(top_scores, -1e9))
+    s = _merge(s, fin_scores, seqs, gen_len.expand_as(tok), just, k)
+    # is_done(best of the step's 2K scores, cur_len = input_ids.shape[-1] + 1 = prompt + gen_len)
+    n_fin = s.is_finished.sum(1, keepdim=True)
+    worst = s.finished_scores.min(1, keepdim=True).values
+    done_now = (n_fin >= k) & (worst >= top_scores[:, :1] / (prompt_len + gen_len) ** lp)
+    s = replace(s, improvable=s.improvable & ~done_now)
+    if last:  # finalize: every running beam of an unfinished sample, length prompt + gen_len
+        fin = s.improvable.expand(-1, k) & (s.running_scores > -1e8)
+        fin_run = torch.where(
+            fin, s.running_scores / (prompt_len + gen_len) ** lp, torch.full_like(s.running_scores, -1e9)
+        )
+        s = _merge(s, fin_run, s.running_tokens, gen_len.expand_as(beam_src), fin, k)
+    stopped = ~s.improvable.any() | eos.all()
+    return (*s.tensors(), *_chosen(beam_src, s, t, b, k), stopped)
 
 
 @DECODERS.register("beam", description="beam search (transformers semantics); the OPERA-paper baseline")
@@ -220,6 +292,7 @@ class Beam(Decoder):
             self.config.length_penalty,
             device,
             prompt_len=release_prompt_len(req) if self.config.preset == "release" else None,
+            run=self.ctx.captured,
         )
         n_forwards = 0
         while True:

@@ -99,7 +99,11 @@ class ClearSight(Decoder):
         # the image, system-prompt and after-image slots of a static decode step (refilled before each step) and of
         # a captured prefill segment (before it runs), in fixed memory that the graphs read
         self._static = StagedSlotClasses(
-            self.layers, ("image", "before_image", "after_image"), lambda: self.ctx.runner.active, image_only=True
+            self.layers,
+            ("image", "before_image", "after_image"),
+            lambda: self.ctx.runner.active,
+            image_only=True,
+            run=self.ctx.captured,
         )
         if self.active(self.config):
             for layer in self.layers:

@@ -161,7 +161,9 @@ class ONLY(Decoder):
         # the key classes of a static decode step (refilled before each step) and of a captured prefill segment
         # (before it runs), in fixed memory that the graphs read; what the override and the hooks leave in the state's
         # scratch is carried out of each replay
-        self._static = StagedSlotClasses([self.config.layer], ("valid", "image", "bos"), lambda: self.ctx.runner.active)
+        self._static = StagedSlotClasses(
+            [self.config.layer], ("valid", "image", "bos"), lambda: self.ctx.runner.active, run=self.ctx.captured
+        )
         override = self._carried("attn", "removed", stage=self._static.stage_prefill, before_step=self._static.stage)
         install_override(self.ctx, self.config.layer, self._override, "ONLY (only)", override)
         last, norm = adapter.layers[-1], adapter.language_model.norm

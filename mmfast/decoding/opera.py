@@ -254,7 +254,7 @@ class Opera(Decoder):
         state, logits, _ = self._rebuild(
             base, torch.zeros(k, 0, dtype=torch.long, device=device), first_logits, resp_start
         )
-        search = BeamSearch(1, k, max_new, cfg.length_penalty, device, prompt_len=prompt_len)
+        search = BeamSearch(1, k, max_new, cfg.length_penalty, device, prompt_len=prompt_len, run=self.ctx.captured)
         history = OverTrustHistory(k, cfg.scale_factor, device, fp16_factors=release)
         locs: list[torch.Tensor] = []  # per step: [K] location per beam slot (mode over candidates)
         snaps: dict[int, _Snapshot] = {}

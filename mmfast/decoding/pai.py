@@ -120,7 +120,9 @@ class PAI(MultiBranchDecoder):
         self.layers = self.check_facts(self.config, ModelFacts.of_adapter(self.ctx.adapter))
         # the image keys of a static decode step (refilled before each step) and of a captured prefill segment (before
         # it runs), in fixed memory that the graphs read
-        self._static = StagedSlotClasses(self.layers, ("image",), lambda: self.ctx.runner.active, image_only=True)
+        self._static = StagedSlotClasses(
+            self.layers, ("image",), lambda: self.ctx.runner.active, image_only=True, run=self.ctx.captured
+        )
         if self.config.alpha != 0.0:
             for layer in self.layers:
                 install_override(self.ctx, layer, self._override(layer), "PAI (pai)", self._static.carried())
