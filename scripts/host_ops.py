@@ -12,7 +12,8 @@ most; views are not replayed). Op counts on the CPU, not GPU times.
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --embedded --max-new-tokens 40
 
 ``--embedded``: greedy and the trained drafters (FLASH, MSD: ops per verify cycle) on the embedded model
-with one world image and the caption prompt, instead of the tiny random LLaVA's cases.
+with one world image and the caption prompt, instead of the tiny random LLaVA's cases; the same sampled (temperature
+1, seed 3).
 
 ``--prefill``: the ops a one-token call (a TTFT; batch 1, or ``--batch N``) dispatches outside graph replays, by
 stage (tower, pruning, building the inputs, LLM prefill, the rest), and its host transfers, eagerly (``compile:
@@ -67,7 +68,9 @@ def cases(mm) -> dict[str, tuple[dict, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--embedded", action="store_true", help="the embedded model's greedy, flash and msd")
+    ap.add_argument(
+        "--embedded", action="store_true", help="the embedded model's greedy, flash and msd, greedy and sampled"
+    )
     ap.add_argument("--prefill", action="store_true", help="ops of a one-token call's prefill, eager and captured")
     ap.add_argument("--batch", type=int, default=1, help="--prefill: batch size (the two images and prompts, cycled)")
     ap.add_argument(
@@ -119,7 +122,9 @@ def embedded_rows(max_new_tokens: int) -> list[tuple[str, dict]]:
     image_dir = resolve_data(load_recipe({}).eval, ("pope",)).image_dir  # the world is generated if missing
     path = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in (".png", ".jpg"))[0]
     image, prompt = Image.open(path).convert("RGB"), "Please describe this image in detail."
+    sampled = {"decoding": {"method": "sample", "params": {"temperature": 1.0}, "seed": 3}}
     recipes = {"greedy": {}, "flash": {"speculative": {"method": "flash"}}, "msd": {"speculative": {"method": "msd"}}}
+    recipes |= {"sample": sampled, **{f"{d}, sampled": {**sampled, **recipes[d]} for d in ("flash", "msd")}}
     return [(name, count_step_ops(mm, r, [image], [prompt], max_new_tokens)) for name, r in recipes.items()]
 
 

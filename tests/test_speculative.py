@@ -271,3 +271,83 @@ def test_device_tree_layout_and_greedy_verdict_equal_the_host_rule():
         assert out[-1] == ref.bonus
         accepted += len(ref.path)
     assert accepted > 300  # deep paths were exercised
+
+
+def _sampled_rule(tree: DraftTree, probs: torch.Tensor, u: torch.Tensor) -> tuple[list[int], int, list[int]]:
+    """The point-mass sampling rule walked node by node on the host with slot j's child test on ``u[j]`` and the
+    bonus on ``u[-1]``: (path, bonus, depths tried)."""
+    children, tokens = tree.children(), tree.token_list
+    node, path, tried = 0, [], []
+    while True:
+        p = probs[node]
+        if children[node]:
+            tried.append(len(path) + 1)
+        removed, gone, nxt = 0.0, set(), None
+        for c in children[node]:
+            t = tokens[c - 1]
+            if t in gone:  # an earlier sibling's token: its mass is gone, rejected
+                continue
+            if float(u[c]) < float(p[t]) / (1.0 - removed):
+                nxt = c
+                break
+            gone.add(t)
+            removed += float(p[t])
+        if nxt is None:
+            residual = p.clone()
+            residual[list(gone)] = 0.0
+            cdf = residual.double().cumsum(0)
+            bonus = int(torch.searchsorted(cdf, u[-1:].double() * cdf[-1], right=True))
+            return path, bonus, tried
+        path.append(nxt)
+        node = nxt
+
+
+def test_sampled_device_verdict_is_the_point_mass_rule():
+    """:func:`sampled_accept` on random trees (siblings repeating a token, padded verify widths, the host-built tree
+    sent in one copy) takes the path, bonus and depths that the rule walked node by node with the same uniforms
+    gives: a child accepted with its residual probability, the bonus drawn from the residual by inverse CDF."""
+    from mmfast.speculative.tree import DeviceTree, sampled_accept
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, accepted, rejected_siblings = 5, 0, 0
+    for trial in range(300):
+        n = int(torch.randint(1, 10, (), generator=gen))
+        width = n + 1 + trial % 3
+        tree = _random_tree(gen, n, vocab)
+        levels = int(tree.depth().max())
+        logits = torch.randn(width, vocab, generator=gen)
+        for i, p in enumerate(tree.parent_list):  # the draft likely two times in three
+            if torch.rand((), generator=gen) < 0.67:
+                logits[p, tree.token_list[i]] += 3.0
+        probs = torch.softmax(logits, -1)
+        u = torch.rand(width + 1, generator=gen)
+        path, bonus, tried = _sampled_rule(tree, probs, u)
+        root = torch.tensor([3])
+        out = sampled_accept(tree.tokens, tree.parents, probs, root, u, levels).tolist()
+        sent = DeviceTree.from_lists(tree.token_list, tree.parent_list, width, 3, levels, torch.device("cpu"))
+        assert sampled_accept(sent.tokens, sent.parents, probs, root, u, levels).tolist() == out
+        k = len(path) + 1
+        assert out[: width + 1] == [0, *path, *range(k, width), k]
+        nxt = [tree.token_list[i - 1] for i in path] + [bonus]
+        assert out[width + 1 : 2 * width + 2] == [*nxt, *[0] * (width - k), k]
+        assert [d + 1 for d, t in enumerate(out[2 * width + 2 : 3 * width + 2]) if t] == tried
+        assert out[-1] == bonus
+        accepted += len(path)
+        rejected_siblings += any(len(c) > 1 for c in tree.children()) and bool(path)
+    assert accepted > 150 and rejected_siblings > 30
+
+
+def test_sampled_device_verdict_is_lossless():
+    """The first token a cycle emits (an accepted child or the bonus) follows the target's p exactly, for
+    point-mass siblings (one repeating a token) and a second level under the first child."""
+    from mmfast.speculative.tree import sampled_accept
+
+    p_root = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
+    probs = torch.stack([p_root, torch.full((6,), 1 / 6), p_root.flip(0), p_root, p_root])  # [W = 5, V]
+    tokens, parents = torch.tensor([2, 3, 2, 0]), torch.tensor([0, 0, 0, 1])  # root -> {2, 3, 2}; node 1 -> 0
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.zeros(6)
+    for _ in range(20000):
+        out = sampled_accept(tokens, parents, probs, torch.tensor([1]), torch.rand(6, generator=gen), 2)
+        counts[out[5 + 1]] += 1  # the first committed token
+    assert _chi2_pvalue(counts, p_root) > 1e-3

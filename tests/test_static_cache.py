@@ -176,13 +176,15 @@ def test_drafters_capture_their_own_steps(name, tiny_mm, images, prompts, monkey
     ]
 
 
+@pytest.mark.parametrize("decoding", ["greedy", "sample"])
 @pytest.mark.parametrize("name", ["flash", "msd"])
-def test_embedded_drafts_greedy_cycles_run_on_the_device(name, images, monkeypatch):
-    """Greedy cycles of the embedded model's trained drafts under captured steps run on the device (the
-    proposal, verify, verdict, keep and draft-accept graphs back to back, one read a cycle): the dynamic cache's
-    tokens, and the same tokens and speculative statistics (tau, acceptance by depth, draft forwards) as the
-    cycles with the tree and verdict on the host; the trained FLASH draft accepts branches that are not the
-    tree's first chain, kept in the target's cache by the captured keep; every graph is replayed."""
+def test_embedded_drafts_cycles_run_on_the_device(name, decoding, images, monkeypatch):
+    """Greedy and seeded sampled cycles of the embedded model's trained drafts under captured steps run on the
+    device (the proposal, verify, verdict, keep and draft-accept graphs back to back, one read a cycle; sampling:
+    the point-mass verdict on uniforms drawn before it): the dynamic cache's tokens, and the same tokens and
+    speculative statistics (tau, acceptance by depth, draft forwards) as the cycles with the tree and verdict on the
+    host; the trained FLASH draft accepts branches that are not the tree's first chain, kept in the target's cache
+    by the captured keep; every graph is replayed."""
     from mmfast.pipeline import Session
     from mmfast.registry import DRAFTERS
     from mmfast.runtime import LMRunner
@@ -191,7 +193,10 @@ def test_embedded_drafts_greedy_cycles_run_on_the_device(name, images, monkeypat
 
     mm = mmfast.load("mmfast/tiny-world")
     params = {"flash": {"top_k": 4, "total_tokens": 12}, "msd": {"depth": 3, "top_k": 4, "total_tokens": 16}}
-    recipe = load_recipe({"speculative": {"method": name, "params": params[name]}})
+    sampled = {"decoding": {"method": "sample", "params": {"temperature": 0.7, "top_k": 20}, "seed": 3}}
+    recipe = load_recipe({"speculative": {"method": name, "params": params[name]}, **sampled})
+    if decoding == "greedy":
+        recipe = load_recipe({"speculative": {"method": name, "params": params[name]}})
     prompts = ["Please describe this image in detail."] * 2
     dynamic = _tokens(mm, recipe.to_dict(), images, prompts, "off", n=40)
     monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
@@ -221,6 +226,7 @@ def test_embedded_drafts_greedy_cycles_run_on_the_device(name, images, monkeypat
     if name == "flash":  # branches that are not the first chain
         assert sum(k != list(range(len(k))) for k in kept) >= 2
     assert sum(g.replays > 0 for g in graphs) >= 5  # proposal, verify, verdict, keep and accept, every cycle
+    assert device_stats["tau"] > 1.5  # drafts were accepted (sampling too)
 
 
 def test_a_greedy_cycle_whose_verdict_cannot_be_captured_finishes_eagerly(images, monkeypatch, caplog):
@@ -830,15 +836,27 @@ def test_attention_editing_decoders_run_in_captured_steps(decoding, pruning, tin
 
 @pytest.mark.parametrize("graph", [ReplayGraph, EmulatedGraph], ids=["rerun", "emulated"])
 @pytest.mark.parametrize(
-    "name", ["greedy", "sample-seeded", "vcd", "beam", "pyramiddrop", "prompt_lookup", "pyramiddrop+prompt_lookup"]
+    "name",
+    [
+        "greedy",
+        "sample-seeded",
+        "vcd",
+        "beam",
+        "pyramiddrop",
+        "prompt_lookup",
+        "pyramiddrop+prompt_lookup",
+        "sample+prompt_lookup",
+    ],
 )
 def test_captured_steps_match_dynamic(name, graph, tiny_mm, images, prompts, monkeypatch, caplog):
     from mmfast.pipeline import Session
 
     pdrop = {"pruning": [_stage("pyramiddrop", tiny_mm)]}
-    recipe = {"pyramiddrop": pdrop, "pyramiddrop+prompt_lookup": {**pdrop, **SERVED["prompt_lookup"]}}.get(
-        name
-    ) or SERVED[name]
+    recipe = {
+        "pyramiddrop": pdrop,
+        "pyramiddrop+prompt_lookup": {**pdrop, **SERVED["prompt_lookup"]},
+        "sample+prompt_lookup": {**SERVED["sample-seeded"], **SERVED["prompt_lookup"]},  # cycles on the device
+    }.get(name) or SERVED[name]
     dynamic = _tokens(tiny_mm, recipe, images, prompts, "off")
     graph.made = []
     monkeypatch.setattr(Session, "_capture_factory", lambda self: graph)

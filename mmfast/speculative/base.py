@@ -54,7 +54,8 @@ class Drafter:
 
     def propose_on_device(self, ctx: SpecContext) -> DeviceTree | None:
         """The proposal as one captured step whose tree stays on the device (nothing read back), with its
-        verify layout: what the engine's greedy cycle on the device takes (one host read per cycle). None: this
+        verify layout: what the engine's cycle on the device takes (one host read per cycle; greedy, or sampling
+        with every node a point mass: a deterministic proposal, ``q`` None in :meth:`propose`'s tree). None: this
         drafter proposes through :meth:`propose`. A drafter that returns a tree implements ``accept_on_device``
         (launched before the read) and ``accepted_on_device`` (after it, the cycle's tokens committed):
         :class:`~mmfast.speculative._eagle.EagleDrafter`, :class:`~mmfast.speculative.prompt_lookup.PromptLookup`."""

@@ -6,10 +6,12 @@ acceptance rule of :mod:`tree` picks a path and a bonus token; the target KV cac
 root and the accepted path (``LMRunner.keep_new``: a path gather plus a crop, one graph under captured steps); the drafter updates
 its own state. The vision encoder runs once (prefill) and its features are shared with the drafter.
 
-Under captured steps a greedy cycle runs on the device where the drafter's proposal is one captured step
-(:meth:`Drafter.propose_on_device`): the verify layout, the verdict (:func:`tree.greedy_accept`), the keep and the
+Under captured steps a cycle runs on the device where the drafter's proposal is one captured step
+(:meth:`Drafter.propose_on_device`): the verify layout, the verdict (:func:`tree.greedy_accept`; sampling:
+:func:`tree.sampled_accept`, the point-mass rule with the cycle's uniforms drawn before it), the keep and the
 draft's accept read each other's outputs on the device and the host reads the verdict once a cycle
-(:func:`_cycle_on_device`); otherwise the tree and the verdict are on the host (:func:`_cycle`).
+(:func:`_cycle_on_device`); otherwise the tree and the verdict are on the host (:func:`_cycle`), a sampled
+point-mass tree's verdict by the same function and uniforms (the same tokens either way).
 
 Reported per run: ``tau`` = tokens committed per target verification forward, *bonus included*
 (FLASH's convention; MSD's ``acclen`` excludes the bonus: tau - 1), draft and target forward counts,
@@ -27,7 +29,7 @@ import torch
 
 from ..decoding.base import DecodeOutput, DecodeRequest, now, sample_generator, sample_seed, state_accounting
 from ..decoding.loop import warpers
-from .tree import DeviceTree, DraftTree, greedy_accept, verify
+from .tree import DeviceTree, DraftTree, Verdict, greedy_accept, sampled_accept, tree_depths, verify
 
 if TYPE_CHECKING:
     from ..context import MethodContext
@@ -125,9 +127,10 @@ class _VerdictInputs:
     tree: torch.Tensor  # [2T] long: the tree's tokens, then its parents
     logits: torch.Tensor  # [W, V] the verify step's
     root: torch.Tensor  # [1] long
+    u: torch.Tensor | None  # [W + 1] the cycle's uniforms (sampling)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.tree, self.logits, self.root]
+        return [self.tree, self.logits, self.root] + ([] if self.u is None else [self.u])
 
 
 def _verify_inputs(tree: DraftTree, root: int, width: int | None) -> tuple[torch.Tensor, ...]:
@@ -173,7 +176,7 @@ def _decode_one(
                 break
 
     while len(ctx.committed) < max_new and root not in stop:
-        on_device = ctx.greedy and runner.captures and width is not None
+        on_device = runner.captures and width is not None
         tree = drafter.propose_on_device(ctx) if on_device else None
         if tree is not None:
             if root_dev is None:
@@ -201,11 +204,36 @@ def _cycle(ctx: SpecContext, drafter: Drafter, root: int, width: int | None, com
     nodes, depth, mask = _verify_inputs(tree, root, width)  # [1, W], [W], [W, W]
     step = runner.step(state, nodes, depth=depth, block_mask=mask)
     logits = step.logits[0, : tree.n + 1]  # [N+1, V]
-    verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
+    if not ctx.greedy and all(q is None for q in tree.q):  # point masses: the device's rule, run here
+        verdict = _sampled_verdict(ctx, drafter, tree, root, logits)
+    else:
+        verdict = verify(tree, None if ctx.greedy else ctx.probs(logits), logits, ctx.generator)
     keep = [0, *verdict.path]
     runner.keep_new(state, nodes.shape[1], keep, prefix=verdict.path == list(range(1, len(verdict.path) + 1)))
     commit([tree.token_list[i - 1] for i in verdict.path] + [verdict.bonus], len(verdict.path), verdict.tried_depths)
     drafter.accept(ctx, tree, verdict.path, step.hidden[0, keep], verdict.bonus)  # [1 + len(path), d]
+
+
+def _uniforms(ctx: SpecContext, drafter: Drafter, n: int) -> torch.Tensor:
+    """[W + 1] a sampled cycle's uniforms (:func:`sampled_accept`), W the drafter's verify width (its bound, the
+    same whether the cycle runs on the device or here; unbounded: the tree's N + 1)."""
+    width = drafter.max_step_tokens() or n + 1
+    return torch.rand(width + 1, generator=ctx.generator, device=ctx.generator.device)
+
+
+def _sampled_verdict(ctx: SpecContext, drafter: Drafter, tree: DraftTree, root: int, logits: torch.Tensor) -> Verdict:
+    """:func:`sampled_accept` of a point-mass ``tree`` (``logits`` [N + 1, V]) with the cycle's uniforms, eagerly,
+    as a host verdict: the same tokens as the cycle on the device draws from the same generator."""
+    u = _uniforms(ctx, drafter, tree.n)
+    w = u.numel() - 1
+    levels = max(1, *tree_depths(tree.parent_list))
+    padded = DeviceTree.from_lists(tree.token_list, tree.parent_list, w, root, levels, logits.device)
+    rows = torch.cat([logits, logits.new_zeros(w - tree.n - 1, logits.shape[-1])])  # [W, V]; pads: never read
+    root_t = torch.tensor([root], device=logits.device)
+    out = sampled_accept(padded.tokens, padded.parents, ctx.probs(rows), root_t, u, levels)
+    host = out.tolist()
+    k = host[w]
+    return Verdict(host[1:k], host[-1], [d + 1 for d in range(k) if host[2 * w + 2 + d]])
 
 
 def _cycle_on_device(
@@ -220,13 +248,17 @@ def _cycle_on_device(
     n_tree = tree.tokens.numel()
     nodes = torch.cat([root, tree.tokens, root.expand(width - n_tree - 1)])[None]  # [1, W]
     step = runner.step(state, nodes, depth=tree.depth, block_mask=tree.mask)
+    u = None if ctx.greedy else _uniforms(ctx, drafter, n_tree)  # [W + 1], drawn outside the graph
 
     def make() -> tuple[_VerdictInputs, Any]:
-        inputs = _VerdictInputs(torch.cat([tree.tokens, tree.parents]), step.logits[0].clone(), root.clone())
+        tree_in = torch.cat([tree.tokens, tree.parents])
+        inputs = _VerdictInputs(tree_in, step.logits[0].clone(), root.clone(), None if u is None else u.clone())
 
-        def run() -> torch.Tensor:
-            tp = inputs.tree
-            return greedy_accept(tp[:n_tree], tp[n_tree:], inputs.logits, inputs.root, tree.levels)  # [3W + 3]
+        def run() -> torch.Tensor:  # [3W + 3]
+            tp, levels = inputs.tree, tree.levels
+            if inputs.u is None:
+                return greedy_accept(tp[:n_tree], tp[n_tree:], inputs.logits, inputs.root, levels)
+            return sampled_accept(tp[:n_tree], tp[n_tree:], ctx.probs(inputs.logits), inputs.root, inputs.u, levels)
 
         return inputs, run
 
@@ -235,9 +267,12 @@ def _cycle_on_device(
         inputs.tree[n_tree:].copy_(tree.parents)
         inputs.logits.copy_(step.logits[0])
         inputs.root.copy_(root)
+        if u is not None:
+            inputs.u.copy_(u)
 
+    rule = ("greedy_accept",) if u is None else ("sampled_accept", ctx.temperature, ctx.top_k, ctx.top_p)
     # on no KV buffers (key[0] = ()): the pool keeps it across calls
-    key = ((), "greedy_accept", width, n_tree, tree.levels, step.logits.shape[-1], str(step.logits.device))
+    key = ((), *rule, width, n_tree, tree.levels, step.logits.shape[-1], str(step.logits.device))
     verdict = runner.run_captured(key, make, load)  # [3W + 3]
     w = width
     runner.keep_new_on_device(state, w, verdict[: w + 1])

@@ -82,7 +82,7 @@ class DraftTree:
 
     def depth(self, width: int | None = None) -> torch.Tensor:
         """[N + 1] depth of every node, root included (root = 0); with ``width``, [W] padded with 0."""
-        return torch.tensor(_depths(self.parent_list, width), dtype=torch.long, device=self.tokens.device)
+        return torch.tensor(tree_depths(self.parent_list, width), dtype=torch.long, device=self.tokens.device)
 
     def mask(self, width: int | None = None) -> torch.Tensor:
         """[N + 1, N + 1] bool: node i sees node j iff j is i or an ancestor of i; with ``width``,
@@ -97,7 +97,7 @@ class DraftTree:
         return ch
 
 
-def _depths(parents: list[int], width: int | None) -> list[int]:
+def tree_depths(parents: list[int], width: int | None = None) -> list[int]:
     """:meth:`DraftTree.depth` on the host."""
     d = [0] * (len(parents) + 1)
     for i, p in enumerate(parents):
@@ -152,7 +152,7 @@ class DeviceTree:
         depth (a fixed bound keeps one verdict graph for every tree)."""
         pads = range(len(tokens) + 1, width)
         mask = [int(b) for row in _mask_rows(parents, width) for b in row]
-        packed = [*tokens, *[root] * len(pads), *parents, *pads, 0, *_depths(parents, width), *mask]
+        packed = [*tokens, *[root] * len(pads), *parents, *pads, 0, *tree_depths(parents, width), *mask]
         return DeviceTree.unpack(torch.tensor(packed, device=device), width, levels)
 
 
@@ -175,6 +175,50 @@ def tree_layout(parents: torch.Tensor, width: int, levels: int) -> tuple[torch.T
     return seen.sum(1) - 1, seen
 
 
+def _slots(tokens: torch.Tensor, parents: torch.Tensor, root: torch.Tensor, w: int) -> tuple[torch.Tensor, ...]:
+    """The verify step's W slots: their index (arange), token, parent slot and whether each is a node (not the root,
+    not a pad: a pad is its own parent and is never accepted, since its parent never is). [W] each."""
+    ar = torch.arange(w, device=tokens.device)
+    node_tok = torch.cat([root, tokens, root.expand(w - tokens.numel() - 1)])
+    return ar, node_tok, _slot_parents(parents, ar), (ar >= 1) & (ar <= tokens.numel())
+
+
+def _first_among_siblings(ok: torch.Tensor, par: torch.Tensor, ar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each slot is ``ok`` with no earlier ``ok`` sibling [W]; earlier[j, i] = node i is tried before j
+    under the same parent [W, W])."""
+    earlier = (par[:, None] == par[None, :]) & (ar[None, :] < ar[:, None])  # [W, W]
+    return ok & ~(earlier & ok[None, :]).any(1), earlier
+
+
+def _walk(first: torch.Tensor, par: torch.Tensor, ar: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accepted path down from the root, each node the ``first`` child of an accepted parent, in ``levels`` fixed
+    rounds: (k = root + path [1], keep [W]: the root, the path's slots in depth order, then the others' own)."""
+    is_root = ar == 0
+    acc = is_root
+    for _ in range(levels):
+        acc = is_root | (first & acc.index_select(0, par))  # [W] accepted: its parent accepted too
+    k = acc.sum()[None]  # [1]
+    order = torch.sort(torch.where(acc, ar, ar + ar.numel())).values  # accepted slots first, in index order
+    return k, torch.where(ar < k, order, ar)
+
+
+def _packed(
+    keep: torch.Tensor,
+    k: torch.Tensor,
+    bonus: torch.Tensor,
+    node_tok: torch.Tensor,
+    par: torch.Tensor,
+    ar: torch.Tensor,
+    is_node: torch.Tensor,
+) -> torch.Tensor:
+    """The verdict as :func:`greedy_accept` returns it, [3W + 3]."""
+    after = node_tok.index_select(0, torch.cat([keep[1:], keep[:1]]))  # [W] the token of the next kept slot
+    nxt = torch.where(ar < k - 1, after, torch.where(ar == k - 1, bonus, torch.zeros_like(after)))
+    has_kids = ((par[None, :] == ar[:, None]) & is_node[None, :]).any(1)  # [W]
+    tried = has_kids.index_select(0, keep) & (ar < k)
+    return torch.cat([keep, k, nxt, k, tried.long(), bonus])
+
+
 def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, root: torch.Tensor, levels: int):
     """Greedy :func:`verify` on the device in fixed shapes (no host read), for a tree of T nodes verified in a
     step of W slots (root, nodes, pads; a node that is its own parent is a pad): the first child (in proposal order) equal to its parent's target argmax
@@ -189,29 +233,57 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     path's, then the bonus, zero-padded) and their count k (what the draft's accept step reads); whether each kept
     node has children (W; the depths tried); the bonus (the next root).
     """
-    w, t, dev = logits.shape[0], tokens.numel(), logits.device
-    ar = torch.arange(w, device=dev)
+    ar, node_tok, par, is_node = _slots(tokens, parents, root, logits.shape[0])
     target = logits.argmax(-1)  # [W]
-    node_tok = torch.cat([root, tokens, root.expand(w - t - 1)])  # [W]
-    par = _slot_parents(parents, ar)  # [W]
-    is_node = (ar >= 1) & (ar <= t)  # a pad node (its own parent) is never accepted: its parent never is
     match = is_node & (node_tok == target.index_select(0, par))  # [W] a node equals its parent's argmax
-    # a matching node loses to an earlier matching sibling (verify takes the first)
-    earlier = (par[:, None] == par[None, :]) & (ar[None, :] < ar[:, None]) & match[None, :]  # [W, W]
-    first = match & ~earlier.any(1)
-    is_root = ar == 0
-    acc = is_root
-    for _ in range(levels):
-        acc = is_root | (first & acc.index_select(0, par))  # [W] accepted: its parent accepted too
-    k = acc.sum()[None]  # [1] root + path
-    order = torch.sort(torch.where(acc, ar, ar + w)).values  # accepted slots first, in index (= depth) order
-    keep = torch.where(ar < k, order, ar)  # [W]
+    first, _ = _first_among_siblings(match, par, ar)  # verify takes the first match
+    k, keep = _walk(first, par, ar, levels)
     bonus = target.index_select(0, keep.index_select(0, k - 1))  # [1] the argmax at the deepest accepted node
-    after = node_tok.index_select(0, torch.cat([keep[1:], keep[:1]]))  # [W] the token of the next kept slot
-    nxt = torch.where(ar < k - 1, after, torch.where(ar == k - 1, bonus, torch.zeros_like(after)))
-    has_kids = ((par[None, :] == ar[:, None]) & is_node[None, :]).any(1)  # [W]
-    tried = has_kids.index_select(0, keep) & (ar < k)
-    return torch.cat([keep, k, nxt, k, tried.long(), bonus])
+    return _packed(keep, k, bonus, node_tok, par, ar, is_node)
+
+
+def sampled_accept(
+    tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, root: torch.Tensor, u: torch.Tensor, levels: int
+) -> torch.Tensor:
+    """The sampling rule of :func:`verify` for point-mass nodes (deterministic proposals: EAGLE-2's trees, n-gram
+    drafts), on the device in fixed shapes (no host read), with uniforms drawn before it: slot j's child test uses
+    ``u[j]``, the bonus ``u[W]`` (by inverse CDF), so the verdict is one function of its inputs, the same in a
+    captured graph and eagerly.
+
+    At an accepted node, its children are tried in proposal order; child j, whose earlier siblings were rejected, is
+    accepted iff ``u[j] < r(c_j)``, r the target's warped distribution there with the rejected siblings' tokens
+    removed and renormalised: ``p(c_j) / (1 - sum of p over the earlier siblings' distinct tokens)``, 0 when an
+    earlier sibling holds the same token (its mass is gone). If none is accepted the bonus is drawn from that residual
+    (every child removed; a leaf: p itself). Each emitted token follows the target distribution exactly (the rule
+    of Leviathan et al. / Chen et al. for point-mass drafts, EAGLE-2's).
+
+    Args:
+        tokens, parents: [T] the tree (parents before children, 0 = root; a node that is its own parent is a pad).
+        probs: [W, V] the target's warped probabilities at the step's slots. root: [1] the root token.
+        u: [W + 1] uniforms in [0, 1). ``levels`` >= the tree's depth.
+
+    Returns [3W + 3] long, laid out as :func:`greedy_accept`'s.
+    """
+    w, vocab = probs.shape
+    ar, node_tok, par, is_node = _slots(tokens, parents, root, w)
+    p = probs[par, node_tok]  # [W] each node's token under its parent's distribution
+    # the child test: earlier siblings (nodes) rejected, their distinct tokens' mass removed
+    _, earlier = _first_among_siblings(is_node, par, ar)
+    earlier = earlier & is_node[None, :]  # [W, W]
+    repeat = (earlier & (node_tok[:, None] == node_tok[None, :])).any(1)  # [W] an earlier sibling's token: gone
+    left = 1.0 - (earlier & ~repeat[None, :]).float() @ p  # [W]
+    accept = torch.where(repeat, torch.zeros_like(p), torch.where(left > 0, p / left, p))  # [W]
+    first, _ = _first_among_siblings(is_node & (u[:w] < accept), par, ar)
+    k, keep = _walk(first, par, ar, levels)
+    last = keep.index_select(0, k - 1)  # [1] the deepest accepted node: every child of it was rejected
+    kids = is_node & (par == last)  # [W]
+    gone = torch.zeros(vocab, device=probs.device).scatter_add(0, node_tok, kids.float()) > 0  # [V]
+    dist = probs.index_select(0, last)[0]  # [V]
+    residual = torch.where(gone, torch.zeros_like(dist), dist)
+    residual = torch.where(residual.sum() > 0, residual, dist)  # unreachable for valid distributions: p itself
+    cdf = residual.double().cumsum(0)  # [V]
+    drawn = torch.searchsorted(cdf, u[w:].double() * cdf[-1], right=True).clamp(max=vocab - 1)  # [1]
+    return _packed(keep, k, drawn, node_tok, par, ar, is_node)
 
 
 @dataclass
