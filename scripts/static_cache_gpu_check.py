@@ -39,6 +39,15 @@ RECIPES = {
     "flash": {"speculative": {"method": "flash", "params": {"top_k": 4, "total_tokens": 12}}},
     "msd": {"speculative": {"method": "msd", "params": {"depth": 6, "top_k": 4, "total_tokens": 8}}},
     "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
+    # sampled cycles on the device: the point-mass verdict on uniforms drawn before its graph
+    "sample_flash": {
+        "decoding": {"method": "sample", "params": {"top_k": 20}, "seed": 3},
+        "speculative": {"method": "flash", "params": {"top_k": 4, "total_tokens": 12}},
+    },
+    "sample_msd": {
+        "decoding": {"method": "sample", "params": {"top_k": 20}, "seed": 3},
+        "speculative": {"method": "msd", "params": {"depth": 6, "top_k": 4, "total_tokens": 8}},
+    },
     "vhr": {"decoding": {"method": "vhr"}},  # its head-scaling pre-hooks replay inside the step
     # its beams' step and tree look-ahead captured, the last layer's rows carried out of them (graphs per call: the
     # beams' buffers are the call's own)
