@@ -11,7 +11,7 @@ replayed by kind (the LM step, which is a drafter's verify step; the greedy verd
 draft's proposal and accept steps) with the device time inside them (CUDA events recorded around each replay
 call: its input copies and kernels, and any wait of the device for the host within the call, which a starved
 device shows as a gap between the events). The rest of the decode time is the host's Python and launches, eager
-kernels (``lm_head``, the draft's ``lm_head``) and the waits for the device: what the graphs do not explain. Prints a Markdown table and one JSON line; ratios are against greedy's decode time per
+kernels (``lm_head``, the draft's ``lm_head``) and the waits for the device: what the graphs do not explain. Prints a Markdown table and one JSON line; ratios are against greedy's (a sampled row: ``sample``'s) decode time per
 token. On a CPU the graphs are the emulator's and every time is host time: a smoke run, not a measurement.
 """
 
@@ -37,10 +37,21 @@ RECIPES = {
     "flash": {"speculative": {"method": "flash"}},
     "msd": {"speculative": {"method": "msd"}},
     "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
+    # sampled cycles on the device (temperature 1, seeded): the point-mass verdict on uniforms drawn before it
+    "sample": {"decoding": {"method": "sample", "params": {"temperature": 1.0}, "seed": 3}},
+    "sample_flash": {
+        "decoding": {"method": "sample", "params": {"temperature": 1.0}, "seed": 3},
+        "speculative": {"method": "flash"},
+    },
+    "sample_msd": {
+        "decoding": {"method": "sample", "params": {"temperature": 1.0}, "seed": 3},
+        "speculative": {"method": "msd"},
+    },
 }
 #: a graph's kind from the string of its store key (``LMRunner.replay_or_capture``)
 KINDS = {
     "greedy_accept": "verdict",
+    "sampled_accept": "verdict",
     "keep": "keep",
     "reorder": "reorder",
     "sar": "draft proposal",
@@ -162,13 +173,15 @@ def main() -> None:
 
     batches = [mm.prepare([p], [WORKLOAD_PROMPTS["caption"]]) for p in paths]
     rows = [measure(mm, n, batches, args.max_new_tokens) for n in names]
-    base = next((r for r in rows if r["row"] == "greedy"), None)
+    by_name = {r["row"]: r for r in rows}
     print(f"device {mm.device} ({torch.cuda.get_device_name() if mm.device.type == 'cuda' else 'cpu'}), {args.dtype}")
     print(
-        "| row | tokens | cycles | prefill ms | decode ms | ms/token | x greedy | ms/cycle | graphs ms/cycle | outside |"
+        "| row | tokens | cycles | prefill ms | decode ms | ms/token | x baseline | ms/cycle | graphs ms/cycle | outside |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        # against greedy's decode, or the plain sampler's for a sampled row
+        base = by_name.get("sample" if r["row"].startswith("sample") else "greedy")
         ratio = "n/a" if base is None else f"{base['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}"
         graphs = ", ".join(
             f"{k} {v:.3f} ({r['replays_per_cycle'][k]:.1f})" for k, v in r["graphs_ms_per_cycle"].items()
