@@ -143,11 +143,11 @@ def beam_step(
     the length limit. Returns the new state's tensors, the running beams' flat source beam [B*K] and last token
     [B*K], and whether the search stops [] (bool)."""
     s = BeamState(*state)
-    b = s.running_scores.shape[0]
-    gen_len = t + 1  # [1]
     top_scores, src_beam, tok, seqs = _candidates(s, log_probs, stop_ids, t, k)
     if release:
-        return _step_release(s, top_scores, src_beam, tok, seqs, stop_ids, gen_len, prompt_len, k, lp, last)
+        return _step_release(s, top_scores, src_beam, tok, seqs, stop_ids, t, prompt_len, k, lp, last)
+    b = s.running_scores.shape[0]
+    gen_len = t + 1  # [1]
     norm = (gen_len.double() ** lp).float()  # [1] the length penalty's divisor
     hits = torch.isin(tok, stop_ids) | last  # [B, M]
     s, beam_src = _keep_running(s, top_scores, src_beam, seqs, hits, k)  # the best K that did not stop
@@ -227,7 +227,7 @@ def _step_release(
     tok: torch.Tensor,
     seqs: torch.Tensor,
     stop_ids: torch.Tensor,
-    gen_len: torch.Tensor,
+    t: torch.Tensor,
     prompt_len: torch.Tensor,
     k: int,
     lp: float,
@@ -235,7 +235,7 @@ def _step_release(
 ) -> tuple[torch.Tensor, ...]:
     """One step of transformers 4.29.2's ``BeamSearchScorer.process`` (+ ``finalize`` at the limit)."""
     b = s.running_scores.shape[0]
-    t = gen_len - 1
+    gen_len = t + 1  # [1]
     eos = torch.isin(tok, stop_ids)  # [B, M]
     s, beam_src = _keep_running(s, top_scores, src_beam, seqs, eos, k)  # the best K that do not end in EOS
     # EOS among the top K ranks: stored without the EOS, so len(input_ids) = prompt + gen_len - 1

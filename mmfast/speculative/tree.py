@@ -183,11 +183,14 @@ def _slots(tokens: torch.Tensor, parents: torch.Tensor, root: torch.Tensor, w: i
     return ar, node_tok, _slot_parents(parents, ar), (ar >= 1) & (ar <= tokens.numel())
 
 
-def _first_among_siblings(ok: torch.Tensor, par: torch.Tensor, ar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whether each slot is ``ok`` with no earlier ``ok`` sibling [W]; earlier[j, i] = node i is tried before j
-    under the same parent [W, W])."""
-    earlier = (par[:, None] == par[None, :]) & (ar[None, :] < ar[:, None])  # [W, W]
-    return ok & ~(earlier & ok[None, :]).any(1), earlier
+def _earlier_siblings(par: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
+    """[W, W] earlier[j, i]: slot i is tried before slot j under the same parent."""
+    return (par[:, None] == par[None, :]) & (ar[None, :] < ar[:, None])
+
+
+def _first(ok: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
+    """[W] whether each slot is ``ok`` with no earlier ``ok`` sibling (``earlier``: :func:`_earlier_siblings`)."""
+    return ok & ~(earlier & ok[None, :]).any(1)
 
 
 def _walk(first: torch.Tensor, par: torch.Tensor, ar: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,7 +239,7 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Ten
     ar, node_tok, par, is_node = _slots(tokens, parents, root, logits.shape[0])
     target = logits.argmax(-1)  # [W]
     match = is_node & (node_tok == target.index_select(0, par))  # [W] a node equals its parent's argmax
-    first, _ = _first_among_siblings(match, par, ar)  # verify takes the first match
+    first = _first(match, _earlier_siblings(par, ar))  # verify takes the first match
     k, keep = _walk(first, par, ar, levels)
     bonus = target.index_select(0, keep.index_select(0, k - 1))  # [1] the argmax at the deepest accepted node
     return _packed(keep, k, bonus, node_tok, par, ar, is_node)
@@ -268,12 +271,12 @@ def sampled_accept(
     ar, node_tok, par, is_node = _slots(tokens, parents, root, w)
     p = probs[par, node_tok]  # [W] each node's token under its parent's distribution
     # the child test: earlier siblings (nodes) rejected, their distinct tokens' mass removed
-    _, earlier = _first_among_siblings(is_node, par, ar)
-    earlier = earlier & is_node[None, :]  # [W, W]
-    repeat = (earlier & (node_tok[:, None] == node_tok[None, :])).any(1)  # [W] an earlier sibling's token: gone
-    left = 1.0 - (earlier & ~repeat[None, :]).float() @ p  # [W]
+    earlier = _earlier_siblings(par, ar)  # [W, W]
+    tried = earlier & is_node[None, :]  # the earlier siblings that are nodes
+    repeat = (tried & (node_tok[:, None] == node_tok[None, :])).any(1)  # [W] an earlier sibling's token: gone
+    left = 1.0 - (tried & ~repeat[None, :]).float() @ p  # [W]
     accept = torch.where(repeat, torch.zeros_like(p), torch.where(left > 0, p / left, p))  # [W]
-    first, _ = _first_among_siblings(is_node & (u[:w] < accept), par, ar)
+    first = _first(is_node & (u[:w] < accept), earlier)
     k, keep = _walk(first, par, ar, levels)
     last = keep.index_select(0, k - 1)  # [1] the deepest accepted node: every child of it was rejected
     kids = is_node & (par == last)  # [W]
