@@ -35,6 +35,8 @@ from mmfast.runtime import LMRunner
 RECIPES = {
     "greedy": {},
     "flash": {"speculative": {"method": "flash"}},
+    # a second block from one more draft forward (deeper trees, higher tau), its proposal one graph too
+    "flash_rounds2": {"speculative": {"method": "flash", "params": {"rounds": 2}}},
     "msd": {"speculative": {"method": "msd"}},
     "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
     # sampled cycles on the device (temperature 1, seeded): the point-mass verdict on uniforms drawn before it

@@ -11,7 +11,7 @@ most; views are not replayed). Op counts on the CPU, not GPU times.
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --layers 32  # the decode rows on 32 LLM layers
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --embedded --max-new-tokens 40
 
-``--embedded``: greedy and the trained drafters (FLASH, MSD: ops per verify cycle) on the embedded model
+``--embedded``: greedy and the trained drafters (FLASH, one and two rounds, MSD: ops per verify cycle) on the embedded model
 with one world image and the caption prompt, instead of the tiny random LLaVA's cases; the same sampled (temperature
 1, seed 3).
 
@@ -125,6 +125,7 @@ def embedded_rows(max_new_tokens: int) -> list[tuple[str, dict]]:
     sampled = {"decoding": {"method": "sample", "params": {"temperature": 1.0}, "seed": 3}}
     recipes = {"greedy": {}, "flash": {"speculative": {"method": "flash"}}, "msd": {"speculative": {"method": "msd"}}}
     recipes |= {"sample": sampled, **{f"{d}, sampled": {**sampled, **recipes[d]} for d in ("flash", "msd")}}
+    recipes["flash, 2 rounds"] = {"speculative": {"method": "flash", "params": {"rounds": 2}}}
     return [(name, count_step_ops(mm, r, [image], [prompt], max_new_tokens)) for name, r in recipes.items()]
 
 

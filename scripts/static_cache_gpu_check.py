@@ -37,6 +37,7 @@ RECIPES = {
     "vcd": {"decoding": {"method": "vcd", "seed": 0}},  # its noised image follows the seed
     "sample": {"decoding": {"method": "sample", "params": {"top_k": 20}, "seed": 3}},
     "flash": {"speculative": {"method": "flash", "params": {"top_k": 4, "total_tokens": 12}}},
+    "flash_rounds2": {"speculative": {"method": "flash", "params": {"top_k": 4, "total_tokens": 16, "rounds": 2}}},
     "msd": {"speculative": {"method": "msd", "params": {"depth": 6, "top_k": 4, "total_tokens": 8}}},
     "prompt_lookup": {"speculative": {"method": "prompt_lookup"}},
     # sampled cycles on the device: the point-mass verdict on uniforms drawn before its graph

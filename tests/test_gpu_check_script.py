@@ -28,10 +28,11 @@ def test_check_script_generates_the_world_and_compares_static_with_auto(tmp_path
 
 def test_cycle_time_script_splits_a_cycle_into_its_graphs():
     """scripts/cycle_time.py on the CPU (the CUDA-graph emulator): greedy replays one LM step a token; a FLASH cycle
-    replays its five graphs once each (greedy and sampled cycles on the device), and the decode time covers the graphs'."""
+    replays its five graphs once each (greedy and sampled cycles on the device, one round and two), and the decode time
+    covers the graphs'."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     cmd = [sys.executable, "scripts/cycle_time.py", "--device", "cpu", "--dtype", "float32"]
-    cmd += ["--recipes", "greedy,flash,sample_flash", "--samples", "1", "--max-new-tokens", "12"]
+    cmd += ["--recipes", "greedy,flash,sample_flash,flash_rounds2", "--samples", "1", "--max-new-tokens", "12"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = {r["row"]: r for r in json.loads(res.stdout.splitlines()[-1])["rows"]}
@@ -41,6 +42,8 @@ def test_cycle_time_script_splits_a_cycle_into_its_graphs():
     assert flash["replays_per_cycle"] == dict.fromkeys(kinds, 1.0), flash
     # sampled cycles on the device too: the same five graphs (the sampled verdict counted as the verdict)
     assert rows["sample_flash"]["replays_per_cycle"] == dict.fromkeys(kinds, 1.0), rows["sample_flash"]
+    # two rounds: the second block's draft forward inside the one proposal graph
+    assert rows["flash_rounds2"]["replays_per_cycle"] == dict.fromkeys(kinds, 1.0), rows["flash_rounds2"]
     assert 0 < flash["cycles"] < flash["tokens"] - 1  # more than one token a cycle
     for r in (greedy, flash):
         assert r["cycle_ms"] >= sum(r["graphs_ms_per_cycle"].values()) and r["outside_graphs_ms_per_cycle"] >= 0

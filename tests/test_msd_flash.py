@@ -156,6 +156,69 @@ def test_tree_respects_budget_depth_and_order(name, drafts, tiny_mm, images, pro
     assert int(big.depth().max()) == max_depth
 
 
+def _block_rows_by_tracing(par: list[int], beam: list[int], roots: list[int], root_rows, row_vis, start: int):
+    """FLASH's feed of a block, built node by node on the host: each path traced up to the block's first level, a node
+    on several paths once, rows in id order, a row seeing its parent's row and what it sees (a first-level node: its
+    block root's), and itself."""
+    level, root_of = {}, {}
+    for c, fr in zip(beam, roots):
+        chain = []
+        while c >= start:
+            chain.append(c)
+            c = par[c]
+        for lvl, node in enumerate(reversed(chain)):
+            level[node], root_of[node] = lvl, fr
+    order, n_prev = sorted(level), row_vis.shape[0]
+    vis = torch.zeros(n_prev + len(order), n_prev + len(order), dtype=torch.bool)
+    vis[:n_prev, :n_prev] = row_vis
+    row_of = {}
+    for i, c in enumerate(order):
+        prow = row_of.get(par[c], None if root_rows is None or level[c] else root_rows[root_of[c]])
+        if prow is not None:
+            vis[n_prev + i] = vis[prow]
+        vis[n_prev + i, n_prev + i] = True
+        row_of[c] = n_prev + i
+    return order, [level[c] for c in order], [root_of[c] for c in order], vis, [row_of[c] - n_prev for c in beam]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_flash_block_rows_are_the_paths_distinct_nodes(seed):
+    """FLASH's block feed in fixed shapes (``_block_rows``: what a captured proposal runs) equals the feed traced node by
+    node: the k best paths' distinct nodes in id order with their levels and block roots, each row seeing its
+    ancestors' rows and its block root's; the repeated nodes' rows come last and no row sees them; the query rows
+    are the paths' last nodes."""
+    from mmfast.speculative.flash import _block_rows
+
+    g = torch.Generator().manual_seed(seed)
+    k, big_k = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+    n_f = k if seed % 2 else 1  # a later block (k block roots, rows appended before) or the first one
+    n_prev = 0 if n_f == 1 else int(torch.randint(n_f, 3 * n_f + 1, (1,), generator=g))
+    row_vis = torch.rand(n_prev, n_prev, generator=g) < 0.4
+    row_vis |= torch.eye(n_prev, dtype=torch.bool)
+    root_rows = None if n_f == 1 else torch.randperm(n_prev, generator=g)[:n_f]
+    start = int(torch.randint(0, 30, (1,), generator=g))  # the block's first candidate id
+    par, level_parents, offsets = [-1] * start, [], []
+    beam = torch.arange(n_f) - 1 if n_f == 1 else torch.arange(n_f) + start - 3 * n_f  # level -1: the roots
+    b_root = torch.zeros(1, dtype=torch.long) if n_f == 1 else torch.arange(n_f)
+    for _ in range(big_k):  # each beam node expands into k candidates; k of them, at random, continue
+        cand = beam.repeat_interleave(k)
+        offsets.append(len(par))
+        level_parents.append(cand)
+        par += cand.tolist()
+        sel = torch.randperm(cand.numel(), generator=g)[: min(k, cand.numel())]
+        b_root = b_root.repeat_interleave(k)[sel]
+        beam = sel + offsets[-1]
+    got = _block_rows(level_parents, offsets, beam, b_root, root_rows, row_vis, len(par))
+    rows = None if root_rows is None else root_rows.tolist()
+    order, levels, roots, vis, query = _block_rows_by_tracing(par, beam.tolist(), b_root.tolist(), rows, row_vis, start)
+    q, r = len(order), k * big_k
+    assert got.ids[:q].tolist() == order and got.level[:q].tolist() == levels and got.root[:q].tolist() == roots
+    assert torch.equal(got.vis[:q, : n_prev + q], vis[n_prev:]) and not got.vis[:, n_prev + q :].any()
+    assert got.query.tolist() == query and got.vis.shape == (r, n_prev + r)
+    assert torch.equal(got.row_vis, torch.cat([torch.cat([row_vis, row_vis.new_zeros(n_prev, r)], 1), got.vis]))
+    assert set(got.ids[q:].tolist()) <= set(order)  # the repeats: nodes already fed
+
+
 def test_missing_weights_name_the_training_command(tiny_mm, tmp_path):
     with pytest.raises(ModelLoadError, match="scripts/train_drafts.py --draft msd"):
         load_draft(tmp_path / "nope", tiny_mm, "msd")

@@ -25,10 +25,13 @@ Algorithm:
 
 Hook points: none on the target (``needs_hidden``: the engine passes the prompt's final hidden states).
 
-Captured steps: where the target's verify step is captured (``model.compile: auto`` on CUDA), the one-block
-proposal (``rounds: 1``) is one graph (candidates, rerank, tree parents and the verify layout; read back in one
-copy, or left on the device in a greedy cycle) and the accept step another (:meth:`EagleDrafter._accept_graph`);
-``rounds`` > 1 proposes eagerly.
+Captured steps: where the target's verify step is captured (``model.compile: auto`` on CUDA), the proposal is
+one graph (every block's candidates, the further rounds' draft forwards, the rerank, tree parents and the verify
+layout; read back in one copy, or left on the device in a cycle there) and the accept step another
+(:meth:`EagleDrafter._accept_graph`). A further round feeds the k best paths as k * K rows in fixed shapes
+(:func:`_block_rows`: a node on several paths fed once, its repeats seen by no row), the same rows and tree as
+the paths' distinct nodes fed eagerly; the captured proposal has no early stop (the same kept tree, every round's
+forward run).
 
 Limits: batch 1 per sequence; trained weights for the target (``<model dir>/flash/``). Siblings in a
 block share their deeper slot distributions (the semi-AR head does not see the intermediate tokens).
@@ -56,6 +59,7 @@ the embedded LLaVA model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,36 +99,55 @@ class Flash(EagleDrafter):
         cfg = self.config
         factory = self._factory(ctx)
         tree = None
-        if factory is not None and cfg.rounds == 1 and self._root is not None:  # one block: fixed shapes
-            tree = _tree_of(self._propose_captured(ctx, factory, cfg.top_k, cfg.total_tokens), cfg.total_tokens)
+        if factory is not None and self._root is not None:  # fixed shapes: one captured step
+            tree = _tree_of(self._propose_captured(ctx, factory), cfg.total_tokens)
+            if tree is not None:
+                self._count(ctx, forwards=cfg.rounds - 1)
         if tree is None:
             tree, forwards = self.sar_tree(cfg.rounds, cfg.top_k, cfg.total_tokens)
             self._count(ctx, forwards=forwards)
         self._count(ctx, tokens=tree.n)
         return tree
 
-    def _propose_captured(self, ctx, factory, top_k: int, total: int) -> torch.Tensor:
-        """The one-block tree (``rounds: 1``) as one captured step over the fixed root buffer: candidates,
-        rerank, tree parents and the verify layout in the graph, packed on the device (:func:`_packed_tree`)."""
-        k = max(1, min(top_k, self.model.arch.vocab_size))
-        levels = self.model.n_slots  # one block: K levels
+    def _propose_captured(self, ctx, factory) -> torch.Tensor:
+        """The tree as one captured step over the fixed root buffer: every block's candidates (no early stop: the
+        same kept tree), the further rounds' draft forwards on the draft's fixed buffers
+        (:meth:`DraftCache.append_rows_static`, slots and positions from the device counters), the rerank, the tree
+        parents and the verify layout, packed on the device (:func:`_packed_tree`)."""
+        cfg, m, cache = self.config, self.model, self.cache
+        k = max(1, min(cfg.top_k, m.arch.vocab_size))
+        big_k, rounds, total = m.n_slots, cfg.rounds, cfg.total_tokens
+        key: tuple = ("sar", rounds, k, total, self._root.data_ptr())
+        if rounds > 1:  # its forwards read the draft's cache and rope table
+            cache._ensure(cache.committed + (rounds - 1) * k * big_k)
+            table = m.rope_table(self.pos + rounds * big_k)
+            key += (cache.k.data_ptr(), cache.k.shape[1], table[0].data_ptr())
+            for old in [c for c in self._graphs if c[0] == "sar" and c != key]:
+                del self._graphs[old]  # captured on buffers the draft has outgrown
 
         def make():
             def run() -> torch.Tensor:
-                return _packed_tree(*self._sar_candidates(1, k, total, early_stop=False)[:3], total, levels)
+                committed, pos0 = self._meta[0:1], self._meta[1:2]  # the device counters
+
+                def feed(x, rel, vis, query, last):
+                    start = committed + vis.shape[1] - x.shape[0]  # after the proposal's earlier rows
+                    return cache.append_rows_static(x, pos0 + rel, start, committed, vis).index_select(0, query)
+
+                cands = self._sar_candidates(rounds, k, total, early_stop=False, feed=feed)
+                return _packed_tree(*cands[:3], total, rounds * big_k)
 
             return {}, run
 
-        return self._captured(ctx, factory, ("sar", k, total, self._root.data_ptr()), make, lambda x: None)
+        return self._captured(ctx, factory, key, make, lambda x: None)
 
     def propose_on_device(self, ctx) -> DeviceTree | None:
         cfg = self.config
         factory = self._factory(ctx)
-        if factory is None or cfg.rounds != 1 or self._root is None:
+        if factory is None or self._root is None:
             return None
-        packed = self._propose_captured(ctx, factory, cfg.top_k, cfg.total_tokens)
-        tree = DeviceTree.unpack(packed, cfg.total_tokens, self.model.n_slots)
-        self._count(ctx, tokens=tree.tokens.numel())
+        packed = self._propose_captured(ctx, factory)
+        tree = DeviceTree.unpack(packed, cfg.total_tokens, cfg.rounds * self.model.n_slots)
+        self._count(ctx, forwards=cfg.rounds - 1, tokens=tree.tokens.numel())
         return tree
 
     @torch.inference_mode()
@@ -136,24 +159,30 @@ class Flash(EagleDrafter):
         return tree, forwards
 
     def _sar_candidates(
-        self, rounds: int, top_k: int, total: int, early_stop: bool
+        self, rounds: int, top_k: int, total: int, early_stop: bool, feed: Any = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
         """Every candidate's token, cumulative log-prob and parent (level order), and the draft forwards run.
-        With ``rounds: 1`` no host read and fixed shapes (what a captured proposal runs)."""
+        ``feed(x [R, d], rel [R], vis [R, A], query [k], last)`` runs a block's rows through the draft (positions
+        the root's + ``rel``, at most + ``last``; ``vis``: which of the proposal's A appended rows, these included,
+        each row sees) and returns the ``query`` rows' outputs; by default :meth:`DraftCache.append`. Without ``early_stop``: no host read and
+        fixed shapes (what a captured proposal runs: the same kept tree)."""
         m, cache = self.model, self.cache
         dev = m.fc.weight.device
         big_k = m.n_slots
         k = max(1, min(top_k, m.arch.vocab_size))
+        if feed is None:
+
+            def feed(x, rel, vis, query, last):
+                return cache.append(x, self.pos + rel, vis=vis, query=query, max_pos=self.pos + last)
+
         toks: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
         parents: list[torch.Tensor] = []
-        par_host: list[int] = []  # parents on the host, to trace paths when feeding a block
-        tok_host: list[int] = []
         n_cand = 0
         f_ids = torch.full((1,), -1, dtype=torch.long, device=dev)  # block roots (candidate ids; -1 = the tree root)
         f_score = torch.zeros(1, device=dev)
         f_feats = self.root_slots[None]  # [n_f, K, d]
-        f_rows: list[int] = [-1]  # appended draft row of each block root (-1: committed)
+        f_rows = None  # [n_f] the appended row of each block root (None: the committed root)
         row_vis = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # visibility among appended rows
         forwards = 0
         for r in range(rounds):
@@ -162,7 +191,7 @@ class Flash(EagleDrafter):
             # whose slot rows then serve every beam node
             b_root = torch.arange(f_ids.numel(), device=dev) if f_ids.numel() > 1 else None
             b_score, b_ids = f_score, f_ids
-            block_start = n_cand  # the first candidate id of this block (for tracing)
+            offsets = []  # the first candidate id of each level of this block
             for lvl in range(big_k):
                 if b_root is None:
                     cu = (b_score[:, None] + sv[0, lvl]).reshape(-1)  # [n_b * k]
@@ -170,17 +199,14 @@ class Flash(EagleDrafter):
                 else:
                     cu = (b_score[:, None] + sv[b_root, lvl]).reshape(-1)
                     t = tv[b_root, lvl].reshape(-1)
-                par = b_ids.repeat_interleave(k)
                 toks.append(t)
                 scores.append(cu)
-                parents.append(par)
-                if r < rounds - 1:
-                    tok_host += t.tolist()
-                    par_host += par.tolist()
+                parents.append(b_ids.repeat_interleave(k))
                 b_score, sel = cu.topk(min(k, cu.numel()))
                 b_ids = sel + n_cand  # candidate ids of this level: n_cand + 0..n_b*k-1
                 if b_root is not None:
                     b_root = b_root.repeat_interleave(k)[sel]
+                offsets.append(n_cand)
                 n_cand += cu.numel()
             if r == rounds - 1:
                 break
@@ -192,40 +218,78 @@ class Flash(EagleDrafter):
             ):
                 break  # no deeper candidate could enter the kept set (see MSD's eagle2_tree)
             # feed the k best paths of this block (levels 1..K) in one forward; the frontier's slots seed the next block
-            beam = b_ids.tolist()
-            nodes: dict[int, int] = {}  # candidate id -> block level (1..K)
-            root_of: dict[int, int] = {}
-            for c, fr in zip(beam, [0] * len(beam) if b_root is None else b_root.tolist()):
-                chain = []
-                while c >= block_start:
-                    chain.append(c)
-                    c = par_host[c]
-                for lvl, node in enumerate(reversed(chain), start=1):
-                    nodes[node] = lvl
-                    root_of[node] = fr
-            order = sorted(nodes)  # level order (ids grow with level)
-            q = len(order)
-            n_prev = row_vis.shape[0]
-            vis = torch.zeros(n_prev + q, n_prev + q, dtype=torch.bool, device=dev)
-            vis[:n_prev, :n_prev] = row_vis
-            row_of = {}
-            for i, c in enumerate(order):
-                p = par_host[c]
-                prow = row_of.get(p, f_rows[root_of[c]] if nodes[c] == 1 else None)
-                if prow is not None and prow >= 0:
-                    vis[n_prev + i] = vis[prow]
-                vis[n_prev + i, n_prev + i] = True
-                row_of[c] = n_prev + i
-            lvl_t = torch.tensor([nodes[c] for c in order], device=dev)
-            fr_t = torch.tensor([root_of[c] for c in order], device=dev)
-            feats = f_feats[fr_t, lvl_t - 1]  # the block root's slot l-1: the parent's predicted feature
-            tok_t = torch.tensor([tok_host[c] for c in order], device=dev)
-            x = cache.f.fc(cache.f.embed(tok_t).to(feats.dtype), feats)
-            pos = self.pos - 1 + r * big_k + lvl_t
-            query = torch.tensor([row_of[c] - n_prev for c in beam], device=dev)
-            out = cache.append(x, pos, vis=vis[n_prev:], query=query, max_pos=self.pos - 1 + (r + 1) * big_k)
+            roots = torch.zeros_like(b_ids) if b_root is None else b_root  # [k] each path's block root
+            block = _block_rows(parents[-big_k:], offsets, b_ids, roots, f_rows, row_vis, n_cand)
+            feats = f_feats[block.root, block.level]  # [R, d] the block root's slot l: the parent's predicted feature
+            x = cache.f.fc(cache.f.embed(torch.cat(toks).index_select(0, block.ids)).to(feats.dtype), feats)
+            out = feed(x, r * big_k + block.level, block.vis, block.query, r * big_k + big_k - 1)  # [k, d]
             forwards += 1
-            row_vis = vis
-            f_rows = [row_of[c] for c in beam]
+            row_vis, f_rows = block.row_vis, block.query + row_vis.shape[0]
             f_ids, f_score, f_feats = b_ids, b_score, m.slots(out)
         return toks, scores, parents, forwards
+
+
+@dataclass
+class _BlockRows:
+    """The rows fed for a block's k best paths (:func:`_block_rows`), R = k * K of them."""
+
+    ids: torch.Tensor  # [R] candidate ids, the paths' distinct nodes in id order, then the repeated ones
+    level: torch.Tensor  # [R] level in the block (0 .. K - 1)
+    root: torch.Tensor  # [R] the block root (frontier index) of the row's path
+    vis: torch.Tensor  # [R, P + R] bool: which appended rows (the P earlier ones, then these) each row sees
+    query: torch.Tensor  # [k] the rows of the paths' last nodes (the next frontier), among these
+    row_vis: torch.Tensor  # [P + R, P + R] bool: the visibility among every appended row, these included
+
+
+def _block_rows(
+    level_parents: list[torch.Tensor],
+    offsets: list[int],
+    beam: torch.Tensor,
+    roots: torch.Tensor,
+    root_rows: torch.Tensor | None,
+    row_vis: torch.Tensor,
+    n_cand: int,
+) -> _BlockRows:
+    """A block's k best depth-K paths as draft rows, in fixed shapes (no host read): every path's K nodes, a node
+    on several paths once (its first copy; the repeats are rows no row sees, placed last), the distinct nodes in
+    candidate-id order (level order); a row sees its block root's row and what that sees (``root_rows``: each
+    block root's appended row; None: the committed root), the rows of its path's nodes up to its own, and itself.
+
+    Args:
+        level_parents: K tensors, level i's candidates' parent ids; ``offsets``: level i's first candidate id.
+        beam: [k] the paths' last nodes (ids at level K - 1); roots: [k] their block roots.
+        row_vis: [P, P] the visibility among the P rows appended before; n_cand: the candidates so far.
+    """
+    k, big_k, dev = beam.numel(), len(offsets), beam.device
+    path = [beam]
+    for i in range(big_k - 1, 0, -1):  # up the paths: each node's parent
+        path.append(level_parents[i].index_select(0, path[-1] - offsets[i]))
+    ids = torch.stack(path[::-1], 1)  # [k, K] path j's node at level i
+    lvl = torch.arange(big_k, device=dev)
+    first = (ids[:, None, :] == ids[None, :, :]).long().argmax(1)  # [k, K] the first path holding that node
+    canon = (first * big_k + lvl).reshape(-1)  # [R] the slot (j * K + i) of each node's first copy
+    slot = torch.arange(k * big_k, device=dev)
+    repeat = canon != slot  # [R]
+    order = torch.sort(torch.where(repeat, n_cand + slot, ids.reshape(-1))).indices  # [R] row -> slot
+    row_of = torch.empty_like(order).index_copy_(0, order, slot)  # [R] slot -> row
+    path_of, lvl_of = slot // big_k, slot % big_k  # [R]
+    # a slot sees its path's slots at its level and above, each as its node's first copy's row
+    sees = (path_of[:, None] == path_of[None, :]) & (lvl_of[None, :] <= lvl_of[:, None])  # [R, R] slot x slot
+    onehot = row_of.index_select(0, canon)[:, None] == slot[None, :]  # [R, R] slot -> its first copy's row
+    new = (sees.float() @ onehot.float() > 0).index_select(0, order)  # [R, R] row x row
+    n_prev = row_vis.shape[0]
+    if root_rows is None:
+        before = new.new_zeros(k * big_k, n_prev)
+    else:  # the block root's row and what it sees
+        before = row_vis.index_select(0, root_rows.index_select(0, roots)).repeat_interleave(big_k, 0)
+        before = before.index_select(0, order)  # [R, P]
+    vis = torch.cat([before, new], 1)  # [R, P + R]
+    top = torch.cat([row_vis, row_vis.new_zeros(n_prev, k * big_k)], 1)
+    return _BlockRows(
+        ids.reshape(-1).index_select(0, order),
+        lvl_of.index_select(0, order),
+        roots.repeat_interleave(big_k).index_select(0, order),
+        vis,
+        row_of.index_select(0, slot.view(k, big_k)[:, -1]),
+        torch.cat([top, vis]),
+    )

@@ -162,16 +162,25 @@ def _slot_parents(parents: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat([slots[:1], parents, slots[parents.numel() + 1 :]])
 
 
+def _doublings(levels: int) -> int:
+    """The rounds of pointer doubling that reach every ancestor of a node at depth <= ``levels``: round j covers the
+    ancestors at distances below 2^j, so 2^rounds > levels."""
+    return max(1, levels.bit_length())
+
+
 def tree_layout(parents: torch.Tensor, width: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`DraftTree.depth` and :meth:`DraftTree.mask` of a tree padded to ``width`` slots, computed on the
-    device in fixed shapes (no host read): ``levels`` (>= the tree's depth) rounds of "a node sees what its
-    parent sees, and itself". Returns depths [W] and the mask [W, W]."""
+    device in fixed shapes (no host read) by pointer doubling: a node sees what it sees and what its 2^j-th
+    ancestor sees, for j below :func:`_doublings` of ``levels`` (>= the tree's depth). Returns depths [W] and the
+    mask [W, W]."""
     ar = torch.arange(width, device=parents.device)
-    par = _slot_parents(parents, ar)  # [W]
-    eye = ar[:, None] == ar[None, :]  # [W, W]
-    seen = eye
-    for _ in range(levels):
-        seen = seen.index_select(0, par) | eye
+    up = _slot_parents(parents, ar)  # [W] the 2^j-th ancestor (the root and pads: their own)
+    seen = ar[:, None] == ar[None, :]  # [W, W] the ancestors at distances below 2^j, and itself
+    rounds = _doublings(levels)
+    for j in range(rounds):
+        seen = seen | seen.index_select(0, up)
+        if j < rounds - 1:
+            up = up.index_select(0, up)
     return seen.sum(1) - 1, seen
 
 
@@ -194,12 +203,18 @@ def _first(ok: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
 
 
 def _walk(first: torch.Tensor, par: torch.Tensor, ar: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The accepted path down from the root, each node the ``first`` child of an accepted parent, in ``levels`` fixed
-    rounds: (k = root + path [1], keep [W]: the root, the path's slots in depth order, then the others' own)."""
-    is_root = ar == 0
-    acc = is_root
-    for _ in range(levels):
-        acc = is_root | (first & acc.index_select(0, par))  # [W] accepted: its parent accepted too
+    """The accepted path down from the root, each node the ``first`` child of an accepted parent (the nodes whose
+    every ancestor below the root, and themselves, are ``first``; by pointer doubling, :func:`_doublings` of
+    ``levels`` rounds): (k = root + path [1], keep [W]: the root, the path's slots in depth order, then the others'
+    own)."""
+    # [W] first at every distance below 2^j up the tree; the root is, a pad (its own parent, not the root) is not
+    acc = torch.where(par == ar, ar == 0, first)
+    up = par  # [W] the 2^j-th ancestor (the root and pads: their own)
+    rounds = _doublings(levels)
+    for j in range(rounds):
+        acc = acc & acc.index_select(0, up)
+        if j < rounds - 1:
+            up = up.index_select(0, up)
     k = acc.sum()[None]  # [1]
     order = torch.sort(torch.where(acc, ar, ar + ar.numel())).values  # accepted slots first, in index order
     return k, torch.where(ar < k, order, ar)
