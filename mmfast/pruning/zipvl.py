@@ -359,7 +359,7 @@ class ZipVL(Pruner):
         state.accounting.vision_override = vis_kept_f.to(state.groups[0].key_mask.device)
         kv = state.kv_bytes_per_sample()
         state.stats[self.name] = {
-            "per_sample_keep_ratio": [[round(float(x), 4) for x in row] for row in ratio],  # p/n per layer
+            "per_sample_keep_ratio": [[round(x, 4) for x in row] for row in ratio.tolist()],  # p/n per layer
             "per_sample_important_vision": vis_kept_f.tolist(),  # per layer
             "per_sample_vision_tokens": counts[3][:, 0].float().tolist(),
             "per_sample_equiv_vision_tokens": vis_kept_f.mean(1).tolist(),
