@@ -304,6 +304,17 @@ def format_mask(mask: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tens
     )
 
 
+def mask_out(mask: torch.Tensor, drop: torch.Tensor, impl: str) -> torch.Tensor:
+    """``mask`` (as :func:`format_mask` made it for ``impl``) with the keys ``drop`` marks ([B, 1, Q, K] bool,
+    broadcast) masked out as well."""
+    base = impl.removeprefix(PROBE_PREFIX)
+    if base == "eager":
+        return mask.masked_fill(drop, torch.finfo(mask.dtype).min)
+    if base == "sdpa":
+        return mask & ~drop
+    return format_mask(drop, impl, mask.dtype)  # raises: the implementation is not supported
+
+
 def is_inert_output_hook(hook: Callable) -> bool:
     """Whether a forward hook is transformers' own output-capturing hook (``output_hidden_states`` /
     ``output_attentions`` install it on the decoder layers and attention modules the first time they are

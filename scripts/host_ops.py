@@ -26,6 +26,11 @@ the tiny LLaVA with LLaVA-1.5-7B's depths (24 tower and 32 LLM layers, where the
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods cdpruner,tome --tokens 64
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --prefill --grid 24 --methods '' --decoders pai,only
 
+``--video``: ops per generated token of the unpruned model and DyCoke (its DP in every decode step) on a tiny random
+Qwen2.5-VL with a random 8-frame video, on the dynamic cache, eager static steps and captured ones.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/host_ops.py --video
+
 ``--per-token``: decoders (OPERA with 5 beams, 5 candidates and no rollback; PAI, ClearSight and ONLY (argmax) at
 their defaults)
 per generated token on the dynamic cache, on the static cache with eager steps, and with their steps captured: host
@@ -85,9 +90,13 @@ def main() -> None:
     ap.add_argument(
         "--layers", type=int, default=None, help="the decode rows: LLM layers of the tiny LLaVA (default 4)"
     )
+    ap.add_argument("--video", action="store_true", help="DyCoke per token on a tiny random Qwen2.5-VL's video")
     args = ap.parse_args()
     if args.embedded:
         print_rows(embedded_rows(args.max_new_tokens))
+        return
+    if args.video:
+        print_video_rows()
         return
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)) for _ in range(2)]
@@ -180,6 +189,29 @@ def print_token_rows(mm, images, prompts, methods: list[str]) -> None:
         ]:
             host, replayed = count_token_ops(mm, recipe, images, prompts, compile, captured=captured)
             print(f"| {method}: {name} | {host:.1f} | {replayed:.1f} |")
+
+
+def print_video_rows() -> None:
+    """``--video``: ops per generated token of the unpruned model and of DyCoke (DP at every step; threshold 0.5, so
+    its steps are of both kinds) on a tiny random Qwen2.5-VL (seed 1) with an 8-frame random video."""
+    from mmfast.models.factory import random_qwen_vl
+
+    model, processor = random_qwen_vl("qwen2_5_vl", seed=1)
+    mm = mmfast.load(model, processor)
+    video = [np.random.default_rng(0).integers(0, 255, (8, 28, 28, 3), dtype=np.uint8)]
+    recipes = {"unpruned": {}, "dycoke": {"pruning": [{"method": "dycoke", "params": {"l": 2, "threshold": 0.5}}]}}
+    print(f"| batch 1, one video, {len(mm.adapter.layers)} LLM layers, per token | host ops | replayed |")
+    print("|---|---|---|")
+    for name, recipe in recipes.items():
+        for mode, compile, captured in [
+            ("dynamic cache (`off`)", "off", False),
+            ("static cache, eager steps", "static", False),
+            ("static cache, captured steps", "static", True),
+        ]:
+            host, replayed = count_token_ops(
+                mm, recipe, None, ["What?"], compile, captured=captured, tokens=(4, 12), videos=video
+            )
+            print(f"| {name}: {mode} | {host:.1f} | {replayed:.1f} |")
 
 
 def print_rows(rows: list[tuple[str, dict]]) -> None:

@@ -255,21 +255,45 @@ def test_every_decoder_and_a_stacked_pruner_on_a_video(family):
     assert refused == REFUSED
 
 
-def test_static_cache_falls_back_naming_dycoke(caplog):
-    """model.compile: DP decides per step, so DyCoke's steps run on the dynamic cache (said once,
-    naming it) and give the tokens of compile off."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
+def test_dp_runs_in_captured_static_steps(family, monkeypatch, caplog):
+    """model.compile: DP's step is tensor work on inputs staged before each step, so DyCoke's decode steps run on the
+    static cache and as captured graphs (CUDA-graph semantics emulated: the recorded ops replayed, Python frozen,
+    host reads refused) with the tokens and per-sample pruned steps of compile off, at batch 2 and 1 (threshold 0.5:
+    steps of both kinds); no fallback is logged."""
     import logging
 
-    mm = _mm("qwen2_5_vl")
-    kw = dict(videos=[random_video(8, 1), random_video(6, 2)], max_new_tokens=5)
-    tokens = {}
-    for mode in ("off", "static"):
-        with caplog.at_level(logging.INFO, logger="mmfast.pipeline"):
-            with mmfast.apply(mm, load_recipe(_recipe()), compile=mode) as s:
-                tokens[mode] = [r.token_ids for r in s.generate(None, ["Describe.", "What?"], **kw)]
-    assert tokens["static"] == tokens["off"]
-    lines = [r.getMessage() for r in caplog.records if "model.compile" in r.getMessage()]
-    assert len(lines) == 1 and "dycoke" in lines[0] and "every step" in lines[0]
+    from mmfast._graph_emulator import ReplayEmulator
+    from mmfast.pipeline import Session
+
+    made = []
+
+    class Graph(ReplayEmulator):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    mm = _mm(family)
+    prompts, videos = ["Describe.", "What?"], [random_video(8, 1), random_video(6, 2)]
+    recipe = load_recipe(_recipe(threshold=0.5))
+
+    def run(mode: str, n: int) -> tuple[list, list]:
+        with mmfast.apply(mm, recipe, compile=mode) as s:
+            out = s.generate(None, prompts[:n], videos=videos[:n], max_new_tokens=8)
+        return [r.token_ids for r in out], [r.stats["dycoke"]["pruned_steps"] for r in out]
+
+    for n in (2, 1):
+        off = run("off", n)
+        assert run("static", n) == off
+        with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="mmfast"):
+            m.setattr(Session, "_capture_factory", lambda self: Graph)
+            made.clear()
+            assert run("static", n) == off
+        assert sum(g.replays for g in made) >= 5  # the decode steps replayed
+        falls_back = ("without a captured graph", "dynamic KV cache")
+        assert not [r for r in caplog.records if any(w in r.getMessage() for w in falls_back)]
+        pruned = off[1]
+        assert all(0 < p < len(t) - 1 for p, t in zip(pruned, off[0]))  # both kinds of step ran
 
 
 def test_dp_after_an_in_llm_pruner_ranks_what_layer_l_minus_1_attends(monkeypatch):

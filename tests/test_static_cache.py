@@ -1190,7 +1190,7 @@ def test_methods_that_act_in_decode_steps_declare_it(kind, name, tiny_mm):
 
     if kind == "pruning":
         if caps_of(PRUNERS.get(name).cls, None).videos_only:
-            pytest.skip("needs a video model: DyCoke's DP declares dynamic_decode (tests/test_dycoke.py)")
+            pytest.skip("needs a video model (tests/test_dycoke.py)")
         recipe = {"pruning": [_stage(name, tiny_mm)]}
     else:
         recipe = {"decoding": {"method": name, "params": DECODER_PARAMS.get(name, {})}}

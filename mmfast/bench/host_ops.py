@@ -221,13 +221,22 @@ def count_call_ops(mm, recipe: dict, images, prompts, *, captured: bool = True) 
 
 
 def count_token_ops(
-    mm, recipe: dict, images, prompts, compile: str, *, captured: bool, tokens: tuple[int, int] = (4, 20)
+    mm,
+    recipe: dict,
+    images,
+    prompts,
+    compile: str,
+    *,
+    captured: bool,
+    tokens: tuple[int, int] = (4, 20),
+    videos=None,
 ) -> tuple[float, float]:
     """(ops dispatched outside graph replays, ops the graphs replayed) per generated token of ``recipe``: a call of
     ``tokens[1]`` new tokens less one of ``tokens[0]``, each after a first call of the same inputs (its graphs
     captured), over the tokens between (both calls must run to their length: a decoder that stops early raises).
-    ``compile``: ``off`` (the dynamic cache) or ``static`` (with ``captured``: the CPU stand-in of CUDA graphs)."""
-    short, long = (_call_counter(mm, recipe, images, prompts, n, compile, captured) for n in tokens)
+    ``compile``: ``off`` (the dynamic cache) or ``static`` (with ``captured``: the CPU stand-in of CUDA graphs);
+    ``videos``: the prompts' videos, if any."""
+    short, long = (_call_counter(mm, recipe, images, prompts, n, compile, captured, videos) for n in tokens)
     if (short.tokens, long.tokens) != tokens:
         raise RuntimeError(f"the calls made {short.tokens} and {long.tokens} tokens, not {tokens}")
     n = tokens[1] - tokens[0]
@@ -235,7 +244,7 @@ def count_token_ops(
     return host / n, (long.replayed - short.replayed) / n
 
 
-def _call_counter(mm, recipe: dict, images, prompts, max_new_tokens: int, compile: str, captured: bool):
+def _call_counter(mm, recipe: dict, images, prompts, max_new_tokens: int, compile: str, captured: bool, videos=None):
     """The :class:`StageCounter` of a ``generate`` call after a first call of the same inputs; its ``tokens``: the
     first sample's generated count."""
     original = Session._capture_factory
@@ -244,11 +253,12 @@ def _call_counter(mm, recipe: dict, images, prompts, max_new_tokens: int, compil
     ReplayGraph.made = []
     try:
         with apply(mm, load_recipe(recipe), compile=compile) as s:
-            s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)  # captures the call's graphs
+            kw = {} if videos is None else {"videos": videos}
+            s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0, **kw)  # captures the call's graphs
             counter = StageCounter(s.runner)
             ReplayGraph.counter = counter  # pauses it while a graph replays
             with counter, _reading_lists(counter):
-                out = s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0)
+                out = s.generate(images, prompts, max_new_tokens=max_new_tokens, seed=0, **kw)
     finally:
         Session._capture_factory = original
         ReplayGraph.counter = None

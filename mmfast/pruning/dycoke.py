@@ -44,14 +44,21 @@ in fp32 from mmfast's probe (the release computes it in the model dtype, from ea
 (d) the previous step's attention is per generation (the release's ``attention_score`` persists across
 samples, so its first step compares with the last sample's last step); (e) DP acts on single-token
 steps only, as the release (``position_ids.shape[1] == 1``): it declares a per-step KV edit, so
-speculative drafting is refused unless ``p: 0``; the static-cache step is not used (per-step Python
-decision); (f) F = 1 keeps the video whole, step b is skipped when F <= 4 (the release raises on both:
+speculative drafting is refused unless ``p: 0``; (f) F = 1 keeps the video whole, step b is skipped when F <= 4 (the release raises on both:
 ``torch.stack`` of an empty list); an odd F drops the last frame as the release does;
 (g) ``k: 0`` leaves the tokens in place (the release would still reorder pruned frames by similarity);
 (h) stacked after an in-LLM pruner that drops tokens before layer l - 1 (PyramidDrop, SparseVLM, ...),
 the candidates are the ones layer l - 1 still attends (its own cache layout).
 No-op: ``k: 0`` and ``p: 0``. DyCoke needs a video: a batch without one is refused before compute.
 Budget: none (the release's own ``k`` / ``p``).
+
+Captured steps: DP's step (:func:`dp_step`) is tensor work in fixed shapes, no host read: the candidates'
+attention, the similarity to the previous step's, the top ``int(n (1 - p))`` by rank (a sort, where the release
+takes ``topk``: the same set but for exact ties at the cut) and the mask of layers >= l, applied to the step's own
+mask. On a static cache its inputs (candidates, slot maps, the kept counts, the previous attention) are staged before
+each step in fixed memory padded to the buffers (``Carried.before_step``), so ``model.compile: auto`` captures the
+decode step with DP inside; the new attention and whether the step pruned are carried out of it and recorded after
+the step (the pruned-step counts stay on the device until the call's stats are read).
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ import torch.nn.functional as F
 from .. import compat
 from ..capabilities import Capabilities, Need
 from ..config import opt
-from ..hooks.attention import last_row
+from ..hooks.attention import Carried, last_row, replayable, staged_copy
 from ..models.base import FRAME, VIDEO
 from ..registry import PRUNERS
 from ..runtime import SlotEdit
@@ -76,6 +83,7 @@ from .divprune import select_image_rows
 
 ATTN_TAG = "dycoke.attention"  # LMInputs tag: the previous decode step's attention on each candidate slot
 CANDIDATE_TAG = "dycoke.candidate"  # LMInputs tag: DP candidates (a video's tokens after TTM but its last)
+_RESULT = "dycoke.step"  # LMState.extras: a decode step's DPResult, from the step (or its graph) to its end
 
 WHY = {
     Need.VIDEO: "TTM merges a video's frames and DP prunes its tokens; use an image pruner on images",
@@ -111,6 +119,44 @@ def dp_select(attn: torch.Tensor, prev: torch.Tensor | None, p: float, threshold
     return torch.topk(attn, int(attn.shape[0] * (1 - p)), sorted=False).indices
 
 
+@dataclass(frozen=True)
+class DPInputs:
+    """What a DP step reads besides the attention row, laid out on layer l - 1's S0 slots and layer l's S slots."""
+
+    cand: torch.Tensor  # [B, S0] bool: the slot holds a candidate
+    src: torch.Tensor  # [B, S0] long: its prompt slot (0 where none)
+    dst: torch.Tensor  # [B, S] long: the prompt slot of each of layer l's slots (-1: none)
+    k: torch.Tensor  # [B, 1] long: the candidates a re-selecting step keeps, int(n (1 - p))
+    prev: torch.Tensor  # [B, L] float32: the previous step's attention at each prompt slot (0: none)
+    has_prev: torch.Tensor  # [B, 1] bool: there was a previous step
+
+
+@dataclass(frozen=True)
+class DPResult:
+    attention: torch.Tensor  # [B, L] float32: this step's attention at the candidates' prompt slots (0 elsewhere)
+    pruned: torch.Tensor  # [B] bool: the step re-selected (layers >= l attend the kept candidates only)
+
+
+def dp_step(probs: torch.Tensor, dp: DPInputs, threshold: float) -> tuple[torch.Tensor, DPResult]:
+    """:func:`dp_select` for every row at once in fixed shapes (no host read): ``probs`` [B, S0] the new token's
+    head-mean attention over layer l - 1's slots. Returns which of layer l's slots the step drops ([B, S] bool) and
+    its result."""
+    bsz, n_prompt = dp.prev.shape
+    attn = torch.where(dp.cand, probs.float(), torch.zeros_like(probs, dtype=torch.float32))  # [B, S0]
+    new = attn.new_zeros(bsz, n_prompt).scatter_add(1, dp.src, attn)  # [B, L] (0 outside the candidates)
+    prev = dp.prev.gather(1, dp.src) * dp.cand  # [B, S0] the previous step's, at the same candidates
+    sim = torch.where(dp.has_prev[:, 0], F.cosine_similarity(attn, prev, dim=1), torch.zeros_like(attn[:, 0]))
+    pruned = (sim < threshold) & dp.cand.any(1)  # [B]
+    order = torch.where(dp.cand, attn, torch.full_like(attn, -1.0)).argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
+    )
+    drop = dp.cand & (rank >= dp.k) & pruned[:, None]  # [B, S0] candidates left out at this step
+    drop_prompt = torch.zeros_like(new).scatter_add(1, dp.src, drop.float()) > 0  # [B, L]
+    out = drop_prompt.gather(1, dp.dst.clamp(min=0)) & (dp.dst >= 0)  # [B, S]
+    return out, DPResult(new, pruned)
+
+
 @PRUNERS.register("dycoke", description="DyCoke: temporal token merging of video frames + dynamic KV pruning per step")
 class DyCoke(Pruner):
     """DyCoke."""
@@ -127,7 +173,6 @@ class DyCoke(Pruner):
             needs_full_grid=True,  # TTM compares the same grid cell across frames
             kv_edit_decode=dp,
             decode_free_setting="p: 0",
-            dynamic_decode="DyCoke's DP chooses the attended video tokens at every step" if dp else "",
             videos_only="TTM merges a video's frames and DP prunes its tokens",
             video_join=True,  # TTM reads the video's frames in the feature stage; DP reads LLM-input tags
         )
@@ -192,9 +237,20 @@ class DyCoke(Pruner):
             rows=last_row,
             when=lambda q, k: q == 1,
             reduce="mean",
+            decode_replayable=True,  # a captured decode step replays it
         )
-        self.ctx.runner.prune_at(layer, self._split)
-        self.ctx.runner.on_decode(layer, self._decode_step)
+        runner = self.ctx.runner
+        runner.prune_at(layer, self._split)
+        # tensor work only (a captured step replays it): its result carried out of the step, recorded after it
+        self._memory: dict[tuple, torch.Tensor] = {}  # a static step's staged inputs (fixed memory)
+        active = lambda: runner.active  # noqa: E731
+        carried = Carried(
+            lambda: active().extras.get(_RESULT),
+            lambda result: active().extras.__setitem__(_RESULT, result),
+            before_step=self._stage,
+        )
+        runner.on_decode(layer, replayable(self._decode_step, carried))
+        runner.step_hooks.append(self._record)
 
     def _split(self, view) -> SlotEdit:
         """A layer group at l with the prefill layout unchanged (its mask is set per decode step), and
@@ -217,37 +273,60 @@ class DyCoke(Pruner):
         order = torch.arange(view.vision.shape[1], device=cand.device, dtype=torch.float64).expand(cand.shape[0], -1)
         return SlotEdit(keep=torch.ones_like(view.vision), order=order)
 
+    def _inputs(self, state, s0: int, s: int) -> DPInputs:
+        """:class:`DPInputs` of ``state`` with layer l - 1's slots padded to ``s0`` and layer l's to ``s``."""
+        grp0 = state.groups[state.group_of(self.layer - 1)]  # an earlier stage may have dropped slots there
+        grp = state.groups[state.group_of(self.layer)]
+        pad = torch.nn.functional.pad
+        src0 = pad(grp0.source, (0, s0 - grp0.length), value=-1)  # [B, S0]
+        valid0 = pad(grp0.key_mask, (0, s0 - grp0.length), value=False)
+        tags = state.inputs.tags
+        cand = tags[CANDIDATE_TAG].gather(1, src0.clamp(min=0)) & (src0 >= 0) & valid0  # [B, S0]
+        # int(n (1 - p)) as the host computes it: a double product, truncated
+        k = (cand.sum(1, keepdim=True).double() * (1 - self.config.p)).long()  # [B, 1]
+        prev = tags.get(ATTN_TAG)
+        has = torch.full((cand.shape[0], 1), prev is not None, device=cand.device)
+        prev = torch.zeros(tags[CANDIDATE_TAG].shape, device=cand.device) if prev is None else prev.float()
+        dst = pad(grp.source, (0, s - grp.length), value=-1)  # [B, S]
+        return DPInputs(cand, src0.clamp(min=0), dst, k, prev, has)
+
+    def _stage(self, state) -> tuple:
+        """``Carried.before_step``: a static step's inputs copied into fixed memory (padded to the buffers)."""
+        s0 = compat.static_capacity(state.cache, state.groups[state.group_of(self.layer - 1)].start)
+        s = compat.static_capacity(state.cache, state.groups[state.group_of(self.layer)].start)
+        fresh = self._inputs(state, s0, s)
+        for name, t in vars(fresh).items():
+            staged_copy(self._memory, (name, *t.shape, t.device), t, t.device)
+        return ("dycoke",)
+
+    def _staged(self, state, s0: int, s: int) -> DPInputs:
+        dev, bsz, n_prompt = state.inputs.input_ids.device, state.batch_size, state.inputs.input_ids.shape[1]
+        shapes = {"cand": (bsz, s0), "src": (bsz, s0), "dst": (bsz, s), "k": (bsz, 1), "prev": (bsz, n_prompt)}
+        shapes["has_prev"] = (bsz, 1)
+        return DPInputs(**{name: self._memory[(name, *shape, dev)] for name, shape in shapes.items()})
+
     def _decode_step(self, layer: int, hidden: torch.Tensor, state) -> None:
+        """At layer l in a one-token step: which video tokens layers >= l attend (:func:`dp_step`), as their group's
+        mask for this step. Tensor work only; on a static cache it reads the inputs staged before the step."""
         if hidden.shape[1] != 1 or CANDIDATE_TAG not in state.inputs.tags:
             return
-        cfg = self.config
-        # the layout layer l - 1 attends: an earlier stage (PyramidDrop, SparseVLM) may have dropped slots
-        grp0 = state.groups[state.group_of(self.layer - 1)]
-        probs = self.ctx.probe[self.probe_name].probs[:, 0, : grp0.length]  # [B, T0] head-mean, fp32
-        inputs = state.inputs
-        src0 = grp0.source.clamp(min=0)  # [B, T0] prompt slot of each cache slot
-        cand0 = inputs.tags[CANDIDATE_TAG].gather(1, src0) & (grp0.source >= 0) & grp0.key_mask  # [B, T0]
-        prev = inputs.tags.get(ATTN_TAG)  # [B, L] or None at the first step
-        new = torch.zeros(inputs.image_mask.shape, dtype=torch.float32, device=probs.device)  # [B, L]
-        drop = torch.zeros_like(inputs.image_mask)  # [B, L] candidates not attended at this step
-        pruned = state.stats.get(self.name, {}).get("per_sample_pruned_steps")
-        if pruned is not None and len(pruned) != probs.shape[0]:  # beams / branches: rows are not samples
-            pruned = None
-        for b in range(probs.shape[0]):
-            slots = src0[b][cand0[b]]  # [n] prompt slots, in order
-            if slots.numel() == 0:
-                continue
-            attn = probs[b][cand0[b]]  # [n]
-            new[b, slots] = attn
-            keep = dp_select(attn, None if prev is None else prev[b, slots].float(), cfg.p, cfg.threshold)
-            if keep is not None:
-                drop[b, slots] = True
-                drop[b, slots[keep]] = False
-                if pruned is not None:
-                    pruned[b] += 1
-        state.inputs = dataclasses.replace(inputs, tags={**inputs.tags, ATTN_TAG: new})
+        probs = self.ctx.probe[self.probe_name].probs[:, 0]  # [B, S0] head-mean, fp32
         grp = state.groups[state.group_of(self.layer)]
-        src = grp.source.clamp(min=0)
-        attend = grp.key_mask & ~(drop.gather(1, src) & (grp.source >= 0))  # [B, T_g]
+        s0, s = probs.shape[-1], grp.fwd_mask.shape[-1]
+        dp = self._staged(state, s0, s) if compat.is_static(state.cache) else self._inputs(state, s0, s)
+        drop, result = dp_step(probs, dp, self.config.threshold)
         impl = self.adapter.text_config._attn_implementation
-        grp.fwd_mask = compat.format_mask(attend[:, None, None, :], impl, hidden.dtype)  # [B, 1, 1, T_g]
+        grp.fwd_mask = compat.mask_out(grp.fwd_mask, drop[:, None, None, :], impl)  # [B, 1, 1, S]
+        state.extras[_RESULT] = result
+
+    def _record(self, state) -> None:
+        """After a step: its attention becomes the next step's previous one; a re-selecting step is counted (on the
+        device, read with the call's stats; beams and branches, whose rows are not samples, are not counted)."""
+        result = state.extras.pop(_RESULT, None)
+        if result is None:
+            return
+        state.inputs = dataclasses.replace(state.inputs, tags={**state.inputs.tags, ATTN_TAG: result.attention})
+        mine = state.stats.get(self.name, {})
+        pruned = mine.get("per_sample_pruned_steps")
+        if pruned is not None and len(pruned) == result.pruned.shape[0]:
+            mine["per_sample_pruned_steps"] = torch.as_tensor(pruned, device=result.pruned.device) + result.pruned
