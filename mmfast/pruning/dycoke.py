@@ -44,8 +44,9 @@ in fp32 from mmfast's probe (the release computes it in the model dtype, from ea
 (d) the previous step's attention is per generation (the release's ``attention_score`` persists across
 samples, so its first step compares with the last sample's last step); (e) DP acts on single-token
 steps only, as the release (``position_ids.shape[1] == 1``): it declares a per-step KV edit, so
-speculative drafting is refused unless ``p: 0``; (f) F = 1 keeps the video whole, step b is skipped when F <= 4 (the release raises on both:
-``torch.stack`` of an empty list); an odd F drops the last frame as the release does;
+speculative drafting is refused unless ``p: 0``; (f) F = 1 keeps the video whole, step b is skipped when
+F <= 4 (the release raises on both: ``torch.stack`` of an empty list); an odd F drops the last frame as the
+release does;
 (g) ``k: 0`` leaves the tokens in place (the release would still reorder pruned frames by similarity);
 (h) stacked after an in-LLM pruner that drops tokens before layer l - 1 (PyramidDrop, SparseVLM, ...),
 the candidates are the ones layer l - 1 still attends (its own cache layout).
@@ -292,6 +293,8 @@ class DyCoke(Pruner):
 
     def _stage(self, state) -> tuple:
         """``Carried.before_step``: a static step's inputs copied into fixed memory (padded to the buffers)."""
+        if CANDIDATE_TAG not in state.inputs.tags:  # no prefill through layer l: the step does nothing here
+            return ("dycoke", None)
         s0 = compat.static_capacity(state.cache, state.groups[state.group_of(self.layer - 1)].start)
         s = compat.static_capacity(state.cache, state.groups[state.group_of(self.layer)].start)
         fresh = self._inputs(state, s0, s)
