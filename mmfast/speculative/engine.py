@@ -29,7 +29,16 @@ import torch
 
 from ..decoding.base import DecodeOutput, DecodeRequest, now, sample_generator, sample_seed, state_accounting
 from ..decoding.loop import warpers
-from .tree import DeviceTree, DraftTree, Verdict, greedy_accept, sampled_accept, tree_depths, verify
+from .tree import (
+    DeviceTree,
+    DraftTree,
+    Verdict,
+    greedy_accept,
+    padded_nodes,
+    sampled_accept,
+    tree_depths,
+    verify,
+)
 
 if TYPE_CHECKING:
     from ..context import MethodContext
@@ -227,23 +236,29 @@ def _sampled_verdict(ctx: SpecContext, drafter: Drafter, tree: DraftTree, root: 
     u = _uniforms(ctx, drafter, tree.n)
     w = u.numel() - 1
     levels = max(1, *tree_depths(tree.parent_list))
-    padded = DeviceTree.from_lists(tree.token_list, tree.parent_list, w, root, levels, logits.device)
+    nodes = torch.tensor([*padded_nodes(tree.token_list, tree.parent_list, w, root), root], device=logits.device)
     rows = torch.cat([logits, logits.new_zeros(w - tree.n - 1, logits.shape[-1])])  # [W, V]; pads: never read
-    root_t = torch.tensor([root], device=logits.device)
-    out = sampled_accept(padded.tokens, padded.parents, ctx.probs(rows), root_t, u, levels)
+    out = sampled_accept(nodes[: w - 1], nodes[w - 1 : -1], ctx.probs(rows), nodes[-1:], u, levels)
     host = out.tolist()
-    k = host[w]
-    return Verdict(host[1:k], host[-1], [d + 1 for d in range(k) if host[2 * w + 2 + d]])
+    k, _, tried = _read_verdict(host, w)
+    return Verdict(host[1:k], host[-1], tried)
+
+
+def _read_verdict(host: list[int], width: int) -> tuple[int, list[int], list[int]]:
+    """A verdict (:func:`greedy_accept`'s layout) read to the host: the kept count k (root + path), the committed
+    tokens (the path's, then the bonus) and the depths at which a child was tried."""
+    k = host[width]
+    return k, host[width + 1 : width + 1 + k], [d + 1 for d in range(k) if host[2 * width + 2 + d]]
 
 
 def _cycle_on_device(
     ctx: SpecContext, drafter: Drafter, tree: DeviceTree, root: torch.Tensor, width: int, commit: Callable
 ) -> torch.Tensor:
-    """A greedy cycle whose tree, verdict and rollback stay on the device (captured steps): the drafter's
-    proposal, the verify step's graph, the greedy verdict's graph (:func:`greedy_accept`), the target's keep
-    graph and the draft's accept step run back to back from device tensors, and the host reads the verdict
-    once, then follows with its counts and layouts. The same tokens and statistics as :func:`_cycle`. Returns
-    the next root ([1], on the device)."""
+    """A cycle whose tree, verdict and rollback stay on the device (captured steps): the drafter's proposal, the
+    verify step's graph, the verdict's graph (:func:`greedy_accept`; sampling: :func:`sampled_accept` on uniforms
+    drawn before it), the target's keep graph and the draft's accept step run back to back from device tensors, and
+    the host reads the verdict once, then follows with its counts and layouts. The same tokens and statistics as
+    :func:`_cycle`. Returns the next root ([1], on the device)."""
     runner, state = ctx.method.runner, ctx.state
     n_tree = tree.tokens.numel()
     nodes = torch.cat([root, tree.tokens, root.expand(width - n_tree - 1)])[None]  # [1, W]
@@ -277,10 +292,9 @@ def _cycle_on_device(
     w = width
     runner.keep_new_on_device(state, w, verdict[: w + 1])
     drafter.accept_on_device(ctx, verdict[w + 1 : 2 * w + 2], step.hidden[0].index_select(0, verdict[:w]))
-    host = verdict.tolist()  # the cycle's one read
-    k = host[w]
+    k, tokens, tried = _read_verdict(verdict.tolist(), w)  # the cycle's one read
     runner.kept_on_device(state, w, verdict[:k])
-    commit(host[w + 1 : w + 1 + k], k - 1, [d + 1 for d in range(k) if host[2 * w + 2 + d]])
+    commit(tokens, k - 1, tried)
     drafter.accepted_on_device(ctx, k)
     return verdict[3 * w + 2 :]
 

@@ -147,13 +147,18 @@ class DeviceTree:
     def from_lists(
         tokens: list[int], parents: list[int], width: int, root: int, levels: int, device: torch.device
     ) -> DeviceTree:
-        """A tree built on the host, sent in one copy as W - 1 nodes: its nodes, then pad nodes (the root's
-        token, each its own parent: never accepted, seen by none) up to the verify width W; ``levels`` >= its
+        """A tree built on the host, sent in one copy as W - 1 nodes (:func:`padded_nodes`); ``levels`` >= its
         depth (a fixed bound keeps one verdict graph for every tree)."""
-        pads = range(len(tokens) + 1, width)
         mask = [int(b) for row in _mask_rows(parents, width) for b in row]
-        packed = [*tokens, *[root] * len(pads), *parents, *pads, 0, *tree_depths(parents, width), *mask]
+        packed = [*padded_nodes(tokens, parents, width, root), 0, *tree_depths(parents, width), *mask]
         return DeviceTree.unpack(torch.tensor(packed, device=device), width, levels)
+
+
+def padded_nodes(tokens: list[int], parents: list[int], width: int, root: int) -> list[int]:
+    """A host tree's W - 1 node tokens, then their parents: its nodes, then pad nodes up to the verify width W (the
+    root's token, each its own parent: never accepted, seen by none)."""
+    pads = range(len(tokens) + 1, width)
+    return [*tokens, *[root] * len(pads), *parents, *pads]
 
 
 def _slot_parents(parents: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
