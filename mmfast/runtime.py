@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -442,6 +442,9 @@ class LMRunner:
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
         self.step_hooks: list[Callable[[LMState], None]] = []  # KV policies after each decode step
+        #: what the methods' graph-safe Python branches on in a step (layer skip's draft mode): part of a captured
+        #: step's key, so a graph recorded on one branch never replays for the other
+        self.graph_variants: list[Callable[[], Hashable]] = []
         # Qwen3-VL deepstack: after LLM layers 0..n-1 of prefill, add each vision slot's level-i feature
         # (the LMInputs tag carried with the tokens, so pruned layouts get the right rows)
         self.deepstack_levels = int(getattr(adapter, "deepstack_levels", 0))
@@ -712,7 +715,14 @@ class LMRunner:
         stages = [c.stage for c in carried if c.stage is not None]
         staged = tuple(stage(length) for stage in stages)  # probe rows picked from this batch, in the graph's memory
         try:
-            key = (compat.static_buffers(cache, layers), "prefill", layers.start, live.shapes(), staged)
+            key = (
+                compat.static_buffers(cache, layers),
+                "prefill",
+                layers.start,
+                live.shapes(),
+                staged,
+                self._variant(),
+            )
             return self._segment_graph(cache, layers, live, carried, key)
         finally:
             for stage in stages:
@@ -983,20 +993,24 @@ class LMRunner:
                     found.append(carried)
         return found
 
+    def _variant(self) -> tuple:
+        """What a graph captured now records of the methods' Python branches (:attr:`graph_variants`)."""
+        return tuple(fn() for fn in self.graph_variants)
+
     def _replay(self, state: LMState, step: _StepInputs, staged: tuple = ()) -> torch.Tensor:
         """Run the step as a captured graph. Its inputs are the new tokens (or embeddings), positions
         and block mask and each group's slot validity, copied into the graph's static tensors; the
         embedding lookup and the masks are computed inside the graph from them and the device write
         indices (:meth:`_static_masks`), and the graph marks the new slots valid for the next step.
-        A graph serves the buffers it was captured on (no growth, no new batch), one layer-group layout, one Q
-        and what its decode hooks' staging said of the state (``staged``: ``Carried.before_step``); the buffers and
-        graphs outlive the call (:class:`compat.StaticBufferPool`), so a later call whose cache takes the same
-        buffers replays it."""
+        A graph serves the buffers it was captured on (no growth, no new batch), one layer-group layout, one Q,
+        what its decode hooks' staging said of the state (``staged``: ``Carried.before_step``) and the methods'
+        :attr:`graph_variants`; the buffers and graphs outlive the call (:class:`compat.StaticBufferPool`), so a
+        later call whose cache takes the same buffers replays it."""
         groups = state.groups
         caps = tuple(self._capacity(state, i) for i in range(len(groups)))
         starts = tuple(g.start for g in groups)
         shapes = tuple((t.shape, t.dtype) for t in step.tensors())
-        key = (compat.static_buffers(state.cache), caps, starts, step.tokens is None, shapes, staged)
+        key = (compat.static_buffers(state.cache), caps, starts, step.tokens is None, shapes, staged, self._variant())
         captured = self.pool.graphs.get(key)
         if captured is None:
             static = _StepInputs(

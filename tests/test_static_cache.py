@@ -69,6 +69,41 @@ def test_static_decoders_and_drafters_match_dynamic(name, tiny_mm, images, promp
     assert static == dynamic
 
 
+def test_layer_skip_draft_steps_and_target_steps_are_separate_graphs(tiny_mm, images, prompts):
+    """A captured one-token step records the layer-skip branch it ran (the draft's skips or the full target): a
+    draft step, a target step and a draft step again, each from the same slots, replay graphs with the eager
+    logits of their own branch (keyed on ``runner.graph_variants``), not the first graph captured at that width."""
+    recipe = load_recipe({"speculative": {"method": "layer_skip", "params": {"skip": [1, 2], "gamma": 2}}})
+    with mmfast.apply(tiny_mm, recipe, compile="static") as s:
+        batch = tiny_mm.prepare(images[:1], prompts[:1])
+        inputs = s.build_inputs(batch, s.encode(batch))
+        token = torch.tensor([[5]])
+
+        def steps(capture) -> list[torch.Tensor]:
+            out = []
+            with torch.inference_mode(), s.runner.static_cache(8, capture):
+                state, _ = s.runner.prefill(inputs)
+                for draft in (True, False, True, False):
+                    cp = state.checkpoint()
+                    s.drafter.active = draft
+                    try:
+                        out.append(s.runner.step(state, token).logits)  # [1, 1, V]
+                    finally:
+                        s.drafter.active = False
+                    state.rollback(cp)
+                s.runner.finish(state)
+            return out
+
+        eager = steps(None)
+        EmulatedGraph.made = []
+        replayed = steps(EmulatedGraph)
+    assert not torch.allclose(eager[0], eager[1], atol=1e-3), "the draft's skips must change the logits"
+    for want, got in zip(eager, replayed):
+        torch.testing.assert_close(got, want)
+    # one graph per branch, each captured then replayed once (the prompt's captured prefill beside them)
+    assert sorted(g.replays for g in EmulatedGraph.made if g.replays) == [1, 1]
+
+
 @pytest.mark.parametrize("pruner", PRUNED)
 @pytest.mark.parametrize("decoding", ["beam", "prompt_lookup"])  # greedy: test_every_pruner_...
 def test_static_pruners_match_dynamic(pruner, decoding, tiny_mm, images, prompts, padded_steps):

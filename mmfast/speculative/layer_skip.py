@@ -10,7 +10,8 @@ highest under teacher forcing) until ``skip_fraction`` of the layers are skipped
 skipped. With ``skip: auto`` the first batch served is the calibration set (logged); pass
 ``calibration_tokens: 0`` and an explicit ``skip`` for fully reproducible runs.
 Hook points: an instance-level ``forward`` replacement on the skippable layers (identity while the
-draft runs), owned and restored by the session.
+draft runs), owned and restored by the session; captured steps are keyed on the draft mode and skip set
+(``runner.graph_variants``), so a draft step never replays the target's graph or the reverse.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class LayerSkip(Drafter):
         for i in range(1, len(layers)):
             layer = layers[i]
             self.ctx.hooks.set_attr(layer, "forward", self._wrap(i, layer.forward))
+        # a captured step records one branch of the skips: the draft's graphs are not the target's
+        self.ctx.runner.graph_variants.append(lambda: ("layer_skip", self.active and tuple(sorted(self.skip))))
 
     def _wrap(self, index: int, forward):
         def maybe_skip(hidden_states, *args, **kwargs):
