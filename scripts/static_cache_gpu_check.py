@@ -13,12 +13,15 @@ script exists for; ``name@1``: one-token answers, whose prefill is the captured 
 reported too (other key lengths: fp16 may differ in the
 last bit). Also each mode's decode ms per token (after one warm-up call) and the capture time. Prints one
 JSON object and exits 1 when any static / auto pair differs, or when a recipe of ``CAPTURED`` (the
-pruners whose probes act at prefill only) was not captured under ``auto``.
+pruners whose probes act at prefill only) was not captured under ``auto``. ``--fuse-norms``: every recipe with
+``model.fuse_norms`` on (what turning it on by default under ``auto`` waits for: the methods' captured steps with
+the fused norms, token-identical to their eager twins).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import sys
@@ -96,10 +99,15 @@ CAPTURED = (
 ONE_TOKEN_PROMPT = "Is there a red object in the image? Answer the question using a single word or phrase."
 
 
-def recipe_of(name: str, mm) -> dict:
+def recipe_of(name: str, mm, fuse_norms: bool = False) -> dict:
+    """``name``'s recipe; ``fuse_norms``: with ``model.fuse_norms`` on (in all three modes)."""
     if name in RECIPES:
-        return RECIPES[name]
-    return {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}]}
+        recipe = copy.deepcopy(RECIPES[name])
+    else:
+        recipe = {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}]}
+    if fuse_norms:
+        recipe.setdefault("model", {})["fuse_norms"] = True
+    return recipe
 
 
 def main() -> int:
@@ -109,6 +117,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--recipes", default=",".join([*RECIPES, *PRUNER_RECIPES, *ONE_TOKEN]))
+    ap.add_argument("--fuse-norms", action="store_true", help="every recipe with model.fuse_norms on (all modes)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("mmfast.runtime").setLevel(logging.INFO)  # the fall-back reasons
@@ -121,6 +130,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "dtype": args.dtype,
+        "fuse_norms": args.fuse_norms,
         "recipes": {},
     }
     bad = []
@@ -131,13 +141,16 @@ def main() -> int:
             method, _, count = name.partition("@")
             n_new = int(count) if count else args.tokens
             asked = [ONE_TOKEN_PROMPT] * len(images) if n_new == 1 else prompts
-            recipe = load_recipe(recipe_of(method, mm))
+            recipe = load_recipe(recipe_of(method, mm, args.fuse_norms))
             for mode in ("off", "static", "auto"):
                 with mmfast.apply(mm, recipe, compile=mode) as s:
                     # warm-up: the first capture (the graphs are kept for the next calls of the session)
                     warm = s.generate(images[:1], asked[:1], max_new_tokens=n_new)
                     res = [s.generate([im], [p], max_new_tokens=n_new)[0] for im, p in zip(images, asked)]
                     graphs = len(s.runner.pool.graphs)
+                    norms = [
+                        m.forward for m in s.adapter.language_model.modules() if type(m).__name__.endswith("RMSNorm")
+                    ]
                 n = sum(max(1, len(r.token_ids) - 1) for r in res)
                 tokens[mode] = [r.token_ids for r in res]
                 row[mode] = {
@@ -146,6 +159,9 @@ def main() -> int:
                     # the timed calls: 0 when they replay the warm-up's graphs (new tree sizes capture)
                     "capture_ms": round(1e3 * sum((r.stats or {}).get("capture_s", 0.0) for r in res), 2),
                     "graphs_kept": graphs,
+                    # the LM's RMSNorm modules running the compiled kernel (0 without --fuse-norms, or where
+                    # compiling failed: the warning says why)
+                    "norms_fused": sum(bool(getattr(f, "mmfast_fused_norm", False)) for f in norms),
                 }
             row["static_equals_auto"] = tokens["static"] == tokens["auto"]
             row["off_equals_static"] = tokens["off"] == tokens["static"]

@@ -22,8 +22,24 @@ def test_check_script_generates_the_world_and_compares_static_with_auto(tmp_path
     assert greedy["static_equals_auto"] and greedy["off_equals_static"]
     zipvl = out["recipes"]["zipvl@1"]  # a one-token answer: the static cache's prefill (captured on CUDA)
     assert zipvl["static_equals_auto"] and zipvl["off_equals_static"]
-    assert out["differ_or_failed"] == []
+    assert out["differ_or_failed"] == [] and greedy["auto"]["norms_fused"] == 0  # off unless asked
     assert (tmp_path / "cache").is_dir()  # the world was generated where MMFAST_CACHE points
+
+
+def test_check_script_fuses_the_norms_of_every_recipe_when_asked():
+    """``--fuse-norms``: each mode's session of every recipe runs the LM's norms as compiled kernels, and the static
+    and auto tokens are still compared (what turning the key on by default waits for on the GPU)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    cmd = [sys.executable, "scripts/static_cache_gpu_check.py", "--device", "cpu", "--dtype", "float32"]
+    cmd += ["--recipes", "greedy,divprune", "--tokens", "4", "--samples", "1", "--fuse-norms"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout[res.stdout.index("{\n") :])
+    assert out["fuse_norms"] is True and out["differ_or_failed"] == []
+    for name in ("greedy", "divprune"):
+        row = out["recipes"][name]
+        assert row["static_equals_auto"], name
+        assert all(row[mode]["norms_fused"] > 0 for mode in ("off", "static", "auto")), row
 
 
 def test_cycle_time_script_splits_a_cycle_into_its_graphs():
