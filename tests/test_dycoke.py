@@ -11,10 +11,12 @@ import torch
 from conftest import random_video, video_models
 
 import mmfast
+from mmfast import compat
 from mmfast.config import load_recipe
 from mmfast.errors import IncompatibleRecipeError
 from mmfast.pipeline import Session
 from mmfast.pruning.dycoke import dp_select, ttm_keep
+from mmfast.runtime import LMRunner
 
 _mm = video_models()
 
@@ -294,6 +296,43 @@ def test_dp_runs_in_captured_static_steps(family, monkeypatch, caplog):
         assert not [r for r in caplog.records if any(w in r.getMessage() for w in falls_back)]
         pruned = off[1]
         assert all(0 < p < len(t) - 1 for p, t in zip(pruned, off[0]))  # both kinds of step ran
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
+def test_captured_dp_steps_serve_a_longer_prompt_on_the_same_buffers(family, monkeypatch):
+    """A second call whose prompt is longer (or shorter) takes the first call's KV buffers and replays its decode
+    graphs: DP's staged inputs are laid out on the buffers' capacity, not on the first prompt's length, so the replay
+    reads this call's previous attention and slot maps (emulated graphs; tokens and pruned steps of compile off)."""
+    from mmfast._graph_emulator import ReplayEmulator
+
+    mm = _mm(family)
+    recipe = load_recipe(_recipe(threshold=0.5))
+    video = [random_video(8, 1)]
+    short, long = "What?", "What? " + " ".join(["word"] * 6)
+
+    buffers, lengths = [], []
+    prefill = LMRunner.prefill
+
+    def spy(self, inputs, **kw):
+        state, out = prefill(self, inputs, **kw)
+        if compat.is_static(state.cache):
+            buffers.append(compat.static_buffers(state.cache))
+            lengths.append(inputs.input_ids.shape[1])
+        return state, out
+
+    def run(mode: str, order: list[str]) -> list:
+        with mmfast.apply(mm, recipe, compile=mode) as s:
+            out = [s.generate(None, [p], videos=video, max_new_tokens=8)[0] for p in order]
+        return [(r.token_ids, r.stats["dycoke"]["pruned_steps"]) for r in out]
+
+    monkeypatch.setattr(LMRunner, "prefill", spy)
+    for order in ([short, long], [long, short]):
+        off = run("off", order)
+        buffers.clear(), lengths.clear()
+        with monkeypatch.context() as m:
+            m.setattr(Session, "_capture_factory", lambda self: ReplayEmulator)
+            assert run("static", order) == off, order
+        assert lengths[0] != lengths[1] and buffers[0] == buffers[1]  # the second call took the first's buffers
 
 
 def test_dp_after_an_in_llm_pruner_ranks_what_layer_l_minus_1_attends(monkeypatch):

@@ -128,13 +128,13 @@ class DPInputs:
     src: torch.Tensor  # [B, S0] long: its prompt slot (0 where none)
     dst: torch.Tensor  # [B, S] long: the prompt slot of each of layer l's slots (-1: none)
     k: torch.Tensor  # [B, 1] long: the candidates a re-selecting step keeps, int(n (1 - p))
-    prev: torch.Tensor  # [B, L] float32: the previous step's attention at each prompt slot (0: none)
+    prev: torch.Tensor  # [B, P] float32: the previous step's attention at each prompt slot (0: none); P >= L
     has_prev: torch.Tensor  # [B, 1] bool: there was a previous step
 
 
 @dataclass(frozen=True)
 class DPResult:
-    attention: torch.Tensor  # [B, L] float32: this step's attention at the candidates' prompt slots (0 elsewhere)
+    attention: torch.Tensor  # [B, P] float32: this step's attention at the candidates' prompt slots (0 elsewhere)
     pruned: torch.Tensor  # [B] bool: the step re-selected (layers >= l attend the kept candidates only)
 
 
@@ -142,9 +142,9 @@ def dp_step(probs: torch.Tensor, dp: DPInputs, threshold: float) -> tuple[torch.
     """:func:`dp_select` for every row at once in fixed shapes (no host read): ``probs`` [B, S0] the new token's
     head-mean attention over layer l - 1's slots. Returns which of layer l's slots the step drops ([B, S] bool) and
     its result."""
-    bsz, n_prompt = dp.prev.shape
+    bsz, width = dp.prev.shape  # P: the prompt's slots, padded to a capacity on a static cache
     attn = torch.where(dp.cand, probs.float(), torch.zeros_like(probs, dtype=torch.float32))  # [B, S0]
-    new = attn.new_zeros(bsz, n_prompt).scatter_add(1, dp.src, attn)  # [B, L] (0 outside the candidates)
+    new = attn.new_zeros(bsz, width).scatter_add(1, dp.src, attn)  # [B, P] (0 outside the candidates)
     prev = dp.prev.gather(1, dp.src) * dp.cand  # [B, S0] the previous step's, at the same candidates
     sim = torch.where(dp.has_prev[:, 0], F.cosine_similarity(attn, prev, dim=1), torch.zeros_like(attn[:, 0]))
     pruned = (sim < threshold) & dp.cand.any(1)  # [B]
@@ -153,7 +153,7 @@ def dp_step(probs: torch.Tensor, dp: DPInputs, threshold: float) -> tuple[torch.
         1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
     )
     drop = dp.cand & (rank >= dp.k) & pruned[:, None]  # [B, S0] candidates left out at this step
-    drop_prompt = torch.zeros_like(new).scatter_add(1, dp.src, drop.float()) > 0  # [B, L]
+    drop_prompt = torch.zeros_like(new).scatter_add(1, dp.src, drop.float()) > 0  # [B, P]
     out = drop_prompt.gather(1, dp.dst.clamp(min=0)) & (dp.dst >= 0)  # [B, S]
     return out, DPResult(new, pruned)
 
@@ -274,8 +274,9 @@ class DyCoke(Pruner):
         order = torch.arange(view.vision.shape[1], device=cand.device, dtype=torch.float64).expand(cand.shape[0], -1)
         return SlotEdit(keep=torch.ones_like(view.vision), order=order)
 
-    def _inputs(self, state, s0: int, s: int) -> DPInputs:
-        """:class:`DPInputs` of ``state`` with layer l - 1's slots padded to ``s0`` and layer l's to ``s``."""
+    def _inputs(self, state, s0: int, s: int, width: int) -> DPInputs:
+        """:class:`DPInputs` of ``state`` with layer l - 1's slots padded to ``s0``, layer l's to ``s`` and the prompt's
+        to ``width`` (>= L)."""
         grp0 = state.groups[state.group_of(self.layer - 1)]  # an earlier stage may have dropped slots there
         grp = state.groups[state.group_of(self.layer)]
         pad = torch.nn.functional.pad
@@ -287,7 +288,9 @@ class DyCoke(Pruner):
         k = (cand.sum(1, keepdim=True).double() * (1 - self.config.p)).long()  # [B, 1]
         prev = tags.get(ATTN_TAG)
         has = torch.full((cand.shape[0], 1), prev is not None, device=cand.device)
-        prev = torch.zeros(tags[CANDIDATE_TAG].shape, device=cand.device) if prev is None else prev.float()
+        n_prompt = tags[CANDIDATE_TAG].shape[1]
+        prev = torch.zeros(cand.shape[0], n_prompt, device=cand.device) if prev is None else prev.float()  # [B, L]
+        prev = pad(prev, (0, width - n_prompt))  # [B, P]
         dst = pad(grp.source, (0, s - grp.length), value=-1)  # [B, S]
         return DPInputs(cand, src0.clamp(min=0), dst, k, prev, has)
 
@@ -297,14 +300,16 @@ class DyCoke(Pruner):
             return ("dycoke", None)
         s0 = compat.static_capacity(state.cache, state.groups[state.group_of(self.layer - 1)].start)
         s = compat.static_capacity(state.cache, state.groups[state.group_of(self.layer)].start)
-        fresh = self._inputs(state, s0, s)
+        # the prompt's slots padded to group 0's capacity (>= L): a graph replayed for a longer prompt on the
+        # same buffers reads the memory it was captured on
+        fresh = self._inputs(state, s0, s, compat.static_capacity(state.cache, 0))
         for name, t in vars(fresh).items():
             staged_copy(self._memory, (name, *t.shape, t.device), t, t.device)
         return ("dycoke",)
 
     def _staged(self, state, s0: int, s: int) -> DPInputs:
-        dev, bsz, n_prompt = state.inputs.input_ids.device, state.batch_size, state.inputs.input_ids.shape[1]
-        shapes = {"cand": (bsz, s0), "src": (bsz, s0), "dst": (bsz, s), "k": (bsz, 1), "prev": (bsz, n_prompt)}
+        dev, bsz, width = state.inputs.input_ids.device, state.batch_size, compat.static_capacity(state.cache, 0)
+        shapes = {"cand": (bsz, s0), "src": (bsz, s0), "dst": (bsz, s), "k": (bsz, 1), "prev": (bsz, width)}
         shapes["has_prev"] = (bsz, 1)
         return DPInputs(**{name: self._memory[(name, *shape, dev)] for name, shape in shapes.items()})
 
@@ -316,7 +321,10 @@ class DyCoke(Pruner):
         probs = self.ctx.probe[self.probe_name].probs[:, 0]  # [B, S0] head-mean, fp32
         grp = state.groups[state.group_of(self.layer)]
         s0, s = probs.shape[-1], grp.fwd_mask.shape[-1]
-        dp = self._staged(state, s0, s) if compat.is_static(state.cache) else self._inputs(state, s0, s)
+        if compat.is_static(state.cache):
+            dp = self._staged(state, s0, s)
+        else:
+            dp = self._inputs(state, s0, s, state.inputs.input_ids.shape[1])
         drop, result = dp_step(probs, dp, self.config.threshold)
         impl = self.adapter.text_config._attn_implementation
         grp.fwd_mask = compat.mask_out(grp.fwd_mask, drop[:, None, None, :], impl)  # [B, 1, 1, S]
@@ -328,7 +336,8 @@ class DyCoke(Pruner):
         result = state.extras.pop(_RESULT, None)
         if result is None:
             return
-        state.inputs = dataclasses.replace(state.inputs, tags={**state.inputs.tags, ATTN_TAG: result.attention})
+        attention = result.attention[:, : state.inputs.input_ids.shape[1]]  # [B, L]: a per-token tag
+        state.inputs = dataclasses.replace(state.inputs, tags={**state.inputs.tags, ATTN_TAG: attention})
         mine = state.stats.get(self.name, {})
         pruned = mine.get("per_sample_pruned_steps")
         if pruned is not None and len(pruned) == result.pruned.shape[0]:
