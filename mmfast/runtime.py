@@ -442,9 +442,10 @@ class LMRunner:
         self.scoring_s = 0.0  # time spent in pruners' select functions (reset per batch by the session)
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
         self.step_hooks: list[Callable[[LMState], None]] = []  # KV policies after each decode step
-        #: what the methods' graph-safe Python branches on in a step (layer skip's draft mode): part of a captured
-        #: step's key, so a graph recorded on one branch never replays for the other
-        self.graph_variants: list[Callable[[], Hashable]] = []
+        #: what the methods' graph-safe Python branches on in a forward of a state (layer skip's draft mode, VHR's
+        #: phase): part of a captured step's or prefill segment's key, so a graph recorded on one branch never replays
+        #: for another
+        self.graph_variants: list[Callable[[LMState], Hashable]] = []
         # Qwen3-VL deepstack: after LLM layers 0..n-1 of prefill, add each vision slot's level-i feature
         # (the LMInputs tag carried with the tokens, so pruned layouts get the right rows)
         self.deepstack_levels = int(getattr(adapter, "deepstack_levels", 0))
@@ -721,7 +722,7 @@ class LMRunner:
                 layers.start,
                 live.shapes(),
                 staged,
-                self._variant(),
+                self._variant(state),
             )
             return self._segment_graph(cache, layers, live, carried, key)
         finally:
@@ -993,9 +994,9 @@ class LMRunner:
                     found.append(carried)
         return found
 
-    def _variant(self) -> tuple:
-        """What a graph captured now records of the methods' Python branches (:attr:`graph_variants`)."""
-        return tuple(fn() for fn in self.graph_variants)
+    def _variant(self, state: LMState) -> tuple:
+        """What a graph captured now on ``state`` records of the methods' Python branches (:attr:`graph_variants`)."""
+        return tuple(fn(state) for fn in self.graph_variants)
 
     def _replay(self, state: LMState, step: _StepInputs, staged: tuple = ()) -> torch.Tensor:
         """Run the step as a captured graph. Its inputs are the new tokens (or embeddings), positions
@@ -1010,7 +1011,15 @@ class LMRunner:
         caps = tuple(self._capacity(state, i) for i in range(len(groups)))
         starts = tuple(g.start for g in groups)
         shapes = tuple((t.shape, t.dtype) for t in step.tensors())
-        key = (compat.static_buffers(state.cache), caps, starts, step.tokens is None, shapes, staged, self._variant())
+        key = (
+            compat.static_buffers(state.cache),
+            caps,
+            starts,
+            step.tokens is None,
+            shapes,
+            staged,
+            self._variant(state),
+        )
         captured = self.pool.graphs.get(key)
         if captured is None:
             static = _StepInputs(

@@ -88,6 +88,10 @@ class VHR(Decoder):
                 self.ctx.hooks.pre_hook(
                     o_proj, replayable(self._scale_hook(layer), Carried(lambda: None, lambda _: None))
                 )
+            # the scale hook acts on VHR's image stream only (phase "apply"): a captured graph records whether it did
+            self.ctx.runner.graph_variants.append(
+                lambda state: ("vhr", getattr(state.extras.get(self.name), "phase", None))
+            )
 
     def _select_hook(self, layer: int):
         def pre_hook(module, args):

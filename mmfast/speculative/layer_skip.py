@@ -54,7 +54,7 @@ class LayerSkip(Drafter):
             layer = layers[i]
             self.ctx.hooks.set_attr(layer, "forward", self._wrap(i, layer.forward))
         # a captured step records one branch of the skips: the draft's graphs are not the target's
-        self.ctx.runner.graph_variants.append(lambda: ("layer_skip", self.active and tuple(sorted(self.skip))))
+        self.ctx.runner.graph_variants.append(lambda state: ("layer_skip", self.active and tuple(sorted(self.skip))))
 
     def _wrap(self, index: int, forward):
         def maybe_skip(hidden_states, *args, **kwargs):
