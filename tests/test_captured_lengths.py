@@ -8,6 +8,7 @@ the check would be empty). DyCoke's videos: tests/test_dycoke.py."""
 from __future__ import annotations
 
 import pytest
+from conftest import random_video, video_models
 
 import mmfast
 from mmfast import compat
@@ -17,6 +18,7 @@ from mmfast.pipeline import Session
 from mmfast.registry import PRUNERS
 from mmfast.runtime import LMRunner
 
+_video_mm = video_models()
 SHORT, LONG = "Describe the image.", "Describe the image in words."
 
 DECODERS = {
@@ -53,7 +55,7 @@ def _recipe(name: str, mm) -> dict:
     return {"pruning": [{"method": name, "params": PRUNERS.get(name).cls.test_params(mm.adapter)}]}
 
 
-def _runs(mm, recipe: dict, image, monkeypatch) -> tuple[list, list, list, list]:
+def _runs(mm, recipe: dict, media: dict, monkeypatch) -> tuple[list, list, list, list]:
     """Tokens of short, long, short prompts in one session with ``compile: off``, then with emulated graphs; each
     static call's prompt length (its first prefill: a branch decoder's other prompts have their own), and for each
     graph the call that captured it and the calls that replayed it."""
@@ -82,7 +84,7 @@ def _runs(mm, recipe: dict, image, monkeypatch) -> tuple[list, list, list, list]
         out = []
         with mmfast.apply(mm, load_recipe(recipe), compile=mode) as s:
             for call[0], prompt in enumerate((SHORT, LONG, SHORT)):
-                out.append(s.generate([image], [prompt], max_new_tokens=8, seed=0)[0].token_ids)
+                out.append(s.generate(prompts=[prompt], max_new_tokens=8, seed=0, **media)[0].token_ids)
         return out
 
     off = run("off")
@@ -95,7 +97,19 @@ def _runs(mm, recipe: dict, image, monkeypatch) -> tuple[list, list, list, list]
 
 @pytest.mark.parametrize("name", [*DECODERS, *DRAFTS, *PRUNERS_CAPTURED])
 def test_graphs_replayed_for_another_prompt_length_give_its_tokens(name, tiny_mm, images, monkeypatch):
-    off, captured, lengths, graphs = _runs(tiny_mm, _recipe(name, tiny_mm), images[0], monkeypatch)
+    _check(*_runs(tiny_mm, _recipe(name, tiny_mm), {"images": [images[0]]}, monkeypatch))
+
+
+@pytest.mark.parametrize("media", ["image", "video"])
+@pytest.mark.parametrize("name", ["greedy", "pai", "fastv", "dart"])
+def test_qwen_graphs_replayed_for_another_prompt_length_give_its_tokens(name, media, images, monkeypatch):
+    """The same on Qwen2.5-VL (M-RoPE positions, a windowed tower) with an image or a video."""
+    mm = _video_mm("qwen2_5_vl")
+    given = {"images": [images[0]]} if media == "image" else {"images": None, "videos": [random_video(6, 1)]}
+    _check(*_runs(mm, _recipe(name, mm), given, monkeypatch))
+
+
+def _check(off: list, captured: list, lengths: list, graphs: list) -> None:
     assert captured == off
     assert lengths[0] == lengths[2] < lengths[1], lengths
     # what the check is for: graphs captured on one prompt replayed for the other (the calls share their buffers)
