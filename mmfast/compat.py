@@ -167,11 +167,6 @@ def new_cache(config) -> DynamicCache:
     return DynamicCache(config=config)
 
 
-def cache_layers(cache: DynamicCache) -> list:
-    """The per-layer cache objects; each has ``.keys`` / ``.values`` shaped [B, Hkv, T, D]."""
-    return cache.layers
-
-
 def crop_last(cache: DynamicCache, n: int) -> None:
     """Remove the last ``n`` slots from every layer of ``cache`` (no-op for n == 0); on a static cache every
     layer's write index moves back in one op (OPERA crops its look-ahead every step), the buffers untouched."""

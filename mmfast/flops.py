@@ -37,12 +37,6 @@ def prefill_flops(tokens_per_layer: Sequence[float], shape: LMShape) -> float:
     return float(sum(layer_flops(n, shape) for n in tokens_per_layer))
 
 
-def decode_flops(kv_per_layer: Sequence[float], shape: LMShape) -> float:
-    """FLOPs of one decoded token attending to ``kv_per_layer`` cached tokens."""
-    d, m = shape.d, shape.m
-    return float(sum(4 * d * d + 2 * kv * d + 3 * d * m for kv in kv_per_layer))
-
-
 def project_schedule(starts: Sequence[float], counts: Sequence[float], n_layers: int) -> list[float]:
     """Per-layer token counts of a depth-``n_layers`` model from group starts (reference layers).
 

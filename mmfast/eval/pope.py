@@ -469,15 +469,6 @@ class PopeQuestion:
     image_id: int | None = None
 
 
-def read_json_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    """Read a JSON Lines file or a JSON array of objects as ``[(line_or_item, record), ...]``.
-
-    The format is detected from the first non-blank character ("[" means a JSON array). For JSON
-    Lines the number is the 1-based line; for an array it is the 0-based item index.
-    """
-    return _parse_records(Path(path), Path(path).read_bytes())[1]
-
-
 def _parse_records(p: Path, data: bytes) -> tuple[bool, list[tuple[int, dict[str, Any]]]]:
     """(is_json_array, records) of a JSON Lines / JSON array file given as bytes."""
     try:

@@ -308,7 +308,6 @@ class AttentionProbe:
         self.session = session
         self.records: dict[str, ProbeRecord] = {}
         self.reduce = reduce
-        self._enabled: set[str] = set()
         self._rows: dict[tuple, torch.Tensor] = {}  # shape-only rows on the device, made once per shape
         self._staged: dict[str, tuple[int, torch.Tensor]] = {}  # name -> (q_len, rows [B, W]) staged for a segment
         self._row_buffers: dict[tuple, torch.Tensor] = {}  # the staged rows' memory, one per shape and width
@@ -344,8 +343,6 @@ class AttentionProbe:
         shape_only = rows in SHAPE_ONLY_ROWS
 
         def record(module, query, key, attention_mask, scaling) -> None:
-            if name not in self._enabled:
-                return
             q_len, k_len = query.shape[2], key.shape[2]
             if when is not None and not when(q_len, k_len):
                 return
@@ -386,7 +383,6 @@ class AttentionProbe:
             else None
         )
         (hooks.prefill_recorders if prefill_only else hooks.recorders).append(record)
-        self._enabled.add(name)
 
     def _stage(self, name: str, rows: RowSelector, length: int | None) -> Hashable:
         """Stage ``rows`` of a prefill segment of ``length`` slots (q_len = k_len) for the probe ``name``: in the
@@ -411,12 +407,6 @@ class AttentionProbe:
 
     def clear(self) -> None:
         self.records.clear()
-
-    def pause(self, name: str) -> None:
-        self._enabled.discard(name)
-
-    def resume(self, name: str) -> None:
-        self._enabled.add(name)
 
 
 def attach(session, attn_module: nn.Module) -> ModuleAttentionHooks:

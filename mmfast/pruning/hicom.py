@@ -258,7 +258,7 @@ class HICom(Pruner):
                 "n_queries": cfg.global_queries,
                 "mode": cfg.global_mode,
             }
-            self.glob, self.glob_meta = load_global(path, model_hint=str(d or "<model dir>"), expect=expect)
+            self.glob, _ = load_global(path, model_hint=str(d or "<model dir>"), expect=expect)
             self.glob.to(self.ctx.device)
 
     def _guided(self) -> bool:

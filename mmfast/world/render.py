@@ -41,7 +41,7 @@ from PIL import Image, ImageDraw
 from .backgrounds import draw_background, finish
 from .categories import CATEGORIES, CATEGORY_BY_NAME, VARIANT_ASPECT, VARIANT_COLOR, Category
 from .draw_base import COLORS, RGB, Pen, jitter, mix
-from .scenes import SCENE_BY_NAME, SceneSpec, sample_count, sample_objects, sample_scene
+from .scenes import sample_count, sample_objects, sample_scene
 
 logger = logging.getLogger(__name__)
 
@@ -381,8 +381,3 @@ def _finalize(
         lut[new] = inst.label
     ann = ImageAnnotation(image_id, split, file_name_for(split, image_id), s, s, scene, tuple(t[2] for t in found))
     return RenderedImage(image, lut[inst_map], inst_map, ann)
-
-
-def scene_of(annotation: ImageAnnotation) -> SceneSpec:
-    """The :class:`~mmfast.world.scenes.SceneSpec` of an annotation."""
-    return SCENE_BY_NAME[annotation.scene]
