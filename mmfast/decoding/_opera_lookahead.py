@@ -36,6 +36,8 @@ class LastLayerRows:
             reduce="max",
             decode_replayable=True,
         )
+        # the probe's filter reads the flag: a captured step records whether it ran in a look-ahead
+        ctx.runner.graph_variants.append(lambda state: ("opera", self._tree))
 
     def step(self, state, tokens: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``tokens`` ([R]) and return (logits [R, V], renormalised last-layer rows [R, keys])."""
