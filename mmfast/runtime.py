@@ -443,8 +443,8 @@ class LMRunner:
         self.prefill_hooks: list[Callable[[LMState], None]] = []  # KV policies after prefill
         self.step_hooks: list[Callable[[LMState], None]] = []  # KV policies after each decode step
         #: what the methods' graph-safe Python branches on in a forward of a state (layer skip's draft mode, VHR's
-        #: phase): part of a captured step's or prefill segment's key, so a graph recorded on one branch never replays
-        #: for another
+        #: phase, OPERA's look-ahead): part of a captured step's or prefill segment's key, so a graph recorded on one
+        #: branch never replays for another
         self.graph_variants: list[Callable[[LMState], Hashable]] = []
         # Qwen3-VL deepstack: after LLM layers 0..n-1 of prefill, add each vision slot's level-i feature
         # (the LMInputs tag carried with the tokens, so pruned layouts get the right rows)
