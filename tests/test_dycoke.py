@@ -15,7 +15,7 @@ from mmfast import compat
 from mmfast.config import load_recipe
 from mmfast.errors import IncompatibleRecipeError
 from mmfast.pipeline import Session
-from mmfast.pruning.dycoke import dp_select, ttm_keep
+from mmfast.pruning.dycoke import DPInputs, dp_step, ttm_keep
 from mmfast.runtime import LMRunner
 
 _mm = video_models()
@@ -83,22 +83,24 @@ def test_dp_selection_follows_the_release_step_by_step():
     torch.manual_seed(0)
     start, img_len, seq = 3, 12, 20
     release = _ReleaseDP(start, img_len, 0.8)
-    prev = None
+    slots = torch.arange(seq)[None]  # [1, seq] one sample, every slot its own prompt slot
+    cand = (slots >= start) & (slots < start + img_len)
+    k = torch.tensor([[int(img_len * (1 - 0.8))]])
+    prev, has_prev = torch.zeros(1, seq), torch.tensor([[False]])
     base = torch.rand(seq)
     outcomes = []
     for step in range(8):
         attn = base + (0.01 if step % 3 else 1.0) * torch.rand(seq)  # some steps similar, some not
         attn = attn / attn.sum()
         expected = release.step(attn, seq)
-        cand = attn[start : start + img_len]
-        got = dp_select(cand, prev, 0.8, 0.9)
-        prev = cand
+        drop, result = dp_step(attn[None], DPInputs(cand, slots, slots, k, prev, has_prev), 0.9)
+        prev, has_prev = result.attention, torch.tensor([[True]])
+        got = None if not result.pruned[0] else (~drop[0]).nonzero()[:, 0].tolist()  # the attended slots
         outcomes.append(got is None)
         if expected is None:
-            assert got is None
+            assert got is None and not drop.any()
         else:
-            rest = list(range(start)) + list(range(start + img_len, seq))
-            assert sorted(expected) == sorted(rest + (start + got).tolist())
+            assert sorted(expected) == got
     assert any(outcomes) and not all(outcomes)  # both branches of the rule were exercised
 
 

@@ -85,6 +85,7 @@ from .divprune import select_image_rows
 ATTN_TAG = "dycoke.attention"  # LMInputs tag: the previous decode step's attention on each candidate slot
 CANDIDATE_TAG = "dycoke.candidate"  # LMInputs tag: DP candidates (a video's tokens after TTM but its last)
 _RESULT = "dycoke.step"  # LMState.extras: a decode step's DPResult, from the step (or its graph) to its end
+_STAGED = "dycoke.staged"  # LMState.extras: a static step's DPInputs in fixed memory, staged before the step
 
 WHY = {
     Need.VIDEO: "TTM merges a video's frames and DP prunes its tokens; use an image pruner on images",
@@ -111,15 +112,6 @@ def ttm_keep(frames: torch.Tensor, k: float) -> list[torch.Tensor]:
     return out
 
 
-def dp_select(attn: torch.Tensor, prev: torch.Tensor | None, p: float, threshold: float) -> torch.Tensor | None:
-    """The release's per-step rule on one sample's candidate attention ``attn`` [n] (``prev``: the previous
-    step's, or None): the kept candidate indices [int(n (1 - p))], or None (this step attends everything)."""
-    sim = F.cosine_similarity(attn, prev, dim=0) if prev is not None else 0.0
-    if not sim < threshold:  # the release updates its index list only when ``similarity < 0.9``
-        return None
-    return torch.topk(attn, int(attn.shape[0] * (1 - p)), sorted=False).indices
-
-
 @dataclass(frozen=True)
 class DPInputs:
     """What a DP step reads besides the attention row, laid out on layer l - 1's S0 slots and layer l's S slots."""
@@ -139,9 +131,11 @@ class DPResult:
 
 
 def dp_step(probs: torch.Tensor, dp: DPInputs, threshold: float) -> tuple[torch.Tensor, DPResult]:
-    """:func:`dp_select` for every row at once in fixed shapes (no host read): ``probs`` [B, S0] the new token's
-    head-mean attention over layer l - 1's slots. Returns which of layer l's slots the step drops ([B, S] bool) and
-    its result."""
+    """The release's per-step rule for every row at once in fixed shapes (no host read): a row whose candidates'
+    attention (``probs`` [B, S0], the new token's head-mean attention over layer l - 1's slots) has a cosine
+    similarity below ``threshold`` with the previous step's (none: 0) keeps its top ``int(n (1 - p))`` candidates
+    and drops the rest; otherwise it attends everything. Returns which of layer l's slots the step drops ([B, S]
+    bool) and its result."""
     bsz, width = dp.prev.shape  # P: the prompt's slots, padded to a capacity on a static cache
     attn = torch.where(dp.cand, probs.float(), torch.zeros_like(probs, dtype=torch.float32))  # [B, S0]
     new = attn.new_zeros(bsz, width).scatter_add(1, dp.src, attn)  # [B, P] (0 outside the candidates)
@@ -303,15 +297,11 @@ class DyCoke(Pruner):
         # the prompt's slots padded to group 0's capacity (>= L): a graph replayed for a longer prompt on the
         # same buffers reads the memory it was captured on
         fresh = self._inputs(state, s0, s, compat.static_capacity(state.cache, 0))
-        for name, t in vars(fresh).items():
-            staged_copy(self._memory, (name, *t.shape, t.device), t, t.device)
+        staged = {
+            name: staged_copy(self._memory, (name, *t.shape, t.device), t, t.device) for name, t in vars(fresh).items()
+        }
+        state.extras[_STAGED] = DPInputs(**staged)  # what the step reads (a captured one: this memory)
         return ("dycoke",)
-
-    def _staged(self, state, s0: int, s: int) -> DPInputs:
-        dev, bsz, width = state.inputs.input_ids.device, state.batch_size, compat.static_capacity(state.cache, 0)
-        shapes = {"cand": (bsz, s0), "src": (bsz, s0), "dst": (bsz, s), "k": (bsz, 1), "prev": (bsz, width)}
-        shapes["has_prev"] = (bsz, 1)
-        return DPInputs(**{name: self._memory[(name, *shape, dev)] for name, shape in shapes.items()})
 
     def _decode_step(self, layer: int, hidden: torch.Tensor, state) -> None:
         """At layer l in a one-token step: which video tokens layers >= l attend (:func:`dp_step`), as their group's
@@ -320,11 +310,10 @@ class DyCoke(Pruner):
             return
         probs = self.ctx.probe[self.probe_name].probs[:, 0]  # [B, S0] head-mean, fp32
         grp = state.groups[state.group_of(self.layer)]
-        s0, s = probs.shape[-1], grp.fwd_mask.shape[-1]
         if compat.is_static(state.cache):
-            dp = self._staged(state, s0, s)
+            dp = state.extras[_STAGED]
         else:
-            dp = self._inputs(state, s0, s, state.inputs.input_ids.shape[1])
+            dp = self._inputs(state, probs.shape[-1], grp.fwd_mask.shape[-1], state.inputs.input_ids.shape[1])
         drop, result = dp_step(probs, dp, self.config.threshold)
         impl = self.adapter.text_config._attn_implementation
         grp.fwd_mask = compat.mask_out(grp.fwd_mask, drop[:, None, None, :], impl)  # [B, 1, 1, S]
