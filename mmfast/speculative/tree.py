@@ -30,6 +30,7 @@ otherwise, and refuses a "without_replacement" tree whose sampled siblings repea
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -167,25 +168,25 @@ def _slot_parents(parents: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat([slots[:1], parents, slots[parents.numel() + 1 :]])
 
 
-def _doublings(levels: int) -> int:
-    """The rounds of pointer doubling that reach every ancestor of a node at depth <= ``levels``: round j covers the
-    ancestors at distances below 2^j, so 2^rounds > levels."""
-    return max(1, levels.bit_length())
+def _jumps(parents: torch.Tensor, levels: int) -> Iterator[torch.Tensor]:
+    """Pointer doubling over ``parents`` ([W], the root and pads their own): each slot's 2^j-th ancestor for j = 0, 1,
+    ... while 2^j <= ``levels``, so that rounds of "combine with the j-th jump's" reach every ancestor of a node at
+    depth <= ``levels``."""
+    up = parents
+    for j in range(max(1, levels.bit_length())):
+        if j:
+            up = up.index_select(0, up)
+        yield up
 
 
 def tree_layout(parents: torch.Tensor, width: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`DraftTree.depth` and :meth:`DraftTree.mask` of a tree padded to ``width`` slots, computed on the
-    device in fixed shapes (no host read) by pointer doubling: a node sees what it sees and what its 2^j-th
-    ancestor sees, for j below :func:`_doublings` of ``levels`` (>= the tree's depth). Returns depths [W] and the
-    mask [W, W]."""
+    device in fixed shapes (no host read) by pointer doubling (:func:`_jumps`; ``levels`` >= the tree's depth): a
+    node sees what it sees and what its 2^j-th ancestor sees. Returns depths [W] and the mask [W, W]."""
     ar = torch.arange(width, device=parents.device)
-    up = _slot_parents(parents, ar)  # [W] the 2^j-th ancestor (the root and pads: their own)
     seen = ar[:, None] == ar[None, :]  # [W, W] the ancestors at distances below 2^j, and itself
-    rounds = _doublings(levels)
-    for j in range(rounds):
+    for up in _jumps(_slot_parents(parents, ar), levels):
         seen = seen | seen.index_select(0, up)
-        if j < rounds - 1:
-            up = up.index_select(0, up)
     return seen.sum(1) - 1, seen
 
 
@@ -209,17 +210,12 @@ def _first(ok: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
 
 def _walk(first: torch.Tensor, par: torch.Tensor, ar: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The accepted path down from the root, each node the ``first`` child of an accepted parent (the nodes whose
-    every ancestor below the root, and themselves, are ``first``; by pointer doubling, :func:`_doublings` of
-    ``levels`` rounds): (k = root + path [1], keep [W]: the root, the path's slots in depth order, then the others'
-    own)."""
+    every ancestor below the root, and themselves, are ``first``; by pointer doubling, :func:`_jumps`): (k = root +
+    path [1], keep [W]: the root, the path's slots in depth order, then the others' own)."""
     # [W] first at every distance below 2^j up the tree; the root is, a pad (its own parent, not the root) is not
     acc = torch.where(par == ar, ar == 0, first)
-    up = par  # [W] the 2^j-th ancestor (the root and pads: their own)
-    rounds = _doublings(levels)
-    for j in range(rounds):
+    for up in _jumps(par, levels):
         acc = acc & acc.index_select(0, up)
-        if j < rounds - 1:
-            up = up.index_select(0, up)
     k = acc.sum()[None]  # [1]
     order = torch.sort(torch.where(acc, ar, ar + ar.numel())).values  # accepted slots first, in index order
     return k, torch.where(ar < k, order, ar)
