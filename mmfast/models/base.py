@@ -270,7 +270,6 @@ class VLMAdapter:
     #: model family"). A loaded adapter holds its model's (:meth:`features_of` its config).
     features: ModelFeatures
     #: what a family without video says to use instead (the refusal quotes it)
-    #: what a family without video says to use instead (the refusal quotes it)
     video_alternative: str = (
         "pass the frames as images (a list of images per prompt; no time axis), or use a Qwen2-VL, Qwen2.5-VL, "
         "Qwen3-VL or LLaVA-OneVision checkpoint"
@@ -304,7 +303,7 @@ class VLMAdapter:
     @property
     def vision_slot_ids(self) -> frozenset[int]:
         """Token ids that stand for one vision item in ``PreparedBatch.token_ids`` (image, and video)."""
-        return frozenset({self.image_token_id})
+        return frozenset({self.image_token_id, self.video_token_id} if self.supports_video else {self.image_token_id})
 
     def frame_rule(self, settings: Any) -> FrameRule:
         """How the family's video processor rounds a sampled frame count."""
@@ -343,17 +342,27 @@ class VLMAdapter:
     @property
     def vision_layers(self) -> nn.ModuleList: ...
 
+    # transformers' ``*ForConditionalGeneration`` classes of every family hold these alike
     @property
-    def lm_head(self) -> nn.Module: ...
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
 
     @property
-    def text_config(self): ...
+    def text_config(self):
+        return self.model.config.text_config
 
     @property
-    def vision_config(self): ...
+    def vision_config(self):
+        return self.model.config.vision_config
 
     @property
-    def image_token_id(self) -> int: ...
+    def image_token_id(self) -> int:
+        return int(self.model.config.image_token_id)
+
+    @property
+    def video_token_id(self) -> int:
+        """The video placeholder's id (families with video only)."""
+        return int(self.model.config.video_token_id)
 
     @property
     def grid(self) -> tuple[int, int]: ...

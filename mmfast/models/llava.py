@@ -83,22 +83,6 @@ class LlavaAdapter(VLMAdapter):
         return compat.vision_encoder(self.vision_tower).layers
 
     @property
-    def lm_head(self) -> nn.Module:
-        return self.model.lm_head
-
-    @property
-    def text_config(self):
-        return self.model.config.text_config
-
-    @property
-    def vision_config(self):
-        return self.model.config.vision_config
-
-    @property
-    def image_token_id(self) -> int:
-        return int(self.model.config.image_token_id)
-
-    @property
     def grid(self) -> tuple[int, int]:
         side = self.vision_config.image_size // self.vision_config.patch_size
         return (side, side)
@@ -149,6 +133,44 @@ class LlavaAdapter(VLMAdapter):
             cls=cls,
             grid=self.grid,
             pixel_values=pixel_values,
+        )
+
+    def encode_tiles(self, pixel_values: torch.Tensor, n_tiles: list[int], pack: Any, with_cls: bool) -> VisionBatch:
+        """The anyres families' (LLaVA-NeXT, LLaVA-OneVision) tower on every image's real tiles, feature
+        selection, projection and the model's own packing ``pack`` (per image ``[tiles_i, N, d]`` projected
+        tiles -> per image packed ``[n_i, d]``).
+
+        The packed, projected tokens go to ``VisionBatch.projected``; ``features`` keep each image's
+        pre-projection tile features (``[n_tiles * N, Dv]``) for reference. ``patch_ids`` number the base
+        view's grid (0..N-1); mosaic tokens and newlines get -1. ``cls``: each image's first tile's CLS
+        (``with_cls``) or None.
+        """
+        tower = self.vision_tower
+        pv = pixel_values
+        if pv.dim() == 5:  # [n_images, max_tiles, 3, H, W] padded: keep each image's real tiles
+            pv = torch.cat([p[:n] for p, n in zip(pv, n_tiles)], dim=0)
+        pv = pv.to(device=tower.device, dtype=tower.dtype)
+        selected = self.tower_layers(pv)  # [tiles, (1 +) N, Dv]
+        patches = selected[:, 1:] if self.select_strategy == "default" else selected
+        packed = pack(list(torch.split(self.projector(patches), n_tiles, dim=0)))  # per image [n_i, d]
+        n_base = patches.shape[1]
+        ids = []
+        for p in packed:
+            pid = torch.full((p.shape[0],), -1, dtype=torch.long, device=p.device)
+            pid[:n_base] = torch.arange(n_base, device=p.device)  # the base view is the square grid
+            ids.append(pid)
+        cls = None
+        if with_cls:
+            first_tile = torch.tensor([0, *torch.tensor(n_tiles).cumsum(0)[:-1].tolist()])
+            cls = selected[:, 0][first_tile.to(selected.device)]  # [n_images, Dv]
+        return VisionBatch(
+            features=[f.reshape(-1, f.shape[-1]) for f in torch.split(patches, n_tiles, dim=0)],
+            patch_ids=ids,
+            cls=cls,
+            grid=self.grid,
+            pixel_values=pv,
+            projected=list(packed),
+            extras={"n_tiles": n_tiles},
         )
 
     def project(self, vision: VisionBatch) -> list[torch.Tensor]:

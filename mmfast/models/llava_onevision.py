@@ -58,14 +58,6 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     def n_image_tokens(self) -> int:
         raise AttributeError("LLaVA-OneVision's vision-token count depends on the image size (anyres-max tiling)")
 
-    @property
-    def video_token_id(self) -> int:
-        return int(self.model.config.video_token_id)
-
-    @property
-    def vision_slot_ids(self) -> frozenset[int]:
-        return frozenset({self.image_token_id, self.video_token_id})
-
     def video_items(self, clip: VideoClip, video: int, settings: VideoSettings) -> VideoItems:
         """One item: the frames at the tower's input size ([1, F, 3, S, S]); its size row is (S, S)."""
         side = int(self.vision_config.image_size)
@@ -140,43 +132,18 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         return vision
 
     def _encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
-        """SigLIP on every tile, feature selection, projection and the model's own anyres-max packing.
-
-        The packed, projected tokens go to ``VisionBatch.projected``; ``features`` keep each image's
-        pre-projection tile features (``[n_tiles * N, Dv]``) for reference. ``patch_ids`` number the
-        base view's grid (0..N-1); mosaic tokens and newlines get -1. ``cls`` is None (no CLS token).
-        """
+        """SigLIP on every tile, feature selection, projection and the model's own anyres-max packing
+        (:meth:`~mmfast.models.llava.LlavaAdapter.encode_tiles`; ``cls`` is None: no CLS token)."""
         if image_sizes is None:
             raise ValueError("LLaVA-OneVision needs image_sizes from its image processor")
         base, cfg = self.base, self.model.config
-        tower = self.vision_tower
-        n_tiles = self.tiles_per_image(image_sizes)
-        pv = pixel_values
-        if pv.dim() == 5:  # [n_images, max_tiles, 3, H, W] padded: keep each image's real tiles
-            pv = torch.cat([p[:n] for p, n in zip(pv, n_tiles)], dim=0)
-        pv = pv.to(device=tower.device, dtype=tower.dtype)
-        selected = self.tower_layers(pv)  # [tiles, N, Dv]
-        patches = selected[:, 1:] if self.select_strategy == "default" else selected
-        projected = torch.split(self.projector(patches), n_tiles, dim=0)  # per image [tiles_i, N, d]
-        packed, _ = base.pack_image_features(
-            list(projected), image_sizes, image_newline=base.image_newline, vision_aspect_ratio=cfg.vision_aspect_ratio
-        )  # per image [n_i, d]
-        feats = [f.reshape(-1, f.shape[-1]) for f in torch.split(patches, n_tiles, dim=0)]
-        n_base = patches.shape[1]
-        ids = []
-        for p in packed:
-            pid = torch.full((p.shape[0],), -1, dtype=torch.long, device=p.device)
-            pid[:n_base] = torch.arange(n_base, device=p.device)  # the base view is the square grid
-            ids.append(pid)
-        return VisionBatch(
-            features=feats,
-            patch_ids=ids,
-            cls=None,
-            grid=self.grid,
-            pixel_values=pv,
-            projected=list(packed),
-            extras={"n_tiles": n_tiles},
-        )
+
+        def pack(tiles: list[torch.Tensor]) -> list[torch.Tensor]:
+            return base.pack_image_features(
+                tiles, image_sizes, image_newline=base.image_newline, vision_aspect_ratio=cfg.vision_aspect_ratio
+            )[0]
+
+        return self.encode_tiles(pixel_values, self.tiles_per_image(image_sizes), pack, with_cls=False)
 
 
 @functools.cache

@@ -112,30 +112,6 @@ class Qwen2VLAdapter(VLMAdapter):
         return self.vision_tower.blocks
 
     @property
-    def lm_head(self) -> nn.Module:
-        return self.model.lm_head
-
-    @property
-    def text_config(self):
-        return self.model.config.text_config
-
-    @property
-    def vision_config(self):
-        return self.model.config.vision_config
-
-    @property
-    def image_token_id(self) -> int:
-        return int(self.model.config.image_token_id)
-
-    @property
-    def video_token_id(self) -> int:
-        return int(self.model.config.video_token_id)
-
-    @property
-    def vision_slot_ids(self) -> frozenset[int]:
-        return frozenset({self.image_token_id, self.video_token_id})
-
-    @property
     def grid(self) -> tuple[int, int]:
         return BUDGET_REFERENCE_GRID
 
