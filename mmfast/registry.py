@@ -20,11 +20,12 @@ import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from .errors import UnknownMethodError
 
 if TYPE_CHECKING:
+    from .context import MethodContext
     from .decoding.base import Decoder
     from .eval.tasks import Task
     from .pruning.base import Pruner
@@ -34,6 +35,22 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ENTRY_POINT_GROUP = "mmfast.plugins"
+
+
+class Method:
+    """What every registered method (pruning stage, decoder, drafter) holds: its validated ``Config``
+    instance and the narrow context; ``name`` is the name it registered under."""
+
+    Config: ClassVar[type]
+    registered_name: ClassVar[str]  # set by :meth:`Registry.register`
+
+    def __init__(self, config: Any, ctx: MethodContext) -> None:
+        self.config = config
+        self.ctx = ctx
+
+    @property
+    def name(self) -> str:
+        return self.registered_name
 
 
 @dataclass(frozen=True)

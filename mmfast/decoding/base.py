@@ -20,9 +20,9 @@ import torch
 from ..capabilities import Capabilities
 from ..errors import ConfigError
 from ..flops import LLAVA_7B, LMShape, prefill_flops, project_schedule
+from ..registry import Method
 
 if TYPE_CHECKING:
-    from ..context import MethodContext
     from ..inputs import PreparedBatch
     from ..models.base import LMInputs, VisionBatch
     from ..runtime import LMState
@@ -102,19 +102,10 @@ class Sampling:
     top_p: float = 1.0
 
 
-class Decoder:
+class Decoder(Method):
     """Turns a prepared batch into tokens."""
 
-    Config: ClassVar[type]
     caps: ClassVar[Capabilities] = Capabilities()
-
-    def __init__(self, config: Any, ctx: MethodContext) -> None:
-        self.config = config
-        self.ctx = ctx
-
-    @property
-    def name(self) -> str:
-        return self.registered_name  # type: ignore[attr-defined]
 
     def observe_tower(self, vision: VisionBatch) -> None:
         """Right after the vision tower ran: move what this decoder's tower hooks saw into ``vision``."""

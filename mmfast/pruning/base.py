@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..capabilities import Capabilities
 from ..config import from_dict, to_dict
 from ..models.base import VisionBatch
+from ..registry import Method
 
 if TYPE_CHECKING:
     from ..context import MethodContext
@@ -29,13 +30,11 @@ if TYPE_CHECKING:
     from ..models.base import VLMAdapter
 
 
-class Pruner:
+class Pruner(Method):
     """A vision-token reduction stage. Subclasses define ``Config`` and override what they use."""
 
-    Config: ClassVar[type]
     hook_points: ClassVar[frozenset[str]] = frozenset()
     caps: ClassVar[Capabilities] = Capabilities()
-    registered_name: ClassVar[str]
     #: Config keys a ``budget:`` sets (a recipe may not set them in ``params`` too); empty = no budget.
     budget_knobs: ClassVar[tuple[str, ...]] = ()
     #: True: the budget is reached by :meth:`calibrate` after installation, not by :meth:`budget_params`.
@@ -45,8 +44,7 @@ class Pruner:
     budget_per_image: ClassVar[bool] = True
 
     def __init__(self, config: Any, ctx: MethodContext) -> None:
-        self.config = config
-        self.ctx = ctx
+        super().__init__(config, ctx)
         self.adapter = ctx.adapter
 
         self.budget_tokens: int | None = None  # the stage's target when it is the same for every image
@@ -57,10 +55,6 @@ class Pruner:
         self.maps_per_image = False
         self._configs: dict[int, Any] = {}
         self.calibration = None  # a ``_budget.Calibration`` after :meth:`calibrate`
-
-    @property
-    def name(self) -> str:
-        return self.registered_name
 
     def install(self) -> None:
         """Register hooks and probes (called once when the session opens)."""

@@ -9,33 +9,24 @@ reported (``q``; ``None`` for deterministic proposals).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..capabilities import Capabilities
+from ..registry import Method
 
 if TYPE_CHECKING:
-    from ..context import MethodContext
     from .engine import SpecContext
     from .tree import DeviceTree, DraftTree
 
 
-class Drafter:
+class Drafter(Method):
     """Proposes draft tokens that the target verifies losslessly."""
 
-    Config: ClassVar[type]
     #: the engine passes the prompt's final hidden states (EAGLE-style drafts)
     needs_hidden: ClassVar[bool] = False
     caps: ClassVar[Capabilities] = Capabilities()
-
-    def __init__(self, config: Any, ctx: MethodContext) -> None:
-        self.config = config
-        self.ctx = ctx
-
-    @property
-    def name(self) -> str:
-        return self.registered_name  # type: ignore[attr-defined]
 
     def install(self) -> None:
         """Register hooks (called once when the session opens)."""
