@@ -181,6 +181,19 @@ def test_store_keeps_records_around_several_damaged_lines(tmp_path):
     assert RecordStore(path).quarantined == []  # clean now
 
 
+def test_a_whole_last_record_without_its_newline_is_kept_and_ended(tmp_path):
+    """A kill between a record's text and its newline: the record is whole, so it is kept, and its line is
+    ended before anything is appended, so the next record does not run on from it."""
+    path = tmp_path / "samples.jsonl"
+    first, second = (json.dumps({"doc_id": d, "resps": [["x"]]}).encode() for d in ("a", "b"))
+    path.write_bytes(first + b"\n" + second)
+    store = RecordStore(path)
+    assert sorted(store.records) == ["a", "b"] and store.quarantined == []
+    store.append([{"doc_id": "c", "resps": [["y"]]}])
+    again = RecordStore(path)
+    assert sorted(again.records) == ["a", "b", "c"] and again.quarantined == []
+
+
 def test_compressed_records_refused_on_resume_and_resumed_once_decompressed(
     reference, tiny_dir, tiny_mm, world, tmp_path
 ):
@@ -605,6 +618,19 @@ def test_weights_changed_past_the_first_values_is_another_run(tiny_dir, world, t
         run_eval(recipe, limit=2, mm=mm)
 
 
+def test_weights_changed_in_place_through_data_are_another_run(tiny_dir, world, tmp_path):
+    """``.data`` writes bump no version counter that a cached fingerprint could watch: a rerun on the same
+    model object after such a change is refused, not served the earlier answers."""
+    import mmfast
+
+    mm = mmfast.load(tiny_dir, device="cpu", dtype="float32")
+    recipe = _recipe(tiny_dir, world, tmp_path / "run", pope={"max_new_tokens": 1, "splits": ["random"]})
+    run_eval(recipe, limit=2, mm=mm)
+    mm.model.get_output_embeddings().weight.data.mul_(0.5)
+    with pytest.raises(InputError, match="results of other model weights"):
+        run_eval(recipe, limit=2, mm=mm)
+
+
 def test_resume_with_looser_max_failures_and_another_batch_size(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
     """A run stopped by eval.max_failures resumes with a looser max_failures and another batch_size:
     neither changes an answer, so neither is another recipe; only the failed sample is retried."""
@@ -769,16 +795,23 @@ def test_summary_json_is_written_atomically(tiny_dir, tiny_mm, world, tmp_path, 
     recs = (out / "samples.jsonl").read_text().splitlines(keepends=True)
     for r in range(2):
         (out / f"samples.rank{r}.jsonl").write_text("".join(recs[r::2]))
+    (out / "samples.jsonl").unlink()  # the merge makes it from the shards
     monkeypatch.setattr(distributed, "shard_info", lambda: (0, 2))
     monkeypatch.setattr(distributed, "barrier", lambda: None)
     plan = [
         (t, t.samples(4))
         for t in build_tasks(recipe.eval, resolve_data(recipe.eval, recipe.eval.tasks), cache_dir=cache_root())
     ]
-    merged = distributed.gather_and_finish(recipe, out, plan, tiny_mm, 0.0, runner.finish)
+    weights = runner.weights_fingerprint(tiny_mm.model)
+    fps = runner.planned_fingerprints(recipe, plan, weights)
+    merged = distributed.gather_and_finish(
+        out, plan, fps, lambda store: runner.finish(recipe, out, plan, store, tiny_mm, 0.0, weights, 0)
+    )
     monkeypatch.setattr(_SummaryWriteWatch, "active", False)
     assert _SummaryWriteWatch.hits == [], "summary.json was written in place, not replaced atomically"
     assert merged["metrics"] == single["metrics"] and merged["protocol"]["processes"] == 2
+    assert (out / "samples.jsonl").read_text().splitlines(keepends=True) == recs  # plan order
+    assert not list(out.glob("samples.rank*.jsonl"))
 
 
 # -- data-parallel workers die with their launcher (fast: stand-in processes, no model) --------------------

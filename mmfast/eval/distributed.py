@@ -4,10 +4,14 @@
 ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_*`` variables ``torchrun`` would set; accelerate's
 ``PartialState`` then picks nccl on GPUs and gloo on CPUs). ``accelerate launch --num_processes N -m
 mmfast eval RECIPE`` and ``torchrun --nproc_per_node N -m mmfast eval RECIPE`` work too. Process
-``r`` takes every N-th planned sample and writes ``samples.rank{r}.jsonl`` (so each shard resumes on
-its own); after a barrier the main process merges the shards in plan order into ``samples.jsonl``
-and writes the single ``summary.json``. Because mmfast's answers do not depend on batch composition,
-the merged answers and metrics equal a single-process run's.
+``r`` takes every N-th planned sample that ``samples.jsonl`` holds no finished record of and writes
+``samples.rank{r}.jsonl``; after a barrier the main process merges the shards into ``samples.jsonl`` (in
+plan order) and writes the single ``summary.json``. A run resumes from ``samples.jsonl`` whichever process
+count wrote it: before a run starts, the main process folds into it the shards a stopped run left
+(:func:`fold_shards`), so a shard only ever holds records of the current run, and a stale or failed record
+never displaces a finished record of the planned inputs. ``eval.max_failures`` holds for the whole run:
+a process that records a failure counts the other shards' too. Because mmfast's answers do not depend on
+batch composition, the merged answers and metrics equal a single-process run's.
 
 Lifecycle: the launcher holds the output directory's lock for its workers and keeps them in its own
 process group (never in new sessions), so a signal to the group reaches every worker. Each worker
@@ -23,6 +27,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +41,7 @@ from typing import Any
 import yaml
 
 from ..errors import MMFastError, RunAbortedError
+from .records import RecordStore, merge_records, record_problem, write_atomic, write_records
 
 logger = logging.getLogger(__name__)
 
@@ -232,30 +238,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def shard_files(out: Path) -> list[Path]:
+    """The record shards (``samples.rank{r}.jsonl``) in ``out``, by rank."""
+    shards = [(int(m.group(1)), p) for p in out.glob("samples.rank*.jsonl") if (m := _SHARD.fullmatch(p.name))]
+    return [p for _, p in sorted(shards)]
+
+
+_SHARD = re.compile(r"samples\.rank(\d+)\.jsonl")
+
+
+def fold_shards(out: Path, fingerprints: dict[str, str]) -> RecordStore:
+    """The run's ``samples.jsonl`` with every record shard in ``out`` folded into it (a data-parallel run's,
+    whichever its process count, left by a run that stopped before its merge), the shards then removed: the
+    main process does this before a run starts, so every process of the run (one or N) resumes from one
+    file and a shard holds only records of the current run. A record of the planned inputs is never
+    displaced by a stale or failed one (:func:`~mmfast.eval.records.merge_records`). The store's
+    ``quarantined`` counts the damaged lines of every file read."""
+    from . import rundir
+
+    store = RecordStore(out / rundir.SAMPLES, check=record_problem)
+    shards = shard_files(out)
+    if not shards:
+        return store
+    records, quarantined = dict(store.records), list(store.quarantined)
+    for path in shards:
+        shard = RecordStore(path, check=record_problem)
+        quarantined += shard.quarantined
+        merge_records(records, shard.records.values(), fingerprints)
+    write_records(store.path, records.values())  # first: a crash before the shards go folds them again
+    for path in shards:
+        path.unlink()
+    folded = RecordStore(store.path, check=record_problem)
+    folded.quarantined = quarantined
+    return folded
+
+
 def gather_and_finish(
-    recipe, out: Path, plan, mm, elapsed: float, finish: Callable[..., dict[str, Any]]
+    out: Path, plan, fingerprints: dict[str, str], finish: Callable[[RecordStore], dict[str, Any]]
 ) -> dict[str, Any]:
-    """Barrier, then the main process merges the shards in plan order and writes the summary with
-    ``finish(recipe, out, plan, store, mm, elapsed)`` (the runner's: passed in, so this module
-    imports no runner)."""
-    from .records import RecordStore, record_problem, write_atomic
+    """Barrier, then the main process merges this run's shards into ``samples.jsonl`` (the planned
+    samples in plan order, then the records of samples not planned now, kept for a later run), removes
+    the shards and writes the summary with ``finish(store)`` (the runner's: passed in, so this module
+    imports no runner). Every process returns the summary."""
+    from . import rundir
 
     rank, world = shard_info()
     barrier()
     if rank == 0:
-        shards = [RecordStore(out / f"samples.rank{r}.jsonl", check=record_problem) for r in range(world)]
-        merged: dict[str, dict] = {}
-        for shard in shards:
-            merged.update(shard.records)
-        order = [s.doc_id for _, ss in plan for s in ss]
-        target = out / "samples.jsonl"
-        tmp = target.with_suffix(".jsonl.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for doc_id in order:
-                if doc_id in merged:
-                    fh.write(json.dumps(merged[doc_id], ensure_ascii=False) + "\n")
-        tmp.replace(target)
-        summary = finish(recipe, out, plan, RecordStore(target, check=record_problem), mm, elapsed)
+        target = out / rundir.SAMPLES
+        records = dict(RecordStore(target, check=record_problem).records)  # folded before the run
+        shards = [out / rundir.shard_name(r) for r in range(world)]
+        for path in shards:
+            merge_records(records, RecordStore(path, check=record_problem).records.values(), fingerprints)
+        order = [s.doc_id for _, ss in plan for s in ss if s.doc_id in records]
+        planned = set(order)
+        write_records(target, [records[d] for d in order] + [r for d, r in records.items() if d not in planned])
+        for path in shards:
+            path.unlink(missing_ok=True)
+        summary = finish(RecordStore(target, check=record_problem))
         summary["protocol"]["processes"] = world
         write_atomic(out / "summary.json", json.dumps(summary, indent=2).encode("utf-8"))
     barrier()

@@ -29,22 +29,18 @@ _MISSING = "missing"
 
 
 _FINGERPRINT_CHUNK = 1 << 26  # bytes hashed per slice: a GPU tensor is copied to the host a slice at a time
-_FINGERPRINTS: dict[int, tuple[tuple, str]] = {}  # id(model) -> (tensor versions, fingerprint)
 
 
 def weights_fingerprint(model) -> str:
     """The content fingerprint of a model's weights: the sha256 of every tensor's name, shape, dtype
     and every byte of its values (tensors offloaded to ``meta`` count by name and shape only).
     Retrained or swapped weights under the same path change it (a swap of two rows anywhere does), so a
-    resumed run never mixes answers of two models. Cached per model while no tensor is replaced or
-    changed in place (torch's per-tensor version counter), so a run hashes its weights once."""
+    resumed run never mixes answers of two models. Not cached: weights changed in place between two calls
+    (through ``.data`` too, which no version counter sees) give another fingerprint; an evaluation hashes
+    them once (:func:`mmfast.eval.runner.run_eval`)."""
     import torch  # here, so that reading records does not load torch
 
     state = model.state_dict()
-    key = tuple((name, t.data_ptr(), t._version) for name, t in state.items())
-    cached = _FINGERPRINTS.get(id(model))
-    if cached is not None and cached[0] == key:
-        return cached[1]
     h = hashlib.sha256()
     with torch.no_grad():
         for name, t in state.items():
@@ -54,9 +50,7 @@ def weights_fingerprint(model) -> str:
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes, any dtype
             for start in range(0, raw.numel(), _FINGERPRINT_CHUNK):
                 h.update(raw[start : start + _FINGERPRINT_CHUNK].cpu().numpy().tobytes())
-    digest = h.hexdigest()[:16]
-    _FINGERPRINTS[id(model)] = (key, digest)
-    return digest
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

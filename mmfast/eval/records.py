@@ -107,6 +107,47 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def write_records(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """Replace record file ``path`` (atomically) with ``records``, one line each."""
+    write_atomic(path, b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in records))
+
+
+def record_rank(rec: dict[str, Any], fingerprint: str | None) -> int:
+    """How well ``rec`` serves a sample planned with inputs ``fingerprint``: 2 finished from them, 1 failed
+    on them, 0 made from other inputs (or not planned)."""
+    if fingerprint is None or rec.get("fingerprint") != fingerprint:
+        return 0
+    return 1 if "error" in rec else 2
+
+
+def merge_records(
+    into: dict[str, dict[str, Any]], records: Iterable[dict[str, Any]], fingerprints: dict[str, str]
+) -> None:
+    """Fold ``records`` (newer) into ``into`` (doc_id -> record): a newer record replaces an older one
+    unless the older serves its planned sample better (:func:`record_rank`), so a stale or failed record
+    in another file never displaces a finished one of the planned inputs."""
+    for rec in records:
+        d = rec["doc_id"]
+        old = into.get(d)
+        if old is None or record_rank(rec, fingerprints.get(d)) >= record_rank(old, fingerprints.get(d)):
+            into[d] = rec
+
+
+def count_failures(path: Path, fingerprints: dict[str, str]) -> int:
+    """Failed records of planned inputs in record file ``path``, which another process may be appending
+    to: read only, a line it has not finished is skipped."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    latest: dict[str, dict[str, Any]] = {}
+    for line in raw.split(b"\n"):
+        rec = _parse_line(line)
+        if not isinstance(rec, str):
+            latest[rec["doc_id"]] = rec
+    return sum(record_rank(r, fingerprints.get(d)) == 1 for d, r in latest.items())
+
+
 class RecordStore:
     """Append-only JSONL store keyed by ``doc_id``; damaged lines are quarantined, never dropped."""
 
@@ -155,6 +196,11 @@ class RecordStore:
         self.n_lines = len(kept)
         if damaged:
             self._quarantine(damaged, kept)
+        elif raw and not raw.endswith(b"\n"):  # a whole last record cut before its newline: end its line,
+            with open(self.path, "ab") as fh:  # or the next append would run on from it and lose both
+                fh.write(b"\n")
+                fh.flush()
+                os.fsync(fh.fileno())
 
     def _quarantine(self, damaged: list[DamagedLine], kept: list[bytes]) -> None:
         """Move the damaged lines to the quarantine file (first, fsynced), then rewrite the record file
@@ -205,10 +251,7 @@ class RecordStore:
         extra = self.n_lines - len(self.records)
         if extra <= 0:
             return 0
-        write_atomic(
-            self.path,
-            b"".join((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8") for r in self.records.values()),
-        )
+        write_records(self.path, self.records.values())
         self.n_lines = len(self.records)
         return extra
 

@@ -55,9 +55,9 @@ from ..registry import PRUNERS
 from ..video import frame_files
 from . import rundir
 from .data import cache_root, resolve_data
-from .distributed import barrier, gather_and_finish, launch_data_parallel, shard_info
+from .distributed import barrier, fold_shards, gather_and_finish, launch_data_parallel, shard_info
 from .fingerprint import digest_of, sample_fingerprint, weights_fingerprint
-from .records import RecordStore, record_problem, write_atomic
+from .records import RecordStore, count_failures, record_problem, write_atomic
 from .tasks import Sample, Task, build_tasks
 
 if TYPE_CHECKING:
@@ -419,59 +419,94 @@ def _run_locked(
     if mm is None:
         mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
         check_media(recipe, plan, mm.adapter)  # a model whose config could not be read before it loaded
-    fingerprint = weights_fingerprint(mm.model)
+    weights = weights_fingerprint(mm.model)  # hashed once a run: weights changed between runs are seen
+    fps = planned_fingerprints(recipe, plan, weights)
     if rank == 0:
-        _guard(out, recipe, fingerprint, rundir.own_files(world, extra_files))
+        _guard(out, recipe, weights, rundir.own_files(world, extra_files))
         for fname, text in extra_files.items():
             (out / fname).write_text(text)
+        prior = fold_shards(out, fps)  # one file to resume from, whichever process count wrote the records
     if world > 1:
-        barrier()  # no shard writes before the main process has checked and claimed the directory
+        barrier()  # no shard writes before the main process has checked, claimed and folded the directory
+        prior = prior if rank == 0 else RecordStore(out / rundir.SAMPLES, check=record_problem)
+    quarantined = len(prior.quarantined) if rank == 0 else 0
     n_total = sum(len(s) for _, s in plan)
     budget = failure_budget(cfg.max_failures, n_total)
-    store = RecordStore(out / (rundir.SAMPLES if world == 1 else rundir.shard_name(rank)), check=record_problem)
-    fps = planned_fingerprints(recipe, plan, fingerprint)
+    # one process: it appends to samples.jsonl; N: each to its own shard, merged at the end
+    store = prior if world == 1 else RecordStore(out / rundir.shard_name(rank), check=record_problem)
+    work = [(task, _todo(task, samples, prior, fps, rank, world)) for task, samples in plan]
+    pending = {s.doc_id for _, todo in work for s in todo}  # their old failures are not this run's (yet)
 
     t0 = time.perf_counter()
     with apply(mm, recipe, calibration=calibration_set(plan)) as session:
-        for task, samples in plan:
-            mine = [s for i, s in enumerate(samples) if i % world == rank]
-            todo = [s for s in mine if not store.done(s.doc_id, fps[s.doc_id])]
-            stale = [s for s in todo if store.done(s.doc_id) and store.stale(s.doc_id, fps[s.doc_id])]
-            if stale:
-                logger.warning(
-                    "%s: %d finished sample(s) were computed from other inputs (question, prompt, label or "
-                    "image changed under the same path); recomputing them",
-                    task.name,
-                    len(stale),
-                )
-            if len(todo) < len(mine):
-                logger.info("%s: %d of %d samples already done (resuming)", task.name, len(mine) - len(todo), len(mine))
+        for task, todo in work:
             where = f"{task.name} [rank {rank}]" if world > 1 else task.name
             bar = Progress(len(todo), where, report=bool(todo))  # a bar on a terminal, periodic log lines elsewhere
             for i in range(0, len(todo), cfg.batch_size):
                 chunk = todo[i : i + cfg.batch_size]
                 records = _run_batch(session, chunk, task.filter_response, fps)
                 store.append(records)
+                pending.difference_update(s.doc_id for s in chunk)
                 bar.update(len(chunk))
-                failed = [r for r in store.failed() if fps.get(r["doc_id"]) == r.get("fingerprint")]
-                if len(failed) > budget:
-                    errs = "; ".join(f"{r['doc_id']}: {r['error']}" for r in failed[:3])
-                    raise RunAbortedError(
-                        f"{len(failed)} of {n_total} samples failed, more than eval.max_failures={cfg.max_failures} allows "
-                        f"({budget}); first errors: {errs}. Finished samples are saved in {store.path}; fix the cause and rerun."
-                    )
+                if any("error" in r for r in records):
+                    _check_budget(store, pending, fps, budget, n_total, cfg.max_failures, out, rank, world)
             bar.close()
     store.compact()
     elapsed = time.perf_counter() - t0
-    if world > 1:
-        return gather_and_finish(recipe, out, plan, mm, elapsed, finish)
-    return finish(recipe, out, plan, store, mm, elapsed)
+
+    def finish_with(records: RecordStore) -> dict[str, Any]:
+        return finish(recipe, out, plan, records, mm, elapsed, weights, quarantined)
+
+    if world == 1:
+        return finish_with(store)
+    summary = gather_and_finish(out, plan, fps, finish_with)
+    if summary["counts"]["failed"] > budget:  # the shards' failures together (each process checks as it goes)
+        raise RunAbortedError(_too_many(summary["counts"]["failed"], n_total, cfg.max_failures, budget, out))
+    return summary
 
 
-def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: float) -> dict[str, Any]:
-    """Score the planned samples whose records match their inputs, and write ``summary.json``."""
+def _todo(task: Task, samples: list[Sample], prior: RecordStore, fps: dict[str, str], rank: int, world: int):
+    """This process's share of ``samples`` (every ``world``-th) that ``prior`` holds no finished record of."""
+    mine = [s for i, s in enumerate(samples) if i % world == rank]
+    todo = [s for s in mine if not prior.done(s.doc_id, fps[s.doc_id])]
+    stale = [s for s in todo if prior.done(s.doc_id) and prior.stale(s.doc_id, fps[s.doc_id])]
+    if stale:
+        logger.warning(
+            "%s: %d finished sample(s) were computed from other inputs (question, prompt, label or "
+            "image changed under the same path); recomputing them",
+            task.name,
+            len(stale),
+        )
+    if len(todo) < len(mine):
+        logger.info("%s: %d of %d samples already done (resuming)", task.name, len(mine) - len(todo), len(mine))
+    return todo
 
-    planned = planned_fingerprints(recipe, plan, weights_fingerprint(mm.model))
+
+def _too_many(n_failed: int, n_total: int, max_failures: float, budget: int, out: Path, errors: str = "") -> str:
+    first = f"; first errors: {errors}" if errors else " (listed in summary.json)"
+    return (
+        f"{n_failed} of {n_total} samples failed, more than eval.max_failures={max_failures} allows "
+        f"({budget}){first}. Finished samples are saved in {out}; fix the cause and rerun."
+    )
+
+
+def _check_budget(store, pending, fps, budget: int, n_total: int, max_failures: float, out: Path, rank, world) -> None:
+    """Stop the run once more samples failed in it than ``budget``: this run's failures (an old failure
+    still waiting for its retry is not one), in every process (the other shards as far as written)."""
+    failed = [r for r in store.failed() if r["doc_id"] not in pending and fps.get(r["doc_id"]) == r.get("fingerprint")]
+    others = sum(count_failures(out / rundir.shard_name(r), fps) for r in range(world) if r != rank)
+    if len(failed) + others > budget:
+        errs = "; ".join(f"{r['doc_id']}: {r['error']}" for r in failed[:3])
+        raise RunAbortedError(_too_many(len(failed) + others, n_total, max_failures, budget, out, errs))
+
+
+def finish(
+    recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: float, weights: str, quarantined: int
+) -> dict[str, Any]:
+    """Score the planned samples whose records match their inputs (of weights fingerprint ``weights``),
+    and write ``summary.json`` (``quarantined``: damaged record lines moved aside when the run began)."""
+
+    planned = planned_fingerprints(recipe, plan, weights)
     current = {d: r for d, r in store.records.items() if d in planned and r.get("fingerprint") == planned[d]}
     ok = [current[d] for d in planned if d in current and "error" not in current[d]]
     failed = [current[d] for d in planned if d in current and "error" in current[d]]
@@ -485,7 +520,7 @@ def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: flo
         scored = task.metrics({g: by_task[g] for g in groups if g in by_task})
         if scored:
             metrics[task.name] = scored
-    proto = protocol(recipe, mm, plan)
+    proto = protocol(recipe, mm, plan, weights)
     proto["samples_digest"] = digest_of(r["fingerprint"] for r in ok)
     summary = {
         "metrics": metrics,
@@ -494,7 +529,7 @@ def finish(recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: flo
             "finished": len(ok),
             "failed": len(failed),
             "not_run": len(missing),
-            "quarantined_lines": len(store.quarantined),
+            "quarantined_lines": quarantined,
         },
         "accounting": _accounting(ok),
         "protocol": proto,
@@ -538,11 +573,11 @@ def _accounting(records: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def protocol(recipe: Recipe, mm, plan) -> dict[str, Any]:
+def protocol(recipe: Recipe, mm, plan, weights: str) -> dict[str, Any]:
     m = recipe.model
     return {
         "model": m.name,
-        "weights_fingerprint": weights_fingerprint(mm.model),
+        "weights_fingerprint": weights,
         "dtype": str(mm.dtype).removeprefix("torch."),
         "attn_implementation": m.attn_implementation,
         "recipe_name": recipe.name,
