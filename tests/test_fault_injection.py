@@ -901,3 +901,61 @@ def test_pruning_bench_counts_tokens_over_the_scored_samples_only(tiny_dir, tiny
     for key in ("flops_prefill", "n_vision_tokens", "kv_bytes_prefill"):
         assert _accounting(small)[key] == pytest.approx(sum(r[key] for r in scored) / 2, rel=1e-6)
     assert sum(r["flops_prefill"] for r in everything) / 8 != pytest.approx(_accounting(small)["flops_prefill"])
+
+
+def test_a_bench_variant_with_a_failed_sample_stops_the_bench(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
+    """A bench compares variants on identical samples: a variant whose evaluation lost one sample stops it
+    (exit 3, the variant and the error named) instead of entering its tables on fewer samples; the rerun
+    retries that sample only."""
+    from mmfast.bench.common import Variant, evaluate_variant
+    from mmfast.errors import SamplesFailedError
+    from mmfast.eval import runner
+
+    recipe = _recipe(tiny_dir, world, tmp_path / "unused", pope={"max_new_tokens": 1, "splits": ["random"]})
+    recipe = load_recipe({**recipe.to_dict(), "eval": {**recipe.to_dict()["eval"], "max_failures": 1.0}})
+    variant, out = Variant("baseline", recipe), tmp_path / "bench"
+    real = runner.prepare_batch
+    ran: list[str] = []
+    tries = []
+
+    def flaky(mm, samples):
+        ran.extend(s.doc_id for s in samples)
+        if any(s.doc_id == "pope_random/2" for s in samples) and len(tries) < 2:  # its batch, then alone
+            tries.append(1)
+            raise RuntimeError("CUDA error: an illegal memory access (simulated)")
+        return real(mm, samples)
+
+    monkeypatch.setattr(runner, "prepare_batch", flaky)
+    with pytest.raises(
+        SamplesFailedError, match="bench variant 'baseline': 1 of 4 samples failed.*illegal memory"
+    ) as exc:
+        evaluate_variant(variant, out, 4, tiny_mm)
+    assert exc.value.exit_code == 3
+    ran.clear()
+    summary = evaluate_variant(variant, out, 4, tiny_mm)
+    assert ran == ["pope_random/2"] and summary["counts"]["failed"] == 0 and summary["counts"]["finished"] == 4
+
+
+def test_records_read_for_a_report_are_the_ones_its_summary_scored(tiny_dir, tiny_mm, world, tmp_path, caplog):
+    """A run resumed with a smaller --limit keeps the records past it for a later run; the report's counts
+    and intervals read only the ones its summary scored (checked by protocol.samples_digest)."""
+    from mmfast.eval.intervals import read_records
+
+    out = tmp_path / "run"
+    recipe = _recipe(tiny_dir, world, out, pope={"max_new_tokens": 1, "splits": ["random", "adversarial"]})
+    run_eval(recipe, limit=6, mm=tiny_mm)
+    assert len(read_records(out)) == 12
+    small = run_eval(recipe, limit=3, mm=tiny_mm)
+    assert len(_lines(out / "samples.jsonl")) == 12  # kept for a later run
+    scored = read_records(out)
+    assert sorted(r["doc_id"] for r in scored) == sorted(
+        f"pope_{split}/{q['question_id']}"
+        for split in ("random", "adversarial")
+        for q in _lines(world / "pope" / f"world_pope_{split}.json")[:3]
+    )
+    assert small["metrics"]["pope"]["random"]["n"] == 3
+    assert "do not match" not in caplog.text
+    (out / "summary.json").write_text(
+        (out / "summary.json").read_text().replace(small["protocol"]["samples_digest"], "0" * 24)
+    )
+    assert len(read_records(out)) == 12 and "do not match what summary.json scored" in caplog.text

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..config import Recipe, load_recipe
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, SamplesFailedError
+from ..eval.runner import run_eval
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,25 @@ def _merge(a: dict, b: dict) -> dict:
     for k, v in b.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def evaluate_variant(v: Variant, out: Path, limit: int | None, mm) -> dict[str, Any]:
+    """``mmfast eval`` of variant ``v`` into ``out/variants/<name>``; its summary. A bench compares its
+    variants on identical samples, so a variant with a failed or missing sample stops the bench (exit 3)
+    instead of entering the tables and ratios on fewer samples; rerunning the command retries those samples
+    and reuses everything finished."""
+    where = out / "variants" / v.name
+    summary = run_eval(v.recipe, limit=limit, output=str(where), mm=mm)
+    counts = summary["counts"]
+    if counts["failed"] or counts["not_run"]:
+        shown = "; ".join(f"{f['doc_id']}: {f['error']}" for f in summary.get("failures", [])[:3])
+        raise SamplesFailedError(
+            f"bench variant {v.name!r}: {counts['failed']} of {counts['planned']} samples failed and "
+            f"{counts['not_run']} have no answer{f' ({shown})' if shown else ''}; the bench compares variants on "
+            f"identical samples, so it stops here. All failures are listed in {where / 'summary.json'}; fix the "
+            "cause and rerun the same command (finished samples and variants are kept)"
+        )
+    return summary
 
 
 def timing_samples_of(recipe: Recipe, n: int, tasks: tuple[str, ...] | None = None) -> list:

@@ -14,10 +14,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..eval.runner import run_eval
 from ..model import MMModel
 from ..pipeline import apply
-from .common import Variant, dump, peak_rss_bytes, peak_rss_reset, timing_samples_of, variants
+from .common import Variant, dump, evaluate_variant, peak_rss_bytes, peak_rss_reset, timing_samples_of, variants
 from .render import decoding_plots, write_results
 
 logger = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ def run_decoding_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dic
     results = {}
     for i, v in enumerate(vs, 1):
         logger.info("bench variant %d/%d %s: evaluation, then cost per token", i, len(vs), v.name)
-        summary = run_eval(v.recipe, limit=limit, output=str(out / "variants" / v.name), mm=mm)
+        summary = evaluate_variant(v, out, limit, mm)
         results[v.name] = {
             "decoding": v.recipe.decoding._to_recipe(),
             "metrics": summary["metrics"],

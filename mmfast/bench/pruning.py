@@ -21,11 +21,20 @@ from typing import Any
 import torch
 
 from ..errors import MMFastError
-from ..eval.runner import evaluation_calibration, run_eval
+from ..eval.runner import evaluation_calibration
 from ..model import MMModel
 from ..pipeline import apply
 from ..pruning._budget import CalibrationSet
-from .common import Variant, dump, median_time, timing_samples_of, variants, warm_repeats, write_markdown
+from .common import (
+    Variant,
+    dump,
+    evaluate_variant,
+    median_time,
+    timing_samples_of,
+    variants,
+    warm_repeats,
+    write_markdown,
+)
 from .render import (
     budget_leaders,
     budget_text,
@@ -74,7 +83,7 @@ def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict
     new_tokens = int(cfg.params.get("e2e_new_tokens", 32))
     for i, v in enumerate(vs, 1):
         logger.info("bench variant %d/%d %s: evaluation", i, len(vs), v.name)
-        summary = run_eval(v.recipe, limit=limit, output=str(out / "variants" / v.name), mm=mm)
+        summary = evaluate_variant(v, out, limit, mm)
         logger.info(
             "bench variant %d/%d %s: timing (%d samples x %d repeats)",
             i,

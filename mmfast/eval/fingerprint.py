@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,11 +120,3 @@ def sample_fingerprint(sample: Sample, recipe_hash: str, weights: str) -> str:
         )
     blob = json.dumps(what, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:24]
-
-
-def digest_of(fingerprints: Iterable[str]) -> str:
-    """One digest over the fingerprints of the scored records (in plan order): the exact data of a summary."""
-    h = hashlib.sha256()
-    for fp in fingerprints:
-        h.update(fp.encode() + b"\n")
-    return h.hexdigest()[:24]

@@ -40,6 +40,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .records import digest_of
+
 logger = logging.getLogger(__name__)
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
@@ -428,7 +430,15 @@ def pope_cells(records: Iterable[Mapping[str, Any]], mode: str) -> list[str]:
 
 
 def read_records(run: Path) -> list[dict[str, Any]]:
-    """The successful records of a run: ``samples.jsonl`` or ``samples.jsonl.gz`` (``[]`` if neither)."""
+    """The successful records a run's ``summary.json`` scored, from ``samples.jsonl`` or ``samples.jsonl.gz``
+    (``[]`` if neither).
+
+    A finished run keeps its scored records first, in plan order (the planned samples' records: finished,
+    then failed ones among them), and records of samples it did not plan (kept for a later run with a larger
+    ``--limit``) after them; the summary's ``counts`` say how many lead and ``protocol.samples_digest`` which
+    ones, so those are returned once the digest confirms them. Where it does not (a run written before mmfast
+    kept that order, or an edited file), every successful record is returned if they are what the summary
+    scored, else every successful record with a warning that they may not be."""
     plain, packed = run / "samples.jsonl", run / "samples.jsonl.gz"
     if plain.is_file():
         lines = plain.read_text().splitlines()
@@ -437,15 +447,31 @@ def read_records(run: Path) -> list[dict[str, Any]]:
             lines = f.read().splitlines()
     else:
         return []
-    recs = []
+    by_id: dict[str, dict[str, Any]] = {}
     for line in lines:
         if line.strip():
             try:
-                recs.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError:  # a line cut off by a killed run: not a finished sample
                 continue
-    by_id = {r["doc_id"]: r for r in recs if "error" not in r}
-    return list(by_id.values())
+            by_id[rec["doc_id"]] = rec
+    everything = list(by_id.values())
+    successful = [r for r in everything if "error" not in r]
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+        digest, counts = summary["protocol"]["samples_digest"], summary["counts"]
+        lead = [r for r in everything[: counts["finished"] + counts["failed"]] if "error" not in r]
+    except (OSError, ValueError, KeyError, TypeError):
+        return successful  # no summary to match: every successful record
+    for scored in (lead, successful):
+        if digest_of(r.get("fingerprint", "") for r in scored) == digest:
+            return scored
+    logger.warning(
+        "%s: its records do not match what summary.json scored (protocol.samples_digest); intervals and counts "
+        "from its records may include samples the summary left out",
+        run,
+    )
+    return successful
 
 
 @dataclass(frozen=True)

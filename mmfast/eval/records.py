@@ -19,6 +19,7 @@ read either. A run is never resumed from a compressed file: a store whose file e
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -148,6 +149,14 @@ def count_failures(path: Path, fingerprints: dict[str, str]) -> int:
     return sum(record_rank(r, fingerprints.get(d)) == 1 for d, r in latest.items())
 
 
+def digest_of(fingerprints: Iterable[str]) -> str:
+    """One digest over the fingerprints of the scored records (in plan order): the exact data of a summary."""
+    h = hashlib.sha256()
+    for fp in fingerprints:
+        h.update(fp.encode() + b"\n")
+    return h.hexdigest()[:24]
+
+
 class RecordStore:
     """Append-only JSONL store keyed by ``doc_id``; damaged lines are quarantined, never dropped."""
 
@@ -254,6 +263,19 @@ class RecordStore:
         write_records(self.path, self.records.values())
         self.n_lines = len(self.records)
         return extra
+
+    def arrange(self, first: list[str]) -> None:
+        """Rewrite the file (atomically, only when it is not so already) with the records of ``first`` (doc_ids
+        it holds, in that order) leading, then the others: a finished run keeps its scored records first,
+        in plan order, so a reader can tell them from those it kept for another run
+        (:func:`mmfast.eval.intervals.read_records`)."""
+        if list(self.records)[: len(first)] == first:
+            return
+        leading = set(first)
+        rest = [d for d in self.records if d not in leading]
+        self.records = {d: self.records[d] for d in [*first, *rest]}
+        write_records(self.path, self.records.values())
+        self.n_lines = len(self.records)
 
     def successful(self, task: str | None = None) -> list[dict[str, Any]]:
         return [r for r in self.records.values() if "error" not in r and (task is None or r.get("task") == task)]

@@ -56,8 +56,8 @@ from ..video import frame_files
 from . import rundir
 from .data import cache_root, resolve_data
 from .distributed import barrier, fold_shards, gather_and_finish, launch_data_parallel, shard_info
-from .fingerprint import digest_of, sample_fingerprint, weights_fingerprint
-from .records import RecordStore, count_failures, record_problem, write_atomic
+from .fingerprint import sample_fingerprint, weights_fingerprint
+from .records import RecordStore, count_failures, digest_of, record_problem, write_atomic
 from .tasks import Sample, Task, build_tasks
 
 if TYPE_CHECKING:
@@ -511,6 +511,7 @@ def finish(
     ok = [current[d] for d in planned if d in current and "error" not in current[d]]
     failed = [current[d] for d in planned if d in current and "error" in current[d]]
     missing = [d for d in planned if d not in current]
+    store.arrange([d for d in planned if d in current])  # the scored records first, in plan order
     by_task: dict[str, list[dict[str, Any]]] = {}
     for r in ok:
         by_task.setdefault(r["task"], []).append(r)
