@@ -430,8 +430,8 @@ def check_model_config(recipe: Recipe) -> None:
 def _facts_of_model_name(name: str, revision: str | None) -> ModelFacts | None:
     from transformers import AutoConfig
 
+    path, local = _resolve(name)  # a local path that does not exist is an error now, not at load time
     try:
-        path, local = _resolve(name)
         config = AutoConfig.from_pretrained(path, revision=revision, local_files_only=True)
     except (OSError, ValueError, ModelLoadError):
         return None

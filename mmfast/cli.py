@@ -224,8 +224,21 @@ def _cmd_run(args) -> int:
 
     if not args.image and args.video is None:
         raise InputError("mmfast run needs --image (repeatable) or --video (a directory of frames or a video file)")
+    sampled = [
+        flag
+        for flag, v in (("--num-frames", args.num_frames), ("--fps", args.fps), ("--video-fps", args.video_fps))
+        if v is not None
+    ]
+    if sampled and args.video is None:
+        raise InputError(
+            f"{' / '.join(sampled)}: how a video's frames are sampled; pass --video too (a directory of frames or a video file)"
+        )
     recipe = _load(args)
     check_model_config(recipe)
+    from .inputs import open_image
+
+    for path in args.image or []:
+        open_image(path)  # a missing or unreadable image is refused before the model loads
     mm = load_model(recipe.model)
     images = None if not args.image else args.image if len(args.image) > 1 else args.image[0]
     video = {} if args.video is None else {"videos": args.video}
@@ -285,12 +298,13 @@ def _cmd_eval(args) -> int:
 
     print(metrics_table(summary["metrics"]))
     print(f"(all figures: {output_dir(recipe, args.output) / 'summary.json'})")
-    failed = summary["counts"]["failed"]
-    if failed and not args.allow_failures:
+    failed, not_run = summary["counts"]["failed"], summary["counts"]["not_run"]
+    if (failed or not_run) and not args.allow_failures:
         logger.error(
-            "%d of %d samples failed (listed in summary.json); exiting %d (--allow-failures accepts them)",
+            "%d of %d samples failed (listed in summary.json)%s; exiting %d (--allow-failures accepts them)",
             failed,
             summary["counts"]["planned"],
+            f" and {not_run} have no answer" if not_run else "",
             EXIT_SAMPLES_FAILED,
         )
         return EXIT_SAMPLES_FAILED
@@ -323,6 +337,8 @@ def _cmd_report(args) -> int:
 def _cmd_lmms_task(args) -> int:
     from .eval.lmms_tasks import write_lmms_task
 
+    if args.output is not None:
+        check_output_dir(Path(args.output).expanduser())
     task = write_lmms_task(_load(args), args.output, args.name, args.task)
     print(
         f"lmms-eval task {task.group} ({', '.join(f'{t}: {n}' for t, n in zip(task.tasks, task.n_questions.values()))} questions)"

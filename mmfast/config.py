@@ -172,7 +172,13 @@ def _from_fields(cls: type, data: Any, path: str, **fixed: Any) -> Any:
             if key in renamed:
                 raise ConfigError(_join(path, str(key)), f"renamed; {renamed[key]}")
             close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"allowed keys: {', '.join(sorted(fields))}"
+            hint = (
+                f"did you mean {close[0]!r}?"
+                if close
+                else f"allowed keys: {', '.join(sorted(fields))}"
+                if fields
+                else "it takes no keys here"
+            )
             raise ConfigError(_join(path, str(key)), f"unknown key; {hint}")
     kwargs = {}
     for name, f in fields.items():
@@ -454,6 +460,12 @@ class PopeTaskConfig:
     world_version: Literal["official", "v1"] = opt(
         "official", doc="world POPE files: 'official' rule (default) or 'v1' (area-ordered positives, before 2026-11)"
     )
+
+    def __post_init__(self) -> None:
+        if not self.splits:
+            raise ValueError(
+                "splits is empty: name at least one of random, popular, adversarial (or leave pope out of eval.tasks)"
+            )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ it at the top.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,11 @@ def open_image(image: Any) -> Image.Image:
     if isinstance(image, Image.Image):
         _check_image_size(image, "an image")
         return _upright(image, "an image").convert("RGB")
+    if not isinstance(image, (str, os.PathLike)):
+        raise InputError(f"an image is a PIL image or a file path, got {type(image).__name__} {image!r:.80}")
     path = Path(image)
+    if path.is_dir():
+        raise InputError(f"image {str(path)!r} is a directory; give an image file (a video's frames: videos=, --video)")
     if not path.is_file():
         raise InputError(f"image {str(path)!r} not found (check the path or the data root)")
     try:

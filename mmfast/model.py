@@ -109,6 +109,8 @@ class MMModel:
         single = isinstance(prompts, str)
         if single:
             prompts = [prompts]
+        if not prompts:
+            raise InputError("no prompts: pass at least one prompt (and its image or video)")
         if images is None:
             images = [None] * len(prompts)
         if not isinstance(images, (list, tuple)):

@@ -114,6 +114,7 @@ class Session:
         self.recipe = recipe
         self._static_refusals: set[str] = set()  # fall-back reasons already logged
         self.adapter = mm.adapter
+        self.closed = False  # close() restored the model: the methods no longer run, so nothing may generate
         self.hooks = HookSession(mm.model)
         self.probe = AttentionProbe(self.hooks)
         self.runner = LMRunner(self.adapter, self.hooks)
@@ -395,6 +396,7 @@ class Session:
         Returns:
             One :class:`GenerationResult` per prompt.
         """
+        self._check_open()
         args = parse_generation_args(
             generation_kwargs, generation_config, model_generation_config=self.mm.model.generation_config
         )
@@ -463,6 +465,7 @@ class Session:
     ) -> list[GenerationResult]:
         """Run one prepared batch end to end (see :meth:`generate` for the arguments); ``decoder``
         replaces the recipe's for this batch (build it with :meth:`decoder_for`)."""
+        self._check_open()
         decoder = decoder or self.decoder
         max_new = self.recipe.decoding.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
@@ -625,7 +628,15 @@ class Session:
             )
 
     # -- lifetime --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InputError(
+                f"this session of recipe {self.recipe.name!r} is closed (its methods were removed from the model); "
+                "generate inside its `with` block, or open a new one with mmfast.apply(mm, recipe)"
+            )
+
     def close(self) -> None:
+        self.closed = True
         self.runner.release()
         if isinstance(self.ctx.captured, CapturedCalls):
             self.ctx.captured.graphs.clear()  # their memory goes with the session, as the runner's

@@ -129,8 +129,11 @@ def test_cuda_device_without_cuda(tmp_path, capsys, tiny_dir, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "x.png")
     recipe = _write(tmp_path, "r.yaml", f"model: {{name: {tiny_dir}, device: cuda}}\n")
-    rc, err = _cli(capsys, "run", str(recipe), "--image", "x.png", "--prompt", "hi")
+    rc, err = _cli(capsys, "run", str(recipe), "--image", str(tmp_path / "x.png"), "--prompt", "hi")
     assert rc == 2 and "model.device 'cuda': CUDA is not available" in err and "device: cpu" in err
 
 
@@ -504,14 +507,15 @@ def test_method_params_checked_against_the_config_before_loading(stage, path, ti
 # --------------------------------------------------------------------------- issue 29
 
 
-def test_bench_refuses_a_folder_of_user_files(tmp_path, capsys):
+def test_bench_refuses_a_folder_of_user_files(tmp_path, capsys, monkeypatch):
     """``mmfast bench`` into a folder holding someone's results.md / summary.json: exit 2 before any
     model loads, the files untouched (``eval`` refuses such a folder too)."""
     out = tmp_path / "mine"
     out.mkdir()
     (out / "results.md").write_text("my notes\n")
     (out / "summary.json").write_text('{"mine": 1}\n')
-    recipe = _write(tmp_path, "b.yaml", "model: {name: /nonexistent/model}\nbench: {kind: pruning}\n")
+    recipe = _write(tmp_path, "b.yaml", "model: {name: mmfast/tiny-world}\nbench: {kind: pruning}\n")
+    monkeypatch.setattr("mmfast.bench.load_model", lambda *a, **k: pytest.fail("the model loaded first"))
     rc, err = _cli(capsys, "bench", str(recipe), "--output", str(out))
     assert rc == 2 and "not an mmfast bench directory" in err and "Traceback" not in err
     assert (out / "results.md").read_text() == "my notes\n" and (out / "summary.json").read_text() == '{"mine": 1}\n'
@@ -732,3 +736,121 @@ def test_output_path_too_long(tmp_path, capsys):
     recipe = _write(tmp_path, "r.yaml", "eval: {tasks: [pope]}\nmodel: {name: /nonexistent/model}\n")
     rc, err = _cli(capsys, "eval", str(recipe), "--output", str(tmp_path / ("a" * 300) / "run"))
     assert rc == 2 and "File name too long (the path is longer than the file system allows" in err
+
+
+# --------------------------------------------------------------------------- a new user's mistakes (audit)
+
+
+def test_lmms_task_never_writes_over_a_folder_of_other_files(tmp_path, capsys):
+    """``mmfast lmms-task --output``: a file is refused, a folder of someone's files (or an eval run) is refused
+    untouched, an empty folder or one mmfast wrote is (re)written."""
+    recipe = _write(tmp_path, "r.yaml", "model: {name: mmfast/tiny-world}\neval: {tasks: [pope]}\n")
+    afile = _write(tmp_path, "afile.json", "{}")
+    rc, err = _cli(capsys, "lmms-task", str(recipe), "--output", str(afile))
+    assert rc == 2 and "is a file" in err and "Traceback" not in err
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "utils.py").write_text("def my_code(): ...\n")
+    rc, err = _cli(capsys, "lmms-task", str(recipe), "--output", str(mine))
+    assert rc == 2 and "not an lmms-eval task directory mmfast wrote" in err
+    assert [p.name for p in mine.iterdir()] == ["utils.py"] and "my_code" in (mine / "utils.py").read_text()
+
+
+def test_lmms_task_rewrites_its_own_directory(tmp_path):
+    from mmfast.eval.lmms_tasks import MARKER, write_lmms_task
+
+    recipe = load_recipe({"model": {"name": "mmfast/tiny-world"}, "eval": {"tasks": ["pope"]}})
+    out = tmp_path / "task"
+    first = write_lmms_task(recipe, out, name="w_pope")
+    assert (out / MARKER).is_file()
+    assert write_lmms_task(recipe, out, name="w_pope") == first  # a rerun into its own directory
+    (out / MARKER).unlink()  # a directory written before the marker: its utils.py is mmfast's
+    assert write_lmms_task(recipe, out, name="w_pope") == first
+
+
+def test_clip_weights_are_never_unpickled(tiny_mm, tmp_path, monkeypatch):
+    """CDPruner's and HICom's CLIP from a directory holding only a pickled ``pytorch_model.bin``: refused with
+    what to do, and ``torch.load`` never runs."""
+    import torch
+
+    from mmfast.errors import ModelLoadError
+    from mmfast.pruning._clip_text import load_clip_text
+    from mmfast.pruning._hicom_guide import load_clip_guide, random_clip
+
+    clip = random_clip(tiny_mm.model, tiny_mm.tokenizer)
+    d = tmp_path / "clip-bin"
+    clip.config.save_pretrained(d)
+    torch.save(clip.state_dict(), d / "pytorch_model.bin")
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or pytest.fail("torch.load called"))
+    with pytest.raises(ConfigError, match="no .safetensors weights.*never a pickled"):
+        load_clip_text(str(d), "cpu", torch.float32, tiny_mm.tokenizer)
+    with pytest.raises(ModelLoadError, match="no .safetensors weights"):
+        load_clip_guide(str(d), tiny_mm.model, tiny_mm.tokenizer)
+    with pytest.raises(ConfigError, match="that path does not exist"):
+        load_clip_text(str(tmp_path / "nowhere"), "cpu", torch.float32, tiny_mm.tokenizer)
+    assert loads == []
+
+
+def test_a_closed_session_refuses_to_generate(tiny_mm, images, prompts):
+    """After ``close`` (or its ``with`` block) the model is restored: generating then would give the unpruned
+    model's answers under the recipe's name, so it is refused."""
+    import mmfast
+
+    recipe = load_recipe({"pruning": [{"method": "fastv", "params": {"k": 1, "drop_ratio": 0.5}}]})
+    with mmfast.apply(tiny_mm, recipe) as s:
+        s.generate(images[:1], prompts[:1], max_new_tokens=2)
+    with pytest.raises(InputError, match="session .* is closed"):
+        s.generate(images[:1], prompts[:1], max_new_tokens=2)
+    with pytest.raises(InputError, match="is closed"):
+        s.run(tiny_mm.prepare(images[:1], prompts[:1]), max_new_tokens=2)
+
+
+def test_generate_inputs_that_are_not_images_or_prompts(tiny_mm, tmp_path):
+    with pytest.raises(InputError, match="no prompts"):
+        tiny_mm.generate([], [])
+    with pytest.raises(InputError, match="PIL image or a file path, got int"):
+        tiny_mm.generate([5], ["a"])
+    with pytest.raises(InputError, match="is a directory; give an image file"):
+        tiny_mm.generate([tmp_path], ["a"])
+
+
+def test_pope_inputs_that_hold_no_questions(tmp_path, capsys):
+    """A question file that is a directory or empty, or no split at all: exit 2 before any model loads, never a
+    traceback or an evaluation of nothing that exits 0."""
+    from mmfast.eval.pope import PopeFormatError, load_pope_questions
+
+    with pytest.raises(PopeFormatError, match="is a directory"):
+        load_pope_questions(tmp_path)
+    with pytest.raises(PopeFormatError, match="holds no questions"):
+        load_pope_questions(_write(tmp_path, "empty.jsonl", ""))
+    recipe = _write(tmp_path, "r.yaml", "model: {name: mmfast/tiny-world}\neval: {tasks: [pope]}\n")
+    for extra in (f"eval.pope.files.random={tmp_path}", f"eval.pope.files.random={tmp_path / 'empty.jsonl'}"):
+        rc, err = _cli(
+            capsys, "eval", str(recipe), "--limit", "1", "--output", str(tmp_path / "out"),
+            "--set", "eval.pope.splits=[random]", "--set", extra,
+        )  # fmt: skip
+        assert rc == 2 and "Traceback" not in err and ("is a directory" in err or "holds no questions" in err), err
+    with pytest.raises(ConfigError, match="eval.pope: splits is empty"):
+        load_recipe({"eval": {"tasks": ["pope"], "pope": {"splits": []}}})
+
+
+def test_a_method_without_params_says_so(capsys):
+    rc, err = _cli(capsys, "validate", "world_eval", "--set", "decoding.params.alpha=2")
+    assert rc == 2 and "decoding.params.alpha: unknown key; it takes no keys here" in err
+
+
+def test_validate_refuses_a_model_path_that_does_not_exist(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", f"model: {{name: {tmp_path / 'no-such-model'}}}\n")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "does not exist" in err
+
+
+def test_run_checks_its_inputs_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("mmfast.model.load_model", lambda *a, **k: pytest.fail("the model loaded first"))
+    rc, err = _cli(capsys, "run", "world_eval", "--image", str(tmp_path), "--prompt", "hi")
+    assert rc == 2 and "is a directory; give an image file" in err
+    rc, err = _cli(capsys, "run", "world_eval", "--image", str(tmp_path / "none.png"), "--prompt", "hi")
+    assert rc == 2 and "not found" in err
+    rc, err = _cli(capsys, "run", "world_eval", "--image", "x.png", "--num-frames", "4", "--prompt", "hi")
+    assert rc == 2 and "--num-frames: how a video's frames are sampled; pass --video too" in err

@@ -89,6 +89,7 @@ def write_lmms_task(
         )
     pre, post = _prompt_parts(prompt, where)
     out = Path(output).expanduser() if output is not None else default_output(name)
+    _claim(out)
     (out / "data").mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}
     tasks = []
@@ -103,6 +104,31 @@ def write_lmms_task(
     (out / "utils.py").write_text(_UTILS)
     logger.info("wrote lmms-eval task %s (%s) to %s", name, ", ".join(f"{s}: {n}" for s, n in counts.items()), out)
     return LmmsTask(out.resolve(), name, tuple(tasks), counts)
+
+
+#: written first into a task directory: marks it as mmfast's, so a rerun may write into it again
+MARKER = ".mmfast-lmms-task"
+
+
+def _claim(out: Path) -> None:
+    """Accept ``out`` for a task directory: absent, empty, or one mmfast wrote (its :data:`MARKER`, or, written
+    before the marker, mmfast's ``utils.py``); refuse a file, or a folder of other files (a task writes
+    ``utils.py``, ``data/`` and YAML files there and would overwrite files of those names). Then mark it."""
+    if out.exists() and not out.is_dir():
+        raise InputError(
+            f"output {str(out)!r} is a file, not a directory; give --output a directory (created if missing)"
+        )
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        utils = out / "utils.py"
+        if not (utils.is_file() and utils.read_text(encoding="utf-8", errors="replace") == _UTILS):
+            shown = sorted(p.name for p in out.iterdir())
+            raise InputError(
+                f"output directory {out} is not empty ({', '.join(shown[:5])}{' ...' if len(shown) > 5 else ''}) and "
+                f"is not an lmms-eval task directory mmfast wrote (no {MARKER}); a task writes utils.py, data/ and "
+                "YAML files there and would overwrite files of those names: use another --output (or an empty directory)"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("an lmms-eval task directory written by `mmfast lmms-task`\n")
 
 
 def _kind(cfg: Any, task: str | None) -> str:

@@ -553,6 +553,8 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
     file that is not a known published version (``identify_pope_file``) is refused.
     """
     p = Path(path)
+    if p.is_dir():
+        raise PopeFormatError(f"{p} is a directory, not a POPE question file (JSON Lines or a JSON array)")
     data = p.read_bytes()
     info = _file_info(p, data)
     generated = generated_by_world(p, info.sha256) if info.known is None else None
@@ -591,6 +593,10 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
         if image_id is not None and (isinstance(image_id, bool) or not isinstance(image_id, int)):
             raise PopeFormatError(f"{where}: image_id must be an int, got {image_id!r}")
         questions.append(PopeQuestion(qid, rec["image"], rec["text"], _check_label(rec["label"], where), image_id))
+    if not questions:
+        raise PopeFormatError(
+            f"{p} holds no questions; a POPE file has one question per line (or a JSON array of them)"
+        )
     return questions
 
 

@@ -353,7 +353,7 @@ def _run_batch(session, samples: list[Sample], text_filter, fps: dict[str, str])
     try:
         batch = prepare_batch(session.mm, samples)
         results = session.run(batch, max_new_tokens=samples[0].max_new_tokens)
-        return [_record(s, r, text_filter, fps[s.doc_id]) for s, r in zip(samples, results)]
+        return [_record(s, r, text_filter, fps[s.doc_id]) for s, r in zip(samples, results, strict=True)]
     except Exception as exc:
         if len(samples) > 1:
             return [rec for s in samples for rec in _run_batch(session, [s], text_filter, fps)]

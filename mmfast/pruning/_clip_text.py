@@ -48,6 +48,23 @@ class ClipText:
         return self.text_projection(pooled)
 
 
+def clip_load_error(path: str, exc: BaseException) -> str:
+    """Why a CLIP checkpoint at ``path`` did not load, in the user's terms: a local path that does not exist, a
+    directory without safetensors weights (mmfast never unpickles ``pytorch_model.bin``), or transformers' reason."""
+    from pathlib import Path
+
+    local = Path(path).expanduser()
+    if local.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1:
+        if not local.exists():
+            return "that path does not exist"
+        if local.is_dir() and not any(local.glob("*.safetensors")):
+            return (
+                "the directory has no .safetensors weights (mmfast loads safetensors only, never a pickled "
+                "pytorch_model.bin; re-save the model with save_pretrained(..., safe_serialization=True))"
+            )
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def load_clip_text(path: str, device, dtype, llava_tokenizer) -> ClipText:
     """The CLIP at ``path`` with a tokenizer that covers its text tower's vocabulary: the directory's
     own, or (a directory without tokenizer files, as the embedded model's ``clip/``) the LLaVA
@@ -57,10 +74,13 @@ def load_clip_text(path: str, device, dtype, llava_tokenizer) -> ClipText:
     from transformers import AutoTokenizer, CLIPModel
 
     try:
-        model = CLIPModel.from_pretrained(path, local_files_only=True, dtype=dtype).to(device).eval()
+        model = (
+            CLIPModel.from_pretrained(path, local_files_only=True, use_safetensors=True, dtype=dtype).to(device).eval()
+        )
     except (OSError, ValueError) as exc:
         raise ConfigError(
-            "clip_model", f"cannot load a CLIP model (text tower, projections, tokenizer) from {path!r}: {exc}"
+            "clip_model",
+            f"cannot load a CLIP model (text tower, projections, tokenizer) from {path!r}: {clip_load_error(path, exc)}",
         ) from None
     vocab = int(model.config.text_config.vocab_size)
     local = Path(path)

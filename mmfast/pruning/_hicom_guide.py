@@ -12,6 +12,7 @@ from torch import nn
 
 from ..errors import ConfigError, ModelLoadError
 from ..models.captured_tower import eager_call
+from ._clip_text import clip_load_error
 
 #: The CLIP that LLaVA-1.5's tower comes from (its text tower is the guide encoder for real LLaVA-1.5).
 LLAVA15_CLIP = "openai/clip-vit-large-patch14-336"
@@ -194,9 +195,11 @@ def load_clip_guide(spec: str | None, model, llava_tokenizer) -> ClipGuide:
     from transformers import AutoTokenizer, CLIPModel
 
     try:
-        clip = CLIPModel.from_pretrained(path, dtype=torch.float32).eval()
+        clip = CLIPModel.from_pretrained(path, use_safetensors=True, dtype=torch.float32).eval()
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load the HICom guide CLIP {path!r} (config clip_model): {exc}") from None
+        raise ModelLoadError(
+            f"cannot load the HICom guide CLIP {path!r} (config clip_model): {clip_load_error(path, exc)}"
+        ) from None
     local = Path(path)
     has_tok = not local.is_dir() or any(
         (local / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")
