@@ -970,13 +970,22 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         path = resolve_recipe_path(source)
         label = str(path)
         try:
-            data = parse_yaml(read_recipe_text(path)) or {}
+            data = parse_yaml(read_recipe_text(path))
         except yaml.YAMLError as exc:
             raise InputError(f"{path}: not a valid recipe: {yaml_problem(exc)}") from None
+        if data is None:
+            raise InputError(
+                f"{path}: the recipe is empty; write at least its model (model: {{name: ...}}), or pass a shipped "
+                "recipe's name (`mmfast list` shows them)"
+            )
         if not isinstance(data, dict):
             raise InputError(f"{path}: a recipe must be a YAML mapping")
         data.setdefault("name", path.stem)
     overridden: dict[str, str] = {}  # the path each override set -> the override as given
+    if isinstance(overrides, str):
+        raise InputError(
+            f"overrides is a list of key.path=value strings; got one string {overrides!r}: wrap it in a list"
+        )
     for item in overrides or []:
         if "=" not in item:
             raise InputError(f"override {item!r} must look like key.path=value")

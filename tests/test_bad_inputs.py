@@ -854,3 +854,17 @@ def test_run_checks_its_inputs_before_the_model_loads(tmp_path, capsys, monkeypa
     assert rc == 2 and "not found" in err
     rc, err = _cli(capsys, "run", "world_eval", "--image", "x.png", "--num-frames", "4", "--prompt", "hi")
     assert rc == 2 and "--num-frames: how a video's frames are sampled; pass --video too" in err
+
+
+def test_an_empty_recipe_file_and_a_string_of_overrides_are_refused(tmp_path, capsys):
+    rc, err = _cli(capsys, "validate", str(_write(tmp_path, "empty.yaml", "# nothing yet\n")))
+    assert rc == 2 and "the recipe is empty" in err
+    with pytest.raises(InputError, match="wrap it in a list"):
+        load_recipe("world_eval", overrides="eval.batch_size=3")
+
+
+def test_bench_only_with_no_names_is_refused():
+    from mmfast.bench.common import only_variants
+
+    with pytest.raises(InputError, match="--only names no variant"):
+        only_variants(load_recipe("configs/bench/pruning.yaml"), [])

@@ -77,8 +77,8 @@ def test_vcd_noise_is_ddpm_step():
 
 
 def test_vcd_branches_share_one_forward(tiny_mm, images, prompts):
-    _, s = _gen(tiny_mm, images[:2], prompts[:2], "vcd", {}, n=4)
-    r = s.generate(images[:2], prompts[:2], max_new_tokens=4)
+    with Session(tiny_mm, load_recipe({"decoding": {"method": "vcd", "seed": 5}})) as s:
+        r = s.generate(images[:2], prompts[:2], max_new_tokens=4)
     assert r[0].stats["branches"] == ["clean", "noised"] and r[0].stats["forwards_per_step"] == 1
 
 

@@ -110,6 +110,8 @@ def only_variants(recipe: Recipe, names: list[str]) -> Recipe:
     """The recipe with ``bench.compare`` cut down to ``names`` (in the recipe's order)."""
     generated = budget_items(recipe)
     known = [item.get("name") for item in [*recipe.bench.compare, *generated] if isinstance(item, dict)]
+    if not names:
+        raise InputError(f"--only names no variant; give one or more of: {', '.join(known)}")
     for n in names:
         if n not in known:
             hint = difflib.get_close_matches(n, known, n=1)

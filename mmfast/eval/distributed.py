@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from ..errors import MMFastError, RunAbortedError
+from . import rundir
 from .records import RecordStore, merge_records, record_problem, write_atomic, write_records
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,6 @@ def barrier() -> None:
 
 def launch_data_parallel(recipe, *, limit: int | None, out: Path, num_processes: int) -> dict[str, Any]:
     """Run this evaluation in ``num_processes`` worker processes writing to ``out``; return the merged summary."""
-    from . import rundir
-
     with rundir.claim(out):
         recipe_path = out / rundir.DP_RECIPE
         recipe_path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -254,8 +253,6 @@ def fold_shards(out: Path, fingerprints: dict[str, str]) -> RecordStore:
     file and a shard holds only records of the current run. A record of the planned inputs is never
     displaced by a stale or failed one (:func:`~mmfast.eval.records.merge_records`). The store's
     ``quarantined`` counts the damaged lines of every file read."""
-    from . import rundir
-
     store = RecordStore(out / rundir.SAMPLES, check=record_problem)
     shards = shard_files(out)
     if not shards:
@@ -280,8 +277,6 @@ def gather_and_finish(
     samples in plan order, then the records of samples not planned now, kept for a later run), removes
     the shards and writes the summary with ``finish(store)`` (the runner's: passed in, so this module
     imports no runner). Every process returns the summary."""
-    from . import rundir
-
     rank, world = shard_info()
     barrier()
     if rank == 0:

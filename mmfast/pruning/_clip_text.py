@@ -3,6 +3,8 @@ and visual projections and tokenizer, loaded from a local path only (see ``cdpru
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..errors import ConfigError
@@ -51,8 +53,6 @@ class ClipText:
 def clip_load_error(path: str, exc: BaseException) -> str:
     """Why a CLIP checkpoint at ``path`` did not load, in the user's terms: a local path that does not exist, a
     directory without safetensors weights (mmfast never unpickles ``pytorch_model.bin``), or transformers' reason."""
-    from pathlib import Path
-
     local = Path(path).expanduser()
     if local.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1:
         if not local.exists():
@@ -69,8 +69,6 @@ def load_clip_text(path: str, device, dtype, llava_tokenizer) -> ClipText:
     """The CLIP at ``path`` with a tokenizer that covers its text tower's vocabulary: the directory's
     own, or (a directory without tokenizer files, as the embedded model's ``clip/``) the LLaVA
     tokenizer when its vocabulary is the text tower's. Anything else is refused (ConfigError)."""
-    from pathlib import Path
-
     from transformers import AutoTokenizer, CLIPModel
 
     try:
