@@ -60,6 +60,39 @@ def _did_you_mean(key: str, choices: tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+#: settings a model's own generation_config may carry that change tokens and that no mmfast decoder applies
+_UNAPPLIED_MODEL_KEYS = (
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "encoder_repetition_penalty",
+    "typical_p",
+    "min_p",
+)
+_UNAPPLIED_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0,
+    "typical_p": 1.0,
+}
+
+
+def _warn_unapplied(model_generation_config: Any) -> None:
+    """The model's own generation_config fills what transformers-style keywords leave unset; where it also sets
+    a token-changing rule mmfast does not implement (e.g. Qwen2.5-VL's ``repetition_penalty: 1.05``), say so:
+    transformers' ``generate`` would apply it, mmfast does not."""
+    unapplied = {
+        k: v
+        for k in _UNAPPLIED_MODEL_KEYS
+        if (v := getattr(model_generation_config, k, None)) is not None and v != _UNAPPLIED_NEUTRAL.get(k)
+    }
+    if unapplied:
+        logger.warning(
+            "the model's generation_config sets %s, which mmfast's decoders do not apply (transformers' generate "
+            "would): the answers follow the search keywords only",
+            ", ".join(f"{k}={v!r}" for k, v in unapplied.items()),
+        )
+
+
 def _config_values(generation_config: Any, model_generation_config: Any) -> dict[str, Any]:
     """The values a ``GenerationConfig`` sets (transformers 5 leaves unset ones at None)."""
     if not hasattr(generation_config, "to_diff_dict"):
@@ -119,6 +152,7 @@ def parse_generation_args(
     if not any(k in given for k in SEARCH_KEYS):
         return GenerationArgs(None, max_new)
     base = {k: getattr(model_generation_config, k, None) for k in SEARCH_KEYS}
+    _warn_unapplied(model_generation_config)
     values = {**HF_DEFAULTS, **{k: v for k, v in base.items() if v is not None}, **given}
     do_sample, num_beams = values["do_sample"], values["num_beams"]
     if not isinstance(do_sample, bool):

@@ -370,10 +370,14 @@ class Session:
                 no image, with ``videos``).
             prompts: one string or a list (one per sample); the chat template is applied.
             max_new_tokens: tokens to generate (default: the recipe's ``decoding.max_new_tokens``).
-            seed: sampling seed (default: the recipe's ``decoding.seed``); the same seed gives the same
-                answers. With neither, each call draws its seed from torch's global generator, as
+            seed: sampling seed, a whole number >= 0 (default: the recipe's ``decoding.seed``); the same seed
+                gives the same answers. With neither, each call draws its seed from torch's global generator, as
                 transformers' ``generate`` samples from it: calls differ, and ``torch.manual_seed(n)``
                 before them repeats them. (Evaluations and benches use ``decoding.seed``, 0 when unset.)
+                Each sample draws from its own stream, seeded by the seed and the sample itself (its
+                ``doc_id``, else its prompt and image), so its answer does not depend on the batch: the same
+                prompt and image twice in one batch give the same sample twice. To draw n samples of one
+                input, call with n seeds.
             meta: per-sample dicts; ``meta[b]["doc_id"]`` fixes the sample's random stream.
             decoding: a decoder for this call instead of the recipe's: a name (``"beam"``) or
                 ``{"method": "vcd", "params": {...}}``. Decoders that install hooks (OPERA, VHR, DAMRO)
@@ -390,13 +394,17 @@ class Session:
             video_fps: frames per second of the given frames (the processors assume 24 without it).
             **generation_kwargs: transformers' ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
                 ``num_beams``, ``length_penalty``: they choose greedy, sample or beam with transformers'
-                semantics (:mod:`mmfast.generation`); refused when the recipe's decoder has its own token
-                rule (VCD, ...) -- pass ``decoding=`` to replace it.
+                semantics (:mod:`mmfast.generation`; values they leave unset come from the model's
+                ``generation_config``, as in transformers); refused when the recipe's decoder has its own
+                token rule (VCD, ...) -- pass ``decoding=`` to replace it. Without them (and without
+                ``generation_config=``) the recipe's decoder runs, whatever the model's ``generation_config``
+                says (mmfast's default recipe decodes greedily).
 
         Returns:
             One :class:`GenerationResult` per prompt.
         """
         self._check_open()
+        _check_seed(seed)
         args = parse_generation_args(
             generation_kwargs, generation_config, model_generation_config=self.mm.model.generation_config
         )
@@ -466,6 +474,7 @@ class Session:
         """Run one prepared batch end to end (see :meth:`generate` for the arguments); ``decoder``
         replaces the recipe's for this batch (build it with :meth:`decoder_for`)."""
         self._check_open()
+        _check_seed(seed)
         decoder = decoder or self.decoder
         max_new = self.recipe.decoding.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
@@ -647,6 +656,11 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_seed(seed: Any) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise InputError(f"seed must be a whole number >= 0 (or None), got {seed!r}")
 
 
 def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:

@@ -72,8 +72,10 @@ class VideoSampling:
             raise InputError("num_frames and fps both given; pass one of them (they are two ways to sample frames)")
         for name in ("num_frames", "fps", "video_fps"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-                raise InputError(f"{name} must be a positive number, got {v!r}")
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or not math.isfinite(v)
+            ):
+                raise InputError(f"{name} must be a positive finite number, got {v!r}")
         if self.num_frames is not None and int(self.num_frames) != self.num_frames:
             raise InputError(f"num_frames must be a whole number, got {self.num_frames!r}")
 

@@ -868,3 +868,22 @@ def test_bench_only_with_no_names_is_refused():
 
     with pytest.raises(InputError, match="--only names no variant"):
         only_variants(load_recipe("configs/bench/pruning.yaml"), [])
+
+
+def test_video_sampling_and_seeds_must_be_finite_whole_numbers(tiny_mm, images, prompts):
+    from mmfast.video import VideoSampling
+
+    for bad in ({"num_frames": float("inf")}, {"fps": float("inf"), "video_fps": 24}, {"video_fps": float("inf")}):
+        with pytest.raises(InputError, match="positive finite number"):
+            VideoSampling(**bad)
+    for seed in (-1, "1", 1.5, True):
+        with pytest.raises(InputError, match="seed must be a whole number >= 0"):
+            tiny_mm.generate(images[:1], prompts[:1], max_new_tokens=1, seed=seed)
+
+
+def test_model_generation_settings_mmfast_does_not_apply_are_named(tiny_mm, images, prompts, caplog, monkeypatch):
+    """transformers-style keywords take unset values from the model's generation_config; a token-changing rule
+    there that no mmfast decoder applies (Qwen2.5-VL ships repetition_penalty 1.05) is named, not dropped quietly."""
+    monkeypatch.setattr(tiny_mm.model.generation_config, "repetition_penalty", 1.05)
+    tiny_mm.generate(images[:1], prompts[:1], max_new_tokens=1, do_sample=True, seed=0)
+    assert "repetition_penalty=1.05, which mmfast's decoders do not apply" in caplog.text
