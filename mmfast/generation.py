@@ -14,6 +14,7 @@ ignored. ``decoding=`` (a decoder name or ``{method, params}``) picks any regist
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -86,11 +87,17 @@ def _warn_unapplied(model_generation_config: Any) -> None:
         if (v := getattr(model_generation_config, k, None)) is not None and v != _UNAPPLIED_NEUTRAL.get(k)
     }
     if unapplied:
-        logger.warning(
-            "the model's generation_config sets %s, which mmfast's decoders do not apply (transformers' generate "
-            "would): the answers follow the search keywords only",
-            ", ".join(f"{k}={v!r}" for k, v in unapplied.items()),
-        )
+        _warn_once(", ".join(f"{k}={v!r}" for k, v in unapplied.items()))
+
+
+@functools.cache
+def _warn_once(settings: str) -> None:
+    """One warning per distinct setting, not one per call (an evaluation calls generate per batch)."""
+    logger.warning(
+        "the model's generation_config sets %s, which mmfast's decoders do not apply (transformers' generate "
+        "would): the answers follow the search keywords only",
+        settings,
+    )
 
 
 def _config_values(generation_config: Any, model_generation_config: Any) -> dict[str, Any]:

@@ -884,6 +884,9 @@ def test_video_sampling_and_seeds_must_be_finite_whole_numbers(tiny_mm, images, 
 def test_model_generation_settings_mmfast_does_not_apply_are_named(tiny_mm, images, prompts, caplog, monkeypatch):
     """transformers-style keywords take unset values from the model's generation_config; a token-changing rule
     there that no mmfast decoder applies (Qwen2.5-VL ships repetition_penalty 1.05) is named, not dropped quietly."""
+    from mmfast import generation
+
+    generation._warn_once.cache_clear()  # warned once per setting and process
     monkeypatch.setattr(tiny_mm.model.generation_config, "repetition_penalty", 1.05)
     tiny_mm.generate(images[:1], prompts[:1], max_new_tokens=1, do_sample=True, seed=0)
     assert "repetition_penalty=1.05, which mmfast's decoders do not apply" in caplog.text

@@ -805,7 +805,7 @@ def test_summary_json_is_written_atomically(tiny_dir, tiny_mm, world, tmp_path, 
     weights = runner.weights_fingerprint(tiny_mm.model)
     fps = runner.planned_fingerprints(recipe, plan, weights)
     merged = distributed.gather_and_finish(
-        out, plan, fps, lambda store: runner.finish(recipe, out, plan, store, tiny_mm, 0.0, weights, 0)
+        out, fps, lambda store: runner.finish(recipe, out, plan, store, tiny_mm, 0.0, fps, weights, 0)
     )
     monkeypatch.setattr(_SummaryWriteWatch, "active", False)
     assert _SummaryWriteWatch.hits == [], "summary.json was written in place, not replaced atomically"

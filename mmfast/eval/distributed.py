@@ -265,33 +265,22 @@ def fold_shards(out: Path, fingerprints: dict[str, str]) -> RecordStore:
     write_records(store.path, records.values())  # first: a crash before the shards go folds them again
     for path in shards:
         path.unlink()
-    folded = RecordStore(store.path, check=record_problem)
-    folded.quarantined = quarantined
-    return folded
+    store.records, store.n_lines, store.quarantined = records, len(records), quarantined
+    return store
 
 
 def gather_and_finish(
-    out: Path, plan, fingerprints: dict[str, str], finish: Callable[[RecordStore], dict[str, Any]]
+    out: Path, fingerprints: dict[str, str], finish: Callable[[RecordStore], dict[str, Any]]
 ) -> dict[str, Any]:
-    """Barrier, then the main process merges this run's shards into ``samples.jsonl`` (the planned
-    samples in plan order, then the records of samples not planned now, kept for a later run), removes
-    the shards and writes the summary with ``finish(store)`` (the runner's: passed in, so this module
-    imports no runner). Every process returns the summary."""
+    """Barrier, then the main process folds this run's shards into ``samples.jsonl`` (:func:`fold_shards`;
+    records of samples not planned now are kept for a later run) and writes the summary with
+    ``finish(store)`` (the runner's, which puts the scored records first in plan order: passed in, so this
+    module imports no runner). Every process returns the summary."""
     rank, world = shard_info()
     barrier()
     if rank == 0:
-        target = out / rundir.SAMPLES
-        records = dict(RecordStore(target, check=record_problem).records)  # folded before the run
-        shards = [out / rundir.shard_name(r) for r in range(world)]
-        for path in shards:
-            merge_records(records, RecordStore(path, check=record_problem).records.values(), fingerprints)
-        order = [s.doc_id for _, ss in plan for s in ss if s.doc_id in records]
-        planned = set(order)
-        write_records(target, [records[d] for d in order] + [r for d, r in records.items() if d not in planned])
-        for path in shards:
-            path.unlink(missing_ok=True)
-        summary = finish(RecordStore(target, check=record_problem))
+        summary = finish(fold_shards(out, fingerprints))
         summary["protocol"]["processes"] = world
-        write_atomic(out / "summary.json", json.dumps(summary, indent=2).encode("utf-8"))
+        write_atomic(out / rundir.SUMMARY_JSON, json.dumps(summary, indent=2).encode("utf-8"))
     barrier()
-    return json.loads((out / "summary.json").read_text())
+    return json.loads((out / rundir.SUMMARY_JSON).read_text())

@@ -458,11 +458,21 @@ def read_records(run: Path) -> list[dict[str, Any]]:
     everything = list(by_id.values())
     successful = [r for r in everything if "error" not in r]
     try:
-        summary = json.loads((run / "summary.json").read_text())
+        text = (run / "summary.json").read_text()
+    except OSError:
+        return successful  # no summary to match: every successful record
+    try:
+        summary = json.loads(text)
         digest, counts = summary["protocol"]["samples_digest"], summary["counts"]
         lead = [r for r in everything[: counts["finished"] + counts["failed"]] if "error" not in r]
-    except (OSError, ValueError, KeyError, TypeError):
-        return successful  # no summary to match: every successful record
+    except (ValueError, KeyError, TypeError) as exc:
+        logger.warning(
+            "%s: summary.json names no scored data (%s: %s); every successful record is read",
+            run,
+            type(exc).__name__,
+            exc,
+        )
+        return successful
     for scored in (lead, successful):
         if digest_of(r.get("fingerprint", "") for r in scored) == digest:
             return scored

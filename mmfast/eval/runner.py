@@ -455,11 +455,11 @@ def _run_locked(
     elapsed = time.perf_counter() - t0
 
     def finish_with(records: RecordStore) -> dict[str, Any]:
-        return finish(recipe, out, plan, records, mm, elapsed, weights, quarantined)
+        return finish(recipe, out, plan, records, mm, elapsed, fps, weights, quarantined)
 
     if world == 1:
         return finish_with(store)
-    summary = gather_and_finish(out, plan, fps, finish_with)
+    summary = gather_and_finish(out, fps, finish_with)
     if summary["counts"]["failed"] > budget:  # the shards' failures together (each process checks as it goes)
         raise RunAbortedError(_too_many(summary["counts"]["failed"], n_total, cfg.max_failures, budget, out))
     return summary
@@ -501,12 +501,20 @@ def _check_budget(store, pending, fps, budget: int, n_total: int, max_failures: 
 
 
 def finish(
-    recipe: Recipe, out: Path, plan, store: RecordStore, mm, elapsed: float, weights: str, quarantined: int
+    recipe: Recipe,
+    out: Path,
+    plan,
+    store: RecordStore,
+    mm,
+    elapsed: float,
+    planned: dict[str, str],
+    weights: str,
+    quarantined: int,
 ) -> dict[str, Any]:
-    """Score the planned samples whose records match their inputs (of weights fingerprint ``weights``),
-    and write ``summary.json`` (``quarantined``: damaged record lines moved aside when the run began)."""
+    """Score the planned samples whose records match their inputs (``planned``: doc_id -> fingerprint, of
+    weights fingerprint ``weights``), and write ``summary.json`` (``quarantined``: damaged record lines moved
+    aside when the run began)."""
 
-    planned = planned_fingerprints(recipe, plan, weights)
     current = {d: r for d, r in store.records.items() if d in planned and r.get("fingerprint") == planned[d]}
     ok = [current[d] for d in planned if d in current and "error" not in current[d]]
     failed = [current[d] for d in planned if d in current and "error" in current[d]]
