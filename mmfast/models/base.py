@@ -334,15 +334,21 @@ class VLMAdapter:
 
     # -- structure -------------------------------------------------------------------------------
     @property
-    def language_model(self) -> nn.Module: ...
-
-    @property
-    def layers(self) -> nn.ModuleList: ...
-
-    @property
     def vision_layers(self) -> nn.ModuleList: ...
 
     # transformers' ``*ForConditionalGeneration`` classes of every family hold these alike
+    @property
+    def base(self) -> nn.Module:
+        return self.model.model
+
+    @property
+    def language_model(self) -> nn.Module:
+        return self.base.language_model
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
     @property
     def lm_head(self) -> nn.Module:
         return self.model.lm_head

@@ -59,24 +59,12 @@ class LlavaAdapter(VLMAdapter):
 
     # -- structure -------------------------------------------------------------------------------
     @property
-    def base(self) -> nn.Module:
-        return self.model.model
-
-    @property
     def vision_tower(self) -> nn.Module:
         return self.base.vision_tower
 
     @property
     def projector(self) -> nn.Module:
         return self.base.multi_modal_projector
-
-    @property
-    def language_model(self) -> nn.Module:
-        return self.base.language_model
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
 
     @property
     def vision_layers(self) -> nn.ModuleList:

@@ -88,24 +88,12 @@ class Qwen2VLAdapter(VLMAdapter):
 
     # -- structure -------------------------------------------------------------------------------
     @property
-    def base(self) -> nn.Module:
-        return self.model.model
-
-    @property
     def vision_tower(self) -> nn.Module:
         return self.base.visual
 
     @property
     def projector(self) -> nn.Module:
         return self.vision_tower.merger
-
-    @property
-    def language_model(self) -> nn.Module:
-        return self.base.language_model
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
 
     @property
     def vision_layers(self) -> nn.ModuleList:
