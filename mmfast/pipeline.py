@@ -202,19 +202,28 @@ class Session:
 
     def _make_pruner(self, i: int, spec):
         """Instantiate stage ``i`` with its ``budget`` (if any) as a rule per image (``pruning._budget``):
-        mapped onto the method's knobs here where every image of the model has the same vision-token
-        count (an infeasible budget is refused now), else per image count as the images arrive."""
+        mapped onto the method's knobs here where every image the stage sees has the same vision-token
+        count (the first stage on a model with one count; an infeasible budget is refused now), else per
+        image count as the images arrive (a later stage sees what the earlier ones left)."""
         cls = PRUNERS.get(spec.method).cls
         params, tokens, rule, per_image = spec.params, None, None, False
         if spec.budget is not None:
             path = f"pruning[{i}].budget"
             rule = ImageBudget(spec.budget, LMShape.of(self.adapter.text_config), path)
             n = fixed_vision_tokens(self.adapter)
+            if n is not None and i > 0:
+                rule.target(n)  # more than the model's images have is refused now; the rest as they arrive
+                n = None
             per_image = n is None and cls.budget_per_image and not cls.calibrated
             mapped = None
             if not per_image:
                 what = f"{spec.method} on {self.adapter.family}"
-                tokens = rule.target(n) if n is not None else rule.same_for_every_image(what)
+                if n is not None:
+                    tokens = rule.target(n)
+                elif i > 0:
+                    tokens = rule.same_for_every_image(what, "images reach this stage with what earlier stages left")
+                else:
+                    tokens = rule.same_for_every_image(what, "this model's images have different vision-token counts")
                 if not cls.calibrated:
                     mapped = rule.knobs(cls, tokens, n, self.adapter, params)
                     params = from_dict(cls.Config, {**to_dict(params), **mapped}, f"pruning[{i}].params")

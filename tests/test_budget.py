@@ -394,6 +394,29 @@ def test_tokens_larger_than_the_input_is_refused_before_compute_on_llava(tiny_mm
     assert exc.value.path == "pruning[0].budget.tokens"
 
 
+def test_a_later_stage_budget_follows_what_earlier_stages_left_on_llava(tiny_mm, images):
+    """On LLaVA-1.5 (one count, 16 here) a second stage after ``random {tokens: 8}`` measures its budget on
+    the 8 tokens it receives, as on the per-image families: ``ratio`` is of those 8, ``tokens`` averages
+    over the layers on them, and more than 8 is refused; more than the model's 16 when the session opens."""
+    from mmfast.pipeline import Session
+
+    def run(stage):
+        recipe = {"pruning": [{"method": "random", "budget": {"tokens": 8}}, stage]}
+        return tiny_mm.generate(images[:2], PROMPTS, recipe=recipe, max_new_tokens=1)
+
+    assert [r.n_vision_tokens for r in run({"method": "divprune", "budget": {"ratio": 0.5}})] == [4, 4]
+    fastv = {"method": "fastv", "params": {"layer_mapping": "proportional"}}
+    for budget in ({"tokens": 6}, {"ratio": 0.75}):  # L = 4, K = 1, N = 8: keep = round((24 - 8) / 3) = 5
+        for r in run({**fastv, "budget": budget}):
+            assert r.stats["fastv"]["kept"] == 5 and r.vision_tokens_layer_avg == 5.75, budget
+    with pytest.raises(ConfigError, match="9 vision tokens per image is more than this image has \\(8 ") as exc:
+        run({"method": "divprune", "budget": {"tokens": 9}})
+    assert exc.value.path == "pruning[1].budget.tokens"
+    stages = [{"method": "random", "budget": {"tokens": 8}}, {"method": "divprune", "budget": {"tokens": 17}}]
+    with pytest.raises(ConfigError, match="more than this image has \\(16 "):
+        Session(tiny_mm, load_recipe({"pruning": stages}))
+
+
 @pytest.fixture(scope="module")
 def qwen_mm(tmp_path_factory):
     import mmfast

@@ -119,14 +119,14 @@ class ImageBudget:
                 f"{key}: {getattr(self.budget, key)} is {tokens} tokens for an image of {n} vision tokens; {exc.detail}",
             ) from None
 
-    def same_for_every_image(self, what: str) -> int:
-        """``tokens`` where a stage maps its budget once for images of different counts; other keys are
-        refused (their target depends on each image's count), naming ``what`` cannot follow them."""
+    def same_for_every_image(self, what: str, why: str) -> int:
+        """``tokens`` where a stage maps its budget once for images of different counts (``why``); other
+        keys are refused (their target depends on each image's count), naming ``what`` cannot follow them."""
         if self.budget.tokens is None:
             raise ConfigError(
                 f"{self.path}.{self.budget.key}",
-                f"{what} maps its budget once for all images, and this model's images have different vision-token "
-                "counts, so a fraction of each image cannot be followed; give budget: {tokens: N}",
+                f"{what} maps its budget once for all images, and {why}, so a fraction of each image cannot be "
+                "followed; give budget: {tokens: N}",
             )
         return self.budget.tokens
 
