@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import mmfast
 from mmfast.config import load_recipe
-from mmfast.errors import IncompatibleRecipeError
+from mmfast.errors import ConfigError, IncompatibleRecipeError
 from mmfast.models.base import VIDEO
 from mmfast.pipeline import Session
 from mmfast.pruning._fastvid_ops import FastVIDParams, select_video, select_video_ov
@@ -49,8 +49,8 @@ def siglip_head(tmp_path_factory) -> str:
     return str(path)
 
 
-def _video(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 255, (n, 28, 28, 3), dtype=np.uint8)
+def _video(n: int, seed: int = 0, size: int = 28) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, (n, size, size, 3), dtype=np.uint8)
 
 
 def _recipe(**params) -> dict:
@@ -369,6 +369,24 @@ def test_budget_keeps_at_most_its_target_per_video():
         assert out.n_vision_tokens == 4 * (most // 4)  # one-frame segments: int(B / F) per frame
     out = mm.generate(None, ["Describe."], recipe={"pruning": [{"method": "fastvid", "budget": {"tokens": 24}}]}, **kw)
     assert 0 < out[0].n_vision_tokens <= 24
+
+
+def test_a_budget_below_one_token_per_frame_is_refused_and_one_per_frame_keeps_one():
+    """4 frame groups of 16: below 4 tokens a frame keeps int(16 B / 64) = 0 and the release's segments
+    would each keep a context token (more than B); refused, naming the smallest budget. At 4 each keeps
+    one, also on a grid where B / N alone rounds int(n B / N) down (7 x 7 per frame: int(49 x 2 / 98) = 0)."""
+    mm = _mm("qwen2_5_vl")
+    recipe = lambda b: {"pruning": [{"method": "fastvid", "params": {"tau": 2.0}, "budget": {"tokens": b}}]}  # noqa: E731
+    kw = dict(videos=[_video(8)], max_new_tokens=1)
+    for b in (1, 3):
+        with pytest.raises(ConfigError, match="keeps int\\(16 x .*\\) = 0 .*at least 4 tokens") as exc:
+            mm.generate(None, ["Describe."], recipe=recipe(b), **kw)
+        assert exc.value.path == "pruning[0].budget.tokens"
+    assert mm.generate(None, ["Describe."], recipe=recipe(4), **kw)[0].n_vision_tokens == 4
+    with pytest.raises(ConfigError, match="params.retention_ratio.*at least 1 / 16"):
+        mm.generate(None, ["Describe."], recipe=_recipe(retention_ratio=0.05), **kw)
+    big = dict(videos=[_video(4, size=56)], max_new_tokens=1)  # 2 frame groups of 7 x 7 merged tokens
+    assert mm.generate(None, ["Describe."], recipe=recipe(2), **big)[0].n_vision_tokens == 2
 
 
 # -- the release's OneVision variant (fastvid_llavaonevision: modeling_qwen2.py Qwen2Model.forward, seq_length > 1) --

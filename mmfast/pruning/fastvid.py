@@ -67,11 +67,14 @@ No-op: ``retention_ratio: 1.0, tau: 2.0, beta: 1.0`` (every pair a cut: one-fram
 tokens and a context token keeps itself: the release's rule, exactly the input).
 Budget (``tokens: B`` / ``ratio: r``, per video of N tokens): retention_ratio = B / N, so a frame keeps
 about int(n B / N) and a video at most B (fewer where the release's per-anchor caps bind); OneVision's N
-counts the closing newline, which is kept on top.
+counts the closing newline, which is kept on top. A setting where a frame keeps int(n r) = 0 tokens (a
+budget below about one token per frame) is refused after the tower, naming the smallest budget: the
+release's counts go negative there and every segment keeps a context token, more than B.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -170,11 +173,30 @@ class FastVID(Pruner):
 
     @classmethod
     def budget_params(cls, tokens, n, adapter, config, path):
-        """retention_ratio = B / N of the video."""
-        return {"retention_ratio": min(1.0, tokens / n)}
+        """retention_ratio = B / N of the video, one ulp up: a frame's int(n B / N) is then the whole count
+        real arithmetic gives (B / N alone can land below it: int(49 x (2 / 98)) = 0)."""
+        return {"retention_ratio": min(1.0, math.nextafter(tokens / n, 2.0))}
 
     def params(self, cfg) -> FastVIDParams:
         return FastVIDParams(cfg.retention_ratio, cfg.c, cfg.tau, cfg.ignore, cfg.d, cfg.p, cfg.beta)
+
+    def _checked(self, cfg, n: int, n_frames: int) -> FastVIDParams:
+        """The params of a video of ``n_frames`` frames of ``n`` tokens, refused (ConfigError) where a frame
+        keeps int(n r) = 0 tokens: the release's counts then go negative and every segment keeps one context
+        token (more than a budget below the frame count; OneVision: no token at all)."""
+        if int(n * cfg.retention_ratio) > 0:
+            return self.params(cfg)
+        stage = self.budget_path.rsplit(".", 1)[0]  # pruning[i]
+        if self.budget_rule is not None:
+            key = self.budget_rule.budget.key
+            path, fix = f"{self.budget_path}.{key}", f"ask for at least {n_frames} tokens (one per frame)"
+        else:
+            path, fix = f"{stage}.params.retention_ratio", f"give at least 1 / {n} (one token per frame)"
+        raise ConfigError(
+            path,
+            f"a frame of this video keeps int({n} x {cfg.retention_ratio:.4g}) = 0 of its {n} tokens "
+            f"({n_frames} frames), and FastVID's per-segment counts need at least one; {fix}",
+        )
 
     def install(self) -> None:
         self._rec = self._head = None
@@ -220,7 +242,7 @@ class FastVID(Pruner):
                 raise ValueError("fastvid needs every video's full merged grid; put it first among the feature stages")
             emb = projected[i].reshape(t, h * w, -1)  # [F, n, d]
             gen = torch.Generator(device=emb.device).manual_seed(self.config.seed)
-            prm = self.params(self.config_for(t * h * w))
+            prm = self._checked(self.config_for(t * h * w), h * w, t)
             kept, rows = select_video(emb, a.to(emb.device), emb.float().mean(1), prm, gen)
             vision.projected[i] = projected[i]
             select_image_rows(vision, i, kept)
@@ -244,7 +266,7 @@ class FastVID(Pruner):
             glob, weights = self._head(feats)  # [F, Dv], [F, N]
             attn = pooled_attention(weights.float(), rows_, cols_)  # [F, T]
             gen = torch.Generator(device=tokens.device).manual_seed(self.config.seed)
-            prm = self.params(self.config_for(tokens.shape[0]))
+            prm = self._checked(self.config_for(tokens.shape[0]), n, n_frames)
             kept, rows = select_video_ov(tokens[:-1].reshape(n_frames, n, -1), attn.to(tokens.device), glob, prm, gen)
             select_image_rows(vision, i, torch.cat([kept, kept.new_tensor([n_frames * n])]))
             vision.projected[i] = torch.cat([rows.to(tokens.dtype), tokens[-1:]])
