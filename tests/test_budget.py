@@ -584,3 +584,33 @@ def test_an_infeasible_ratio_budget_names_its_key_and_the_target(tiny_mm):
     ) as exc:
         Session(tiny_mm, load_recipe({"pruning": [stage]}))
     assert exc.value.path == "pruning[0].budget.ratio"
+
+
+#: budgeted methods for which a budget of every token is not the unpruned model, by design
+NOT_A_NOOP_AT_EVERY_TOKEN = {
+    "zipvl": "its budget counts important tokens; the others' KV is still quantised (quantize_kv)",
+    "mustdrop": "calibrated: its vision-stage merge keeps acting, so every token is out of reach and refused",
+}
+
+
+def _budgeted_image_methods():
+    from mmfast.capabilities import caps_of
+    from mmfast.registry import PRUNERS
+
+    images = [n for n in PRUNERS.names() if not caps_of(PRUNERS.get(n).cls, None).videos_only]
+    return sorted(n for n in images if PRUNERS.get(n).cls.budget_knobs and n not in NOT_A_NOOP_AT_EVERY_TOKEN)
+
+
+@pytest.mark.parametrize("method", _budgeted_image_methods())
+def test_a_budget_of_every_token_is_the_baseline_on_llava(tiny_mm, images, method):
+    """``ratio: 1.0`` keeps every vision token of every image, layer-averaged for in-LLM methods: the
+    unpruned model's tokens (DART's pivots plus whole multiples of them fell 4 short of 16)."""
+    from mmfast.registry import PRUNERS
+
+    cls = PRUNERS.get(method).cls  # its tiny-model settings (layers, windows), without the knobs a budget sets
+    params = {k: v for k, v in cls.test_params(tiny_mm.adapter).items() if k not in cls.budget_knobs}
+    base = tiny_mm.generate(images[:2], PROMPTS, max_new_tokens=4)
+    stage = {"method": method, "params": params, "budget": {"ratio": 1.0}}
+    out = tiny_mm.generate(images[:2], PROMPTS, recipe={"pruning": [stage]}, max_new_tokens=4)
+    assert [r.token_ids for r in out] == [r.token_ids for r in base]
+    assert [r.vision_tokens_layer_avg for r in out] == [16.0, 16.0]

@@ -68,7 +68,7 @@ with K of an L-layer LLM and an image of N vision tokens (its own count, on ever
 keep = round((L B - K N) / (L - K)) (refused below ceil(K N / L)), then
 t = max(0, round((keep - pivot_image) / (pivot_image + pivot_text))) and ``truncation`` =
 t (pivot_image + pivot_text): the kept count is within (pivot_image + pivot_text) / 2 of keep (when
-keep >= pivot_image). Where images have different counts (LLaVA-NeXT, OneVision, Qwen-VL) this is
+keep >= pivot_image); keep = N maps to the no-op (``drop_ratio`` 0: every token kept). Where images have different counts (LLaVA-NeXT, OneVision, Qwen-VL) this is
 computed per image from its N (``_budget.py``).
 """
 
@@ -193,6 +193,8 @@ class DART(Pruner):
     def budget_params(cls, tokens, n, adapter, config, path):
         """truncation = t (pivot_image + pivot_text), t from keep for an image of n tokens (module docstring)."""
         keep = in_llm_keep_at(tokens, n, adapter, config.k, config.layer_mapping, path)
+        if keep >= n:  # every token: the no-op (pivots plus whole multiples of them can fall short of n)
+            return {"truncation": None, "drop_ratio": 0.0}
         pivots = config.pivot_image + config.pivot_text
         per_pivot = max(0, round((keep - config.pivot_image) / pivots)) if pivots else 0
         return {"truncation": per_pivot * pivots}
@@ -238,6 +240,12 @@ class DART(Pruner):
             key.float().abs().sum((1, 3)) * groups
         )  # [B, T]
 
+    def keeps_all(self, n: int) -> bool:
+        """Whether an image of ``n`` tokens keeps all of them: ``drop_ratio`` 0 with no ``truncation`` (the
+        no-op; a budget of every token maps there)."""
+        cfg = self.config_for(n)
+        return cfg.truncation is None and cfg.drop_ratio == 0.0
+
     def per_pivot(self, n: int) -> int:
         cfg = self.config_for(n)  # a budget's truncation for this image's own count
         pivots = cfg.pivot_image + cfg.pivot_text
@@ -270,6 +278,9 @@ class DART(Pruner):
         for b, row in enumerate(image_counts(image)):
             for j, n in enumerate(row):
                 if n == 0:
+                    continue
+                if self.keeps_all(n):
+                    kept[b] |= image[b] == j
                     continue
                 t = self.per_pivot(n)
                 fn = partial(
