@@ -103,6 +103,50 @@ def test_divprune_selection_never_reads_the_device():
     assert got.tolist() == picked
 
 
+def test_divprune_decides_exact_duplicates_by_index_not_rounding_and_never_repicks():
+    """Tokens in exact duplicate pairs (a flat region, a LLaVA-NeXT tile equal to its base view): the
+    picks are the same whatever rounding noise (1e-6) the copies carry, ties go to the lower index, and
+    when every token left duplicates a picked one the next pick is the lowest unpicked, not index 0 again."""
+    from mmfast.pruning.divprune import cosine_distance, max_min_select
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16, generator=g).repeat(2, 1)  # [12, 16]: token j + 6 duplicates token j
+    exact = max_min_select(cosine_distance(x), 12).tolist()
+    assert sorted(exact) == list(range(12))  # every token once
+    assert sorted(exact[:6]) == list(range(6))  # the first copy of each before any second copy
+    for seed in range(5):
+        noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)) * 1e-6
+        assert max_min_select(cosine_distance(x + noise), 12).tolist() == exact
+
+
+def test_divprune_next_batch_equals_single_on_duplicate_tokens(next_mm):
+    """A square image whose one anyres tile repeats its base view and a flat image: every token has an
+    exact duplicate, and NeXT's tower differs by ~5e-7 between a batch and one image."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    ims = [
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)),
+        Image.new("RGB", (48, 40), (120, 60, 200)),
+        Image.fromarray(rng.integers(0, 255, (100, 40, 3), dtype=np.uint8)),
+    ]
+    prompts = ["Describe the image.", "Is there a cat in the image? Tell me.", "What?"]
+    rec = {"pruning": [{"method": "divprune", "budget": {"ratio": 0.5}}]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite's one thread gives bitwise-equal towers; two give the batch's noise
+    try:
+        with Session(next_mm, load_recipe(rec)) as s, torch.inference_mode():
+            batched = s.encode(next_mm.prepare(ims, prompts)).patch_ids  # the kept tokens of each image
+            single = [s.encode(next_mm.prepare([im], [p])).patch_ids[0] for im, p in zip(ims, prompts)]
+    finally:
+        torch.set_num_threads(threads)
+    assert [b.tolist() for b in batched] == [one.tolist() for one in single]
+    out = next_mm.generate(ims, prompts, recipe=rec, max_new_tokens=4)
+    alone = [next_mm.generate([im], [p], recipe=rec, max_new_tokens=4)[0] for im, p in zip(ims, prompts)]
+    assert [r.token_ids for r in out] == [r.token_ids for r in alone]
+
+
 def test_cdpruner_greedy_map_never_reads_the_device():
     """CDPruner's fast greedy MAP keeps each pick on the device, with the picks of the loop that indexed
     with each pick (three host reads per pick)."""

@@ -27,7 +27,12 @@ with ``position_ids`` None, so positions are renumbered too).
 Deviations from the release: (a) the distance matrix and the selection run in fp32 (the release runs
 them in the model dtype, fp16); (b) every image of every sample is pruned on its own (the release
 prunes sample 0's single image, at a hard-coded offset of 35 system-prompt tokens); (c) ties in the
-argmax go to the lowest index (torch's documented rule; the release uses the same call).
+argmax go to the lowest index (torch's documented rule; the release uses the same call), and scores within
+``TIE_DISTANCE`` (1e-5) of the largest are ties: exact duplicates (a flat region, LLaVA-NeXT's tile that
+equals its base view, its newline rows) have equal scores in exact arithmetic, and the release picks among
+them by the last bits of its rounding, which differ between a batch and one image (NeXT's tower: 5e-7) and
+on a GPU; (d) a token is never picked twice: when every token left duplicates a picked one (all scores 0)
+the release picks index 0 again and repeats a token in the LLM input, mmfast takes the lowest unpicked.
 No-op: ``ratio`` 1 (or ``keep`` >= the tokens of an image) leaves the vision batch untouched.
 
 Budget (``budget: {tokens: B}`` or ``{ratio: r}``, vision tokens per image at the LLM input):
@@ -60,8 +65,18 @@ def cosine_distance(x: torch.Tensor) -> torch.Tensor:
     return 1.0 - x @ x.T
 
 
+#: scores within this of the largest are ties, which go to the lowest index (deviation (c))
+TIE_DISTANCE = 1e-5
+
+
+def _first_max(scores: torch.Tensor) -> torch.Tensor:
+    """[1] the lowest index whose score in ``scores`` [1, N] is within ``TIE_DISTANCE`` of the largest."""
+    top = scores.amax(dim=1, keepdim=True)  # [1, 1]
+    return (scores >= top - TIE_DISTANCE).to(torch.uint8).argmax(dim=1)  # argmax: the first of equal maxima
+
+
 def max_min_select(dist: torch.Tensor, k: int) -> torch.Tensor:
-    """DivPrune's greedy max-min selection on a distance matrix [N, N]: [k] indices in pick order."""
+    """DivPrune's greedy max-min selection on a distance matrix [N, N]: [k] distinct indices in pick order."""
     n = dist.shape[0]
     k = min(k, n)
     if k == 0:
@@ -69,14 +84,15 @@ def max_min_select(dist: torch.Tensor, k: int) -> torch.Tensor:
     if n == 1:
         return torch.zeros(1, dtype=torch.long, device=dist.device)
     # first: the token whose nearest other token is farthest (2nd smallest of its column)
-    nearest = dist.topk(2, dim=0, largest=False).values[1]  # [N]
+    nearest = dist.topk(2, dim=0, largest=False).values[1:2]  # [1, N]
     # every pick stays on the device: indexing with a picked 0-d tensor would read it to the host (one
     # sync per pick, serialising the loop on a GPU; DivPrune-64 on the H200 had a TTFT of 47.6 ms against 40.6
     # unpruned while its LLM prefill took 11.8 against 22.3 ms)
-    picks = [nearest.argmax(dim=0, keepdim=True)]  # [1] each
+    picks = [_first_max(nearest)]  # [1] each
     closest = dist.index_select(0, picks[0])  # [1, N] min distance of every token to the selected set
     for _ in range(1, k):
-        j = closest.argmax(dim=1)  # [1]
+        closest.index_fill_(1, picks[-1], -1.0)  # a picked token is never picked again (distances are >= 0)
+        j = _first_max(closest)  # [1]
         picks.append(j)
         torch.minimum(closest, dist.index_select(0, j), out=closest)
     return torch.cat(picks)
