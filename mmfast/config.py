@@ -40,9 +40,18 @@ logger = logging.getLogger(__name__)
 _MISSING = dataclasses.MISSING
 
 
-def opt(default: Any = _MISSING, *, lo: float | None = None, hi: float | None = None, doc: str = "", factory=None):
-    """A dataclass field with an allowed range (inclusive) and a one-line description."""
-    meta = {"lo": lo, "hi": hi, "doc": doc}
+def opt(
+    default: Any = _MISSING,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    doc: str = "",
+    factory=None,
+    min_items: int = 0,
+):
+    """A dataclass field with an allowed range (inclusive; of every item of a list), the fewest items a
+    list may have, and a one-line description."""
+    meta = {"lo": lo, "hi": hi, "doc": doc, "min_items": min_items}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -136,6 +145,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 
 
 def _check_range(value: Any, f: dataclasses.Field, path: str) -> None:
+    least = f.metadata.get("min_items", 0)
+    if isinstance(value, tuple) and len(value) < least:
+        raise ConfigError(path, f"needs at least {least} item{'s' * (least > 1)}, got {len(value)}")
     lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
     if value is None or (lo is None and hi is None):
         return

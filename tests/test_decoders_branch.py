@@ -11,6 +11,7 @@ import torch
 from mmfast.config import load_recipe
 from mmfast.decoding.branches import additive, contrastive, m3id, plausibility_mask
 from mmfast.decoding.vcd import ddpm_noise
+from mmfast.errors import ConfigError
 from mmfast.pipeline import Session
 
 NOOP = {
@@ -124,14 +125,14 @@ def test_m3id_image_free_prompt_keeps_the_newline(tiny_mm, images, prompts):
 
 
 def _damro_direct_outliers(mm, batch, k):
-    """DAMRO's release rule, computed here from the tower alone: one-head CLS attention of the layer
-    after the feature layer (its input is the selected features), top-k in descending order."""
+    """DAMRO's release rule, computed here from the tower alone: one-head CLS attention of the layer that
+    produces the selected features (``encoder.layers[vision_feature_layer]``), top-k in descending order."""
     tower = mm.adapter.vision_tower
     with torch.no_grad():
         hs = tower(batch.pixel_values.float(), output_hidden_states=True).hidden_states
         feat_idx = mm.adapter.vision_feature_layer_index()  # hs[feat_idx + 1] is the feature layer's output
-        layer = mm.adapter.vision_layers[feat_idx + 1]
-        h = layer.layer_norm1(hs[feat_idx + 1])  # [n, 1 + N, C]
+        layer = mm.adapter.vision_layers[feat_idx]
+        h = layer.layer_norm1(hs[feat_idx])  # [n, 1 + N, C] the feature layer's input
         q, kk = layer.self_attn.q_proj(h)[:, 0], layer.self_attn.k_proj(h)  # [n, C], [n, 1 + N, C]
         attn = torch.softmax(torch.einsum("nc,nmc->nm", q, kk) / q.shape[-1] ** 0.5, dim=-1)[:, 1:]
         order = attn.argsort(dim=-1, descending=True)[:, :k]  # [n, k] descending attention
@@ -170,3 +171,59 @@ def test_ritual_transform_pool(tiny_mm, images, prompts):
     with Session(tiny_mm, recipe) as s:
         r = s.generate(images[:1], prompts[:1], max_new_tokens=2)
         assert r[0].stats["branches"] == ["clean", "transformed", "noised"] and r[0].stats["forwards_per_step"] == 1
+
+
+@pytest.mark.parametrize("key, value", [("temperature", 0.5), ("top_k", 1), ("top_p", 0.5)])
+def test_damro_takes_no_warpers(key, value):
+    """DAMRO's release samples straight from the softmax of the fused logits: a warper key is refused, not
+    accepted and dropped (VCD, RITUAL and LQCD take them)."""
+    with pytest.raises(ConfigError, match="unknown key") as exc:
+        load_recipe({"decoding": {"method": "damro", "params": {key: value}}})
+    assert exc.value.path == f"decoding.params.{key}"
+    assert load_recipe({"decoding": {"method": "vcd", "params": {key: value}}})
+
+
+@pytest.mark.parametrize(
+    "method, params, path",
+    [
+        ("ritual", {"transforms": []}, "decoding.params.transforms"),
+        ("lqcd", {"yes_no_templates": []}, "decoding.params.yes_no_templates"),
+        ("lqcd", {"open_templates": []}, "decoding.params.open_templates"),
+    ],
+)
+def test_empty_pools_are_refused_with_their_key(method, params, path):
+    with pytest.raises(ConfigError, match="needs at least 1 item, got 0") as exc:
+        load_recipe({"decoding": {"method": method, "params": params}})
+    assert exc.value.path == path
+
+
+def test_an_lqcd_template_that_does_not_format_with_q_is_refused():
+    with pytest.raises(ConfigError, match=r"open_templates\[0\] '\{question\} now' does not format with \{q\}"):
+        load_recipe({"decoding": {"method": "lqcd", "params": {"open_templates": ["{question} now"]}}})
+    assert load_recipe({"decoding": {"method": "lqcd", "params": {"open_templates": ["{q} {{literal}}"]}}})
+
+
+def test_ritual_resized_crop_falls_back_to_torchvisions_central_crop():
+    """A 400 x 40 panorama: every one of the ten draws misses (the crop is taller than the image), and
+    torchvision's fallback is the central crop with the aspect ratio clamped to 4/3 (53 x 40), not the
+    whole image squashed."""
+    import random
+
+    import numpy as np
+    from PIL import Image
+
+    from mmfast.decoding.ritual import _resized_crop
+
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 400, 3), dtype=np.uint8))
+    rng = random.Random(0)
+    draws = random.Random(0)
+    misses = 0
+    for _ in range(10):  # the same draws as the transform: each misses
+        target, ratio = 16000 * draws.uniform(0.08, 1.0), math.exp(draws.uniform(math.log(3 / 4), math.log(4 / 3)))
+        misses += not (round(math.sqrt(target * ratio)) <= 400 and round(math.sqrt(target / ratio)) <= 40)
+    assert misses == 10
+    got = _resized_crop(im, 32, rng)
+    w = round(40 * 4 / 3)  # 53
+    want = im.resize((32, 32), Image.BILINEAR, box=((400 - w) // 2, 0, (400 - w) // 2 + w, 40))
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(got), np.asarray(im.resize((32, 32), Image.BILINEAR)))

@@ -23,7 +23,7 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -120,11 +120,18 @@ def query_rng(seed: int, prompt: str, image: Image.Image) -> random.Random:
 
 @dataclass(frozen=True)
 class BranchConfig:
-    """Fusion weight, plausibility cutoff and token selection shared by the branch decoders."""
+    """Fusion weight, plausibility cutoff and token selection shared by the branch decoders (sampling
+    straight from the softmax of the fused logits: DAMRO's release)."""
 
     alpha: float = opt(1.0, lo=0.0, hi=20.0, doc="weight of the auxiliary branch (0 = plain decoding)")
     beta: float = opt(0.1, lo=0.0, hi=1.0, doc="adaptive plausibility cutoff on the clean branch (0 = off)")
     sample: bool = opt(True, doc="sample from the fused logits (false: argmax)")
+
+
+@dataclass(frozen=True)
+class WarpedBranchConfig(BranchConfig):
+    """A branch decoder that samples through transformers' warpers (VCD's, RITUAL's, LQCD's releases)."""
+
     temperature: float = opt(1.0, lo=1e-4, hi=100.0, doc="sampling temperature (warpers)")
     top_p: float = opt(1.0, lo=0.0, hi=1.0, doc="nucleus mass (warpers)")
     top_k: int = opt(0, lo=0, doc="top-k, 0 = off (warpers)")
@@ -132,8 +139,6 @@ class BranchConfig:
 
 class MultiBranchDecoder(Decoder):
     """Base class: subclasses build auxiliary branches and fuse branch logits."""
-
-    use_warpers: ClassVar[bool] = True  # DAMRO samples straight from softmax(fused)
 
     def branches(self, req: DecodeRequest) -> list[Branch]:
         raise NotImplementedError
@@ -157,7 +162,8 @@ class _BranchPolicy:
         cfg = decoder.config
         self.decoder, self.req, self.beta, self.sample = decoder, req, cfg.beta, cfg.sample
         self.gens = req.generators(decoder.ctx.device)  # one per sample: batch-independent draws
-        self.procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p) if decoder.use_warpers else None
+        warped = isinstance(cfg, WarpedBranchConfig)  # else straight from softmax(fused) (DAMRO)
+        self.procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p) if warped else None
         self.bset: BranchSet
         self.logits: dict[str, torch.Tensor] = {}
 

@@ -1,8 +1,10 @@
 """DAMRO (Gong et al., EMNLP 2024, arXiv 2410.04514): dive into the attention of the vision tower.
 
-Algorithm: in the vision layer that reads the selected features (LLaVA's ``vision_feature_layer`` =
--2 selects the output of layer 22 of CLIP-L's 24; the released code hooks ``q_proj`` / ``k_proj`` of
-layer 23, the layer after it), compute the CLS row of ``softmax(Q K^T / sqrt(C))`` with Q, K taken
+Algorithm: in the vision layer that produces the selected features (LLaVA's ``vision_feature_layer`` =
+-2 selects the output of ``layers[22]`` of CLIP-L's 24; the release's patched ``modeling_llava.py``,
+which every evaluation script loads, hooks ``q_proj`` / ``k_proj`` of
+``encoder.layers[vision_feature_layer]``, that same layer), compute the CLS row of
+``softmax(Q K^T / sqrt(C))`` with Q, K taken
 as *one* head over the full hidden size C (the released code's approximation of the 16-head
 attention); its top-k patches (k = 10) are the "outlier" tokens. An auxiliary branch feeds the LLM
 only those k projected features, in descending order of that attention (the release gathers them in
@@ -13,8 +15,8 @@ clean branch, then sampled straight from the softmax at T = 1 (no warpers), as t
 Hook points: a recorder on the feature layer's vision attention (q/k of the forward that runs anyway);
 an auxiliary branch via the branch manager. Limits: the outlier branch uses the unpruned features,
 so it composes with feature-stage pruning but not with merging inside the vision tower. The attention
-layer is ``vision_feature_layer_index() + 1`` (the release hard-codes 23, the same layer for LLaVA-1.5);
-a model whose features come from the tower's last layer uses that last layer.
+layer is ``vision_feature_layer_index()`` (the release's HEAD, coder-gx/DAMRO @03008ac; its first
+commits' LLaVA-1.5 code, since deleted, hard-coded ``layers[23]``, the layer after it).
 
 Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): refused: contrasts against the tower's
 CLS-attention outliers; Qwen-VL towers have no CLS.
@@ -41,7 +43,6 @@ SCORES = "damro.cls_scores"  # VisionBatch extras: per image [N] CLS -> patch at
 class Damro(MultiBranchDecoder):
     """DAMRO."""
 
-    use_warpers = False
     # the outlier branch indexes one patch grid per image and reads the tower's unmerged tokens
     caps = Capabilities(
         needs=frozenset({Need.CLS, Need.UNTILED, Need.SQUARE_GRID}),
@@ -61,8 +62,8 @@ class Damro(MultiBranchDecoder):
 
     def install(self) -> None:
         adapter = self.ctx.adapter
-        # the layer whose input is the selected features (release: layers[23] of CLIP-L, feature layer 22)
-        layer = min(adapter.vision_feature_layer_index() + 1, len(adapter.vision_layers) - 1)
+        # the layer that produces the selected features (release: encoder.layers[vision_feature_layer])
+        layer = adapter.vision_feature_layer_index()
         self._pending: torch.Tensor | None = None  # set by the tower hook, moved into the VisionBatch
         attach(self.ctx.hooks, adapter.vision_layers[layer].self_attn).recorders.append(self._record)
 

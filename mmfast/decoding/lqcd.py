@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
-from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive, query_rng
+from .branches import Branch, MultiBranchDecoder, WarpedBranchConfig, contrastive, query_rng
 
 #: Leading cues for yes/no questions ("{q}" = the question) ...
 YES_NO_TEMPLATES: tuple[str, ...] = (
@@ -53,12 +53,25 @@ class LQCD(MultiBranchDecoder):
     caps = Capabilities(search="branches", images_only="its branch re-prompts the images with a leading query")
 
     @dataclass(frozen=True)
-    class Config(BranchConfig):
+    class Config(WarpedBranchConfig):
         alpha: float = opt(1.0, lo=0.0, hi=20.0, doc="contrast weight (unverified default)")
         yes_no_templates: tuple[str, ...] = opt(
-            YES_NO_TEMPLATES, doc="leading cues for yes/no questions; {q} = question"
+            YES_NO_TEMPLATES, min_items=1, doc="leading cues for yes/no questions; {q} = question"
         )
-        open_templates: tuple[str, ...] = opt(OPEN_TEMPLATES, doc="leading cues for open requests; {q} = request")
+        open_templates: tuple[str, ...] = opt(
+            OPEN_TEMPLATES, min_items=1, doc="leading cues for open requests; {q} = request"
+        )
+
+        def __post_init__(self) -> None:
+            for key in ("yes_no_templates", "open_templates"):
+                for i, template in enumerate(getattr(self, key)):
+                    try:
+                        template.format(q="x")
+                    except (KeyError, IndexError, ValueError) as exc:
+                        raise ValueError(
+                            f"{key}[{i}] {template!r} does not format with {{q}} alone ({type(exc).__name__}: "
+                            f"{exc}); write the question as {{q}} and other braces doubled ({{{{ }}}})"
+                        ) from None
 
     def branches(self, req):
         cfg = self.config

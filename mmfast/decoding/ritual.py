@@ -29,7 +29,7 @@ from PIL import Image, ImageEnhance
 from ..capabilities import Capabilities, Need
 from ..config import opt
 from ..registry import DECODERS
-from .branches import Branch, BranchConfig, MultiBranchDecoder, additive, query_rng
+from .branches import Branch, MultiBranchDecoder, WarpedBranchConfig, additive, query_rng
 from .vcd import noised_branch
 
 Transform = Literal["hflip", "vflip", "rotate", "color_jitter", "blur", "resized_crop"]
@@ -65,7 +65,15 @@ def _resized_crop(im: Image.Image, size: int, rng: random.Random) -> Image.Image
         if 0 < cw <= w and 0 < ch <= h:
             top, left = rng.randint(0, h - ch), rng.randint(0, w - cw)
             return im.resize((size, size), Image.BILINEAR, box=(left, top, left + cw, top + ch))
-    return im.resize((size, size), Image.BILINEAR)
+    # ten misses: torchvision's central crop, its aspect ratio clamped to [3/4, 4/3]
+    if w / h < 3 / 4:
+        cw, ch = w, int(round(w / (3 / 4)))
+    elif w / h > 4 / 3:
+        cw, ch = int(round(h * (4 / 3))), h
+    else:
+        cw, ch = w, h
+    top, left = (h - ch) // 2, (w - cw) // 2
+    return im.resize((size, size), Image.BILINEAR, box=(left, top, left + cw, top + ch))
 
 
 def transform(im: Image.Image, kind: Transform, rng: random.Random, size: int) -> Image.Image:
@@ -110,11 +118,11 @@ class Ritual(MultiBranchDecoder):
     )
 
     @dataclass(frozen=True)
-    class Config(BranchConfig):
+    class Config(WarpedBranchConfig):
         alpha: float = opt(3.0, lo=0.0, hi=20.0, doc="alpha_pos: weight of the transformed branch")
         alpha_neg: float = opt(0.0, lo=0.0, hi=20.0, doc="> 0: RITUAL + VCD with this contrast weight")
         noise_step: int = opt(500, lo=0, hi=999, doc="VCD noise step (RITUAL + VCD)")
-        transforms: tuple[Transform, ...] = opt(POOL, doc="the pool one transform is drawn from per query")
+        transforms: tuple[Transform, ...] = opt(POOL, min_items=1, doc="the pool one transform is drawn from per query")
 
     def branches(self, req):
         cfg, ctx = self.config, self.ctx

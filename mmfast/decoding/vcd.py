@@ -21,7 +21,7 @@ import torch
 from ..capabilities import Capabilities
 from ..config import opt
 from ..registry import DECODERS
-from .branches import Branch, BranchConfig, MultiBranchDecoder, contrastive, query_rng
+from .branches import Branch, MultiBranchDecoder, WarpedBranchConfig, contrastive, query_rng
 
 if TYPE_CHECKING:
     from ..context import MethodContext
@@ -67,7 +67,7 @@ class VCD(MultiBranchDecoder):
     caps = Capabilities(search="branches")
 
     @dataclass(frozen=True)
-    class Config(BranchConfig):
+    class Config(WarpedBranchConfig):
         alpha: float = opt(1.0, lo=0.0, hi=20.0, doc="contrast weight")
         noise_step: int = opt(500, lo=0, hi=999, doc="DDPM step of the distortion")
 
