@@ -32,6 +32,7 @@ from .bench.render import (
     budget_text,
     fmt_ci,
     interval_notes,
+    timing_labels,
     unparsed_cell,
     variant_intervals,
     variant_unparsed,
@@ -155,14 +156,34 @@ def _with_ci(value: Any, part: dict[str, Any] | None, key: str) -> str:
     return f"{value:.3f} {fmt_ci(ci)}" if ci else f"{value:.3f}"
 
 
-def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
+def run_labels(runs: list[Path]) -> list[str]:
+    """A label per run that tells it apart from the others: its folder's name, or, where two runs share
+    it, the shortest tail of their paths that differs (``cpu/bench``, ``gpu/bench``)."""
+    parts = [run.resolve().parts for run in runs]
+    labels = []
+    for i, own in enumerate(parts):
+        depth = 1
+        while depth < len(own) and any(
+            other[-depth:] == own[-depth:] for j, other in enumerate(parts) if j != i and other != own
+        ):
+            depth += 1
+        labels.append("/".join(own[-depth:]))
+    return labels
+
+
+def _file_label(label: str) -> str:
+    """A run's label as part of a file name."""
+    return label.replace("/", "_")
+
+
+def _eval_row(run: Path, label: str, s: dict[str, Any]) -> EvalRow:
     m, acc, proto = s.get("metrics", {}), s.get("accounting", {}), s.get("protocol", {})
     pope, chair = m.get("pope", {}), m.get("chair", {})
     iv = run_intervals(run, s)
     records = read_records(run)
     bad = count_unparsed(records)
     cells = [
-        run.name,
+        label,
         _method_label(proto),
         acc.get("mean_n_vision_tokens"),
         acc.get("mean_vision_tokens_layer_avg"),
@@ -179,14 +200,14 @@ def _eval_row(run: Path, s: dict[str, Any]) -> EvalRow:
         proto.get("weights_fingerprint"),
     ]
     return EvalRow(
-        run.name,
+        label,
         acc.get("mean_vision_tokens_layer_avg"),
         pope.get("mean_f1"),
         chair.get("chair_i"),
         chair.get("recall"),
         iv,
         cells,
-        _video_pope_rows(run.name, m.get("video_pope"), records, bad.video_pope),
+        _video_pope_rows(label, m.get("video_pope"), records, bad.video_pope),
     )
 
 
@@ -375,14 +396,14 @@ def write_report(runs: list[str], output: str) -> Path:
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     evals, benches = [], []
-    for r in runs:
-        run = Path(r)
+    paths = [Path(r) for r in runs]
+    for run, label in zip(paths, run_labels(paths)):
         s = _load(run)
-        (benches if "results" in s else evals).append((run, s))
+        (benches if "results" in s else evals).append((run, label, s))
     md = ["# mmfast report", ""]
     images: list[Path] = []
     if evals:
-        rows = [_eval_row(run, s) for run, s in evals]
+        rows = [_eval_row(run, label, s) for run, label, s in evals]
         md += ["## Evaluation runs", "", *_md_table(EVAL_HEADER, [r.cells for r in rows]), ""]
         notes = [EVAL_INTERVAL_NOTE] + [n for r in rows for n in r.intervals.notes]
         md += [f"- {n}" for n in notes] + [""]
@@ -437,8 +458,8 @@ def write_report(runs: list[str], output: str) -> Path:
             )
         ):
             images.append(p)
-    for run, s in benches:
-        md += [f"## Benchmark: {run.name}", ""]
+    for run, label, s in benches:
+        md += [f"## Benchmark: {label}", ""]
         if model := _bench_model(run, s):
             md += [f"Model: {model}", ""]
         try:
@@ -451,7 +472,8 @@ def write_report(runs: list[str], output: str) -> Path:
             header, rows = (
                 with_unparsed(header, rows, variant_unparsed(run, s["results"])) if intervals else (header, rows)
             )
-            md += [*_md_table(header, rows), ""]
+            labels = timing_labels(s)  # which model each timing comes from, as results.md
+            md += [*_md_table([labels.get(h, h) for h in header], rows), ""]
         notes = _bench_notes(run)
         if intervals:
             notes = [
@@ -472,21 +494,21 @@ def write_report(runs: list[str], output: str) -> Path:
         speed = [(n, v) for n, v in speed if v is not None]
         if speed and (
             p := bars(
-                out / f"speedup_{run.name}.png",
+                out / f"speedup_{_file_label(label)}.png",
                 [n for n, _ in speed],
                 [v for _, v in speed],
                 "speedup (x)",
-                f"Speedup per method ({run.name})",
+                f"Speedup per method ({label})",
                 baseline=1.0,
                 series="speedup vs the baseline",
             )
         ):
             images.append(p)
         if kind is not None:  # drawn again here, titled with this bench (two benches' plots never share a title)
-            images += bench_plots(s, out, run.name, intervals, prefix=f"{run.name}_")
+            images += bench_plots(s, out, label, intervals, prefix=f"{_file_label(label)}_")
         else:
             for png in sorted(run.glob("*.png")):
-                dest = out / f"{run.name}_{png.name}"
+                dest = out / f"{_file_label(label)}_{png.name}"
                 shutil.copyfile(png, dest)
                 images.append(dest)
     for img in images:

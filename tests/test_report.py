@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -402,6 +403,40 @@ def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins
     ), notes
 
 
+def test_budget_leaders_margin_uses_the_parser_the_ranked_f1s_were_scored_with(tmp_path):
+    """A bench scored with ``eval.pope.parser: opera``: 'Yes. It is not small.' is a no under OPERA's rule
+    (any 'not') and a yes under the official one; the margin is the difference of the two ranked F1s."""
+    from mmfast.bench.render import budget_leaders
+    from mmfast.eval.intervals import pope_cells, pope_intervals
+
+    labels = ["yes" if i % 2 == 0 else "no" for i in range(40)]
+    results = {}
+
+    def variant(name, method, yes_answer):
+        recs = [
+            {"doc_id": f"pope_{s}/{i}", "task": f"pope_{s}", "target": lab, "image": f"img{i // 4}.png",
+             "resps": [[yes_answer if lab == "yes" else "No"]]}
+            for s in ("random", "popular") for i, lab in enumerate(labels)
+        ]  # fmt: skip
+        run = tmp_path / "variants" / name
+        run.mkdir(parents=True)
+        (run / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+        (run / "summary.json").write_text(json.dumps({"protocol": {"tasks": {"pope": {"parser": "opera"}}}}))
+        cells = {s: pope_cells([r for r in recs if r["task"] == f"pope_{s}"], "opera") for s in ("random", "popular")}
+        results[name] = {
+            "metrics": {"pope": {"mean_f1": pope_intervals(cells, resamples=200).mean_f1.estimate}},
+            "accounting": {"vision_tokens_layer_avg": 64.0},
+            "pruning": [{"method": method, "params": {}, "budget": {"tokens": 64}}],
+            "ratios": {"flops_ratio": 0.13},
+        }
+
+    variant("divprune-64", "divprune", "Yes")
+    variant("visionzip-64", "visionzip", "Yes. It is not small.")
+    header, rows, _ = budget_leaders(tmp_path, {"results": results})
+    assert rows[0][1] == "divprune-64"
+    assert rows[0][header.index("margin over visionzip [paired 95% CI]")].startswith("+1.000")
+
+
 def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():
     from mmfast.bench.render import unparsed_notes, with_unparsed
     from mmfast.eval.unparsed import TaskUnparsed, Unparsed
@@ -421,6 +456,27 @@ def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():
         n.startswith("zipvl-64: 900/900 (100.0%) POPE answers neither yes nor no") and "'inNo'" in n
         for n in unparsed_notes(u)
     )
+
+
+def test_runs_with_the_same_folder_name_keep_their_own_sections_plots_and_rows(tmp_path):
+    """Two benches both called ``bench_dec`` (one under cpu/, one under gpu/) and two eval runs both called
+    ``run``: each is labelled by the shortest path tail that tells it apart, and no plot overwrites another."""
+    from mmfast.report import run_labels
+
+    cpu = _bench_dir(tmp_path / "cpu", [("baseline", 0.9), ("vcd", 0.8)])
+    gpu = _bench_dir(tmp_path / "gpu", [("baseline", 0.7), ("vcd", 0.6)])
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a, _ = _pope_run(tmp_path / "a", "run", 0.9)
+    b, _ = _pope_run(tmp_path / "b", "run", 0.6)
+    assert run_labels([cpu, gpu, a, b]) == ["cpu/bench_dec", "gpu/bench_dec", "a/run", "b/run"]
+    assert run_labels([cpu, a]) == ["bench_dec", "run"]
+    out = tmp_path / "rep"
+    md = write_report([str(cpu), str(gpu), str(a), str(b)], str(out)).read_text()
+    assert "## Benchmark: cpu/bench_dec" in md and "## Benchmark: gpu/bench_dec" in md
+    assert "| a/run |" in md and "| b/run |" in md
+    images = re.findall(r"\]\((.*?\.png)\)", md)
+    assert len(images) == len(set(images)) and all((out / i).is_file() for i in images)
+    assert {"cpu_bench_dec_chair_i_vs_recall.png", "gpu_bench_dec_chair_i_vs_recall.png"} <= set(images)
 
 
 def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_runs(tmp_path):
@@ -485,6 +541,8 @@ def test_pruning_report_names_the_model_of_every_timing_and_flags_cold_single_ru
     assert "accuracy columns (POPE, CHAIR)" in md and "mmfast/tiny-world, LLaVA architecture" in md
     assert "qwen2.5-vl-7b-slice timings: median of 1 repeat(s) after 0 warmup run(s); NOT a reliable speed" in md
     assert "Timings on the embedded model ([embedded]): median of 5 repeat(s) after 1 warmup run(s)." in md
+    report = write_report([str(tmp_path)], str(tmp_path / "rep")).read_text()  # the report labels them alike
+    assert "| prefill x [embedded] | prefill x [qwen2.5-vl-7b-slice] | e2e x [embedded] |" in report
     shaped = (tmp_path / "speed_shaped.md").read_text()
     assert (
         "| prefill+vision speedup |" in shaped
