@@ -392,16 +392,21 @@ def budget_leaders(
             continue
         at.setdefault(b, []).append((name, method))
 
+    parsers: dict[str, str] = {}
+
     def parser(name: str) -> str:
         """The POPE parser the variant's summary was scored with (its ranked F1's)."""
-        path = out / "variants" / name / "summary.json"
-        summary = json.loads(path.read_text()) if path.is_file() else {}
-        return summary.get("protocol", {}).get("tasks", {}).get("pope", {}).get("parser", "pope")
+        if name not in parsers:
+            path = out / "variants" / name / "summary.json"
+            summary = json.loads(path.read_text()) if path.is_file() else {}
+            parsers[name] = summary.get("protocol", {}).get("tasks", {}).get("pope", {}).get("parser", "pope")
+        return parsers[name]
 
     def margin(a: str, b: str) -> str:
-        if parser(a) != parser(b):
-            return f"parsers differ ({parser(a)} vs {parser(b)})"
-        paired = paired_pope_cells(recs(a), recs(b), parser(a))
+        mode, other = parser(a), parser(b)
+        if mode != other:
+            return f"parsers differ ({mode} vs {other})"
+        paired = paired_pope_cells(recs(a), recs(b), mode)
         if not paired.a:
             return "no paired records"
         d = paired_mean_f1_difference(paired.a, paired.b, paired.units)

@@ -56,6 +56,13 @@ class Pruner(Method):
         self._configs: dict[int, Any] = {}
         self.calibration = None  # a ``_budget.Calibration`` after :meth:`calibrate`
 
+    def setting_path(self, param: str) -> str:
+        """The recipe path a refusal of this stage's setting names: its budget's key (``pruning[i].budget.tokens``)
+        when the stage has a budget, else ``pruning[i].params.<param>``, the knob that set it."""
+        if self.budget_rule is not None:
+            return f"{self.budget_path}.{self.budget_rule.budget.key}"
+        return f"{self.budget_path.rsplit('.', 1)[0]}.params.{param}"  # budget_path: pruning[i].budget
+
     def install(self) -> None:
         """Register hooks and probes (called once when the session opens)."""
 

@@ -68,8 +68,9 @@ with K of an L-layer LLM and an image of N vision tokens (its own count, on ever
 keep = round((L B - K N) / (L - K)) (refused below ceil(K N / L)), then
 t = max(0, round((keep - pivot_image) / (pivot_image + pivot_text))) and ``truncation`` =
 t (pivot_image + pivot_text): the kept count is within (pivot_image + pivot_text) / 2 of keep (when
-keep >= pivot_image); keep = N maps to the no-op (``drop_ratio`` 0: every token kept). Where images have different counts (LLaVA-NeXT, OneVision, Qwen-VL) this is
-computed per image from its N (``_budget.py``).
+keep >= pivot_image); keep = N maps to the no-op (``drop_ratio`` 0: every token kept). Where images
+have different counts (LLaVA-NeXT, OneVision, Qwen-VL) this is computed per image from its N
+(``_budget.py``).
 """
 
 from __future__ import annotations

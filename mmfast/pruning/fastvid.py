@@ -186,14 +186,12 @@ class FastVID(Pruner):
         token (more than a budget below the frame count; OneVision: no token at all)."""
         if int(n * cfg.retention_ratio) > 0:
             return self.params(cfg)
-        stage = self.budget_path.rsplit(".", 1)[0]  # pruning[i]
         if self.budget_rule is not None:
-            key = self.budget_rule.budget.key
-            path, fix = f"{self.budget_path}.{key}", f"ask for at least {n_frames} tokens (one per frame)"
+            fix = f"ask for at least {n_frames} tokens (one per frame)"
         else:
-            path, fix = f"{stage}.params.retention_ratio", f"give at least 1 / {n} (one token per frame)"
+            fix = f"give at least 1 / {n} (one token per frame)"
         raise ConfigError(
-            path,
+            self.setting_path("retention_ratio"),
             f"a frame of this video keeps int({n} x {cfg.retention_ratio:.4g}) = 0 of its {n} tokens "
             f"({n_frames} frames), and FastVID's per-segment counts need at least one; {fix}",
         )

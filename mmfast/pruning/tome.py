@@ -309,9 +309,9 @@ class ToMe(Pruner):
         try:
             return video_schedule(n_frames, per_frame, keep=cfg.budget - n_other)
         except ValueError as exc:
-            stage = self.budget_path.rsplit(".", 1)[0]  # pruning[i]
-            path = f"{self.budget_path}.{self.budget_rule.budget.key}" if self.budget_rule else f"{stage}.params.budget"
-            raise ConfigError(path, f"{exc}; ask for at least {per_frame + n_other} tokens") from None
+            raise ConfigError(
+                self.setting_path("budget"), f"{exc}; ask for at least {per_frame + n_other} tokens"
+            ) from None
 
     def _merge_videos(self, vision, batch):
         """Every video item's frame tokens merged across time (module docstring, "Video")."""
