@@ -246,6 +246,7 @@ class ModelFacts:
     vision_layers: int
     grid: tuple[int, int]  # (rows, cols) of the base patch grid
     features: ModelFeatures
+    image_tokens: int | None = None  # vision tokens of every image at the LLM input; None: each image its own
 
     @property
     def has_cls(self) -> bool:
@@ -254,7 +255,12 @@ class ModelFacts:
     @classmethod
     def of_adapter(cls, adapter: VLMAdapter) -> ModelFacts:
         return cls(
-            adapter.family, len(adapter.layers), len(adapter.vision_layers), tuple(adapter.grid), adapter.features
+            adapter.family,
+            len(adapter.layers),
+            len(adapter.vision_layers),
+            tuple(adapter.grid),
+            adapter.features,
+            adapter.n_image_tokens,
         )
 
     @classmethod
@@ -264,7 +270,8 @@ class ModelFacts:
         if adapter is None:
             return None
         llm_layers, vision_layers, grid = adapter.config_shape(config)
-        return cls(adapter.family, llm_layers, vision_layers, grid, adapter.features_of(config))
+        features = adapter.features_of(config)
+        return cls(adapter.family, llm_layers, vision_layers, grid, features, adapter.config_image_tokens(config))
 
 
 def joins_videos(caps: Capabilities, features: ModelFeatures) -> bool:
@@ -363,8 +370,8 @@ def _methods(recipe: Recipe):
 
 def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
     """A reason the recipe's methods cannot run on the model (a loaded adapter, or the facts of its
-    config before loading), or None. Parameters that do not fit the model (a layer it does not have)
-    raise :class:`~mmfast.errors.ConfigError` at their recipe path."""
+    config before loading), or None. Parameters and budgets that do not fit the model (a layer it does not have,
+    more tokens than its images have) raise :class:`~mmfast.errors.ConfigError` at their recipe path."""
     facts = model if isinstance(model, ModelFacts) else ModelFacts.of_adapter(model)
     stages, decoder, drafter = _declared(recipe)
     kinds = [(st, PRUNERS) for st in stages] + [(decoder, DECODERS)] + ([(drafter, DRAFTERS)] if drafter else [])
@@ -372,6 +379,10 @@ def check_model(recipe: Recipe, model: VLMAdapter | ModelFacts) -> str | None:
         problem = refusal(item.where, item.caps, facts, registry)
         if problem:
             return problem
+    if facts.image_tokens is not None:  # every image one count: a budget above it is refused now
+        for i, stage in enumerate(recipe.pruning):
+            if stage.budget is not None:
+                stage.budget.check_fits(facts.image_tokens, f"pruning[{i}].budget")
     for path, cls, params in _methods(recipe):
         check = getattr(cls, "check_facts", None)
         if check is None or params is None:

@@ -45,7 +45,7 @@ from .models.base import LMInputs, VisionBatch
 from .models.captured_tower import SELECTION_GRAPHS, CapturedCalls, CapturedTower
 from .models.fused_norms import install_fused_norms
 from .models.qwen_tower import install_fused_tower
-from .pruning._budget import ImageBudget, calibrate_once, calibration_key, fixed_vision_tokens
+from .pruning._budget import ImageBudget, calibrate_once, calibration_key
 from .pruning._video_items import join_videos, joined_counts, split_videos
 from .registry import DECODERS, DRAFTERS, PRUNERS
 from .runtime import CudaGraph, LMRunner
@@ -210,7 +210,7 @@ class Session:
         if spec.budget is not None:
             path = f"pruning[{i}].budget"
             rule = ImageBudget(spec.budget, LMShape.of(self.adapter.text_config), path)
-            n = fixed_vision_tokens(self.adapter)
+            n = self.adapter.n_image_tokens
             if n is not None and i > 0:
                 rule.target(n)  # more than the model's images have is refused now; the rest as they arrive
                 n = None
@@ -248,7 +248,7 @@ class Session:
         a stage that sees each video as one item: the video's tokens, from ``batch``'s items), and the first
         stage's per-image mapping (later stages see the tokens earlier ones left, and are checked when
         they run). Models whose images all have one count were checked at installation."""
-        if fixed_vision_tokens(self.adapter) is not None:
+        if self.adapter.n_image_tokens is not None:
             return
         for i, pruner in enumerate(self.pruners):
             if pruner.budget_rule is None:

@@ -394,6 +394,30 @@ def test_tokens_larger_than_the_input_is_refused_before_compute_on_llava(tiny_mm
     assert exc.value.path == "pruning[0].budget.tokens"
 
 
+def test_validate_refuses_tokens_above_the_models_count_from_its_config(tmp_path):
+    """``mmfast validate`` reads LLaVA-1.5's one count (576 on the embedded model) from the config and
+    refuses, at the stage's budget path, more tokens than every image has, in any stage; a budget that
+    fits and a fraction pass."""
+    import subprocess
+    import sys
+
+    def validate(*sets: str) -> subprocess.CompletedProcess:
+        args = [sys.executable, "-m", "mmfast", "validate", "world_eval"]
+        for s in sets:
+            args += ["--set", s]
+        return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True)
+
+    stage = "pruning=[{method: random, budget: {tokens: %d}}, {method: divprune, budget: {%s}}]"
+    out = validate(stage % (577, "ratio: 0.5"))
+    assert out.returncode == 2, out.stderr
+    assert "pruning[0].budget.tokens" in out.stderr and "more than this image has (576 vision tokens" in out.stderr
+    out = validate(stage % (64, "tokens: 600"))
+    assert out.returncode == 2 and "pruning[1].budget.tokens" in out.stderr, out.stderr
+    for ok in (stage % (576, "tokens: 64"), stage % (64, "ratio: 1.0")):
+        out = validate(ok)
+        assert out.returncode == 0 and "recipe hash" in out.stdout, out.stderr
+
+
 def test_a_later_stage_budget_follows_what_earlier_stages_left_on_llava(tiny_mm, images):
     """On LLaVA-1.5 (one count, 16 here) a second stage after ``random {tokens: 8}`` measures its budget on
     the 8 tokens it receives, as on the per-image families: ``ratio`` is of those 8, ``tokens`` averages

@@ -286,6 +286,18 @@ class VLMAdapter:
         """(LLM layers, vision layers, base patch grid) from the config alone, before weights load."""
         raise NotImplementedError(f"{cls.__name__} reads no shape from its config")
 
+    @classmethod
+    def config_image_tokens(cls, config: Any) -> int | None:
+        """The vision tokens every image has at the LLM input on a model with transformers config
+        ``config`` (LLaVA-1.5: its grid, with the CLS token under the ``full`` strategy), or None where
+        each image has its own count (anyres tiling, dynamic resolution)."""
+        return None
+
+    @property
+    def n_image_tokens(self) -> int | None:
+        """:meth:`config_image_tokens` of the loaded model."""
+        return self.config_image_tokens(self.model.config)
+
     @property
     def rope_axes(self) -> int:
         """RoPE axes per token: 1, or 3 for multimodal RoPE (temporal, height, width)."""

@@ -46,6 +46,11 @@ class LlavaAdapter(VLMAdapter):
         side = int(vision.image_size) // int(vision.patch_size)
         return int(config.text_config.num_hidden_layers), int(vision.num_hidden_layers), (side, side)
 
+    @classmethod
+    def config_image_tokens(cls, config: Any) -> int | None:
+        rows, cols = cls.config_shape(config)[2]
+        return rows * cols + (1 if config.vision_feature_select_strategy == "full" else 0)
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.features = self.features_of(model.config)
@@ -74,11 +79,6 @@ class LlavaAdapter(VLMAdapter):
     def grid(self) -> tuple[int, int]:
         side = self.vision_config.image_size // self.vision_config.patch_size
         return (side, side)
-
-    @property
-    def n_image_tokens(self) -> int:
-        rows, cols = self.grid
-        return rows * cols + (1 if self.select_strategy == "full" else 0)
 
     #: the session's :class:`~mmfast.models.captured_tower.CapturedTower` (an instance attribute it sets and
     #: restores): :meth:`tower_layers` runs through it; None: eagerly

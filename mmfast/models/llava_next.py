@@ -15,6 +15,7 @@ message naming the ones that work (the adapter's ``features``: ``tiles="anyres"`
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -26,9 +27,9 @@ class LlavaNextAdapter(LlavaAdapter):
     family = "llava_next"
     features = replace(LlavaAdapter.features, tiles="anyres")
 
-    @property
-    def n_image_tokens(self) -> int:
-        raise AttributeError("LLaVA-NeXT's vision-token count depends on the image size (anyres tiling)")
+    @classmethod
+    def config_image_tokens(cls, config: Any) -> int | None:
+        return None  # lLaVA-NeXT's vision-token count depends on the image size (anyres tiling)
 
     def encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
         """Tower on every tile, feature selection, projection and the model's own anyres packing

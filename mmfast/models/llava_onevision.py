@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -54,9 +55,9 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     features = replace(LlavaAdapter.features, cls_token=False, tiles="anyres_max", video=True)
     video_token = "<video>"
 
-    @property
-    def n_image_tokens(self) -> int:
-        raise AttributeError("LLaVA-OneVision's vision-token count depends on the image size (anyres-max tiling)")
+    @classmethod
+    def config_image_tokens(cls, config: Any) -> int | None:
+        return None  # lLaVA-OneVision's vision-token count depends on the image size (anyres-max tiling)
 
     def video_items(self, clip: VideoClip, video: int, settings: VideoSettings) -> VideoItems:
         """One item: the frames at the tower's input size ([1, F, 3, S, S]); its size row is (S, S)."""

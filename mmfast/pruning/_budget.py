@@ -14,8 +14,8 @@ Feature/tower-stage methods keep the target at the LLM input; in-LLM methods kee
 layer-averaged vision tokens of the image (:func:`in_llm_keep`). Each method maps a target onto its own
 knobs in its ``budget_params(tokens, n, ...)`` classmethod (closed form, documented in its docstring),
 with n the image's real count: where every image of the model has the same count (LLaVA-1.5:
-:func:`fixed_vision_tokens`), once when the session installs the stage (an infeasible budget is refused
-there, before any compute); elsewhere per image count as the images arrive (``Pruner.config_for``),
+:meth:`~mmfast.models.base.VLMAdapter.config_image_tokens`), once when the session installs the stage (an
+infeasible budget is refused there, before any compute, and by ``mmfast validate`` from the config); elsewhere per image count as the images arrive (``Pruner.config_for``),
 after the vision tower and before any pruning or LLM compute (``Session.encode`` checks every image).
 Methods whose knobs are thresholds (MustDrop, ZipVL) are *calibrated* after installation: a bisection on
 one scalar of their thresholds, measured on :func:`calibration_batch` (a fixed, offline set of rendered
@@ -63,19 +63,9 @@ _SUFFIX = "\nAnswer the question using a single word or phrase."
 def vision_tokens_per_image(adapter: VLMAdapter) -> int:
     """Tokens of the adapter's base patch grid (LLaVA-1.5: 576; OneVision: a base view's N0; Qwen-VL:
     the 24 x 24 grid the model facts report). The real count of every image only where
-    :func:`fixed_vision_tokens` says so; used for no-op and test settings, never to scale a budget."""
+    ``adapter.n_image_tokens`` says so; used for no-op and test settings, never to scale a budget."""
     rows, cols = adapter.grid
     return rows * cols
-
-
-def fixed_vision_tokens(adapter: VLMAdapter) -> int | None:
-    """The vision tokens every image has at the LLM input on this model (LLaVA-1.5: its grid, with the
-    CLS token under the ``full`` strategy), or None where each image has its own count (LLaVA-NeXT and
-    OneVision anyres tiling, Qwen-VL dynamic resolution)."""
-    if adapter.features.patch_grid == "dynamic":
-        return None
-    n = getattr(adapter, "n_image_tokens", None)  # anyres adapters raise AttributeError: None
-    return int(n) if n is not None else None
 
 
 @dataclass(frozen=True)
@@ -90,13 +80,7 @@ class ImageBudget:
         """The target of an image of ``n`` vision tokens (tokens kept, or layer-averaged tokens)."""
         b = self.budget
         if b.tokens is not None:
-            if b.tokens > n:
-                raise ConfigError(
-                    f"{self.path}.tokens",
-                    f"{b.tokens} vision tokens per image is more than this image has ({n} vision tokens at the LLM "
-                    f"input): a budget cannot keep more than the input; ask for at most {n}, or for a fraction of "
-                    "every image with budget: {ratio: r}",
-                )
+            b.check_fits(n, self.path)
             return b.tokens
         if b.ratio is not None:
             return max(1, round(b.ratio * n))

@@ -77,7 +77,7 @@ from ..config import opt
 from ..errors import ConfigError
 from ..registry import PRUNERS
 from ..runtime import SlotEdit
-from ._budget import fixed_vision_tokens, vision_tokens_per_image
+from ._budget import vision_tokens_per_image
 from ._common import REFERENCE_LAYERS, LayerMapping, image_counts
 from ._sparsevlm_ops import filter_edit, filter_ranks, text_raters
 from .base import Pruner
@@ -159,7 +159,7 @@ class SparseVLM(Pruner):
 
     @classmethod
     def test_params(cls, adapter):
-        n = fixed_vision_tokens(adapter) or 24  # images of their own counts (the tiny test models': a few dozen)
+        n = adapter.n_image_tokens or 24  # images of their own counts (the tiny test models': a few dozen)
         return {**cls._fit(adapter), "keep": (n * 5 // 8, n * 3 // 8, n // 8)}
 
     @classmethod
