@@ -6,7 +6,8 @@
     mmfast eval RECIPE [--limit N] [--output DIR]
     mmfast bench RECIPE [--output DIR]
     mmfast report RUN_DIR... [--output DIR]
-    mmfast rerender BENCH_DIR...             rewrite a bench's results.md + plots (n, 95% intervals), no re-run
+    mmfast rerender DIR...                   rewrite a bench's results.md + plots (n, 95% intervals), or an eval
+                                             run's stale intervals in summary.json; no re-run
     mmfast lmms-task [RECIPE] [--output DIR] write the recipe's POPE (or video_pope) data as a local lmms-eval task
 
 Exit codes: 0 ok, 2 bad input (the message names the file/key and the fix), 1 internal error,
@@ -118,9 +119,10 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "rerender",
-        help="rewrite a finished bench directory's results.md and plots (n, 95%% intervals) without re-running",
+        help="rewrite a finished bench directory's results.md and plots (n, 95%% intervals), or a finished eval "
+        "run's intervals recorded by an older method in its summary.json, without re-running",
     )
-    s.add_argument("benches", nargs="+", metavar="BENCH_DIR")
+    s.add_argument("benches", nargs="+", metavar="DIR")
 
     s = sub.add_parser(
         "lmms-task",

@@ -306,6 +306,8 @@ def test_report_keeps_bench_notes_side_tables_and_titles_every_plot(tmp_path):
 
 
 def test_rerender_bench_dir_adds_intervals_without_running(tmp_path):
+    from mmfast.eval.intervals import CI_METHOD
+
     bench = _bench_dir(tmp_path, [("baseline", 0.9), ("vcd", 0.8)])
     before = json.loads((bench / "summary.json").read_text())
     assert main(["-q", "rerender", str(bench)]) == 0
@@ -314,8 +316,10 @@ def test_rerender_bench_dir_adds_intervals_without_running(tmp_path):
     assert "| mean F1 | mean F1 [95% CI] | n POPE |" in md and "95% CI: POPE mean F1 by a percentile bootstrap" in md
     after = json.loads((bench / "summary.json").read_text())
     assert after["kind"] == "decoding"
-    for _name, r in after["results"].items():
+    iv_of = {}
+    for name, r in after["results"].items():
         iv = r.pop("intervals")
+        iv_of[name] = iv["pope"]["mean_f1_ci95"]
         lo, hi = iv["pope"]["mean_f1_ci95"]
         assert lo <= r["metrics"]["pope"]["mean_f1"] <= hi
         bad = r.pop("unparsed")  # counted from the records: every POPE answer there is a yes or a no
@@ -324,6 +328,46 @@ def test_rerender_bench_dir_adds_intervals_without_running(tmp_path):
     after.pop("kind")
     assert after == before  # nothing else changes
     assert {"chair_i.png", "cost_per_token.png", "chair_i_vs_recall.png"} <= {p.name for p in bench.glob("*.png")}
+    for name in ("baseline", "vcd"):  # each variant's own summary.json carries today's intervals too
+        variant = json.loads((bench / "variants" / name / "summary.json").read_text())["metrics"]["pope"]
+        assert variant["ci_method"] == CI_METHOD
+        assert variant["mean_f1_ci95"] == iv_of[name]
+
+
+def test_rerender_rewrites_an_eval_runs_intervals_of_an_older_method_and_nothing_else(tmp_path):
+    """An eval run whose summary.json holds intervals of the retired method (no ``ci_method``) gets
+    today's, equal to a direct computation from its records; every other key is kept, and a second
+    rerender leaves the file as it is."""
+    from mmfast.eval.intervals import CI_METHOD, pope_cells, pope_intervals, pope_units, read_records
+
+    run, pope = _pope_run(tmp_path, "old", 0.8)
+    stale = json.loads((run / "summary.json").read_text())
+    stale["metrics"]["pope"]["mean_f1_ci95"] = [0.5, 0.6]
+    stale["metrics"]["pope"]["random"]["f1_ci95"] = [0.5, 0.6]
+    (run / "summary.json").write_text(json.dumps(stale))
+    assert main(["-q", "rerender", str(run)]) == 0
+    after = json.loads((run / "summary.json").read_text())
+    recs = read_records(run)
+    by_split = {s: [r for r in recs if r["task"] == f"pope_{s}"] for s in ("random", "popular", "adversarial")}
+    want = pope_intervals(
+        {s: pope_cells(rs, "pope") for s, rs in by_split.items()}, {s: pope_units(rs) for s, rs in by_split.items()}
+    )
+    got = after["metrics"].pop("pope")
+    assert got["mean_f1_ci95"] == want.mean_f1.as_list() != [0.5, 0.6]
+    assert got["random"]["f1_ci95"] == want.splits["random"].f1.as_list() and got["ci_method"] == CI_METHOD
+
+    def figures(part):  # the metrics without their intervals
+        return {
+            k: figures(v) if isinstance(v, dict) else v
+            for k, v in part.items()
+            if not k.endswith("_ci95") and k not in ("n", "n_units", "ci_method")
+        }
+
+    assert figures(got) == figures(pope) and got["n"] == 120
+    stale["metrics"].pop("pope")
+    assert after == stale  # nothing but POPE's intervals changed
+    text = (run / "summary.json").read_text()
+    assert main(["-q", "rerender", str(run)]) == 0 and (run / "summary.json").read_text() == text
 
 
 def test_pruning_budget_leaders_pick_the_best_at_each_budget_with_paired_margins(tmp_path):

@@ -1,5 +1,6 @@
 """``mmfast rerender``: rewrite a finished bench directory's ``results.md``, side tables and plots from
-its ``summary.json`` and per-variant records, without running anything.
+its ``summary.json`` and per-variant records, or a finished eval run's intervals in its ``summary.json``,
+without running anything.
 
 It sits above the bench runners (it dispatches to their ``write_*_report``), so that
 :mod:`.render`, which they all use, imports none of them.
@@ -13,6 +14,7 @@ import re
 from pathlib import Path
 
 from ..errors import InputError
+from ..eval.intervals import refresh_intervals
 from .decoding import write_decoding_report
 from .pruning import write_pruning_report
 from .render import bench_kind
@@ -35,18 +37,27 @@ def rerender_bench(bench_dir: str | Path) -> Path:
     """Rewrite ``results.md`` (with n and 95% intervals), the side tables and the plots of an existing
     bench directory from its ``summary.json`` and ``variants/*/samples.jsonl``; nothing is run. The
     intervals and the unparsed-answer counts are added to ``summary.json`` (``results.<variant>.intervals``,
-    ``.unparsed``); nothing else changes."""
+    ``.unparsed``), and each variant's own ``summary.json`` gets today's intervals where an older method
+    recorded them (:func:`~mmfast.eval.intervals.refresh_intervals`); nothing else changes. An eval run
+    directory (``mmfast eval``) gets the latter only; its ``summary.json`` is returned."""
     out = Path(bench_dir)
     path = out / "summary.json"
     if not path.is_file():
-        raise InputError(f"{out}: no summary.json (re-rendering needs a finished `mmfast bench` directory)")
+        raise InputError(
+            f"{out}: no summary.json (re-rendering needs a finished `mmfast bench` or `mmfast eval` directory)"
+        )
     result = json.loads(path.read_text())
+    if "metrics" in result and "results" not in result:  # an eval run: its intervals only
+        refresh_intervals(out)
+        return path
     kind = bench_kind(result)
     if kind in ("gpu_speed", "video_cost"):  # their rows resume: the recorded command re-renders without running any
         raise InputError(
             f"{out} is a {kind} bench: run its recorded command again (results.md's 'Command:'); every finished "
             "row with the same settings is kept, so it only rewrites results.md and summary.json"
         )
+    for variant in sorted((out / "variants").glob("*/summary.json")):
+        refresh_intervals(variant.parent)
     command = recorded_command(out)
     logger.info("re-rendering the %s bench in %s", kind, out)
     if kind == "pruning":

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .records import digest_of
+from .records import digest_of, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -560,6 +560,32 @@ def run_intervals(run: Path, summary: Mapping[str, Any] | None = None, *, chair_
     for n in notes:
         logger.warning("%s", n)
     return RunIntervals(pope, chair, tuple(notes))
+
+
+def refresh_intervals(run: Path) -> tuple[str, ...]:
+    """Write this module's intervals into an eval run's ``summary.json`` where it recorded them by an older
+    method (``ci_method``) or not at all, computed from its records as :func:`run_intervals` does; nothing
+    else in the file changes. Returns the tasks rewritten (``pope``, ``chair``): none where every interval is current or
+    cannot be recomputed (the warning :func:`run_intervals` logs says why)."""
+    path = Path(run) / "summary.json"
+    summary = json.loads(path.read_text())
+    metrics = summary.get("metrics") or {}
+    found = run_intervals(path.parent, summary)
+    rewritten = []
+    for task, new in (("pope", found.pope), ("chair", found.chair)):
+        part = metrics.get(task)
+        if not part or not new or current_intervals(part) or not current_intervals(new):
+            continue
+        for key, value in new.items():
+            if isinstance(value, dict):  # a POPE split's intervals, next to its metrics
+                part.setdefault(key, {}).update(value)
+            else:
+                part[key] = value
+        rewritten.append(task)
+    if rewritten:
+        write_atomic(path, json.dumps(summary, indent=2).encode("utf-8"))
+        logger.info("%s: %s intervals rewritten (%s)", path, " and ".join(rewritten), CI_METHOD)
+    return tuple(rewritten)
 
 
 def _pope_from_records(
