@@ -198,6 +198,33 @@ def test_run_intervals_of_a_run_without_them(tmp_path):
     assert iv.pope is None and "differs" in iv.notes[0]
 
 
+def test_chair_intervals_of_a_run_whose_recorded_methods_no_longer_validate(tmp_path):
+    """A committed run recorded ``random`` with both ``fraction`` and a budget, which today's config refuses:
+    its CHAIR is re-scored from the recipe's eval section alone, and the intervals of today's method are
+    written (CHAIR_s by Wilson over its captions), the figures unchanged."""
+    import shutil
+    from pathlib import Path
+
+    from mmfast.config import load_recipe
+    from mmfast.errors import ConfigError
+    from mmfast.eval.intervals import CI_METHOD, refresh_intervals
+
+    run = tmp_path / "random-64"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "benchmarks/pruning/variants/random-64", run)
+    before = json.loads((run / "summary.json").read_text())
+    with pytest.raises(ConfigError, match="fraction"):
+        load_recipe(before["protocol"]["recipe"])
+    assert before["metrics"]["chair"].get("ci_method") != CI_METHOD
+    refresh_intervals(run)
+    chair = json.loads((run / "summary.json").read_text())["metrics"]["chair"]
+    assert chair["ci_method"] == CI_METHOD
+    assert {k: chair[k] for k in ("chair_s", "chair_i", "recall", "n")} == {
+        k: before["metrics"]["chair"][k] for k in ("chair_s", "chair_i", "recall", "n")
+    }
+    k = round(chair["chair_s"] * chair["n"])
+    assert chair["chair_s_ci95"] == wilson(k, chair["n"]).as_list()
+
+
 def test_paired_mean_f1_difference_against_direct_computation():
     """The point estimate is the difference of the two mean F1s; identical systems give exactly 0;
     two systems that differ on a handful of questions get a narrow paired interval even though their

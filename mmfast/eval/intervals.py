@@ -633,7 +633,8 @@ _EVALUATORS: dict[str, Any] = {}
 
 
 def _chair_evaluator(summary: Mapping[str, Any]) -> Any:
-    """The CHAIR evaluator of a run, rebuilt from its recorded recipe (cached ground truth reused)."""
+    """The CHAIR evaluator of a run, rebuilt from its recorded recipe's ``eval`` section (cached ground truth
+    reused); the methods' sections are not read, so a recipe recorded before a method's keys changed is read."""
     from ..config import load_recipe
     from .chair import ChairEvaluator
     from .data import cache_root, resolve_data
@@ -641,7 +642,7 @@ def _chair_evaluator(summary: Mapping[str, Any]) -> Any:
     recipe_dict = summary.get("protocol", {}).get("recipe")
     if not recipe_dict:
         raise ValueError("the summary records no recipe")
-    cfg = load_recipe(dict(recipe_dict)).eval
+    cfg = load_recipe({"eval": recipe_dict.get("eval", {})}).eval
     key = json.dumps(recipe_dict.get("eval", {}).get("data", {}), sort_keys=True)
     if key not in _EVALUATORS:
         data = resolve_data(cfg, ["chair"])
