@@ -29,7 +29,7 @@ class LlavaNextAdapter(LlavaAdapter):
 
     @classmethod
     def config_image_tokens(cls, config: Any) -> int | None:
-        return None  # lLaVA-NeXT's vision-token count depends on the image size (anyres tiling)
+        return None  # LLaVA-NeXT's vision-token count depends on the image size (anyres tiling)
 
     def encode_images(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None = None) -> VisionBatch:
         """Tower on every tile, feature selection, projection and the model's own anyres packing

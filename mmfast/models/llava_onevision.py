@@ -57,7 +57,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
 
     @classmethod
     def config_image_tokens(cls, config: Any) -> int | None:
-        return None  # lLaVA-OneVision's vision-token count depends on the image size (anyres-max tiling)
+        return None  # LLaVA-OneVision's vision-token count depends on the image size (anyres-max tiling)
 
     def video_items(self, clip: VideoClip, video: int, settings: VideoSettings) -> VideoItems:
         """One item: the frames at the tower's input size ([1, F, 3, S, S]); its size row is (S, S)."""
