@@ -9,15 +9,18 @@ indices are sampled by the rule below (the rate is ``video_fps`` unless the call
 the sampled frames are kept while the file is decoded. Without PyAV, decode one to frames first
 (``ffmpeg -i clip.mp4 frames/%05d.png``) and pass the directory.
 
-Sampling follows transformers' video processors (``sample_frames``; they sample only when asked):
+Sampling follows transformers' video processors (``sample_frames``), but only when asked (Qwen3-VL's processor samples
+at 2 fps by default; pass ``fps=2`` to match it):
 
 * without ``num_frames`` or ``fps`` every frame is kept;
-* ``num_frames=n``: ``n`` frames uniformly, indices ``arange(0, T, T / n).int()``; the Qwen-VL
-  processors first round ``n`` to a multiple of the temporal patch size (2);
+* ``num_frames=n``: ``n`` frames uniformly, indices ``arange(0, T, T / n).int()``; the Qwen2-VL /
+  Qwen2.5-VL processors first round ``n`` to a multiple of the temporal patch size (2);
+  ``Qwen3VLVideoProcessor`` keeps ``n`` as asked and takes ``linspace(0, T - 1, n).round()`` (the last
+  frame included; an odd count is padded by repeating the last frame, as for every Qwen-VL video);
 * ``fps=f``: ``f`` frames per second of the source, which needs the source's rate ``video_fps``
   (a frame list carries none; a video file's is its stream's average rate): ``int(T / video_fps * f)``
-  frames; the Qwen-VL processors clamp that to [min_frames, max_frames] and floor it to a multiple of
-  the temporal patch size.
+  frames; the Qwen-VL processors clamp that to [min_frames, max_frames] (Qwen2-VL / Qwen2.5-VL also
+  floor it to a multiple of the temporal patch size; Qwen3-VL spreads it with ``linspace`` as above).
 
 ``video_fps`` is also what the models' time axis reads (Qwen2.5-VL's temporal position spacing,
 Qwen3-VL's frame timestamps); without it the processors assume 24 frames per second, as
@@ -57,6 +60,9 @@ class FrameRule:
     multiple: int = 1  # sampled counts are multiples of this
     min_frames: int = 1  # fps sampling: at least this many
     max_frames: int | None = None  # fps sampling: at most this many
+    #: how n indices spread over T frames: "arange" (``arange(0, T, T / n).int()``, Qwen2-VL's and the base
+    #: processors') or "linspace" (``linspace(0, T - 1, n).round()``, ``Qwen3VLVideoProcessor``)
+    spacing: str = "arange"
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def sample_indices(
         limit = min(rule.max_frames or total, total)
         top = math.floor(limit / rule.multiple) * rule.multiple
         want = total / sampling.video_fps * sampling.fps
-        if rule.multiple > 1 or rule.max_frames is not None:  # the Qwen-VL rule
+        if rule.multiple > 1 or rule.max_frames is not None:  # the Qwen-VL rule (Qwen3-VL: multiple 1)
             n = math.floor(min(max(want, rule.min_frames), top, total) / rule.multiple) * rule.multiple
         else:
             n = int(want)
@@ -112,6 +118,8 @@ def sample_indices(
             f"{what}: asked for {n} frames but the video has {total}; lower num_frames / fps or pass no sampling "
             "(all frames are used)"
         )
+    if rule.spacing == "linspace":
+        return np.linspace(0, total - 1, n).round().astype(int).tolist()
     return torch.arange(0, total, total / n).int().tolist()
 
 

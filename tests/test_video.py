@@ -427,3 +427,35 @@ def test_per_item_tower_calls_equal_one_call():
     torch.testing.assert_close(a.embeds, b.embeds, atol=1e-5, rtol=1e-5)
     assert torch.equal(a.position_ids, b.position_ids) and a.tags.keys() == b.tags.keys()
     assert all(torch.equal(a.tags[k], b.tags[k]) for k in (VIDEO, FRAME))
+
+
+def test_qwen3_sampling_follows_its_processor():
+    """Qwen3-VL's processor keeps ``num_frames`` as asked (no rounding to the temporal patch) and spreads
+    the indices with ``linspace(0, T - 1, n).round()``; fps sampling is clamped, not floored to 2."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    mm, proc = _mm("qwen3_vl"), Qwen3VLVideoProcessor()
+    for total, kw in ((10, {"num_frames": 4}), (10, {"num_frames": 3}), (10, {"num_frames": 5}), (9, {"fps": 1.0})):
+        got = mm.prepare(None, "Go.", videos=random_video(total), video_fps=1.0, **kw).videos[0].indices
+        want = proc.sample_frames(VideoMetadata(total_num_frames=total, fps=1.0), **kw).tolist()
+        assert got == want, (total, kw, got, want)
+
+
+def test_qwen3_frame_size_bounds_the_whole_video(tmp_path):
+    """Qwen3VLVideoProcessor's ``smart_resize`` bounds t x h x w (the whole video), not one frame."""
+    import json
+
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    path = save_model(*random_qwen_vl("qwen3_vl", seed=1), tmp_path / "q3")
+    conf = {"size": {"shortest_edge": 64, "longest_edge": 8192}, "temporal_patch_size": 2}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(conf))
+    mm = mmfast.load(path, device="cpu")
+    s = mm.video_settings
+    for n_frames, side in ((8, 64), (3, 64), (2, 8)):
+        h, w = smart_resize(n_frames, side, side, 2, s.patch_size * s.merge_size, 64, 8192)
+        grid = mm.prepare(None, "Go.", videos=random_video(n_frames, 1, (side, side))).image_sizes[0].tolist()
+        assert grid == [1, h // s.patch_size, w // s.patch_size], (n_frames, side, grid, h, w)

@@ -6,7 +6,8 @@ This module reproduces what they output, on PIL and torch:
 
 * Qwen-VL (``pixel_values_videos`` [P, C * T * p * p], ``video_grid_thw`` (t, h, w)): each frame is
   resized to ``smart_resize(H, W, factor=patch_size * merge_size, min_pixels=size.shortest_edge,
-  max_pixels=size.longest_edge)`` (the same size for all frames of a video), rescaled and normalised;
+  max_pixels=size.longest_edge)`` (the same size for all frames of a video; Qwen3-VL's processor bounds
+  the whole video's pixels, t x H x W, instead: :func:`qwen3_video_size`), rescaled and normalised;
   the frame count is padded to a multiple of ``temporal_patch_size`` by repeating the last frame, and
   the frames are cut into patches in the processor's order (the image processors' layout with real
   frames on the temporal axis instead of a repeated image).
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,14 +141,51 @@ def frames_tensor(frames: list[Image.Image], height: int, width: int, s: VideoSe
     return (x - mean) / std
 
 
-def qwen_video_patches(frames: list[Image.Image], s: VideoSettings) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def qwen2_video_size(n_frames: int, height: int, width: int, s: VideoSettings) -> tuple[int, int]:
+    """``Qwen2VLVideoProcessor``'s frame size: ``smart_resize`` of one frame (its pixels within
+    [shortest_edge, longest_edge])."""
+    p, m = s.patch_size, s.merge_size
+    return compat.qwen_smart_resize(
+        height, width, factor=p * m, min_pixels=s.size["shortest_edge"], max_pixels=s.size["longest_edge"]
+    )
+
+
+def qwen3_video_size(n_frames: int, height: int, width: int, s: VideoSettings) -> tuple[int, int]:
+    """``Qwen3VLVideoProcessor``'s frame size (its module's ``smart_resize``): the *whole video's* pixels,
+    t_bar x h x w with t_bar the frame count rounded to the temporal patch, within [shortest_edge,
+    longest_edge]. Deviation: a one-frame video is sized as two frames (the processor raises on it).
+    Settings read from the image processor (no video processor config) bound one frame, as an image's
+    pixels (:func:`qwen2_video_size`)."""
+    if s.source == "image processor":
+        return qwen2_video_size(n_frames, height, width, s)
+    factor, tf = s.patch_size * s.merge_size, s.temporal_patch_size
+    n_frames = max(n_frames, tf)
+    min_pixels, max_pixels = s.size["shortest_edge"], s.size["longest_edge"]
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(n_frames / tf) * tf
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((n_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (n_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen_video_patches(
+    frames: list[Image.Image], s: VideoSettings, size: Callable[..., tuple[int, int]] = qwen2_video_size
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """Qwen-VL's ``pixel_values_videos`` rows of one video ([t * h * w, 3 * T * p * p]) and its
-    ``video_grid_thw`` (t, h, w) in patches, as ``Qwen2VLVideoProcessor`` makes them."""
+    ``video_grid_thw`` (t, h, w) in patches, as ``Qwen2VLVideoProcessor`` makes them (``size``: the
+    frame-size rule, :func:`qwen2_video_size` or Qwen3-VL's :func:`qwen3_video_size`)."""
     w0, h0 = frames[0].size
     p, m, tp = s.patch_size, s.merge_size, s.temporal_patch_size
-    height, width = compat.qwen_smart_resize(
-        h0, w0, factor=p * m, min_pixels=s.size["shortest_edge"], max_pixels=s.size["longest_edge"]
-    )
+    height, width = size(len(frames), h0, w0, s)
     x = frames_tensor(frames, height, width, s)  # [F, C, H, W]
     if pad := -x.shape[0] % tp:  # repeat the last frame up to a multiple of the temporal patch
         x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])

@@ -53,7 +53,7 @@ from torch import nn
 from .. import compat
 from ..inputs import VideoClip, VisionItem
 from ..video import FrameRule
-from ._video import VideoSettings, qwen3_timestamps, qwen_video_patches
+from ._video import VideoSettings, qwen3_timestamps, qwen3_video_size, qwen_video_patches
 from .base import VideoItems, VisionBatch, VLMAdapter, tag_video_tokens
 from .features import ModelFeatures
 from .mrope import sample_positions
@@ -233,13 +233,18 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
 
     def video_items(self, clip: VideoClip, video: int, settings: VideoSettings) -> VideoItems:
         """One item per frame group ([1, h * w, D], grid (1, h, w)), each in its own timestamped span."""
-        patches, (t, h, w) = qwen_video_patches(clip.frames, settings)
+        patches, (t, h, w) = qwen_video_patches(clip.frames, settings, size=qwen3_video_size)
         stamps = qwen3_timestamps(clip.indices, clip.fps, settings.temporal_patch_size)
         text = "".join(f"<{s:.1f} seconds><|vision_start|>{self.video_token}<|vision_end|>" for s in stamps[:t])
         rows = [p[None] for p in patches.split(h * w)]
         items = [VisionItem(video=video, first_frame=i) for i in range(t)]
         sizes = [torch.tensor([[1, h, w]]) for _ in range(t)]
         return VideoItems(rows, sizes, items, text, len(clip.frames), patches.shape[0] // self.merge**2)
+
+    def frame_rule(self, settings: VideoSettings) -> FrameRule:
+        """``Qwen3VLVideoProcessor.sample_frames``: the count as asked (not rounded to the temporal patch;
+        fps sampling clamped to [min_frames, max_frames]), indices ``linspace(0, T - 1, n).round()``."""
+        return FrameRule(1, settings.min_frames, settings.max_frames, spacing="linspace")
 
     @property
     def deepstack_levels(self) -> int:
