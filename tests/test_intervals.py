@@ -214,7 +214,12 @@ def test_chair_intervals_of_a_run_whose_recorded_methods_no_longer_validate(tmp_
     before = json.loads((run / "summary.json").read_text())
     with pytest.raises(ConfigError, match="fraction"):
         load_recipe(before["protocol"]["recipe"])
-    assert before["metrics"]["chair"].get("ci_method") != CI_METHOD
+    committed = dict(before["metrics"]["chair"])  # re-rendered: today's intervals
+    assert committed["ci_method"] == CI_METHOD
+    stale = json.loads(json.dumps(before))  # as the run recorded it: intervals of the retired method
+    del stale["metrics"]["chair"]["ci_method"]
+    stale["metrics"]["chair"]["chair_i_ci95"] = [0.1, 0.5]
+    (run / "summary.json").write_text(json.dumps(stale))
     refresh_intervals(run)
     chair = json.loads((run / "summary.json").read_text())["metrics"]["chair"]
     assert chair["ci_method"] == CI_METHOD
@@ -223,6 +228,7 @@ def test_chair_intervals_of_a_run_whose_recorded_methods_no_longer_validate(tmp_
     }
     k = round(chair["chair_s"] * chair["n"])
     assert chair["chair_s_ci95"] == wilson(k, chair["n"]).as_list()
+    assert chair["chair_i_ci95"] == committed["chair_i_ci95"] != [0.1, 0.5]
 
 
 def test_paired_mean_f1_difference_against_direct_computation():
