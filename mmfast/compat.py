@@ -941,6 +941,23 @@ def qwen25_time_interval(tokens_per_second: float, second_per_grid_t: float) -> 
     return float(tokens_per_second * second_per_grid_t)
 
 
+def qwen3_video_smart_resize(
+    n_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """transformers' Qwen3-VL video ``smart_resize``: bounds the whole video's pixels (frames x height x
+    width), not one frame's (5.17..5.24)."""
+    module = importlib.import_module("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+    return module.smart_resize(
+        n_frames,
+        height,
+        width,
+        temporal_factor=temporal_factor,
+        factor=factor,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+    )
+
+
 def qwen_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen-VL ``smart_resize`` (the PIL image processor's module, the same rule as the
     video processor's; 5.17..5.24)."""

@@ -36,7 +36,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ class FrameRule:
     max_frames: int | None = None  # fps sampling: at most this many
     #: how n indices spread over T frames: "arange" (``arange(0, T, T / n).int()``, Qwen2-VL's and the base
     #: processors') or "linspace" (``linspace(0, T - 1, n).round()``, ``Qwen3VLVideoProcessor``)
-    spacing: str = "arange"
+    spacing: Literal["arange", "linspace"] = "arange"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,30 +150,22 @@ def qwen2_video_size(n_frames: int, height: int, width: int, s: VideoSettings) -
 
 
 def qwen3_video_size(n_frames: int, height: int, width: int, s: VideoSettings) -> tuple[int, int]:
-    """``Qwen3VLVideoProcessor``'s frame size (its module's ``smart_resize``): the *whole video's* pixels,
-    t_bar x h x w with t_bar the frame count rounded to the temporal patch, within [shortest_edge,
-    longest_edge]. Deviation: a one-frame video is sized as two frames (the processor raises on it).
-    Settings read from the image processor (no video processor config) bound one frame, as an image's
-    pixels (:func:`qwen2_video_size`)."""
+    """``Qwen3VLVideoProcessor``'s frame size (:func:`~mmfast.compat.qwen3_video_smart_resize`): the *whole
+    video's* pixels within [shortest_edge, longest_edge]. Deviation: a one-frame video is sized as two frames
+    (the processor raises on it). Settings read from the image processor (no video processor config) bound
+    one frame, as an image's pixels (:func:`qwen2_video_size`)."""
     if s.source == "image processor":
         return qwen2_video_size(n_frames, height, width, s)
-    factor, tf = s.patch_size * s.merge_size, s.temporal_patch_size
-    n_frames = max(n_frames, tf)
-    min_pixels, max_pixels = s.size["shortest_edge"], s.size["longest_edge"]
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    t_bar = round(n_frames / tf) * tf
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((n_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (n_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    tf = s.temporal_patch_size
+    return compat.qwen3_video_smart_resize(
+        max(n_frames, tf),
+        height,
+        width,
+        temporal_factor=tf,
+        factor=s.patch_size * s.merge_size,
+        min_pixels=s.size["shortest_edge"],
+        max_pixels=s.size["longest_edge"],
+    )
 
 
 def qwen_video_patches(

@@ -14,9 +14,9 @@ Feature/tower-stage methods keep the target at the LLM input; in-LLM methods kee
 layer-averaged vision tokens of the image (:func:`in_llm_keep`). Each method maps a target onto its own
 knobs in its ``budget_params(tokens, n, ...)`` classmethod (closed form, documented in its docstring),
 with n the image's real count: where every image of the model has the same count (LLaVA-1.5:
-:meth:`~mmfast.models.base.VLMAdapter.config_image_tokens`), once when the session installs the stage (an
-infeasible budget is refused there, before any compute, and by ``mmfast validate`` from the config); elsewhere per image count as the images arrive (``Pruner.config_for``),
-after the vision tower and before any pruning or LLM compute (``Session.encode`` checks every image).
+:meth:`~mmfast.models.base.VLMAdapter.config_image_tokens`), once when the session installs the stage
+(an infeasible budget is refused there, before any compute, and by ``mmfast validate`` from the config);
+elsewhere per image count as the images arrive (``Pruner.config_for``), after the vision tower and before any pruning or LLM compute (``Session.encode`` checks every image).
 Methods whose knobs are thresholds (MustDrop, ZipVL) are *calibrated* after installation: a bisection on
 one scalar of their thresholds, measured on :func:`calibration_batch` (a fixed, offline set of rendered
 world images with POPE-style questions), until the mean layer-averaged vision tokens are within
