@@ -39,9 +39,11 @@ def main() -> None:
         params = {"rounds": rounds, "total_tokens": total, "top_k": 10}
         with mmfast.apply(mm, load_recipe({"speculative": {"method": "flash", "params": params}})) as s:
             res = s.generate(images, prompts, max_new_tokens=args.max_new_tokens, seed=0)
-        st = res[0].stats["speculative"]  # the batch's
-        per_cycle = (st["draft_forwards"] - len(images)) / st["cycles"]  # less each caption's prompt pass
-        print(f"| {rounds} | {total} | {st['tau']:.2f} | {per_cycle:.2f} | {st['cycles']} |", flush=True)
+        spec = [r.stats["speculative"] for r in res]  # each caption's own
+        cycles = sum(st["cycles"] for st in spec)
+        tau = sum(st["committed"] for st in spec) / cycles
+        per_cycle = (sum(st["draft_forwards"] for st in spec) - len(images)) / cycles  # less each prompt pass
+        print(f"| {rounds} | {total} | {tau:.2f} | {per_cycle:.2f} | {cycles} |", flush=True)
 
 
 if __name__ == "__main__":

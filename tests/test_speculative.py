@@ -9,6 +9,7 @@ import torch
 from mmfast.config import load_recipe
 from mmfast.errors import IncompatibleRecipeError
 from mmfast.pipeline import Session
+from mmfast.speculative.engine import SpecStats
 from mmfast.speculative.tree import DraftTree, verify
 
 DRAFTERS = {
@@ -351,3 +352,55 @@ def test_sampled_device_verdict_is_lossless():
         out = sampled_accept(tokens, parents, probs, torch.tensor([1]), torch.rand(6, generator=gen), 2)
         counts[out[5 + 1]] += 1  # the first committed token
     assert _chi2_pvalue(counts, p_root) > 1e-3
+
+
+@pytest.mark.parametrize("params", [{"skip_fraction": 0.9}, {"calibration_tokens": 0}, {"calibration_tokens": 1}])
+def test_layer_skip_calibration_edge_settings_run(params, tiny_mm, images, prompts):
+    """Calibration (``skip: null``) with settings the config allows: a fraction that rounds to every layer of a small
+    model (layer 0 always runs: at most n - 1 are skipped) and one or no calibration token (the prefill's own); it
+    runs and is lossless instead of failing after the prefill."""
+    spec = _run(tiny_mm, images[:1], prompts[:1], {"method": "layer_skip", "params": params}, n=8)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in _run(tiny_mm, images[:1], prompts[:1], n=8)]
+
+
+@pytest.mark.parametrize("compile", ["off", "static"])
+def test_counts_and_end_cache_follow_plain_decoding(compile, tiny_mm, images, prompts, monkeypatch):
+    """Each result carries its own sample's statistics (one prefill and its cycles; the engine serves a batch one
+    sample at a time), and the end cache holds what plain decoding's does even when the last cycle's accepted path
+    runs past max_new_tokens or a stop token (its extra slots are never emitted): a draft that is the target itself
+    (nothing skipped) accepts whole chains."""
+    greedy = _run(tiny_mm, images[:2], prompts[:2], n=12)
+    stop = greedy[0].token_ids[4]  # a stop token inside an accepted chain of sample 0
+    for eos in (None, [stop]):
+        if eos is not None:
+            monkeypatch.setattr(tiny_mm, "eos_token_ids", eos)
+        data = {"model": {"compile": compile}}
+        plain = _run(tiny_mm, images[:2], prompts[:2], n=12, decoding={"method": "greedy"})
+        ls = {"method": "layer_skip", "params": {"skip": [], "gamma": 5, "threshold": 0.0}}
+        with Session(tiny_mm, load_recipe({**data, "speculative": ls})) as s:
+            spec = s.generate(images[:2], prompts[:2], max_new_tokens=12, seed=0)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        assert [r.kv_bytes_end for r in spec] == [r.kv_bytes_end for r in plain]
+        for r in spec:
+            st = r.stats["speculative"]
+            stopped = eos is not None and len(r.token_ids) < 12  # the stop token: committed, not in the answer
+            # every token after the prefill's first came from this sample's own cycles
+            assert st["committed"] == round(st["tau"] * st["cycles"]) == len(r.token_ids) - 1 + stopped
+            assert st["target_forwards"] == st["cycles"] + 1
+    assert len(plain[0].token_ids) == 4  # the stop token was reached
+
+
+def test_bench_pools_acceptance_counts_over_samples():
+    """The bench's acceptance rate at a depth is accepted / tried over all samples' cycles, not the mean of each
+    sample's rate: a sample of 2 cycles does not weigh as much as one of 200."""
+    from mmfast.bench.speculative import _pool_depths
+
+    short = SpecStats()
+    for _ in range(2):
+        short.record([1, 2], 0)  # depths 1 and 2 tried, nothing accepted
+    long = SpecStats()
+    for _ in range(200):
+        long.record([1], 1)  # depth 1 tried and accepted
+    pooled = _pool_depths([short.as_dict(), long.as_dict()])
+    assert pooled["acceptance_by_depth"] == {"1": 200 / 202, "2": 0.0}
+    assert pooled["tried_by_depth"] == {"1": 202, "2": 2} and pooled["accepted_by_depth"] == {"1": 200, "2": 0}

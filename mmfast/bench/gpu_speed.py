@@ -430,7 +430,7 @@ def _mmfast_row(
     spec = [r.stats.get("speculative") for r in res if r.stats.get("speculative")]
     if spec:
         m.cycles = sum(s["cycles"] for s in spec)
-        m.tau = sum(s["tau"] * s["cycles"] for s in spec) / m.cycles if m.cycles else None
+        m.tau = sum(s["committed"] for s in spec) / m.cycles if m.cycles else None
 
 
 def _hf_row(shape: _Shape, b: int, workload: str, n: int, cfg, static: bool, m: Measurement) -> None:
@@ -709,7 +709,7 @@ def _run_embedded(
         spec = [r.stats["speculative"] for r in res if r.stats.get("speculative")]
         if spec:
             m.cycles = sum(s["cycles"] for s in spec)
-            m.tau = sum(s["tau"] * s["cycles"] for s in spec) / m.cycles if m.cycles else None
+            m.tau = sum(s["committed"] for s in spec) / m.cycles if m.cycles else None
         store.add(m)
         report()
 

@@ -71,14 +71,13 @@ def _run_workload(mm: MMModel, recipe, images, wl: dict, repeats: int) -> dict[s
     agg: dict[str, Any] = {}
     if spec:
         cycles = sum(s["cycles"] for s in spec)
-        committed = sum(s["tau"] * s["cycles"] for s in spec)
         agg = {
-            "tau": committed / cycles if cycles else 0.0,
+            "tau": sum(s["committed"] for s in spec) / cycles if cycles else 0.0,
             "cycles": cycles,
             "draft_forwards": sum(s["draft_forwards"] for s in spec),
             "target_forwards": sum(s["target_forwards"] for s in spec),
             "draft_forwards_per_cycle": sum(s["draft_forwards"] for s in spec) / cycles if cycles else 0.0,
-            "acceptance_by_depth": _merge_depths(spec),
+            **_pool_depths(spec),
         }
     return {
         "wall_s": statistics.median(walls),
@@ -89,12 +88,21 @@ def _run_workload(mm: MMModel, recipe, images, wl: dict, repeats: int) -> dict[s
     }
 
 
-def _merge_depths(spec: list[dict]) -> dict[str, float]:
-    sums: dict[str, list[float]] = {}
+def _pool_depths(spec: list[dict]) -> dict[str, dict[str, Any]]:
+    """Acceptance at each draft depth over all samples: their counts pooled (the rate is per cycle that tried that
+    depth), not their rates averaged (a sample of two cycles would weigh as much as one of two hundred)."""
+    tried: dict[int, int] = {}
+    accepted: dict[int, int] = {}
     for s in spec:
-        for d, rate in s["acceptance_by_depth"].items():
-            sums.setdefault(str(d), []).append(rate)
-    return {d: sum(v) / len(v) for d, v in sorted(sums.items(), key=lambda kv: int(kv[0]))}
+        for d, n in s["tried_by_depth"].items():
+            tried[int(d)] = tried.get(int(d), 0) + n
+            accepted[int(d)] = accepted.get(int(d), 0) + s["accepted_by_depth"][d]
+    depths = sorted(tried)
+    return {
+        "acceptance_by_depth": {str(d): accepted[d] / tried[d] for d in depths},
+        "tried_by_depth": {str(d): tried[d] for d in depths},
+        "accepted_by_depth": {str(d): accepted[d] for d in depths},
+    }
 
 
 def run_speculative_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict[str, Any]:

@@ -96,21 +96,15 @@ class SpecStats:
             "tau": self.committed / self.cycles if self.cycles else 0.0,
             "tau_convention": "tokens per target verification forward, bonus token included",
             "cycles": self.cycles,
-            "target_forwards": self.cycles + 1,
+            "committed": self.committed,
+            "target_forwards": self.cycles + 1,  # the sample's prefill, then one forward a cycle
             "draft_forwards": self.draft_forwards,
             "draft_tokens": self.draft_tokens,
             "acceptance_by_depth": {d: self.accepted.get(d, 0) / n for d, n in sorted(self.tried.items())},
+            # the counts behind the rates, so that samples pool by cycles, not by averaging their rates
+            "tried_by_depth": dict(sorted(self.tried.items())),
+            "accepted_by_depth": {d: self.accepted.get(d, 0) for d in sorted(self.tried)},
         }
-
-    def merge(self, other: SpecStats) -> None:
-        self.cycles += other.cycles
-        self.committed += other.committed
-        self.draft_forwards += other.draft_forwards
-        self.draft_tokens += other.draft_tokens
-        for d, n in other.tried.items():
-            self.tried[d] = self.tried.get(d, 0) + n
-        for d, n in other.accepted.items():
-            self.accepted[d] = self.accepted.get(d, 0) + n
 
 
 def _first_token(ctx: SpecContext, logits: torch.Tensor) -> int:
@@ -170,19 +164,26 @@ def _decode_one(
     # captured verify steps: every tree padded to the drafter's largest, so one graph serves them all
     width = drafter.max_step_tokens() if runner.captures else None
     root_dev = None  # [1] the root on the device, while cycles run there
+    # slots the last cycle kept for accepted tokens past the cut (max_new or a stop token): never emitted
+    uncommitted = [0]
 
     def commit(new: list[int], path_len: int, tried: list[int]) -> None:
         """A cycle's tokens (the accepted path's and the bonus) committed up to ``max_new`` or a stop token; its
         statistics recorded (before the drafter learns what was accepted: it reads the committed tokens)."""
         stats.cycles += 1
         stats.record(tried, path_len)
+        taken = 0
         for t in new:
             if len(ctx.committed) >= max_new:
                 break
             ctx.committed.append(t)
             stats.committed += 1
+            taken += 1
             if t in stop:
                 break
+        # the cache holds the root and the path (new[:-1]); as in plain decoding, the last committed token is not
+        # fed, so the path's slots after the last committed one hold tokens that are never emitted
+        uncommitted[0] = len(new) - taken
 
     while len(ctx.committed) < max_new and root not in stop:
         on_device = runner.captures and width is not None
@@ -200,6 +201,7 @@ def _decode_one(
     stats.draft_tokens += ctx.extras.get("draft_tokens", 0)
     tokens = ctx.committed
     cut = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
+    state.crop_last(uncommitted[0])  # the cache as plain decoding leaves it (kv_bytes_end)
     kv_end = state.kv_bytes_per_sample()[0]
     runner.finish(state)  # its static buffers (and graphs) serve the next sample
     return _OneResult(tokens[:cut], acc, method_stats, kv_end, t1 - t0, t2 - t1)
@@ -303,7 +305,7 @@ def speculative_decode(ctx: MethodContext, drafter: Drafter, req: DecodeRequest,
     """Draft-and-verify decoding of ``req`` (samples one at a time). Output follows the target's
     ``sampling`` rule exactly (the session runs this when the recipe has a drafter)."""
     ctx_kw = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
-    stats = SpecStats()
+    per_sample: list[SpecStats] = []
     results = []
     for b in range(req.inputs.batch_size):
         # each sample its own generator, seeded by (seed, sample identity): batch-independent draws
@@ -311,19 +313,22 @@ def speculative_decode(ctx: MethodContext, drafter: Drafter, req: DecodeRequest,
         row = req.inputs.select(torch.tensor([b], device=req.inputs.input_ids.device))
         pad = int((row.attention_mask[0] == 0).sum())  # batch-1 verification needs no left padding
         row = row.crop_left(pad)
-        results.append(_decode_one(ctx, drafter, row, req.max_new_tokens, ctx_kw, stats))
+        per_sample.append(SpecStats())
+        results.append(_decode_one(ctx, drafter, row, req.max_new_tokens, ctx_kw, per_sample[-1]))
     accs = [r.prefill_acc for r in results]
+    rows = [st.as_dict() for st in per_sample]
     return DecodeOutput(
         tokens=[r.tokens for r in results],
         prefill_s=sum(r.prefill_s for r in results),
         decode_s=sum(r.decode_s for r in results),
-        n_forwards=stats.cycles,
+        n_forwards=sum(st.cycles for st in per_sample),
         kv_bytes_prefill=[a.kv_bytes[0] for a in accs],
         kv_bytes_end=[r.kv_end for r in results],
         vision_tokens_layer_avg=[a.vision_layer_avg[0] for a in accs],
         flops_prefill=[a.flops[0] for a in accs],
         flops_prefill_7b=[a.flops_7b[0] for a in accs],
-        stats={"speculative": stats.as_dict()},
+        # each sample's own statistics (a result's ``stats["speculative"]``): they sum over results
+        stats={"speculative": {f"per_sample_{k}": [d[k] for d in rows] for k in rows[0]}} if rows else {},
         method_stats=_stack_rows([r.method_stats for r in results]),
     )
 

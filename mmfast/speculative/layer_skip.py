@@ -75,14 +75,15 @@ class LayerSkip(Drafter):
         """Greedy skip-set search on this prompt under teacher forcing (full-model greedy tokens)."""
         runner = self.ctx.runner
         n_layers = len(self.ctx.adapter.layers)
-        target = int(round(self.config.skip_fraction * n_layers))
+        # layer 0 always runs: at most n_layers - 1 layers can be skipped (a small model, a large fraction)
+        target = min(int(round(self.config.skip_fraction * n_layers)), n_layers - 1)
         # the full model's greedy continuation of this prompt
         dev = ctx.inputs.input_ids.device
         state, out = runner.prefill(ctx.inputs)
         toks = [int(out.logits[0, -1].argmax())]
         for _ in range(self.config.calibration_tokens - 1):
             toks.append(int(runner.step(state, torch.tensor([[toks[-1]]], device=dev)).logits[0, -1].argmax()))
-        prev = torch.tensor([toks[:-1]], device=dev)  # [1, n-1]
+        prev = torch.tensor([toks[:-1]], dtype=torch.long, device=dev)  # [1, n-1] (empty for one token)
         seq = ctx.inputs.append(prev, self.ctx.adapter.embed_tokens(prev))
         want = torch.tensor(toks, device=dev)  # [n]
 
