@@ -301,14 +301,15 @@ class Budget:
     def _to_recipe(self) -> dict:
         return {self.key: getattr(self, self.key)}
 
-    def check_fits(self, n: int, path: str) -> None:
-        """Refuse a ``tokens`` budget above an input of ``n`` vision tokens (``path``: the budget's recipe path)."""
+    def check_fits(self, n: int, path: str, item: str = "image") -> None:
+        """Refuse a ``tokens`` budget above an input of ``n`` vision tokens (``path``: the budget's recipe path;
+        ``item``: what the budget is per: image, video, frame group)."""
         if self.tokens is not None and self.tokens > n:
             raise ConfigError(
                 f"{path}.tokens",
-                f"{self.tokens} vision tokens per image is more than this image has ({n} vision tokens at the LLM "
+                f"{self.tokens} vision tokens per {item} is more than this {item} has ({n} vision tokens at the LLM "
                 f"input): a budget cannot keep more than the input; ask for at most {n}, or for a fraction of "
-                "every image with budget: {ratio: r}",
+                f"every {item} with budget: {{ratio: r}}",
             )
 
 

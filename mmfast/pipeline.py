@@ -46,7 +46,7 @@ from .models.captured_tower import SELECTION_GRAPHS, CapturedCalls, CapturedTowe
 from .models.fused_norms import install_fused_norms
 from .models.qwen_tower import install_fused_tower
 from .pruning._budget import ImageBudget, calibrate_once, calibration_key
-from .pruning._video_items import join_videos, joined_counts, split_videos
+from .pruning._video_items import budget_items, join_videos, split_videos
 from .registry import DECODERS, DRAFTERS, PRUNERS
 from .runtime import CudaGraph, LMRunner
 from .speculative.engine import speculative_decode
@@ -242,20 +242,28 @@ class Session:
         pruner.budget_path = f"pruning[{i}].budget"
         return pruner
 
-    def check_budgets(self, counts: list[int], batch: PreparedBatch | None = None) -> None:
+    def check_budgets(
+        self, counts: list[int], batch: PreparedBatch | None = None, *, before_tower: bool = False
+    ) -> None:
         """Refuse, before any pruning or LLM compute, a budget that an image of the batch cannot meet:
         every budgeted stage's target against each image's vision tokens (``counts``, out of the tower;
         a stage that sees each video as one item: the video's tokens, from ``batch``'s items), and the first
         stage's per-image mapping (later stages see the tokens earlier ones left, and are checked when
-        they run). Models whose images all have one count were checked at installation."""
+        they run). Models whose images all have one count were checked at installation.
+
+        ``before_tower``: ``counts`` are the adapter's, read from the batch before the tower runs
+        (``counts_before_tower``); only ``tokens`` budgets above an item's count are refused from them (what
+        the tower's output would refuse too), the rest waits for the tower's counts."""
         if self.adapter.n_image_tokens is not None:
             return
         for i, pruner in enumerate(self.pruners):
             if pruner.budget_rule is None:
                 continue
-            joined = batch is not None and batch.has_video and self._joins[i]
-            for n in sorted(set(joined_counts(counts, batch) if joined else counts)):
-                pruner.budget_rule.target(n)
+            for n, item in sorted(set(budget_items(counts, batch, self._joins[i]))):
+                if before_tower:
+                    pruner.budget_rule.budget.check_fits(n, pruner.budget_rule.path, item)
+                    continue
+                pruner.budget_rule.target(n, item)
                 if i == 0:
                     pruner.config_for(n)
 
@@ -265,6 +273,9 @@ class Session:
         """Vision tower + feature-stage pruners (pre-projection). The tower's untouched output is kept
         in ``vision.raw`` (DAMRO's outlier branch reads it)."""
         self.probe.clear()
+        before = self.adapter.counts_before_tower(batch)
+        if before is not None:  # a budget no item can meet is refused before the tower runs
+            self.check_budgets(before, batch, before_tower=True)
         items = batch.items or None
         if batch.pixel_values.shape[0] > 1 and any(p.tower_per_image() for p in self._tower_per_image):
             sizes = batch.image_sizes

@@ -481,10 +481,11 @@ def test_tokens_keep_exactly_n_of_every_image_and_ratio_round_r_n_on_qwen(qwen_m
 
 
 def test_tokens_larger_than_an_image_is_refused_before_the_llm_on_qwen(qwen_mm, qwen_images):
-    """Images of their own counts: the check runs after the tower, before any pruning or LLM layer."""
+    """Images of their own counts: the count is read from the image's grid, so the check runs before the
+    vision tower and any pruning or LLM layer."""
     n = qwen_mm.generate(qwen_images[1:], PROMPTS[:1], max_new_tokens=1)[0].n_vision_tokens
     calls = []
-    handle = qwen_mm.adapter.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    handle = qwen_mm.adapter.vision_tower.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
         with pytest.raises(ConfigError, match=f"{n + 1} vision tokens per image is more than this image has \\({n} "):
             qwen_mm.generate(
@@ -495,7 +496,7 @@ def test_tokens_larger_than_an_image_is_refused_before_the_llm_on_qwen(qwen_mm, 
             )
     finally:
         handle.remove()
-    assert calls == []  # no LLM layer ran
+    assert calls == []  # not even the tower ran
 
 
 @pytest.mark.parametrize(

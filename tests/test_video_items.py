@@ -25,7 +25,7 @@ from mmfast.models import ADAPTERS
 from mmfast.models.base import FRAME, VIDEO
 from mmfast.models.features import Need
 from mmfast.pipeline import Session
-from mmfast.pruning._video_items import ORIGIN, join_videos, joined_counts, split_videos
+from mmfast.pruning._video_items import ORIGIN, budget_items, join_videos, split_videos
 from mmfast.registry import PRUNERS
 
 _MODELS: dict[str, object] = {}
@@ -85,7 +85,14 @@ def test_join_then_split_is_the_identity():
     _, h, w = vision.extras["grid_thw"][0]
     assert [view.extras["grid_thw"][j] for j in (0, 2)] == [(4, h, w), (3, h, w)]
     assert view.extras["grid_thw"][1] == vision.extras["grid_thw"][4]
-    assert view.counts() == joined_counts(vision.counts(), batch) == [4 * h * w, vision.counts()[4], 3 * h * w]
+    joined_items = budget_items(vision.counts(), batch, joined=True)
+    assert view.counts() == [n for n, _ in joined_items] == [4 * h * w, vision.counts()[4], 3 * h * w]
+    assert [what for _, what in joined_items] == ["video", "image", "video"]
+    assert budget_items(vision.counts(), batch, joined=False) == [
+        *[(h * w, "frame group")] * 4,
+        (vision.counts()[4], "image"),
+        *[(h * w, "frame group")] * 3,
+    ]
     assert torch.equal(view.patch_ids[0].cpu(), torch.arange(4 * h * w))
     assert torch.equal(view.tags[FRAME][0].cpu(), torch.arange(4).repeat_interleave(h * w))
     assert torch.equal(view.tags[ORIGIN][2].cpu(), torch.tensor([5, 6, 7]).repeat_interleave(h * w))
@@ -325,3 +332,35 @@ def test_budgets_are_per_video():
     prompts, videos = ["Go.", "Go on."], [_video(8, 1), _video(4, 2)]
     both = mm.generate(None, prompts, videos=videos, recipe={"pruning": [{"method": "tome", "budget": {"ratio": 0.5}}]})
     assert [r.n_vision_tokens for r in both] == [32, 16]
+
+
+@pytest.mark.parametrize(
+    ("family", "method", "item", "n"),
+    [
+        ("qwen3_vl", "fastvid", "video", 64),  # the stage sees the video as one item (4 groups of 16)
+        ("qwen3_vl", "divprune", "frame group", 16),  # each frame group is its own item
+        ("qwen2_5_vl", "divprune", "video", 64),  # the video is one item of grid (4, h, w)
+    ],
+)
+def test_a_budget_a_video_cannot_meet_is_refused_before_the_tower(family, method, item, n):
+    """The vision tokens of every item are known from its grid before the tower runs (t h w / merge^2): a
+    ``tokens`` budget above them is refused then, naming the item the budget is per, and no tower block runs."""
+    mm = _mm(family)
+    calls = []
+    handle = mm.adapter.vision_tower.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ConfigError, match=rf"{n + 1} vision tokens per {item} is more than this {item} has \({n} "):
+            recipe = {"pruning": [{"method": method, "budget": {"tokens": n + 1}}]}
+            mm.generate(None, ["Go."], videos=[_video(8)], recipe=recipe, max_new_tokens=1)
+        assert calls == []
+        out = mm.generate(
+            None,
+            ["Go."],
+            videos=[_video(8)],
+            recipe={"pruning": [{"method": method, "budget": {"tokens": n}}]},
+            max_new_tokens=1,
+        )
+    finally:
+        handle.remove()
+    assert calls == [1]  # the budget that fits ran the tower
+    assert out[0].n_vision_tokens == (n if item == "video" else 4 * n)

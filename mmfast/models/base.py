@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..inputs import VideoClip, VisionItem
+from ..inputs import PreparedBatch, VideoClip, VisionItem
 from ..video import FrameRule
 from .features import ModelFeatures
 
@@ -291,6 +291,12 @@ class VLMAdapter:
         """The vision tokens every image has at the LLM input on a model with transformers config
         ``config`` (LLaVA-1.5: its grid, with the CLS token under the ``full`` strategy), or None where
         each image has its own count (anyres tiling, dynamic resolution)."""
+        return None
+
+    def counts_before_tower(self, batch: PreparedBatch) -> list[int] | None:
+        """Each vision item's tokens at the tower's output, read from ``batch`` before the tower runs (Qwen-VL:
+        from its ``grid_thw``), or None where only the tower's output says (anyres tiling, OneVision). The
+        session refuses a ``tokens`` budget an item cannot meet from them, before any compute."""
         return None
 
     @property

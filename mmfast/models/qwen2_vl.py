@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from .. import compat
-from ..inputs import VideoClip, VisionItem
+from ..inputs import PreparedBatch, VideoClip, VisionItem
 from ..video import FrameRule
 from ._video import VideoSettings, qwen3_timestamps, qwen3_video_size, qwen_video_patches
 from .base import VideoItems, VisionBatch, VLMAdapter, tag_video_tokens
@@ -141,6 +141,12 @@ class Qwen2VLAdapter(VLMAdapter):
         return FrameRule(settings.temporal_patch_size, settings.min_frames, settings.max_frames)
 
     # -- compute ---------------------------------------------------------------------------------
+    def counts_before_tower(self, batch: PreparedBatch) -> list[int] | None:
+        """An item of grid (t, H, W) has t * H * W / merge^2 vision tokens (``encode_images``)."""
+        if batch.image_sizes is None:
+            return None
+        return [int(t * h * w) // self.merge**2 for t, h, w in batch.image_sizes.tolist()]
+
     def _run_tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor):
         """Tower output: (hidden [P, Dv] in merge-unit raster order, deepstack list or None)."""
         out = self.vision_tower(pixels, grid_thw=grid_thw, return_dict=True)

@@ -16,7 +16,9 @@ knobs in its ``budget_params(tokens, n, ...)`` classmethod (closed form, documen
 with n the image's real count: where every image of the model has the same count (LLaVA-1.5:
 :meth:`~mmfast.models.base.VLMAdapter.config_image_tokens`), once when the session installs the stage
 (an infeasible budget is refused there, before any compute, and by ``mmfast validate`` from the config);
-elsewhere per image count as the images arrive (``Pruner.config_for``), after the vision tower and before any pruning or LLM compute (``Session.encode`` checks every image).
+elsewhere per image count as the images arrive (``Pruner.config_for``), after the vision tower and before any pruning or
+LLM compute (``Session.encode`` checks every image; a ``tokens`` budget above an item's count already before the tower
+where the adapter reads the counts from the batch, ``VLMAdapter.counts_before_tower``).
 Methods whose knobs are thresholds (MustDrop, ZipVL) are *calibrated* after installation: a bisection on
 one scalar of their thresholds, measured on :func:`calibration_batch` (a fixed, offline set of rendered
 world images with POPE-style questions), until the mean layer-averaged vision tokens are within
@@ -76,11 +78,11 @@ class ImageBudget:
     shape: LMShape  # the loaded LLM's shape (``flops`` budgets)
     path: str  # the recipe path of the budget, e.g. ``pruning[0].budget``
 
-    def target(self, n: int) -> int:
-        """The target of an image of ``n`` vision tokens (tokens kept, or layer-averaged tokens)."""
+    def target(self, n: int, item: str = "image") -> int:
+        """The target of an image (or ``item``) of ``n`` vision tokens (tokens kept, or layer-averaged tokens)."""
         b = self.budget
         if b.tokens is not None:
-            b.check_fits(n, self.path)
+            b.check_fits(n, self.path, item)
             return b.tokens
         if b.ratio is not None:
             return max(1, round(b.ratio * n))

@@ -98,9 +98,21 @@ def video_groups(batch: PreparedBatch) -> list[list[int]]:
     return groups
 
 
-def joined_counts(counts: list[int], batch: PreparedBatch) -> list[int]:
-    """Vision tokens per joined item (a video: all its frame groups) from per-item ``counts``."""
-    return [sum(counts[i] for i in g) for g in video_groups(batch)]
+def budget_items(counts: list[int], batch: PreparedBatch | None, joined: bool) -> list[tuple[int, str]]:
+    """(vision tokens, what it is) of every item a stage's budget applies to, from per-item ``counts``: each
+    video as one item where the stage joins them (``joined``), else each item as it is (a video that is one
+    item, or a frame group of a video written as several)."""
+    if batch is None or not batch.has_video:
+        return [(n, "image") for n in counts]
+    out: list[tuple[int, str]] = []
+    for g in video_groups(batch):
+        if not batch.item(g[0]).is_video:
+            out.append((counts[g[0]], "image"))
+        elif joined or len(g) == 1:
+            out.append((sum(counts[i] for i in g), "video"))
+        else:
+            out += [(counts[i], "frame group") for i in g]
+    return out
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
