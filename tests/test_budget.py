@@ -394,28 +394,22 @@ def test_tokens_larger_than_the_input_is_refused_before_compute_on_llava(tiny_mm
     assert exc.value.path == "pruning[0].budget.tokens"
 
 
-def test_validate_refuses_tokens_above_the_models_count_from_its_config(tmp_path):
+def test_validate_refuses_tokens_above_the_models_count_from_its_config(monkeypatch, tmp_path, capsys):
     """``mmfast validate`` reads LLaVA-1.5's one count (576 on the embedded model) from the config and
     refuses, at the stage's budget path, more tokens than every image has, in any stage; a budget that
     fits and a fraction pass."""
-    import subprocess
-    import sys
+    from mmfast.cli import main
 
-    def validate(*sets: str) -> subprocess.CompletedProcess:
-        args = [sys.executable, "-m", "mmfast", "validate", "world_eval"]
-        for s in sets:
-            args += ["--set", s]
-        return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True)
-
+    monkeypatch.chdir(tmp_path)
     stage = "pruning=[{method: random, budget: {tokens: %d}}, {method: divprune, budget: {%s}}]"
-    out = validate(stage % (577, "ratio: 0.5"))
-    assert out.returncode == 2, out.stderr
-    assert "pruning[0].budget.tokens" in out.stderr and "more than this image has (576 vision tokens" in out.stderr
-    out = validate(stage % (64, "tokens: 600"))
-    assert out.returncode == 2 and "pruning[1].budget.tokens" in out.stderr, out.stderr
+    assert main(["validate", "world_eval", "--set", stage % (577, "ratio: 0.5")]) == 2
+    err = capsys.readouterr().err
+    assert "pruning[0].budget.tokens" in err and "more than this image has (576 vision tokens" in err
+    assert main(["validate", "world_eval", "--set", stage % (64, "tokens: 600")]) == 2
+    assert "pruning[1].budget.tokens" in capsys.readouterr().err
     for ok in (stage % (576, "tokens: 64"), stage % (64, "ratio: 1.0")):
-        out = validate(ok)
-        assert out.returncode == 0 and "recipe hash" in out.stdout, out.stderr
+        assert main(["validate", "world_eval", "--set", ok]) == 0
+        assert "recipe hash" in capsys.readouterr().out
 
 
 def test_a_later_stage_budget_follows_what_earlier_stages_left_on_llava(tiny_mm, images):
