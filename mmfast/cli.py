@@ -22,6 +22,7 @@ import argparse
 import errno
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -43,6 +44,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a frame rate; 0, a negative or nan is a mistake)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text!r}")
     return value
 
 
@@ -80,10 +92,10 @@ def _parser() -> argparse.ArgumentParser:
         "OneVision families",
     )
     s.add_argument("--num-frames", type=_positive_int, default=None, help="sample this many frames of --video")
-    s.add_argument("--fps", type=float, default=None, help="sample this many frames per second of --video")
+    s.add_argument("--fps", type=_positive_float, default=None, help="sample this many frames per second of --video")
     s.add_argument(
         "--video-fps",
-        type=float,
+        type=_positive_float,
         default=None,
         help="frames per second of --video's frames (a video file's own rate by default)",
     )
@@ -220,7 +232,7 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from .capabilities import check_model_config
+    from .capabilities import check_model_config, model_facts, video_families
     from .model import load_model
     from .pipeline import apply
 
@@ -241,6 +253,15 @@ def _cmd_run(args) -> int:
 
     for path in args.image or []:
         open_image(path)  # a missing or unreadable image is refused before the model loads
+    if args.video is not None:  # so are a missing video and a family without video input
+        if not Path(args.video).exists():
+            raise InputError(f"--video {args.video!r} not found; give a directory of frame images or a video file")
+        facts = model_facts(recipe)
+        if facts is not None and not facts.features.video:
+            raise InputError(
+                f"--video: {recipe.model.name} is a {facts.family} model, which has no video input; pass the frames "
+                f"as --image, or use a checkpoint of a family with video input ({', '.join(video_families())})"
+            )
     mm = load_model(recipe.model)
     images = None if not args.image else args.image if len(args.image) > 1 else args.image[0]
     video = {} if args.video is None else {"videos": args.video}

@@ -856,6 +856,19 @@ def test_run_checks_its_inputs_before_the_model_loads(tmp_path, capsys, monkeypa
     assert rc == 2 and "--num-frames: how a video's frames are sampled; pass --video too" in err
 
 
+def test_run_checks_its_video_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """Bad input gets a clear error before any model loads (exit 2): a missing --video, a negative --fps,
+    and --video on a family without video input (world_eval's LLaVA) are refused naming the fix."""
+    monkeypatch.setattr("mmfast.model.load_model", lambda *a, **k: pytest.fail("the model loaded first"))
+    rc, err = _cli(capsys, "run", "world_eval", "--video", str(tmp_path / "none"), "--prompt", "hi")
+    assert rc == 2 and "--video" in err and "not found" in err
+    with pytest.raises(SystemExit) as exc:  # argparse's own error
+        _cli(capsys, "run", "world_eval", "--video", str(tmp_path), "--fps", "-1", "--prompt", "hi")
+    assert exc.value.code == 2 and "--fps: must be a positive finite number, got '-1'" in capsys.readouterr().err
+    rc, err = _cli(capsys, "run", "world_eval", "--video", str(tmp_path), "--prompt", "hi")
+    assert rc == 2 and "which has no video input" in err
+
+
 def test_an_empty_recipe_file_and_a_string_of_overrides_are_refused(tmp_path, capsys):
     rc, err = _cli(capsys, "validate", str(_write(tmp_path, "empty.yaml", "# nothing yet\n")))
     assert rc == 2 and "the recipe is empty" in err

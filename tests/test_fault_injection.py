@@ -423,6 +423,26 @@ def test_missing_image_is_loud(tiny_dir, tiny_mm, world, tmp_path, caplog):
     assert main(["-q", "eval", str(cfg), "--limit", "12", "--allow-failures"]) == 0
 
 
+def test_a_failed_batch_retried_one_at_a_time_is_logged(tiny_dir, tiny_mm, world, tmp_path, monkeypatch, caplog):
+    """Failures are loud: a batch whose generation raises (e.g. out of memory at that batch size) is
+    retried sample by sample, and the batch's error is logged even when every sample then succeeds."""
+    from mmfast.eval import runner
+
+    real = runner.prepare_batch
+
+    def prepare(mm, samples):
+        if len(samples) > 1:
+            raise RuntimeError("out of memory at this batch size")
+        return real(mm, samples)
+
+    monkeypatch.setattr(runner, "prepare_batch", prepare)
+    recipe = _recipe(tiny_dir, world, tmp_path / "run", pope={"max_new_tokens": 1, "splits": ["random"]})
+    with caplog.at_level(logging.WARNING, logger="mmfast.eval.runner"):
+        summary = run_eval(recipe, limit=4, mm=tiny_mm)
+    assert summary["counts"]["finished"] == 4 and summary["counts"]["failed"] == 0
+    assert "out of memory at this batch size" in caplog.text and "one at a time" in caplog.text
+
+
 def test_corrupt_image_stops_at_the_first_failure(tiny_dir, tiny_mm, world, tmp_path):
     """An image that exists but cannot be read fails its samples while running: with max_failures 0
     the run stops at the first one, keeping every record finished before it."""
@@ -554,6 +574,21 @@ def test_data_parallel_killed_launcher_stops_workers_and_resumes(tiny_dir, tiny_
 
 
 @pytest.mark.slow
+def test_data_parallel_progress_shows_in_the_log(tiny_dir, world, tmp_path):
+    """Progress shows in logs: a data-parallel run logged to a file (no terminal, no -q) logs every
+    process's progress lines, as a single-process run logs its own."""
+    out = tmp_path / "dp"
+    cmd, env = _dp_cmd(tiny_dir, world, tmp_path, out)
+    cmd = [c for c in cmd if c != "-q"]
+    cmd[cmd.index("--limit") + 1] = "4"
+    env["MMFAST_PROGRESS_EVERY"] = "0"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):
+        assert f"pope [rank {rank}]: 2/2 samples (100%)" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_data_parallel_interrupt_is_clean(sig, code, tiny_dir, world, tmp_path):
     """Ctrl-C / SIGTERM to the launcher: every worker stops, the temporary recipe and the lock are
@@ -631,6 +666,31 @@ def test_weights_changed_in_place_through_data_are_another_run(tiny_dir, world, 
         run_eval(recipe, limit=2, mm=mm)
 
 
+def test_model_files_changed_besides_the_weights_are_another_run(tiny_dir, world, tmp_path):
+    """A changed model must not reuse old records: the model directory's chat template edited under the same
+    path (same weights, same recipe) is refused as another model's results, as changed weights are;
+    output.overwrite starts over, and the answers then equal a fresh run's with the edited model."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    out = tmp_path / "run"
+
+    def recipe(where, overwrite=False):
+        r = _recipe(tiny_dir, world, where, overwrite=overwrite, pope={"max_new_tokens": 4, "splits": ["random"]})
+        return r.replace(model=dataclasses.replace(r.model, name=str(model)))
+
+    run_eval(recipe(out), limit=3)
+    before = _answers(out / "samples.jsonl")
+    template = model / "chat_template.jinja"
+    template.write_text("SYSTEM: answer in French.\n" + template.read_text())
+    with pytest.raises(InputError, match="another config, processor, chat template or tokenizer"):
+        run_eval(recipe(out), limit=3)
+    assert _answers(out / "samples.jsonl") == before  # refused before anything was written
+    run_eval(recipe(out, overwrite=True), limit=3)
+    run_eval(recipe(tmp_path / "fresh"), limit=3)
+    after = _answers(out / "samples.jsonl")
+    assert after == _answers(tmp_path / "fresh" / "samples.jsonl") and after != before
+
+
 def test_resume_with_looser_max_failures_and_another_batch_size(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
     """A run stopped by eval.max_failures resumes with a looser max_failures and another batch_size:
     neither changes an answer, so neither is another recipe; only the failed sample is retried."""
@@ -658,6 +718,30 @@ def test_resume_with_looser_max_failures_and_another_batch_size(tiny_dir, tiny_m
     assert summary["counts"]["finished"] == 12
     recs = {r["doc_id"]: r for r in _assert_complete(out / "samples.jsonl", 12)}
     assert all(recs[d]["fingerprint"] == r["fingerprint"] and recs[d]["resps"] == r["resps"] for d, r in kept.items())
+
+
+def test_recipe_limit_changed_is_refused_naming_the_limit_flag(tiny_dir, tiny_mm, world, tmp_path, monkeypatch):
+    """eval.limit is part of a run's identity (every record's fingerprint holds it), so a rerun with another one is
+    refused, but the refusal says only the limit differs and how to resume: keep the recipe's limit and pass
+    ``--limit N``, which then computes only the new sample (no record redone or lost)."""
+    from mmfast.eval import runner
+
+    out = tmp_path / "run"
+    pope = {"max_new_tokens": 2, "splits": ["random"]}
+    run_eval(_recipe(tiny_dir, world, out, pope=pope, limit=2), mm=tiny_mm)
+    before = _answers(out / "samples.jsonl")
+    with pytest.raises(InputError, match=r"only eval.limit differs \(2 -> 3\).*keep eval.limit: 2 and pass --limit N"):
+        run_eval(_recipe(tiny_dir, world, out, pope=pope, limit=3), mm=tiny_mm)
+    with pytest.raises(InputError, match="another recipe") as exc:  # another change too: no such advice
+        run_eval(_recipe(tiny_dir, world, out, pope={**pope, "max_new_tokens": 3}, limit=3), mm=tiny_mm)
+    assert "eval.limit" not in str(exc.value)
+    ran: list[str] = []
+    real = runner.prepare_batch
+    monkeypatch.setattr(runner, "prepare_batch", lambda mm, ss: ran.extend(s.doc_id for s in ss) or real(mm, ss))
+    summary = run_eval(_recipe(tiny_dir, world, out, pope=pope, limit=2), limit=3, mm=tiny_mm)
+    after = _answers(out / "samples.jsonl")
+    assert summary["counts"]["finished"] == 3 and len(ran) == 1 and ran[0] not in before
+    assert {d: after[d] for d in before} == before
 
 
 def test_calibrated_budget_resumed_with_another_limit(tiny_dir, tiny_mm, world, tmp_path):

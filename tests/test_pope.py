@@ -188,6 +188,8 @@ def test_answers_join_by_question_id() -> None:
         ('{"question_id": 1, "image": "a.jpg", "label": "yes"}', r"bad\.jsonl:2: missing key\(s\) \['text'\]"),
         ('{"question_id": 1, "image": "a.jpg", "text": "q", "label": "maybe"}', r"bad\.jsonl:2: bad label 'maybe'"),
         ('{"question_id": 0, "image": "a.jpg", "text": "q", "label": "no"}', r"bad\.jsonl:2: duplicate question_id 0"),
+        # the same id as a string is the same sample (doc_id pope_<split>/0): named here, not as a planning clash
+        ('{"question_id": "0", "image": "a.jpg", "text": "q", "label": "no"}', r"bad\.jsonl:2: duplicate question_id"),
         ('{"question_id": 1, "image": "a.jpg", "text": "q", "label": "yes"', r"bad\.jsonl:2: invalid JSON"),
         ("[1, 2]", r"bad\.jsonl:2: expected a JSON object"),
     ],

@@ -127,7 +127,10 @@ def launch_data_parallel(recipe, *, limit: int | None, out: Path, num_processes:
     with rundir.claim(out):
         recipe_path = out / rundir.DP_RECIPE
         recipe_path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        cmd = [sys.executable, "-m", "mmfast", "-q", "eval", str(recipe_path), "--output", str(out), "--allow-failures"]
+        # the workers log as the launcher does: quiet only when it is (their progress lines are the run's)
+        quiet = [] if logging.getLogger("mmfast").isEnabledFor(logging.INFO) else ["-q"]
+        cmd = [sys.executable, "-m", "mmfast", *quiet, "eval", str(recipe_path)]
+        cmd += ["--output", str(out), "--allow-failures"]
         if limit:
             cmd += ["--limit", str(limit)]
         port = _free_port()

@@ -52,6 +52,39 @@ def weights_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
+#: the files of a model directory, besides its weights, that decide its answers: configs (model, generation,
+#: processor), chat templates, tokenizer files
+_MODEL_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
+
+
+def model_files_fingerprint(mm) -> str | None:
+    """The digest of what a model loaded from a local directory answers by besides its weights: every config,
+    chat template and tokenizer file there (``config.json``, ``preprocessor_config.json``,
+    ``chat_template.jinja``, ``tokenizer.json``, ...; not the weights' index, and each JSON file less its
+    ``transformers_version``), read from disk, so that it does not depend on the installed transformers. A
+    file edited under the same path gives another digest (16 hex digits). None for a model that was not
+    loaded from a local directory (a model built in memory; a hub snapshot, fixed by its revision)."""
+    where = Path(str(getattr(mm.model, "name_or_path", "") or ""))
+    if not where.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(where.iterdir()):
+        if not f.is_file() or f.suffix not in _MODEL_FILE_SUFFIXES or f.name.endswith(".index.json"):
+            continue
+        data = f.read_bytes()
+        if f.suffix == ".json":
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                obj = None  # not JSON after all: its bytes
+            if isinstance(obj, dict):
+                obj.pop("transformers_version", None)
+                data = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        h.update(f"{f.name}:{len(data)}:".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class _FileKey:
     path: str

@@ -573,7 +573,7 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
         logger.info("%s: POPE %s/%s from %s@%s", p, k.dataset, k.split, k.repo, k.commit[:7])
     is_array, records = _parse_records(p, data)
     questions: list[PopeQuestion] = []
-    seen: dict[int | str, int] = {}
+    seen: dict[str, int] = {}
     for pos, rec in records:
         where = _where(p, pos, is_array)
         missing = [k for k in _REQUIRED_KEYS if k not in rec]
@@ -582,9 +582,11 @@ def load_pope_questions(path: str | Path, *, strict: bool = False) -> list[PopeQ
         qid = rec["question_id"]
         if isinstance(qid, bool) or not isinstance(qid, (int, str)):
             raise PopeFormatError(f"{where}: question_id must be an int or a string, got {qid!r}")
-        if qid in seen:
-            raise PopeFormatError(f"{where}: duplicate question_id {qid!r} (first at {seen[qid]})")
-        seen[qid] = pos
+        if str(qid) in seen:  # 1 and "1" are one doc_id (pope_<split>/1), so one question id
+            raise PopeFormatError(
+                f"{where}: duplicate question_id {qid!r} (first at {seen[str(qid)]}); give each question its own id"
+            )
+        seen[str(qid)] = pos
         for key in ("image", "text"):
             if not isinstance(rec[key], str):
                 raise PopeFormatError(f"{where}: {key} must be a string, got {rec[key]!r}")

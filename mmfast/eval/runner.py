@@ -24,6 +24,7 @@ decoding, parser, file checksums, seeds, package versions). Tasks come from the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import torch
 
 from .. import compat
 from ..capabilities import ModelFacts, check_model_config, media_refusal, model_facts, video_families
-from ..config import Recipe
+from ..config import Recipe, load_recipe
 from ..errors import (
     EXIT_SAMPLES_FAILED,  # noqa: F401 (re-exported)
     IncompatibleRecipeError,
@@ -56,7 +57,7 @@ from ..video import frame_files
 from . import rundir
 from .data import cache_root, resolve_data
 from .distributed import barrier, fold_shards, gather_and_finish, launch_data_parallel, shard_info
-from .fingerprint import sample_fingerprint, weights_fingerprint
+from .fingerprint import model_files_fingerprint, sample_fingerprint, weights_fingerprint
 from .records import RecordStore, count_failures, digest_of, record_problem, write_atomic
 from .tasks import Sample, Task, build_tasks
 
@@ -168,8 +169,23 @@ ANSWER_NEUTRAL_EVAL_KEYS = ("max_failures", "batch_size")
 
 def run_identity(recipe: Recipe) -> str:
     """What a run directory's results are results of: :meth:`Recipe.hash` less the
-    :data:`ANSWER_NEUTRAL_EVAL_KEYS` (16 hex digits)."""
+    :data:`ANSWER_NEUTRAL_EVAL_KEYS` (16 hex digits). ``eval.limit`` stays in it (every committed run's
+    records are fingerprinted with it): a run resumes with more or fewer samples through ``--limit``, and
+    ``_guard`` says so where only the recipe's limit changed."""
     return recipe.hash(leave_out_eval=ANSWER_NEUTRAL_EVAL_KEYS)
+
+
+def _only_limit_differs(old: dict | None, recipe: Recipe) -> bool:
+    """The recipe a run directory recorded (``run.json``'s ``recipe``) is ``recipe`` but for ``eval.limit``."""
+    if not isinstance(old, dict):
+        return False
+    try:
+        earlier = load_recipe(old)
+    except MMFastError:  # recorded by an older mmfast, no longer valid: not the same run anyway
+        return False
+    return run_identity(
+        dataclasses.replace(earlier, eval=dataclasses.replace(earlier.eval, limit=recipe.eval.limit))
+    ) == (run_identity(recipe))
 
 
 def calibration_identity(recipe: Recipe, plan) -> str | None:
@@ -193,10 +209,12 @@ def planned_fingerprints(recipe: Recipe, plan, weights: str) -> dict[str, str]:
     return {s.doc_id: sample_fingerprint(s, identity, weights) for _, samples in plan for s in samples}
 
 
-def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> None:
-    """Refuse to mix results of different recipes, or of different weights, in one directory
-    (unless output.overwrite, which removes the earlier run's own files and starts over); record in
-    ``run.json`` every file this run writes."""
+def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str], model_files: str | None = None) -> None:
+    """Refuse to mix results of different recipes, of different weights, or of a model whose config,
+    processor, chat template or tokenizer changed (``model_files``:
+    :func:`~mmfast.eval.fingerprint.model_files_fingerprint`) in one directory (unless output.overwrite,
+    which removes the earlier run's own files and starts over); record in ``run.json`` every file this
+    run writes."""
 
     old = rundir.read_run_json(out)
     if old is None:
@@ -211,8 +229,20 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
             )
         elif old["run_identity"] != identity:
             problem = f"results of another recipe (identity {old['run_identity']} != {identity})"
+            if _only_limit_differs(old.get("recipe"), recipe):
+                earlier = old["recipe"].get("eval", {}).get("limit")
+                problem += (
+                    f": only eval.limit differs ({earlier} -> {recipe.eval.limit}), and its records are fingerprinted "
+                    f"with the recipe's limit; to run more or fewer samples of this run keep eval.limit: {earlier} and "
+                    "pass --limit N"
+                )
         elif old.get("weights_fingerprint", fingerprint) != fingerprint:
             problem = f"results of other model weights (fingerprint {old.get('weights_fingerprint')} != {fingerprint})"
+        elif model_files is not None and old.get("model_files_fingerprint", model_files) != model_files:
+            problem = (
+                "results of the model with another config, processor, chat template or tokenizer "
+                f"(fingerprint {old.get('model_files_fingerprint')} != {model_files})"
+            )
         if problem:
             if not recipe.output.overwrite:
                 raise InputError(
@@ -223,6 +253,8 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
             old = None
         else:
             files = list(dict.fromkeys(rundir.listed_files(old, out) + files))
+            if model_files is None:  # a model not loaded from a directory this time: the run's digest stays
+                model_files = old.get("model_files_fingerprint")
     rundir.check_own_files(out, files)
     rundir.write_run_json(
         out,
@@ -230,6 +262,7 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str]) -> Non
             "recipe_hash": recipe.hash(),
             "run_identity": run_identity(recipe),
             "weights_fingerprint": fingerprint,
+            **({"model_files_fingerprint": model_files} if model_files is not None else {}),
             "recipe": recipe.to_dict(),
             "files": files,
         },
@@ -356,6 +389,13 @@ def _run_batch(session, samples: list[Sample], text_filter, fps: dict[str, str])
         return [_record(s, r, text_filter, fps[s.doc_id]) for s, r in zip(samples, results, strict=True)]
     except Exception as exc:
         if len(samples) > 1:
+            logger.warning(
+                "a batch of %d samples (%s ...) failed (%s: %s); retrying them one at a time",
+                len(samples),
+                samples[0].doc_id,
+                type(exc).__name__,
+                exc,
+            )
             return [rec for s in samples for rec in _run_batch(session, [s], text_filter, fps)]
         if not isinstance(exc, MMFastError):
             logger.warning("sample %s failed:\n%s", samples[0].doc_id, traceback.format_exc())
@@ -422,7 +462,8 @@ def _run_locked(
     weights = weights_fingerprint(mm.model)  # hashed once a run: weights changed between runs are seen
     fps = planned_fingerprints(recipe, plan, weights)
     if rank == 0:
-        _guard(out, recipe, weights, rundir.own_files(world, extra_files))
+        # so are the model's config, processor, chat template and tokenizer, edited under the same path
+        _guard(out, recipe, weights, rundir.own_files(world, extra_files), model_files_fingerprint(mm))
         for fname, text in extra_files.items():
             (out / fname).write_text(text)
         prior = fold_shards(out, fps)  # one file to resume from, whichever process count wrote the records
