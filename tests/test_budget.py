@@ -633,3 +633,27 @@ def test_a_budget_of_every_token_is_the_baseline_on_llava(tiny_mm, images, metho
     out = tiny_mm.generate(images[:2], PROMPTS, recipe={"pruning": [stage]}, max_new_tokens=4)
     assert [r.token_ids for r in out] == [r.token_ids for r in base]
     assert [r.vision_tokens_layer_avg for r in out] == [16.0, 16.0]
+
+
+def test_sparsevlm_budget_of_every_token_keeps_every_token_at_every_filter(tiny_mm, images):
+    """A tie between scaled keep counts of the same layer average goes to the larger counts: at ``tokens: N``
+    (16, 16, 15) also averages 16 (15 kept + 1 recycled) but merges a token and reorders the image, so the
+    mapping must give (16, 16, 16), whose prefill is the unpruned model's exactly."""
+    import torch
+
+    from mmfast.capabilities import ModelFacts
+    from mmfast.pipeline import Session
+    from mmfast.pruning.sparsevlm import SparseVLM
+
+    cfg = SparseVLM.Config(layers=(0, 1, 2))
+    SparseVLM.check_facts(cfg, ModelFacts.of_adapter(tiny_mm.adapter))
+    assert SparseVLM.budget_params(16, 16, tiny_mm.adapter, cfg, "b") == {"keep": (16, 16, 16)}
+
+    def last_logits(recipe):
+        with Session(tiny_mm, load_recipe(recipe)) as s:
+            batch = s.mm.prepare(images[:2], PROMPTS)
+            _, out = s.runner.prefill(s.build_inputs(batch, s.encode(batch)))
+            return out.logits[:, -1]
+
+    stage = {"method": "sparsevlm", "params": {"layers": [0, 1, 2]}, "budget": {"ratio": 1.0}}
+    torch.testing.assert_close(last_logits({"pruning": [stage]}), last_logits({}), rtol=0, atol=0)

@@ -439,3 +439,14 @@ def test_training_step_lowers_loss_and_moves_keep_ratio(tiny_llava):
     assert abs(parts0["p_keep_v"] - 0.5) < 0.05 and abs(parts0["p_keep_t"] - 0.5) < 0.05
     assert abs(parts1["p_keep_v"] - 0.2) < 0.15 and abs(parts1["p_keep_t"] - 0.1) < 0.2
     assert abs(parts1["keep_v"] - 0.2) < abs(parts0["keep_v"] - 0.2)
+
+
+@pytest.mark.parametrize("budget, per_image", [({"tokens": 10}, 10.0), ({"ratio": 0.5}, 8.0)])
+def test_budget_holds_per_image_in_a_multi_image_sample(tiny_mm, images, budget, per_image):
+    """A budget is layer-averaged tokens per image: a sample of m images of N tokens keeps m k after layer K
+    (k the one-image keep), so it averages m B; a rate of (k + 0.5) / N kept m k + m // 2."""
+    stage = {"method": "dynamic_llava", "params": {"predictors": "random"}, "budget": budget}
+    samples = [[images[0], images[1]], images[2], [images[3], images[1], images[0]]]
+    prompts = ["Compare them.", "Describe it.", "Which one?"]
+    out = tiny_mm.generate(samples, prompts, recipe={"pruning": [stage]}, max_new_tokens=2)
+    assert [r.vision_tokens_layer_avg for r in out] == [2 * per_image, per_image, 3 * per_image]

@@ -33,8 +33,9 @@ Budget (``budget: {tokens: B}`` or ``{ratio: r}``, layer-averaged equivalent vis
 prefill; sets ``vision_keep_rate``): with the mapped layer K of an L-layer LLM and an image of N vision
 tokens (its own count; where images differ, mapped per count, ``_budget.py``; the top-k is per sample,
 so a multi-image sample is mapped on its vision tokens together),
-k = round((L * B - K * N) / (L - K)) (as FastV) and vision_keep_rate = (k + 0.5) / N (capped at 1),
-so int(N * rate) = k; budgets below ceil(K * N / L) are refused, naming that smallest budget.
+k = round((L * B - K * N) / (L - K)) (as FastV) and vision_keep_rate = (k + 1e-6) / N (capped at 1),
+so int(N * rate) = k, and a sample of m images of N tokens keeps int(m N rate) = m k (a half-token
+nudge would keep m k + m // 2); budgets below ceil(K * N / L) are refused, naming that smallest budget.
 
 Predictors (``predictors``): ``auto`` = ``<model dir>/dynamic_llava/`` (the embedded model ships them
 there), a directory written by the training script, or a released Dynamic-LLaVA checkpoint directory
@@ -145,13 +146,13 @@ class DynamicLLaVA(Pruner):
 
     @classmethod
     def budget_params(cls, tokens, n, adapter, config, path):
-        """vision_keep_rate = (k + 0.5) / N with k from the layer-average closed form."""
+        """vision_keep_rate = (k + 1e-6) / N with k from the layer-average closed form (m images: m k)."""
         from ._budget import in_llm_keep
 
         n_layers = len(adapter.layers)
         ((layer, _),) = map_layers([config.sparse_layer], n_layers, config.layer_mapping)
         k = in_llm_keep(tokens, n, layer, n_layers, path)
-        return {"vision_keep_rate": 1.0 if k >= n else (k + 0.5) / n}
+        return {"vision_keep_rate": 1.0 if k >= n else (k + 1e-6) / n}
 
     @classmethod
     def test_params(cls, adapter):

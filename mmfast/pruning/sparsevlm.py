@@ -224,10 +224,11 @@ class SparseVLM(Pruner):
         for i in range(4001):
             scale = i / 4000 * REFERENCE_TOKENS / min(shape)
             ks = [min(n, round(scale * k * n / REFERENCE_TOKENS)) for k in shape]
-            err = abs(simulate(n, ks, starts, n_layers, recycle)[1] - tokens)
-            if best is None or err < best[0]:
-                best = (err, ks)
-        return {"keep": tuple(best[1])}
+            avg = simulate(n, ks, starts, n_layers, recycle)[1]
+            # the same average again: the larger keeps (fewer tokens merged; at B = N every token, a no-op)
+            if best is None or abs(avg - tokens) < best[0] or avg == best[1]:
+                best = (abs(avg - tokens), avg, ks)
+        return {"keep": tuple(best[2])}
 
     def install(self) -> None:
         from ..capabilities import ModelFacts
