@@ -657,3 +657,16 @@ def test_sparsevlm_budget_of_every_token_keeps_every_token_at_every_filter(tiny_
 
     stage = {"method": "sparsevlm", "params": {"layers": [0, 1, 2]}, "budget": {"ratio": 1.0}}
     torch.testing.assert_close(last_logits({"pruning": [stage]}), last_logits({}), rtol=0, atol=0)
+
+
+def test_fastv_drop_ratio_keeps_round_n_times_one_minus_r_in_double_precision(qwen_mm, qwen_images):
+    """FastV's ``drop_ratio`` R keeps round(N (1 - R)) of each image, N (1 - R) computed in double precision
+    as the release's Python ``round(image_token_length * (1 - r))``: in fp32 the product of an image of 30
+    tokens crosses .5 (R = 0.55: 13.4999... -> 13.5000001; R = 0.85: 4.5000... -> 4.4999...)."""
+    base = qwen_mm.generate(qwen_images, PROMPTS, max_new_tokens=1)
+    n = [b.n_vision_tokens for b in base]
+    assert 30 in n
+    for drop in (0.55, 0.85):
+        stage = {"method": "fastv", "params": {"k": 1, "drop_ratio": drop}}
+        out = qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [stage]}, max_new_tokens=1)
+        assert [r.stats["fastv"]["kept"] for r in out] == [round(ni * (1 - drop)) for ni in n], drop

@@ -175,6 +175,24 @@ def test_visionzip_on_qwen_batch_noop_positions_and_budget(qmm, qimages):
     assert torch.equal(inputs.position_ids[0][-1], full.position_ids[0][-1])  # the text keeps its place
 
 
+def test_visionzip_on_qwen_stats_report_the_split_each_image_got(qmm, qimages):
+    """The stats report what was applied: under a budget each image's own target split 27:5 (``tokens: 20``:
+    17 dominant + 3 contextual per image), never the params' fractions of 576 the budget replaced; under
+    params, the fractions and each sample's dominant + contextual counts (their sum is the tokens kept)."""
+    from mmfast.pruning.visionzip import split_budget
+
+    d, c = split_budget(20)
+    got = _gen(qmm, qimages, PROMPTS, [{"method": "visionzip", "budget": {"tokens": 20}}], n=1)
+    for r in got:
+        stats = r.stats["visionzip"]
+        assert (stats["dominant"], stats["contextual"]) == (d, c) and "dominant_fraction" not in stats
+    got = _gen(qmm, qimages, PROMPTS, [{"method": "visionzip", "params": {"tokens": 192}}], n=1)
+    for r in got:
+        stats = r.stats["visionzip"]
+        assert stats["dominant_fraction"] == 162 / 576 and stats["contextual_fraction"] == 30 / 576
+        assert stats["dominant"] + stats["contextual"] == r.n_vision_tokens and stats["contextual"] >= 1
+
+
 def test_cdpruner_clip_model_is_refused_on_qwen():
     from mmfast.errors import ConfigError
 

@@ -194,6 +194,18 @@ def test_batch_of_two_videos_equals_per_sample(siglip_dir):
     assert [r.n_vision_tokens for r in base] == [8 * 4 + 1, 6 * 4 + 1]
 
 
+def test_local_grid_stat_is_each_samples_own_in_a_batch(siglip_dir):
+    """Videos of different lengths in one batch: each sample reports its own local grid (12 frames: 3 frame
+    groups of 2 x 2; 4 frames: 1), as alone, not the last video's of the batch."""
+    mm, recipe = _mm(), _recipe(spatial_kernel=2, guide_model=str(siglip_dir))
+    prompts, videos = ["Describe.", "What happens here?"], [random_video(12, 1), random_video(4, 2)]
+    batch = mm.generate(None, prompts, videos=videos, recipe=recipe, max_new_tokens=1)
+    assert [r.stats["hicom"]["local_grid"] for r in batch] == [[3, 2, 2], [1, 2, 2]]
+    for i in range(2):
+        alone = mm.generate(None, [prompts[i]], videos=[videos[i]], recipe=recipe, max_new_tokens=1)[0]
+        assert batch[i].stats["hicom"] == alone.stats["hicom"]
+
+
 def test_budget_is_tokens_per_video(siglip_dir):
     """``budget: {tokens: N}``: N vision tokens per video at the LLM input (frame groups x local cells
     + global + the closing newline), the largest local grid that fits; too small a budget is refused."""

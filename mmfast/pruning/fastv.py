@@ -103,7 +103,9 @@ class FastV(Pruner):
                 per = [self.config_for(int(c)).keep if c else 0 for c in n_vis.tolist()]
                 keep = torch.tensor(per, device=n_vis.device).clamp(max=n_vis)
             elif self.config.keep is None:
-                keep = (n_vis.float() * (1 - self.config.drop_ratio)).round().long()
+                # the release's round(N (1 - R)) in Python floats (fp32 moves N (1 - R) across .5; MPS has no fp64)
+                per = [round(c * (1 - self.config.drop_ratio)) for c in n_vis.tolist()]
+                keep = torch.tensor(per, device=n_vis.device)
             else:
                 keep = n_vis.clamp(max=self.config.keep)
             kept |= topk_keep(scores, cand, keep)

@@ -284,10 +284,10 @@ class HICom(Pruner):
             vision.stats[self.name] = {"per_sample_kept": per_sample(n_before, batch.image_owner, batch.batch_size)}
             return vision
         n_local, n_frames = [0] * batch.batch_size, [0] * batch.batch_size
-        out_grid = None
+        grids: list[list[int] | None] = [None] * batch.batch_size  # each sample's local grid (its last unit's)
         units = self._units(batch)
         if units:
-            out_grid = self._images(vision, batch, units, n_local, n_frames)
+            self._images(vision, batch, units, n_local, n_frames, grids)
         videos = [i for i in range(vision.n_images) if batch.item(i).is_video]
         if videos:
             guides = self.siglip.text_embeds([guide_text(p) for p in batch.prompts]) if self.siglip else None  # [B, D]
@@ -295,6 +295,7 @@ class HICom(Pruner):
                 b = batch.image_owner[i]
                 out_grid = self._video(vision, batch, i, None if guides is None else guides[b], n_before[i])
                 n_local[b] += out_grid[0] * out_grid[1] * out_grid[2]
+                grids[b] = list(out_grid)
                 n_frames[b] += batch.item(i).n_frames
         vision.stats[self.name] = {
             "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
@@ -302,7 +303,7 @@ class HICom(Pruner):
             "per_sample_frames": n_frames,
             "global": self.config.global_queries if self.glob is not None else 0,
             "global_mode": self.config.global_mode if self.glob is not None else None,
-            "local_grid": list(out_grid) if out_grid is not None else None,
+            "per_sample_local_grid": grids,
         }
         return vision
 
@@ -311,7 +312,7 @@ class HICom(Pruner):
         pid = torch.full((local.shape[0],), -1, device=local.device)
         return self.adapter.project(VisionBatch([local], [pid], None, vision.grid, vision.pixel_values[:0]))[0]
 
-    def _images(self, vision: VisionBatch, batch, units, n_local, n_frames) -> tuple[int, int, int] | None:
+    def _images(self, vision: VisionBatch, batch, units, n_local, n_frames, grids) -> tuple[int, int, int] | None:
         """Images (LLaVA-1.5): each prompt's images are the frames of one clip (module docstring)."""
         cfg = self.config
         if self.clip is None:
@@ -338,6 +339,7 @@ class HICom(Pruner):
                 local, _, _ = local_compress(values, k, guide, out_grid, cfg.alpha, cfg.scale, cfg.local_rule)
                 pieces_f.append(local.to(dtype))
                 n_local[b] += local.shape[0]
+                grids[b] = list(out_grid)
             if self.glob is not None:
                 pre, tok = self.glob(values.float()[None].to(self.ctx.device), guide[None])
                 pieces_f.append(pre[0].to(dev, dtype))

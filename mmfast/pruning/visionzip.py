@@ -256,6 +256,7 @@ class VisionZip(Pruner):
         frac_d, frac_c = self.fractions()
         projected = self.adapter.project(vision)  # [N_i, d] each: the LLM input embeddings the release merges
         received, keys = vision.extras.pop("visionzip.received"), vision.extras.pop("visionzip.keys")
+        dominant, contextual = [0] * batch.batch_size, [0] * batch.batch_size  # what each sample's images kept
         for i, n in enumerate(vision.counts()):
             if received[i].numel() != n or not torch.equal(vision.patch_ids[i].cpu(), torch.arange(n)):
                 raise ValueError(
@@ -266,8 +267,11 @@ class VisionZip(Pruner):
             else:  # the release's fractions of 576
                 d, c = int(frac_d * n), max(int(frac_c * n), 1)
             if d + c >= n:
+                dominant[batch.image_owner[i]] += n
                 continue  # every token kept (targets would cover the rest): the image untouched
             kept, rows_t, rest, assign = _received.select(received[i], keys[i], d, c)
+            dominant[batch.image_owner[i]] += kept.numel() - rows_t.numel()
+            contextual[batch.image_owner[i]] += rows_t.numel()
             kept_dev = kept.to(projected[i].device)
             vision.projected[i] = _received.merge_rows(
                 projected[i], kept_dev, rows_t.to(kept_dev.device), rest.to(kept_dev.device), assign.to(kept_dev.device)
@@ -283,7 +287,9 @@ class VisionZip(Pruner):
                     tags[i] = t[k]
         vision.stats[self.name] = {
             "per_sample_kept": per_sample(vision.counts(), batch.image_owner, batch.batch_size),
-            "dominant_fraction": frac_d,
-            "contextual_fraction": frac_c,
+            "per_sample_dominant": dominant,
+            "per_sample_contextual": contextual,
         }
+        if not self.maps_per_image:  # a budget splits each image's own target instead of these fractions
+            vision.stats[self.name].update(dominant_fraction=frac_d, contextual_fraction=frac_c)
         return vision
