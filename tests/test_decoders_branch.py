@@ -227,3 +227,29 @@ def test_ritual_resized_crop_falls_back_to_torchvisions_central_crop():
     want = im.resize((32, 32), Image.BILINEAR, box=((400 - w) // 2, 0, (400 - w) // 2 + w, 40))
     assert np.array_equal(np.asarray(got), np.asarray(want))
     assert not np.array_equal(np.asarray(got), np.asarray(im.resize((32, 32), Image.BILINEAR)))
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [("m3id", {"lam": 0.5, "beta": 0.0}), ("pai", {"alpha": 0.5, "gamma": 1.5, "beta": 0.0})],
+)
+def test_branch_decoders_with_warper_keys_sample_through_them(method, params, tiny_mm, images, prompts):
+    """M3ID (RITUAL's code) and PAI (generate's CFG logits processor) apply the warpers to the fused logits before
+    sampling, like VCD: the temperature / top-k / top-p keys their configs accept are used, not dropped (top-k 1 =
+    the argmax of the fused, masked logits)."""
+    argmax, _ = _gen(tiny_mm, images[:3], prompts[:3], method, {**params, "sample": False})
+    top1, _ = _gen(tiny_mm, images[:3], prompts[:3], method, {**params, "sample": True, "top_k": 1})
+    assert top1 == argmax
+
+
+def test_m3id_long_answers_stay_finite(tiny_mm, images, prompts):
+    """M3ID's weight (1 - g_t) / g_t grows as e^(lambda t): on settings the config accepts (lambda up to 10, answers
+    up to 8192 tokens) it reaches the formula's limit -- the contrast l - l_u orders the tokens -- instead of
+    dividing by zero (g_t underflows) or overflowing the fused logits to inf (NaN in the sampler)."""
+    clean = torch.tensor([[2.0, 1.0, -5.0, 0.5]])
+    uncond = torch.tensor([[1.0, 3.0, -9.0, 0.0]])
+    for t, lam in [(75, 10.0), (9, 10.0), (6000, 0.02)]:
+        fused = m3id(clean, uncond, t, lam)
+        assert torch.isfinite(fused).all()
+        assert int(fused.argmax()) == int((clean - uncond).argmax()) == 2
+    _gen(tiny_mm, images[:2], prompts[:2], "m3id", {"lam": 10.0, "sample": True}, n=30)  # no NaN in the sampler

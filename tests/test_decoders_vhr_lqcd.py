@@ -93,3 +93,26 @@ def test_lqcd_noop_and_active(tiny_mm, images, prompts):
     assert [r.token_ids for r in res] != base
     leads = [r.stats["leading_query"] for r in res]
     assert all(lead != p and lead.startswith(p) for lead, p in zip(leads, prompts[:2]))
+
+
+def test_vhr_reinforces_a_repeated_layer_once(tiny_mm, images, prompts):
+    """``layers`` is the set L_r of Alg. 1: a layer named twice is reinforced once (its heads chosen and scaled by
+    alpha once), not chosen again on its already scaled outputs and scaled twice (ClearSight's ``layers`` likewise)."""
+    once, _ = _tokens(tiny_mm, images[:3], prompts[:3], {"method": "vhr", "params": {"alpha": 3.0, "layers": [1, 2]}})
+    twice, _ = _tokens(
+        tiny_mm, images[:3], prompts[:3], {"method": "vhr", "params": {"alpha": 3.0, "layers": [2, 1, 2]}}
+    )
+    assert twice == once
+
+
+def test_vhr_decode_without_cache_applies_the_frozen_heads(tiny_mm, images, prompts):
+    """Under a stage that decodes without a KV cache (Dynamic-LLaVA ``use_cache: false``: every step recomputes the
+    image stream alone), VHR applies the heads frozen at the joint prefill: the same tokens as the cached decode, not
+    a new head choice on a batch without its text-only stream (which crashed)."""
+    outs = {}
+    for use_cache in (True, False):
+        stage = {"method": "dynamic_llava", "params": {"predictors": "random", "use_cache": use_cache}}
+        recipe = load_recipe({"pruning": [stage], "decoding": {"method": "vhr", "params": {"alpha": 3.0}}})
+        with Session(tiny_mm, recipe) as s:
+            outs[use_cache] = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8)]
+    assert outs[False] == outs[True]

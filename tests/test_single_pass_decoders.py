@@ -120,6 +120,20 @@ def test_pai_batch_equals_single(tiny_mm, images, prompts):
     assert batched != base
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_pai_decode_without_cache_amplifies_what_the_cached_decode_does(first, tiny_mm, images, prompts):
+    """Under a stage that decodes without a KV cache (Dynamic-LLaVA ``use_cache: false``: every step recomputes the
+    sequence) PAI amplifies the rows the cached decode amplified: every generated token's, and the prompt's last row
+    when the first token is amplified (``amplify_first_token``); false: the generated rows still (the official CFG
+    quirk skips the first token only). Same tokens as the cached decode."""
+    outs = {}
+    for use_cache in (True, False):
+        stage = {"method": "dynamic_llava", "params": {"predictors": "random", "use_cache": use_cache}}
+        dec = {"method": "pai", "params": {"alpha": 2.0, "gamma": 1.0, "amplify_first_token": first}}
+        outs[use_cache], _ = _tokens(tiny_mm, images[:2], prompts[:2], dec, n=10, pruning=[stage])
+    assert outs[False] == outs[True]
+
+
 def test_attention_overriders_refused_together():
     with pytest.raises(IncompatibleRecipeError, match="zipvl.*pai|pai.*zipvl"):
         load_recipe({"pruning": [{"method": "zipvl"}], "decoding": {"method": "pai"}})

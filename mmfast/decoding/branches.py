@@ -107,7 +107,9 @@ def additive(clean: torch.Tensor, aux: torch.Tensor, alpha: float) -> torch.Tens
 
 
 def m3id(clean: torch.Tensor, unconditioned: torch.Tensor, t: int, lam: float) -> torch.Tensor:
-    gamma = math.exp(-lam * t)
+    # the weight (1 - g) / g = e^(lambda t) - 1 capped at e^50: beyond it the contrast alone orders the tokens (the
+    # formula's limit), where exp(-lambda t) underflows to 0 (division by zero) or the weight overflows fp32 (NaN)
+    gamma = math.exp(-min(lam * t, 50.0))
     return clean + (1 - gamma) / gamma * (clean - unconditioned)
 
 
@@ -162,7 +164,9 @@ class _BranchPolicy:
         cfg = decoder.config
         self.decoder, self.req, self.beta, self.sample = decoder, req, cfg.beta, cfg.sample
         self.gens = req.generators(decoder.ctx.device)  # one per sample: batch-independent draws
-        warped = isinstance(cfg, WarpedBranchConfig)  # else straight from softmax(fused) (DAMRO)
+        # a config with the warper keys (VCD, RITUAL, LQCD; M3ID and PAI declare their own) samples through them;
+        # else straight from softmax(fused) (DAMRO)
+        warped = isinstance(cfg, WarpedBranchConfig) or hasattr(cfg, "temperature")
         self.procs = warpers(cfg.temperature, cfg.top_k, cfg.top_p) if warped else None
         self.bset: BranchSet
         self.logits: dict[str, torch.Tensor] = {}

@@ -11,6 +11,9 @@ prompt's ids with the image placeholder removed (``ctx.text_only_inputs(batch, s
 The separator tokens come from transformers' tokenizer of the whole templated text, where RITUAL's
 ``tokenizer_image_token`` tokenises the pieces around ``<image>`` separately (the ids at the seam can
 differ by a space token on the original Llama tokenizer).
+Deviation: the weight (1 - g_t) / g_t is capped at e^50 (lambda t > 50), where the formula divides by zero
+(g_t underflows) or overflows fp32 into NaN; past it the contrast alone orders the tokens, the formula's limit
+(the default lambda reaches it after 2,500 tokens).
 """
 
 from __future__ import annotations

@@ -137,10 +137,10 @@ class PAI(MultiBranchDecoder):
                 return out
             q_len, k_len = query.shape[2], key.shape[2]
             prefill = q_len == k_len
-            if prefill and not first:
-                return out
             decode = static_step(state, query, key)
             if decode or (prefill and self._static.staged_prefill(state, layer)):  # a graph's: no host read
+                if prefill and not first:
+                    return out
                 image = self._static.get(state, layer, "image", k_len, query.device)  # [B, K]
                 has = self._static.get(state, layer, "has_image", k_len, query.device)  # [B, 1]
                 # a decode step's new slots are all generated tokens' (edited); a static prefill holds none, so only
@@ -153,8 +153,14 @@ class PAI(MultiBranchDecoder):
 
                 return edit_rows(query, key, value, attention_mask, scaling, out, rows, edit_staged, r0=r0)
             cls = held_slot_classes(state, layer, k_len, "PAI")
-            rows = cls.generated[:, k_len - q_len :].clone()  # [B, Q]
-            rows[:, -1] = True  # the last query row of every forward
+            gen = cls.generated[:, k_len - q_len :]  # [B, Q] generated tokens' rows (a recompute's: every one)
+            rows = gen.clone()
+            if not prefill:
+                rows[:, -1] = True  # the last query row of a decode forward
+            elif first:  # the prompt's last row, amplified at the prefill (a recompute: the row before the generated)
+                pos = torch.arange(q_len, device=rows.device)
+                prompt = cls.valid[:, k_len - q_len :] & ~gen
+                rows |= pos == torch.where(prompt, pos, -1).max(1, keepdim=True).values
             rows &= cls.image.any(1, keepdim=True)
 
             def edit(logits: torch.Tensor, r0: int) -> torch.Tensor:

@@ -66,9 +66,10 @@ class VHR(Decoder):
 
     @classmethod
     def check_facts(cls, config, facts) -> list[int]:
-        """The reinforced layers exist in this LLM (from the config before weights load, or the model)."""
+        """The reinforced layers exist in this LLM (from the config before weights load, or the model); each is
+        reinforced once, however often ``layers`` names it."""
         n = facts.llm_layers
-        return existing_layers(config.layers if config.layers is not None else paper_layers(n), n)
+        return sorted(set(existing_layers(config.layers if config.layers is not None else paper_layers(n), n)))
 
     def install(self) -> None:
         from ..capabilities import ModelFacts
@@ -189,7 +190,10 @@ def _heads_of(state, name: str) -> _Heads | None:
         stream = state.inputs.tags.get(TEXT_STREAM)
         if stream is None:
             return None
-        data = state.extras[name] = _Heads("select", int((~stream[:, -1]).sum()))
+        # no text-stream row: a recompute of the image stream after the joint prefill (decode without a KV cache,
+        # Dynamic-LLaVA's use_cache: false), which applies the heads frozen there at every position
+        phase = "select" if bool(stream[:, -1].any()) else "apply"
+        data = state.extras[name] = _Heads(phase, int((~stream[:, -1]).sum()))
     return data
 
 
