@@ -186,6 +186,7 @@ def test_killed_run_resumes(tiny_dir, small_world, tmp_path):
                     "data": {"dataset": "world", "root": str(small_world)},
                     "pope": {"max_new_tokens": 8},
                     "batch_size": 1,
+                    "limit": 8,  # per split: 24 samples, time to be killed after 3
                 },
                 "decoding": {"max_new_tokens": 8},
                 "output": {"dir": str(out)},
@@ -204,10 +205,10 @@ def test_killed_run_resumes(tiny_dir, small_world, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = samples.read_text().splitlines()
-    assert 3 <= len(before) < 180, "the run must have been interrupted mid-way"
+    assert 3 <= len(before) < 24, "the run must have been interrupted mid-way"
     assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
     after = samples.read_text().splitlines()
     assert after[: len(before)] == before
     ids = [json.loads(x)["doc_id"] for x in after]
-    assert len(ids) == len(set(ids)) == 180  # 3 splits x 10 images x 6 questions
-    assert json.loads((out / "summary.json").read_text())["counts"]["finished"] == 180
+    assert len(ids) == len(set(ids)) == 24  # 3 splits x 8 questions
+    assert json.loads((out / "summary.json").read_text())["counts"]["finished"] == 24
