@@ -175,17 +175,17 @@ def run_identity(recipe: Recipe) -> str:
     return recipe.hash(leave_out_eval=ANSWER_NEUTRAL_EVAL_KEYS)
 
 
-def _only_limit_differs(old: dict | None, recipe: Recipe) -> bool:
-    """The recipe a run directory recorded (``run.json``'s ``recipe``) is ``recipe`` but for ``eval.limit``."""
+def _only_limit_differs(old: dict | None, recipe: Recipe, identity: str) -> bool:
+    """The recipe a run directory recorded (``run.json``'s ``recipe``) is ``recipe`` (of run identity
+    ``identity``) but for ``eval.limit``."""
     if not isinstance(old, dict):
         return False
     try:
         earlier = load_recipe(old)
     except MMFastError:  # recorded by an older mmfast, no longer valid: not the same run anyway
         return False
-    return run_identity(
-        dataclasses.replace(earlier, eval=dataclasses.replace(earlier.eval, limit=recipe.eval.limit))
-    ) == (run_identity(recipe))
+    same_limit = dataclasses.replace(earlier, eval=dataclasses.replace(earlier.eval, limit=recipe.eval.limit))
+    return run_identity(same_limit) == identity
 
 
 def calibration_identity(recipe: Recipe, plan) -> str | None:
@@ -229,7 +229,7 @@ def _guard(out: Path, recipe: Recipe, fingerprint: str, files: list[str], model_
             )
         elif old["run_identity"] != identity:
             problem = f"results of another recipe (identity {old['run_identity']} != {identity})"
-            if _only_limit_differs(old.get("recipe"), recipe):
+            if _only_limit_differs(old.get("recipe"), recipe, identity):
                 earlier = old["recipe"].get("eval", {}).get("limit")
                 problem += (
                     f": only eval.limit differs ({earlier} -> {recipe.eval.limit}), and its records are fingerprinted "

@@ -312,7 +312,7 @@ class HICom(Pruner):
         pid = torch.full((local.shape[0],), -1, device=local.device)
         return self.adapter.project(VisionBatch([local], [pid], None, vision.grid, vision.pixel_values[:0]))[0]
 
-    def _images(self, vision: VisionBatch, batch, units, n_local, n_frames, grids) -> tuple[int, int, int] | None:
+    def _images(self, vision: VisionBatch, batch, units, n_local, n_frames, grids) -> None:
         """Images (LLaVA-1.5): each prompt's images are the frames of one clip (module docstring)."""
         cfg = self.config
         if self.clip is None:
@@ -325,7 +325,6 @@ class HICom(Pruner):
             if last is None or last.shape[1] != 1 + rows * cols:
                 raise RuntimeError("hicom: the last vision layer did not run on the full patch grid")
             keys = self.clip.patch_embeds(last[:, 1:], post_layernorm=cfg.local_rule == "blend")  # [n_img, N, P]
-        out_grid = None
         for b, idx in units:
             values = torch.stack([grid_features(vision, i, "hicom")[0] for i in idx])  # [T, H, W, Dv]
             t, dtype, dev = len(idx), values.dtype, values.device
@@ -354,7 +353,6 @@ class HICom(Pruner):
                 vision.patch_ids[i] = torch.full((keep.shape[0],), -1, dtype=torch.long, device=dev)
                 vision.projected[i] = None if proj is None else (proj if j == 0 else proj[:0])
             n_frames[b] += t
-        return out_grid
 
     def _video(self, vision: VisionBatch, batch, i: int, guide, n_tokens: int) -> tuple[int, int, int]:
         """Video item ``i`` (one item of all its frames, OneVision): its frames' feature-layer grids are

@@ -165,11 +165,12 @@ def _decode_one(
     width = drafter.max_step_tokens() if runner.captures else None
     root_dev = None  # [1] the root on the device, while cycles run there
     # slots the last cycle kept for accepted tokens past the cut (max_new or a stop token): never emitted
-    uncommitted = [0]
+    uncommitted = 0
 
     def commit(new: list[int], path_len: int, tried: list[int]) -> None:
         """A cycle's tokens (the accepted path's and the bonus) committed up to ``max_new`` or a stop token; its
         statistics recorded (before the drafter learns what was accepted: it reads the committed tokens)."""
+        nonlocal uncommitted
         stats.cycles += 1
         stats.record(tried, path_len)
         taken = 0
@@ -183,7 +184,7 @@ def _decode_one(
                 break
         # the cache holds the root and the path (new[:-1]); as in plain decoding, the last committed token is not
         # fed, so the path's slots after the last committed one hold tokens that are never emitted
-        uncommitted[0] = len(new) - taken
+        uncommitted = len(new) - taken
 
     while len(ctx.committed) < max_new and root not in stop:
         on_device = runner.captures and width is not None
@@ -201,7 +202,7 @@ def _decode_one(
     stats.draft_tokens += ctx.extras.get("draft_tokens", 0)
     tokens = ctx.committed
     cut = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
-    state.crop_last(uncommitted[0])  # the cache as plain decoding leaves it (kv_bytes_end)
+    state.crop_last(uncommitted)  # the cache as plain decoding leaves it (kv_bytes_end)
     kv_end = state.kv_bytes_per_sample()[0]
     runner.finish(state)  # its static buffers (and graphs) serve the next sample
     return _OneResult(tokens[:cut], acc, method_stats, kv_end, t1 - t0, t2 - t1)
