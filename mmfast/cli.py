@@ -339,7 +339,7 @@ def _cmd_bench(args) -> int:
 
     recipe = _load(args)
     check_output_dir(Path(args.output or recipe.output.dir.format(name=recipe.name)))
-    if args.only:
+    if args.only is not None:  # `--only ""` names no variant: refused, not read as "all of them"
         from .bench.common import only_variants
 
         recipe = only_variants(recipe, [n.strip() for n in args.only.split(",") if n.strip()])

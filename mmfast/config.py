@@ -82,6 +82,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     """Convert ``value`` to type ``tp`` or raise ConfigError naming ``path``."""
     origin = typing.get_origin(tp)
     if tp is Any:
+        _check_plain(value, path)
         return value
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -130,6 +131,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, f"expected an integer, got {value!r}")
+        _check_int_size(value, path)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -142,6 +144,44 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(path, f"expected a string, got {value!r}")
         return value
     raise ConfigError(path, f"unsupported field type {tp!r} (mmfast bug)")
+
+
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+#: the largest integer a recipe may hold (seeds, counts): what a 64-bit signed integer holds
+MAX_RECIPE_INT = 2**63 - 1
+
+
+def _check_int_size(value: int, path: str) -> None:
+    if abs(value) > MAX_RECIPE_INT:
+        raise ConfigError(
+            path, f"a {value.bit_length()}-bit integer is too large; give one of at most {MAX_RECIPE_INT} (2**63 - 1)"
+        )
+
+
+def _check_plain(value: Any, path: str) -> None:
+    """Refuse what YAML's tags make besides plain data (``2024-01-01`` is a date, ``!!binary`` bytes,
+    ``!!set`` a set) in a free-form value: the recipe is written out and hashed as JSON-like data."""
+    if isinstance(value, _PLAIN_SCALARS):
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check_int_size(value, path)
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{path}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, _PLAIN_SCALARS):
+                raise ConfigError(path, f"key {k!r} is a {type(k).__name__}; write keys as strings or numbers")
+            _check_plain(v, _join(path, str(k)))
+        return
+    raise ConfigError(
+        path,
+        f"{value!r} is a {type(value).__name__} (a YAML tag or an unquoted date made it); give plain data "
+        "(a string, number, true/false, list or mapping): quote it to give the text",
+    )
 
 
 def _check_range(value: Any, f: dataclasses.Field, path: str) -> None:
@@ -350,7 +390,17 @@ class MethodSpec:
             entry = registry.get(name)
         except Exception as exc:
             raise ConfigError(_join(path, "method"), str(exc)) from None
-        raw_params = data.get("params") or {}
+        raw_params = data.get("params")
+        if raw_params is None:  # ``params:`` left empty
+            raw_params = {}
+        if not isinstance(raw_params, dict):
+            raise ConfigError(
+                _join(path, "params"), f"expected a mapping (the parameters of {name!r}), got {raw_params!r}"
+            )
+        if entry.config_cls is None and raw_params:
+            raise ConfigError(
+                _join(path, f"params.{next(iter(raw_params))}"), f"unknown key; method {name!r} takes no params"
+            )
         params = from_dict(entry.config_cls, raw_params, _join(path, "params")) if entry.config_cls else None
         budget = None
         if data.get("budget") is not None:
@@ -488,6 +538,22 @@ class PopeTaskConfig:
         if not self.splits:
             raise ValueError(
                 "splits is empty: name at least one of random, popular, adversarial (or leave pope out of eval.tasks)"
+            )
+        names = typing.get_args(typing.get_args(typing.get_type_hints(PopeTaskConfig)["splits"])[0])
+        for key in self.files:  # a typo (randm) would be ignored and the default file evaluated
+            if key in self.splits:
+                continue
+            if key in names:
+                raise ConfigError(
+                    f"eval.pope.files.{key}",
+                    f"split {key!r} is not in eval.pope.splits ({', '.join(self.splits)}); add it there or remove "
+                    "this file",
+                )
+            hint = difflib.get_close_matches(str(key), names, n=1)
+            raise ConfigError(
+                f"eval.pope.files.{key}",
+                f"unknown POPE split {key!r}"
+                + (f"; did you mean {hint[0]!r}?" if hint else f"; the splits are {', '.join(names)}"),
             )
 
 
@@ -710,14 +776,16 @@ class Recipe:
         if not isinstance(data, dict):
             raise ConfigError(path, "a recipe must be a mapping with sections model, pruning, decoding, ...")
         data = dict(data)
-        pruning = data.pop("pruning", None) or []
+        pruning = data.pop("pruning", None)
+        if pruning is None or pruning == {}:  # ``pruning:`` left empty; false or 0 is refused below
+            pruning = []
         speculative = data.pop("speculative", None)
         if isinstance(pruning, dict):
             pruning = [pruning]
         if not isinstance(pruning, list):
             raise ConfigError("pruning", "expected a list of stages like [{method: fastv, params: {...}}]")
         stages = tuple(MethodSpec.build("pruning", st, f"pruning[{i}]") for i, st in enumerate(pruning))
-        spec = MethodSpec.build("speculative", speculative, "speculative") if speculative else None
+        spec = MethodSpec.build("speculative", speculative, "speculative") if speculative not in (None, {}) else None
         base = from_dict(_RecipeScalars, data, path)
         recipe = cls(
             base.name, base.description, base.model, stages, spec, base.decoding, base.eval, base.bench, base.output
@@ -828,6 +896,17 @@ class _StrictLoader(yaml.SafeLoader):
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:  # a scalar its tag cannot hold: 2024-13-45, a 5000-digit int
+            text = node.value if isinstance(node, yaml.ScalarNode) else ""
+            shown = f"{text[:40]}..." if len(text) > 40 else text
+            raise RecipeYAMLError(
+                f"line {node.start_mark.line + 1}: {shown!r} cannot be read as {node.tag.rsplit(':', 1)[-1]} "
+                f"({' '.join(str(exc).split())}); quote it to give a string"
+            ) from None
+
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         depth = getattr(self, "_mmfast_depth", 0)
         if depth >= MAX_YAML_DEPTH:
@@ -850,34 +929,50 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def _expanded_size(root: yaml.Node) -> int:
-    """Nodes of the document with every alias expanded; refuses cycles and more than MAX_YAML_NODES."""
-    sizes: dict[int, int] = {}
+    """Nodes of the document with every alias expanded; refuses cycles, more than MAX_YAML_NODES and
+    values nested deeper than MAX_YAML_DEPTH once aliases are expanded (an alias of a deep anchor placed
+    deep inside another one: the composer's own depth check sees each anchor's depth alone)."""
+    sizes: dict[int, tuple[int, int]] = {}  # node -> (expanded nodes, expanded levels)
     active: set[int] = set()
 
-    def size(node: yaml.Node) -> int:
+    def too_deep(node: yaml.Node) -> RecipeYAMLError:
+        return RecipeYAMLError(
+            f"line {node.start_mark.line + 1}: values nested more than {MAX_YAML_DEPTH} levels deep once aliases "
+            "are expanded; a recipe needs a few levels: flatten it"
+        )
+
+    def size(node: yaml.Node, depth: int) -> int:
         key = id(node)
         if key in sizes:
-            return sizes[key]
+            n, levels = sizes[key]
+            if depth + levels > MAX_YAML_DEPTH:
+                raise too_deep(node)
+            return n
+        if depth >= MAX_YAML_DEPTH:
+            raise too_deep(node)
         if key in active:
             raise RecipeYAMLError(
                 f"line {node.start_mark.line + 1}: a recursive alias (an anchor used inside itself); remove it"
             )
         active.add(key)
         n = 1
+        children: list[yaml.Node] = []
         if isinstance(node, yaml.SequenceNode):
-            n += sum(size(child) for child in node.value)
+            children = list(node.value)
         elif isinstance(node, yaml.MappingNode):
-            n += sum(size(k) + size(v) for k, v in node.value)
+            children = [c for pair in node.value for c in pair]
+        for child in children:
+            n += size(child, depth + 1)
         active.discard(key)
         if n > MAX_YAML_NODES:
             raise RecipeYAMLError(
                 f"line {node.start_mark.line + 1}: aliases expand the document to more than {MAX_YAML_NODES} "
                 "values (nested anchors and aliases); write the recipe out without them"
             )
-        sizes[key] = n
+        sizes[key] = (n, 1 + max((sizes[id(c)][1] for c in children), default=0))
         return n
 
-    return size(root)
+    return size(root, 0)
 
 
 def parse_yaml(text: str) -> Any:
@@ -937,6 +1032,23 @@ def _is_index(key: str | int) -> bool:
     return isinstance(key, int) or re.fullmatch(r"-?\d+", key) is not None
 
 
+def _is_list_key(keys: list[str | int]) -> bool:
+    """Whether the recipe key ``keys`` (mapping keys from the top) is a list field, so that a number below it
+    (``pruning.0``) is an index, not a mapping key (``model.max_memory.0``)."""
+    cls: Any = Recipe
+    for n, key in enumerate(keys):
+        if isinstance(key, int) or not dataclasses.is_dataclass(cls):
+            return False
+        tp = typing.get_type_hints(cls).get(key)
+        if tp is None:
+            return False
+        if n == len(keys) - 1:
+            arms = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+            return any(typing.get_origin(a) in (tuple, list) for a in arms)
+        cls = tp
+    return False
+
+
 def _apply_override(data: dict, dotted: str, value: Any) -> str:
     """Set ``dotted`` (``a.b``, ``a[i].b``, ``a.i.b``) in ``data``: missing mappings are created, lists
     are indexed within range, and a key below a scalar is refused (it would silently replace it). A
@@ -967,9 +1079,10 @@ def _apply_override(data: dict, dotted: str, value: Any) -> str:
             node[k] = value
             return label
         child = node[k] if isinstance(k, int) else node.get(k)
-        if child is None and isinstance(keys[i + 1], int):
+        below = keys[i + 1]
+        if child is None and (isinstance(below, int) or (_is_index(below) and _is_list_key(keys[: i + 1]))):
             raise InputError(
-                f"override {dotted!r}: {label} is not in the recipe, so [{keys[i + 1]}] does not exist; "
+                f"override {dotted!r}: {label} is not in the recipe, so [{below}] does not exist; "
                 f"set the whole list instead (e.g. {label}=[...])"
             )
         if child is None:
@@ -987,6 +1100,11 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
     applied before validation.
     """
     label = "<dict>"
+    if not isinstance(source, (str, os.PathLike, dict)):
+        raise InputError(
+            f"load_recipe got a {type(source).__name__}; pass a recipe file, a shipped recipe's name "
+            "(`mmfast list recipes`) or a mapping"
+        )
     if isinstance(source, dict):
         data = dict(source)
     else:
@@ -1010,6 +1128,8 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
             f"overrides is a list of key.path=value strings; got one string {overrides!r}: wrap it in a list"
         )
     for item in overrides or []:
+        if not isinstance(item, str):
+            raise InputError(f"override {item!r} is a {type(item).__name__}; give key.path=value strings")
         if "=" not in item:
             raise InputError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)

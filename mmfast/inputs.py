@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,11 @@ def _upright(im: Image.Image, what: str) -> Image.Image:
     first turned image is logged once per process."""
     global _EXIF_ROTATION_LOGGED
 
-    orientation = im.getexif().get(0x0112, 1)  # Orientation tag; 1 = upright
+    try:
+        orientation = im.getexif().get(0x0112, 1)  # Orientation tag; 1 = upright
+    except (SyntaxError, ValueError, TypeError, struct.error) as exc:  # PIL's errors for a malformed EXIF block
+        logger.warning("%s has unreadable EXIF metadata (%s); its pixels are used as stored", what, exc)
+        return im
     if orientation in (None, 1):
         return im
     if not _EXIF_ROTATION_LOGGED:

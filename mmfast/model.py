@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 
 from .checkpoint import ASSETS, DEFAULT_MODEL, EMBEDDED, _resolve  # noqa: F401 (re-exported)
-from .config import Recipe, load_recipe
+from .config import DEVICE_MAP_STRATEGIES, ModelConfig, Recipe, load_recipe
 from .errors import InputError, ModelLoadError
 from .generation import decoding_config
 from .inputs import PreparedBatch, VideoClip, open_image  # noqa: F401 (re-exported)
@@ -121,6 +122,16 @@ class MMModel:
             )
         for b, prompt in enumerate(prompts):
             _check_prompt_text(prompt, b)
+        if single and isinstance(meta, dict):
+            meta = [meta]
+        if meta is not None and (
+            not isinstance(meta, (list, tuple))
+            or len(meta) != len(prompts)
+            or not all(isinstance(m, dict) for m in meta)
+        ):
+            raise InputError(
+                f"meta is one dict per prompt ({len(prompts)} here, e.g. [{{'doc_id': ...}}]); got {meta!r:.120}"
+            )
         per_sample = [
             [open_image(im) for im in (x if isinstance(x, (list, tuple)) else [x])] if x is not None else []
             for x in images
@@ -344,6 +355,28 @@ def _hub_error(timeout: float = 3.0) -> str | None:
     return None
 
 
+def _check_load_args(attn_implementation: Any, device_map: Any, kwargs: dict[str, Any]) -> None:
+    """``load``'s arguments checked as a recipe's ``model`` section checks them, before anything loads."""
+    allowed = typing.get_args(typing.get_type_hints(ModelConfig)["attn_implementation"])
+    if attn_implementation not in allowed:
+        raise InputError(
+            f"attn_implementation {attn_implementation!r} is not one of {', '.join(allowed)} (mmfast reads attention "
+            "scores through its own probe, on these kernels)"
+        )
+    if isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES:
+        try:
+            torch.device(device_map)
+        except (RuntimeError, ValueError):
+            raise InputError(
+                f"device_map {device_map!r} is neither a placement strategy ({', '.join(DEVICE_MAP_STRATEGIES)}) "
+                "nor a device (cpu, cuda, cuda:N)"
+            ) from None
+    if "use_safetensors" in kwargs:
+        raise InputError(
+            "use_safetensors: mmfast loads safetensors weights only (it never unpickles a checkpoint); drop the argument"
+        )
+
+
 def _pick_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -411,6 +444,7 @@ def load(
     device = device or "auto"
     dtype = dtype or "float32"
     attn_implementation = attn_implementation or "sdpa"
+    _check_load_args(attn_implementation, device_map, from_pretrained_kwargs)
     from transformers import AutoConfig
 
     path, local = _resolve(name_or_path)

@@ -36,7 +36,7 @@ import shutil
 import struct
 import tempfile
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import ModelLoadError
 
@@ -114,9 +114,25 @@ def _read_manifest(d: Path) -> list[PackedFile]:
         m = json.loads((d / MANIFEST).read_text())
         if m.get("format") != FORMAT:
             raise ValueError(f"format {m.get('format')!r}, expected {FORMAT!r}")
-        return [PackedFile(**e) for e in m["files"]]
+        entries = [PackedFile(**e) for e in m["files"]]
+        for e in entries:
+            _check_entry(e)
+        return entries
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"{d / MANIFEST} is unreadable ({exc}); reinstall mmfast") from None
+
+
+def _check_entry(e: PackedFile) -> None:
+    """A manifest entry names a file inside the model directory (the unpacked copy is written there)."""
+    if not isinstance(e.path, str) or not e.path:
+        raise ValueError(f"file path {e.path!r} is not a relative path")
+    parts = PurePosixPath(e.path).parts
+    if not parts or "\\" in e.path or PurePosixPath(e.path).is_absolute() or ".." in parts:
+        raise ValueError(f"file path {e.path!r} leaves the model directory; packed paths are relative, without '..'")
+    for name in ("size", "header"):
+        v = getattr(e, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} {v!r} of {e.path!r} is not a byte count")
 
 
 def _unpack_into(d: Path, out: Path) -> None:

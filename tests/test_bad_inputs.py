@@ -144,6 +144,23 @@ def test_bad_device_string(tiny_dir):
         mmfast.load(tiny_dir, device="gpu")
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"attn_implementation": "bogus"}, "attn_implementation 'bogus' is not one of sdpa, eager"),
+        ({"device_map": "everywhere"}, "device_map 'everywhere' is neither a placement strategy"),
+        ({"use_safetensors": False}, "mmfast loads safetensors weights only"),
+    ],
+)
+def test_load_checks_its_arguments_like_a_recipe(tiny_dir, kwargs, match):
+    """mmfast.load refuses what a recipe's model section refuses, as an InputError, before anything loads
+    (transformers' ValueError or a TypeError for a repeated keyword, before)."""
+    import mmfast
+
+    with pytest.raises(InputError, match=match):
+        mmfast.load(tiny_dir, device="cpu", **kwargs)
+
+
 def _copy_model(src: Path, dst: Path) -> Path:
     import shutil
 
@@ -903,3 +920,104 @@ def test_model_generation_settings_mmfast_does_not_apply_are_named(tiny_mm, imag
     monkeypatch.setattr(tiny_mm.model.generation_config, "repetition_penalty", 1.05)
     tiny_mm.generate(images[:1], prompts[:1], max_new_tokens=1, do_sample=True, seed=0)
     assert "repetition_penalty=1.05, which mmfast's decoders do not apply" in caplog.text
+
+
+def test_aliases_cannot_nest_past_the_depth_limit(tmp_path, capsys):
+    """Each anchor alone is shallow, but an alias of a deep anchor inside another one nests them: the
+    expanded depth is refused (it crashed `validate` with a RecursionError, exit 1)."""
+    items = ["&a0 " + "[" * 50 + "1" + "]" * 50]
+    items += [f"&a{i} " + "[" * 50 + f"*a{i - 1}" + "]" * 50 for i in range(1, 30)]
+    text = "bench:\n  kind: speculative\n  params:\n    workloads: [" + ", ".join(items) + "]\n"
+    recipe = _write(tmp_path, "deep.yaml", text)
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "nested more than 64 levels deep once aliases are expanded" in err
+    with pytest.raises(yaml.YAMLError, match="levels deep"):
+        parse_yaml("a: &a " + "[" * 40 + "1" + "]" * 40 + "\nb: " + "[" * 30 + "*a" + "]" * 30 + "\n")
+    # within the limit, aliases still expand
+    assert parse_yaml("a: &a [[1]]\nb: [*a]\n") == {"a": [[1]], "b": [[[1]]]}
+
+
+@pytest.mark.parametrize("value", ["2024-01-01", "!!binary aGVsbG8=", "!!set {a, b}", "{2024-01-01: x}"])
+def test_tagged_values_in_free_form_keys_are_config_errors(tmp_path, capsys, value):
+    """A date, bytes or a set in a free-form (Any) value was accepted, then crashed hashing (exit 1)."""
+    recipe = _write(tmp_path, "r.yaml", f"bench:\n  kind: speculative\n  params:\n    workloads: {value}\n")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "bench.params.workloads" in err and "Traceback" not in err
+    rc, err = _cli(capsys, "validate", "world_eval", "--set", f"bench.compare=[{{name: a, x: {value}}}]")
+    assert rc == 2 and "bench.compare[0].x" in err
+
+
+@pytest.mark.parametrize(
+    "text, path",
+    [
+        ("decoding: {method: greedy, params: []}\n", "decoding.params"),
+        ("pruning: [{method: fastv, params: false}]\n", "pruning[0].params"),
+        ("pruning: false\n", "pruning"),
+        ("speculative: 0\n", "speculative"),
+    ],
+)
+def test_wrong_section_types_are_not_read_as_empty(tmp_path, capsys, text, path):
+    """`params: []`, `pruning: false`, `speculative: 0` were silently read as "nothing set"."""
+    rc, err = _cli(capsys, "validate", str(_write(tmp_path, "r.yaml", text)))
+    assert rc == 2 and f"{path}: expected" in err
+    assert load_recipe({"pruning": None, "speculative": None, "decoding": {"params": None}}).pruning == ()
+
+
+def test_a_bench_variant_name_must_be_a_string(tmp_path, capsys):
+    recipe = _write(tmp_path, "r.yaml", "bench: {kind: pruning, compare: [{name: [a]}]}\n")
+    rc, err = _cli(capsys, "validate", str(recipe))
+    assert rc == 2 and "bench.compare[0].name: expected the variant's name as a string" in err
+
+
+@pytest.mark.parametrize("source, overrides", [(None, None), (["world_eval"], None), ("world_eval", [3])])
+def test_load_recipe_refuses_wrong_argument_types(source, overrides):
+    with pytest.raises(InputError, match="load_recipe got|override 3"):
+        load_recipe(source, overrides)
+
+
+@pytest.mark.parametrize("ext", ["png", "jpg"])
+def test_an_unreadable_exif_block_does_not_crash(tmp_path, ext):
+    """PIL raises SyntaxError for a malformed EXIF block: open_image let it out (`mmfast run` exited 1
+    with a traceback); the pixels are fine, so the image is used as stored, with a warning."""
+    from PIL import Image
+
+    from mmfast.inputs import open_image
+
+    path = tmp_path / f"bad_exif.{ext}"
+    Image.new("RGB", (32, 24), (200, 10, 10)).save(path, exif=b"garbage, not a TIFF header")
+    im = open_image(path)
+    assert im.size == (32, 24) and im.mode == "RGB"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("decoding: {max_new_tokens: " + "1" * 5000 + "}\n", "line 1: '1111"),  # over Python's int-parsing limit
+        ("description: 2024-13-45\n", "'2024-13-45' cannot be read as timestamp (month must be in 1..12)"),
+        ("decoding: {seed: 0x" + "f" * 5000 + "}\n", "decoding.seed: a 20000-bit integer is too large"),
+        ("bench: {kind: speculative, params: {workloads: [0x" + "f" * 40 + "]}}\n", "workloads[0]: a 160-bit integer"),
+    ],
+)
+def test_scalars_yaml_cannot_hold_are_input_errors(tmp_path, capsys, text, message):
+    """PyYAML's constructors raise ValueError for a timestamp that is no date or an integer past Python's
+    4300-digit limit, and a huge hex integer crashed printing the resolved recipe: exit 1, a traceback."""
+    rc, err = _cli(capsys, "validate", str(_write(tmp_path, "r.yaml", text)))
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("meta", [[{"doc_id": "x"}], [1, 2], "ab", [{}, {}, {}]])
+def test_meta_must_be_one_dict_per_prompt(tiny_mm, images, meta):
+    """``meta[b]["doc_id"]`` seeds sample b's random stream: a short, long or non-dict meta was silently
+    ignored (sample b then drew from another stream than asked)."""
+    with pytest.raises(InputError, match="meta is one dict per prompt"):
+        tiny_mm.prepare([images[0], images[1]], ["a", "b"], meta=meta)
+    assert tiny_mm.prepare(images[0], "a", meta={"doc_id": "x"}).meta == [{"doc_id": "x"}]
+
+
+def test_pope_split_key_typo_refused_by_validate(capsys):
+    """`mmfast validate` passed a recipe with eval.pope.files.randm that `mmfast eval` then refused: the
+    check ran only when the task was planned."""
+    rc, err = _cli(capsys, "validate", "world_eval", "--set", "eval.pope.files={randm: /tmp/q.json}")
+    assert rc == 2 and "eval.pope.files.randm: unknown POPE split 'randm'; did you mean 'random'?" in err
+    with pytest.raises(ConfigError, match="split 'popular' is not in eval.pope.splits"):
+        load_recipe({"eval": {"pope": {"splits": ["random"], "files": {"popular": "q.json"}}}})

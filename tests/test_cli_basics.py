@@ -136,3 +136,18 @@ def test_quiet_hides_transformers_loading_bar(tiny_dir, images, tmp_path, capfd,
     finally:
         transformers.utils.logging.enable_progress_bar()
         enable_progress_bars()
+
+
+@pytest.mark.parametrize("only", ["", " , "])
+def test_bench_only_naming_no_variant_is_refused(tmp_path, monkeypatch, capsys, only):
+    """`--only ""` (an empty shell variable) ran every variant of the bench, as if --only were absent."""
+    import mmfast.bench
+
+    def run_bench(*args, **kwargs):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(mmfast.bench, "run_bench", run_bench)
+    from mmfast.cli import main
+
+    rc = main(["-q", "bench", "bench/pruning", "--only", only, "--output", str(tmp_path / "b")])
+    assert rc == 2 and "--only names no variant" in capsys.readouterr().err

@@ -288,3 +288,14 @@ def test_shaped_speed_warms_up_and_takes_the_median_of_its_repeats(monkeypatch):
     assert [s[:3] for s in seen] == [(1, 5, 6), (1, 5, 6)]  # baseline, random-4: 1 + 5 runs each
     for row, s in zip(out["rows"], seen):
         assert row["prefill_s"] == statistics.median(s[3])
+
+
+def test_a_dotted_index_below_a_missing_list_names_the_override(capsys):
+    """`pruning.0.budget.tokens=160` (lmms-eval's spelling) on a recipe without pruning made a mapping
+    {"0": ...} and failed as `pruning[0].0: unknown key`, blamed on the recipe file; a number below a
+    missing mapping (`model.max_memory.0`) is still a key."""
+    assert main(["-q", "validate", "world_eval", "--set", "pruning.0.budget.tokens=160"]) == 2
+    err = capsys.readouterr().err
+    assert "override 'pruning.0.budget.tokens': pruning is not in the recipe, so [0] does not exist" in err
+    assert "world_eval.yaml" not in err
+    assert load_recipe("world_eval", ["model.max_memory.0=1GiB"]).model.max_memory == {"0": "1GiB"}

@@ -313,11 +313,22 @@ def test_data_parallel_state_outside_a_launch(plugin, monkeypatch):
 
 
 def test_recipe_overrides_translation(plugin):
+    # keys as given: load_recipe reads a number between dots as a list index or a mapping key
     assert plugin.recipe_overrides({"pruning.0.params.keep": 32, "decoding.method": "vcd", "model.x.1": True}) == [
-        "pruning[0].params.keep=32",
+        "pruning.0.params.keep=32",
         "decoding.method=vcd",
-        "model.x[1]=true",
+        "model.x.1=true",
     ]
+
+
+def test_model_args_set_numbered_mapping_keys_and_list_items(plugin):
+    """``model.max_memory.0=20GiB`` (a per-GPU cap) was rewritten to ``model.max_memory[0]``, a list index,
+    and refused; ``pruning.0...`` still indexes the list."""
+    from mmfast.config import load_recipe
+
+    edits = plugin.recipe_overrides({"model.max_memory.0": "1GiB", "pruning.0.budget.tokens": 160})
+    r = load_recipe("examples/fastv_192", edits)
+    assert r.model.max_memory == {"0": "1GiB"} and r.pruning[0].budget.tokens == 160
 
 
 def test_without_lmms_eval_the_class_refuses(monkeypatch):
@@ -517,3 +528,13 @@ def test_frame_sampling_rule():
     for bad in ({"max_num_frames": 0}, {"max_num_frames": 2.5}, {"fps": -1.0}, {"video_fps": "x"}):
         with pytest.raises(InputError, match="--model_args"):
             FrameSampling(**bad)
+
+
+def test_loglikelihood_refuses_a_continuation_it_cannot_score(plugin, tiny_dir, task_dict):
+    """An empty continuation crashed inside the embedding (a float tensor of no ids), and a non-text one
+    inside the tokenizer; both are InputErrors naming the request, never a score."""
+    m = _model(plugin, f"pretrained={tiny_dir}", task_dict)
+    with pytest.raises(InputError, match="doc 0 of pope/test: the continuation '' has no tokens"):
+        m.loglikelihood([_Req(("Is there a cat?", "", _visual, 0, TASK, SPLIT))])
+    with pytest.raises(InputError, match="the continuation is a int, not text"):
+        m.loglikelihood([_Req(("Is there a cat?", 5, _visual, 0, TASK, SPLIT))])

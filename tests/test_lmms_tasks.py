@@ -243,3 +243,15 @@ def test_video_pope_or_pope_is_picked(vworld, world, tmp_path):
     missing["eval"]["video_pope"]["video_world"] = str(tmp_path / "nowhere")
     with pytest.raises(InputError, match="is not a directory; write the video world there first"):
         write_lmms_task(load_recipe(missing), tmp_path / "m")
+
+
+def test_prompt_text_round_trips_through_the_task_yaml(world, tmp_path):
+    """The prompts were written with json.dumps: a character outside the BMP became a JSON surrogate pair,
+    which YAML reads as two lone surrogates, and a YAML line break (U+0085, U+2028) was folded into a space."""
+    from mmfast.eval.lmms_tasks import write_lmms_task
+
+    prompt = "Look \U0001f600 here:\u2028{question}\x85ok?"
+    task = write_lmms_task(load_recipe(_recipe(world, prompt=prompt)), tmp_path / "t", name="u")
+    cfg = yaml.load((task.directory / "u_random.yaml").read_text(encoding="utf-8"), Loader=_Loader)
+    kw = cfg["lmms_eval_specific_kwargs"]["default"]
+    assert (kw["pre_prompt"], kw["post_prompt"]) == ("Look \U0001f600 here:\u2028", "\x85ok?")

@@ -183,3 +183,22 @@ def test_processes_unpacking_at_once_share_one_complete_copy(tmp_path, cache):
     out = Path(outs.pop())
     assert (out / "model.safetensors").read_bytes() == before["model.safetensors"]
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary directory left
+
+
+@pytest.mark.parametrize("path", ["../../../escaped.bin", "<absolute>", "a/../../escaped.bin", ""])
+def test_a_manifest_path_cannot_leave_the_directory(tmp_path, cache, path):
+    """A model directory's packed.json names where each unpacked file goes: a path outside the copy
+    (``..``, absolute) wrote a file anywhere the user can write."""
+    import lzma
+
+    d = tmp_path / "evil"
+    d.mkdir()
+    path = str(tmp_path / "abs" / "escaped.bin") if path == "<absolute>" else path
+    payload = b"not yours\n"
+    (d / "config.json").write_text("{}")
+    (d / wp.PACK).write_bytes(lzma.compress(payload, format=lzma.FORMAT_XZ))
+    entry = {"path": path, "size": len(payload), "header": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (d / wp.MANIFEST).write_text(json.dumps({"format": wp.FORMAT, "pack": wp.PACK, "files": [entry]}))
+    with pytest.raises(ModelLoadError, match="unreadable"):
+        wp.materialise(d)
+    assert not any(p.name == "escaped.bin" for p in tmp_path.rglob("*"))

@@ -71,6 +71,8 @@ def variants(recipe: Recipe, include_baseline: bool = True) -> list[Variant]:
             raise ConfigError(
                 f"{where}.{sorted(unknown)[0]}", "unknown key; allowed: name, pruning, decoding, speculative, eval"
             )
+        if not isinstance(item["name"], str) or not item["name"]:
+            raise ConfigError(f"{where}.name", f"expected the variant's name as a string, got {item['name']!r}")
         if item["name"] in names:
             raise ConfigError(f"{where}.name", f"duplicate variant name {item['name']!r}")
         names.add(item["name"])

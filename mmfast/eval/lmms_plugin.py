@@ -69,7 +69,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,8 +93,6 @@ except ImportError:  # older lmms-eval or its stand-in: plain strings
     _LMMResult = _LMMTokenCounts = None
 
 logger = logging.getLogger(__name__)
-
-_NUMBERED = re.compile(r"\.(\d+)(?=\.|$)")
 
 
 def manifest():
@@ -133,9 +130,10 @@ def rank_and_size(accelerator: Any) -> tuple[int, int]:
 
 
 def recipe_overrides(args: dict[str, Any]) -> list[str]:
-    """``--model_args`` recipe keys as ``load_recipe`` overrides (``pruning.0.params.keep`` ->
-    ``pruning[0].params.keep``). lmms-eval has already turned numbers and true/false into Python values;
-    strings stay YAML, as with ``mmfast eval --set``."""
+    """``--model_args`` recipe keys as ``load_recipe`` overrides, keys as given: a number between dots
+    indexes a list (``pruning.0.params.keep``) and is a key in a mapping (``model.max_memory.0``), as
+    with ``mmfast eval --set``. lmms-eval has already turned numbers and true/false into Python values;
+    strings stay YAML."""
     out = []
     for key, value in args.items():
         if "." not in key and "[" not in key:
@@ -148,8 +146,7 @@ def recipe_overrides(args: dict[str, Any]) -> list[str]:
                 "pruning.0.budget.tokens=160, decoding.method=vcd)"
             )
         text = value if isinstance(value, str) else json.dumps(value)
-        path = _NUMBERED.sub(lambda m: f"[{m.group(1)}]", key)
-        out.append(f"{path}={text}")
+        out.append(f"{key}={text}")
     return out
 
 
@@ -443,7 +440,12 @@ class MMFast(_LMMBase):
                 images, video = self._visuals(req)
                 prompt = context.replace("<image>", "").strip()
                 batch = self.mm.prepare([images], [prompt], videos=None if video is None else [video])
+                what = f"loglikelihood request for doc {doc_id} of {task}/{split}"
+                if not isinstance(continuation, str):
+                    raise InputError(f"{what}: the continuation is a {type(continuation).__name__}, not text")
                 cont = self.mm.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+                if not cont:  # no token to score: a score of 0 would beat every real option
+                    raise InputError(f"{what}: the continuation {continuation!r} has no tokens to score")
                 inputs = self.session.build_inputs(batch, self.session.encode(batch))
                 ids = torch.tensor([cont], device=inputs.input_ids.device)
                 full = inputs.append(ids, self.mm.adapter.embed_tokens(ids))

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ..errors import InputError
 from .data import cache_root, resolve_data
 from .pope import load_pope_questions, score_pope
@@ -200,6 +202,12 @@ def _video_pope_rows(cfg: Any, data: Any, name: str | None) -> tuple[str, dict[s
     return name or "mmfast_video_pope", rows, opts.prompt, opts.max_new_tokens
 
 
+def _yaml_str(text: str) -> str:
+    """``text`` as one double-quoted YAML scalar in ASCII (YAML's own escapes: JSON's would turn a character
+    outside the BMP into a surrogate pair, which YAML reads as two lone surrogates)."""
+    return yaml.safe_dump(text, default_style='"', width=float("inf")).rstrip("\n")
+
+
 def _task_yaml(task: str, split: str, jsonl: Path, pre: str, post: str, max_new_tokens: int) -> str:
     metrics = "".join(
         f"  - metric: pope_{m}\n    aggregation: !function utils.aggregate_{m}\n    higher_is_better: {str(m != 'yes_ratio').lower()}\n"
@@ -212,7 +220,7 @@ def _task_yaml(task: str, split: str, jsonl: Path, pre: str, post: str, max_new_
         "dataset_path: json\n"
         "dataset_kwargs:\n"
         "  data_files:\n"
-        f"    {split}: {json.dumps(str(jsonl))}\n"
+        f"    {split}: {_yaml_str(str(jsonl))}\n"
         f"test_split: {split}\n"
         "output_type: generate_until\n"
         "doc_to_visual: !function utils.doc_to_visual\n"
@@ -229,8 +237,8 @@ def _task_yaml(task: str, split: str, jsonl: Path, pre: str, post: str, max_new_
         f"{metrics}"
         "lmms_eval_specific_kwargs:\n"
         "  default:\n"
-        f"    pre_prompt: {json.dumps(pre)}\n"
-        f"    post_prompt: {json.dumps(post)}\n"
+        f"    pre_prompt: {_yaml_str(pre)}\n"
+        f"    post_prompt: {_yaml_str(post)}\n"
         "metadata:\n"
         "  version: 0.0\n"
     )

@@ -3,7 +3,6 @@ configured answer parser (:mod:`mmfast.eval.pope`)."""
 
 from __future__ import annotations
 
-import difflib
 import string
 from pathlib import Path
 from typing import Any
@@ -44,26 +43,6 @@ def check_prompt(prompt: str, where: str = "eval.pope.prompt") -> None:
         )
 
 
-def check_files(cfg: EvalConfig) -> None:
-    """Every key of ``eval.pope.files`` is a split this run evaluates (a typo such as ``randm`` would
-    otherwise be ignored and the default file evaluated)."""
-    for key in cfg.pope.files:
-        if key in cfg.pope.splits:
-            continue
-        if key in POPE_SPLITS:
-            raise ConfigError(
-                f"eval.pope.files.{key}",
-                f"split {key!r} is not in eval.pope.splits "
-                f"({', '.join(cfg.pope.splits)}); add it there or remove this file",
-            )
-        hint = difflib.get_close_matches(str(key), POPE_SPLITS, n=1)
-        raise ConfigError(
-            f"eval.pope.files.{key}",
-            f"unknown POPE split {key!r}"
-            + (f"; did you mean {hint[0]!r}?" if hint else f"; the splits are {', '.join(POPE_SPLITS)}"),
-        )
-
-
 @TASKS.register("pope", description="POPE yes/no object probing per split (accuracy, precision, recall, F1)")
 class PopeTask(Task):
     """POPE over the configured splits; metrics by the configured answer parser."""
@@ -75,7 +54,6 @@ class PopeTask(Task):
     @classmethod
     def required_files(cls, cfg: EvalConfig, data: EvalData) -> dict[str, Path]:
         check_prompt(cfg.pope.prompt)  # before any file is read or any model loads
-        check_files(cfg)
         if data.dataset == "coco":
             names = {s: f"coco_pope_{s}.json" for s in cfg.pope.splits}
         else:
