@@ -139,9 +139,11 @@ class MMModel:
         clips = self._open_videos(videos, len(prompts), single, VideoSampling(num_frames, fps, video_fps))
         if clips is not None and texts is not None:
             raise InputError("texts= (pre-templated prompts) is for images only; pass videos with plain prompts")
-        if clips is None and any(not ims for ims in per_sample):
-            b = next(b for b, ims in enumerate(per_sample) if not ims)
-            raise InputError(f"prompt {b} has no image; pass an image (or a video, videos=) per prompt")
+        # every sample needs an image or a video (with videos=, a None video and no image is a text-only sample,
+        # which the vision path cannot take either: refused here, not deep in the pixel packing)
+        bare = [b for b, ims in enumerate(per_sample) if not ims and (clips is None or clips[b] is None)]
+        if bare:
+            raise InputError(f"prompt {bare[0]} has no image; pass an image (or a video, videos=) per prompt")
         vids = [None if c is None else self.adapter.video_items(c, 0, self.video_settings) for c in clips or []]
         if texts is not None:
             texts = list(texts)

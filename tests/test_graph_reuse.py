@@ -430,6 +430,26 @@ def test_mustdrops_merging_tower_is_one_captured_graph(captured, tiny_mm, images
     assert tokens == [_dynamic(tiny_mm, recipe, imgs, ps, 4) for imgs, ps in runs]
 
 
+def test_a_probe_watched_on_the_tower_after_its_capture_records(captured, tiny_mm, images, prompts):
+    """A probe put on the captured tower between two calls records in the second, as one put on before the first:
+    the tower's blocker and carried results are read at every call (they were read once: the replays skipped it)."""
+    from mmfast.hooks import cls_row
+
+    def record(late: bool):
+        with mmfast.apply(tiny_mm, load_recipe({}), compile="static") as s:
+            attn = s.adapter.vision_layers[1].self_attn
+            if not late:
+                s.probe.watch("vis", attn, rows=cls_row)
+            s.generate(images[:1], prompts[:1], max_new_tokens=1)
+            if late:
+                s.probe.watch("vis", attn, rows=cls_row)
+            s.generate(images[1:2], prompts[:1], max_new_tokens=1)
+            assert len(s.adapter.tower_graphs.graphs) == 1
+            return s.probe["vis"].probs.clone()  # [1, H, 1, 1 + N]
+
+    torch.testing.assert_close(record(late=True), record(late=False))
+
+
 def test_the_tower_keeps_a_few_shapes():
     """At most MAX_GRAPHS pixel shapes are kept, the least recently used let go first."""
     from mmfast.models.captured_tower import MAX_GRAPHS, CapturedTower

@@ -168,6 +168,18 @@ def test_wrapped_forward_is_left_alone(qmm, caplog):
     assert "forward" not in attn.__dict__
 
 
+def test_a_nested_session_keeps_the_open_sessions_fused_tower_without_a_warning(qmm, caplog):
+    """An inner session finds the outer one's fused forwards: it leaves them (they keep running) and does not warn
+    that the tower runs as transformers ships it (it said so, of mmfast's own forwards)."""
+    with HookSession(qmm.model) as outer:
+        assert install_fused_tower(qmm.adapter, outer) > 0
+        fused = qmm.adapter.vision_layers[0].attn.forward
+        with HookSession(qmm.model) as hooks, caplog.at_level("WARNING"):
+            assert install_fused_tower(qmm.adapter, hooks) == 0
+        assert "wrapped forward" not in caplog.text
+        assert qmm.adapter.vision_layers[0].attn.forward is fused
+
+
 def test_chunk_plan_buckets_and_views():
     plan = ChunkPlan.of(torch.tensor([0, 16, 24, 40, 48, 48, 60]))  # lengths 16, 8, 16, 8, (empty), 12
     assert sorted((b.length, b.n) for b in plan.buckets) == [(8, 2), (12, 1), (16, 2)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmfast import compat
-from mmfast.config import Recipe
+from mmfast.config import Recipe, load_recipe
 from mmfast.hooks import HookSession, count_hooks, last_row
 from mmfast.pipeline import Session
 
@@ -60,3 +60,39 @@ def test_set_attr_restores_absence_and_value(tiny_mm):
         assert mod._tmp_flag == 1
     assert not hasattr(mod, "_tmp_flag")
     assert mod.self_attn.scaling != 0.5
+
+
+def test_sessions_closed_out_of_order_restore_the_model(tiny_mm):
+    """A session closed while a later one is open (not LIFO) hands what it restores to the later one: after both,
+    nothing of either is left (the first used to restore the original, the second then put the first's back)."""
+    model, layer = tiny_mm.model, tiny_mm.adapter.layers[0]
+    before_impl = compat.get_attn_implementation(model)
+    before_scaling = layer.self_attn.scaling
+    first, second = HookSession(model), HookSession(model)
+    for hs, value in ((first, 0.5), (second, 0.25)):
+        hs.set_attr(layer, "_tmp_flag", value)
+        hs.set_attr(layer.self_attn, "scaling", value)
+        hs.use_probe_attention()
+    first.close()
+    assert layer._tmp_flag == 0.25 and layer.self_attn.scaling == 0.25  # the open session's values stay
+    assert compat.get_attn_implementation(model) != before_impl  # and its probe
+    second.close()
+    assert "_tmp_flag" not in layer.__dict__
+    assert layer.self_attn.scaling == before_scaling
+    assert compat.get_attn_implementation(model) == before_impl
+
+
+def test_an_inner_sessions_attention_override_goes_with_it(tiny_mm, images, prompts):
+    """An inner session that overrides attention (ZipVL) on modules the outer one probes (FastV) adds to a copy of
+    the outer's hooks there: closed, it leaves the outer's as they were (its override stayed in them and the outer
+    session then failed: "ZipVL: the LLM ran outside the runner")."""
+    fastv = load_recipe({"pruning": [{"method": "fastv", "params": {"k": 1, "drop_ratio": 0.5}}]})
+    with Session(tiny_mm, fastv) as outer:
+        alone = [r.token_ids for r in outer.generate(images[:2], prompts[:2], max_new_tokens=4)]
+        probed = tiny_mm.adapter.layers[0].self_attn._mmfast_attn
+        with Session(tiny_mm, load_recipe({"pruning": [{"method": "zipvl"}]})) as inner:
+            inner.generate(images[:2], prompts[:2], max_new_tokens=4)
+        assert tiny_mm.adapter.layers[0].self_attn._mmfast_attn is probed and probed.override is None
+        assert [r.token_ids for r in outer.generate(images[:2], prompts[:2], max_new_tokens=4)] == alone
+    for layer in tiny_mm.adapter.layers:
+        assert "_mmfast_attn" not in layer.self_attn.__dict__

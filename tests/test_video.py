@@ -279,6 +279,18 @@ def test_bad_videos_are_refused_before_compute(video, kw, match):
         _mm("qwen2_vl").prepare(None, "Go.", videos=video, **kw)
 
 
+@pytest.mark.parametrize(
+    ("images", "videos", "bare"),
+    [(None, [None], 0), (None, [random_video(2), None], 1), ([None, _image()], [None, None], 0)],
+)
+def test_a_sample_with_neither_image_nor_video_is_refused(images, videos, bare):
+    """With ``videos=``, a sample whose video is None and that has no image is refused as without videos (it
+    crashed in the pixel packing, or slipped through as a text-only row)."""
+    prompts = ["Go."] * len(videos)
+    with pytest.raises(InputError, match=f"prompt {bare} has no image; pass an image \\(or a video"):
+        _mm("qwen2_vl").prepare(images, prompts, videos=videos)
+
+
 def test_unreadable_frame_and_empty_directory(tmp_path):
     mm = _mm("llava_onevision")
     with pytest.raises(InputError, match="is a directory without frame images"):

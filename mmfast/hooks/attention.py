@@ -410,10 +410,17 @@ class AttentionProbe:
 
 
 def attach(session, attn_module: nn.Module) -> ModuleAttentionHooks:
-    """The ModuleAttentionHooks of ``attn_module``, created (and scheduled for removal) if needed."""
+    """``session``'s ModuleAttentionHooks of ``attn_module``, created (and scheduled for removal) if needed. Where
+    another open session (an outer one) has its own there, ``session`` gets a copy of it to add to (what the outer
+    one installed keeps acting), so what ``session`` adds goes with its close instead of staying in the outer's."""
     hooks = attn_module.__dict__.get("_mmfast_attn")
-    if hooks is None:
+    if hooks is None or hooks.session is not session:
+        outer = hooks
         hooks = ModuleAttentionHooks(session=session)
+        if outer is not None:
+            hooks.recorders = list(outer.recorders)
+            hooks.override = outer.override
+            hooks.prefill_recorders = list(outer.prefill_recorders)
         session.set_attr(attn_module, "_mmfast_attn", hooks)
         session.use_probe_attention()
     return hooks

@@ -14,6 +14,7 @@ CUDA graph (``LMRunner.capture_blocker``).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,9 @@ from .. import compat
 logger = logging.getLogger(__name__)
 
 _UNSET = object()
+#: the open sessions of each model, in opening order (weak: an abandoned session does not keep its model alive): a
+#: session closed before a later one (not LIFO) hands what it restores to that later one, which restores it
+_OPEN: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref[HookSession]]] = weakref.WeakKeyDictionary()
 
 
 class HookSession:
@@ -36,6 +40,7 @@ class HookSession:
         self._attrs: list[tuple[Any, str, Any]] = []
         self._attn_before: dict[str, str] | None = None
         self.closed = False
+        _OPEN.setdefault(model, []).append(weakref.ref(self))
         #: True while the runner runs an LLM decode step: ``prefill_only`` hooks and recorders are skipped
         self.decoding = False
 
@@ -83,11 +88,19 @@ class HookSession:
     def close(self) -> None:
         if self.closed:
             return
+        opened = [s for r in _OPEN.get(self.model, []) if (s := r()) is not None and not s.closed]
+        later = opened[opened.index(self) + 1 :] if self in opened else []  # sessions opened after this one, open
         for handle in reversed(self._handles):
             handle.remove()
         self._handles.clear()
         for obj, name, old in reversed(self._attrs):
-            if old is _UNSET:
+            # a later open session set it again, remembering this session's value: it restores the original instead
+            taker = next(
+                ((s, i) for s in later for i, (o, n, _) in enumerate(s._attrs) if o is obj and n == name), None
+            )
+            if taker is not None:
+                taker[0]._attrs[taker[1]] = (obj, name, old)
+            elif old is _UNSET:
                 try:
                     delattr(obj, name)
                 except AttributeError:
@@ -96,9 +109,14 @@ class HookSession:
                 setattr(obj, name, old)
         self._attrs.clear()
         if self._attn_before is not None:
-            compat.set_attn_implementation(self.model, self._attn_before)
+            prober = next((s for s in later if s._attn_before is not None), None)
+            if prober is not None:  # a later open session still probes: it restores the original on its close
+                prober._attn_before = self._attn_before
+            else:
+                compat.set_attn_implementation(self.model, self._attn_before)
             self._attn_before = None
         self.closed = True
+        _OPEN[self.model] = [weakref.ref(s) for s in opened if s is not self]
 
     def __enter__(self) -> HookSession:
         return self

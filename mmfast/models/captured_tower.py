@@ -11,10 +11,10 @@ afterwards with the pixels copied into the graph's static input. At most ``MAX_G
 least recently used goes first: each holds its activations, e.g. LLaVA-NeXT's tile counts differ by image).
 
 The tower stays eager when a method's Python runs inside it (a hook or an attention probe on any of its
-modules: checked once per session), unless every such hook's work depends on shapes only and carries its result
-(a :class:`~mmfast.hooks.attention.Carried`: ToMe's merges, a probe of the CLS row as VisionZip's, MustDrop's padded
-merge), which is put back after each replay, when the
-session does not capture (``compile: off`` / ``static``, or not on CUDA), and for good after a capture that
+modules: checked at every call, so one put on after a capture is not skipped by the replays), unless every such
+hook's work depends on shapes only and carries its result (a :class:`~mmfast.hooks.attention.Carried`: ToMe's
+merges, a probe of the CLS row as VisionZip's, MustDrop's padded merge), which is put back after each replay, when
+the session does not capture (``compile: off`` / ``static``, or not on CUDA), and for good after a capture that
 raises (one log line). Qwen-VL towers take packed patches and a grid, and their fused attention is their own
 path (``qwen_tower.py``): not captured here. The replayed kernels are the eager ones, so outputs are equal.
 Capture time is added to the batch's ``capture_s``.
@@ -138,17 +138,22 @@ class CapturedTower(CapturedCalls):
         super().__init__(runner, factory, "the vision tower runs")
         self.tower = tower
         self._blocker: str | None | object = _UNCHECKED
+        self._carried: list[Carried] = []
 
     def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], pixels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.factory() is None or () in self._failed:
             return fn(pixels)
-        if self._blocker is _UNCHECKED:  # the session's hooks are installed before its first call
-            self._carried: list[Carried] = []
-            self._blocker = capture_blocker([self.tower], "the vision tower", carried=self._carried)
-            if self._blocker is None and any(c.stage is not None for c in self._carried):
-                self._blocker = "attention probes with rows staged from the prompt, on the vision tower"
-            if self._blocker is not None:
-                logger.info("model.compile: auto: the vision tower runs without a captured graph (%s)", self._blocker)
-        if self._blocker is not None:
+        # checked at every call, not once: a hook or probe put on the tower after a capture (``probe.watch`` between
+        # two generate calls) must stop the replays, which would skip it, or join the carried results
+        carried: list[Carried] = []
+        blocker = capture_blocker([self.tower], "the vision tower", carried=carried)
+        if blocker is None and any(c.stage is not None for c in carried):
+            blocker = "attention probes with rows staged from the prompt, on the vision tower"
+        if blocker != self._blocker and blocker is not None:
+            logger.info("model.compile: auto: the vision tower runs without a captured graph (%s)", blocker)
+        if len(carried) != len(self._carried) or any(a is not b for a, b in zip(carried, self._carried)):
+            self.graphs.clear()  # captured with other hooks inside: their replays would not carry these results
+        self._blocker, self._carried = blocker, carried
+        if blocker is not None:
             return fn(pixels)
-        return super().__call__((), fn, pixels, carried=self._carried)
+        return super().__call__((), fn, pixels, carried=carried)

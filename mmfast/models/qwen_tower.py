@@ -161,6 +161,7 @@ def fused_forward(module: nn.Module, rotary: Callable, plans: _PlanCache) -> Cal
         out = chunked_attention(q, k, v, plans.get(cu_seqlens), module.scaling)  # [S, H, Dh]
         return module.proj(out.reshape(seq, -1))  # [S, D]
 
+    forward.mmfast_fused_tower = True  # type: ignore[attr-defined]  (an open session's: install_fused_tower)
     return forward
 
 
@@ -189,6 +190,9 @@ def install_fused_tower(adapter, hooks) -> int:
         )
         return 0
     wrapped = [m for m in mods if "forward" in m.__dict__]
+    if wrapped and all(getattr(m.forward, "mmfast_fused_tower", False) for m in wrapped) and len(wrapped) == len(mods):
+        logger.debug("fused vision attention: already installed by an open session on this model")
+        return 0
     if wrapped:  # e.g. accelerate's offload hooks: replacing them would skip their device moves
         logger.warning(
             "fused vision attention: %d of the %s tower's attention modules already have a wrapped "
