@@ -674,6 +674,14 @@ class BenchConfig:
     params: dict[str, Any] = opt(factory=dict, doc="benchmark-specific settings (keys by kind: BENCH_PARAMS)")
 
     def __post_init__(self) -> None:
+        if self.kind == "none":  # nothing reads (or validates) these without a bench kind: a forgotten kind
+            unused = [k for k in ("compare", "budgets", "methods", "shape", "params") if getattr(self, k)]
+            if unused:
+                raise ConfigError(
+                    f"bench.{unused[0]}",
+                    "is set but bench.kind is none, so no bench reads it; set bench.kind "
+                    "(pruning, decoding, speculative, speed, gpu_speed, video_cost) or remove it",
+                )
         allowed = BENCH_PARAMS.get(self.kind, {})
         for key, value in self.params.items():
             if key not in allowed:

@@ -299,3 +299,19 @@ def test_a_dotted_index_below_a_missing_list_names_the_override(capsys):
     assert "override 'pruning.0.budget.tokens': pruning is not in the recipe, so [0] does not exist" in err
     assert "world_eval.yaml" not in err
     assert load_recipe("world_eval", ["model.max_memory.0=1GiB"]).model.max_memory == {"0": "1GiB"}
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("bench.compare=[{name: a, bogus: 1}]", "bench.compare"),
+        ("bench.methods=[fastv]", "bench.methods"),
+        ("bench.params={e2e_new_tokens: 4}", "bench.params"),
+    ],
+)
+def test_bench_settings_without_a_bench_kind_are_refused(capsys, override, key):
+    """bench.compare / methods / params with bench.kind none were never read, so never validated (an unknown
+    key in a compare item passed `mmfast validate`): a forgotten kind is refused, naming the key."""
+    assert main(["-q", "validate", "world_eval", "--set", override]) == 2
+    assert f"{key}: is set but bench.kind is none" in capsys.readouterr().err
+    assert load_recipe("world_eval", ["bench.kind=pruning", "bench.compare=[{name: a}]"]).bench.compare
