@@ -334,6 +334,15 @@ def is_inert_output_hook(hook: Callable) -> bool:
 # sequence length; the runtime masks the free slots.
 
 
+def _allocation_failed(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is an allocator's refusal (the CPU allocator raises a plain RuntimeError, not
+    ``torch.OutOfMemoryError``; a size past the address space overflows before it)."""
+    msg = str(exc).lower()
+    return any(
+        s in msg for s in ("allocate memory", "out of memory", "not enough memory", "size calculation overflowed")
+    )
+
+
 class StaticCacheCapacityError(InputError):
     """A static KV cache buffer could not be allocated (out of memory): the message names the tokens it
     tried to hold and the keys to lower (an input error: the CLI exits 2 with it)."""
@@ -398,15 +407,18 @@ class StaticSlotLayer(CacheLayerMixin):
     def capacity(self) -> int:
         return 0 if self._k is None else int(self._k.shape[2])
 
-    def _alloc(self, like: torch.Tensor, batch: int, capacity: int) -> torch.Tensor:
+    def _alloc(self, like: torch.Tensor, batch: int, capacity: int, rows: str = "the batch size") -> torch.Tensor:
+        """A zeroed ``[batch, Hkv, capacity, D]`` buffer like ``like``; ``rows``: the keys that set ``batch``."""
         shape = (batch, like.shape[1], capacity, like.shape[-1])
         try:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
-        except torch.OutOfMemoryError:
+        except RuntimeError as exc:  # CUDA's OutOfMemoryError; the CPU allocator's RuntimeError (or a size overflow)
+            if not isinstance(exc, torch.OutOfMemoryError) and not _allocation_failed(exc):
+                raise
             raise StaticCacheCapacityError(
                 f"the static KV cache could not allocate {batch} x {capacity} tokens for one layer on {like.device} "
                 f"({batch * capacity * like.shape[1] * like.shape[-1] * like.element_size() * 2 / 2**20:.0f} MiB of K and V); "
-                "lower decoding.max_new_tokens or the batch size, or set model.compile: off"
+                f"lower decoding.max_new_tokens or {rows}, or set model.compile: off"
             ) from None
 
     def _assign(self, value: torch.Tensor | None, *, values: bool) -> None:
@@ -554,9 +566,15 @@ class StaticSlotLayer(CacheLayerMixin):
         return self._k, self._v
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Every row ``repeats`` times (beam search after one prefill), in new buffers of ``B * repeats`` rows: the
+        largest static allocation of a beam search, so its failure names the tokens as :meth:`_alloc` does."""
         if self._k is not None:
-            self._k = self._k.repeat_interleave(repeats, dim=0)
-            self._v = self._v.repeat_interleave(repeats, dim=0)
+            b, h, c, d = self._k.shape
+            for name in ("_k", "_v"):
+                old = getattr(self, name)
+                new = self._alloc(old, b * repeats, c, "the batch size or the beams (decoding.params.num_beams)")
+                new.view(b, repeats, h, c, d).copy_(old[:, None].expand(b, repeats, h, c, d))  # row b -> b*R .. b*R+R-1
+                setattr(self, name, new)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._k is not None:
@@ -733,8 +751,14 @@ def static_rows(cache, index: torch.Tensor, pool: _PoolSet | None = None) -> Cac
         idx = index.to(lay._k.device)
         like = lay._k[:1].expand(idx.numel(), -1, -1, -1)  # [R, Hkv, C, D] (a view): what the kept buffers must fit
         kept = None if pool is None else pool.take(i, like, like, lay.capacity, zero=False)
-        if kept is None:
-            new._k, new._v, new._pos = lay._k.index_select(0, idx), lay._v.index_select(0, idx), lay._pos.clone()
+        if kept is None:  # [R, Hkv, C, D] each, allocated as the layer allocates (a failure names the tokens)
+            new._k, new._v = (
+                new._alloc(lay._k, idx.numel(), lay.capacity),
+                new._alloc(lay._v, idx.numel(), lay.capacity),
+            )
+            torch.index_select(lay._k, 0, idx, out=new._k)
+            torch.index_select(lay._v, 0, idx, out=new._v)
+            new._pos = lay._pos.clone()
         else:
             new._k, new._v, new._pos = kept
             torch.index_select(lay._k, 0, idx, out=new._k)

@@ -973,6 +973,10 @@ class LMRunner:
         )
         if hooks != own:
             return "hooks on the language model's modules"
+        for m in self.lm.modules():  # an instance forward set by a method (``HookSession.set_attr``)
+            forward = m.__dict__.get("forward")
+            if forward is not None and not (getattr(forward, "mmfast_graph_safe", False) or _replays(forward)):
+                return "a replaced forward on the language model's modules"
         for layer in self.adapter.layers:
             attn = getattr(layer.self_attn, "_mmfast_attn", None)
             if attn is not None and attn.acts_at_decode():
@@ -984,7 +988,9 @@ class LMRunner:
         decode functions' results, and those of hooks on the language model's modules."""
         found = [fn.mmfast_replayable for fns in self._decode.values() for fn in fns]
         for m in self.lm.modules():
-            for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+            forward = m.__dict__.get("forward")  # a replayable instance forward (HookSession.set_attr)
+            extra = (forward,) if forward is not None else ()
+            for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values(), *extra):
                 if _replays(h) and not any(c is h.mmfast_replayable for c in found):
                     found.append(h.mmfast_replayable)
             attn = getattr(m, "_mmfast_attn", None)

@@ -39,6 +39,42 @@ def test_beam_matches_transformers(tiny_mm, images, prompts):
         assert ours.token_ids == _hf_generate(tiny_mm, images[i], prompts[i], max_new_tokens=10, num_beams=3)
 
 
+def test_beam_kv_bytes_are_each_samples_own(tiny_mm, images, prompts, monkeypatch):
+    """A sample whose beam search ends at the first step (its top candidates are stop tokens) while another sample's
+    runs on: its KV bytes at the end are those of its own search, as decoded alone, not its rows' fed afterwards."""
+    recipe = {"decoding": {"method": "beam", "params": {"num_beams": 2}}}
+    with mmfast.apply(tiny_mm, recipe) as s:
+        batch = tiny_mm.prepare(images[:1], prompts[:1])
+        _, out = s.runner.prefill(s.build_inputs(batch, s.encode(batch)))
+        top = out.logits[0, -1].topk(2).indices.tolist()  # sample 0's two best first tokens
+    monkeypatch.setattr(tiny_mm, "eos_token_ids", [*tiny_mm.eos_token_ids, *top])
+    with mmfast.apply(tiny_mm, recipe) as s:
+        together = s.generate(images[:2], prompts[:2], max_new_tokens=6)
+        alone = [s.generate(images[b : b + 1], prompts[b : b + 1], max_new_tokens=6)[0] for b in range(2)]
+    assert together[0].token_ids == [] and len(together[1].token_ids) > 1  # the other sample decodes on
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.kv_bytes_end for r in together] == [r.kv_bytes_end for r in alone]
+
+
+@pytest.mark.parametrize("method", ["dynamic_llava", "zipvl"])
+def test_decode_time_statistics_of_a_finished_row_are_its_own(method, tiny_mm, images, prompts, monkeypatch):
+    """A row that stops while the batch decodes on is fed padding; what a decode-time policy counts on it (Dynamic-
+    LLaVA's generated and skipped tokens, ZipVL's bytes at the end) is not the sample's: its per-sample statistics
+    are those it had when it stopped, as decoded alone."""
+    from mmfast.registry import PRUNERS
+
+    recipe = {"pruning": [{"method": method, "params": PRUNERS.get(method).cls.test_params(tiny_mm.adapter)}]}
+    first = tiny_mm.generate(images[:1], prompts[:1], recipe=recipe, max_new_tokens=2)[0].token_ids
+    monkeypatch.setattr(tiny_mm, "eos_token_ids", [*tiny_mm.eos_token_ids, first[1]])  # sample 0 stops at step 1
+    with mmfast.apply(tiny_mm, recipe) as s:
+        together = s.generate(images[:2], prompts[:2], max_new_tokens=6, seed=0)
+        alone = [s.generate(images[b : b + 1], prompts[b : b + 1], max_new_tokens=6, seed=0)[0] for b in range(2)]
+    assert len(together[0].token_ids) == 1 and len(together[1].token_ids) > 2
+    for a, b in zip(together, alone):
+        per_sample = {k: v for k, v in a.stats[method].items() if k != "requant_events"}  # ZipVL's: the batch's
+        assert a.token_ids == b.token_ids and per_sample == {k: b.stats[method][k] for k in per_sample}
+
+
 def test_sampling_is_seeded(tiny_mm, images, prompts):
     recipe = {"decoding": {"method": "sample", "seed": 3}}
     a = tiny_mm.generate(images[:2], prompts[:2], recipe=recipe, max_new_tokens=8)
@@ -54,6 +90,38 @@ def test_result_accounting(tiny_mm, images, prompts):
     assert r.kv_bytes_prefill == n_prompt * slot * cfg.num_hidden_layers
     assert r.vision_tokens_layer_avg == 16
     assert r.timings.prefill_s > 0 and r.timings.vision_s > 0
+
+
+def test_decoding_bench_cost_per_token_counts_the_stop_tokens_step(tiny_mm, images, prompts, monkeypatch):
+    """The decoding bench's cost per token divides the decode time by the forwards after the first token: an
+    answer that ends on a stop token decoded that token too (stripped from token_ids), so n forwards for n kept
+    tokens, not n - 1. Timed on a clock that advances one second per decode forward."""
+    from dataclasses import dataclass
+
+    from mmfast.bench.common import Variant
+    from mmfast.bench.decoding import cost_per_token
+    from mmfast.config import load_recipe
+    from mmfast.decoding import loop
+    from mmfast.runtime import LMRunner
+
+    clock = [0.0]
+    step = LMRunner.step
+
+    def counted(self, *args, **kwargs):
+        clock[0] += 1.0
+        return step(self, *args, **kwargs)
+
+    @dataclass(frozen=True)
+    class Sample:
+        image: object
+        prompt: str
+
+    answer = tiny_mm.generate([images[0]], [prompts[0]], max_new_tokens=8)[0].token_ids
+    monkeypatch.setattr(LMRunner, "step", counted)
+    monkeypatch.setattr(loop, "now", lambda device: clock[0])
+    monkeypatch.setattr(tiny_mm, "eos_token_ids", [*tiny_mm.eos_token_ids, answer[3]])  # 3 tokens, then a stop
+    cost = cost_per_token(tiny_mm, Variant("greedy", load_recipe({})), [Sample(images[0], prompts[0])], 8, 1)
+    assert cost["decode_s_per_token"] == 1.0
 
 
 def test_multi_image_prompt(tiny_mm, images):

@@ -810,6 +810,45 @@ def test_out_of_memory_names_the_tokens_and_the_key(monkeypatch):
     assert "2 x 74 tokens" in msg and "decoding.max_new_tokens" in msg and "model.compile: off" in msg
 
 
+def test_cpu_allocation_failures_name_the_tokens_and_the_key(monkeypatch):
+    """``compile: static`` runs on the CPU too, whose allocator refuses with a plain RuntimeError (not
+    torch.OutOfMemoryError), and a capacity past the address space overflows before any allocation."""
+    layer = compat.StaticSlotLayer(reserve=2**62)  # no allocation is tried: the size overflows
+    with pytest.raises(compat.StaticCacheCapacityError) as err:
+        layer.update(torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4))
+    assert f"2 x {2**62 + 10} tokens" in str(err.value) and "decoding.max_new_tokens" in str(err.value)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(compat.torch, "zeros", refused)
+    with pytest.raises(compat.StaticCacheCapacityError) as err:
+        compat.StaticSlotLayer(reserve=64).update(torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4))
+    assert "2 x 74 tokens" in str(err.value) and "model.compile: off" in str(err.value)
+
+
+def test_beam_expansion_and_row_copies_name_the_tokens_when_out_of_memory(monkeypatch):
+    """A beam search's B x K rows (``batch_repeat_interleave``, its largest static allocation) and OPERA's per-sample
+    rows (``static_rows``) allocate as the layer does: the same rows as before, and an OOM names tokens and keys."""
+    layer = compat.StaticSlotLayer(reserve=4)
+    keys, values = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)  # [B, Hkv, T, D]
+    layer.update(keys, values)
+    whole = layer._k.clone()  # [2, 2, 7, 4]
+    rows = compat.static_rows(compat.static_cache_of([layer]), torch.tensor([1, 1, 0]))
+    assert torch.equal(rows.layers[0]._k, whole[[1, 1, 0]]) and rows.layers[0].length == 3
+    layer.batch_repeat_interleave(3)
+    assert torch.equal(layer._k, whole.repeat_interleave(3, dim=0)) and layer.capacity == 7
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(compat.torch, "zeros", oom)
+    with pytest.raises(compat.StaticCacheCapacityError, match="18 x 7 tokens.*num_beams"):
+        layer.batch_repeat_interleave(3)
+    with pytest.raises(compat.StaticCacheCapacityError, match="2 x 7 tokens"):
+        compat.static_rows(compat.static_cache_of([layer]), torch.tensor([0, 1]))
+
+
 # -- captured steps (model.compile: auto on CUDA), with a stand-in graph on the CPU ---------------------
 
 
@@ -1072,6 +1111,39 @@ def test_auto_without_a_graph_says_why_once(tiny_mm, images, prompts, monkeypatc
     assert len(lines) == 1 and "hooks on the language model" in lines[0]
     assert not ReplayGraph.made
     assert static == _tokens(tiny_mm, {}, images, prompts, "off")
+
+
+def test_a_replaced_llm_forward_keeps_decode_steps_eager_and_says_why_once(
+    tiny_mm, images, prompts, monkeypatch, caplog
+):
+    """An instance ``forward`` on an LLM module that is not marked ``mmfast_graph_safe`` or ``replayable`` is Python
+    that must run in every step (here: a per-call scale): the decode step stays eager, with one log line naming it,
+    and the tokens are compile: off's (a captured step froze the scale at capture and changed the last token)."""
+    from mmfast.pipeline import Session
+
+    def python_forward(s) -> None:
+        mlp = s.ctx.adapter.layers[1].mlp
+        calls = [0]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # [B, T, d] -> [B, T, d]
+            calls[0] += 1
+            return type(mlp).forward(mlp, x) * (1.0 + 0.5 * (calls[0] % 2))
+
+        s.hooks.set_attr(mlp, "forward", forward)
+
+    def run(mode: str) -> list[list[int]]:
+        with mmfast.apply(tiny_mm, load_recipe({}), compile=mode) as s:
+            python_forward(s)
+            return [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8, seed=0)]
+
+    dynamic = run("off")
+    EmulatedGraph.made = []
+    monkeypatch.setattr(Session, "_capture_factory", lambda self: EmulatedGraph)
+    with caplog.at_level(logging.INFO, logger="mmfast.runtime"):
+        captured = run("static")
+    lines = [r.getMessage() for r in caplog.records if "decode steps run without a captured graph" in r.getMessage()]
+    assert len(lines) == 1 and "a replaced forward on the language model" in lines[0]
+    assert captured == dynamic
 
 
 def test_generate_takes_compile(tiny_mm, images, prompts, padded_steps):

@@ -32,9 +32,12 @@ def cost_per_token(mm: MMModel, v: Variant, samples, new_tokens: int, repeats: i
         for _ in range(repeats):
             for b in batches:
                 r = session.run(b, max_new_tokens=new_tokens)[0]
+                # tokens decoded after the first: an answer cut at max_new_tokens has n - 1; one that ended on a stop
+                # token also decoded that token (stripped from token_ids), so n
                 n = len(r.token_ids)
-                if n > 1:
-                    per_tok.append(r.timings.decode_s / (n - 1) if n > 1 else 0.0)
+                steps = n if n < new_tokens else n - 1
+                if steps > 0:
+                    per_tok.append(r.timings.decode_s / steps)
                 first.append(r.timings.prefill_s)
     per_tok.sort()
     first.sort()

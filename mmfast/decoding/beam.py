@@ -22,6 +22,7 @@ are computed on) compares the worst finished score with the best of the step's 2
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from functools import partial
@@ -34,7 +35,7 @@ from ..config import opt
 from ..models.captured_tower import eager_call
 from ..registry import DECODERS
 from .base import DecodeOutput, Decoder, DecodeRequest, now, state_accounting
-from .loop import finish
+from .loop import finish, rows_at_stop
 
 
 def release_prompt_len(req: DecodeRequest) -> torch.Tensor:
@@ -83,6 +84,9 @@ class BeamSearch:
         )
         self.cur_len = 0  # tokens generated so far
         self.done = False
+        #: per sample, whether its own search has ended (no running beam can beat its finished pool); the batch's
+        #: search runs on while another sample's has not, feeding the ended sample's rows
+        self.ended = [False] * batch
 
     @property
     def running_tokens(self) -> torch.Tensor:
@@ -97,9 +101,11 @@ class BeamSearch:
         t = self._lengths[self.cur_len : self.cur_len + 1]  # [1]
         out = self.run(key, fn, log_probs, stop_ids, t, self.prompt_len, *self.state.tensors())
         self.state = BeamState(*out[:7])
-        beam_idx, tokens, stopped = out[7:]
+        beam_idx, tokens, flags = out[7:]
         self.cur_len += 1
-        self.done = last or bool(stopped)  # the step's one read
+        host = flags.tolist()  # the step's one read: [1 + B] whether the search stops, each sample's improvable
+        self.done = last or host[0]
+        self.ended = [self.done or not improvable for improvable in host[1:]]
         return beam_idx, tokens
 
     def best(self) -> list[list[int]]:
@@ -141,7 +147,7 @@ def beam_step(
     """One step in fixed shapes: ``log_probs`` [B*K, V], ``stop_ids`` [S], ``t`` [1] the tokens generated before
     it, ``prompt_len`` [B, 1] (``release``), ``state`` a :class:`BeamState`'s tensors; ``last``: the step reaches
     the length limit. Returns the new state's tensors, the running beams' flat source beam [B*K] and last token
-    [B*K], and whether the search stops [] (bool)."""
+    [B*K], and [1 + B] bool: whether the search stops, then whether each sample's search may still improve."""
     s = BeamState(*state)
     top_scores, src_beam, tok, seqs = _candidates(s, log_probs, stop_ids, t, k)
     if release:
@@ -163,7 +169,7 @@ def beam_step(
     )
     s = replace(s, improvable=s.improvable & (best_running > worst_fin).any(-1, keepdim=True))
     stopped = ~s.improvable.any() | hits.all()
-    return (*s.tensors(), *_chosen(beam_src, s, t, b, k), stopped)
+    return (*s.tensors(), *_chosen(beam_src, s, t, b, k), torch.cat([stopped.view(1), s.improvable.view(-1)]))
 
 
 def _candidates(
@@ -254,7 +260,7 @@ def _step_release(
         )
         s = _merge(s, fin_run, s.running_tokens, gen_len.expand_as(beam_src), fin, k)
     stopped = ~s.improvable.any() | eos.all()
-    return (*s.tensors(), *_chosen(beam_src, s, t, b, k), stopped)
+    return (*s.tensors(), *_chosen(beam_src, s, t, b, k), torch.cat([stopped.view(1), s.improvable.view(-1)]))
 
 
 @DECODERS.register("beam", description="beam search (transformers semantics); the OPERA-paper baseline")
@@ -295,10 +301,18 @@ class Beam(Decoder):
             run=self.ctx.captured,
         )
         n_forwards = 0
+        kv_at_end: dict[int, int] = {}  # a sample's K rows' bytes when its own search ended (later steps are not its)
+        stats_at_end: dict[int, dict[str, dict[str, Any]]] = {}  # likewise its method statistics (rows_at_stop)
         while True:
             beam_idx, tokens = search.step(torch.log_softmax(logits, -1), stop)
             if search.done:
                 break
+            ended = [i for i, e in enumerate(search.ended) if e and i not in kv_at_end]
+            if ended:
+                kv_now = state.kv_bytes_per_sample()
+                kv_at_end.update({i: sum(kv_now[i * k : (i + 1) * k]) for i in ended})
+                stats_now = copy.deepcopy(state.stats_rows(inputs.batch_size))
+                stats_at_end.update({i: stats_now for i in ended})
             runner.reorder(state, beam_idx)  # one captured graph under captured steps
             logits = runner.step(state, tokens[:, None]).logits[:, -1]
             n_forwards += 1
@@ -310,6 +324,6 @@ class Beam(Decoder):
             times=(t0, t1, t2),
             acc=acc,
             n_forwards=n_forwards,
-            method_stats=state.stats_rows(inputs.batch_size),
-            kv_end=[sum(kv_end[i * k : (i + 1) * k]) for i in range(inputs.batch_size)],
+            method_stats=rows_at_stop(state.stats_rows(inputs.batch_size), stats_at_end),
+            kv_end=[kv_at_end.get(i, sum(kv_end[i * k : (i + 1) * k])) for i in range(inputs.batch_size)],
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
@@ -124,6 +125,30 @@ def finish(
     return out
 
 
+def rows_at_stop(
+    end: dict[str, dict[str, Any]], at_stop: dict[int, dict[str, dict[str, Any]]]
+) -> dict[str, dict[str, Any]]:
+    """``end`` (method statistics at the end of a batch, ``LMState.stats_rows``) with the ``per_sample_*`` entries of
+    each row in ``at_stop`` (row -> the statistics when that row stopped) taken from its snapshot: what a decode-time
+    policy counted on the padding fed to a finished row (Dynamic-LLaVA's generated and skipped tokens, ZipVL's bytes)
+    is not that sample's."""
+
+    def take(d: dict[str, Any], snap: dict[str, Any], b: int) -> None:
+        for k, v in d.items():
+            old = snap.get(k)
+            if isinstance(v, dict) and isinstance(old, dict):
+                take(v, old, b)
+            elif str(k).startswith("per_sample_") and isinstance(v, list) and isinstance(old, list):
+                if b < len(v) and b < len(old):
+                    v[b] = old[b]
+
+    for b, snap in at_stop.items():
+        for name, d in end.items():
+            if isinstance(snap.get(name), dict):
+                take(d, snap[name], b)
+    return end
+
+
 def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_tokens: int) -> DecodeOutput:
     """The one decode driver: prefill, then one token per step until EOS or ``max_new_tokens``.
 
@@ -141,6 +166,7 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
     finished = [False] * batch_size
     generated: list[list[int]] = []
     kv_at_stop: dict[int, int] = {}  # a row's cache when it stopped: the padding fed after it is not its own
+    stats_at_stop: dict[int, dict[str, dict[str, Any]]] = {}  # likewise its method statistics (rows_at_stop)
     for step in range(max_new_tokens):
         nxt = policy.choose(logits, step)  # [B]
         if any(finished):  # finished rows are fed padding
@@ -156,8 +182,11 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
         if all(finished) or step == max_new_tokens - 1:
             break
         if stopped:
-            kv_now = policy.end_state().kv_bytes_per_sample()
+            now_state = policy.end_state()
+            kv_now = now_state.kv_bytes_per_sample()
             kv_at_stop.update({b: kv_now[b] for b in stopped})
+            stats_now = copy.deepcopy(now_state.stats_rows(batch_size))
+            stats_at_stop.update({b: stats_now for b in stopped})
         logits = policy.advance(nxt)
     t2 = now(device)
     ids = [list(r) for r in zip(*generated)] if generated else [[] for _ in range(batch_size)]
@@ -170,7 +199,7 @@ def drive(ctx: MethodContext, policy: StepPolicy, batch_size: int, max_new_token
         acc=acc,
         kv_end=kv_end,
         n_forwards=policy.n_forwards,
-        method_stats=end.stats_rows(batch_size),
+        method_stats=rows_at_stop(end.stats_rows(batch_size), stats_at_stop),
     )
 
 
