@@ -1164,6 +1164,12 @@ def load_recipe(source: str | os.PathLike | dict, overrides: list[str] | None = 
         )
         if culprit is not None:
             raise ConfigError(exc.path, exc.detail, source=f"override {culprit!r}") from None
+        # a section's own check (its __post_init__) failed where an override set one of its keys: both may be the cause
+        inside = [item for path, item in overridden.items() if path.startswith((f"{exc.path}.", f"{exc.path}["))]
+        if inside:
+            given = ", ".join(repr(item) for item in inside)
+            where = f"{label} with override {given}" if label != "<dict>" else f"override {given}"
+            raise ConfigError(exc.path, exc.detail, source=where) from None
         if label != "<dict>":
             raise ConfigError(exc.path, exc.detail, source=label) from None
         raise

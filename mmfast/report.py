@@ -394,12 +394,12 @@ def write_report(runs: list[str], output: str) -> Path:
     (``speed_shaped.md``, ``projected_7b.md``); every plot is titled with the runs it shows.
     """
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
     evals, benches = [], []
     paths = [Path(r) for r in runs]
     for run, label in zip(paths, run_labels(paths)):
         s = _load(run)
         (benches if "results" in s else evals).append((run, label, s))
+    out.mkdir(parents=True, exist_ok=True)  # after every run is read: a bad one leaves no empty directory
     md = ["# mmfast report", ""]
     images: list[Path] = []
     if evals:

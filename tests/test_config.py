@@ -315,3 +315,14 @@ def test_bench_settings_without_a_bench_kind_are_refused(capsys, override, key):
     assert main(["-q", "validate", "world_eval", "--set", override]) == 2
     assert f"{key}: is set but bench.kind is none" in capsys.readouterr().err
     assert load_recipe("world_eval", ["bench.kind=pruning", "bench.compare=[{name: a}]"]).bench.compare
+
+
+def test_a_sections_own_check_names_the_override_that_set_its_key(capsys):
+    """`--set eval.pope.splits=[]` fails in the pope section's own check, at `eval.pope`: the error named only
+    the recipe file, as if the file were wrong; it names the override too."""
+    assert main(["-q", "validate", "world_eval", "--set", "eval.pope.splits=[]"]) == 2
+    err = capsys.readouterr().err
+    assert "world_eval.yaml with override 'eval.pope.splits=[]': eval.pope: splits is empty" in err
+    with pytest.raises(ConfigError) as exc:
+        load_recipe({"eval": {"pope": {"splits": ["random"]}}}, ["eval.pope.splits=[]"])
+    assert exc.value.source == "override 'eval.pope.splits=[]'"

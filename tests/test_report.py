@@ -64,6 +64,7 @@ def test_report_from_eval_and_bench_dirs(tmp_path, capsys):
 def test_report_bad_dir(tmp_path):
     with pytest.raises(InputError, match="no summary.json"):
         write_report([str(tmp_path)], str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before the output directory is made
 
 
 def test_report_names_the_weights_of_every_run(tmp_path):
