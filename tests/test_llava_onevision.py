@@ -91,6 +91,25 @@ def test_loads_with_config_facts(ov_mm, ov_dir):
     assert facts.has_cls is False and facts.grid == (4, 4)
 
 
+def test_a_clip_tower_declares_no_cls_token(ov_dir):
+    """OneVision's encoding drops any CLS token (``with_cls=False``): with a CLIP tower the features declared a
+    CLS token (LLaVA's rule, by tower type), so a method that reads it was accepted, then had none."""
+    from transformers import AutoConfig, CLIPVisionConfig
+
+    from mmfast.models.llava_onevision import LlavaOnevisionAdapter
+
+    cfg = AutoConfig.from_pretrained(ov_dir)
+    v = cfg.vision_config
+    cfg.vision_config = CLIPVisionConfig(
+        hidden_size=v.hidden_size,
+        num_attention_heads=v.num_attention_heads,
+        num_hidden_layers=v.num_hidden_layers,
+        image_size=v.image_size,
+        patch_size=v.patch_size,
+    )
+    assert LlavaOnevisionAdapter.features_of(cfg).cls_token is False
+
+
 def test_loads_a_checkpoint_that_ships_a_video_processor(ov_dir, tmp_path, ov_images, prompts):
     """Hub checkpoints carry a video processor (torchvision-backed in transformers 5.23); mmfast's
     image-only processor loads them without it and expands image tokens as HF's processor does."""

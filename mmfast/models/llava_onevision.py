@@ -45,6 +45,7 @@ import torch
 from ..inputs import VideoClip, VisionItem
 from ._video import VideoSettings, frames_tensor
 from .base import VideoItems, VisionBatch, tag_video_tokens
+from .features import ModelFeatures
 from .llava import LlavaAdapter
 
 
@@ -54,6 +55,11 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     #: SigLIP prepends no CLS token (``features_of`` reads it from the tower type)
     features = replace(LlavaAdapter.features, cls_token=False, tiles="anyres_max", video=True)
     video_token = "<video>"
+
+    @classmethod
+    def features_of(cls, config: Any) -> ModelFeatures:
+        """No CLS token whatever the tower: the encoding drops it (``with_cls=False``), even from a CLIP tower."""
+        return cls.features
 
     @classmethod
     def config_image_tokens(cls, config: Any) -> int | None:
