@@ -507,7 +507,7 @@ def test_session_quantised_cache_prefill_bytes_and_requant(tiny_mm, images, prom
             assert all(lay.buffer_length == step % interval for lay in layers)
         assert all(len(lay.segments) == 1 + 7 // interval for lay in layers)
         assert all(lay.get_seq_length() == inputs.length + 7 for lay in layers)
-        assert state.stats["zipvl"]["requant_events"] == len(layers) * (7 // interval)
+        assert state.stats["zipvl"]["per_sample_requant_events"] == [len(layers) * (7 // interval)] * 2
         assert state.stats["zipvl"]["per_sample_kv_bytes_end"] == state.kv_bytes_per_sample()
         # re-scored blocks keep the newest tokens' smallest set reaching tau of the current query's mass
         assert all(bool(seg.important.any(1).all()) for lay in layers for seg in lay.segments[1:])
