@@ -276,6 +276,36 @@ def test_load_captions_json_and_jsonl(tmp_path: Path) -> None:
         load_captions(bad)
 
 
+@pytest.mark.parametrize(
+    "instances,captions,message",
+    [
+        ({"images": [{"id": "abc"}], "annotations": []}, [], r"inst\.json: images\[0\]\.id: must be an integer id"),
+        # int(1.7) filed the dog under image 1; a non-digit string crashed with a bare ValueError
+        ({"images": [], "annotations": [{"image_id": 1.7, "category_id": 18}]}, [], r"annotations\[0\]\.image_id"),
+        ({"images": [], "annotations": [{"image_id": "x1", "category_id": 18}]}, [], r"annotations\[0\]\.image_id"),
+        (
+            {"images": [], "annotations": []},
+            [{"image_id": 1, "caption": None}],
+            r"caps\.json: annotations\[0\]\.caption",
+        ),
+    ],
+)
+def test_bad_coco_ids_and_captions_name_the_file(tmp_path: Path, instances: dict, captions: list, message: str) -> None:
+    inst, caps = tmp_path / "inst.json", tmp_path / "caps.json"
+    inst.write_text(json.dumps({"categories": [{"id": 18, "name": "dog"}], **instances}))
+    caps.write_text(json.dumps({"images": [], "annotations": captions}))
+    with pytest.raises(InputError, match=message):
+        ChairEvaluator.from_coco(inst, caps)
+
+
+def test_load_captions_keeps_unicode_line_separators(tmp_path: Path) -> None:
+    # a caption may hold U+2028 / U+0085 raw in valid JSON Lines; str.splitlines cut the line there
+    path = tmp_path / "caps.jsonl"
+    rows = [{"image_id": 1, "caption": "A dog.\u2028A cat."}, {"image_id": 2, "caption": "A cup\x85"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert load_captions(path) == rows
+
+
 def test_coco_image_id() -> None:
     assert coco_image_id(42) == 42 and coco_image_id("42") == 42
     assert coco_image_id("COCO_val2014_000000391895.jpg") == 391895

@@ -180,6 +180,17 @@ def test_answers_join_by_question_id() -> None:
     assert [r.question_id for r in records] == list(range(1, 11))
     with pytest.raises(PopeFormatError, match="have no answer"):
         join_answers(qs, {1: "yes"})
+    # ids match as the question loader reads them (1 and "1" are one doc id): string answer ids join int questions
+    assert join_answers(qs, {str(k): v for k, v in answers.items()}) == records
+    with pytest.raises(PopeFormatError, match="answer ids 1 and '1' name one question"):
+        join_answers(qs, {**answers, "1": "no"})
+
+
+def test_a_join_failure_names_both_files(tmp_path: Path) -> None:
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"question_id": 1, "text": "Yes"}\n')
+    with pytest.raises(PopeFormatError, match=r"answers\.jsonl against .*: 9 question\(s\) have no answer"):
+        score_pope_files(QUESTIONS, answers)
 
 
 @pytest.mark.parametrize(
@@ -200,6 +211,23 @@ def test_malformed_files_name_file_and_line(tmp_path: Path, line: str, message: 
     path.write_text(good + "\n" + line + "\n")
     with pytest.raises(PopeFormatError, match=message):
         load_pope_questions(path)
+
+
+@pytest.mark.parametrize("qid", ["[2]", '{"a": 2}', "true", "2.0"])
+def test_answer_ids_of_a_wrong_type_name_file_and_line(tmp_path: Path, qid: str) -> None:
+    # an unhashable id crashed with a bare TypeError; a bool / float one joined question 1 / 2 silently
+    path = tmp_path / "answers.jsonl"
+    path.write_text('{"question_id": 1, "text": "Yes"}\n{"question_id": ' + qid + ', "text": "No"}\n')
+    with pytest.raises(PopeFormatError, match=r"answers\.jsonl:2: question_id must be an int or a string"):
+        load_pope_answers(path)
+
+
+def test_answers_may_hold_unicode_line_separators(tmp_path: Path) -> None:
+    # valid JSON Lines (json.dumps(..., ensure_ascii=False)); str.splitlines cut them mid-string
+    path = tmp_path / "answers.jsonl"
+    rows = [{"question_id": 1, "text": "Yes\u2028there is"}, {"question_id": 2, "text": "No\x85"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    assert load_pope_answers(path) == {1: "Yes\u2028there is", 2: "No\x85"}
 
 
 def test_malformed_json_array_names_item(tmp_path: Path) -> None:

@@ -220,6 +220,28 @@ def test_written_files(small_world: Path) -> None:
     assert info["pope"]["versions"]["official"]["verified"] is None  # not the standard world
 
 
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        # a string was read letter by letter: positives "p", "e", "r"
+        ('{"image": "b.png", "image_id": 2, "objects": "person"}', r"objects\.json:2: expected"),
+        ('{"image": "b.png", "objects": ["dog", "cat", "cup"]}', r"objects\.json:2: expected"),
+        ('{"image": "b.png", "image_id": 2, "objects": ["dog", "dog", "cup", "cat"]}', r"objects\.json:2: .*\['dog'\]"),
+        (
+            '{"image": "b.png", "image_id": 1, "objects": ["dog", "cat", "cup"]}',
+            r"objects\.json:2: duplicate image_id 1",
+        ),
+        ('{"image": "b.png", "image_id": 2, "objects": ["dog"', r"objects\.json:2: invalid JSON"),
+    ],
+)
+def test_bad_objects_records_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    """The builder's input file is checked: a repeated object would be asked twice as a positive."""
+    path = tmp_path / "objects.json"
+    path.write_text('{"image": "a.png", "image_id": 1, "objects": ["bed", "tv", "oven"]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        read_objects(path)
+
+
 def test_old_world_is_upgraded_and_versions_selectable(small_world: Path, tmp_path: Path) -> None:
     """A world written before the official version (v1 content under the default names, no version
     record) gets every version on first eval use; eval.pope.world_version picks the files."""

@@ -461,7 +461,9 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
             raise InputError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
         return [(f"{path}: item {i}", item) for i, item in enumerate(items)]
     out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # Lines end at \n, \r\n or \r only (as the reference's file iteration): str.splitlines also splits
+    # at U+2028, U+0085, \x0c ..., which a caption in a JSON string may hold raw.
+    for lineno, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), start=1):
         if line.strip():
             try:
                 out.append((f"{path}:{lineno}", json.loads(line)))
@@ -630,6 +632,14 @@ def _as_paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     return out
 
 
+def _coco_int(value: Any, where: str) -> int:
+    """A COCO id field, which must be a JSON integer (a digit string, float or bool is refused, not
+    converted: ``int(1.7)`` would file an object under image 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{where}: must be an integer id, got {value!r}")
+    return value
+
+
 def _load_json(path: Path) -> Any:
     if not path.is_file():
         raise InputError(f"{path}: COCO annotation file not found")
@@ -753,14 +763,14 @@ class ChairEvaluator:
             data = _load_json(path)
             try:
                 names = {c["id"]: c["name"] for c in data["categories"]}
-                for img in data.get("images", []):
-                    gt.setdefault(int(img["id"]), set())
-                for ann in data["annotations"]:
+                for i, img in enumerate(data.get("images", [])):
+                    gt.setdefault(_coco_int(img["id"], f"{path}: images[{i}].id"), set())
+                for i, ann in enumerate(data["annotations"]):
                     name = names[ann["category_id"]]
                     node = SYNONYM_TO_NODE.get(name)
                     if node is None:
                         raise InputError(f"{path}: category {name!r} is not a COCO class of the CHAIR vocabulary")
-                    gt.setdefault(int(ann["image_id"]), set()).add(node)
+                    gt.setdefault(_coco_int(ann["image_id"], f"{path}: annotations[{i}].image_id"), set()).add(node)
             except (KeyError, TypeError) as exc:
                 raise InputError(f"{path}: not a COCO instances file ({exc!r})") from exc
             logger.info("CHAIR: %d instance annotations from %s", len(data["annotations"]), path)
@@ -768,9 +778,15 @@ class ChairEvaluator:
         for path in captions:
             data = _load_json(path)
             try:
-                for img in data.get("images", []):
-                    gt.setdefault(int(img["id"]), set())
-                anns = [(int(a["image_id"]), a["caption"]) for a in data["annotations"]]
+                for i, img in enumerate(data.get("images", [])):
+                    gt.setdefault(_coco_int(img["id"], f"{path}: images[{i}].id"), set())
+                anns = [
+                    (_coco_int(a["image_id"], f"{path}: annotations[{i}].image_id"), a["caption"])
+                    for i, a in enumerate(data["annotations"])
+                ]
+                for i, (_, caption) in enumerate(anns):
+                    if not isinstance(caption, str):
+                        raise InputError(f"{path}: annotations[{i}].caption must be a string, got {caption!r}")
             except (KeyError, TypeError) as exc:
                 raise InputError(f"{path}: not a COCO captions file ({exc!r})") from exc
             for i, (image_id, caption) in enumerate(anns):

@@ -487,7 +487,9 @@ def _parse_records(p: Path, data: bytes) -> tuple[bool, list[tuple[int, dict[str
             out.append((i, item))
         return True, out
     out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # Lines end at \n, \r\n or \r only (Python's universal newlines, how the official scripts iterate
+    # a file): str.splitlines also splits at U+2028, U+0085, \x0c ..., which a JSON string may hold raw.
+    for lineno, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -902,6 +904,9 @@ def load_pope_answers(
             if key not in rec:
                 raise PopeFormatError(f"{where}: missing key {key!r}")
         qid, ans = rec[question_id_key], rec[answer_key]
+        if isinstance(qid, bool) or not isinstance(qid, (int, str)):
+            # as load_pope_questions: a bool or float id would join a question silently (True == 1, 2.0 == 2)
+            raise PopeFormatError(f"{where}: {question_id_key} must be an int or a string, got {qid!r}")
         if not isinstance(ans, str):
             raise PopeFormatError(f"{where}: {answer_key} must be a string, got {ans!r}")
         if qid in answers:
@@ -911,16 +916,21 @@ def load_pope_answers(
 
 
 def join_answers(questions: Sequence[PopeQuestion], answers: Mapping[int | str, str]) -> list[PopeRecord]:
-    """Pair each question (in question-file order) with its answer; every question must be answered."""
-    missing = [q.question_id for q in questions if q.question_id not in answers]
+    """Pair each question (in question-file order) with its answer; every question must be answered. Ids
+    match as the question loader reads them: ``1`` and ``"1"`` are one question."""
+    by_id: dict[str, str] = {}
+    given: dict[str, int | str] = {}  # the id as the answers wrote it
+    for k, text in answers.items():
+        if str(k) in by_id:
+            raise PopeFormatError(f"answer ids {given[str(k)]!r} and {k!r} name one question; keep one answer for it")
+        by_id[str(k)], given[str(k)] = text, k
+    missing = [q.question_id for q in questions if str(q.question_id) not in by_id]
     if missing:
         raise PopeFormatError(f"{len(missing)} question(s) have no answer, e.g. {missing[:5]}")
-    extra = set(answers) - {q.question_id for q in questions}
+    extra = set(by_id) - {str(q.question_id) for q in questions}
     if extra:
-        logger.warning(
-            "%d answer(s) match no question and are ignored, e.g. %s", len(extra), sorted(map(str, extra))[:5]
-        )
-    return [PopeRecord(q.question_id, q.label, answers[q.question_id]) for q in questions]
+        logger.warning("%d answer(s) match no question and are ignored, e.g. %s", len(extra), sorted(extra)[:5])
+    return [PopeRecord(q.question_id, q.label, by_id[str(q.question_id)]) for q in questions]
 
 
 def score_pope_files(
@@ -934,4 +944,8 @@ def score_pope_files(
     """Load a question file and an answer file, join them by question id and score them."""
     questions = load_pope_questions(questions_path, strict=strict)
     answers = load_pope_answers(answers_path, answer_key=answer_key)
-    return score_pope(join_answers(questions, answers), mode)
+    try:
+        joined = join_answers(questions, answers)
+    except PopeFormatError as exc:
+        raise PopeFormatError(f"{answers_path} against {questions_path}: {exc}") from None
+    return score_pope(joined, mode)

@@ -81,12 +81,43 @@ def write_objects(path: str | Path, records: Sequence[GroundTruthObjects]) -> Pa
 
 
 def read_objects(path: str | Path) -> list[GroundTruthObjects]:
-    """Read records written by :func:`write_objects`."""
+    """Read records written by :func:`write_objects`.
+
+    Raises:
+        ValueError: naming the file and line of a record that is not ``{"image": str, "image_id":
+            int, "objects": [distinct non-empty str, ...]}`` or repeats an earlier ``image_id`` (a
+            repeated object would be asked twice as a positive; a string ``objects`` would be read
+            letter by letter).
+    """
     out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
+    first_line: dict[int, int] = {}
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
             d = json.loads(line)
-            out.append(GroundTruthObjects(str(d["image"]), int(d["image_id"]), tuple(d["objects"])))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
+        d = d if isinstance(d, dict) else {}
+        image, image_id, objects = d.get("image"), d.get("image_id"), d.get("objects")
+        if (
+            not isinstance(image, str)
+            or isinstance(image_id, bool)
+            or not isinstance(image_id, int)
+            or not isinstance(objects, list)
+            or not all(isinstance(o, str) and o for o in objects)
+        ):
+            raise ValueError(
+                f'{where}: expected {{"image": str, "image_id": int, "objects": [str, ...]}}, got {line.strip()[:200]}'
+            )
+        repeated = sorted({o for o in objects if objects.count(o) > 1})
+        if repeated:
+            raise ValueError(f"{where}: image {image_id} lists {repeated} more than once; objects must be distinct")
+        if image_id in first_line:
+            raise ValueError(f"{where}: duplicate image_id {image_id} (first at line {first_line[image_id]})")
+        first_line[image_id] = lineno
+        out.append(GroundTruthObjects(image, image_id, tuple(objects)))
     return out
 
 
