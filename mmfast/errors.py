@@ -47,3 +47,24 @@ class SamplesFailedError(MMFastError):
 
 class RunAbortedError(SamplesFailedError):
     """More samples failed than ``eval.max_failures`` allows."""
+
+
+def load_tensors_into(module, tensors: dict, path, fix: str) -> None:
+    """``module.load_state_dict(tensors)`` (strict), raising :class:`ModelLoadError` that names ``path`` and
+    ``fix`` when keys are missing or unexpected or a shape differs (torch's own error names neither)."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    shapes = sorted(
+        f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in tensors and tuple(tensors[k].shape) != tuple(v.shape)
+    )
+    if missing or unexpected or shapes:
+        parts = [
+            f"{what} {items[:5]}{' ...' if len(items) > 5 else ''}"
+            for what, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes))
+            if items
+        ]
+        raise ModelLoadError(f"the weights in {path} do not fit this model ({'; '.join(parts)}); {fix}")
+    module.load_state_dict(tensors, strict=True)

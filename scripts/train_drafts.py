@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 
+from mmfast.errors import MMFastError
 from mmfast.train.drafts import DraftTrainConfig, train_draft
 
 logger = logging.getLogger("train_drafts")
@@ -36,7 +38,10 @@ def main() -> None:
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = DraftTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DraftTrainConfig)})
+    try:
+        cfg = DraftTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DraftTrainConfig)})
+    except ValueError as exc:  # a config value out of range
+        p.error(str(exc))
     n_vis = cfg.n_images
     n_txt = cfg.n_text if args.draft == "msd" else 0
     logger.info(
@@ -48,7 +53,11 @@ def main() -> None:
         cfg.steps,
         cfg.batch,
     )
-    train_draft(args.model, args.draft, args.out, args.work, cfg)
+    try:
+        train_draft(args.model, args.draft, args.out, args.work, cfg)
+    except MMFastError as exc:  # a user error (missing model, a work dir of another run, ...): exit 2
+        logging.getLogger("train_drafts").error("%s", exc)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

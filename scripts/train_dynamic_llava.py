@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 
+from mmfast.errors import MMFastError
 from mmfast.train.dynamic_llava import DynamicTrainConfig, train_dynamic_llava
 
 
@@ -29,13 +31,20 @@ def main() -> None:
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = DynamicTrainConfig(
-        **{
-            f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
-            for f in dataclasses.fields(DynamicTrainConfig)
-        }
-    )
-    train_dynamic_llava(args.model, args.out, args.work, cfg, model_out=args.model_out)
+    try:
+        cfg = DynamicTrainConfig(
+            **{
+                f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
+                for f in dataclasses.fields(DynamicTrainConfig)
+            }
+        )
+    except ValueError as exc:  # a config value out of range
+        p.error(str(exc))
+    try:
+        train_dynamic_llava(args.model, args.out, args.work, cfg, model_out=args.model_out)
+    except MMFastError as exc:  # a user error (missing model, a work dir of another run, ...): exit 2
+        logging.getLogger("train_dynamic_llava").error("%s", exc)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 
+from mmfast.errors import MMFastError
 from mmfast.train.hicom import HIComTrainConfig, train_hicom_global
 
 
@@ -33,13 +35,20 @@ def main() -> None:
         )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = HIComTrainConfig(
-        **{
-            f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
-            for f in dataclasses.fields(HIComTrainConfig)
-        }
-    )
-    train_hicom_global(args.model, args.out, args.work, cfg, clip_model=args.clip_model)
+    try:
+        cfg = HIComTrainConfig(
+            **{
+                f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
+                for f in dataclasses.fields(HIComTrainConfig)
+            }
+        )
+    except ValueError as exc:  # a config value out of range
+        p.error(str(exc))
+    try:
+        train_hicom_global(args.model, args.out, args.work, cfg, clip_model=args.clip_model)
+    except MMFastError as exc:  # a user error (missing model, a work dir of another run, ...): exit 2
+        logging.getLogger("train_hicom").error("%s", exc)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

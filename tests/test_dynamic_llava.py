@@ -346,6 +346,15 @@ def test_released_checkpoint_key_mapping(tmp_path, tiny_mm, images, prompts):
         load_predictors(ckpt, 128)
 
 
+def test_predictors_not_matching_their_config_name_the_file_and_the_fix(tmp_path):
+    path, _ = _predictor_dir(tmp_path, 64)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sparse_config"].update(d_model=64, nhead=1)  # the tensors are 32 wide
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"pred .*shape mismatch .*train_dynamic_llava\.py"):
+        load_predictors(path, 64)
+
+
 def test_missing_weights_error_names_file_and_command(tiny_mm):
     with pytest.raises(ModelLoadError) as exc:
         Session(tiny_mm, _recipe())  # auto: <model dir>/dynamic_llava, which the tiny model lacks

@@ -131,6 +131,20 @@ def test_global_branch_shapes_and_weight_files(tiny_mm, images, prompts, tmp_pat
         _session(tiny_mm, global_queries=6, global_weights=str(path))
 
 
+def test_global_weights_with_missing_tensors_name_the_file_and_the_fix(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mmfast.pruning._hicom_modules import load_global
+
+    path = save_global(GlobalCompressor(32, 64, 16, n_queries=5), tmp_path / "g.safetensors", {})
+    tensors = load_file(str(path))
+    del tensors["query"]
+    save_file(tensors, str(path))
+    expect = {"vision_hidden": 32, "llm_hidden": 64, "text_dim": 16, "n_queries": 5}
+    with pytest.raises(ModelLoadError, match=r"g\.safetensors .*missing \['query'\].*train_hicom\.py"):
+        load_global(path, model_hint="m", expect=expect)
+
+
 def test_global_modes_direct_and_coarse_against_direct_computation(tiny_mm, images, prompts, tmp_path):
     """coarse (the paper): FiLM-modulated learned queries; direct (the release's --use_guide direct):
     every query is MLP(g), so the global tokens are identical. Both checked against the formulas written

@@ -227,6 +227,17 @@ def test_missing_weights_name_the_training_command(tiny_mm, tmp_path):
         load_draft(tmp_path / "m", tiny_mm, "flash")
 
 
+def test_draft_with_missing_tensors_names_the_file_and_the_fix(tiny_mm, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = write_random_draft(tiny_mm, "msd", tmp_path / "m")
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["fc.bias"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"m/model\.safetensors .*missing \['fc\.bias'\].*train_drafts\.py"):
+        load_draft(d, tiny_mm, "msd")
+
+
 @pytest.fixture(scope="module")
 def distilled(tiny_mm, images, prompts):
     """Self-distilled samples of the tiny target (its greedy answers + hidden states)."""

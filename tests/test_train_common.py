@@ -1,5 +1,7 @@
 """Training plumbing: work directories bound to their weights; the embedded trainer's refine rounds."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,3 +92,122 @@ def test_phase_records_its_device():
     from mmfast.train.common import describe_device
 
     assert describe_device("cpu") == "cpu" and describe_device(torch.device("cpu")) == "cpu"
+
+
+# ------------------------------------------------------------------------------------ resume, data caches, scripts
+
+
+def test_resume_config_check_refuses_changes_but_not_threads(tmp_path):
+    from mmfast.errors import InputError
+    from mmfast.train.common import check_resume_config
+
+    cfg = {"seed": 0, "steps": 4, "lr": 1e-3, "threads": 0, "checkpoint_every": 2}
+    check_resume_config(tmp_path, {"config": cfg}, {**cfg, "threads": 2, "checkpoint_every": 5})
+    with pytest.raises(InputError, match=r"lr: 0\.001 -> 0\.5.*fresh --work"):
+        check_resume_config(tmp_path, {"config": cfg}, {**cfg, "lr": 0.5})
+    with pytest.raises(InputError, match="records no training config"):
+        check_resume_config(tmp_path, {"step": 2}, cfg)
+
+
+def _draft_cfg(**kw):
+    from mmfast.train.drafts import DraftTrainConfig
+
+    base = dict(n_images=4, n_text=2, gen_batch=2, max_new_tokens=6, steps=4, batch=2, checkpoint_every=2, warmup=1)
+    return DraftTrainConfig(**{**base, **kw})
+
+
+def test_draft_training_killed_and_resumed_equals_uninterrupted(tiny_dir, tmp_path, monkeypatch):
+    """Weights, optimizer, data order and noise survive a kill between checkpoints; a resume under another
+    config or a work dir whose cached answers came from another seed is refused."""
+    import shutil
+
+    from mmfast.errors import InputError
+    from mmfast.train import drafts
+    from mmfast.train.drafts import train_draft
+
+    cfg = _draft_cfg()
+    full = train_draft(tiny_dir, "msd", tmp_path / "a", tmp_path / "wa", cfg)
+    shutil.copytree(tmp_path / "wa" / "data", tmp_path / "wb" / "data")  # the same answers, no checkpoint
+    for f in (tmp_path / "wa").glob("*.json"):  # the weights and data stamps
+        shutil.copy(f, tmp_path / "wb" / f.name)
+    real, calls = drafts.draft_loss, []
+
+    def killed_at_step_2(*a, **k):  # after the step-2 checkpoint
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(drafts, "draft_loss", killed_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(tiny_dir, "msd", tmp_path / "b", tmp_path / "wb", cfg)
+    monkeypatch.setattr(drafts, "draft_loss", real)
+    resumed = train_draft(tiny_dir, "msd", tmp_path / "b", tmp_path / "wb", cfg)
+    assert (full / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+    with pytest.raises(InputError, match=r"msd_ckpt was written by a run with another config \(lr"):
+        train_draft(tiny_dir, "msd", tmp_path / "c", tmp_path / "wb", dataclasses.replace(cfg, lr=0.5))
+    with pytest.raises(InputError, match=r"caches data made with another config \(seed: 0 -> 1"):
+        train_draft(tiny_dir, "flash", tmp_path / "c", tmp_path / "wb", dataclasses.replace(cfg, seed=1))
+
+
+def test_draft_data_holds_exactly_n_samples_when_n_changes(tiny_mm, tmp_path):
+    from mmfast.train.drafts import generate_data, load_samples
+
+    for n in (3, 4, 2):  # the last shard of n=3 is short: n=4 redoes it; n=2 reads only its first 2
+        cfg = _draft_cfg(n_images=n, max_new_tokens=2)
+        assert len(load_samples(generate_data(tiny_mm, cfg, tmp_path, "visual", n), n)) == n
+
+
+def test_draft_loss_ignores_the_image_token_id_inside_an_answer(tiny_mm):
+    """A target answer may contain the image token's id: only prompt positions take the visual features."""
+    from mmfast.speculative._eagle_model import build_draft
+    from mmfast.train.drafts import Sample, draft_loss
+
+    image_id = tiny_mm.adapter.image_token_id
+    d = tiny_mm.adapter.text_config.hidden_size
+    ids = torch.tensor([1, image_id, image_id, 5, 6, 7, image_id, 8, 9])  # prompt: 4 tokens, 2 image slots
+    sample = Sample(ids, torch.randn(ids.numel(), d).half(), torch.randn(2, d).half(), plen=4, eos=False)
+    for kind, kw in (("msd", {}), ("flash", {"sar_k": 2, "n_latents": 2})):
+        torch.manual_seed(0)
+        loss, st = draft_loss(build_draft(tiny_mm, kind, **kw), [sample], image_id, _draft_cfg(**kw))
+        assert st["n"] > 0 and torch.isfinite(loss)
+
+
+def test_work_data_is_bound_to_its_config(tmp_path):
+    from mmfast.errors import InputError
+    from mmfast.train.common import bind_work_data
+
+    bind_work_data(tmp_path, {"seed": 0, "n_train": 4}, "data.json")
+    bind_work_data(tmp_path, {"seed": 0, "n_train": 4}, "data.json")  # same data: resuming is fine
+    with pytest.raises(InputError, match="seed: 0 -> 1"):
+        bind_work_data(tmp_path, {"seed": 1, "n_train": 4}, "data.json")
+
+
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        ("train_drafts", ["--draft", "msd", "--model", "{missing}"], "does not exist"),
+        ("train_hicom", ["--model", "{missing}"], "does not exist"),
+        ("train_dynamic_llava", ["--model", "{missing}"], "does not exist"),
+        ("train_dynamic_llava", ["--llm-lr", "1e-5"], "pass model_out"),
+        (
+            "train_drafts",
+            ["--draft", "msd", "--model", "{missing}", "--checkpoint-every", "0"],
+            "--checkpoint-every must be > 0",
+        ),
+        ("train_hicom", ["--model", "{missing}", "--batch", "0"], "--batch must be > 0"),
+        ("train_dynamic_llava", ["--model", "{missing}", "--epochs", "0"], "--epochs must be > 0"),
+    ],
+)
+def test_training_scripts_exit_2_on_bad_input(script, argv, message, tmp_path, monkeypatch, capsys, caplog):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{script}.py"
+    argv = [a.replace("{missing}", str(tmp_path / "no-model")) for a in argv]
+    monkeypatch.setattr(sys, "argv", [str(path), *argv, "--work", str(tmp_path / "work")])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(path), run_name="__main__")
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err + caplog.text

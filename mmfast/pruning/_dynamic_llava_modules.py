@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, load_tensors_into
 
 logger = logging.getLogger(__name__)
 
@@ -349,12 +349,12 @@ def load_predictors(
         if not tensors:
             raise ModelLoadError(f"no Dynamic-LLaVA predictor tensors (model.image_score_predictor.*) found in {path}")
     predictors = Predictors(spec)
-    missing, unexpected = predictors.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"predictor weights in {path} do not match their sparse_config: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
+    load_tensors_into(
+        predictors,
+        tensors,
+        path,
+        f"they do not match the sparse_config of {cfg_file}; retrain with `{TRAIN_COMMAND} --out {path}`",
+    )
     return predictors.float().eval(), sparse
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError, ModelLoadError
+from ..errors import ConfigError, ModelLoadError, load_tensors_into
 from ._grid import group_index
 
 logger = logging.getLogger(__name__)
@@ -248,5 +248,7 @@ def load_global(
     module = GlobalCompressor(
         meta["vision_hidden"], meta["llm_hidden"], meta["text_dim"], meta["n_queries"], meta["mode"]
     )
-    module.load_state_dict(load_file(str(path)))
+    load_tensors_into(
+        module, load_file(str(path)), path, f"retrain with `{TRAIN_COMMAND.format(model=model_hint)} --out {path}`"
+    )
     return module.eval().requires_grad_(False), meta

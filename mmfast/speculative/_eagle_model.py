@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, load_tensors_into
 
 logger = logging.getLogger(__name__)
 
@@ -364,7 +364,7 @@ def load_draft(path: str | Path, mm, kind: str) -> DraftModel:
             f"the {kind} draft in {path} was trained for another target ({arch} vs {want}); retrain with `{cmd}`"
         )
     model = DraftModel(arch, getattr(tc, "rope_parameters", None), getattr(tc, "max_position_embeddings", 4096))
-    model.load_state_dict(load_file(str(wfile)), strict=True)
+    load_tensors_into(model, load_file(str(wfile)), wfile, f"retrain with `{cmd}`")
     model.to(device=mm.device, dtype=mm.dtype).eval().requires_grad_(False)
     return model.attach(mm.adapter.language_model.embed_tokens, mm.adapter.lm_head)
 

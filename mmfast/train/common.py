@@ -3,6 +3,9 @@
 Checkpoints are a directory with ``tensors.safetensors`` (model and optimizer tensors) and
 ``meta.json`` (step, optimizer hyper-parameters, RNG seeds, anything JSON). Writing goes through a
 temporary directory renamed into place, so a killed run never leaves a half-written checkpoint.
+A checkpoint records its run's config; resuming it under another config is refused
+(:func:`check_resume_config`), and so is reusing a work directory's cached data under other data
+settings (:func:`bind_work_data`) or other model weights (:func:`bind_work_dir`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..errors import InputError
 from ..eval.fingerprint import weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -41,6 +45,58 @@ def bind_work_dir(work: Path, model: torch.nn.Module) -> None:
             )
     else:
         stamp.write_text(json.dumps({"weights_fingerprint": fp}))
+
+
+#: Config fields that do not change what a run computes (a resume may change them).
+RESUMABLE_FIELDS = frozenset({"threads", "workers", "checkpoint_every"})
+
+
+def check_resume_config(ckpt: Path, meta: dict[str, Any], config: dict[str, Any]) -> None:
+    """Refuse to resume checkpoint ``ckpt`` (its ``meta``) with another ``config`` (``asdict(cfg)``).
+
+    Only :data:`RESUMABLE_FIELDS` may differ: any other change (seed, steps, lr, data sizes, ...) would
+    silently mix two runs."""
+    old = meta.get("config")
+    if old is None:
+        raise InputError(f"{ckpt} records no training config, so a resume cannot be checked; delete it to start over")
+    diff = sorted(
+        k
+        for k in set(old) | set(config)
+        if k not in RESUMABLE_FIELDS and old.get(k, "<unset>") != config.get(k, "<unset>")
+    )
+    if diff:
+        changes = ", ".join(f"{k}: {old.get(k, '<unset>')!r} -> {config.get(k, '<unset>')!r}" for k in diff)
+        raise InputError(
+            f"{ckpt} was written by a run with another config ({changes}); rerun with the same arguments to "
+            "resume, or pass a fresh --work directory (or delete the checkpoint) to start over"
+        )
+
+
+def bind_work_data(work: Path, data_config: dict[str, Any], name: str) -> None:
+    """Tie the data a work directory caches (rendered-image features, generated answers) to the config
+    fields that make it (seed, sizes, prompt mix): caches are keyed by count only, so reusing them under
+    another seed would silently train on other images than the run's annotations describe. ``name``: the
+    stamp file, one per trainer."""
+    stamp = work / name
+    if not stamp.exists():
+        stamp.write_text(json.dumps(data_config, indent=1))
+        return
+    old = json.loads(stamp.read_text())
+    diff = sorted(k for k in set(old) | set(data_config) if old.get(k) != data_config.get(k))
+    if diff:
+        changes = ", ".join(f"{k}: {old.get(k)!r} -> {data_config.get(k)!r}" for k in diff)
+        raise InputError(
+            f"{work} caches data made with another config ({changes}, recorded in {stamp}); rerun with the same "
+            "arguments or pass a fresh --work directory"
+        )
+
+
+def require_positive(cfg: Any, *names: str) -> None:
+    """Raise ``ValueError`` naming the first of the config fields ``names`` that is not > 0."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
 
 
 def seed_everything(seed: int) -> None:

@@ -36,10 +36,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from tqdm import tqdm
 
+from ..errors import InputError
 from ..speculative._eagle_model import DraftModel, build_draft, save_draft
-from .common import bind_work_dir, cosine_lr, load_checkpoint, save_checkpoint, seed_everything
+from .common import (
+    bind_work_data,
+    bind_work_dir,
+    check_resume_config,
+    cosine_lr,
+    load_checkpoint,
+    require_positive,
+    save_checkpoint,
+    seed_everything,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +83,11 @@ class DraftTrainConfig:
     compress_source: str = "hidden"
     checkpoint_every: int = 100
     threads: int = 0  # torch threads (0: leave as is)
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self, "n_images", "max_new_tokens", "gen_batch", "steps", "batch", "lr", "checkpoint_every", "sar_k"
+        )
 
 
 # ------------------------------------------------------------------------------------ data
@@ -163,7 +179,12 @@ def generate_data(mm, cfg: DraftTrainConfig, work: Path, kind: str, n: int) -> P
     out = work / "data" / kind
     out.mkdir(parents=True, exist_ok=True)
     n_shards = math.ceil(n / cfg.gen_batch)
-    todo = [s for s in range(n_shards) if not (out / f"shard_{s:05d}.safetensors").exists()]
+    # a shard is done when it holds all its samples: the last one of a smaller earlier run is redone
+    todo = [
+        s
+        for s in range(n_shards)
+        if _shard_size(out / f"shard_{s:05d}.safetensors") != min(n, (s + 1) * cfg.gen_batch) - s * cfg.gen_batch
+    ]
     if not todo:
         return out
     wc = WorldConfig()
@@ -198,11 +219,22 @@ class Sample:
     eos: bool
 
 
-def load_samples(path: Path) -> list[Sample]:
+def _shard_size(path: Path) -> int:
+    """Samples in a shard file (-1 when it does not exist)."""
+    if not path.exists():
+        return -1
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_slice("off").get_shape()[0] - 1
+
+
+def load_samples(path: Path, n: int | None = None) -> list[Sample]:
+    """The first ``n`` samples (all if None) of the shards in ``path``, in image-id order."""
     from safetensors.torch import load_file
 
-    out = []
+    out: list[Sample] = []
     for f in sorted(path.glob("shard_*.safetensors")):
+        if n is not None and len(out) >= n:
+            break
         t = load_file(str(f))
         off, voff = t["off"].tolist(), t["voff"].tolist()
         for b in range(len(off) - 1):
@@ -215,7 +247,7 @@ def load_samples(path: Path) -> list[Sample]:
                     bool(t["eos"][b]),
                 )
             )
-    return out
+    return out if n is None else out[:n]
 
 
 # ------------------------------------------------------------------------------------ loss
@@ -229,11 +261,12 @@ def _prepare(model: DraftModel, s: Sample, image_id: int, noise: float, gen: tor
     hid = s.hid.to(dev, dtype)
     with torch.no_grad():
         emb = model.embed(ids).to(dtype)
-    img = ids == image_id
+    t = ids.numel()
+    # image slots are prompt positions only: a target answer may itself contain the image token's id
+    img = (ids == image_id) & (torch.arange(t, device=dev) < s.plen)  # [T]
     if bool(img.any()):
         emb = emb.clone()
         emb[img] = s.vis.to(dev, dtype)
-    t = ids.numel()
     image_index = torch.where(img, torch.zeros_like(ids), torch.full_like(ids, -1))  # one image per sample
     hid_in = hid[:-1]
     if noise > 0:
@@ -315,7 +348,7 @@ def train_draft(
     from ..checkpoint import source_dir
 
     if kind not in ("msd", "flash"):
-        raise ValueError(f"unknown draft {kind!r} (msd | flash)")
+        raise InputError(f"unknown draft {kind!r} (msd | flash)")
     t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -325,17 +358,20 @@ def train_draft(
     mm = mmfast.load(model_name, device="cpu", dtype="float32")
     mm.model.requires_grad_(False)
     bind_work_dir(work, mm.model)
+    # the shards' images, prompts and answers (shared by msd and flash; the counts may grow)
+    data_keys = ("seed", "max_new_tokens", "gen_batch", "detail_frac", "caption_frac")
+    bind_work_data(work, {k: getattr(cfg, k) for k in data_keys}, "drafts_data.json")
     if out is None:
         d = source_dir(model_name)
         if d is None:
-            raise ValueError(f"{model_name} is not a local directory; pass --out")
+            raise InputError(f"{model_name} is not a local directory; pass --out")
         out = d / kind
     out = Path(out)
     vis_dir = generate_data(mm, cfg, work, "visual", cfg.n_images)
-    visual = load_samples(vis_dir)
+    visual = load_samples(vis_dir, cfg.n_images)
     text: list[Sample] = []
     if kind == "msd" and cfg.text_stage > 0 and cfg.n_text > 0:
-        text = load_samples(generate_data(mm, cfg, work, "text", cfg.n_text))
+        text = load_samples(generate_data(mm, cfg, work, "text", cfg.n_text), cfg.n_text)
     t_data = time.time() - t_start
     logger.info("data: %d visual, %d text-only samples (%.0f s)", len(visual), len(text), t_data)
 
@@ -356,8 +392,7 @@ def train_draft(
     step = 0
     if ckpt.exists():
         meta = load_checkpoint(ckpt, {"draft": model}, opt)
-        if meta.get("config") != asdict(cfg):
-            logger.warning("resuming a checkpoint written with a different config: %s", meta.get("config"))
+        check_resume_config(ckpt, meta, asdict(cfg))
         step = meta["step"]
         logger.info("%s: resuming at step %d/%d", kind, step, cfg.steps)
     image_id = mm.adapter.image_token_id

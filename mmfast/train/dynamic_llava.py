@@ -42,9 +42,19 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..checkpoint import source_dir
+from ..errors import InputError
 from ..hooks import HookSession, attach
 from ..pruning._dynamic_llava_modules import Predictors, PredictorSpec, gather_rows, save_predictors, tau_at
-from .common import bind_work_dir, cosine_lr, load_checkpoint, save_checkpoint, seed_everything
+from .common import (
+    bind_work_data,
+    bind_work_dir,
+    check_resume_config,
+    cosine_lr,
+    load_checkpoint,
+    require_positive,
+    save_checkpoint,
+    seed_everything,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +83,20 @@ class DynamicTrainConfig:
     workers: int = 2
     checkpoint_every: int = 50
 
+    def __post_init__(self) -> None:
+        require_positive(
+            self,
+            "n_train",
+            "epochs",
+            "batch",
+            "lr",
+            "tau_start",
+            "tau_end",
+            "num_layers",
+            "workers",
+            "checkpoint_every",
+        )
+
 
 # ------------------------------------------------------------------------------------ the forward
 
@@ -99,7 +123,7 @@ class DynamicTraining:
     def __init__(self, llava, predictors: Predictors, layer: int, cfg: DynamicTrainConfig) -> None:
         lm = llava.model.language_model
         if not 0 < layer < len(lm.layers):
-            raise ValueError(f"sparse_layer {layer} must be in 1..{len(lm.layers) - 1}")
+            raise InputError(f"sparse_layer {layer} must be in 1..{len(lm.layers) - 1}")
         self.predictors, self.layer, self.cfg = predictors, layer, cfg
         self.hooks = HookSession(llava)
         self.hooks.pre_hook(lm.layers[layer], self._at_layer, with_kwargs=True)
@@ -253,7 +277,7 @@ def _resolve_model(model: str | Path) -> Path:
 
     path, local = _resolve(str(model))
     if not local:
-        raise ValueError(f"{model!r} is not a local model directory; download it first")
+        raise InputError(f"{model!r} is not a local model directory; download it first")
     return Path(path)
 
 
@@ -279,7 +303,7 @@ def train_dynamic_llava(
     t0 = time.time()
     model_dir = _resolve_model(model)
     if cfg.llm_lr > 0 and model_out is None:
-        raise ValueError("llm_lr > 0 tunes the LLM: pass model_out, the directory for the tuned model")
+        raise InputError("llm_lr > 0 tunes the LLM: pass model_out, the directory for the tuned model")
     out = (
         Path(out_dir) if out_dir else (Path(model_out) if model_out else source_dir(model) or model_dir) / PREDICTOR_DIR
     )
@@ -289,11 +313,12 @@ def train_dynamic_llava(
     seed_everything(cfg.seed)
     llava = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     bind_work_dir(work, llava)
+    bind_work_data(work, {"seed": cfg.seed, "n_train": cfg.n_train}, "dynamic_llava_data.json")  # the cached features
     processor = AutoProcessor.from_pretrained(model_dir)
     tokenizer = processor.tokenizer
     vcfg = llava.config
     if vcfg.vision_feature_layer != -2 or vcfg.vision_feature_select_strategy != "default":
-        raise ValueError("the feature cache assumes vision_feature_layer -2 and the 'default' (drop CLS) strategy")
+        raise InputError("the feature cache assumes vision_feature_layer -2 and the 'default' (drop CLS) strategy")
     image_id = vcfg.image_token_id
     n_layers = vcfg.text_config.num_hidden_layers
     d = vcfg.text_config.hidden_size
@@ -322,7 +347,9 @@ def train_dynamic_llava(
     ckpt = work / "ckpt"
     step = 0
     if ckpt.exists():
-        step = load_checkpoint(ckpt, modules, opt)["step"]
+        meta = load_checkpoint(ckpt, modules, opt)
+        check_resume_config(ckpt, meta, asdict(cfg))
+        step = meta["step"]
         logger.info("dynamic-llava: resuming at step %d/%d", step, steps)
     training = DynamicTraining(llava, predictors, cfg.sparse_layer, cfg)
     predictors.train()
@@ -364,7 +391,7 @@ def train_dynamic_llava(
                 tau=f"{tau:.2f}",
             )
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < steps:
-                save_checkpoint(ckpt, modules, opt, {"step": step + 1})
+                save_checkpoint(ckpt, modules, opt, {"step": step + 1, "config": asdict(cfg)})
     finally:
         training.close()
     predictors.eval()
@@ -394,6 +421,6 @@ def train_dynamic_llava(
         "steps": steps,
     }
     save_predictors(predictors, out, sparse, meta)
-    save_checkpoint(ckpt, modules, opt, {"step": steps})
+    save_checkpoint(ckpt, modules, opt, {"step": steps, "config": asdict(cfg)})
     logger.info("wrote %s in %.0f s", out, time.time() - t0)
     return out

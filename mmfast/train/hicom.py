@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..checkpoint import source_dir
+from ..errors import InputError
 from ..pruning._hicom_guide import ClipGuide, guide_text, load_clip_guide
 from ..pruning._hicom_modules import (
     GLOBAL_WEIGHTS,
@@ -34,7 +35,16 @@ from ..pruning._hicom_modules import (
     local_grid,
     save_global,
 )
-from .common import bind_work_dir, cosine_lr, load_checkpoint, save_checkpoint, seed_everything
+from .common import (
+    bind_work_data,
+    bind_work_dir,
+    check_resume_config,
+    cosine_lr,
+    load_checkpoint,
+    require_positive,
+    save_checkpoint,
+    seed_everything,
+)
 from .embedded import _collate
 from .world_data import conversation, conversation_rng, encode_conversation, render_split, to_pixel_values
 
@@ -57,6 +67,11 @@ class HIComTrainConfig:
     bf16: bool = True
     workers: int = 2
     checkpoint_every: int = 100
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self, "n_train", "steps", "batch", "lr", "n_queries", "spatial_kernel", "workers", "checkpoint_every"
+        )
 
 
 # ------------------------------------------------------------------------------------ data
@@ -158,10 +173,12 @@ def train_hicom_global(
     seed_everything(cfg.seed)
     mm = mmfast.load(model, device="cpu", dtype="float32")
     bind_work_dir(work, mm.model)
+    # the feature and CLIP-key caches' images and guide
+    bind_work_data(work, {"seed": cfg.seed, "n_train": cfg.n_train, "clip_model": clip_model}, "hicom_data.json")
     if out is None:
         d = source_dir(model)
         if d is None:
-            raise ValueError(f"{model} is not a local directory; pass --out")
+            raise InputError(f"{model} is not a local directory; pass --out")
         out = d / GLOBAL_WEIGHTS
     out = Path(out)
     llava = mm.model.requires_grad_(False)
@@ -183,8 +200,7 @@ def train_hicom_global(
     step = 0
     if ckpt.exists():
         meta = load_checkpoint(ckpt, {"global": glob}, opt)
-        if meta.get("config") != asdict(cfg):
-            logger.warning("resuming a checkpoint written with a different config: %s", meta.get("config"))
+        check_resume_config(ckpt, meta, asdict(cfg))
         step = meta["step"]
         logger.info("resuming at step %d/%d", step, cfg.steps)
     n_img = local_grid(1, *grid, 1, cfg.spatial_kernel, None)
