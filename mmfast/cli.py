@@ -117,7 +117,13 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="run the recipe's benchmark (baseline vs methods, same process)")
     recipe_args(s)
     s.add_argument("--output", default=None)
-    s.add_argument("--limit", type=_positive_int, default=None, help="samples (overrides bench.n_samples)")
+    s.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        help="pruning / decoding benches: samples per task/split of every variant's evaluation (overrides "
+        "eval.limit); speculative: timed samples (overrides bench.n_samples); unused by gpu_speed and video_cost",
+    )
     s.add_argument(
         "--only",
         default=None,

@@ -86,6 +86,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         return value
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if value is False and "off" in allowed:  # YAML 1.1 reads an unquoted `off` as false (model.compile: off)
+            value = "off"
         if value not in allowed:
             close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

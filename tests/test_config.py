@@ -326,3 +326,20 @@ def test_a_sections_own_check_names_the_override_that_set_its_key(capsys):
     with pytest.raises(ConfigError) as exc:
         load_recipe({"eval": {"pope": {"splits": ["random"]}}}, ["eval.pope.splits=[]"])
     assert exc.value.source == "override 'eval.pope.splits=[]'"
+
+
+def test_unquoted_off_in_yaml_is_the_literal_off(tmp_path):
+    # YAML 1.1 reads an unquoted `off` as False: `model.compile: off`, as the docs and the static-cache error
+    # message write it, must mean "off", in a recipe file and in a --set override
+    path = _write(
+        tmp_path,
+        """
+        model:
+          compile: off
+        """,
+    )
+    assert load_recipe(path).model.compile == "off"
+    assert load_recipe({}, overrides=["model.compile=off"]).model.compile == "off"
+    assert load_recipe({"model": {"compile": False}}).hash() == load_recipe({}).hash()  # off, auto: one hash
+    with pytest.raises(ConfigError, match=r"model\.compile: True is not allowed"):
+        load_recipe({}, overrides=["model.compile=true"])

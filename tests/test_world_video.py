@@ -216,3 +216,12 @@ def test_cli_writes_and_refuses_foreign_directory(tmp_path: Path) -> None:
     (foreign / "keep.txt").write_text("x")
     assert main(["--out", str(foreign), "--clips", "1", "--no-progress"]) == 2
     assert [p.name for p in foreign.iterdir()] == ["keep.txt"]
+
+
+def test_cli_impossible_pope_exits_2_naming_the_option(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # docs/video_world.md: with too few clips for POPE "the generator then exits 2 and says to generate more
+    # clips or pass `--pope-clips 0`" (the option's CLI spelling, not only the Python keyword)
+    argv = ["--out", str(tmp_path / "w"), "--clips", "2", "--frames", "8", "--image-size", "64", "--no-progress"]
+    with caplog.at_level("ERROR"):
+        assert main(argv) == 2
+    assert "more clips" in caplog.text and "--pope-clips 0" in caplog.text

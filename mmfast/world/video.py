@@ -222,7 +222,9 @@ def write_video_world(
         try:
             splits = build_video_pope(records, n_clips=n_clips if pope_clips is None else pope_clips, seed=seed)
         except ValueError as e:
-            raise ValueError(f"POPE over {n_clips} clips: {e}; generate more clips or pass pope_clips=0") from e
+            raise ValueError(
+                f"POPE over {n_clips} clips: {e}; generate more clips or pass pope_clips=0 (--pope-clips 0)"
+            ) from e
         for split, path in write_video_pope(out / "pope", splits).items():
             files[f"pope/{path.name}"] = path
             questions[split] = len(splits[split])
