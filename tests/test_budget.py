@@ -222,8 +222,10 @@ def test_bench_budgets_expand_to_variants():
     assert md.method == "mustdrop" and md.budget.tokens == 64 and md.params.window == 2
     assert [v.name for v in variants(only_variants(r, ["random-64"]))] == ["baseline", "random-64"]
     with pytest.raises(ConfigError, match="bench.methods and bench.budgets go together"):
-        variants(load_recipe({"bench": {"budgets": [64]}}))
-    bad = load_recipe({"bench": {"budgets": [64], "methods": [{"method": "random", "params": {"keep": 3}}]}})
+        variants(load_recipe({"bench": {"kind": "pruning", "budgets": [64]}}))
+    bad = load_recipe(
+        {"bench": {"kind": "pruning", "budgets": [64], "methods": [{"method": "random", "params": {"keep": 3}}]}}
+    )
     with pytest.raises(ConfigError) as exc:
         variants(bad)
     assert exc.value.path.startswith("bench.methods[0].pruning[0].params.keep")
