@@ -18,11 +18,9 @@ Rerunning the same command after an interruption resumes from the last shard / c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import sys
 
-from mmfast.errors import MMFastError
+from mmfast.train.common import add_config_args, config_from_args, run_or_exit_2
 from mmfast.train.drafts import DraftTrainConfig, train_draft
 
 logger = logging.getLogger("train_drafts")
@@ -34,14 +32,10 @@ def main() -> None:
     p.add_argument("--model", default="mmfast/tiny-world", help="embedded name or model directory")
     p.add_argument("--out", default=None, help="output directory (default <model dir>/<draft>)")
     p.add_argument("--work", default=".mmfast_cache/train-drafts", help="data shards and checkpoints")
-    for f in dataclasses.fields(DraftTrainConfig):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    add_config_args(p, DraftTrainConfig)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = DraftTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DraftTrainConfig)})
-    except ValueError as exc:  # a config value out of range
-        p.error(str(exc))
+    cfg = config_from_args(p, args, DraftTrainConfig)
     n_vis = cfg.n_images
     n_txt = cfg.n_text if args.draft == "msd" else 0
     logger.info(
@@ -53,11 +47,7 @@ def main() -> None:
         cfg.steps,
         cfg.batch,
     )
-    try:
-        train_draft(args.model, args.draft, args.out, args.work, cfg)
-    except MMFastError as exc:  # a user error (missing model, a work dir of another run, ...): exit 2
-        logging.getLogger("train_drafts").error("%s", exc)
-        sys.exit(2)
+    run_or_exit_2("train_drafts", train_draft, args.model, args.draft, args.out, args.work, cfg)
 
 
 if __name__ == "__main__":

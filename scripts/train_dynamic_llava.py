@@ -12,11 +12,9 @@ frozen unless --llm-lr > 0, which also needs --model-out (the tuned model is wri
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import sys
 
-from mmfast.errors import MMFastError
+from mmfast.train.common import add_config_args, config_from_args, run_or_exit_2
 from mmfast.train.dynamic_llava import DynamicTrainConfig, train_dynamic_llava
 
 
@@ -26,25 +24,13 @@ def main() -> None:
     p.add_argument("--out", default=None, help="predictor directory (default: <model dir>/dynamic_llava)")
     p.add_argument("--work", default=".mmfast_cache/train-dynamic-llava", help="checkpoints and feature cache")
     p.add_argument("--model-out", default=None, help="where the tuned model goes when --llm-lr > 0")
-    for f in dataclasses.fields(DynamicTrainConfig):
-        kind = int if f.type == "bool" else type(f.default)
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    add_config_args(p, DynamicTrainConfig)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = DynamicTrainConfig(
-            **{
-                f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
-                for f in dataclasses.fields(DynamicTrainConfig)
-            }
-        )
-    except ValueError as exc:  # a config value out of range
-        p.error(str(exc))
-    try:
-        train_dynamic_llava(args.model, args.out, args.work, cfg, model_out=args.model_out)
-    except MMFastError as exc:  # a user error (missing model, a work dir of another run, ...): exit 2
-        logging.getLogger("train_dynamic_llava").error("%s", exc)
-        sys.exit(2)
+    cfg = config_from_args(p, args, DynamicTrainConfig)
+    run_or_exit_2(
+        "train_dynamic_llava", train_dynamic_llava, args.model, args.out, args.work, cfg, model_out=args.model_out
+    )
 
 
 if __name__ == "__main__":

@@ -13,11 +13,9 @@ Rerunning the same command after an interruption resumes from the last checkpoin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import sys
 
-from mmfast.errors import MMFastError
+from mmfast.train.common import add_config_args, config_from_args, run_or_exit_2
 from mmfast.train.hicom import HIComTrainConfig, train_hicom_global
 
 
@@ -29,26 +27,11 @@ def main() -> None:
     p.add_argument("--out", default=None, help="weights file (default <model dir>/hicom_global.safetensors)")
     p.add_argument("--work", default=".mmfast_cache/train-hicom")
     p.add_argument("--clip-model", default=None, help="guide CLIP (default <model dir>/clip)")
-    for f in dataclasses.fields(HIComTrainConfig):
-        p.add_argument(
-            "--" + f.name.replace("_", "-"), type=type(f.default) if f.type != "bool" else int, default=f.default
-        )
+    add_config_args(p, HIComTrainConfig)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = HIComTrainConfig(
-            **{
-                f.name: (bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name))
-                for f in dataclasses.fields(HIComTrainConfig)
-            }
-        )
-    except ValueError as exc:  # a config value out of range
-        p.error(str(exc))
-    try:
-        train_hicom_global(args.model, args.out, args.work, cfg, clip_model=args.clip_model)
-    except MMFastError as exc:  # a user error (missing model, a work dir of another run, ...): exit 2
-        logging.getLogger("train_hicom").error("%s", exc)
-        sys.exit(2)
+    cfg = config_from_args(p, args, HIComTrainConfig)
+    run_or_exit_2("train_hicom", train_hicom_global, args.model, args.out, args.work, cfg, clip_model=args.clip_model)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,15 @@ settings (:func:`bind_work_data`) or other model weights (:func:`bind_work_dir`)
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import logging
 import math
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import InputError
+from ..errors import InputError, MMFastError
 from ..eval.fingerprint import weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -185,3 +188,36 @@ def load_checkpoint(
     if opt is not None and "optimizer" in meta:
         _unflatten_optimizer(opt, tensors, meta["optimizer"])
     return meta
+
+
+# -- the training scripts' command line -----------------------------------------------------------------
+def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """One ``--field-name`` option per field of the dataclass ``config_cls``, defaulting to the field's default (a
+    bool field takes 0 / 1: argparse would read any non-empty text, "0" too, as true)."""
+    for f in dataclasses.fields(config_cls):
+        kind = int if f.type == "bool" else type(f.default)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+
+
+def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, config_cls: type) -> Any:
+    """``config_cls`` from the options :func:`add_config_args` added; a value the config refuses (its
+    ``__post_init__``) is a usage error (exit 2, naming the option)."""
+    try:
+        return config_cls(
+            **{
+                f.name: bool(getattr(args, f.name)) if f.type == "bool" else getattr(args, f.name)
+                for f in dataclasses.fields(config_cls)
+            }
+        )
+    except ValueError as exc:  # a config value out of range
+        parser.error(str(exc))
+
+
+def run_or_exit_2(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; a user error (a missing model, a work directory of another run, ...) is logged by
+    ``name``'s logger and exits 2, without a traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except MMFastError as exc:
+        logging.getLogger(name).error("%s", exc)
+        sys.exit(2)
