@@ -524,9 +524,12 @@ class _DecodingScalars:
     seed: int | None = opt(None, lo=0)
 
 
+PopeSplit = Literal["random", "popular", "adversarial"]  # eval.pope.splits' choices
+
+
 @dataclass(frozen=True)
 class PopeTaskConfig:
-    splits: tuple[Literal["random", "popular", "adversarial"], ...] = ("random", "popular", "adversarial")
+    splits: tuple[PopeSplit, ...] = typing.get_args(PopeSplit)
     files: dict[str, str] = opt(factory=dict, doc="split -> question file; default from data root")
     prompt: str = opt("{question}", doc="'{question}' is replaced by the POPE question")
     parser: Literal["pope", "opera", "vcd", "lmms"] = "pope"
@@ -541,7 +544,7 @@ class PopeTaskConfig:
             raise ValueError(
                 "splits is empty: name at least one of random, popular, adversarial (or leave pope out of eval.tasks)"
             )
-        names = typing.get_args(typing.get_args(typing.get_type_hints(PopeTaskConfig)["splits"])[0])
+        names = typing.get_args(PopeSplit)
         for key in self.files:  # a typo (randm) would be ignored and the default file evaluated
             if key in self.splits:
                 continue

@@ -189,10 +189,10 @@ def install_fused_tower(adapter, hooks) -> int:
             adapter.family,
         )
         return 0
-    wrapped = [m for m in mods if "forward" in m.__dict__]
-    if wrapped and all(getattr(m.forward, "mmfast_fused_tower", False) for m in wrapped) and len(wrapped) == len(mods):
+    if all(getattr(m.__dict__.get("forward"), "mmfast_fused_tower", False) for m in mods):  # mods is not empty
         logger.debug("fused vision attention: already installed by an open session on this model")
         return 0
+    wrapped = [m for m in mods if "forward" in m.__dict__]
     if wrapped:  # e.g. accelerate's offload hooks: replacing them would skip their device moves
         logger.warning(
             "fused vision attention: %d of the %s tower's attention modules already have a wrapped "

@@ -366,7 +366,7 @@ class ZipVL(Pruner):
             "per_sample_kv_bytes_dense": [int(x) for x in dense.tolist()],
             "per_sample_kv_bytes_prefill": kv,
             "per_sample_kv_bytes_end": kv,
-            "per_sample_requant_events": [0] * len(kv),  # layer buffers compressed while the sample decodes
+            "per_sample_requant_events": [0] * len(kv),  # buffers compressed while it decodes (rows_at_stop)
             "tau": self.config.tau,
             "bits": [self.config.bits_high, self.config.bits_low] if self.config.quantize_kv else None,
         }
@@ -395,7 +395,6 @@ class ZipVL(Pruner):
             events += 1
         mine = state.stats.get(self.name)
         if mine:
-            # every row's buffers are compressed together; a stopped row's count is the one it had when it stopped
             mine["per_sample_requant_events"] = [n + events for n in mine["per_sample_requant_events"]]
             since = state.groups[0].length - state.inputs.length  # tokens appended since the prefill
             mine["per_sample_kv_bytes_end"] = held_bytes(state.cache.layers, mine["per_sample_kv_bytes_prefill"], since)

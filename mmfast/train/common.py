@@ -54,6 +54,12 @@ def bind_work_dir(work: Path, model: torch.nn.Module) -> None:
 RESUMABLE_FIELDS = frozenset({"threads", "workers", "checkpoint_every"})
 
 
+def _changes(old: dict[str, Any], new: dict[str, Any], ignore: frozenset[str] = frozenset()) -> str:
+    """The fields (besides ``ignore``) whose values differ, as ``key: old -> new, ...`` ("" when none)."""
+    keys = sorted(k for k in set(old) | set(new) if k not in ignore and old.get(k, "<unset>") != new.get(k, "<unset>"))
+    return ", ".join(f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in keys)
+
+
 def check_resume_config(ckpt: Path, meta: dict[str, Any], config: dict[str, Any]) -> None:
     """Refuse to resume checkpoint ``ckpt`` (its ``meta``) with another ``config`` (``asdict(cfg)``).
 
@@ -62,13 +68,8 @@ def check_resume_config(ckpt: Path, meta: dict[str, Any], config: dict[str, Any]
     old = meta.get("config")
     if old is None:
         raise InputError(f"{ckpt} records no training config, so a resume cannot be checked; delete it to start over")
-    diff = sorted(
-        k
-        for k in set(old) | set(config)
-        if k not in RESUMABLE_FIELDS and old.get(k, "<unset>") != config.get(k, "<unset>")
-    )
-    if diff:
-        changes = ", ".join(f"{k}: {old.get(k, '<unset>')!r} -> {config.get(k, '<unset>')!r}" for k in diff)
+    changes = _changes(old, config, RESUMABLE_FIELDS)
+    if changes:
         raise InputError(
             f"{ckpt} was written by a run with another config ({changes}); rerun with the same arguments to "
             "resume, or pass a fresh --work directory (or delete the checkpoint) to start over"
@@ -84,10 +85,8 @@ def bind_work_data(work: Path, data_config: dict[str, Any], name: str) -> None:
     if not stamp.exists():
         stamp.write_text(json.dumps(data_config, indent=1))
         return
-    old = json.loads(stamp.read_text())
-    diff = sorted(k for k in set(old) | set(data_config) if old.get(k) != data_config.get(k))
-    if diff:
-        changes = ", ".join(f"{k}: {old.get(k)!r} -> {data_config.get(k)!r}" for k in diff)
+    changes = _changes(json.loads(stamp.read_text()), data_config)
+    if changes:
         raise InputError(
             f"{work} caches data made with another config ({changes}, recorded in {stamp}); rerun with the same "
             "arguments or pass a fresh --work directory"

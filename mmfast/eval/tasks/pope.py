@@ -13,8 +13,6 @@ from ...registry import TASKS
 from ..data import EvalData
 from .base import Sample, Task
 
-POPE_SPLITS: tuple[str, ...] = ("random", "popular", "adversarial")  # eval.pope.splits' choices
-
 
 def check_prompt(prompt: str, where: str = "eval.pope.prompt") -> None:
     """``eval.pope.prompt`` (or the template at ``where``) is a ``str.format`` template whose only
