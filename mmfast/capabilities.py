@@ -224,6 +224,11 @@ def check_recipe(recipe: Recipe) -> str | None:
             # the tower runs before every feature stage, so a merge in the tower comes first wherever it is listed
             earlier = next((o for o in stages[:i] if o.caps.edits_features), None)
             earlier = earlier or next((o for j, o in enumerate(stages) if j != i and o.caps.merges_in_tower), None)
+            if earlier is not None and earlier.caps.needs_full_grid:  # no order serves both
+                return (
+                    f"{st.where} and {earlier.where} both need every image's full patch grid and both change it, so "
+                    "whichever runs second cannot have it; keep only one of them"
+                )
             if earlier is not None:
                 return (
                     f"{st.where} needs every image's full patch grid, but {earlier.where} changes the vision tokens "

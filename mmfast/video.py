@@ -114,9 +114,11 @@ def sample_indices(
             f"(the count is rounded to a multiple of {rule.multiple})"
         )
     if n > total:
+        rounded = sampling.num_frames is not None and n != sampling.num_frames
+        how = f" (num_frames={sampling.num_frames} rounded to a multiple of {rule.multiple})" if rounded else ""
         raise InputError(
-            f"{what}: asked for {n} frames but the video has {total}; lower num_frames / fps or pass no sampling "
-            "(all frames are used)"
+            f"{what}: asked for {n} frames{how} but the video has {total}; lower num_frames / fps or pass no "
+            "sampling (all frames are used)"
         )
     if rule.spacing == "linspace":
         return np.linspace(0, total - 1, n).round().astype(int).tolist()

@@ -277,3 +277,17 @@ def test_support_is_images_in_the_tower_else_videos_only():
         "qwen2_vl (videos only)",
         "qwen3_vl (videos only)",
     ]
+
+
+@pytest.mark.parametrize("first", ["dycoke", "tome"])
+def test_two_video_stages_that_need_whole_frames_are_refused_as_a_pair(first):
+    """DyCoke and ToMe both read whole frames and each changes them, so no order serves both: the refusal says to
+    keep one, whichever is listed first (it used to say "put dycoke first" with DyCoke already first)."""
+    stages = {"dycoke": {"method": "dycoke", "params": {"l": 2}}, "tome": {"method": "tome", "params": {"r": 4}}}
+    second = "tome" if first == "dycoke" else "dycoke"
+    with pytest.raises(IncompatibleRecipeError) as info:
+        _mm("qwen2_5_vl").generate(
+            None, ["Go."], videos=[random_video(4)], recipe={"pruning": [stages[first], stages[second]]}
+        )
+    assert "both need every image's full patch grid" in str(info.value)
+    assert "keep only one of them" in str(info.value) and " first" not in str(info.value)

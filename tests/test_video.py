@@ -471,3 +471,22 @@ def test_qwen3_frame_size_bounds_the_whole_video(tmp_path):
         h, w = smart_resize(n_frames, side, side, 2, s.patch_size * s.merge_size, 64, 8192)
         grid = mm.prepare(None, "Go.", videos=random_video(n_frames, 1, (side, side))).image_sizes[0].tolist()
         assert grid == [1, h // s.patch_size, w // s.patch_size], (n_frames, side, grid, h, w)
+
+
+def test_a_video_config_with_min_and_max_pixels_sets_the_frame_size(tmp_path):
+    """A ``video_preprocessor_config.json`` in the older Qwen-VL style (``min_pixels`` / ``max_pixels``, which
+    ``Qwen2VLVideoProcessor`` lets override ``size``) bounds the frames, not the image processor's ``size``
+    (which used to win: the video config's own bounds were ignored)."""
+    import json
+
+    from mmfast.models.factory import random_qwen_vl, save_model
+
+    path = save_model(*random_qwen_vl("qwen2_vl", seed=1), tmp_path / "q")
+    for conf in (
+        {"min_pixels": 8 * 8, "max_pixels": 16 * 16, "temporal_patch_size": 2},
+        {"size": {"shortest_edge": 256, "longest_edge": 4096}, "min_pixels": 8 * 8, "max_pixels": 16 * 16},
+    ):
+        (path / "video_preprocessor_config.json").write_text(json.dumps(conf))
+        mm = mmfast.load(path, device="cpu")
+        assert mm.video_settings.size == {"shortest_edge": 64, "longest_edge": 256}
+        assert mm.prepare(None, "Go.", videos=random_video(2)).image_sizes[0].tolist() == [1, 4, 4]  # 28 -> 16 px

@@ -388,3 +388,24 @@ def test_a_sample_is_an_image_or_a_video(tmp_path):
     with pytest.raises(ValueError, match="video_sampling is for a video sample"):
         Sample("v/1", "v", tmp_path / "x.png", "p", "yes", 2, video_sampling=VideoSampling(num_frames=2))
     assert Sample("v/1", "v", None, "p", "yes", 2, video=tmp_path).media == tmp_path
+
+
+@pytest.mark.parametrize("num_frames", [1, 7])
+def test_a_sampling_the_family_rounds_to_no_frame_or_past_the_clip_is_refused_before_compute(
+    num_frames, qwen_mm, qwen_dir, vworld, tmp_path
+):
+    """Qwen-VL rounds num_frames to a multiple of 2: 1 becomes 0 frames; on clips of 7 frames, 7 becomes 8. Each
+    would fail every sample at generation (the run used to load, write a failed record per sample and exit 3);
+    refused before any compute, naming the clip and the rounding."""
+    world = vworld
+    if num_frames == 7:  # clips of 7 frames: drop every clip's last frame
+        world = _copy(vworld, tmp_path)
+        for clip in (world / "clips").iterdir():
+            sorted(clip.glob("*.png"))[-1].unlink()
+    recipe = _recipe(qwen_dir, world, tmp_path / "run", splits=["random"], num_frames=num_frames)
+    with pytest.raises(
+        mmfast.errors.InputError,
+        match=r"video '.*VWORLD_\d+'.*(leaves no frame|num_frames=7 rounded).*multiple of 2.*every sample",
+    ):
+        run_eval(recipe, mm=qwen_mm)
+    assert not (tmp_path / "run" / "samples.jsonl").exists()

@@ -53,7 +53,7 @@ from ..pipeline import apply
 from ..progress import Progress
 from ..pruning._budget import CalibrationSet
 from ..registry import PRUNERS
-from ..video import frame_files
+from ..video import frame_files, sample_indices, source_frames
 from . import rundir
 from .data import cache_root, resolve_data
 from .distributed import barrier, fold_shards, gather_and_finish, launch_data_parallel, shard_info
@@ -359,6 +359,32 @@ def _error_record(sample: Sample, exc: BaseException, fingerprint: str) -> dict[
     }
 
 
+def check_video_sampling(plan, mm) -> None:
+    """Refuse, before any compute, a frame sampling that no video of the plan can take on the loaded model
+    (``num_frames: 1`` rounds to 0 frames on Qwen-VL; an odd count rounds past a clip's frames; ``fps``
+    leaves none of a short clip), which would otherwise fail every sample at generation. Videos that are
+    missing are left to ``_check_images``."""
+    seen: set[tuple[Path, Any]] = set()
+    rule = None
+    for _, samples in plan:
+        for s in samples:
+            if s.video is None or (s.video, s.video_sampling) in seen or _input_missing(s):
+                continue
+            seen.add((s.video, s.video_sampling))
+            rule = rule or mm.adapter.frame_rule(mm.video_settings)
+            total, rate = source_frames(s.video, f"video {str(s.video)!r}")
+            how = s.video_sampling
+            if how.video_fps is None and rate is not None:
+                how = dataclasses.replace(how, video_fps=rate)
+            try:
+                sample_indices(total, how, rule, f"{s.doc_id}: video {str(s.video)!r}")
+            except InputError as exc:
+                raise InputError(
+                    f"{exc}; every sample of that video would fail on {mm.adapter.family}: change the task's "
+                    "frame sampling"
+                ) from None
+
+
 def batch_meta(samples: list[Sample]) -> list[dict[str, Any]]:
     """The per-sample meta that reaches the session (``PreparedBatch.meta``): the task's meta plus the
     sample's stable ``doc_id`` (what per-sample random generators are seeded with)."""
@@ -440,6 +466,8 @@ def run_eval(
     if mm is None:
         check_model_config(recipe)  # the methods' layers and grids against the model's config
     check_media(recipe, plan, model_facts(recipe) if mm is None else mm.adapter)  # videos on a family with video input
+    if mm is not None:
+        check_video_sampling(plan, mm)  # the family's frame rule against every clip, before any compute
     extra_files = side_files(tasks)
     lock = None
     if rank == 0 and not rundir.check_held_by_launcher(out):
@@ -459,6 +487,7 @@ def _run_locked(
     if mm is None:
         mm = load_model(recipe.model, device=_shard_device(recipe.model.device, rank, world))
         check_media(recipe, plan, mm.adapter)  # a model whose config could not be read before it loaded
+        check_video_sampling(plan, mm)  # the family's frame rule against every clip, before any compute
     weights = weights_fingerprint(mm.model)  # hashed once a run: weights changed between runs are seen
     fps = planned_fingerprints(recipe, plan, weights)
     if rank == 0:

@@ -21,7 +21,8 @@ default in 5.17..5.24) is not applied.
 
 Settings come from the processor's video processor when it has one, else the checkpoint's
 ``video_preprocessor_config.json``, else the image processor (same normalisation, patch and merge
-sizes): :func:`video_settings`.
+sizes): :func:`video_settings`. A video config's ``min_pixels`` / ``max_pixels`` override its ``size`` edges, as
+``Qwen2VLVideoProcessor`` lets them (Qwen3-VL's video processor reads ``size`` alone).
 """
 
 from __future__ import annotations
@@ -97,19 +98,26 @@ def video_settings(processor: Any, checkpoint: str | None = None) -> VideoSettin
     """The frame settings of ``processor`` (see the module docstring for the order they are read in)."""
     conf: dict[str, Any] = {}
     source = "image processor"
+    kind = ""  # the video processor's class, where known
     if getattr(processor, "video_processor", None) is not None:
         conf, source = _attrs(processor.video_processor), "video processor"
+        kind = type(processor.video_processor).__name__
     elif checkpoint is not None:
         found = _checkpoint_video_config(checkpoint)
         if found is not None:
             conf, source = {k: v for k, v in found[0].items() if k in _KEYS}, found[1]
+            kind = str(found[0].get("video_processor_type") or "")
+    # Qwen2VLVideoProcessor (Qwen2-VL, Qwen2.5-VL) lets its min_pixels / max_pixels override size's edges (its
+    # backward compatibility); Qwen3VLVideoProcessor reads size alone
+    override = conf if not kind.startswith("Qwen3VL") else {}
     base = _attrs(processor.image_processor)
     conf = {**base, **conf}
     size = dict(conf.get("size") or {})
-    if "min_pixels" in conf and "shortest_edge" not in size:
-        size["shortest_edge"] = int(conf["min_pixels"])
-    if "max_pixels" in conf and "longest_edge" not in size:
-        size["longest_edge"] = int(conf["max_pixels"])
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if override.get(key) is not None:
+            size[edge] = int(override[key])
+        elif edge not in size and conf.get(key) is not None:
+            size[edge] = int(conf[key])
     resample = conf.get("resample", Image.BICUBIC)
     return VideoSettings(
         mean=tuple(float(x) for x in conf["image_mean"]),
