@@ -514,7 +514,7 @@ def test_visuals_that_cannot_be_given_are_refused(visuals, match, tmp_path):
 
 def test_frame_sampling_rule():
     from mmfast.eval._lmms_visuals import FrameSampling
-    from mmfast.video import FrameRule, VideoSampling
+    from mmfast.video import FrameRule, VideoSampling, sample_indices
 
     plain, qwen = FrameRule(), FrameRule(multiple=2, min_frames=4, max_frames=768)
     s = FrameSampling()
@@ -525,6 +525,13 @@ def test_frame_sampling_rule():
     assert fps.for_source(600, 30.0, qwen, "v") == VideoSampling(num_frames=8, video_fps=30.0)  # 20 by rate: capped
     with pytest.raises(InputError, match="needs the video's frame rate.*video_fps="):
         fps.for_source(120, None, plain, "v")
+    # Qwen-VL samples frame pairs: "at most 7" is 6 frames (7 used to round up to 8), and at most 1 is no pair
+    odd = FrameSampling(max_num_frames=7)
+    assert odd.for_source(100, 30.0, qwen, "v") == VideoSampling(num_frames=6, video_fps=30.0)
+    assert len(sample_indices(100, odd.for_source(100, 30.0, qwen, "v"), qwen)) == 6
+    assert odd.for_source(100, 30.0, plain, "v") == VideoSampling(num_frames=7, video_fps=30.0)
+    with pytest.raises(InputError, match="max_num_frames=1 is below this model's frame multiple.*max_num_frames=2"):
+        FrameSampling(max_num_frames=1).for_source(100, 30.0, qwen, "v")
     for bad in ({"max_num_frames": 0}, {"max_num_frames": 2.5}, {"fps": -1.0}, {"video_fps": "x"}):
         with pytest.raises(InputError, match="--model_args"):
             FrameSampling(**bad)

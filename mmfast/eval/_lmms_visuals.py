@@ -39,7 +39,8 @@ class FrameSampling:
     """The plugin's frame sampling (``--model_args``, as lmms-eval's Qwen-VL models spell them).
 
     ``max_num_frames``: at most this many frames per video, uniformly (a shorter video keeps every
-    frame); ``fps``: frames per second of the source instead, capped at ``max_num_frames``;
+    frame; on a family that samples frames in groups, Qwen-VL's pairs, the largest whole number of groups
+    within it); ``fps``: frames per second of the source instead, capped at ``max_num_frames``;
     ``video_fps``: the frame rate of frame directories (video files carry their own).
     """
 
@@ -70,7 +71,14 @@ class FrameSampling:
                 return by_rate
         elif total <= self.max_num_frames:
             return VideoSampling(video_fps=rate)  # every frame
-        return VideoSampling(num_frames=int(self.max_num_frames), video_fps=rate)
+        cap = int(self.max_num_frames) // rule.multiple * rule.multiple  # the processor rounds to its multiple
+        if cap < 1:
+            raise InputError(
+                f"{what}: max_num_frames={self.max_num_frames} is below this model's frame multiple "
+                f"({rule.multiple}: it samples frames in groups of that many); pass --model_args "
+                f"max_num_frames={rule.multiple} or more"
+            )
+        return VideoSampling(num_frames=cap, video_fps=rate)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ Model arguments (``--model_args``, comma separated):
 - ``batch_size`` (``--batch_size``): requests answered per forward batch; ``device`` (``--device``).
 - video frame sampling, with the names of lmms-eval's own Qwen-VL models (``qwen2_5_vl``, ``qwen3_vl``):
   ``max_num_frames`` (default 32): at most this many frames per video, uniformly (a shorter video keeps
-  every frame); ``fps``: frames per second of the source instead, capped at ``max_num_frames``;
+  every frame; Qwen-VL, which samples frame pairs, keeps the largest even count within it); ``fps``: frames per second of the source instead, capped at ``max_num_frames``;
   ``video_fps``: the frame rate of frame directories (video files carry their own). A task that gives
   its own sampling (``mmfast lmms-task`` for ``video_pope``) keeps it.
 
