@@ -65,6 +65,10 @@ class MethodContext:
     #: where the session captures (:class:`~mmfast.models.captured_tower.CapturedCalls`), else eagerly; ``key``
     #: holds everything else ``fn`` depends on
     captured: Callable[..., torch.Tensor] = eager_call
+    #: the decoder decoding the running call (``Session._decode``: the recipe's, or ``generate(decoding=...)``'s),
+    #: None outside one; a recipe decoder whose hooks edit every forward (PAI, ClearSight) edits nothing while
+    #: another decoder runs a call
+    decoding: Any = None
 
     @classmethod
     def of(

@@ -584,10 +584,14 @@ class Session:
     def _decode(self, req: DecodeRequest, decoder: Decoder) -> DecodeOutput:
         reserve = self._static_reserve(req, decoder)
         factory = self._capture_factory() if reserve is not None else None
-        with self.runner.static_cache(reserve, factory, decodes=req.max_new_tokens > 1):
-            if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
-                return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
-            return decoder.decode(req)
+        self.ctx.decoding = decoder  # a recipe decoder's forward edits step aside for another call's (PAI)
+        try:
+            with self.runner.static_cache(reserve, factory, decodes=req.max_new_tokens > 1):
+                if self.drafter is not None:  # lossless draft-and-verify in the decoder's own token choice
+                    return speculative_decode(self.ctx, self.drafter, req, decoder.sampling())
+                return decoder.decode(req)
+        finally:
+            self.ctx.decoding = None
 
     def _captures(self) -> bool:
         """``model.compile: auto`` on CUDA: static steps are captured graphs."""

@@ -155,6 +155,26 @@ def test_damro_branch_feeds_topk_in_descending_attention_order(tiny_mm, images, 
     torch.testing.assert_close(got, expect)
 
 
+def test_damro_outliers_on_full_feature_strategy(images, prompts):
+    """With ``vision_feature_select_strategy: full`` the features lead with the CLS row (patch id -1): the
+    outlier branch still feeds the top-k *patches* (CLS attention over the patches), not the rows one before."""
+    import mmfast
+    from mmfast.models.factory import random_llava
+
+    model, processor = random_llava("tiny", init_std=0.2)
+    model.config.vision_feature_select_strategy = "full"
+    mm = mmfast.load(model, processor)
+    recipe = load_recipe({"decoding": {"method": "damro", "params": {"k": 16}}})  # every patch, CLS excluded
+    with Session(mm, recipe) as s:
+        seen = _record_prefills(s)
+        res = s.generate(images[:2], prompts[:2], max_new_tokens=2)
+    order, expect = _damro_direct_outliers(mm, mm.prepare(images[:2], prompts[:2]), 16)
+    assert [r.stats["outliers"] for r in res] == [[t] for t in order.tolist()]
+    branch = next(x for x in seen if x.image_mask.sum(1).tolist() == [16, 16])
+    got = torch.stack([branch.embeds[b][branch.image_mask[b]] for b in range(2)])  # [2, k, D] in sequence order
+    torch.testing.assert_close(got, expect)
+
+
 def test_ritual_transform_pool(tiny_mm, images, prompts):
     from mmfast.decoding.ritual import POOL, query_rng, transform
 

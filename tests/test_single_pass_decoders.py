@@ -290,6 +290,25 @@ def test_clearsight_batch_equals_single(tiny_mm, images, prompts):
     assert batched != base
 
 
+@pytest.mark.parametrize("compile", ["off", "static"])
+@pytest.mark.parametrize(
+    "decoder", [{"method": "pai", "params": {"alpha": 2.0, "gamma": 1.0}}, {"method": "clearsight"}]
+)
+def test_attention_editors_step_aside_for_a_per_call_decoder(decoder, compile, tiny_mm, images, prompts):
+    """``generate(decoding=...)`` replaces the recipe's decoder for the call: PAI's and ClearSight's attention edits
+    (hooks installed for the session) do not act on that call's forwards, and act again on the next own call."""
+    ims, ps = images[:2], prompts[:2]
+    plain = {"model": {"compile": compile}}
+    with Session(tiny_mm, load_recipe(plain)) as s:
+        greedy = [r.token_ids for r in s.generate(ims, ps, max_new_tokens=6)]
+        beam = [r.token_ids for r in s.generate(ims, ps, max_new_tokens=6, decoding="beam")]
+    with Session(tiny_mm, load_recipe({**plain, "decoding": decoder})) as s:
+        own = [r.token_ids for r in s.generate(ims, ps, max_new_tokens=6)]
+        assert [r.token_ids for r in s.generate(ims, ps, max_new_tokens=6, decoding="greedy")] == greedy
+        assert [r.token_ids for r in s.generate(ims, ps, max_new_tokens=6, decoding="beam")] == beam
+        assert [r.token_ids for r in s.generate(ims, ps, max_new_tokens=6)] == own != greedy
+
+
 # -- with pruning stages ----------------------------------------------------------------------------
 @pytest.mark.parametrize("decoder", ["pai", "only", "clearsight"])
 def test_peers_run_on_a_pruned_layout(decoder, tiny_mm, images, prompts):

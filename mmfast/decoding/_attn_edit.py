@@ -110,7 +110,8 @@ class StagedSlotClasses:
     ``fields``: the classes the method reads; ``has_image`` ([B, 1]: the row holds a vision token) is always staged.
     ``active``: the running state (``runner.active``). ``image_only``: the method edits nothing where no row holds a
     vision token (a branch's image-free prompt): such a state stages nothing and its graphs, keyed apart
-    (:meth:`imageless`), hold no edit."""
+    (:meth:`imageless`), hold no edit. ``enabled``: whether the method edits the running call at all (False: another
+    decoder runs it, ``generate(decoding=...)``); likewise keyed apart, no edit."""
 
     def __init__(
         self,
@@ -119,8 +120,10 @@ class StagedSlotClasses:
         active: Callable,
         image_only: bool = False,
         run: Callable[..., torch.Tensor] = eager_call,
+        enabled: Callable[[], bool] = lambda: True,
     ) -> None:
         self.layers, self.fields, self._active, self.image_only = list(layers), fields, active, image_only
+        self._enabled = enabled
         self._run = run  # MethodContext.captured: the classes are one captured call a group where the session captures
         self._memory: dict[tuple, torch.Tensor] = {}
         self._prefill: set[int] = set()  # group starts staged for the running prefill segment
@@ -128,8 +131,9 @@ class StagedSlotClasses:
         self._carried = Carried(lambda: None, lambda _: None, self.stage_prefill, decode=True, before_step=self.stage)
 
     def imageless(self, state) -> bool:
-        """Whether the method edits nothing in ``state`` (``image_only`` and no row holds a vision token)."""
-        return self.image_only and not state.inputs.has_vision
+        """Whether the method edits nothing in ``state`` (``image_only`` and no row holds a vision token, or the method
+        is not ``enabled`` for the running call)."""
+        return (self.image_only and not state.inputs.has_vision) or not self._enabled()
 
     def stage(self, state) -> Hashable:
         """``Carried.before_step``: stage the classes of a static decode step; returns the graph's key part."""

@@ -104,6 +104,7 @@ class ClearSight(Decoder):
             lambda: self.ctx.runner.active,
             image_only=True,
             run=self.ctx.captured,
+            enabled=lambda: self.ctx.decoding is None or self.ctx.decoding is self,  # a per-call decoder: no edit
         )
         if self.active(self.config):
             for layer in self.layers:

@@ -85,12 +85,15 @@ class Damro(MultiBranchDecoder):
         scores = raw.extras.get(SCORES) if raw is not None else None
         if scores is None or len(scores) != raw.n_images:
             raise IncompatibleRecipeError("DAMRO found no vision-tower attention for this batch")
-        k = min(self.config.k, raw.features[0].shape[0])
+        k = min(self.config.k, scores[0].shape[-1])
         top = torch.stack(scores).topk(k, dim=-1, sorted=True).indices  # [n_images, k] descending attention
+        # the feature rows holding those patches ([n_images, k]): a "full" feature strategy leads with the CLS row
+        # (patch id -1), so a patch's row is found by its id, not taken as its index
+        rows = [(p[None, :] == idx[:, None]).int().argmax(-1) for p, idx in zip(raw.patch_ids, top)]
         outliers = dataclasses.replace(
             raw,
-            features=[f[idx] for f, idx in zip(raw.features, top)],
-            patch_ids=[p[idx] for p, idx in zip(raw.patch_ids, top)],
+            features=[f[r] for f, r in zip(raw.features, rows)],
+            patch_ids=[p[r] for p, r in zip(raw.patch_ids, rows)],
             projected=[None] * raw.n_images,
         )
         owner = req.batch.image_owner

@@ -121,7 +121,12 @@ class PAI(MultiBranchDecoder):
         # the image keys of a static decode step (refilled before each step) and of a captured prefill segment (before
         # it runs), in fixed memory that the graphs read
         self._static = StagedSlotClasses(
-            self.layers, ("image",), lambda: self.ctx.runner.active, image_only=True, run=self.ctx.captured
+            self.layers,
+            ("image",),
+            lambda: self.ctx.runner.active,
+            image_only=True,
+            run=self.ctx.captured,
+            enabled=lambda: self.ctx.decoding is None or self.ctx.decoding is self,  # a per-call decoder: no edit
         )
         if self.config.alpha != 0.0:
             for layer in self.layers:
