@@ -342,9 +342,10 @@ def _cmd_eval(args) -> int:
 
 def _cmd_bench(args) -> int:
     from .bench import run_bench
+    from .eval.runner import output_dir
 
     recipe = _load(args)
-    check_output_dir(Path(args.output or recipe.output.dir.format(name=recipe.name)))
+    check_output_dir(output_dir(recipe, args.output))
     if args.only is not None:  # `--only ""` names no variant: refused, not read as "all of them"
         from .bench.common import only_variants
 

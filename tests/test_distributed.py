@@ -243,3 +243,31 @@ def test_old_failures_waiting_for_their_retry_are_not_this_runs(tiny_dir, tiny_m
     strict = _pope_recipe(tiny_dir, world, out, splits=["random"], max_failures=0.0, batch_size=1)
     again = run_eval(strict, limit=10, mm=tiny_mm)
     assert sorted(ran) == sorted([ids[2], ids[5]]) and again["counts"]["failed"] == 0
+
+
+def test_the_samples_left_are_shared_evenly_however_the_earlier_run_progressed(
+    tiny_dir, tiny_mm, world, tmp_path, monkeypatch
+):
+    """A resumed run splits the samples left to do among its processes, not the planned ones: when an earlier
+    run finished every other sample (here: its odd ones failed), two processes get half the retries each
+    instead of one doing them all while the other waits at the barrier (whose timeout ends a long run)."""
+    from mmfast.eval import runner
+
+    out = tmp_path / "run"
+    ids = _random_ids(world, 10)
+    with monkeypatch.context() as m:
+        _failing(m, set(ids[1::2]), "transient")
+        loose = _pope_recipe(tiny_dir, world, out, splits=["random"], max_failures=1.0, batch_size=1)
+        assert run_eval(loose, limit=10, mm=tiny_mm)["counts"]["failed"] == 5
+    by_rank: dict[int, list[str]] = {}
+    real = runner.prepare_batch
+
+    def counted(mm, samples):
+        by_rank.setdefault(runner.shard_info()[0], []).extend(s.doc_id for s in samples)
+        return real(mm, samples)
+
+    monkeypatch.setattr(runner, "prepare_batch", counted)
+    merged = _emulated(monkeypatch, loose, 10, 2, tiny_mm)
+    ran = [by_rank.get(rank, []) for rank in (0, 1)]
+    assert sorted(ran[0] + ran[1]) == sorted(ids[1::2]) and merged["counts"]["failed"] == 0
+    assert sorted(map(len, ran)) == [2, 3], f"rank 0 ran {ran[0]}, rank 1 ran {ran[1]}"

@@ -212,3 +212,14 @@ def test_killed_run_resumes(tiny_dir, small_world, tmp_path):
     ids = [json.loads(x)["doc_id"] for x in after]
     assert len(ids) == len(set(ids)) == 24  # 3 splits x 8 questions
     assert json.loads((out / "summary.json").read_text())["counts"]["finished"] == 24
+
+
+def test_output_dir_under_the_home_directory(tiny_dir, tiny_mm, small_world, tmp_path, monkeypatch):
+    """``output.dir: ~/runs/{name}`` (as eval.data.root and model.name, a recipe's ~ is the home directory):
+    the run goes there, not into a directory named ``~`` under the working directory."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    run_eval(_recipe(tiny_dir, small_world, "~/runs/{name}", tasks=["pope"]), limit=1, mm=tiny_mm)
+    assert (home / "runs" / "t" / "summary.json").is_file() and not (cwd / "~").exists()

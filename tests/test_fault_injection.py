@@ -1043,3 +1043,78 @@ def test_records_read_for_a_report_are_the_ones_its_summary_scored(tiny_dir, tin
         (out / "summary.json").read_text().replace(small["protocol"]["samples_digest"], "0" * 24)
     )
     assert len(read_records(out)) == 12 and "do not match what summary.json scored" in caplog.text
+
+
+def test_overwrite_starts_over_from_a_run_whose_records_were_compressed(reference, tiny_dir, tiny_mm, world, tmp_path):
+    """output.overwrite removes the earlier run's own files, its gzipped records too (as under benchmarks/):
+    the new run starts over instead of being refused for records it was told to replace."""
+    import gzip
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / "samples.jsonl.gz").write_bytes(gzip.compress((out / "samples.jsonl").read_bytes()))
+    (out / "samples.jsonl").unlink()
+    other = _recipe(tiny_dir, world, out, overwrite=True, pope={"max_new_tokens": 1, "splits": ["random"]})
+    s = run_eval(other, limit=2, mm=tiny_mm)
+    assert s["counts"]["finished"] == 2 and not (out / "samples.jsonl.gz").exists()
+    _assert_complete(out / "samples.jsonl", 2)
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "ENOSYS"])
+def test_output_on_a_file_system_without_locks_is_an_input_error(code, tmp_path, monkeypatch):
+    """A file system mounted without flock support (NFS without its lock daemon, Lustre with noflock) refuses
+    the lock: exit 2 naming the directory and the fix, not an internal error."""
+    import errno
+
+    from mmfast.eval import rundir
+
+    def flock(fd, op):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(rundir.fcntl, "flock", flock)
+    with pytest.raises(InputError, match=r"does not support file locks.*--output"):
+        rundir.claim(tmp_path / "out")
+
+
+def test_calibration_image_changed_recomputes_every_sample(tiny_dir, tiny_mm, world, tmp_path):
+    """A calibrated budget's thresholds are fitted on images of the evaluation: one of them replaced under the
+    same name is another calibration, so every sample is recomputed, not only those about that image (their
+    reused answers were made with the old thresholds)."""
+    w = tmp_path / "world"
+    shutil.copytree(world, w)
+    out = tmp_path / "run"
+    base = _recipe(tiny_dir, w, out, pope={"max_new_tokens": 1, "splits": ["random"]})
+    recipe = load_recipe({**base.to_dict(), "pruning": [{"method": "zipvl", "budget": {"tokens": 6}}]})
+    run_eval(recipe, limit=12, mm=tiny_mm)
+    before = {r["doc_id"]: r for r in _lines(out / "samples.jsonl")}
+    img_name = next(iter(before.values()))["image"]
+    assert {r["image"] for r in before.values()} != {img_name}  # other samples are about other images
+    victim = w / "images" / "val" / img_name
+    shutil.copyfile(next(p for p in sorted(victim.parent.iterdir()) if p.name != img_name), victim)
+    run_eval(recipe, limit=12, mm=tiny_mm)
+    after = {r["doc_id"]: r for r in _assert_complete(out / "samples.jsonl", 12)}
+    reused = sorted(d for d in after if after[d]["fingerprint"] == before[d]["fingerprint"])
+    assert not reused, f"answers of the old calibration reused: {reused}"
+
+
+def test_method_weights_retrained_under_the_same_path_are_recomputed(tiny_dir, tiny_mm, world, tmp_path):
+    """Dynamic-LLaVA's predictors retrained into the same directory change the answers: a resumed run
+    recomputes every sample (as for the model's own weights), and equals a fresh run with the new predictors."""
+    from mmfast.pruning._dynamic_llava_modules import random_predictors, save_predictors
+
+    hidden = tiny_mm.model.config.text_config.hidden_size
+    pred = tmp_path / "predictors"
+    save_predictors(random_predictors(hidden, seed=0), pred, {"sparse_layer": 2})
+    stage = {"method": "dynamic_llava", "params": {"predictors": str(pred), "vision_keep_rate": 0.3}}
+    base = _recipe(tiny_dir, world, tmp_path / "run", pope={"max_new_tokens": 2, "splits": ["random"]})
+    recipe = load_recipe({**base.to_dict(), "pruning": [stage]})
+    run_eval(recipe, limit=6, mm=tiny_mm)
+    before = _answers(tmp_path / "run" / "samples.jsonl")
+    save_predictors(random_predictors(hidden, seed=7), pred, {"sparse_layer": 2})  # retrained, same path
+    resumed = run_eval(recipe, limit=6, mm=tiny_mm)
+    after = _answers(tmp_path / "run" / "samples.jsonl")
+    assert not [d for d in after if after[d][2] == before[d][2]], "records of the old predictors reused"
+    fresh = run_eval(
+        recipe.replace(output=dataclasses.replace(recipe.output, dir=str(tmp_path / "fresh"))), limit=6, mm=tiny_mm
+    )
+    assert after == _answers(tmp_path / "fresh" / "samples.jsonl") and resumed["metrics"] == fresh["metrics"]

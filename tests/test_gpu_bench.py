@@ -348,3 +348,17 @@ def test_timed_calls_replay_the_first_calls_graphs(tmp_path, monkeypatch):
     assert len({r["tokens_sha"] for r in rows.values()}) == 1
     line = next(x for x in (tmp_path / "results.md").read_text().splitlines() if f"| {gs.COMPILED} |" in x)
     assert " / 0.0 |" in line
+
+
+def test_output_dir_under_the_home_directory(tmp_path, monkeypatch):
+    """``output.dir: ~/benches/{name}`` is under the home directory (as for ``mmfast eval``), not a directory named
+    ``~`` under the working directory."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    recipe = _recipe(
+        "output.dir=~/benches/{name}", rows=("mmfast unpruned",), batches=(1,), workloads=("pope",), repeats=1
+    )
+    run_bench(recipe)
+    assert (home / "benches" / recipe.name / "summary.json").is_file() and not (cwd / "~").exists()

@@ -798,3 +798,51 @@ def test_bench_table_counts_video_pope_unparsed_answers(tmp_path):
     notes = unparsed_notes(u)
     assert any("not a result" in n for n in notes)
     assert any(n.startswith("v: 3/20 (15.0%) video POPE answers neither yes nor no") for n in notes)
+
+
+def _scored_pope_run(tmp_path, name):
+    """A finished eval run as ``mmfast eval`` leaves it: records with fingerprints, the scored ones first,
+    and a summary naming them (``counts``, ``protocol.samples_digest``)."""
+    from mmfast.eval.records import digest_of
+
+    run, pope = _pope_run(tmp_path, name, 0.85)
+    recs = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    for i, r in enumerate(recs):
+        r["fingerprint"] = f"{i:024x}"
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = json.loads((run / "summary.json").read_text())
+    summary["counts"] = {"planned": len(recs), "finished": len(recs), "failed": 0, "not_run": 0}
+    summary["protocol"]["samples_digest"] = digest_of(r["fingerprint"] for r in recs)
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run, recs
+
+
+def test_report_reads_a_run_whose_last_line_was_cut_inside_a_character(tmp_path):
+    """A run killed while writing a record cuts its line anywhere, also inside a multi-byte UTF-8 character
+    (records are written with ensure_ascii=False): the report skips that line, as any cut line."""
+    from mmfast.eval.intervals import read_records
+
+    run, recs = _scored_pope_run(tmp_path, "torn")
+    with open(run / "samples.jsonl", "ab") as fh:
+        fh.write('{"doc_id": "pope_random/0", "resps": [["Oui, il y a un caf\u00e9'.encode()[:-1])
+    assert len(read_records(run)) == len(recs)
+    md = write_report([str(run)], str(tmp_path / "rep")).read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| torn"))
+    assert row.split("|")[9].strip() == "120" and row.split("|")[10].strip() == "0/120"
+
+
+def test_report_reads_the_scored_records_of_a_run_resumed_and_stopped_before_its_end(tmp_path, caplog):
+    """A finished run is resumed (a question or image changed under the same path), recomputes a scored
+    sample and is stopped before it finishes: its summary is still the first run's, so the report reads the
+    records that summary scored (the first lines), not the newer one appended after them."""
+    from mmfast.eval.intervals import read_records
+
+    run, recs = _scored_pope_run(tmp_path, "resumed")
+    newer = {**recs[0], "fingerprint": "f" * 24, "resps": [["inNo"]]}  # not a yes or a no
+    with open(run / "samples.jsonl", "a") as fh:
+        fh.write(json.dumps(newer) + "\n")
+    assert read_records(run) == recs
+    assert "do not match" not in caplog.text
+    md = write_report([str(run)], str(tmp_path / "rep")).read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| resumed"))
+    assert row.split("|")[10].strip() == "0/120"

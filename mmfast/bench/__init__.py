@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 from ..capabilities import check_model_config
 from ..config import Recipe
 from ..errors import InputError, MMFastError
 from ..eval.fingerprint import weights_fingerprint
+from ..eval.runner import output_dir
 from ..model import load_model
 from ..pipeline import apply
 from .common import claim_bench_dir, variants
@@ -39,7 +39,7 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
         raise InputError(
             "the recipe has no benchmark (set bench.kind: pruning | decoding | speculative | gpu_speed | video_cost)"
         )
-    out = Path(output or recipe.output.dir.format(name=recipe.name))
+    out = output_dir(recipe, output)  # ~ is the home directory
     command = (
         "mmfast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         if sys.argv and "mmfast" in sys.argv[0]

@@ -4,12 +4,12 @@
 ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_*`` variables ``torchrun`` would set; accelerate's
 ``PartialState`` then picks nccl on GPUs and gloo on CPUs). ``accelerate launch --num_processes N -m
 mmfast eval RECIPE`` and ``torchrun --nproc_per_node N -m mmfast eval RECIPE`` work too. Process
-``r`` takes every N-th planned sample that ``samples.jsonl`` holds no finished record of and writes
-``samples.rank{r}.jsonl``; after a barrier the main process merges the shards into ``samples.jsonl`` (in
-plan order) and writes the single ``summary.json``. A run resumes from ``samples.jsonl`` whichever process
-count wrote it: before a run starts, the main process folds into it the shards a stopped run left
-(:func:`fold_shards`), so a shard only ever holds records of the current run, and a stale or failed record
-never displaces a finished record of the planned inputs. ``eval.max_failures`` holds for the whole run:
+``r`` takes every N-th of the planned samples that ``samples.jsonl`` holds no finished record of (the work
+left, split evenly however far a stopped run got) and writes ``samples.rank{r}.jsonl``; after a barrier the
+main process merges the shards into ``samples.jsonl`` (in plan order) and writes the single ``summary.json``.
+A run resumes from ``samples.jsonl`` whichever process count wrote it: before a run starts, the main process
+folds into it the shards a stopped run left (:func:`fold_shards`), so a shard only ever holds records of the
+current run, and a stale or failed record never displaces a finished record of the planned inputs. ``eval.max_failures`` holds for the whole run:
 a process that records a failure counts the other shards' too. Because mmfast's answers do not depend on
 batch composition, the merged answers and metrics equal a single-process run's.
 

@@ -4,9 +4,11 @@ A sample's fingerprint is the sha256 of its task (record group), ``doc_id``, pro
 (e.g. POPE's question text), ``max_new_tokens``, image path and the sha256 of the image's bytes (for a
 video: its directory, the name and sha256 of every frame, and the frame sampling), the
 run identity (:func:`mmfast.eval.runner.run_identity`: the recipe less the settings that change no
-answer, plus the calibration set of a calibrated budget) and the weights fingerprint (every byte). Resume reuses a record only while its fingerprint equals the
-planned sample's, so a question file or an image replaced under the same path is recomputed. Image
-digests are cached per (path, mtime, size) so the POPE splits, which share images, hash each once.
+answer, plus the calibration set of a calibrated budget, its images' bytes included, and the weights the
+recipe's methods loaded, :func:`mmfast.eval.runner.methods_fingerprint`) and the weights fingerprint (every
+byte). Resume reuses a record only while its fingerprint equals the planned sample's, so a question file or
+an image replaced under the same path is recomputed. Image digests are cached per (path, mtime, size) so the
+POPE splits, which share images, hash each once.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .records import digest_of, write_atomic
+from .records import digest_of, parse_line, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -434,27 +434,25 @@ def read_records(run: Path) -> list[dict[str, Any]]:
     (``[]`` if neither).
 
     A finished run keeps its scored records first, in plan order (the planned samples' records: finished,
-    then failed ones among them), and records of samples it did not plan (kept for a later run with a larger
-    ``--limit``) after them; the summary's ``counts`` say how many lead and ``protocol.samples_digest`` which
-    ones, so those are returned once the digest confirms them. Where it does not (a run written before mmfast
-    kept that order, or an edited file), every successful record is returned if they are what the summary
-    scored, else every successful record with a warning that they may not be."""
+    then failed ones among them; its first lines, which a resumed run appends after), and records of samples
+    it did not plan (kept for a later run with a larger ``--limit``) after them; the summary's ``counts`` say
+    how many lead and ``protocol.samples_digest`` which ones, so those are returned once the digest confirms
+    them. Where it does not (a run written before mmfast kept that order, or an edited file), every successful
+    record is returned if they are what the summary scored, else every successful record with a warning that
+    they may not be."""
     plain, packed = run / "samples.jsonl", run / "samples.jsonl.gz"
     if plain.is_file():
-        lines = plain.read_text().splitlines()
+        raw = plain.read_bytes()
     elif packed.is_file():
-        with gzip.open(packed, "rt") as f:
-            lines = f.read().splitlines()
+        with gzip.open(packed, "rb") as f:
+            raw = f.read()
     else:
         return []
+    # a line cut off by a killed run (anywhere, inside a UTF-8 character too) is not a finished sample
+    lines = [rec for rec in map(parse_line, raw.split(b"\n")) if not isinstance(rec, str)]
     by_id: dict[str, dict[str, Any]] = {}
-    for line in lines:
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut off by a killed run: not a finished sample
-                continue
-            by_id[rec["doc_id"]] = rec
+    for rec in lines:
+        by_id[rec["doc_id"]] = rec
     everything = list(by_id.values())
     successful = [r for r in everything if "error" not in r]
     try:
@@ -464,7 +462,8 @@ def read_records(run: Path) -> list[dict[str, Any]]:
     try:
         summary = json.loads(text)
         digest, counts = summary["protocol"]["samples_digest"], summary["counts"]
-        lead = [r for r in everything[: counts["finished"] + counts["failed"]] if "error" not in r]
+        # the scored records are the first lines as the run left them: a resumed run appends after them
+        lead = [r for r in lines[: counts["finished"] + counts["failed"]] if "error" not in r]
     except (ValueError, KeyError, TypeError) as exc:
         logger.warning(
             "%s: summary.json names no scored data (%s: %s); every successful record is read",

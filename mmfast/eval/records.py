@@ -48,7 +48,7 @@ class DamagedLine:
     reason: str
 
 
-def _parse_line(line: bytes) -> dict[str, Any] | str:
+def parse_line(line: bytes) -> dict[str, Any] | str:
     """The record on ``line`` (without its newline), or why it is not one."""
     if not line.strip():
         return "blank line"
@@ -143,7 +143,7 @@ def count_failures(path: Path, fingerprints: dict[str, str]) -> int:
         return 0
     latest: dict[str, dict[str, Any]] = {}
     for line in raw.split(b"\n"):
-        rec = _parse_line(line)
+        rec = parse_line(line)
         if not isinstance(rec, str):
             latest[rec["doc_id"]] = rec
     return sum(record_rank(r, fingerprints.get(d)) == 1 for d, r in latest.items())
@@ -191,7 +191,7 @@ class RecordStore:
         kept: list[bytes] = []
         damaged: list[DamagedLine] = []
         for no, line in enumerate(lines, start=1):
-            parsed = _parse_line(line)
+            parsed = parse_line(line)
             if not isinstance(parsed, str) and self._check is not None:
                 parsed = self._check(parsed) or parsed
             if isinstance(parsed, str):

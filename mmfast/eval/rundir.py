@@ -4,7 +4,7 @@
   ``flock`` while the run lives (the kernel drops it when the process dies, however it dies). A second
   run into the directory is refused (exit 2) with the owner's details; a lock file left by a dead
   process is taken over with a warning. A data-parallel launcher holds the lock for its workers
-  (``MMFAST_LOCK_OWNER`` names it).
+  (``MMFAST_LOCK_OWNER`` names it). A directory on a file system without file locks is refused (exit 2).
 * **Own files**: ``run.json`` lists every file the run writes (``files``). ``output.overwrite``
   removes only those; a non-empty directory without ``run.json`` is not an mmfast run directory and
   is refused (mmfast neither writes into it nor deletes anything in it).
@@ -37,6 +37,10 @@ SAMPLES = "samples.jsonl"
 DP_RECIPE = ".mmfast-dp-recipe.yaml"
 LOCK_OWNER_ENV = "MMFAST_LOCK_OWNER"
 _IGNORED = {LOCK_NAME, DP_RECIPE}  # present in a directory a run is just starting in
+
+
+#: flock's errors on a file system that does not support it
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 
 
 class OutputLockedError(InputError):
@@ -126,6 +130,12 @@ class OutputLock:
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     os.close(fd)
+                    if exc.errno in _NO_LOCKS:
+                        raise InputError(
+                            f"cannot lock {self.path}: {exc.strerror or exc} (its file system does not support file "
+                            "locks, e.g. NFS without its lock daemon or Lustre mounted with noflock); choose an "
+                            "--output on a file system that does"
+                        ) from None
                     raise
                 info = LockInfo.parse(os.pread(fd, 65536, 0).decode("utf-8", "replace"))
                 os.close(fd)
@@ -262,11 +272,11 @@ def listed_files(run: dict[str, Any], out: Path) -> list[str]:
 
 
 def remove_own(out: Path, run: dict[str, Any]) -> None:
-    """Remove the files ``run.json`` lists (output.overwrite); anything else in ``out`` is kept."""
+    """Remove the files ``run.json`` lists (output.overwrite), and its record files gzipped since (as under
+    ``benchmarks/``: a run refuses to start beside them); anything else in ``out`` is kept."""
     removed = []
-    for name in listed_files(run, out):
-        if name in (LOCK_NAME,):
-            continue
+    listed = [n for n in listed_files(run, out) if n != LOCK_NAME]
+    for name in listed + [f"{n}.gz" for n in listed if n.endswith(".jsonl")]:
         p = out / name
         if p.is_file() or p.is_symlink():
             p.unlink()

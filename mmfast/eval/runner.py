@@ -3,8 +3,8 @@
 Per-sample records are appended to ``samples.jsonl`` as each batch finishes (see
 :mod:`mmfast.eval.records`); rerunning the same command skips finished samples whose inputs are
 unchanged (each record carries a fingerprint of its inputs, :mod:`mmfast.eval.fingerprint`: the
-sample, the run identity and every byte of the weights; ``eval.batch_size`` and ``eval.max_failures``
-change no answer and are not part of it, a calibrated budget's calibration set is),
+sample, the run identity and every byte of the weights, the methods' own included; ``eval.batch_size`` and
+``eval.max_failures`` change no answer and are not part of it, a calibrated budget's calibration set is),
 recomputes those whose inputs changed, and retries failed ones. The output directory is locked for
 the run and only mmfast's own files in it are ever removed (:mod:`mmfast.eval.rundir`).
 
@@ -25,6 +25,7 @@ decoding, parser, file checksums, seeds, package versions). Tasks come from the 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -57,7 +58,7 @@ from ..video import frame_files, sample_indices, source_frames
 from . import rundir
 from .data import cache_root, resolve_data
 from .distributed import barrier, fold_shards, gather_and_finish, launch_data_parallel, shard_info
-from .fingerprint import model_files_fingerprint, sample_fingerprint, weights_fingerprint
+from .fingerprint import file_sha256, model_files_fingerprint, sample_fingerprint, weights_fingerprint
 from .records import RecordStore, count_failures, digest_of, record_problem, write_atomic
 from .tasks import Sample, Task, build_tasks
 
@@ -158,7 +159,8 @@ def calibration_set(plan):
 
 
 def output_dir(recipe: Recipe, output: str | None) -> Path:
-    return Path(output or recipe.output.dir.format(name=recipe.name))
+    """The run's directory: ``output``, else the recipe's ``output.dir`` (``~`` is the home directory)."""
+    return Path(output or recipe.output.dir.format(name=recipe.name)).expanduser()
 
 
 #: eval settings that change no answer (how many failures a run tolerates; how samples are batched,
@@ -191,21 +193,63 @@ def _only_limit_differs(old: dict | None, recipe: Recipe, identity: str) -> bool
 def calibration_identity(recipe: Recipe, plan) -> str | None:
     """The identity of the calibration set a calibrated budget (MustDrop, ZipVL) is fitted on, or None
     when no stage of the recipe is calibrated. The set is a spread of the planned samples, so another
-    ``--limit`` calibrates other thresholds: the answers depend on it, and so does every fingerprint."""
+    ``--limit`` calibrates other thresholds: the answers depend on it, and so does every fingerprint. It
+    covers the images' bytes, not only their paths: an image replaced under its name is another calibration."""
 
     if not any(st.budget and getattr(PRUNERS.get(st.method).cls, "calibrated", False) for st in recipe.pruning):
         return None
     calibration = calibration_set(plan)
-    return None if calibration is None else calibration.identity
+    if calibration is None:
+        return None
+    return f"{calibration.identity}:{digest_of(file_sha256(Path(p)) for p in calibration.images)}"
 
 
-def planned_fingerprints(recipe: Recipe, plan, weights: str) -> dict[str, str]:
-    """doc_id -> :func:`~mmfast.eval.fingerprint.sample_fingerprint` of every planned sample."""
+def methods_fingerprint(session) -> str | None:
+    """The content fingerprint of the weights a session's methods brought besides the model's own
+    (Dynamic-LLaVA's trained predictors, HICom's modules, a draft model): every tensor of each ``nn.Module``
+    a pruner, the decoder or the drafter holds (directly, or in a list, tuple or dict), by name and every
+    byte, less the model's own tensors (hashed by :func:`~mmfast.eval.fingerprint.weights_fingerprint`). None
+    when the methods hold no such tensor, so the fingerprints of runs without them are unchanged. Retrained
+    weights under the same path change it."""
+    own = {id(t) for t in (*session.mm.model.parameters(), *session.mm.model.buffers())}
+    h = hashlib.sha256()
+    found = False
+    holders = {"pruning": session.pruners, "decoding": [session.decoder], "speculative": [session.drafter]}
+    with torch.no_grad():
+        for where, objs in holders.items():
+            for i, obj in enumerate(objs):
+                for attr, value in sorted(vars(obj).items()) if obj is not None else ():
+                    for j, m in enumerate(_modules_in(value)):
+                        for name, t in m.state_dict(keep_vars=True).items():
+                            if id(t) in own:
+                                continue
+                            found = True
+                            t = t.detach()
+                            h.update(f"{where}[{i}].{attr}[{j}].{name}:{tuple(t.shape)}:{t.dtype}".encode())
+                            if t.device.type != "meta" and t.numel():
+                                h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16] if found else None
+
+
+def _modules_in(value) -> list:
+    """The ``nn.Module`` objects ``value`` is or holds (in a list, tuple or dict, one level down)."""
+    if isinstance(value, torch.nn.Module):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [v for v in value if isinstance(v, torch.nn.Module)] if isinstance(value, (list, tuple)) else []
+
+
+def planned_fingerprints(recipe: Recipe, plan, weights: str, methods: str | None = None) -> dict[str, str]:
+    """doc_id -> :func:`~mmfast.eval.fingerprint.sample_fingerprint` of every planned sample (``methods``: the
+    :func:`methods_fingerprint` of the weights the recipe's methods brought)."""
 
     identity = run_identity(recipe)
     calibration = calibration_identity(recipe, plan)
     if calibration is not None:
         identity += f"/calibration:{calibration}"
+    if methods is not None:
+        identity += f"/methods:{methods}"
     return {s.doc_id: sample_fingerprint(s, identity, weights) for _, samples in plan for s in samples}
 
 
@@ -489,26 +533,28 @@ def _run_locked(
         check_media(recipe, plan, mm.adapter)  # a model whose config could not be read before it loaded
         check_video_sampling(plan, mm)  # the family's frame rule against every clip, before any compute
     weights = weights_fingerprint(mm.model)  # hashed once a run: weights changed between runs are seen
-    fps = planned_fingerprints(recipe, plan, weights)
     if rank == 0:
         # so are the model's config, processor, chat template and tokenizer, edited under the same path
         _guard(out, recipe, weights, rundir.own_files(world, extra_files), model_files_fingerprint(mm))
         for fname, text in extra_files.items():
             (out / fname).write_text(text)
-        prior = fold_shards(out, fps)  # one file to resume from, whichever process count wrote the records
-    if world > 1:
-        barrier()  # no shard writes before the main process has checked, claimed and folded the directory
-        prior = prior if rank == 0 else RecordStore(out / rundir.SAMPLES, check=record_problem)
-    quarantined = len(prior.quarantined) if rank == 0 else 0
-    n_total = sum(len(s) for _, s in plan)
-    budget = failure_budget(cfg.max_failures, n_total)
-    # one process: it appends to samples.jsonl; N: each to its own shard, merged at the end
-    store = prior if world == 1 else RecordStore(out / rundir.shard_name(rank), check=record_problem)
-    work = [(task, _todo(task, samples, prior, fps, rank, world)) for task, samples in plan]
-    pending = {s.doc_id for _, todo in work for s in todo}  # their old failures are not this run's (yet)
 
     t0 = time.perf_counter()
     with apply(mm, recipe, calibration=calibration_set(plan)) as session:
+        # and so are the weights the methods loaded (trained predictors, draft models), retrained under the same path
+        fps = planned_fingerprints(recipe, plan, weights, methods_fingerprint(session))
+        if rank == 0:
+            prior = fold_shards(out, fps)  # one file to resume from, whichever process count wrote the records
+        if world > 1:
+            barrier()  # no shard writes before the main process has checked, claimed and folded the directory
+            prior = prior if rank == 0 else RecordStore(out / rundir.SAMPLES, check=record_problem)
+        quarantined = len(prior.quarantined) if rank == 0 else 0
+        n_total = sum(len(s) for _, s in plan)
+        budget = failure_budget(cfg.max_failures, n_total)
+        # one process: it appends to samples.jsonl; N: each to its own shard, merged at the end
+        store = prior if world == 1 else RecordStore(out / rundir.shard_name(rank), check=record_problem)
+        work = [(task, _todo(task, samples, prior, fps, rank, world)) for task, samples in plan]
+        pending = {s.doc_id for _, todo in work for s in todo}  # their old failures are not this run's (yet)
         for task, todo in work:
             where = f"{task.name} [rank {rank}]" if world > 1 else task.name
             bar = Progress(len(todo), where, report=bool(todo))  # a bar on a terminal, periodic log lines elsewhere
@@ -536,9 +582,11 @@ def _run_locked(
 
 
 def _todo(task: Task, samples: list[Sample], prior: RecordStore, fps: dict[str, str], rank: int, world: int):
-    """This process's share of ``samples`` (every ``world``-th) that ``prior`` holds no finished record of."""
-    mine = [s for i, s in enumerate(samples) if i % world == rank]
-    todo = [s for s in mine if not prior.done(s.doc_id, fps[s.doc_id])]
+    """This process's share (every ``world``-th) of the ``samples`` that ``prior`` holds no finished record
+    of: the work left is split evenly, however far an earlier run's processes got (every process reads the
+    same ``prior``, so the shares are disjoint)."""
+    left = [s for s in samples if not prior.done(s.doc_id, fps[s.doc_id])]
+    todo = left[rank::world]
     stale = [s for s in todo if prior.done(s.doc_id) and prior.stale(s.doc_id, fps[s.doc_id])]
     if stale:
         logger.warning(
@@ -547,8 +595,8 @@ def _todo(task: Task, samples: list[Sample], prior: RecordStore, fps: dict[str, 
             task.name,
             len(stale),
         )
-    if len(todo) < len(mine):
-        logger.info("%s: %d of %d samples already done (resuming)", task.name, len(mine) - len(todo), len(mine))
+    if len(left) < len(samples) and rank == 0:
+        logger.info("%s: %d of %d samples already done (resuming)", task.name, len(samples) - len(left), len(samples))
     return todo
 
 
