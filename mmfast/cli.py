@@ -341,8 +341,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .bench import run_bench
-    from .eval.runner import output_dir
+    from .bench import output_dir, run_bench  # output_dir: the eval runner's (~ expanded)
 
     recipe = _load(args)
     check_output_dir(output_dir(recipe, args.output))
