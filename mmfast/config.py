@@ -698,6 +698,10 @@ class BenchConfig:
                 )
                 raise ConfigError(f"bench.params.{key}", f"unknown key; {hint}")
             _convert(value, allowed[key], f"bench.params.{key}")
+            if key in BENCH_COUNTS and value < 1:  # a timing pass would fail (or divide by zero) after the evaluation
+                raise ConfigError(f"bench.params.{key}", f"must be >= 1, got {value}")
+        if self.kind == "speculative":
+            _check_speculative_params(self.params)
         if self.shape is not None:
             from .models.factory import QWEN_SHAPES, SHAPES
 
@@ -708,11 +712,41 @@ class BenchConfig:
                 raise ConfigError("bench.shape", f"unknown shape {self.shape!r}{hint} (known: {', '.join(known)})")
 
 
+@dataclass(frozen=True)
+class SpeculativeWorkload:
+    """One ``bench.params.workloads`` item of a speculative bench (mmfast/bench/speculative.py): ``prompt`` asked
+    about every timed image, ``max_new_tokens`` generated at most; ``name`` keys its rows (one per temperature)."""
+
+    name: str
+    prompt: str
+    max_new_tokens: int = opt(lo=1)
+
+
+def _check_speculative_params(params: dict[str, Any]) -> None:
+    """A speculative bench's rows are keyed ``{workload}@T{temperature}``: names and temperatures are distinct (a
+    repeat overwrote the other's results), names are not empty and hold no ``/`` (each names a plot file),
+    temperatures >= 0 (0: greedy)."""
+    names = [w["name"] for w in params.get("workloads", ())]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"bench.params.workloads[{i}].name", f"workload {name!r} is listed twice; name each once")
+        if not name or "/" in name:
+            raise ConfigError(f"bench.params.workloads[{i}].name", f"{name!r} names a plot file: give a name without /")
+    temps = [float(t) for t in params.get("temperatures", ())]
+    for i, t in enumerate(temps):
+        if t < 0 or t in temps[:i]:
+            why = "is negative" if t < 0 else "is listed twice"
+            raise ConfigError(f"bench.params.temperatures[{i}]", f"{t:g} {why}; give distinct temperatures >= 0")
+
+
+#: the ``bench.params`` that count new tokens or samples (at least one each)
+BENCH_COUNTS = ("e2e_new_tokens", "shaped_samples", "cost_new_tokens")
+
 #: the ``bench.params`` each kind of benchmark reads, with their types (checked when the recipe loads)
 BENCH_PARAMS: dict[str, dict[str, Any]] = {
     "pruning": {"e2e_new_tokens": int, "shaped_samples": int, "shaped_variants": tuple[str, ...]},
     "decoding": {"cost_new_tokens": int},
-    "speculative": {"workloads": Any, "temperatures": tuple[float, ...]},
+    "speculative": {"workloads": tuple[SpeculativeWorkload, ...], "temperatures": tuple[float, ...]},
     # mmfast/bench/gpu_speed.py: which shapes / batches / workloads / rows (fnmatch patterns) run, the
     # caption length, the random models' dtype, the embedded speculative part, device peak overrides
     "gpu_speed": {

@@ -290,6 +290,44 @@ def test_shaped_speed_warms_up_and_takes_the_median_of_its_repeats(monkeypatch):
         assert row["prefill_s"] == statistics.median(s[3])
 
 
+@pytest.mark.parametrize(
+    "kind, key", [("pruning", "e2e_new_tokens"), ("pruning", "shaped_samples"), ("decoding", "cost_new_tokens")]
+)
+@pytest.mark.parametrize("value", [0, -2])
+def test_bench_counts_below_one_are_refused(kind, key, value):
+    """A count of new tokens or samples below one loaded, then failed only in the timing pass, after the baseline's
+    whole evaluation (max_new_tokens 0 refused there; no shaped samples: a division by a zero prefill time)."""
+    with pytest.raises(ConfigError) as exc:
+        load_recipe({"bench": {"kind": kind, "params": {key: value}}})
+    assert exc.value.path == f"bench.params.{key}" and ">= 1" in str(exc.value)
+    assert load_recipe({"bench": {"kind": kind, "params": {key: 1}}}).bench.params == {key: 1}
+
+
+def test_embedded_scoring_overhead_excludes_the_warmup(monkeypatch):
+    """The embedded model's scoring overhead comes from the timed prefill calls, as its prefill time does: the
+    warm-up calls (where one-off work such as a first capture or calibration lands) are not averaged in."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import mmfast.bench.pruning as pruning
+
+    prefills = []
+
+    class Session:
+        def run(self, batch, max_new_tokens):
+            if max_new_tokens == 1:
+                prefills.append(batch)
+            warm = len(prefills) <= 2 * 2  # two warm-up calls of two batches
+            return [SimpleNamespace(stats={"scoring_s": 100.0 if warm else 1.0})]
+
+    monkeypatch.setattr(pruning, "apply", lambda mm, recipe, calibration=None: contextlib.nullcontext(Session()))
+    mm = SimpleNamespace(prepare=lambda images, prompts: prompts[0])
+    samples = [SimpleNamespace(image=None, prompt=p) for p in ("a", "b")]
+    out = pruning.time_variant(mm, SimpleNamespace(recipe=None), samples, 2, 3, 4)
+    assert len(prefills) == (2 + 3) * 2
+    assert out["scoring_s"] == 2.0  # a timed call's scoring over both samples
+
+
 def test_a_dotted_index_below_a_missing_list_names_the_override(capsys):
     """`pruning.0.budget.tokens=160` (lmms-eval's spelling) on a recipe without pruning made a mapping
     {"0": ...} and failed as `pruning[0].0: unknown key`, blamed on the recipe file; a number below a

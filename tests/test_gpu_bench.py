@@ -143,6 +143,22 @@ def test_bad_selection_is_refused_before_compute():
         gs.GpuBenchParams.of(_recipe("bench.params.shapes=[llava-1.5-7B]"))
 
 
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("bench.params.caption_tokens=0", "caption_tokens"),
+        ("bench.params.caption_tokens=-3", "caption_tokens"),
+        ("bench.params.embedded_samples=0", "embedded_samples"),
+        ("bench.params.embedded_samples=-1", "embedded_samples"),
+    ],
+)
+def test_counts_that_cannot_run_are_refused_before_compute(override, key):
+    """A caption of no tokens made every caption row fail (or be refused) one by one after each 7B build, and
+    embedded_samples -1 silently took every image but the last (0: a table of empty rows): refused up front."""
+    with pytest.raises(InputError, match=rf"bench.params.{key}"):
+        gs.GpuBenchParams.of(_recipe(override))
+
+
 def _m(shape, b, w, row, **kw):
     return gs.Measurement(shape, b, w, row, "s", **kw)
 

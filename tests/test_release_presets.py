@@ -243,3 +243,5 @@ def test_speculative_bench_says_flash_tau_is_not_the_release_tau():
     assert FLASH_NOTE in speculative_notes({"rows": rows})
     assert "EAGLE-1" in FLASH_NOTE and "mc_sim_7b_63" in FLASH_NOTE
     assert FLASH_NOTE not in speculative_notes({"rows": rows[:1]})
+    # the release's mc_sim_7b_63 (flash/model/choices.py, EAGLE-1's) holds 25 drafts under the root, not Medusa's 63
+    assert "63-node" not in FLASH_NOTE and "25 drafts" in FLASH_NOTE

@@ -99,3 +99,27 @@ def test_unseeded_generate_follows_torchs_global_rng(tiny_mm, images, prompts):
         unset.decoding.seed is None
         and unset.hash() == unset.replace(decoding=dataclasses.replace(unset.decoding, seed=0)).hash()
     )
+
+
+def test_prompt_lookup_sampling_does_not_learn_across_samples():
+    """Prompt lookup's trigram table learns from every answer of the session; at T > 0 a sample drafting from
+    what the samples before it taught would draw another answer (a draft changes which uniforms decide and how),
+    so a sample's answer depended on its batch on real text (the embedded model's captions; the random model
+    above rarely reaches the table). Greedy answers are the same either way."""
+    import mmfast
+    from mmfast.bench.common import timing_samples_of
+
+    world = mmfast.load("mmfast/tiny-world", device="cpu", dtype="float32")
+    recipe = load_recipe({"model": {"name": "mmfast/tiny-world"}, "eval": {"tasks": ["chair"]}})
+    images = [s.image for s in timing_samples_of(recipe, 2, tasks=("chair",))]
+    prompts = ["Please describe this image in detail."] * 2
+    data = {
+        "decoding": DECODERS["sample"] | {"params": {"temperature": 1.0}},
+        "speculative": {"method": "prompt_lookup"},
+    }
+
+    def answers(ims, asked):
+        with Session(world, load_recipe(data)) as s:
+            return [r.token_ids for r in s.generate(ims, asked, max_new_tokens=40, seed=5)]
+
+    assert answers(images, prompts)[1] == answers(images[1:], prompts[1:])[0]

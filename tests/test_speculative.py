@@ -404,3 +404,123 @@ def test_bench_pools_acceptance_counts_over_samples():
     pooled = _pool_depths([short.as_dict(), long.as_dict()])
     assert pooled["acceptance_by_depth"] == {"1": 200 / 202, "2": 0.0}
     assert pooled["tried_by_depth"] == {"1": 202, "2": 2} and pooled["accepted_by_depth"] == {"1": 200, "2": 0}
+
+
+@pytest.mark.parametrize(
+    "params, path",
+    [
+        ({"workloads": [{"name": "w", "prompt": "Describe it."}]}, "bench.params.workloads[0].max_new_tokens"),
+        ({"workloads": ["caption"]}, "bench.params.workloads[0]"),
+        (
+            {"workloads": [{"name": "w", "prompt": "p", "max_new_tokens": 0}]},
+            "bench.params.workloads[0].max_new_tokens",
+        ),
+        ({"workloads": [{"name": "w", "prompt": "p", "max_new_token": 4}]}, "bench.params.workloads[0].max_new_token"),
+        (
+            {
+                "workloads": [
+                    {"name": "w", "prompt": "p", "max_new_tokens": 4},
+                    {"name": "w", "prompt": "q", "max_new_tokens": 8},
+                ]
+            },
+            "bench.params.workloads[1].name",
+        ),
+        ({"workloads": [{"name": "short/vqa", "prompt": "p", "max_new_tokens": 4}]}, "bench.params.workloads[0].name"),
+        ({"temperatures": [-1.0]}, "bench.params.temperatures[0]"),
+        ({"temperatures": [0.0, 0]}, "bench.params.temperatures[1]"),
+    ],
+)
+def test_speculative_bench_workloads_and_temperatures_are_checked(params, path):
+    """A speculative bench's workloads and temperatures are checked when the recipe loads: a workload without its
+    max_new_tokens (or with a typo, a bare name, a duplicate name) or a negative / repeated temperature used to load,
+    then crash (KeyError, TypeError; a / in a name: the plot, before summary.json) or silently overwrite a result
+    after the model loaded and the warm-up ran."""
+    from mmfast.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        load_recipe({"bench": {"kind": "speculative", "params": params}})
+    assert exc.value.path == path
+    ok = {"workloads": [{"name": "w", "prompt": "p", "max_new_tokens": 4}], "temperatures": [0.0, 1.0]}
+    assert load_recipe({"bench": {"kind": "speculative", "params": ok}}).bench.params == ok
+
+
+def test_prompt_lookup_trigram_tree_bound_is_checked(tiny_mm, images, prompts):
+    """The trigram tree's bound (branching^1 + ... + branching^depth drafts) is what a verify step reserves: the
+    settings allowed a bound of ~10^14 nodes (branching 8, depth 16), which made sampled decoding allocate terabytes
+    and a static cache refuse with advice about max_new_tokens; such settings are refused when the recipe loads,
+    and the largest bound allowed decodes (sampled, and greedy on the static cache) losslessly."""
+    from mmfast.errors import ConfigError
+
+    for params in ({"branching": 8, "trigram_depth": 16}, {"branching": 4, "trigram_depth": 10}):
+        with pytest.raises(ConfigError, match="trigram_depth"):
+            load_recipe({"speculative": {"method": "prompt_lookup", "params": params}})
+    largest = {"method": "prompt_lookup", "params": {"branching": 2, "trigram_depth": 9}}  # 1022 nodes
+    sampled = {"method": "sample", "seed": 3}
+    assert all(r.token_ids for r in _run(tiny_mm, images[:1], prompts[:1], largest, n=6, decoding=sampled))
+    with Session(tiny_mm, load_recipe({"model": {"compile": "static"}, "speculative": largest})) as s:
+        spec = s.generate(images[:1], prompts[:1], max_new_tokens=6, seed=0)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in _run(tiny_mm, images[:1], prompts[:1], n=6)]
+
+
+def test_layer_skip_calibrates_once_when_it_skips_nothing(tiny_mm, images, prompts, monkeypatch):
+    """``skip: null`` calibrates on the first sample served; a fraction that rounds to no layer (0.1 of 4) chose the
+    empty set, which read as 'not calibrated yet', so every later sample ran the calibration again (a prefill and
+    its greedy steps inside its decode time)."""
+    from mmfast.speculative.layer_skip import LayerSkip
+
+    calls = []
+    calibrate = LayerSkip.calibrate
+    monkeypatch.setattr(LayerSkip, "calibrate", lambda self, ctx: calls.append(1) or calibrate(self, ctx))
+    spec = {"method": "layer_skip", "params": {"skip_fraction": 0.1, "calibration_tokens": 4}}
+    out = _run(tiny_mm, images, prompts, spec, n=6)
+    assert len(calls) == 1
+    assert [r.token_ids for r in out] == [r.token_ids for r in _run(tiny_mm, images, prompts, n=6)]
+
+
+def test_bench_times_no_layer_skip_calibration(tiny_mm, images, monkeypatch):
+    """``skip: null`` calibrates on the first sample a session serves; the bench opens a fresh session per timed
+    repeat, so each repeat calibrated again inside its timing (a prefill, its greedy steps and a forward per candidate
+    layer: a large share of a short answer's time). The warm-up's calibration, on the same first sample, serves the
+    timed repeats: the same skip set, the same tokens."""
+    from mmfast.bench.speculative import _run_workload
+    from mmfast.speculative.layer_skip import LayerSkip
+
+    calls = []
+    calibrate = LayerSkip.calibrate
+    monkeypatch.setattr(LayerSkip, "calibrate", lambda self, ctx: calls.append(1) or calibrate(self, ctx))
+    recipe = load_recipe({"speculative": {"method": "layer_skip", "params": {"calibration_tokens": 4}}})
+    wl = {"name": "w", "prompt": "Describe the image.", "max_new_tokens": 8}
+    timed = _run_workload(tiny_mm, recipe, images[:2], wl, repeats=2)
+    assert len(calls) == 1  # the warm-up's
+    with Session(tiny_mm, recipe) as s:  # a calibrating session of its own: the same answers
+        alone = [s.generate([im], ["Describe the image."], max_new_tokens=8)[0].token_ids for im in images[:2]]
+    assert timed["tokens"] == alone
+
+
+def test_shaped_costs_scale_an_explicit_layer_skip_set():
+    """The projected 7B cost of a layer-skip draft runs the unskipped fraction of the layers: an explicit empty skip
+    set (the draft is the target itself) ran all of them, but was costed as ``1 - skip_fraction`` (half)."""
+    import torch
+
+    from mmfast.bench.common import variants
+    from mmfast.bench.speculative import _shaped_costs
+
+    recipe = load_recipe(
+        {
+            "bench": {
+                "kind": "speculative",
+                "shape": "tiny",
+                "compare": [
+                    {"name": "all", "speculative": {"method": "layer_skip", "params": {"skip": [], "gamma": 2}}},
+                    {"name": "half", "speculative": {"method": "layer_skip", "params": {"skip": [1, 2], "gamma": 2}}},
+                ],
+            }
+        }
+    )
+    per_cycle = {"tau": 2.0, "draft_forwards_per_cycle": 2.0}
+    out = _shaped_costs(
+        recipe, variants(recipe), {"caption@T0": {"all": per_cycle, "half": per_cycle}}, torch.device("cpu")
+    )
+    head, layer = out["t_head_s"], out["t_layer_s"]
+    for name, unskipped in (("all", 1.0), ("half", 0.5)):
+        assert out["drafters"][name]["propose_s"] == pytest.approx(2.0 * (head + unskipped * 32 * layer))

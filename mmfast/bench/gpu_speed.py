@@ -216,15 +216,22 @@ class GpuBenchParams:
         if any(b < 1 for b in batches):
             raise InputError("bench.params.batches: batch sizes must be >= 1")
         rows = tuple(p.get("rows", ("*",)))
+        counts = {
+            "caption_tokens": int(p.get("caption_tokens", 128)),
+            "embedded_samples": int(p.get("embedded_samples", 4)),
+        }
+        for key, n in counts.items():  # every caption row would be refused one by one, after each model build
+            if n < 1:
+                raise InputError(f"bench.params.{key}: must be >= 1, got {n}")
         return cls(
             shapes,
             batches,
             workloads,
-            int(p.get("caption_tokens", 128)),
+            counts["caption_tokens"],
             rows,
             getattr(torch, p.get("dtype", "float16")),
             bool(p.get("embedded_speculative", True)),
-            int(p.get("embedded_samples", 4)),
+            counts["embedded_samples"],
             tuple(p.get("embedded_rows", rows)),
         )
 

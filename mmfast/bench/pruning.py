@@ -14,6 +14,7 @@ Two parts, one process:
 from __future__ import annotations
 
 import logging
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,24 +56,22 @@ def time_variant(
     mm: MMModel, v: Variant, samples, warmup: int, repeats: int, new_tokens: int, calibration=None
 ) -> dict[str, float]:
     """Median prefill (1 new token) and end-to-end (``new_tokens``) latency summed over ``samples``
-    (token budgets calibrated on ``calibration``, the evaluation's own set)."""
+    (token budgets calibrated on ``calibration``, the evaluation's own set), and the median scoring time of the
+    same timed prefill calls (warm-ups excluded, as from the times)."""
     with apply(mm, v.recipe, calibration=calibration) as session:
         batches = [mm.prepare([s.image], [s.prompt]) for s in samples]
-        scoring = []
 
-        def prefill():
-            for b in batches:
-                r = session.run(b, max_new_tokens=1)
-                scoring.append(r[0].stats.get("scoring_s", 0.0))
+        def prefill() -> float:  # the call's scoring seconds, summed over the samples
+            return sum(session.run(b, max_new_tokens=1)[0].stats.get("scoring_s", 0.0) for b in batches)
 
         def e2e():
             for b in batches:
                 session.run(b, max_new_tokens=new_tokens)
 
-        t_prefill = median_time(prefill, warmup, repeats)
+        timed = warm_repeats(prefill, warmup, repeats)
         t_e2e = median_time(e2e, warmup, repeats)
-    n_calls = max(1, len(scoring) // len(batches))
-    return {"prefill_s": t_prefill, "e2e_s": t_e2e, "scoring_s": sum(scoring) / n_calls}
+    t_prefill = statistics.median(t for t, _ in timed)
+    return {"prefill_s": t_prefill, "e2e_s": t_e2e, "scoring_s": statistics.median(s for _, s in timed)}
 
 
 def run_pruning_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dict[str, Any]:

@@ -47,6 +47,7 @@ class LayerSkip(Drafter):
         layers = self.ctx.adapter.layers
         self.active = False
         self.skip: set[int] = set(self.config.skip or ())
+        self.skip_chosen = self.config.skip is not None  # skip: null calibrates once (it may choose no layer)
         bad = [i for i in self.skip if not 0 < i < len(layers)]
         if bad:
             raise ValueError(f"layer_skip: cannot skip layers {bad} (layer 0 always runs; {len(layers)} layers)")
@@ -67,8 +68,9 @@ class LayerSkip(Drafter):
         return maybe_skip
 
     def begin(self, ctx) -> None:
-        if self.config.skip is None and not self.skip:
+        if not self.skip_chosen:
             self.skip = self.calibrate(ctx)
+            self.skip_chosen = True
 
     @torch.inference_mode()
     def calibrate(self, ctx) -> set[int]:

@@ -8,9 +8,12 @@ continuation starts with EOS proposes nothing, and the search does not move on t
 also as there). When nothing matches,
 an ADED-style table (Liu et al., AAAI 2025) of trigram counts P(x_t | x_{t-2}, x_{t-1}), updated online
 from *verified* output and shared across requests in the session, proposes a small tree: the
-``branching`` most frequent continuations per node, ``num_tokens`` deep (ADED grows its tree with
-MCTS; a count-ranked beam is used here). All proposals are point masses, so the engine's acceptance
-rule keeps greedy and sampled outputs exact. Image tokens are never part of an n-gram.
+``branching`` most frequent continuations per node, ``trigram_depth`` deep (ADED grows its tree with
+MCTS; a count-ranked beam is used here). At T > 0 each sample drafts from and teaches a table of its own
+answer only: a draft decides which uniforms the acceptance rule reads, so a table taught by the samples
+decoded before it would make a sample's draw depend on its batch (the engine's per-sample randomness).
+All proposals are point masses, so the engine's acceptance rule keeps greedy and sampled outputs exact.
+Image tokens are never part of an n-gram.
 
 Under captured steps a greedy cycle sends the draft to the device in one copy (padded to the verify width) and
 verifies it there (:meth:`PromptLookup.propose_on_device`; one host read of the verdict a cycle).
@@ -27,6 +30,14 @@ from ..registry import DRAFTERS
 from .base import Drafter
 from .tree import DeviceTree, DraftTree
 
+#: the most drafts a trigram tree may hold (its bound: what a verify step reserves), as MSD / FLASH's total_tokens
+MAX_TRIGRAM_NODES = 1023
+
+
+def _trigram_nodes(branching: int, depth: int) -> int:
+    """The trigram tree's bound: ``branching`` continuations per node, ``depth`` levels."""
+    return sum(branching**d for d in range(1, depth + 1))
+
 
 @DRAFTERS.register("prompt_lookup", description="prompt lookup (n-gram) drafts + adaptive trigram table; no training")
 class PromptLookup(Drafter):
@@ -42,18 +53,31 @@ class PromptLookup(Drafter):
         branching: int = opt(2, lo=1, hi=8, doc="trigram tree: continuations per node")
         trigram_depth: int = opt(4, lo=1, hi=16, doc="trigram tree depth")
 
+        def __post_init__(self) -> None:
+            # the verify step reserves the tree's bound (max_step_tokens), as the EAGLE drafters' total_tokens
+            nodes = _trigram_nodes(self.branching, self.trigram_depth) if self.trigram else 0
+            if nodes > MAX_TRIGRAM_NODES:
+                raise ValueError(
+                    f"a trigram tree of branching {self.branching} and trigram_depth {self.trigram_depth} holds up to "
+                    f"{nodes} drafts, each verified in one target forward (and reserved in a static KV cache); lower "
+                    f"branching or trigram_depth to a tree of at most {MAX_TRIGRAM_NODES} drafts (branching 2: depth 9)"
+                )
+
     def install(self) -> None:
-        self.table: dict[tuple[int, int], Counter] = defaultdict(Counter)
+        self.table: dict[tuple[int, int], Counter] = defaultdict(Counter)  # the session's (greedy decoding)
+        self._table = self.table  # the one the sequence being decoded drafts from and teaches
 
     def max_step_tokens(self) -> int:
         cfg = self.config
-        trigram = sum(cfg.branching**d for d in range(1, cfg.trigram_depth + 1)) if cfg.trigram else 0
+        trigram = _trigram_nodes(cfg.branching, cfg.trigram_depth) if cfg.trigram else 0
         return 1 + max(cfg.num_tokens, trigram)  # the root and the n-gram chain or the trigram tree
 
     def begin(self, ctx) -> None:
         ids = ctx.inputs.input_ids[0]
         text = ids.masked_fill(ctx.inputs.image_mask[0], -1)
         self.prompt = [int(t) for t in text.tolist() if t >= 0]
+        # sampling: the sample's own table (the session's would carry what earlier samples drew into this draw)
+        self._table = self.table if ctx.greedy else defaultdict(Counter)
 
     def _lookup(self, seq: list[int]) -> list[int] | None:
         """The n-gram draft: the tokens after the first earlier match of the trailing n-gram (n from
@@ -102,7 +126,7 @@ class PromptLookup(Drafter):
             nxt = []
             stop = set(self.ctx.special.eos)
             for node, x, y in frontier:
-                ranked = [tok for tok, _ in self.table.get((x, y), Counter()).most_common() if tok not in stop]
+                ranked = [tok for tok, _ in self._table.get((x, y), Counter()).most_common() if tok not in stop]
                 for tok in ranked[: cfg.branching]:  # drafts never hold EOS (as the n-gram drafts)
                     tokens.append(tok)
                     parents.append(node)
@@ -125,4 +149,4 @@ class PromptLookup(Drafter):
         """The trigram table counts the trigrams ending in the cycle's committed tokens."""
         seq = (self.prompt + ctx.committed)[-(path_len + 3) :]
         for x, y, z in zip(seq, seq[1:], seq[2:]):
-            self.table[(x, y)][z] += 1
+            self._table[(x, y)][z] += 1
