@@ -681,9 +681,7 @@ def test_deeply_nested_yaml_refused(tmp_path, capsys, text):
     rc, err = _cli(capsys, "validate", str(recipe))
     assert rc == 2 and "nested more than 64 levels deep" in err and "Traceback" not in err
     assert (
-        load_recipe(
-            parse_yaml("bench: {kind: speculative, compare: " + "[" * 20 + "]" * 20 + "}")
-        ).bench.kind
+        load_recipe(parse_yaml("bench: {kind: speculative, compare: " + "[" * 20 + "]" * 20 + "}")).bench.kind
         == "speculative"
     )
 

@@ -60,6 +60,18 @@ def test_random_draft_lossless_and_sampling(name, drafts, tiny_mm, images, promp
     assert all(len(r.token_ids) > 0 for r in out)
 
 
+@pytest.mark.parametrize("name", ["msd", "flash"])
+def test_a_one_token_answer_runs_no_draft(name, drafts, tiny_mm, images, prompts):
+    """A one-token answer (POPE's yes / no) runs no cycle, so the draft model does not run over the prompt (it did,
+    for nothing: the drafter's time to first token carried a draft forward over every prompt row)."""
+    spec = {"method": name, "params": PARAMS[name]}
+    one = _run(tiny_mm, images[:2], prompts[:2], spec, n=1)
+    assert [r.token_ids for r in one] == [r.token_ids for r in _run(tiny_mm, images[:2], prompts[:2], n=1)]
+    assert [(r.stats["speculative"]["cycles"], r.stats["speculative"]["draft_forwards"]) for r in one] == [(0, 0)] * 2
+    two = _run(tiny_mm, images[:1], prompts[:1], spec, n=2)[0].stats["speculative"]
+    assert two["cycles"] == 1 and two["draft_forwards"] >= 2  # the prompt's forward, then the tree's
+
+
 def _begin(mm, images, prompts, name, params, capture=None):
     """A session whose drafter has consumed the first prompt; returns (session, drafter, inputs)."""
     from mmfast.speculative.engine import SpecContext

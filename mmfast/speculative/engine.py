@@ -153,14 +153,16 @@ def _decode_one(
     runner, device = method.runner, method.device
     stop = set(method.special.eos)
     t0 = now(device)
-    state, out = runner.prefill(inputs, all_hidden=drafter.needs_hidden)
+    # the prompt's hidden states only for a drafter that will draft (a one-token answer runs no cycle)
+    state, out = runner.prefill(inputs, all_hidden=drafter.needs_hidden and max_new > 1)
     ctx = SpecContext(method, state, inputs, [], prefill=out, **ctx_kw)
     root = _first_token(ctx, out.logits[0, -1])
     t1 = now(device)
     acc = state_accounting(state)
     method_stats = state.stats_rows(1)
     ctx.committed.append(root)
-    drafter.begin(ctx)
+    if len(ctx.committed) < max_new and root not in stop:  # a cycle follows: the drafter reads the prompt (a draft
+        drafter.begin(ctx)  # model runs over it); a one-token answer or a stop token first pays no drafting
     # captured verify steps: every tree padded to the drafter's largest, so one graph serves them all
     width = drafter.max_step_tokens() if runner.captures else None
     root_dev = None  # [1] the root on the device, while cycles run there
