@@ -19,8 +19,8 @@ their layer average in the KV cache after prefill (in-LLM methods drop inside th
 after prefill (logical: K and V of every layer's kept slots) and their ratio to unpruned, the LLM prefill
 FLOPs (:mod:`mmfast.flops`, the papers' convention, the model at hand) and their ratio, TTFT (a one-token
 call: video tower + prefill; median of ``bench.repeats`` after ``bench.warmup`` untimed calls), the tower's
-and the LLM prefill's share of it (the pipeline's own timings, medians), and the peak memory of the timed
-calls (``torch.cuda.max_memory_allocated``; with the memory the row started from, so the part above the
+and the LLM prefill's share of it (the pipeline's own timings, medians), and the peak memory of the row's
+calls, warm-ups included (``torch.cuda.max_memory_allocated``; with the memory the row started from, so the part above the
 weights shows). On a CPU peak memory is "n/a" (a process's peak RSS mixes rows and the allocator's cache).
 
 Reduced depth (``bench.params.layers`` / ``tower_layers``): the same shapes at full width with fewer LLM
