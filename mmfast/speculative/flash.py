@@ -35,8 +35,9 @@ forward run).
 
 Limits: batch 1 per sequence; trained weights for the target (``<model dir>/flash/``). Siblings in a
 block share their deeper slot distributions (the semi-AR head does not see the intermediate tokens).
-With an in-LLM pruner the pruned image slots have no final hidden state: they enter the pooled features (``compress_source: hidden``)
-F_V as zeros (the draft was trained on unpruned prompts, so its proposals, not the output, change).
+With an in-LLM pruner the pruned image slots have no final hidden state: they enter the pooled features
+F_V (``compress_source: hidden``) as zeros (the draft was trained on unpruned prompts: its proposals change,
+never the output).
 
 Deviations (reasons):
 - The pooled features F_V are the target's final hidden states at the image tokens (the released
