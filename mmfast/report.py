@@ -149,6 +149,20 @@ class EvalRow:
     video_pope: list[list[Any]]
 
 
+def incomplete_note(label: str, counts: dict[str, Any]) -> str | None:
+    """A note for a run whose figures cover fewer samples than it planned (failures accepted by
+    ``eval.max_failures`` / ``--allow-failures``, or samples not run), else None: the table alone would read
+    as a complete run."""
+    failed, not_run = int(counts.get("failed") or 0), int(counts.get("not_run") or 0)
+    if not failed and not not_run:
+        return None
+    parts = [f"{failed} failed"] * bool(failed) + [f"{not_run} not run"] * bool(not_run)
+    return (
+        f"**{label} is incomplete**: of its {counts.get('planned', '?')} planned samples {' and '.join(parts)}; its "
+        f"figures cover the {counts.get('finished', '?')} finished ones (the failures are listed in its summary.json)"
+    )
+
+
 def _with_ci(value: Any, part: dict[str, Any] | None, key: str) -> str:
     if value is None:
         return ""
@@ -406,6 +420,7 @@ def write_report(runs: list[str], output: str) -> Path:
         rows = [_eval_row(run, label, s) for run, label, s in evals]
         md += ["## Evaluation runs", "", *_md_table(EVAL_HEADER, [r.cells for r in rows]), ""]
         notes = [EVAL_INTERVAL_NOTE] + [n for r in rows for n in r.intervals.notes]
+        notes += [n for (run, label, s) in evals if (n := incomplete_note(label, s.get("counts") or {}))]
         md += [f"- {n}" for n in notes] + [""]
         if video := [v for r in rows for v in r.video_pope]:
             md += ["## Video POPE (video_pope)", "", *_md_table(VIDEO_POPE_HEADER, video), ""]

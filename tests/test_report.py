@@ -846,3 +846,19 @@ def test_report_reads_the_scored_records_of_a_run_resumed_and_stopped_before_its
     md = write_report([str(run)], str(tmp_path / "rep")).read_text()
     row = next(ln for ln in md.splitlines() if ln.startswith("| resumed"))
     assert row.split("|")[10].strip() == "0/120"
+
+
+def test_report_says_which_runs_are_incomplete(tmp_path):
+    """A run accepted with failures (eval.max_failures, --allow-failures) or with samples not run read as complete in
+    the report (its table row has no such column); a note names it and its counts. A complete run gets none."""
+    full = _eval_summary(tmp_path, "full", 64, 0.8, 0.1)
+    part = _eval_summary(tmp_path, "part", 64, 0.8, 0.1)
+    for run, counts in (
+        (full, {"planned": 10, "finished": 10, "failed": 0, "not_run": 0}),
+        (part, {"planned": 10, "finished": 7, "failed": 2, "not_run": 1}),
+    ):
+        s = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**s, "counts": counts}))
+    md = write_report([str(full), str(part)], str(tmp_path / "rep")).read_text()
+    assert "**part is incomplete**: of its 10 planned samples 2 failed and 1 not run" in md
+    assert "the 7 finished ones" in md and "full is incomplete" not in md
