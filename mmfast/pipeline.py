@@ -259,10 +259,14 @@ class Session:
         for i, pruner in enumerate(self.pruners):
             if pruner.budget_rule is None:
                 continue
-            for n, item in sorted(set(budget_items(counts, batch, self._joins[i]))):
-                if before_tower:
-                    pruner.budget_rule.budget.check_fits(n, pruner.budget_rule.path, item)
-                    continue
+            # what a refusal names fits the whole batch: the most tokens the smallest item has, then (the largest item
+            # first) an in-LLM method's smallest feasible budget, which grows with the count
+            items = sorted(set(budget_items(counts, batch, self._joins[i])))
+            for n, item in items:
+                pruner.budget_rule.budget.check_fits(n, pruner.budget_rule.path, item)
+            if before_tower:
+                continue
+            for n, item in reversed(items):
                 pruner.budget_rule.target(n, item)
                 if i == 0:
                     pruner.config_for(n)
@@ -695,10 +699,13 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _recipe_path(prefix: str) -> Iterator[None]:
-    """Methods name the parameter a ConfigError is about; the session adds where it sits in the recipe."""
+    """Methods name the parameter a ConfigError is about; the session adds where it sits in the recipe (a path
+    already in the recipe, such as a stage's ``Pruner.setting_path``, ``pruning[0].budget.tokens``, stays)."""
     try:
         yield
     except ConfigError as exc:
+        if exc.path.startswith(prefix.split(".")[0] + "."):
+            raise
         raise ConfigError(f"{prefix}.{exc.path}" if exc.path else prefix, exc.detail, exc.source) from None
 
 

@@ -310,6 +310,22 @@ def test_calibration_spread_covers_distinct_images_in_task_shares():
     assert len({s.image for s in everykth if s.image.startswith("pope")}) < 10
 
 
+def test_calibration_spread_keeps_the_share_of_a_task_listed_last():
+    """Evenly spaced over every sample: with 100 POPE questions then 20 captions (120 samples, 64 positions) a
+    whole step of 1 took the first 64 samples, all POPE, and no caption; 255 samples took the first 192."""
+    from types import SimpleNamespace as S
+
+    from mmfast.pruning._budget import CalibrationSet
+
+    for n_pope, n_chair in ((100, 20), (200, 55)):
+        pope = [S(image=f"pope{i}.png", prompt="q") for i in range(n_pope)]
+        chair = [S(image=f"chair{i}.png", prompt="describe") for i in range(n_chair)]
+        cal = CalibrationSet.spread(pope + chair)
+        assert len(cal.images) == 64 and len(set(cal.images)) == 64
+        share = 64 * n_chair / (n_pope + n_chair)
+        assert abs(sum(im.startswith("chair") for im in cal.images) - share) <= 1, (n_pope, n_chair)
+
+
 def test_pruning_bench_times_every_method_on_a_random_shape():
     """The bench's real-shape timing (here on the embedded model's shape with random weights: 576
     patches, 4 LLM layers, the code path of ``llava-1.5-7b-slice``) runs methods with trained parts on
@@ -672,3 +688,21 @@ def test_fastv_drop_ratio_keeps_round_n_times_one_minus_r_in_double_precision(qw
         stage = {"method": "fastv", "params": {"k": 1, "drop_ratio": drop}}
         out = qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [stage]}, max_new_tokens=1)
         assert [r.stats["fastv"]["kept"] for r in out] == [round(ni * (1 - drop)) for ni in n], drop
+
+
+def test_an_in_llm_budget_below_every_image_names_the_smallest_budget_the_whole_batch_takes(qwen_mm, qwen_images):
+    """FastV's smallest layer average grows with the image's count (ceil(K N_i / L)): a budget below it on every
+    image is refused naming the largest image's minimum, which the batch then takes; it named the smaller
+    image's, which the larger image refused again."""
+    n = [r.n_vision_tokens for r in qwen_mm.generate(qwen_images, PROMPTS, max_new_tokens=1)]
+    L = len(qwen_mm.adapter.layers)
+    lo = [-(-x // L) for x in n]  # K = 1
+    assert lo[0] != lo[1]
+    stage = {"method": "fastv", "params": {"k": 8, "layer_mapping": "proportional"}}
+    with pytest.raises(ConfigError, match=f"smallest feasible budget is {max(lo)} "):
+        qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [{**stage, "budget": {"tokens": 1}}]})
+    out = qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [{**stage, "budget": {"tokens": max(lo)}}]})
+    assert len(out) == 2
+    # above every image: the most the smallest image has (the largest's would be refused again)
+    with pytest.raises(ConfigError, match=f"ask for at most {min(n)},"):
+        qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [{**stage, "budget": {"tokens": max(n) + 1}}]})

@@ -459,3 +459,25 @@ def test_budget_holds_per_image_in_a_multi_image_sample(tiny_mm, images, budget,
     prompts = ["Compare them.", "Describe it.", "Which one?"]
     out = tiny_mm.generate(samples, prompts, recipe={"pruning": [stage]}, max_new_tokens=2)
     assert [r.vision_tokens_layer_avg for r in out] == [2 * per_image, per_image, 3 * per_image]
+
+
+def test_budget_holds_per_image_in_a_multi_image_sample_of_different_counts():
+    """LLaVA-NeXT (images of their own counts, the budget mapped per count): a sample of two images averages the
+    sum of its images' one-image averages, as FastV; the budget was mapped once on the sample's joined count, so
+    ``tokens: 40`` (feasible on each image) was refused as infeasible for one image of both images' tokens."""
+    import numpy as np
+    from PIL import Image
+
+    import mmfast
+    from mmfast.models.factory import random_llava_next
+
+    model, processor = random_llava_next("tiny")
+    mm = mmfast.load(model, processor)
+    rng = np.random.default_rng(0)
+    ims = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in [(40, 48), (84, 40)]]
+    for budget in ({"tokens": 40}, {"ratio": 0.7}):
+        stage = {"method": "dynamic_llava", "params": {"predictors": "random"}, "budget": budget}
+        one = [mm.generate([[im]], ["Describe."], recipe={"pruning": [stage]}, max_new_tokens=1)[0] for im in ims]
+        assert one[0].n_vision_tokens != one[1].n_vision_tokens
+        two = mm.generate([ims], ["Describe."], recipe={"pruning": [stage]}, max_new_tokens=1)[0]
+        assert two.vision_tokens_layer_avg == sum(r.vision_tokens_layer_avg for r in one), budget

@@ -392,3 +392,24 @@ def test_flops_budget_runs_through_the_token_mapping(tiny_mm, images, prompts, m
     out = tiny_mm.generate(images[:2], prompts[:2], recipe=_recipe(method, params, {"flops": 0.9}), max_new_tokens=2)
     for r in out:
         assert abs(r.vision_tokens_layer_avg - tokens) <= 0.05 * tokens
+
+
+def test_pdrop_stats_do_not_report_the_default_lambda_under_a_per_image_budget(next_mm, images, prompts):
+    """LLaVA-NeXT maps a budget's lambda per image count: the stats said ``ratios`` [0.5, 0.25, 0.125] (the
+    unused default lambda) beside counts kept with another lambda; they say the ratios are per image."""
+    out = next_mm.generate(images[:1], prompts[:1], recipe=_recipe("pyramiddrop", PD, {"tokens": 30}))[0]
+    st = out.stats["pyramiddrop"]
+    n = out.n_vision_tokens
+    assert st["kept"] != [int(n * r) for r in (0.5, 0.25, 0.125)]  # not the default lambda's counts
+    assert st["ratios"] == "per image"
+
+
+def test_sparsevlm_stats_do_not_report_the_576_token_preset_on_images_of_their_own_counts(next_mm, images, prompts):
+    """On LLaVA-NeXT a preset's counts scale by each image's N_i / 576: the stats said ``keep`` [300, 200, 110]
+    (the preset for 576 tokens) beside an image that kept a few dozen; they say the counts are per image."""
+    out = next_mm.generate(images[:1], prompts[:1], recipe=_recipe("sparsevlm", {**SV, "preset": "192"}))[0]
+    st = out.stats["sparsevlm"]
+    assert max(st["kept"]) <= out.n_vision_tokens < 300
+    assert st["keep"] == "per image"
+    given = next_mm.generate(images[:1], prompts[:1], recipe=_recipe("sparsevlm", {**SV, "keep": (20, 10, 5)}))[0]
+    assert given.stats["sparsevlm"]["keep"] == [20, 10, 5]  # given counts are kept as they are

@@ -153,3 +153,13 @@ def test_llm_gets_budget_tokens_and_rejects_unreachable(tiny_mm, images, prompts
     assert [r.token_ids for r in again] == [r.token_ids for r in want]
     with pytest.raises(ConfigError, match="cannot reach"):
         Session(tiny_mm, _recipe(budget=3))
+
+
+@pytest.mark.parametrize("budget, path", [({"tokens": 3}, "pruning[0].budget.tokens"), ({"budget": 3}, None)])
+def test_an_unreachable_budget_is_refused_at_the_key_the_recipe_set(tiny_mm, budget, path):
+    """``budget: {tokens: 3}`` (16 patches, 2 blocks: at least 4 tokens) is refused at ``pruning[0].budget.tokens``,
+    not at ``pruning[0].params.budget``, a knob the recipe did not set; ``params.budget`` at that knob."""
+    stage = {"method": "tome", "budget": budget} if path else {"method": "tome", "params": budget}
+    with pytest.raises(ConfigError, match="cannot reach 3 tokens.*i.e. 4 tokens") as exc:
+        Session(tiny_mm, load_recipe({"pruning": [stage]}))
+    assert exc.value.path == (path or "pruning[0].params.budget")

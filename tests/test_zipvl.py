@@ -602,3 +602,13 @@ def test_a_one_token_call_cuts_no_layer_out_of_the_quantised_fold(compile_mode, 
     assert len(cuts) == len(tiny_mm.adapter.layers)  # written back (static) or read by the step (dynamic)
     for a, b in zip(one, two):
         assert a.stats["zipvl"]["kv_bytes_prefill"] == b.stats["zipvl"]["kv_bytes_prefill"] > 0
+
+
+def test_a_flops_budget_is_refused_naming_its_key(tiny_mm, images, prompts):
+    """ZipVL computes and caches every vision token in prefill: ``flops: 0.9`` was accepted, calibrated as
+    equivalent tokens, and ran at the unpruned model's prefill FLOPs (ratio 1.0); it is refused at its key."""
+    from mmfast.pipeline import Session
+
+    with pytest.raises(ConfigError, match="prefill FLOPs stay the unpruned model's") as exc:
+        Session(tiny_mm, load_recipe({"pruning": [{"method": "zipvl", "budget": {"flops": 0.9}}]}))
+    assert exc.value.path == "pruning[0].budget.flops"

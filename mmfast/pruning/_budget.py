@@ -172,15 +172,16 @@ class CalibrationSet:
         """``n`` samples (objects with ``image`` and ``prompt``) at evenly spaced positions, so tasks keep
         their shares; each position takes the first sample of its stretch whose image is not picked yet
         (a repeat only where the whole stretch repeats), so the set covers as many images as it can."""
-        step = max(1, len(samples) // n)
+        # n stretches spanning every sample (sizes differ by at most one): a whole step len // n left the tail
+        # out, up to half the samples (127 of them, n = 64: the first 64), so a task listed last lost its share
+        count = min(n, len(samples))
+        bounds = [i * len(samples) // count for i in range(count + 1)] if count else []
         picked, seen = [], set()
-        for start in range(0, len(samples), step):
-            stretch = samples[start : start + step]
+        for start, end in zip(bounds, bounds[1:]):
+            stretch = samples[start:end]
             fresh = next((s for s in stretch if str(s.image) not in seen), stretch[0])
             picked.append(fresh)
             seen.add(str(fresh.image))
-            if len(picked) == n:
-                break
         return cls(tuple(str(s.image) for s in picked), tuple(s.prompt for s in picked))
 
 

@@ -32,7 +32,7 @@ released code does (RoPE position from layer K-1's cache length).
 Budget (``budget: {tokens: B}`` or ``{ratio: r}``, layer-averaged equivalent vision tokens per image at
 prefill; sets ``vision_keep_rate``): with the mapped layer K of an L-layer LLM and an image of N vision
 tokens (its own count; where images differ, mapped per count, ``_budget.py``; the top-k is per sample,
-so a multi-image sample is mapped on its vision tokens together),
+over the sum of its images' k, each mapped at the image's own count),
 k = round((L * B - K * N) / (L - K)) (as FastV) and vision_keep_rate = (k + 1e-6) / N (capped at 1),
 so int(N * rate) = k, and a sample of m images of N tokens keeps int(m N rate) = m k (a half-token
 nudge would keep m k + m // 2); budgets below ceil(K * N / L) are refused, naming that smallest budget.
@@ -87,7 +87,7 @@ from ..models.base import GENERATED
 from ..models.captured_tower import eager_call
 from ..registry import PRUNERS
 from ..runtime import LayerGroup
-from ._common import LayerMapping, map_layers
+from ._common import LayerMapping, image_counts, map_layers
 from ._dynamic_llava_modules import Predictors, gather_rows, keep_topk, load_predictors, random_predictors
 from .base import Pruner
 
@@ -244,7 +244,11 @@ class DynamicLLaVA(Pruner):
         vision = view.vision  # [B, T]
         keep = torch.ones_like(vision)
         n_vis = vision.sum(1).tolist()
-        k = [int(n * self.config_for(n).vision_keep_rate) if n else 0 for n in n_vis]  # a budget: per count
+        if self.maps_per_image:  # a budget: each image's k at its own count, summed over the sample's images
+            per_image = image_counts(view.images)  # [B][J]
+            k = [sum(int(n * self.config_for(n).vision_keep_rate) for n in row if n) for row in per_image]
+        else:
+            k = [int(n * cfg.vision_keep_rate) if n else 0 for n in n_vis]
         kept = list(n_vis)
         if any(kk < n for kk, n in zip(k, n_vis)):
             x, valid, index = gather_rows(view.hidden, vision)

@@ -224,9 +224,8 @@ class PyramidDrop(Pruner):
                     r_s = torch.full_like(n_j, self.ratios[stage], dtype=torch.float64)
                 keep = (n_j.double() * r_s).floor().long().clamp(max=cand.sum(1))  # int(N * r_s)
                 kept |= topk_keep(scores, cand, keep)
-            stats = state.stats.setdefault(
-                self.name, {"stage_layers": [x for x, _ in self.stages], "ratios": self.ratios}
-            )
+            ratios = "per image" if self.maps_per_image else self.ratios  # a budget: lambda fitted per image count
+            stats = state.stats.setdefault(self.name, {"stage_layers": [x for x, _ in self.stages], "ratios": ratios})
             stats.setdefault("per_sample_kept", [[] for _ in range(kept.shape[0])])
             for b, c in enumerate(kept.sum(1).tolist()):
                 stats["per_sample_kept"][b].append(c)

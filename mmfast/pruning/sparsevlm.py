@@ -321,6 +321,10 @@ class SparseVLM(Pruner):
 
         return select
 
+    def _preset_per_image(self) -> bool:
+        """Whether the preset's counts scale by each image's own count (no one count for every image)."""
+        return self.config.keep is None and self.adapter.n_image_tokens is None
+
     def _stats(self, state, data: _Prefill) -> None:
         n_layers = state.n_layers
         filters = [x for x, _ in self.filters]
@@ -333,7 +337,8 @@ class SparseVLM(Pruner):
 
         state.stats[self.name] = {
             "filter_layers": filters,
-            "keep": "per image" if self.maps_per_image else self.keep_counts,
+            # a budget, or a preset on images of their own counts: scaled per image (the base grid's counts were not kept)
+            "keep": "per image" if self.maps_per_image or self._preset_per_image() else self.keep_counts,
             "per_sample_kept": data.counts,
             "per_sample_recycled": data.recycled,
             "per_sample_raters": (data.raters >= 0).sum(1).tolist(),

@@ -172,7 +172,7 @@ class ToMe(Pruner):
         try:
             return merge_schedule(rows * cols, n_blocks, self.config.budget, int(self.adapter.has_cls))
         except ValueError as exc:
-            raise ConfigError("budget", str(exc)) from None
+            raise ConfigError(self.setting_path("budget"), str(exc)) from None  # a budget: its own key
 
     def install(self) -> None:
         # where the image merge cannot run (the needs met through the video substitute), videos only

@@ -67,7 +67,7 @@ Assumptions / deviations (the ZipVL code was not public):
 - quantisation statistics are per sample and ignore padding (ZipCache pools the batch).
 
 Budget (``budget: {tokens: B}``, layer-averaged *equivalent* vision tokens per image, the accounting
-above; sets ``tau``): calibrated when the session opens: x = 1 - tau is bisected on a log scale in
+above; sets ``tau``; a ``flops`` budget is refused: prefill computes every token): calibrated when the session opens: x = 1 - tau is bisected on a log scale in
 [1e-6, 1] on the fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style
 questions) until the mean equivalent vision tokens are within 2% of B; the calibrated tau and the tokens
 it kept are logged and reported in the stats (``calibration``, ``tau``). A budget outside the reachable
@@ -90,7 +90,7 @@ import torch
 from .. import compat
 from ..capabilities import Capabilities
 from ..config import opt
-from ..errors import IncompatibleRecipeError
+from ..errors import ConfigError, IncompatibleRecipeError
 from ..hooks import attach
 from ..hooks.attention import Carried, replayable, row_attention, staged_copy
 from ..registry import PRUNERS
@@ -205,6 +205,13 @@ class ZipVL(Pruner):
 
     # -- installation ---------------------------------------------------------------------------------
     def install(self) -> None:
+        if self.budget_rule is not None and self.budget_rule.budget.flops is not None:
+            raise ConfigError(
+                f"{self.budget_path}.flops",
+                "ZipVL computes and caches every vision token in prefill (its budget counts the tokens its sparse "
+                "attention treats as important), so its prefill FLOPs stay the unpruned model's; give budget: "
+                "{tokens: N} (equivalent vision tokens)",
+            )
         cfg = self.config
         text = self.adapter.text_config
         self.kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
