@@ -373,12 +373,14 @@ class MethodSpec:
     budget: Budget | None = None
 
     @classmethod
-    def build(cls, kind: str, data: Any, path: str) -> MethodSpec:
+    def build(cls, kind: str, data: Any, path: str, section_keys: tuple[str, ...] = ()) -> MethodSpec:
+        """``section_keys``: the section's own keys besides the spec's (taken out of ``data`` by the
+        caller, e.g. decoding's ``max_new_tokens``, ``seed``), named in an unknown key's hint."""
         if isinstance(data, str):
             data = {"method": data}
         if not isinstance(data, dict):
             raise ConfigError(path, "expected a mapping like {method: NAME, params: {...}}")
-        allowed = _STAGE_KEYS if kind == "pruning" else ("method", "params")
+        allowed = (*(_STAGE_KEYS if kind == "pruning" else ("method", "params")), *section_keys)
         for key in data:
             if key not in allowed:
                 close = difflib.get_close_matches(str(key), list(allowed), n=1)
@@ -504,8 +506,9 @@ class DecodingConfig:
                 path, "expected a decoder name or a mapping like {method: NAME, params: {...}, max_new_tokens: N}"
             )
         data = dict(data or {})
-        extra = {k: data.pop(k) for k in ("max_new_tokens", "seed") if k in data}
-        spec = MethodSpec.build("decoding", {"method": data.pop("method", "greedy"), **data}, path)
+        scalars = ("max_new_tokens", "seed")
+        extra = {k: data.pop(k) for k in scalars if k in data}
+        spec = MethodSpec.build("decoding", {"method": data.pop("method", "greedy"), **data}, path, scalars)
         base = from_dict(_DecodingScalars, extra, path)
         return cls(spec.method, spec.params, base.max_new_tokens, base.seed)
 

@@ -58,6 +58,17 @@ def test_unknown_top_level_and_nested_keys():
         load_recipe({"eval": {"pope": {"parsr": "pope"}}})
 
 
+def test_unknown_decoding_key_names_its_scalars():
+    """A typo of decoding.max_new_tokens / decoding.seed was answered "allowed keys: method, params",
+    the two keys the section accepts besides them left out and no suggestion made."""
+    with pytest.raises(ConfigError, match=r"decoding\.max_new_toknes: unknown key; did you mean 'max_new_tokens'"):
+        load_recipe({"decoding": {"max_new_toknes": 8}})
+    with pytest.raises(
+        ConfigError, match=r"decoding\.mx: unknown key; allowed keys: method, params, max_new_tokens, seed"
+    ):
+        load_recipe({"decoding": {"mx": 8}})
+
+
 def test_types_and_ranges():
     with pytest.raises(ConfigError, match=r"decoding\.params\.num_beams: expected an integer"):
         load_recipe({"decoding": {"method": "beam", "params": {"num_beams": "five"}}})

@@ -223,3 +223,24 @@ def test_output_dir_under_the_home_directory(tiny_dir, tiny_mm, small_world, tmp
     monkeypatch.chdir(cwd)
     run_eval(_recipe(tiny_dir, small_world, "~/runs/{name}", tasks=["pope"]), limit=1, mm=tiny_mm)
     assert (home / "runs" / "t" / "summary.json").is_file() and not (cwd / "~").exists()
+
+
+def test_git_sha_is_mmfast_s_own_not_an_enclosing_repository_s(tmp_path):
+    """mmfast installed (not a checkout) in a venv inside a user's project repository recorded the
+    project's HEAD as the run's ``protocol.git_sha``: ``git rev-parse`` ran in the package directory and
+    found the enclosing repository. A sha is only mmfast's when the repository's top holds this package."""
+    from mmfast.eval import runner
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    repo = tmp_path / "project"
+    pkg = repo / ".venv" / "lib" / "site-packages" / "mmfast" / "eval"
+    pkg.mkdir(parents=True)
+    git = ["git", "-c", "user.email=a@b", "-c", "user.name=a"]
+    subprocess.run([*git, "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    assert runner.git_sha(pkg / "runner.py") is None
+    checkout = repo / "mmfast" / "eval"
+    checkout.mkdir(parents=True)  # a source checkout: the repository's top holds the package
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert runner.git_sha(checkout / "runner.py") == head

@@ -378,3 +378,34 @@ def test_output_dir_under_the_home_directory(tmp_path, monkeypatch):
     )
     run_bench(recipe)
     assert (home / "benches" / recipe.name / "summary.json").is_file() and not (cwd / "~").exists()
+
+
+def test_cpu_build_too_big_for_memory_is_refused_before_any_compute():
+    """`mmfast bench bench/gpu_speed` (or bench/video_cost) on a CPU machine with less memory than a 7B
+    model's float32 random init needs was killed by the kernel (exit 137, no message) after its first
+    rows; the build is now refused up front with the memory it needs and what to do instead."""
+    from mmfast.models.factory import check_cpu_build_fits
+
+    with pytest.raises(InputError, match=r"'llava-1\.5-7b' .*needs about 2\d\.\d GiB.*8\.0 GiB is available.*GPU"):
+        check_cpu_build_fits("llava-1.5-7b", "cpu", available=8 * 2**30)
+    check_cpu_build_fits("llava-1.5-7b", "cpu", text_layers=1, vision_layers=1, available=8 * 2**30)  # fits
+    check_cpu_build_fits("llava-1.5-7b", "cuda", available=1)  # a GPU's memory is not the host's
+    check_cpu_build_fits("tiny", "cpu")  # the kernel's MemAvailable
+
+
+def test_run_gpu_speed_refuses_a_shape_too_big_before_the_embedded_rows(tmp_path, monkeypatch):
+    from mmfast.models import factory
+
+    monkeypatch.setattr(factory, "_available_memory", lambda: 2**30)
+    recipe = _recipe(
+        "bench.params.embedded_speculative=true",
+        "bench.params.shapes=[llava-1.5-7b]",
+        rows=("hf eager",),
+        batches=(1,),
+        workloads=("pope",),
+        repeats=1,
+    )
+    with pytest.raises(InputError, match="'llava-1.5-7b' .*needs about"):
+        run_bench(recipe, output=str(tmp_path))
+    rows = tmp_path / "rows.jsonl"
+    assert not rows.exists() or not rows.read_text().strip()  # not even the embedded model's rows ran

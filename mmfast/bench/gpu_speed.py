@@ -81,7 +81,7 @@ from ..errors import InputError, MMFastError
 from ..eval.data import resolve_data
 from ..flops import LMShape, prefill_flops
 from ..model import MMModel, load_model
-from ..models.factory import BENCH_MODELS, build_bench_model
+from ..models.factory import BENCH_MODELS, build_bench_model, check_cpu_build_fits
 from ..pipeline import apply
 from ..pruning._budget import CalibrationSet
 from ..speculative._eagle_model import write_random_draft
@@ -602,6 +602,9 @@ def run_gpu_speed(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
                     )
     emb_plan = _embedded_plan(recipe, vs, cp, info) if cp.embedded else {}
     store.prune({**plan, **emb_plan})
+    for shape_name in cp.shapes:  # a shape too big for the CPU's memory is refused before any compute
+        if any(k[0] == shape_name and store.done(k, plan[k]) is None for k in plan):
+            check_cpu_build_fits(shape_name, device)
     report = lambda: write_gpu_report(recipe, cp, info, store, out, command, vs)  # noqa: E731
     if cp.embedded:
         _run_embedded(recipe, vs, cp, info, store, emb_plan, report)

@@ -58,7 +58,7 @@ from PIL import Image
 from ..config import Recipe
 from ..errors import InputError
 from ..model import MMModel
-from ..models.factory import BENCH_MODELS, build_bench_model, reduced_shape
+from ..models.factory import BENCH_MODELS, build_bench_model, check_cpu_build_fits, reduced_shape
 from ..pipeline import apply
 from ..video import VideoSampling, open_video
 from ..world.video_render import MAX_FRAMES, MIN_FRAMES, VideoConfig, render_clip
@@ -261,6 +261,9 @@ def run_video_cost(recipe: Recipe, out: Path, command: str) -> dict[str, Any]:
     def report() -> dict[str, Any]:
         return write_report(recipe, cp, info, store, out, command, list(plan))
 
+    for shape_name in cp.shapes:  # a shape too big for the CPU's memory is refused before any compute
+        if any(k[0] == shape_name and store.done(k, s) is None for k, (_, s) in plan.items()):
+            check_cpu_build_fits(shape_name, device, text_layers=cp.layers, vision_layers=cp.tower_layers)
     frames = clip_frames(cp) if any(store.done(k, s) is None for k, (_, s) in plan.items()) else []
     for shape_name in cp.shapes:
         todo = [k for k, (_, s) in plan.items() if k[0] == shape_name and store.done(k, s) is None]

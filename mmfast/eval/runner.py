@@ -321,17 +321,20 @@ def _shard_device(device: str, rank: int, world: int) -> str:
     return device
 
 
-def git_sha() -> str | None:
+def git_sha(source: str | Path = __file__) -> str | None:
+    """HEAD of the mmfast checkout ``source`` (this module) lies in, or None: not a checkout, no git, or an
+    installed mmfast inside some other repository (a project's venv), whose HEAD is not mmfast's."""
+    package = Path(source).resolve().parents[1]  # mmfast/eval/runner.py -> mmfast/
     try:
-        here = Path(__file__).resolve().parent
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            or None
+        done = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=package, capture_output=True, text=True, timeout=5
         )
-    except (OSError, subprocess.SubprocessError):
+        top, sha = done.stdout.splitlines()
+    except (OSError, subprocess.SubprocessError, ValueError):
         return None
+    if done.returncode != 0:  # no repository, or one without a commit
+        return None
+    return sha if (Path(top) / package.name).resolve() == package else None
 
 
 def check_plan(plan: list[tuple[Task, list[Sample]]]) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
+
 logger = logging.getLogger(__name__)
 
 IMAGE_TOKEN = "<image>"
@@ -700,3 +702,49 @@ def build_bench_model(
     model = model.to(dtype).eval()
     model.generation_config.eos_token_id = model.config.get_text_config().vocab_size  # never generated
     return model, processor
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel reports available (``MemAvailable``), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_cpu_build_fits(
+    name: str,
+    device: str | torch.device,
+    *,
+    text_layers: int | None = None,
+    vision_layers: int | None = None,
+    available: int | None = None,
+) -> None:
+    """Refuse, before any compute, a :func:`build_bench_model` of ``name`` on the CPU that cannot fit in
+    memory: its random init runs in float32 (4 bytes a parameter, counted on the meta device) whatever the
+    bench's dtype, and a build past the memory is killed by the kernel with no message. ``available``:
+    bytes free (None: the kernel's ``MemAvailable``; unknown: no check). Nothing to check on a GPU.
+
+    Raises:
+        InputError: the build needs more memory than is available.
+    """
+    if torch.device(device).type != "cpu":
+        return
+    available = _available_memory() if available is None else available
+    if available is None:
+        return
+    model, _ = build_bench_model(
+        name, device="meta", dtype=torch.float32, text_layers=text_layers, vision_layers=vision_layers
+    )
+    n = sum(p.numel() for p in model.parameters())
+    need = 4 * n  # float32 init
+    if need > available:
+        raise InputError(
+            f"bench model {name!r} ({n / 1e9:.2f}B parameters) needs about {need / 2**30:.1f} GiB of memory to "
+            f"build on the CPU (its random init is float32) and {available / 2**30:.1f} GiB is available: run the "
+            "bench on a GPU (model.device: cuda), or choose smaller bench.params.shapes (video_cost: fewer "
+            "bench.params.layers / tower_layers)"
+        )
