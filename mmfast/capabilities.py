@@ -12,6 +12,7 @@ adapter declares what its family offers (:class:`~mmfast.models.features.ModelFe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -344,6 +345,21 @@ def supported_families_marked(caps: Capabilities) -> list[str]:
         family + (" (videos only)" if videos_only_on(caps, ADAPTERS[family].features) else "")
         for family in supported_families(caps)
     ]
+
+
+def listed_families(cls: type, config_cls: type | None) -> list[str]:
+    """The families method class ``cls`` runs on (:func:`supported_families_marked`) with its defaults, then
+    those only its ``family_params`` reach, each marked " with <those params>" (``mmfast list -v``)."""
+    plain = supported_families_marked(caps_of(cls, None))
+    extra: list[str] = []
+    if cls.family_params and config_cls is not None:
+        params = dataclasses.replace(config_cls(), **cls.family_params)
+        with_ = ", ".join(cls.family_params)
+        seen = {f.split(" ")[0] for f in plain}
+        extra = [
+            f"{f} with {with_}" for f in supported_families_marked(caps_of(cls, params)) if f.split(" ")[0] not in seen
+        ]
+    return sorted(plain) + sorted(extra)
 
 
 def refusal(where: str, caps: Capabilities, facts: ModelFacts, registry: Registry) -> str | None:

@@ -191,9 +191,9 @@ def _cmd_list(args) -> int:
         for e in entries:
             print(f"  {e.name:<18} {e.description}")
             if args.verbose and kind != "tasks":
-                from .capabilities import caps_of, supported_families_marked
+                from .capabilities import listed_families
 
-                print(f"      families: {', '.join(sorted(supported_families_marked(caps_of(e.cls, None))))}")
+                print(f"      families: {', '.join(listed_families(e.cls, e.config_cls))}")
             if args.verbose and e.config_cls is not None:
                 for name, default, doc in describe_fields(e.config_cls):
                     print(f"      {name} = {default!r}" + (f"  # {doc}" if doc else ""))

@@ -43,6 +43,9 @@ class Method:
 
     Config: ClassVar[type]
     registered_name: ClassVar[str]  # set by :meth:`Registry.register`
+    #: params under which the method's capabilities reach families its defaults do not (``mmfast list -v``
+    #: names those families "with" them), e.g. FastVID's OneVision variant with ``siglip_head``
+    family_params: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: Any, ctx: MethodContext) -> None:
         self.config = config

@@ -151,3 +151,18 @@ def test_bench_only_naming_no_variant_is_refused(tmp_path, monkeypatch, capsys, 
 
     rc = main(["-q", "bench", "bench/pruning", "--only", only, "--output", str(tmp_path / "b")])
     assert rc == 2 and "--only names no variant" in capsys.readouterr().err
+
+
+def test_list_verbose_names_the_families_a_method_reaches_with_its_params(capsys):
+    """`mmfast list -v` printed each method's families under its defaults only, so FastVID lacked LLaVA-OneVision,
+    which it runs on with siglip_head (README's table lists it): such families are named with those params."""
+    from mmfast.cli import main
+
+    assert main(["list", "methods", "-v"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    fams = {lines[i - 1].split()[0]: line for i, line in enumerate(lines) if line.strip().startswith("families:")}
+    assert fams["fastvid"].endswith(
+        "qwen2_5_vl (videos only), qwen2_vl (videos only), qwen3_vl (videos only), "
+        "llava_onevision (videos only) with siglip_head"
+    )
+    assert "with" not in fams["fastv"] and "with" not in fams["hicom"]

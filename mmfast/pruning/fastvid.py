@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from transformers import SiglipVisionModel
@@ -133,6 +134,8 @@ class FastVID(Pruner):
     """FastVID."""
 
     hook_points = frozenset({"attention_probe", "vision_features"})
+
+    family_params: ClassVar[dict[str, Any]] = {"siglip_head": "<the tower's SigLIP checkpoint>"}
 
     @classmethod
     def capabilities(cls, params) -> Capabilities:
