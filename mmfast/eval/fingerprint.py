@@ -17,9 +17,10 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..video import frame_files
 
@@ -32,6 +33,21 @@ _MISSING = "missing"
 _FINGERPRINT_CHUNK = 1 << 26  # bytes hashed per slice: a GPU tensor is copied to the host a slice at a time
 
 
+def hash_tensors(h: Any, named: Iterable[tuple[str, Any]]) -> None:
+    """Feed ``h`` every tensor's name, shape, dtype and every byte of its values (``meta`` tensors: name and
+    shape only), in chunks so that no large tensor is copied whole to the host."""
+    import torch  # here, so that reading records does not load torch
+
+    with torch.no_grad():
+        for name, t in named:
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            if t.device.type == "meta" or not t.numel():
+                continue
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes, any dtype
+            for start in range(0, raw.numel(), _FINGERPRINT_CHUNK):
+                h.update(raw[start : start + _FINGERPRINT_CHUNK].cpu().numpy().tobytes())
+
+
 def weights_fingerprint(model) -> str:
     """The content fingerprint of a model's weights: the sha256 of every tensor's name, shape, dtype
     and every byte of its values (tensors offloaded to ``meta`` count by name and shape only).
@@ -39,18 +55,8 @@ def weights_fingerprint(model) -> str:
     resumed run never mixes answers of two models. Not cached: weights changed in place between two calls
     (through ``.data`` too, which no version counter sees) give another fingerprint; an evaluation hashes
     them once (:func:`mmfast.eval.runner.run_eval`)."""
-    import torch  # here, so that reading records does not load torch
-
-    state = model.state_dict()
     h = hashlib.sha256()
-    with torch.no_grad():
-        for name, t in state.items():
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            if t.device.type == "meta" or not t.numel():
-                continue
-            raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [numel * itemsize] bytes, any dtype
-            for start in range(0, raw.numel(), _FINGERPRINT_CHUNK):
-                h.update(raw[start : start + _FINGERPRINT_CHUNK].cpu().numpy().tobytes())
+    hash_tensors(h, model.state_dict().items())
     return h.hexdigest()[:16]
 
 

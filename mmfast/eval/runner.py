@@ -58,7 +58,13 @@ from ..video import frame_files, sample_indices, source_frames
 from . import rundir
 from .data import cache_root, resolve_data
 from .distributed import barrier, fold_shards, gather_and_finish, launch_data_parallel, shard_info
-from .fingerprint import file_sha256, model_files_fingerprint, sample_fingerprint, weights_fingerprint
+from .fingerprint import (
+    file_sha256,
+    hash_tensors,
+    model_files_fingerprint,
+    sample_fingerprint,
+    weights_fingerprint,
+)
 from .records import RecordStore, count_failures, digest_of, record_problem, write_atomic
 from .tasks import Sample, Task, build_tasks
 
@@ -208,30 +214,28 @@ def methods_fingerprint(session) -> str | None:
     """The content fingerprint of the weights a session's methods brought besides the model's own
     (Dynamic-LLaVA's trained predictors, HICom's modules, a draft model): every tensor of each ``nn.Module``
     a pruner, the decoder or the drafter holds (directly, or in a list, tuple or dict), by name and every
-    byte, less the model's own tensors (hashed by :func:`~mmfast.eval.fingerprint.weights_fingerprint`). None
-    when the methods hold no such tensor, so the fingerprints of runs without them are unchanged. Retrained
-    weights under the same path change it."""
+    byte (:func:`~mmfast.eval.fingerprint.hash_tensors`), less the model's own tensors. None when the
+    methods hold no such tensor, so the fingerprints of runs without them are unchanged. Retrained weights
+    under the same path change it."""
     own = {id(t) for t in (*session.mm.model.parameters(), *session.mm.model.buffers())}
-    h = hashlib.sha256()
-    found = False
     holders = {"pruning": session.pruners, "decoding": [session.decoder], "speculative": [session.drafter]}
-    with torch.no_grad():
-        for where, objs in holders.items():
-            for i, obj in enumerate(objs):
-                for attr, value in sorted(vars(obj).items()) if obj is not None else ():
-                    for j, m in enumerate(_modules_in(value)):
-                        for name, t in m.state_dict(keep_vars=True).items():
-                            if id(t) in own:
-                                continue
-                            found = True
-                            t = t.detach()
-                            h.update(f"{where}[{i}].{attr}[{j}].{name}:{tuple(t.shape)}:{t.dtype}".encode())
-                            if t.device.type != "meta" and t.numel():
-                                h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()[:16] if found else None
+    named = [
+        (f"{where}[{i}].{attr}[{j}].{name}", t)
+        for where, objs in holders.items()
+        for i, obj in enumerate(objs)
+        for attr, value in (sorted(vars(obj).items()) if obj is not None else ())
+        for j, m in enumerate(_modules_in(value))
+        for name, t in m.state_dict(keep_vars=True).items()
+        if id(t) not in own
+    ]
+    if not named:
+        return None
+    h = hashlib.sha256()
+    hash_tensors(h, named)
+    return h.hexdigest()[:16]
 
 
-def _modules_in(value) -> list:
+def _modules_in(value: Any) -> list:
     """The ``nn.Module`` objects ``value`` is or holds (in a list, tuple or dict, one level down)."""
     if isinstance(value, torch.nn.Module):
         return [value]
