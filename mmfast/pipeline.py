@@ -731,7 +731,9 @@ def apply(
 
     ``calibration``: a ``pruning._budget.CalibrationSet`` that token budgets of threshold methods are
     calibrated on (an evaluation passes a spread of its own samples); None: the default world set.
-    ``compile``: ``off`` | ``static`` | ``auto``, replacing the recipe's ``model.compile`` (None keeps it)."""
+    ``compile``: ``off`` | ``static`` | ``auto``, replacing the recipe's ``model.compile`` (None keeps it).
+    The recipe's other ``model`` keys (name, dtype, device, ...) are not applied: the methods run on ``mm`` as it
+    was loaded (``mmfast.load`` takes them; ``mmfast eval`` / ``run`` load the recipe's model)."""
     if recipe is None:
         recipe = Recipe()
     elif not isinstance(recipe, Recipe):
