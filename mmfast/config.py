@@ -343,15 +343,16 @@ class Budget:
     def _to_recipe(self) -> dict:
         return {self.key: getattr(self, self.key)}
 
-    def check_fits(self, n: int, path: str, item: str = "image") -> None:
+    def check_fits(self, n: int, path: str, item: str = "image", fractions: bool = True) -> None:
         """Refuse a ``tokens`` budget above an input of ``n`` vision tokens (``path``: the budget's recipe path;
-        ``item``: what the budget is per: image, video, frame group)."""
+        ``item``: what the budget is per: image, video, frame group; ``fractions``: whether the stage takes a
+        ``ratio`` budget there, suggested then)."""
         if self.tokens is not None and self.tokens > n:
+            other = f", or for a fraction of every {item} with budget: {{ratio: r}}" if fractions else ""
             raise ConfigError(
                 f"{path}.tokens",
                 f"{self.tokens} vision tokens per {item} is more than this {item} has ({n} vision tokens at the LLM "
-                f"input): a budget cannot keep more than the input; ask for at most {n}, or for a fraction of "
-                f"every {item} with budget: {{ratio: r}}",
+                f"input): a budget cannot keep more than the input; ask for at most {n}{other}",
             )
 
 

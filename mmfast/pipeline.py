@@ -215,6 +215,8 @@ class Session:
                 rule.target(n)  # more than the model's images have is refused now; the rest as they arrive
                 n = None
             per_image = n is None and cls.budget_per_image and not cls.calibrated
+            if not per_image and n is None:  # one tokens budget for images of different counts: no fraction
+                rule = dataclasses.replace(rule, fractions=False)
             mapped = None
             if not per_image:
                 what = f"{spec.method} on {self.adapter.family}"
@@ -263,7 +265,7 @@ class Session:
             # first) an in-LLM method's smallest feasible budget, which grows with the count
             items = sorted(set(budget_items(counts, batch, self._joins[i])))
             for n, item in items:
-                pruner.budget_rule.budget.check_fits(n, pruner.budget_rule.path, item)
+                pruner.budget_rule.budget.check_fits(n, pruner.budget_rule.path, item, pruner.budget_rule.fractions)
             if before_tower:
                 continue
             for n, item in reversed(items):

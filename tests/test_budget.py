@@ -706,3 +706,16 @@ def test_an_in_llm_budget_below_every_image_names_the_smallest_budget_the_whole_
     # above every image: the most the smallest image has (the largest's would be refused again)
     with pytest.raises(ConfigError, match=f"ask for at most {min(n)},"):
         qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [{**stage, "budget": {"tokens": max(n) + 1}}]})
+
+
+def test_a_too_large_budget_suggests_a_ratio_only_where_the_stage_takes_one(qwen_mm, qwen_images):
+    """A ``tokens`` budget above an image's count suggested ``budget: {ratio: r}`` also for a stage that maps one
+    ``tokens`` budget for images of different counts (CDPruner here; MustDrop / ZipVL alike), which refuses a ratio."""
+    n = min(r.n_vision_tokens for r in qwen_mm.generate(qwen_images, PROMPTS, max_new_tokens=1))
+    for method, suggested in (("divprune", True), ("cdpruner", False)):
+        stage = {"method": method, "budget": {"tokens": n + 1}}
+        with pytest.raises(ConfigError, match=f"ask for at most {n}") as exc:
+            qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [stage]}, max_new_tokens=1)
+        assert ("{ratio: r}" in str(exc.value)) is suggested, (method, str(exc.value))
+    with pytest.raises(ConfigError, match="give budget: {tokens: N}"):  # what the hint would have led to
+        qwen_mm.generate(qwen_images, PROMPTS, recipe={"pruning": [{"method": "cdpruner", "budget": {"ratio": 0.5}}]})

@@ -77,12 +77,15 @@ class ImageBudget:
     budget: Budget
     shape: LMShape  # the loaded LLM's shape (``flops`` budgets)
     path: str  # the recipe path of the budget, e.g. ``pruning[0].budget``
+    #: whether the stage takes ``ratio`` / ``flops`` here (False: it maps one ``tokens`` budget for images of
+    #: different counts, :meth:`same_for_every_image`)
+    fractions: bool = True
 
     def target(self, n: int, item: str = "image") -> int:
         """The target of an image (or ``item``) of ``n`` vision tokens (tokens kept, or layer-averaged tokens)."""
         b = self.budget
         if b.tokens is not None:
-            b.check_fits(n, self.path, item)
+            b.check_fits(n, self.path, item, self.fractions)
             return b.tokens
         if b.ratio is not None:
             return max(1, round(b.ratio * n))
