@@ -315,7 +315,7 @@ def check_output_dir(path: Path) -> None:
 
 
 def _cmd_eval(args) -> int:
-    from .eval.distributed import is_worker
+    from .eval.distributed import is_worker, shard_info
     from .eval.runner import EXIT_SAMPLES_FAILED, output_dir, run_eval
 
     recipe = _load(args)
@@ -323,12 +323,16 @@ def _cmd_eval(args) -> int:
     summary = run_eval(recipe, limit=args.limit, output=args.output, num_processes=args.num_processes)
     if is_worker():
         return 0  # the launcher prints the result
-    from .report import metrics_table
+    main_process = shard_info()[0] == 0  # under torchrun / accelerate every process returns the summary
+    if main_process:
+        from .report import metrics_table
 
-    print(metrics_table(summary["metrics"]))
-    print(f"(all figures: {output_dir(recipe, args.output) / 'summary.json'})")
+        print(metrics_table(summary["metrics"]))
+        print(f"(all figures: {output_dir(recipe, args.output) / 'summary.json'})")
     failed, not_run = summary["counts"]["failed"], summary["counts"]["not_run"]
     if (failed or not_run) and not args.allow_failures:
+        if not main_process:
+            return EXIT_SAMPLES_FAILED
         logger.error(
             "%d of %d samples failed (listed in summary.json)%s; exiting %d (--allow-failures accepts them)",
             failed,

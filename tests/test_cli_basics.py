@@ -166,3 +166,21 @@ def test_list_verbose_names_the_families_a_method_reaches_with_its_params(capsys
         "llava_onevision (videos only) with siglip_head"
     )
     assert "with" not in fams["fastv"] and "with" not in fams["hicom"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_the_main_process_of_a_torchrun_eval_prints_the_metrics(rank, tmp_path, monkeypatch, capsys, caplog):
+    """Under torchrun / accelerate every process returns the run's summary; each printed the metrics table (and
+    logged the failures): only the main process does, and every process exits with the run's status."""
+    import mmfast.eval.distributed as distributed
+    import mmfast.eval.runner as runner
+    from mmfast.cli import main
+
+    counts = {"planned": 4, "finished": 3, "failed": 1, "not_run": 0}
+    summary = {"metrics": {"pope": {"mean_f1": 0.5}}, "counts": counts}
+    monkeypatch.setattr(runner, "run_eval", lambda *a, **k: summary)
+    monkeypatch.setattr(distributed, "shard_info", lambda: (rank, 2))
+    rc = main(["-q", "eval", "world_eval", "--output", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert rc == runner.EXIT_SAMPLES_FAILED
+    assert ("all figures" in out) is (rank == 0) and ("1 of 4 samples failed" in caplog.text) is (rank == 0)
