@@ -209,6 +209,8 @@ class Session:
         params, tokens, rule, per_image = spec.params, None, None, False
         if spec.budget is not None:
             path = f"pruning[{i}].budget"
+            if spec.budget.flops is not None and cls.flops_refused:
+                raise ConfigError(f"{path}.flops", f"{spec.method}: {cls.flops_refused}; give budget: {{tokens: N}}")
             rule = ImageBudget(spec.budget, LMShape.of(self.adapter.text_config), path)
             n = self.adapter.n_image_tokens
             if n is not None and i > 0:

@@ -39,6 +39,8 @@ class Pruner(Method):
     budget_knobs: ClassVar[tuple[str, ...]] = ()
     #: True: the budget is reached by :meth:`calibrate` after installation, not by :meth:`budget_params`.
     calibrated: ClassVar[bool] = False
+    #: why a ``flops`` budget cannot be met (refused when the stage is installed); empty: it can.
+    flops_refused: ClassVar[str] = ""
     #: True: on models whose images have different vision-token counts, the budget is mapped per image
     #: count (:meth:`config_for`, read by the method's per-image code); False: once, for a ``tokens`` budget.
     budget_per_image: ClassVar[bool] = True

@@ -66,12 +66,11 @@ Assumptions / deviations (the ZipVL code was not public):
   parameters (ZipCache's code re-quantises the whole cache);
 - quantisation statistics are per sample and ignore padding (ZipCache pools the batch).
 
-Budget (``budget: {tokens: B}``, layer-averaged *equivalent* vision tokens per image, the accounting
-above; sets ``tau``; a ``flops`` budget is refused: prefill computes every token): calibrated when the session opens: x = 1 - tau is bisected on a log scale in
-[1e-6, 1] on the fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style
-questions) until the mean equivalent vision tokens are within 2% of B; the calibrated tau and the tokens
-it kept are logged and reported in the stats (``calibration``, ``tau``). A budget outside the reachable
-range is refused with that range.
+Budget (``budget: {tokens: B}``, layer-averaged *equivalent* vision tokens per image, the accounting above;
+sets ``tau``; ``flops`` is refused): calibrated when the session opens: x = 1 - tau is bisected on a log scale
+in [1e-6, 1] on the fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style questions)
+until the mean equivalent vision tokens are within 2% of B; the calibrated tau and the tokens it kept are
+logged and reported in the stats (``calibration``, ``tau``). A budget outside its reachable range is refused.
 
 Limits: refuses speculative decoding (drafts are verified against, and rolled back from, a cache that
 is being quantised) and beam search (the paper defines decoding for one sequence; the per-layer
@@ -90,7 +89,7 @@ import torch
 from .. import compat
 from ..capabilities import Capabilities
 from ..config import opt
-from ..errors import ConfigError, IncompatibleRecipeError
+from ..errors import IncompatibleRecipeError
 from ..hooks import attach
 from ..hooks.attention import Carried, replayable, row_attention, staged_copy
 from ..registry import PRUNERS
@@ -166,6 +165,7 @@ class ZipVL(Pruner):
 
     budget_knobs = ("tau",)
     calibrated = True
+    flops_refused = "it computes and caches every vision token, so its prefill FLOPs stay the unpruned model's"
 
     @classmethod
     def noop_params(cls, adapter):
@@ -205,13 +205,6 @@ class ZipVL(Pruner):
 
     # -- installation ---------------------------------------------------------------------------------
     def install(self) -> None:
-        if self.budget_rule is not None and self.budget_rule.budget.flops is not None:
-            raise ConfigError(
-                f"{self.budget_path}.flops",
-                "ZipVL computes and caches every vision token in prefill (its budget counts the tokens its sparse "
-                "attention treats as important), so its prefill FLOPs stay the unpruned model's; give budget: "
-                "{tokens: N} (equivalent vision tokens)",
-            )
         cfg = self.config
         text = self.adapter.text_config
         self.kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
