@@ -338,28 +338,27 @@ def supported_families(caps: Capabilities) -> list[str]:
     return [adapter.family for adapter in ADAPTERS.values() if unmet_need(caps, adapter.features) is None]
 
 
-def supported_families_marked(caps: Capabilities) -> list[str]:
-    """:func:`supported_families`, each marked " (videos only)" where the method takes no image there
-    (:func:`videos_only_on`)."""
+def supported_families_marked(caps: Capabilities, only: set[str] | None = None) -> list[str]:
+    """:func:`supported_families` (those in ``only``, where given), each marked " (videos only)" where the
+    method takes no image there (:func:`videos_only_on`)."""
     return [
         family + (" (videos only)" if videos_only_on(caps, ADAPTERS[family].features) else "")
         for family in supported_families(caps)
+        if only is None or family in only
     ]
 
 
 def listed_families(cls: type, config_cls: type | None) -> list[str]:
     """The families method class ``cls`` runs on (:func:`supported_families_marked`) with its defaults, then
     those only its ``family_params`` reach, each marked " with <those params>" (``mmfast list -v``)."""
-    plain = supported_families_marked(caps_of(cls, None))
-    extra: list[str] = []
+    default = caps_of(cls, None)
+    listed = sorted(supported_families_marked(default))
     if cls.family_params and config_cls is not None:
-        params = dataclasses.replace(config_cls(), **cls.family_params)
+        caps = caps_of(cls, dataclasses.replace(config_cls(), **cls.family_params))
+        more = set(supported_families(caps)) - set(supported_families(default))
         with_ = ", ".join(cls.family_params)
-        seen = {f.split(" ")[0] for f in plain}
-        extra = [
-            f"{f} with {with_}" for f in supported_families_marked(caps_of(cls, params)) if f.split(" ")[0] not in seen
-        ]
-    return sorted(plain) + sorted(extra)
+        listed += sorted(f"{f} with {with_}" for f in supported_families_marked(caps, only=more))
+    return listed
 
 
 def refusal(where: str, caps: Capabilities, facts: ModelFacts, registry: Registry) -> str | None:
