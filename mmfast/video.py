@@ -174,6 +174,16 @@ def source_frames(video: Any, what: str = "video") -> tuple[int, float | None]:
     return len(_frames_of(video, what)), None
 
 
+def sample_source(
+    total: int, rate: float | None, sampling: VideoSampling, rule: FrameRule, what: str
+) -> tuple[list[int], VideoSampling]:
+    """The indices ``sampling`` keeps of a source of ``total`` frames at ``rate`` frames per second (its own rate
+    stands in for a missing ``video_fps``), and the sampling with that rate."""
+    if sampling.video_fps is None and rate is not None:
+        sampling = dataclasses.replace(sampling, video_fps=rate)
+    return sample_indices(total, sampling, rule, what), sampling
+
+
 def open_video(
     video: Any, sampling: VideoSampling = VideoSampling(), rule: FrameRule = FrameRule(), what: str = "video"
 ) -> VideoClip:
@@ -183,9 +193,7 @@ def open_video(
     if is_video_file(video):
         path = Path(video)
         info = probe_video_file(path, what)
-        if sampling.video_fps is None and info.fps is not None:
-            sampling = dataclasses.replace(sampling, video_fps=info.fps)
-        keep = sample_indices(info.total_frames, sampling, rule, what)
+        keep, sampling = sample_source(info.total_frames, info.fps, sampling, rule, what)
         return _clip(dict(zip(keep, decode_frames(path, keep, what))), keep, info.total_frames, sampling, what)
     frames = _frames_of(video, what)
     if not frames:

@@ -54,7 +54,7 @@ from ..pipeline import apply
 from ..progress import Progress
 from ..pruning._budget import CalibrationSet
 from ..registry import PRUNERS
-from ..video import frame_files, sample_indices, source_frames
+from ..video import frame_files, sample_source, source_frames
 from . import rundir
 from .data import cache_root, resolve_data
 from .distributed import barrier, fold_shards, gather_and_finish, launch_data_parallel, shard_info
@@ -424,11 +424,8 @@ def check_video_sampling(plan, mm) -> None:
             seen.add((s.video, s.video_sampling))
             rule = rule or mm.adapter.frame_rule(mm.video_settings)
             total, rate = source_frames(s.video, f"video {str(s.video)!r}")
-            how = s.video_sampling
-            if how.video_fps is None and rate is not None:
-                how = dataclasses.replace(how, video_fps=rate)
             try:
-                sample_indices(total, how, rule, f"{s.doc_id}: video {str(s.video)!r}")
+                sample_source(total, rate, s.video_sampling, rule, f"{s.doc_id}: video {str(s.video)!r}")
             except InputError as exc:
                 raise InputError(
                     f"{exc}; every sample of that video would fail on {mm.adapter.family}: change the task's "
