@@ -116,3 +116,26 @@ def test_vhr_decode_without_cache_applies_the_frozen_heads(tiny_mm, images, prom
         with Session(tiny_mm, recipe) as s:
             outs[use_cache] = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=8)]
     assert outs[False] == outs[True]
+
+
+def test_lqcd_leading_branch_longer_than_the_context_is_refused(tiny_mm, images, prompts, monkeypatch):
+    """The leading rewording is longer than the user's prompt: when the clean prompt just fits the LLM's context, the
+    leading branch does not, and decoding it past the context (positions the model never saw) is refused by name."""
+    import re
+
+    import pytest
+
+    from mmfast.errors import InputError
+
+    clean_total = 1
+    for _ in range(2):  # the text alone is checked before the tower, text + vision tokens after it
+        monkeypatch.setattr(tiny_mm.adapter.text_config, "max_position_embeddings", clean_total)
+        with pytest.raises(InputError) as err:
+            _tokens(tiny_mm, images[:1], prompts[1:2], {"method": "greedy"}, n=4)
+        clean_total = int(re.search(r"new tokens = (\d+)", str(err.value)).group(1))
+    assert "16 vision tokens" in str(err.value)
+    monkeypatch.setattr(tiny_mm.adapter.text_config, "max_position_embeddings", clean_total)
+    _tokens(tiny_mm, images[:1], prompts[1:2], {"method": "greedy"}, n=4)  # the clean prompt fits exactly
+    lqcd = {"method": "lqcd", "params": {"alpha": 1.0, "sample": False}}
+    with pytest.raises(InputError, match=r"the leading branch of sample 0: \d+ tokens \+ 4 new tokens = \d+, \d+ over"):
+        _tokens(tiny_mm, images[:1], prompts[1:2], lqcd, n=4)

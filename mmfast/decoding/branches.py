@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import opt
+from ..errors import InputError
 from ..models.base import LMInputs
 from .base import DecodeOutput, Decoder, DecodeRequest
 from .loop import drive, sample_from, warpers
@@ -139,6 +140,22 @@ class WarpedBranchConfig(BranchConfig):
     top_k: int = opt(0, lo=0, doc="top-k, 0 = off (warpers)")
 
 
+def _check_context(ctx: MethodContext, branches: list[Branch], max_new: int) -> None:
+    """Refuse a branch longer than the clean prompt (LQCD's leading rewording) that, with ``max_new`` new tokens,
+    exceeds the LLM's context: the session checked the clean prompt only."""
+    limit = getattr(ctx.adapter.text_config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for br in branches:
+        for b, n in enumerate(br.inputs.attention_mask.sum(1).tolist()):  # [B] real tokens of each sample
+            if n + max_new > limit:
+                raise InputError(
+                    f"input longer than the context of {ctx.name} ({limit} tokens): the {br.name} branch of sample "
+                    f"{b}: {n} tokens + {max_new} new tokens = {n + max_new}, {n + max_new - limit} over; shorten the "
+                    "prompt or lower max_new_tokens"
+                )
+
+
 class MultiBranchDecoder(Decoder):
     """Base class: subclasses build auxiliary branches and fuse branch logits."""
 
@@ -177,6 +194,7 @@ class _BranchPolicy:
 
     def prefill(self):
         self.branches = self.decoder.branches(self.req)
+        _check_context(self.decoder.ctx, self.branches, self.req.max_new_tokens)
         self.bset = BranchSet(self.decoder.ctx, [Branch("clean", self.req.inputs), *self.branches])
         self.logits = self.bset.prefill()
         state, row = self.bset.clean_state()
