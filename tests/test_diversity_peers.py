@@ -288,6 +288,18 @@ def test_dart_release_counts_and_budget(tiny_mm, images, prompts):
     assert res[0].vision_tokens_layer_avg == pytest.approx((16 + 3 * 12) / 4)
 
 
+def test_dart_without_pivots_is_refused(tiny_mm):
+    """pivot_image = pivot_text = 0: DART splits M among no pivots, so every image token goes at layer K (the release
+    divides by zero); a budget of 12 then landed silently at 4 layer-averaged tokens (K N / L)."""
+    from mmfast.errors import ConfigError
+
+    no_pivots = {"k": 1, "pivot_image": 0, "pivot_text": 0}
+    for stage in ({"params": {**no_pivots, "truncation": 8}}, {"params": no_pivots, "budget": {"tokens": 12}}):
+        with pytest.raises(ConfigError, match="pivot"):
+            Session(tiny_mm, load_recipe({"pruning": [{"method": "dart", **stage}]}))
+    _session(tiny_mm, "dart", k=1, pivot_image=0, pivot_text=2, truncation=4).close()  # text pivots alone: fine
+
+
 # -- CDPruner ------------------------------------------------------------------------------------
 
 

@@ -334,3 +334,16 @@ def test_sparsevlm_on_qwen_noop_counts_and_batch(qmm, qimages):
     for r, b in zip(batched, base):  # first filter: the given k_1 kept (capped at N_i), plus the recycled clusters
         st, n = r.stats["sparsevlm"], b.n_vision_tokens
         assert st["kept"][0] - st["recycled"][0] == min(n, params["keep"][0])
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_dart_default_m_on_qwen_is_the_releases_reduction_ratio(family):
+    """The release's Qwen2-VL / Qwen2.5-VL code never reads max_num_trunction: TOKEN_TOPK =
+    int(N (1 - reduction_ratio) / (pivots)), reduction_ratio 0.778 in its lmms-eval wrappers, so an image's
+    M is a fraction of its own N (not 128 whatever N)."""
+    from types import SimpleNamespace
+
+    cls = PRUNERS.get("dart").cls
+    dart = cls(cls.Config(), SimpleNamespace(adapter=SimpleNamespace(features=ADAPTERS[family].features)))
+    for n in (64, 576, 1200, 3000):
+        assert dart.per_pivot(n) == int(n * (1 - 0.778) / 8), n

@@ -146,6 +146,20 @@ def test_pdrop_refuses_bad_schedules(tiny_mm):
         Session(tiny_mm, _recipe("pyramiddrop", {**PD, "layers": (8, 9, 24)}))
 
 
+def test_pdrop_refuses_ratios_that_grow_between_stages(tiny_mm):
+    """``ratios`` are cumulative fractions of N: a later stage cannot keep more than an earlier one left (the
+    release's topk fails there; clamping would keep fewer than asked and its budget / stats formulas count more)."""
+    with pytest.raises(ConfigError, match="ratios"):
+        Session(tiny_mm, _recipe("pyramiddrop", {**PD, "ratios": (0.25, 0.5, 0.125)}))
+    Session(tiny_mm, _recipe("pyramiddrop", {**PD, "ratios": (0.5, 0.5, 0.125)})).close()
+
+
+def test_pdrop_refuses_an_empty_stage_list(tiny_mm):
+    """``layers: []`` is PyramidDrop without a stage: nothing would ever be dropped (a silent no-op)."""
+    with pytest.raises(ConfigError, match="layers"):
+        Session(tiny_mm, _recipe("pyramiddrop", {**PD, "layers": ()}))
+
+
 def test_pdrop_decode_positions_continue_from_the_compacted_length(tiny_mm, images, prompts):
     with Session(tiny_mm, _recipe("pyramiddrop", {**PD, "ratio": 0.5})) as s:
         _, state, _ = _prefill(s, images[:1], prompts[:1])

@@ -47,15 +47,17 @@ ties of the cosine are broken by slot order (the release's candidates are a ``li
 is reduced on its own (the release: batch 1, one image at a fixed offset of 35 tokens); with several
 images the text pivots are the tokens after the last image; (c) M is capped at N - pivot_image on
 LLaVA-1.5 too (the release caps it only for NeXT; beyond it its ``topk`` would fail); (d) cosine
-similarities in fp32.
+similarities and the keys' L1 norms in fp32 (the release: the model dtype).
 Qwen-VL families (qwen2_vl, qwen2_5_vl, qwen3_vl): supported. The release has Qwen2-VL and
 Qwen2.5-VL code (``Qwen2-VL/``, ``Qwen2_5-VL/`` with their lmms-eval wrappers): the same rule at K = 2
-with 4 + 4 pivots and ``max_num_trunction`` 128 in both eval scripts; its candidates are an image's
-``<|image_pad|>`` span (from the first pad to ``<|vision_end|>``), batch 1. mmfast uses M = 128 there
-(Qwen3-VL: no release; the Qwen2/2.5 value), capped at N_i - pivot_image per image; kept tokens keep
+with 4 + 4 pivots, but its ``get_retained_image_token`` never reads ``max_num_trunction`` (128 in the
+eval scripts): t = int(N (1 - reduction_ratio) / (pivot_image + pivot_text)), ``reduction_ratio`` 0.778 by
+its wrappers' default; its candidates are an image's ``<|image_pad|>`` span (from the first pad to
+``<|vision_end|>``), batch 1. mmfast's default there is M = N_i (1 - 0.778) per image (Qwen3-VL: no
+release; the Qwen2/2.5 value), capped at N_i - pivot_image; kept tokens keep
 their original (t, h, w) ids, as FastV under M-RoPE; Qwen3-VL's deepstack features follow the kept
-slots (runtime). Not checked: whether the release's Qwen key norms are taken before or after M-RoPE
-(mmfast: after, as on LLaVA).
+slots (runtime). The release's Qwen key norms are of the keys after M-RoPE (its attention classes
+return them so), as mmfast's (Qwen2-VL's after ``repeat_kv``, Qwen2.5-VL's before: a constant factor).
 LLaVA-OneVision: supported (not in the release). Every slot of an image's packed span (base view,
 mosaic, newlines) is a candidate, as on LLaVA-NeXT. The release has no M for it; mmfast's default
 is LLaVA-1.5's 128 of 576 as a fraction of each image: M_i = N_i x 128 / 576 (capped at
@@ -91,9 +93,11 @@ from ._common import LayerMapping, image_counts, keep_only, map_layers
 from .base import Pruner
 
 #: the release's M per tile packing (``ModelFeatures.tiles``): max_num_trunction for untiled images
-#: (LLaVA-1.5; Qwen2-VL / Qwen2.5-VL: their eval scripts' value; Qwen3-VL: no release, the same value),
+#: (LLaVA-1.5; not Qwen-VL, whose release code reads reduction_ratio instead: ``RELEASE_QWEN_DROP``),
 #: retain_token_num_for_llava_next for anyres tiles; anyres-max (OneVision): none (``per_pivot``)
 RELEASE_TRUNCATION = {"none": 128, "anyres": 320}
+#: the release's Qwen2-VL / Qwen2.5-VL default reduction_ratio (its lmms-eval wrappers; M = N (1 - it))
+RELEASE_QWEN_DROP = 0.778
 
 
 def release_pivot_order(pivots: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
@@ -176,6 +180,13 @@ class DART(Pruner):
             doc="pivot order: sequence (ascending); release: the release's set iteration order of their sequence indices",
         )
 
+        def __post_init__(self) -> None:
+            if self.pivot_image + self.pivot_text == 0:
+                raise ValueError(
+                    "pivot_image + pivot_text is 0: M is split among the pivots, so every image token would be "
+                    "dropped at layer K; give at least one pivot (the release: 4 + 4)"
+                )
+
         _renamed = (
             (
                 "ratio",
@@ -254,6 +265,8 @@ class DART(Pruner):
             m = cfg.truncation
         elif cfg.drop_ratio is not None:
             m = n * (1 - cfg.drop_ratio)
+        elif self.adapter.features.patch_grid == "dynamic":  # Qwen-VL: the release's reduction_ratio (docstring)
+            m = n * (1 - RELEASE_QWEN_DROP)
         elif self.adapter.features.tiles in RELEASE_TRUNCATION:
             m = RELEASE_TRUNCATION[self.adapter.features.tiles]
         else:  # OneVision: no release value; LLaVA-1.5's 128 of 576 as a fraction of each image (docstring)

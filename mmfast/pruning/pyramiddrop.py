@@ -151,10 +151,20 @@ class PyramidDrop(Pruner):
 
     @classmethod
     def check_facts(cls, config, facts) -> list[tuple[int, int]]:
-        """Stage layers exist, are distinct after mapping, and ``ratios`` has one entry per stage."""
+        """Stage layers exist, are distinct after mapping, and ``ratios`` has one non-increasing entry per stage."""
+        if not config.layers:
+            raise ConfigError(
+                "layers", "no stage layers: PyramidDrop would drop nothing; give at least one (release: [8, 16, 24])"
+            )
         if config.ratios is not None and len(config.ratios) != len(config.layers):
             raise ConfigError(
                 "ratios", f"{len(config.ratios)} ratios for {len(config.layers)} stage layers; give one per stage"
+            )
+        if config.ratios is not None and any(b > a for a, b in zip(config.ratios, config.ratios[1:])):
+            raise ConfigError(
+                "ratios",
+                f"{list(config.ratios)}: each stage keeps a fraction of the image's N tokens, and a stage cannot "
+                "keep more than the previous one left; give non-increasing ratios",
             )
         if list(config.layers) != sorted(set(config.layers)):
             raise ConfigError("layers", f"{list(config.layers)}: stage layers must be strictly increasing")
