@@ -526,3 +526,61 @@ def test_describe_records_the_protocol(evaluator: ChairEvaluator) -> None:
     assert info["wordnet_version"] == "3.0" and info["pipeline_version"] == chair_mod.PIPELINE_VERSION
     assert info["language_data"]["route"] == "shipped" and "table_sha256" in info["language_data"]["lemmas"]
     json.dumps(info)
+
+
+def test_chair_task_names_a_stray_image_file(tmp_path: Path) -> None:
+    """An image folder holding a file that is no COCO image name (``cover.png``) is an InputError naming
+    the file and the fix, not a ValueError from inside the task (which the CLI reports as an internal error)."""
+    from mmfast.config import load_recipe
+    from mmfast.eval.data import EvalData
+    from mmfast.eval.tasks.chair import ChairTask
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in (101, 102):
+        (images / f"COCO_val2014_{i:012d}.jpg").write_bytes(b"")
+    (images / "cover.png").write_bytes(b"")
+    cfg = load_recipe({"eval": {"tasks": ["chair"], "chair": {"n_images": 2}}}).eval
+    data = EvalData("coco", tmp_path, images, tuple(INSTANCES), (CAPTIONS,))
+    with pytest.raises(InputError, match=r"cover\.png: not a COCO image file name.*move it out of"):
+        ChairTask(cfg, data)
+    (images / "cover.png").unlink()
+    assert sorted(ChairTask(cfg, data).image_ids) == [101, 102]
+
+
+def test_chair_task_refuses_images_without_ground_truth_before_generating(tmp_path: Path) -> None:
+    """CHAIR scores with ``missing="error"``: an image of the sample with no ground truth in the annotation
+    files would only fail the run at scoring time, after every caption was generated; the task refuses
+    it when it is built, naming the ids and the fix."""
+    from mmfast.config import load_recipe
+    from mmfast.eval.data import EvalData
+    from mmfast.eval.tasks.chair import ChairTask
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in (101, 102, 7):  # 7: in no annotation file
+        (images / f"COCO_val2014_{i:012d}.jpg").write_bytes(b"")
+    cfg = load_recipe({"eval": {"tasks": ["chair"], "chair": {"n_images": 3}}}).eval
+    data = EvalData("coco", tmp_path, images, tuple(INSTANCES), (CAPTIONS,))
+    with pytest.raises(InputError, match=r"1 of the 3 CHAIR images have no ground truth.*\[7\]"):
+        ChairTask(cfg, data)
+    (images / "COCO_val2014_000000000007.jpg").unlink()
+    task = ChairTask(cfg, data)
+    recs = [{"target": i, "resps": [["A dog on a couch."]]} for i in task.image_ids]
+    assert task.metrics({"chair": recs})["n"] == 2
+
+
+def test_chair_task_names_an_image_folder_without_images(tmp_path: Path) -> None:
+    """An image folder with no image files (val2014.zip unpacked one level too deep: val2014/val2014/) is an
+    InputError naming the folder, not "cannot draw 0 images from a pool of 0" from inside the sampler."""
+    from mmfast.config import load_recipe
+    from mmfast.eval.data import EvalData
+    from mmfast.eval.tasks.chair import ChairTask
+
+    images = tmp_path / "val2014"
+    (images / "val2014").mkdir(parents=True)
+    (images / "val2014" / "COCO_val2014_000000000101.jpg").write_bytes(b"")
+    cfg = load_recipe({"eval": {"tasks": ["chair"]}}).eval
+    data = EvalData("coco", tmp_path, images, tuple(INSTANCES), (CAPTIONS,))
+    with pytest.raises(InputError, match=r"val2014 holds no \.jpg, \.jpeg or \.png image"):
+        ChairTask(cfg, data)

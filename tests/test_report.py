@@ -503,6 +503,19 @@ def test_bench_table_counts_unparsed_answers_and_marks_a_task_over_the_limit():
     )
 
 
+def test_unparsed_cell_over_the_limit_never_reads_as_at_the_limit():
+    """A share just over the 5% limit (451 of 9000 POPE answers: 5.011%) is not ranked; its cell must not
+    print 5.0%, which is what an exactly-5% (ranked) task prints."""
+    from mmfast.bench.render import unparsed_cell
+    from mmfast.eval.unparsed import TaskUnparsed
+
+    assert unparsed_cell(TaskUnparsed(100, 2000)) == "100/2000 (5.0%)"  # at the limit: ranked
+    assert unparsed_cell(TaskUnparsed(451, 9000)) == "451/9000 (5.01%) not ranked"
+    assert unparsed_cell(TaskUnparsed(151, 3000)) == "151/3000 (5.03%) not ranked"
+    assert unparsed_cell(TaskUnparsed(1501, 30000)) == "1501/30000 (5.003%) not ranked"
+    assert unparsed_cell(TaskUnparsed(101, 2000)) == "101/2000 (5.1%) not ranked"  # one decimal when it shows
+
+
 def test_runs_with_the_same_folder_name_keep_their_own_sections_plots_and_rows(tmp_path):
     """Two benches both called ``bench_dec`` (one under cpu/, one under gpu/) and two eval runs both called
     ``run``: each is labelled by the shortest path tail that tells it apart, and no plot overwrites another."""

@@ -68,8 +68,14 @@ class TaskUnparsed:
         return self.fraction > UNPARSED_LIMIT
 
     def cell(self) -> str:
-        """``k/n`` for a table, with the percentage when any."""
-        return f"{self.k}/{self.n}" + (f" ({100 * self.fraction:.1f}%)" if self.k else "")
+        """``k/n`` for a table, with the percentage when any: one decimal, more where one decimal would
+        round a share over :data:`UNPARSED_LIMIT` onto it (5.011% reads 5.01%, not 5.0%, the ranked limit)."""
+        if not self.k:
+            return f"{self.k}/{self.n}"
+        pct, digits = 100 * self.fraction, 1
+        while self.over_limit and digits < 6 and float(f"{pct:.{digits}f}") <= 100 * UNPARSED_LIMIT:
+            digits += 1
+        return f"{self.k}/{self.n} ({pct:.{digits}f}%)"
 
     def as_dict(self) -> dict[str, Any]:
         return {"k": self.k, "n": self.n, "examples": list(self.examples)}

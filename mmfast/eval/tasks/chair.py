@@ -27,7 +27,20 @@ class ChairTask(Task):
         c = cfg.chair
         self.evaluator = ChairEvaluator.from_coco(list(data.instances), list(data.captions), cache_dir=cache_dir)
         files = sorted(p for p in data.image_dir.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
-        names = {coco_image_id(p.name): p.name for p in files}
+        if not files:
+            raise InputError(
+                f"{data.image_dir} holds no .jpg, .jpeg or .png image; point eval.data.image_dir (or the data "
+                "root) at the folder that holds the images themselves"
+            )
+        names: dict[int, str] = {}
+        for p in files:
+            try:
+                names[coco_image_id(p.name)] = p.name
+            except ValueError:
+                raise InputError(
+                    f"{p}: not a COCO image file name (COCO_val2014_000000000042.jpg or 000000000042.jpg), so "
+                    f"CHAIR has no image id for it; move it out of {data.image_dir}"
+                ) from None
         if c.image_ids_file:
             ids = read_image_ids(Path(c.image_ids_file))
             unknown = [i for i in ids if i not in names]
@@ -37,6 +50,15 @@ class ChairTask(Task):
                 )
         else:
             ids = sample_image_ids(sorted(names), min(c.n_images, len(names)), c.seed)
+        # metrics() scores with missing="error": refuse now what would only fail after every caption is generated
+        absent = [i for i in ids if i not in self.evaluator.ground_truth]
+        if absent:
+            raise InputError(
+                f"{len(absent)} of the {len(ids)} CHAIR images have no ground truth in "
+                f"{[p.name for p in (*data.instances, *data.captions)]}, e.g. {absent[:5]}; give the annotation "
+                "files that cover them (COCO: instances and captions of train+val 2014) or list other images in "
+                "eval.chair.image_ids_file"
+            )
         self.image_ids = ids
         self.file_names = names
 
