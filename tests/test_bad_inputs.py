@@ -728,6 +728,7 @@ def test_weights_shapes_not_matching_the_config(tmp_path, tiny_dir):
     [
         (None, "does not exist"),
         ("12\nabc\n", "line 2: 'abc' is not an image id"),
+        ("12\n4\u00b2\n", "line 2: '4\u00b2' is not an image id"),  # str.isdigit() takes a superscript; int() does not
         ("12\n\n12\n", "line 3: image id 12 is listed twice (first at line 1)"),
         ("\n\n", "lists no image ids"),
         (b"\xff\xfe1", "cannot be read"),

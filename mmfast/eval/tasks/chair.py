@@ -132,7 +132,7 @@ def read_image_ids(path: Path) -> list[int]:
         token = line.strip()
         if not token:
             continue
-        if not token.isdigit():
+        if not (token.isascii() and token.isdigit()):
             raise InputError(f"{where} line {no}: {token[:40]!r} is not an image id (a whole number, one per line)")
         i = int(token)
         if i in seen:
