@@ -546,6 +546,9 @@ def test_chair_task_names_a_stray_image_file(tmp_path: Path) -> None:
         ChairTask(cfg, data)
     (images / "cover.png").unlink()
     assert sorted(ChairTask(cfg, data).image_ids) == [101, 102]
+    (images / f"{101:012d}.jpg").write_bytes(b"")  # the same id under the 2017 name: which file is meant?
+    with pytest.raises(InputError, match=r"holds image 101 twice \(000000000101\.jpg and COCO_val2014_000000000101"):
+        ChairTask(cfg, data)
 
 
 def test_chair_task_refuses_images_without_ground_truth_before_generating(tmp_path: Path) -> None:

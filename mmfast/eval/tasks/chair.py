@@ -35,12 +35,17 @@ class ChairTask(Task):
         names: dict[int, str] = {}
         for p in files:
             try:
-                names[coco_image_id(p.name)] = p.name
+                image_id = coco_image_id(p.name)
             except ValueError:
                 raise InputError(
                     f"{p}: not a COCO image file name (COCO_val2014_000000000042.jpg or 000000000042.jpg), so "
                     f"CHAIR has no image id for it; move it out of {data.image_dir}"
                 ) from None
+            if image_id in names:
+                raise InputError(
+                    f"{data.image_dir} holds image {image_id} twice ({names[image_id]} and {p.name}); keep one"
+                )
+            names[image_id] = p.name
         if c.image_ids_file:
             ids = read_image_ids(Path(c.image_ids_file))
             unknown = [i for i in ids if i not in names]
