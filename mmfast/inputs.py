@@ -137,23 +137,64 @@ def _upright(im: Image.Image, what: str) -> Image.Image:
     return ImageOps.exif_transpose(im)
 
 
+def _rgb(im: Image.Image, what: str) -> Image.Image:
+    """``im`` as 8-bit RGB, transparency composited onto white. 16-bit grey (``I;16``, or ``I`` within
+    0..65535) is scaled to 8 bits: PIL's ``convert`` clips it at 255, which turns a 16-bit photo white.
+    Float pixels (``F``) have no fixed range and are refused (``convert`` clips them too: an image in
+    0..1 turns black)."""
+    if im.mode == "F":
+        raise InputError(
+            f"{what} has 32-bit float pixels (PIL mode F), whose range is not fixed; convert it to 8-bit RGB first"
+        )
+    if im.mode.startswith("I;16") or im.mode == "I":
+        wide = im.convert("I")  # I;16B and I;16L have no getextrema
+        lo, hi = wide.getextrema()
+        if lo < 0 or hi > 65535:
+            raise InputError(
+                f"{what} has 32-bit integer pixels (PIL mode I) from {lo} to {hi}, outside 16-bit range; "
+                "convert it to 8-bit RGB first"
+            )
+        if im.mode != "I" or hi > 255:  # 16-bit data: 0..65535 -> 0..255
+            im = wide.point(lambda v: v * (255 / 65535))
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        # onto white, as the checkpoint's processor does (transformers' convert_to_rgb): convert("RGB") dropped
+        # the alpha, showing whatever colour the transparent pixels store (often black)
+        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, im.convert("RGBA")).convert("RGB")
+    return im.convert("RGB")
+
+
 def open_image(image: Any) -> Image.Image:
     """A PIL RGB image from a PIL image or a path, turned upright by its EXIF orientation; clear error
     for a missing or corrupt file, an extreme aspect ratio or too many pixels."""
     if isinstance(image, Image.Image):
         _check_image_size(image, "an image")
-        return _upright(image, "an image").convert("RGB")
+        try:  # a lazily opened image decodes here: a truncated or closed file fails now
+            return _rgb(_upright(image, "an image"), "an image")
+        except (OSError, ValueError) as exc:
+            raise InputError(f"an image cannot be read ({exc}); is its file corrupt, or was it closed?") from None
     if not isinstance(image, (str, os.PathLike)):
-        raise InputError(f"an image is a PIL image or a file path, got {type(image).__name__} {image!r:.80}")
+        array = hasattr(image, "shape") and hasattr(image, "dtype")  # numpy / torch
+        hint = "; wrap an array as PIL.Image.fromarray(a) ([H, W, 3] uint8; a tensor: t.permute(1, 2, 0).numpy())"
+        raise InputError(
+            f"an image is a PIL image or a file path, got {type(image).__name__} "
+            + (f"of shape {tuple(image.shape)} and dtype {image.dtype}{hint}" if array else f"{image!r:.80}")
+        )
     path = Path(image)
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError as exc:  # a name too long (a prompt passed as the image), ...
+        raise InputError(
+            f"image {str(path)!r:.120} is not a usable path ({exc.strerror}); give an image file"
+        ) from None
+    if is_dir:
         raise InputError(f"image {str(path)!r} is a directory; give an image file (a video's frames: videos=, --video)")
-    if not path.is_file():
+    if not is_file:
         raise InputError(f"image {str(path)!r} not found (check the path or the data root)")
     try:
         with Image.open(path) as im:
             _check_image_size(im, f"image {str(path)!r}")
-            return _upright(im, f"image {str(path)!r}").convert("RGB")
+            return _rgb(_upright(im, f"image {str(path)!r}"), f"image {str(path)!r}")
     except Image.DecompressionBombError as exc:
         raise InputError(
             f"image {str(path)!r} is too large to decode safely ({exc}); downscale it below "

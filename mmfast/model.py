@@ -8,6 +8,7 @@ error that says what to do.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import typing
@@ -17,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import torch
+from jinja2 import TemplateError
 from safetensors import SafetensorError
 
 from .checkpoint import ASSETS, DEFAULT_MODEL, EMBEDDED, _resolve  # noqa: F401 (re-exported)
@@ -110,6 +112,9 @@ class MMModel:
         single = isinstance(prompts, str)
         if single:
             prompts = [prompts]
+        elif not hasattr(prompts, "__len__"):  # a PIL image (arguments swapped), a generator
+            swapped = " (images and prompts swapped? the images come first)" if isinstance(images, str) else ""
+            raise InputError(f"prompts is a string or a list of strings, got {type(prompts).__name__}{swapped}")
         if not prompts:
             raise InputError("no prompts: pass at least one prompt (and its image or video)")
         if images is None:
@@ -146,7 +151,15 @@ class MMModel:
             raise InputError(f"prompt {bare[0]} has no image; pass an image (or a video, videos=) per prompt")
         vids = [None if c is None else self.adapter.video_items(c, 0, self.video_settings) for c in clips or []]
         if texts is not None:
-            texts = list(texts)
+            given = texts
+            if isinstance(given, str):  # one prompt's text (with a single prompt), never its characters
+                texts = [given] if single else []
+            else:
+                texts = list(given)
+            if len(texts) != len(prompts) or not all(isinstance(t, str) for t in texts):
+                raise InputError(
+                    f"texts= is a list of templated strings, one per prompt ({len(prompts)} here); got {given!r:.120}"
+                )
         elif clips is None:
             texts = [self.chat_text(p, len(ims)) for p, ims in zip(prompts, per_sample)]
         else:
@@ -301,25 +314,34 @@ def load_model(cfg, *, device: str | None = None) -> MMModel:
     )
 
 
-def _check_device(device: str) -> None:
-    """Refuse a device this machine does not have, before any weights load."""
+def _check_device(device: str | int, what: str = "model.device") -> None:
+    """Refuse a device this machine does not have, before any weights load (``what``: the setting named)."""
     try:
         dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise InputError(f"model.device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    except (RuntimeError, ValueError, TypeError):
+        raise InputError(f"{what} {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise InputError(
-                f"model.device {device!r}: CUDA is not available here (torch {torch.__version__}); "
+                f"{what} {device!r}: CUDA is not available here (torch {torch.__version__}); "
                 "use device: auto (cuda when present, else cpu) or device: cpu"
             )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise InputError(
-                f"model.device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                f"{what} {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s) "
                 f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
             )
     elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise InputError(f"model.device {device!r}: MPS is not available here; use device: auto or cpu")
+        raise InputError(f"{what} {device!r}: MPS is not available here; use device: auto or cpu")
+    elif dev.type == "meta":
+        raise InputError(f"{what} {device!r}: the meta device holds no weights, so nothing can run; use cpu or cuda")
+    elif dev.type not in ("cpu", "cuda", "mps"):  # xpu, xla, hpu, ...: the backend torch was built with
+        backend = getattr(torch, dev.type, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            raise InputError(
+                f"{what} {device!r}: this torch ({torch.__version__}) has no {dev.type} device; use auto, cpu, cuda or cuda:N"
+            )
 
 
 def _check_local_files(path: Path) -> None:
@@ -329,6 +351,18 @@ def _check_local_files(path: Path) -> None:
             f"{path} has no model.safetensors (or model.safetensors.index.json); mmfast loads safetensors "
             "weights only: save the checkpoint with save_pretrained(safe_serialization=True)"
         )
+    index = path / "model.safetensors.index.json"
+    if not (path / "model.safetensors").is_file():  # sharded: transformers reads the index with no check
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ModelLoadError(
+                f"{index} is not a shard index ({exc}); download or save the checkpoint again"
+            ) from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(
+                f"{index} has no weight_map (which tensor is in which shard); download or save the checkpoint again"
+            )
 
 
 def _hub_error(timeout: float = 3.0) -> str | None:
@@ -454,6 +488,12 @@ def load(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device_map is None:
         _check_device(device)
+    elif isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES:
+        _check_device(device_map, "device_map")
+    elif isinstance(device_map, dict):  # module -> device, an accelerator index, or "disk"
+        for placed in device_map.values():
+            if placed != "disk":
+                _check_device(f"cuda:{placed}" if isinstance(placed, int) else placed, "device_map")
     torch_dtype = _pick_dtype(dtype, device)
     kwargs: dict[str, Any] = dict(from_pretrained_kwargs)
     if revision:
@@ -491,10 +531,12 @@ def load(
         _check_local_files(Path(path))
     if processor is not None:
         _check_processor(processor)
+        _check_chat_template(processor, "processor=", InputError)
     else:
         processor = _load_processor(
             path, kwargs, config.model_type
         )  # before the weights: a missing tokenizer fails early
+        _check_chat_template(processor, f"the processor of {path!r}", ModelLoadError)
     try:
         model = MODEL_CLASSES[config.model_type]().from_pretrained(
             path,
@@ -510,6 +552,15 @@ def load(
         ) from None
     except OSError as exc:
         raise ModelLoadError(f"cannot load {path!r}: {exc}") from None
+    except ImportError as exc:  # a quantized checkpoint (config.json's quantization_config) without its backend
+        quant = getattr(config, "quantization_config", None)
+        if quant is None:
+            raise
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        raise ModelLoadError(
+            f"{path!r} is a quantized checkpoint ({method}) whose backend is not installed: {exc}; install it, "
+            "or load the unquantized checkpoint"
+        ) from None
     except RuntimeError as exc:
         if "mismatched_sizes" not in str(exc) and "size mismatch" not in str(exc):
             raise
@@ -567,6 +618,20 @@ def _check_processor(processor: Any) -> None:
         )
 
 
+def _check_chat_template(processor: Any, what: str, error: type[Exception]) -> None:
+    """The processor renders a user turn with an image (what :meth:`MMModel.chat_text` asks); a checkpoint
+    saved without a chat template loaded, then failed at the first prompt with transformers' ValueError."""
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    try:
+        processor.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    except (ValueError, TemplateError) as exc:
+        raise error(
+            f"{what} cannot apply a chat template ({' '.join(str(exc).split())[:200]}); mmfast writes each prompt "
+            "with the checkpoint's template: save the processor with its chat_template.jinja, or set "
+            "processor.chat_template to the model's template"
+        ) from None
+
+
 def _wrap_loaded(
     model: torch.nn.Module, processor: Any, *, device: str | None, dtype: str | torch.dtype | None
 ) -> MMModel:
@@ -596,6 +661,7 @@ def _wrap_loaded(
             f"processor=AutoProcessor.from_pretrained({source!r}))"
         )
     _check_processor(processor)
+    _check_chat_template(processor, "processor=", InputError)
     if device is not None:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

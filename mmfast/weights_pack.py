@@ -118,7 +118,7 @@ def _read_manifest(d: Path) -> list[PackedFile]:
         for e in entries:
             _check_entry(e)
         return entries
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # AttributeError: not a JSON object
         raise ModelLoadError(f"{d / MANIFEST} is unreadable ({exc}); reinstall mmfast") from None
 
 

@@ -1020,3 +1020,320 @@ def test_pope_split_key_typo_refused_by_validate(capsys):
     assert rc == 2 and "eval.pope.files.randm: unknown POPE split 'randm'; did you mean 'random'?" in err
     with pytest.raises(ConfigError, match="split 'popular' is not in eval.pope.splits"):
         load_recipe({"eval": {"pope": {"splits": ["random"], "files": {"popular": "q.json"}}}})
+
+
+@pytest.mark.parametrize("save_as", ["png", "tiff", "pil", "pil_I"])
+def test_16_bit_grey_image_is_scaled_not_clipped_to_white(tmp_path, save_as):
+    """A 16-bit greyscale PNG / TIFF (PIL mode I;16, or I from older Pillow) went through PIL's convert("RGB"),
+    which clips at 255: the whole image came out white. It now equals its 8-bit version."""
+    import numpy as np
+    from PIL import Image
+
+    from mmfast.inputs import open_image
+
+    grey = np.arange(256, dtype=np.uint16).reshape(16, 16)
+    wide = Image.fromarray(grey * 257)  # the same picture in 16 bits (v * 257: 255 -> 65535)
+    if save_as in ("png", "tiff"):
+        wide.save(tmp_path / f"g16.{save_as}")
+        wide = tmp_path / f"g16.{save_as}"
+    elif save_as == "pil_I":
+        wide = wide.convert("I")
+    clean = np.asarray(open_image(Image.fromarray(grey.astype(np.uint8))))
+    assert np.array_equal(np.asarray(open_image(wide)), clean)
+
+
+def test_float_and_out_of_range_integer_images_are_refused():
+    """PIL mode F (a float TIFF, or fromarray of floats in 0..1) was clipped by convert("RGB"): all black."""
+    import numpy as np
+    from PIL import Image
+
+    from mmfast.inputs import open_image
+
+    with pytest.raises(InputError, match=r"32-bit float pixels \(PIL mode F\).*convert it to 8-bit RGB"):
+        open_image(Image.fromarray(np.random.default_rng(0).random((8, 8)).astype(np.float32)))
+    with pytest.raises(InputError, match="from -3 to 70000, outside 16-bit range"):
+        open_image(Image.fromarray(np.array([[-3, 70000]], dtype=np.int32)))
+
+
+def test_a_pil_image_whose_file_is_truncated_or_closed(tmp_path, tiny_mm):
+    """A lazily opened PIL image decodes in open_image: a truncated file (OSError) or a closed one
+    (ValueError) escaped as a traceback, where the same file given as a path was an InputError."""
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path / "x.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(path)
+    data = path.read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match="an image cannot be read .*truncated"):
+        tiny_mm.prepare([Image.open(tmp_path / "cut.jpg")], ["hi"])
+    closed = Image.open(path)
+    closed.close()
+    with pytest.raises(InputError, match="an image cannot be read .*closed"):
+        tiny_mm.prepare([closed], ["hi"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"device_map": "cuda:1"}, "device_map 'cuda:1': CUDA is not available here"),
+        ({"device_map": {"": 0}}, "device_map 'cuda:0': CUDA is not available here"),
+        ({"device_map": {"": "cuda:1"}}, "device_map 'cuda:1': CUDA is not available here"),
+        ({"device_map": "meta"}, "device_map 'meta': the meta device holds no weights"),
+        ({"device": "xla"}, "model.device 'xla': this torch .* has no xla device"),
+        ({"device": "meta"}, "model.device 'meta': the meta device holds no weights"),
+    ],
+)
+def test_devices_this_machine_does_not_have(tiny_dir, monkeypatch, kwargs, match):
+    """device_map='cuda:1' on a machine without CUDA crashed with torch's AssertionError ("Torch not compiled
+    with CUDA enabled") after the config and processor loaded; device='xla' with a RuntimeError; 'meta'
+    loaded a model without weights. Each is refused before loading, naming the setting."""
+    import torch
+
+    import mmfast
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InputError, match=match):
+        mmfast.load(tiny_dir, **kwargs)
+
+
+def test_cli_device_map_without_cuda_is_exit_2(tmp_path, capsys, tiny_dir, monkeypatch):
+    import torch
+    from PIL import Image
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    Image.new("RGB", (32, 32)).save(tmp_path / "x.png")
+    recipe = _write(tmp_path, "r.yaml", f"model: {{name: {tiny_dir}, device_map: 'cuda:1'}}\n")
+    rc, err = _cli(capsys, "run", str(recipe), "--image", str(tmp_path / "x.png"), "--prompt", "hi")
+    assert rc == 2 and "device_map 'cuda:1': CUDA is not available" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "index, match",
+    [
+        ("{not json", "is not a shard index"),
+        ('{"metadata": {}}', "has no weight_map"),
+        ("[]", "is not a shard index"),
+    ],
+)
+def test_sharded_checkpoint_with_a_broken_index(tmp_path, tiny_dir, index, match):
+    """A sharded checkpoint whose model.safetensors.index.json is not JSON crashed with JSONDecodeError,
+    one without its weight_map with KeyError('weight_map'), from inside transformers."""
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    d = _copy_model(tiny_dir, tmp_path / "m")
+    shards = mmfast.load(d, device="cpu").model
+    (d / "model.safetensors").unlink()
+    shards.save_pretrained(d, max_shard_size="200KB")
+    assert not (d / "model.safetensors").exists() and len(list(d.glob("model-*.safetensors"))) > 1
+    mmfast.load(d, device="cpu")  # the sharded checkpoint loads
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ModelLoadError, match=rf"model\.safetensors\.index\.json {match}"):
+        mmfast.load(d, device="cpu")
+
+
+def test_chair_image_dir_with_files_not_named_by_an_image_id(tmp_path, caplog):
+    """A stray file in the image folder (macOS's ._COCO_val2014_... beside each image on a network drive, a
+    notes.jpg) crashed the CHAIR task with a bare ValueError (`mmfast eval` exited 1 with a traceback). They
+    are not COCO images: left out of the pool (with a warning), the draw equals the clean folder's."""
+    import logging
+    import shutil
+
+    from mmfast.eval.data import resolve_data
+    from mmfast.eval.tasks import build_tasks
+    from mmfast.world import write_world
+
+    write_world(tmp_path / "w", seed=0, n_train=0, n_val=8, pope_images=4, progress=False)
+    recipe = load_recipe({"eval": {"tasks": ["chair"], "data": {"dataset": "world", "root": str(tmp_path / "w")}}})
+
+    def chair_ids() -> list[int]:
+        (task,) = build_tasks(recipe.eval, resolve_data(recipe.eval, ["chair"]), cache_dir=None)
+        return task.image_ids
+
+    clean = chair_ids()
+    val = tmp_path / "w" / "images" / "val"
+    first = sorted(val.iterdir())[0]
+    shutil.copy(first, val / f"._{first.name}")
+    shutil.copy(first, val / "notes.jpg")
+    with caplog.at_level(logging.WARNING, logger="mmfast.eval.tasks.chair"):
+        assert chair_ids() == clean
+    assert "2 file(s)" in caplog.text and "notes.jpg" in caplog.text
+
+
+def test_the_data_cache_is_the_model_cache(tmp_path, monkeypatch):
+    """eval's cache (the world, CHAIR's ground truth) read $MMFAST_CACHE without expanding '~' (a folder named
+    '~' in the working directory) and ignored $XDG_CACHE_HOME, which the embedded model's cache honours."""
+    from mmfast.eval.data import cache_root, world_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MMFAST_CACHE", "~/mm")
+    assert cache_root() == tmp_path / "home" / "mm"
+    assert world_cache_dir(0).parent == tmp_path / "home" / "mm"
+    monkeypatch.delenv("MMFAST_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "mmfast"
+
+
+def test_data_paths_in_a_recipe_expand_the_home_directory(tmp_path, monkeypatch):
+    """eval.data.root expanded '~' but image_dir, instances, captions and eval.pope.files did not: a recipe
+    with `image_dir: ~/coco/val2014` was refused as missing data though the folder was there."""
+    from mmfast.eval.data import resolve_data
+
+    home = tmp_path / "home"
+    for d in ("coco/val2014", "coco/annotations", "coco/pope", "imgs"):
+        (home / d).mkdir(parents=True)
+    for f in ("coco/annotations/i.json", "coco/annotations/c.json", "coco/pope/r.json"):
+        (home / f).write_text("{}")
+    monkeypatch.setenv("HOME", str(home))
+    recipe = load_recipe(
+        {
+            "eval": {
+                "tasks": ["pope", "chair"],
+                "pope": {"splits": ["random"], "files": {"random": "~/coco/pope/r.json"}},
+                "data": {
+                    "dataset": "coco",
+                    "root": "~/coco",
+                    "image_dir": "~/imgs",
+                    "instances": ["~/coco/annotations/i.json"],
+                    "captions": ["~/coco/annotations/c.json"],
+                },
+            }
+        }
+    )
+    data = resolve_data(recipe.eval, recipe.eval.tasks)
+    assert data.image_dir == home / "imgs" and data.instances == (home / "coco/annotations/i.json",)
+    assert data.captions == (home / "coco/annotations/c.json",)
+    assert data.files_of("pope") == {"random": home / "coco/pope/r.json"}
+
+
+def test_chair_image_ids_file_with_a_byte_order_mark(tmp_path):
+    """An ids file saved by a Windows editor (UTF-8 BOM, CRLF) was refused: line 1 '\\ufeff5' is not an image id."""
+    from mmfast.eval.tasks.chair import read_image_ids
+
+    (tmp_path / "ids.txt").write_bytes(b"\xef\xbb\xbf5\r\n7\r\n")
+    assert read_image_ids(tmp_path / "ids.txt") == [5, 7]
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "PA", "P_transparency"])
+def test_transparent_images_match_the_checkpoints_processor(tiny_mm, mode):
+    """open_image's convert("RGB") dropped the alpha: a transparent PNG's clear pixels showed the colour they
+    store (often black), where the checkpoint's own processor (transformers' convert_to_rgb, what
+    `processor(images=im)` gives) composites onto white. The pixel values now equal the processor's."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)
+    alpha = np.full((40, 48), 255, dtype=np.uint8)
+    alpha[:20] = 0  # the top half clear
+    alpha[20:, :10] = 128
+    rgb[:20] = 0  # stored black under the clear pixels, as editors save them
+    if mode == "RGBA":
+        im = Image.fromarray(np.dstack([rgb, alpha]), "RGBA")
+    elif mode == "LA":
+        im = Image.fromarray(np.dstack([rgb[..., 0], alpha]), "LA")
+    elif mode == "PA":
+        im = Image.fromarray(np.dstack([rgb, alpha]), "RGBA").convert("PA")
+    else:
+        im = Image.fromarray(rgb).quantize(16)
+        im.info["transparency"] = int(np.asarray(im)[0, 0])  # the palette entry of the (black) top half
+    expected = tiny_mm.image_processor(images=[im], return_tensors="pt")["pixel_values"]
+    assert torch.equal(tiny_mm.prepare([im], ["hi"]).pixel_values, expected)
+
+
+def test_pre_templated_texts_one_per_prompt(tiny_mm, images):
+    """prepare(texts=...) took a list of another length than the prompts: the batch held 1 token row for 2
+    images and prompts, and the session crashed with IndexError; a bare string was split into characters."""
+    text = tiny_mm.chat_text("hi", 1)
+    for texts in ([text], [text] * 3, text):
+        with pytest.raises(InputError, match=r"texts= is a list of templated strings, one per prompt \(2 here\)"):
+            tiny_mm.prepare(images[:2], ["a", "b"], texts=texts)
+    assert tiny_mm.prepare(images[0], "hi", texts=text).token_ids == tiny_mm.prepare(images[0], "hi").token_ids
+
+
+def test_a_coco_root_given_to_the_world_dataset_is_not_written_into(tmp_path, capsys, monkeypatch):
+    """eval.data.root pointing at a COCO root without `dataset: coco` (the default is the world) generated the
+    synthetic world into the user's folder (500 images, annotations, POPE files among theirs) and evaluated on it,
+    with no message. Refused; a new, empty or partly written world folder is still generated into."""
+    import mmfast.world
+    from mmfast.eval.data import resolve_data
+
+    written: list[Path] = []
+    monkeypatch.setattr(mmfast.world, "write_world", lambda root, **kw: written.append(root))
+    coco = tmp_path / "coco"
+    for d in ("val2014", "annotations", "pope"):
+        (coco / d).mkdir(parents=True)
+    recipe = load_recipe({"eval": {"tasks": ["pope"], "data": {"root": str(coco)}}})
+    with pytest.raises(InputError, match=r"is not an mmfast world .*holds val2014.*set eval\.data\.dataset: coco"):
+        resolve_data(recipe.eval, recipe.eval.tasks)
+    assert written == []
+    rc, err = _cli(capsys, "eval", str(_write(tmp_path, "r.yaml", f"eval: {{tasks: [pope], data: {{root: {coco}}}}}")))
+    assert rc == 2 and "is not an mmfast world" in err and written == []
+    for fresh in (tmp_path / "new", tmp_path / "partial"):
+        (tmp_path / "partial" / "images" / "val").mkdir(parents=True, exist_ok=True)
+        recipe = load_recipe({"eval": {"tasks": ["pope"], "data": {"root": str(fresh)}}})
+        with pytest.raises(InputError, match="missing evaluation data"):  # the stub wrote nothing
+            resolve_data(recipe.eval, recipe.eval.tasks)
+    assert written == [tmp_path / "new", tmp_path / "partial"]
+
+
+def test_quantized_checkpoint_without_its_backend(tmp_path, tiny_dir):
+    """A 4-bit hub checkpoint (config.json's quantization_config) without bitsandbytes / optimum installed
+    crashed with transformers' ImportError from inside from_pretrained."""
+    import importlib.util
+
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    if importlib.util.find_spec("optimum") is not None:
+        pytest.skip("optimum is installed")
+    d = _copy_model(tiny_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"is a quantized checkpoint \(gptq\) whose backend is not installed"):
+        mmfast.load(d, device="cpu")
+
+
+def test_array_and_tensor_images_are_refused_with_the_fix(tiny_mm):
+    """A numpy array or a torch tensor as an image was refused with its repr cut at 80 characters (lines of
+    zeros) and no fix; the error now gives its shape and dtype and how to wrap it."""
+    import numpy as np
+    import torch
+
+    for image, shown in (
+        (np.zeros((40, 48, 3), np.uint8), r"ndarray of shape \(40, 48, 3\) and dtype uint8"),
+        (torch.zeros(3, 40, 48), r"Tensor of shape \(3, 40, 48\) and dtype torch.float32"),
+    ):
+        with pytest.raises(InputError, match=shown + r".*PIL\.Image\.fromarray"):
+            tiny_mm.generate([image], ["hi"])
+
+
+def test_a_checkpoint_without_a_chat_template(tmp_path, tiny_dir):
+    """A checkpoint saved without its chat template (older conversions) loaded, then every prompt crashed with
+    transformers' ValueError ("this processor does not have a chat template"). Refused at load, before the weights."""
+    from transformers import AutoProcessor
+
+    import mmfast
+    from mmfast.errors import ModelLoadError
+
+    d = _copy_model(tiny_dir, tmp_path / "m")
+    (d / "chat_template.jinja").unlink()
+    with pytest.raises(
+        ModelLoadError, match=r"cannot apply a chat template .*save the processor with its chat_template"
+    ):
+        mmfast.load(d, device="cpu")
+    processor = AutoProcessor.from_pretrained(d)
+    with pytest.raises(InputError, match=r"processor= cannot apply a chat template"):
+        mmfast.load(tiny_dir, processor=processor, device="cpu")
+
+
+def test_swapped_images_and_prompts_and_a_prompt_given_as_an_image(tiny_mm, images):
+    """generate("Describe.", image) (arguments swapped) crashed with TypeError "object of type 'Image' has no
+    len()"; a long prompt taken as an image path crashed with OSError "File name too long"."""
+    with pytest.raises(InputError, match=r"got Image \(images and prompts swapped\? the images come first\)"):
+        tiny_mm.generate("Describe the image.", images[0])
+    with pytest.raises(InputError, match=r"is not a usable path \(File name too long\)"):
+        tiny_mm.generate(["Describe the image in detail. " * 20], ["hi"])

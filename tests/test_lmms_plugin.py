@@ -545,3 +545,19 @@ def test_loglikelihood_refuses_a_continuation_it_cannot_score(plugin, tiny_dir, 
         m.loglikelihood([_Req(("Is there a cat?", "", _visual, 0, TASK, SPLIT))])
     with pytest.raises(InputError, match="the continuation is a int, not text"):
         m.loglikelihood([_Req(("Is there a cat?", 5, _visual, 0, TASK, SPLIT))])
+
+
+def test_transparent_visuals_are_opened_as_mmfast_run_opens_them(plugin, tiny_dir, tiny_mm, tmp_path):
+    """The plugin converted each PIL visual with convert("RGB") before MMModel.prepare, dropping its alpha (and
+    clipping 16-bit pixels): an RGBA visual gave other pixels than the same image through `mmfast run`."""
+    import numpy as np
+    from PIL import Image
+
+    rgba = np.random.default_rng(0).integers(0, 255, (40, 48, 4), dtype=np.uint8)
+    rgba[:20, :, 3] = 0
+    image = Image.fromarray(rgba, "RGBA")
+    image.save(tmp_path / "x.png")
+    model = _model(plugin, f"pretrained={tiny_dir}", {TASK: {SPLIT: {0: {"image": image}}}})
+    images, _ = model._visuals(_Req(("<image>\nQ", {}, _visual, 0, TASK, SPLIT)))
+    got = tiny_mm.prepare([images], ["Q"]).pixel_values
+    assert torch.equal(got, tiny_mm.prepare([tmp_path / "x.png"], ["Q"]).pixel_values)

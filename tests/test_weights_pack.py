@@ -202,3 +202,14 @@ def test_a_manifest_path_cannot_leave_the_directory(tmp_path, cache, path):
     with pytest.raises(ModelLoadError, match="unreadable"):
         wp.materialise(d)
     assert not any(p.name == "escaped.bin" for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("text", ["[]", '"x"', '{"format": "mmfast-weights-pack/1", "files": [["a"]]}'])
+def test_a_manifest_that_is_not_an_object_is_refused(tmp_path, cache, text):
+    """A packed.json holding a JSON list or string crashed with AttributeError ('list' object has no attribute
+    'get') instead of naming the file."""
+    d, _ = _model_dir(tmp_path)
+    wp.pack(d)
+    (d / wp.MANIFEST).write_text(text)
+    with pytest.raises(ModelLoadError, match="packed.json is unreadable.*reinstall mmfast"):
+        wp.materialise(d)

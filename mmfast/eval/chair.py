@@ -640,14 +640,22 @@ def _coco_int(value: Any, where: str) -> int:
     return value
 
 
-def _load_json(path: Path) -> Any:
+def _load_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path`` (a COCO annotation file, or the ground-truth cache); UTF-8, BOM allowed."""
     if not path.is_file():
         raise InputError(f"{path}: COCO annotation file not found")
-    with open(path, encoding="utf-8") as fh:
-        try:
-            return json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text ({exc}); a COCO annotation file is UTF-8 JSON") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
+    if not isinstance(data, dict):
+        raise InputError(
+            f"{path}: a JSON {type(data).__name__}, not a COCO annotation file (a JSON object with 'annotations'); "
+            "check which file the path names"
+        )
+    return data
 
 
 class ChairEvaluator:

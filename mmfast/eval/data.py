@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..config import DataConfig, EvalConfig
 from ..errors import InputError
+from ..weights_pack import cache_root  # noqa: F401 (one cache for the model and the data: $MMFAST_CACHE, ~ expanded)
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,6 @@ class EvalData:
         return self.task_files.get(task, {})
 
 
-def cache_root() -> Path:
-    """mmfast's cache directory: ``$MMFAST_CACHE`` or ``~/.cache/mmfast``."""
-    return Path(os.environ.get("MMFAST_CACHE", Path.home() / ".cache" / "mmfast"))
-
-
 def world_cache_dir(seed: int) -> Path:
     from ..world import WORLD_VERSION
 
@@ -72,6 +68,7 @@ def ensure_world(root: Path, seed: int) -> Path:
 
     marker = root / "world.json"
     if not marker.is_file():
+        _check_not_foreign(root)
         logger.info("generating the evaluation world (seed %d) in %s", seed, root)
         write_world(root, seed=seed, n_train=0, progress=sys.stderr.isatty())
     elif not pope_versions_present(root):
@@ -87,6 +84,33 @@ def ensure_world(root: Path, seed: int) -> Path:
     return root
 
 
+_WORLD_ENTRIES = frozenset({"annotations", "images", "labels", "pope"})  # what write_world makes (world.json last)
+
+
+def _check_not_foreign(root: Path) -> None:
+    """Refuse to write a world into a directory that holds other things (a COCO root given as
+    ``eval.data.root`` without ``dataset: coco``): the world would be written among them and evaluated
+    in place of the data meant. A new, empty or partly written world directory is fine."""
+    try:
+        foreign = sorted(p.name for p in root.iterdir() if p.name not in _WORLD_ENTRIES and not p.name.startswith("."))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise InputError(f"eval.data.root {str(root)!r} cannot be read ({exc})") from None
+    if foreign:
+        coco = any(n.startswith(("val2014", "train2014", "val2017")) for n in foreign)
+        raise InputError(
+            f"eval.data.root {str(root)!r} is not an mmfast world (no world.json; it holds "
+            f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}), and eval.data.dataset is 'world', which "
+            "would generate the world into it; "
+            + (
+                "for COCO set eval.data.dataset: coco"
+                if coco
+                else "set eval.data.dataset: coco for COCO, or give a new or empty directory for the world"
+            )
+        )
+
+
 def resolve_data(cfg: EvalConfig, tasks: Sequence[str]) -> EvalData:
     """Locate (and for the world, create) every file the named tasks need; fail listing what is missing."""
     from ..registry import TASKS
@@ -98,9 +122,11 @@ def resolve_data(cfg: EvalConfig, tasks: Sequence[str]) -> EvalData:
         root = Path(data.root).expanduser() if data.root else world_cache_dir(data.world_seed)
         if needs:  # tasks with inputs of their own only (the video world's video_pope) need no image world
             ensure_world(root, data.world_seed)
-        image_dir = Path(data.image_dir) if data.image_dir else root / "images" / "val"
-        instances = tuple(Path(p) for p in data.instances) or (root / "annotations" / "instances_val.json",)
-        captions = tuple(Path(p) for p in data.captions) or (root / "annotations" / "captions_val.json",)
+        image_dir = Path(data.image_dir).expanduser() if data.image_dir else root / "images" / "val"
+        instances = tuple(Path(p).expanduser() for p in data.instances) or (
+            root / "annotations" / "instances_val.json",
+        )
+        captions = tuple(Path(p).expanduser() for p in data.captions) or (root / "annotations" / "captions_val.json",)
     else:
         env_root = os.environ.get("MMFAST_COCO_ROOT")
         if not data.root and not env_root:
@@ -109,9 +135,13 @@ def resolve_data(cfg: EvalConfig, tasks: Sequence[str]) -> EvalData:
                 "export MMFAST_COCO_ROOT=/path/to/coco (with val2014/, annotations/, pope/)"
             )
         root = Path(data.root or env_root).expanduser()
-        image_dir = Path(data.image_dir) if data.image_dir else root / "val2014"
-        instances = tuple(Path(p) for p in data.instances) or (root / "annotations" / "instances_val2014.json",)
-        captions = tuple(Path(p) for p in data.captions) or (root / "annotations" / "captions_val2014.json",)
+        image_dir = Path(data.image_dir).expanduser() if data.image_dir else root / "val2014"
+        instances = tuple(Path(p).expanduser() for p in data.instances) or (
+            root / "annotations" / "instances_val2014.json",
+        )
+        captions = tuple(Path(p).expanduser() for p in data.captions) or (
+            root / "annotations" / "captions_val2014.json",
+        )
     shared = EvalData(data.dataset, root, image_dir, instances, captions)
     world_help = "regenerate the world"
     needed: list[tuple[Path, str]] = []  # (path, where to get it)

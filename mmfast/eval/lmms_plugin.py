@@ -277,7 +277,7 @@ class MMFast(_LMMBase):
         visuals = doc_to_visual(self._doc(task, split, doc_id)) if doc_to_visual is not None else []
         what = f"doc {doc_id} of {task}/{split}"
         sorted_ = sort_visuals(visuals, what)
-        images = [v.convert("RGB") if hasattr(v, "convert") else v for v in sorted_.images]
+        images = list(sorted_.images)  # opened by MMModel.prepare (open_image: EXIF, alpha onto white, 16-bit)
         if sorted_.video is None:
             return images, None
         self._check_video_support(what)

@@ -3,6 +3,7 @@ descriptions, scored by :class:`mmfast.eval.chair.ChairEvaluator`."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ from ...errors import InputError
 from ...registry import TASKS
 from ..data import EvalData
 from .base import Sample, Task
+
+logger = logging.getLogger(__name__)
 
 
 @TASKS.register("chair", description="CHAIR object hallucination in detailed descriptions (CHAIR_s, CHAIR_i, recall)")
@@ -27,27 +30,33 @@ class ChairTask(Task):
         c = cfg.chair
         self.evaluator = ChairEvaluator.from_coco(list(data.instances), list(data.captions), cache_dir=cache_dir)
         files = sorted(p for p in data.image_dir.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
-        if not files:
-            raise InputError(
-                f"{data.image_dir} holds no .jpg, .jpeg or .png image; point eval.data.image_dir (or the data "
-                "root) at the folder that holds the images themselves"
-            )
         names: dict[int, str] = {}
+        stray: list[str] = []  # not named by an image id (macOS's ._COCO_... files, a notes.jpg): not COCO images
         for p in files:
             try:
                 image_id = coco_image_id(p.name)
             except ValueError:
-                raise InputError(
-                    f"{p}: not a COCO image file name (COCO_val2014_000000000042.jpg or 000000000042.jpg), so "
-                    f"CHAIR has no image id for it; move it out of {data.image_dir}"
-                ) from None
+                stray.append(p.name)
+                continue
             if image_id in names:
                 raise InputError(
                     f"{data.image_dir} holds image {image_id} twice ({names[image_id]} and {p.name}); keep one"
                 )
             names[image_id] = p.name
+        if not names:
+            raise InputError(
+                f"{data.image_dir} holds no COCO image (.jpg, .jpeg or .png named by its image id); point "
+                "eval.data.image_dir (or the data root) at the folder that holds the images themselves"
+            )
+        if stray:
+            logger.warning(
+                "CHAIR: %d file(s) in %s are not named by an image id (%s); left out of the image pool",
+                len(stray),
+                data.image_dir,
+                ", ".join(stray[:3]) + (" ..." if len(stray) > 3 else ""),
+            )
         if c.image_ids_file:
-            ids = read_image_ids(Path(c.image_ids_file))
+            ids = read_image_ids(Path(c.image_ids_file).expanduser())
             unknown = [i for i in ids if i not in names]
             if unknown:
                 raise InputError(
@@ -126,7 +135,7 @@ def read_image_ids(path: Path) -> list[int]:
     unreadable, empty or malformed file is an error naming the line and the fix."""
     where = f"eval.chair.image_ids_file {str(path)!r}"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is not part of the first id
     except FileNotFoundError:
         raise InputError(f"{where} does not exist; give the path of a file with one image id per line") from None
     except (OSError, UnicodeDecodeError) as exc:

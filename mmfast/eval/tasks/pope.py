@@ -58,7 +58,7 @@ class PopeTask(Task):
             from ...world.pope_build import pope_file_name
 
             names = {s: pope_file_name(s, cfg.pope.world_version) for s in cfg.pope.splits}
-        return {s: Path(cfg.pope.files.get(s, data.root / "pope" / names[s])) for s in cfg.pope.splits}
+        return {s: Path(cfg.pope.files.get(s, data.root / "pope" / names[s])).expanduser() for s in cfg.pope.splits}
 
     def __init__(self, cfg: EvalConfig, data: EvalData, cache_dir: Path | None = None) -> None:
         from .. import pope
