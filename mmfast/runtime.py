@@ -410,7 +410,6 @@ class LMRunner:
         self.n_layers = len(adapter.layers)
         self._select: dict[int, list[tuple[SelectFn, bool, float | None]]] = {}
         self._decode: dict[int, list[DecodeFn]] = {}
-        self._continue_from: int | None = None  # :meth:`continue_positions`
         self._hooked_from: int | None = None
         self._active: LMState | None = None
         self._phase = "idle"
@@ -471,12 +470,6 @@ class LMRunner:
         inside a captured step; any other keeps the step eager (:meth:`capture_blocker`)."""
         self._decode.setdefault(layer, []).append(fn)
         self._ensure_hooks(layer)
-
-    def continue_positions(self, layer: int) -> None:
-        """In one-token decode steps, a layer group starting at ``layer`` or later (and not renumbered,
-        ``compact``) gives the new token group 0's position, not its own top position + 1: a method that drops
-        generated tokens from those layers only (Dynamic-LLaVA) keeps RoPE on the full sequence's count."""
-        self._continue_from = layer if self._continue_from is None else min(self._continue_from, layer)
 
     def _ensure_hooks(self, layer: int) -> None:
         if self.session is None:
@@ -820,12 +813,17 @@ class LMRunner:
         static = compat.is_static(state.cache)
         new_pos: list[torch.Tensor] = []
         held = [grp.key_mask for grp in state.groups]  # [B, T_g] before the append
-        cont = self._continue_from
+        first: torch.Tensor | None = None  # [B, Q] group 0's new positions
         for g, grp in enumerate(state.groups):
-            if g and cont is not None and q == 1 and depth is None and grp.start >= cont and not grp.compact:
-                pos = new_pos[0]  # [B, 1] group 0's (continue_positions)
+            if g and not grp.compact:
+                # a group that keeps its slots' ids gives the new tokens group 0's too: its own top can be lower
+                # when it dropped the sample's top token (a Qwen2.5-VL video's last frame group, whose temporal ids
+                # pass the text after it; Dynamic-LLaVA's dropped generated tokens)
+                pos = first
             else:
                 pos = grp.top_position() + offsets  # [B, Q]
+            if g == 0:
+                first = pos
             top = pos[:, -1:] if depth is None else None  # the largest new position, in a causal step
             if grp.positions.dim() == 3:  # M-RoPE: the same position on every axis
                 pos = pos[:, :, None].expand(-1, -1, grp.positions.shape[-1])  # [B, Q, 3]

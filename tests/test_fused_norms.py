@@ -57,3 +57,45 @@ def test_fuse_norms_is_a_strict_boolean_key():
         load_recipe({"model": {"fuse_norms": "yes"}})
     with pytest.raises(Exception, match="fuse_norm"):
         load_recipe({"model": {"fuse_norm": True}})
+
+
+def test_a_nested_session_keeps_the_open_sessions_fused_norms_without_a_warning(tiny_mm, caplog):
+    """An inner session finds the outer one's fused norms: it leaves them (they keep running) and does not warn
+    that the norms run as transformers ships them (it said so, of mmfast's own forwards)."""
+    from mmfast.hooks import HookSession
+
+    norms = _norms(tiny_mm)
+    with HookSession(tiny_mm.model) as outer:
+        assert fused_norms.install_fused_norms(tiny_mm.adapter.language_model, outer) == len(norms)
+        fused = norms[0].forward
+        with HookSession(tiny_mm.model) as inner, caplog.at_level(logging.WARNING):
+            assert fused_norms.install_fused_norms(tiny_mm.adapter.language_model, inner) == 0
+        assert "wrapped forward" not in caplog.text
+        assert norms[0].forward is fused
+    assert all("forward" not in m.__dict__ for m in norms)
+
+
+def test_qwen3_vl_norms_stay_within_torchs_recompile_limit(monkeypatch):
+    """Qwen3-VL's per-head q / k norms ([B, T, H, Dh]) beside the [B, T, d] ones, at batch 1 and 2, prefill and
+    decode: every call reuses a few compiled variants (each norm sees [N, d] rows). Before, the variants per rank,
+    batch and length (and a no_grad probe) passed torch's recompile limit (8) within two calls, and the norms
+    met later ran eagerly."""
+    import numpy as np
+    import torch._dynamo
+    from PIL import Image
+
+    from mmfast.models.factory import random_qwen_vl
+
+    model, proc = random_qwen_vl("qwen3_vl", seed=1)
+    mm = mmfast.load(model, proc)
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 48, 3), dtype=np.uint8))
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    recipe = load_recipe({"model": {"fuse_norms": True}})
+    with mmfast.apply(mm, recipe) as s:
+        assert any(m.weight.shape[-1] != mm.adapter.text_config.hidden_size for m in _norms(mm))  # per-head norms
+        fused = [r.token_ids for r in s.generate([im, im], ["Describe.", "Is there a cat here now?"], max_new_tokens=5)]
+        fused += [r.token_ids for r in s.generate([im], ["Describe."], max_new_tokens=5)]
+    eager = [r.token_ids for r in mm.generate([im, im], ["Describe.", "Is there a cat here now?"], max_new_tokens=5)]
+    eager += [r.token_ids for r in mm.generate([im], ["Describe."], max_new_tokens=5)]
+    assert fused == eager

@@ -307,3 +307,27 @@ def test_compact_group_under_mrope(qmm, qimages):
             g1.positions[:, -1],
             (want.masked_fill(~g1.key_mask[:, :-1, None], -1).amax((1, 2)) + 1)[:, None].expand(-1, 3),
         )
+
+
+def test_image_only_processor_refuses_videos_and_miscounted_placeholders():
+    """mmfast's Qwen-VL processor for installs without torchvision takes no video: a ``videos=`` it ignored
+    left the ``<|video_pad|>`` slot as text, and the model answered without the video; a text whose image
+    placeholders do not match the images is refused by name (it raised a bare StopIteration); images without
+    text give their pixels, as transformers' processor does."""
+    from mmfast.errors import InputError
+    from mmfast.models.factory import random_qwen_vl
+    from mmfast.models.qwen_processor import QwenVLImageProcessor
+
+    _, proc = random_qwen_vl("qwen2_vl", seed=1)
+    proc = QwenVLImageProcessor(proc.image_processor, proc.tokenizer, proc.chat_template)
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 48, 3), dtype=np.uint8))
+    with pytest.raises(InputError, match="takes images only"):
+        proc(text=["<|vision_start|><|video_pad|><|vision_end|>Describe."], videos=[[im, im]])
+    for text in ("<|image_pad|> and <|image_pad|>", "no placeholder"):
+        with pytest.raises(InputError, match="1 image"):
+            proc(images=[im], text=[text])
+    out = proc(images=[im], text=["<|vision_start|><|image_pad|><|vision_end|>Describe."])
+    assert int(out["mm_token_type_ids"].sum()) == int(out["image_grid_thw"].prod()) // 4
+    alone = proc(images=[im])  # no text: the pixels and grids only (it raised an IndexError)
+    assert sorted(alone) == ["image_grid_thw", "pixel_values"]
+    assert torch.equal(alone["pixel_values"], out["pixel_values"])

@@ -565,7 +565,7 @@ def test_dynamic_llavas_decode_steps_are_captured(keep_rate, tiny_mm, images, pr
     """Dynamic-LLaVA's text predictor decides at every step whether the new token's KV stays in layers >= K. On
     a static cache it runs inside the captured step (its decision carried out of each replay), the dropped slots
     are masked out of those layers' validity instead of cut from the fixed buffers, and a token generated after
-    a drop keeps group 0's position there (``LMRunner.continue_positions``). Tokens and the per-sample
+    a drop keeps group 0's position there (the runner's rule in ``LMRunner.step``). Tokens and the per-sample
     generated / skipped counts equal the dynamic cache's (which cuts the slots), at batch 2 and 1, with and
     without a prefill layer group at K (the first step splits one off). Under the emulator only: the decision a
     replay puts back is the graph's memory, which :class:`ReplayGraph`'s re-run does not write."""

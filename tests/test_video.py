@@ -247,6 +247,35 @@ def test_in_llm_pruners_drop_video_tokens_keeping_their_positions(family, method
             assert torch.equal(grp.positions[0][valid], inputs.position_ids[0][src])
 
 
+@pytest.mark.parametrize("method", [None, "dart"])
+def test_a_new_token_has_one_position_in_every_layer_group_when_the_top_video_token_is_dropped(method):
+    """A Qwen2.5-VL video's temporal ids pass the text after it (frame groups 4 ids apart here), so its last
+    frame group holds the sample's top position. A layer group that drops those tokens in the LLM keeps its
+    slots' ids; a generated token takes the same position in it as in the layers before (group 0's, HF's
+    rope_deltas), not its own top + 1 (which put it below kept video tokens, and at another position per
+    layer group)."""
+    from mmfast.config import load_recipe
+    from mmfast.pipeline import Session
+
+    mm = _mm("qwen2_5_vl")
+    batch = mm.prepare(None, ["Describe."], videos=[random_video(16, 1, (28, 36))], video_fps=1.0)
+    recipe = {} if method is None else {"pruning": [{"method": method, "budget": {"ratio": 0.5}}]}
+    with Session(mm, load_recipe(recipe)) as s:
+        inputs = s.build_inputs(batch, s.encode(batch))
+        top = inputs.position_ids[0].amax(-1)  # [L]
+        vision = inputs.image_mask[0]
+        assert top[vision].max() > top[~vision].max()  # the video holds the top position
+        if method is None:  # drop the tokens at the top position at layer 2
+            s.runner.prune_at(2, lambda view: ~(view.vision & (top == top.max())[None]))
+        state, out = s.runner.prefill(inputs)
+        want = int(top.max()) + 1
+        assert any(int(g.next_positions()) < want for g in state.groups[1:])  # a group dropped the top token
+        for _ in range(2):
+            s.runner.step(state, torch.tensor([[7]]))
+            assert [g.positions[0, -1].tolist() for g in state.groups] == [[want] * 3] * len(state.groups)
+            want += 1
+
+
 # -- bad input ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llava", "llava_next"])
 def test_family_without_video_refuses_videos(family):

@@ -10,10 +10,10 @@ static-cache ``generate`` (issue 27).
 With ``model.fuse_norms: true`` the session replaces each such module's ``forward`` (an instance attribute,
 restored on close, as the fused Qwen tower does) with one ``torch.compile``-d function (Inductor): the module's
 own forward, traced, so the arithmetic is transformers' (fp32 statistics, the cast before the weight); only
-the kernel boundaries change. One compiled function serves every norm (their weights are inputs); a new
-input shape compiles once (a second one makes the length dynamic). A compile that fails (no Triton, no C
-compiler) is caught when the session opens on a probe input: the norms stay as transformers ships them, with
-one warning.
+the kernel boundaries change. One compiled function serves every norm (their weights are inputs), on the
+input's rows ([..., d] -> [N, d]); a new shape compiles once (a second one makes the row count dynamic). A
+compile that fails (no Triton, no C compiler) is caught when the session opens on a probe input: the norms stay
+as transformers ships them, with one warning.
 
 Equality: the fused reduction sums in another order, so outputs equal the eager ones within float tolerance
 (fp32: ~1e-6 relative), not bitwise; ``compile: static`` and ``auto`` fuse alike, so a captured step still
@@ -60,6 +60,9 @@ def install_fused_norms(language_model: nn.Module, hooks: Any) -> int:
     mods = [m for m in language_model.modules() if _is_rms_norm(m)]
     if not mods:
         return 0
+    if all(getattr(m.__dict__.get("forward"), "mmfast_fused_norm", False) for m in mods):  # mods is not empty
+        logger.debug("model.fuse_norms: already installed by an open session on this model")
+        return 0
     wrapped = [m for m in mods if "forward" in m.__dict__]
     if wrapped:
         logger.warning(
@@ -70,10 +73,10 @@ def install_fused_norms(language_model: nn.Module, hooks: Any) -> int:
         return 0
     fused = _fused()
     probe = mods[0]
-    x = torch.zeros(1, 1, probe.weight.shape[-1], dtype=probe.weight.dtype, device=probe.weight.device)
+    x = torch.zeros(1, probe.weight.shape[-1], dtype=probe.weight.dtype, device=probe.weight.device)
     try:
-        with torch.no_grad():
-            fused(probe, x)  # [1, 1, d]: compiles here, so a machine that cannot compile is told now
+        with torch.inference_mode():  # as the runner calls it (a no_grad probe compiled a variant never used)
+            fused(probe, x)  # [1, d]: compiles here, so a machine that cannot compile is told now
     except Exception as exc:  # noqa: BLE001  any compile failure leaves the eager norms
         logger.warning(
             "model.fuse_norms: torch.compile failed on this machine (%s: %s); the norms run as transformers ships them",
@@ -89,7 +92,10 @@ def install_fused_norms(language_model: nn.Module, hooks: Any) -> int:
 
 def _bound(fused: Any, module: nn.Module) -> Any:
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return fused(module, hidden)
+        # [..., d] -> [N, d]: the norm is per row, and one rank keeps the compiled variants few (batch and
+        # length 1 or not, per width); Qwen3-VL's per-head norms ([B, T, H, Dh]) beside the [B, T, d] ones
+        # otherwise spent torch's recompile limit (8) within two calls, and later shapes ran eagerly
+        return fused(module, hidden.reshape(-1, hidden.shape[-1])).reshape(hidden.shape)
 
     forward.mmfast_fused_norm = True  # type: ignore[attr-defined]
     forward.mmfast_graph_safe = True  # type: ignore[attr-defined]  (a captured graph may run it)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import compat
+from ..errors import InputError
 
 
 class QwenVLImageProcessor:
@@ -45,17 +46,31 @@ class QwenVLImageProcessor:
     ) -> dict:
         """Pixel patches, ``image_grid_thw`` and token ids with each placeholder expanded to
         ``t * h * w / merge_size**2`` tokens, plus ``mm_token_type_ids`` (1 at image tokens)."""
+        if kw.get("videos") is not None:  # ignored, the model would read the video's slots as text
+            raise InputError(
+                "this Qwen-VL processor (mmfast's, for installs without torchvision) takes images only: pass the "
+                "video to mmfast (generate(..., videos=...)), which processes its frames itself, or install "
+                "torchvision for transformers' own processor"
+            )
         out: dict[str, Any] = {}
         texts = [text] if isinstance(text, str) else list(text or [])
         if images is not None:
             out.update(self.image_processor(images=images, return_tensors="pt"))
             merge = self.image_processor.merge_size**2
+            n_slots = sum(t.count(self.image_token) for t in texts)
+            if texts and n_slots != len(out["image_grid_thw"]):
+                raise InputError(
+                    f"the text has {n_slots} image placeholder(s) {self.image_token!r} for "
+                    f"{len(out['image_grid_thw'])} image(s); put one placeholder per image in the text"
+                )
             counts = iter((out["image_grid_thw"].prod(-1) // merge).tolist())
             expanded = []
             for t in texts:
                 parts = t.split(self.image_token)
                 expanded.append(parts[0] + "".join(self.image_token * next(counts) + p for p in parts[1:]))
             texts = expanded
+        if not texts:  # images only: their pixels and grids (as transformers' processor; tokenising none raised)
+            return out
         enc = self.tokenizer(texts, return_tensors="pt", padding=True)
         out.update(enc)
         out["mm_token_type_ids"] = (enc["input_ids"] == self.image_token_id).int()

@@ -23,7 +23,8 @@ physically (cache tensors sliced) when the whole batch drops it, otherwise maske
 ``model.compile``) always masked, with no host read, so the step is one captured graph: the decode function is
 tensor work only, marked ``replayable``, its decision carried out of each replay. When no group starts at K
 (e.g. ``vision_keep_rate: 1``), the first drop splits one off, with identical contents (on a static cache the
-first step). A token generated after a drop keeps, in layers >= K, group 0's position (``runner.continue_positions``).
+first step). A token generated after a drop keeps, in layers >= K, group 0's position (the runner's rule for
+groups that keep their slots' ids, ``LMRunner.step``).
 
 Positions: ``original``. Kept image tokens keep their position ids; a token generated after some were
 dropped gets, in layers >= K, the same position as in layers < K (the full sequence length), as the
@@ -190,7 +191,6 @@ class DynamicLLaVA(Pruner):
                 lambda keep: self._active().extras.__setitem__(_DECISION, keep),
             )
             runner.on_decode(layer, replayable(self._decide, carried))
-            runner.continue_positions(layer)  # a token generated after a drop keeps the full-length position
             runner.step_hooks.append(self._apply)
 
     def _load(self) -> Predictors:
@@ -322,7 +322,7 @@ class DynamicLLaVA(Pruner):
 
     def _decide(self, layer: int, hidden: torch.Tensor, state) -> None:
         """At layer K: keep/drop of the new token (its position in layers >= K follows group 0's: the runner's
-        ``continue_positions``). Tensor work only, no host read: it runs inside a captured step."""
+        rule, ``LMRunner.step``). Tensor work only, no host read: it runs inside a captured step."""
         if hidden.shape[1] != 1:  # a multi-token append is a new instruction, not generated text: kept (as the code)
             return
         with torch.no_grad():
