@@ -211,3 +211,28 @@ def test_training_scripts_exit_2_on_bad_input(script, argv, message, tmp_path, m
         runpy.run_path(str(path), run_name="__main__")
     assert exc.value.code == 2
     assert message in capsys.readouterr().err + caplog.text
+
+
+def test_object_mentions_follow_each_tokenizer_not_a_reused_id():
+    # world_data cached the category nouns' token sequences by id(tokenizer): a tokenizer created after an
+    # earlier one was freed often gets its id, and was read with the old vocabulary ("a red dog" -> "cat", "dog")
+    import gc
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mmfast.train.world_data import _mentions
+    from mmfast.world import CATEGORIES
+
+    dog = [c.name for c in CATEGORIES].index("dog")
+    words = ["a", "red", "dog", "cat"]
+    for trial in range(40):
+        random.Random(trial).shuffle(words)
+        t = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+        t.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]")
+        ids = tok("a red dog", add_special_tokens=False)["input_ids"]
+        assert _mentions(tok, ids) == [(2, dog)], f"tokenizer {trial} with vocabulary {words}"
+        del tok, t
+        gc.collect()

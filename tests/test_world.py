@@ -17,6 +17,7 @@ from mmfast.world import (
     LABEL_NAMES,
     SCENE_BY_NAME,
     SCENES,
+    WorldConfig,
     captions,
     detailed_description,
     load_annotations,
@@ -172,6 +173,16 @@ def test_render_is_deterministic() -> None:
     assert c.image.tobytes() != a.image.tobytes()
     assert render_image(7, "train", 5).image.tobytes() != a.image.tobytes()
     assert a.image.size == (192, 192) and a.image.mode == "RGB"
+
+
+def test_smallest_image_size_renders() -> None:
+    # WorldConfig accepts image_size >= 32, but the living-room rug asked randint(hz + 10, hz + (s - hz) // 2)
+    # with a floor under 20 px: ValueError "empty range for randrange()" (ids 2, 8, 15 of seed 0 at 32 px)
+    cfg = WorldConfig(image_size=32)
+    for iid in (2, 8, 15):
+        r = render_image(0, "val", iid, cfg)
+        assert r.image.size == (32, 32) and r.annotation.scene == "living room"
+    assert render_image(0, "val", 2, WorldConfig(image_size=40)).image.size == (40, 40)
 
 
 def test_write_world_is_byte_identical(world: Path, tmp_path: Path) -> None:
@@ -354,3 +365,73 @@ def test_cli_writes_a_world(tmp_path: Path) -> None:
     assert rc == 0
     assert len(read_pope(tmp_path / "pope/world_pope_adversarial.json")) == 24
     assert (tmp_path / "labels/train/WORLD_train_000000000001.png").is_file()
+
+
+def test_rewriting_a_world_drops_the_previous_worlds_files(tmp_path: Path) -> None:
+    # a world re-written into the same directory with fewer images / no val label maps kept the old
+    # world's files: load_label_map returned the old seed's label map, the image dir (CHAIR's pool) held
+    # images without annotations
+    write_world(tmp_path, seed=0, n_train=2, n_val=12, pope_images=4, label_map_splits=("train", "val"), progress=False)
+    write_world(tmp_path, seed=1, n_train=1, n_val=8, pope_images=0, progress=False)
+    assert np.array_equal(load_label_map(tmp_path, "val", 1), render_image(1, "val", 1).label_map)
+    assert len(list((tmp_path / "images/val").iterdir())) == len(load_annotations(tmp_path, "val")) == 8
+    assert [p.name for p in (tmp_path / "labels/train").iterdir()] == ["WORLD_train_000000000001.png"]
+    assert not list((tmp_path / "pope").iterdir())
+
+
+def _no_rendering(monkeypatch) -> None:
+    """A bad count must be refused before any image is rendered (accepted, 10**9 images would run for days)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("rendering started: the bad count was accepted")
+
+    monkeypatch.setattr("mmfast.world.generate._render_one", refuse)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "what"),
+    [
+        ({"n_train": -1}, "n_train"),
+        ({"n_val": -2}, "n_val"),
+        ({"n_val": 10**9}, "n_val"),
+        ({"pope_images": -1}, "pope_images"),
+        ({"workers": 0}, "workers"),
+    ],
+)
+def test_write_world_refuses_bad_counts(kwargs: dict, what: str, tmp_path: Path, monkeypatch) -> None:
+    _no_rendering(monkeypatch)
+    args = {"n_train": 0, "n_val": 4, "pope_images": 2, **kwargs}
+    with pytest.raises(ValueError, match=what):
+        write_world(tmp_path / "w", seed=0, progress=False, **args)
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--n-train", "-3"],
+        ["--n-train", "8000000000"],
+        ["--n-val", "-1"],
+        ["--pope-images", "-1"],
+        ["--workers", "0"],
+        ["--image-size", "5000"],
+    ],
+)
+def test_cli_bad_arguments_exit_2(
+    args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    _no_rendering(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        generate_main(["--out", str(tmp_path / "w"), "--no-progress", *args])
+    assert e.value.code == 2 and args[0] in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_cli_unusable_output_or_too_few_val_images_exit_2(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # a traceback before: POPE over 1 val image has no absent object for a negative; --out a file
+    argv = ["--n-train", "0", "--n-val", "1", "--pope-images", "1", "--no-progress"]
+    with caplog.at_level("ERROR"):
+        assert generate_main(["--out", str(tmp_path / "w"), *argv]) == 2
+    assert "more val images" in caplog.text and "--pope-images 0" in caplog.text
+    (tmp_path / "file").write_text("x")
+    assert generate_main(["--out", str(tmp_path / "file"), *argv]) == 2

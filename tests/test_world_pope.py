@@ -266,3 +266,47 @@ def test_old_world_is_upgraded_and_versions_selectable(small_world: Path, tmp_pa
         for split, path in data.files_of("pope").items():
             assert path.read_bytes() == (small_world / "pope" / pope_file_name(split, version)).read_bytes()
     assert "version official" in generated_by_world(f, pope_file_info(f).sha256)
+
+
+def test_world_generated_at_once_by_two_processes_appears_only_complete(tmp_path: Path, monkeypatch) -> None:
+    """Data-parallel workers on a fresh cache all call ensure_world: each wrote the world in place, so the
+    first to finish read images the others were rewriting ("cannot identify image file"). A world now
+    appears at its path only complete; the first writer wins and the others drop their copy."""
+    from mmfast.eval.data import ensure_world
+    from mmfast.world import generate
+
+    root = tmp_path / "cache" / "world"
+    real = generate.write_world
+    writers: list[Path] = []
+
+    def write_world(out_dir, seed=0, n_train=8000, **kw):
+        writers.append(Path(out_dir))
+        assert Path(out_dir) != root, "the world is written in place, where other processes read it"
+        if len(writers) == 1:  # another worker finishes first, while this one is still writing
+            ensure_world(root, seed)
+            first = {p.name: p.read_bytes() for p in (root / "images/val").iterdir()}
+            assert len(first) == 6 and (root / "world.json").is_file()
+        return real(out_dir, seed, n_train, n_val=6, pope_images=4, progress=False)
+
+    monkeypatch.setattr(generate, "write_world", write_world)
+    assert ensure_world(root, 0) == root
+    assert len(writers) == 2
+    info = json.loads((root / "world.json").read_text())
+    assert info["counts"]["val"] == 6 and info["seed"] == 0
+    assert sorted(p.name for p in root.parent.iterdir()) == ["world"]  # no partial copy left behind
+
+
+def test_world_written_without_pope_serves_chair_and_names_the_missing_pope_files(tmp_path: Path) -> None:
+    """A world written with pope_images=0 was taken for one predating the official POPE files: every task,
+    CHAIR included, was refused with "no image has 3 distinct categories; cannot build POPE"."""
+    from mmfast.config import load_recipe
+    from mmfast.errors import InputError
+    from mmfast.eval.data import resolve_data
+
+    root = tmp_path / "w"
+    write_world(root, seed=0, n_train=0, n_val=6, pope_images=0, progress=False)
+    recipe = load_recipe("world_eval", [f"eval.data.root={root}"])
+    assert resolve_data(recipe.eval, ["chair"]).image_dir == root / "images" / "val"
+    with pytest.raises(InputError, match=r"(?s)missing evaluation data.*world_pope_random\.json"):
+        resolve_data(recipe.eval, ["pope"])
+    assert not (root / "pope").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,16 +63,35 @@ def ensure_world(root: Path, seed: int) -> Path:
     A world written before POPE version ``official`` (its ``pope/world_pope_{split}.json`` are the
     ``v1`` files) gets every POPE version added (:func:`mmfast.world.generate.upgrade_pope`; its
     images and annotations are kept).
+
+    A new world is written into a temporary sibling directory and renamed into place when complete, so
+    that processes generating it at once (data-parallel workers on a fresh cache) never read a file
+    another one is rewriting; the first to finish wins, the others drop their copy.
     """
     from ..world import write_world
-    from ..world.generate import pope_versions_present, upgrade_pope
+    from ..world.generate import pope_versions_present, upgrade_pope, written_without_pope
 
     marker = root / "world.json"
     if not marker.is_file():
         _check_not_foreign(root)
         logger.info("generating the evaluation world (seed %d) in %s", seed, root)
-        write_world(root, seed=seed, n_train=0, progress=sys.stderr.isatty())
-    elif not pope_versions_present(root):
+        if root.is_symlink() or (root.exists() and any(root.iterdir())):  # the user's directory: in place
+            if not marker.is_file():  # (non-empty since another process renamed its finished world here)
+                write_world(root, seed=seed, n_train=0, progress=sys.stderr.isatty())
+            return root
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = root.parent / f".{root.name}.{os.getpid()}.partial"
+        try:
+            write_world(tmp, seed=seed, n_train=0, progress=sys.stderr.isatty())
+            try:
+                tmp.rename(root)  # atomic; onto an empty directory too, never onto a non-empty one
+            except OSError:
+                if not marker.is_file():  # not another process's finished world: a real error
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    elif not pope_versions_present(root) and not written_without_pope(root):
         logger.warning(
             "the world in %s predates the official POPE files (its world_pope_*.json are version v1); "
             "writing every POPE version (images and annotations kept)",
@@ -84,7 +104,8 @@ def ensure_world(root: Path, seed: int) -> Path:
     return root
 
 
-_WORLD_ENTRIES = frozenset({"annotations", "images", "labels", "pope"})  # what write_world makes (world.json last)
+#: what write_world makes (world.json last: another process may just have renamed its finished world into place)
+_WORLD_ENTRIES = frozenset({"annotations", "images", "labels", "pope", "world.json"})
 
 
 def _check_not_foreign(root: Path) -> None:

@@ -138,21 +138,24 @@ class EncodedConversation:
     mention_cat: list[int] = field(default_factory=list)  # that word's category index
 
 
-_NOUN_CACHE: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+# id(tokenizer) -> (the tokenizer, its noun sequences): the tokenizer is kept so that its id cannot be
+# reused by another tokenizer while the entry exists (a freed tokenizer's id is often reused)
+_NOUN_CACHE: dict[int, tuple[object, list[tuple[tuple[int, ...], int]]]] = {}
 
 
 def object_words(tokenizer) -> list[tuple[tuple[int, ...], int]]:
     """Token sequences of every category noun (singular and plural, with a leading space), longest
     first, with the category index: used to find object mentions in captions."""
     key = id(tokenizer)
-    if key not in _NOUN_CACHE:
+    cached = _NOUN_CACHE.get(key)
+    if cached is None or cached[0] is not tokenizer:
         seqs = {}
         for ci, cat in enumerate(CATEGORIES):
             for pair in cat.nouns:
                 for word in pair:
                     seqs[tuple(tokenizer(" " + word, add_special_tokens=False)["input_ids"])] = ci
-        _NOUN_CACHE[key] = sorted(seqs.items(), key=lambda kv: -len(kv[0]))
-    return _NOUN_CACHE[key]
+        cached = _NOUN_CACHE[key] = (tokenizer, sorted(seqs.items(), key=lambda kv: -len(kv[0])))
+    return cached[1]
 
 
 def _mentions(tokenizer, answer_ids: list[int]) -> list[tuple[int, int]]:

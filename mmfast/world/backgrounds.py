@@ -105,7 +105,8 @@ def _living(d: ImageDraw.ImageDraw, s: int, hz: int, rng: random.Random) -> None
     _planks(d, s, hz, jitter((150, 98, 56), rng, 14), rng, 5)
     if rng.random() < 0.6:
         rug = jitter(rng.choice(((160, 40, 50), (50, 70, 140), (190, 150, 80))), rng, 14)
-        x0, y0 = rng.randint(0, s // 3), rng.randint(hz + 10, hz + (s - hz) // 2)
+        y_hi = hz + (s - hz) // 2
+        x0, y0 = rng.randint(0, s // 3), rng.randint(min(hz + 10, y_hi), y_hi)  # small images: floor < 20 px
         d.rectangle([x0, y0, x0 + rng.randint(s // 3, s // 2 + 30), min(s, y0 + (s - hz) // 2)], fill=rug)
 
 

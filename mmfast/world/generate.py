@@ -50,11 +50,13 @@ from .pope_build import (
     write_pope,
 )
 from .pope_official import OBJECTS_FILE, ground_truth_objects, write_objects
-from .render import WORLD_VERSION, ImageAnnotation, WorldConfig, render_image
+from .render import WORLD_VERSION, ImageAnnotation, WorldConfig, file_name_for, render_image
 from .scenes import scene_definitions
 from .text import captions, text_rng
 
 logger = logging.getLogger(__name__)
+
+MAX_IMAGES = 1_000_000  # per split (COCO train2014 has 83k); more is a typo, not a world that fits on a disk
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,13 @@ def _render_one(task: tuple[int, str, int, WorldConfig, str, bool]) -> ImageAnno
 def _render_split(
     seed: int, split: str, n: int, cfg: WorldConfig, out: Path, save_label: bool, workers: int, progress: bool
 ) -> list[ImageAnnotation]:
+    # a previous world's files of this split that this one does not rewrite (never other files; the same
+    # world written twice at once, as data-parallel evaluation workers may, deletes nothing)
+    for sub, kept in (("images", n), ("labels", n if save_label else 0)):
+        keep = {file_name_for(split, i) for i in range(1, kept + 1)}
+        for f in (out / sub / split).glob(f"WORLD_{split}_*.png"):
+            if f.name not in keep:
+                f.unlink()
     (out / "images" / split).mkdir(parents=True, exist_ok=True)
     if save_label:
         (out / "labels" / split).mkdir(parents=True, exist_ok=True)
@@ -178,7 +187,8 @@ def write_world(
     """Generate and write the whole world (see the module docstring for the layout).
 
     Args:
-        out_dir: Output directory (created; existing files are overwritten).
+        out_dir: Output directory (created; a previous world's images, label maps and POPE files there
+            are replaced, other files are kept).
         seed: World seed; the output is a pure function of the arguments.
         n_train: Number of train images.
         n_val: Number of val images.
@@ -192,7 +202,19 @@ def write_world(
 
     Returns:
         A :class:`WorldSummary`.
+
+    Raises:
+        ValueError: for a negative count, more than :data:`MAX_IMAGES` images in a split, ``workers < 1``,
+            or too few val images for POPE.
     """
+    counts = {"n_train": n_train, "n_val": n_val, "pope_images": pope_images, "captions_per_image": captions_per_image}
+    for name, value in counts.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if max(n_train, n_val) > MAX_IMAGES:
+        raise ValueError(f"n_train and n_val must be <= {MAX_IMAGES}, got {n_train}, {n_val}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     t0 = time.perf_counter()
     cfg = config or WorldConfig(image_size=image_size)
     out = Path(out_dir)
@@ -213,9 +235,17 @@ def write_world(
             files[f"annotations/{path.name}"] = _sha256(path)
     n_pope = 0
     pope_info: dict[str, object] = {}
-    if n_val > 0 and pope_images > 0:
+    if n_val == 0 or pope_images == 0:  # no POPE: a previous world's POPE files must not stay
+        for f in [*(out / "pope").glob("world_pope_*.json"), out / "pope" / OBJECTS_FILE]:
+            f.unlink(missing_ok=True)
+    else:
         standard = cfg == WorldConfig() and n_val == 500 and pope_images == 500
-        pope_info, n_pope, pope_sha = _write_pope_versions(out, split_anns["val"], seed, pope_images, standard)
+        try:
+            pope_info, n_pope, pope_sha = _write_pope_versions(out, split_anns["val"], seed, pope_images, standard)
+        except ValueError as e:
+            raise ValueError(
+                f"POPE over {n_val} val images: {e}; generate more val images or pass pope_images=0 (--pope-images 0)"
+            ) from e
         files.update(pope_sha)
     val_hash = hashlib.sha256()
     for a in split_anns["val"]:
@@ -313,6 +343,16 @@ def pope_versions_present(root: str | Path) -> bool:
         return False
 
 
+def written_without_pope(root: str | Path) -> bool:
+    """Whether the world at ``root`` was written without POPE files on purpose (``pope_images=0`` or no
+    val images): there is nothing to upgrade, and tasks other than POPE can use it."""
+    try:
+        info = json.loads((Path(root) / "world.json").read_text(encoding="utf-8"))
+        return not info["pope"] and int(info["counts"]["pope_images"]) == 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def upgrade_pope(root: str | Path) -> bool:
     """Add the missing POPE versions to a world written before them; True if it was upgraded.
 
@@ -344,7 +384,7 @@ def upgrade_pope(root: str | Path) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point: ``python -m mmfast.world.generate --out DIR ...``."""
+    """CLI entry point: ``python -m mmfast.world.generate --out DIR ...``; bad arguments exit 2."""
     ap = argparse.ArgumentParser(prog="python -m mmfast.world.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0)
@@ -360,18 +400,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for opt, value in (("--n-train", args.n_train), ("--n-val", args.n_val), ("--pope-images", args.pope_images)):
+        if value < 0 or (opt != "--pope-images" and value > MAX_IMAGES):
+            ap.error(f"{opt} must be in [0, {MAX_IMAGES}], got {value}")
+    if args.workers < 1:
+        ap.error(f"--workers must be >= 1, got {args.workers}")
+    try:
+        cfg = WorldConfig(image_size=args.image_size)
+    except ValueError as e:
+        ap.error(f"--image-size: {e}")
     splits = ("train", "val") if args.val_label_maps else ("train",)
-    s = write_world(
-        args.out,
-        args.seed,
-        args.n_train,
-        args.n_val,
-        args.image_size,
-        pope_images=args.pope_images,
-        workers=args.workers,
-        label_map_splits=splits,
-        progress=not args.no_progress,
-    )
+    try:
+        s = write_world(
+            args.out,
+            args.seed,
+            args.n_train,
+            args.n_val,
+            pope_images=args.pope_images,
+            workers=args.workers,
+            label_map_splits=splits,
+            config=cfg,
+            progress=not args.no_progress,
+        )
+    except (OSError, ValueError) as e:
+        logger.error("%s", e)
+        return 2
     logger.info("done: %d train, %d val, %d POPE images, %.1fs", s.n_train, s.n_val, s.n_pope_images, s.seconds)
     return 0
 

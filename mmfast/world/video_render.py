@@ -19,8 +19,11 @@ mid-clip. Pipeline of :func:`render_clip`:
 frame (inside the frame and not covered by an object drawn in front; alpha >= 50%) and at least 4
 pixels. A category is in frame ``t``'s object set if one of its instances is visible there, and
 *in the video* if it is in at least one frame's set: the clip's object set is the union of the
-per-frame sets. Objects are listed in annotation order (the scene model's sampling order, as in
-the image world), which the official POPE rule reads.
+per-frame sets. An instance the rule counts in no frame is not drawn at all (as the image world
+drops an object it cannot place visibly), so that a category absent from the clip's object set is
+absent from every frame, not partly visible (POPE asks about it as absent). Objects are listed in
+annotation order (the scene model's sampling order, as in the image world), which the official POPE
+rule reads.
 """
 
 from __future__ import annotations
@@ -239,8 +242,16 @@ def render_clip(seed: int, clip_id: int, config: VideoConfig | None = None) -> R
                 leave_prob=cfg.leave_prob,
             )
             sprites.append(_Sprite(lay, np.asarray(lay.getchannel("A")) >= 128, traj))
+        noise_state = rng.getstate()
         frames, maps = _draw_frames(background, sprites, cfg, rng)
         ann = _annotate(clip_id, scene.name, plans, sprites, maps, cfg)
+        never = {tr.instance for tr in ann.tracks if not any(tr.visible(t, cfg.min_visible) for t in range(cfg.frames))}
+        if never:  # drawn but under the rule in every frame: not drawn at all (as the image world drops them)
+            plans = [p for k, p in enumerate(plans, start=1) if k not in never]
+            sprites = [sp for k, sp in enumerate(sprites, start=1) if k not in never]
+            rng.setstate(noise_state)  # the same photometric noise
+            frames, maps = _draw_frames(background, sprites, cfg, rng)
+            ann = _annotate(clip_id, scene.name, plans, sprites, maps, cfg)
         if len(ann.clip_objects()) >= min(cfg.min_distinct, len(set(names))):
             return RenderedClip(frames, maps, ann)
         logger.debug("clip %d attempt %d: too few visible categories; re-drawing", clip_id, attempt)
