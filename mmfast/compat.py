@@ -925,6 +925,16 @@ def qwen_vision_attention(family: str) -> tuple[type, Callable] | None:
     return cls, rotary
 
 
+def attends_per_chunk(module) -> bool:
+    """Whether ``module`` is a Qwen-VL vision attention, which calls the attention function once per image (or
+    window) of the tower's packed sequence, B = 1 each, outside flash attention (``cu_seqlens``)."""
+    for family in _QWEN_VISION_ATTENTION:
+        found = qwen_vision_attention(family)
+        if found is not None and isinstance(module, found[0]):
+            return True
+    return False
+
+
 def qwen_vision_attention_matches(module) -> bool:
     """Whether a vision attention instance has the parts the fused forward reads."""
     return all(hasattr(module, a) for a in ("qkv", "proj", "num_heads", "scaling", "config"))

@@ -99,3 +99,38 @@ def test_probe_under_eager_model(tiny_dir, images, prompts):
     with Session(sdpa, recipe) as s:
         b = s.generate(images[:2], prompts[:2], max_new_tokens=6)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_probe_on_a_qwen_vision_block_is_refused(family, images, prompts):
+    """A Qwen-VL vision block calls attention once per image (or window), B = 1 each: a probe's record was the last
+    call's alone ([1, H, R, K] of the last image or window of the batch), silently. Refused, naming the recorder
+    that sees every chunk; nothing is installed."""
+    from mmfast.errors import InputError
+    from mmfast.hooks.attention import cls_row
+    from mmfast.models.factory import random_qwen_vl
+
+    mm = mmfast.load(*random_qwen_vl(family, seed=1))
+    attn = mm.adapter.vision_layers[0].attn
+    with Session(mm, Recipe()) as s:
+        with pytest.raises(InputError, match="once per image or window"):
+            s.probe.watch("vis", attn, rows=cls_row)
+        assert "_mmfast_attn" not in attn.__dict__
+        s.probe.watch("llm", mm.adapter.layers[0].self_attn, rows=last_row)  # its LLM layers are probed as before
+
+
+def test_a_row_past_the_forwards_queries_names_the_probe(tiny_mm, images, prompts):
+    """Rows chosen for the whole prompt, asked of a layer after an in-LLM pruner shortened the sequence, lie past the
+    forward's query rows: refused naming the probe and the row (was torch's index error inside the probe, a
+    device-side assert on CUDA)."""
+    from mmfast.config import load_recipe
+    from mmfast.errors import InputError
+
+    fastv = load_recipe({"pruning": [{"method": "fastv", "params": {"k": 1, "keep": 3}}]})
+    with Session(tiny_mm, fastv) as s:
+        batch = tiny_mm.prepare(images[:2], prompts[:2])
+        full = s.build_inputs(batch, s.encode(batch)).length
+        rows = torch.tensor([full - 1])  # the last prompt row of layer 0's sequence
+        s.probe.watch("after", tiny_mm.adapter.layers[2].self_attn, rows=lambda q, k: rows, when=lambda q, k: q > 1)
+        with pytest.raises(InputError, match=rf"probe 'after': row {full - 1} asked of a forward with \d+ query rows"):
+            s.generate(images[:2], prompts[:2], max_new_tokens=2)

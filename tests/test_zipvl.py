@@ -612,3 +612,23 @@ def test_a_flops_budget_is_refused_naming_its_key(tiny_mm, images, prompts):
     with pytest.raises(ConfigError, match="prefill FLOPs stay the unpruned model's") as exc:
         Session(tiny_mm, load_recipe({"pruning": [{"method": "zipvl", "budget": {"flops": 0.9}}]}))
     assert exc.value.path == "pruning[0].budget.flops"
+
+
+@pytest.mark.parametrize("opened_first", ["zipvl", "fastv"])
+def test_another_open_sessions_calls_run_past_zipvls_override(opened_first, tiny_mm, images, prompts):
+    """ZipVL's attention override stays on the LLM's modules while its session is open; another session open on the
+    same model (before or after it) ran its own calls through it and failed ("ZipVL: the LLM ran outside the
+    runner"). Outside its own runner's forwards the override steps aside, as the other methods' hooks do."""
+    recipes = {
+        "zipvl": load_recipe({"pruning": [{"method": "zipvl"}]}),
+        "fastv": load_recipe({"pruning": [{"method": "fastv", "params": {"keep": 5}}]}),
+    }
+    want = {}
+    for name, recipe in recipes.items():
+        with Session(tiny_mm, recipe) as s:
+            want[name] = [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=4)]
+    order = [opened_first, *(n for n in recipes if n != opened_first)]
+    first = Session(tiny_mm, recipes[order[0]])
+    with first, Session(tiny_mm, recipes[order[1]]) as second:
+        for name, s in zip(order, (first, second)):
+            assert [r.token_ids for r in s.generate(images[:2], prompts[:2], max_new_tokens=4)] == want[name]

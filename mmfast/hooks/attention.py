@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import compat
+from ..errors import InputError
 
 if TYPE_CHECKING:
     from .session import HookSession
@@ -337,6 +338,12 @@ class AttentionProbe:
         key, e.g. a verify step's block mask): the probe records in LLM decode steps too, and a captured step
         replays it, its record put back after each replay (OPERA's last-layer rows).
         """
+        if compat.attends_per_chunk(attn_module):  # each call's record would replace the previous chunk's
+            raise InputError(
+                f"probe {name!r}: {type(attn_module).__name__} (a Qwen-VL vision block) calls attention once per "
+                "image or window, so a probe would keep the last one's rows only; record every call with a recorder "
+                "on hooks.attach(session, module) instead (as VisionZip's ReceivedAttention does)"
+            )
         hooks = attach(self.session, attn_module)
         reduce = reduce if reduce is not None else self.reduce
         is_causal = bool(getattr(attn_module, "is_causal", False))
@@ -355,9 +362,9 @@ class AttentionProbe:
             elif staged is not None and staged[0] == q_len:  # a captured segment's input (its graph reads it)
                 r = staged[1]
             elif rows_from_inputs:  # padded as when staged: the same computation, captured or not
-                r = pad_rows(rows(q_len, k_len).to(query.device))
+                r = pad_rows(_within(name, rows(q_len, k_len), q_len).to(query.device))
             else:
-                r = rows(q_len, k_len).to(query.device)
+                r = _within(name, rows(q_len, k_len), q_len).to(query.device)
             probs = row_attention(query, key, attention_mask, scaling, r, is_causal)
             if reduce == "mean":
                 probs = probs.mean(1)
@@ -392,7 +399,7 @@ class AttentionProbe:
         if length is None:
             self._staged.pop(name, None)
             return None
-        fresh = pad_rows(rows(length, length))  # [B, W] or [W]
+        fresh = pad_rows(_within(name, rows(length, length), length))  # [B, W] or [W]
         buf = staged_copy(self._row_buffers, (name, tuple(fresh.shape), length, fresh.device), fresh, fresh.device)
         self._staged[name] = (length, buf)
         return (name, fresh.shape[-1])
@@ -407,6 +414,19 @@ class AttentionProbe:
 
     def clear(self) -> None:
         self.records.clear()
+
+
+def _within(name: str, rows: torch.Tensor, q_len: int) -> torch.Tensor:
+    """``rows`` (a row selector's answer), refused where a row on the host lies past the forward's ``q_len`` query rows
+    (an index error deep in the probe on the CPU, a device-side assert on CUDA); rows already on the device are not
+    read back."""
+    if rows.device.type == "cpu" and rows.numel() and int(rows.max()) >= q_len:
+        raise InputError(
+            f"probe {name!r}: row {int(rows.max())} asked of a forward with {q_len} query rows; a row selector gets "
+            "(q_len, k_len) of each forward: pick rows from them (an in-LLM pruner shortens the sequence of its "
+            "layer and the later ones, and a decode step has one row per new token; ``when`` skips forwards)"
+        )
+    return rows
 
 
 def attach(session, attn_module: nn.Module) -> ModuleAttentionHooks:
@@ -424,3 +444,28 @@ def attach(session, attn_module: nn.Module) -> ModuleAttentionHooks:
         session.set_attr(attn_module, "_mmfast_attn", hooks)
         session.use_probe_attention()
     return hooks
+
+
+def forget(closing: ModuleAttentionHooks, before: ModuleAttentionHooks | None, held: list) -> None:
+    """Take what a closing session added on a module (its hooks ``closing`` over ``before``, the hooks it found there
+    or None) out of the hooks in ``held`` (other open sessions': copies :func:`attach` made of ``closing``), so that a
+    closed session's recorders and override stop acting."""
+    if not isinstance(closing, ModuleAttentionHooks):
+        return
+    kept = before if isinstance(before, ModuleAttentionHooks) else ModuleAttentionHooks()
+    added = [
+        fn
+        for fn in (*closing.recorders, *closing.prefill_recorders)
+        if not any(fn is k for k in (*kept.recorders, *kept.prefill_recorders))
+    ]
+    for hooks in held:
+        if not isinstance(hooks, ModuleAttentionHooks) or hooks is closing or hooks is before:
+            continue
+        hooks.recorders[:] = [fn for fn in hooks.recorders if not any(fn is a for a in added)]
+        hooks.prefill_recorders[:] = [fn for fn in hooks.prefill_recorders if not any(fn is a for a in added)]
+        if (
+            closing.override is not None
+            and closing.override is not kept.override
+            and hooks.override is closing.override
+        ):
+            hooks.override = kept.override

@@ -12,12 +12,12 @@ Algorithm (paper Alg. 1, every LLM layer, prefill):
 5. KV cache: K/V[T] quantised to bits_high, K/V[U] to bits_low; while decoding, every ``requant_interval`` (100)
    generated tokens are re-scored with the current query (a = softmax(qK^T)[-100:]) and quantised the same way.
 
-Hook points: an attention *override* on every LLM attention module (``hooks.attach(...).override``; the
-probe rows are computed there with ``row_attention``, O(probes x keys)); ``runner.prefill_hooks``
-installs :class:`~mmfast.pruning._kv_quant.MixedPrecisionKVLayer` in every cache layer (really packed
-uint8 codes + per-group scales/zero points, dequantised on read; on a static cache
-:class:`~mmfast.pruning._kv_static.StaticMixedPrecisionLayer`); ``runner.step_hooks`` re-quantises
-the full-precision decode buffer every ``requant_interval`` tokens.
+Hook points: an attention *override* on every LLM attention module (``hooks.attach(...).override``; the probe rows are
+computed there with ``row_attention``, O(probes x keys)); ``runner.prefill_hooks`` installs
+:class:`~mmfast.pruning._kv_quant.MixedPrecisionKVLayer` in every cache layer (really packed uint8 codes + per-group
+scales/zero points, dequantised on read; on a static cache
+:class:`~mmfast.pruning._kv_static.StaticMixedPrecisionLayer`); ``runner.step_hooks`` re-quantises the full-precision
+decode buffer every ``requant_interval`` tokens.
 
 Cost on a GPU: on the dynamic cache (``model.compile: off``) the override runs Python in every layer with one
 device read each (whether anything left the important set, and the widest count, to gather it); the layers are
@@ -36,10 +36,9 @@ Positions: tokens are never removed from the residual stream or the cache; posit
 U tokens skip attention in prefill (residual passthrough) but still go through the MLP.
 
 Accounting: ``state.accounting.vision_override`` = important (T) vision tokens per layer, so
-``vision_tokens_layer_avg`` is ZipVL's *equivalent* token count (every vision token stays cached, at
-low precision); FLOPs are reported dense (the MLP runs on every token). ``LMState.stats["zipvl"]``: per-layer keep
-ratio p/n, important vision tokens per layer, equivalent tokens, KV bytes (dense, after prefill, at the
-end), re-quantisation count.
+``vision_tokens_layer_avg`` is ZipVL's *equivalent* token count (every vision token stays cached, at low precision);
+FLOPs are reported dense (the MLP runs on every token). ``LMState.stats["zipvl"]``: per-layer keep ratio p/n, important
+vision tokens per layer, equivalent tokens, KV bytes (dense, after prefill, at the end), re-quantisation count.
 
 Verified in the paper (v1 Alg. 1, Table 1, Fig. 5): the steps above incl. "compress new KV cache every
 100 tokens generated" and O = FlashAttention(Q[T], K[T], V[T]); tau in {0.96, 0.975}; the GQA tau sweep
@@ -66,17 +65,16 @@ Assumptions / deviations (the ZipVL code was not public):
   parameters (ZipCache's code re-quantises the whole cache);
 - quantisation statistics are per sample and ignore padding (ZipCache pools the batch).
 
-Budget (``budget: {tokens: B}``, layer-averaged *equivalent* vision tokens per image, the accounting above;
-sets ``tau``; ``flops`` is refused): calibrated when the session opens: x = 1 - tau is bisected on a log scale
-in [1e-6, 1] on the fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style questions)
-until the mean equivalent vision tokens are within 2% of B; the calibrated tau and the tokens it kept are
-logged and reported in the stats (``calibration``, ``tau``). A budget outside its reachable range is refused.
+Budget (``budget: {tokens: B}``, layer-averaged *equivalent* vision tokens per image, the accounting above; sets
+``tau``; ``flops`` is refused): calibrated when the session opens: x = 1 - tau is bisected on a log scale in [1e-6, 1]
+on the fixed calibration set of ``pruning._budget`` (rendered world images, POPE-style questions) until the mean
+equivalent vision tokens are within 2% of B; the calibrated tau and the tokens it kept are logged and reported in the
+stats (``calibration``, ``tau``). A budget outside its reachable range is refused.
 
-Limits: refuses speculative decoding (drafts are verified against, and rolled back from, a cache that
-is being quantised) and beam search (the paper defines decoding for one sequence; the per-layer
-accounting in ``extras`` is per prefill row), and other stages that edit the KV cache (the quantised
-layer refuses dense slot edits). Prefill attention runs on the base implementation (sdpa/eager) on the
-gathered important tokens; it saves attention FLOPs, not MLP FLOPs.
+Limits: refuses speculative decoding (drafts are verified against, and rolled back from, a cache that is being
+quantised) and beam search (the paper defines decoding for one sequence; the per-layer accounting in ``extras`` is per
+prefill row), and other stages that edit the KV cache (the quantised layer refuses dense slot edits). Prefill attention
+runs on the base implementation (sdpa/eager) on the gathered important tokens; it saves attention FLOPs, not MLP FLOPs.
 """
 
 from __future__ import annotations
@@ -243,6 +241,8 @@ class ZipVL(Pruner):
 
     # -- attention override ----------------------------------------------------------------------------
     def _attention(self, module, query, key, value, attention_mask, scaling, base, dropout=0.0, **kwargs):
+        if self.ctx.runner.active is None:  # another session's forward (or the model's own): this one steps aside
+            return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)[0]
         layer = self._layer_of[id(module)]
         bsz, _, q_len, _ = query.shape
         k_len = key.shape[2]
