@@ -412,6 +412,13 @@ def write_report(runs: list[str], output: str) -> Path:
     paths = [Path(r) for r in runs]
     for run, label in zip(paths, run_labels(paths)):
         s = _load(run)
+        if "results" not in s and "metrics" not in s:  # a gpu_speed / video_cost bench: rows, no results
+            kind = s.get("kind") or "unknown"
+            raise InputError(
+                f"{run}: a {kind} bench's summary.json has no eval metrics or bench results to report; "
+                "its results.md is its table (re-run its recorded command to re-render it): leave it out of "
+                "`mmfast report`, which takes `mmfast eval` runs and pruning / decoding / speculative benches"
+            )
         (benches if "results" in s else evals).append((run, label, s))
     out.mkdir(parents=True, exist_ok=True)  # after every run is read: a bad one leaves no empty directory
     md = ["# mmfast report", ""]
@@ -501,19 +508,18 @@ def write_report(runs: list[str], output: str) -> Path:
             if local:  # its recorded command names the path
                 lines = [ln.replace(local, "<local checkpoint>") for ln in lines]
             md += [*_demote(lines), ""]
-        speed = [
-            (n, r["ratios"].get("prefill_speedup") or r["ratios"].get("speedup"))
-            for n, r in s["results"].items()
-            if r.get("ratios")
-        ]
-        speed = [(n, v) for n, v in speed if v is not None]
+        ratios = {n: r["ratios"] for n, r in s["results"].items() if r.get("ratios")}
+        # the bars are the prefill speedup where the bench has one (pruning, stacked: not end to end)
+        key = "prefill_speedup" if any(v.get("prefill_speedup") is not None for v in ratios.values()) else "speedup"
+        speed = [(n, v[key]) for n, v in ratios.items() if v.get(key) is not None]
+        what = "prefill speedup" if key == "prefill_speedup" else "speedup"
         if speed and (
             p := bars(
                 out / f"speedup_{_file_label(label)}.png",
                 [n for n, _ in speed],
                 [v for _, v in speed],
-                "speedup (x)",
-                f"Speedup per method ({label})",
+                f"{what} (x)",
+                f"{what[0].upper()}{what[1:]} per method ({label})",
                 baseline=1.0,
                 series="speedup vs the baseline",
             )

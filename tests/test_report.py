@@ -59,6 +59,10 @@ def test_report_from_eval_and_bench_dirs(tmp_path, capsys):
     assert "<table>" in html and "<img" in html
     pngs = sorted(p.name for p in (tmp_path / "rep").glob("*.png"))
     assert "accuracy_vs_tokens.png" in pngs and "chair_by_run.png" in pngs and "speedup_bench.png" in pngs
+    # the bars are prefill speedups, titled so (a stacked bench's OPERA row: 0.87x prefill, 0.14x end to end)
+    from mmfast.bench.plots import plot_title
+
+    assert plot_title(tmp_path / "rep" / "speedup_bench.png") == "Prefill speedup per method (bench)"
 
 
 def test_report_bad_dir(tmp_path):
@@ -875,3 +879,29 @@ def test_report_says_which_runs_are_incomplete(tmp_path):
     md = write_report([str(full), str(part)], str(tmp_path / "rep")).read_text()
     assert "**part is incomplete**: of its 10 planned samples 2 failed and 1 not run" in md
     assert "the 7 finished ones" in md and "full is incomplete" not in md
+
+
+@pytest.mark.parametrize("name", ["speculative", "speculative_h100"])
+def test_committed_speculative_results_are_what_rerender_writes(tmp_path, name):
+    """A committed speculative bench's results.md is what ``mmfast rerender`` writes today from its
+    summary.json (its notes included): a renderer change re-renders the committed tables with it."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / name
+    bench = tmp_path / name
+    shutil.copytree(src, bench, ignore=shutil.ignore_patterns("*.png"))
+    assert main(["-q", "rerender", str(bench)]) == 0
+    assert (bench / "results.md").read_text() == (src / "results.md").read_text()
+
+
+@pytest.mark.parametrize("kind", ["gpu_speed", "video_cost"])
+def test_report_refuses_a_bench_it_cannot_render(tmp_path, kind):
+    """A gpu_speed / video_cost bench (rows, no results) was read as an eval run: an empty 'greedy()' row."""
+    a = _eval_summary(tmp_path, "fastv-64", 64, 0.8, 0.12)
+    b = tmp_path / kind
+    b.mkdir()
+    (b / "summary.json").write_text(json.dumps({"kind": kind, "device": "cpu", "dtype": "float32", "rows": []}))
+    with pytest.raises(InputError, match=f"{kind} bench"):
+        write_report([str(a), str(b)], str(tmp_path / "report"))
+    assert not (tmp_path / "report").exists()
