@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import time
 from pathlib import Path
 
@@ -1261,7 +1262,12 @@ def test_a_coco_root_given_to_the_world_dataset_is_not_written_into(tmp_path, ca
     from mmfast.eval.data import resolve_data
 
     written: list[Path] = []
-    monkeypatch.setattr(mmfast.world, "write_world", lambda root, **kw: written.append(root))
+
+    def stub(root, **kw):  # writes an empty world directory
+        written.append(root)
+        Path(root).mkdir(parents=True, exist_ok=True)
+
+    monkeypatch.setattr(mmfast.world, "write_world", stub)
     coco = tmp_path / "coco"
     for d in ("val2014", "annotations", "pope"):
         (coco / d).mkdir(parents=True)
@@ -1276,7 +1282,8 @@ def test_a_coco_root_given_to_the_world_dataset_is_not_written_into(tmp_path, ca
         recipe = load_recipe({"eval": {"tasks": ["pope"], "data": {"root": str(fresh)}}})
         with pytest.raises(InputError, match="missing evaluation data"):  # the stub wrote nothing
             resolve_data(recipe.eval, recipe.eval.tasks)
-    assert written == [tmp_path / "new", tmp_path / "partial"]
+    # a new directory is written aside and renamed into place; a partly written one in place
+    assert [p.name for p in written] == [f".new.{os.getpid()}.partial", "partial"] and (tmp_path / "new").is_dir()
 
 
 def test_quantized_checkpoint_without_its_backend(tmp_path, tiny_dir):
