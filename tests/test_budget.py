@@ -58,6 +58,7 @@ def test_unknown_stage_key_suggests_budget():
         ("mustdrop", "preset", "64"),
         ("zipvl", "tau", 0.9),
         ("tome", "r", 2),
+        ("cdpruner", "ratio", 0.3),  # overrides keep, so the budget would be ignored
     ],
 )
 def test_budget_and_knob_together_fail_naming_both(method, knob, value):

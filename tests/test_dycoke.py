@@ -381,3 +381,17 @@ def test_dp_after_an_in_llm_pruner_ranks_what_layer_l_minus_1_attends(monkeypatc
         assert attended == [s for s in dp_source if s in kept_slots]
     assert out.stats["dycoke"]["pruned_steps"] == len(steps) - full_steps
     assert 0 < full_steps < len(steps)  # both branches of the rule ran
+
+
+def test_dp_layer_outside_the_llm_is_refused_before_weights_load():
+    """``l`` past the LLM's depth is refused from the model's config (``mmfast validate``), at its recipe path, as
+    FastV's ``k``; with p = 0 (no DP) ``l`` is unused."""
+    from mmfast.capabilities import ModelFacts, check_model
+    from mmfast.errors import ConfigError
+    from mmfast.models import ADAPTERS
+
+    facts = ModelFacts("llava_onevision", 4, 4, (4, 4), ADAPTERS["llava_onevision"].features)
+    with pytest.raises(ConfigError) as exc:
+        check_model(load_recipe({"pruning": [{"method": "dycoke", "params": {"l": 40}}]}), facts)
+    assert exc.value.path == "pruning[0].params.l" and "layer 40" in exc.value.detail
+    assert check_model(load_recipe({"pruning": [{"method": "dycoke", "params": {"l": 40, "p": 0.0}}]}), facts) is None

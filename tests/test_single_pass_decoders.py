@@ -95,6 +95,26 @@ def test_pai_layers_keep_the_absolute_start_on_a_shallow_llm(tiny_mm, images, pr
         assert out[0].stats["amplified_layers"] == want
 
 
+@pytest.mark.parametrize(
+    "params, key",
+    [
+        ({"end_layer": 40}, "end_layer"),
+        ({"start_layer": 3, "end_layer": 2}, "end_layer"),
+        ({"start_layer": 7}, "start_layer"),
+    ],
+)
+def test_pai_layer_range_refusal_names_the_key_at_fault(tiny_mm, params, key):
+    """An end_layer past the LLM's depth (or not after start_layer) is refused at decoding.params.end_layer, naming
+    the value given, not at start_layer with end - 1 (a 4-layer LLM: layers 0..3)."""
+    from mmfast.capabilities import ModelFacts, check_model
+    from mmfast.errors import ConfigError
+
+    recipe = load_recipe({"decoding": {"method": "pai", "params": params}})
+    with pytest.raises(ConfigError) as exc:
+        check_model(recipe, ModelFacts.of_adapter(tiny_mm.adapter))
+    assert exc.value.path == f"decoding.params.{key}" and str(params[key]) in exc.value.detail
+
+
 def test_pai_cfg_step_matches_official_formula(tiny_mm, images, prompts):
     """With alpha = 0 the first token is argmax of gamma(s - u) + u masked by s >= log(0.1) + max s,
     with s / u the log-softmax of the image prompt / the image-free prompt (computed here directly)."""

@@ -524,3 +524,16 @@ def test_shaped_costs_scale_an_explicit_layer_skip_set():
     head, layer = out["t_head_s"], out["t_layer_s"]
     for name, unskipped in (("all", 1.0), ("half", 0.5)):
         assert out["drafters"][name]["propose_s"] == pytest.approx(2.0 * (head + unskipped * 32 * layer))
+
+
+@pytest.mark.parametrize("skip", [[0], [4]])
+def test_layer_skip_refuses_a_layer_it_cannot_skip_before_compute(skip, tiny_mm):
+    """Layer 0 always runs and a 4-layer LLM has no layer 4: refused from the model's facts (``mmfast validate``,
+    before weights load) at the recipe path, as every other layer parameter."""
+    from mmfast.capabilities import ModelFacts, check_model
+    from mmfast.errors import ConfigError
+
+    rec = load_recipe({"speculative": {"method": "layer_skip", "params": {"skip": skip}}})
+    with pytest.raises(ConfigError) as exc:
+        check_model(rec, ModelFacts.of_adapter(tiny_mm.adapter))
+    assert exc.value.path == "speculative.params.skip" and str(skip[0]) in exc.value.detail

@@ -108,6 +108,13 @@ class PAI(MultiBranchDecoder):
     def check_facts(cls, config, facts) -> list[int]:
         n = facts.llm_layers
         end = n if config.end_layer is None else config.end_layer
+        # an end_layer given that is not after a valid start_layer, or past the depth: that key is at fault
+        if config.end_layer is not None and config.start_layer < n and not config.start_layer < end <= n:
+            raise ConfigError(
+                "end_layer",
+                f"{end} is not one past a layer from start_layer ({config.start_layer}) to the last of this {n}-layer "
+                f"LLM; give {config.start_layer + 1}..{n}, or leave it unset (the depth)",
+            )
         if not 0 <= config.start_layer < end <= n:
             raise ConfigError(
                 "start_layer", f"layers {config.start_layer}..{end - 1} are not a range of this {n}-layer LLM"

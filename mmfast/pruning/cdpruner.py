@@ -222,7 +222,7 @@ class CDPruner(Pruner):
             None, doc="local path of the tower's paired CLIP model (text tower, projections, tokenizer)"
         )
 
-    budget_knobs = ("keep",)
+    budget_knobs = ("keep", "ratio")  # ratio overrides keep: a budget with it would be ignored
     budget_per_image = False  # LLaVA-NeXT: a per-tile count from a tokens budget, the same for every image
 
     @classmethod

@@ -219,6 +219,12 @@ class DyCoke(Pruner):
         return torch.cat([rows, (pid < 0).nonzero().squeeze(1)])  # the newline closes the video
 
     # -- DP -------------------------------------------------------------------------------------------
+    @classmethod
+    def check_facts(cls, config, facts) -> None:
+        """DP's layer l must exist in this LLM (checked from the config, before weights load; p = 0: no DP)."""
+        if config.p > 0:
+            map_layers([config.l], facts.llm_layers, config.layer_mapping, param="l")
+
     def install(self) -> None:
         cfg = self.config
         if cfg.p <= 0:

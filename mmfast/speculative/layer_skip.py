@@ -7,7 +7,7 @@ the shared KV cache of the layers it runs; those entries are rolled back after d
 verification forward writes the exact ones. The skip set is given, or chosen on calibration prompts by
 greedy search (repeatedly add the layer whose removal keeps argmax agreement with the full model
 highest under teacher forcing) until ``skip_fraction`` of the layers are skipped; layer 0 is never
-skipped. With ``skip: auto`` the first batch served is the calibration set (logged); pass
+skipped. With ``skip: null`` (the default) the first batch served is the calibration set (logged); pass
 ``calibration_tokens: 0`` and an explicit ``skip`` for fully reproducible runs.
 Hook points: an instance-level ``forward`` replacement on the skippable layers (identity while the
 draft runs), owned and restored by the session; captured steps are keyed on the draft mode and skip set
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, ModelFacts
 from ..config import opt
+from ..errors import ConfigError
 from ..registry import DRAFTERS
 from .base import Drafter
 from .tree import DraftTree
@@ -43,14 +44,23 @@ class LayerSkip(Drafter):
         threshold: float = opt(0.6, lo=0.0, hi=1.0, doc="stop drafting when the draft's top-1 prob is lower")
         calibration_tokens: int = opt(16, lo=0, hi=256, doc="greedy tokens per calibration prompt")
 
+    @classmethod
+    def check_facts(cls, config, facts) -> None:
+        """``skip`` must name layers 1..n-1 of this LLM (layer 0 always runs); checked before weights load."""
+        n = facts.llm_layers
+        bad = sorted(i for i in set(config.skip or ()) if not 0 < i < n)
+        if bad:
+            raise ConfigError(
+                "skip",
+                f"cannot skip layers {bad}: layer 0 always runs and this LLM has {n} layers; give layers 1..{n - 1}",
+            )
+
     def install(self) -> None:
         layers = self.ctx.adapter.layers
+        self.check_facts(self.config, ModelFacts.of_adapter(self.ctx.adapter))
         self.active = False
         self.skip: set[int] = set(self.config.skip or ())
         self.skip_chosen = self.config.skip is not None  # skip: null calibrates once (it may choose no layer)
-        bad = [i for i in self.skip if not 0 < i < len(layers)]
-        if bad:
-            raise ValueError(f"layer_skip: cannot skip layers {bad} (layer 0 always runs; {len(layers)} layers)")
         for i in range(1, len(layers)):
             layer = layers[i]
             self.ctx.hooks.set_attr(layer, "forward", self._wrap(i, layer.forward))
