@@ -187,7 +187,7 @@ def test_a_new_familys_decisions_follow_from_its_features():
         "tome": Need.GLOBAL_TOWER_ATTENTION,
         "mustdrop": Need.GLOBAL_TOWER_ATTENTION,
         "dycoke": Need.VIDEO,  # a LLaVA takes no video either way
-        "fastvid": Need.DYNAMIC_GRID,  # NEED_ORDER checks the grid before video input
+        "fastvid": Need.VIDEO,  # NEED_ORDER checks video input before the grid (siglip_head cannot help)
     }
     refused = _refused(MropeLlava.features)
     assert {n for n, need in refused.items() if need is Need.ROPE_1D} == {"dynamic_llava", "msd", "flash"}

@@ -4,6 +4,7 @@ grid-bound methods are rejected with a clear message."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import mmfast
 from mmfast.config import load_recipe
@@ -98,3 +99,24 @@ def test_next_row_separators_are_droppable_vision_tokens(next_mm, images, prompt
         assert sorted(kept_vis.tolist()) == sorted(top.tolist())
         dropped_newlines += int((newline[b] & ~keep[b]).sum())
     assert dropped_newlines > 0
+
+
+def test_a_video_method_is_refused_for_the_missing_video_input_first(next_mm):
+    """A family without video input cannot run a video pruner whatever else it has: FastVID's refusal on
+    LLaVA-NeXT named its Qwen grid need and advised ``siglip_head``, which only led to a second refusal."""
+    for params in ({}, {"siglip_head": "/nowhere"}):
+        with pytest.raises(IncompatibleRecipeError, match=r"needs video input, .*\(it takes no video input\)") as e:
+            Session(next_mm, load_recipe({"pruning": [{"method": "fastvid", "params": params}]}))
+        assert "siglip_head" not in str(e.value).split("; pruning methods that run there")[0]
+
+
+def test_vcd_noise_of_an_images_tiles_does_not_depend_on_the_batch_padding():
+    """VCD noises each image's row of the batch's pixel tensor; anyres rows are padded to the batch's most tiles.
+    A tile of 3 x 30 x 30 values (not a multiple of 16) got other noise at its row's end when padding followed it
+    (torch's CPU randn recomputes a trailing partial block of 16), so a batch gave an image other noise than alone."""
+    from mmfast.decoding.vcd import ddpm_noise
+
+    alone = torch.zeros(1, 2, 3, 30, 30)  # [1, tiles, 3, S, S]: the image's own tiles
+    padded = torch.zeros(1, 5, 3, 30, 30)  # the same image in a batch whose largest image has 5 tiles
+    gen = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    assert torch.equal(ddpm_noise(padded, 500, gen())[:, :2], ddpm_noise(alone, 500, gen()))

@@ -28,10 +28,16 @@ if TYPE_CHECKING:
 
 
 def ddpm_noise(pixel_values: torch.Tensor, step: int, generator: torch.Generator) -> torch.Tensor:
-    """VCD's diffusion noise on normalised pixels ([N, 3, H, W]); step in [0, 999]."""
+    """VCD's diffusion noise on normalised pixels ([N, 3, H, W], or [N, T, 3, H, W] padded tiles); step in [0, 999]."""
     betas = torch.sigmoid(torch.linspace(-6, 6, 1000, dtype=torch.float64)) * (0.5e-2 - 1e-5) + 1e-5
     abar = torch.cumprod(1 - betas, dim=0)[step]
-    eps = torch.randn(pixel_values.shape, generator=generator, dtype=torch.float32, device=generator.device)
+    shape = pixel_values.shape
+    # [N, T, 3, H, W] (anyres tiles, video frames) padded to the batch's most: one draw per tower input, so its noise
+    # never depends on the padding after it (torch's CPU randn redraws a trailing partial block of 16 values); the
+    # same values as one draw where a tower input holds a multiple of 16 values
+    n, one = (shape[:2].numel(), shape[2:]) if pixel_values.dim() == 5 else (1, shape)
+    draws = [torch.randn(one, generator=generator, dtype=torch.float32, device=generator.device) for _ in range(n)]
+    eps = torch.stack(draws).view(shape)
     x = pixel_values.float()
     return (abar.sqrt() * x + (1 - abar).sqrt() * eps.to(x.device)).to(pixel_values.dtype)
 

@@ -107,5 +107,6 @@ def what_it_has(features: ModelFeatures, need: Need) -> str:
     return "its vision tower has no paired text tower"
 
 
-#: checked in this order, so the most specific reason comes first
-NEED_ORDER = tuple(Need)
+#: checked in this order, so the most specific reason comes first; a model without video input is refused a
+#: video method for that before anything else (its other needs, e.g. FastVID's ``siglip_head`` route, cannot help)
+NEED_ORDER = (Need.CLS, Need.VIDEO, *(n for n in Need if n not in (Need.CLS, Need.VIDEO)))

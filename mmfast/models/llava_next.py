@@ -6,10 +6,12 @@ unpadded to the image's aspect ratio and a learned ``image_newline`` ends every 
 (``pack_image_features``, the model's own code). So the vision tokens of an image are the base view's
 grid followed by a variable-size, newline-separated mosaic: not one square grid.
 
-What runs on it: every decoder and drafter, and the pruning stages that act inside the LLM on the
-spliced sequence (they see vision slots, not a grid). Stages that need one square patch grid per image
-(merging inside the tower, feature-stage selection and pooling) are rejected for this family with a
-message naming the ones that work (the adapter's ``features``: ``tiles="anyres"``).
+What runs on it: every drafter, every decoder that does not need one tower input per image (all but
+RITUAL and DAMRO), the pruning stages that act inside the LLM on the spliced sequence (they see vision
+slots, not a grid), and the feature stages that select among an image's packed tokens (DivPrune, random
+drop; CDPruner per whole tile). Stages that need one square patch grid per image (merging inside the
+tower, CLS-ranked selection and pooling: ToMe, VisionZip, MustDrop, HICom, average pooling) are rejected
+for this family with a message naming the ones that work (the adapter's ``features``: ``tiles="anyres"``).
 """
 
 from __future__ import annotations

@@ -28,9 +28,12 @@ ceil(rows / 2) x ceil(cols / 2)) per frame; the frames' pooled tokens follow eac
 ``patch_ids`` number the pooled (frame, row, col) grid in raster order; the newline gets -1. The
 tokens carry the ``VIDEO`` / ``FRAME`` tags (:mod:`mmfast.models.base`).
 
-What runs on it: the methods that act inside the LLM on the spliced sequence, every decoder that does
-not read the tower's CLS, and every drafter (see ``docs/methods.md``, "Model families: LLaVA-OneVision").
-Stages that need one square patch grid (or a CLS token) per image are refused for this family.
+What runs on it: the methods that act inside the LLM on the spliced sequence, the feature stages that
+select among an item's packed tokens (DivPrune, random drop), the video stages on videos (DyCoke, ToMe,
+HICom, FastVID with ``siglip_head``), every decoder that neither reads the tower's CLS nor changes the
+image size (all but DAMRO and RITUAL), and every drafter (see ``docs/methods.md``, "Model families:
+LLaVA-OneVision"). Stages that need one square patch grid (or a CLS token) per image are refused for
+this family.
 """
 
 from __future__ import annotations
