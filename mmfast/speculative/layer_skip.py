@@ -8,7 +8,8 @@ verification forward writes the exact ones. The skip set is given, or chosen on 
 greedy search (repeatedly add the layer whose removal keeps argmax agreement with the full model
 highest under teacher forcing) until ``skip_fraction`` of the layers are skipped; layer 0 is never
 skipped. With ``skip: null`` (the default) the first batch served is the calibration set (logged); pass
-``calibration_tokens: 0`` and an explicit ``skip`` for fully reproducible runs.
+``calibration_tokens: 0`` and an explicit ``skip`` for fully reproducible runs (at T > 0 the draft decides
+which draws the verify rule uses, so with ``skip: null`` a sampled answer depends on which sample came first).
 Hook points: an instance-level ``forward`` replacement on the skippable layers (identity while the
 draft runs), owned and restored by the session; captured steps are keyed on the draft mode and skip set
 (``runner.graph_variants``), so a draft step never replays the target's graph or the reverse.
