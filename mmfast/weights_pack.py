@@ -159,6 +159,8 @@ def _unpack_into(d: Path, out: Path) -> None:
 
 
 def cache_root() -> Path:
+    """mmfast's cache directory (the embedded model's copy, the evaluation world, CHAIR ground truth):
+    ``$MMFAST_CACHE``, else ``$XDG_CACHE_HOME/mmfast``, else ``~/.cache/mmfast``; ``~`` expanded."""
     if os.environ.get("MMFAST_CACHE"):
         return Path(os.environ["MMFAST_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

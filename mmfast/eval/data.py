@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..config import DataConfig, EvalConfig
 from ..errors import InputError
-from ..weights_pack import cache_root  # noqa: F401 (one cache for the model and the data: $MMFAST_CACHE, ~ expanded)
+from ..weights_pack import cache_root  # one cache for the model and the data
 
 logger = logging.getLogger(__name__)
 
