@@ -1344,3 +1344,32 @@ def test_swapped_images_and_prompts_and_a_prompt_given_as_an_image(tiny_mm, imag
         tiny_mm.generate("Describe the image.", images[0])
     with pytest.raises(InputError, match=r"is not a usable path \(File name too long\)"):
         tiny_mm.generate(["Describe the image in detail. " * 20], ["hi"])
+
+
+def test_a_bench_variant_evaluating_other_samples_is_refused(tmp_path):
+    """A bench.compare item's ``eval`` override that plans other samples (another limit, CHAIR seed) ran on them
+    and entered the table and ratios beside the baseline's (6 POPE questions against 12) under the note "the same
+    samples"; refused before any weights load. Overrides that keep the inputs (batch_size) still run."""
+    from mmfast.bench import run_bench
+    from mmfast.bench.common import check_same_samples, variants
+    from mmfast.errors import InputError
+
+    def recipe(override):
+        return load_recipe(
+            {
+                "model": {"name": "mmfast/tiny-world"},
+                "eval": {"tasks": ["pope", "chair"], "limit": 4, "chair": {"n_images": 3}},
+                "bench": {
+                    "kind": "pruning",
+                    "compare": [{"name": "vz", "pruning": [{"method": "visionzip"}], "eval": override}],
+                },
+            }
+        )
+
+    out = tmp_path / "bench"
+    for override in ({"limit": 2}, {"chair": {"seed": 5}}):
+        with pytest.raises(InputError, match="bench variant 'vz': its eval override plans other inputs"):
+            run_bench(recipe(override), output=str(out))
+        assert not out.exists()
+    check_same_samples(variants(recipe({"batch_size": 2})), None)
+    check_same_samples(variants(recipe({"limit": 2})), 3)  # --limit plans every variant alike

@@ -123,6 +123,67 @@ def test_decoding_bench_cost_per_token_counts_the_stop_tokens_step(tiny_mm, imag
     assert cost["decode_s_per_token"] == 1.0
 
 
+def test_decoding_bench_cost_per_token_honours_bench_warmup(tiny_mm, images, prompts, monkeypatch):
+    """``bench.warmup`` untimed runs before the timed ones: the decoding bench ran one warm-up whatever it said
+    (``warmup: 0`` and ``warmup: 3`` timed as ``warmup: 1``)."""
+    from dataclasses import dataclass
+
+    from mmfast.bench.common import Variant
+    from mmfast.bench.decoding import cost_per_token
+    from mmfast.config import load_recipe
+    from mmfast.pipeline import Session
+
+    @dataclass(frozen=True)
+    class Sample:
+        image: object
+        prompt: str
+
+    calls = []
+    run = Session.run
+    monkeypatch.setattr(Session, "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))
+    samples = [Sample(images[0], prompts[0])]
+    for warmup in (0, 3):
+        calls.clear()
+        cost_per_token(tiny_mm, Variant("greedy", load_recipe({})), samples, 4, 2, warmup=warmup)
+        assert len(calls) == warmup + 2  # warm-ups, then 2 repeats x 1 sample
+
+
+def test_decoding_bench_cost_per_token_is_the_median(tiny_mm, images, prompts, monkeypatch):
+    """The cost per token is the median of the timed runs' per-token times: of two runs at 1 s and 3 s per decode
+    forward it is 2 s, not the upper one (``values[len // 2]`` read 3 s)."""
+    from dataclasses import dataclass
+
+    from mmfast.bench.common import Variant
+    from mmfast.bench.decoding import cost_per_token
+    from mmfast.config import load_recipe
+    from mmfast.decoding import loop
+    from mmfast.pipeline import Session
+    from mmfast.runtime import LMRunner
+
+    clock, per_step, runs = [0.0], [1.0], [0]
+    step, run = LMRunner.step, Session.run
+
+    def counted(self, *args, **kwargs):
+        clock[0] += per_step[0]
+        return step(self, *args, **kwargs)
+
+    def timed_run(self, *args, **kwargs):
+        per_step[0] = 1.0 + 2.0 * runs[0]  # 1 s per forward in the first run, 3 s in the second
+        runs[0] += 1
+        return run(self, *args, **kwargs)
+
+    @dataclass(frozen=True)
+    class Sample:
+        image: object
+        prompt: str
+
+    monkeypatch.setattr(LMRunner, "step", counted)
+    monkeypatch.setattr(Session, "run", timed_run)
+    monkeypatch.setattr(loop, "now", lambda device: clock[0])
+    cost = cost_per_token(tiny_mm, Variant("greedy", load_recipe({})), [Sample(images[0], prompts[0])], 6, 2, warmup=0)
+    assert cost["decode_s_per_token"] == pytest.approx(2.0)
+
+
 def test_multi_image_prompt(tiny_mm, images):
     r = tiny_mm.generate([[images[0], images[1]]], ["Compare the two frames."], max_new_tokens=4)[0]
     assert r.n_vision_tokens == 32

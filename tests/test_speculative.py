@@ -226,6 +226,23 @@ def test_bench_repeats_do_not_teach_a_stateful_drafter(tiny_mm, images):
     assert thrice["n_new_tokens"] == once["n_new_tokens"]
 
 
+def test_bench_workload_honours_bench_warmup(tiny_mm, images, monkeypatch):
+    """``bench.warmup`` untimed runs before the timed repeats: the speculative bench ran one warm-up whatever it
+    said (``warmup: 0`` and ``warmup: 3`` timed as ``warmup: 1``)."""
+    from mmfast.bench.speculative import _run_workload
+    from mmfast.pipeline import Session
+
+    calls = []
+    run = Session.run
+    monkeypatch.setattr(Session, "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))
+    recipe = load_recipe({"speculative": {"method": "prompt_lookup"}})
+    wl = {"name": "w", "prompt": "Describe the image.", "max_new_tokens": 4}
+    for warmup in (0, 3):
+        calls.clear()
+        _run_workload(tiny_mm, recipe, images[:1], wl, repeats=2, warmup=warmup)
+        assert len(calls) == warmup + 2  # warm-ups, then 2 repeats x 1 image
+
+
 def _random_tree(gen: torch.Generator, n: int, vocab: int) -> DraftTree:
     """A random tree of ``n`` nodes (parents before children), siblings sometimes repeating a token."""
     parents = [int(torch.randint(0, i + 1, (), generator=gen)) for i in range(n)]  # node i + 1's parent in 0..i
@@ -526,6 +543,28 @@ def test_shaped_costs_scale_an_explicit_layer_skip_set():
         assert out["drafters"][name]["propose_s"] == pytest.approx(2.0 * (head + unskipped * 32 * layer))
 
 
+def test_shaped_costs_take_the_greedy_captions_tau():
+    """The projection's tau is the caption workload's at T = 0: with ``temperatures: [0.7, 0]`` the first key
+    starting with ``caption@T0`` was ``caption@T0.7`` (a sampled tau), reported as ``tau_embedded_caption_T0``."""
+    import torch
+
+    from mmfast.bench.common import variants
+    from mmfast.bench.speculative import _shaped_costs
+
+    recipe = load_recipe(
+        {
+            "bench": {
+                "kind": "speculative",
+                "shape": "tiny",
+                "compare": [{"name": "pl", "speculative": {"method": "prompt_lookup"}}],
+            }
+        }
+    )
+    results = {"caption@T0.7": {"pl": {"tau": 1.5}}, "caption@T0": {"pl": {"tau": 2.5}}}
+    out = _shaped_costs(recipe, variants(recipe), results, torch.device("cpu"))
+    assert out["drafters"]["pl"]["tau_embedded_caption_T0"] == 2.5
+
+
 @pytest.mark.parametrize("skip", [[0], [4]])
 def test_layer_skip_refuses_a_layer_it_cannot_skip_before_compute(skip, tiny_mm):
     """Layer 0 always runs and a 4-layer LLM has no layer 4: refused from the model's facts (``mmfast validate``,
@@ -537,3 +576,32 @@ def test_layer_skip_refuses_a_layer_it_cannot_skip_before_compute(skip, tiny_mm)
     with pytest.raises(ConfigError) as exc:
         check_model(rec, ModelFacts.of_adapter(tiny_mm.adapter))
     assert exc.value.path == "speculative.params.skip" and str(skip[0]) in exc.value.detail
+
+
+@pytest.mark.parametrize(
+    "main, item",
+    [
+        ({"method": "greedy"}, {"method": "sample", "params": {"temperature": 0.5, "top_p": 0.5}}),
+        ({"method": "sample", "params": {"top_p": 0.5}}, None),
+    ],
+)
+def test_speculative_bench_refuses_a_decoding_section_it_does_not_read(tmp_path, main, item):
+    """The speculative bench decodes every workload greedily and by sampling at bench.params.temperatures: a compare
+    item's ``decoding`` (top-p sampling) or the recipe's top-p sampling ran as plain greedy / temperature sampling,
+    silently. Refused before any weights load."""
+    from mmfast.bench import run_bench
+    from mmfast.errors import ConfigError
+
+    compare = {"name": "pl", "speculative": {"method": "prompt_lookup"}, **({"decoding": item} if item else {})}
+    recipe = load_recipe(
+        {
+            "model": {"name": "mmfast/tiny-world"},
+            "decoding": main,
+            "eval": {"tasks": ["chair"]},
+            "bench": {"kind": "speculative", "n_samples": 1, "compare": [compare]},
+        }
+    )
+    out = tmp_path / "bench"
+    with pytest.raises(ConfigError, match="decoding"):
+        run_bench(recipe, output=str(out))
+    assert not out.exists()

@@ -14,7 +14,7 @@ from ..eval.fingerprint import weights_fingerprint
 from ..eval.runner import output_dir
 from ..model import load_model
 from ..pipeline import apply
-from .common import claim_bench_dir, variants
+from .common import check_same_samples, claim_bench_dir, variants
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
         except MMFastError as exc:
             raise InputError(f"bench variant {v.name!r} cannot run on this model: {exc}") from exc
 
+    if kind in ("pruning", "decoding"):  # every variant's evaluation on the baseline's samples
+        check_same_samples(vs, limit)
+    if kind == "speculative":  # it decodes at bench.params.temperatures, never by a variant's decoding section
+        from .speculative import check_decoding_unread, run_speculative_bench, write_speculative_report
+
+        check_decoding_unread(vs)
     claim_bench_dir(out, kind, recipe.name)  # before the model loads; never over a user's own files
     mm = load_model(recipe.model)
     _preflight(mm, vs)
@@ -89,8 +95,6 @@ def run_bench(recipe: Recipe, *, output: str | None = None, limit: int | None = 
         result["model"] = model
         write_decoding_report(result, out, command)
     elif kind == "speculative":
-        from .speculative import run_speculative_bench, write_speculative_report
-
         result = run_speculative_bench(recipe, mm, out, limit)
         result["model"] = model
         write_speculative_report(result, out, command)

@@ -23,7 +23,9 @@ import torch
 
 from ..config import Recipe, load_recipe
 from ..errors import ConfigError, InputError, SamplesFailedError
+from ..eval.data import resolve_data
 from ..eval.runner import run_eval
+from ..eval.tasks import build_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,34 @@ def _merge(a: dict, b: dict) -> dict:
     for k, v in b.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def check_same_samples(vs: list[Variant], limit: int | None) -> None:
+    """Refuse a variant whose ``eval`` override plans other inputs than the baseline's (another ``limit``, task,
+    seed, prompt, data...): a bench compares its variants on identical samples. ``eval`` overrides that keep
+    the inputs (``batch_size``, ``max_failures``, generation lengths) pass; ``limit`` is ``--limit``."""
+
+    def inputs(v: Variant) -> list[tuple]:
+        cfg = v.recipe.eval
+        n = limit if limit is not None else cfg.limit
+        tasks = build_tasks(cfg, resolve_data(cfg, cfg.tasks))
+        return [(s.task, s.doc_id, str(s.image), str(s.video), s.prompt) for t in tasks for s in t.samples(n)]
+
+    base = vs[0]
+    planned = None
+    for v in vs[1:]:
+        if v.recipe.eval == base.recipe.eval:
+            continue
+        planned = inputs(base) if planned is None else planned
+        mine = inputs(v)
+        if mine != planned:
+            first = next((a for a, b in zip(mine, planned) if a != b), None)
+            raise InputError(
+                f"bench variant {v.name!r}: its eval override plans other inputs than the baseline's ({len(mine)} samples vs {len(planned)}"
+                + (f"; first differing: {first[1]!r}" if first else "")
+                + "), and a bench compares its variants on identical samples; remove the override (only inputs-neutral "
+                "keys such as batch_size or max_new_tokens may differ), or run it as its own recipe"
+            )
 
 
 def evaluate_variant(v: Variant, out: Path, limit: int | None, mm) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,16 @@ from .render import decoding_plots, write_results
 logger = logging.getLogger(__name__)
 
 
-def cost_per_token(mm: MMModel, v: Variant, samples, new_tokens: int, repeats: int) -> dict[str, float]:
-    """Decode seconds per generated token after the first, and the first-token (prefill) time."""
+def cost_per_token(
+    mm: MMModel, v: Variant, samples, new_tokens: int, repeats: int, warmup: int = 1
+) -> dict[str, float]:
+    """Decode seconds per generated token after the first, and the first-token (prefill) time, over ``repeats``
+    passes after ``warmup`` untimed short runs (``bench.warmup``)."""
     peak_rss_reset()
     with apply(mm, v.recipe) as session:
         batches = [mm.prepare([s.image], [s.prompt]) for s in samples]
-        session.run(batches[0], max_new_tokens=2)  # warm-up
+        for _ in range(warmup):
+            session.run(batches[0], max_new_tokens=2)
         per_tok, first = [], []
         for _ in range(repeats):
             for b in batches:
@@ -39,11 +44,9 @@ def cost_per_token(mm: MMModel, v: Variant, samples, new_tokens: int, repeats: i
                 if steps > 0:
                     per_tok.append(r.timings.decode_s / steps)
                 first.append(r.timings.prefill_s)
-    per_tok.sort()
-    first.sort()
-    return {
-        "decode_s_per_token": per_tok[len(per_tok) // 2] if per_tok else float("nan"),
-        "first_token_s": first[len(first) // 2],
+    return {  # medians (of an even count, the mean of the middle two)
+        "decode_s_per_token": statistics.median(per_tok) if per_tok else float("nan"),
+        "first_token_s": statistics.median(first),
         "peak_rss_bytes": peak_rss_bytes(),
     }
 
@@ -60,7 +63,7 @@ def run_decoding_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> dic
         results[v.name] = {
             "decoding": v.recipe.decoding._to_recipe(),
             "metrics": summary["metrics"],
-            "cost": cost_per_token(mm, v, samples, new_tokens, cfg.repeats),
+            "cost": cost_per_token(mm, v, samples, new_tokens, cfg.repeats, cfg.warmup),
             "protocol": summary["protocol"]["tasks"],
         }
     base = results["baseline"]

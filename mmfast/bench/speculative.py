@@ -42,6 +42,29 @@ DEFAULT_WORKLOADS = [
 ]
 
 
+def check_decoding_unread(vs) -> None:
+    """Refuse a decoding section the bench would not read: each workload is decoded greedily and by sampling at
+    ``bench.params.temperatures`` (:func:`_with_decoding`), so a decoder other than the baseline's greedy one (a
+    compare item's ``decoding``, the recipe's ``decoding.method``) was silently replaced by them."""
+    from ..errors import ConfigError
+
+    base = vs[0].recipe.decoding
+    if base.method != "greedy":
+        raise ConfigError(
+            "decoding.method",
+            f"{base.method!r} is not read by the speculative bench (it decodes greedily and by sampling at "
+            "bench.params.temperatures); set greedy, and the temperatures in bench.params.temperatures",
+        )
+    for v in vs[1:]:
+        if v.recipe.decoding != base:
+            raise ConfigError(
+                f"bench variant {v.name!r}: decoding",
+                "a speculative bench variant's decoding section is not read (every variant decodes greedily and by "
+                "sampling at bench.params.temperatures, as the baseline); remove it, or set the temperatures in "
+                "bench.params.temperatures",
+            )
+
+
 def _with_decoding(v, temperature: float, seed: int):
     data = v.recipe.to_dict()
     data["decoding"] = (
@@ -53,11 +76,15 @@ def _with_decoding(v, temperature: float, seed: int):
     return load_recipe(data)
 
 
-def _run_workload(mm: MMModel, recipe, images, wl: dict, repeats: int) -> dict[str, Any]:
+def _run_workload(mm: MMModel, recipe, images, wl: dict, repeats: int, warmup: int = 1) -> dict[str, Any]:
+    """Plain or speculative decoding of ``wl`` on ``images``: ``warmup`` untimed short runs (``bench.warmup``;
+    the first settles what a drafter calibrates), then ``repeats`` timed passes in fresh sessions."""
     batches = [mm.prepare([im], [wl["prompt"]]) for im in images]
-    with apply(mm, recipe) as session:
-        session.run(batches[0], max_new_tokens=8)  # warm-up
-        recipe = _settled(recipe, session.drafter)
+    if warmup:
+        with apply(mm, recipe) as session:
+            for _ in range(warmup):
+                session.run(batches[0], max_new_tokens=8)
+            recipe = _settled(recipe, session.drafter)
     walls, decodes, outs = [], [], []
     for _ in range(repeats):
         # a fresh session per repeat: a drafter that learns across requests (prompt lookup's trigram
@@ -131,7 +158,9 @@ def run_speculative_bench(recipe, mm: MMModel, out: Path, limit: int | None) -> 
             base = None
             for v in vs:
                 logger.info("bench %s %s", key, v.name)
-                r = _run_workload(mm, _with_decoding(v, temp, recipe.decoding.seed), images, wl, cfg.repeats)
+                r = _run_workload(
+                    mm, _with_decoding(v, temp, recipe.decoding.seed), images, wl, cfg.repeats, cfg.warmup
+                )
                 if base is None:
                     base = r
                 # tokens per second (at T = 1 the variants sample different, equally distributed, answers)
@@ -221,7 +250,7 @@ def _shaped_costs(recipe, vs, results, device: torch.device) -> dict[str, Any]:
                 verify_cache[n] = (t_n - t_head_n) / n_layers * 32 + t_head_n
             return verify_cache[n]
 
-        caption_t0 = next((r for k, r in results.items() if k.startswith("caption@T0")), {})
+        caption_t0 = results.get("caption@T0", {})  # exactly T = 0: "caption@T0.7" starts so too
     for v in vs:
         if v.recipe.speculative is None:
             continue
