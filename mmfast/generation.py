@@ -40,6 +40,16 @@ HF_DEFAULTS: dict[str, Any] = {
 }
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _BOOKKEEPING_KEYS = ("transformers_version", "_from_model_config")
+#: settings a model's own generation_config carries that mmfast's decoders already follow (they change no token):
+#: a copy of ``model.generation_config`` passed back as ``generation_config=`` holds them
+_FOLLOWED_SETTINGS: dict[str, Any] = {
+    "use_cache": True,
+    "output_attentions": False,
+    "output_hidden_states": False,
+    "output_scores": False,
+    "output_logits": False,
+    "return_dict_in_generate": False,
+}
 #: decoders whose token rule the generation keywords describe (any other decoder has its own)
 KEYWORD_DECODERS: frozenset[str] = frozenset({"greedy", "sample", "beam"})
 
@@ -100,6 +110,11 @@ def _warn_once(settings: str) -> None:
     )
 
 
+def _token_ids(value: Any) -> Any:
+    """``2`` and ``[2]`` name the same stop token(s) (transformers takes either)."""
+    return sorted(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def _config_values(generation_config: Any, model_generation_config: Any) -> dict[str, Any]:
     """The values a ``GenerationConfig`` sets (transformers 5 leaves unset ones at None)."""
     if not hasattr(generation_config, "to_diff_dict"):
@@ -108,10 +123,13 @@ def _config_values(generation_config: Any, model_generation_config: Any) -> dict
             "(or the generation keywords themselves)"
         )
     values = {k: v for k, v in generation_config.to_diff_dict().items() if v is not None and k not in _BOOKKEEPING_KEYS}
+    for key, followed in _FOLLOWED_SETTINGS.items():
+        if key in values and values[key] == followed:
+            del values[key]
     for key in _TOKEN_ID_KEYS:
         if key in values:
             own = getattr(model_generation_config, key, None)
-            if values.pop(key) != own and own is not None:
+            if _token_ids(values.pop(key)) != _token_ids(own) and own is not None:
                 raise InputError(
                     f"generation_config.{key} differs from the model's ({own!r}); mmfast stops at the model's own "
                     f"special tokens: leave {key} unset"
@@ -151,6 +169,8 @@ def parse_generation_args(
             f"{', '.join(GENERATION_KEYS)}, generation_config=, decoding= (a decoder name or {{method, params}}), "
             "seed=, meta= and streamer="
         )
+    # None is "unset", as in transformers (wrappers forward ``temperature=None``): the config / model / defaults fill it
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
     given = _config_values(generation_config, model_generation_config) if generation_config is not None else {}
     given.update(kwargs)
     max_new = given.pop("max_new_tokens", None)
@@ -186,7 +206,13 @@ def parse_generation_args(
         if strict:
             raise InputError(
                 f"{', '.join(f'{k}={kwargs[k]!r}' for k in unused)} has no effect in {spec['method']} decoding; "
-                + ("pass do_sample=True to sample" if spec["method"] == "greedy" else "drop it")
+                + (
+                    "drop it"
+                    if spec["method"] != "greedy"
+                    else "pass num_beams > 1 for beam search"  # length_penalty scores beams only
+                    if unused == ["length_penalty"]
+                    else "pass do_sample=True to sample"
+                )
             )
         logger.debug("generation settings without effect in %s decoding: %s", spec["method"], unused)
     _validate(spec)

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from .checkpoint import ASSETS, DEFAULT_MODEL, EMBEDDED, _resolve  # noqa: F401 (re-exported)
 from .config import DEVICE_MAP_STRATEGIES, ModelConfig, Recipe, load_recipe
 from .errors import InputError, ModelLoadError
-from .generation import decoding_config
+from .generation import GENERATION_KEYS, decoding_config, parse_generation_args
 from .inputs import PreparedBatch, VideoClip, open_image  # noqa: F401 (re-exported)
 from .models import adapter_for
 from .models._video import VideoSettings, video_settings
@@ -287,6 +287,15 @@ class MMModel:
             One :class:`~mmfast.pipeline.GenerationResult` per prompt.
         """
         if decoding is not None:  # folded into the recipe, so decoders that install hooks work too
+            # the search keywords would pick greedy / sample / beam over the folded decoder: refused, as in a session
+            search = {k: v for k, v in generation_kwargs.items() if k in GENERATION_KEYS}
+            config = generation_kwargs.get("generation_config")
+            if parse_generation_args(search, config, model_generation_config=self.model.generation_config).decoding:
+                raise InputError(
+                    "pass either decoding= or sampling keywords (do_sample, temperature, top_k, top_p, num_beams, "
+                    "length_penalty, or a generation_config setting them), not both; put the decoder's parameters "
+                    "in decoding={'method': ..., 'params': {...}}"
+                )
             resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe if recipe is not None else {})
             base = resolved.decoding
             recipe = resolved.replace(
@@ -447,7 +456,7 @@ def load(
             ``device_map``. With a loaded model: moves it there; unset keeps it where it is.
         dtype: ``float32`` (the default), ``bfloat16``, ``float16`` or ``auto``. With a loaded model:
             casts it in place (``model.to``: the caller's model changes too, with a warning); unset keeps
-            its dtype.
+            its dtype. A loaded model in training mode is put in eval mode (in place, with a warning).
         attn_implementation: ``sdpa`` (the default) or ``eager``; with a loaded model, set it when loading.
         device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a 13B model over GPUs).
         revision: hub revision.
@@ -608,6 +617,28 @@ def _processor_problem(path: str, exc: Exception) -> str:
     )
 
 
+def _check_processor_geometry(model: Any, processor: Any) -> None:
+    """A center-cropping processor (CLIP-style LLaVA) must crop to the tower's image size and count the tower's
+    patch size, else the first image fails deep in transformers (a processor of another checkpoint)."""
+    vision = getattr(model.config, "vision_config", None)
+    side, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    image_processor = processor.image_processor
+    crop = getattr(image_processor, "crop_size", None) if getattr(image_processor, "do_center_crop", False) else None
+    # a SizeDict (transformers 5) or a plain dict
+    crop_hw = tuple(crop.get(k) if isinstance(crop, Mapping) else getattr(crop, k, None) for k in ("height", "width"))
+    problems = []
+    if isinstance(side, int) and all(isinstance(x, int) for x in crop_hw) and crop_hw != (side, side):
+        problems.append(f"crops images to {crop_hw[0]}x{crop_hw[1]}, the vision tower takes {side}x{side}")
+    proc_patch = getattr(processor, "patch_size", None)
+    if isinstance(patch, int) and isinstance(proc_patch, int) and proc_patch != patch:
+        problems.append(f"counts {proc_patch}-pixel patches, the vision tower's are {patch}")
+    if problems:
+        raise InputError(
+            f"processor= is not this model's: it {'; '.join(problems)}; pass the checkpoint's own processor "
+            "(AutoProcessor.from_pretrained of the model's directory or hub id)"
+        )
+
+
 def _check_processor(processor: Any) -> None:
     """A multimodal processor: a tokenizer and an image processor (not a bare tokenizer)."""
     missing = [a for a in ("tokenizer", "image_processor", "apply_chat_template") if not hasattr(processor, a)]
@@ -662,6 +693,7 @@ def _wrap_loaded(
         )
     _check_processor(processor)
     _check_chat_template(processor, "processor=", InputError)
+    _check_processor_geometry(model, processor)
     if device is not None:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -683,6 +715,12 @@ def _wrap_loaded(
                 target,
             )
             model = model.to(target)
+    if model.training:  # MMModel runs it in eval mode (no dropout): the caller's model changes, so say so
+        logger.warning(
+            "your %s is in training mode; mmfast puts it in eval mode (model.eval(), in place): call model.train() "
+            "after mmfast to train it again",
+            type(model).__name__,
+        )
     name = getattr(model, "name_or_path", "") or type(model).__name__
     logger.info("using loaded %s (%s, %s)", name, model.device, model.dtype)
     return MMModel(model, processor, str(name))

@@ -401,7 +401,8 @@ class Session:
             seed: sampling seed, a whole number >= 0 (default: the recipe's ``decoding.seed``); the same seed
                 gives the same answers. With neither, each call draws its seed from torch's global generator, as
                 transformers' ``generate`` samples from it: calls differ, and ``torch.manual_seed(n)``
-                before them repeats them. (Evaluations and benches use ``decoding.seed``, 0 when unset.)
+                before them repeats them (greedy and beam calls without pruning or a drafter draw nothing from it,
+                as transformers' greedy search). (Evaluations and benches use ``decoding.seed``, 0 when unset.)
                 Each sample draws from its own stream, seeded by the seed and the sample itself (its
                 ``doc_id``, else its prompt and image), so its answer does not depend on the batch: the same
                 prompt and image twice in one batch give the same sample twice. To draw n samples of one
@@ -442,7 +443,10 @@ class Session:
         batch = self.mm.prepare(
             images, prompts, meta=meta, videos=videos, num_frames=num_frames, fps=fps, video_fps=video_fps
         )
-        if seed is None and self.recipe.decoding.seed is None:  # follow torch's global RNG (torch.manual_seed)
+        # follow torch's global RNG (torch.manual_seed); a call that draws nothing (greedy or beam, no pruning, no
+        # drafter) leaves it alone, as transformers' greedy generate does
+        draws = self.pruners or self.drafter is not None or decoder.name not in ("greedy", "beam")
+        if seed is None and self.recipe.decoding.seed is None and draws:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         return self.run(batch, max_new_tokens=max_new_tokens, seed=seed, decoder=decoder, streamer=streamer)
 
@@ -738,6 +742,11 @@ def apply(
     ``compile``: ``off`` | ``static`` | ``auto``, replacing the recipe's ``model.compile`` (None keeps it).
     The recipe's other ``model`` keys (name, dtype, device, ...) are not applied: the methods run on ``mm`` as it
     was loaded (``mmfast.load`` takes them; ``mmfast eval`` / ``run`` load the recipe's model)."""
+    if not hasattr(mm, "adapter"):  # a transformers model (or anything else) rather than mmfast.load's MMModel
+        raise InputError(
+            f"mmfast.apply takes the MMModel mmfast.load returns, got a {type(mm).__name__}; wrap a loaded "
+            "transformers model first: mm = mmfast.load(model, processor=processor), then mmfast.apply(mm, recipe)"
+        )
     if recipe is None:
         recipe = Recipe()
     elif not isinstance(recipe, Recipe):

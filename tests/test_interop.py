@@ -55,6 +55,40 @@ def test_load_loaded_model_refusals(loaded):
         mmfast.load(3)
 
 
+def test_apply_refuses_a_transformers_model(loaded):
+    """mmfast.apply(hf_model, recipe) says to wrap the model with mmfast.load, not an AttributeError."""
+    model, _ = loaded
+    for thing in (model, None, "mmfast/tiny-world"):
+        with pytest.raises(InputError, match=r"mmfast.load\(model, processor=processor\)"):
+            mmfast.apply(thing, {"pruning": [{"method": "fastv", "params": {"keep": 5}}]})
+    assert "generate" not in model.__dict__
+
+
+def test_load_refuses_a_processor_of_another_geometry(loaded):
+    """A processor of another checkpoint (another image size / patch size) is refused at load, naming both sizes,
+    instead of a ValueError from the vision tower at the first generate."""
+    from mmfast.models.factory import random_llava
+
+    model, _ = loaded
+    _, other = random_llava("world-tiny")  # 192 x 192 images, 32-pixel patches; the tiny tower takes 32 x 32, 8
+    with pytest.raises(InputError, match=r"crops images to 192x192, the vision tower takes 32x32.*32-pixel patches"):
+        mmfast.load(model, processor=other)
+
+
+def test_load_loaded_model_in_training_mode_warns(tiny_dir, caplog):
+    """mmfast runs a loaded model in eval mode; switching the caller's training-mode model is said, not silent."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32).train()
+    with caplog.at_level("WARNING", logger="mmfast.model"):
+        mmfast.load(model, processor=AutoProcessor.from_pretrained(tiny_dir))
+    assert not model.training and "training mode; mmfast puts it in eval mode" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mmfast.model"):
+        mmfast.load(model, processor=AutoProcessor.from_pretrained(tiny_dir))  # already in eval mode: nothing to say
+    assert "training mode" not in caplog.text
+
+
 def test_load_loaded_model_dtype_and_unsupported(tiny_dir, caplog):
     from transformers import LlavaForConditionalGeneration
 
@@ -110,6 +144,7 @@ def test_keywords_map_to_decoders(tiny_mm, images, prompts):
     [
         ({"tempreature": 0.5}, r"unknown keyword 'tempreature' \(did you mean 'temperature'\?\)"),
         ({"temperature": 0.5}, "no effect in greedy decoding; pass do_sample=True"),
+        ({"length_penalty": 2.0}, r"no effect in greedy decoding; pass num_beams > 1"),
         ({"num_beams": 2, "do_sample": True}, "beam sampling"),
         ({"do_sample": True, "temperature": 0.0}, r"temperature=0\.0"),
         ({"num_beams": 0}, "num_beams must be a positive integer"),
@@ -125,6 +160,46 @@ def test_keywords_map_to_decoders(tiny_mm, images, prompts):
 def test_keyword_refusals(tiny_mm, images, prompts, kwargs, match):
     with mmfast.apply(tiny_mm) as s, pytest.raises((InputError, mmfast.MMFastError), match=match):
         s.generate(images[:1], prompts[:1], max_new_tokens=2, **kwargs)
+
+
+def test_model_generation_config_passed_back(tiny_mm, images, prompts):
+    """A copy of the model's own generation_config (use_cache, output_* flags, its special tokens) is accepted;
+    ``eos_token_id=[2]`` names the same stop token as the model's ``2``; a setting that would matter is refused."""
+    import copy
+
+    ims, ps = images[:2], prompts[:2]
+    greedy = _ids(tiny_mm.generate(ims, ps, max_new_tokens=3))
+    cfg = copy.deepcopy(tiny_mm.model.generation_config)
+    cfg.max_new_tokens = 3
+    assert _ids(tiny_mm.generate(ims, ps, generation_config=cfg)) == greedy
+    eos = tiny_mm.model.generation_config.eos_token_id
+    as_list = GenerationConfig(eos_token_id=[eos], max_new_tokens=3, output_scores=False)
+    assert _ids(tiny_mm.generate(ims, ps, generation_config=as_list)) == greedy
+    with pytest.raises(InputError, match="use_cache"):
+        tiny_mm.generate(ims, ps, generation_config=GenerationConfig(use_cache=False, max_new_tokens=3))
+
+
+def test_keywords_set_to_none_are_unset(tiny_mm, images, prompts):
+    """``temperature=None`` / ``do_sample=None`` mean "unset" in transformers' generate (wrappers forward them)."""
+    ims, ps = images[:2], prompts[:2]
+    greedy = _ids(tiny_mm.generate(ims, ps, max_new_tokens=3))
+    assert _ids(tiny_mm.generate(ims, ps, max_new_tokens=3, temperature=None, do_sample=None, top_p=None)) == greedy
+    want = _ids(tiny_mm.generate(ims, ps, max_new_tokens=3, seed=2, do_sample=True))
+    assert (
+        _ids(tiny_mm.generate(ims, ps, max_new_tokens=3, seed=2, do_sample=True, top_k=None, temperature=None)) == want
+    )
+
+
+def test_greedy_leaves_the_global_rng(tiny_mm, images, prompts):
+    """As transformers' greedy generate, a greedy / beam call draws nothing from torch's global RNG: a sampled call
+    after it repeats the one made right after torch.manual_seed."""
+    ims, ps = images[:1], prompts[:1]
+    torch.manual_seed(0)
+    want = _ids(tiny_mm.generate(ims, ps, max_new_tokens=4, do_sample=True))
+    torch.manual_seed(0)
+    tiny_mm.generate(ims, ps, max_new_tokens=2)
+    tiny_mm.generate(ims, ps, max_new_tokens=2, num_beams=2)
+    assert _ids(tiny_mm.generate(ims, ps, max_new_tokens=4, do_sample=True)) == want
 
 
 def test_keywords_refused_with_a_decoder_of_its_own(tiny_mm, images, prompts):
@@ -152,6 +227,21 @@ def test_per_call_decoder(tiny_mm, images, prompts):
     assert _ids(tiny_mm.generate(ims[:1], ps[:1], max_new_tokens=3, decoding=opera)) == _ids(
         tiny_mm.generate(ims[:1], ps[:1], {"decoding": opera}, max_new_tokens=3)
     )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"decoding": "greedy", "num_beams": 3},
+        {"decoding": {"method": "sample", "params": {"temperature": 0.3}}, "do_sample": False},
+        {"decoding": "beam", "generation_config": GenerationConfig(do_sample=True, max_new_tokens=2)},
+    ],
+)
+def test_mm_generate_decoding_with_search_keywords_refused(tiny_mm, images, prompts, kwargs):
+    """MMModel.generate folds decoding= into the recipe; search keywords beside it would silently replace it."""
+    with pytest.raises(InputError, match="either decoding= or sampling keywords"):
+        tiny_mm.generate(images[:1], prompts[:1], max_new_tokens=2, **kwargs)
+    tiny_mm.generate(images[:1], prompts[:1], decoding="beam", generation_config=GenerationConfig(max_new_tokens=2))
 
 
 def test_per_call_decoder_checked_against_the_recipe(tiny_mm, images, prompts):
