@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 import mmfast
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A bench sample: what the benches' timing functions read of one."""
+
+    image: object
+    prompt: str
 
 
 def test_batch_equals_single(tiny_mm, images, prompts):
@@ -95,8 +105,6 @@ def test_decoding_bench_cost_per_token_counts_the_stop_tokens_step(tiny_mm, imag
     """The decoding bench's cost per token divides the decode time by the forwards after the first token: an
     answer that ends on a stop token decoded that token too (stripped from token_ids), so n forwards for n kept
     tokens, not n - 1. Timed on a clock that advances one second per decode forward."""
-    from dataclasses import dataclass
-
     from mmfast.bench.common import Variant
     from mmfast.bench.decoding import cost_per_token
     from mmfast.config import load_recipe
@@ -110,11 +118,6 @@ def test_decoding_bench_cost_per_token_counts_the_stop_tokens_step(tiny_mm, imag
         clock[0] += 1.0
         return step(self, *args, **kwargs)
 
-    @dataclass(frozen=True)
-    class Sample:
-        image: object
-        prompt: str
-
     answer = tiny_mm.generate([images[0]], [prompts[0]], max_new_tokens=8)[0].token_ids
     monkeypatch.setattr(LMRunner, "step", counted)
     monkeypatch.setattr(loop, "now", lambda device: clock[0])
@@ -126,17 +129,10 @@ def test_decoding_bench_cost_per_token_counts_the_stop_tokens_step(tiny_mm, imag
 def test_decoding_bench_cost_per_token_honours_bench_warmup(tiny_mm, images, prompts, monkeypatch):
     """``bench.warmup`` untimed runs before the timed ones: the decoding bench ran one warm-up whatever it said
     (``warmup: 0`` and ``warmup: 3`` timed as ``warmup: 1``)."""
-    from dataclasses import dataclass
-
     from mmfast.bench.common import Variant
     from mmfast.bench.decoding import cost_per_token
     from mmfast.config import load_recipe
     from mmfast.pipeline import Session
-
-    @dataclass(frozen=True)
-    class Sample:
-        image: object
-        prompt: str
 
     calls = []
     run = Session.run
@@ -151,8 +147,6 @@ def test_decoding_bench_cost_per_token_honours_bench_warmup(tiny_mm, images, pro
 def test_decoding_bench_cost_per_token_is_the_median(tiny_mm, images, prompts, monkeypatch):
     """The cost per token is the median of the timed runs' per-token times: of two runs at 1 s and 3 s per decode
     forward it is 2 s, not the upper one (``values[len // 2]`` read 3 s)."""
-    from dataclasses import dataclass
-
     from mmfast.bench.common import Variant
     from mmfast.bench.decoding import cost_per_token
     from mmfast.config import load_recipe
@@ -171,11 +165,6 @@ def test_decoding_bench_cost_per_token_is_the_median(tiny_mm, images, prompts, m
         per_step[0] = 1.0 + 2.0 * runs[0]  # 1 s per forward in the first run, 3 s in the second
         runs[0] += 1
         return run(self, *args, **kwargs)
-
-    @dataclass(frozen=True)
-    class Sample:
-        image: object
-        prompt: str
 
     monkeypatch.setattr(LMRunner, "step", counted)
     monkeypatch.setattr(Session, "run", timed_run)
