@@ -50,6 +50,12 @@ _FOLLOWED_SETTINGS: dict[str, Any] = {
     "output_logits": False,
     "return_dict_in_generate": False,
 }
+#: the refusal of a call that names a decoder and also search keywords (which would pick greedy / sample / beam)
+BOTH_DECODING_AND_KEYWORDS = (
+    "pass either decoding= or sampling keywords (do_sample, temperature, top_k, top_p, num_beams, length_penalty, "
+    "or a generation_config setting them), not both; put the decoder's parameters in "
+    "decoding={'method': ..., 'params': {...}}"
+)
 #: decoders whose token rule the generation keywords describe (any other decoder has its own)
 KEYWORD_DECODERS: frozenset[str] = frozenset({"greedy", "sample", "beam"})
 

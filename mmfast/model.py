@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from .checkpoint import ASSETS, DEFAULT_MODEL, EMBEDDED, _resolve  # noqa: F401 (re-exported)
 from .config import DEVICE_MAP_STRATEGIES, ModelConfig, Recipe, load_recipe
 from .errors import InputError, ModelLoadError
-from .generation import GENERATION_KEYS, decoding_config, parse_generation_args
+from .generation import BOTH_DECODING_AND_KEYWORDS, GENERATION_KEYS, decoding_config, parse_generation_args
 from .inputs import PreparedBatch, VideoClip, open_image  # noqa: F401 (re-exported)
 from .models import adapter_for
 from .models._video import VideoSettings, video_settings
@@ -291,11 +291,7 @@ class MMModel:
             search = {k: v for k, v in generation_kwargs.items() if k in GENERATION_KEYS}
             config = generation_kwargs.get("generation_config")
             if parse_generation_args(search, config, model_generation_config=self.model.generation_config).decoding:
-                raise InputError(
-                    "pass either decoding= or sampling keywords (do_sample, temperature, top_k, top_p, num_beams, "
-                    "length_penalty, or a generation_config setting them), not both; put the decoder's parameters "
-                    "in decoding={'method': ..., 'params': {...}}"
-                )
+                raise InputError(BOTH_DECODING_AND_KEYWORDS)
             resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe if recipe is not None else {})
             base = resolved.decoding
             recipe = resolved.replace(

@@ -38,7 +38,7 @@ from .decoding.base import DecodeOutput, Decoder, DecodeRequest, now
 from .decoding.loop import Streamer, streaming
 from .errors import ConfigError, IncompatibleRecipeError, InputError
 from .flops import LMShape
-from .generation import KEYWORD_DECODERS, decoding_config, parse_generation_args
+from .generation import BOTH_DECODING_AND_KEYWORDS, KEYWORD_DECODERS, decoding_config, parse_generation_args
 from .hooks import AttentionProbe, HookSession
 from .inputs import PreparedBatch, VisionItem
 from .models.base import LMInputs, VisionBatch
@@ -457,10 +457,7 @@ class Session:
         the model like a recipe; built once per distinct setting."""
         recipe_dec = self.recipe.decoding
         if decoding is not None and keywords is not None:
-            raise InputError(
-                "pass either decoding= or sampling keywords (do_sample, temperature, top_k, top_p, num_beams, "
-                "length_penalty), not both; put the decoder's parameters in decoding={'method': ..., 'params': {...}}"
-            )
+            raise InputError(BOTH_DECODING_AND_KEYWORDS)
         if decoding is None and keywords is None:
             return self.decoder
         if decoding is None and recipe_dec.method not in KEYWORD_DECODERS:

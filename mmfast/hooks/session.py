@@ -135,7 +135,10 @@ class HookSession:
                 mine = taker[1]._attrs[taker[2]][2]  # the value this session set, which the taker replaced
                 taker[1]._attrs[taker[2]] = (obj, name, old, taker[0])
                 if name == "_mmfast_attn":  # the later sessions' copies of this session's attention hooks
-                    held = [obj.__dict__.get(name), *(a[2] for t in others for a in t._attrs if a[0] is obj)]
+                    held = [
+                        obj.__dict__.get(name),
+                        *(a[2] for t in others for a in t._attrs if a[0] is obj and a[1] == name),
+                    ]
                     forget(mine, None if old is _UNSET else old, held)
             elif old is _UNSET:
                 try:
